@@ -1,0 +1,3 @@
+from kvloom.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""The attention-backend seam and its registry.
+
+A backend writes the step's new K/V into the paged pool (through the slot mapping)
+and attends each request's queries over its block table. Backends are registered by
+name with a lazy import so that a CUDA-only kernel never loads on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvloom.runner.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def prepare(self, batch: ForwardBatch) -> object:
+        """Per-step metadata shared by all layers (masks, index tensors). Default: none."""
+        return None
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
+        kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim].
+        Returns [tokens, heads, head_dim]."""
+
+
+# name -> "module:Class"; imported only when chosen.
+BACKENDS: dict[str, str] = {
+    "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
+}
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's K/V into their slots. Slots of different requests never
+    overlap (each request writes only into blocks it owns privately)."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "torch_ref"
+
+
+def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> AttentionBackend:
+    name = resolve_backend_name(name, device)
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {sorted(BACKENDS) + ['auto']}, got {name!r}")
+    module_name, class_name = BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,46 @@
+"""Pure-PyTorch paged attention: the oracle every faster backend is tested against.
+
+For each request it gathers the request's K/V from its blocks and runs causal SDPA.
+Runs on any device torch supports; clarity over speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.attention.base import AttentionBackend, write_kv
+from kvloom.runner.forward_batch import ForwardBatch
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
+        write_kv(kv_cache, k, v, batch.slot_mapping)
+        block_size = batch.block_size
+        out = torch.empty_like(q)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list)):
+            num_blocks = -(-seq_len // block_size)
+            blocks = batch.block_tables[i, :num_blocks].long()
+            # [2, num_blocks, block_size, kv_heads, head_dim] -> [2, seq_len, kv_heads, head_dim]
+            kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+            # SDPA wants [batch, heads, length, head_dim].
+            q_i = q[start:start + query_len].transpose(0, 1).unsqueeze(0)
+            k_i = kv[0].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            v_i = kv[1].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            # Query j sits at absolute position seq_len - query_len + j and sees keys <= it.
+            mask = None
+            if query_len > 1:
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [query_len, seq_len]
+            o = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[start:start + query_len] = o.squeeze(0).transpose(0, 1)
+            start += query_len
+        return out

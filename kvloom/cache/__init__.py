@@ -1,0 +1,1 @@
+"""KV block bookkeeping in pure Python (no torch): pool, prefix caches, manager."""

@@ -1,0 +1,139 @@
+"""KVCacheManager: gives requests KV slots, shares cached prefixes, frees on finish.
+
+Ownership: a request holds one pool reference per entry of ``request.block_ids``;
+the prefix cache holds one per block it indexes. A request's blocks beyond its
+cached prefix are private to it, so a request never writes into a shared block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvloom.cache.block_pool import BlockPool, BlockPoolError
+from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
+from kvloom.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _CacheState:
+    """Per-request link into the prefix cache."""
+
+    handle: object | None = None  # locked node
+    num_inserted_blocks: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = prefix_cache
+        self._cache_state: dict[Request, _CacheState] = {}
+        self.num_evicted_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (cached-but-idle blocks count as free)."""
+        reclaimable = self.prefix_cache.num_evictable_blocks
+        return (self.pool.num_used_blocks - reclaimable) / self.pool.num_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached blocks that eviction could reclaim."""
+        return self.pool.num_free_blocks + self.prefix_cache.num_evictable_blocks
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, total - len(request.block_ids))
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Look up the request's cached prefix; the last token is always left to compute
+        because its logits are needed."""
+        return self.prefix_cache.match(request.all_token_ids[: request.num_tokens - 1])
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix: PrefixMatch | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of KV; all or nothing.
+
+        ``prefix`` (only for a request that holds no blocks yet) is attached first:
+        its blocks are shared and count as computed.
+        """
+        state = self._cache_state.get(request)
+        if prefix is not None and prefix.block_ids:
+            if request.block_ids:
+                raise BlockPoolError(f"request {request.request_id} already holds blocks")
+            # Lock before evicting so that making room never evicts the hit itself.
+            self.prefix_cache.lock(prefix.handle)
+            total = cdiv(prefix.num_tokens + num_new_tokens, self.block_size)
+            needed = total - len(prefix.block_ids)
+            if not self._reserve(needed):
+                self.prefix_cache.unlock(prefix.handle)
+                return False
+            self.pool.incref(prefix.block_ids)
+            request.block_ids = list(prefix.block_ids) + self.pool.allocate(needed)
+            request.num_computed_tokens = prefix.num_tokens
+            self._cache_state[request] = _CacheState(prefix.handle, len(prefix.block_ids))
+            return True
+        needed = self.blocks_needed(request, num_new_tokens)
+        if not self._reserve(needed):
+            return False
+        request.block_ids.extend(self.pool.allocate(needed))
+        if state is None:
+            self._cache_state[request] = _CacheState()
+        return True
+
+    def _reserve(self, needed: int) -> bool:
+        """Ensure ``needed`` free blocks exist, evicting idle cached blocks if that suffices."""
+        shortfall = needed - self.pool.num_free_blocks
+        if shortfall > 0:
+            if shortfall > self.prefix_cache.num_evictable_blocks:
+                return False
+            self.num_evicted_blocks += self.prefix_cache.evict(shortfall)
+        return needed <= self.pool.num_free_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's newly full, computed blocks so later requests can share them."""
+        state = self._cache_state.get(request)
+        if state is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= state.num_inserted_blocks:
+            return
+        handle = self.prefix_cache.insert(
+            request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full]
+        )
+        self.prefix_cache.lock(handle)
+        self.prefix_cache.unlock(state.handle)
+        state.handle = handle
+        state.num_inserted_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; its computed full blocks stay in the prefix cache."""
+        self.cache_computed_blocks(request)
+        state = self._cache_state.pop(request, None)
+        if state is not None:
+            self.prefix_cache.unlock(state.handle)
+        self.pool.decref(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+
+    def check_integrity(self, live_requests: list[Request]) -> None:
+        """Every reference is accounted for by a live request or the prefix cache."""
+        holders: dict[int, int] = {}
+        for request in live_requests:
+            for block_id in request.block_ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id in self.prefix_cache.held_blocks():
+            holders[block_id] = holders.get(block_id, 0) + 1
+        self.pool.check_integrity(holders)
+        self.prefix_cache.check_integrity()
+        stale = [r.request_id for r in self._cache_state if r not in set(live_requests)]
+        if stale:
+            raise BlockPoolError(f"cache state kept for requests no longer live: {stale}")

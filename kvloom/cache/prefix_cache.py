@@ -1,0 +1,98 @@
+"""The prefix-cache seam: index KV blocks of earlier requests by their token ids.
+
+The engine talks to one ``PrefixCache``; ``NoPrefixCache`` is the null object used
+when caching is off, so no caller ever checks a "disabled" flag.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The longest cached block-aligned prefix of a token sequence.
+
+    ``handle`` is opaque to callers: pass it back to ``lock``/``unlock``.
+    ``miss_reason`` explains a zero or short hit ("cache disabled", "shorter than one
+    block", ...) so a user can see why a prefix they expected was not used.
+    """
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    handle: object | None = None
+    miss_reason: str | None = None
+
+
+class PrefixCache(ABC):
+    """Holds one reference (in the BlockPool) on every block it indexes."""
+
+    @abstractmethod
+    def match(self, token_ids: list[int]) -> PrefixMatch:
+        """Longest cached prefix of ``token_ids``, in whole blocks; refreshes its LRU time."""
+
+    @abstractmethod
+    def lock(self, handle: object | None) -> None:
+        """Pin the matched path: locked blocks are never evicted."""
+
+    @abstractmethod
+    def unlock(self, handle: object | None) -> None:
+        """Release one lock taken with ``lock``."""
+
+    @abstractmethod
+    def insert(self, token_ids: list[int], block_ids: list[int]) -> object | None:
+        """Index the full blocks of ``token_ids`` (len(block_ids) blocks) and return
+        the handle of the deepest node covering them. Blocks newly indexed gain a
+        reference; blocks already indexed under the same tokens are left alone."""
+
+    @abstractmethod
+    def evict(self, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` unlocked least-recently-used blocks; returns how many."""
+
+    @property
+    @abstractmethod
+    def num_cached_blocks(self) -> int:
+        """Blocks the cache holds a reference on."""
+
+    @property
+    @abstractmethod
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks that ``evict`` could free right now."""
+
+    @abstractmethod
+    def held_blocks(self) -> list[int]:
+        """Every block the cache holds a reference on (for integrity checks)."""
+
+    def check_integrity(self) -> None:
+        """Raise if the cache's own structure is inconsistent."""
+
+
+class NoPrefixCache(PrefixCache):
+    """Prefix caching disabled: every match misses, nothing is ever held."""
+
+    def match(self, token_ids: list[int]) -> PrefixMatch:
+        return PrefixMatch(miss_reason="prefix cache disabled")
+
+    def lock(self, handle: object | None) -> None:
+        pass
+
+    def unlock(self, handle: object | None) -> None:
+        pass
+
+    def insert(self, token_ids: list[int], block_ids: list[int]) -> object | None:
+        return None
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return 0
+
+    def held_blocks(self) -> list[int]:
+        return []

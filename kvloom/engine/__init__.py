@@ -1,0 +1,1 @@
+"""The engine: scheduler, policies, the step loop and the offline LLM API."""

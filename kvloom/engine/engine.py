@@ -1,0 +1,170 @@
+"""LLMEngine: add requests, call ``step()``, read per-request deltas.
+
+``step()`` is the whole engine: schedule -> execute -> update -> outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.cache.kv_manager import KVCacheManager
+from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
+from kvloom.config import EngineConfig, ModelConfig
+from kvloom.engine.output import RequestOutput
+from kvloom.engine.output_processor import OutputProcessor
+from kvloom.engine.policy import make_policy
+from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
+from kvloom.models.loader import load_checkpoint
+from kvloom.models.registry import build_model
+from kvloom.request import Request, RequestStatus
+from kvloom.runner.kv_pool import allocate_kv_pool, num_blocks_for
+from kvloom.runner.model_runner import ModelRunner
+from kvloom.sampling_params import SamplingParams
+from kvloom.attention.base import make_backend
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    # bf16 by default: AMX/oneDNN on CPU and tensor cores on GPU run it fastest.
+    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    step: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        checkpoint = load_checkpoint(config.model)
+        self.model_name = checkpoint.name
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        if mc.sliding_window:
+            # Sliding-window attention is not implemented: stay within the window instead.
+            self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        model = build_model(mc, self.max_model_len)
+        model.load_weights(checkpoint.weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
+
+        block_size = config.cache.block_size
+        self.num_blocks = num_blocks_for(config.cache, mc, self.dtype)
+        kv_caches = allocate_kv_pool(mc, self.num_blocks, block_size, self.dtype, self.device)
+        backend = make_backend(config.attention_backend, self.device, mc.num_heads,
+                               mc.num_kv_heads, mc.head_dim)
+        self.kv_manager = KVCacheManager(self.num_blocks, block_size, self._make_prefix_cache())
+        scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
+                           else Scheduler)
+        self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
+                                         make_policy(config.scheduler.policy), self.max_model_len)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
+                                  mc.vocab_size, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def _make_prefix_cache(self) -> PrefixCache:
+        return NoPrefixCache()
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Tokenize (if text) and queue a request. Raises ValueError for a request that
+        can never be served (empty, longer than the context, larger than the KV pool)."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
+                                 f"got {bad[:3]}")
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._request_counter)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that produced a token."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        produced = self.scheduler.update(scheduled, result.sampled)
+        return [self._emit(request, token, logprobs)
+                for request, token, logprobs in self._pair(scheduled, result, produced)]
+
+    @staticmethod
+    def _pair(scheduled, result, produced):
+        produced_set = set(produced)
+        for item, token, logprobs in zip(scheduled.scheduled, result.sampled, result.logprobs):
+            if item.request in produced_set:
+                yield item.request, token, logprobs
+
+    def _emit(self, request: Request, token_id: int, logprobs: object | None) -> RequestOutput:
+        stop = self.output_processor.process_token(request, token_id, logprobs)
+        if stop is not None:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+        output = self.output_processor.make_output(request)
+        if request.is_finished:
+            self._release(request)
+        return output
+
+    def _release(self, request: Request) -> None:
+        self.runner.release(request.request_id)
+        self.output_processor.discard(request)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(s.step_count, len(s.running), len(s.waiting), self.kv_manager.usage,
+                           s.num_preemptions, self.kv_manager.pool.num_free_blocks, self.num_blocks)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

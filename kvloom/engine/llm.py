@@ -1,0 +1,108 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvloom.config import DEFAULT_MODEL, EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.engine.output import CompletionOutput, RequestOutput
+from kvloom.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are the engine options, named as the
+    CLI flags (``num_blocks``, ``block_size``, ``kv_cache_memory``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``dtype``, ``scheduling``, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or a list of token ids. ``n > 1`` runs n independent
+        samples of the prompt (seed, when given, becomes seed + i for sample i).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+
+        # One engine request per sample; `owners` maps it back to (prompt index, sample index).
+        owners: dict[str, tuple[int, int]] = {}
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+                for sample in range(params.n):
+                    sample_params = params if params.n == 1 else dataclasses.replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + sample)
+                    request = self.engine.add_request(prompt, sample_params,
+                                                      priority=priorities[index])
+                    owners[request.request_id] = (index, sample)
+        except Exception:
+            for request_id in owners:
+                self.engine.abort_request(request_id)
+            raise
+        finals = self._run(owners, use_tqdm if use_tqdm is not None else len(owners) > 8)
+        return self._merge(prompts, params_list, owners, finals)
+
+    def _run(self, owners: dict[str, tuple[int, int]], show: bool) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        with tqdm(total=len(owners), desc="generating", unit="req", disable=not show) as bar:
+            while len(finals) < len(owners):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine stopped with requests unfinished")
+                for output in self.engine.step():
+                    if output.finished and output.request_id in owners:
+                        finals[output.request_id] = output
+                        bar.update(1)
+        return finals
+
+    @staticmethod
+    def _merge(prompts: list[Prompt], params_list: list[SamplingParams],
+               owners: dict[str, tuple[int, int]], finals: dict[str, RequestOutput]
+               ) -> list[RequestOutput]:
+        merged: list[RequestOutput | None] = [None] * len(prompts)
+        samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params_list]
+        for request_id, (index, sample) in owners.items():
+            output = finals[request_id]
+            samples[index][sample] = dataclasses.replace(output.outputs[0], index=sample)
+            if merged[index] is None:
+                merged[index] = output
+        results = []
+        for index, output in enumerate(merged):
+            assert output is not None
+            results.append(dataclasses.replace(output, outputs=samples[index]))
+        return results
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template applied)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.encode_chat(conversation, add_generation_prompt)
+                   for conversation in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        # The template already writes any BOS token, so none is added here.
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,120 @@
+"""Turns sampled tokens into text deltas: incremental detokenization and stop strings.
+
+Invariant: the ``delta_text`` values a caller receives concatenate to exactly the
+final ``text``. Text that could still turn into a stop string is held back until it
+either completes the stop string (and is dropped) or is ruled out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvloom.request import Request
+from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class _StreamState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # final-form text so far (after stop-string truncation)
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[Request, _StreamState] = {}
+
+    def add(self, request: Request) -> None:
+        params = request.sampling_params
+        self._streams[request] = _StreamState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                   skip_special_tokens=params.skip_special_tokens),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def discard(self, request: Request) -> None:
+        self._streams.pop(request, None)
+
+    def process_token(self, request: Request, token_id: int, logprobs: object | None) -> str | None:
+        """Detokenize the request's newest token; returns the stop string it completed."""
+        state = self._streams[request]
+        params = request.sampling_params
+        previous_len = len(state.text)
+        state.text += state.detokenizer.add_tokens([token_id])
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(self._convert_logprobs(logprobs))
+        for stop in params.stop:
+            index = state.text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index >= 0:
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                state.text = state.text[:end]
+                return stop
+        return None
+
+    def _convert_logprobs(self, entry: object) -> TokenLogprobs:
+        result: TokenLogprobs = {}
+        sampled_id, sampled_logprob, sampled_rank = entry.token_id, entry.logprob, entry.rank
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+        if sampled_id not in result:
+            result[sampled_id] = Logprob(sampled_logprob, sampled_rank,
+                                         self.tokenizer.decode([sampled_id], skip_special_tokens=False))
+        # The sampled token first, as vLLM orders it.
+        return {sampled_id: result.pop(sampled_id), **result}
+
+    def make_output(self, request: Request) -> RequestOutput:
+        """The request's cumulative output and the delta since the previous call."""
+        state = self._streams[request]
+        finished = request.is_finished
+        visible = len(state.text)
+        if not finished and request.sampling_params.stop:
+            visible -= _held_back(state.text, request.sampling_params.stop)
+        visible = max(visible, state.num_sent_chars)
+        delta_text = state.text[state.num_sent_chars:visible]
+        state.num_sent_chars = visible
+        tokens = request.output_token_ids
+        delta_tokens = tokens[state.num_sent_tokens:]
+        delta_logprobs = None
+        if state.logprobs is not None:
+            delta_logprobs = state.logprobs[state.num_sent_tokens:]
+        state.num_sent_tokens = len(tokens)
+        text = state.text if finished else state.text[:visible]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(tokens),
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+            delta_logprobs=delta_logprobs,
+        )
+        if finished:
+            self.discard(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.timeline,
+            error=request.error,
+        )

@@ -1,0 +1,250 @@
+"""The iteration-level scheduler. It thinks in tokens, not phases.
+
+Every request has ``num_computed_tokens`` that catches up with ``num_tokens`` under a
+per-step token budget. Decode (one token), a prefill chunk, a prefix-cache hit
+(tokens counted as computed) and recompute after preemption are one code path.
+
+Each step: running requests first (in policy order); when one cannot get a block,
+the policy picks a victim among those not yet scheduled and it is preempted (blocks
+freed, back to the head of the waiting queue). Then waiting requests are admitted in
+policy order while budget, ``max_num_seqs`` and blocks last.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvloom.cache.kv_manager import KVCacheManager, cdiv
+from kvloom.config import SchedulerConfig
+from kvloom.engine.output import ScheduledRequest, SchedulerOutput
+from kvloom.engine.policy import SchedulingPolicy
+from kvloom.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long for the pool or the model)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._arrivals = 0
+        # A chunk cap of 0 means "the whole budget".
+        self._chunk_cap = config.long_prefill_threshold or config.max_num_batched_tokens
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected if it could never fit."""
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise RequestRejected("prompt must contain at least one token")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt is {request.num_prompt_tokens} tokens, but the model's context is "
+                f"{self.max_model_len} tokens (the prompt must leave room for one output token)"
+            )
+        max_len = request.num_prompt_tokens + request.max_tokens
+        if cdiv(max_len, self.kv.block_size) > self.kv.num_blocks:
+            raise RequestRejected(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"needs {cdiv(max_len, self.kv.block_size)} KV blocks, but the whole pool has "
+                f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens"
+            )
+        request.arrival_index = self._arrivals
+        request.timeline.arrival_step = self.step_count
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        """End a request now: its blocks return to the pool (or the prefix cache)."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        request.timeline.finished_time = time.monotonic()
+        request.timeline.finished_step = self.step_count
+        del self.requests[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        pending = list(self.policy.order_running(self.running))
+        while pending and budget > 0:
+            request = pending.pop(0)
+            num_new = self._num_new_tokens(request, budget, first=not scheduled)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                # Candidates in admission order: the request itself, then those after it.
+                victim = self.policy.pick_victim([request] + pending)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                pending.remove(victim)
+            else:
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+
+        # Admitting right after a preemption would only thrash: the pool is full.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(self.step_count, scheduled, preempted)
+
+    def _num_new_tokens(self, request: Request, budget: int, first: bool) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            # Unchunked: the whole remainder at once; only the first entry of a step may
+            # exceed the budget, so that a prompt longer than the budget still runs.
+            return remaining if (remaining <= budget or first) else 0
+        return min(remaining, budget, self._chunk_cap)
+
+    def _can_admit(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _tokens_to_reserve(self, request: Request, num_new: int) -> int:
+        """KV slots to reserve at admission beyond those computed now (static mode overrides)."""
+        return num_new
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        if not self.waiting or not self._can_admit():
+            return budget
+        for request in list(self.policy.order_waiting(self.waiting)):
+            if budget <= 0 or not self._can_admit():
+                break
+            prefix = self.kv.match_prefix(request)
+            request.num_computed_tokens = prefix.num_tokens
+            num_new = self._num_new_tokens(request, budget, first=not scheduled)
+            if num_new <= 0:
+                request.num_computed_tokens = 0
+                break
+            reserve = self._tokens_to_reserve(request, num_new)
+            if not self.kv.allocate_slots(request, reserve, prefix):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            self._mark_admitted(request, prefix.num_tokens)
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return budget
+
+    def _mark_admitted(self, request: Request, num_cached: int) -> None:
+        timeline = request.timeline
+        if request.status is RequestStatus.PREEMPTED:
+            timeline.resumed_steps.append(self.step_count)
+        else:
+            request.num_cached_tokens = num_cached
+            timeline.first_scheduled_time = time.monotonic()
+            timeline.first_scheduled_step = self.step_count
+        request.status = RequestStatus.RUNNING
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's KV and requeue it at the head; it recomputes on resume."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        request.timeline.preempted_steps.append(self.step_count)
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+
+    # ---- after the forward pass ------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop
+        condition. Returns the requests that produced a token (in schedule order)."""
+        now = time.monotonic()
+        produced: list[Request] = []
+        for item, token_id in zip(output.scheduled, sampled, strict=True):
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if item.is_prefill:
+                request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
+            self.kv.cache_computed_blocks(request)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            if request.timeline.first_token_time is None:
+                request.timeline.first_token_time = now
+                request.timeline.first_token_step = output.step
+            request.timeline.last_token_time = now
+            produced.append(request)
+            self._check_stop(request, token_id)
+        return produced
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                self.finish_request(request, RequestStatus.FINISHED_STOPPED, token_id)
+                return
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
+                return
+        if request.num_output_tokens >= request.max_tokens:
+            self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running + self.waiting)
+
+
+class StaticBatchScheduler(Scheduler):
+    """The baseline the seed argues against: admit a batch only when the previous one
+    has fully finished, and reserve every request's maximum length up front."""
+
+    def _can_admit(self) -> bool:
+        return super()._can_admit() and not self.running
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        if self.running:
+            return budget
+        # Admit the whole batch at once; the running loop then prefills it under the budget.
+        batch: list[Request] = []
+        for request in list(self.waiting):
+            if len(batch) >= self.config.max_num_seqs:
+                break
+            if not self.kv.allocate_slots(request, request.num_prompt_tokens + request.max_tokens):
+                break
+            self.waiting.remove(request)
+            batch.append(request)
+            self._mark_admitted(request, 0)
+        for request in batch:
+            num_new = min(request.num_tokens, budget) if budget > 0 else 0
+            self.running.append(request)
+            if num_new > 0:
+                scheduled.append(ScheduledRequest(request, 0, num_new))
+                budget -= num_new
+        return budget

@@ -1,0 +1,123 @@
+"""Llama-family decoder: Llama (SmolLM2, TinyLlama, Llama-3), Qwen2/2.5, Mistral.
+
+The differences are flags on ModelConfig (q/k/v bias, tied embeddings, rope scaling).
+Q/K/V and gate/up are fused into single matmuls at load time; ``load_weights``
+accepts Hugging Face parameter names and routes each shard into the fused tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.config import ModelConfig
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvloom.runner.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend, metadata: object) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, batch, metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [tokens, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                      config.rope_scaling_dict)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend,
+                metadata: object) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden]; kv_caches is the whole pool
+        [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        hidden = self.embed_tokens(batch.input_ids)
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            hidden = layer.self_attn(layer.input_layernorm(hidden), self.rotary, batch,
+                                     kv_caches[index], backend, metadata)
+            hidden = residual + hidden
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)  # [rows, vocab]
+
+    # ---- loading ---------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raise if any parameter is left unset or a name is unknown."""
+        params = dict(self.named_parameters())
+        # HF name fragment -> (our fused parameter fragment, shard offset function)
+        q, kv = self.config.num_heads * self.config.head_dim, self.config.num_kv_heads * self.config.head_dim
+        inter = self.config.intermediate_size
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+        }
+        filled: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            target, offset, size = name, None, None
+            for fragment, (ours, start, length) in fused.items():
+                if f".{fragment}." in name:
+                    target = name.replace(fragment, ours)
+                    offset, size = start, length
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
+            param = params[target]
+            dest = param.data if offset is None else param.data[offset:offset + size]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + tensor.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

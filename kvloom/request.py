@@ -1,0 +1,118 @@
+"""The engine's record of one request: tokens, progress, KV blocks and timeline.
+
+Invariant: ``num_computed_tokens <= num_tokens``; the KV of the first
+``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order). A request
+whose ``num_computed_tokens == num_tokens`` is "decoding": its next step computes the
+last sampled token and samples another.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvloom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; KV freed, recomputed on resume
+    FINISHED_STOPPED = "stop"  # eos, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """Wall-clock and step stamps of a request's life; exposed as RequestOutput.metrics."""
+
+    arrival_time: float
+    arrival_step: int = 0
+    first_scheduled_time: float | None = None
+    first_scheduled_step: int | None = None
+    first_token_time: float | None = None
+    first_token_step: int | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    finished_step: int | None = None
+    # (step, num_tokens) of every prefill chunk, including recompute after preemption.
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
+    preempted_steps: list[int] = field(default_factory=list)
+    resumed_steps: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True, eq=False)  # eq=False: requests hash and compare by identity
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = 0  # global admission order; breaks ties deterministically
+    prompt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output; kept as one list so slicing the next chunk never concatenates.
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    timeline: RequestTimeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.timeline = RequestTimeline(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: the request's max_tokens, capped by the model's context."""
+        room = self.max_model_len - self.num_prompt_tokens
+        requested = self.sampling_params.max_tokens
+        return room if requested is None else min(requested, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

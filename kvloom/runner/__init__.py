@@ -1,0 +1,1 @@
+"""The model runner: scheduler output -> tensors -> model -> sampled tokens."""

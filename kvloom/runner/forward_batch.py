@@ -1,0 +1,80 @@
+"""ForwardBatch: the tensors of one step, built from a SchedulerOutput.
+
+Tokens of all scheduled requests are packed into one flat sequence (no padding);
+``query_start_loc`` marks where each request's tokens start. Python-side copies of
+the lengths are kept so that backends can loop without device->host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.engine.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length once this step's tokens are in
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @classmethod
+    def build(cls, output: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        for item in output.scheduled:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            end = start + count
+            block_ids = request.block_ids
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))
+            query_lens.append(count)
+            seq_lens.append(end)
+            if item.samples:
+                logits_indices.append(len(input_ids) - 1)
+            tables.append(block_ids[: -(-end // block_size)])
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(starts, torch.int32),
+            logits_indices=tensor(logits_indices, torch.int64),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            block_size=block_size,
+        )

@@ -1,0 +1,107 @@
+"""Per-request sampling parameters, validated once at construction.
+
+Every bad value raises ``ValueError`` naming the field, so the offline API, the
+CLI and the HTTP server all report the same message for the same mistake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request (vLLM-compatible names and meanings).
+
+    top_k=0 or -1 disables top-k; top_p=1 disables nucleus; min_p=0 disables min-p.
+    presence/frequency penalties follow OpenAI (subtract from logits of tokens already
+    generated); repetition_penalty follows the CTRL paper (divide positive logits,
+    multiply negative ones, for tokens in prompt or output).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("n", self.n, minimum=1)
+        _check_number("temperature", self.temperature, 0.0, None)
+        _check_number("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, None)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, minimum=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: object, low: float | None, high: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
