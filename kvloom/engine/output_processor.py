@@ -70,7 +70,7 @@ class OutputProcessor:
     def _convert_logprobs(self, entry: object) -> TokenLogprobs:
         result: TokenLogprobs = {}
         sampled_id, sampled_logprob, sampled_rank = entry.token_id, entry.logprob, entry.rank
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
             result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
         if sampled_id not in result:
             result[sampled_id] = Logprob(sampled_logprob, sampled_rank,

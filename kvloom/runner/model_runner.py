@@ -16,7 +16,8 @@ from torch import nn
 from kvloom.attention.base import AttentionBackend
 from kvloom.engine.output import SchedulerOutput
 from kvloom.runner.forward_batch import ForwardBatch
-from kvloom.runner.sampler import Sampler, SamplingMetadata, SamplingRequestState
+from kvloom.runner.sampler import Sampler
+from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState
 
 
 @dataclass(slots=True)

@@ -1,0 +1,215 @@
+"""Batched token sampling on tensors (CPU or CUDA: the logits' device is used throughout).
+
+Pipeline, vLLM-compatible, each stage skipped when no row needs it:
+
+1. penalties (repetition, then frequency, then presence), on the penalty rows only;
+2. min_tokens: stop tokens of rows still short of ``min_tokens`` become -inf;
+3. greedy rows take the argmax here and never consume randomness;
+4. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race.
+
+Logprobs are computed from the raw logits handed to the sampler (``log_softmax``
+before penalties, min_tokens and temperature), i.e. what the model believes, not
+what the sampling knobs reshaped; this matches vLLM's default ``raw_logprobs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
+
+
+@dataclass(slots=True)
+class LogprobsEntry:
+    """Log-probabilities reported for one sampled token."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw logits
+    rank: int  # 1-based: 1 + number of tokens with a strictly greater logprob
+    top_logprobs: list[tuple[int, float]]  # the n best (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, and logprobs for rows whose params asked for them."""
+
+    token_ids: list[int]  # [B]
+    logprobs: list[LogprobsEntry | None]  # [B]; None where params.logprobs is None
+
+
+class Sampler:
+    """Samples one token per row from ``[B, V]`` logits under a ``SamplingMetadata``."""
+
+    def __init__(self, default_generator: torch.Generator) -> None:
+        # Shared by all unseeded random rows; it must live on the logits' device.
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample ``[B]`` tokens; ``logits`` (any float dtype) is never modified."""
+        expected = (metadata.num_rows, metadata.vocab_size)
+        if logits.dim() != 2 or tuple(logits.shape) != expected:
+            raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
+        raw_logits = logits.float()  # [B, V]; no copy when already float32
+        processed = raw_logits
+        if metadata.penalties is not None or metadata.blocked_rows is not None:
+            # The stages below write in place; raw_logits must survive for logprobs.
+            processed = raw_logits.clone()
+            if metadata.penalties is not None:
+                apply_penalties(processed, metadata.penalties)
+            apply_min_tokens(processed, metadata)
+        token_ids = self._sample(processed, metadata)  # [B] int64
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=compute_logprobs(raw_logits, token_ids, metadata),
+        )
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        random_logits = logits if metadata.all_random else logits[metadata.random_rows]
+        random_tokens = self._sample_random(random_logits, metadata)  # [R]
+        if metadata.all_random:
+            return random_tokens
+        tokens = torch.empty(metadata.num_rows, dtype=torch.int64, device=logits.device)
+        tokens[metadata.greedy_rows] = logits[metadata.greedy_rows].argmax(dim=-1)
+        tokens[metadata.random_rows] = random_tokens
+        return tokens
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[R, V]`` logits of the random rows -> ``[R]`` sampled tokens."""
+        assert metadata.temperature is not None  # set whenever there are random rows
+        # Out of place: from here on every stage owns and may overwrite `scaled`.
+        scaled = logits / metadata.temperature  # [R, V]
+        if metadata.top_k is not None or metadata.top_p is not None:
+            apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
+        if metadata.min_p is not None:
+            apply_min_p(scaled, metadata.min_p)
+        probs = torch.softmax(scaled, dim=-1)  # [R, V]
+        noise = self._exponential_noise(probs, metadata)
+        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as
+        # Categorical(p), and needs no cumsum or device-side search.
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Exp(1) noise like ``probs``; seeded rows draw a full row from their own generator.
+
+        A seeded row's draw depends only on its generator's state, never on the
+        batch's size or its position, so the same seed gives the same tokens.
+        """
+        noise = torch.empty_like(probs)  # [R, V]
+        if metadata.unseeded is not None:
+            if not metadata.seeded:
+                noise.exponential_(generator=self.default_generator)
+            else:
+                shared = torch.empty(
+                    len(metadata.unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
+                )  # [U, V]
+                noise[metadata.unseeded] = shared.exponential_(generator=self.default_generator)
+        for position, generator in metadata.seeded:
+            noise[position].exponential_(generator=generator)  # a view of one row
+        # Exp(1) can round to exactly 0; 0/0 would be NaN, which argmax would pick
+        # even for a token that filtering removed.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    """In place on ``[B, V]`` logits; rows without penalties are not touched.
+
+    Repetition (CTRL): for tokens seen in prompt or output, divide positive logits
+    by the penalty and multiply negative ones. Frequency (OpenAI): subtract
+    penalty * count in the output. Presence (OpenAI): subtract the penalty once
+    for each token that appears in the output.
+    """
+    rows = logits[penalties.rows]  # [P, V] copy
+    repeated = torch.where(rows > 0, rows / penalties.repetition, rows * penalties.repetition)
+    rows = torch.where(penalties.seen_in_prompt_or_output, repeated, rows)
+    rows -= penalties.frequency * penalties.output_counts
+    rows -= penalties.presence * (penalties.output_counts > 0).to(rows.dtype)
+    logits[penalties.rows] = rows
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: forbid each row's stop tokens while it is short of ``min_tokens``."""
+    if metadata.blocked_rows is not None:
+        logits[metadata.blocked_rows, metadata.blocked_token_ids] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    max_top_k: int,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """In place on ``[R, V]`` logits: set tokens outside top-k / the top-p nucleus to -inf.
+
+    ``top_k`` holds V for rows without top-k and ``top_p`` 1.0 for rows without
+    top-p. Tokens tied with the k-th largest logit are all kept. The nucleus is the
+    smallest set of most likely tokens whose probability reaches p (the token that
+    crosses p is kept; the most likely token always is), measured after top-k.
+    """
+    vocab_size = logits.shape[1]
+    if top_p is None:
+        assert top_k is not None
+        # Top-k alone needs only the max_top_k largest values, not a full sort.
+        largest = logits.topk(max_top_k, dim=-1).values  # [R, max_top_k], descending
+        # Rows without top-k hold V (>= max_top_k); clamp keeps the gather in range and
+        # their cutoff is then reset to -inf so nothing is removed.
+        k = top_k.clamp(max=max_top_k)
+        cutoff = largest.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
+        cutoff.masked_fill_((top_k >= vocab_size).unsqueeze(1), float("-inf"))
+        return logits.masked_fill_(logits < cutoff, float("-inf"))
+
+    sorted_logits, order = logits.sort(dim=-1)  # [R, V] ascending
+    if top_k is not None:
+        cutoff = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [R, 1], k-th largest
+        sorted_logits.masked_fill_(sorted_logits < cutoff, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V], ascending order
+    # Mass strictly above position i is 1 - cumulative[i]; drop i when that is >= p.
+    outside_nucleus = cumulative <= (1.0 - top_p).unsqueeze(1)
+    outside_nucleus[:, -1] = False
+    sorted_logits.masked_fill_(outside_nucleus, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place on ``[R, V]`` logits: drop tokens with prob < min_p * (max prob).
+
+    Done in log space, p_i < min_p * p_max  <=>  x_i < x_max + log(min_p), which
+    needs no softmax and is unchanged by top-k/top-p renormalisation (the max token
+    always survives them), so its place after them does not change its meaning.
+    min_p == 0 gives log 0 = -inf: nothing is dropped.
+    """
+    cutoff = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)  # [R, 1]
+    return logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata
+) -> list[LogprobsEntry | None]:
+    """Logprob, rank and top-n alternatives of each sampled token, from the raw logits."""
+    entries: list[LogprobsEntry | None] = [None] * metadata.num_rows
+    if metadata.logprob_rows is None:
+        return entries
+    rows = metadata.logprob_rows
+    logprobs = torch.log_softmax(raw_logits[rows], dim=-1)  # [L, V]
+    sampled = token_ids[rows].unsqueeze(1)  # [L, 1]
+    sampled_logprobs = logprobs.gather(1, sampled)  # [L, 1]
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [L]
+    top = logprobs.topk(metadata.max_num_logprobs, dim=-1)  # [L, max_n] each
+    # One host transfer per tensor, not one per element.
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    sampled_ids = sampled.squeeze(1).tolist()
+    sampled_values = sampled_logprobs.squeeze(1).tolist()
+    rank_values = ranks.tolist()
+    for i, (row, n) in enumerate(zip(rows.tolist(), metadata.num_logprobs)):
+        entries[row] = LogprobsEntry(
+            token_id=sampled_ids[i],
+            logprob=sampled_values[i],
+            rank=rank_values[i],
+            top_logprobs=list(zip(top_ids[i][:n], top_values[i][:n])),
+        )
+    return entries

@@ -1,0 +1,361 @@
+"""Sampler tests against hand-computed values and naive per-row reference code.
+
+Distribution checks use a chi-square goodness-of-fit test at p > 1e-4 with a fixed
+default generator, so on a given device they are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties
+from kvloom.runner.sampling_metadata import (
+    SamplingMetadata,
+    SamplingRequestState,
+    generator_for_seed,
+)
+from kvloom.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+def make_row(
+    device: torch.device,
+    prompt: tuple[int, ...] = (),
+    output: tuple[int, ...] = (),
+    eos: tuple[int, ...] = (),
+    **params: object,
+) -> SamplingRequestState:
+    sampling_params = SamplingParams(**params)  # type: ignore[arg-type]
+    seed = sampling_params.seed
+    generator = generator_for_seed(seed, device) if seed is not None else None
+    return SamplingRequestState(sampling_params, list(prompt), list(output), generator, eos)
+
+
+def sample(
+    rows: list[SamplingRequestState], logits: torch.Tensor, device: torch.device, seed: int = 0
+) -> list[int]:
+    return sample_full(rows, logits, device, seed).token_ids
+
+
+def sample_full(
+    rows: list[SamplingRequestState], logits: torch.Tensor, device: torch.device, seed: int = 0
+) -> SamplerOutput:
+    metadata = SamplingMetadata.build(rows, logits.shape[1], device)
+    default = generator_for_seed(seed, device)
+    return Sampler(default)(logits.to(device), metadata)
+
+
+def naive_argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def reference_probs(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> list[float]:
+    """Textbook per-row definition of the filtered sampling distribution (float64)."""
+    scaled = [x / temperature for x in logits]
+    peak = max(scaled)
+    weights = [math.exp(x - peak) for x in scaled]
+    probs = [w / sum(weights) for w in weights]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = order[:top_k] if top_k > 0 else order
+    kept_mass = sum(probs[i] for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:  # most likely first, until the mass reaches top_p
+        nucleus.append(i)
+        mass += probs[i] / kept_mass
+        if mass >= top_p:
+            break
+    final = [i for i in nucleus if probs[i] >= min_p * probs[order[0]]]
+    total = sum(probs[i] for i in final)
+    return [probs[i] / total if i in final else 0.0 for i in range(len(probs))]
+
+
+def chi_square_p_value(counts: Counter[int], probs: list[float]) -> float:
+    """Survival function of the chi-square statistic over the tokens with probs > 0."""
+    draws = sum(counts.values())
+    support = [i for i, p in enumerate(probs) if p > 0]
+    stat = sum((counts[i] - draws * probs[i]) ** 2 / (draws * probs[i]) for i in support)
+    half_df, x = (len(support) - 1) / 2, stat / 2
+    # Regularised lower incomplete gamma P(half_df, x) by its power series.
+    term = math.exp(half_df * math.log(x) - x - math.lgamma(half_df + 1)) if x > 0 else 0.0
+    total, n = term, 1
+    while term > 1e-17 * max(total, 1e-300):
+        term *= x / (half_df + n)
+        total += term
+        n += 1
+    return max(0.0, 1.0 - total)
+
+
+def test_greedy_is_argmax_and_uses_no_randomness(device: torch.device) -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    rows = [make_row(device, temperature=0.0, seed=i if i % 2 else None) for i in range(6)]
+    metadata = SamplingMetadata.build(rows, 50, device)
+    assert metadata.all_greedy and metadata.temperature is None and metadata.penalties is None
+    default = generator_for_seed(0, device)
+    before = default.get_state()
+    out = Sampler(default)(logits.to(device), metadata)
+    assert out.token_ids == [naive_argmax(row) for row in logits.tolist()]
+    assert torch.equal(default.get_state(), before)
+    for row in rows:
+        if row.generator is not None:
+            untouched = generator_for_seed(row.params.seed, device)
+            assert torch.equal(row.generator.get_state(), untouched.get_state())
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax(device: torch.device) -> None:
+    logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(2))
+    rows = [make_row(device, temperature=0.0 if i % 2 else 1.0, top_k=5) for i in range(8)]
+    tokens = sample(rows, logits, device)
+    for i in range(1, 8, 2):
+        assert tokens[i] == naive_argmax(logits[i].tolist())
+
+
+def test_seeded_rows_reproducible_across_batch_composition_and_position(
+    device: torch.device,
+) -> None:
+    vocab, steps = 64, 12
+    torch_gen = torch.Generator().manual_seed(3)
+    target_logits = [torch.randn(vocab, generator=torch_gen) * 0.5 for _ in range(steps)]
+
+    def run(seed: int, batch_size: int, position: int, neighbours: list[dict]) -> list[int]:
+        target = make_row(device, seed=seed, temperature=0.9)
+        others = [make_row(device, **kw) for kw in neighbours]
+        default = generator_for_seed(1234 + batch_size, device)
+        sampler, tokens = Sampler(default), []
+        for step in range(steps):
+            rows = others[:position] + [target] + others[position:]
+            logits = torch.randn(batch_size, vocab, generator=torch_gen)
+            logits[position] = target_logits[step]
+            metadata = SamplingMetadata.build(rows, vocab, device)
+            tokens.append(sampler(logits.to(device), metadata).token_ids[position])
+        return tokens
+
+    alone = run(7, 1, 0, [])
+    neighbours = [{"seed": 99}, {"temperature": 0.0}, {"top_k": 3}, {"top_p": 0.5, "seed": 5}]
+    assert run(7, 5, 2, neighbours) == alone
+    assert run(7, 5, 4, neighbours) == alone
+    assert run(7, 3, 0, [{"min_p": 0.2}, {}]) == alone
+    assert run(8, 1, 0, []) != alone
+
+
+@pytest.mark.parametrize("force_sort", [False, True])
+def test_top_k_never_emits_excluded_tokens(device: torch.device, force_sort: bool) -> None:
+    # Shuffled positions so the kept set is not a prefix of the vocabulary.
+    logits = torch.tensor([0.0, 1.5, -0.5, 1.25, 0.5, 1.45, -1.0, 0.25])
+    expected = {3: {1, 5, 3}, 1: {1}, 2: {1, 5}, 0: set(range(8)), 8: set(range(8))}
+    rows = [make_row(device, top_k=k) for k in expected for _ in range(2000)]
+    if force_sort:  # a top-p row in the batch moves every row onto the sort path
+        rows.append(make_row(device, top_p=0.999999))
+    tokens = sample(rows, logits.expand(len(rows), -1), device)
+    for block, allowed in enumerate(expected.values()):
+        assert set(tokens[block * 2000 : (block + 1) * 2000]) == allowed
+
+
+def test_top_p_keeps_the_smallest_nucleus(device: torch.device) -> None:
+    probs = torch.tensor([0.06, 0.3, 0.04, 0.5, 0.1])
+    logits = probs.log()
+    expected = {0.4: {3}, 0.75: {3, 1}, 0.85: {3, 1, 4}}
+    rows = [make_row(device, top_p=p) for p in expected for _ in range(2000)]
+    tokens = sample(rows, logits.expand(len(rows), -1), device)
+    for block, allowed in enumerate(expected.values()):
+        assert set(tokens[block * 2000 : (block + 1) * 2000]) == allowed
+
+
+def test_min_p_is_relative_to_the_max_prob_after_temperature(device: torch.device) -> None:
+    logits = torch.tensor([0.06, 0.3, 0.04, 0.5, 0.1]).log()
+    # T=1: threshold 0.1 * 0.5 = 0.05 keeps {0.5, 0.3, 0.1, 0.06}.
+    # T=0.5: probs ~ p^2, relative to max: 0.36, 0.04, 0.0144, 0.0064 -> only 0.3 survives.
+    cases = [
+        ({"min_p": 0.25}, {3, 1}),
+        ({"min_p": 0.1}, {3, 1, 4, 0}),
+        ({"min_p": 0.1, "temperature": 0.5}, {3, 1}),
+    ]
+    rows = [make_row(device, **kw) for kw, _ in cases for _ in range(2000)]
+    tokens = sample(rows, logits.expand(len(rows), -1), device)
+    for block, (_, allowed) in enumerate(cases):
+        assert set(tokens[block * 2000 : (block + 1) * 2000]) == allowed
+
+
+def test_filtered_distributions_match_reference(device: torch.device) -> None:
+    logits = [1.0, -0.5, 2.0, 0.0, -3.0, 1.5, -1.0, 0.3]
+    configs = [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 0.8, "top_k": 5, "min_p": 0.1},  # keeps 4 tokens
+        {"temperature": 1.3, "top_p": 0.8},  # keeps 4
+        {"temperature": 1.5, "top_k": 6, "top_p": 0.97, "min_p": 0.03},  # keeps 6
+        {"temperature": 0.6, "top_k": 3},  # keeps 3
+    ]  # margins checked: moving p by 0.01 or min_p by 0.005 keeps the same sets
+    draws = 6000
+    # Interleaved, with greedy rows between, so every knob is routed per row.
+    rows, owners = [], []
+    for i in range(draws):
+        for c, config in enumerate(configs):
+            rows.append(make_row(device, **config))
+            owners.append(c)
+        rows.append(make_row(device, temperature=0.0))
+        owners.append(-1)
+    batch = torch.tensor(logits).expand(len(rows), -1)
+    tokens = sample(rows, batch, device, seed=11)
+    for c, config in enumerate(configs):
+        expected = reference_probs(
+            logits,
+            temperature=config["temperature"],
+            top_k=config.get("top_k", 0),
+            top_p=config.get("top_p", 1.0),
+            min_p=config.get("min_p", 0.0),
+        )
+        counts = Counter(t for t, owner in zip(tokens, owners) if owner == c)
+        assert all(expected[t] > 0 for t in counts), (config, counts)
+        assert chi_square_p_value(counts, expected) > 1e-4, (config, counts, expected)
+    assert {t for t, owner in zip(tokens, owners) if owner == -1} == {2}
+
+
+def test_penalties_match_hand_computed_values(device: torch.device) -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
+    penalised = make_row(
+        device,
+        prompt=(0, 4),
+        output=(1, 1, 2),
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+    )
+    plain = make_row(device, prompt=(0, 4), output=(1, 1, 2))
+    metadata = SamplingMetadata.build([plain, penalised], 5, device)
+    result = apply_penalties(logits.clone().to(device), metadata.penalties).cpu()
+    # Repetition on seen {0, 1, 2, 4}: 2/2, -1*2, 0.5/2, 3 (unseen), -2*2.
+    # Frequency 0.5 * counts {1: 2, 2: 1}; presence 0.3 on {1, 2}.
+    expected = [1.0, -2.0 - 1.0 - 0.3, 0.25 - 0.5 - 0.3, 3.0, -4.0]
+    torch.testing.assert_close(result[1], torch.tensor(expected))
+    torch.testing.assert_close(result[0], logits[0])  # rows without penalties untouched
+
+
+def test_penalties_match_naive_reference_on_random_batches(device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(4)
+    vocab = 40
+    rows, reference = [], []
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (2 * i,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (3 * i,), generator=gen).tolist()
+        knobs = {
+            "repetition_penalty": 1.0 + 0.3 * (i % 3),
+            "frequency_penalty": -0.4 * (i % 2),
+            "presence_penalty": 0.7 if i > 2 else 0.0,
+        }
+        rows.append(make_row(device, prompt=tuple(prompt), output=tuple(output), **knobs))
+        row = logits[i].tolist()
+        for t in range(vocab):
+            if t in prompt or t in output:
+                p = knobs["repetition_penalty"]
+                row[t] = row[t] / p if row[t] > 0 else row[t] * p
+            row[t] -= knobs["frequency_penalty"] * output.count(t)
+            row[t] -= knobs["presence_penalty"] * (t in output)
+        reference.append(row)
+    metadata = SamplingMetadata.build(rows, vocab, device)
+    result = apply_penalties(logits.clone().to(device), metadata.penalties).cpu()
+    torch.testing.assert_close(result, torch.tensor(reference))
+
+
+def test_penalty_changes_the_greedy_choice(device: torch.device) -> None:
+    logits = torch.tensor([[1.0, 0.9, -5.0]])
+    row = make_row(device, output=(0,), temperature=0.0, presence_penalty=0.5)
+    assert sample([row], logits, device) == [1]
+
+
+def test_min_tokens_blocks_eos_and_stop_token_ids(device: torch.device) -> None:
+    eos, stop = 5, 4
+    eos_first = torch.tensor([0.0, 0.0, 2.0, 0.0, 3.0, 4.0])  # eos > stop > token 2
+    stop_first = torch.tensor([0.0, 0.0, 2.0, 0.0, 4.0, 3.0])
+
+    def greedy(logits: torch.Tensor, output: tuple[int, ...], **kw: object) -> int:
+        row = make_row(
+            device,
+            output=output,
+            eos=(eos,),
+            temperature=0.0,
+            min_tokens=2,
+            stop_token_ids=[stop],
+            **kw,
+        )
+        return sample([row], logits.unsqueeze(0), device)[0]
+
+    assert greedy(eos_first, ()) == 2
+    assert greedy(eos_first, (1,)) == 2
+    assert greedy(eos_first, (1, 1)) == eos  # min_tokens reached: nothing blocked
+    assert greedy(stop_first, (1, 1)) == stop
+    assert greedy(eos_first, (), ignore_eos=True) == eos  # eos is an ordinary token
+    assert greedy(stop_first, (), ignore_eos=True) == eos  # stop ids stay blocked
+
+    random_row = {"eos": (eos, 3), "min_tokens": 3, "stop_token_ids": [stop]}
+    rows = [make_row(device, **random_row) for _ in range(2000)]
+    tokens = sample(rows, torch.zeros(2000, 6), device)
+    assert set(tokens) == {0, 1, 2}
+
+
+def test_logprobs_are_raw_log_softmax_with_true_top_n(device: torch.device) -> None:
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)) * 2
+    rows = [
+        make_row(device, logprobs=5, temperature=0.7, top_k=10, presence_penalty=1.0, output=(1,)),
+        make_row(device),
+        make_row(device, logprobs=0, temperature=0.0),
+        make_row(device, logprobs=20, temperature=0.0, repetition_penalty=3.0, prompt=(7,)),
+    ]
+    out = sample_full(rows, logits, device)
+    assert out.logprobs[1] is None
+    for i, n in [(0, 5), (2, 0), (3, 20)]:
+        entry, row = out.logprobs[i], logits[i].double()
+        reference = (row - row.exp().sum().log()).tolist()  # log_softmax, float64
+        token = out.token_ids[i]
+        assert entry is not None and entry.token_id == token
+        assert entry.logprob == pytest.approx(reference[token], abs=1e-5)
+        assert entry.rank == 1 + sum(v > reference[token] for v in reference)
+        best = sorted(range(40), key=lambda t: -reference[t])[:n]
+        assert [t for t, _ in entry.top_logprobs] == best
+        for t, value in entry.top_logprobs:
+            assert value == pytest.approx(reference[t], abs=1e-5)
+    assert out.logprobs[2].rank == 1  # greedy without penalties: the argmax
+
+
+def test_bfloat16_logits_are_upcast_and_inputs_not_modified(device: torch.device) -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(6)).to(device)
+    original = logits.clone()
+    rows = [
+        make_row(device, output=(1,), frequency_penalty=1.0, min_tokens=3, eos=(2,)),
+        make_row(device, temperature=0.0, logprobs=2),
+        make_row(device, top_p=0.5),
+    ]
+    sample_full(rows, logits, device)
+    assert torch.equal(logits, original)
+    out = sample_full(rows, logits.bfloat16(), device)
+    assert out.token_ids[1] == naive_argmax(logits.bfloat16().float()[1].tolist())
+
+
+def test_metadata_skips_unused_stages(device: torch.device) -> None:
+    rows = [make_row(device, temperature=0.0), make_row(device, top_p=0.9)]
+    metadata = SamplingMetadata.build(rows, 10, device)
+    assert not metadata.all_greedy and not metadata.all_random
+    assert metadata.top_k is None and metadata.min_p is None and metadata.penalties is None
+    assert metadata.blocked_rows is None and metadata.logprob_rows is None
+    assert metadata.top_p is not None and metadata.top_p.tolist() == [pytest.approx(0.9)]
+
+
+def test_invalid_inputs_raise(device: torch.device) -> None:
+    seeded = SamplingRequestState(SamplingParams(seed=3), [], [], None, ())
+    with pytest.raises(ValueError, match="seed"):
+        SamplingMetadata.build([seeded], 10, device)
+    metadata = SamplingMetadata.build([make_row(device)], 10, device)
+    with pytest.raises(ValueError, match="shape"):
+        Sampler(generator_for_seed(0, device))(torch.zeros(1, 11, device=device), metadata)
