@@ -1,0 +1,1 @@
+"""Benchmark tooling: workload datasets (ShareGPT, random, prefix-sharing, multi-turn)."""

@@ -1,0 +1,208 @@
+"""Shared model fixtures: tiny random-weight HF checkpoints (no network), tiny GGUF
+files written the way llama.cpp's converter writes them, and the default model.
+
+Import as ``from tests.helpers_models import write_tiny_hf_model``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_VOCAB_SIZE = 512
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention stores keys and values in fixed-size blocks.\n",
+    "A radix tree shares prefixes between requests; 1234567890 tokens.\n",
+    "def main():\n    return sum(range(10))\n",
+    "你好，世界！机器学习很有趣。",
+    "Emoji: 😀 🚀 👍🏽 ❤️ and accents: café naïve Ünïcödé.",
+    "Hello, world! How are you today? I am fine, thank you.",
+]
+
+_ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+@functools.lru_cache(maxsize=4)
+def tiny_tokenizer_json(vocab_size: int = TINY_VOCAB_SIZE) -> str:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids, trained on a small
+    fixed corpus (deterministic). Ids 0-2 are the ChatML special tokens; unused ids
+    are padded with ``<|extra_N|>`` special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS, trainer=trainer)
+    missing = vocab_size - tokenizer.get_vocab_size()
+    if missing < 0:
+        raise ValueError(f"vocab_size {vocab_size} is below the byte alphabet + specials")
+    tokenizer.add_special_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    return tokenizer.to_str()
+
+
+def write_tiny_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
+                        max_shard_size: str | None = None, chat_template: str | None = CHATML_TEMPLATE,
+                        **overrides: Any) -> Path:
+    """Write a random-weight ``arch`` model (llama | qwen2 | mistral) as a HF directory
+    with a tokenizer; ``overrides`` go to the transformers config (e.g.
+    ``num_hidden_layers=4``, ``tie_word_embeddings=True``). ``max_shard_size`` (e.g.
+    ``"100KB"``) writes sharded safetensors with an index."""
+    import transformers
+
+    config_name, model_name = _ARCH_CONFIGS[arch]
+    settings: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    )
+    settings.update(overrides)
+    config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    _randomize_norms(model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    (path / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size))
+    tokenizer_config: dict[str, Any] = {
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    return path
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    """Norm weights are initialised to ones; perturb them so a loader that swaps two
+    norms (or drops one) is caught by an equality test."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.02)
+
+
+def tiny_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The parameters of a tiny model directory, read back with transformers."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# GGUF block tensor names, by HF suffix (llama.cpp's standard names).
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None,
+                    permute_qk: bool | None = None) -> Path:
+    """Convert a tiny HF directory to an F32 GGUF as llama.cpp's converter does: GGUF
+    names, Q/K rows permuted for llama-family models, gpt2 tokenizer metadata.
+    ``arch`` overrides ``general.architecture`` (to test unsupported ones)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from kvloom.models.gguf_loader import permute_rows
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    arch = arch or model_type
+    if permute_qk is None:
+        permute_qk = model_type in ("llama", "mistral")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(float(config.get("rope_theta")
+                                    or config.get("rope_parameters", {}).get("rope_theta", 1e4)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_gguf_tokenizer(writer, hf_dir)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
+            proj = module.rsplit(".", 1)[-1]
+            if permute_qk and proj in heads and kind == "weight":
+                array = permute_rows(array, heads[proj])
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+            if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
+                continue
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_gguf_tokenizer(writer: Any, hf_dir: Path) -> None:
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(data["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in data["added_tokens"]}
+    vocab.update(special)
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if tok in special else 1 for tok in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[tokenizer_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
+    writer.add_add_bos_token(bool(tokenizer_config.get("add_bos_token", False)))
+    if tokenizer_config.get("chat_template"):
+        writer.add_chat_template(tokenizer_config["chat_template"])
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF (downloaded once into ``$KVLOOM_HOME`` or
+    ``~/.cache/kvloom``; later calls reuse it)."""
+    from kvloom.models.default_model import resolve_default_model
+
+    return resolve_default_model()
