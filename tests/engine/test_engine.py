@@ -1,0 +1,143 @@
+"""Engine behaviour on a tiny real model: batch invariance, arrivals mid-run, stop
+conditions, streaming deltas, aborts, n > 1 — with block accounting after each."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvloom import LLM, SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine_factory(tiny_llama):
+    def make(**kwargs) -> LLMEngine:
+        args = dict(dtype="float32", block_size=16, num_blocks=256)
+        args.update(kwargs)
+        return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), **args))
+    return make
+
+
+def run_all(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]
+            ) -> dict[str, list[int]]:
+    """Step the engine, adding requests at the given step numbers; returns token ids."""
+    results: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+        engine.check_integrity()
+        step += 1
+    return results
+
+
+def test_batch_invariance_with_staggered_arrivals(engine_factory) -> None:
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(3, 512) for _ in range(rng.choice([1, 3, 9, 16, 31, 50, 77]))]
+               for i in range(16)}
+    params = {rid: SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0.0, ignore_eos=True)
+              for rid in prompts}
+    alone = {}
+    for rid, prompt in prompts.items():
+        alone.update(run_all(engine_factory(), {0: [(rid, prompt, params[rid])]}))
+    arrivals: dict[int, list] = {}
+    for i, rid in enumerate(prompts):
+        arrivals.setdefault(i // 3 * 2, []).append((rid, prompts[rid], params[rid]))
+    engine = engine_factory(max_num_batched_tokens=64)
+    together = run_all(engine, arrivals)
+    assert together == alone
+    assert engine.kv_manager.pool.num_free_blocks == 256
+
+
+def test_seeded_sampling_independent_of_batch(engine_factory) -> None:
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)
+    alone = run_all(engine_factory(), {0: [("s", [5, 6, 7], seeded)]})
+    mixed = run_all(engine_factory(), {0: [("o1", [9] * 20, other)],
+                                       1: [("s", [5, 6, 7], seeded), ("o2", [11, 12], other)]})
+    assert mixed["s"] == alone["s"]
+
+
+def test_stop_strings_never_appear_and_deltas_concatenate(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, skip_special_tokens=False)
+    free_text = llm.generate([[10, 20, 30]], base)[0].outputs[0].text
+    assert len(free_text) > 6
+    stop = free_text[3:6]
+    engine = llm.engine
+    engine.add_request([10, 20, 30], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                    skip_special_tokens=False, stop=[stop]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas.append(output.outputs[0].delta_text)
+            final = output
+    assert final.outputs[0].finish_reason == "stop"
+    assert final.outputs[0].stop_reason == stop
+    assert final.outputs[0].text == free_text[: free_text.find(stop)]
+    assert "".join(deltas) == final.outputs[0].text
+    engine.check_integrity()
+
+
+def test_max_tokens_min_tokens_and_stop_token_ids(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    assert len(tokens) == 10 and free.outputs[0].finish_reason == "length"
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    assert out.outputs[0].token_ids == tokens[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    llm.engine.check_integrity()
+
+
+def test_abort_running_and_waiting_frees_blocks(engine_factory) -> None:
+    engine = engine_factory(max_num_seqs=1)
+    engine.add_request([1] * 40, SamplingParams(max_tokens=50), request_id="a")
+    engine.add_request([2] * 40, SamplingParams(max_tokens=50), request_id="b")
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.pool.num_free_blocks == 256
+
+
+def test_n_samples_and_input_order(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=128)
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    outputs = llm.generate([[4, 5], [6, 7, 8], [9]], params)
+    assert [o.prompt_token_ids for o in outputs] == [[4, 5], [6, 7, 8], [9]]
+    assert all(len(o.outputs) == 3 and [c.index for c in o.outputs] == [0, 1, 2] for o in outputs)
+    again = llm.generate([[4, 5]], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outputs[0].outputs]
+
+
+def test_bad_requests_rejected_with_clear_errors(engine_factory) -> None:
+    engine = engine_factory(num_blocks=4, max_model_len=128)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request([1] * 30, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([1] * 200, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 99999], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request([], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    engine.check_integrity()
+
+
+def test_chat_uses_template(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    expected = llm.tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+                                    add_special_tokens=False)
+    assert out.prompt_token_ids == expected
