@@ -4,7 +4,9 @@ request's last token, so outputs are known in advance and independent of batchin
 from __future__ import annotations
 
 from kvloom.cache.kv_manager import KVCacheManager
-from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
+from kvloom.cache.block_pool import BlockPool
+from kvloom.cache.prefix_cache import NoPrefixCache
+from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import SchedulerConfig
 from kvloom.engine.output import SchedulerOutput
 from kvloom.engine.policy import make_policy
@@ -19,12 +21,14 @@ def next_token(last: int) -> int:
     return (last * 7 + 3) % VOCAB
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, prefix_cache: PrefixCache | None = None,
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, prefix_cache: bool = False,
                    max_model_len: int = 1 << 20, **config) -> Scheduler:
     cfg = SchedulerConfig(**config)
-    kv = KVCacheManager(num_blocks, block_size, prefix_cache or NoPrefixCache())
+    pool = BlockPool(num_blocks)
+    cache = RadixCache(pool, block_size) if prefix_cache else NoPrefixCache()
+    kv = KVCacheManager(pool, block_size, cache)
     cls = StaticBatchScheduler if cfg.scheduling == "static" else Scheduler
-    return cls(cfg, kv, make_policy(cfg.policy), max_model_len)
+    return cls(cfg, kv, make_policy(cfg), max_model_len)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, priority: int = 0,

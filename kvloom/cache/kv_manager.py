@@ -27,9 +27,10 @@ class _CacheState:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, prefix_cache: PrefixCache) -> None:
+        """``prefix_cache`` must take its references in the same ``pool``."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool
         self.prefix_cache = prefix_cache
         self._cache_state: dict[Request, _CacheState] = {}
         self.num_evicted_blocks = 0

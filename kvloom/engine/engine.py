@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
+from kvloom.cache.radix_cache import RadixCache
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.output import RequestOutput
@@ -77,18 +79,18 @@ class LLMEngine:
         kv_caches = allocate_kv_pool(mc, self.num_blocks, block_size, self.dtype, self.device)
         backend = make_backend(config.attention_backend, self.device, mc.num_heads,
                                mc.num_kv_heads, mc.head_dim)
-        self.kv_manager = KVCacheManager(self.num_blocks, block_size, self._make_prefix_cache())
+        pool = BlockPool(self.num_blocks)
+        prefix_cache: PrefixCache = (RadixCache(pool, block_size) if config.cache.enable_prefix_caching
+                                     else NoPrefixCache())
+        self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
-                                         make_policy(config.scheduler.policy), self.max_model_len)
+                                         make_policy(config.scheduler), self.max_model_len)
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
-
-    def _make_prefix_cache(self) -> PrefixCache:
-        return NoPrefixCache()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

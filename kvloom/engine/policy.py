@@ -1,7 +1,7 @@
-"""Scheduling policies: who runs first, who waits, who is preempted.
+"""Scheduling policies: who is admitted first, who runs first, who is preempted.
 
-A policy only orders; the scheduler enforces budgets, memory and the starvation
-bound. Policies are registered by name and chosen with ``--policy``.
+A policy only orders and vetoes; the scheduler enforces budgets, memory and the
+starvation bound. Policies are registered by name and chosen with ``--policy``.
 """
 
 from __future__ import annotations
@@ -9,14 +9,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from kvloom.cache.kv_manager import KVCacheManager, cdiv
+from kvloom.config import SchedulerConfig
+from kvloom.engine.trace import WaitReason
 from kvloom.request import Request
 
 
 class SchedulingPolicy(ABC):
     name: str = ""
 
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
     @abstractmethod
-    def order_waiting(self, waiting: list[Request]) -> list[Request]:
+    def order_waiting(self, waiting: list[Request], kv: KVCacheManager) -> list[Request]:
         """Waiting requests in the order they should be admitted."""
 
     def order_running(self, running: list[Request]) -> list[Request]:
@@ -24,8 +30,13 @@ class SchedulingPolicy(ABC):
         return running
 
     def pick_victim(self, candidates: list[Request]) -> Request:
-        """The request to preempt when memory runs out; default: the latest admitted."""
+        """The request to preempt when memory runs out (candidates in admission order);
+        default: the most recently admitted."""
         return candidates[-1]
+
+    def refuse_admission(self, request: Request, kv: KVCacheManager) -> WaitReason | None:
+        """A reason to keep ``request`` waiting even though its first chunk fits."""
+        return None
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -33,12 +44,13 @@ class FCFSPolicy(SchedulingPolicy):
 
     name = "fcfs"
 
-    def order_waiting(self, waiting: list[Request]) -> list[Request]:
+    def order_waiting(self, waiting: list[Request], kv: KVCacheManager) -> list[Request]:
         return waiting
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Lower ``priority`` value first (vLLM's convention); ties by arrival."""
+    """Lower ``priority`` value first (vLLM's convention); ties by arrival. The victim
+    is the lowest-priority (then latest) running request."""
 
     name = "priority"
 
@@ -46,7 +58,7 @@ class PriorityPolicy(SchedulingPolicy):
     def _key(request: Request) -> tuple[int, int]:
         return (request.priority, request.arrival_index)
 
-    def order_waiting(self, waiting: list[Request]) -> list[Request]:
+    def order_waiting(self, waiting: list[Request], kv: KVCacheManager) -> list[Request]:
         return sorted(waiting, key=self._key)
 
     def order_running(self, running: list[Request]) -> list[Request]:
@@ -56,8 +68,8 @@ class PriorityPolicy(SchedulingPolicy):
         return max(candidates, key=self._key)
 
 
-class LeastProgressVictimPolicy(FCFSPolicy):
-    """FCFS admission; preempts the request that is cheapest to recompute."""
+class CheapestVictimPolicy(FCFSPolicy):
+    """FCFS admission; preempts the request that is cheapest to recompute (least progress)."""
 
     name = "fcfs-cheapest-victim"
 
@@ -65,15 +77,40 @@ class LeastProgressVictimPolicy(FCFSPolicy):
         return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
 
 
-POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
-    FCFSPolicy.name: FCFSPolicy,
-    PriorityPolicy.name: PriorityPolicy,
-    LeastProgressVictimPolicy.name: LeastProgressVictimPolicy,
+class WatermarkPolicy(FCFSPolicy):
+    """FCFS with watermark admission control, to avoid preemption thrash.
+
+    Below ``low_watermark`` KV use, admit whenever the first chunk fits. Between the
+    watermarks, admit only if the whole prompt fits in the free blocks. Above
+    ``high_watermark``, admit only if prompt + max_tokens (its full expected growth) fits.
+    """
+
+    name = "watermark"
+
+    def refuse_admission(self, request: Request, kv: KVCacheManager) -> WaitReason | None:
+        usage = kv.usage
+        if usage < self.config.low_watermark:
+            return None
+        tokens = request.num_tokens
+        if usage >= self.config.high_watermark:
+            tokens = request.num_prompt_tokens + request.max_tokens
+        if cdiv(tokens, kv.block_size) > kv.num_available_blocks:
+            return WaitReason.WATERMARK
+        return None
+
+
+POLICIES: dict[str, Callable[[SchedulerConfig], SchedulingPolicy]] = {
+    cls.name: cls for cls in (FCFSPolicy, PriorityPolicy, CheapestVictimPolicy, WatermarkPolicy)
 }
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
     try:
-        return POLICIES[name]()
+        return POLICIES[config.policy](config)
     except KeyError:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}") from None

@@ -17,7 +17,9 @@ import time
 from kvloom.cache.kv_manager import KVCacheManager, cdiv
 from kvloom.config import SchedulerConfig
 from kvloom.engine.output import ScheduledRequest, SchedulerOutput
+from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.engine.policy import SchedulingPolicy
+from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
 from kvloom.request import Request, RequestStatus
 
 
@@ -37,6 +39,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.num_starvation_promotions = 0
+        self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
         self._chunk_cap = config.long_prefill_threshold or config.max_num_batched_tokens
@@ -81,6 +85,7 @@ class Scheduler:
         request.timeline.finished_time = time.monotonic()
         request.timeline.finished_step = self.step_count
         del self.requests[request.request_id]
+        self.trace.record_finish(self.step_count, request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -98,6 +103,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        preempt_reasons: dict[str, str] = {}
 
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
@@ -110,6 +116,7 @@ class Scheduler:
                 victim = self.policy.pick_victim([request] + pending)
                 self._preempt(victim)
                 preempted.append(victim)
+                preempt_reasons[victim.request_id] = f"no free blocks for {request.request_id}"
                 if victim is request:
                     break
                 pending.remove(victim)
@@ -118,9 +125,12 @@ class Scheduler:
                 budget -= num_new
 
         # Admitting right after a preemption would only thrash: the pool is full.
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(self.step_count, scheduled, preempted)
+        blocked, reason = (None, WaitReason.POOL_FULL) if preempted else \
+            self._admit_waiting(budget, scheduled)
+        output = SchedulerOutput(self.step_count, scheduled, preempted)
+        self.trace.record_step(output, self.waiting, blocked, reason, preempt_reasons,
+                               self.kv.pool.num_free_blocks)
+        return output
 
     def _num_new_tokens(self, request: Request, budget: int, first: bool) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -130,42 +140,56 @@ class Scheduler:
             return remaining if (remaining <= budget or first) else 0
         return min(remaining, budget, self._chunk_cap)
 
-    def _can_admit(self) -> bool:
-        return len(self.running) < self.config.max_num_seqs
+    def _admission_order(self) -> list[Request]:
+        """Policy order, except that requests waiting past the starvation bound go first."""
+        ordered = self.policy.order_waiting(self.waiting, self.kv)
+        max_steps, max_seconds = self.config.max_wait_steps, self.config.max_wait_seconds
+        if not (max_steps or max_seconds):
+            return ordered
+        now = time.monotonic()
+        starving = [r for r in ordered
+                    if (max_steps and self.step_count - r.timeline.arrival_step > max_steps)
+                    or (max_seconds and now - r.arrival_time > max_seconds)]
+        if not starving:
+            return ordered
+        starving.sort(key=lambda r: r.arrival_index)
+        self.num_starvation_promotions += len(starving)
+        return starving + [r for r in ordered if r not in set(starving)]
 
-    def _tokens_to_reserve(self, request: Request, num_new: int) -> int:
-        """KV slots to reserve at admission beyond those computed now (static mode overrides)."""
-        return num_new
-
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        if not self.waiting or not self._can_admit():
-            return budget
-        for request in list(self.policy.order_waiting(self.waiting)):
-            if budget <= 0 or not self._can_admit():
-                break
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]
+                       ) -> tuple[Request | None, WaitReason | None]:
+        """Admit waiting requests while they fit; returns where and why admission stopped."""
+        if not self.waiting:
+            return None, None
+        for request in self._admission_order():
+            if budget <= 0:
+                return None, WaitReason.TOKEN_BUDGET
+            if len(self.running) >= self.config.max_num_seqs:
+                return None, WaitReason.MAX_NUM_SEQS
             prefix = self.kv.match_prefix(request)
             request.num_computed_tokens = prefix.num_tokens
             num_new = self._num_new_tokens(request, budget, first=not scheduled)
-            if num_new <= 0:
+            refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
+                self.policy.refuse_admission(request, self.kv)
+            if refusal is None and not self.kv.allocate_slots(request, num_new, prefix):
+                refusal = WaitReason.NO_FREE_BLOCKS
+            if refusal is not None:
                 request.num_computed_tokens = 0
-                break
-            reserve = self._tokens_to_reserve(request, num_new)
-            if not self.kv.allocate_slots(request, reserve, prefix):
-                request.num_computed_tokens = 0
-                break
+                return request, refusal
             self.waiting.remove(request)
             self.running.append(request)
-            self._mark_admitted(request, prefix.num_tokens)
+            self._mark_admitted(request, prefix)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-        return budget
+        return None, None
 
-    def _mark_admitted(self, request: Request, num_cached: int) -> None:
+    def _mark_admitted(self, request: Request, prefix: PrefixMatch | None) -> None:
         timeline = request.timeline
         if request.status is RequestStatus.PREEMPTED:
             timeline.resumed_steps.append(self.step_count)
         else:
-            request.num_cached_tokens = num_cached
+            request.num_cached_tokens = prefix.num_tokens if prefix else 0
+            request.cache_miss_reason = prefix.miss_reason if prefix else "static batching"
             timeline.first_scheduled_time = time.monotonic()
             timeline.first_scheduled_step = self.step_count
         request.status = RequestStatus.RUNNING
@@ -225,26 +249,21 @@ class StaticBatchScheduler(Scheduler):
     """The baseline the seed argues against: admit a batch only when the previous one
     has fully finished, and reserve every request's maximum length up front."""
 
-    def _can_admit(self) -> bool:
-        return super()._can_admit() and not self.running
-
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]
+                       ) -> tuple[Request | None, WaitReason | None]:
         if self.running:
-            return budget
-        # Admit the whole batch at once; the running loop then prefills it under the budget.
-        batch: list[Request] = []
+            return None, WaitReason.STATIC_BATCH
+        # Admit the whole batch at once; the running loop prefills it in later steps.
         for request in list(self.waiting):
-            if len(batch) >= self.config.max_num_seqs:
-                break
+            if len(self.running) >= self.config.max_num_seqs:
+                return None, WaitReason.MAX_NUM_SEQS
             if not self.kv.allocate_slots(request, request.num_prompt_tokens + request.max_tokens):
-                break
+                return request, WaitReason.NO_FREE_BLOCKS
             self.waiting.remove(request)
-            batch.append(request)
-            self._mark_admitted(request, 0)
-        for request in batch:
-            num_new = min(request.num_tokens, budget) if budget > 0 else 0
             self.running.append(request)
+            self._mark_admitted(request, None)
+            num_new = min(request.num_tokens, budget)
             if num_new > 0:
                 scheduled.append(ScheduledRequest(request, 0, num_new))
                 budget -= num_new
-        return budget
+        return None, None

@@ -52,7 +52,7 @@ def test_batch_invariance_with_staggered_arrivals(engine_factory) -> None:
     engine = engine_factory(max_num_batched_tokens=64)
     together = run_all(engine, arrivals)
     assert together == alone
-    assert engine.kv_manager.pool.num_free_blocks == 256
+    assert engine.kv_manager.num_available_blocks == 256
 
 
 def test_seeded_sampling_independent_of_batch(engine_factory) -> None:
@@ -107,7 +107,7 @@ def test_abort_running_and_waiting_frees_blocks(engine_factory) -> None:
     engine.abort_request("b")
     engine.check_integrity()
     assert not engine.has_unfinished_requests()
-    assert engine.kv_manager.pool.num_free_blocks == 256
+    assert engine.kv_manager.num_available_blocks == 256
 
 
 def test_n_samples_and_input_order(tiny_llama) -> None:

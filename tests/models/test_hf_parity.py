@@ -65,7 +65,7 @@ def test_greedy_matches_transformers(shape: str, tmp_path) -> None:
         top5 = torch.topk(ref_logprobs, 5).indices.tolist()
         assert set(top5) <= set(first)
     llm.engine.check_integrity()
-    assert llm.engine.kv_manager.pool.num_free_blocks == 128
+    assert llm.engine.kv_manager.num_available_blocks == 128
 
 
 def test_small_block_size_and_bfloat16(tmp_path) -> None:

@@ -1,0 +1,339 @@
+"""RadixCache: a radix tree over token ids whose edges carry whole KV blocks.
+
+Every edge holds a multiple of ``block_size`` tokens and exactly one block id per
+``block_size`` tokens, so a path from the root spells a block-aligned token prefix
+and lists the blocks that hold its KV. Nodes split only at block boundaries: a block
+whose tokens differ anywhere is a different block, never a shared one.
+
+Ownership: the tree holds one pool reference on every block it indexes; a block
+appears at most once in the tree.
+
+Locking: ``lock(node)`` pins the node and all its ancestors (the root excluded), so
+``lock_count(node) == handle_locks(node) + sum(lock_count(child))``. Hence a node
+with ``lock_count == 0`` has only unlocked descendants, and every unlocked block is
+reachable by evicting least-recently-used unlocked leaves from the bottom up:
+``num_evictable_blocks`` is exactly what ``evict`` can free.
+
+Handles are nodes. A split keeps the existing node object as the lower half, so a
+handle always means "the path down to this node's end", whatever splits happen
+later. A handle must be locked before anything can evict (the KVCacheManager locks
+right after ``match``); an unlocked handle may be evicted and is then refused.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvloom.cache.block_pool import BlockPool, BlockPoolError
+from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
+
+
+class RadixCacheError(BlockPoolError):
+    """A radix-tree invariant or a lock/unlock contract was violated: a bug."""
+
+
+@dataclass(slots=True, eq=False)  # eq=False: nodes hash by identity (handles, heaps)
+class RadixNode:
+    """One edge of the tree and the node it leads to."""
+
+    key: list[int]  # edge tokens; len(key) == len(block_ids) * block_size
+    block_ids: list[int]
+    parent: RadixNode | None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first block
+    lock_count: int = 0  # handle_locks + sum of the children's lock counts
+    handle_locks: int = 0  # locks taken with this node as the handle
+    last_access: int = 0
+    detached: bool = False  # evicted: no longer in the tree
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class RadixCache(PrefixCache):
+    """Prefix cache indexing KV blocks by block-aligned token prefixes, LRU eviction."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.root = RadixNode(key=[], block_ids=[], parent=None)
+        self._clock = itertools.count(1)  # logical LRU time: strictly increasing per operation
+        self._indexed: set[int] = set()  # every block in the tree, for O(1) duplicate checks
+        self._num_evictable_blocks = 0  # blocks of nodes with lock_count == 0
+        # Statistics (the engine derives its hit rate from these).
+        self.num_match_queries = 0
+        self.num_queried_tokens = 0
+        self.num_matched_tokens = 0
+        self.num_inserted_blocks = 0
+        self.num_evicted_blocks = 0
+
+    # ---- queries -----------------------------------------------------------------------
+    def match(self, token_ids: list[int]) -> PrefixMatch:
+        """Longest cached block-aligned prefix of ``token_ids``.
+
+        The handle covers exactly the matched blocks (the node is split if the match
+        ends inside its edge); the matched path becomes most recently used.
+        """
+        node, in_edge, num_blocks, block_ids = self._walk(token_ids)
+        if in_edge:
+            node = self._split(node, in_edge)
+        matched = num_blocks * self.block_size
+        self.num_match_queries += 1
+        self.num_queried_tokens += len(token_ids)
+        self.num_matched_tokens += matched
+        if node is self.root:
+            return PrefixMatch(miss_reason=self._miss_reason(token_ids, matched, in_edge))
+        self._touch(node)
+        return PrefixMatch(block_ids, matched, node, self._miss_reason(token_ids, matched, in_edge))
+
+    def cached_prefix_length(self, token_ids: list[int]) -> int:
+        """Tokens of ``token_ids`` a ``match`` would return, without any side effect
+        (no split, no LRU refresh, no statistics): for cache-aware scheduling."""
+        return self._walk(token_ids)[2] * self.block_size
+
+    def _miss_reason(self, token_ids: list[int], matched: int, in_edge: int) -> str | None:
+        """Why the hit is shorter than the block-aligned length of ``token_ids``."""
+        aligned = len(token_ids) // self.block_size * self.block_size
+        if matched == aligned:
+            if matched == 0:
+                return f"prompt shorter than one block ({len(token_ids)} < {self.block_size} tokens)"
+            return None
+        if matched == 0:
+            return "no cached prefix"
+        where = "diverges from the cached tokens" if in_edge else "has no cached continuation"
+        return f"prefix hit of {matched} tokens; block {matched // self.block_size} {where}"
+
+    def _walk(self, token_ids: list[int]) -> tuple[RadixNode, int, int, list[int]]:
+        """Follow ``token_ids`` down the tree in whole blocks.
+
+        Returns (node, in_edge, num_blocks, block_ids): the match ends ``in_edge`` blocks
+        into ``node``'s edge (0: at the node's end), after ``num_blocks`` blocks in all.
+        """
+        bs = self.block_size
+        node, pos, block_ids = self.root, 0, []
+        while pos + bs <= len(token_ids):
+            child = node.children.get(tuple(token_ids[pos : pos + bs]))
+            if child is None:
+                break
+            same = self._common_blocks(child.key, token_ids, pos)
+            block_ids.extend(child.block_ids[:same])
+            pos += same * bs
+            if same < child.num_blocks:
+                return child, same, pos // bs, block_ids
+            node = child
+        return node, 0, pos // bs, block_ids
+
+    def _common_blocks(self, key: list[int], token_ids: list[int], start: int) -> int:
+        """Whole blocks of ``key`` equal to ``token_ids[start:]`` (the first is known equal)."""
+        if key == token_ids[start : start + len(key)]:  # the common case: the whole edge
+            return len(key) // self.block_size
+        bs, count = self.block_size, 1
+        while (count + 1) * bs <= len(key) and start + (count + 1) * bs <= len(token_ids):
+            lo = count * bs
+            if key[lo : lo + bs] != token_ids[start + lo : start + lo + bs]:
+                break
+            count += 1
+        return count
+
+    # ---- insertion ---------------------------------------------------------------------
+    def insert(self, token_ids: list[int], block_ids: list[int]) -> RadixNode | None:
+        """Index ``token_ids`` (whole blocks) and return the deepest node covering them.
+
+        Blocks already indexed under the same tokens are kept, even when the caller
+        computed its own copy (two requests filled the same prefix concurrently); only
+        the caller's blocks for the new suffix are indexed and gain a reference.
+        """
+        bs = self.block_size
+        if len(token_ids) != len(block_ids) * bs:
+            raise ValueError(
+                f"insert needs len(token_ids) == len(block_ids) * block_size, got "
+                f"{len(token_ids)} tokens for {len(block_ids)} blocks of {bs}"
+            )
+        node, in_edge, num_blocks, _ = self._walk(token_ids)
+        if in_edge:
+            node = self._split(node, in_edge)
+        if num_blocks < len(block_ids):
+            node = self._add_leaf(node, token_ids[num_blocks * bs :], block_ids[num_blocks:])
+        if node is self.root:
+            return None
+        self._touch(node)
+        return node
+
+    def _add_leaf(self, parent: RadixNode, key: list[int], block_ids: list[int]) -> RadixNode:
+        reused = [b for b in block_ids if b in self._indexed]
+        if reused:
+            raise RadixCacheError(f"blocks {reused} are already indexed under other tokens")
+        self.pool.incref(block_ids)
+        leaf = RadixNode(key=list(key), block_ids=list(block_ids), parent=parent)
+        parent.children[tuple(key[: self.block_size])] = leaf
+        self._indexed.update(leaf.block_ids)
+        self._num_evictable_blocks += leaf.num_blocks  # a new leaf is unlocked
+        self.num_inserted_blocks += leaf.num_blocks
+        return leaf
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut ``node``'s edge after ``num_blocks`` blocks; return the new upper node.
+
+        ``node`` keeps the lower half, so handles to it stay valid; the upper node is on
+        every path through ``node``, so it inherits its lock count and LRU time.
+        """
+        bs, parent = self.block_size, node.parent
+        assert parent is not None and 0 < num_blocks < node.num_blocks
+        cut = num_blocks * bs
+        upper = RadixNode(key=node.key[:cut], block_ids=node.block_ids[:num_blocks], parent=parent,
+                          lock_count=node.lock_count, last_access=node.last_access)
+        parent.children[tuple(upper.key[:bs])] = upper
+        node.key, node.block_ids, node.parent = node.key[cut:], node.block_ids[num_blocks:], upper
+        upper.children[tuple(node.key[:bs])] = node
+        return upper
+
+    def _touch(self, node: RadixNode) -> None:
+        now = next(self._clock)
+        for on_path in self._path(node):
+            on_path.last_access = now
+
+    def _path(self, node: RadixNode | None) -> Iterator[RadixNode]:
+        """``node`` and its ancestors up to, not including, the root."""
+        while node is not None and node is not self.root:
+            yield node
+            node = node.parent
+
+    # ---- locking -----------------------------------------------------------------------
+    def lock(self, handle: object | None) -> None:
+        """Pin ``handle``'s path: none of its blocks can be evicted until ``unlock``."""
+        node = self._node(handle, "lock")
+        if node is None:
+            return
+        node.handle_locks += 1
+        for on_path in self._path(node):
+            if on_path.lock_count == 0:
+                self._num_evictable_blocks -= on_path.num_blocks
+            on_path.lock_count += 1
+
+    def unlock(self, handle: object | None) -> None:
+        """Release one ``lock`` of ``handle``; unlocking more often than locking raises."""
+        node = self._node(handle, "unlock")
+        if node is None:
+            return
+        if node.handle_locks <= 0:
+            raise RadixCacheError("unlock of a handle that is not locked")
+        node.handle_locks -= 1
+        for on_path in self._path(node):
+            on_path.lock_count -= 1  # was >= 1: ancestors count every lock below them
+            if on_path.lock_count == 0:
+                self._num_evictable_blocks += on_path.num_blocks
+
+    def _node(self, handle: object | None, action: str) -> RadixNode | None:
+        if handle is None or handle is self.root:
+            return None
+        if not isinstance(handle, RadixNode):
+            raise TypeError(f"{action} expects a handle from this cache, got {type(handle).__name__}")
+        if handle.detached:
+            raise RadixCacheError(f"{action} of an evicted node: lock a match before evicting")
+        return handle
+
+    # ---- eviction ----------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` unlocked blocks, least recently used leaves first.
+
+        A leaf is trimmed from its end when fewer than all its blocks are needed (its
+        remaining prefix stays valid), so exactly ``min(num_blocks, evictable)`` are
+        dropped. Parents left childless and unlocked become candidates in turn.
+        """
+        if num_blocks <= 0:
+            return 0
+        order = itertools.count()  # tie-break: heap entries never compare nodes
+        heap = [(n.last_access, next(order), n) for n in self._nodes() if self._is_evictable_leaf(n)]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(num_blocks - evicted, leaf.num_blocks)
+            dropped = leaf.block_ids[-take:]
+            self._indexed.difference_update(dropped)
+            self.pool.decref(dropped)
+            if take < leaf.num_blocks:
+                del leaf.block_ids[-take:]
+                del leaf.key[-take * self.block_size :]
+            else:
+                parent = leaf.parent
+                assert parent is not None
+                del parent.children[tuple(leaf.key[: self.block_size])]
+                leaf.detached, leaf.parent = True, None
+                if self._is_evictable_leaf(parent):
+                    heapq.heappush(heap, (parent.last_access, next(order), parent))
+            evicted += take
+        self._num_evictable_blocks -= evicted
+        self.num_evicted_blocks += evicted
+        return evicted
+
+    def _is_evictable_leaf(self, node: RadixNode) -> bool:
+        return node is not self.root and not node.children and node.lock_count == 0
+
+    # ---- accounting --------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._indexed)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Matched tokens over queried tokens, over all ``match`` calls so far."""
+        return self.num_matched_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def held_blocks(self) -> list[int]:
+        return [b for node in self._nodes() for b in node.block_ids]
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self) -> None:
+        """Edges are whole blocks, links agree, lock counts add up, counters match,
+        no block is indexed twice and every indexed block is live in the pool."""
+        bs, root = self.block_size, self.root
+        if root.key or root.block_ids or root.lock_count or root.handle_locks or root.parent:
+            raise RadixCacheError("the root must be empty and unlocked")
+        seen: set[int] = set()
+        num_evictable = 0
+        for node in [root, *self._nodes()]:
+            for first, child in node.children.items():
+                if child.parent is not node or child.detached:
+                    raise RadixCacheError(f"child {first} is not linked back to its parent")
+                if first != tuple(child.key[:bs]) or len(first) != bs:
+                    raise RadixCacheError(f"child keyed {first} starts with {child.key[:bs]}")
+            if node is root:
+                continue
+            if not node.block_ids or len(node.key) != node.num_blocks * bs:
+                raise RadixCacheError(f"edge of {len(node.key)} tokens holds {node.num_blocks} blocks")
+            below = sum(child.lock_count for child in node.children.values())
+            if node.handle_locks < 0 or node.lock_count != node.handle_locks + below:
+                raise RadixCacheError(
+                    f"lock count {node.lock_count} != {node.handle_locks} own + {below} below"
+                )
+            for block_id in node.block_ids:
+                if block_id in seen:
+                    raise RadixCacheError(f"block {block_id} is indexed twice")
+                if self.pool.ref_count(block_id) < 1:
+                    raise RadixCacheError(f"indexed block {block_id} is free in the pool")
+                seen.add(block_id)
+            if node.lock_count == 0:
+                num_evictable += node.num_blocks
+        if seen != self._indexed:
+            raise RadixCacheError(f"index has {len(self._indexed)} blocks, tree has {len(seen)}")
+        if num_evictable != self._num_evictable_blocks:
+            raise RadixCacheError(
+                f"counter says {self._num_evictable_blocks} evictable, tree has {num_evictable}"
+            )

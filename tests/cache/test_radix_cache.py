@@ -1,0 +1,366 @@
+"""RadixCache against a naive reference model, plus focused unit tests.
+
+The reference model stores the cache as a prefix-closed set of block-aligned token
+prefixes (prefix -> block id of its last block), each with a logical access time and
+a lock test by brute force. It shares no code with the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvloom.cache.block_pool import BlockPool
+from kvloom.cache.kv_manager import KVCacheManager
+from kvloom.cache.radix_cache import RadixCache, RadixCacheError
+from kvloom.request import Request
+from kvloom.sampling_params import SamplingParams
+
+Prefix = tuple[int, ...]
+
+
+class ReferenceCache:
+    """The cache's contents as plain data: what the tree must be equivalent to."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.blocks: dict[Prefix, int] = {}  # block-aligned prefix -> block holding its last block
+        self.access: dict[Prefix, int] = {}
+        self.clock = 0
+        self.locks: list[Prefix] = []  # multiset of locked prefixes
+
+    def _prefixes(self, tokens: list[int] | Prefix) -> list[Prefix]:
+        return [tuple(tokens[: (i + 1) * self.bs]) for i in range(len(tokens) // self.bs)]
+
+    def match(self, tokens: list[int]) -> tuple[Prefix, list[int]]:
+        prefix: Prefix = ()
+        blocks: list[int] = []
+        for p in self._prefixes(tokens):
+            if p not in self.blocks:
+                break
+            prefix = p
+            blocks.append(self.blocks[p])
+        return prefix, blocks
+
+    def touch(self, prefix: Prefix) -> None:
+        if prefix:
+            self.clock += 1
+            for p in self._prefixes(prefix):
+                self.access[p] = self.clock
+
+    def insert(self, tokens: list[int], block_ids: list[int]) -> None:
+        for p, block_id in zip(self._prefixes(tokens), block_ids):
+            self.blocks.setdefault(p, block_id)
+        self.touch(tuple(tokens))
+
+    def locked(self, prefix: Prefix) -> bool:
+        return any(q[: len(prefix)] == prefix for q in self.locks)
+
+    def num_evictable(self) -> int:
+        return sum(not self.locked(p) for p in self.blocks)
+
+    def evict(self, count: int) -> int:
+        """Drop the least recently used unlocked prefix that nothing extends, ``count`` times."""
+        done = 0
+        while done < count:
+            leaves = [
+                p for p in self.blocks
+                if not self.locked(p) and not any(len(q) == len(p) + self.bs and q[: len(p)] == p
+                                                   for q in self.blocks)
+            ]
+            if not leaves:
+                break
+            oldest = min(leaves, key=lambda p: self.access[p])
+            assert sum(self.access[p] == self.access[oldest] for p in leaves) == 1, "LRU tie"
+            del self.blocks[oldest], self.access[oldest]
+            done += 1
+        return done
+
+
+@dataclass
+class SimRequest:
+    """A request as the KVCacheManager keeps it: its own references and one locked handle."""
+
+    block_ids: list[int]
+    handle: object | None
+    locked_prefix: Prefix
+
+
+class Harness:
+    """Runs the same operations on the RadixCache and the reference; checks after each."""
+
+    def __init__(self, block_size: int, num_blocks: int = 10) -> None:
+        self.bs = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, block_size)
+        self.ref = ReferenceCache(block_size)
+        self.requests: list[SimRequest] = []
+        self.pins: list[tuple[object, Prefix]] = []
+
+    def match(self, tokens: list[int]) -> tuple[object | None, Prefix, list[int]]:
+        got = self.cache.match(tokens)
+        prefix, blocks = self.ref.match(tokens)
+        self.ref.touch(prefix)
+        assert (got.num_tokens, got.block_ids) == (len(prefix), blocks)
+        assert (got.handle is None) == (not prefix)
+        # A reason for every miss and every hit shorter than the prompt's full blocks.
+        assert (got.miss_reason is None) == (bool(prefix) and len(prefix) == len(tokens) // self.bs * self.bs)
+        return got.handle, prefix, blocks
+
+    def evict(self, count: int) -> None:
+        expected = min(max(count, 0), self.ref.num_evictable())
+        assert self.cache.evict(count) == expected
+        assert self.ref.evict(count) == expected
+
+    def lock(self, handle: object | None, prefix: Prefix) -> None:
+        self.cache.lock(handle)
+        if prefix:
+            self.ref.locks.append(prefix)
+
+    def unlock(self, handle: object | None, prefix: Prefix) -> None:
+        self.cache.unlock(handle)
+        if prefix:
+            self.ref.locks.remove(prefix)
+
+    def run_request(self, tokens: list[int], use_match: bool, first_insert: int) -> None:
+        """Admit, compute and index a request the way the KVCacheManager does."""
+        num_full = len(tokens) // self.bs
+        handle, prefix, blocks = self.match(tokens) if use_match else (None, (), [])
+        self.lock(handle, prefix)
+        needed = num_full - len(blocks)
+        shortfall = needed - self.pool.num_free_blocks
+        if shortfall > 0:
+            if shortfall > self.cache.num_evictable_blocks:
+                self.unlock(handle, prefix)
+                return
+            self.evict(shortfall)
+        self.pool.incref(blocks)
+        request = SimRequest(blocks + self.pool.allocate(needed), handle, prefix)
+        self.requests.append(request)
+        # Index in two steps, as blocks fill: lock the new handle, then release the old.
+        for num_blocks in sorted({min(first_insert, num_full), num_full}):
+            done = tokens[: num_blocks * self.bs]
+            new_handle = self.cache.insert(done, request.block_ids[:num_blocks])
+            self.ref.insert(done, request.block_ids[:num_blocks])
+            assert (new_handle is None) == (num_blocks == 0)
+            self.lock(new_handle, tuple(done))
+            self.unlock(request.handle, request.locked_prefix)
+            request.handle, request.locked_prefix = new_handle, tuple(done)
+
+    def finish_request(self, index: int) -> None:
+        request = self.requests.pop(index % len(self.requests))
+        self.unlock(request.handle, request.locked_prefix)
+        self.pool.decref(request.block_ids)
+
+    def check(self) -> None:
+        self.cache.check_integrity()
+        holders: dict[int, int] = {}
+        for block_id in [*self.ref.blocks.values(), *(b for r in self.requests for b in r.block_ids)]:
+            holders[block_id] = holders.get(block_id, 0) + 1
+        self.pool.check_integrity(holders)
+        assert sorted(self.cache.held_blocks()) == sorted(self.ref.blocks.values())
+        assert self.cache.num_cached_blocks == len(self.ref.blocks)
+        assert self.cache.num_evictable_blocks == self.ref.num_evictable()
+
+
+TOKENS = st.lists(st.integers(0, 2), max_size=12)  # a tiny alphabet: prefixes collide often
+# Weighted towards finishing and evicting: the interesting cases need idle cached blocks
+# whose LRU order was changed by later hits, under a small pool's pressure.
+OPS = st.one_of(
+    st.tuples(st.just("request"), TOKENS, st.booleans(), st.integers(0, 4)),
+    st.tuples(st.just("finish"), st.integers(0, 100)),
+    st.tuples(st.just("finish"), st.integers(0, 100)),
+    st.tuples(st.just("match"), TOKENS, st.booleans()),
+    st.tuples(st.just("unpin"), st.integers(0, 100)),
+    st.tuples(st.just("evict"), st.integers(-1, 4)),
+    st.tuples(st.just("evict"), st.integers(1, 12)),
+    st.tuples(st.just("peek"), TOKENS),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block_size=st.sampled_from([1, 2, 4]), ops=st.lists(OPS, min_size=10, max_size=50))
+def test_matches_reference_model(block_size: int, ops: list[tuple]) -> None:
+    h = Harness(block_size)
+    for op in ops:
+        kind = op[0]
+        if kind == "request":
+            h.run_request(op[1], use_match=op[2], first_insert=op[3])
+        elif kind == "finish" and h.requests:
+            h.finish_request(op[1])
+        elif kind == "match":
+            handle, prefix, _ = h.match(op[1])
+            if op[2] and handle is not None:  # pin it, as an admitted request would
+                h.lock(handle, prefix)
+                h.pins.append((handle, prefix))
+        elif kind == "unpin" and h.pins:
+            h.unlock(*h.pins.pop(op[1] % len(h.pins)))
+        elif kind == "evict":
+            h.evict(op[1])
+        elif kind == "peek":
+            assert h.cache.cached_prefix_length(op[1]) == len(h.ref.match(op[1])[0])
+        h.check()
+    # Releasing everything leaves only the cache's references; evicting all empties the pool.
+    while h.requests:
+        h.finish_request(0)
+    while h.pins:
+        h.unlock(*h.pins.pop())
+    h.check()
+    h.evict(h.pool.num_blocks)
+    h.check()
+    assert h.pool.num_free_blocks == h.pool.num_blocks and h.cache.num_cached_blocks == 0
+
+
+# ---- unit tests ---------------------------------------------------------------------------
+def make(block_size: int = 2, num_blocks: int = 16) -> tuple[BlockPool, RadixCache]:
+    pool = BlockPool(num_blocks)
+    return pool, RadixCache(pool, block_size)
+
+
+def index(pool: BlockPool, cache: RadixCache, tokens: list[int]) -> list[int]:
+    """Insert ``tokens`` as a finished request would: afterwards only the cache holds them."""
+    blocks = pool.allocate(len(tokens) // cache.block_size)
+    cache.insert(tokens, blocks)
+    pool.decref(blocks)
+    return blocks
+
+
+def test_partial_match_splits_at_block_boundary() -> None:
+    pool, cache = make()
+    a, b, c = index(pool, cache, [1, 2, 3, 4, 5, 6])
+    hit = cache.match([1, 2, 3, 4, 9, 9])
+    assert (hit.num_tokens, hit.block_ids) == (4, [a, b])
+    assert "block 2 diverges" in (hit.miss_reason or "")
+    (upper,) = cache.root.children.values()
+    assert upper is hit.handle and upper.key == [1, 2, 3, 4] and upper.block_ids == [a, b]
+    assert [n.key for n in upper.children.values()] == [[5, 6]]
+    cache.lock(hit.handle)  # pins exactly the matched blocks
+    assert cache.num_evictable_blocks == 1
+    assert cache.evict(3) == 1 and pool.ref_count(c) == 0 and pool.ref_count(a) == 1
+    cache.check_integrity()
+
+
+def test_match_stops_at_last_full_block() -> None:
+    pool, cache = make()
+    a, b = index(pool, cache, [1, 2, 3, 4])
+    assert (cache.match([1, 2, 3]).num_tokens, cache.match([1, 2, 3]).miss_reason) == (2, None)
+    diverged = cache.match([1, 2, 3, 9])  # differs in the second half of block 1
+    assert diverged.num_tokens == 2 and diverged.block_ids == [a]
+    longer = cache.match([1, 2, 3, 4, 5, 6])
+    assert longer.num_tokens == 4 and "no cached continuation" in (longer.miss_reason or "")
+    assert cache.cached_prefix_length([1, 2, 3, 4, 7]) == 4
+    cache.check_integrity()
+
+
+def test_miss_reasons_and_hit_statistics() -> None:
+    pool, cache = make(block_size=4)
+    assert "shorter than one block" in (cache.match([1, 2, 3]).miss_reason or "")
+    assert cache.match([1, 2, 3, 4]).miss_reason == "no cached prefix"
+    index(pool, cache, [1, 2, 3, 4])
+    assert cache.match([1, 2, 3, 4, 5]).miss_reason is None  # all full blocks hit
+    assert cache.match([]).handle is None
+    assert (cache.num_match_queries, cache.num_queried_tokens, cache.num_matched_tokens) == (4, 12, 4)
+    assert cache.hit_rate == pytest.approx(4 / 12)
+
+
+def test_insert_keeps_existing_blocks_and_indexes_only_the_new_suffix() -> None:
+    pool, cache = make()
+    first = pool.allocate(2)  # request 1 computed [1 2 | 3 4]
+    second = pool.allocate(3)  # request 2 computed the same prefix itself, plus [5 6]
+    h1 = cache.insert([1, 2, 3, 4], first)
+    assert cache.insert([1, 2, 3, 4], second[:2]) is h1  # same node; duplicates not indexed
+    assert [pool.ref_count(b) for b in first + second] == [2, 2, 1, 1, 1]
+    h2 = cache.insert([1, 2, 3, 4, 5, 6], second)
+    assert sorted(cache.held_blocks()) == sorted([*first, second[2]])
+    assert pool.ref_count(second[2]) == 2 and cache.match([1, 2, 3, 4, 5, 6]).block_ids == [*first, second[2]]
+    cache.lock(h2)
+    pool.decref(first + second)  # both requests finish; the duplicates return to the pool
+    assert pool.num_free_blocks == 16 - 3
+    cache.unlock(h2)
+    cache.check_integrity()
+    pool.check_integrity({b: 1 for b in cache.held_blocks()})
+
+
+def test_split_keeps_handles_valid() -> None:
+    pool, cache = make()
+    blocks = pool.allocate(3)
+    handle = cache.insert([1, 2, 3, 4, 5, 6], blocks)
+    cache.lock(handle)
+    cache.match([1, 2, 7, 7])  # splits the locked edge above the handle
+    cache.insert([1, 2, 3, 4, 8, 8], [*blocks[:2], *pool.allocate(1)])  # and again
+    cache.check_integrity()
+    assert cache.num_evictable_blocks == 1  # only the new [8 8] leaf
+    cache.unlock(handle)
+    assert cache.num_evictable_blocks == 4
+    with pytest.raises(RadixCacheError):
+        cache.unlock(handle)
+
+
+def test_eviction_is_least_recently_used_first() -> None:
+    pool, cache = make(block_size=1)
+    x = index(pool, cache, [1, 1])
+    y = index(pool, cache, [2, 2])
+    z = index(pool, cache, [3, 3])
+    cache.match([1, 1])  # x becomes the most recently used
+    assert cache.evict(1) == 1 and cache.held_blocks().count(y[1]) == 0  # y's tail first
+    assert cache.evict(2) == 2 and set(cache.held_blocks()) == {*x, z[0]}
+    assert cache.evict(10) == 3 and cache.num_cached_blocks == 0 and cache.num_evicted_blocks == 6
+    assert pool.num_free_blocks == 16
+
+
+def test_eviction_frees_children_before_parents_and_respects_locks() -> None:
+    pool, cache = make()
+    index(pool, cache, [1, 2, 3, 4])
+    index(pool, cache, [1, 2, 5, 6])
+    locked = cache.match([1, 2, 3, 4])
+    cache.lock(locked.handle)
+    assert cache.num_evictable_blocks == 1
+    assert cache.evict(0) == 0 and cache.evict(5) == 1  # only the [5 6] leaf was free
+    assert cache.match([1, 2, 3, 4]).block_ids == locked.block_ids
+    cache.unlock(locked.handle)
+    assert cache.evict(5) == 2 and cache.num_cached_blocks == 0
+    with pytest.raises(RadixCacheError):
+        cache.lock(locked.handle)  # evicted: the handle is stale
+    cache.check_integrity()
+
+
+def test_contract_violations_raise() -> None:
+    pool, cache = make()
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3], pool.allocate(2))
+    blocks = pool.allocate(1)
+    cache.insert([1, 2], blocks)
+    with pytest.raises(RadixCacheError):
+        cache.insert([7, 7], blocks)  # one block cannot hold two different token runs
+    with pytest.raises(TypeError):
+        cache.lock("not a handle")
+    cache.lock(None)
+    cache.unlock(None)
+
+
+def test_kv_manager_shares_prefix_and_evicts_under_pressure() -> None:
+    params = SamplingParams()
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, block_size=2, prefix_cache=RadixCache(pool, 2))
+
+    def admit(prompt: list[int]) -> Request:
+        request = Request(str(prompt), prompt, params)
+        prefix = kv.match_prefix(request)
+        assert kv.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix)
+        request.num_computed_tokens = request.num_tokens
+        kv.cache_computed_blocks(request)
+        return request
+
+    first = admit([1, 2, 3, 4, 5])
+    second = admit([1, 2, 3, 4, 6])
+    assert second.block_ids[:2] == first.block_ids[:2]  # the 4-token prefix is shared
+    kv.check_integrity([first, second])
+    kv.free(first)
+    kv.free(second)
+    kv.check_integrity([])
+    third = admit([7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7])  # needs all 6 blocks: evicts the rest
+    assert kv.num_evicted_blocks == 2
+    kv.check_integrity([third])
