@@ -62,7 +62,7 @@ class RequestTimeline:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclass(slots=True, eq=False)  # eq=False: requests hash and compare by identity
+@dataclass(slots=True, eq=False, repr=False)  # eq=False: requests hash by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -113,6 +113,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_ids)})")
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

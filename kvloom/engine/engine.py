@@ -50,6 +50,14 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    num_cached_blocks: int
+    num_evicted_blocks: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(1, self.prefix_cache_queried_tokens)
 
 
 class LLMEngine:
@@ -164,9 +172,11 @@ class LLMEngine:
         self.output_processor.discard(request)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(s.step_count, len(s.running), len(s.waiting), self.kv_manager.usage,
-                           s.num_preemptions, self.kv_manager.pool.num_free_blocks, self.num_blocks)
+        s, kv = self.scheduler, self.kv_manager
+        return EngineStats(s.step_count, len(s.running), len(s.waiting), kv.usage,
+                           s.num_preemptions, kv.pool.num_free_blocks, self.num_blocks,
+                           kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
+                           s.num_queried_prompt_tokens, s.num_cached_prompt_tokens)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -78,6 +78,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    cache_miss_reason: str | None = None  # why the cache did not serve more of the prompt
     metrics: RequestTimeline | None = None
     error: str | None = None

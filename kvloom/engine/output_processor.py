@@ -82,6 +82,9 @@ class OutputProcessor:
         """The request's cumulative output and the delta since the previous call."""
         state = self._streams[request]
         finished = request.is_finished
+        if finished and not isinstance(request.stop_reason, str):
+            # Bytes of an unfinished character are released at the very end.
+            state.text += state.detokenizer.finish()
         visible = len(state.text)
         if not finished and request.sampling_params.stop:
             visible -= _held_back(state.text, request.sampling_params.stop)
@@ -115,6 +118,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            cache_miss_reason=request.cache_miss_reason,
             metrics=request.timeline,
             error=request.error,
         )

@@ -40,6 +40,9 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_starvation_promotions = 0
+        # Prefix-cache hit rate in tokens, counted once per request at first admission.
+        self.num_queried_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
         self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
@@ -161,7 +164,7 @@ class Scheduler:
         """Admit waiting requests while they fit; returns where and why admission stopped."""
         if not self.waiting:
             return None, None
-        for request in self._admission_order():
+        for request in list(self._admission_order()):  # a copy: admission edits the queue
             if budget <= 0:
                 return None, WaitReason.TOKEN_BUDGET
             if len(self.running) >= self.config.max_num_seqs:
@@ -189,6 +192,8 @@ class Scheduler:
             timeline.resumed_steps.append(self.step_count)
         else:
             request.num_cached_tokens = prefix.num_tokens if prefix else 0
+            self.num_queried_prompt_tokens += request.num_prompt_tokens
+            self.num_cached_prompt_tokens += request.num_cached_tokens
             request.cache_miss_reason = prefix.miss_reason if prefix else "static batching"
             timeline.first_scheduled_time = time.monotonic()
             timeline.first_scheduled_step = self.step_count
