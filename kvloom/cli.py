@@ -30,6 +30,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default="fcfs")
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     group.add_argument("--long-prefill-threshold", type=int, default=0)
+    group.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--max-wait-steps", type=int, default=0,
+                       help="starvation bound: admit a request first after this many steps waiting")
+    group.add_argument("--max-wait-seconds", type=float, default=0.0)
+    group.add_argument("--low-watermark", type=float, default=0.0)
+    group.add_argument("--high-watermark", type=float, default=1.0)
+    group.add_argument("--trace", action="store_true", help="record the scheduler's decisions")
+    group.add_argument("--trace-file", default=None, help="write the decision record here at exit")
     group.add_argument("--attention-backend", default="auto")
     group.add_argument("--num-threads", type=int, default=None)
 
@@ -37,11 +45,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("dtype", "device", "seed", "max_model_len", "block_size", "num_blocks",
                "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "scheduling",
                "policy", "enable_chunked_prefill", "long_prefill_threshold",
-               "attention_backend", "num_threads")
+               "attention_backend", "num_threads", "enable_prefix_caching", "max_wait_steps",
+               "max_wait_seconds", "low_watermark", "high_watermark", "trace")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in ENGINE_KEYS if hasattr(args, key)}
+    kwargs = {key: getattr(args, key) for key in ENGINE_KEYS if hasattr(args, key)}
+    if getattr(args, "trace_file", None):
+        kwargs["trace"] = True
+    return kwargs
+
+
+def save_trace(engine: Any, args: argparse.Namespace) -> None:
+    """Write the scheduler's decision record where --trace-file asks."""
+    if getattr(args, "trace_file", None):
+        engine.scheduler.trace.save(args.trace_file)
+        print(f"trace written to {args.trace_file}", file=sys.stderr)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +131,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in args.prompt]
         for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args))):
             print(f"--- {prompt!r}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}]")
+        save_trace(llm.engine, args)
         return 0
     if args.command == "chat":
         from kvloom.chat import run_chat

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
+from kvloom.cache.in_flight import NoPrefixesInFlight, PrefixesInFlight
 from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
 from kvloom.request import Request
 
@@ -53,6 +54,12 @@ class KVCacheManager:
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(request.block_ids))
+
+    def prefixes_in_flight(self, running: list[Request]) -> NoPrefixesInFlight:
+        """Prompt blocks being computed by ``running`` requests (see ``in_flight``)."""
+        if not self.prefix_cache.shares_prefixes:
+            return NoPrefixesInFlight()
+        return PrefixesInFlight(self.block_size, running)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Look up the request's cached prefix; the last token is always left to compute

@@ -28,6 +28,9 @@ class PrefixMatch:
 class PrefixCache(ABC):
     """Holds one reference (in the BlockPool) on every block it indexes."""
 
+    # Whether matches can ever hit; the scheduler waits for in-flight prefixes only if so.
+    shares_prefixes: bool = True
+
     @abstractmethod
     def match(self, token_ids: list[int]) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole blocks; refreshes its LRU time."""
@@ -64,12 +67,19 @@ class PrefixCache(ABC):
     def held_blocks(self) -> list[int]:
         """Every block the cache holds a reference on (for integrity checks)."""
 
+    def cached_prefix_length(self, token_ids: list[int]) -> int:
+        """Tokens of ``token_ids`` a match would serve, without touching LRU or stats
+        (for cache-aware scheduling)."""
+        return 0
+
     def check_integrity(self) -> None:
         """Raise if the cache's own structure is inconsistent."""
 
 
 class NoPrefixCache(PrefixCache):
     """Prefix caching disabled: every match misses, nothing is ever held."""
+
+    shares_prefixes = False
 
     def match(self, token_ids: list[int]) -> PrefixMatch:
         return PrefixMatch(miss_reason="prefix cache disabled")

@@ -43,6 +43,7 @@ class Scheduler:
         # Prefix-cache hit rate in tokens, counted once per request at first admission.
         self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
+        self._deferred: list[Request] = []  # waiting on a shared prefix in flight, this step
         self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
@@ -128,11 +129,12 @@ class Scheduler:
                 budget -= num_new
 
         # Admitting right after a preemption would only thrash: the pool is full.
+        self._deferred = []
         blocked, reason = (None, WaitReason.POOL_FULL) if preempted else \
             self._admit_waiting(budget, scheduled)
         output = SchedulerOutput(self.step_count, scheduled, preempted)
         self.trace.record_step(output, self.waiting, blocked, reason, preempt_reasons,
-                               self.kv.pool.num_free_blocks)
+                               self.kv.pool.num_free_blocks, self._deferred)
         return output
 
     def _num_new_tokens(self, request: Request, budget: int, first: bool) -> int:
@@ -164,12 +166,18 @@ class Scheduler:
         """Admit waiting requests while they fit; returns where and why admission stopped."""
         if not self.waiting:
             return None, None
+        in_flight = self.kv.prefixes_in_flight(self.running)
         for request in list(self._admission_order()):  # a copy: admission edits the queue
             if budget <= 0:
                 return None, WaitReason.TOKEN_BUDGET
             if len(self.running) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
             prefix = self.kv.match_prefix(request)
+            if in_flight.covers_next_block(request, prefix.num_tokens):
+                # A running request is computing this request's next blocks right now:
+                # waiting for them turns recomputation into a cache hit.
+                self._deferred.append(request)
+                continue
             request.num_computed_tokens = prefix.num_tokens
             num_new = self._num_new_tokens(request, budget, first=not scheduled)
             refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
@@ -182,6 +190,7 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, prefix)
+            in_flight.add(request)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None

@@ -28,6 +28,7 @@ class WaitReason(str, enum.Enum):
     WATERMARK = "watermark"  # KV use above the watermark and its growth would not fit
     POOL_FULL = "pool full (preempted this step)"  # admission pauses after a preemption
     STATIC_BATCH = "static batch running"  # baseline mode admits only between batches
+    PREFIX_IN_FLIGHT = "shared prefix in flight"  # its next blocks are being computed by another
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ class NullTrace:
 
     def record_step(self, output: SchedulerOutput, waiting: list[Request],
                     blocked: Request | None, reason: WaitReason | None,
-                    preempt_reasons: dict[str, str], num_free_blocks: int) -> None:
+                    preempt_reasons: dict[str, str], num_free_blocks: int,
+                    deferred: list[Request]) -> None:
         pass
 
     def record_finish(self, step: int, request: Request) -> None:
@@ -71,7 +73,8 @@ class SchedulerTrace(NullTrace):
 
     def record_step(self, output: SchedulerOutput, waiting: list[Request],
                     blocked: Request | None, reason: WaitReason | None,
-                    preempt_reasons: dict[str, str], num_free_blocks: int) -> None:
+                    preempt_reasons: dict[str, str], num_free_blocks: int,
+                    deferred: list[Request]) -> None:
         scheduled = [
             ScheduledEntry(item.request.request_id, "prefill" if item.is_prefill else "decode",
                            item.num_new_tokens, len(item.request.block_ids))
@@ -83,7 +86,9 @@ class SchedulerTrace(NullTrace):
                             WaitReason.POOL_FULL, WaitReason.STATIC_BATCH)
         waits = []
         for request in waiting:
-            if request is blocked or shared:
+            if request in deferred:
+                waits.append((request.request_id, WaitReason.PREFIX_IN_FLIGHT.value))
+            elif request is blocked or shared:
                 waits.append((request.request_id, (reason or WaitReason.POLICY_ORDER).value))
             else:
                 waits.append((request.request_id, WaitReason.POLICY_ORDER.value))

@@ -1,0 +1,121 @@
+"""The radix prefix cache inside the engine: same outputs, far fewer computed tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvloom import SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path, **kwargs) -> LLMEngine:
+    args = dict(dtype="float32", block_size=16, num_blocks=512, trace=True)
+    args.update(kwargs)
+    return LLMEngine(EngineConfig.from_kwargs(str(path), **args))
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], params=GREEDY):
+    for request_id, prompt in prompts.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.check_integrity()
+    return finals
+
+
+def prefill_tokens_computed(engine: LLMEngine) -> int:
+    return sum(entry.num_tokens for record in engine.scheduler.trace.records
+               for entry in record.scheduled if entry.kind == "prefill")
+
+
+def test_outputs_identical_with_cache_on_and_off_including_split_blocks(tiny_llama) -> None:
+    rng = random.Random(1)
+    system = [rng.randrange(3, 512) for _ in range(37)]  # not a multiple of the block size
+    prompts = {}
+    for i in range(12):
+        # Some prompts diverge inside a block of the shared part, splitting radix nodes.
+        cut = rng.choice([37, 20, 33, 5])
+        prompts[f"r{i}"] = system[:cut] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))]
+    on = run(make_engine(tiny_llama), prompts)
+    off = run(make_engine(tiny_llama, enable_prefix_caching=False), prompts)
+    assert {k: v.outputs[0].token_ids for k, v in on.items()} == {k: v.outputs[0].token_ids for k, v in off.items()}
+    assert sum(o.num_cached_tokens for o in on.values()) > 0
+    assert all(o.num_cached_tokens == 0 and o.cache_miss_reason == "prefix cache disabled" for o in off.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_long_context(tmp_path_factory):
+    from helpers_models import write_tiny_hf_model
+    return write_tiny_hf_model(tmp_path_factory.mktemp("long"), arch="llama", max_position_embeddings=2048)
+
+
+def test_shared_system_prompt_is_computed_once(tiny_long_context) -> None:
+    tiny_llama = tiny_long_context
+    rng = random.Random(2)
+    system = [rng.randrange(3, 512) for _ in range(1000)]
+    prompts = {f"q{i}": system + [rng.randrange(3, 512) for _ in range(8)] for i in range(32)}
+    config = dict(max_model_len=2048, num_blocks=1024)
+    off_engine = make_engine(tiny_llama, enable_prefix_caching=False, **config)
+    run(off_engine, prompts)
+    on_engine = make_engine(tiny_llama, **config)
+    run(on_engine, prompts)
+    off_tokens, on_tokens = prefill_tokens_computed(off_engine), prefill_tokens_computed(on_engine)
+    assert off_tokens == 32 * 1008
+    assert on_tokens < 0.1 * off_tokens, (on_tokens, off_tokens)
+    stats = on_engine.stats()
+    assert stats.prefix_cache_hit_rate > 0.9
+
+
+def test_multi_turn_reuses_previous_prompt_and_answer(tiny_llama) -> None:
+    engine = make_engine(tiny_llama)
+    rng = random.Random(4)
+    turn1 = [rng.randrange(3, 512) for _ in range(50)]
+    first = run(engine, {"t1": turn1}, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))["t1"]
+    turn2 = turn1 + first.outputs[0].token_ids + [rng.randrange(3, 512) for _ in range(10)]
+    second = run(engine, {"t2": turn2})["t2"]
+    # Everything but the unfinished last block of turn 1 (+ answer) is served from the cache.
+    reusable = (len(turn1) + 30 - 1) // 16 * 16
+    assert second.num_cached_tokens == reusable
+    off = run(make_engine(tiny_llama, enable_prefix_caching=False), {"t2": turn2})["t2"]
+    assert second.outputs[0].token_ids == off.outputs[0].token_ids
+
+
+def test_eviction_under_pressure(tiny_llama) -> None:
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(3, 512) for _ in range(rng.randrange(30, 70))] for i in range(24)}
+    reference = run(make_engine(tiny_llama, enable_prefix_caching=False), prompts)
+    engine = make_engine(tiny_llama, num_blocks=20)  # far smaller than the working set
+    results = run(engine, prompts)
+    assert {k: v.outputs[0].token_ids for k, v in results.items()} == \
+           {k: v.outputs[0].token_ids for k, v in reference.items()}
+    assert engine.kv_manager.num_evicted_blocks > 0
+    assert engine.kv_manager.num_available_blocks == 20
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_lpm_policy_prefers_cached_prefixes(tiny_llama, policy) -> None:
+    engine = make_engine(tiny_llama, max_num_seqs=1, policy=policy)
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 512) for _ in range(64)]
+    run(engine, {"warm": shared + [1]})
+    cold = {f"cold{i}": [rng.randrange(3, 512) for _ in range(64)] for i in range(3)}
+    for request_id, prompt in cold.items():
+        engine.add_request(prompt, GREEDY, request_id=request_id)
+    engine.add_request(shared + [2, 3], GREEDY, request_id="hot")
+    order = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                order.append(output.request_id)
+    if policy == "lpm":
+        assert order[0] == "hot"
+    else:
+        assert order[-1] == "hot"
