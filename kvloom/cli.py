@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvloom.bench.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)
+    from kvloom.engine.trace_render import add_trace_parser
+    add_trace_parser(sub)
     return parser
 
 
@@ -139,4 +141,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvloom.bench.cli import run_bench
         return run_bench(args)
+    if args.command == "trace":
+        from kvloom.engine.trace_render import run_trace
+        return run_trace(args)
     raise AssertionError(args.command)

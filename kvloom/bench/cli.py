@@ -38,7 +38,7 @@ def _offline(args: argparse.Namespace) -> int:
 
     from kvloom.bench import datasets
     from kvloom.bench.offline import format_table, run_offline, save_results
-    from kvloom.cli import engine_kwargs
+    from kvloom.cli import engine_kwargs, save_trace
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
 
@@ -58,6 +58,8 @@ def _offline(args: argparse.Namespace) -> int:
                 requests = datasets.sample_random(engine.tokenizer, args.num_prompts, args.input_len,
                                                   args.output_len, 0.0, args.dataset_seed)
         results.append(run_offline(engine, requests, mode, ignore_eos=args.ignore_eos))
+        if args.trace_file:
+            save_trace(engine, args)
         del engine
     print(format_table(results))
     if args.output_json:
