@@ -37,7 +37,7 @@ def _offline(args: argparse.Namespace) -> int:
     import torch
 
     from kvloom.bench import datasets
-    from kvloom.bench.offline import format_table, run_offline, save_results
+    from kvloom.bench.offline import format_table, run_offline, save_results, warm_up
     from kvloom.cli import engine_kwargs, save_trace
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
@@ -57,6 +57,7 @@ def _offline(args: argparse.Namespace) -> int:
             else:
                 requests = datasets.sample_random(engine.tokenizer, args.num_prompts, args.input_len,
                                                   args.output_len, 0.0, args.dataset_seed)
+        warm_up(engine)
         results.append(run_offline(engine, requests, mode, ignore_eos=args.ignore_eos))
         if args.trace_file:
             save_trace(engine, args)

@@ -51,6 +51,14 @@ def kv_utilisation(engine: LLMEngine) -> float | None:
     return sum(r.num_computed_tokens for r in running) / slots
 
 
+def warm_up(engine: LLMEngine) -> None:
+    """One short untimed request so one-time costs (oneDNN kernel selection, allocator
+    growth) do not land in the first measured mode."""
+    engine.add_request([1] * 64, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
                 ignore_eos: bool = True, show_progress: bool = True) -> OfflineResult:
     """Submit every request at once and step the engine until all finish."""

@@ -261,7 +261,8 @@ class Scheduler:
 
 class StaticBatchScheduler(Scheduler):
     """The baseline the seed argues against: admit a batch only when the previous one
-    has fully finished, and reserve every request's maximum length up front."""
+    has fully finished, and reserve the model's maximum length for every request up
+    front (as engines without paging must)."""
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]
                        ) -> tuple[Request | None, WaitReason | None]:
@@ -271,7 +272,9 @@ class StaticBatchScheduler(Scheduler):
         for request in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
-            if not self.kv.allocate_slots(request, request.num_prompt_tokens + request.max_tokens):
+            # Max-length preallocation: what a system without paging must reserve.
+            reserve = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+            if not self.kv.allocate_slots(request, reserve):
                 return request, WaitReason.NO_FREE_BLOCKS
             self.waiting.remove(request)
             self.running.append(request)
