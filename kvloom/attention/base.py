@@ -8,6 +8,7 @@ name with a lazy import so that a CUDA-only kernel never loads on a CPU machine.
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 
 import torch
@@ -36,9 +37,12 @@ class AttentionBackend(ABC):
         Returns [tokens, heads, head_dim]."""
 
 
+logger = logging.getLogger(__name__)
+
 # name -> "module:Class"; imported only when chosen.
 BACKENDS: dict[str, str] = {
     "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
+    "cpu_paged": "kvloom.attention.cpu_paged:CPUPagedBackend",
 }
 
 
@@ -53,8 +57,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto": the C++ paged kernel on CPU when it builds here, else the reference."""
     if name != "auto":
         return name
+    if device.type == "cpu":
+        from kvloom.attention.cpu_paged import KernelUnavailable, load_library
+        try:
+            load_library()
+            return "cpu_paged"
+        except KernelUnavailable as error:
+            logger.warning("%s; using the pure-PyTorch attention backend", error)
     return "torch_ref"
 
 

@@ -45,15 +45,18 @@ def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_greedy_matches_transformers(shape: str, tmp_path) -> None:
+def test_greedy_matches_transformers(shape: str, backend: str, tmp_path) -> None:
     import transformers
 
     arch, overrides = SHAPES[shape]
     path = write_tiny_hf_model(tmp_path / shape, arch=arch, **overrides)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = random_prompts(8, reference.config.vocab_size, seed=hash(shape) % 1000)
-    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=128)
+    # A small token budget forces chunked prefill, so chunk continuations are covered too.
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=128, attention_backend=backend,
+              max_num_batched_tokens=48)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
