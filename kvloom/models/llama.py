@@ -14,7 +14,7 @@ from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.config import ModelConfig
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvloom.runner.forward_batch import ForwardBatch
 
 
@@ -30,14 +30,15 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
-                kv_cache: torch.Tensor, backend: AttentionBackend, metadata: object) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend,
+                metadata: object) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, k, *rotary)
         out = backend.forward(q, k, v, kv_cache, batch, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [tokens, hidden]
 
@@ -70,9 +71,10 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states, [tokens, hidden]; kv_caches is the whole pool
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         hidden = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
             residual = hidden
-            hidden = layer.self_attn(layer.input_layernorm(hidden), self.rotary, batch,
+            hidden = layer.self_attn(layer.input_layernorm(hidden), rotary, batch,
                                      kv_caches[index], backend, metadata)
             hidden = residual + hidden
             residual = hidden

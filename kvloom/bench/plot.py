@@ -1,0 +1,127 @@
+"""`kvloom bench plot RESULTS.json... --out DIR`: PNG charts of ``bench serve`` results.
+
+- ``latency_vs_throughput.png``: output token throughput (x) against mean and p99
+  TTFT and TPOT (four panels), one line per label (an engine option set), points
+  in request-rate order and annotated with the rate.
+- ``throughput.png``: output token throughput as grouped bars, one group per
+  request rate and one bar per label.
+
+Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas: no pyplot
+state, no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_results", "plot_latency_vs_throughput", "plot_results", "plot_throughput_bars",
+           "series_by_label"]
+
+_LATENCY_PANELS = (("ttft_ms", "mean", "mean TTFT (ms)"), ("ttft_ms", "p99", "p99 TTFT (ms)"),
+                   ("tpot_ms", "mean", "mean TPOT (ms)"), ("tpot_ms", "p99", "p99 TPOT (ms)"))
+
+
+def load_results(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """Read results documents; each remembers its file as ``_path`` for labelling."""
+    results = []
+    for path in paths:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if "metrics" not in data:
+            raise ValueError(f"{path} is not a bench serve results file (no 'metrics')")
+        data["_path"] = str(path)
+        results.append(data)
+    return results
+
+
+def _rate(result: Mapping[str, Any]) -> float:
+    rate = result.get("parameters", {}).get("request_rate", "inf")
+    return math.inf if rate == "inf" else float(rate)
+
+
+def _label(result: Mapping[str, Any]) -> str:
+    return str(result.get("label") or result.get("model") or Path(result.get("_path", "run")).stem)
+
+
+def _rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def series_by_label(results: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Results grouped by label (first-seen order), each group sorted by request rate."""
+    series: dict[str, list[Mapping[str, Any]]] = {}
+    for result in results:
+        series.setdefault(_label(result), []).append(result)
+    return {label: sorted(group, key=_rate) for label, group in series.items()}
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_latency_vs_throughput(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Four panels of latency against output throughput; returns the PNG's path."""
+    figure = _figure(11, 8)
+    axes = figure.subplots(2, 2)
+    series = series_by_label(results)
+    for axis, (metric, stat, title) in zip(axes.flat, _LATENCY_PANELS, strict=True):
+        for label, group in series.items():
+            xs = [r["metrics"]["output_throughput"] for r in group]
+            ys = [r["metrics"][metric][stat] for r in group]
+            axis.plot(xs, ys, marker="o", label=label)
+            for x, y, result in zip(xs, ys, group, strict=True):
+                axis.annotate(_rate_text(_rate(result)), (x, y), textcoords="offset points",
+                              xytext=(3, 3), fontsize=7)
+        axis.set_title(title)
+        axis.set_xlabel("output throughput (tok/s)")
+        axis.set_ylabel(title)
+        axis.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    figure.suptitle("Latency vs throughput (points annotated with request rate, req/s)")
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def plot_throughput_bars(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Output throughput per label, grouped by request rate; returns the PNG's path."""
+    series = series_by_label(results)
+    rates = sorted({_rate(r) for r in results})
+    figure = _figure(max(6.0, 1.2 * len(rates) * max(1, len(series)) ** 0.5 + 3), 5)
+    axis = figure.subplots()
+    width = 0.8 / max(1, len(series))
+    for position, (label, group) in enumerate(series.items()):
+        by_rate = {_rate(r): r["metrics"]["output_throughput"] for r in group}
+        xs = [index + (position - (len(series) - 1) / 2) * width
+              for index, rate in enumerate(rates) if rate in by_rate]
+        heights = [by_rate[rate] for rate in rates if rate in by_rate]
+        bars = axis.bar(xs, heights, width=width, label=label)
+        axis.bar_label(bars, fmt="%.0f", fontsize=7)
+    axis.set_xticks(range(len(rates)), [_rate_text(rate) for rate in rates])
+    axis.set_xlabel("request rate (req/s)")
+    axis.set_ylabel("output throughput (tok/s)")
+    axis.set_title("Output token throughput")
+    axis.legend(fontsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def plot_results(paths: Iterable[str | Path], out_dir: str | Path) -> list[Path]:
+    """Both charts for the results files in ``paths``, written under ``out_dir``."""
+    results = load_results(paths)
+    if not results:
+        raise ValueError("no results files given")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [plot_latency_vs_throughput(results, out / "latency_vs_throughput.png"),
+            plot_throughput_bars(results, out / "throughput.png")]
