@@ -24,7 +24,7 @@ model: $(STAMP)
 	$(PY) -m kvloom fetch-model
 
 serve: model
-	$(PY) -m kvloom chat
+	$(PY) -m kvloom serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub, add_engine_args)
     from kvloom.engine.trace_render import add_trace_parser
     add_trace_parser(sub)
+    from kvloom.server.cli import add_serve_parser
+    add_serve_parser(sub, add_engine_args)
     return parser
 
 
@@ -141,6 +143,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvloom.bench.cli import run_bench
         return run_bench(args)
+    if args.command == "serve":
+        from kvloom.server.cli import run_serve
+        return run_serve(args)
     if args.command == "trace":
         from kvloom.engine.trace_render import run_trace
         return run_trace(args)

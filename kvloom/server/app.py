@@ -1,0 +1,108 @@
+"""The FastAPI app: routes, middleware, error handlers and the engine's lifecycle.
+
+``build_app`` wires an ``AsyncEngine`` (which owns the model thread) to HTTP. The app's
+lifespan starts the engine thread (the model loads there, while ``/health`` answers
+503) and, on shutdown, aborts in-flight requests and joins the thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvloom import __version__
+from kvloom.server.async_engine import AsyncEngine
+from kvloom.server.errors import install_error_handlers
+from kvloom.server.generation import Serving, check_token_ids
+from kvloom.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from kvloom.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvloom.server.serving_chat import create_chat_completion, encode_messages
+from kvloom.server.serving_completions import create_completion
+from kvloom.server.settings import ServerSettings
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving ``async_engine``'s model."""
+    settings = settings or ServerSettings()
+    serving = Serving(async_engine, settings)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="kvloom", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    # Starlette runs the last-added middleware first: the key is checked before the size.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.state.async_engine = async_engine
+    app.state.settings = settings
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once the model has loaded; 503 while loading, after a failure, or when
+        shutting down."""
+        serving.model_info()  # raises the 503
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = serving.model_info()
+        return {"object": "list", "data": [{
+            "id": serving.served_name(info), "object": "model", "created": created,
+            "owned_by": "kvloom", "root": info.model_name, "parent": None,
+            "max_model_len": info.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, serving)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, serving)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        info = serving.model_info()
+        serving.check_model(body.model, info)
+        if body.messages is not None:
+            tokens = encode_messages(body.messages, info, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            tokens = info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        info = serving.model_info()
+        serving.check_model(body.model, info)
+        check_token_ids(body.tokens, info, "tokens")
+        return {"prompt": info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app
+

@@ -1,0 +1,242 @@
+"""What completions and chat share: request -> engine requests, streams, usage, SSE.
+
+An HTTP request with ``k`` prompts and ``n`` samples becomes ``k * n`` engine
+requests ``f"{id}-{i}"`` with ``i = prompt_index * n + sample`` (OpenAI's choice
+index); sample ``s`` of a seeded request uses ``seed + s`` so samples differ but the
+whole response is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from kvloom.engine.output import RequestOutput, TokenLogprobs
+from kvloom.sampling_params import SamplingParams
+from kvloom.server.async_engine import (
+    AsyncEngine,
+    EngineNotReady,
+    EngineOverloaded,
+    EngineRequest,
+    ModelInfo,
+    RequestAborted,
+    ResultStream,
+)
+from kvloom.server.errors import SERVER_ERROR, APIError, bad_request, from_value_error, overloaded
+from kvloom.server.protocol import SamplingRequest
+from kvloom.server.settings import ServerSettings
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The engine and settings, plus the checks every generation endpoint makes."""
+
+    engine: AsyncEngine
+    settings: ServerSettings
+
+    def model_info(self) -> ModelInfo:
+        """The loaded model's facts, or a 503 while it loads / after it failed."""
+        try:
+            self.engine.check_ready()
+        except EngineNotReady as error:
+            raise overloaded(str(error), code="model_not_ready") from None
+        assert self.engine.info is not None
+        return self.engine.info
+
+    def served_name(self, info: ModelInfo) -> str:
+        return self.settings.model_ids(info.model_name)[0]
+
+    def check_model(self, requested: str | None, info: ModelInfo) -> str:
+        """The name to report: the served name; 404 for a model we do not serve."""
+        names = self.settings.model_ids(info.model_name)
+        if requested is not None and requested not in names:
+            raise APIError(404, f"The model {requested!r} does not exist; this server serves "
+                           f"{names[0]!r}", param="model", code="model_not_found")
+        return names[0]
+
+    async def open(self, requests: list[EngineRequest]) -> ResultStream:
+        try:
+            return await self.engine.generate(requests)
+        except EngineOverloaded as error:
+            raise overloaded(str(error)) from None
+        except EngineNotReady as error:
+            raise overloaded(str(error), code="model_not_ready") from None
+        except ValueError as error:  # the engine's verdict: this request can never run
+            raise from_value_error(error) from None
+
+
+def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int | None
+                ) -> SamplingParams:
+    """The request's sampling parameters; ``max_tokens`` is settled per prompt later."""
+    if isinstance(body.n, int) and body.n > settings.max_n:
+        raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
+    given = {name: getattr(body, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty") if getattr(body, name) is not None}
+    try:
+        return SamplingParams(
+            n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
+            stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, **given)
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def check_stream_options(body: SamplingRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    max_tokens: int | None, info: ModelInfo, priority: int,
+                    prompt_param: str) -> list[EngineRequest]:
+    """One engine request per (prompt, sample), after the context-length checks."""
+    arrival = time.monotonic()
+    requests: list[EngineRequest] = []
+    for prompt_index, token_ids in enumerate(prompts):
+        sample_params = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
+        for sample in range(params.n):
+            seed = None if params.seed is None else params.seed + sample
+            requests.append(EngineRequest(
+                f"{request_id}-{prompt_index * params.n + sample}", token_ids,
+                dataclasses.replace(sample_params, n=1, seed=seed), priority, arrival))
+    return requests
+
+
+def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | None,
+                    info: ModelInfo, prompt_param: str) -> SamplingParams:
+    context = info.max_model_len
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty (0 tokens)", prompt_param)
+    if prompt_len >= context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens, but the prompt is "
+            f"{prompt_len} tokens (it must leave room for at least one output token)",
+            prompt_param, "context_length_exceeded")
+    if max_tokens is not None:
+        if isinstance(max_tokens, int) and prompt_len + max_tokens > context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, but you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                "for the completion); reduce the prompt or max_tokens",
+                "max_tokens", "context_length_exceeded")
+    else:
+        # Absent: generate up to the context, and never more than the KV pool can hold
+        # (a request that could never fit is refused by the engine instead of queued).
+        capacity = min(context, info.num_blocks * info.block_size)
+        max_tokens = max(1, capacity - prompt_len)
+    try:
+        return dataclasses.replace(params, max_tokens=max_tokens)
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def check_token_ids(token_ids: list[int], info: ModelInfo, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {info.vocab_size}), got {bad[:3]}", param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- running a group ---------------------------------------------------------------------
+@asynccontextmanager
+async def abort_on_disconnect(stream: ResultStream, request: Request) -> AsyncIterator[None]:
+    """Abort the stream's engine requests when the client goes away, and on any exit
+    of the block (finished streams ignore it). The engine frees their blocks between
+    two steps."""
+    watcher = asyncio.create_task(_abort_when_disconnected(stream, request))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        stream.abort()
+
+
+async def _abort_when_disconnected(stream: ResultStream, request: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a broken connection is a gone client too
+        pass
+    stream.abort()
+
+
+async def collect(stream: ResultStream, request: Request) -> dict[int, RequestOutput]:
+    """Wait for every request of the group; returns the final output per choice index."""
+    finals: dict[int, RequestOutput] = {}
+    async with abort_on_disconnect(stream, request):
+        try:
+            async for index, output in stream:
+                if output.finished:
+                    finals[index] = output
+        except RequestAborted as error:  # shutdown or engine failure
+            raise overloaded(str(error), code="request_aborted") from None
+    for output in finals.values():
+        check_finished_cleanly(output)
+    return finals
+
+
+def check_finished_cleanly(output: RequestOutput) -> None:
+    reason = output.outputs[0].finish_reason
+    if reason not in ("stop", "length"):
+        raise APIError(500, output.error or f"the request ended with {reason!r}", SERVER_ERROR,
+                       code="generation_failed")
+
+
+# ---- usage, logprobs, SSE ----------------------------------------------------------------
+def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    prompt_tokens = sum(prompt_lens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class UsageCounter:
+    """Token counts of a streamed group, from the cumulative outputs it has seen."""
+
+    def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.prompt_lens = prompt_lens
+        self.n = n
+        self.completion_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+
+    def update(self, index: int, output: RequestOutput) -> None:
+        self.completion_tokens[index] = len(output.outputs[0].token_ids)
+        if index % self.n == 0:  # prompts count once: take sample 0's cache hit
+            self.cached_tokens[index] = output.num_cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return usage(self.prompt_lens, sum(self.completion_tokens.values()),
+                     sum(self.cached_tokens.values()))
+
+
+def top_entries(entry: TokenLogprobs, num: int) -> list[tuple[int, Any]]:
+    """The ``num`` most likely alternatives of one position, best first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [(token_id, lp) for token_id, lp in ranked if lp.rank <= num][:num]
+
+
+def sampled_entry(entry: TokenLogprobs) -> tuple[int, Any]:
+    # The output processor puts the sampled token first.
+    return next(iter(entry.items()))
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,93 @@
+"""``run_server``: build the engine, the app and a uvicorn server, and run until a signal.
+
+Shutdown order on SIGINT/SIGTERM: uvicorn stops accepting connections; our signal hook
+tells the engine thread to abort every in-flight request (streams end, waiting
+handlers answer 503), so open connections drain at once instead of running their
+generations to the end; then the app's lifespan joins the engine thread. Exit status 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import uvicorn
+
+from kvloom.server.async_engine import AsyncEngine
+from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a shutdown signal also aborts the engine's requests."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self.async_engine.request_shutdown()
+
+
+def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
+               port: int = 8000, api_key: str | None = None,
+               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               served_model_name: str | None = None, model_aliases: Sequence[str] = (),
+               log_level: str = "info", graceful_timeout: float = 10.0) -> int:
+    """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
+    a signal, 1 when the model failed to load. Bad engine flags raise ValueError first."""
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    from kvloom.server.app import build_app
+
+    config = EngineConfig.from_kwargs(model, **(engine_kwargs or {}))  # validate flags up front
+    if max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    settings = ServerSettings(served_model_name=served_model_name, model_aliases=tuple(model_aliases),
+                              api_key=api_key, max_body_bytes=max_body_bytes)
+    async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting)
+    app = build_app(async_engine, settings)
+    _configure_logging(log_level)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=graceful_timeout), async_engine)
+    load_errors: list[BaseException] = []
+
+    def on_load_failed(error: BaseException) -> None:  # called on the engine thread
+        load_errors.append(error)
+        server.should_exit = True
+
+    async_engine.on_load_failed = on_load_failed
+    logger.info("kvloom serving %s on http://%s:%d (loading the model...)", model, host, port)
+    with _signals_end_quietly():
+        server.run()
+    return 1 if load_errors else 0
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """uvicorn re-raises the signal it shut down on, with the handler found at start.
+    A no-op handler there turns "killed by SIGTERM" / KeyboardInterrupt into exit 0."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    except ValueError:  # not the main thread: uvicorn does not capture signals either
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _configure_logging(level: str) -> None:
+    # uvicorn configures its own loggers only; give ours a handler unless the host app did.
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,128 @@
+"""Prometheus metrics for the server, named as vLLM names them (``vllm:`` -> ``kvloom:``).
+
+Each app owns a dedicated ``CollectorRegistry`` (two servers in one process, as in the
+tests, do not collide). Everything is recorded on the engine thread, right after a
+step; prometheus_client's metric objects are thread-safe, and ``/metrics`` reads them
+from the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvloom.engine.output import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class EngineMetrics:
+    """Counters, gauges and histograms fed by the engine thread once per step."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "kvloom:num_requests_running", "Requests in the running batch.", registry=r)
+        self.num_requests_waiting = Gauge(
+            "kvloom:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
+            registry=r)
+        self.kv_cache_usage = Gauge(
+            "kvloom:kv_cache_usage_perc",
+            "Fraction of KV blocks held by requests (1 = full); idle prefix-cache blocks count as free.",
+            registry=r)
+        self.num_preemptions = Counter(
+            "kvloom:num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
+        self.prompt_tokens = Counter(
+            "kvloom:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(
+            "kvloom:generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(
+            "kvloom:request_success", "Requests finished, by finish reason.",
+            ["finished_reason"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "kvloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(
+            "kvloom:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r)
+        self.time_to_first_token = Histogram(
+            "kvloom:time_to_first_token_seconds", "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "kvloom:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "kvloom:e2e_request_latency_seconds", "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            "kvloom:request_queue_time_seconds", "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            "kvloom:iteration_tokens_total", "Tokens processed per engine step (prefill + decode).",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self._num_preemptions_seen = 0
+        # request id -> monotonic time of its previous token; engine thread only.
+        self._last_token_time: dict[str, float] = {}
+
+    # ---- engine thread ---------------------------------------------------------------
+    def record_step(self, outputs: Sequence[RequestOutput], now: float,
+                    num_batched_tokens: int | None) -> None:
+        """After one ``LLMEngine.step()``: token and latency metrics from its outputs.
+        ``now`` is ``time.monotonic()``, the clock of ``RequestTimeline``."""
+        if num_batched_tokens is not None:
+            self.iteration_tokens.observe(num_batched_tokens)
+        for output in outputs:
+            completion = output.outputs[0]
+            num_new = len(completion.delta_token_ids)
+            if num_new:
+                self.generation_tokens.inc(num_new)
+                previous = self._last_token_time.get(output.request_id)
+                if previous is None:
+                    self._on_first_token(output)
+                else:
+                    self.inter_token_latency.observe(now - previous)
+                self._last_token_time[output.request_id] = now
+            if output.finished:
+                self._on_finished(output)
+
+    def record_state(self, stats: Any) -> None:
+        """Gauges from ``LLMEngine.stats()``; called after every loop iteration."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_usage)
+        if stats.num_preemptions > self._num_preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions - self._num_preemptions_seen)
+            self._num_preemptions_seen = stats.num_preemptions
+
+    def record_aborted(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.request_success.labels("abort").inc()
+
+    def _on_first_token(self, output: RequestOutput) -> None:
+        num_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.inc(num_prompt)
+        # In tokens, as vLLM counts them: the hit rate is hits / queries.
+        self.prefix_cache_queries.inc(num_prompt)
+        self.prefix_cache_hits.inc(output.num_cached_tokens)
+        timeline = output.metrics
+        if timeline is not None:
+            if timeline.ttft is not None:
+                self.time_to_first_token.observe(timeline.ttft)
+            if timeline.queue_time is not None:
+                self.request_queue_time.observe(timeline.queue_time)
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        self._last_token_time.pop(output.request_id, None)
+        reason = output.outputs[0].finish_reason or "unknown"
+        self.request_success.labels(reason).inc()
+        timeline = output.metrics
+        if timeline is not None and timeline.e2e_latency is not None:
+            self.e2e_request_latency.observe(timeline.e2e_latency)
+
+    # ---- event loop ------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,77 @@
+"""Pure ASGI middleware that runs before a body is read: API-key check and body limit.
+
+They are ASGI (not FastAPI dependencies) so that a request without a valid key is
+refused before its body is parsed (a malformed body from an unauthenticated client
+gets 401, not 400), and so that an oversized body is refused from its
+Content-Length, or as soon as the bytes read exceed the limit, without buffering it.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvloom.server.errors import APIError
+
+# Liveness, version and metrics stay open so that probes and scrapers need no key.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <api_key>`` on every path but ``PUBLIC_PATHS``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        # compare_digest: the time taken does not reveal how much of the key matched.
+        if not hmac.compare_digest(given, self._expected):
+            reason = "missing" if not given else "incorrect"
+            error = APIError(401, f"{reason} API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` with 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes",
+                        param=None, code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            # Chunked uploads carry no Content-Length: count while reading.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises HTTPException from body reading; our handler
+                    # turns it into the OpenAI error shape.
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited_receive, send)

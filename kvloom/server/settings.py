@@ -1,0 +1,33 @@
+"""Server settings: what the HTTP layer needs beyond the engine's own configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_WAITING = 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``served_model_name`` is the id clients see in ``/v1/models`` (default: the model
+    argument as given). ``model_aliases`` are further ids accepted in the ``model``
+    field, e.g. the model path next to a short served name."""
+
+    served_model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Largest n (samples per prompt) one request may ask for.
+    max_n: int = 128
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to disable authentication)")
+
+    def model_ids(self, engine_model_name: str) -> tuple[str, ...]:
+        """Accepted ``model`` values, the served name first."""
+        names = (self.served_model_name or engine_model_name, engine_model_name, *self.model_aliases)
+        return tuple(dict.fromkeys(names))

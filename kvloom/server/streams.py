@@ -1,0 +1,106 @@
+"""The types that cross between the HTTP layer and the engine thread.
+
+``ResultStream`` is the event-loop side of one HTTP request's engine requests: the
+engine thread fills it (through ``loop.call_soon_threadsafe``), a handler iterates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloom.engine.output import RequestOutput
+from kvloom.sampling_params import SamplingParams
+
+
+class EngineNotReady(RuntimeError):
+    """The model is still loading, failed to load, or the engine has stopped."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Admitting the request would exceed ``max_waiting`` queued requests."""
+
+
+class RequestAborted(RuntimeError):
+    """The request ended without finishing (server shutdown or engine failure)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts the HTTP layer needs; fixed once the model has loaded."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    tokenizer: Any
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One engine request (one sample of one prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state read on the engine thread after ``check_integrity()`` passed."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_available_blocks: int  # free + idle prefix-cache blocks (reclaimable)
+    num_running: int
+    num_waiting: int
+    num_active_requests: int  # requests with a live stream
+
+
+class ResultStream:
+    """The outputs of a group of engine requests (the n samples of the prompts of one
+    HTTP request), iterated as ``(index, RequestOutput)`` until all have finished."""
+
+    def __init__(self, request_ids: list[str], on_abort: Callable[[ResultStream], None]) -> None:
+        self.request_ids = request_ids
+        self._on_abort = on_abort  # tells the engine thread to stop the requests
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        self._num_unfinished = len(request_ids)
+        self._closed = False
+        self.aborted = False  # closed by abort() before every request finished
+
+    def __aiter__(self) -> ResultStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:  # abort() woke us up
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._closed = True
+            raise item
+        if item[1].finished:
+            self._num_unfinished -= 1
+            self._closed = self._num_unfinished == 0
+        return item
+
+    def abort(self) -> None:
+        """Stop the group's unfinished requests and end the iteration (idempotent; a
+        no-op once every request has finished). Event loop only."""
+        if not self._closed:
+            self._closed = self.aborted = True
+            self._queue.put_nowait(None)
+            self._on_abort(self)
+
+    def put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
+        """Deliver an output or a terminal error (event loop only; dropped once closed)."""
+        if not self._closed:
+            self._queue.put_nowait(item)
