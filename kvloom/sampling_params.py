@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvloom.structured.constraint import StructuredOutput
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
 
@@ -20,6 +22,11 @@ class SamplingParams:
     presence/frequency penalties follow OpenAI (subtract from logits of tokens already
     generated); repetition_penalty follows the CTRL paper (divide positive logits,
     multiply negative ones, for tokens in prompt or output).
+
+    ``structured`` constrains the output to a JSON schema, regex, grammar or choice.
+    The grammar then owns where the output ends: EOS is allowed exactly when the
+    structure is complete and always stops the request (``ignore_eos`` and
+    ``min_tokens`` do not apply to it); ``max_tokens`` still cuts it ("length").
     """
 
     n: int = 1
@@ -39,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +83,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def is_greedy(self) -> bool:

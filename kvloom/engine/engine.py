@@ -118,6 +118,8 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
                                  f"got {bad[:3]}")
+        # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
+        grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._request_counter)),
             prompt_token_ids=token_ids,
@@ -129,6 +131,7 @@ class LLMEngine:
             prompt=text,
         )
         self.scheduler.add_request(request)
+        self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
 
@@ -146,22 +149,33 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        starts = [item.request.num_output_tokens for item in scheduled.scheduled]
         result = self.runner.execute(scheduled)
-        produced = self.scheduler.update(scheduled, result.sampled)
-        return [self._emit(request, token, logprobs)
-                for request, token, logprobs in self._pair(scheduled, result, produced)]
+        produced = self.scheduler.update(scheduled, result.sampled, result.forced)
+        return [self._emit(request, tokens)
+                for request, tokens in self._pair(scheduled, result, produced, starts)]
 
     @staticmethod
-    def _pair(scheduled, result, produced):
+    def _pair(scheduled, result, produced, starts):
+        """(request, [(token, logprobs)]) for the tokens each request appended this step:
+        its sampled token, then any forced ones, up to where the scheduler stopped it."""
         produced_set = set(produced)
-        for item, token, logprobs in zip(scheduled.scheduled, result.sampled, result.logprobs):
+        for index, (item, start) in enumerate(zip(scheduled.scheduled, starts, strict=True)):
             if item.request in produced_set:
-                yield item.request, token, logprobs
+                appended = item.request.num_output_tokens - start
+                yield item.request, result.new_tokens(index)[:appended]
 
-    def _emit(self, request: Request, token_id: int, logprobs: object | None) -> RequestOutput:
-        stop = self.output_processor.process_token(request, token_id, logprobs)
-        if stop is not None:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+    def _emit(self, request: Request, tokens: list[tuple[int, object | None]]) -> RequestOutput:
+        for position, (token_id, logprobs) in enumerate(tokens):
+            stop = self.output_processor.process_token(request, token_id, logprobs)
+            if stop is not None:
+                # Forced tokens after the one completing a stop string were never output.
+                surplus = len(tokens) - position - 1
+                if surplus:
+                    del request.output_token_ids[-surplus:]
+                    del request.all_token_ids[-surplus:]
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+                break
         output = self.output_processor.make_output(request)
         if request.is_finished:
             self._release(request)

@@ -219,12 +219,17 @@ class Scheduler:
         self.waiting.insert(0, request)
 
     # ---- after the forward pass ------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: list[int | None],
+               forced: list[list[int]] | None = None) -> list[Request]:
         """Advance progress, append sampled tokens, finish requests that hit a stop
-        condition. Returns the requests that produced a token (in schedule order)."""
+        condition. Returns the requests that produced a token (in schedule order).
+
+        ``forced`` (aligned with ``sampled``, optional) holds tokens a grammar forces
+        after the sampled one (jump-forward): appended and stop-checked one by one,
+        left uncomputed, so the next step computes them as a chunk."""
         now = time.monotonic()
         produced: list[Request] = []
-        for item, token_id in zip(output.scheduled, sampled, strict=True):
+        for index, (item, token_id) in enumerate(zip(output.scheduled, sampled, strict=True)):
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
@@ -241,10 +246,20 @@ class Scheduler:
             request.timeline.last_token_time = now
             produced.append(request)
             self._check_stop(request, token_id)
+            for forced_id in forced[index] if forced else ():
+                if request.is_finished:
+                    break
+                request.append_output_token(forced_id)
+                self._check_stop(request, forced_id)
         return produced
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
+        if params.structured is not None and token_id in request.eos_token_ids:
+            # A grammar admits EOS only once its structure is complete: that always ends
+            # the request, whatever ignore_eos and min_tokens say.
+            self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
+            return
         if request.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 self.finish_request(request, RequestStatus.FINISHED_STOPPED, token_id)

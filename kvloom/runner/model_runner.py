@@ -1,13 +1,15 @@
 """ModelRunner: SchedulerOutput -> ForwardBatch -> model -> logits -> sampled tokens.
 
 The runner never mutates request state; it reads the scheduled requests and returns
-one token (or None, for a prefill chunk that does not reach the end) per entry.
-Per-request random generators live here, keyed by request id, so a seeded request
-draws the same numbers whatever else is in the batch.
+one token (or None, for a prefill chunk that does not reach the end) per entry, plus
+the tokens a grammar forces after it (jump-forward). Per-request state lives here,
+keyed by request id and dropped by ``release``: random generators (so a seeded
+request draws the same numbers whatever else is in the batch) and grammar matchers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,15 +17,41 @@ from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.engine.output import SchedulerOutput
+from kvloom.request import Request
 from kvloom.runner.forward_batch import ForwardBatch
-from kvloom.runner.sampler import Sampler
+from kvloom.runner.sampler import LogprobsEntry, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState
+from kvloom.structured.compiler import CompiledGrammar
+from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.manager import StructuredOutputManager
+from kvloom.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: list[int | None]  # aligned with SchedulerOutput.scheduled
     logprobs: list[object | None]  # sampler's LogprobsEntry where requested
+    # Tokens a grammar forces after each entry's sampled token (jump-forward), aligned
+    # with `sampled`; None when no entry has any (the common case).
+    forced: list[list[int]] | None = None
+
+    def new_tokens(self, index: int) -> list[tuple[int, object | None]]:
+        """Entry ``index``'s sampled token then its forced tokens, each with logprobs.
+
+        A forced token was certain under the grammar: when logprobs were requested it
+        reports logprob 0.0 and rank 1, so token and logprob lists stay aligned.
+        """
+        token_id, entry = self.sampled[index], self.logprobs[index]
+        if token_id is None:
+            return []
+        tokens: list[tuple[int, object | None]] = [(token_id, entry)]
+        for forced_id in self.forced[index] if self.forced else ():
+            certain = None
+            if isinstance(entry, LogprobsEntry):
+                top = [(forced_id, 0.0)] if entry.top_logprobs else []
+                certain = LogprobsEntry(forced_id, 0.0, 1, top)
+            tokens.append((forced_id, certain))
+        return tokens
 
 
 class ModelRunner:
@@ -40,10 +68,23 @@ class ModelRunner:
         default_generator.manual_seed(seed)
         self.sampler = Sampler(default_generator)
         self._generators: dict[str, torch.Generator] = {}
+        self.structured = StructuredOutputManager(vocab_size, device)
+
+    # ---- per-request state -----------------------------------------------------------
+    def compile_constraint(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
+                           eos_token_ids: Sequence[int]) -> CompiledGrammar | None:
+        """Compile (or fetch from the cache) a request's constraint before it is queued.
+        Raises ValueError naming the problem for an invalid or unsupported one."""
+        return self.structured.compile(constraint, tokenizer, eos_token_ids)
+
+    def add_request(self, request: Request, grammar: CompiledGrammar | None) -> None:
+        """Set up a queued request's per-request state (its grammar matcher, if any)."""
+        self.structured.add_request(request, grammar)
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
+        """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
+        self.structured.release(request_id)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -55,32 +96,45 @@ class ModelRunner:
             self._generators[request_id] = generator
         return generator
 
+    # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         batch = ForwardBatch.build(output, self.block_size, self.device)
         metadata = self.backend.prepare(batch)
         hidden = self.model(batch, self.kv_caches, self.backend, metadata)
-        sampling = [item for item in output.scheduled if item.samples]
+        sampling = [item.request for item in output.scheduled if item.samples]
         if not sampling:
             return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled))
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         rows = [
             SamplingRequestState(
-                params=item.request.sampling_params,
-                prompt_token_ids=item.request.prompt_token_ids,
-                output_token_ids=item.request.output_token_ids,
-                generator=self._generator_for(item.request.request_id,
-                                              item.request.sampling_params.seed),
-                eos_token_ids=item.request.eos_token_ids,
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                generator=self._generator_for(request.request_id, request.sampling_params.seed),
+                eos_token_ids=request.eos_token_ids,
             )
-            for item in sampling
+            for request in sampling
         ]
-        result = self.sampler(logits, SamplingMetadata.build(rows, logits.shape[-1], self.device))
-        tokens = iter(result.token_ids)
-        logprobs = iter(result.logprobs)
-        sampled: list[int | None] = []
-        entries: list[object | None] = []
+        # Host-side mask work after the forward is queued: on an accelerator it overlaps
+        # the model. None (and no work at all) when no sampling row is constrained.
+        grammar = self.structured.grammar_mask(sampling)
+        result = self.sampler(
+            logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
+        forced = self.structured.advance(sampling, result.token_ids) if grammar is not None else None
+        return self._align(output, result.token_ids, result.logprobs, forced)
+
+    @staticmethod
+    def _align(output: SchedulerOutput, token_ids: list[int], logprobs: list[LogprobsEntry | None],
+               forced: list[list[int]] | None) -> RunnerOutput:
+        """Per-sampling-row results -> per-scheduled-entry results (None where no sample)."""
+        row_of: list[int | None] = []
+        row = 0
         for item in output.scheduled:
-            sampled.append(next(tokens) if item.samples else None)
-            entries.append(next(logprobs) if item.samples else None)
-        return RunnerOutput(sampled, entries)
+            row_of.append(row if item.samples else None)
+            row += item.samples
+        return RunnerOutput(
+            sampled=[None if r is None else token_ids[r] for r in row_of],
+            logprobs=[None if r is None else logprobs[r] for r in row_of],
+            forced=None if forced is None else [[] if r is None else forced[r] for r in row_of],
+        )

@@ -4,8 +4,9 @@ Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 
 1. penalties (repetition, then frequency, then presence), on the penalty rows only;
 2. min_tokens: stop tokens of rows still short of ``min_tokens`` become -inf;
-3. greedy rows take the argmax here and never consume randomness;
-4. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race.
+3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
+4. greedy rows take the argmax here and never consume randomness;
+5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race.
 
 Logprobs are computed from the raw logits handed to the sampler (``log_softmax``
 before penalties, min_tokens and temperature), i.e. what the model believes, not
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
+from kvloom.runner.sampling_metadata import GrammarMask, PenaltyTensors, SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -53,12 +54,15 @@ class Sampler:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [B, V]; no copy when already float32
         processed = raw_logits
-        if metadata.penalties is not None or metadata.blocked_rows is not None:
+        if (metadata.penalties is not None or metadata.blocked_rows is not None
+                or metadata.grammar is not None):
             # The stages below write in place; raw_logits must survive for logprobs.
             processed = raw_logits.clone()
             if metadata.penalties is not None:
                 apply_penalties(processed, metadata.penalties)
             apply_min_tokens(processed, metadata)
+            if metadata.grammar is not None:
+                apply_token_bitmask(processed, metadata.grammar)
         token_ids = self._sample(processed, metadata)  # [B] int64
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -135,6 +139,20 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     """In place: forbid each row's stop tokens while it is short of ``min_tokens``."""
     if metadata.blocked_rows is not None:
         logits[metadata.blocked_rows, metadata.blocked_token_ids] = float("-inf")
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+    """In place on ``[B, V]`` logits: forbid (-inf) what each constrained row's grammar
+    does not allow. Every later stage keeps -inf at -inf, so a forbidden token is never
+    sampled; the grammar always allows at least one token (EOS when it is complete)."""
+    num_rows, width = grammar.bitmask.shape
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    # `& 1` after the (arithmetic) shift makes the sign bit of negative words harmless.
+    bits = (grammar.bitmask.unsqueeze(-1) >> shifts) & 1  # [C, W, 32]
+    allowed = bits.reshape(num_rows, width * 32)[:, :vocab_size].bool()  # [C, V]
+    logits[grammar.rows] = logits[grammar.rows].masked_fill_(~allowed, float("-inf"))
     return logits
 
 

@@ -52,6 +52,15 @@ class PenaltyTensors:
 
 
 @dataclass(slots=True)
+class GrammarMask:
+    """Allowed next tokens of the C rows under a grammar (structured output)."""
+
+    rows: torch.Tensor  # [C] int64 batch rows
+    # [C, ceil(V / 32)] int32 on the logits' device; bit b of word w allows token 32 * w + b.
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Batch tensors for one sampler call over B rows and a vocabulary of V.
 
@@ -83,12 +92,17 @@ class SamplingMetadata:
     logprob_rows: torch.Tensor | None  # [L] int64 batch rows that asked for logprobs
     num_logprobs: list[int]  # [L] top-n size per logprob row
     max_num_logprobs: int
+    grammar: GrammarMask | None = None  # None when no row is constrained
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRequestState], vocab_size: int, device: torch.device
+        cls, rows: list[SamplingRequestState], vocab_size: int, device: torch.device,
+        grammar: GrammarMask | None = None,
     ) -> SamplingMetadata:
-        """Collect the rows' parameters into tensors on ``device`` (one copy each)."""
+        """Collect the rows' parameters into tensors on ``device`` (one copy each).
+
+        ``grammar`` (built by the runner's structured output manager) is passed through.
+        """
         if not rows:
             raise ValueError("rows must not be empty")
         if vocab_size < 1:
@@ -149,6 +163,7 @@ class SamplingMetadata:
             logprob_rows=index_tensor(logprob_rows) if logprob_rows else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=min(max(num_logprobs, default=0), vocab_size),
+            grammar=grammar,
         )
 
 
@@ -164,12 +179,14 @@ def _min_tokens_blocks(
 
     EOS is only blocked without ``ignore_eos``: with it the engine does not stop on
     EOS, so EOS is an ordinary token. Ids outside the logits' vocabulary (tokenizer
-    and model sizes can differ) cannot be sampled anyway and are skipped.
+    and model sizes can differ) cannot be sampled anyway and are skipped. Rows with
+    structured output are skipped: their grammar decides where the output ends, and
+    blocking EOS where the grammar allows only EOS would leave no token to sample.
     """
     blocked_rows: list[int] = []
     blocked_token_ids: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if len(row.output_token_ids) >= row.params.min_tokens or row.params.structured is not None:
             continue
         stop_ids = set(row.params.stop_token_ids)
         if not row.params.ignore_eos:

@@ -1,0 +1,117 @@
+"""``StructuredOutput``: what a request's output must look like, validated on construction.
+
+Exactly one kind of constraint is set. The object is frozen and pure Python (no
+llguidance import), so ``SamplingParams`` can hold it and copies of a request's
+params (``n > 1``) share it. ``cache_key`` is what compiled grammars are cached by.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The kinds, in the order error messages list them.
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+# "Any JSON object": what OpenAI's response_format={"type": "json_object"} promises.
+ANY_JSON_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on one request's output; set exactly one of the first five fields.
+
+    json_schema: a JSON Schema (a dict, or its JSON text); the output is a JSON value
+        valid under it. Key order in ``properties`` is the order keys are generated in.
+    json_object: True for any JSON object.
+    regex: the whole output matches this regular expression (Rust ``regex`` syntax).
+    grammar: a Lark grammar (llguidance dialect) or a GBNF grammar (llama.cpp, ``::=``).
+    choice: the output is exactly one of these strings.
+    jump_forward: append the tokens the grammar forces without a model step each
+        (and end the request as soon as the grammar is complete). Off only to measure it.
+    """
+
+    json_schema: Mapping[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Sequence[str] | None = None
+    jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in CONSTRAINT_KINDS if self._is_set(kind)]
+        if len(given) != 1:
+            listed = ", ".join(CONSTRAINT_KINDS)
+            found = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"structured output needs exactly one of {listed}; {found}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be a bool, got {self.jump_forward!r}")
+        kind = given[0]
+        if kind == "json_schema":
+            # Normalised to compact text once: it is both the cache key and the compiler input.
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+        elif kind == "choice":
+            object.__setattr__(self, "choice", _choices(self.choice))
+
+    def _is_set(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is not False and value is not None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``CONSTRAINT_KINDS``."""
+        return next(kind for kind in CONSTRAINT_KINDS if self._is_set(kind))
+
+    @property
+    def text(self) -> str:
+        """The constraint as text: schema JSON, regex, grammar, or the choices as JSON."""
+        kind = self.kind
+        if kind == "json_object":
+            return ANY_JSON_OBJECT_SCHEMA
+        if kind == "choice":
+            return json.dumps(list(self.choice or ()), ensure_ascii=False)
+        value = getattr(self, kind)
+        assert isinstance(value, str)  # normalised in __post_init__
+        return value
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, text): equal keys compile to the same grammar."""
+        return self.kind, self.text
+
+
+def _schema_text(schema: object) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"json_schema is not valid JSON: {error}") from None
+    if not isinstance(schema, (Mapping, bool)):
+        raise ValueError(
+            f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}"
+        )
+    try:
+        # No sort_keys: property order is generation order.
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"json_schema must be JSON-serialisable: {error}") from None
+
+
+def _choices(choice: object) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, Sequence):
+        raise ValueError(f"choice must be a list of strings, got {choice!r}")
+    values = tuple(choice)
+    if not values:
+        raise ValueError("choice must contain at least one string")
+    for value in values:
+        if not isinstance(value, str) or value == "":
+            raise ValueError(f"choice must contain non-empty strings, got {value!r}")
+    return values

@@ -1,0 +1,116 @@
+"""Runner-side structured output: per-request matchers, batched masks, forced tokens.
+
+The ``ModelRunner`` owns one ``StructuredOutputManager``. Requests without a
+constraint never reach it, and a step whose sampling rows are all unconstrained
+costs one dict lookup per row: no bitmask is allocated, filled or applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+from kvloom.request import Request
+from kvloom.runner.sampling_metadata import GrammarMask
+from kvloom.structured.compiler import CompiledGrammar, GrammarCompiler
+from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.matcher import GrammarMatcher
+from kvloom.tokenizer import Tokenizer
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask: one bit per token id."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """Compiles constraints (lazily building the llguidance tokenizer on first use)
+    and keeps each constrained request's ``GrammarMatcher`` until it is released."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._compiler: GrammarCompiler | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._matchers: dict[str, GrammarMatcher] = {}
+
+    # ---- requests --------------------------------------------------------------------
+    def compile(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
+                eos_token_ids: Sequence[int]) -> CompiledGrammar | None:
+        """The constraint's grammar (None for none); ValueError if it is invalid."""
+        if constraint is None:
+            return None
+        return self.compiler(tokenizer, eos_token_ids).compile(constraint)
+
+    def compiler(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int]) -> GrammarCompiler:
+        """The compiler, built on first use (the llguidance tokenizer takes ~0.3 s)."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
+        elif self._compiler.tokenizer is not tokenizer:
+            raise ValueError("one runner serves one tokenizer; got a different one")
+        return self._compiler
+
+    def add_request(self, request: Request, grammar: CompiledGrammar | None) -> None:
+        """Start the request's matcher on ``grammar`` (nothing to do for None)."""
+        if grammar is None:
+            return
+        constraint = request.sampling_params.structured
+        assert constraint is not None and constraint.cache_key == grammar.key
+        assert self._compiler is not None  # it compiled `grammar`
+        self._matchers[request.request_id] = GrammarMatcher(
+            request.request_id, grammar.new_matcher(), self._compiler.eos_token_ids,
+            constraint.jump_forward)
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._matchers)
+
+    # ---- one step --------------------------------------------------------------------
+    def _constrained(self, requests: Sequence[Request]) -> list[tuple[int, GrammarMatcher]]:
+        """(row, matcher) of the rows with a grammar, each checked to be in sync."""
+        if not self._matchers:
+            return []
+        rows = []
+        for row, request in enumerate(requests):
+            matcher = self._matchers.get(request.request_id)
+            if matcher is not None:
+                matcher.check_in_sync(request.num_output_tokens)
+                rows.append((row, matcher))
+        return rows
+
+    def grammar_mask(self, requests: Sequence[Request]) -> GrammarMask | None:
+        """Allowed next tokens of every constrained row (``requests`` are the sampling
+        rows in order), or None when no row is constrained."""
+        constrained = self._constrained(requests)
+        if not constrained:
+            return None
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        width = bitmask_width(self.vocab_size)
+        # Filled on the host by llguidance (in parallel across rows), then copied once.
+        bitmask = torch.empty((len(constrained), width), dtype=torch.int32)  # [C, W]
+        self._executor.unsafe_compute_mask_ptr(
+            [(matcher.matcher, index) for index, (_, matcher) in enumerate(constrained)],
+            bitmask.data_ptr(), width * 4, len(constrained))
+        rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64, device=self.device)
+        return GrammarMask(rows=rows, bitmask=bitmask.to(self.device))
+
+    def advance(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[list[int]] | None:
+        """Feed each constrained row its sampled token; returns the tokens forced after
+        it per row (None when no row has any). Forced tokens never take a request past
+        its ``max_tokens``, so the scheduler appends all of them unless it stops first."""
+        forced: list[list[int]] | None = None
+        for row, matcher in self._constrained(requests):
+            request = requests[row]
+            room = request.max_tokens - request.num_output_tokens - 1  # after the sampled token
+            tokens = matcher.advance(token_ids[row], room)
+            if tokens:
+                if forced is None:
+                    forced = [[] for _ in requests]
+                forced[row] = tokens
+        return forced
