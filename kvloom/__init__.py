@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvloom.engine.engine import LLMEngine
     from kvloom.engine.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "EngineConfig", "CacheConfig",
            "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
 
 
@@ -23,6 +23,9 @@ def __getattr__(name: str) -> Any:
     if name == "LLM":
         from kvloom.engine.llm import LLM
         return LLM
+    if name == "StructuredOutput":
+        from kvloom.structured import StructuredOutput
+        return StructuredOutput
     if name == "LLMEngine":
         from kvloom.engine.engine import LLMEngine
         return LLMEngine

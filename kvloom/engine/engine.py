@@ -54,6 +54,7 @@ class EngineStats:
     num_evicted_blocks: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    num_batched_tokens: int = 0  # tokens the last step computed
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -99,6 +100,7 @@ class LLMEngine:
                                   mc.vocab_size, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._last_num_batched_tokens = 0
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -147,6 +149,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that produced a token."""
         scheduled = self.scheduler.schedule()
+        self._last_num_batched_tokens = scheduled.num_batched_tokens
         if scheduled.is_empty:
             return []
         starts = [item.request.num_output_tokens for item in scheduled.scheduled]
@@ -190,7 +193,8 @@ class LLMEngine:
         return EngineStats(s.step_count, len(s.running), len(s.waiting), kv.usage,
                            s.num_preemptions, kv.pool.num_free_blocks, self.num_blocks,
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
-                           s.num_queried_prompt_tokens, s.num_cached_prompt_tokens)
+                           s.num_queried_prompt_tokens, s.num_cached_prompt_tokens,
+                           self._last_num_batched_tokens)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

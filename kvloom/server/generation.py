@@ -22,6 +22,7 @@ from fastapi import Request
 
 from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.sampling_params import SamplingParams
+from kvloom.structured import structured_output_from_openai
 from kvloom.server.async_engine import (
     AsyncEngine,
     EngineNotReady,
@@ -83,10 +84,14 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(body, name) is not None}
     try:
+        structured = structured_output_from_openai(
+            body.response_format, guided_json=body.guided_json, guided_regex=body.guided_regex,
+            guided_choice=body.guided_choice, guided_grammar=body.guided_grammar,
+            guided_json_object=body.guided_json_object, structured_outputs=body.structured_outputs)
         return SamplingParams(
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
             stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs, **given)
+            ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured, **given)
     except ValueError as error:
         raise from_value_error(error) from None
 

@@ -2,7 +2,7 @@
 
 Every model forbids unknown fields and validates types strictly (``"5"`` is not an
 integer): a field we do not implement (``tools``, ``logit_bias``, ``best_of``,
-``response_format``, ``suffix``, ...) is a 400 naming it, never a silent no-op. Value
+``suffix``, ...) is a 400 naming it, never a silent no-op. Value
 ranges are left to ``SamplingParams`` so that the offline API and the server report the
 same message for the same mistake. Responses are plain dicts built in ``serving_*.py``.
 """
@@ -53,6 +53,15 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
+    # Structured output: OpenAI's response_format and vLLM's guided_* / structured_outputs
+    # (at most one); checked by kvloom.structured.structured_output_from_openai.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -152,3 +152,27 @@ def test_max_tokens_absent_runs_to_the_context(client) -> None:
                                        extra_body={"ignore_eos": True})
     assert result.choices[0].finish_reason == "length"
     assert result.usage.completion_tokens == 6
+
+
+def test_structured_outputs_through_the_api(client) -> None:
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        data = json.loads(choice.message.content)
+        assert set(data) == {"name", "age"} and 0 <= data["age"] <= 120
+    else:
+        assert choice.finish_reason == "length"
+    text = client.completions.create(model=SERVED_NAME, prompt="Date:", max_tokens=20,
+                                     extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text.choices[0].text)
+    picked = client.completions.create(model=SERVED_NAME, prompt="Pick:", max_tokens=10,
+                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].text in {"red", "green", "blue"}
