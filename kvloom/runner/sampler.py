@@ -6,7 +6,7 @@ Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 2. min_tokens: stop tokens of rows still short of ``min_tokens`` become -inf;
 3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
 4. greedy rows take the argmax here and never consume randomness;
-5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race.
+5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> inverse-CDF draw (one uniform per row).
 
 Logprobs are computed from the raw logits handed to the sampler (``log_softmax``
 before penalties, min_tokens and temperature), i.e. what the model believes, not
@@ -91,31 +91,38 @@ class Sampler:
         if metadata.min_p is not None:
             apply_min_p(scaled, metadata.min_p)
         probs = torch.softmax(scaled, dim=-1)  # [R, V]
-        noise = self._exponential_noise(probs, metadata)
-        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as
-        # Categorical(p), and needs no cumsum or device-side search.
-        return probs.div_(noise).argmax(dim=-1)
+        return self._inverse_cdf(probs, self._uniforms(probs, metadata))
 
-    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Exp(1) noise like ``probs``; seeded rows draw a full row from their own generator.
+    @staticmethod
+    def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """Categorical(p) by inverse CDF: one uniform per row, so the cost is a cumsum and
+        a binary search instead of a random number per vocabulary entry (on CPU, drawing
+        [R, V] exponentials for the Gumbel race costs more than the model's lm_head)."""
+        cdf = probs.cumsum(dim=-1)  # [R, V]
+        targets = uniforms.unsqueeze(1) * cdf[:, -1:]  # [R, 1]
+        tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)  # [R]
+        # Rounding can put a target at or past the total; never pick a token with zero
+        # probability (filtered out) because of it: cap at the last token that has mass.
+        vocab = probs.shape[1]
+        last_nonzero = vocab - 1 - (probs > 0).flip(dims=[1]).to(torch.int8).argmax(dim=1)  # [R]
+        return torch.minimum(tokens, last_nonzero)
+
+    def _uniforms(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """One U[0, 1) per row; seeded rows draw from their own generator.
 
         A seeded row's draw depends only on its generator's state, never on the
         batch's size or its position, so the same seed gives the same tokens.
         """
-        noise = torch.empty_like(probs)  # [R, V]
+        uniforms = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)  # [R]
         if metadata.unseeded is not None:
             if not metadata.seeded:
-                noise.exponential_(generator=self.default_generator)
+                uniforms.uniform_(generator=self.default_generator)
             else:
-                shared = torch.empty(
-                    len(metadata.unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
-                )  # [U, V]
-                noise[metadata.unseeded] = shared.exponential_(generator=self.default_generator)
+                shared = torch.empty(len(metadata.unseeded), dtype=probs.dtype, device=probs.device)
+                uniforms[metadata.unseeded] = shared.uniform_(generator=self.default_generator)
         for position, generator in metadata.seeded:
-            noise[position].exponential_(generator=generator)  # a view of one row
-        # Exp(1) can round to exactly 0; 0/0 would be NaN, which argmax would pick
-        # even for a token that filtering removed.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+            uniforms[position : position + 1].uniform_(generator=generator)
+        return uniforms
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
