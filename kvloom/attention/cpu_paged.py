@@ -30,7 +30,10 @@ from kvloom.attention.base import AttentionBackend, write_kv
 from kvloom.runner.forward_batch import ForwardBatch
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernel
+# relies on -inf for "no score yet", so infinities stay meaningful.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+         "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
@@ -64,8 +67,9 @@ def load_library() -> ctypes.CDLL:
                 result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
                                         capture_output=True, text=True)
                 if result.returncode != 0:
-                    raise KernelUnavailable(f"building the CPU attention kernel failed: "
-                                            f"{result.stderr.strip().splitlines()[-1:]}")
+                    errors = [line for line in result.stderr.splitlines() if "error" in line]
+                    raise KernelUnavailable("building the CPU attention kernel failed: "
+                                            + (errors[0] if errors else result.stderr.strip()[-300:]))
                 os.replace(built, target)  # atomic: concurrent builders never see half a file
         library = ctypes.CDLL(str(target))
         for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16"):

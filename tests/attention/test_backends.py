@@ -16,14 +16,18 @@ from kvloom.sampling_params import SamplingParams
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def mixed_batch(block_size: int, num_blocks: int, seed: int):
-    """Requests mid-decode, mid-chunk, fresh prefills and prefix-hit style chunks."""
+MIXED = [(0, 1), (0, 7), (0, 40), (5, 1), (31, 1), (16, 16), (33, 9), (63, 1), (2, 30), (100, 3)]
+# Too few work items to fill the threads: the kernel splits items by kv head.
+FEW = [(150, 1), (20, 5)]
+
+
+def mixed_batch(block_size: int, num_blocks: int, seed: int, shapes=MIXED):
+    """Requests mid-decode, mid-chunk, fresh prefills and prefix-hit style chunks;
+    ``shapes`` lists (tokens already computed, tokens this step)."""
     rng = random.Random(seed)
     free = list(range(num_blocks))
     rng.shuffle(free)
     scheduled = []
-    # (tokens already computed, tokens this step)
-    shapes = [(0, 1), (0, 7), (0, 40), (5, 1), (31, 1), (16, 16), (33, 9), (63, 1), (2, 30), (100, 3)]
     for i, (done, new) in enumerate(shapes):
         total = done + new
         request = Request(f"r{i}", [rng.randrange(100) for _ in range(total)], SamplingParams())
@@ -35,10 +39,11 @@ def mixed_batch(block_size: int, num_blocks: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 128)])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
+@pytest.mark.parametrize("shapes", [MIXED, FEW], ids=["mixed", "few"])
+def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_size, shapes) -> None:
     torch.manual_seed(0)
     num_blocks = 400
-    output = mixed_batch(block_size, num_blocks, seed=block_size + heads)
+    output = mixed_batch(block_size, num_blocks, seed=block_size + heads, shapes=shapes)
     batch = ForwardBatch.build(output, block_size, torch.device("cpu"))
     tokens = batch.num_tokens
     q = torch.randn(tokens, heads, head_dim, dtype=dtype)

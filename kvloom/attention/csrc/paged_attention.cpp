@@ -12,6 +12,9 @@
 #include <vector>
 #include <algorithm>
 #include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -33,6 +36,84 @@ inline void from_float(float x, uint16_t* dst) {  // round to nearest even, NaN 
   *dst = static_cast<uint16_t>(bits >> 16);
 }
 
+// Row primitives. With AVX-512 they work 16 floats at a time (head_dim % 16 == 0);
+// otherwise, and for any remainder, plain loops.
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void load_row(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.0f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+inline void scale_add(float* acc, const float* v, float p, int64_t n) {  // acc += p * v
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * v[i];
+}
+// x[i] = exp(x[i] - shift) for i < n, returning the sum. Arguments are <= 0 here (the
+// shift is the running max). AVX-512 path: 2^t with t = n + f, |f| <= 1/2, a degree-7
+// Taylor polynomial for 2^f (relative error ~1e-8) and scalef for the 2^n.
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.0f;
+#ifdef __AVX512F__
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 lowest = _mm512_set1_ps(-126.0f);
+  const __m512 c1 = _mm512_set1_ps(0.693147180559945f), c2 = _mm512_set1_ps(0.240226506959101f),
+               c3 = _mm512_set1_ps(0.0555041086648216f), c4 = _mm512_set1_ps(0.00961812910762848f),
+               c5 = _mm512_set1_ps(0.00133335581464284f), c6 = _mm512_set1_ps(0.000154035303933816f),
+               c7 = _mm512_set1_ps(1.52527338040598e-05f), one = _mm512_set1_ps(1.0f);
+  const __m512 shift_v = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + i), shift_v), log2e);
+    t = _mm512_max_ps(t, lowest);  // exp underflows to ~0 there anyway; keeps scalef sane
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_fmadd_ps(c7, f, c6);
+    p = _mm512_fmadd_ps(p, f, c5);
+    p = _mm512_fmadd_ps(p, f, c4);
+    p = _mm512_fmadd_ps(p, f, c3);
+    p = _mm512_fmadd_ps(p, f, c2);
+    p = _mm512_fmadd_ps(p, f, c1);
+    p = _mm512_fmadd_ps(p, f, one);
+    const __m512 e = _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, whole));
+    _mm512_mask_storeu_ps(x + i, live, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+inline void scale_row(float* acc, float c, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] *= c;
+}
+
 template <typename T>
 void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
@@ -40,89 +121,93 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
             int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  // Work items: (seq, kv_head, tile start row).
+  const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
+  const int64_t block_stride = block_size * slot_stride;
+  // Work items: (seq, first query row, first kv head, kv heads). An item normally takes
+  // every kv head, so a block is one contiguous read; with too few items to keep the
+  // threads busy (few long sequences) it is split by kv head instead.
+  int64_t num_tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (query_lens[s] + TILE - 1) / TILE;
+  const int64_t heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
   std::vector<int64_t> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = query_lens[s];
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t r = 0; r < q_len; r += TILE) { items.push_back(s); items.push_back(h); items.push_back(r); }
-  }
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r = 0; r < query_lens[s]; r += TILE)
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
+        items.push_back(s); items.push_back(r); items.push_back(h);
+      }
   const int64_t num_items = static_cast<int64_t>(items.size() / 3);
-  const int64_t slot_stride = num_kv_heads * head_dim;           // one token slot
-  const int64_t block_stride = block_size * slot_stride;         // one block
+  const int64_t max_vecs = TILE * heads_per_item * group;
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> kbuf(block_size * head_dim), vbuf(block_size * head_dim);
-    std::vector<float> qbuf(TILE * group * head_dim), acc(TILE * group * head_dim);
-    std::vector<float> row_max(TILE * group), row_sum(TILE * group), scores(block_size);
+    std::vector<float> kbuf(block_stride), vbuf(block_stride);
+    std::vector<float> qbuf(max_vecs * head_dim), acc(max_vecs * head_dim);
+    std::vector<float> row_max(max_vecs), row_sum(max_vecs), scores(block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t s = items[3 * item], kvh = items[3 * item + 1], r0 = items[3 * item + 2];
+      const int64_t s = items[3 * item], r0 = items[3 * item + 1], kv0 = items[3 * item + 2];
       const int64_t q_len = query_lens[s];
       const int64_t seq_len = seq_lens[s];
       const int64_t rows = std::min<int64_t>(TILE, q_len - r0);
-      const int64_t vecs = rows * group;
+      const int64_t heads = heads_per_item * group;  // query heads of this item
+      const int64_t vecs = rows * heads;             // vector m = row m / heads, head m % heads
       // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
       const int64_t first_pos = seq_len - q_len + r0;
       const int64_t last_key = first_pos + rows;  // exclusive bound on keys any row sees
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          const T* src = q + ((query_start[s] + r0 + r) * num_heads + kvh * group + g) * head_dim;
-          float* dst = &qbuf[(r * group + g) * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* src = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + h) * head_dim;
+          float* dst = &qbuf[(r * heads + h) * head_dim];
+          load_row(src, dst, head_dim);
+          scale_row(dst, scale, head_dim);
         }
       std::fill(acc.begin(), acc.begin() + vecs * head_dim, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + vecs, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + vecs, 0.0f);
       const int32_t* table = block_tables + s * max_blocks;
       const int64_t num_blocks = (last_key + block_size - 1) / block_size;
+      const int64_t span = heads_per_item * head_dim;  // elements of a slot this item reads
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t base_pos = b * block_size;
         const int64_t slots = std::min<int64_t>(block_size, last_key - base_pos);
-        const T* kb = k_cache + table[b] * block_stride + kvh * head_dim;
-        const T* vb = v_cache + table[b] * block_stride + kvh * head_dim;
-        for (int64_t t = 0; t < slots; ++t)
-          for (int64_t d = 0; d < head_dim; ++d) {
-            kbuf[t * head_dim + d] = to_float(kb[t * slot_stride + d]);
-            vbuf[t * head_dim + d] = to_float(vb[t * slot_stride + d]);
+        const T* kb = k_cache + table[b] * block_stride + kv0 * head_dim;
+        const T* vb = v_cache + table[b] * block_stride + kv0 * head_dim;
+        // Converted to float once, shared by every query vector of the item.
+        if (span == slot_stride) {
+          load_row(kb, kbuf.data(), slots * slot_stride);
+          load_row(vb, vbuf.data(), slots * slot_stride);
+        } else {
+          for (int64_t t = 0; t < slots; ++t) {
+            load_row(kb + t * slot_stride, &kbuf[t * span], span);
+            load_row(vb + t * slot_stride, &vbuf[t * span], span);
           }
+        }
         for (int64_t m = 0; m < vecs; ++m) {
-          const int64_t visible = std::min<int64_t>(slots, first_pos + m / group + 1 - base_pos);
+          const int64_t visible = std::min<int64_t>(slots, first_pos + m / heads + 1 - base_pos);
           if (visible <= 0) continue;
+          const int64_t offset = ((m % heads) / group) * head_dim;  // its kv head in the slot
           const float* qv = &qbuf[m * head_dim];
+          float* sc = scores.data();
           float block_max = -INFINITY;
           for (int64_t t = 0; t < visible; ++t) {
-            const float* kv = &kbuf[t * head_dim];
-            float dot = 0.0f;
-#pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
-            scores[t] = dot;
-            block_max = std::max(block_max, dot);
+            sc[t] = dot(qv, &kbuf[t * span + offset], head_dim);
+            block_max = std::max(block_max, sc[t]);
           }
           const float new_max = std::max(row_max[m], block_max);
           const float correction = std::exp(row_max[m] - new_max);
           float* a = &acc[m * head_dim];
-          float sum = row_sum[m] * correction;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-          for (int64_t t = 0; t < visible; ++t) {
-            const float p = std::exp(scores[t] - new_max);
-            sum += p;
-            const float* vv = &vbuf[t * head_dim];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vv[d];
-          }
+          scale_row(a, correction, head_dim);
+          const float sum = exp_shifted(sc, visible, new_max);
+          for (int64_t t = 0; t < visible; ++t) scale_add(a, &vbuf[t * span + offset], sc[t], head_dim);
           row_max[m] = new_max;
-          row_sum[m] = sum;
+          row_sum[m] = row_sum[m] * correction + sum;
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t m = r * group + g;
-          const float inv = 1.0f / row_sum[m];
-          T* dst = out + ((query_start[s] + r0 + r) * num_heads + kvh * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) from_float(acc[m * head_dim + d] * inv, dst + d);
-        }
+      for (int64_t m = 0; m < vecs; ++m) {
+        const float inv = 1.0f / row_sum[m];
+        T* dst = out + ((query_start[s] + r0 + m / heads) * num_heads + kv0 * group + m % heads) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) from_float(acc[m * head_dim + d] * inv, dst + d);
+      }
     }
   }
 }
