@@ -41,6 +41,12 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     roofline.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     roofline.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
 
+    structured = bench_sub.add_parser(
+        "structured", help="JSON-schema workload vs unconstrained, jump-forward on/off",
+        description="Arguments are passed to kvloom.structured.bench: MODEL --num-prompts N "
+                    "--max-tokens N --temperature T --dtype D --output-json PATH")
+    structured.add_argument("structured_args", nargs=argparse.REMAINDER)
+
     serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP")
     add_serve_bench_args(serve)
     sweep = bench_sub.add_parser("sweep", help="bench serve over request rates x engine options")
@@ -64,6 +70,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_sweep(config)
     if args.bench_command == "roofline":
         return _roofline(args)
+    if args.bench_command == "structured":
+        from kvloom.structured.bench import main as structured_main
+        return structured_main(args.structured_args)
     if args.bench_command == "plot":
         from kvloom.bench.plot import plot_results
         for path in plot_results(args.results, args.out):

@@ -114,6 +114,98 @@ inline void scale_row(float* acc, float c, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] *= c;
 }
 
+// One query vector against `visible` keys of a block (rows `stride` apart), updating
+// its running max, sum and accumulator (online softmax).
+inline void block_update_generic(int64_t head_dim, const float* qv, const float* kb, const float* vb,
+                                 int64_t stride, int64_t visible, float* a, float* row_max,
+                                 float* row_sum, float* sc) {
+  float block_max = -INFINITY;
+  for (int64_t t = 0; t < visible; ++t) {
+    sc[t] = dot(qv, kb + t * stride, head_dim);
+    block_max = std::max(block_max, sc[t]);
+  }
+  const float new_max = std::max(*row_max, block_max);
+  const float correction = std::exp(*row_max - new_max);
+  scale_row(a, correction, head_dim);
+  const float sum = exp_shifted(sc, visible, new_max);
+  for (int64_t t = 0; t < visible; ++t) scale_add(a, vb + t * stride, sc[t], head_dim);
+  *row_max = new_max;
+  *row_sum = *row_sum * correction + sum;
+}
+
+#ifdef __AVX512F__
+// Lane i of the result is the sum of v[i]'s 16 lanes: 16 horizontal sums for the price
+// of about three (a transpose-and-add tree instead of 16 separate reductions).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: the lane's sums of v[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The same with head_dim fixed at compile time: the query and the accumulator live in
+// registers for the whole block (no store-to-load chains through memory).
+template <int D>
+inline void block_update_fixed(const float* qv, const float* kb, const float* vb, int64_t stride,
+                               int64_t visible, float* a, float* row_max, float* row_sum, float* sc) {
+  constexpr int R = D / 16;
+  __m512 q[R];
+  for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_ps(qv + 16 * r);
+  float block_max = -INFINITY;
+  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, visible - t0);
+    __m512 prods[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= count) { prods[t] = _mm512_setzero_ps(); continue; }
+      const float* k = kb + (t0 + t) * stride;
+      __m512 prod = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+      for (int r = 1; r < R; ++r) prod = _mm512_fmadd_ps(q[r], _mm512_loadu_ps(k + 16 * r), prod);
+      prods[t] = prod;
+    }
+    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scores = sum16(prods);
+    _mm512_mask_storeu_ps(sc + t0, live, scores);
+    block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
+  }
+  const float new_max = std::max(*row_max, block_max);
+  const __m512 correction = _mm512_set1_ps(std::exp(*row_max - new_max));
+  const float sum = exp_shifted(sc, visible, new_max);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), correction);
+  for (int64_t t = 0; t < visible; ++t) {
+    const __m512 p = _mm512_set1_ps(sc[t]);
+    const float* v = vb + t * stride;
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * r), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
+  *row_sum = *row_sum * std::exp(*row_max - new_max) + sum;
+  *row_max = new_max;
+}
+#endif
+
+inline void block_update(int64_t head_dim, const float* qv, const float* kb, const float* vb,
+                         int64_t stride, int64_t visible, float* a, float* row_max,
+                         float* row_sum, float* sc) {
+#ifdef __AVX512F__
+  switch (head_dim) {
+    case 64: return block_update_fixed<64>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+    case 128: return block_update_fixed<128>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+    case 32: return block_update_fixed<32>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+    default: break;
+  }
+#endif
+  block_update_generic(head_dim, qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+}
+
 template <typename T>
 void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
@@ -172,6 +264,16 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
         const int64_t slots = std::min<int64_t>(block_size, last_key - base_pos);
         const T* kb = k_cache + table[b] * block_stride + kv0 * head_dim;
         const T* vb = v_cache + table[b] * block_stride + kv0 * head_dim;
+        if (b + 1 < num_blocks) {
+          // Blocks are scattered in the pool: fetch the next one while this one computes.
+          const char* next_k = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_stride + kv0 * head_dim);
+          const char* next_v = reinterpret_cast<const char*>(v_cache + table[b + 1] * block_stride + kv0 * head_dim);
+          const int64_t bytes = block_stride * static_cast<int64_t>(sizeof(T));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(next_k + off);
+            __builtin_prefetch(next_v + off);
+          }
+        }
         // Converted to float once, shared by every query vector of the item.
         if (span == slot_stride) {
           load_row(kb, kbuf.data(), slots * slot_stride);
@@ -186,21 +288,8 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
           const int64_t visible = std::min<int64_t>(slots, first_pos + m / heads + 1 - base_pos);
           if (visible <= 0) continue;
           const int64_t offset = ((m % heads) / group) * head_dim;  // its kv head in the slot
-          const float* qv = &qbuf[m * head_dim];
-          float* sc = scores.data();
-          float block_max = -INFINITY;
-          for (int64_t t = 0; t < visible; ++t) {
-            sc[t] = dot(qv, &kbuf[t * span + offset], head_dim);
-            block_max = std::max(block_max, sc[t]);
-          }
-          const float new_max = std::max(row_max[m], block_max);
-          const float correction = std::exp(row_max[m] - new_max);
-          float* a = &acc[m * head_dim];
-          scale_row(a, correction, head_dim);
-          const float sum = exp_shifted(sc, visible, new_max);
-          for (int64_t t = 0; t < visible; ++t) scale_add(a, &vbuf[t * span + offset], sc[t], head_dim);
-          row_max[m] = new_max;
-          row_sum[m] = row_sum[m] * correction + sum;
+          block_update(head_dim, &qbuf[m * head_dim], &kbuf[offset], &vbuf[offset], span, visible,
+                       &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
         }
       }
       for (int64_t m = 0; m < vecs; ++m) {
