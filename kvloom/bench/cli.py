@@ -41,6 +41,12 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     roofline.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     roofline.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
 
+    placement = bench_sub.add_parser("placement", help="engine loop in a thread vs a process")
+    add_engine_args(placement)
+    placement.add_argument("--num-requests", type=int, default=32)
+    placement.add_argument("--prompt-len", type=int, default=128)
+    placement.add_argument("--max-tokens", type=int, default=128)
+
     structured = bench_sub.add_parser(
         "structured", help="JSON-schema workload vs unconstrained, jump-forward on/off",
         description="Arguments are passed to kvloom.structured.bench: MODEL --num-prompts N "
@@ -70,6 +76,14 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_sweep(config)
     if args.bench_command == "roofline":
         return _roofline(args)
+    if args.bench_command == "placement":
+        from kvloom.bench.engine_placement import measure
+        from kvloom.cli import engine_kwargs
+        results = measure(args.model, engine_kwargs(args), args.num_requests, args.prompt_len,
+                          args.max_tokens)
+        for name, rate in results.items():
+            print(f"engine in a {name:<8} {rate:8.1f} output tok/s delivered to the consumer")
+        return 0
     if args.bench_command == "structured":
         from kvloom.structured.bench import main as structured_main
         return structured_main(args.structured_args)

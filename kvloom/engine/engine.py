@@ -55,6 +55,8 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_batched_tokens: int = 0  # tokens the last step computed
+    num_starvation_promotions: int = 0  # admissions forced by the starvation bound
+    num_policy_fallbacks: int = 0  # steps the policy ordered FCFS instead (lpm, long queues)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -194,7 +196,8 @@ class LLMEngine:
                            s.num_preemptions, kv.pool.num_free_blocks, self.num_blocks,
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
                            s.num_queried_prompt_tokens, s.num_cached_prompt_tokens,
-                           self._last_num_batched_tokens)
+                           self._last_num_batched_tokens, s.num_starvation_promotions,
+                           s.policy.num_fcfs_fallbacks)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -6,6 +6,7 @@ starvation bound. Policies are registered by name and chosen with ``--policy``.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -14,12 +15,16 @@ from kvloom.config import SchedulerConfig
 from kvloom.engine.trace import WaitReason
 from kvloom.request import Request
 
+logger = logging.getLogger(__name__)
+
 
 class SchedulingPolicy(ABC):
     name: str = ""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        # Steps in which the policy could not apply its own order and used FCFS instead.
+        self.num_fcfs_fallbacks = 0
 
     @abstractmethod
     def order_waiting(self, waiting: list[Request], kv: KVCacheManager) -> list[Request]:
@@ -112,12 +117,12 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
     name = "lpm"
     MAX_SCORED = 256
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
-        self.num_fcfs_fallbacks = 0
-
     def order_waiting(self, waiting: list[Request], kv: KVCacheManager) -> list[Request]:
         if len(waiting) > self.MAX_SCORED:
+            if not self.num_fcfs_fallbacks:
+                logger.warning("lpm policy: %d requests waiting (> %d): ordering FCFS while the "
+                               "queue is this long (counted in stats.num_policy_fallbacks)",
+                               len(waiting), self.MAX_SCORED)
             self.num_fcfs_fallbacks += 1
             return waiting
         cache = kv.prefix_cache

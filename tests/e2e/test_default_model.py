@@ -61,3 +61,17 @@ def test_chat_answer_is_sensible(llm) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_prefix_cache_on_and_off_agree_on_default_model(llm) -> None:
+    """Chat prompts share the template's system prompt (and, here, a long user
+    preamble whose end splits a block): cached and uncached runs must agree."""
+    preamble = "You are reviewing short statements about science and geography. " * 4
+    conversations = [[{"role": "user", "content": preamble + p}] for p in PROMPTS]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cached = llm.chat(conversations, params)
+    assert sum(o.num_cached_tokens for o in cached) > 0
+    uncached_llm = LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256, enable_prefix_caching=False)
+    uncached = uncached_llm.chat(conversations, params)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    llm.engine.check_integrity()

@@ -168,3 +168,13 @@ def test_unchunked_prefill_takes_whole_prompts() -> None:
     run_to_completion(scheduler)
     assert big.output_token_ids == expected_output(big)
     assert small.output_token_ids == expected_output(small)
+
+
+def test_lpm_says_when_it_falls_back_to_fcfs() -> None:
+    from kvloom.engine.policy import LongestPrefixMatchPolicy
+
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="lpm", prefix_cache=True)
+    for i in range(LongestPrefixMatchPolicy.MAX_SCORED + 2):
+        scheduler.add_request(make_request(f"r{i}", 4, 1, first_token=i))
+    scheduler.schedule()
+    assert scheduler.policy.num_fcfs_fallbacks == 1

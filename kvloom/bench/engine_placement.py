@@ -1,0 +1,68 @@
+"""`kvloom bench placement`: the engine loop in a thread vs in a separate process.
+
+The server keeps the model off the HTTP event loop. This measures the two ways of
+doing that on the same workload: the engine stepping in a thread of the consumer's
+process (deltas cross through an in-process queue), or in a child process (deltas
+cross through a multiprocessing queue, pickled). The consumer reads every delta as a
+streaming client would. The result decides the server's design (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from typing import Any
+
+from kvloom.sampling_params import SamplingParams
+
+_DONE = None
+
+
+def _engine_loop(model: str, engine_kwargs: dict[str, Any], prompts: list[list[int]],
+                 max_tokens: int, out: Any) -> None:
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs))
+    engine.add_request([1] * 32, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    out.put("ready")
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        # One message per step, as the server's engine thread sends them.
+        out.put([(o.request_id, o.outputs[0].delta_token_ids, o.finished) for o in engine.step()])
+    out.put(_DONE)
+
+
+def _consume(out: Any) -> tuple[float, int]:
+    assert out.get() == "ready"
+    start, tokens = time.perf_counter(), 0
+    while (batch := out.get()) is not _DONE:
+        tokens += sum(len(delta) for _, delta, _ in batch)
+    return time.perf_counter() - start, tokens
+
+
+def measure(model: str, engine_kwargs: dict[str, Any], num_requests: int, prompt_len: int,
+            max_tokens: int) -> dict[str, float]:
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(num_requests)]
+    results: dict[str, float] = {}
+    in_process: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=_engine_loop,
+                              args=(model, engine_kwargs, prompts, max_tokens, in_process))
+    thread.start()
+    seconds, tokens = _consume(in_process)
+    thread.join()
+    results["thread"] = tokens / seconds
+    context = multiprocessing.get_context("spawn")
+    across: Any = context.Queue()
+    process = context.Process(target=_engine_loop,
+                              args=(model, engine_kwargs, prompts, max_tokens, across))
+    process.start()
+    seconds, tokens = _consume(across)
+    process.join()
+    results["process"] = tokens / seconds
+    return results
