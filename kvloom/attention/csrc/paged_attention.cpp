@@ -19,6 +19,7 @@
 namespace {
 
 constexpr int TILE = 16;
+constexpr int64_t PREFETCH_BLOCKS = 1;  // how far ahead in the block table to prefetch
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
@@ -258,38 +259,39 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       std::fill(row_sum.begin(), row_sum.begin() + vecs, 0.0f);
       const int32_t* table = block_tables + s * max_blocks;
       const int64_t num_blocks = (last_key + block_size - 1) / block_size;
-      const int64_t span = heads_per_item * head_dim;  // elements of a slot this item reads
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t base_pos = b * block_size;
         const int64_t slots = std::min<int64_t>(block_size, last_key - base_pos);
         const T* kb = k_cache + table[b] * block_stride + kv0 * head_dim;
         const T* vb = v_cache + table[b] * block_stride + kv0 * head_dim;
-        if (b + 1 < num_blocks) {
-          // Blocks are scattered in the pool: fetch the next one while this one computes.
-          const char* next_k = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_stride + kv0 * head_dim);
-          const char* next_v = reinterpret_cast<const char*>(v_cache + table[b + 1] * block_stride + kv0 * head_dim);
+        if (b + PREFETCH_BLOCKS < num_blocks) {
+          // Blocks are scattered in the pool: fetch ahead while this one computes.
+          const int64_t ahead = table[b + PREFETCH_BLOCKS];
+          const char* next_k = reinterpret_cast<const char*>(k_cache + ahead * block_stride + kv0 * head_dim);
+          const char* next_v = reinterpret_cast<const char*>(v_cache + ahead * block_stride + kv0 * head_dim);
           const int64_t bytes = block_stride * static_cast<int64_t>(sizeof(T));
           for (int64_t off = 0; off < bytes; off += 64) {
             __builtin_prefetch(next_k + off);
             __builtin_prefetch(next_v + off);
           }
         }
-        // Converted to float once, shared by every query vector of the item.
-        if (span == slot_stride) {
-          load_row(kb, kbuf.data(), slots * slot_stride);
-          load_row(vb, vbuf.data(), slots * slot_stride);
-        } else {
+        // One kv head at a time: its K/V rows are converted to float once and shared by
+        // the query heads of its group (x the item's query rows); the float copy stays
+        // small enough (2 x block_size x head_dim) to live in L1.
+        for (int64_t kh = 0; kh < heads_per_item; ++kh) {
           for (int64_t t = 0; t < slots; ++t) {
-            load_row(kb + t * slot_stride, &kbuf[t * span], span);
-            load_row(vb + t * slot_stride, &vbuf[t * span], span);
+            load_row(kb + t * slot_stride + kh * head_dim, &kbuf[t * head_dim], head_dim);
+            load_row(vb + t * slot_stride + kh * head_dim, &vbuf[t * head_dim], head_dim);
           }
-        }
-        for (int64_t m = 0; m < vecs; ++m) {
-          const int64_t visible = std::min<int64_t>(slots, first_pos + m / heads + 1 - base_pos);
-          if (visible <= 0) continue;
-          const int64_t offset = ((m % heads) / group) * head_dim;  // its kv head in the slot
-          block_update(head_dim, &qbuf[m * head_dim], &kbuf[offset], &vbuf[offset], span, visible,
-                       &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t visible = std::min<int64_t>(slots, first_pos + r + 1 - base_pos);
+            if (visible <= 0) continue;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t m = r * heads + kh * group + g;
+              block_update(head_dim, &qbuf[m * head_dim], kbuf.data(), vbuf.data(), head_dim, visible,
+                           &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
+            }
+          }
         }
       }
       for (int64_t m = 0; m < vecs; ++m) {
