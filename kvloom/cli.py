@@ -133,7 +133,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         prompts: list[str | list[int]] = list(args.prompt)
         if args.chat_template:
             prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in args.prompt]
-        for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args))):
+        for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args)), strict=True):
             print(f"--- {prompt!r}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}]")
         save_trace(llm.engine, args)
         return 0

@@ -3,8 +3,8 @@ request's last token, so outputs are known in advance and independent of batchin
 
 from __future__ import annotations
 
-from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.block_pool import BlockPool
+from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import SchedulerConfig

@@ -106,7 +106,7 @@ class CPUPagedBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> CPUPagedMetadata:
         fresh, rows, starts, lens, seqs = [], [], [], [], []
         start = 0
-        for index, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list)):
+        for index, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
             if query_len == seq_len and query_len > 1:
                 fresh.append((start, query_len))
             else:

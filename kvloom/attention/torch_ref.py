@@ -22,7 +22,7 @@ class TorchReferenceBackend(AttentionBackend):
         block_size = batch.block_size
         out = torch.empty_like(q)
         start = 0
-        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list)):
+        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
             num_blocks = -(-seq_len // block_size)
             blocks = batch.block_tables[i, :num_blocks].long()
             # [2, num_blocks, block_size, kv_heads, head_dim] -> [2, seq_len, kv_heads, head_dim]

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.attention.base import make_backend
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
-from kvloom.cache.radix_cache import RadixCache
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
+from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.output import RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
@@ -26,7 +27,6 @@ from kvloom.request import Request, RequestStatus
 from kvloom.runner.kv_pool import allocate_kv_pool, num_blocks_for
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
-from kvloom.attention.base import make_backend
 
 
 def resolve_device(name: str) -> torch.device:

@@ -49,7 +49,7 @@ class LLM:
         # One engine request per sample; `owners` maps it back to (prompt index, sample index).
         owners: dict[str, tuple[int, int]] = {}
         try:
-            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 for sample in range(params.n):
                     sample_params = params if params.n == 1 else dataclasses.replace(
                         params, n=1, seed=None if params.seed is None else params.seed + sample)

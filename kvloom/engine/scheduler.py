@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 
 from kvloom.cache.kv_manager import KVCacheManager, cdiv
+from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.config import SchedulerConfig
 from kvloom.engine.output import ScheduledRequest, SchedulerOutput
-from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
 from kvloom.request import Request, RequestStatus

@@ -230,11 +230,11 @@ def compute_logprobs(
     sampled_ids = sampled.squeeze(1).tolist()
     sampled_values = sampled_logprobs.squeeze(1).tolist()
     rank_values = ranks.tolist()
-    for i, (row, n) in enumerate(zip(rows.tolist(), metadata.num_logprobs)):
+    for i, (row, n) in enumerate(zip(rows.tolist(), metadata.num_logprobs, strict=True)):
         entries[row] = LogprobsEntry(
             token_id=sampled_ids[i],
             logprob=sampled_values[i],
             rank=rank_values[i],
-            top_logprobs=list(zip(top_ids[i][:n], top_values[i][:n])),
+            top_logprobs=list(zip(top_ids[i][:n], top_values[i][:n], strict=True)),
         )
     return entries

@@ -22,7 +22,6 @@ from fastapi import Request
 
 from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.sampling_params import SamplingParams
-from kvloom.structured import structured_output_from_openai
 from kvloom.server.async_engine import (
     AsyncEngine,
     EngineNotReady,
@@ -35,6 +34,7 @@ from kvloom.server.async_engine import (
 from kvloom.server.errors import SERVER_ERROR, APIError, bad_request, from_value_error, overloaded
 from kvloom.server.protocol import SamplingRequest
 from kvloom.server.settings import ServerSettings
+from kvloom.structured import structured_output_from_openai
 
 
 @dataclass(frozen=True)

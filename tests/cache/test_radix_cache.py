@@ -52,7 +52,7 @@ class ReferenceCache:
                 self.access[p] = self.clock
 
     def insert(self, tokens: list[int], block_ids: list[int]) -> None:
-        for p, block_id in zip(self._prefixes(tokens), block_ids):
+        for p, block_id in zip(self._prefixes(tokens), block_ids, strict=False):
             self.blocks.setdefault(p, block_id)
         self.touch(tuple(tokens))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers_models import default_model_path
+
 from kvloom import LLM, SamplingParams
 
 PROMPTS = [
@@ -51,7 +51,7 @@ def test_greedy_matches_transformers_on_default_model(gguf_path, llm) -> None:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=False):
         expected = hf_greedy_with_cache(reference, prompt, 32)
         assert output.outputs[0].token_ids == expected
     llm.engine.check_integrity()

@@ -200,7 +200,7 @@ def test_filtered_distributions_match_reference(device: torch.device) -> None:
     draws = 6000
     # Interleaved, with greedy rows between, so every knob is routed per row.
     rows, owners = [], []
-    for i in range(draws):
+    for _ in range(draws):
         for c, config in enumerate(configs):
             rows.append(make_row(device, **config))
             owners.append(c)
@@ -216,10 +216,10 @@ def test_filtered_distributions_match_reference(device: torch.device) -> None:
             top_p=config.get("top_p", 1.0),
             min_p=config.get("min_p", 0.0),
         )
-        counts = Counter(t for t, owner in zip(tokens, owners) if owner == c)
+        counts = Counter(t for t, owner in zip(tokens, owners, strict=False) if owner == c)
         assert all(expected[t] > 0 for t in counts), (config, counts)
         assert chi_square_p_value(counts, expected) > 1e-4, (config, counts, expected)
-    assert {t for t, owner in zip(tokens, owners) if owner == -1} == {2}
+    assert {t for t, owner in zip(tokens, owners, strict=False) if owner == -1} == {2}
 
 
 def test_penalties_match_hand_computed_values(device: torch.device) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from fake_runner import expected_output, make_request, make_scheduler, run_to_completion
+
 from kvloom.engine.scheduler import RequestRejected
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fake_runner import expected_output, make_request, make_scheduler, run_to_completion
+
 from kvloom.engine.trace import WaitReason
 from kvloom.request import RequestStatus
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from helpers_models import write_tiny_hf_model
+
 from kvloom import LLM, SamplingParams
 
 # fp32 log-probs of the prompt's last position: ours vs transformers'.
@@ -59,7 +59,7 @@ def test_greedy_matches_transformers(shape: str, backend: str, tmp_path) -> None
               max_num_batched_tokens=48)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=False):
         expected, ref_logprobs = hf_greedy(reference, prompt, 12)
         assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
         first = output.outputs[0].logprobs[0]
@@ -80,7 +80,7 @@ def test_small_block_size_and_bfloat16(tmp_path) -> None:
     small = LLM(str(path), dtype="float32", block_size=3, num_blocks=300).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in fp32]
     bf16 = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=64).generate(prompts, params)
-    for a, b in zip(fp32, bf16):
+    for a, b in zip(fp32, bf16, strict=False):
         token = a.outputs[0].token_ids[0]
         lp_a = a.outputs[0].logprobs[0][token].logprob
         lp_b = bf16_lp = b.outputs[0].logprobs[0].get(token)
