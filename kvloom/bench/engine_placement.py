@@ -49,20 +49,16 @@ def _consume(out: Any) -> tuple[float, int]:
 def measure(model: str, engine_kwargs: dict[str, Any], num_requests: int, prompt_len: int,
             max_tokens: int) -> dict[str, float]:
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(num_requests)]
+    args = (model, engine_kwargs, prompts, max_tokens)
+    spawn = multiprocessing.get_context("spawn")
+    # (label, a queue the consumer reads, how to run the engine loop beside it)
+    placements = [("thread", queue.Queue(), threading.Thread),
+                  ("process", spawn.Queue(), spawn.Process)]
     results: dict[str, float] = {}
-    in_process: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=_engine_loop,
-                              args=(model, engine_kwargs, prompts, max_tokens, in_process))
-    thread.start()
-    seconds, tokens = _consume(in_process)
-    thread.join()
-    results["thread"] = tokens / seconds
-    context = multiprocessing.get_context("spawn")
-    across: Any = context.Queue()
-    process = context.Process(target=_engine_loop,
-                              args=(model, engine_kwargs, prompts, max_tokens, across))
-    process.start()
-    seconds, tokens = _consume(across)
-    process.join()
-    results["process"] = tokens / seconds
+    for label, channel, runner in placements:
+        worker = runner(target=_engine_loop, args=(*args, channel))
+        worker.start()
+        seconds, tokens = _consume(channel)
+        worker.join()
+        results[label] = tokens / seconds
     return results
