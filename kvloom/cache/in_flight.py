@@ -14,10 +14,10 @@ from __future__ import annotations
 from kvloom.request import Request
 
 
-def _chain(tokens: list[int], block_size: int, num_blocks: int, start_hash: int = 0,
-           start_block: int = 0) -> list[int]:
-    hashes, value = [], start_hash
-    for index in range(start_block, num_blocks):
+def _chain(tokens: list[int], block_size: int, num_blocks: int) -> list[int]:
+    """Hash of each of the first ``num_blocks`` blocks, chained through all before it."""
+    hashes, value = [], 0
+    for index in range(num_blocks):
         value = hash((value, tuple(tokens[index * block_size:(index + 1) * block_size])))
         hashes.append(value)
     return hashes
@@ -34,13 +34,20 @@ class NoPrefixesInFlight:
 
 
 class PrefixesInFlight(NoPrefixesInFlight):
+    """Built every step that has waiting requests, but hashed only when first asked:
+    a step whose admission stops before any prefix check (seat limit, token budget)
+    pays nothing for it."""
+
     def __init__(self, block_size: int, running: list[Request]) -> None:
         self.block_size = block_size
+        self._pending: list[Request] = list(running)
         self._blocks: set[int] = set()
-        for request in running:
-            self.add(request)
 
     def add(self, request: Request) -> None:
+        """Count ``request``'s prompt blocks as in flight (it was just admitted)."""
+        self._pending.append(request)
+
+    def _index(self, request: Request) -> None:
         """Index the full prompt blocks ``request`` has yet to compute (prefilling only)."""
         if request.num_computed_tokens + 1 >= request.num_tokens:
             return  # decoding: its next block fills one token per step, not worth waiting for
@@ -50,6 +57,9 @@ class PrefixesInFlight(NoPrefixesInFlight):
             self._blocks.update(_chain(request.all_token_ids, self.block_size, last)[first:])
 
     def covers_next_block(self, request: Request, num_cached_tokens: int) -> bool:
+        for pending in self._pending:
+            self._index(pending)
+        self._pending.clear()
         if not self._blocks:
             return False
         next_block = num_cached_tokens // self.block_size

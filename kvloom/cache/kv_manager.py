@@ -142,6 +142,7 @@ class KVCacheManager:
             holders[block_id] = holders.get(block_id, 0) + 1
         self.pool.check_integrity(holders)
         self.prefix_cache.check_integrity()
-        stale = [r.request_id for r in self._cache_state if r not in set(live_requests)]
+        live = set(live_requests)
+        stale = [r.request_id for r in self._cache_state if r not in live]
         if stale:
             raise BlockPoolError(f"cache state kept for requests no longer live: {stale}")

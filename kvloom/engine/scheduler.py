@@ -159,7 +159,8 @@ class Scheduler:
             return ordered
         starving.sort(key=lambda r: r.arrival_index)
         self.num_starvation_promotions += len(starving)
-        return starving + [r for r in ordered if r not in set(starving)]
+        promoted = set(starving)
+        return starving + [r for r in ordered if r not in promoted]
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]
                        ) -> tuple[Request | None, WaitReason | None]:

@@ -20,7 +20,7 @@ from kvloom.engine.output import SchedulerOutput
 from kvloom.request import Request
 from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.runner.sampler import LogprobsEntry, Sampler
-from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState
+from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
 from kvloom.structured.compiler import CompiledGrammar
 from kvloom.structured.constraint import StructuredOutput
 from kvloom.structured.manager import StructuredOutputManager
@@ -64,9 +64,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.vocab_size = vocab_size
-        default_generator = torch.Generator(device=device)
-        default_generator.manual_seed(seed)
-        self.sampler = Sampler(default_generator)
+        self.sampler = Sampler(generator_for_seed(seed, device))
         self._generators: dict[str, torch.Generator] = {}
         self.structured = StructuredOutputManager(vocab_size, device)
 
@@ -91,9 +89,7 @@ class ModelRunner:
             return None
         generator = self._generators.get(request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._generators[request_id] = generator
+            generator = self._generators[request_id] = generator_for_seed(seed, self.device)
         return generator
 
     # ---- one step --------------------------------------------------------------------
