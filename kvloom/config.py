@@ -167,6 +167,8 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     num_threads: int | None = None
+    # Prepack CPU bf16 matmul weights for oneDNN (models/packed_linear.py); bit-identical.
+    prepack_weights: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -15,6 +15,7 @@ from torch import nn
 from kvloom.attention.base import AttentionBackend
 from kvloom.config import ModelConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvloom.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
 from kvloom.runner.forward_batch import ForwardBatch
 
 
@@ -82,8 +83,20 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)  # [rows, vocab]
+        if self.lm_head is None:  # tied: the embedding table is the output head
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, vocab]
+        return self.lm_head(hidden)
+
+    def pack_weights(self) -> int:
+        """Prepack the matmul weights for oneDNN where that pays (CPU bf16, see
+        models/packed_linear.py); call after ``load_weights``. A tied output head gets
+        its own packed copy of the embedding table (vocab x hidden more memory: 56 MB
+        for SmolLM2-135M) because the lookup needs the plain one. Returns the count."""
+        packed = 0
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            packed = 1
+        return packed + pack_linear_layers(self)
 
     # ---- loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,55 @@
+"""Prepacked oneDNN linear layers equal F.linear bit for bit, and an engine with them
+generates exactly what an engine without them does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers_models import write_tiny_hf_model
+from torch import nn
+
+from kvloom import LLM, SamplingParams
+from kvloom.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
+
+needs_bf16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
+                                reason="oneDNN bf16 matmul not supported by this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"),
+                         [(64, 96, False), (576, 3072, False), (1536, 576, False), (48, 80, True)])
+def test_packed_equals_f_linear_bitwise(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
+
+
+def test_only_cpu_bf16_is_packed() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    assert pack_linear_layers(model) == 0  # float32 stays on F.linear
+    assert all(isinstance(m, nn.Linear) for m in (model[0], model[1][0]))
+    if can_pack(model[0].weight.bfloat16()):
+        model = model.bfloat16()
+        assert pack_linear_layers(model) == 2
+        assert isinstance(model[1][0], PackedLinear)
+
+
+@needs_bf16
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_outputs_identical_with_and_without_packing(tmp_path, tied: bool) -> None:
+    path = write_tiny_hf_model(tmp_path / "m", arch="llama", tie_word_embeddings=tied)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = LLM(str(path), dtype="bfloat16", num_blocks=64, prepack_weights=False)
+    packed = LLM(str(path), dtype="bfloat16", num_blocks=64)
+    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+    # every projection of every layer plus the output head (its own copy when tied)
+    num_layers = packed.engine.model_config.num_layers
+    assert sum(isinstance(m, PackedLinear) for m in packed.engine.model.modules()) == 4 * num_layers + 1
+    for a, b in zip(plain.generate(prompts, params), packed.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
