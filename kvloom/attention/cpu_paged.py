@@ -4,82 +4,39 @@ Two paths, chosen per sequence once per step in ``prepare``:
 - a prefill chunk that starts at position 0 has all its keys in this step's k/v, so
   it runs PyTorch's fused causal SDPA on them directly (blocked GEMMs, fastest);
 - everything else (decodes, chunked-prefill continuations, prefix-cache hits) runs
-  the C++ kernel in ``csrc/paged_attention.cpp``, which walks the block table.
+  the C++ kernel in ``kvloom/csrc/paged_attention.cpp``, which walks the block table.
 
-The kernel is compiled on first use with the system C++ compiler (about a second:
-plain C ABI through ctypes, no torch headers) and cached under the model cache.
+The kernel is compiled on first use (kvloom/native.py: about a second, plain C ABI
+through ctypes, no torch headers) and cached under ``$KVLOOM_HOME/kernels``.
 Both paths are tested against ``torch_ref`` (tests/attention).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvloom import native
 from kvloom.attention.base import AttentionBackend, write_kv
+from kvloom.native import KernelUnavailable
 from kvloom.runner.forward_batch import ForwardBatch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernel
-# relies on -inf for "no score yet", so infinities stay meaningful.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-         "-shared", "-fPIC", "-std=c++17"]
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-
-
-class KernelUnavailable(RuntimeError):
-    """The C++ kernel could not be built here (no compiler, or it failed)."""
-
-
-def _cache_dir() -> Path:
-    home = os.environ.get("KVLOOM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvloom")
-    return Path(home) / "kernels"
+__all__ = ["CPUPagedBackend", "KernelUnavailable", "load_library"]
 
 
 def load_library() -> ctypes.CDLL:
-    """Build (once per source/flags/compiler) and load the kernel library."""
-    global _library
-    with _lock:
-        if _library is not None:
-            return _library
-        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if compiler is None:
-            raise KernelUnavailable("no C++ compiler (g++) found to build the CPU attention kernel")
-        source = SOURCE.read_bytes()
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-        target = _cache_dir() / f"paged_attention-{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                        capture_output=True, text=True)
-                if result.returncode != 0:
-                    errors = [line for line in result.stderr.splitlines() if "error" in line]
-                    raise KernelUnavailable("building the CPU attention kernel failed: "
-                                            + (errors[0] if errors else result.stderr.strip()[-300:]))
-                os.replace(built, target)  # atomic: concurrent builders never see half a file
-        library = ctypes.CDLL(str(target))
-        for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16"):
-            function = getattr(library, name)
-            function.restype = None
-            function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p, ctypes.c_int64]
-                                 + [ctypes.c_void_p] * 3
-                                 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
-        _library = library
-        return library
+    """Build (once) and load ``csrc/paged_attention.cpp``, with its signatures set."""
+    library = native.load("paged_attention")
+    for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16"):
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p, ctypes.c_int64]
+                             + [ctypes.c_void_p] * 3
+                             + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+    return library
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated MLP.
 
 Numerics follow Hugging Face transformers exactly (norms in float32, rotary tables in
-float32 cast to the activation dtype) so that greedy outputs are token-identical.
+float32 cast to the activation dtype) so that greedy outputs are token-identical. The
+arithmetic itself is in kvloom/models/ops.py (fused C++ on CPU, PyTorch elsewhere).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvloom.models import ops
 
 
 class RMSNorm(nn.Module):
@@ -20,11 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with ``residual``, first ``residual += x`` in place and norm that."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
@@ -65,21 +65,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rotation tables, [tokens, 1, head_dim] each; computed once per step
-        and shared by every layer (all layers see the same positions)."""
-        return (self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotation tables, [tokens, head_dim] float32 each; looked up once
+        per step and shared by every layer (all layers see the same positions). The
+        tables follow the model's dtype (``model.to(bfloat16)`` rounds them, as HF's
+        cast does); the lookup is widened back to float32 for ops.rotary_."""
+        return self.cos[positions].float(), self.sin[positions].float()
 
 
 class GatedMLP(nn.Module):
@@ -92,5 +83,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -14,7 +14,8 @@ from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.config import ModelConfig
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvloom.models import ops
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvloom.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
 from kvloom.runner.forward_batch import ForwardBatch
 
@@ -35,11 +36,13 @@ class LlamaAttention(nn.Module):
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend,
                 metadata: object) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
+        # q's heads and k's are adjacent in a row: one in-place call rotates both.
+        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rotary)
         out = backend.forward(q, k, v, kv_cache, batch, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [tokens, hidden]
 
@@ -71,16 +74,16 @@ class LlamaForCausalLM(nn.Module):
                 metadata: object) -> torch.Tensor:
         """Returns the final hidden states, [tokens, hidden]; kv_caches is the whole pool
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
-        hidden = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
+        rotary = self.rotary.cos_sin(batch.positions)
+        hidden = torch.zeros_like(residual)  # layer 0 adds nothing before its first norm
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            hidden = layer.self_attn(layer.input_layernorm(hidden), rotary, batch,
+            # Each norm first adds the previous block's output into the residual stream
+            # (fused; same rounding as HF's `residual + hidden`).
+            hidden = layer.self_attn(layer.input_layernorm(hidden, residual), rotary, batch,
                                      kv_caches[index], backend, metadata)
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden)
+            hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
+        return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding table is the output head

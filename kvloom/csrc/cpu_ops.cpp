@@ -1,0 +1,183 @@
+// Fused elementwise ops of a decoder layer, for CPUs. Each replaces a chain of small
+// PyTorch ops (one kernel launch, one temporary and one pass over memory each) by a
+// single pass; at decode batch sizes the chain's dispatch overhead, not arithmetic,
+// was the cost. The pure-PyTorch versions in kvloom/models/ops.py are the reference.
+//
+// Rounding follows the PyTorch chains they replace: for bf16, every intermediate that
+// PyTorch materialises in bf16 is rounded here too (round-to-nearest-even), so the
+// result equals the reference up to float32 summation order.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+#include "simd.h"
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const uint16_t*) {  // float -> nearest bf16 -> float
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, uint16_t* dst) {  // x is already bf16-representable
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// Threads only pay off once a call has real work (prefill); decode rows are few.
+inline bool parallel_worth_it(int64_t elements) { return elements >= (1 << 16); }
+
+// residual (optional): residual <- round(x + residual), then normalise that sum.
+// out <- round(weight * round(v * rsqrt(mean(v^2) + eps))), v in float32. out may be x.
+template <typename T>
+void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for if (parallel_worth_it(rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    T* res = residual ? residual + r * n : nullptr;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    __m512 sum_v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      __m512 v = load16(xr + i, n - i);
+      if (res) {
+        v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
+        store16(res + i, v, n - i);
+      }
+      sum_v = _mm512_fmadd_ps(v, v, sum_v);
+    }
+    const __m512 inv_v = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_v) / static_cast<float>(n) + eps));
+    const T* src_v = res ? res : xr;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 normed = round16(_mm512_mul_ps(load16(src_v + i, n - i), inv_v), o);
+      store16(o + i, _mm512_mul_ps(load16(weight + i, n - i), normed), n - i);
+    }
+    continue;
+#endif
+    float sum_sq = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      float v = to_float(xr[i]);
+      if (res) {
+        v = round_to(v + to_float(res[i]), res);
+        store(v, res + i);
+      }
+      sum_sq += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+    const T* src = res ? res : xr;
+    for (int64_t i = 0; i < n; ++i) {
+      const float normed = round_to(to_float(src[i]) * inv, o);
+      store(round_to(to_float(weight[i]) * normed, o), o + i);
+    }
+  }
+}
+
+// gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(silu(gate)) * up).
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * n;
+    const T* u = g + n;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 gv = load16(g + i, n - i);
+      const __m512 silu = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), o);
+      store16(o + i, _mm512_mul_ps(silu, load16(u + i, n - i)), n - i);
+    }
+    continue;
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+      const float gv = to_float(g[i]);
+      const float silu = round_to(gv / (1.0f + std::exp(-gv)), o);
+      store(round_to(silu * to_float(u[i]), o), o + i);
+    }
+  }
+}
+
+// Rotate-half rotary embedding, in place, on `heads` consecutive head vectors of each
+// token row (q's heads then k's heads: they are adjacent in the fused qkv output).
+// cos/sin: [tokens, head_dim] float32, the two halves equal. Per element, as the
+// reference: x1' = round(round(x1 c) + round(-x2 s)), x2' = round(round(x2 c) + round(x1 s)),
+// with c and s rounded to the activation type first.
+template <typename T>
+void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
+            int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for if (parallel_worth_it(tokens * heads * head_dim))
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + t * head_dim;
+    const float* s = sin + t * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * row_stride + h * head_dim;
+#ifdef KVLOOM_AVX512
+      using namespace kvloom_simd;
+      for (int64_t i = 0; i < half; i += 16) {
+        const int64_t m = half - i;
+        const __m512 ci = round16(load16(c + i, m), v), si = round16(load16(s + i, m), v);
+        const __m512 x1 = load16(v + i, m), x2 = load16(v + i + half, m);
+        const __m512 y1 = _mm512_add_ps(round16(_mm512_mul_ps(x1, ci), v),
+                                        round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), si), v));
+        const __m512 y2 = _mm512_add_ps(round16(_mm512_mul_ps(x2, ci), v), round16(_mm512_mul_ps(x1, si), v));
+        store16(v + i, y1, m);
+        store16(v + i + half, y2, m);
+      }
+      continue;
+#endif
+      for (int64_t i = 0; i < half; ++i) {
+        const float ci = round_to(c[i], v), si = round_to(s[i], v);
+        const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
+        const float y1 = round_to(round_to(x1 * ci, v) + round_to(-x2 * si, v), v);
+        const float y2 = round_to(round_to(x2 * ci, v) + round_to(x1 * si, v), v);
+        store(y1, v + i);
+        store(y2, v + i + half);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvloom_rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t rows,
+                         int64_t n, float eps) {
+  rms_norm(x, residual, weight, out, rows, n, eps);
+}
+void kvloom_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                          int64_t rows, int64_t n, float eps) {
+  rms_norm(x, residual, weight, out, rows, n, eps);
+}
+void kvloom_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n) {
+  silu_and_mul(gate_up, out, rows, n);
+}
+void kvloom_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
+  silu_and_mul(gate_up, out, rows, n);
+}
+void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
+                       int64_t heads, int64_t head_dim) {
+  rotary(x, row_stride, cos, sin, tokens, heads, head_dim);
+}
+void kvloom_rotary_bf16(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
+                        int64_t heads, int64_t head_dim) {
+  rotary(x, row_stride, cos, sin, tokens, heads, head_dim);
+}
+
+}

@@ -1,0 +1,57 @@
+// AVX-512 helpers shared by kvloom's CPU kernels: 16 lanes of float32 loaded from and
+// stored to float32 or bfloat16 (round to nearest even, NaN kept NaN), and exp.
+// Every function takes a lane count (<= 16) so tails need no scalar loop.
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVLOOM_AVX512 1
+#include <immintrin.h>
+#include <cstdint>
+
+namespace kvloom_simd {
+
+inline __mmask16 lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+}
+inline __m512 load16(const float* src, int64_t count) { return _mm512_maskz_loadu_ps(lanes(count), src); }
+inline __m512 load16(const uint16_t* src, int64_t count) {  // bf16 is a float's high half
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes(count), src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// The bf16 bits (in the high half of each 32-bit lane) nearest to x, ties to even.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+// x rounded to the storage type's precision, still as float (identity for float).
+inline __m512 round16(__m512 x, const float*) { return x; }
+inline __m512 round16(__m512 x, const uint16_t*) { return _mm512_castsi512_ps(bf16_bits(x)); }
+inline void store16(float* dst, __m512 x, int64_t count) { _mm512_mask_storeu_ps(dst, lanes(count), x); }
+inline void store16(uint16_t* dst, __m512 x, int64_t count) {
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16));
+  _mm256_mask_storeu_epi16(dst, lanes(count), packed);
+}
+
+// exp(x): 2^t with t = n + f, |f| <= 1/2, a degree-7 Taylor polynomial for 2^f
+// (relative error ~1e-8) and scalef for the 2^n (overflow gives inf, underflow 0).
+inline __m512 exp16(__m512 x) {
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));  // exp underflows to ~0 there anyway
+  t = _mm512_min_ps(t, _mm512_set1_ps(128.0f));   // and overflows to inf here
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.52527338040598e-05f), f, _mm512_set1_ps(0.000154035303933816f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581464284f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812910762848f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041086648216f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226506959101f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147180559945f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, whole);
+}
+
+}  // namespace kvloom_simd
+#endif

@@ -1,0 +1,65 @@
+"""Build and load kvloom's C++ sources (plain C ABI, called through ctypes).
+
+Each source in ``kvloom/csrc`` is compiled on first use with the system C++ compiler
+(about a second: no torch headers) and cached under ``$KVLOOM_HOME/kernels``, keyed
+by the source, the flags and the compiler version. Callers keep a pure-PyTorch
+reference for everything built here and fall back to it when building fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCES = Path(__file__).parent / "csrc"
+# -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernels
+# rely on -inf for "no score yet", so infinities stay meaningful.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+         "-shared", "-fPIC", "-std=c++17"]
+_lock = threading.Lock()
+_libraries: dict[str, ctypes.CDLL] = {}
+
+
+class KernelUnavailable(RuntimeError):
+    """A C++ source could not be built here (no compiler, or it failed)."""
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("KVLOOM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvloom")
+    return Path(home) / "kernels"
+
+
+def load(name: str) -> ctypes.CDLL:
+    """Build (once per source/flags/compiler) and load ``csrc/<name>.cpp``."""
+    with _lock:
+        if name in _libraries:
+            return _libraries[name]
+        source_path = SOURCES / f"{name}.cpp"
+        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise KernelUnavailable(f"no C++ compiler (g++) found to build {source_path.name}")
+        # Headers are part of every source's identity: a changed header rebuilds all.
+        source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+        target = cache_dir() / f"{name}-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                result = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
+                                        capture_output=True, text=True)
+                if result.returncode != 0:
+                    errors = [line for line in result.stderr.splitlines() if "error" in line]
+                    raise KernelUnavailable(f"building {source_path.name} failed: "
+                                            + (errors[0] if errors else result.stderr.strip()[-300:]))
+                os.replace(built, target)  # atomic: concurrent builders never see half a file
+        library = ctypes.CDLL(str(target))
+        _libraries[name] = library
+        return library

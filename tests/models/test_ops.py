@@ -1,0 +1,91 @@
+"""The fused C++ layer ops (kvloom/csrc/cpu_ops.cpp) against their PyTorch references,
+and the references against the plain Hugging Face formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvloom.models import ops
+from kvloom.native import KernelUnavailable, load
+
+try:
+    load("cpu_ops")
+    BUILT = True
+except KernelUnavailable:
+    BUILT = False
+needs_native = pytest.mark.skipif(not BUILT, reason="no C++ compiler to build cpu_ops.cpp")
+
+# fp32: the same formula up to summation order. bf16: the same roundings, so equal but
+# for a rare last-bit difference where a float32 sum order tips a rounding.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (7, 64), (300, 100)])
+def test_rms_norm_and_fused_residual(dtype: torch.dtype, rows: int, n: int) -> None:
+    x, residual, weight = data((rows, n), dtype, 1), data((rows, n), dtype, 2), data((n,), dtype, 3)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    ours_residual, ref_residual = residual.clone(), residual.clone()
+    ours = ops.rms_norm(x, weight, 1e-5, ours_residual)
+    ref = ops.rms_norm_reference(x, weight, 1e-5, ref_residual)
+    assert torch.equal(ours_residual, ref_residual)  # one rounded add: exact
+    assert torch.equal(ref_residual, residual + x)
+    torch.testing.assert_close(ours, ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(ref, hf_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 17), (70, 1024)])
+def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
+    gate_up = data((rows, 2 * n), dtype, 4)
+    expected = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(ops.silu_and_mul_reference(gate_up), expected, atol=0, rtol=0)
+
+
+def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype).unsqueeze(1) + rotated * sin.to(x.dtype).unsqueeze(1)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (13, 4, 2, 16), (40, 8, 1, 128)])
+def test_rotary_rotates_q_and_k_in_place(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int,
+                                         head_dim: int) -> None:
+    from kvloom.models.layers import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    cos, sin = rope.cos_sin(torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(5)))
+    qkv = data((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 6)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    expected_q = hf_rotary(q.unflatten(-1, (heads, head_dim)), cos, sin)
+    expected_k = hf_rotary(k.unflatten(-1, (kv_heads, head_dim)), cos, sin)
+    v_before = v.clone()
+    for rotate in (ops.rotary_, ops.rotary_reference_):
+        out = qkv.clone()
+        rotate(out, heads + kv_heads, head_dim, cos, sin)
+        q2, k2, v2 = out.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        torch.testing.assert_close(q2.unflatten(-1, (heads, head_dim)), expected_q, **TOLERANCE[dtype])
+        torch.testing.assert_close(k2.unflatten(-1, (kv_heads, head_dim)), expected_k, **TOLERANCE[dtype])
+        assert torch.equal(v2, v_before)  # v is never touched
+
+
+def test_non_cpu_or_odd_dtype_uses_the_reference() -> None:
+    x = data((3, 8), torch.float64, 7)
+    weight = torch.ones(8, dtype=torch.float64)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
