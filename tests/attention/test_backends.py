@@ -57,3 +57,62 @@ def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_siz
     actual = fast.forward(q, k, v, cache_fast, batch, fast.prepare(batch))
     assert torch.equal(cache_ref, cache_fast)  # both wrote the same slots
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def shared_shapes(prefix_len: int, block_size: int) -> list[tuple[int, int]]:
+    """(tokens computed, tokens this step) of the requests sharing the prefix."""
+    return [(prefix_len + 3, 1), (prefix_len + 17, 1), (prefix_len, 9), (prefix_len + 5, 2),
+            (prefix_len - block_size - 2, 1), (prefix_len - 1, 1)]
+
+
+def shared_prefix_batch(block_size: int, num_blocks: int, prefix_blocks: int, seed: int):
+    """Six requests whose tables start with the same ``prefix_blocks`` blocks (a radix
+    cache hit), decoding or mid-chunk, two of them with a shorter view of the prefix
+    (so the group's common part is bounded by what every query row sees in full), a
+    fresh prefill and an unrelated decode alongside."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix = [free.pop() for _ in range(prefix_blocks)]
+    prefix_len = prefix_blocks * block_size
+    scheduled = []
+    for i, (done, new) in enumerate(shared_shapes(prefix_len, block_size)):
+        total = done + new
+        request = Request(f"s{i}", [rng.randrange(100) for _ in range(total)], SamplingParams())
+        own = -(-total // block_size) - prefix_blocks
+        request.block_ids = prefix[:-(-total // block_size)] + [free.pop() for _ in range(max(0, own))]
+        scheduled.append(ScheduledRequest(request, done, new))
+    for i, (done, new) in enumerate([(0, 12), (40, 1)]):
+        request = Request(f"o{i}", [1] * (done + new), SamplingParams())
+        request.block_ids = [free.pop() for _ in range(-(-(done + new) // block_size))]
+        scheduled.append(ScheduledRequest(request, done, new))
+    return SchedulerOutput(1, scheduled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_shared_prefix_cascade_matches_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
+    from kvloom.attention.cpu_paged import MIN_SHARED_BLOCKS
+    torch.manual_seed(1)
+    num_blocks = 600
+    prefix_blocks = max(MIN_SHARED_BLOCKS + 2, 64 // block_size)
+    output = shared_prefix_batch(block_size, num_blocks, prefix_blocks, seed=heads)
+    batch = ForwardBatch.build(output, block_size, torch.device("cpu"))
+    fast = make_backend("cpu_paged", torch.device("cpu"), heads, kv_heads, head_dim)
+    metadata = fast.prepare(batch)
+    assert len(metadata.shared) == 1  # the path under test is taken
+    # every query row of a member sees the shared blocks in full: the member whose
+    # view is shortest bounds the common part
+    shapes = shared_shapes(prefix_blocks * block_size, block_size)
+    assert metadata.shared[0].block_ids.numel() == min(done // block_size for done, _ in shapes)
+    assert metadata.shared[0].token_rows.numel() == sum(new for _, new in shapes)
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, heads, head_dim, dtype=dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    reference = make_backend("torch_ref", torch.device("cpu"), heads, kv_heads, head_dim)
+    expected = reference.forward(q, k, v, cache.clone(), batch, reference.prepare(batch))
+    actual = fast.forward(q, k, v, cache.clone(), batch, metadata)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
