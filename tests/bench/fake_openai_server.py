@@ -97,13 +97,16 @@ class Handler(BaseHTTPRequestHandler):
         with state.lock:
             state.in_flight += 1
             state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            # Recorded on arrival: the client may read the last chunk before this thread
+            # gets back from _respond, and tests look at the record right after.
+            state.requests.append(record)
+        self._record = record
         try:
             self._respond(payload)
         finally:
-            record["end"] = time.perf_counter()
+            record.setdefault("end", time.perf_counter())
             with state.lock:
                 state.in_flight -= 1
-                state.requests.append(record)
 
     def _respond(self, payload: dict[str, Any]) -> None:
         state = self.server.state
@@ -155,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
             self._event({"choices": [], "usage": {"prompt_tokens": len(prompt.split()),
                                                   "completion_tokens": completion,
                                                   "total_tokens": len(prompt.split()) + completion}})
+        self._record["end"] = time.perf_counter()  # before the client can see the end
         self._event("[DONE]")
         self._chunk("")
 

@@ -115,8 +115,12 @@ def test_regex_choice_and_grammar_outputs_always_match() -> None:
     for request_id, output in finals.items():
         kind = request_id.split("-")[0]
         completion = output.outputs[0]
-        assert completion.finish_reason == "stop", (request_id, completion.text)
         text = completion.text
+        if kind in ("gbnf", "lark") and completion.finish_reason == "length":
+            # The grammar is unbounded ("2*3*4*..."): a sampled run may hit max_tokens.
+            assert len(completion.token_ids) == 40 and re.fullmatch(r"[0-9+\-*/()]+", text), text
+            continue
+        assert completion.finish_reason == "stop", (request_id, text)
         if kind == "date":
             assert re.fullmatch(DATE, text), text
         elif kind == "phone":
