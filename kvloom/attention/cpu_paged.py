@@ -113,7 +113,9 @@ class CPUPagedBackend(AttentionBackend):
         visible = [(seq_len - query_len) // block_size for seq_len, query_len in zip(seqs, lens, strict=True)]
         groups: dict[int, list[int]] = {}
         for row, blocks in enumerate(visible):
-            if blocks >= MIN_SHARED_BLOCKS:
+            # Decode rows only: for multi-row chunks the kernel (bf16 dot products) beat
+            # the float32 GEMMs (73.7 vs 103 ms a layer, 100 x 32 rows on a 1000-token prefix).
+            if blocks >= MIN_SHARED_BLOCKS and lens[row] == 1:
                 groups.setdefault(int(block_tables[row, 0]), []).append(row)
         first_block = [0] * len(seqs)
         shared = []

@@ -4,13 +4,17 @@
 // query heads that share the kv head (GQA group) and its query rows all reuse each
 // K/V block once it has been converted to float, flash-attention style: per block,
 // scores -> running max -> rescaled accumulator. Accumulation is float32 whatever
-// the storage type. Plain C ABI (called through ctypes) so that building needs no
-// torch headers and takes about a second.
+// the storage type. With bf16 storage on a CPU with AVX512-BF16 both dot products
+// run on vdpbf16ps straight from the cache (block_update_bf16); otherwise K/V rows are
+// converted to float once per block and kv head. Plain C ABI (called through ctypes)
+// so that building needs no torch headers and takes about a second.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 #include <algorithm>
+#include <cstdlib>
+#include <type_traits>
 #include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -19,7 +23,7 @@
 namespace {
 
 constexpr int TILE = 16;
-constexpr int64_t PREFETCH_BLOCKS = 1;  // how far ahead in the block table to prefetch
+constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
@@ -153,6 +157,27 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Online-softmax update of one query's accumulator with a block's scores (already in
+// sc[0, visible), their maximum block_max) and its float V rows: rescale, exp, add.
+template <int D>
+inline void softmax_accumulate(const float* vb, int64_t stride, int64_t visible, float block_max,
+                               float* a, float* row_max, float* row_sum, float* sc) {
+  constexpr int R = D / 16;
+  const float new_max = std::max(*row_max, block_max);
+  const __m512 correction = _mm512_set1_ps(std::exp(*row_max - new_max));
+  const float sum = exp_shifted(sc, visible, new_max);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), correction);
+  for (int64_t t = 0; t < visible; ++t) {
+    const __m512 p = _mm512_set1_ps(sc[t]);
+    const float* v = vb + t * stride;
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * r), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
+  *row_sum = *row_sum * std::exp(*row_max - new_max) + sum;
+  *row_max = new_max;
+}
+
 // The same with head_dim fixed at compile time: the query and the accumulator live in
 // registers for the whole block (no store-to-load chains through memory).
 template <int D>
@@ -177,21 +202,125 @@ inline void block_update_fixed(const float* qv, const float* kb, const float* vb
     _mm512_mask_storeu_ps(sc + t0, live, scores);
     block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
   }
+  softmax_accumulate<D>(vb, stride, visible, block_max, a, row_max, row_sum, sc);
+}
+
+#ifdef __AVX512BF16__
+// bf16 storage with AVX512-BF16 (vdpbf16ps: 32 bf16 products per instruction, summed
+// in pairs into float32 lanes). Both halves of attention use it:
+// - scores: the cache's bf16 K rows against the query as stored (a product of two
+//   bf16 values is exact in float32, so only the float32 sums round), then scaled;
+// - output: the probabilities rounded to bf16 (2^-9 relative, below the bf16 output's
+//   own rounding) against V rows interleaved in pairs of tokens (build_v_pairs).
+// Half the multiply instructions of the float path, and no K/V conversion to float.
+
+// V rows of one kv head as token pairs: out[j * D + d] holds (v[2j][d], v[2j+1][d]) as
+// two bf16 in one 32-bit lane; a missing odd row is zero (its weight is zero too, and
+// an unwritten slot could hold a NaN pattern).
+template <int D>
+inline void build_v_pairs(const uint16_t* v, int64_t stride, int64_t slots, uint32_t* out) {
+  for (int64_t j = 0; 2 * j < slots; ++j) {
+    const uint16_t* even = v + 2 * j * stride;
+    const uint16_t* odd = 2 * j + 1 < slots ? even + stride : nullptr;
+    for (int d = 0; d < D; d += 16) {
+      const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
+      const __m512i high = odd ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d))), 16)
+                               : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + j * D + d, _mm512_or_si512(low, high));
+    }
+  }
+}
+
+template <int D>
+inline void block_update_bf16(const uint16_t* qv, float scale, const uint16_t* kb, int64_t k_stride,
+                              const uint32_t* v_pairs, int64_t visible, float* a,
+                              float* row_max, float* row_sum, float* sc) {
+  constexpr int QR = D / 32;  // bf16 query registers
+  constexpr int R = D / 16;   // float32 accumulator registers
+  __m512bh q[QR];
+  for (int r = 0; r < QR; ++r) q[r] = (__m512bh)_mm512_loadu_si512(qv + 32 * r);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  float block_max = -INFINITY;
+  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, visible - t0);
+    __m512 prods[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= count) { prods[t] = _mm512_setzero_ps(); continue; }
+      const uint16_t* k = kb + (t0 + t) * k_stride;
+      __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+      for (int r = 1; r < QR; ++r) prod = _mm512_dpbf16_ps(prod, q[r], (__m512bh)_mm512_loadu_si512(k + 32 * r));
+      prods[t] = prod;
+    }
+    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scores = _mm512_mul_ps(sum16(prods), scale_v);
+    _mm512_mask_storeu_ps(sc + t0, live, scores);
+    block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
+  }
   const float new_max = std::max(*row_max, block_max);
-  const __m512 correction = _mm512_set1_ps(std::exp(*row_max - new_max));
+  const float correction = std::exp(*row_max - new_max);
   const float sum = exp_shifted(sc, visible, new_max);
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), correction);
-  for (int64_t t = 0; t < visible; ++t) {
-    const __m512 p = _mm512_set1_ps(sc[t]);
-    const float* v = vb + t * stride;
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * r), acc[r]);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), _mm512_set1_ps(correction));
+  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, visible - t0);
+    alignas(32) uint32_t weight_pairs[8];  // (p[2j], p[2j+1]) as bf16, zero past `visible`
+    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, sc + t0)));
+    const uint32_t* pairs = v_pairs + (t0 / 2) * D;
+    for (int64_t j = 0; 2 * j < count; ++j) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j]));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(pairs + j * D + 16 * r));
+    }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
-  *row_sum = *row_sum * std::exp(*row_max - new_max) + sum;
+  *row_sum = *row_sum * correction + sum;
   *row_max = new_max;
 }
 #endif
+#endif
+
+// Whether block_update_bf16 serves this storage type and head size.
+template <typename T>
+constexpr bool bf16_dot(int64_t head_dim) {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, uint16_t> && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+inline void v_pairs_q16(int64_t head_dim, const uint16_t* v, int64_t stride, int64_t slots, uint32_t* out) {
+#ifdef __AVX512BF16__
+  switch (head_dim) {
+    case 64: return build_v_pairs<64>(v, stride, slots, out);
+    case 128: return build_v_pairs<128>(v, stride, slots, out);
+    case 32: return build_v_pairs<32>(v, stride, slots, out);
+    default: break;
+  }
+#endif
+  (void)v; (void)stride; (void)slots; (void)out;
+  std::abort();  // callers check bf16_dot first
+}
+
+inline void block_update_q16(int64_t head_dim, const uint16_t* qv, float scale, const uint16_t* kb,
+                             int64_t k_stride, const uint32_t* v_pairs, int64_t visible,
+                             float* a, float* row_max, float* row_sum, float* sc) {
+#ifdef __AVX512BF16__
+  switch (head_dim) {
+    case 64: return block_update_bf16<64>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
+    case 128: return block_update_bf16<128>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
+    case 32: return block_update_bf16<32>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
+    default: break;
+  }
+#endif
+  (void)qv; (void)scale; (void)kb; (void)k_stride; (void)v_pairs;
+  (void)visible; (void)a; (void)row_max; (void)row_sum; (void)sc;
+  std::abort();  // callers check bf16_dot first
+}
 
 inline void block_update(int64_t head_dim, const float* qv, const float* kb, const float* vb,
                          int64_t stride, int64_t visible, float* a, float* row_max,
@@ -215,6 +344,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
             int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
+  const bool use_bf16_dot = bf16_dot<T>(head_dim);
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
   // Work items: (seq, first query row, first kv head, kv heads). An item normally takes
@@ -237,6 +367,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
     std::vector<float> kbuf(block_stride), vbuf(block_stride);
     std::vector<float> qbuf(max_vecs * head_dim), acc(max_vecs * head_dim);
     std::vector<float> row_max(max_vecs), row_sum(max_vecs), scores(block_size);
+    std::vector<uint32_t> v_pairs(use_bf16_dot ? (block_size + 1) / 2 * head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = items[3 * item], r0 = items[3 * item + 1], kv0 = items[3 * item + 2];
@@ -283,7 +414,10 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
         // the query heads of its group (x the item's query rows); the float copy stays
         // small enough (2 x block_size x head_dim) to live in L1.
         for (int64_t kh = 0; kh < heads_per_item; ++kh) {
-          for (int64_t t = 0; t < slots; ++t) {
+          if constexpr (std::is_same_v<T, uint16_t>) {
+            if (use_bf16_dot) v_pairs_q16(head_dim, vb + kh * head_dim, slot_stride, slots, v_pairs.data());
+          }
+          for (int64_t t = 0; t < slots && !use_bf16_dot; ++t) {
             load_row(kb + t * slot_stride + kh * head_dim, &kbuf[t * head_dim], head_dim);
             load_row(vb + t * slot_stride + kh * head_dim, &vbuf[t * head_dim], head_dim);
           }
@@ -292,6 +426,14 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             if (visible <= 0) continue;
             for (int64_t g = 0; g < group; ++g) {
               const int64_t m = r * heads + kh * group + g;
+              if constexpr (std::is_same_v<T, uint16_t>) {
+                if (use_bf16_dot) {  // K straight from the cache, the query as stored
+                  const T* qv = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + kh * group + g) * head_dim;
+                  block_update_q16(head_dim, qv, scale, kb + kh * head_dim, slot_stride, v_pairs.data(),
+                                   visible, &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
+                  continue;
+                }
+              }
               block_update(head_dim, &qbuf[m * head_dim], kbuf.data(), vbuf.data(), head_dim, visible,
                            &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
             }
