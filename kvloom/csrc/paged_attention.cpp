@@ -23,7 +23,7 @@
 namespace {
 
 constexpr int TILE = 16;
-constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch  // how far ahead in the block table to prefetch
+constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
@@ -339,8 +339,7 @@ inline void block_update(int64_t head_dim, const float* qv, const float* kb, con
 template <typename T>
 void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-            const int32_t* query_start, const int32_t* query_lens, const int32_t* first_block,
-            float* lse_out, int64_t num_seqs, int64_t num_heads,
+            const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
             int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
@@ -391,10 +390,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       std::fill(row_sum.begin(), row_sum.begin() + vecs, 0.0f);
       const int32_t* table = block_tables + s * max_blocks;
       const int64_t num_blocks = (last_key + block_size - 1) / block_size;
-      // Blocks before first_block[s] are attended elsewhere (a shared prefix, by the
-      // caller); this item's result then covers only the rest, and lse_out lets the
-      // caller merge the two parts.
-      for (int64_t b = first_block ? first_block[s] : 0; b < num_blocks; ++b) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t base_pos = b * block_size;
         const int64_t slots = std::min<int64_t>(block_size, last_key - base_pos);
         const T* kb = k_cache + table[b] * block_stride + kv0 * head_dim;
@@ -442,10 +438,8 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       }
       for (int64_t m = 0; m < vecs; ++m) {
         const float inv = 1.0f / row_sum[m];
-        const int64_t index = (query_start[s] + r0 + m / heads) * num_heads + kv0 * group + m % heads;
-        T* dst = out + index * head_dim;
+        T* dst = out + ((query_start[s] + r0 + m / heads) * num_heads + kv0 * group + m % heads) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) from_float(acc[m * head_dim + d] * inv, dst + d);
-        if (lse_out) lse_out[index] = row_max[m] + std::log(row_sum[m]);  // log-sum-exp of the scores
       }
     }
   }
@@ -458,12 +452,11 @@ extern "C" {
 #define KVLOOM_ARGS(T)                                                                       \
   const T *q, T *out, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
       int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start,               \
-      const int32_t *query_lens, const int32_t *first_block, float *lse_out,                 \
+      const int32_t *query_lens,                                                             \
       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
       int64_t block_size, float scale, int num_threads
 #define KVLOOM_CALL                                                                          \
-  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens,  \
-         first_block, lse_out,                                                                 \
+  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, \
          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
 
 void kvloom_paged_attention_f32(KVLOOM_ARGS(float)) { KVLOOM_CALL; }
