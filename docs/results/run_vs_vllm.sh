@@ -15,7 +15,7 @@ run() {  # $1 port, $2 label
   $B --dataset prefix --num-prompts 100 --prefix-groups 1 --prefix-len 1000 --question-len 32 --prefix-output-len 64 --label "$2 shared-prefix" --output-json $R/${2}_shared_prefix$TAG.json > $R/${2}_shared_prefix$TAG.txt
 }
 if [ "$WHICH" != vllm ]; then
-  .venv/bin/python -m kvloom serve /work/smollm2-hf --served-model-name smollm2-135m-instruct --port 8200 --dtype bfloat16 --max-model-len 2048 --kv-cache-memory 4 --max-num-seqs 128 > /work/kvloom-server3.log 2>&1 &
+  .venv/bin/python -m kvloom serve /work/smollm2-hf --served-model-name smollm2-135m-instruct --port 8200 --dtype bfloat16 --max-model-len 2048 --kv-cache-memory 4 --max-num-seqs 256 > /work/kvloom-server3.log 2>&1 &
   S=$!
   for i in $(seq 1 100); do sleep 1; curl -sf localhost:8200/health > /dev/null && break; done
   run 8200 kvloom
