@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,8 @@ def _declare(library: ctypes.CDLL, name: str, argtypes: list[type]) -> None:
     function.argtypes = argtypes
 
 
-def _kernel(name: str, x: torch.Tensor):  # noqa: ANN202 - a ctypes function or None
+def _kernel(name: str, x: torch.Tensor) -> Callable[..., None] | None:
+    """The fused C++ op for x's dtype, or None where the reference must run."""
     if x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return None
     library = _library()
