@@ -15,28 +15,9 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float round_to(float x, const float*) { return x; }
-inline float round_to(float x, const uint16_t*) {  // float -> nearest bf16 -> float
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, uint16_t* dst) {  // x is already bf16-representable
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
+using kvloom_simd::from_float;
+using kvloom_simd::round_to;
+using kvloom_simd::to_float;
 
 // Threads only pay off once a call has real work (prefill); decode rows are few.
 inline bool parallel_worth_it(int64_t elements) { return elements >= (1 << 16); }
@@ -74,7 +55,7 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
       float v = to_float(xr[i]);
       if (res) {
         v = round_to(v + to_float(res[i]), res);
-        store(v, res + i);
+        from_float(v, res + i);
       }
       sum_sq += v * v;
     }
@@ -82,7 +63,7 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     const T* src = res ? res : xr;
     for (int64_t i = 0; i < n; ++i) {
       const float normed = round_to(to_float(src[i]) * inv, o);
-      store(round_to(to_float(weight[i]) * normed, o), o + i);
+      from_float(round_to(to_float(weight[i]) * normed, o), o + i);
     }
   }
 }
@@ -107,7 +88,7 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
       const float gv = to_float(g[i]);
       const float silu = round_to(gv / (1.0f + std::exp(-gv)), o);
-      store(round_to(silu * to_float(u[i]), o), o + i);
+      from_float(round_to(silu * to_float(u[i]), o), o + i);
     }
   }
 }
@@ -146,8 +127,8 @@ void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_
         const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
         const float y1 = round_to(round_to(x1 * ci, v) + round_to(-x2 * si, v), v);
         const float y2 = round_to(round_to(x2 * ci, v) + round_to(x1 * si, v), v);
-        store(y1, v + i);
-        store(y2, v + i + half);
+        from_float(y1, v + i);
+        from_float(y2, v + i + half);
       }
     }
   }

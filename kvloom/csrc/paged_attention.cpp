@@ -20,26 +20,15 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 namespace {
 
 constexpr int TILE = 16;
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline void from_float(float x, float* dst) { *dst = x; }
-inline void from_float(float x, uint16_t* dst) {  // round to nearest even, NaN kept NaN
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) { *dst = 0x7fc0; return; }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
+using kvloom_simd::from_float;
+using kvloom_simd::to_float;
 
 // Row primitives. With AVX-512 they work 16 floats at a time (head_dim % 16 == 0);
 // otherwise, and for any remainder, plain loops.
@@ -180,28 +169,37 @@ inline void softmax_accumulate(const float* vb, int64_t stride, int64_t visible,
 
 // The same with head_dim fixed at compile time: the query and the accumulator live in
 // registers for the whole block (no store-to-load chains through memory).
+// Scores of one query against `visible` keys, 16 at a time: row_dot(t) is the 16-lane
+// partial product of key t (summed across lanes by sum16), times `scale`. Stored to
+// sc; returns their maximum.
+template <typename RowDot>
+inline float block_scores(RowDot row_dot, int64_t visible, float scale, float* sc) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  float block_max = -INFINITY;
+  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, visible - t0);
+    __m512 prods[16];
+    for (int64_t t = 0; t < 16; ++t) prods[t] = t < count ? row_dot(t0 + t) : _mm512_setzero_ps();
+    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scores = _mm512_mul_ps(sum16(prods), scale_v);
+    _mm512_mask_storeu_ps(sc + t0, live, scores);
+    block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
+  }
+  return block_max;
+}
+
 template <int D>
 inline void block_update_fixed(const float* qv, const float* kb, const float* vb, int64_t stride,
                                int64_t visible, float* a, float* row_max, float* row_sum, float* sc) {
   constexpr int R = D / 16;
   __m512 q[R];
   for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_ps(qv + 16 * r);
-  float block_max = -INFINITY;
-  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, visible - t0);
-    __m512 prods[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= count) { prods[t] = _mm512_setzero_ps(); continue; }
-      const float* k = kb + (t0 + t) * stride;
-      __m512 prod = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-      for (int r = 1; r < R; ++r) prod = _mm512_fmadd_ps(q[r], _mm512_loadu_ps(k + 16 * r), prod);
-      prods[t] = prod;
-    }
-    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-    const __m512 scores = sum16(prods);
-    _mm512_mask_storeu_ps(sc + t0, live, scores);
-    block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
-  }
+  const float block_max = block_scores([&](int64_t t) {
+    const float* k = kb + t * stride;
+    __m512 prod = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+    for (int r = 1; r < R; ++r) prod = _mm512_fmadd_ps(q[r], _mm512_loadu_ps(k + 16 * r), prod);
+    return prod;
+  }, visible, 1.0f, sc);  // the query is pre-scaled
   softmax_accumulate<D>(vb, stride, visible, block_max, a, row_max, row_sum, sc);
 }
 
@@ -240,23 +238,12 @@ inline void block_update_bf16(const uint16_t* qv, float scale, const uint16_t* k
   constexpr int R = D / 16;   // float32 accumulator registers
   __m512bh q[QR];
   for (int r = 0; r < QR; ++r) q[r] = (__m512bh)_mm512_loadu_si512(qv + 32 * r);
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  float block_max = -INFINITY;
-  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, visible - t0);
-    __m512 prods[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= count) { prods[t] = _mm512_setzero_ps(); continue; }
-      const uint16_t* k = kb + (t0 + t) * k_stride;
-      __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
-      for (int r = 1; r < QR; ++r) prod = _mm512_dpbf16_ps(prod, q[r], (__m512bh)_mm512_loadu_si512(k + 32 * r));
-      prods[t] = prod;
-    }
-    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-    const __m512 scores = _mm512_mul_ps(sum16(prods), scale_v);
-    _mm512_mask_storeu_ps(sc + t0, live, scores);
-    block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live, scores));
-  }
+  const float block_max = block_scores([&](int64_t t) {
+    const uint16_t* k = kb + t * k_stride;
+    __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+    for (int r = 1; r < QR; ++r) prod = _mm512_dpbf16_ps(prod, q[r], (__m512bh)_mm512_loadu_si512(k + 32 * r));
+    return prod;
+  }, visible, scale, sc);
   const float new_max = std::max(*row_max, block_max);
   const float correction = std::exp(*row_max - new_max);
   const float sum = exp_shifted(sc, visible, new_max);

@@ -1,11 +1,44 @@
-// AVX-512 helpers shared by kvloom's CPU kernels: 16 lanes of float32 loaded from and
-// stored to float32 or bfloat16 (round to nearest even, NaN kept NaN), and exp.
-// Every function takes a lane count (<= 16) so tails need no scalar loop.
+// Helpers shared by kvloom's CPU kernels. Scalar: bfloat16 <-> float32 (round to
+// nearest even, NaN kept NaN). AVX-512: 16 lanes of float32 loaded from and stored to
+// float32 or bfloat16, and exp; every vector function takes a lane count (<= 16) so
+// tails need no scalar loop.
 #pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace kvloom_simd {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// x rounded to the precision of the storage type, still as float (identity for float).
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const uint16_t*) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, uint16_t* dst) {  // round to nearest even, NaN -> quiet NaN
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) { *dst = 0x7fc0; return; }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace kvloom_simd
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVLOOM_AVX512 1
 #include <immintrin.h>
-#include <cstdint>
 
 namespace kvloom_simd {
 
