@@ -104,6 +104,13 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return total;
 }
 
+// exp(old_max - new_max), the factor that rescales what was accumulated under the old
+// running max. After the first blocks the max rarely moves, so the common case skips
+// the scalar exp (measurably: one per query and block).
+inline float rescale_factor(float old_max, float new_max) {
+  return old_max == new_max ? 1.0f : std::exp(old_max - new_max);
+}
+
 inline void scale_row(float* acc, float c, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] *= c;
 }
@@ -119,7 +126,7 @@ inline void block_update_generic(int64_t head_dim, const float* qv, const float*
     block_max = std::max(block_max, sc[t]);
   }
   const float new_max = std::max(*row_max, block_max);
-  const float correction = std::exp(*row_max - new_max);
+  const float correction = rescale_factor(*row_max, new_max);
   scale_row(a, correction, head_dim);
   const float sum = exp_shifted(sc, visible, new_max);
   for (int64_t t = 0; t < visible; ++t) scale_add(a, vb + t * stride, sc[t], head_dim);
@@ -153,7 +160,8 @@ inline void softmax_accumulate(const float* vb, int64_t stride, int64_t visible,
                                float* a, float* row_max, float* row_sum, float* sc) {
   constexpr int R = D / 16;
   const float new_max = std::max(*row_max, block_max);
-  const __m512 correction = _mm512_set1_ps(std::exp(*row_max - new_max));
+  const float factor = rescale_factor(*row_max, new_max);
+  const __m512 correction = _mm512_set1_ps(factor);
   const float sum = exp_shifted(sc, visible, new_max);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), correction);
@@ -163,7 +171,7 @@ inline void softmax_accumulate(const float* vb, int64_t stride, int64_t visible,
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * r), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
-  *row_sum = *row_sum * std::exp(*row_max - new_max) + sum;
+  *row_sum = *row_sum * factor + sum;
   *row_max = new_max;
 }
 
@@ -245,7 +253,7 @@ inline void block_update_bf16(const uint16_t* qv, float scale, const uint16_t* k
     return prod;
   }, visible, scale, sc);
   const float new_max = std::max(*row_max, block_max);
-  const float correction = std::exp(*row_max - new_max);
+  const float correction = rescale_factor(*row_max, new_max);
   const float sum = exp_shifted(sc, visible, new_max);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), _mm512_set1_ps(correction));
