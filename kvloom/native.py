@@ -31,8 +31,8 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    home = os.environ.get("KVLOOM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvloom")
-    return Path(home) / "kernels"
+    from kvloom.models.default_model import kvloom_home  # lazy: keeps this module light
+    return kvloom_home() / "kernels"
 
 
 def load(name: str) -> ctypes.CDLL:

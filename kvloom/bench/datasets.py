@@ -18,7 +18,6 @@ import importlib.util
 import io
 import json
 import math
-import os
 import random
 import re
 import subprocess
@@ -145,7 +144,8 @@ def iter_json_array_objects(stream: IO[str], read_chars: int = _READ_CHARS) -> I
 
 # ---------------------------------------------------------------- locating ShareGPT
 def _kvloom_home() -> Path:
-    return Path(os.environ.get("KVLOOM_HOME", "~/.cache/kvloom")).expanduser()
+    from kvloom.models.default_model import kvloom_home
+    return kvloom_home()
 
 
 def _package_installed() -> bool:

@@ -76,12 +76,13 @@ class LlamaForCausalLM(nn.Module):
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         rotary = self.rotary.cos_sin(batch.positions)
-        hidden = torch.zeros_like(residual)  # layer 0 adds nothing before its first norm
+        hidden = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.layers):
             # Each norm first adds the previous block's output into the residual stream
-            # (fused; same rounding as HF's `residual + hidden`).
-            hidden = layer.self_attn(layer.input_layernorm(hidden, residual), rotary, batch,
-                                     kv_caches[index], backend, metadata)
+            # (fused; same rounding as HF's `residual + hidden`); layer 0 has none to add.
+            normed = (layer.input_layernorm(residual) if hidden is None
+                      else layer.input_layernorm(hidden, residual))
+            hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
             hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
         return self.norm(hidden, residual)
 

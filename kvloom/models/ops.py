@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _native: ctypes.CDLL | None = None
 _native_tried = False
+# (op name, dtype) -> its ctypes function: looked up once, not on every layer call.
+_kernels: dict[tuple[str, torch.dtype], Callable[..., None]] = {}
 
 
 def _library() -> ctypes.CDLL | None:
@@ -53,8 +55,13 @@ def _kernel(name: str, x: torch.Tensor) -> Callable[..., None] | None:
     """The fused C++ op for x's dtype, or None where the reference must run."""
     if x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return None
-    library = _library()
-    return None if library is None else getattr(library, f"kvloom_{name}_{_SUFFIX[x.dtype]}")
+    kernel = _kernels.get((name, x.dtype))
+    if kernel is None:
+        library = _library()
+        if library is None:
+            return None
+        kernel = _kernels[(name, x.dtype)] = getattr(library, f"kvloom_{name}_{_SUFFIX[x.dtype]}")
+    return kernel
 
 
 # ---- RMSNorm (optionally fused with the residual add) --------------------------------
