@@ -358,7 +358,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> kbuf(block_stride), vbuf(block_stride);
+    std::vector<float> kbuf(use_bf16_dot ? 0 : block_stride), vbuf(use_bf16_dot ? 0 : block_stride);
     std::vector<float> qbuf(max_vecs * head_dim), acc(max_vecs * head_dim);
     std::vector<float> row_max(max_vecs), row_sum(max_vecs), scores(block_size);
     std::vector<uint32_t> v_pairs(use_bf16_dot ? (block_size + 1) / 2 * head_dim : 0);
@@ -373,7 +373,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
       const int64_t first_pos = seq_len - q_len + r0;
       const int64_t last_key = first_pos + rows;  // exclusive bound on keys any row sees
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < rows && !use_bf16_dot; ++r)  // the bf16 path reads q as stored
         for (int64_t h = 0; h < heads; ++h) {
           const T* src = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + h) * head_dim;
           float* dst = &qbuf[(r * heads + h) * head_dim];
