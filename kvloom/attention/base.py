@@ -1,7 +1,9 @@
 """The attention-backend seam and its registry.
 
 A backend writes the step's new K/V into the paged pool (through the slot mapping)
-and attends each request's queries over its block table. Backends are registered by
+and attends each request's queries over its block table. The pool only knows block
+ids; how a block's slots are arranged inside it is the backend's choice (``write_kv``
+/ ``read_kv``): token-major by default, a kernel-friendly order for ``cpu_paged``. Backends are registered by
 name with a lazy import so that a CUDA-only kernel never loads on a CPU machine.
 """
 
@@ -29,11 +31,25 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers (masks, index tensors). Default: none."""
         return None
 
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store the step's k/v ([tokens, kv_heads, head_dim]) in their slots. Default:
+        token-major blocks, [block_size, kv_heads, head_dim] each."""
+        write_token_major(kv_cache, k, v, slot_mapping)
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V held in the given slots, [slots, kv_heads, head_dim] each: the
+        inverse of ``write_kv`` (for tests and debugging; not on the hot path)."""
+        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+        return flat[0, slot_mapping], flat[1, slot_mapping]
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
-        kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim].
+        kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim] (the
+        arrangement inside a block is this backend's, see ``write_kv``).
         Returns [tokens, heads, head_dim]."""
 
 
@@ -46,10 +62,10 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's K/V into their slots. Slots of different requests never
-    overlap (each request writes only into blocks it owns privately)."""
+    """Scatter the step's K/V into their slots of token-major blocks. Slots of different
+    requests never overlap (each request writes only into blocks it owns privately)."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))

@@ -6,6 +6,13 @@ Two paths, chosen per sequence once per step in ``prepare``:
 - everything else (decodes, chunked-prefill continuations, prefix-cache hits) runs
   the C++ kernel in ``kvloom/csrc/paged_attention.cpp``, which walks the block table.
 
+bf16 caches whose shape the kernel's AVX512-BF16 path serves (``paired_layout``:
+head_dim 32/64/128, block_size a multiple of 16, on a CPU with those instructions)
+arrange each block for it: K as [kv_head, head_dim / 2, block_size] words of two
+bf16 (a dim pair of one key), V as [kv_head, block_size / 2, head_dim] words (one
+dim of a token pair), so the kernel's dot products read registers straight from the
+block (see the kernel's comments). Other caches stay token-major.
+
 The kernel is compiled on first use (kvloom/native.py: about a second, plain C ABI
 through ctypes, no torch headers) and cached under ``$KVLOOM_HOME/kernels``.
 Both paths are tested against ``torch_ref`` (tests/attention).
@@ -20,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom import native
-from kvloom.attention.base import AttentionBackend, write_kv
+from kvloom.attention.base import AttentionBackend
 from kvloom.native import KernelUnavailable
 from kvloom.runner.forward_batch import ForwardBatch
 
@@ -30,7 +37,12 @@ __all__ = ["CPUPagedBackend", "KernelUnavailable", "load_library"]
 def load_library() -> ctypes.CDLL:
     """Build (once) and load ``csrc/paged_attention.cpp``, with its signatures set."""
     library = native.load("paged_attention")
-    for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16"):
+    library.kvloom_paired_layout.restype = ctypes.c_int
+    library.kvloom_paired_layout.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    library.kvloom_write_kv_paired.restype = None
+    library.kvloom_write_kv_paired.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64]
+                                               + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+    for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16", "kvloom_paged_attention_paired"):
         function = getattr(library, name)
         function.restype = None
         function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p, ctypes.c_int64]
@@ -56,9 +68,50 @@ class CPUPagedBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        library = load_library()
+        self._library = library = load_library()
         self._kernels = {torch.float32: library.kvloom_paged_attention_f32,
                          torch.bfloat16: library.kvloom_paged_attention_bf16}
+        self._paired_block_sizes: dict[int, bool] = {}
+
+    def paired_layout(self, kv_cache: torch.Tensor) -> bool:
+        """Whether this cache uses the paired layout (decided by the kernel's build)."""
+        if kv_cache.dtype != torch.bfloat16:
+            return False
+        block_size = kv_cache.shape[2]
+        if block_size not in self._paired_block_sizes:
+            self._paired_block_sizes[block_size] = bool(self._library.kvloom_paired_layout(self.head_dim, block_size))
+        return self._paired_block_sizes[block_size]
+
+    def _paired_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K as [blocks, kv_heads, head_dim / 2, block_size, 2] and V as
+        [blocks, kv_heads, block_size / 2, head_dim, 2]: the same memory, paired order."""
+        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        keys = kv_cache[0].view(num_blocks, kv_heads, head_dim // 2, block_size, 2)
+        values = kv_cache[1].view(num_blocks, kv_heads, block_size // 2, head_dim, 2)
+        return keys, values
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if not self.paired_layout(kv_cache):
+            return super().write_kv(kv_cache, k, v, slot_mapping)
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+            k, v = k.contiguous(), v.contiguous()  # tokens may be strided, a token's row not
+        slots = slot_mapping.to(torch.int64).contiguous()
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        self._library.kvloom_write_kv_paired(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), len(slots),
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_heads, head_dim, block_size,
+            torch.get_num_threads())
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.paired_layout(kv_cache):
+            return super().read_kv(kv_cache, slot_mapping)
+        keys, values = self._paired_views(kv_cache)
+        block_size = kv_cache.shape[2]
+        block, offset = slot_mapping // block_size, slot_mapping % block_size
+        k = keys[block, :, :, offset, :].flatten(2)  # [slots, kv_heads, head_dim]
+        return k, values[block, :, offset // 2, :, offset % 2]
 
     def prepare(self, batch: ForwardBatch) -> CPUPagedMetadata:
         fresh, rows, starts, lens, seqs = [], [], [], [], []
@@ -84,11 +137,14 @@ class CPUPagedBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
         assert isinstance(metadata, CPUPagedMetadata)
-        write_kv(kv_cache, k, v, batch.slot_mapping)
+        self.write_kv(kv_cache, k, v, batch.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
         if metadata.kernel_rows:
-            kernel = self._kernels[q.dtype]
+            paired = self.paired_layout(kv_cache)
+            if paired and q.dtype != torch.bfloat16:
+                raise ValueError(f"a bf16 KV cache needs bf16 queries, got {q.dtype}")
+            kernel = self._library.kvloom_paged_attention_paired if paired else self._kernels[q.dtype]
             kernel(q.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                    metadata.block_tables.data_ptr(), metadata.block_tables.shape[1],
                    metadata.seq_lens.data_ptr(), metadata.query_start.data_ptr(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvloom.attention.base import AttentionBackend, write_kv
+from kvloom.attention.base import AttentionBackend
 from kvloom.runner.forward_batch import ForwardBatch
 
 
@@ -18,7 +18,7 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
-        write_kv(kv_cache, k, v, batch.slot_mapping)
+        self.write_kv(kv_cache, k, v, batch.slot_mapping)
         block_size = batch.block_size
         out = torch.empty_like(q)
         start = 0

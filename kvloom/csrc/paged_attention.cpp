@@ -1,13 +1,15 @@
 // Paged attention for CPUs: reads K/V straight through the block table (no gather).
 //
-// One work item = (sequence, kv head, tile of up to TILE query rows). The item's
-// query heads that share the kv head (GQA group) and its query rows all reuse each
-// K/V block once it has been converted to float, flash-attention style: per block,
-// scores -> running max -> rescaled accumulator. Accumulation is float32 whatever
-// the storage type. With bf16 storage on a CPU with AVX512-BF16 both dot products
-// run on vdpbf16ps straight from the cache (block_update_bf16); otherwise K/V rows are
-// converted to float once per block and kv head. Plain C ABI (called through ctypes)
-// so that building needs no torch headers and takes about a second.
+// One work item = (sequence, query tile of up to TILE rows, kv heads). Two paths:
+// - paired layout (bf16 on a CPU with AVX512-BF16; see attend_paired): the cache is
+//   arranged so that both dot products run on vdpbf16ps from registers loaded straight
+//   out of the block, with row groups of query vectors sharing every load and the
+//   whole flash-attention state (max, sum, accumulator) in registers;
+// - token-major layout (float storage, or bf16 elsewhere; see attend): K/V rows are
+//   converted to float once per block and kv head and shared by the group's query
+//   heads and the tile's rows, flash-attention style per block.
+// Accumulation is float32 whatever the storage type. Plain C ABI (called through
+// ctypes) so that building needs no torch headers and takes about a second.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -211,111 +213,7 @@ inline void block_update_fixed(const float* qv, const float* kb, const float* vb
   softmax_accumulate<D>(vb, stride, visible, block_max, a, row_max, row_sum, sc);
 }
 
-#ifdef __AVX512BF16__
-// bf16 storage with AVX512-BF16 (vdpbf16ps: 32 bf16 products per instruction, summed
-// in pairs into float32 lanes). Both halves of attention use it:
-// - scores: the cache's bf16 K rows against the query as stored (a product of two
-//   bf16 values is exact in float32, so only the float32 sums round), then scaled;
-// - output: the probabilities rounded to bf16 (2^-9 relative, below the bf16 output's
-//   own rounding) against V rows interleaved in pairs of tokens (build_v_pairs).
-// Half the multiply instructions of the float path, and no K/V conversion to float.
-
-// V rows of one kv head as token pairs: out[j * D + d] holds (v[2j][d], v[2j+1][d]) as
-// two bf16 in one 32-bit lane; a missing odd row is zero (its weight is zero too, and
-// an unwritten slot could hold a NaN pattern).
-template <int D>
-inline void build_v_pairs(const uint16_t* v, int64_t stride, int64_t slots, uint32_t* out) {
-  for (int64_t j = 0; 2 * j < slots; ++j) {
-    const uint16_t* even = v + 2 * j * stride;
-    const uint16_t* odd = 2 * j + 1 < slots ? even + stride : nullptr;
-    for (int d = 0; d < D; d += 16) {
-      const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
-      const __m512i high = odd ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d))), 16)
-                               : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + j * D + d, _mm512_or_si512(low, high));
-    }
-  }
-}
-
-template <int D>
-inline void block_update_bf16(const uint16_t* qv, float scale, const uint16_t* kb, int64_t k_stride,
-                              const uint32_t* v_pairs, int64_t visible, float* a,
-                              float* row_max, float* row_sum, float* sc) {
-  constexpr int QR = D / 32;  // bf16 query registers
-  constexpr int R = D / 16;   // float32 accumulator registers
-  __m512bh q[QR];
-  for (int r = 0; r < QR; ++r) q[r] = (__m512bh)_mm512_loadu_si512(qv + 32 * r);
-  const float block_max = block_scores([&](int64_t t) {
-    const uint16_t* k = kb + t * k_stride;
-    __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
-    for (int r = 1; r < QR; ++r) prod = _mm512_dpbf16_ps(prod, q[r], (__m512bh)_mm512_loadu_si512(k + 32 * r));
-    return prod;
-  }, visible, scale, sc);
-  const float new_max = std::max(*row_max, block_max);
-  const float correction = rescale_factor(*row_max, new_max);
-  const float sum = exp_shifted(sc, visible, new_max);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * r), _mm512_set1_ps(correction));
-  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, visible - t0);
-    alignas(32) uint32_t weight_pairs[8];  // (p[2j], p[2j+1]) as bf16, zero past `visible`
-    const __mmask16 live = count == 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs),
-                       (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, sc + t0)));
-    const uint32_t* pairs = v_pairs + (t0 / 2) * D;
-    for (int64_t j = 0; 2 * j < count; ++j) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j]));
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(pairs + j * D + 16 * r));
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
-  *row_sum = *row_sum * correction + sum;
-  *row_max = new_max;
-}
 #endif
-#endif
-
-// Whether block_update_bf16 serves this storage type and head size.
-template <typename T>
-constexpr bool bf16_dot(int64_t head_dim) {
-#ifdef __AVX512BF16__
-  return std::is_same_v<T, uint16_t> && (head_dim == 32 || head_dim == 64 || head_dim == 128);
-#else
-  (void)head_dim;
-  return false;
-#endif
-}
-
-inline void v_pairs_q16(int64_t head_dim, const uint16_t* v, int64_t stride, int64_t slots, uint32_t* out) {
-#ifdef __AVX512BF16__
-  switch (head_dim) {
-    case 64: return build_v_pairs<64>(v, stride, slots, out);
-    case 128: return build_v_pairs<128>(v, stride, slots, out);
-    case 32: return build_v_pairs<32>(v, stride, slots, out);
-    default: break;
-  }
-#endif
-  (void)v; (void)stride; (void)slots; (void)out;
-  std::abort();  // callers check bf16_dot first
-}
-
-inline void block_update_q16(int64_t head_dim, const uint16_t* qv, float scale, const uint16_t* kb,
-                             int64_t k_stride, const uint32_t* v_pairs, int64_t visible,
-                             float* a, float* row_max, float* row_sum, float* sc) {
-#ifdef __AVX512BF16__
-  switch (head_dim) {
-    case 64: return block_update_bf16<64>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
-    case 128: return block_update_bf16<128>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
-    case 32: return block_update_bf16<32>(qv, scale, kb, k_stride, v_pairs, visible, a, row_max, row_sum, sc);
-    default: break;
-  }
-#endif
-  (void)qv; (void)scale; (void)kb; (void)k_stride; (void)v_pairs;
-  (void)visible; (void)a; (void)row_max; (void)row_sum; (void)sc;
-  std::abort();  // callers check bf16_dot first
-}
 
 inline void block_update(int64_t head_dim, const float* qv, const float* kb, const float* vb,
                          int64_t stride, int64_t visible, float* a, float* row_max,
@@ -331,6 +229,33 @@ inline void block_update(int64_t head_dim, const float* qv, const float* kb, con
   block_update_generic(head_dim, qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
 }
 
+// Work items: (seq, first query row, first kv head), TILE query rows each. An item
+// normally takes every kv head, so a block is one contiguous read; with too few items
+// to keep the threads busy (few long sequences) it is split by kv head instead.
+struct WorkItems {
+  std::vector<int64_t> items;  // 3 per item
+  int64_t heads_per_item;
+  int64_t size() const { return static_cast<int64_t>(items.size() / 3); }
+};
+
+inline WorkItems make_items(const int32_t* query_lens, int64_t num_seqs, int64_t num_kv_heads,
+                            int num_threads) {
+  int64_t num_tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (query_lens[s] + TILE - 1) / TILE;
+  WorkItems work;
+  work.heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r = 0; r < query_lens[s]; r += TILE)
+      for (int64_t h = 0; h < num_kv_heads; h += work.heads_per_item) {
+        work.items.push_back(s); work.items.push_back(r); work.items.push_back(h);
+      }
+  return work;
+}
+
+// Token-major layout: a block is [block_size][kv_heads][head_dim], the layout every
+// backend but the paired one uses (attention/base.py). Float storage, or bf16 where
+// the paired layout does not apply; K/V rows are converted to float once per block
+// and kv head and shared by the group's query heads and the item's query rows.
 template <typename T>
 void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
@@ -338,33 +263,20 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
             int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const bool use_bf16_dot = bf16_dot<T>(head_dim);
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
-  // Work items: (seq, first query row, first kv head, kv heads). An item normally takes
-  // every kv head, so a block is one contiguous read; with too few items to keep the
-  // threads busy (few long sequences) it is split by kv head instead.
-  int64_t num_tiles = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (query_lens[s] + TILE - 1) / TILE;
-  const int64_t heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
-  std::vector<int64_t> items;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r = 0; r < query_lens[s]; r += TILE)
-      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
-        items.push_back(s); items.push_back(r); items.push_back(h);
-      }
-  const int64_t num_items = static_cast<int64_t>(items.size() / 3);
+  const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
+  const int64_t heads_per_item = work.heads_per_item;
   const int64_t max_vecs = TILE * heads_per_item * group;
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> kbuf(use_bf16_dot ? 0 : block_stride), vbuf(use_bf16_dot ? 0 : block_stride);
+    std::vector<float> kbuf(block_stride), vbuf(block_stride);
     std::vector<float> qbuf(max_vecs * head_dim), acc(max_vecs * head_dim);
     std::vector<float> row_max(max_vecs), row_sum(max_vecs), scores(block_size);
-    std::vector<uint32_t> v_pairs(use_bf16_dot ? (block_size + 1) / 2 * head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t s = items[3 * item], r0 = items[3 * item + 1], kv0 = items[3 * item + 2];
+    for (int64_t item = 0; item < work.size(); ++item) {
+      const int64_t s = work.items[3 * item], r0 = work.items[3 * item + 1], kv0 = work.items[3 * item + 2];
       const int64_t q_len = query_lens[s];
       const int64_t seq_len = seq_lens[s];
       const int64_t rows = std::min<int64_t>(TILE, q_len - r0);
@@ -373,7 +285,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
       const int64_t first_pos = seq_len - q_len + r0;
       const int64_t last_key = first_pos + rows;  // exclusive bound on keys any row sees
-      for (int64_t r = 0; r < rows && !use_bf16_dot; ++r)  // the bf16 path reads q as stored
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
           const T* src = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + h) * head_dim;
           float* dst = &qbuf[(r * heads + h) * head_dim];
@@ -405,10 +317,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
         // the query heads of its group (x the item's query rows); the float copy stays
         // small enough (2 x block_size x head_dim) to live in L1.
         for (int64_t kh = 0; kh < heads_per_item; ++kh) {
-          if constexpr (std::is_same_v<T, uint16_t>) {
-            if (use_bf16_dot) v_pairs_q16(head_dim, vb + kh * head_dim, slot_stride, slots, v_pairs.data());
-          }
-          for (int64_t t = 0; t < slots && !use_bf16_dot; ++t) {
+          for (int64_t t = 0; t < slots; ++t) {
             load_row(kb + t * slot_stride + kh * head_dim, &kbuf[t * head_dim], head_dim);
             load_row(vb + t * slot_stride + kh * head_dim, &vbuf[t * head_dim], head_dim);
           }
@@ -417,14 +326,6 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             if (visible <= 0) continue;
             for (int64_t g = 0; g < group; ++g) {
               const int64_t m = r * heads + kh * group + g;
-              if constexpr (std::is_same_v<T, uint16_t>) {
-                if (use_bf16_dot) {  // K straight from the cache, the query as stored
-                  const T* qv = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + kh * group + g) * head_dim;
-                  block_update_q16(head_dim, qv, scale, kb + kh * head_dim, slot_stride, v_pairs.data(),
-                                   visible, &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
-                  continue;
-                }
-              }
               block_update(head_dim, &qbuf[m * head_dim], kbuf.data(), vbuf.data(), head_dim, visible,
                            &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
             }
@@ -440,6 +341,195 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
   }
 }
 
+// ---------------------------------------------------------------------------------
+// Paired layout: bf16 storage on a CPU with AVX512-BF16 (vdpbf16ps: 32 bf16 products
+// per instruction, summed in pairs into 16 float32 lanes), block_size a multiple of
+// 16, head_dim 32/64/128. Within one block, per kv head (h), in 32-bit words that each
+// hold two bf16:
+//   K: [h][head_dim / 2][block_size]  word (p, t) = (k[t][2p], k[t][2p + 1])
+//   V: [h][block_size / 2][head_dim]  word (j, d) = (v[2j][d], v[2j + 1][d])
+// So 16 consecutive keys of one dim pair are one register: a query's scores for 16
+// keys come out in the lanes of head_dim / 2 vdpbf16ps against the broadcast query
+// pair (no horizontal sums), and each load serves every query row of a row group. A
+// token pair's V row is head_dim / 16 registers, weighted by the broadcast pair of
+// probabilities. The layout is written by CPUPagedBackend.write_kv.
+//
+// Invariant: every slot holds finite values (the pool is zero-filled and only ever
+// receives model K/V), so a masked-out key's zero probability times its V is zero.
+#ifdef __AVX512BF16__
+
+inline bool paired_supported(int64_t head_dim, int64_t block_size) {
+  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+}
+
+// The largest row group (query vectors sharing every K/V load) whose accumulators fit
+// the 32 vector registers: G x head_dim / 16 of them, plus G running sums and scores.
+constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
+
+// G query vectors (same sequence and kv head, possibly different rows) against the
+// sequence's keys, flash-attention style with the whole state in registers: per 16
+// keys, scores -> running max -> rescale -> exp -> weighted V. limit[g] is the number
+// of keys vector g sees (a prefix of the sequence: causal within the query tile).
+template <int D, int G>
+void attend_group_paired(const uint16_t* const* q, const int64_t* limit, uint16_t* const* out,
+                         const int32_t* table, const uint16_t* k_cache, const uint16_t* v_cache,
+                         int64_t block_stride, int64_t head_offset, int64_t block_size, float scale) {
+  constexpr int P = D / 2;   // dim pairs: vdpbf16ps steps per 16 scores
+  constexpr int R = D / 16;  // float32 registers per accumulator row
+  __m512 acc[G][R], sum[G];
+  float row_max[G];
+  int64_t max_limit = 0;
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+    sum[g] = _mm512_setzero_ps();  // per-lane partial sums; reduced once at the end
+    row_max[g] = -INFINITY;
+    max_limit = std::max(max_limit, limit[g]);
+  }
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const uint32_t* qw[G];
+  for (int g = 0; g < G; ++g) qw[g] = reinterpret_cast<const uint32_t*>(q[g]);
+  const int64_t num_blocks = (max_limit + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + table[b] * block_stride + head_offset);
+    const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + table[b] * block_stride + head_offset);
+    if (b + PREFETCH_BLOCKS < num_blocks) {  // blocks are scattered: fetch ahead
+      const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
+      const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
+      const char* next_v = reinterpret_cast<const char*>(v_cache + ahead);
+      for (int64_t off = 0; off < block_size * D * 2; off += 64) {
+        __builtin_prefetch(next_k + off);
+        __builtin_prefetch(next_v + off);
+      }
+    }
+    for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
+      const int64_t base = b * block_size + t0;  // position of this sub-tile's first key
+      if (base >= max_limit) break;
+      __m512 s[G];
+      for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) {
+        const __m512bh keys = (__m512bh)_mm512_loadu_si512(kb + p * block_size + t0);
+        for (int g = 0; g < G; ++g)
+          // The broadcast last, so it folds into the instruction as a {1to16} operand.
+          s[g] = _mm512_dpbf16_ps(s[g], keys, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g][p])));
+      }
+      alignas(64) uint32_t weights[G][8];  // probabilities as bf16 token pairs
+      for (int g = 0; g < G; ++g) {
+        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+        __m512 e = _mm512_setzero_ps();
+        if (live) {
+          const __m512 scores = _mm512_mul_ps(s[g], scale_v);
+          const float new_max = std::max(row_max[g], _mm512_mask_reduce_max_ps(live, scores));
+          if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
+            const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
+            for (int r = 0; r < R; ++r) acc[g][r] = _mm512_mul_ps(acc[g][r], correction);
+            sum[g] = _mm512_mul_ps(sum[g], correction);
+            row_max[g] = new_max;
+          }
+          e = _mm512_maskz_mov_ps(live, kvloom_simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+          sum[g] = _mm512_add_ps(sum[g], e);
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weights[g]), (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      const uint32_t* pairs = vb + (t0 / 2) * D;
+      for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < R; ++r) {
+          const __m512bh values = (__m512bh)_mm512_loadu_si512(pairs + j * D + 16 * r);
+          for (int g = 0; g < G; ++g)
+            acc[g][r] = _mm512_dpbf16_ps(acc[g][r], values,
+                                         (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[g][j])));
+        }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[g]));
+    for (int r = 0; r < R; ++r) kvloom_simd::store16(out[g] + 16 * r, _mm512_mul_ps(acc[g][r], inv), 16);
+  }
+}
+
+template <int D>
+void attend_group_dispatch(int64_t count, const uint16_t* const* q, const int64_t* limit, uint16_t* const* out,
+                           const int32_t* table, const uint16_t* k_cache, const uint16_t* v_cache,
+                           int64_t block_stride, int64_t head_offset, int64_t block_size, float scale) {
+  switch (count) {
+    case 1: return attend_group_paired<D, 1>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+    case 2: return attend_group_paired<D, 2>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+      break;
+    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+      break;
+    default: break;
+  }
+  std::abort();  // callers never pass more than max_group(D)
+}
+
+void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                   const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                   float scale, int num_threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = block_size * num_kv_heads * head_dim;
+  const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
+  const int max_rows = max_group(static_cast<int>(head_dim));
+  const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t item = 0; item < work.size(); ++item) {
+    const int64_t s = work.items[3 * item], r0 = work.items[3 * item + 1], kv0 = work.items[3 * item + 2];
+    const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r0);
+    // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
+    const int64_t first_pos = seq_lens[s] - query_lens[s] + r0;
+    const int32_t* table = block_tables + s * max_blocks;
+    for (int64_t kh = kv0; kh < kv0 + work.heads_per_item; ++kh) {
+      // The kv head's query vectors, row-major then head: a row's heads share a limit.
+      const int64_t vecs = rows * group;
+      for (int64_t m0 = 0; m0 < vecs; m0 += max_rows) {
+        const int64_t count = std::min<int64_t>(max_rows, vecs - m0);
+        const uint16_t* qs[4];
+        uint16_t* outs[4];
+        int64_t limit[4];
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t r = (m0 + i) / group, head = kh * group + (m0 + i) % group;
+          const int64_t token = query_start[s] + r0 + r;
+          qs[i] = q + (token * num_heads + head) * head_dim;
+          outs[i] = out + (token * num_heads + head) * head_dim;
+          limit[i] = first_pos + r + 1;
+        }
+        const int64_t head_offset = kh * head_stride;
+        switch (head_dim) {
+          case 64: attend_group_dispatch<64>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
+          case 128: attend_group_dispatch<128>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
+          case 32: attend_group_dispatch<32>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
+          default: std::abort();  // paired_supported was checked
+        }
+      }
+    }
+  }
+}
+#else
+inline bool paired_supported(int64_t, int64_t) { return false; }
+#endif
+
+// Scatter tokens' K/V ([tokens, kv_heads, head_dim], `k_stride`/`v_stride` elements
+// between tokens) into their slots of a paired-layout cache (the layout above).
+void write_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                  const int64_t* slots, int64_t tokens, uint16_t* k_cache, uint16_t* v_cache,
+                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads) {
+  const int64_t block_stride = block_size * num_kv_heads * head_dim;
+  const int64_t pairs = head_dim / 2;
+#pragma omp parallel for num_threads(tokens >= 256 ? num_threads : 1)
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k + i * k_stride + h * head_dim);
+      uint32_t* k_dst = reinterpret_cast<uint32_t*>(k_cache + block * block_stride) + h * pairs * block_size + offset;
+      for (int64_t p = 0; p < pairs; ++p) k_dst[p * block_size] = k_words[p];
+      const uint16_t* v_row = v + i * v_stride + h * head_dim;
+      uint16_t* v_dst = v_cache + block * block_stride + (h * (block_size / 2) + offset / 2) * head_dim * 2 + offset % 2;
+      for (int64_t d = 0; d < head_dim; ++d) v_dst[2 * d] = v_row[d];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -451,10 +541,27 @@ extern "C" {
       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
       int64_t block_size, float scale, int num_threads
 #define KVLOOM_CALL                                                                          \
-  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, \
-         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
+  (q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens,    \
+   num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
 
-void kvloom_paged_attention_f32(KVLOOM_ARGS(float)) { KVLOOM_CALL; }
-void kvloom_paged_attention_bf16(KVLOOM_ARGS(uint16_t)) { KVLOOM_CALL; }
+// Whether bf16 caches of this shape use the paired layout (and kvloom_paged_attention_paired).
+int kvloom_paired_layout(int64_t head_dim, int64_t block_size) { return paired_supported(head_dim, block_size); }
+
+void kvloom_paged_attention_f32(KVLOOM_ARGS(float)) { attend KVLOOM_CALL; }
+void kvloom_paged_attention_bf16(KVLOOM_ARGS(uint16_t)) { attend KVLOOM_CALL; }
+void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                            const int64_t* slots, int64_t tokens, uint16_t* k_cache, uint16_t* v_cache,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads) {
+  write_paired(k, k_stride, v, v_stride, slots, tokens, k_cache, v_cache, num_kv_heads, head_dim, block_size,
+               num_threads);
+}
+
+void kvloom_paged_attention_paired(KVLOOM_ARGS(uint16_t)) {
+#ifdef __AVX512BF16__
+  attend_paired KVLOOM_CALL;
+#else
+  std::abort();  // kvloom_paired_layout returned 0
+#endif
+}
 
 }

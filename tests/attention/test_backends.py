@@ -38,7 +38,7 @@ def mixed_batch(block_size: int, num_blocks: int, seed: int, shapes=MIXED):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 128)])
-@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
 @pytest.mark.parametrize("shapes", [MIXED, FEW], ids=["mixed", "few"])
 def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_size, shapes) -> None:
     torch.manual_seed(0)
@@ -49,12 +49,44 @@ def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_siz
     q = torch.randn(tokens, heads, head_dim, dtype=dtype)
     k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
     v = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     reference = make_backend("torch_ref", torch.device("cpu"), heads, kv_heads, head_dim)
     fast = make_backend("cpu_paged", torch.device("cpu"), heads, kv_heads, head_dim)
-    cache_ref, cache_fast = cache.clone(), cache.clone()
+    # The same history (every slot of the pool) written by each backend in its layout.
+    all_slots = torch.arange(num_blocks * block_size)
+    history_k = torch.randn(len(all_slots), kv_heads, head_dim, dtype=dtype)
+    history_v = torch.randn(len(all_slots), kv_heads, head_dim, dtype=dtype)
+    cache_ref = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    cache_fast = torch.zeros_like(cache_ref)
+    reference.write_kv(cache_ref, history_k, history_v, all_slots)
+    fast.write_kv(cache_fast, history_k, history_v, all_slots)
     expected = reference.forward(q, k, v, cache_ref, batch, reference.prepare(batch))
     actual = fast.forward(q, k, v, cache_fast, batch, fast.prepare(batch))
-    assert torch.equal(cache_ref, cache_fast)  # both wrote the same slots
+    for held_ref, held_fast in zip(reference.read_kv(cache_ref, all_slots), fast.read_kv(cache_fast, all_slots)):
+        assert torch.equal(held_ref, held_fast)  # both wrote the same slots
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+def test_cpu_paged_layout_round_trip(block_size) -> None:
+    """write_kv then read_kv gives back what was written, slot by slot, and bf16 caches
+    of kernel-friendly shapes really use the paired layout (K's dim pairs of one key are
+    block_size words apart), where the CPU has AVX512-BF16."""
+    torch.manual_seed(1)
+    kv_heads, head_dim, num_blocks = 3, 64, 6
+    backend = make_backend("cpu_paged", torch.device("cpu"), 9, kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size)[:40]
+    k = torch.randn(len(slots), kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(len(slots), kv_heads, head_dim, dtype=torch.bfloat16)
+    backend.write_kv(cache, k, v, slots)
+    held_k, held_v = backend.read_kv(cache, slots)
+    assert torch.equal(held_k, k) and torch.equal(held_v, v)
+    if backend.paired_layout(cache):
+        assert block_size % 16 == 0
+        slot = int(slots[0])
+        block, offset = divmod(slot, block_size)
+        words = cache[0, block].flatten().view(torch.int32)  # this block's K, 32-bit words
+        pair = torch.tensor([k[0, 0, 2], k[0, 0, 3]]).view(torch.int32)  # dims 2, 3 of head 0
+        assert words[1 * block_size + offset] == pair  # (head 0, dim pair 1, this key)
+    else:
+        assert block_size % 16 != 0 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
