@@ -1,10 +1,10 @@
 """CPU attention that reads K/V through the block table (no per-sequence gather).
 
-Two paths, chosen per sequence once per step in ``prepare``:
-- a prefill chunk that starts at position 0 has all its keys in this step's k/v, so
-  it runs PyTorch's fused causal SDPA on them directly (blocked GEMMs, fastest);
-- everything else (decodes, chunked-prefill continuations, prefix-cache hits) runs
-  the C++ kernel in ``kvloom/csrc/paged_attention.cpp``, which walks the block table.
+The C++ kernel in ``kvloom/csrc/paged_attention.cpp`` walks each sequence's block
+table: decodes, chunked-prefill continuations, prefix-cache hits and, with the paired
+layout below, fresh prefills too. With a token-major cache a prefill chunk that
+starts at position 0 runs PyTorch's fused causal SDPA on this step's own k/v instead
+(faster than the float kernel there; the paired kernel is 2-3x faster than SDPA).
 
 bf16 caches whose shape the kernel's AVX512-BF16 path serves (``paired_layout``:
 head_dim 32/64/128, block_size a multiple of 16, on a CPU with those instructions)
@@ -52,15 +52,35 @@ def load_library() -> ctypes.CDLL:
 
 
 @dataclass(slots=True)
+class KernelRows:
+    """The sequences one kernel call attends, as the kernel's int32 arrays."""
+
+    count: int
+    block_tables: torch.Tensor  # [count, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [count] int32
+    query_start: torch.Tensor  # [count] int32: first token row of each sequence
+    query_lens: torch.Tensor  # [count] int32
+
+    @staticmethod
+    def of(batch: ForwardBatch, rows: list[int], starts: list[int]) -> KernelRows:
+        tables = batch.block_tables
+        if len(rows) != tables.shape[0]:
+            tables = tables.index_select(0, torch.tensor(rows, dtype=torch.int64))
+        return KernelRows(
+            count=len(rows), block_tables=tables.contiguous(),
+            seq_lens=torch.tensor([batch.seq_lens_list[i] for i in rows], dtype=torch.int32),
+            query_start=torch.tensor(starts, dtype=torch.int32),
+            query_lens=torch.tensor([batch.query_lens_list[i] for i in rows], dtype=torch.int32),
+        )
+
+
+@dataclass(slots=True)
 class CPUPagedMetadata:
     """Per-step split of the batch, shared by every layer."""
 
+    every: KernelRows  # all sequences (paired layout: the kernel takes fresh prefills too)
+    not_fresh: KernelRows  # all but fresh prefills (token-major: those go to SDPA)
     fresh: list[tuple[int, int]]  # (first token row, length) of prefills starting at 0
-    kernel_rows: int  # sequences handled by the kernel
-    block_tables: torch.Tensor  # [kernel_rows, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [kernel_rows] int32
-    query_start: torch.Tensor  # [kernel_rows] int32: first token row of each sequence
-    query_lens: torch.Tensor  # [kernel_rows] int32
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -114,24 +134,19 @@ class CPUPagedBackend(AttentionBackend):
         return k, values[block, :, offset // 2, :, offset % 2]
 
     def prepare(self, batch: ForwardBatch) -> CPUPagedMetadata:
-        fresh, rows, starts, lens, seqs = [], [], [], [], []
-        start = 0
-        for index, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
-            if query_len == seq_len and query_len > 1:
-                fresh.append((start, query_len))
-            else:
-                rows.append(index)
-                starts.append(start)
-                lens.append(query_len)
-                seqs.append(seq_len)
-            start += query_len
-        select = torch.tensor(rows, dtype=torch.int64)
+        starts = [0]
+        for query_len in batch.query_lens_list[:-1]:
+            starts.append(starts[-1] + query_len)
+        every = KernelRows.of(batch, list(range(len(starts))), starts)
+        fresh = [index for index, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list,
+                                                                            strict=True))
+                 if query_len == seq_len and query_len > 1]
+        if not fresh:
+            return CPUPagedMetadata(every=every, not_fresh=every, fresh=[])
+        rest = sorted(set(range(len(starts))) - set(fresh))
         return CPUPagedMetadata(
-            fresh=fresh, kernel_rows=len(rows),
-            block_tables=batch.block_tables.index_select(0, select).contiguous(),
-            seq_lens=torch.tensor(seqs, dtype=torch.int32),
-            query_start=torch.tensor(starts, dtype=torch.int32),
-            query_lens=torch.tensor(lens, dtype=torch.int32),
+            every=every, not_fresh=KernelRows.of(batch, rest, [starts[i] for i in rest]),
+            fresh=[(starts[i], batch.query_lens_list[i]) for i in fresh],
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -140,17 +155,18 @@ class CPUPagedBackend(AttentionBackend):
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
-        if metadata.kernel_rows:
-            paired = self.paired_layout(kv_cache)
-            if paired and q.dtype != torch.bfloat16:
-                raise ValueError(f"a bf16 KV cache needs bf16 queries, got {q.dtype}")
+        paired = self.paired_layout(kv_cache)
+        if paired and q.dtype != torch.bfloat16:
+            raise ValueError(f"a bf16 KV cache needs bf16 queries, got {q.dtype}")
+        rows = metadata.every if paired else metadata.not_fresh
+        if rows.count:
             kernel = self._library.kvloom_paged_attention_paired if paired else self._kernels[q.dtype]
             kernel(q.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                   metadata.block_tables.data_ptr(), metadata.block_tables.shape[1],
-                   metadata.seq_lens.data_ptr(), metadata.query_start.data_ptr(),
-                   metadata.query_lens.data_ptr(), metadata.kernel_rows, self.num_heads,
-                   self.num_kv_heads, self.head_dim, batch.block_size, self.scale,
-                   torch.get_num_threads())
+                   rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
+                   rows.query_start.data_ptr(), rows.query_lens.data_ptr(), rows.count, self.num_heads,
+                   self.num_kv_heads, self.head_dim, batch.block_size, self.scale, torch.get_num_threads())
+        if paired:
+            return out
         for start, length in metadata.fresh:
             # [1, heads, length, head_dim] views of this step's own q/k/v.
             q_i = q[start:start + length].transpose(0, 1).unsqueeze(0)
