@@ -7,6 +7,9 @@ Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
 4. greedy rows take the argmax here and never consume randomness;
 5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> inverse-CDF draw (one uniform per row).
+   On CPU the softmax and the draw are one C++ pass per row (``kvloom/csrc/sampling.cpp``,
+   with the temperature folded in when no filter runs); the PyTorch chain is the
+   reference, used on other devices and where the C++ source does not build.
 
 Logprobs are computed from the raw logits handed to the sampler (``log_softmax``
 before penalties, min_tokens and temperature), i.e. what the model believes, not
@@ -15,11 +18,50 @@ what the sampling knobs reshaped; this matches vLLM's default ``raw_logprobs``.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvloom import native
 from kvloom.runner.sampling_metadata import GrammarMask, PenaltyTensors, SamplingMetadata
+
+
+logger = logging.getLogger(__name__)
+_native_sample_rows: Callable[..., None] | None = None
+_native_tried = False
+
+
+def native_sample_rows() -> Callable[..., None] | None:
+    """``kvloom_sample_rows`` from csrc/sampling.cpp, or None where it does not build."""
+    global _native_sample_rows, _native_tried
+    if not _native_tried:
+        _native_tried = True
+        try:
+            function = native.load("sampling").kvloom_sample_rows
+        except native.KernelUnavailable as error:
+            logger.warning("C++ sampling unavailable, using PyTorch ops: %s", error)
+        else:
+            function.restype = None
+            function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            _native_sample_rows = function
+    return _native_sample_rows
+
+
+def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor,
+                       function: Callable[..., None]) -> torch.Tensor:
+    """Token ~ softmax(logits * inv_temperature) per row, drawn by inverse CDF with the
+    row's uniform: ``Sampler._inverse_cdf`` of that softmax, in one pass per row."""
+    logits = logits.float().contiguous()  # [R, V]
+    inv_temperature = inv_temperature.float().flatten().contiguous()  # [R]
+    uniforms = uniforms.float().contiguous()  # [R]
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    function(logits.data_ptr(), logits.shape[0], logits.shape[1], inv_temperature.data_ptr(),
+             uniforms.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    return tokens
 
 
 @dataclass(slots=True)
@@ -84,14 +126,21 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """``[R, V]`` logits of the random rows -> ``[R]`` sampled tokens."""
         assert metadata.temperature is not None  # set whenever there are random rows
+        uniforms = self._uniforms(logits, metadata)  # [R]; filters consume no randomness
+        filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
+        fused = native_sample_rows() if logits.device.type == "cpu" else None
+        if fused is not None and not filtered:  # temperature folded into the one pass
+            return sample_rows_native(logits, 1.0 / metadata.temperature, uniforms, fused)
         # Out of place: from here on every stage owns and may overwrite `scaled`.
         scaled = logits / metadata.temperature  # [R, V]
         if metadata.top_k is not None or metadata.top_p is not None:
             apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
         if metadata.min_p is not None:
             apply_min_p(scaled, metadata.min_p)
+        if fused is not None:
+            return sample_rows_native(scaled, torch.ones_like(uniforms), uniforms, fused)
         probs = torch.softmax(scaled, dim=-1)  # [R, V]
-        return self._inverse_cdf(probs, self._uniforms(probs, metadata))
+        return self._inverse_cdf(probs, uniforms)
 
     @staticmethod
     def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -107,18 +156,18 @@ class Sampler:
         last_nonzero = vocab - 1 - (probs > 0).flip(dims=[1]).to(torch.int8).argmax(dim=1)  # [R]
         return torch.minimum(tokens, last_nonzero)
 
-    def _uniforms(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _uniforms(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """One U[0, 1) per row; seeded rows draw from their own generator.
 
         A seeded row's draw depends only on its generator's state, never on the
         batch's size or its position, so the same seed gives the same tokens.
         """
-        uniforms = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)  # [R]
+        uniforms = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)  # [R]
         if metadata.unseeded is not None:
             if not metadata.seeded:
                 uniforms.uniform_(generator=self.default_generator)
             else:
-                shared = torch.empty(len(metadata.unseeded), dtype=probs.dtype, device=probs.device)
+                shared = torch.empty(len(metadata.unseeded), dtype=logits.dtype, device=logits.device)
                 uniforms[metadata.unseeded] = shared.uniform_(generator=self.default_generator)
         for position, generator in metadata.seeded:
             uniforms[position : position + 1].uniform_(generator=generator)

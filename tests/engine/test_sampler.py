@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties
+from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties, native_sample_rows, sample_rows_native
 from kvloom.runner.sampling_metadata import (
     SamplingMetadata,
     SamplingRequestState,
@@ -359,3 +359,25 @@ def test_invalid_inputs_raise(device: torch.device) -> None:
     metadata = SamplingMetadata.build([make_row(device)], 10, device)
     with pytest.raises(ValueError, match="shape"):
         Sampler(generator_for_seed(0, device))(torch.zeros(1, 11, device=device), metadata)
+
+
+def test_cpu_one_pass_draw_equals_the_pytorch_inverse_cdf() -> None:
+    """csrc/sampling.cpp draws, from the same uniforms, the tokens of the PyTorch chain
+    (temperature, softmax, cumsum, searchsorted), skips -inf entries, and takes the first
+    / last token with mass at u = 0 / u -> 1."""
+    function = native_sample_rows()
+    assert function is not None, "csrc/sampling.cpp did not build"
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab = 256, 1003  # a vocabulary that is not a multiple of 16
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    logits[::3, ::7] = float("-inf")
+    logits[5, :40] = float("-inf")
+    temperature = torch.rand(rows, 1, generator=generator) + 0.3
+    uniforms = torch.rand(rows, generator=generator)
+    uniforms[5], uniforms[6] = 0.0, 1.0 - 2.0**-24
+    expected = Sampler._inverse_cdf(torch.softmax(logits / temperature, dim=-1), uniforms)
+    actual = sample_rows_native(logits, 1.0 / temperature, uniforms, function)
+    assert torch.equal(actual, expected)
+    assert actual[5] == 40  # u = 0: the first token with mass
+    assert actual[6] == vocab - 1  # u just below 1: the last one
+    assert not torch.isinf(logits[torch.arange(rows), actual]).any()

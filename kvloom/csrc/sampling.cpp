@@ -1,0 +1,91 @@
+// Random sampling of one token per row by inverse CDF, in one pass over each row's
+// logits instead of PyTorch's chain (divide, softmax, cumsum, searchsorted, a scan for
+// the last token with mass), each a full [rows, vocab] pass with its own allocation.
+//
+// Row r draws token i = the first index whose running sum of w_j = exp((x_j - max) *
+// inv_temp[r]) exceeds uniforms[r] * sum(w): the same rule as runner/sampler.py's
+// `_inverse_cdf` (searchsorted with right=True on the unnormalised CDF). Entries at
+// -inf (filtered out) weigh exactly zero and are never drawn. The running sum is
+// formed 16 lanes at a time and then chunk by chunk in order, and the total is that
+// same sequence of chunk sums, so the search always ends inside the row; a rounding
+// gap inside the final chunk falls back to its last token with mass.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#include <omp.h>
+
+#include "simd.h"
+
+namespace {
+
+int64_t sample_row(const float* x, int64_t vocab, float inv_temp, float uniform, float* weights,
+                   float* chunk_sums) {
+  float row_max = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) row_max = std::max(row_max, x[i]);
+  if (row_max == -INFINITY) return 0;  // nothing has mass: callers never pass such rows
+  const int64_t chunks = (vocab + 15) / 16;
+  float total = 0.0f;
+#ifdef KVLOOM_AVX512
+  const __m512 shift = _mm512_set1_ps(row_max), scale = _mm512_set1_ps(inv_temp);
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t count = std::min<int64_t>(16, vocab - 16 * c);
+    const __mmask16 live = kvloom_simd::lanes(count);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + 16 * c);
+    const __mmask16 has_mass = live & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
+    const __m512 w = _mm512_maskz_mov_ps(has_mass, kvloom_simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, shift), scale)));
+    _mm512_storeu_ps(weights + 16 * c, w);
+    chunk_sums[c] = _mm512_reduce_add_ps(w);
+    total += chunk_sums[c];
+  }
+#else
+  for (int64_t c = 0; c < chunks; ++c) {
+    float sum = 0.0f;
+    for (int64_t i = 16 * c; i < std::min<int64_t>(vocab, 16 * c + 16); ++i) {
+      weights[i] = x[i] == -INFINITY ? 0.0f : std::exp((x[i] - row_max) * inv_temp);
+      sum += weights[i];
+    }
+    chunk_sums[c] = sum;
+    total += sum;
+  }
+#endif
+  const float target = uniform * total;
+  float running = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (running + chunk_sums[c] <= target) {
+      running += chunk_sums[c];
+      continue;
+    }
+    const int64_t end = std::min<int64_t>(vocab, 16 * c + 16);
+    int64_t last_with_mass = -1;
+    for (int64_t i = 16 * c; i < end; ++i) {
+      if (weights[i] == 0.0f) continue;
+      running += weights[i];
+      last_with_mass = i;
+      if (running > target) return i;
+    }
+    if (last_with_mass >= 0) return last_with_mass;
+  }
+  for (int64_t i = vocab - 1; i > 0; --i)  // target == total after rounding
+    if (weights[i] > 0.0f) return i;
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// logits: [rows, vocab] float32, contiguous; inv_temp, uniforms: [rows]; out: [rows].
+void kvloom_sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* inv_temp,
+                        const float* uniforms, int64_t* out, int num_threads) {
+#pragma omp parallel num_threads(rows > 1 ? num_threads : 1)
+  {
+    std::vector<float> weights(vocab + 16), chunk_sums(vocab / 16 + 1);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      out[r] = sample_row(logits + r * vocab, vocab, inv_temp[r], uniforms[r], weights.data(),
+                          chunk_sums.data());
+  }
+}
+
+}
