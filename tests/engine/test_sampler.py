@@ -372,6 +372,7 @@ def test_cpu_one_pass_draw_equals_the_pytorch_inverse_cdf() -> None:
     logits = torch.randn(rows, vocab, generator=generator) * 3
     logits[::3, ::7] = float("-inf")
     logits[5, :40] = float("-inf")
+    logits[6, -1] = 20.0  # enough mass that u just below 1 lands on it
     temperature = torch.rand(rows, 1, generator=generator) + 0.3
     uniforms = torch.rand(rows, generator=generator)
     uniforms[5], uniforms[6] = 0.0, 1.0 - 2.0**-24
