@@ -28,7 +28,6 @@ import torch
 from kvloom import native
 from kvloom.runner.sampling_metadata import GrammarMask, PenaltyTensors, SamplingMetadata
 
-
 logger = logging.getLogger(__name__)
 _native_sample_rows: Callable[..., None] | None = None
 _native_tried = False

@@ -61,7 +61,8 @@ def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_siz
     fast.write_kv(cache_fast, history_k, history_v, all_slots)
     expected = reference.forward(q, k, v, cache_ref, batch, reference.prepare(batch))
     actual = fast.forward(q, k, v, cache_fast, batch, fast.prepare(batch))
-    for held_ref, held_fast in zip(reference.read_kv(cache_ref, all_slots), fast.read_kv(cache_fast, all_slots)):
+    for held_ref, held_fast in zip(reference.read_kv(cache_ref, all_slots), fast.read_kv(cache_fast, all_slots),
+                                   strict=True):
         assert torch.equal(held_ref, held_fast)  # both wrote the same slots
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
