@@ -366,14 +366,27 @@ inline bool paired_supported(int64_t head_dim, int64_t block_size) {
 // the 32 vector registers: G x head_dim / 16 of them, plus G running sums and scores.
 constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
 
+// One sequence's keys for one kv head: what every row group of a work item reads.
+struct KeySource {
+  const int32_t* table;  // the sequence's block table
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  int64_t block_stride;  // elements per block (all kv heads)
+  int64_t head_offset;   // elements from a block's start to this kv head's K (or V)
+  int64_t block_size;
+  float scale;           // softmax scale, applied to the scores
+};
+
 // G query vectors (same sequence and kv head, possibly different rows) against the
 // sequence's keys, flash-attention style with the whole state in registers: per 16
 // keys, scores -> running max -> rescale -> exp -> weighted V. limit[g] is the number
 // of keys vector g sees (a prefix of the sequence: causal within the query tile).
 template <int D, int G>
-void attend_group_paired(const uint16_t* const* q, const int64_t* limit, uint16_t* const* out,
-                         const int32_t* table, const uint16_t* k_cache, const uint16_t* v_cache,
-                         int64_t block_stride, int64_t head_offset, int64_t block_size, float scale) {
+void attend_group_paired(const KeySource& src, const uint16_t* const* q, const int64_t* limit,
+                         uint16_t* const* out) {
+  const int32_t* table = src.table;
+  const uint16_t *k_cache = src.k_cache, *v_cache = src.v_cache;
+  const int64_t block_stride = src.block_stride, head_offset = src.head_offset, block_size = src.block_size;
   constexpr int P = D / 2;   // dim pairs: vdpbf16ps steps per 16 scores
   constexpr int R = D / 16;  // float32 registers per accumulator row
   __m512 acc[G][R], sum[G];
@@ -385,7 +398,7 @@ void attend_group_paired(const uint16_t* const* q, const int64_t* limit, uint16_
     row_max[g] = -INFINITY;
     max_limit = std::max(max_limit, limit[g]);
   }
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512 scale_v = _mm512_set1_ps(src.scale);
   const uint32_t* qw[G];
   for (int g = 0; g < G; ++g) qw[g] = reinterpret_cast<const uint32_t*>(q[g]);
   const int64_t num_blocks = (max_limit + block_size - 1) / block_size;
@@ -447,15 +460,14 @@ void attend_group_paired(const uint16_t* const* q, const int64_t* limit, uint16_
 }
 
 template <int D>
-void attend_group_dispatch(int64_t count, const uint16_t* const* q, const int64_t* limit, uint16_t* const* out,
-                           const int32_t* table, const uint16_t* k_cache, const uint16_t* v_cache,
-                           int64_t block_stride, int64_t head_offset, int64_t block_size, float scale) {
+void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* const* q, const int64_t* limit,
+                           uint16_t* const* out) {
   switch (count) {
-    case 1: return attend_group_paired<D, 1>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
-    case 2: return attend_group_paired<D, 2>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
-    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+    case 1: return attend_group_paired<D, 1>(src, q, limit, out);
+    case 2: return attend_group_paired<D, 2>(src, q, limit, out);
+    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(src, q, limit, out);
       break;
-    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(q, limit, out, table, k_cache, v_cache, block_stride, head_offset, block_size, scale);
+    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(src, q, limit, out);
       break;
     default: break;
   }
@@ -494,11 +506,11 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
           outs[i] = out + (token * num_heads + head) * head_dim;
           limit[i] = first_pos + r + 1;
         }
-        const int64_t head_offset = kh * head_stride;
+        const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
         switch (head_dim) {
-          case 64: attend_group_dispatch<64>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
-          case 128: attend_group_dispatch<128>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
-          case 32: attend_group_dispatch<32>(count, qs, limit, outs, table, k_cache, v_cache, block_stride, head_offset, block_size, scale); break;
+          case 64: attend_group_dispatch<64>(src, count, qs, limit, outs); break;
+          case 128: attend_group_dispatch<128>(src, count, qs, limit, outs); break;
+          case 32: attend_group_dispatch<32>(src, count, qs, limit, outs); break;
           default: std::abort();  // paired_supported was checked
         }
       }
@@ -524,7 +536,8 @@ void write_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_
       uint32_t* k_dst = reinterpret_cast<uint32_t*>(k_cache + block * block_stride) + h * pairs * block_size + offset;
       for (int64_t p = 0; p < pairs; ++p) k_dst[p * block_size] = k_words[p];
       const uint16_t* v_row = v + i * v_stride + h * head_dim;
-      uint16_t* v_dst = v_cache + block * block_stride + (h * (block_size / 2) + offset / 2) * head_dim * 2 + offset % 2;
+      uint16_t* v_dst = v_cache + block * block_stride + (h * (block_size / 2) + offset / 2) * head_dim * 2
+                        + offset % 2;  // then every other bf16: the token's half of each pair word
       for (int64_t d = 0; d < head_dim; ++d) v_dst[2 * d] = v_row[d];
     }
   }
