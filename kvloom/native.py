@@ -9,7 +9,9 @@ reference for everything built here and fall back to it when building fails.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +26,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-on
          "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
+logger = logging.getLogger(__name__)
 
 
 class KernelUnavailable(RuntimeError):
@@ -63,3 +66,14 @@ def load(name: str) -> ctypes.CDLL:
         library = ctypes.CDLL(str(target))
         _libraries[name] = library
         return library
+
+
+@functools.cache
+def load_optional(name: str) -> ctypes.CDLL | None:
+    """``load(name)``, or None where it cannot be built here (logged once, the failure
+    remembered): the caller then runs its PyTorch reference."""
+    try:
+        return load(name)
+    except KernelUnavailable as error:
+        logger.warning("C++ %s unavailable, using the PyTorch reference: %s", name, error)
+        return None

@@ -3,8 +3,9 @@
 A backend writes the step's new K/V into the paged pool (through the slot mapping)
 and attends each request's queries over its block table. The pool only knows block
 ids; how a block's slots are arranged inside it is the backend's choice (``write_kv``
-/ ``read_kv``): token-major by default, a kernel-friendly order for ``cpu_paged``. Backends are registered by
-name with a lazy import so that a CUDA-only kernel never loads on a CPU machine.
+/ ``read_kv``): token-major by default, a kernel-friendly order for ``cpu_paged``.
+Backends are registered by name with a lazy import so that a CUDA-only kernel never
+loads on a CPU machine.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ BACKENDS: dict[str, str] = {
 
 
 def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor) -> None:
     """Scatter the step's K/V into their slots of token-major blocks. Slots of different
     requests never overlap (each request writes only into blocks it owns privately)."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape

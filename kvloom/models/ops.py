@@ -11,7 +11,7 @@ ops to the reference.
 from __future__ import annotations
 
 import ctypes
-import logging
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,49 +19,31 @@ import torch.nn.functional as F
 
 from kvloom import native
 
-logger = logging.getLogger(__name__)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_native: ctypes.CDLL | None = None
-_native_tried = False
-# (op name, dtype) -> its ctypes function: looked up once, not on every layer call.
-_kernels: dict[tuple[str, torch.dtype], Callable[..., None]] = {}
+_POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = {
+    "rms_norm": [_POINTER] * 4 + [_INT64, _INT64, ctypes.c_float],
+    "silu_and_mul": [_POINTER] * 2 + [_INT64, _INT64],
+    "rotary": [_POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64],
+}
 
 
-def _library() -> ctypes.CDLL | None:
-    global _native, _native_tried
-    if not _native_tried:
-        _native_tried = True
-        try:
-            library = native.load("cpu_ops")
-        except native.KernelUnavailable as error:
-            logger.warning("fused CPU ops unavailable, using PyTorch ops: %s", error)
-        else:
-            pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-            for suffix in _SUFFIX.values():
-                _declare(library, f"kvloom_rms_norm_{suffix}", [pointer] * 4 + [i64, i64, ctypes.c_float])
-                _declare(library, f"kvloom_silu_and_mul_{suffix}", [pointer] * 2 + [i64, i64])
-                _declare(library, f"kvloom_rotary_{suffix}", [pointer, i64, pointer, pointer, i64, i64, i64])
-            _native = library
-    return _native
-
-
-def _declare(library: ctypes.CDLL, name: str, argtypes: list[type]) -> None:
-    function = getattr(library, name)
+@functools.cache  # looked up once per (op, dtype), not on every layer call
+def _function(name: str, dtype: torch.dtype) -> Callable[..., None] | None:
+    library = native.load_optional("cpu_ops")
+    if library is None:
+        return None
+    function = getattr(library, f"kvloom_{name}_{_SUFFIX[dtype]}")
     function.restype = None
-    function.argtypes = argtypes
+    function.argtypes = _ARGTYPES[name]
+    return function
 
 
 def _kernel(name: str, x: torch.Tensor) -> Callable[..., None] | None:
     """The fused C++ op for x's dtype, or None where the reference must run."""
     if x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return None
-    kernel = _kernels.get((name, x.dtype))
-    if kernel is None:
-        library = _library()
-        if library is None:
-            return None
-        kernel = _kernels[(name, x.dtype)] = getattr(library, f"kvloom_{name}_{_SUFFIX[x.dtype]}")
-    return kernel
+    return _function(name, x.dtype)
 
 
 # ---- RMSNorm (optionally fused with the residual add) --------------------------------

@@ -19,7 +19,7 @@ what the sampling knobs reshaped; this matches vLLM's default ``raw_logprobs``.
 from __future__ import annotations
 
 import ctypes
-import logging
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,26 +28,18 @@ import torch
 from kvloom import native
 from kvloom.runner.sampling_metadata import GrammarMask, PenaltyTensors, SamplingMetadata
 
-logger = logging.getLogger(__name__)
-_native_sample_rows: Callable[..., None] | None = None
-_native_tried = False
 
-
+@functools.cache
 def native_sample_rows() -> Callable[..., None] | None:
     """``kvloom_sample_rows`` from csrc/sampling.cpp, or None where it does not build."""
-    global _native_sample_rows, _native_tried
-    if not _native_tried:
-        _native_tried = True
-        try:
-            function = native.load("sampling").kvloom_sample_rows
-        except native.KernelUnavailable as error:
-            logger.warning("C++ sampling unavailable, using PyTorch ops: %s", error)
-        else:
-            function.restype = None
-            function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-            _native_sample_rows = function
-    return _native_sample_rows
+    library = native.load_optional("sampling")
+    if library is None:
+        return None
+    function = library.kvloom_sample_rows
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return function
 
 
 def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor,
