@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvloom.config import DEFAULT_MODEL
+from kvloom.config import DEFAULT_MODEL, MATMULS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +40,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace-file", default=None, help="write the decision record here at exit")
     group.add_argument("--attention-backend", default="auto")
     group.add_argument("--num-threads", type=int, default=None)
-    group.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
-                       help="keep CPU bf16 matmul weights unpacked (slower; for comparison)")
+    group.add_argument("--matmul", choices=MATMULS, default="invariant",
+                       help="kernel for CPU bf16 matmuls: 'invariant' (kvloom's GEMM: a request's tokens "
+                            "never depend on the batch), 'onednn' (prepacked oneDNN: rounding changes with "
+                            "the batch size), 'torch' (F.linear, for comparison)")
 
 
 ENGINE_KEYS = ("dtype", "device", "seed", "max_model_len", "block_size", "num_blocks",
                "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "scheduling",
                "policy", "enable_chunked_prefill", "long_prefill_threshold",
                "attention_backend", "num_threads", "enable_prefix_caching", "max_wait_steps",
-               "max_wait_seconds", "low_watermark", "high_watermark", "trace", "prepack_weights")
+               "max_wait_seconds", "low_watermark", "high_watermark", "trace", "matmul")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MATMULS = ("invariant", "onednn", "torch")  # EngineConfig.matmul (models/packed_linear.py)
 SCHEDULING_MODES = ("continuous", "static")
 
 
@@ -167,14 +168,18 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     num_threads: int | None = None
-    # Prepack CPU bf16 matmul weights for oneDNN (models/packed_linear.py); bit-identical.
-    prepack_weights: bool = True
+    # The kernel behind CPU bf16 matmuls (models/packed_linear.py): "invariant" (ours: a
+    # row's result never depends on the batch), "onednn" (prepacked oneDNN: its kernel,
+    # and so the rounding, changes with the number of rows) or "torch" (F.linear).
+    matmul: str = "invariant"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
 

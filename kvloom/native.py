@@ -2,8 +2,10 @@
 
 Each source in ``kvloom/csrc`` is compiled on first use with the system C++ compiler
 (about a second: no torch headers) and cached under ``$KVLOOM_HOME/kernels``, keyed
-by the source, the flags and the compiler version. Callers keep a pure-PyTorch
-reference for everything built here and fall back to it when building fails.
+by the source, the flags, the compiler version and the CPU's features (``-march=native``
+code built on one machine must never load on another through a shared home).
+Callers keep a pure-PyTorch reference for everything built here and fall back to it
+when building fails.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +27,9 @@ SOURCES = Path(__file__).parent / "csrc"
 # rely on -inf for "no score yet", so infinities stay meaningful.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
          "-shared", "-fPIC", "-std=c++17"]
+# Sources whose arithmetic order is a promise (the batch-invariant matmul) build
+# without -ffast-math, so the compiler may not reassociate or contract their sums.
+EXACT_SOURCES = frozenset({"gemm"})
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
 logger = logging.getLogger(__name__)
@@ -38,6 +44,23 @@ def cache_dir() -> Path:
     return kvloom_home() / "kernels"
 
 
+def flags_for(name: str) -> list[str]:
+    if name in EXACT_SOURCES:
+        return [flag for flag in FLAGS if flag not in ("-ffast-math", "-fno-finite-math-only")]
+    return FLAGS
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """The CPU's model and feature flags: what ``-march=native`` code depends on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))  # the first CPU's lines: all cores are alike
+
+
 def load(name: str) -> ctypes.CDLL:
     """Build (once per source/flags/compiler) and load ``csrc/<name>.cpp``."""
     with _lock:
@@ -50,13 +73,15 @@ def load(name: str) -> ctypes.CDLL:
         # Headers are part of every source's identity: a changed header rebuilds all.
         source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+        flags = flags_for(name)
+        identity = " ".join(flags) + version + cpu_identity()
+        key = hashlib.sha256(source + identity.encode()).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
+                result = subprocess.run([compiler, *flags, str(source_path), "-o", str(built)],
                                         capture_output=True, text=True)
                 if result.returncode != 0:
                     errors = [line for line in result.stderr.splitlines() if "error" in line]

@@ -83,8 +83,7 @@ class LLMEngine:
         model = build_model(mc, self.max_model_len)
         model.load_weights(checkpoint.weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        if config.prepack_weights:
-            self.model.pack_weights()
+        self.model.pack_weights(config.matmul)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size

@@ -16,7 +16,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.config import ModelConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from kvloom.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from kvloom.models.packed_linear import pack_linear_layers, packed_linear
 from kvloom.runner.forward_batch import ForwardBatch
 
 
@@ -91,16 +91,19 @@ class LlamaForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, vocab]
         return self.lm_head(hidden)
 
-    def pack_weights(self) -> int:
-        """Prepack the matmul weights for oneDNN where that pays (CPU bf16, see
-        models/packed_linear.py); call after ``load_weights``. A tied output head gets
-        its own packed copy of the embedding table (vocab x hidden more memory: 56 MB
-        for SmolLM2-135M) because the lookup needs the plain one. Returns the count."""
+    def pack_weights(self, matmul: str = "invariant") -> int:
+        """Pack the matmul weights once for the ``matmul`` kernel (models/packed_linear.py:
+        ``invariant``, ``onednn`` or ``torch``); call after ``load_weights``. A tied
+        output head gets its own packed copy of the embedding table (vocab x hidden more
+        memory: 56 MB for SmolLM2-135M) because the lookup needs the plain one. Returns
+        how many layers were packed."""
         packed = 0
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
-            packed = 1
-        return packed + pack_linear_layers(self)
+        if self.lm_head is None:
+            head = packed_linear(self.embed_tokens.weight, None, matmul)
+            if head is not None:
+                self.lm_head = head
+                packed = 1
+        return packed + pack_linear_layers(self, matmul)
 
     # ---- loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,21 +1,32 @@
-"""Linear layers whose weights are prepacked once for oneDNN (CPU, bfloat16).
+"""Linear layers whose CPU bf16 weights are packed once at load time, by matmul choice.
 
-Why: ``F.linear`` on a plain bf16 weight lets oneDNN re-lay the weight out on every
-call; for decode-shaped matmuls (a few rows against a large weight) that repacking
-costs as much as the multiply itself. Packing once at load time measured, on the
-benchmark machine (docs/benchmarks.md), a decode step at batch 16 going from 61.5 to
-47.4 ms and batch 1 from 38.0 to 22.4 ms. The results are bit-identical to
-``F.linear`` (same oneDNN kernels, same accumulation order), which
-tests/models/test_packed_linear.py checks.
+``EngineConfig.matmul`` names the kernel behind every ``nn.Linear`` of the model:
 
-Only bf16 weights on CPU are packed. Float32 is left on ``F.linear`` (MKL): the packed
-fp32 path is faster too but not bit-identical, and fp32 is our reference dtype.
+- ``invariant`` (default): :class:`InvariantLinear`, kvloom's own GEMM
+  (kernels/gemm.py): a row's result never depends on how many rows share the call,
+  so a request's tokens do not depend on the batch, chunking, prefix hits or
+  preemption. At decode sizes it is also faster than oneDNN here
+  (docs/benchmarks.md has the numbers, by CPU).
+- ``onednn``: :class:`PackedLinear`, oneDNN with the weight prepacked (bit-identical
+  to ``F.linear``). oneDNN chooses its kernel, and so its reduction order, by the
+  number of rows: outputs then change with what else is in the step.
+- ``torch``: plain ``F.linear`` (oneDNN repacks the weight on every call).
+
+Only bf16 weights on CPU are packed. Float32 stays on ``F.linear`` (MKL): it is the
+reference dtype, and other devices keep their own libraries.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+from kvloom.config import MATMULS
+from kvloom.kernels import gemm
+
+logger = logging.getLogger(__name__)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -25,11 +36,18 @@ def can_pack(weight: torch.Tensor) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def can_pack_invariant(weight: torch.Tensor) -> bool:
+    """Whether kvloom's batch-invariant GEMM serves this weight here."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and gemm.default_isa() is not None
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W held in oneDNN's blocked layout (an opaque tensor).
 
-    The packed weight is a buffer, not a parameter: it is derived from the checkpoint
-    and never trained or reloaded; build a new model to load new weights.
+    Why: ``F.linear`` on a plain bf16 weight lets oneDNN re-lay the weight out on every
+    call; for decode-shaped matmuls that repacking costs as much as the multiply
+    (decode at batch 16 went from 61.5 to 47.4 ms). The packed weight is a buffer, not
+    a parameter: build a new model to load new weights.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -47,14 +65,56 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Swap every packable ``nn.Linear`` in ``model`` for a PackedLinear, in place.
+class InvariantLinear(nn.Module):
+    """y = x @ W.T + b on kvloom's batch-invariant GEMM, W packed for it once.
 
-    Returns how many were packed (0 where the dtype or device does not qualify).
+    ``isa`` is the kernel path (kernels/gemm.py), fixed per module so that every call
+    of a model runs the same arithmetic.
     """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.isa = isa or gemm.default_isa()
+        if self.isa is None:
+            raise gemm.native.KernelUnavailable("the batch-invariant GEMM does not run on this CPU")
+        self.packed_weight = gemm.pack_weight(weight)
+        self.bias = None if bias is None else bias.detach().contiguous().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [tokens, in_features]
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        y = torch.ops.kvloom.gemm_bf16(rows, self.packed_weight, self.bias, self.out_features, self.isa)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=kvloom/{self.isa}"
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, matmul: str) -> nn.Module | None:
+    """The packed layer ``matmul`` asks for, or None where it does not apply (dtype,
+    device, CPU): the caller keeps its ``nn.Linear``."""
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+    if matmul == "invariant" and can_pack_invariant(weight):
+        return InvariantLinear(weight, bias)
+    if matmul == "onednn" and can_pack(weight):
+        return PackedLinear(weight, bias)
+    return None
+
+
+def pack_linear_layers(model: nn.Module, matmul: str = "invariant") -> int:
+    """Swap every packable ``nn.Linear`` in ``model`` for the ``matmul`` choice's packed
+    layer, in place. Returns how many were swapped (0 where nothing qualifies)."""
     swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children()
-             if isinstance(child, nn.Linear) and can_pack(child.weight)]
+             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    count = 0
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
-    return len(swaps)
+        layer = packed_linear(child.weight, child.bias, matmul)
+        if layer is not None:
+            setattr(parent, name, layer)
+            count += 1
+    if matmul == "invariant" and swaps and count == 0 and swaps[0][2].weight.dtype == torch.bfloat16:
+        logger.warning("bf16 matmuls run on F.linear: outputs may depend on the batch (no invariant GEMM here)")
+    return count

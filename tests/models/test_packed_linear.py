@@ -1,5 +1,6 @@
-"""Prepacked oneDNN linear layers equal F.linear bit for bit, and an engine with them
-generates exactly what an engine without them does."""
+"""Packed linear layers: oneDNN's equal F.linear bit for bit (and an engine on them
+generates exactly what one on F.linear does); the invariant one equals the float32
+reference; the matmul choice swaps exactly the layers it can serve."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from helpers_models import write_tiny_hf_model
 from torch import nn
 
 from kvloom import LLM, SamplingParams
-from kvloom.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from kvloom.kernels import gemm
+from kvloom.models.packed_linear import InvariantLinear, PackedLinear, can_pack, pack_linear_layers
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
                                 reason="oneDNN bf16 matmul not supported by this CPU")
@@ -28,24 +30,41 @@ def test_packed_equals_f_linear_bitwise(rows: int, in_features: int, out_feature
     assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
 
 
-def test_only_cpu_bf16_is_packed() -> None:
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(64, 96, False), (48, 80, True)])
+def test_invariant_linear_equals_the_reference(in_features: int, out_features: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    x = torch.randn(2, 3, in_features, generator=generator).bfloat16()  # leading dims kept
+    got = InvariantLinear(weight, b)(x)
+    assert got.shape == (2, 3, out_features)
+    want = gemm.gemm_reference(x.reshape(6, in_features), weight, b).view(2, 3, out_features)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("matmul", "layer"), [("invariant", InvariantLinear), ("onednn", PackedLinear)])
+def test_only_cpu_bf16_is_packed(matmul: str, layer: type) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
-    assert pack_linear_layers(model) == 0  # float32 stays on F.linear
+    assert pack_linear_layers(model, matmul) == 0  # float32 stays on F.linear
     assert all(isinstance(m, nn.Linear) for m in (model[0], model[1][0]))
-    if can_pack(model[0].weight.bfloat16()):
-        model = model.bfloat16()
-        assert pack_linear_layers(model) == 2
-        assert isinstance(model[1][0], PackedLinear)
+    model = model.bfloat16()
+    if matmul == "onednn" and not can_pack(model[0].weight):
+        return
+    assert pack_linear_layers(model, matmul) == 2
+    assert isinstance(model[1][0], layer)
+    assert pack_linear_layers(nn.Sequential(nn.Linear(8, 8)).bfloat16(), "torch") == 0
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        pack_linear_layers(nn.Sequential(nn.Linear(8, 8)), "mkl")
 
 
 @needs_bf16
 @pytest.mark.parametrize("tied", [False, True])
-def test_engine_outputs_identical_with_and_without_packing(tmp_path, tied: bool) -> None:
+def test_engine_outputs_identical_with_and_without_onednn_packing(tmp_path, tied: bool) -> None:
     path = write_tiny_hf_model(tmp_path / "m", arch="llama", tie_word_embeddings=tied)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    plain = LLM(str(path), dtype="bfloat16", num_blocks=64, prepack_weights=False)
-    packed = LLM(str(path), dtype="bfloat16", num_blocks=64)
+    plain = LLM(str(path), dtype="bfloat16", num_blocks=64, matmul="torch")
+    packed = LLM(str(path), dtype="bfloat16", num_blocks=64, matmul="onednn")
     assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
     # every projection of every layer plus the output head (its own copy when tied)
     num_layers = packed.engine.model_config.num_layers

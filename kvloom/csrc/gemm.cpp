@@ -1,0 +1,425 @@
+// Batch-invariant bf16 matmul for CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with
+// W prepacked once.
+//
+// Invariant (the reason this file exists): every output element y[m, n] is one
+// float32 accumulator that walks K in one fixed order, whatever M is, wherever row m
+// sits in the call, and however the work is tiled or split between threads. So a
+// row's result never depends on what else shares the call: a request's tokens do not
+// change with the batch, the chunk size, cache hits or preemption. oneDNN picks its
+// kernel (and so its reduction order over K) by the number of rows, which breaks this
+// (docs/benchmarks.md has the measurements).
+//
+// Packed weight: N padded to a multiple of 16 and K to a multiple of 32 with zeros, as
+// column blocks of 16: block j is [K_pad / 2][16] 32-bit words, word (p, c) =
+// (W[16 j + c][2 p], W[16 j + c][2 p + 1]). One block row is one 512-bit register of 16
+// column lanes times a k pair (what vdpbf16ps takes), and 16 block rows are one AMX B
+// tile (16 rows of 64 bytes), so every path reads the same packed bytes.
+//
+// Paths (chosen at run time, never by the compiler's flags; each is invariant alone,
+// and they differ from each other only in rounding):
+//   ISA_AMX          AMX tiles (tdpbf16ps), 32 x 32 outputs per step
+//   ISA_AVX512_BF16  vdpbf16ps: 16 lanes += pair products, 6 rows x 64 columns a tile
+//   ISA_AVX512       bf16 -> float32 and fma, k by k, 4 rows x 64 columns
+//   ISA_AVX2         the same on 8 lanes, 4 rows x 16 columns
+// Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
+// PyTorch op with a schema).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+enum Isa : int { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX = 4 };
+
+constexpr int64_t COLS = 16;     // columns per packed block
+constexpr int64_t K_ALIGN = 32;  // K is padded to this: one AMX tile's depth
+constexpr int64_t WORDS_PER_ROW = COLS;
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+struct Problem {
+  const uint16_t* x;       // [m, k] bf16, rows contiguous, row stride k
+  const uint32_t* packed;  // the packed weight (see the top of the file)
+  const uint16_t* bias;    // [n] bf16 or nullptr
+  uint16_t* y;             // [m, n] bf16, row stride n
+  int64_t m, n, k;
+  int64_t block_words;     // words per packed block: K_pad / 2 * 16
+  const uint32_t* block(int64_t j) const { return packed + j * block_words; }
+};
+
+inline uint32_t load_pair(const uint16_t* src) {  // two bf16 from a 2-byte aligned address
+  uint32_t word;
+  std::memcpy(&word, src, sizeof(word));
+  return word;
+}
+// Calls step(q, pair_of_row) for the k pairs q = 0, 1, ... in order, where
+// pair_of_row(r) is (x[r][2q], x[r][2q + 1]) and, for an odd K, the last pair is
+// (x[r][K - 1], 0) (the packed weight's padding is zero there too).
+template <class Step>
+inline void for_each_pair(const uint16_t* x, int64_t k, Step&& step) {
+  const int64_t full = k / 2;
+  for (int64_t q = 0; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
+  if (k & 1) step(full, [=](int r) { return static_cast<uint32_t>(x[r * k + k - 1]); });
+}
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t float_to_bf16(float x) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// The one epilogue of every path: add the bias in float32, round once to bf16.
+inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* acc, int64_t count) {
+  uint16_t* dst = p.y + row * p.n + col0;
+  for (int64_t c = 0; c < count; ++c)
+    dst[c] = float_to_bf16(p.bias ? acc[c] + bf16_to_float(p.bias[col0 + c]) : acc[c]);
+}
+
+// ---- vector paths ---------------------------------------------------------------
+// A tile is ROWS rows x BLOCKS column blocks of accumulators; Path::tile<ROWS, BLOCKS>
+// computes it over the whole K, then stores it. The driver below picks ROWS and BLOCKS
+// only by where the tile sits (tails), which changes no accumulator's arithmetic.
+
+#define KVLOOM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define KVLOOM_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define KVLOOM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define KVLOOM_TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// store_row on 16 lanes at once: the same float32 bias add and the same rounding
+// (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
+template <int ROWS, int BLOCKS>
+KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, int64_t j0,
+                                                const __m512 (&acc)[ROWS][BLOCKS]) {
+  const __m512i round_bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  for (int b = 0; b < BLOCKS; ++b) {
+    const int64_t col0 = (j0 + b) * COLS;
+    const __mmask16 live = static_cast<__mmask16>(p.n - col0 >= COLS ? 0xffff : (1u << (p.n - col0)) - 1);
+    __m512 bias = _mm512_setzero_ps();
+    if (p.bias)
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p.bias + col0)), 16));
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sum = p.bias ? _mm512_add_ps(acc[r][b], bias) : acc[r][b];
+      const __m512i bits = _mm512_castps_si512(sum);
+      __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
+                                         _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
+      rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
+                                      _mm512_set1_epi32(0x7fc0));
+      _mm256_mask_storeu_epi16(p.y + (m0 + r) * p.n + col0, live, _mm512_cvtepi32_epi16(rounded));
+    }
+  }
+}
+
+struct PathAvx512Bf16 {
+  static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
+  template <int R, int B>
+  KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
+    __m512 acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    const uint32_t* w[B];
+    for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
+    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
+      __m512bh weights[B];
+      for (int b = 0; b < B; ++b) weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh inputs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of_row(r)));
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], inputs, weights[b]);
+      }
+    });
+    store_tile_512<R, B>(p, m0, j0, acc);
+  }
+};
+
+struct PathAvx512 {
+  static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
+  template <int R, int B>
+  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
+    __m512 acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    const uint32_t* w[B];
+    for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512 {
+      __m512 even[B], odd[B];  // W[.][2q] and W[.][2q + 1] as float32
+      for (int b = 0; b < B; ++b) {
+        const __m512i words = _mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
+        even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+        odd[b] = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint32_t pair = pair_of_row(r);
+        const __m512 x_even = _mm512_set1_ps(bf16_to_float(static_cast<uint16_t>(pair)));
+        const __m512 x_odd = _mm512_set1_ps(bf16_to_float(static_cast<uint16_t>(pair >> 16)));
+        for (int b = 0; b < B; ++b) {
+          acc[r][b] = _mm512_fmadd_ps(x_even, even[b], acc[r][b]);  // k = 2q, then 2q + 1
+          acc[r][b] = _mm512_fmadd_ps(x_odd, odd[b], acc[r][b]);
+        }
+      }
+    });
+    store_tile_512<R, B>(p, m0, j0, acc);
+  }
+};
+
+struct PathAvx2 {
+  static constexpr int ROWS = 4, BLOCKS = 1;  // 8 accumulators + 4 weight registers + 2
+  template <int R, int B>
+  KVLOOM_TARGET_AVX2 static void tile(const Problem& p, int64_t m0, int64_t j0) {
+    static_assert(B == 1, "one column block (two 8-lane halves) per AVX2 tile");
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint32_t* w = p.block(j0);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX2 {
+      __m256 even[2], odd[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * WORDS_PER_ROW + 8 * h));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint32_t pair = pair_of_row(r);
+        const __m256 x_even = _mm256_set1_ps(bf16_to_float(static_cast<uint16_t>(pair)));
+        const __m256 x_odd = _mm256_set1_ps(bf16_to_float(static_cast<uint16_t>(pair >> 16)));
+        for (int h = 0; h < 2; ++h) {
+          acc[r][h] = _mm256_fmadd_ps(x_even, even[h], acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(x_odd, odd[h], acc[r][h]);
+        }
+      }
+    });
+    alignas(32) float lanes[COLS];
+    const int64_t col0 = j0 * COLS;
+    const int64_t count = std::min<int64_t>(COLS, p.n - col0);
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(lanes, acc[r][0]);
+      _mm256_store_ps(lanes + 8, acc[r][1]);
+      store_row(p, m0 + r, col0, lanes, count);
+    }
+  }
+};
+
+// Tile functions of every (rows, blocks) up to the path's maximum, indexed [rows - 1][blocks - 1].
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+template <class Path, int R, int B>
+TileFn tile_fn() { return &Path::template tile<R, B>; }
+template <class Path, int R, int... B>
+void fill_row(TileFn* row, std::integer_sequence<int, B...>) { ((row[B] = tile_fn<Path, R, B + 1>()), ...); }
+template <class Path, int... R>
+void fill_table(TileFn (*table)[Path::BLOCKS], std::integer_sequence<int, R...>) {
+  (fill_row<Path, R + 1>(table[R], std::make_integer_sequence<int, Path::BLOCKS>()), ...);
+}
+
+// Input rows per pass over the weight: as many as keep their part of x in L2
+// (about 256 KiB), so a panel is reused by every row tile of the pass; decode-sized
+// calls are one pass, and the weight streams from memory once.
+constexpr int64_t X_BYTES_PER_PASS = 256 * 1024;
+
+// Splits the column blocks into one contiguous range per thread (each thread streams
+// its own part of the weight) and, within a range, walks panels of BLOCKS blocks, each
+// against every row tile of the pass while the panel sits in L2.
+template <class Path>
+void run_vector(const Problem& p, int num_threads) {
+  TileFn table[Path::ROWS][Path::BLOCKS];
+  fill_table<Path>(table, std::make_integer_sequence<int, Path::ROWS>());
+  const int64_t blocks = (p.n + COLS - 1) / COLS;
+  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
+                            * Path::ROWS;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), count = omp_get_num_threads();
+    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
+    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
+      const int64_t pass_end = std::min(p.m, pass + pass_rows);
+      for (int64_t j0 = first; j0 < last; j0 += Path::BLOCKS) {
+        const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
+        for (int64_t m0 = pass; m0 < pass_end; m0 += Path::ROWS) {
+          const int64_t rows = std::min<int64_t>(Path::ROWS, pass_end - m0);
+          table[rows - 1][panel - 1](p, m0, j0);
+        }
+      }
+    }
+  }
+}
+
+// ---- AMX ------------------------------------------------------------------------
+// Tiles: 0-3 accumulators (16 rows x 16 float32), 4-5 inputs (16 rows x 32 bf16),
+// 6-7 weights (16 k pairs x 16 columns: 16 rows of a packed block). A step computes
+// up to 32 rows x 32 columns over the whole K. Rows past M and the K padding are read
+// from a zeroed copy of the inputs, never from past the end of x.
+constexpr int64_t AMX_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+KVLOOM_TARGET_AMX void amx_configure() {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = AMX_ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The accumulator tile `t` of rows [m0, m0 + 16) and column block j: store it.
+KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, float* scratch, int64_t m0, int64_t j) {
+  const int64_t col0 = j * COLS, count = std::min<int64_t>(COLS, p.n - col0);
+  const int64_t rows = std::min<int64_t>(AMX_ROWS, p.m - m0);
+  for (int64_t r = 0; r < rows; ++r) store_row(p, m0 + r, col0, scratch + r * COLS, count);
+}
+
+template <int ROW_TILES, int COL_TILES>
+KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_stride, int64_t m0, int64_t j0,
+                                float* scratch) {
+  const int64_t chunks = round_up(p.k, K_ALIGN) / K_ALIGN;
+  const int64_t x_bytes = x_stride * 2;
+  _tile_zero(0);
+  if (COL_TILES > 1) _tile_zero(1);
+  if (ROW_TILES > 1) _tile_zero(2);
+  if (ROW_TILES > 1 && COL_TILES > 1) _tile_zero(3);
+  const uint32_t* w0 = p.block(j0);
+  const uint32_t* w1 = COL_TILES > 1 ? p.block(j0 + 1) : w0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, x + c * K_ALIGN, x_bytes);
+    if (ROW_TILES > 1) _tile_loadd(5, x + AMX_ROWS * x_stride + c * K_ALIGN, x_bytes);
+    _tile_loadd(6, w0 + c * AMX_ROWS * WORDS_PER_ROW, 64);
+    if (COL_TILES > 1) _tile_loadd(7, w1 + c * AMX_ROWS * WORDS_PER_ROW, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (COL_TILES > 1) _tile_dpbf16ps(1, 4, 7);
+    if (ROW_TILES > 1) _tile_dpbf16ps(2, 5, 6);
+    if (ROW_TILES > 1 && COL_TILES > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, scratch, 64);
+  amx_store(p, scratch, m0, j0);
+  if (COL_TILES > 1) { _tile_stored(1, scratch, 64); amx_store(p, scratch, m0, j0 + 1); }
+  if (ROW_TILES > 1) { _tile_stored(2, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, j0); }
+  if (ROW_TILES > 1 && COL_TILES > 1) { _tile_stored(3, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, j0 + 1); }
+}
+
+KVLOOM_TARGET_AMX void run_amx(const Problem& p, int num_threads) {
+  const int64_t blocks = (p.n + COLS - 1) / COLS;
+  const int64_t k_pad = round_up(p.k, K_ALIGN);
+  const bool direct = p.k == k_pad;  // x's rows can be tile rows as they are
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    amx_configure();
+    alignas(64) float scratch[AMX_ROWS * COLS];
+    std::vector<uint16_t> padded;  // 32 zero-padded input rows, when x cannot be read directly
+    const int t = omp_get_thread_num(), count = omp_get_num_threads();
+    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
+    for (int64_t m0 = 0; m0 < p.m; m0 += 2 * AMX_ROWS) {
+      const int64_t rows = std::min<int64_t>(2 * AMX_ROWS, p.m - m0);
+      const uint16_t* x = p.x + m0 * p.k;
+      int64_t stride = p.k;
+      if (!direct || rows < 2 * AMX_ROWS) {
+        padded.assign(2 * AMX_ROWS * k_pad, 0);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * k_pad], x + r * p.k, p.k * sizeof(uint16_t));
+        x = padded.data();
+        stride = k_pad;
+      }
+      const bool two_rows = rows > AMX_ROWS;
+      for (int64_t j = first; j < last; j += 2) {
+        const bool two_cols = j + 1 < last;
+        if (two_rows && two_cols) amx_step<2, 2>(p, x, stride, m0, j, scratch);
+        else if (two_rows) amx_step<2, 1>(p, x, stride, m0, j, scratch);
+        else if (two_cols) amx_step<1, 2>(p, x, stride, m0, j, scratch);
+        else amx_step<1, 1>(p, x, stride, m0, j, scratch);
+      }
+    }
+    _tile_release();
+  }
+}
+
+// ---- CPU features ---------------------------------------------------------------
+uint64_t xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+bool amx_permitted() {  // Linux hands out AMX tile state only on request (once per process)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+int detect_isa() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE) || !(c & bit_FMA)) return ISA_NONE;
+  const uint64_t os = xcr0();
+  if ((os & 0x6) != 0x6) return ISA_NONE;  // the OS saves SSE and AVX state
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX2)) return ISA_NONE;
+  const unsigned leaf7_edx = d;
+  const bool avx512 = (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL) && (b & bit_AVX512DQ)
+                      && (os & 0xe0) == 0xe0;  // opmask and upper ZMM state
+  if (!avx512) return ISA_AVX2;
+  __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  if (!(a & (1u << 5))) return ISA_AVX512;  // AVX512_BF16
+  const bool amx = (leaf7_edx & (1u << 24)) && (leaf7_edx & (1u << 22));  // AMX-TILE, AMX-BF16
+  return amx && amx_permitted() ? ISA_AMX : ISA_AVX512_BF16;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The best path this CPU (and OS) runs; asks Linux for AMX state the first time.
+int kvloom_gemm_best_isa() {
+  static const int best = detect_isa();
+  return best;
+}
+
+// Bytes of bf16 a packed [n, k] weight takes (see the layout at the top).
+int64_t kvloom_gemm_packed_elements(int64_t n, int64_t k) { return round_up(n, COLS) * round_up(k, K_ALIGN); }
+
+// weight: [n, k] bf16 row-major -> packed (kvloom_gemm_packed_elements(n, k) bf16, zero padding).
+void kvloom_gemm_pack(const uint16_t* weight, int64_t n, int64_t k, uint16_t* packed) {
+  const int64_t k_pad = round_up(k, K_ALIGN), blocks = round_up(n, COLS) / COLS;
+  std::memset(packed, 0, kvloom_gemm_packed_elements(n, k) * sizeof(uint16_t));
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t c = 0; c < COLS && j * COLS + c < n; ++c) {
+      const uint16_t* src = weight + (j * COLS + c) * k;
+      uint16_t* block = packed + j * k_pad * COLS;
+      for (int64_t kk = 0; kk < k; ++kk) block[(kk / 2) * 2 * COLS + 2 * c + (kk & 1)] = src[kk];
+    }
+}
+
+// y[m, n] = x[m, k] @ W^T (+ bias) on `isa` (at most kvloom_gemm_best_isa()). Returns 0,
+// or -1 when isa is not one this CPU runs (nothing written).
+int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
+                     int64_t n, int64_t k, int isa, int num_threads) {
+  if (isa <= ISA_NONE || isa > kvloom_gemm_best_isa()) return -1;
+  const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
+  if (m == 0 || n == 0) return 0;
+  switch (isa) {
+    case ISA_AMX: run_amx(p, num_threads); break;
+    case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads); break;
+    case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
+    default: run_vector<PathAvx2>(p, num_threads); break;
+  }
+  return 0;
+}
+
+}  // extern "C"

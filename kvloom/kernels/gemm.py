@@ -1,0 +1,171 @@
+"""The batch-invariant bf16 matmul (kvloom/csrc/gemm.cpp) as the op ``kvloom::gemm_bf16``.
+
+y = x @ W.T (+ bias) with W prepacked once by :func:`pack_weight`. Every output element
+is one float32 sum over K in a fixed order, so a row's result does not depend on how
+many rows share the call (oneDNN's does: it picks kernels by row count; measurements
+in docs/benchmarks.md). That is what makes a request's tokens independent of the batch,
+the chunk size, prefix hits and preemption in bf16.
+
+The path is chosen at run time from what the CPU runs, best first: ``amx`` (tile dot
+products), ``avx512_bf16`` (vdpbf16ps), ``avx512`` and ``avx2`` (float32 fma). Each
+path is invariant on its own; they differ from each other in rounding. Set
+``KVLOOM_CPU_ISA`` to one of those names to cap the choice (tests use it to run the
+lower paths on one machine). The AMX path is checked against ``avx512_bf16`` once per
+process before it is used, and left out, with an error in the log, if they disagree.
+
+:func:`gemm_reference` (float32 matmul, rounded once) is the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from kvloom import native
+
+ISAS = ("avx2", "avx512", "avx512_bf16", "amx")  # worst to best; index + 1 is gemm.cpp's enum
+ISA_ENV = "KVLOOM_CPU_ISA"
+logger = logging.getLogger(__name__)
+_POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = native.load_optional("gemm")
+    if library is None:
+        return None
+    library.kvloom_gemm_best_isa.restype = _INT
+    library.kvloom_gemm_best_isa.argtypes = []
+    library.kvloom_gemm_packed_elements.restype = _INT64
+    library.kvloom_gemm_packed_elements.argtypes = [_INT64, _INT64]
+    library.kvloom_gemm_pack.restype = None
+    library.kvloom_gemm_pack.argtypes = [_POINTER, _INT64, _INT64, _POINTER]
+    library.kvloom_gemm_bf16.restype = _INT
+    library.kvloom_gemm_bf16.argtypes = [_POINTER] * 4 + [_INT64] * 3 + [_INT, _INT]
+    return library
+
+
+def _require_library() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise native.KernelUnavailable("kvloom/csrc/gemm.cpp could not be built here (see the log)")
+    return library
+
+
+def supported_isas() -> tuple[str, ...]:
+    """Every path this CPU runs, worst to best (empty where the kernel cannot build or
+    the CPU lacks AVX2)."""
+    library = _library()
+    return ISAS[:library.kvloom_gemm_best_isa()] if library is not None else ()
+
+
+@functools.cache
+def default_isa() -> str | None:
+    """The path the engine uses: the best one, capped by ``$KVLOOM_CPU_ISA``; None where
+    there is none (the caller then keeps ``F.linear``)."""
+    supported = supported_isas()
+    cap = os.environ.get(ISA_ENV)
+    if cap is not None and cap not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {ISAS}, got {cap!r}")
+    if cap is not None:
+        supported = tuple(isa for isa in supported if ISAS.index(isa) <= ISAS.index(cap))
+    if supported and supported[-1] == "amx" and not _amx_agrees():
+        supported = supported[:-1]
+    return supported[-1] if supported else None
+
+
+def _amx_agrees() -> bool:
+    """Whether the AMX path matches the AVX512-BF16 path (to rounding) on a small
+    problem with every kind of tail: a guard that keeps a faulty AMX build out."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 70, generator=generator).bfloat16()
+    bias = torch.randn(50, generator=generator).bfloat16()
+    x = torch.randn(37, 70, generator=generator).bfloat16()
+    packed = pack_weight(weight)
+    amx = gemm_bf16(x, packed, bias, 50, "amx").float()
+    vector = gemm_bf16(x, packed, bias, 50, "avx512_bf16").float()
+    if torch.allclose(amx, vector, rtol=2e-2, atol=2e-2):
+        return True
+    logger.error("the AMX matmul disagrees with AVX512-BF16 (max difference %.3g): AMX left out",
+                 (amx - vector).abs().max().item())
+    return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the packed layout (a flat bf16 tensor; see gemm.cpp)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight takes a 2-D bf16 CPU tensor, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    library = _require_library()
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    packed = torch.empty(library.kvloom_gemm_packed_elements(n, k), dtype=torch.bfloat16)
+    library.kvloom_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The oracle: a float32 matmul (and bias add), rounded to bf16 once."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+# ---- the op -------------------------------------------------------------------------
+_ops = torch.library.Library("kvloom", "FRAGMENT")
+_ops.define("gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, str isa) -> Tensor")
+
+
+def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, isa: str) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"kvloom::gemm_bf16: x must be a contiguous 2-D bf16 tensor, got "
+                         f"{tuple(x.shape)} {x.dtype} (contiguous={x.is_contiguous()})")
+    if packed.dim() != 1 or packed.dtype != torch.bfloat16:
+        raise ValueError(f"kvloom::gemm_bf16: packed must be a 1-D bf16 tensor from pack_weight, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    expected = _require_library().kvloom_gemm_packed_elements(out_features, x.shape[1])
+    if packed.numel() != expected:
+        raise ValueError(f"kvloom::gemm_bf16: packed has {packed.numel()} elements, a [{out_features}, "
+                         f"{x.shape[1]}] weight packs to {expected}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16
+                             or not bias.is_contiguous()):
+        raise ValueError(f"kvloom::gemm_bf16: bias must be a contiguous [{out_features}] bf16 tensor, "
+                         f"got {tuple(bias.shape)} {bias.dtype}")
+    if isa not in ISAS:
+        raise ValueError(f"kvloom::gemm_bf16: isa must be one of {ISAS}, got {isa!r}")
+
+
+def _gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+              isa: str) -> torch.Tensor:
+    _check(x, packed, bias, out_features, isa)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    status = _require_library().kvloom_gemm_bf16(
+        x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+        x.shape[0], out_features, x.shape[1], ISAS.index(isa) + 1, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"kvloom::gemm_bf16: this CPU does not run the {isa!r} path "
+                           f"(it runs {supported_isas()})")
+    return y
+
+
+def _gemm_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               isa: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+# A plain kernel registration rather than torch.library.custom_op: the same schema and
+# checks at a third of the call cost (3.6 vs 10.7 us measured), which a decode step of
+# 121 matmuls feels.
+_ops.impl("gemm_bf16", _gemm_cpu, "CPU")
+torch.library.register_fake("kvloom::gemm_bf16", _gemm_fake, lib=_ops)
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+              isa: str) -> torch.Tensor:
+    """y[M, out_features] = x[M, K] @ W.T (+ bias) on the given path (see the module doc)."""
+    return torch.ops.kvloom.gemm_bf16(x, packed, bias, out_features, isa)

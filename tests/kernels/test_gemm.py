@@ -1,0 +1,136 @@
+"""The batch-invariant GEMM (kernels/gemm.py): every path this CPU runs equals the
+float32 reference to bf16 rounding, and row i of a call over M rows is bit-identical to
+row i computed alone, for M in 1..300, whatever the threads; the dispatch picks the
+path the CPU's flags name, and bad calls raise errors that say what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvloom.kernels import gemm
+
+ISAS_HERE = gemm.supported_isas()  # AMX only where the CPU has it; lower paths everywhere
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def expected_best_isa(flags: set[str]) -> str | None:
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else None
+
+
+def random_problem(m: int, n: int, k: int, bias: bool, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    return x, weight, b
+
+
+def test_dispatch_matches_the_cpu_flags() -> None:
+    assert ISAS_HERE, "the GEMM must build and run on every machine we test on"
+    best = expected_best_isa(cpu_flags())
+    assert ISAS_HERE[-1] == best
+    assert ISAS_HERE == gemm.ISAS[:gemm.ISAS.index(best) + 1]  # every lower path runs too
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize(("m", "n", "k", "bias"), [
+    (1, 1, 1, False), (3, 17, 33, True), (50, 100, 63, False), (7, 37, 5, True),
+    (40, 960, 576, False), (19, 576, 1536, False), (33, 130, 64, True), (6, 64, 2, False),
+])
+def test_equals_the_float32_reference(isa: str, m: int, n: int, k: int, bias: bool) -> None:
+    x, weight, b = random_problem(m, n, k, bias, seed=m * 7 + n)
+    got = gemm.gemm_bf16(x, gemm.pack_weight(weight), b, n, isa).float()
+    want = gemm.gemm_reference(x, weight, b).float()
+    # Both sum the exact products in float32 (in different orders) and round once.
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize(("n", "k"), [(100, 96), (50, 37)])
+def test_rows_are_bit_identical_alone_and_in_any_batch(isa: str, n: int, k: int) -> None:
+    x, weight, b = random_problem(300, n, k, bias=True, seed=n + k)
+    packed = gemm.pack_weight(weight)
+    alone = torch.cat([gemm.gemm_bf16(x[i:i + 1], packed, b, n, isa) for i in range(300)])
+    for m in range(1, 301):
+        assert torch.equal(gemm.gemm_bf16(x[:m], packed, b, n, isa), alone[:m]), f"M={m}"
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(gemm.gemm_bf16(x[order].contiguous(), packed, b, n, isa), alone[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemm.gemm_bf16(x, packed, b, n, isa), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_model_shapes_are_row_invariant_on_the_default_path() -> None:
+    isa = gemm.default_isa()
+    for n, k in [(960, 576), (3072, 576), (576, 1536)]:  # SmolLM2's qkv, gate/up, down
+        x, weight, _ = random_problem(257, n, k, bias=False, seed=n)
+        packed = gemm.pack_weight(weight)
+        alone = torch.cat([gemm.gemm_bf16(x[i:i + 1], packed, None, n, isa) for i in (0, 100, 256)])
+        together = gemm.gemm_bf16(x, packed, None, n, isa)[[0, 100, 256]]
+        assert torch.equal(together, alone)
+
+
+def test_bad_calls_raise_clear_errors() -> None:
+    x, weight, b = random_problem(4, 20, 8, bias=True, seed=0)
+    packed = gemm.pack_weight(weight)
+    isa = ISAS_HERE[0]
+    with pytest.raises(ValueError, match="x must be a contiguous 2-D bf16"):
+        gemm.gemm_bf16(x.float(), packed, b, 20, isa)
+    with pytest.raises(ValueError, match="x must be a contiguous 2-D bf16"):
+        gemm.gemm_bf16(x.t(), packed, b, 20, isa)
+    with pytest.raises(ValueError, match="packed has .* elements"):
+        gemm.gemm_bf16(x, packed, b, 40, isa)
+    with pytest.raises(ValueError, match="bias must be a contiguous \\[20\\] bf16"):
+        gemm.gemm_bf16(x, packed, b[:10], 20, isa)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        gemm.gemm_bf16(x, packed, b, 20, "sse2")
+    if "amx" not in ISAS_HERE:
+        with pytest.raises(RuntimeError, match="does not run the 'amx' path"):
+            gemm.gemm_bf16(x, packed, b, 20, "amx")
+    with pytest.raises(ValueError, match="2-D bf16 CPU tensor"):
+        gemm.pack_weight(weight.float())
+
+
+def test_fake_tensors_get_the_output_shape() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    packed_elements = gemm.pack_weight(torch.zeros(20, 8, dtype=torch.bfloat16)).numel()
+    with FakeTensorMode():
+        x = torch.empty(5, 8, dtype=torch.bfloat16)
+        packed = torch.empty(packed_elements, dtype=torch.bfloat16)
+        assert gemm.gemm_bf16(x, packed, None, 20, ISAS_HERE[0]).shape == (5, 20)
+
+
+def test_environment_caps_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    gemm.default_isa.cache_clear()
+    try:
+        monkeypatch.setenv(gemm.ISA_ENV, "avx2")
+        assert gemm.default_isa() == "avx2"
+        gemm.default_isa.cache_clear()
+        monkeypatch.setenv(gemm.ISA_ENV, "amx")  # a cap above the CPU's best is the best
+        assert gemm.default_isa() == ISAS_HERE[-1]
+        gemm.default_isa.cache_clear()
+        monkeypatch.setenv(gemm.ISA_ENV, "neon")
+        with pytest.raises(ValueError, match="KVLOOM_CPU_ISA must be one of"):
+            gemm.default_isa()
+    finally:
+        monkeypatch.delenv(gemm.ISA_ENV)
+        gemm.default_isa.cache_clear()
