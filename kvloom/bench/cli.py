@@ -41,6 +41,15 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     roofline.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     roofline.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
 
+    steps = bench_sub.add_parser("steps", help="time engine steps: decode at given batch sizes, prefill")
+    add_engine_args(steps)
+    steps.add_argument("--batches", default="1,16,64,200", help="decode batch sizes")
+    steps.add_argument("--context", type=int, default=300, help="prompt tokens of each decoding sequence")
+    steps.add_argument("--decode-steps", type=int, default=20, help="timed decode steps per batch size")
+    steps.add_argument("--prefill", default="8x256", help="COUNTxLENGTH[,...]: fresh prompts per prefill step")
+    steps.add_argument("--repeats", type=int, default=5, help="timed prefill steps per shape")
+    steps.add_argument("--output-json", default=None)
+
     placement = bench_sub.add_parser("placement", help="engine loop in a thread vs a process")
     add_engine_args(placement)
     placement.add_argument("--num-requests", type=int, default=32)
@@ -76,6 +85,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_sweep(config)
     if args.bench_command == "roofline":
         return _roofline(args)
+    if args.bench_command == "steps":
+        return _steps(args)
     if args.bench_command == "placement":
         from kvloom.bench.engine_placement import measure
         from kvloom.cli import engine_kwargs
@@ -262,6 +273,23 @@ def _offline(args: argparse.Namespace) -> int:
             "command": "kvloom bench offline", "engine_args": base, "dataset": args.dataset,
             "num_prompts": args.num_prompts, "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads()})
+    return 0
+
+
+def _steps(args: argparse.Namespace) -> int:
+    from kvloom.bench.steps import as_json, run_steps
+    from kvloom.cli import engine_kwargs
+
+    prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",") if shape]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    # The pool, the batch limits and the prefix cache are the benchmark's to size.
+    engine = {key: value for key, value in engine_kwargs(args).items()
+              if key in ("dtype", "device", "seed", "attention_backend", "num_threads", "matmul")}
+    results = run_steps(args.model, engine, batches, args.context, args.decode_steps,
+                        prefills, args.repeats)  # type: ignore[arg-type]
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "engine": engine, "steps": as_json(results)}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,106 @@
+"""`kvloom bench steps`: the time of one engine step, by shape.
+
+Decode: ``batch`` sequences of ``context`` prompt tokens are prefilled, then
+``decode_steps`` pure decode steps are timed one by one (each a whole
+``LLMEngine.step()``: scheduling, the forward, sampling, output processing). Prefill:
+steps that each prefill ``count`` fresh prompts of ``length`` tokens at once (the
+prefix cache is off, so nothing is reused). Prompts are random token ids, so every
+engine option sees the same work; greedy, ``ignore_eos``.
+
+Prints min / median / max per shape (the machine is noisy: compare medians of runs
+taken the same hour) and returns the records for JSON.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    shape: str  # "decode b16 x 300" or "prefill 8 x 256"
+    milliseconds: list[float]
+
+    @property
+    def summary(self) -> str:
+        ms = sorted(self.milliseconds)
+        return (f"{self.shape:<22} min {ms[0]:8.1f}  median {statistics.median(ms):8.1f}  "
+                f"max {ms[-1]:8.1f} ms  ({len(ms)} steps)")
+
+
+def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(10, vocab_size) for _ in range(length)]
+
+
+def _drain(engine: LLMEngine, request_ids: list[str]) -> None:
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def time_decode(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> StepTiming:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    # Long enough that the first sequences, which decode while the last ones still
+    # prefill, are all still running during the timed steps.
+    prefill_steps = -(-batch * context // engine.config.scheduler.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=steps + prefill_steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(_prompt(rng, context, vocab), params).request_id for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everything first: the timed steps are pure decodes
+        started.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
+    timings = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        timings.append((time.perf_counter() - start) * 1e3)
+        assert len(outputs) == batch and not any(output.finished for output in outputs), "not a pure decode"
+    _drain(engine, ids)
+    return StepTiming(f"decode b{batch} x {context}", timings)
+
+
+def time_prefill(engine: LLMEngine, count: int, length: int, repeats: int, seed: int) -> StepTiming:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    timings = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        ids = [engine.add_request(_prompt(rng, length, vocab), params).request_id for _ in range(count)]
+        start = time.perf_counter()
+        engine.step()
+        timings.append((time.perf_counter() - start) * 1e3)
+        _drain(engine, ids)
+    return StepTiming(f"prefill {count} x {length}", timings[1:])
+
+
+def run_steps(model: str, engine_kwargs: dict[str, Any], batches: list[int], context: int,
+              decode_steps: int, prefills: list[tuple[int, int]], repeats: int) -> list[StepTiming]:
+    largest_prefill = max((count * length for count, length in prefills), default=0)
+    tokens_needed = max(batches, default=0) * (context + decode_steps + 16) + largest_prefill
+    kwargs: dict[str, Any] = dict(enable_prefix_caching=False, max_num_seqs=max(batches + [256]),
+                                  max_num_batched_tokens=max(2048, largest_prefill),
+                                  num_blocks=tokens_needed // 16 + 64)
+    kwargs.update(engine_kwargs)
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+    results = []
+    time_decode(engine, batches[0] if batches else 1, context, 3, seed=99)  # warm-up
+    for count, length in prefills:
+        results.append(time_prefill(engine, count, length, repeats, seed=count * length))
+        print(results[-1].summary, flush=True)
+    for batch in batches:
+        results.append(time_decode(engine, batch, context, decode_steps, seed=batch))
+        print(results[-1].summary, flush=True)
+    return results
+
+
+def as_json(results: list[StepTiming]) -> list[dict[str, Any]]:
+    return [asdict(result) | {"median_ms": statistics.median(result.milliseconds)} for result in results]
