@@ -62,6 +62,21 @@ class RequestTimeline:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why one request failed while the engine went on serving the others.
+
+    ``caused_by_request``: its own input made it fail (a grammar too complex to
+    follow, ...), which a server reports as 400; otherwise it hit our bug (500).
+    """
+
+    message: str
+    caused_by_request: bool = False
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass(slots=True, eq=False, repr=False)  # eq=False: requests hash by identity
 class Request:
     request_id: str
@@ -83,7 +98,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    error: str | None = None
+    error: RequestError | None = None  # set with status FINISHED_ERROR
     num_preemptions: int = 0
     timeline: RequestTimeline = field(init=False)
 

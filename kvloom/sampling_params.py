@@ -6,12 +6,25 @@ CLI and the HTTP server all report the same message for the same mistake.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvloom.structured.constraint import StructuredOutput
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
+# Seeds are 64-bit: [0, 2**64), and a negative seed s in [-2**63, 0) means s + 2**64
+# (its two's-complement bits), the value the request's generator is seeded with.
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+# Caps on what a request may ask the stop checks to do per token (named in the error).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def seed_value(seed: int) -> int:
+    """The unsigned 64-bit value a (validated) seed stands for."""
+    return seed + SEED_END if seed < 0 else seed
 
 
 @dataclass(slots=True)
@@ -61,7 +74,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, minimum=-1)
         _check_number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
+            _check_int("seed", self.seed, minimum=SEED_MIN)
+            if self.seed >= SEED_END:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
@@ -74,9 +89,17 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, 0.0, None)
         if self.repetition_penalty == 0.0:
             raise ValueError("repetition_penalty must be > 0, got 0")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, "
+                                 f"got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if self.logprobs is not None:
@@ -110,8 +133,8 @@ def _check_int(name: str, value: object, minimum: int | None) -> None:
 def _check_number(name: str, value: object, low: float | None, high: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must be a number, got NaN")
+    if not math.isfinite(value):  # NaN, inf (JSON's 1e309 parses to inf)
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,16 +18,18 @@ from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import EngineConfig, ModelConfig
-from kvloom.engine.output import RequestOutput
+from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.models.loader import load_checkpoint
 from kvloom.models.registry import build_model
-from kvloom.request import Request, RequestStatus
+from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner.kv_pool import allocate_kv_pool, num_blocks_for
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,6 +126,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
                                  f"got {bad[:3]}")
+        vocab_size = self.model_config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad_stops[:3]}")
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         request = Request(
@@ -156,10 +163,13 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         starts = [item.request.num_output_tokens for item in scheduled.scheduled]
+        # An exception from the forward itself is an engine fault and propagates.
         result = self.runner.execute(scheduled)
-        produced = self.scheduler.update(scheduled, result.sampled, result.forced)
-        return [self._emit(request, tokens)
-                for request, tokens in self._pair(scheduled, result, produced, starts)]
+        failed = [self._fail(item.request, result.failed[item.request.request_id])
+                  for item in scheduled.scheduled if item.request.request_id in result.failed]
+        produced = self.scheduler.update(scheduled, result.sampled, result.forced)  # skips the failed
+        return [self._emit_or_fail(request, tokens)
+                for request, tokens in self._pair(scheduled, result, produced, starts)] + failed
 
     @staticmethod
     def _pair(scheduled, result, produced, starts):
@@ -185,6 +195,32 @@ class LLMEngine:
         output = self.output_processor.make_output(request)
         if request.is_finished:
             self._release(request)
+        return output
+
+    def _emit_or_fail(self, request: Request, tokens: list[tuple[int, object | None]]) -> RequestOutput:
+        """``_emit``, inside the boundary that makes a failure there (detokenizing, stop
+        strings, logprobs) this request's alone: it finishes with an error, the rest of
+        the step goes on."""
+        try:
+            return self._emit(request, tokens)
+        except Exception as error:  # noqa: BLE001 - attributed to this request
+            logger.exception("request %s failed while its output was processed", request.request_id)
+            return self._fail(request, RequestError(f"processing the output failed: {type(error).__name__}: "
+                                                    f"{error}"))
+
+    def _fail(self, request: Request, error: RequestError) -> RequestOutput:
+        """Finish ``request`` with ``error`` (its blocks are freed now) and return its
+        final output; never raises."""
+        request.error = error
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        try:
+            output = self.output_processor.make_output(request)
+        except Exception:  # noqa: BLE001 - the output is what failed: report without text
+            logger.exception("request %s: no output could be made", request.request_id)
+            output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                   [CompletionOutput(0, "", list(request.output_token_ids), "error")],
+                                   finished=True, metrics=request.timeline, error=error)
+        self._release(request)
         return output
 
     def _release(self, request: Request) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvloom.request import Request, RequestTimeline
+from kvloom.request import Request, RequestError, RequestTimeline
 
 
 @dataclass(slots=True)
@@ -81,4 +81,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cache_miss_reason: str | None = None  # why the cache did not serve more of the prompt
     metrics: RequestTimeline | None = None
-    error: str | None = None
+    error: RequestError | None = None  # with finish_reason "error": what went wrong

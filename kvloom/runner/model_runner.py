@@ -10,14 +10,14 @@ request draws the same numbers whatever else is in the batch) and grammar matche
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.engine.output import SchedulerOutput
-from kvloom.request import Request
+from kvloom.request import Request, RequestError
 from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.runner.sampler import LogprobsEntry, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
@@ -34,6 +34,9 @@ class RunnerOutput:
     # Tokens a grammar forces after each entry's sampled token (jump-forward), aligned
     # with `sampled`; None when no entry has any (the common case).
     forced: list[list[int]] | None = None
+    # Requests whose own per-request work failed this step (their grammar, ...): the
+    # engine fails each alone and ignores its entries above.
+    failed: dict[str, RequestError] = field(default_factory=dict)
 
     def new_tokens(self, index: int) -> list[tuple[int, object | None]]:
         """Entry ``index``'s sampled token then its forced tokens, each with logprobs.
@@ -114,15 +117,16 @@ class ModelRunner:
         ]
         # Host-side mask work after the forward is queued: on an accelerator it overlaps
         # the model. None (and no work at all) when no sampling row is constrained.
-        grammar = self.structured.grammar_mask(sampling)
+        failed: dict[str, RequestError] = {}
+        grammar = self.structured.grammar_mask(sampling, failed)
         result = self.sampler(
             logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
-        forced = self.structured.advance(sampling, result.token_ids) if grammar is not None else None
-        return self._align(output, result.token_ids, result.logprobs, forced)
+        forced = self.structured.advance(sampling, result.token_ids, failed) if grammar is not None else None
+        return self._align(output, result.token_ids, result.logprobs, forced, failed)
 
     @staticmethod
     def _align(output: SchedulerOutput, token_ids: list[int], logprobs: list[LogprobsEntry | None],
-               forced: list[list[int]] | None) -> RunnerOutput:
+               forced: list[list[int]] | None, failed: dict[str, RequestError]) -> RunnerOutput:
         """Per-sampling-row results -> per-scheduled-entry results (None where no sample)."""
         row_of: list[int | None] = []
         row = 0
@@ -133,4 +137,5 @@ class ModelRunner:
             sampled=[None if r is None else token_ids[r] for r in row_of],
             logprobs=[None if r is None else logprobs[r] for r in row_of],
             forced=None if forced is None else [[] if r is None else forced[r] for r in row_of],
+            failed=failed,
         )

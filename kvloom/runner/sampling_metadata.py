@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, seed_value
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class SamplingRequestState:
 def generator_for_seed(seed: int, device: torch.device) -> torch.Generator:
     """A fresh generator on ``device`` for a request with ``SamplingParams.seed``."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed_value(seed))  # validated to 64 bits by SamplingParams
     return generator
 
 

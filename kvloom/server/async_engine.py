@@ -35,6 +35,7 @@ from kvloom.engine.output import RequestOutput
 from kvloom.models.loader import ModelLoadError
 from kvloom.server.metrics import EngineMetrics
 from kvloom.server.streams import (
+    EngineFailed,
     EngineNotReady,
     EngineOverloaded,
     EngineRequest,
@@ -44,7 +45,7 @@ from kvloom.server.streams import (
     ResultStream,
 )
 
-__all__ = ["AsyncEngine", "EngineNotReady", "EngineOverloaded", "EngineRequest", "EngineSnapshot",
+__all__ = ["AsyncEngine", "EngineFailed", "EngineNotReady", "EngineOverloaded", "EngineRequest", "EngineSnapshot",
            "ModelInfo", "RequestAborted", "ResultStream"]
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_load_failed: Callable[[BaseException], None] | None = None
+        # Called on the engine thread after an engine fault has failed every request.
+        self.on_engine_failed: Callable[[BaseException], None] | None = None
         # Admission accounting, shared by both threads under the lock: requests sent
         # but not yet applied, plus the engine's waiting queue after its last update.
         self._lock = threading.Lock()
@@ -210,9 +213,14 @@ class AsyncEngine:
         try:
             self._loop_until_stopped(engine)
         except BaseException as error:  # noqa: BLE001 - an engine bug must not hang clients
-            logger.exception("engine loop failed; failing all requests")
+            # Failures of one request are isolated inside LLMEngine.step (that request
+            # alone ends with an error); what reaches here is the engine's own fault.
+            logger.exception("engine fault: failing every in-flight request; the server will exit")
             self.engine_error = error
-            self._fail_all(RequestAborted("the engine failed while running this request"))
+            self._fail_all(EngineFailed(f"the engine failed while running this request "
+                                        f"({type(error).__name__}); the server is restarting"))
+            if self.on_engine_failed is not None:
+                self.on_engine_failed(error)
         finally:
             self._drain_after_stop()
 

@@ -24,6 +24,7 @@ from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.server.async_engine import (
     AsyncEngine,
+    EngineFailed,
     EngineNotReady,
     EngineOverloaded,
     EngineRequest,
@@ -187,7 +188,9 @@ async def collect(stream: ResultStream, request: Request) -> dict[int, RequestOu
             async for index, output in stream:
                 if output.finished:
                     finals[index] = output
-        except RequestAborted as error:  # shutdown or engine failure
+        except EngineFailed as error:
+            raise APIError(500, str(error), SERVER_ERROR, code="engine_failed") from None
+        except RequestAborted as error:  # shutdown
             raise overloaded(str(error), code="request_aborted") from None
     for output in finals.values():
         check_finished_cleanly(output)
@@ -195,10 +198,16 @@ async def collect(stream: ResultStream, request: Request) -> dict[int, RequestOu
 
 
 def check_finished_cleanly(output: RequestOutput) -> None:
+    """400 when the request's own input made it fail mid-generation (its grammar, ...),
+    500 for any other unclean end."""
     reason = output.outputs[0].finish_reason
-    if reason not in ("stop", "length"):
-        raise APIError(500, output.error or f"the request ended with {reason!r}", SERVER_ERROR,
-                       code="generation_failed")
+    if reason in ("stop", "length"):
+        return
+    error = output.error
+    if error is not None and error.caused_by_request:
+        raise bad_request(error.message, code="generation_failed")
+    raise APIError(500, error.message if error else f"the request ended with {reason!r}", SERVER_ERROR,
+                   code="generation_failed")
 
 
 # ---- usage, logprobs, SSE ----------------------------------------------------------------

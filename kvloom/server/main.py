@@ -40,7 +40,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                served_model_name: str | None = None, model_aliases: Sequence[str] = (),
                log_level: str = "info", graceful_timeout: float = 10.0) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
-    a signal, 1 when the model failed to load. Bad engine flags raise ValueError first."""
+    a signal, 1 when the model failed to load or the engine failed while serving (so a
+    supervisor restarts it). Bad engine flags raise ValueError first."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.server.app import build_app
@@ -61,11 +62,19 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
         load_errors.append(error)
         server.should_exit = True
 
+    def on_engine_failed(error: BaseException) -> None:  # engine thread, after failing every request
+        engine_errors.append(error)
+        server.should_exit = True
+
+    engine_errors: list[BaseException] = []
     async_engine.on_load_failed = on_load_failed
+    async_engine.on_engine_failed = on_engine_failed
     logger.info("kvloom serving %s on http://%s:%d (loading the model...)", model, host, port)
     with _signals_end_quietly():
         server.run()
-    return 1 if load_errors else 0
+    if engine_errors:
+        logger.error("exiting with status 1 after an engine fault: %s", engine_errors[0])
+    return 1 if load_errors or engine_errors else 0
 
 
 @contextlib.contextmanager

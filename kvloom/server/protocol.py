@@ -20,6 +20,35 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        # JSON's "\ud800" parses to a Python string that no UTF-8 encoder (the
+        # tokenizer's included) accepts: refuse it here, naming where it is.
+        path = _lone_surrogate_at(data, "")
+        if path is not None:
+            raise ValueError(f"{path or 'the body'} contains a lone UTF-16 surrogate (an invalid character)")
+        return data
+
+
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string under ``value`` that is not valid Unicode text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate_at(key, "") is not None:
+            return f"{path} (a field name)" if path else "a field name"
+        found = _lone_surrogate_at(item, f"{path}[{key}]" if isinstance(key, int) else
+                                   f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
 
 class StreamOptions(StrictModel):
     include_usage: bool = False

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import RequestOutput, TokenLogprobs
-from kvloom.server.async_engine import ModelInfo, RequestAborted, ResultStream
+from kvloom.server.async_engine import EngineFailed, ModelInfo, RequestAborted, ResultStream
 from kvloom.server.errors import SERVER_ERROR, APIError, bad_request, error_body
 from kvloom.server.generation import (
     SSE_DONE,
@@ -155,7 +155,8 @@ class _Response:
                 if isinstance(error, APIError):
                     yield sse(error.body())
                 else:
-                    yield sse(error_body(str(error), SERVER_ERROR, None, "request_aborted"))
+                    code = "engine_failed" if isinstance(error, EngineFailed) else "request_aborted"
+                    yield sse(error_body(str(error), SERVER_ERROR, None, code))
             except Exception:  # noqa: BLE001 - a bug must end the stream, not hang it
                 logger.exception("chat stream failed")
                 yield sse(error_body("internal server error", SERVER_ERROR, None, "internal_error"))

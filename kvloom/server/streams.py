@@ -28,6 +28,12 @@ class RequestAborted(RuntimeError):
     """The request ended without finishing (server shutdown or engine failure)."""
 
 
+class EngineFailed(RequestAborted):
+    """The engine itself failed (an exception in the forward pass, a kernel error), not
+    one request: every in-flight request ends with a 500 and the server exits non-zero
+    so that a supervisor restarts it."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts the HTTP layer needs; fixed once the model has loaded."""

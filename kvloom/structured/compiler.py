@@ -94,7 +94,25 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
         if template.is_error():  # validated above; kept as a guard against library drift
             raise ValueError(f"invalid {kind}: {_reason(template.get_error())}")
+        self._probe(kind, template)
         return CompiledGrammar((kind, text), grammar, template)
+
+    def _probe(self, kind: str, template: llguidance.LLMatcher) -> None:
+        """Run the grammar one token on a copy: its first mask, then the first token that
+        mask allows. A grammar that explodes only when it is run (nested repeats such as
+        ``(a{1000}){1000}``) hits llguidance's limits here, at admission and in bounded
+        time, instead of failing the request mid-generation. (Should one explode later
+        still, the engine fails that request alone.)"""
+        probe = template.deep_copy()
+        mask = probe.compute_bitmask()
+        if not probe.is_error():
+            allowed = next((word * 32 + bit for word, bits in enumerate(memoryview(mask).cast("I"))
+                            if bits for bit in range(32) if bits >> bit & 1
+                            and word * 32 + bit not in self.eos_token_ids), None)
+            if allowed is not None:
+                probe.consume_token(allowed)
+        if probe.is_error():
+            raise ValueError(f"{kind} too complex to follow: {_reason(probe.get_error())}")
 
 
 def _to_llguidance(kind: str, text: str) -> str:
@@ -107,9 +125,12 @@ def _to_llguidance(kind: str, text: str) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
-        # JSON string literals are valid Lark string literals (same escapes).
+        # JSON string literals are valid Lark string literals (same escapes). One
+        # terminal (upper-case name) is one lexeme: the options become a single
+        # automaton in the lexer, so thousands of them cost no parser row per option
+        # (llguidance's parser caps a row at 2,000 items).
         options = " | ".join(json.dumps(option, ensure_ascii=False) for option in json.loads(text))
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
+        return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}")
     if kind == "grammar":
         try:
             # Accepts Lark as is and converts GBNF (llama.cpp's `root ::= ...`).

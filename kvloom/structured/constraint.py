@@ -105,13 +105,23 @@ def _schema_text(schema: object) -> str:
         raise ValueError(f"json_schema must be JSON-serialisable: {error}") from None
 
 
+# Caps on a choice constraint (named in the error): its options become one lexer
+# automaton, whose size grows with their total length.
+MAX_CHOICES = 16384
+MAX_CHOICE_CHARS = 4096
+
+
 def _choices(choice: object) -> tuple[str, ...]:
     if isinstance(choice, str) or not isinstance(choice, Sequence):
-        raise ValueError(f"choice must be a list of strings, got {choice!r}")
+        raise ValueError(f"choice must be a list of strings, got {choice!r}"[:200])
     values = tuple(choice)
     if not values:
         raise ValueError("choice must contain at least one string")
+    if len(values) > MAX_CHOICES:
+        raise ValueError(f"choice may hold at most {MAX_CHOICES} options, got {len(values)}")
     for value in values:
         if not isinstance(value, str) or value == "":
-            raise ValueError(f"choice must contain non-empty strings, got {value!r}")
+            raise ValueError(f"choice must contain non-empty strings, got {value!r}"[:200])
+        if len(value) > MAX_CHOICE_CHARS:
+            raise ValueError(f"choice options may be at most {MAX_CHOICE_CHARS} characters, got one of {len(value)}")
     return values

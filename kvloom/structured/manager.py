@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from kvloom.request import Request
+from kvloom.request import Request, RequestError
 from kvloom.runner.sampling_metadata import GrammarMask
 from kvloom.structured.compiler import CompiledGrammar, GrammarCompiler
 from kvloom.structured.constraint import StructuredOutput
@@ -83,9 +83,14 @@ class StructuredOutputManager:
                 rows.append((row, matcher))
         return rows
 
-    def grammar_mask(self, requests: Sequence[Request]) -> GrammarMask | None:
+    def grammar_mask(self, requests: Sequence[Request], failures: dict[str, RequestError]) -> GrammarMask | None:
         """Allowed next tokens of every constrained row (``requests`` are the sampling
-        rows in order), or None when no row is constrained."""
+        rows in order), or None when no row is constrained.
+
+        A row whose grammar cannot go on (llguidance's matcher in its error state, e.g.
+        a grammar that exceeds its limits) is recorded in ``failures`` and gets a mask
+        that allows everything: it is sampled with the batch, and the engine fails that
+        request alone and discards its token."""
         constrained = self._constrained(requests)
         if not constrained:
             return None
@@ -94,21 +99,43 @@ class StructuredOutputManager:
         width = bitmask_width(self.vocab_size)
         # Filled on the host by llguidance (in parallel across rows), then copied once.
         bitmask = torch.empty((len(constrained), width), dtype=torch.int32)  # [C, W]
-        self._executor.unsafe_compute_mask_ptr(
-            [(matcher.matcher, index) for index, (_, matcher) in enumerate(constrained)],
-            bitmask.data_ptr(), width * 4, len(constrained))
+        try:
+            self._executor.unsafe_compute_mask_ptr(
+                [(matcher.matcher, index) for index, (_, matcher) in enumerate(constrained)],
+                bitmask.data_ptr(), width * 4, len(constrained))
+        except Exception:  # noqa: BLE001 - one row's grammar raised: find it row by row
+            for index, (_, matcher) in enumerate(constrained):
+                try:
+                    matcher.matcher.unsafe_compute_mask_ptr(bitmask[index].data_ptr(), width * 4)
+                except Exception as error:  # noqa: BLE001 - attributed to that request
+                    failures[matcher.request_id] = RequestError(f"the grammar failed: {error}", True)
+        for index, (_, matcher) in enumerate(constrained):
+            if matcher.matcher.is_error() and matcher.request_id not in failures:
+                failures[matcher.request_id] = RequestError(
+                    f"the grammar cannot be followed: {matcher.matcher.get_error()}", True)
+            if matcher.request_id in failures:
+                bitmask[index] = -1
         rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64, device=self.device)
         return GrammarMask(rows=rows, bitmask=bitmask.to(self.device))
 
-    def advance(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[list[int]] | None:
+    def advance(self, requests: Sequence[Request], token_ids: Sequence[int],
+                failures: dict[str, RequestError]) -> list[list[int]] | None:
         """Feed each constrained row its sampled token; returns the tokens forced after
         it per row (None when no row has any). Forced tokens never take a request past
-        its ``max_tokens``, so the scheduler appends all of them unless it stops first."""
+        its ``max_tokens``, so the scheduler appends all of them unless it stops first.
+        A row whose matcher fails is recorded in ``failures`` (its request alone fails)."""
         forced: list[list[int]] | None = None
         for row, matcher in self._constrained(requests):
             request = requests[row]
+            if request.request_id in failures:
+                continue
             room = request.max_tokens - request.num_output_tokens - 1  # after the sampled token
-            tokens = matcher.advance(token_ids[row], room)
+            try:
+                tokens = matcher.advance(token_ids[row], room)
+            except Exception as error:  # noqa: BLE001 - attributed to that request
+                failures[request.request_id] = RequestError(
+                    f"the grammar failed: {error}", caused_by_request=matcher.matcher.is_error())
+                continue
             if tokens:
                 if forced is None:
                     forced = [[] for _ in requests]

@@ -1,0 +1,126 @@
+"""A failure that belongs to one request fails that request alone: it finishes with an
+error naming what went wrong, its blocks are freed at once, and every other request
+of the same steps produces exactly the tokens it produces without the failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom import SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.request import RequestError
+from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.matcher import GrammarMatcher
+
+PROMPTS = {f"r{i}": [(13 * i + 7 * j) % 500 + 3 for j in range(5 + 4 * i)] for i in range(6)}
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def engine_for(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), dtype="float32", num_blocks=64))
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.check_integrity()
+    assert engine.kv_manager.num_available_blocks == engine.num_blocks  # nothing leaked
+    return finals
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> dict[str, list[int]]:
+    finals = run(engine_for(tiny_llama), {rid: (prompt, PARAMS) for rid, prompt in PROMPTS.items()})
+    return {rid: output.outputs[0].token_ids for rid, output in finals.items()}
+
+
+def test_a_failing_output_step_fails_only_its_request(tiny_llama, reference, monkeypatch) -> None:
+    engine = engine_for(tiny_llama)
+    process = engine.output_processor.process_token
+    calls = {"r2": 0}
+
+    def flaky(request, token_id, logprobs):
+        if request.request_id == "r2":
+            calls["r2"] += 1
+            if calls["r2"] == 4:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return process(request, token_id, logprobs)
+
+    monkeypatch.setattr(engine.output_processor, "process_token", flaky)
+    finals = run(engine, {rid: (prompt, PARAMS) for rid, prompt in PROMPTS.items()})
+    failed = finals["r2"]
+    assert failed.outputs[0].finish_reason == "error"
+    assert isinstance(failed.error, RequestError) and not failed.error.caused_by_request
+    assert "UnicodeDecodeError" in failed.error.message
+    for rid in PROMPTS:
+        if rid != "r2":
+            assert finals[rid].outputs[0].token_ids == reference[rid]
+            assert finals[rid].outputs[0].finish_reason == "length"
+
+
+def test_a_grammar_that_fails_mid_generation_fails_only_its_request(tiny_llama, reference,
+                                                                       monkeypatch) -> None:
+    engine = engine_for(tiny_llama)
+    advance = GrammarMatcher.advance
+
+    def failing(self, token_id, room):
+        if self.num_consumed == 2:
+            raise ValueError("too many expressions constructed (injected)")
+        return advance(self, token_id, room)
+
+    monkeypatch.setattr(GrammarMatcher, "advance", failing)
+    constrained = SamplingParams(max_tokens=12, temperature=0.0,
+                                 structured=StructuredOutput(regex="[a-z ]{1,40}"))
+    requests = {rid: (prompt, PARAMS) for rid, prompt in PROMPTS.items()}
+    requests["g"] = ([5, 6, 7], constrained)
+    finals = run(engine, requests)
+    assert finals["g"].outputs[0].finish_reason == "error"
+    assert "too many expressions" in finals["g"].error.message
+    assert len(finals["g"].outputs[0].token_ids) == 2  # the failing step's token is not kept
+    assert {rid: finals[rid].outputs[0].token_ids for rid in PROMPTS} == reference
+
+
+def test_bad_values_are_refused_at_admission(tiny_llama) -> None:
+    engine = engine_for(tiny_llama)
+    for params, message in [
+        (dict(seed=2 ** 80), "seed must be < 2\\*\\*64"),
+        (dict(seed=2 ** 64), "seed must be < 2\\*\\*64"),
+        (dict(seed=-2 ** 70), "seed must be >= "),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(stop=["x"] * 65), "stop may hold at most 64"),
+        (dict(stop=["y" * 1025]), "stop strings may be at most 1024"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**params)
+    with pytest.raises(ValueError, match="stop_token_ids must be in \\[0, 512\\)"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, 512]))
+    with pytest.raises(ValueError, match="regex too complex to follow"):
+        engine.add_request([1, 2], SamplingParams(structured=StructuredOutput(regex="(a{1000}){1000}")))
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
+def test_negative_and_large_seeds_are_accepted_and_reproducible(tiny_llama) -> None:
+    engine = engine_for(tiny_llama)
+    sampled = {}
+    for name, seed in [("minus one", -1), ("max", 2 ** 64 - 1), ("minus one again", -1)]:
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+        sampled[name] = run(engine, {name: ([4, 5, 6], params)})[name].outputs[0].token_ids
+    # -1 stands for 2**64 - 1 (its 64-bit pattern): the same generator, the same tokens.
+    assert sampled["minus one"] == sampled["max"] == sampled["minus one again"]
+
+
+def test_thousands_of_choices_are_served(tiny_llama) -> None:
+    engine = engine_for(tiny_llama)
+    options = [f"option {i}" for i in range(5000)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput(choice=options))
+    final = run(engine, {"c": ([7, 8, 9], params)})["c"]
+    assert final.outputs[0].finish_reason == "stop"
+    assert final.outputs[0].text in options
