@@ -95,6 +95,11 @@ def _amx_agrees() -> bool:
     return False
 
 
+def packed_elements(n: int, k: int) -> int:
+    """bf16 elements of a packed [n, k] weight: n padded to 16 columns, k to 32 (gemm.cpp)."""
+    return -(-n // 16) * 16 * (-(-k // 32) * 32)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> the packed layout (a flat bf16 tensor; see gemm.cpp)."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
@@ -103,7 +108,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     library = _require_library()
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = torch.empty(library.kvloom_gemm_packed_elements(n, k), dtype=torch.bfloat16)
+    assert library.kvloom_gemm_packed_elements(n, k) == packed_elements(n, k)
+    packed = torch.empty(packed_elements(n, k), dtype=torch.bfloat16)
     library.kvloom_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 
@@ -128,7 +134,7 @@ def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if packed.dim() != 1 or packed.dtype != torch.bfloat16:
         raise ValueError(f"kvloom::gemm_bf16: packed must be a 1-D bf16 tensor from pack_weight, got "
                          f"{tuple(packed.shape)} {packed.dtype}")
-    expected = _require_library().kvloom_gemm_packed_elements(out_features, x.shape[1])
+    expected = packed_elements(out_features, x.shape[1])
     if packed.numel() != expected:
         raise ValueError(f"kvloom::gemm_bf16: packed has {packed.numel()} elements, a [{out_features}, "
                          f"{x.shape[1]}] weight packs to {expected}")
@@ -140,13 +146,21 @@ def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
         raise ValueError(f"kvloom::gemm_bf16: isa must be one of {ISAS}, got {isa!r}")
 
 
+_ISA_ENUM = {isa: index + 1 for index, isa in enumerate(ISAS)}
+
+
+@functools.cache
+def _gemm_function():  # looked up once: a decode step makes ~120 of these calls
+    return _require_library().kvloom_gemm_bf16
+
+
 def _gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               isa: str) -> torch.Tensor:
     _check(x, packed, bias, out_features, isa)
     y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    status = _require_library().kvloom_gemm_bf16(
+    status = _gemm_function()(
         x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-        x.shape[0], out_features, x.shape[1], ISAS.index(isa) + 1, torch.get_num_threads())
+        x.shape[0], out_features, x.shape[1], _ISA_ENUM[isa], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"kvloom::gemm_bf16: this CPU does not run the {isa!r} path "
                            f"(it runs {supported_isas()})")
