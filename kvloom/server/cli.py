@@ -6,7 +6,7 @@ import argparse
 import os
 from collections.abc import Callable
 
-from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
+from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ConnectionLimits
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction,
@@ -28,6 +28,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                        help="the model id clients use (default: the MODEL argument)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    limits = ConnectionLimits()
+    group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                       help="seconds a connection has to send complete request headers; then it is closed")
+    group.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
+                       help="largest request header block; beyond it: 431")
+    group.add_argument("--max-connections", type=int, default=limits.max_connections,
+                       help="open connections served at once; beyond it new requests get 503")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -37,4 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(args.model, engine_kwargs(args), host=args.host, port=args.port,
                       api_key=args.api_key, max_waiting=args.max_waiting,
                       max_body_bytes=args.max_body_bytes,
-                      served_model_name=args.served_model_name, log_level=args.log_level)
+                      served_model_name=args.served_model_name, log_level=args.log_level,
+                      limits=ConnectionLimits(header_timeout=args.header_timeout,
+                                              max_header_bytes=args.max_header_bytes,
+                                              max_connections=args.max_connections))

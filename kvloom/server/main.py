@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from kvloom.server.async_engine import AsyncEngine
+from kvloom.server.http_protocol import ConnectionLimits, uvicorn_config
 from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                port: int = 8000, api_key: str | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: str | None = None, model_aliases: Sequence[str] = (),
-               log_level: str = "info", graceful_timeout: float = 10.0) -> int:
+               log_level: str = "info", graceful_timeout: float = 10.0,
+               limits: ConnectionLimits | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
     supervisor restarts it). Bad engine flags raise ValueError first."""
@@ -54,8 +56,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting)
     app = build_app(async_engine, settings)
     _configure_logging(log_level)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                   timeout_graceful_shutdown=graceful_timeout), async_engine)
+    server = _Server(uvicorn_config(app, limits, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=graceful_timeout), async_engine)
     load_errors: list[BaseException] = []
 
     def on_load_failed(error: BaseException) -> None:  # called on the engine thread

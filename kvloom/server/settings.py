@@ -31,3 +31,21 @@ class ServerSettings:
         """Accepted ``model`` values, the served name first."""
         names = (self.served_model_name or engine_model_name, engine_model_name, *self.model_aliases)
         return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection guards of the HTTP server (server/http_protocol.py): seconds to
+    send complete request headers, the largest header block (431 beyond), open
+    connections served at once (503 beyond), seconds an idle keep-alive connection
+    stays open."""
+
+    header_timeout: float = 10.0
+    max_header_bytes: int = 16 * 1024
+    max_connections: int = 2048
+    keep_alive_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "max_header_bytes", "max_connections", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

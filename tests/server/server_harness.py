@@ -23,6 +23,7 @@ from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.server.app import build_app
 from kvloom.server.async_engine import AsyncEngine, EngineSnapshot
+from kvloom.server.http_protocol import ConnectionLimits, uvicorn_config
 from kvloom.server.settings import ServerSettings
 
 ENGINE_KWARGS: dict[str, Any] = dict(dtype="float32", device="cpu", num_blocks=64,
@@ -67,7 +68,8 @@ class LiveServer:
 
 
 def start_live_server(model: Path, settings: ServerSettings, max_waiting: int = 1024,
-                      step_delay: float = 0.0, **engine_kwargs: Any) -> LiveServer:
+                      step_delay: float = 0.0, limits: ConnectionLimits | None = None,
+                      **engine_kwargs: Any) -> LiveServer:
     """``step_delay`` (seconds) makes every engine step that long at least, like a
     bigger model: a 200-token request then reliably outlives a client's disconnect."""
     config = EngineConfig.from_kwargs(str(model), **{**ENGINE_KWARGS, **engine_kwargs})
@@ -92,7 +94,7 @@ def start_live_server(model: Path, settings: ServerSettings, max_waiting: int = 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", async_engine, server, thread, settings)
