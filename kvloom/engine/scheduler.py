@@ -24,7 +24,15 @@ from kvloom.request import Request, RequestStatus
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long for the pool or the model)."""
+    """A request that can never be served (too long for the pool or the model).
+
+    ``param`` names the request field to change and ``code`` the reason, as OpenAI's
+    error objects carry them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class Scheduler:
@@ -53,21 +61,21 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected if it could never fit."""
         if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+            raise RequestRejected(f"request id {request.request_id!r} is already in use", code="duplicate_request_id")
         if request.num_prompt_tokens == 0:
-            raise RequestRejected("prompt must contain at least one token")
+            raise RequestRejected("prompt must contain at least one token", "prompt", "empty_prompt")
         if request.num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"prompt is {request.num_prompt_tokens} tokens, but the model's context is "
-                f"{self.max_model_len} tokens (the prompt must leave room for one output token)"
-            )
+                f"{self.max_model_len} tokens (the prompt must leave room for one output token)",
+                "prompt", "context_length_exceeded")
         max_len = request.num_prompt_tokens + request.max_tokens
         if cdiv(max_len, self.kv.block_size) > self.kv.num_blocks:
             raise RequestRejected(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
                 f"needs {cdiv(max_len, self.kv.block_size)} KV blocks, but the whole pool has "
-                f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens"
-            )
+                f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens",
+                "max_tokens", "kv_pool_too_small")
         request.arrival_index = self._arrivals
         request.timeline.arrival_step = self.step_count
         self._arrivals += 1

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -47,6 +48,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             await async_engine.shutdown()
 
     app = FastAPI(title="kvloom", version=__version__, lifespan=lifespan)
+    app.openapi = lambda: openapi_with_openai_errors(app)  # type: ignore[method-assign]
     install_error_handlers(app)
     # Starlette runs the last-added middleware first: the key is checked before the size.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -106,3 +108,30 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
     return app
 
+
+def openapi_with_openai_errors(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the errors as this server sends them: a bad body is a 400
+    in OpenAI's error shape (install_error_handlers turns validation errors into it),
+    never FastAPI's 422."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schema.setdefault("components", {}).setdefault("schemas", {})["OpenAIError"] = OPENAI_ERROR_SCHEMA
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}
+    for methods in schema.get("paths", {}).values():
+        for operation in methods.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request: the message names the field", **error}
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(name, None)
+    app.openapi_schema = schema
+    return schema
+
+
+OPENAI_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}

@@ -68,12 +68,15 @@ _PARAM_NAMES = frozenset({
 
 
 def from_value_error(error: ValueError, param: str | None = None) -> APIError:
-    """A ValueError from SamplingParams or the engine, as a 400 naming the field."""
+    """A ValueError from SamplingParams or the engine, as a 400 naming the field (the
+    engine's rejections carry ``param`` and ``code``; SamplingParams' messages start
+    with the field's name)."""
     message = str(error)
+    param = param or getattr(error, "param", None)
     if param is None:
         first = message.split(" ", 1)[0].split("(", 1)[0]
         param = first if first in _PARAM_NAMES else None
-    return bad_request(message, param)
+    return bad_request(message, param, getattr(error, "code", None) or "invalid_value")
 
 
 def format_loc(loc: Sequence[int | str]) -> str | None:

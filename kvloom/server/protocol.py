@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # A prompt: text, a batch of texts, token ids, or a batch of token-id lists.
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -100,7 +100,10 @@ class SamplingRequest(StrictModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions (OpenAI's legacy completions)."""
 
-    prompt: PromptInput
+    prompt: PromptInput = Field(description=(
+        "Text, a list of texts, a list of token ids, or a list of token-id lists; never empty "
+        "(no empty list, and the prompt must tokenize to at least one token)."),
+        json_schema_extra={"minLength": 1, "minItems": 1})
     echo: bool = False
     # The legacy format: an integer number of alternatives per position.
     logprobs: int | None = None
@@ -170,7 +173,8 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(description="The conversation; at least one message.",
+                                        json_schema_extra={"minItems": 1})
     # OpenAI's newer name for max_tokens; it wins when both are given.
     max_completion_tokens: int | None = None
     logprobs: bool = False

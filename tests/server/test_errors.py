@@ -147,3 +147,15 @@ def test_errors_do_not_disturb_a_running_stream(checked: httpx.Client, live_serv
             rest = [line for line in lines if line.startswith("data:")]
     assert first and rest[-1] == "data: [DONE]"
     assert not any('"error"' in line for line in rest)
+
+
+def test_openapi_documents_400_not_422_and_the_non_empty_rules(http) -> None:
+    schema = http.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/OpenAIError"}
+    request_schemas = schema["components"]["schemas"]
+    assert request_schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert request_schemas["CompletionRequest"]["properties"]["prompt"]["minItems"] == 1
+    assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 400  # as documented

@@ -108,3 +108,21 @@ def test_an_engine_fault_fails_requests_with_500_and_exits_non_zero(tiny_llama: 
             process.kill()
     assert process.returncode == 1, log
     assert "injected kernel fault" in log and "Traceback" in log  # the log says what happened
+
+
+def test_engine_rejections_name_the_field_and_the_reason(tiny_llama: Path) -> None:
+    from server_harness import start_live_server
+
+    from kvloom.server.settings import ServerSettings
+
+    live = start_live_server(tiny_llama, ServerSettings(served_model_name=SERVED_NAME), num_blocks=4,
+                             max_model_len=512)
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            error = completion(http, max_tokens=200).json()["error"]  # 4 blocks of 16 tokens
+            assert (error["param"], error["code"]) == ("max_tokens", "kv_pool_too_small")
+            assert "needs 13 KV blocks, but the whole pool has 4" in error["message"]
+            error = completion(http, prompt=[5] * 600).json()["error"]
+            assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    finally:
+        live.stop()
