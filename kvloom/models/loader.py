@@ -213,6 +213,7 @@ def _write_gguf_cache(cache_dir: Path, path: Path, hf_config: dict[str, Any],
     from safetensors.torch import save_file
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(cache_dir)
     staging = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -229,6 +230,21 @@ def _write_gguf_cache(cache_dir: Path, path: Path, hf_config: dict[str, Any],
         os.replace(staging, cache_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale_staging(cache_dir: Path) -> None:
+    """Delete staging directories left by writers that died (kill -9 mid-write); a
+    live writer's (its pid still running) is left alone."""
+    for staging in cache_dir.parent.glob(f"{cache_dir.name}.tmp-*"):
+        pid = staging.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 # --------------------------------------------------------------------- helpers

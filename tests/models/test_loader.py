@@ -326,3 +326,34 @@ def test_error_unknown_gguf_architecture(tiny_dirs: dict[str, Path], tmp_path: P
     gguf_file = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "phi.gguf", arch="phi3")
     message = _error(gguf_file, home=tmp_path)
     assert "unsupported GGUF architecture 'phi3'" in message
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+import safetensors.torch
+from kvloom.models.loader import load_checkpoint
+
+def dying_save(tensors, filename, *args, **kwargs):
+    with open(filename, "wb") as f:  # half a file, then the process dies as kill -9 would
+        f.write(b"\\x00" * 4096)
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+safetensors.torch.save_file = dying_save
+load_checkpoint(sys.argv[1], home=sys.argv[2])
+"""
+
+
+def test_a_process_killed_while_caching_a_gguf_breaks_nothing(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    gguf_file = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "llama.gguf")
+    home = tmp_path / "home"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(gguf_file), str(home)])
+    assert killed.returncode == -signal.SIGKILL
+    assert list((home / "gguf-cache").glob("llama-*.tmp-*"))  # what the dead writer left
+    loaded = load_checkpoint(str(gguf_file), home=home)  # the next start works
+    _assert_same(_weights(loaded), _weights(load_checkpoint(str(gguf_file), home=tmp_path / "h2", cache_gguf=False)))
+    assert not list((home / "gguf-cache").glob("llama-*.tmp-*"))  # and cleaned up after it
