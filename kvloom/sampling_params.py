@@ -27,6 +27,12 @@ def seed_value(seed: int) -> int:
     return seed + SEED_END if seed < 0 else seed
 
 
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample ``sample`` of an ``n > 1`` request: ``seed + sample``, wrapped
+    to 64 bits (so a seed near 2**64 stays valid)."""
+    return None if seed is None else (seed_value(seed) + sample) % SEED_END
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request (vLLM-compatible names and meanings).

@@ -50,6 +50,16 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     steps.add_argument("--repeats", type=int, default=5, help="timed prefill steps per shape")
     steps.add_argument("--output-json", default=None)
 
+    soak = bench_sub.add_parser("soak", help="ordinary, disconnecting, aborting and hostile clients on a tiny pool")
+    add_engine_args(soak)
+    soak.add_argument("--num-requests", type=int, default=1000)
+    soak.add_argument("--concurrency", type=int, default=64)
+    soak.add_argument("--max-seconds", type=float, default=1800.0, help="stop sending new requests after this")
+    soak.add_argument("--pool-factor", type=float, default=5.0, help="the KV pool is this many times too small")
+    soak.add_argument("--soak-max-tokens", type=int, default=48, help="largest max_tokens of a request")
+    soak.add_argument("--soak-seed", type=int, default=0, help="draws the requests")
+    soak.add_argument("--output-json", default=None)
+
     placement = bench_sub.add_parser("placement", help="engine loop in a thread vs a process")
     add_engine_args(placement)
     placement.add_argument("--num-requests", type=int, default=32)
@@ -87,6 +97,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _roofline(args)
     if args.bench_command == "steps":
         return _steps(args)
+    if args.bench_command == "soak":
+        return _soak(args)
     if args.bench_command == "placement":
         from kvloom.bench.engine_placement import measure
         from kvloom.cli import engine_kwargs
@@ -291,6 +303,26 @@ def _steps(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "engine": engine, "steps": as_json(results)}, f, indent=1)
     return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from kvloom.bench.soak import SoakConfig, format_soak, run_soak
+    from kvloom.cli import engine_kwargs
+
+    # The pool is the soak's to size (pool_factor); the other engine flags pass through.
+    engine = {key: value for key, value in engine_kwargs(args).items()
+              if key in ("dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "block_size",
+                         "max_num_seqs", "max_num_batched_tokens", "policy", "enable_prefix_caching")}
+    config = SoakConfig(args.model, engine, args.num_requests, args.concurrency, args.max_seconds,
+                        args.soak_seed, args.pool_factor, args.soak_max_tokens)
+    result = run_soak(config)
+    print(format_soak(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    clean = (result["lost"] == 0 and result["kv_blocks_leaked"] == 0 and result["engine_faults"] == 0
+             and result["greedy_equal_alone"] == result["greedy_compared"])
+    return 0 if clean else 1
 
 
 def _roofline(args: argparse.Namespace) -> int:

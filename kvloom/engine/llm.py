@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, sample_seed
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -52,7 +52,7 @@ class LLM:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 for sample in range(params.n):
                     sample_params = params if params.n == 1 else dataclasses.replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + sample)
+                        params, n=1, seed=sample_seed(params.seed, sample))
                     request = self.engine.add_request(prompt, sample_params,
                                                       priority=priorities[index])
                     owners[request.request_id] = (index, sample)

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from kvloom.engine.output import RequestOutput, TokenLogprobs
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, sample_seed
 from kvloom.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -111,7 +111,7 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
     for prompt_index, token_ids in enumerate(prompts):
         sample_params = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
         for sample in range(params.n):
-            seed = None if params.seed is None else params.seed + sample
+            seed = sample_seed(params.seed, sample)
             requests.append(EngineRequest(
                 f"{request_id}-{prompt_index * params.n + sample}", token_ids,
                 dataclasses.replace(sample_params, n=1, seed=seed), priority, arrival))

@@ -124,3 +124,14 @@ def test_thousands_of_choices_are_served(tiny_llama) -> None:
     final = run(engine, {"c": ([7, 8, 9], params)})["c"]
     assert final.outputs[0].finish_reason == "stop"
     assert final.outputs[0].text in options
+
+
+def test_samples_of_a_seed_near_the_top_wrap_to_64_bits(tiny_llama) -> None:
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=2 ** 64 - 2, ignore_eos=True)
+    outputs = llm.generate([[4, 5, 6]], params)[0].outputs
+    # Sample 2's seed wraps to 0: the same tokens as a request seeded with 0.
+    alone = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
+    assert outputs[2].token_ids == alone[0].outputs[0].token_ids

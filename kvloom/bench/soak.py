@@ -1,0 +1,260 @@
+"""`kvloom bench soak`: ordinary, impatient and hostile clients against one server.
+
+A kvloom server starts in this process (loopback only, a free port) on a KV pool
+``pool_factor`` times too small for the load, so preemption never stops. ``num_requests``
+requests (bounded by ``max_seconds`` too) go out ``concurrency`` at a time, drawn with
+a seed:
+
+- 65% ordinary: random sampling parameters (greedy or sampled with a seed, top-p/k,
+  penalties), random stop strings, random structured constraints (choice, regex,
+  JSON object);
+- 20% streaming clients that disconnect after a few chunks;
+- 10% aborted: the client gives up after a random short wait;
+- 5% hostile: payloads that once killed the engine or must be refused (seeds past
+  64 bits, an explosive regex, infinite temperature, lone surrogates, ...).
+
+Reported: requests lost (an ordinary request without a complete answer: must be 0),
+requests failed and why (only hostile ones should), KV blocks leaked after the run
+(``check_integrity()`` on the engine thread; must be 0), engine faults (must be 0),
+and for the greedy ordinary requests, how many outputs equal the same request sent
+again alone afterwards (all of them, since tokens do not depend on the batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+KINDS = (("ordinary", 0.65), ("stream_disconnect", 0.20), ("abort", 0.10), ("hostile", 0.05))
+WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and rivers ran to the sea "
+         "models learn patterns from text numbers like 42 and 1999 appear often").split()
+HOSTILE: list[dict[str, Any]] = [
+    {"seed": 2 ** 80}, {"seed": -(2 ** 70)}, {"seed": 2 ** 64},
+    {"guided_regex": "(a{1000}){1000}"}, {"temperature": "inf"}, {"stop_token_ids": [10 ** 7]},
+    {"stop": ["x"] * 500}, {"max_tokens": -5}, {"top_p": 0}, {"prompt": ""}, {"n": 10 ** 6},
+    {"logprobs": 10 ** 9}, {"guided_json": {"type": "bogus"}}, {"guided_grammar": "root ::= ("},
+]
+RAW_HOSTILE = ['{"prompt": "a \\ud800 b", "max_tokens": 2}', '{"prompt": "Hi", "temperature": 1e309}',
+               '{"prompt": ', "[1, 2, 3]", '{"prompt": {"nested": [[[[]]]]}}']
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    model: str
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_requests: int = 1000
+    concurrency: int = 64
+    max_seconds: float = 1800.0
+    seed: int = 0
+    pool_factor: float = 5.0
+    max_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.concurrency < 1 or self.max_seconds <= 0 or self.pool_factor < 1:
+            raise ValueError("num_requests and concurrency must be >= 1, max_seconds > 0, pool_factor >= 1")
+
+
+@dataclass
+class SoakRecord:
+    index: int
+    kind: str
+    outcome: str = "lost"  # ok | refused | disconnected | aborted | failed | lost
+    attempted: bool = False  # sent before the time bound ran out
+    status: int | None = None
+    reason: str | None = None  # the error code or message of a non-200 answer
+    text: str | None = None
+    greedy_payload: dict[str, Any] | None = None  # set for greedy ordinary requests
+
+
+def _ordinary(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    payload: dict[str, Any] = {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 120))),
+                               "max_tokens": rng.randrange(4, max_tokens + 1), "ignore_eos": rng.random() < 0.5}
+    greedy = rng.random() < 0.5
+    if greedy:
+        payload["temperature"] = 0.0
+    else:
+        payload.update(temperature=rng.choice([0.5, 0.8, 1.0, 1.3]), top_p=rng.choice([1.0, 0.9, 0.5]),
+                       top_k=rng.choice([0, 5, 50]), seed=rng.randrange(-(2 ** 40), 2 ** 40),
+                       presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]))
+    if rng.random() < 0.2:
+        payload["stop"] = [rng.choice(WORDS) for _ in range(rng.randrange(1, 4))]
+    roll = rng.random()
+    if roll < 0.05:
+        payload["guided_choice"] = [rng.choice(WORDS) + str(i) for i in range(rng.randrange(2, 50))]
+    elif roll < 0.10:
+        payload["guided_regex"] = "[a-z ]{1,30}"
+    elif roll < 0.13:
+        payload["response_format"] = {"type": "json_object"}
+    return payload, greedy and "stop" not in payload
+
+
+def _draw(rng: random.Random, config: SoakConfig) -> tuple[str, dict[str, Any] | str, bool]:
+    kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
+    if kind == "hostile":
+        if rng.random() < 0.3:
+            return kind, rng.choice(RAW_HOSTILE), False
+        return kind, {"prompt": "Hi", "max_tokens": 2, **rng.choice(HOSTILE)}, False
+    payload, greedy = _ordinary(rng, config.max_tokens)
+    return kind, payload, greedy and kind == "ordinary"
+
+
+async def _send(client: httpx.AsyncClient, model: str, record: SoakRecord, payload: dict[str, Any] | str,
+                rng: random.Random) -> None:
+    url = "/v1/completions"
+    if isinstance(payload, str):  # raw hostile text: not even JSON, or JSON with bad escapes
+        response = await client.post(url, content=payload.encode("utf-8", "surrogatepass"),
+                                     headers={"Content-Type": "application/json"})
+        _finish(record, response.status_code, response.text)
+        return
+    body = {"model": model, **payload}
+    if record.kind == "stream_disconnect":
+        async with client.stream("POST", url, json={**body, "stream": True}) as response:
+            record.status = response.status_code
+            lines = 0
+            async for _ in response.aiter_lines():
+                lines += 1
+                if lines >= rng.randrange(1, 8):
+                    break
+        record.outcome = "disconnected"
+        return
+    if record.kind == "abort":
+        try:
+            response = await asyncio.wait_for(client.post(url, json=body), timeout=rng.uniform(0.05, 1.5))
+        except asyncio.TimeoutError:
+            record.outcome = "aborted"
+            return
+        _finish(record, response.status_code, response.text)
+        return
+    response = await client.post(url, json=body)
+    _finish(record, response.status_code, response.text)
+
+
+def _finish(record: SoakRecord, status: int, text: str) -> None:
+    record.status = status
+    if status == 200:
+        choice = json.loads(text)["choices"][0]
+        record.outcome = "ok" if choice.get("finish_reason") in ("stop", "length") else "failed"
+        record.text = choice.get("text")
+        return
+    try:
+        error = json.loads(text)["error"]
+        record.reason = f"{error.get('code')}: {error.get('message', '')[:70]}"
+    except (ValueError, KeyError, TypeError):
+        record.reason = f"non-JSON error body: {text[:80]!r}"
+    record.outcome = "refused" if record.kind == "hostile" and 400 <= status < 500 else "failed"
+
+
+async def _load(base_url: str, model: str, config: SoakConfig) -> list[SoakRecord]:
+    plan = plan_requests(config)
+    records = [SoakRecord(index, kind) for index, (kind, _, _) in enumerate(plan)]
+    deadline = time.monotonic() + config.max_seconds
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(plan)):
+        queue.put_nowait(index)
+
+    async def worker(client: httpx.AsyncClient, worker_rng: random.Random) -> None:
+        while not queue.empty() and time.monotonic() < deadline:
+            index = queue.get_nowait()
+            kind, payload, greedy = plan[index]
+            record = records[index]
+            record.attempted = True
+            if greedy:
+                record.greedy_payload = payload  # type: ignore[assignment]
+            try:
+                await _send(client, model, record, payload, worker_rng)
+            except (httpx.HTTPError, ValueError) as error:  # a broken answer: the request is lost
+                record.outcome, record.reason = "lost", f"{type(error).__name__}: {error}"[:120]
+
+    limits = httpx.Limits(max_connections=config.concurrency * 2)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(worker(client, random.Random(config.seed * 1000 + w))
+                               for w in range(config.concurrency)))
+    return [r for r in records if r.attempted]
+
+
+async def _alone(base_url: str, model: str, records: list[SoakRecord]) -> tuple[int, int, list[int]]:
+    """Send each completed greedy request again, one at a time: (equal, compared, differing indices)."""
+    greedy = [r for r in records if r.greedy_payload is not None and r.outcome == "ok"]
+    differing = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        for record in greedy:
+            response = await client.post("/v1/completions", json={"model": model, **record.greedy_payload})
+            if response.status_code != 200 or response.json()["choices"][0]["text"] != record.text:
+                differing.append(record.index)
+    return len(greedy) - len(differing), len(greedy), differing
+
+
+def plan_requests(config: SoakConfig) -> list[tuple[str, dict[str, Any] | str, bool]]:
+    """(kind, payload, is greedy ordinary) for every request of the run, from the seed."""
+    rng = random.Random(config.seed)
+    return [_draw(rng, config) for _ in range(config.num_requests)]
+
+
+def pool_blocks(config: SoakConfig, token_counts: list[int], block_size: int = 16) -> int:
+    """A pool ``pool_factor`` times smaller than the load's demand (``concurrency``
+    requests of the average size at once, each at its longest), but large enough for
+    the largest single request."""
+    blocks = [-(-tokens // block_size) for tokens in token_counts]
+    demand = config.concurrency * sum(blocks) / len(blocks)
+    return max(max(blocks) + 1, int(demand / config.pool_factor))
+
+
+def run_soak(config: SoakConfig) -> dict[str, Any]:
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    from kvloom.models.loader import load_checkpoint
+    from kvloom.server.background import start_background_server
+    from kvloom.server.settings import ServerSettings
+
+    tokenizer = load_checkpoint(config.model).tokenizer  # weights stay unread
+    counts = [len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
+              for _, payload, _ in plan_requests(config) if isinstance(payload, dict) and "max_tokens" in payload
+              and isinstance(payload.get("prompt"), str) and isinstance(payload["max_tokens"], int)
+              and payload["max_tokens"] > 0]
+    num_blocks = pool_blocks(config, counts)
+    engine_config = EngineConfig.from_kwargs(config.model, **{"num_blocks": num_blocks, "max_model_len": 2048,
+                                                               **config.engine_kwargs})
+    server = start_background_server(lambda: LLMEngine(engine_config), ServerSettings(served_model_name="soak"))
+    try:
+        started = time.monotonic()
+        records = asyncio.run(_load(server.base_url, "soak", config))
+        load_seconds = time.monotonic() - started
+        snapshot = server.wait_until_idle(timeout=120)  # check_integrity() ran on the engine thread
+        equal, compared, differing = asyncio.run(_alone(server.base_url, "soak", records))
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        preemptions = next((float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith("kvloom:num_preemptions_total ")), None)
+        engine_faults = 0 if server.async_engine.engine_error is None else 1
+    finally:
+        server.stop()
+    outcomes = Counter(r.outcome for r in records)
+    return {
+        "config": asdict(config), "num_blocks": num_blocks, "seconds": round(load_seconds, 1),
+        "sent": len(records), "outcomes": dict(outcomes),
+        "by_kind": {kind: dict(Counter(r.outcome for r in records if r.kind == kind)) for kind, _ in KINDS},
+        "lost": outcomes.get("lost", 0) + outcomes.get("failed", 0),
+        "failures": dict(Counter(f"{r.kind}: {r.status} {r.reason}" for r in records
+                                 if r.outcome in ("refused", "failed", "lost")).most_common()),
+        "kv_blocks_leaked": snapshot.num_blocks - snapshot.num_available_blocks,
+        "engine_faults": engine_faults, "preemptions": preemptions,
+        "greedy_equal_alone": equal, "greedy_compared": compared, "greedy_differing": differing[:20],
+    }
+
+
+def format_soak(result: dict[str, Any]) -> str:
+    lines = [f"soak: {result['sent']} requests in {result['seconds']} s on a pool of {result['num_blocks']} blocks",
+             f"  outcomes: {result['outcomes']}"]
+    lines += [f"    {kind}: {counts}" for kind, counts in result["by_kind"].items()]
+    lines += [f"  requests lost: {result['lost']}", f"  KV blocks leaked: {result['kv_blocks_leaked']}",
+              f"  engine faults: {result['engine_faults']}", f"  preemptions: {result['preemptions']}",
+              f"  greedy outputs equal to the request run alone: {result['greedy_equal_alone']} / "
+              f"{result['greedy_compared']}", "  refused or failed, by reason:"]
+    lines += [f"    {count:5d}  {reason}" for reason, count in result["failures"].items()]
+    return "\n".join(lines)
