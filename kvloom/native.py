@@ -24,9 +24,14 @@ from pathlib import Path
 
 SOURCES = Path(__file__).parent / "csrc"
 # -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernels
-# rely on -inf for "no score yet", so infinities stay meaningful.
+# rely on -inf for "no score yet", so infinities stay meaningful. It is a compile flag
+# only: linked with it, a shared library carries crtfastmath.o, whose constructor sets
+# flush-to-zero and denormals-are-zero for the whole process at load time (every torch
+# op of that thread would then lose subnormals). So sources compile with FLAGS and link
+# with LINK_FLAGS, in two steps.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-         "-shared", "-fPIC", "-std=c++17"]
+         "-fPIC", "-std=c++17"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 # Sources whose arithmetic order is a promise (the batch-invariant matmul) build
 # without -ffast-math, so the compiler may not reassociate or contract their sums.
 EXACT_SOURCES = frozenset({"gemm"})
@@ -61,6 +66,15 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted))  # the first CPU's lines: all cores are alike
 
 
+def build_key(name: str, compiler: str) -> str:
+    """What a built library depends on: its source and the headers, the flags, the
+    compiler's version and the CPU (``-march=native``)."""
+    source = (SOURCES / f"{name}.cpp").read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    identity = " ".join(flags_for(name) + LINK_FLAGS) + version + cpu_identity()
+    return hashlib.sha256(source + identity.encode()).hexdigest()[:16]
+
+
 def load(name: str) -> ctypes.CDLL:
     """Build (once per source/flags/compiler) and load ``csrc/<name>.cpp``."""
     with _lock:
@@ -70,23 +84,19 @@ def load(name: str) -> ctypes.CDLL:
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if compiler is None:
             raise KernelUnavailable(f"no C++ compiler (g++) found to build {source_path.name}")
-        # Headers are part of every source's identity: a changed header rebuilds all.
-        source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
         flags = flags_for(name)
-        identity = " ".join(flags) + version + cpu_identity()
-        key = hashlib.sha256(source + identity.encode()).hexdigest()[:16]
-        target = cache_dir() / f"{name}-{key}.so"
+        target = cache_dir() / f"{name}-{build_key(name, compiler)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *flags, str(source_path), "-o", str(built)],
-                                        capture_output=True, text=True)
-                if result.returncode != 0:
-                    errors = [line for line in result.stderr.splitlines() if "error" in line]
-                    raise KernelUnavailable(f"building {source_path.name} failed: "
-                                            + (errors[0] if errors else result.stderr.strip()[-300:]))
+                built, objects = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
+                for command in ([compiler, *flags, "-c", str(source_path), "-o", str(objects)],
+                                [compiler, *LINK_FLAGS, str(objects), "-o", str(built)]):
+                    result = subprocess.run(command, capture_output=True, text=True)
+                    if result.returncode != 0:
+                        errors = [line for line in result.stderr.splitlines() if "error" in line]
+                        raise KernelUnavailable(f"building {source_path.name} failed: "
+                                                + (errors[0] if errors else result.stderr.strip()[-300:]))
                 os.replace(built, target)  # atomic: concurrent builders never see half a file
         library = ctypes.CDLL(str(target))
         _libraries[name] = library
