@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers_engine import run_arrivals, token_ids
 
 from kvloom import LLM, SamplingParams
 from kvloom.config import EngineConfig
@@ -24,17 +25,7 @@ def engine_factory(tiny_llama):
 def run_all(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]
             ) -> dict[str, list[int]]:
     """Step the engine, adding requests at the given step numbers; returns token ids."""
-    results: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for request_id, prompt, params in arrivals.get(step, []):
-            engine.add_request(prompt, params, request_id=request_id)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-    return results
+    return token_ids(run_arrivals(engine, arrivals))
 
 
 def test_batch_invariance_with_staggered_arrivals(engine_factory) -> None:

@@ -5,6 +5,7 @@ of the same steps produces exactly the tokens it produces without the failure.""
 from __future__ import annotations
 
 import pytest
+from helpers_engine import run_arrivals
 
 from kvloom import SamplingParams
 from kvloom.config import EngineConfig
@@ -22,14 +23,7 @@ def engine_for(tiny_llama) -> LLMEngine:
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(prompt, params, request_id=request_id)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        engine.check_integrity()
+    finals = run_arrivals(engine, {0: [(rid, prompt, params) for rid, (prompt, params) in requests.items()]})
     assert engine.kv_manager.num_available_blocks == engine.num_blocks  # nothing leaked
     return finals
 

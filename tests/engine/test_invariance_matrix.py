@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+from helpers_engine import run_arrivals, token_ids
 from helpers_models import write_tiny_hf_model
 
 from kvloom import SamplingParams
@@ -61,19 +62,7 @@ def make_requests(model: str) -> tuple[list[Request], list[Request]]:
 
 
 def run(engine: LLMEngine, arrivals: dict[int, list[Request]]) -> dict[str, list[int]]:
-    """Step the engine, adding requests at the given steps; the pool's books must
-    balance after every step."""
-    results: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for request_id, prompt, params in arrivals.get(step, []):
-            engine.add_request(prompt, params, request_id=request_id)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-    return results
+    return token_ids(run_arrivals(engine, arrivals))
 
 
 def all_at_once(requests: list[Request]) -> dict[int, list[Request]]:

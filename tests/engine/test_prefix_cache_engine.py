@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers_engine import run_arrivals
 
 from kvloom import SamplingParams
 from kvloom.config import EngineConfig
@@ -20,15 +21,7 @@ def make_engine(path, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]], params=GREEDY):
-    for request_id, prompt in prompts.items():
-        engine.add_request(prompt, params, request_id=request_id)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        engine.check_integrity()
-    return finals
+    return run_arrivals(engine, {0: [(request_id, prompt, params) for request_id, prompt in prompts.items()]})
 
 
 def prefill_tokens_computed(engine: LLMEngine) -> int:

@@ -1,0 +1,30 @@
+"""Driving an engine in tests: requests added at given steps, the pool's books checked
+after every step."""
+
+from __future__ import annotations
+
+from kvloom.engine.engine import LLMEngine
+from kvloom.engine.output import RequestOutput
+from kvloom.sampling_params import SamplingParams
+
+Arrival = tuple[str, list[int], SamplingParams]  # request id, prompt token ids, parameters
+
+
+def run_arrivals(engine: LLMEngine, arrivals: dict[int, list[Arrival]]) -> dict[str, RequestOutput]:
+    """Step until every request finished, adding ``arrivals[s]`` before step ``s``;
+    ``check_integrity()`` after every step. Returns each request's final output."""
+    finals: dict[str, RequestOutput] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.check_integrity()
+        step += 1
+    return finals
+
+
+def token_ids(finals: dict[str, RequestOutput]) -> dict[str, list[int]]:
+    return {request_id: output.outputs[0].token_ids for request_id, output in finals.items()}
