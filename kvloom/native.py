@@ -66,6 +66,20 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted))  # the first CPU's lines: all cores are alike
 
 
+def compiler() -> str | None:
+    """The C++ compiler kvloom builds with: ``$CXX``, else g++ or c++ on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary name and a rename, so a process
+    killed mid-write leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=f".{path.name}.") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
 def build_key(name: str, compiler: str) -> str:
     """What a built library depends on: its source and the headers, the flags, the
     compiler's version and the CPU (``-march=native``)."""
@@ -81,17 +95,17 @@ def load(name: str) -> ctypes.CDLL:
         if name in _libraries:
             return _libraries[name]
         source_path = SOURCES / f"{name}.cpp"
-        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if compiler is None:
+        cxx = compiler()
+        if cxx is None:
             raise KernelUnavailable(f"no C++ compiler (g++) found to build {source_path.name}")
         flags = flags_for(name)
-        target = cache_dir() / f"{name}-{build_key(name, compiler)}.so"
+        target = cache_dir() / f"{name}-{build_key(name, cxx)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built, objects = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
-                for command in ([compiler, *flags, "-c", str(source_path), "-o", str(objects)],
-                                [compiler, *LINK_FLAGS, str(objects), "-o", str(built)]):
+                for command in ([cxx, *flags, "-c", str(source_path), "-o", str(objects)],
+                                [cxx, *LINK_FLAGS, str(objects), "-o", str(built)]):
                     result = subprocess.run(command, capture_output=True, text=True)
                     if result.returncode != 0:
                         errors = [line for line in result.stderr.splitlines() if "error" in line]

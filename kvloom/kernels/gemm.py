@@ -22,6 +22,8 @@ import ctypes
 import functools
 import logging
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -73,12 +75,50 @@ def default_isa() -> str | None:
         raise ValueError(f"{ISA_ENV} must be one of {ISAS}, got {cap!r}")
     if cap is not None:
         supported = tuple(isa for isa in supported if ISAS.index(isa) <= ISAS.index(cap))
-    if supported and supported[-1] == "amx" and not _amx_agrees():
+    if supported and supported[-1] == "amx" and not amx_verified():
         supported = supported[:-1]
     return supported[-1] if supported else None
 
 
-def _amx_agrees() -> bool:
+_AMX_PROBE = ("import sys\nfrom kvloom.kernels.gemm import amx_agrees\n"
+              "sys.exit(0 if amx_agrees() else 3)\n")
+
+
+def amx_verified() -> bool:
+    """Whether this build's AMX path may be used: it ran in a child process (so that a
+    faulty build can crash that process, not the engine) and matched AVX512-BF16. The
+    verdict is kept beside the build, so each machine and build pays it once."""
+    from kvloom import native
+
+    library = _library()
+    if library is None:
+        return False
+    verdict_path = native.cache_dir() / f"gemm-{native.build_key('gemm', native.compiler() or 'g++')}.amx"
+    if verdict_path.exists():
+        verdict = verdict_path.read_text()
+    else:
+        verdict = probe_verdict(_AMX_PROBE)
+        native.write_atomically(verdict_path, verdict)
+    if verdict != "ok":
+        logger.error("the AMX matmul is left out (AVX512-BF16 is used): %s", verdict)
+    return verdict == "ok"
+
+
+def probe_verdict(code: str, timeout: float = 300.0) -> str:
+    """Run ``code`` in a fresh interpreter: "ok" when it exits 0, else why not."""
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"the probe did not finish in {timeout:.0f} s"
+    if result.returncode == 0:
+        return "ok"
+    if result.returncode == 3:
+        return "its results disagree with AVX512-BF16"
+    tail = result.stderr.strip().splitlines()[-1:] or ["no output"]
+    return f"the probe process ended with status {result.returncode} ({tail[0][:200]})"
+
+
+def amx_agrees() -> bool:
     """Whether the AMX path matches the AVX512-BF16 path (to rounding) on a small
     problem with every kind of tail: a guard that keeps a faulty AMX build out."""
     generator = torch.Generator().manual_seed(0)

@@ -134,3 +134,18 @@ def test_environment_caps_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv(gemm.ISA_ENV)
         gemm.default_isa.cache_clear()
+
+
+def test_a_crashing_or_wrong_amx_build_is_left_out(monkeypatch, tmp_path) -> None:
+    """The AMX path is first run in a child process; a crash (SIGILL, SIGSEGV) or a
+    mismatch there keeps it out, and the verdict is remembered beside the build."""
+    assert gemm.probe_verdict("import sys; sys.exit(0)") == "ok"
+    assert gemm.probe_verdict("import sys; sys.exit(3)") == "its results disagree with AVX512-BF16"
+    crashed = gemm.probe_verdict("import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert crashed.startswith("the probe process ended with status -4")
+    monkeypatch.setenv("KVLOOM_HOME", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(gemm, "probe_verdict", lambda code: probes.append(code) or crashed)
+    assert gemm.amx_verified() is False and gemm.amx_verified() is False
+    assert len(probes) == 1  # the second answer came from the verdict file
+    assert list((tmp_path / "kernels").glob("gemm-*.amx"))
