@@ -1,10 +1,11 @@
 """CPU attention that reads K/V through the block table (no per-sequence gather).
 
 The C++ kernel in ``kvloom/csrc/paged_attention.cpp`` walks each sequence's block
-table: decodes, chunked-prefill continuations, prefix-cache hits and, with the paired
-layout below, fresh prefills too. With a token-major cache a prefill chunk that
-starts at position 0 runs PyTorch's fused causal SDPA on this step's own k/v instead
-(faster than the float kernel there; the paired kernel is 2-3x faster than SDPA).
+table: decodes, chunked-prefill continuations, prefix-cache hits and fresh prefills,
+all through the one kernel, so that a query's result never depends on how its
+sequence was cut into steps (the exactness promise; PyTorch's SDPA for fresh prefills
+gave other bits than the kernel for the same query later). The paired kernel is 2-3x
+faster than SDPA; the token-major float one within 6% of it.
 
 bf16 caches whose shape the kernel's AVX512-BF16 path serves (``paired_layout``:
 head_dim 32/64/128, block_size a multiple of 16, on a CPU with those instructions)
@@ -24,7 +25,6 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvloom import native
 from kvloom.attention.base import AttentionBackend
@@ -76,11 +76,9 @@ class KernelRows:
 
 @dataclass(slots=True)
 class CPUPagedMetadata:
-    """Per-step split of the batch, shared by every layer."""
+    """Per-step kernel arrays, shared by every layer."""
 
-    every: KernelRows  # all sequences (paired layout: the kernel takes fresh prefills too)
-    not_fresh: KernelRows  # all but fresh prefills (token-major: those go to SDPA)
-    fresh: list[tuple[int, int]]  # (first token row, length) of prefills starting at 0
+    every: KernelRows  # all sequences: fresh prefills, chunks and decodes alike
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -137,17 +135,7 @@ class CPUPagedBackend(AttentionBackend):
         starts = [0]
         for query_len in batch.query_lens_list[:-1]:
             starts.append(starts[-1] + query_len)
-        every = KernelRows.of(batch, list(range(len(starts))), starts)
-        fresh = [index for index, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list,
-                                                                            strict=True))
-                 if query_len == seq_len and query_len > 1]
-        if not fresh:
-            return CPUPagedMetadata(every=every, not_fresh=every, fresh=[])
-        rest = sorted(set(range(len(starts))) - set(fresh))
-        return CPUPagedMetadata(
-            every=every, not_fresh=KernelRows.of(batch, rest, [starts[i] for i in rest]),
-            fresh=[(starts[i], batch.query_lens_list[i]) for i in fresh],
-        )
+        return CPUPagedMetadata(every=KernelRows.of(batch, list(range(len(starts))), starts))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
@@ -158,21 +146,14 @@ class CPUPagedBackend(AttentionBackend):
         paired = self.paired_layout(kv_cache)
         if paired and q.dtype != torch.bfloat16:
             raise ValueError(f"a bf16 KV cache needs bf16 queries, got {q.dtype}")
-        rows = metadata.every if paired else metadata.not_fresh
+        # Every sequence goes through the kernel, fresh prefills too: a query's result is
+        # then the same whether its sequence is prefilled whole, in chunks or token by
+        # token (one fixed walk over its keys), which SDPA for fresh prefills broke.
+        rows = metadata.every
         if rows.count:
             kernel = self._library.kvloom_paged_attention_paired if paired else self._kernels[q.dtype]
             kernel(q.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                    rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
                    rows.query_start.data_ptr(), rows.query_lens.data_ptr(), rows.count, self.num_heads,
                    self.num_kv_heads, self.head_dim, batch.block_size, self.scale, torch.get_num_threads())
-        if paired:
-            return out
-        for start, length in metadata.fresh:
-            # [1, heads, length, head_dim] views of this step's own q/k/v.
-            q_i = q[start:start + length].transpose(0, 1).unsqueeze(0)
-            k_i = k[start:start + length].transpose(0, 1).unsqueeze(0)
-            v_i = v[start:start + length].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-            out[start:start + length] = o.squeeze(0).transpose(0, 1)
         return out

@@ -1,7 +1,7 @@
 """The CPU kernel's output for a query does not depend on how its sequence is cut into
 steps: a fresh prefill, chunks of any size and one-token decodes give the same bits
-for the same query at the same position, whatever other sequences share the call
-(bf16 cache, the paired layout that the engine uses by default)."""
+for the same query at the same position, whatever other sequences share the call; in
+the paired bf16 layout (the engine's default) and in the token-major ones."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from kvloom.request import Request
 from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.sampling_params import SamplingParams
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 16, 64
-LENGTH = 70  # the sequence under test: 4.4 blocks
+HEADS, KV_HEADS, NUM_BLOCKS = 9, 3, 64
+LENGTH = 70  # the sequence under test: 4.4 blocks of 16
 
 
 def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
@@ -30,7 +30,7 @@ def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]])
         request = Request(f"s{i}", [1] * (done + new), SamplingParams())
         request.block_ids = list(blocks)
         scheduled.append(ScheduledRequest(request, done, new))
-    batch = ForwardBatch.build(SchedulerOutput(1, scheduled), BLOCK_SIZE, torch.device("cpu"))
+    batch = ForwardBatch.build(SchedulerOutput(1, scheduled), cache.shape[2], torch.device("cpu"))
     slots = batch.slot_mapping.long()
     out = backend.forward(q_all[slots], k_all[slots], v_all[slots], cache, batch, backend.prepare(batch))
     rows, start = [], 0
@@ -40,18 +40,24 @@ def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]])
     return rows
 
 
-@pytest.fixture()
-def setup():
+# (dtype, head_dim, block_size): the paired layout, and token-major bf16 and float32.
+LAYOUTS = [(torch.bfloat16, 64, 16), (torch.bfloat16, 16, 16), (torch.float32, 64, 5)]
+
+
+@pytest.fixture(params=LAYOUTS, ids=["bf16-paired", "bf16-token-major", "f32-token-major"])
+def setup(request):
+    dtype, head_dim, block_size = request.param
     torch.manual_seed(0)
-    backend = make_backend("cpu_paged", torch.device("cpu"), HEADS, KV_HEADS, HEAD_DIM)
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    if not backend.paired_layout(cache):
-        pytest.skip("this CPU has no AVX512-BF16: bf16 caches stay token-major (fresh prefills run SDPA)")
-    slots = NUM_BLOCKS * BLOCK_SIZE  # q/k/v of every slot, fixed
-    history = (torch.randn(slots, HEADS, HEAD_DIM).bfloat16(), torch.randn(slots, KV_HEADS, HEAD_DIM).bfloat16(),
-               torch.randn(slots, KV_HEADS, HEAD_DIM).bfloat16())
-    blocks = random.Random(1).sample(range(NUM_BLOCKS), NUM_BLOCKS)
-    return backend, cache, history, blocks[:5], blocks[5:]
+    backend = make_backend("cpu_paged", torch.device("cpu"), HEADS, KV_HEADS, head_dim)
+    num_blocks = NUM_BLOCKS * 16 // block_size
+    cache = torch.zeros(2, num_blocks, block_size, KV_HEADS, head_dim, dtype=dtype)
+    slots = num_blocks * block_size  # q/k/v of every slot, fixed
+    history = (torch.randn(slots, HEADS, head_dim).to(dtype), torch.randn(slots, KV_HEADS, head_dim).to(dtype),
+               torch.randn(slots, KV_HEADS, head_dim).to(dtype))
+    blocks = random.Random(1).sample(range(num_blocks), num_blocks)
+    per_sequence = -(-100 // block_size)  # every sequence below fits in 100 tokens
+    return backend, cache, history, blocks[:per_sequence], [blocks[per_sequence * (i + 1):per_sequence * (i + 2)]
+                                                             for i in range(3)]
 
 
 def test_prefill_chunks_and_decodes_give_the_same_bits(setup) -> None:
@@ -64,7 +70,7 @@ def test_prefill_chunks_and_decodes_give_the_same_bits(setup) -> None:
             assert torch.equal(part, fresh[done:done + new]), f"cuts {cuts}: tokens {done}..{done + new}"
             done += new
     # Decodes and chunks of this sequence batched with others of other shapes.
-    others = [(spare[0:2], 0, 20), (spare[2:6], 30, 1), (spare[6:9], 11, 33)]
+    others = [(spare[0], 0, 20), (spare[1], 30, 1), (spare[2], 11, 33)]
     for done, new in [(69, 1), (40, 30), (0, LENGTH), (64, 6)]:
         rows = attend(backend, cache, history, others[:1] + [(table, done, new)] + others[1:])
         assert torch.equal(rows[1], fresh[done:done + new]), f"batched: tokens {done}..{done + new}"

@@ -5,8 +5,9 @@ prefix) are run alone, each in a fresh engine (the reference), and then under ev
 condition that changes the shape of the steps they ride in: batched with 15 random
 others, a 32-token budget that chunks every prefill, with prefix-cache hits and with
 the cache off, preempted in a pool too small, and in another order of arrival. Every
-condition must give the reference's tokens exactly, on a tiny bf16 model (head_dim 64:
-the paired attention layout) and on the default model in bf16.
+condition must give the reference's tokens exactly, on tiny bf16 models (head_dim 64:
+the paired attention layout; head_dim 16: the token-major one) and on the default
+model in bf16.
 
 With ``matmul="onednn"`` this fails (oneDNN's rounding changes with the number of rows
 in a step: docs/benchmarks.md); the default ``invariant`` GEMM is what makes it hold.
@@ -29,6 +30,7 @@ Request = tuple[str, list[int], SamplingParams]
 
 MODELS = {  # name -> (vocab range for random prompts, max new tokens of the targets)
     "tiny": ((3, 512), 24),
+    "tiny-head-dim-16": ((3, 512), 24),  # a token-major cache: the other attention path
     "default": ((200, 20000), 24),
 }
 
@@ -38,7 +40,8 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tiny = write_tiny_hf_model(tmp_path_factory.mktemp("tiny-bf16"), arch="llama", hidden_size=256,
                                intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                                num_hidden_layers=2)
-    return {"tiny": str(tiny), "default": "smollm2-135m-instruct"}
+    small_heads = write_tiny_hf_model(tmp_path_factory.mktemp("tiny-bf16-hd16"), arch="llama")
+    return {"tiny": str(tiny), "tiny-head-dim-16": str(small_heads), "default": "smollm2-135m-instruct"}
 
 
 def make_requests(model: str) -> tuple[list[Request], list[Request]]:
