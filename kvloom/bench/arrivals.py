@@ -18,7 +18,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 __all__ = ["arrival_offsets", "inter_arrival_gaps", "paced"]
@@ -57,19 +57,21 @@ def arrival_offsets(gaps: Sequence[float]) -> list[float]:
     return offsets
 
 
-async def paced(items: Sequence[T], offsets: Sequence[float],
-                start: float | None = None) -> AsyncIterator[T]:
+async def paced(items: Sequence[T], offsets: Sequence[float], start: float | None = None,
+                clock: Callable[[], float] = time.perf_counter,
+                sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncIterator[T]:
     """Yield ``items[i]`` once ``offsets[i]`` seconds have passed since ``start``
-    (``time.perf_counter()``, default now).
+    (``clock()``, default now).
 
     Waits for absolute times, not successive gaps, so time spent by the consumer
-    between yields does not push later arrivals back (no drift).
+    between yields does not push later arrivals back (no drift). ``clock`` and
+    ``sleep`` are seams for tests, which check the schedule on a simulated clock.
     """
     if len(items) != len(offsets):
         raise ValueError(f"{len(items)} items but {len(offsets)} offsets")
-    start = time.perf_counter() if start is None else start
+    start = clock() if start is None else start
     for item, offset in zip(items, offsets, strict=True):
-        delay = start + offset - time.perf_counter()
+        delay = start + offset - clock()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await sleep(delay)
         yield item

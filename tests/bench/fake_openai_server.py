@@ -41,6 +41,10 @@ class FakeState:
         self.in_flight = 0
         self.max_in_flight = 0
         self.streamed = 0
+        # Set by a test to make the first ``parties`` requests wait for each other: the
+        # overlap it checks is then a fact, not a matter of timing.
+        self.rendezvous: threading.Barrier | None = None
+        self.rendezvous_left = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -101,6 +105,10 @@ class Handler(BaseHTTPRequestHandler):
             # Recorded on arrival: the client may read the last chunk before this thread
             # gets back from _respond, and tests look at the record right after.
             state.requests.append(record)
+            meet = state.rendezvous if state.rendezvous_left > 0 else None
+            state.rendezvous_left -= meet is not None
+        if meet is not None:
+            meet.wait(timeout=30)
         self._record = record
         try:
             self._respond(payload)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,8 +172,12 @@ def test_request_rate_paces_sends_by_the_seeded_schedule(fake: FakeServer) -> No
     result = _run(fake, [BenchRequest(f"ok {i}", 2, 3) for i in range(8)], request_rate=40.0, seed=5)
     planned = arrival_offsets(inter_arrival_gaps(8, 40.0, seed=5))
     actual = [r["start_time"] for r in result["requests"]]
+    # Never early (that is what pacing guarantees); how late depends on the machine's
+    # load, so it is not asserted (tests/bench/test_arrivals.py checks the schedule on a
+    # simulated clock).
     for sent, scheduled in zip(actual, planned, strict=True):
-        assert scheduled - 0.002 <= sent <= scheduled + 0.08  # slack for a loaded machine
+        assert sent >= scheduled - 0.002
+    assert actual == sorted(actual)
     assert result["parameters"]["request_rate"] == 40.0
 
 
@@ -184,6 +189,7 @@ def test_multiturn_sends_turns_in_order_and_conversations_concurrently(fake: Fak
             history = history + [{"role": "user", "content": f"conv {group} turn {turn}"}]
             requests.append(BenchRequest(list(history), 4, 3, group=group, turn=turn))
             history = history + [{"role": "assistant", "content": "reply"}]
+    fake.state.rendezvous, fake.state.rendezvous_left = threading.Barrier(2), 2  # the first turns meet
     result = _run(fake, requests, endpoint=CHAT)
     assert result["metrics"]["completed"] == 6
     assert set(result["metrics"]["ttft_ms_by_turn"]) == {0, 1, 2}

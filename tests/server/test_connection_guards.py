@@ -46,16 +46,12 @@ def test_slow_header_connections_are_closed_at_the_deadline(guarded) -> None:
         assert http.get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("pieces", [1, 8], ids=["whole", "in pieces"])
-def test_oversized_headers_get_431(guarded, pieces: int) -> None:
+@pytest.mark.parametrize("complete", [True, False], ids=["whole block", "unterminated block"])
+def test_oversized_headers_get_431(guarded, complete: bool) -> None:
+    # A complete block is measured once parsed; an unterminated one by h11 as it grows.
     sock = connect(guarded)
-    request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n"
-    step = -(-len(request) // pieces)
-    try:
-        for start in range(0, len(request), step):
-            sock.sendall(request[start:start + step])
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server may answer and close before the last piece
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + (b"\r\n\r\n" if complete else b"")
+    sock.sendall(request)  # then only read: nothing arrives after the server's answer
     response = b""
     while chunk := sock.recv(65536):
         response += chunk
