@@ -391,7 +391,7 @@ int kvloom_gemm_best_isa() {
   return best;
 }
 
-// Bytes of bf16 a packed [n, k] weight takes (see the layout at the top).
+// bf16 elements a packed [n, k] weight takes (see the layout at the top).
 int64_t kvloom_gemm_packed_elements(int64_t n, int64_t k) { return round_up(n, COLS) * round_up(k, K_ALIGN); }
 
 // weight: [n, k] bf16 row-major -> packed (kvloom_gemm_packed_elements(n, k) bf16, zero padding).
