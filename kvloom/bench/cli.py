@@ -288,15 +288,22 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_flags(args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str, Any]:
+    """The compute-path engine flags (and ``extra`` ones) of a benchmark that sizes the
+    pool and the batch limits itself."""
+    from kvloom.cli import engine_kwargs
+
+    keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", *extra}
+    return {key: value for key, value in engine_kwargs(args).items() if key in keep}
+
+
 def _steps(args: argparse.Namespace) -> int:
     from kvloom.bench.steps import as_json, run_steps
-    from kvloom.cli import engine_kwargs
 
     prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",") if shape]
     batches = [int(b) for b in args.batches.split(",") if b]
     # The pool, the batch limits and the prefix cache are the benchmark's to size.
-    engine = {key: value for key, value in engine_kwargs(args).items()
-              if key in ("dtype", "device", "seed", "attention_backend", "num_threads", "matmul")}
+    engine = _engine_flags(args, ())
     results = run_steps(args.model, engine, batches, args.context, args.decode_steps,
                         prefills, args.repeats)  # type: ignore[arg-type]
     if args.output_json:
@@ -307,12 +314,10 @@ def _steps(args: argparse.Namespace) -> int:
 
 def _soak(args: argparse.Namespace) -> int:
     from kvloom.bench.soak import SoakConfig, format_soak, run_soak
-    from kvloom.cli import engine_kwargs
 
-    # The pool is the soak's to size (pool_factor); the other engine flags pass through.
-    engine = {key: value for key, value in engine_kwargs(args).items()
-              if key in ("dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "block_size",
-                         "max_num_seqs", "max_num_batched_tokens", "policy", "enable_prefix_caching")}
+    # The pool is the soak's to size (pool_factor); the scheduler's flags pass through.
+    engine = _engine_flags(args, ("block_size", "max_num_seqs", "max_num_batched_tokens", "policy",
+                                  "enable_prefix_caching"))
     config = SoakConfig(args.model, engine, args.num_requests, args.concurrency, args.max_seconds,
                         args.soak_seed, args.pool_factor, args.soak_max_tokens)
     result = run_soak(config)

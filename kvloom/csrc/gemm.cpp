@@ -223,6 +223,11 @@ template <class Path, int... R>
 void fill_table(TileFn (*table)[Path::BLOCKS], std::integer_sequence<int, R...>) {
   (fill_row<Path, R + 1>(table[R], std::make_integer_sequence<int, Path::BLOCKS>()), ...);
 }
+template <class Path>
+struct TileTable {
+  TileFn at[Path::ROWS][Path::BLOCKS];
+  TileTable() { fill_table<Path>(at, std::make_integer_sequence<int, Path::ROWS>()); }
+};
 
 // Input rows per pass over the weight: as many as keep their part of x in L2
 // (about 256 KiB), so a panel is reused by every row tile of the pass; decode-sized
@@ -234,8 +239,7 @@ constexpr int64_t X_BYTES_PER_PASS = 256 * 1024;
 // against every row tile of the pass while the panel sits in L2.
 template <class Path>
 void run_vector(const Problem& p, int num_threads) {
-  TileFn table[Path::ROWS][Path::BLOCKS];
-  fill_table<Path>(table, std::make_integer_sequence<int, Path::ROWS>());
+  static const TileTable<Path> table;  // built once per path (thread-safe static init)
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
                             * Path::ROWS;
@@ -250,7 +254,7 @@ void run_vector(const Problem& p, int num_threads) {
         const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
         for (int64_t m0 = pass; m0 < pass_end; m0 += Path::ROWS) {
           const int64_t rows = std::min<int64_t>(Path::ROWS, pass_end - m0);
-          table[rows - 1][panel - 1](p, m0, j0);
+          table.at[rows - 1][panel - 1](p, m0, j0);
         }
       }
     }

@@ -122,14 +122,8 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
-                                 f"got {bad[:3]}")
-        vocab_size = self.model_config.vocab_size
-        bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad_stops[:3]}")
+            self._check_token_ids("prompt token ids", token_ids)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         request = Request(
@@ -146,6 +140,12 @@ class LLMEngine:
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
+
+    def _check_token_ids(self, what: str, token_ids: list[int]) -> None:
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{what} must be in [0, {vocab_size}), got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

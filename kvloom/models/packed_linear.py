@@ -25,6 +25,7 @@ from torch import nn
 
 from kvloom.config import MATMULS
 from kvloom.kernels import gemm
+from kvloom.native import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class InvariantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.isa = isa or gemm.default_isa()
         if self.isa is None:
-            raise gemm.native.KernelUnavailable("the batch-invariant GEMM does not run on this CPU")
+            raise KernelUnavailable("the batch-invariant GEMM does not run on this CPU")
         self.packed_weight = gemm.pack_weight(weight)
         self.bias = None if bias is None else bias.detach().contiguous().clone()
 
