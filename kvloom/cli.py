@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvloom.models.loader import ModelLoadError
+    from kvloom.models.errors import ModelLoadError
     try:
         return _dispatch(args)
     except ModelLoadError as error:

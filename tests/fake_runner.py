@@ -3,12 +3,12 @@ request's last token, so outputs are known in advance and independent of batchin
 
 from __future__ import annotations
 
+from kvloom.batch import SchedulerOutput
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import SchedulerConfig
-from kvloom.engine.output import SchedulerOutput
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.request import Request

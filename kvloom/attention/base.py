@@ -1,22 +1,19 @@
-"""The attention-backend seam and its registry.
+"""The attention-backend seam.
 
 A backend writes the step's new K/V into the paged pool (through the slot mapping)
 and attends each request's queries over its block table. The pool only knows block
 ids; how a block's slots are arranged inside it is the backend's choice (``write_kv``
 / ``read_kv``): token-major by default, a kernel-friendly order for ``cpu_paged``.
-Backends are registered by name with a lazy import so that a CUDA-only kernel never
-loads on a CPU machine.
+Backends are chosen by name in ``attention/registry.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 from abc import ABC, abstractmethod
 
 import torch
 
-from kvloom.runner.forward_batch import ForwardBatch
+from kvloom.batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
@@ -54,15 +51,6 @@ class AttentionBackend(ABC):
         Returns [tokens, heads, head_dim]."""
 
 
-logger = logging.getLogger(__name__)
-
-# name -> "module:Class"; imported only when chosen.
-BACKENDS: dict[str, str] = {
-    "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
-    "cpu_paged": "kvloom.attention.cpu_paged:CPUPagedBackend",
-}
-
-
 def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Scatter the step's K/V into their slots of token-major blocks. Slots of different
@@ -71,27 +59,3 @@ def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto": the C++ paged kernel on CPU when it builds here, else the reference."""
-    if name != "auto":
-        return name
-    if device.type == "cpu":
-        from kvloom.attention.cpu_paged import KernelUnavailable, load_library
-        try:
-            load_library()
-            return "cpu_paged"
-        except KernelUnavailable as error:
-            logger.warning("%s; using the pure-PyTorch attention backend", error)
-    return "torch_ref"
-
-
-def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> AttentionBackend:
-    name = resolve_backend_name(name, device)
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {sorted(BACKENDS) + ['auto']}, got {name!r}")
-    module_name, class_name = BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(num_heads, num_kv_heads, head_dim)

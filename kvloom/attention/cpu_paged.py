@@ -28,8 +28,8 @@ import torch
 
 from kvloom import native
 from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
 from kvloom.native import KernelUnavailable
-from kvloom.runner.forward_batch import ForwardBatch
 
 __all__ = ["CPUPagedBackend", "KernelUnavailable", "load_library"]
 

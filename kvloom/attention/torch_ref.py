@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.runner.forward_batch import ForwardBatch
+from kvloom.batch import ForwardBatch
 
 
 class TorchReferenceBackend(AttentionBackend):

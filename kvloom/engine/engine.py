@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.attention.base import make_backend
+from kvloom.attention.registry import make_backend
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache

@@ -1,48 +1,10 @@
-"""The objects that cross boundaries: scheduler -> runner, engine -> caller."""
+"""What the engine hands its caller: a request's cumulative output and the step's delta."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvloom.request import Request, RequestError, RequestTimeline
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: tokens ``[start, start + num_new_tokens)``.
-
-    ``start`` equals the request's num_computed_tokens when scheduled. The runner
-    samples a token only when the chunk reaches the end of the known tokens.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return not (self.num_new_tokens == 1 and self.samples and self.request.num_output_tokens > 0)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """Everything the runner needs for one forward pass, and nothing else."""
-
-    step: int
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from kvloom.request import RequestError, RequestTimeline
 
 
 @dataclass(slots=True)

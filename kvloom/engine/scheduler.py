@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
+from kvloom.batch import ScheduledRequest, SchedulerOutput
 from kvloom.cache.kv_manager import KVCacheManager, cdiv
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.config import SchedulerConfig
-from kvloom.engine.output import ScheduledRequest, SchedulerOutput
 from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
 from kvloom.request import Request, RequestStatus
@@ -133,7 +133,7 @@ class Scheduler:
                     break
                 pending.remove(victim)
             else:
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
                 budget -= num_new
 
         # Admitting right after a preemption would only thrash: the pool is full.
@@ -200,7 +200,7 @@ class Scheduler:
             self.running.append(request)
             self._mark_admitted(request, prefix)
             in_flight.add(request)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
 
@@ -305,6 +305,6 @@ class StaticBatchScheduler(Scheduler):
             self._mark_admitted(request, None)
             num_new = min(request.num_tokens, budget)
             if num_new > 0:
-                scheduled.append(ScheduledRequest(request, 0, num_new))
+                scheduled.append(ScheduledRequest.of(request, 0, num_new))
                 budget -= num_new
         return None, None

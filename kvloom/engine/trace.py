@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvloom.engine.output import SchedulerOutput
+    from kvloom.batch import SchedulerOutput
     from kvloom.request import Request
 
 

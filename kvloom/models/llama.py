@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
-from kvloom.runner.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvloom.models.errors import ModelLoadError
 from kvloom.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,6 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _GGUF_CACHE_MAX_BYTES = 4 << 30
 # Bump when the GGUF conversion changes, so stale caches are rebuilt.
 _GGUF_CACHE_VERSION = 1
-
-
-class ModelLoadError(Exception):
-    """A model could not be loaded; the message is one user-facing line."""
 
 
 @dataclass

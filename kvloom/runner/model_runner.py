@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.engine.output import SchedulerOutput
+from kvloom.batch import ForwardBatch, SchedulerOutput
 from kvloom.request import Request, RequestError
-from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.runner.sampler import LogprobsEntry, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
 from kvloom.structured.compiler import CompiledGrammar

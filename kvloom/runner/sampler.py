@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvloom import native
-from kvloom.runner.sampling_metadata import GrammarMask, PenaltyTensors, SamplingMetadata
+from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
+from kvloom.structured.mask import GrammarMask
 
 
 @functools.cache

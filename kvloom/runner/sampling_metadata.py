@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.sampling_params import SamplingParams, seed_value
+from kvloom.structured.mask import GrammarMask
 
 
 @dataclass(slots=True)
@@ -49,15 +50,6 @@ class PenaltyTensors:
     presence: torch.Tensor  # [P, 1] float32
     output_counts: torch.Tensor  # [P, V] float32, occurrences of each token in the output
     seen_in_prompt_or_output: torch.Tensor  # [P, V] bool, scope of the repetition penalty
-
-
-@dataclass(slots=True)
-class GrammarMask:
-    """Allowed next tokens of the C rows under a grammar (structured output)."""
-
-    rows: torch.Tensor  # [C] int64 batch rows
-    # [C, ceil(V / 32)] int32 on the logits' device; bit b of word w allows token 32 * w + b.
-    bitmask: torch.Tensor
 
 
 @dataclass(slots=True)

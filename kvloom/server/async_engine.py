@@ -32,7 +32,7 @@ from typing import Any
 
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
-from kvloom.models.loader import ModelLoadError
+from kvloom.models.errors import ModelLoadError
 from kvloom.server.metrics import EngineMetrics
 from kvloom.server.streams import (
     EngineFailed,

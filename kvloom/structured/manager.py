@@ -13,9 +13,9 @@ import llguidance
 import torch
 
 from kvloom.request import Request, RequestError
-from kvloom.runner.sampling_metadata import GrammarMask
 from kvloom.structured.compiler import CompiledGrammar, GrammarCompiler
 from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.mask import GrammarMask
 from kvloom.structured.matcher import GrammarMatcher
 from kvloom.tokenizer import Tokenizer
 

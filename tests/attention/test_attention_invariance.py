@@ -10,10 +10,9 @@ import random
 import pytest
 import torch
 
-from kvloom.attention.base import make_backend
-from kvloom.engine.output import ScheduledRequest, SchedulerOutput
+from kvloom.attention.registry import make_backend
+from kvloom.batch import ForwardBatch, ScheduledRequest, SchedulerOutput
 from kvloom.request import Request
-from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.sampling_params import SamplingParams
 
 HEADS, KV_HEADS, NUM_BLOCKS = 9, 3, 64
@@ -29,7 +28,7 @@ def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]])
     for i, (blocks, done, new) in enumerate(sequences):
         request = Request(f"s{i}", [1] * (done + new), SamplingParams())
         request.block_ids = list(blocks)
-        scheduled.append(ScheduledRequest(request, done, new))
+        scheduled.append(ScheduledRequest.of(request, done, new))
     batch = ForwardBatch.build(SchedulerOutput(1, scheduled), cache.shape[2], torch.device("cpu"))
     slots = batch.slot_mapping.long()
     out = backend.forward(q_all[slots], k_all[slots], v_all[slots], cache, batch, backend.prepare(batch))

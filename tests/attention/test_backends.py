@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-from kvloom.attention.base import make_backend
-from kvloom.engine.output import ScheduledRequest, SchedulerOutput
+from kvloom.attention.registry import make_backend
+from kvloom.batch import ForwardBatch, ScheduledRequest, SchedulerOutput
 from kvloom.request import Request
-from kvloom.runner.forward_batch import ForwardBatch
 from kvloom.sampling_params import SamplingParams
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -32,7 +31,7 @@ def mixed_batch(block_size: int, num_blocks: int, seed: int, shapes=MIXED):
         total = done + new
         request = Request(f"r{i}", [rng.randrange(100) for _ in range(total)], SamplingParams())
         request.block_ids = [free.pop() for _ in range(-(-total // block_size))]
-        scheduled.append(ScheduledRequest(request, done, new))
+        scheduled.append(ScheduledRequest.of(request, done, new))
     return SchedulerOutput(1, scheduled)
 
 

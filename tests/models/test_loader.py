@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvloom.models import default_model, gguf_loader
-from kvloom.models.loader import ModelLoadError, load_checkpoint
+from kvloom.models.errors import ModelLoadError
+from kvloom.models.loader import load_checkpoint
 from tests.helpers_models import (
     default_model_path,
     tiny_state_dict,

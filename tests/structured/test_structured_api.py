@@ -11,9 +11,10 @@ import torch
 
 from kvloom import SamplingParams
 from kvloom.runner.sampler import Sampler, apply_token_bitmask
-from kvloom.runner.sampling_metadata import GrammarMask, SamplingMetadata, SamplingRequestState
+from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState
 from kvloom.structured import StructuredOutput, structured_output_from_openai
 from kvloom.structured.compiler import GrammarCompiler
+from kvloom.structured.mask import GrammarMask
 from kvloom.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -1,21 +1,68 @@
-"""ForwardBatch: the tensors of one step, built from a SchedulerOutput.
+"""The objects that cross the step's two inner boundaries.
 
-Tokens of all scheduled requests are packed into one flat sequence (no padding);
-``query_start_loc`` marks where each request's tokens start. Python-side copies of
-the lengths are kept so that backends can loop without device->host syncs.
+scheduler -> runner: a ``SchedulerOutput`` of ``ScheduledRequest`` snapshots (which
+tokens of which request to compute this step). runner -> model and attention: the
+``ForwardBatch`` tensors built from it. Both sides of each boundary import this
+module; it imports nothing above ``request``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.engine.output import SchedulerOutput
+from kvloom.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``.
+
+    A snapshot taken when the step is scheduled: ``samples`` and ``is_prefill`` keep
+    their values after ``Scheduler.update`` has moved the request on. The runner
+    samples a token only where ``samples`` (the chunk reaches the last known token).
+    """
+
+    request: Request
+    start: int  # the request's num_computed_tokens when scheduled
+    num_new_tokens: int
+    samples: bool
+    is_prefill: bool  # computes prompt, recomputed or forced tokens, not one decode token
+
+    @classmethod
+    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
+        samples = start + num_new_tokens == request.num_tokens
+        is_decode = num_new_tokens == 1 and samples and request.num_output_tokens > 0
+        return cls(request, start, num_new_tokens, samples, not is_decode)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs for one forward pass, and nothing else."""
+
+    step: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 
 @dataclass(slots=True)
 class ForwardBatch:
+    """The tensors of one step, built from a SchedulerOutput.
+
+    Tokens of all scheduled requests are packed into one flat sequence (no padding);
+    ``query_start_loc`` marks where each request's tokens start. Python-side copies of
+    the lengths are kept so that backends can loop without device->host syncs.
+    """
+
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
@@ -63,7 +110,7 @@ class ForwardBatch:
         for n in query_lens:
             starts.append(starts[-1] + n)
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
