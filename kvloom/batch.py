@@ -1,9 +1,11 @@
-"""The objects that cross the step's two inner boundaries.
+"""The objects that cross the step's inner boundaries.
 
 scheduler -> runner: a ``SchedulerOutput`` of ``ScheduledRequest`` snapshots (which
 tokens of which request to compute this step). runner -> model and attention: the
-``ForwardBatch`` tensors built from it. Both sides of each boundary import this
-module; it imports nothing above ``request``.
+``ForwardBatch`` tensors built from it. runner -> scheduler: the ``RunnerOutput``
+(sampled and forced tokens, logprobs, per-request failures) that
+``Scheduler.update`` turns into request state. Both sides of each boundary import
+this module; it imports nothing above ``request``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.request import Request
+from kvloom.request import Request, RequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +127,43 @@ class ForwardBatch:
             seq_lens_list=seq_lens,
             block_size=block_size,
         )
+
+
+@dataclass(slots=True)
+class LogprobsEntry:
+    """Log-probabilities reported for one sampled token."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw logits
+    rank: int  # 1-based: 1 + number of tokens with a strictly greater logprob
+    top_logprobs: list[tuple[int, float]]  # the n best (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one forward pass produced, aligned with ``SchedulerOutput.scheduled``."""
+
+    sampled: list[int | None]  # None where the entry samples nothing (a mid-prompt chunk)
+    logprobs: list[LogprobsEntry | None]  # where the request asked for logprobs
+    # Tokens a grammar forces after each entry's sampled token (jump-forward); None when
+    # no entry has any (the common case).
+    forced: list[list[int]] | None = None
+    # Requests whose own per-request work failed this step (their grammar, ...): each
+    # fails alone and its entries above are ignored.
+    failed: dict[str, RequestError] = field(default_factory=dict)
+
+    def new_token_ids(self, index: int) -> list[int]:
+        """Entry ``index``'s sampled token, then its forced tokens."""
+        token_id = self.sampled[index]
+        if token_id is None:
+            return []
+        return [token_id, *(self.forced[index] if self.forced else ())]
+
+    def new_logprobs(self, index: int) -> list[LogprobsEntry | None]:
+        """The logprobs of ``new_token_ids(index)``, one per token. A forced token was
+        certain under the grammar: it reports logprob 0.0 and rank 1."""
+        token_ids, entry = self.new_token_ids(index), self.logprobs[index]
+        if entry is None or not token_ids:
+            return [None] * len(token_ids)
+        return [entry, *(LogprobsEntry(forced_id, 0.0, 1, [(forced_id, 0.0)] if entry.top_logprobs else [])
+                         for forced_id in token_ids[1:])]

@@ -1,5 +1,9 @@
 """The engine's record of one request: tokens, progress, KV blocks and timeline.
 
+Owners: the scheduler (engine/scheduler.py) is the one writer of everything here
+but ``block_ids``, which the KV cache manager (cache/kv_manager.py) writes. Others
+read.
+
 Invariant: ``num_computed_tokens <= num_tokens``; the KV of the first
 ``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order). A request
 whose ``num_computed_tokens == num_tokens`` is "decoding": its next step computes the
@@ -72,6 +76,11 @@ class RequestError:
 
     message: str
     caused_by_request: bool = False
+
+    @classmethod
+    def output_failed(cls, error: Exception) -> RequestError:
+        """Turning the request's tokens into output (detokenizing, ...) raised: our bug."""
+        return cls(f"processing the output failed: {type(error).__name__}: {error}")
 
     def __str__(self) -> str:
         return self.message

@@ -3,7 +3,7 @@ request's last token, so outputs are known in advance and independent of batchin
 
 from __future__ import annotations
 
-from kvloom.batch import SchedulerOutput
+from kvloom.batch import RunnerOutput, SchedulerOutput
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache
@@ -11,6 +11,7 @@ from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import SchedulerConfig
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
+from kvloom.engine.stop import StopChecker
 from kvloom.request import Request
 from kvloom.sampling_params import SamplingParams
 
@@ -22,13 +23,14 @@ def next_token(last: int) -> int:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, prefix_cache: bool = False,
-                   max_model_len: int = 1 << 20, **config) -> Scheduler:
+                   max_model_len: int = 1 << 20, stops: StopChecker | None = None,
+                   **config) -> Scheduler:
     cfg = SchedulerConfig(**config)
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, block_size) if prefix_cache else NoPrefixCache()
     kv = KVCacheManager(pool, block_size, cache)
     cls = StaticBatchScheduler if cfg.scheduling == "static" else Scheduler
-    return cls(cfg, kv, make_policy(cfg), max_model_len)
+    return cls(cfg, kv, make_policy(cfg), max_model_len, stops)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, priority: int = 0,
@@ -38,10 +40,11 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int, priority: in
                    priority=priority)
 
 
-def fake_execute(output: SchedulerOutput) -> list[int | None]:
+def fake_execute(output: SchedulerOutput) -> RunnerOutput:
     """What a model would sample: only for chunks that reach the end of known tokens."""
-    return [next_token(item.request.all_token_ids[-1]) if item.samples else None
-            for item in output.scheduled]
+    sampled = [next_token(item.request.all_token_ids[-1]) if item.samples else None
+               for item in output.scheduled]
+    return RunnerOutput(sampled, [None] * len(sampled))
 
 
 def expected_output(request: Request) -> list[int]:

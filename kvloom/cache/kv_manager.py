@@ -1,7 +1,8 @@
 """KVCacheManager: gives requests KV slots, shares cached prefixes, frees on finish.
 
-Ownership: a request holds one pool reference per entry of ``request.block_ids``;
-the prefix cache holds one per block it indexes. A request's blocks beyond its
+Ownership: this manager is the one writer of ``request.block_ids`` (the scheduler
+owns the rest of a request's state). A request holds one pool reference per entry
+of its ``block_ids``; the prefix cache holds one per block it indexes. A request's blocks beyond its
 cached prefix are private to it, so a request never writes into a shared block.
 """
 
@@ -71,7 +72,7 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens of KV; all or nothing.
 
         ``prefix`` (only for a request that holds no blocks yet) is attached first:
-        its blocks are shared and count as computed.
+        its blocks are shared; the scheduler then counts its tokens as computed.
         """
         state = self._cache_state.get(request)
         if prefix is not None and prefix.block_ids:
@@ -86,7 +87,6 @@ class KVCacheManager:
                 return False
             self.pool.incref(prefix.block_ids)
             request.block_ids = list(prefix.block_ids) + self.pool.allocate(needed)
-            request.num_computed_tokens = prefix.num_tokens
             self._cache_state[request] = _CacheState(prefix.handle, len(prefix.block_ids))
             return True
         needed = self.blocks_needed(request, num_new_tokens)
@@ -130,7 +130,6 @@ class KVCacheManager:
             self.prefix_cache.unlock(state.handle)
         self.pool.decref(request.block_ids)
         request.block_ids = []
-        request.num_computed_tokens = 0
 
     def check_integrity(self, live_requests: list[Request]) -> None:
         """Every reference is accounted for by a live request or the prefix cache."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.attention.registry import make_backend
+from kvloom.batch import LogprobsEntry
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
@@ -22,6 +23,7 @@ from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
+from kvloom.engine.stop import StopChecker
 from kvloom.models.loader import load_checkpoint
 from kvloom.models.registry import build_model
 from kvloom.request import Request, RequestError, RequestStatus
@@ -98,13 +100,14 @@ class LLMEngine:
         prefix_cache: PrefixCache = (RadixCache(pool, block_size) if config.cache.enable_prefix_caching
                                      else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
+        self.output_processor = OutputProcessor(self.tokenizer)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
-                                         make_policy(config.scheduler), self.max_model_len)
+                                         make_policy(config.scheduler), self.max_model_len,
+                                         StopChecker(self.output_processor))
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 
@@ -157,70 +160,34 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that produced a token."""
+        """Run one iteration; returns an output for every request that produced a token
+        or ended."""
         scheduled = self.scheduler.schedule()
         self._last_num_batched_tokens = scheduled.num_batched_tokens
         if scheduled.is_empty:
             return []
-        starts = [item.request.num_output_tokens for item in scheduled.scheduled]
         # An exception from the forward itself is an engine fault and propagates.
         result = self.runner.execute(scheduled)
-        failed = [self._fail(item.request, result.failed[item.request.request_id])
-                  for item in scheduled.scheduled if item.request.request_id in result.failed]
-        produced = self.scheduler.update(scheduled, result.sampled, result.forced)  # skips the failed
-        return [self._emit_or_fail(request, tokens)
-                for request, tokens in self._pair(scheduled, result, produced, starts)] + failed
+        # The scheduler alone writes request state: tokens, stops, failures.
+        updates = self.scheduler.update(scheduled, result)
+        return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
+                for update in updates]
 
-    @staticmethod
-    def _pair(scheduled, result, produced, starts):
-        """(request, [(token, logprobs)]) for the tokens each request appended this step:
-        its sampled token, then any forced ones, up to where the scheduler stopped it."""
-        produced_set = set(produced)
-        for index, (item, start) in enumerate(zip(scheduled.scheduled, starts, strict=True)):
-            if item.request in produced_set:
-                appended = item.request.num_output_tokens - start
-                yield item.request, result.new_tokens(index)[:appended]
-
-    def _emit(self, request: Request, tokens: list[tuple[int, object | None]]) -> RequestOutput:
-        for position, (token_id, logprobs) in enumerate(tokens):
-            stop = self.output_processor.process_token(request, token_id, logprobs)
-            if stop is not None:
-                # Forced tokens after the one completing a stop string were never output.
-                surplus = len(tokens) - position - 1
-                if surplus:
-                    del request.output_token_ids[-surplus:]
-                    del request.all_token_ids[-surplus:]
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
-                break
-        output = self.output_processor.make_output(request)
-        if request.is_finished:
-            self._release(request)
-        return output
-
-    def _emit_or_fail(self, request: Request, tokens: list[tuple[int, object | None]]) -> RequestOutput:
-        """``_emit``, inside the boundary that makes a failure there (detokenizing, stop
-        strings, logprobs) this request's alone: it finishes with an error, the rest of
-        the step goes on."""
+    def _output(self, request: Request, new_logprobs: list[LogprobsEntry | None]) -> RequestOutput:
+        """The request's output for this step, inside the boundary that makes a failure
+        here (detokenizing, logprobs) this request's alone: it finishes with an error
+        and the rest of the step goes on. A finished request's state is dropped."""
         try:
-            return self._emit(request, tokens)
+            output = self.output_processor.make_output(request, new_logprobs)
         except Exception as error:  # noqa: BLE001 - attributed to this request
             logger.exception("request %s failed while its output was processed", request.request_id)
-            return self._fail(request, RequestError(f"processing the output failed: {type(error).__name__}: "
-                                                    f"{error}"))
-
-    def _fail(self, request: Request, error: RequestError) -> RequestOutput:
-        """Finish ``request`` with ``error`` (its blocks are freed now) and return its
-        final output; never raises."""
-        request.error = error
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-        try:
-            output = self.output_processor.make_output(request)
-        except Exception:  # noqa: BLE001 - the output is what failed: report without text
-            logger.exception("request %s: no output could be made", request.request_id)
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                          error=RequestError.output_failed(error))
             output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                                    [CompletionOutput(0, "", list(request.output_token_ids), "error")],
-                                   finished=True, metrics=request.timeline, error=error)
-        self._release(request)
+                                   finished=True, metrics=request.timeline, error=request.error)
+        if request.is_finished:
+            self._release(request)
         return output
 
     def _release(self, request: Request) -> None:

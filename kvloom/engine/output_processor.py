@@ -1,4 +1,9 @@
-"""Turns sampled tokens into text deltas: incremental detokenization and stop strings.
+"""Turns a request's tokens into text and outputs: incremental detokenization, stop
+strings, logprobs, deltas.
+
+The scheduler's stop check calls ``add_token`` for every token it appends (this is
+the ``TokenText`` of engine/stop.py: the text is kept here, the decision is made
+there); the engine calls ``make_output`` once per step for each request that moved.
 
 Invariant: the ``delta_text`` values a caller receives concatenate to exactly the
 final ``text``. Text that could still turn into a stop string is held back until it
@@ -7,8 +12,9 @@ either completes the stop string (and is dropped) or is ruled out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvloom.batch import LogprobsEntry
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvloom.request import Request
 from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -21,7 +27,6 @@ class _StreamState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -51,14 +56,13 @@ class OutputProcessor:
     def discard(self, request: Request) -> None:
         self._streams.pop(request, None)
 
-    def process_token(self, request: Request, token_id: int, logprobs: object | None) -> str | None:
-        """Detokenize the request's newest token; returns the stop string it completed."""
+    def add_token(self, request: Request, token_id: int) -> str | None:
+        """Detokenize the request's newest token; returns the stop string it completed
+        (the text is cut there, or after it with ``include_stop_str_in_output``)."""
         state = self._streams[request]
         params = request.sampling_params
         previous_len = len(state.text)
         state.text += state.detokenizer.add_tokens([token_id])
-        if state.logprobs is not None and logprobs is not None:
-            state.logprobs.append(self._convert_logprobs(logprobs))
         for stop in params.stop:
             index = state.text.find(stop, max(0, previous_len - len(stop) + 1))
             if index >= 0:
@@ -67,7 +71,7 @@ class OutputProcessor:
                 return stop
         return None
 
-    def _convert_logprobs(self, entry: object) -> TokenLogprobs:
+    def _convert_logprobs(self, entry: LogprobsEntry) -> TokenLogprobs:
         result: TokenLogprobs = {}
         sampled_id, sampled_logprob, sampled_rank = entry.token_id, entry.logprob, entry.rank
         for rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
@@ -78,9 +82,12 @@ class OutputProcessor:
         # The sampled token first, as vLLM orders it.
         return {sampled_id: result.pop(sampled_id), **result}
 
-    def make_output(self, request: Request) -> RequestOutput:
-        """The request's cumulative output and the delta since the previous call."""
+    def make_output(self, request: Request, new_logprobs: list[LogprobsEntry | None] = ()) -> RequestOutput:
+        """The request's cumulative output and the delta since the previous call.
+        ``new_logprobs``: those of the tokens appended since then, where requested."""
         state = self._streams[request]
+        if state.logprobs is not None:
+            state.logprobs.extend(self._convert_logprobs(entry) for entry in new_logprobs if entry is not None)
         finished = request.is_finished
         if finished and not isinstance(request.stop_reason, str):
             # Bytes of an unfinished character are released at the very end.

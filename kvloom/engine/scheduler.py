@@ -8,19 +8,28 @@ Each step: running requests first (in policy order); when one cannot get a block
 the policy picks a victim among those not yet scheduled and it is preempted (blocks
 freed, back to the head of the waiting queue). Then waiting requests are admitted in
 policy order while budget, ``max_num_seqs`` and blocks last.
+
+The scheduler is the one writer of a request's state: its status, progress
+(``num_computed_tokens``), output tokens, stop reason and error (``block_ids`` are
+the KV cache manager's). ``update`` is where a step's results enter it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 
-from kvloom.batch import ScheduledRequest, SchedulerOutput
+from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.cache.kv_manager import KVCacheManager, cdiv
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.config import SchedulerConfig
 from kvloom.engine.policy import SchedulingPolicy
+from kvloom.engine.stop import StopChecker
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
-from kvloom.request import Request, RequestStatus
+from kvloom.request import Request, RequestError, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
@@ -35,12 +44,23 @@ class RequestRejected(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """What one step did to a request that produced tokens or ended: it appended the
+    last ``num_new_tokens`` of its output tokens (possibly 0: it failed)."""
+
+    request: Request
+    index: int  # its entry in SchedulerOutput.scheduled and RunnerOutput
+    num_new_tokens: int
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 max_model_len: int) -> None:
+                 max_model_len: int, stops: StopChecker | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
+        self.stops = stops if stops is not None else StopChecker()
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -83,17 +103,19 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request: Request, status: RequestStatus,
-                       stop_reason: int | str | None = None) -> None:
-        """End a request now: its blocks return to the pool (or the prefix cache)."""
+                       stop_reason: int | str | None = None, error: RequestError | None = None) -> None:
+        """End a request now: its blocks return to the pool (or the prefix cache).
+        ``error`` goes with status FINISHED_ERROR."""
         if request.is_finished:
             return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self._free(request)
         request.status = status
         request.stop_reason = stop_reason
+        request.error = error
         request.timeline.finished_time = time.monotonic()
         request.timeline.finished_step = self.step_count
         del self.requests[request.request_id]
@@ -120,7 +142,8 @@ class Scheduler:
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
             request = pending.pop(0)
-            num_new = self._num_new_tokens(request, budget, first=not scheduled)
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget,
+                                           first=not scheduled)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -145,8 +168,8 @@ class Scheduler:
                                self.kv.pool.num_free_blocks, self._deferred)
         return output
 
-    def _num_new_tokens(self, request: Request, budget: int, first: bool) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, remaining: int, budget: int, first: bool) -> int:
+        """How many of a request's ``remaining`` uncomputed tokens this step computes."""
         if not self.config.enable_chunked_prefill:
             # Unchunked: the whole remainder at once; only the first entry of a step may
             # exceed the budget, so that a prompt longer than the budget still runs.
@@ -187,15 +210,15 @@ class Scheduler:
                 # waiting for them turns recomputation into a cache hit.
                 self._deferred.append(request)
                 continue
-            request.num_computed_tokens = prefix.num_tokens
-            num_new = self._num_new_tokens(request, budget, first=not scheduled)
+            num_new = self._num_new_tokens(request.num_tokens - prefix.num_tokens, budget,
+                                           first=not scheduled)
             refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
                 self.policy.refuse_admission(request, self.kv)
             if refusal is None and not self.kv.allocate_slots(request, num_new, prefix):
                 refusal = WaitReason.NO_FREE_BLOCKS
             if refusal is not None:
-                request.num_computed_tokens = 0
                 return request, refusal
+            request.num_computed_tokens = prefix.num_tokens  # the hit counts as computed
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, prefix)
@@ -220,64 +243,67 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's KV and requeue it at the head; it recomputes on resume."""
         self.running.remove(request)
-        self.kv.free(request)
+        self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         request.timeline.preempted_steps.append(self.step_count)
         self.num_preemptions += 1
         self.waiting.insert(0, request)
 
-    # ---- after the forward pass ------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: list[int | None],
-               forced: list[list[int]] | None = None) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests that hit a stop
-        condition. Returns the requests that produced a token (in schedule order).
+    def _free(self, request: Request) -> None:
+        """Release the request's KV (computed full blocks stay cached): nothing is computed."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
 
-        ``forced`` (aligned with ``sampled``, optional) holds tokens a grammar forces
-        after the sampled one (jump-forward): appended and stop-checked one by one,
-        left uncomputed, so the next step computes them as a chunk."""
+    # ---- after the forward pass ------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
+        """Enter a step's results: progress advances by the computed tokens, then each
+        entry's sampled token and any forced ones (jump-forward, left uncomputed so the
+        next step computes them as a chunk) are appended one by one until one stops the
+        request; a request the runner reports failed finishes with its error. Returns,
+        in schedule order, an update for every request that appended tokens or failed."""
         now = time.monotonic()
-        produced: list[Request] = []
-        for index, (item, token_id) in enumerate(zip(output.scheduled, sampled, strict=True)):
+        updates: list[StepUpdate] = []
+        for index, item in enumerate(output.scheduled):
             request = item.request
             if request.is_finished:  # aborted while the step ran
+                continue
+            error = result.failed.get(request.request_id)
+            if error is not None:
+                self.finish_request(request, RequestStatus.FINISHED_ERROR, error=error)
+                updates.append(StepUpdate(request, index, 0))
                 continue
             request.num_computed_tokens += item.num_new_tokens
             if item.is_prefill:
                 request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
             self.kv.cache_computed_blocks(request)
-            if token_id is None:
+            token_ids = result.new_token_ids(index)
+            if not token_ids:
                 continue
-            request.append_output_token(token_id)
-            if request.timeline.first_token_time is None:
-                request.timeline.first_token_time = now
-                request.timeline.first_token_step = output.step
-            request.timeline.last_token_time = now
-            produced.append(request)
-            self._check_stop(request, token_id)
-            for forced_id in forced[index] if forced else ():
-                if request.is_finished:
-                    break
-                request.append_output_token(forced_id)
-                self._check_stop(request, forced_id)
-        return produced
+            timeline = request.timeline
+            if timeline.first_token_time is None:
+                timeline.first_token_time, timeline.first_token_step = now, output.step
+            timeline.last_token_time = now
+            updates.append(StepUpdate(request, index, self._append(request, token_ids)))
+        return updates
 
-    def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.sampling_params
-        if params.structured is not None and token_id in request.eos_token_ids:
-            # A grammar admits EOS only once its structure is complete: that always ends
-            # the request, whatever ignore_eos and min_tokens say.
-            self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
-            return
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                self.finish_request(request, RequestStatus.FINISHED_STOPPED, token_id)
-                return
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
-                return
-        if request.num_output_tokens >= request.max_tokens:
-            self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+    def _append(self, request: Request, token_ids: list[int]) -> int:
+        """Append tokens up to and including the first that stops the request; returns
+        how many were appended. A failure in checking (detokenizing a stop string, ...)
+        is this request's alone: it finishes with the error."""
+        for count, token_id in enumerate(token_ids, start=1):
+            request.append_output_token(token_id)
+            try:
+                stop = self.stops.check(request, token_id)
+            except Exception as error:  # noqa: BLE001 - attributed to this request
+                logger.exception("request %s failed while its output was processed", request.request_id)
+                self.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                    error=RequestError.output_failed(error))
+                return count
+            if stop is not None:
+                self.finish_request(request, stop.status, stop.reason)
+                return count
+        return len(token_ids)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running + self.waiting)

@@ -10,50 +10,19 @@ request draws the same numbers whatever else is in the batch) and grammar matche
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch, SchedulerOutput
+from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, SchedulerOutput
 from kvloom.request import Request, RequestError
-from kvloom.runner.sampler import LogprobsEntry, Sampler
+from kvloom.runner.sampler import Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
 from kvloom.structured.compiler import CompiledGrammar
 from kvloom.structured.constraint import StructuredOutput
 from kvloom.structured.manager import StructuredOutputManager
 from kvloom.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    sampled: list[int | None]  # aligned with SchedulerOutput.scheduled
-    logprobs: list[object | None]  # sampler's LogprobsEntry where requested
-    # Tokens a grammar forces after each entry's sampled token (jump-forward), aligned
-    # with `sampled`; None when no entry has any (the common case).
-    forced: list[list[int]] | None = None
-    # Requests whose own per-request work failed this step (their grammar, ...): the
-    # engine fails each alone and ignores its entries above.
-    failed: dict[str, RequestError] = field(default_factory=dict)
-
-    def new_tokens(self, index: int) -> list[tuple[int, object | None]]:
-        """Entry ``index``'s sampled token then its forced tokens, each with logprobs.
-
-        A forced token was certain under the grammar: when logprobs were requested it
-        reports logprob 0.0 and rank 1, so token and logprob lists stay aligned.
-        """
-        token_id, entry = self.sampled[index], self.logprobs[index]
-        if token_id is None:
-            return []
-        tokens: list[tuple[int, object | None]] = [(token_id, entry)]
-        for forced_id in self.forced[index] if self.forced else ():
-            certain = None
-            if isinstance(entry, LogprobsEntry):
-                top = [(forced_id, 0.0)] if entry.top_logprobs else []
-                certain = LogprobsEntry(forced_id, 0.0, 1, top)
-            tokens.append((forced_id, certain))
-        return tokens
 
 
 class ModelRunner:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom import native
+from kvloom.batch import LogprobsEntry
 from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
 from kvloom.structured.mask import GrammarMask
 
@@ -54,16 +55,6 @@ def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, unif
     function(logits.data_ptr(), logits.shape[0], logits.shape[1], inv_temperature.data_ptr(),
              uniforms.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
     return tokens
-
-
-@dataclass(slots=True)
-class LogprobsEntry:
-    """Log-probabilities reported for one sampled token."""
-
-    token_id: int  # the sampled token
-    logprob: float  # its log-probability under the raw logits
-    rank: int  # 1-based: 1 + number of tokens with a strictly greater logprob
-    top_logprobs: list[tuple[int, float]]  # the n best (token_id, logprob), best first
 
 
 @dataclass(slots=True)

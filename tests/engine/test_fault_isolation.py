@@ -36,17 +36,17 @@ def reference(tiny_llama) -> dict[str, list[int]]:
 
 def test_a_failing_output_step_fails_only_its_request(tiny_llama, reference, monkeypatch) -> None:
     engine = engine_for(tiny_llama)
-    process = engine.output_processor.process_token
+    add_token = engine.output_processor.add_token
     calls = {"r2": 0}
 
-    def flaky(request, token_id, logprobs):
+    def flaky(request, token_id):
         if request.request_id == "r2":
             calls["r2"] += 1
             if calls["r2"] == 4:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return process(request, token_id, logprobs)
+        return add_token(request, token_id)
 
-    monkeypatch.setattr(engine.output_processor, "process_token", flaky)
+    monkeypatch.setattr(engine.output_processor, "add_token", flaky)
     finals = run(engine, {rid: (prompt, PARAMS) for rid, prompt in PROMPTS.items()})
     failed = finals["r2"]
     assert failed.outputs[0].finish_reason == "error"
