@@ -10,13 +10,17 @@ Backends are chosen by name in ``attention/registry.py``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
 
 import torch
 
 from kvloom.batch import ForwardBatch
 
+# What ``prepare`` builds once per step and every layer's ``forward`` receives.
+MetadataT = TypeVar("MetadataT")
 
-class AttentionBackend(ABC):
+
+class AttentionBackend(ABC, Generic[MetadataT]):
     name: str = ""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -25,9 +29,9 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def prepare(self, batch: ForwardBatch) -> object:
-        """Per-step metadata shared by all layers (masks, index tensors). Default: none."""
-        return None
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> MetadataT:
+        """Per-step metadata shared by all layers (masks, index tensors)."""
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -44,7 +48,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
         kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim] (the
         arrangement inside a block is this backend's, see ``write_kv``).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> AttentionBackend:
+                 head_dim: int) -> AttentionBackend[Any]:
     name = resolve_backend_name(name, device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS) + ['auto']}, got {name!r}")

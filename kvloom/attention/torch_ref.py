@@ -13,11 +13,14 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 
 
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(AttentionBackend[None]):
     name = "torch_ref"
 
+    def prepare(self, batch: ForwardBatch) -> None:
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         block_size = batch.block_size
         out = torch.empty_like(q)

@@ -87,8 +87,10 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
         model = build_model(mc, self.max_model_len)
         model.load_weights(checkpoint.weights())
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.pack_weights(config.matmul)
+        model.to(device=self.device, dtype=self.dtype)  # in place, as nn.Module.to is
+        model.eval()
+        model.pack_weights(config.matmul)
+        self.model = model
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size

@@ -12,6 +12,7 @@ either completes the stop string (and is dropped) or is ruled out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvloom.batch import LogprobsEntry
@@ -82,7 +83,7 @@ class OutputProcessor:
         # The sampled token first, as vLLM orders it.
         return {sampled_id: result.pop(sampled_id), **result}
 
-    def make_output(self, request: Request, new_logprobs: list[LogprobsEntry | None] = ()) -> RequestOutput:
+    def make_output(self, request: Request, new_logprobs: Sequence[LogprobsEntry | None] = ()) -> RequestOutput:
         """The request's cumulative output and the delta since the previous call.
         ``new_logprobs``: those of the tokens appended since then, where requested."""
         state = self._streams[request]

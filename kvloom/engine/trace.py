@@ -11,7 +11,7 @@ import enum
 import json
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvloom.batch import SchedulerOutput
@@ -102,7 +102,7 @@ class SchedulerTrace(NullTrace):
         if self.records and self.records[-1].step == step:
             self.records[-1].finished.append((request.request_id, request.status.value))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"version": 1, "steps": [asdict(record) for record in self.records]}
 
     def save(self, path: str) -> None:

@@ -8,6 +8,7 @@ accepts Hugging Face parameter names and routes each shard into the fused tensor
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend,
-                metadata: object) -> torch.Tensor:
+                batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
@@ -70,8 +71,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend,
-                metadata: object) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
         """Returns the final hidden states, [tokens, hidden]; kv_caches is the whole pool
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place

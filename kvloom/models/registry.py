@@ -1,12 +1,40 @@
-"""HF ``architectures[0]`` -> model class, imported lazily."""
+"""HF ``architectures[0]`` -> model class, imported lazily; ``CausalLM``, what the
+engine and the runner need of any model class."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
+from typing import Any, Protocol
 
-from torch import nn
+import torch
 
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
+
+
+class CausalLM(Protocol):
+    """A decoder over the paged KV pool (an ``nn.Module``; LlamaForCausalLM is one)."""
+
+    def __call__(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                 metadata: Any) -> torch.Tensor:
+        """The final hidden states of the batch's tokens, [tokens, hidden]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab]."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def pack_weights(self, matmul: str = "invariant") -> int:
+        """Swap the linear layers for the ``matmul`` kernel's; returns how many."""
+        ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def eval(self) -> Any: ...
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
@@ -19,7 +47,7 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> Any:
     if architecture not in ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
@@ -28,5 +56,6 @@ def model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_model(config: ModelConfig, max_positions: int) -> nn.Module:
-    return model_class(config.architecture)(config, max_positions)
+def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
+    model: CausalLM = model_class(config.architecture)(config, max_positions)
+    return model

@@ -10,12 +10,13 @@ request draws the same numbers whatever else is in the batch) and grammar matche
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, SchedulerOutput
+from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
 from kvloom.runner.sampler import Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
@@ -26,8 +27,8 @@ from kvloom.tokenizer import Tokenizer
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_caches: torch.Tensor, block_size: int,
-                 backend: AttentionBackend, device: torch.device, vocab_size: int,
+    def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int,
+                 backend: AttentionBackend[Any], device: torch.device, vocab_size: int,
                  seed: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
