@@ -9,6 +9,7 @@ from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import SchedulerConfig
+from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.stop import StopChecker
@@ -30,7 +31,8 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, prefix_cache: bool
     cache = RadixCache(pool, block_size) if prefix_cache else NoPrefixCache()
     kv = KVCacheManager(pool, block_size, cache)
     cls = StaticBatchScheduler if cfg.scheduling == "static" else Scheduler
-    return cls(cfg, kv, make_policy(cfg), max_model_len, stops)
+    limits = AdmissionLimits(max_model_len, VOCAB, num_blocks, block_size)
+    return cls(cfg, kv, make_policy(cfg), limits, stops)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, priority: int = 0,

@@ -19,6 +19,7 @@ from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.config import EngineConfig, ModelConfig
+from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
@@ -105,8 +106,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
+        self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
-                                         make_policy(config.scheduler), self.max_model_len,
+                                         make_policy(config.scheduler), self.limits,
                                          StopChecker(self.output_processor))
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
@@ -118,7 +120,9 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Request:
         """Tokenize (if text) and queue a request. Raises ValueError for a request that
-        can never be served (empty, longer than the context, larger than the KV pool)."""
+        can never be served: RequestRejected from the admission checks (empty, longer
+        than the context, larger than the KV pool, token ids outside the vocabulary),
+        or an invalid constraint."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
@@ -127,8 +131,6 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-            self._check_token_ids("prompt token ids", token_ids)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         request = Request(
@@ -145,12 +147,6 @@ class LLMEngine:
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
-
-    def _check_token_ids(self, what: str, token_ids: list[int]) -> None:
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{what} must be in [0, {vocab_size}), got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

@@ -21,27 +21,16 @@ import time
 from dataclasses import dataclass
 
 from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
-from kvloom.cache.kv_manager import KVCacheManager, cdiv
+from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.config import SchedulerConfig
+from kvloom.engine.admission import AdmissionLimits, RequestRejected
 from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.stop import StopChecker
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
 from kvloom.request import Request, RequestError, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (too long for the pool or the model).
-
-    ``param`` names the request field to change and ``code`` the reason, as OpenAI's
-    error objects carry them."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +45,12 @@ class StepUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 max_model_len: int, stops: StopChecker | None = None) -> None:
+                 limits: AdmissionLimits, stops: StopChecker | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
+        self.limits = limits
         self.stops = stops if stops is not None else StopChecker()
-        self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -79,23 +68,14 @@ class Scheduler:
 
     # ---- lifecycle -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise RequestRejected if it could never fit."""
+        """Queue a request, or raise RequestRejected if it could never be served."""
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use", code="duplicate_request_id")
-        if request.num_prompt_tokens == 0:
-            raise RequestRejected("prompt must contain at least one token", "prompt", "empty_prompt")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt is {request.num_prompt_tokens} tokens, but the model's context is "
-                f"{self.max_model_len} tokens (the prompt must leave room for one output token)",
-                "prompt", "context_length_exceeded")
-        max_len = request.num_prompt_tokens + request.max_tokens
-        if cdiv(max_len, self.kv.block_size) > self.kv.num_blocks:
-            raise RequestRejected(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"needs {cdiv(max_len, self.kv.block_size)} KV blocks, but the whole pool has "
-                f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens",
-                "max_tokens", "kv_pool_too_small")
+        limits = self.limits
+        limits.check_prompt(request.num_prompt_tokens)
+        limits.check_token_ids(request.prompt_token_ids, "prompt")
+        limits.check_token_ids(request.sampling_params.stop_token_ids, "stop_token_ids")
+        limits.check_fits_pool(request.num_prompt_tokens, request.max_tokens)
         request.arrival_index = self._arrivals
         request.timeline.arrival_step = self.step_count
         self._arrivals += 1
@@ -323,7 +303,7 @@ class StaticBatchScheduler(Scheduler):
             if len(self.running) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
             # Max-length preallocation: what a system without paging must reserve.
-            reserve = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+            reserve = min(self.limits.max_model_len, self.kv.num_blocks * self.kv.block_size)
             if not self.kv.allocate_slots(request, reserve):
                 return request, WaitReason.NO_FREE_BLOCKS
             self.waiting.remove(request)

@@ -93,7 +93,7 @@ def test_bad_values_are_refused_at_admission(tiny_llama) -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**params)
-    with pytest.raises(ValueError, match="stop_token_ids must be in \\[0, 512\\)"):
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids in \\[0, 512\\)"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, 512]))
     with pytest.raises(ValueError, match="regex too complex to follow"):
         engine.add_request([1, 2], SamplingParams(structured=StructuredOutput(regex="(a{1000}){1000}")))

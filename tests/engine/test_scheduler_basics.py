@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_runner import expected_output, make_request, make_scheduler, run_to_completion
 
-from kvloom.engine.scheduler import RequestRejected
+from kvloom.engine.admission import RequestRejected
 
 
 def test_continuous_batching_admits_in_the_step_after_a_finish() -> None:

@@ -1,0 +1,59 @@
+"""Whether a request can ever be served: the one set of admission checks.
+
+The engine runs them on every request it queues; the server runs the same ones before
+it fans a request out into choices, so that a request is refused whole, with the
+OpenAI ``param`` and ``code``, before any part of it is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long for the pool or the model, token
+    ids outside the vocabulary, ...).
+
+    ``param`` names the request field to change and ``code`` the reason, as OpenAI's
+    error objects carry them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """What a request must fit: the model's context and vocabulary, the KV pool."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+    def check_prompt(self, num_prompt_tokens: int, param: str = "prompt") -> None:
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty: it must contain at least one token", param,
+                                  "empty_prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"is {num_prompt_tokens} tokens (it must leave room for at least one output token)",
+                param, "context_length_exceeded")
+
+    def check_fits_pool(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """prompt + max_tokens must fit the whole KV pool, or the request could never run."""
+        needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)
+        if needed > self.num_blocks:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
+                f"blocks, but the whole pool has {self.num_blocks} blocks of {self.block_size} tokens",
+                "max_tokens", "kv_pool_too_small")
+
+    def check_token_ids(self, token_ids: Iterable[object], param: str) -> None:
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"{param} must be token ids in [0, {self.vocab_size}), got {bad[:3]}",
+                                  param, "invalid_token_id")
