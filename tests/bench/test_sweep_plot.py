@@ -127,7 +127,7 @@ def test_plot_writes_pngs_and_groups_by_label(tmp_path: Path) -> None:
 
 
 def test_serve_flags_map_to_the_config() -> None:
-    from kvloom.bench.cli import serve_config
+    from kvloom.bench.serve_args import serve_config
 
     parser = build_parser()
     args = parser.parse_args(["bench", "serve", "--dataset", "multiturn", "--request-rate", "inf",

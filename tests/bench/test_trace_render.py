@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fake_runner import make_request, make_scheduler, run_to_completion
 
-from kvloom.engine.trace_render import (
+from kvloom.bench.trace_render import (
     add_trace_parser,
     build_timeline,
     load_trace,
