@@ -107,7 +107,7 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache sizing. ``num_blocks`` wins over ``kv_cache_memory`` (GiB)."""
 
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block (the page size)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block, the page of the paged cache"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV blocks in the pool (wins over --kv-cache-memory)"})
     kv_cache_memory: float = field(default=1.0, metadata={"help": "GiB for the KV pool"})
@@ -182,7 +182,7 @@ class EngineConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={
         "flag": "model", "help": f"HF directory, .gguf file, or {DEFAULT_MODEL!r} (default)"})
     dtype: str = field(default="auto", metadata={
-        "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype ('auto': bfloat16)"})
+        "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype; auto means bfloat16"})
     device: str = field(default="auto", metadata={
         "help": "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..."})
     seed: int = field(default=0, metadata={

@@ -44,6 +44,8 @@ def engine_flag(option: EngineOption) -> tuple[str, dict[str, Any]]:
     if not flag.startswith("-"):  # the positional argument (the model)
         return flag, {**spec, "nargs": "?"}
     spec["dest"] = option.name
+    if option.default is not None and option.type is not bool:
+        spec["help"] += " (default: %(default)s)"
     if option.type is bool:
         if option.default and flag == "--" + option.name.replace("_", "-"):
             raise TypeError(f"engine option {option.name!r} defaults to True: give it a 'flag' "
