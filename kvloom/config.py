@@ -246,8 +246,9 @@ def _engine_options() -> tuple[tuple[EngineOption, ...], dict[str, type]]:
     options. Flat names must be unique: ``LLM(block_size=...)`` names one field."""
     options: list[EngineOption] = []
     sections: dict[str, type] = {}
+    engine_hints = typing.get_type_hints(EngineConfig)
     for owner_field in dataclasses.fields(EngineConfig):
-        owner_type = typing.get_type_hints(EngineConfig)[owner_field.name]
+        owner_type = engine_hints[owner_field.name]
         if dataclasses.is_dataclass(owner_type):
             sections[owner_field.name] = owner_type
             hints = typing.get_type_hints(owner_type)
