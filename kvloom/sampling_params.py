@@ -6,6 +6,7 @@ CLI and the HTTP server all report the same message for the same mistake.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +32,16 @@ def sample_seed(seed: int | None, sample: int) -> int | None:
     """The seed of sample ``sample`` of an ``n > 1`` request: ``seed + sample``, wrapped
     to 64 bits (so a seed near 2**64 stays valid)."""
     return None if seed is None else (seed_value(seed) + sample) % SEED_END
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The params of each of the ``n`` engine requests behind one ``n > 1`` request (one
+    per sample, ``n=1``, sample ``s`` seeded ``sample_seed(seed, s)``); ``[params]`` when
+    ``n == 1``. ``LLM.generate`` and the server both fan out through here."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=sample_seed(params.seed, sample))
+            for sample in range(params.n)]
 
 
 @dataclass(slots=True)

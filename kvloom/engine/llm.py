@@ -11,16 +11,17 @@ from tqdm import tqdm
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
-from kvloom.sampling_params import SamplingParams, sample_seed
+from kvloom.sampling_params import SamplingParams, fan_out
 
 Prompt = str | list[int]
 Message = dict[str, str]
 
 
 class LLM:
-    """Offline batch generation. Keyword arguments are the engine options, named as the
-    CLI flags (``num_blocks``, ``block_size``, ``kv_cache_memory``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``dtype``, ``scheduling``, ...)."""
+    """Offline batch generation. Keyword arguments are the engine options
+    (``kvloom.config.ENGINE_OPTIONS``: the fields of EngineConfig and of its cache and
+    scheduler sections, e.g. ``num_blocks``, ``block_size``, ``kv_cache_memory``,
+    ``max_num_seqs``, ``dtype``, ``scheduling``), named as the CLI flags."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
@@ -50,9 +51,7 @@ class LLM:
         owners: dict[str, tuple[int, int]] = {}
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                for sample in range(params.n):
-                    sample_params = params if params.n == 1 else dataclasses.replace(
-                        params, n=1, seed=sample_seed(params.seed, sample))
+                for sample, sample_params in enumerate(fan_out(params)):
                     request = self.engine.add_request(prompt, sample_params,
                                                       priority=priorities[index])
                     owners[request.request_id] = (index, sample)
@@ -103,6 +102,5 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        # The template already writes any BOS token, so none is added here.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The prompt's token ids (``Tokenizer.encode_chat``, as the server encodes chat)."""
+        return self.tokenizer.encode_chat(conversation, add_generation_prompt)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvloom.cli import add_engine_args
 from kvloom.server.cli import add_serve_parser, run_serve
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvloom.server")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True), add_engine_args)
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run_serve(args)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 
+from kvloom.engine_args import add_engine_args, engine_kwargs
 from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ConnectionLimits
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction,
-                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``serve [MODEL] --host --port --api-key --max-waiting ...`` plus the engine flags."""
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
@@ -35,10 +34,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                        help="largest request header block; beyond it: 431")
     group.add_argument("--max-connections", type=int, default=limits.max_connections,
                        help="open connections served at once; beyond it new requests get 503")
+    serve.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvloom.cli import engine_kwargs
     from kvloom.server.main import run_server
 
     return run_server(args.model, engine_kwargs(args), host=args.host, port=args.port,

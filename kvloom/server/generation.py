@@ -1,16 +1,16 @@
-"""What completions and chat share: request -> engine requests, streams, usage, SSE.
+"""What completions and chat share: request -> engine requests, streams, usage.
 
 An HTTP request with ``k`` prompts and ``n`` samples becomes ``k * n`` engine
 requests ``f"{id}-{i}"`` with ``i = prompt_index * n + sample`` (OpenAI's choice
-index); sample ``s`` of a seeded request uses ``seed + s`` so samples differ but the
-whole response is reproducible.
+index), fanned out by ``sampling_params.fan_out`` as ``LLM.generate`` fans out:
+sample ``s`` of a seeded request uses ``seed + s`` so samples differ but the whole
+response is reproducible. The response objects and the SSE loop are in responses.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from kvloom.engine.output import RequestOutput, TokenLogprobs
-from kvloom.sampling_params import SamplingParams, sample_seed
+from kvloom.sampling_params import SamplingParams, fan_out
 from kvloom.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -109,12 +109,10 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
     arrival = time.monotonic()
     requests: list[EngineRequest] = []
     for prompt_index, token_ids in enumerate(prompts):
-        sample_params = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
-        for sample in range(params.n):
-            seed = sample_seed(params.seed, sample)
-            requests.append(EngineRequest(
-                f"{request_id}-{prompt_index * params.n + sample}", token_ids,
-                dataclasses.replace(sample_params, n=1, seed=seed), priority, arrival))
+        fitted = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
+        for sample, sample_params in enumerate(fan_out(fitted)):
+            requests.append(EngineRequest(f"{request_id}-{prompt_index * params.n + sample}",
+                                          token_ids, sample_params, priority, arrival))
     return requests
 
 
@@ -210,7 +208,7 @@ def check_finished_cleanly(output: RequestOutput) -> None:
                    code="generation_failed")
 
 
-# ---- usage, logprobs, SSE ----------------------------------------------------------------
+# ---- usage, logprobs --------------------------------------------------------------------
 def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     prompt_tokens = sum(prompt_lens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -246,11 +244,3 @@ def top_entries(entry: TokenLogprobs, num: int) -> list[tuple[int, Any]]:
 def sampled_entry(entry: TokenLogprobs) -> tuple[int, Any]:
     # The output processor puts the sampled token first.
     return next(iter(entry.items()))
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

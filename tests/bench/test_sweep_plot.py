@@ -127,7 +127,7 @@ def test_plot_writes_pngs_and_groups_by_label(tmp_path: Path) -> None:
 
 
 def test_serve_flags_map_to_the_config() -> None:
-    from kvloom.bench.cli import serve_config
+    from kvloom.bench.serve_args import serve_config
 
     parser = build_parser()
     args = parser.parse_args(["bench", "serve", "--dataset", "multiturn", "--request-rate", "inf",
@@ -142,3 +142,13 @@ def test_serve_flags_map_to_the_config() -> None:
     assert serve_config(parser.parse_args(["bench", "serve"])).endpoint == "/v1/completions"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--request-rate", "0"])
+
+
+def test_plot_without_the_bench_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_fake_result("a", 1, 10.0, 5.0)))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without [bench] looks like
+    assert main(["bench", "plot", str(path), "--out", str(tmp_path / "plots")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'matplotlib'" in err[0] and "pip install 'kvloom[bench]'" in err[0]

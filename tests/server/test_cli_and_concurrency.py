@@ -9,14 +9,14 @@ import httpx
 import pytest
 from server_harness import SERVED_NAME, LiveServer
 
-from kvloom.cli import add_engine_args, engine_kwargs
+from kvloom.engine_args import engine_kwargs
 from kvloom.server.cli import add_serve_parser
 from kvloom.server.main import run_server
 
 
 def test_serve_parser_wiring() -> None:
     parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers(dest="command"), add_engine_args)
+    add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "some/model", "--port", "9001", "--api-key", "k",
                               "--max-waiting", "3", "--num-blocks", "8", "--host", "0.0.0.0"])
     assert (args.command, args.model, args.port, args.host) == ("serve", "some/model", 9001, "0.0.0.0")

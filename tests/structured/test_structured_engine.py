@@ -188,7 +188,7 @@ def test_prefix_cache_serves_a_repeated_constrained_request() -> None:
 
 
 def test_bench_function_reports_every_mode(tiny_llama) -> None:
-    from kvloom.structured.bench import MODES, format_table, run_structured_bench
+    from kvloom.bench.structured import MODES, format_table, run_structured_bench
 
     results = run_structured_bench(tiny_engine(tiny_llama), num_prompts=2, max_tokens=12)
     assert [r.mode for r in results] == list(MODES)

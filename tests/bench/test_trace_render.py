@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from fake_runner import make_request, make_scheduler, run_to_completion
 
-from kvloom.engine.trace_render import (
+from kvloom.bench.trace_render import (
     add_trace_parser,
     build_timeline,
     load_trace,
@@ -207,3 +208,14 @@ def test_real_trace_marks_preemptions_at_the_scheduler_steps() -> None:
         assert row[finish] in ("P", "D") and set(row[finish + 1:]) <= {" "}
     text = render_text(scheduler.trace, width=200)  # a live SchedulerTrace works too
     assert f"all requests: {sum(r.num_preemptions for r in requests)} preemptions;" in text
+
+
+def test_png_without_the_bench_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    trace_path, png = tmp_path / "t.json", tmp_path / "t.png"
+    trace_path.write_text(json.dumps(small_trace()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without [bench] looks like
+    assert _cli(["trace", "render", str(trace_path), "--png", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'kvloom[bench]'" in err
+    assert not png.exists()

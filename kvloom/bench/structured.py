@@ -1,13 +1,13 @@
 """Structured-output throughput: a JSON-schema workload against the same prompts
 unconstrained, with jump-forward on and off, offline through ``LLMEngine``.
 
-Wire into ``kvloom bench`` with ``run_structured_bench(engine, ...)`` and
-``format_table(results)``; standalone: ``python -m kvloom.structured.bench``.
+``kvloom bench structured [MODEL] [engine flags] --num-prompts N --max-tokens N``
+runs it (kvloom/bench/cli.py); from Python: ``run_structured_bench(engine, ...)`` and
+``format_table(results)``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -134,28 +134,3 @@ def format_table(results: list[StructuredBenchResult]) -> str:
                      f"{r.tokens_per_step:>10.2f}{r.elapsed_s:>9.2f}{r.output_throughput:>11.1f}"
                      f"{r.requests_per_s:>8.2f}{valid:>8}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvloom.config import DEFAULT_MODEL, EngineConfig
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--output-json", default=None)
-    args = parser.parse_args(argv)
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device))
-    results = run_structured_bench(engine, args.num_prompts, args.max_tokens, args.temperature)
-    print(format_table(results))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump([r.to_json() for r in results], f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

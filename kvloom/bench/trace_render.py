@@ -4,7 +4,7 @@
 step, then a summary (when each request started, its prefill chunks, preemptions and
 finish, and why waiting requests waited); ``--png OUT.png`` also draws the grid as an
 image. Everything here reads the JSON form only, so a trace saved on a server can be
-drawn anywhere; matplotlib is imported only when a PNG is asked for.
+drawn anywhere; matplotlib (the bench extra) is imported only when a PNG is asked for.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvloom.bench.extras import require_bench_package
 
 TRACE_VERSION = 1
 
@@ -289,14 +291,13 @@ def render_png(trace: Any, path: str, max_steps: int | None = None,
     Uses matplotlib's Agg renderer through ``Figure`` directly, so no display or global
     backend switch is involved. Sized to stay readable for ~100 requests x ~500 steps.
     """
-    try:
-        import numpy as np
-        from matplotlib.colors import ListedColormap
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter, MaxNLocator
-    except ImportError as error:
-        raise ImportError(f"render_png needs matplotlib (pip install matplotlib): {error}") from None
+    require_bench_package("matplotlib", "a PNG trace timeline")
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
     data, _ = _window(trace, max_steps)
     timeline = build_timeline(data)
     ids, cells = timeline.request_ids[:max_requests], timeline.cells[:max_requests]
@@ -360,6 +361,7 @@ def add_trace_parser(subparsers: Any) -> None:
                         help="first N requests only")
     render.add_argument("--width", type=_positive_int, default=None,
                         help="text columns (default: the terminal's)")
+    render.set_defaults(run=run_trace)
 
 
 def run_trace(args: argparse.Namespace) -> int:

@@ -1,0 +1,120 @@
+"""One response of a generation endpoint, full or streamed as server-sent events.
+
+``GenerationResponse`` owns what completions and chat share: the envelope (id,
+object, created, model, choices, system_fingerprint), the usage block and the one SSE
+loop (opening chunks, a chunk per visible delta, the usage chunk, ``[DONE]``, and an
+error event instead of a hang or a traceback). A subclass only says what a choice
+holds (``text`` or ``message`` / ``delta``) and how its logprobs are shaped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from kvloom.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
+from kvloom.server.async_engine import EngineFailed, RequestAborted, ResultStream
+from kvloom.server.errors import SERVER_ERROR, APIError, error_body
+from kvloom.server.generation import UsageCounter, abort_on_disconnect, check_finished_cleanly, usage
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class GenerationResponse(ABC):
+    """Builds the JSON objects of one response; choice ``i`` is engine request ``i`` of
+    the group (``prompt_index * n + sample``)."""
+
+    kind: str  # "chat" / "completion": names the stream in the log
+    full_object: str  # the "object" of a full response
+    chunk_object: str  # the "object" of a streamed chunk
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+
+    # ---- what a subclass says ----------------------------------------------------------
+    @abstractmethod
+    def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
+        """A full response's choice for a finished completion."""
+
+    @abstractmethod
+    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
+        """The chunk choices sent before any output (chat's role, completions' echo)."""
+
+    @abstractmethod
+    def delta_logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """The logprobs of a streamed delta (None when they are off)."""
+
+    @abstractmethod
+    def delta_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None) -> dict[str, Any]:
+        """A streamed chunk's choice for a visible delta."""
+
+    # ---- shared --------------------------------------------------------------------------
+    def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices, "system_fingerprint": None}
+
+    def full(self, finals: dict[int, RequestOutput], prompt_lens: list[int], n: int) -> dict[str, Any]:
+        """The whole response once every choice has finished."""
+        data = self.envelope(self.full_object, [self.choice(index, finals[index].outputs[0])
+                                                for index in sorted(finals)])
+        # Each prompt counts once: its cache hit is its first sample's.
+        cached = sum(finals[i].num_cached_tokens for i in finals if i % n == 0)
+        data["usage"] = usage(prompt_lens, sum(len(f.outputs[0].token_ids) for f in finals.values()),
+                              cached)
+        return data
+
+    async def stream(self, stream: ResultStream, request: Request, prompt_lens: list[int], n: int,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of the response, ending with ``[DONE]`` or an error event."""
+        counter = UsageCounter(prompt_lens, n)
+        async with abort_on_disconnect(stream, request):
+            try:
+                for choice in self.opening_choices(len(stream.request_ids)):
+                    yield self._chunk(choice, include_usage)
+                async for index, output in stream:
+                    counter.update(index, output)
+                    completion = output.outputs[0]
+                    if output.finished:
+                        check_finished_cleanly(output)
+                    logprobs = (self.delta_logprobs(index, completion.delta_logprobs)
+                                if completion.delta_logprobs else None)
+                    if not completion.delta_text and logprobs is None and not output.finished:
+                        continue  # nothing visible yet (an incomplete character or stop string)
+                    yield self._chunk(self.delta_choice(
+                        index, completion.delta_text, logprobs,
+                        completion.finish_reason if output.finished else None), include_usage)
+                if stream.aborted:
+                    return  # the client is gone; nobody reads a [DONE]
+                if include_usage:
+                    yield sse({**self.envelope(self.chunk_object, []), "usage": counter.as_dict()})
+                yield SSE_DONE
+            except (RequestAborted, APIError) as error:
+                if isinstance(error, APIError):
+                    yield sse(error.body())
+                else:
+                    code = "engine_failed" if isinstance(error, EngineFailed) else "request_aborted"
+                    yield sse(error_body(str(error), SERVER_ERROR, None, code))
+            except Exception:  # noqa: BLE001 - a bug must end the stream, not hang it
+                logger.exception("%s stream failed", self.kind)
+                yield sse(error_body("internal server error", SERVER_ERROR, None, "internal_error"))
+
+    def _chunk(self, choice: dict[str, Any], include_usage: bool) -> str:
+        data = self.envelope(self.chunk_object, [choice])
+        if include_usage:
+            data["usage"] = None
+        return sse(data)

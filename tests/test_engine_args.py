@@ -1,0 +1,147 @@
+"""Engine flags are generated from the config dataclasses: one flag per field, each with
+help, and flags -> engine kwargs -> EngineConfig gives back exactly the values given."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from kvloom.cli import build_parser
+from kvloom.config import (
+    MATMULS,
+    SCHEDULING_MODES,
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+from kvloom.engine_args import add_engine_args, engine_kwargs
+
+# Every config field, its flag and a value other than its default: (argv, section, field, value).
+# The flag names are the public CLI (docs, Makefile, benchmark scripts): they never change.
+NON_DEFAULTS = [
+    (["some/model"], None, "model", "some/model"),
+    (["--dtype", "float32"], None, "dtype", "float32"),
+    (["--device", "cpu"], None, "device", "cpu"),
+    (["--seed", "7"], None, "seed", 7),
+    (["--max-model-len", "512"], None, "max_model_len", 512),
+    (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
+    (["--num-threads", "2"], None, "num_threads", 2),
+    (["--matmul", "onednn"], None, "matmul", "onednn"),
+    (["--block-size", "8"], "cache", "block_size", 8),
+    (["--num-blocks", "7"], "cache", "num_blocks", 7),
+    (["--kv-cache-memory", "0.5"], "cache", "kv_cache_memory", 0.5),
+    (["--no-prefix-cache"], "cache", "enable_prefix_caching", False),
+    (["--max-num-seqs", "3"], "scheduler", "max_num_seqs", 3),
+    (["--max-num-batched-tokens", "99"], "scheduler", "max_num_batched_tokens", 99),
+    (["--scheduling", "static"], "scheduler", "scheduling", "static"),
+    (["--policy", "priority"], "scheduler", "policy", "priority"),
+    (["--no-chunked-prefill"], "scheduler", "enable_chunked_prefill", False),
+    (["--long-prefill-threshold", "64"], "scheduler", "long_prefill_threshold", 64),
+    (["--max-wait-steps", "5"], "scheduler", "max_wait_steps", 5),
+    (["--max-wait-seconds", "2.5"], "scheduler", "max_wait_seconds", 2.5),
+    (["--low-watermark", "0.25"], "scheduler", "low_watermark", 0.25),
+    (["--high-watermark", "0.75"], "scheduler", "high_watermark", 0.75),
+    (["--trace"], "scheduler", "trace", True),
+    (["--trace-capacity", "50"], "scheduler", "trace_capacity", 50),
+]
+
+
+def _config_fields() -> set[tuple[str | None, str]]:
+    own = {(None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in ("cache", "scheduler")}
+    return own | {(section, f.name) for section, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig))
+                  for f in dataclasses.fields(cls)}
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+def _engine_actions() -> list[argparse.Action]:
+    return [action for action in _engine_parser()._actions if action.dest != "help"]
+
+
+def _config(argv: list[str]) -> EngineConfig:
+    args = _engine_parser().parse_args(argv)
+    return EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+
+
+def _value(config: EngineConfig, section: str | None, name: str) -> object:
+    return getattr(config if section is None else getattr(config, section), name)
+
+
+def test_the_table_covers_every_config_field() -> None:
+    assert {(section, name) for _, section, name, _ in NON_DEFAULTS} == _config_fields()
+    assert len(NON_DEFAULTS) == len(_config_fields())
+
+
+def test_every_engine_flag_has_help() -> None:
+    for action in _engine_actions():
+        assert action.help and action.help.strip(), action.dest
+
+
+def test_each_config_field_is_exactly_one_flag() -> None:
+    dests = [action.dest for action in _engine_actions()]
+    # --trace-file is the one CLI-only flag (it implies --trace).
+    assert sorted(dests) == sorted([name for _, name in _config_fields()] + ["trace_file"])
+
+
+def test_no_flags_give_the_dataclass_defaults() -> None:
+    assert _config([]) == EngineConfig()
+    args = _engine_parser().parse_args([])
+    for section, name in _config_fields():
+        default = _value(EngineConfig(), section, name)
+        assert getattr(args, name) == default, name
+
+
+@pytest.mark.parametrize("argv, section, name, value", NON_DEFAULTS, ids=[row[2] for row in NON_DEFAULTS])
+def test_one_flag_round_trips_into_its_field(argv: list[str], section: str | None, name: str,
+                                             value: object) -> None:
+    config = _config(argv)
+    assert _value(config, section, name) == value
+    assert value != _value(EngineConfig(), section, name)
+    # Every other field keeps its default.
+    for other_section, other in _config_fields() - {(section, name)}:
+        assert _value(config, other_section, other) == _value(EngineConfig(), other_section, other)
+
+
+def test_all_flags_at_once_round_trip() -> None:
+    config = _config([token for argv, *_ in NON_DEFAULTS for token in argv])
+    assert {(section, name): _value(config, section, name) for _, section, name, _ in NON_DEFAULTS} == {
+        (section, name): value for _, section, name, value in NON_DEFAULTS}
+
+
+def test_trace_file_implies_trace(tmp_path) -> None:
+    args = _engine_parser().parse_args(["--trace-file", str(tmp_path / "t.json")])
+    assert engine_kwargs(args)["trace"] is True
+    assert EngineConfig.from_kwargs(args.model, **engine_kwargs(args)).scheduler.trace
+
+
+def test_choices_come_from_the_config_constants(capsys) -> None:
+    choices = {action.dest: action.choices for action in _engine_actions() if action.choices}
+    assert choices == {"dtype": list(SUPPORTED_DTYPES), "matmul": list(MATMULS),
+                       "scheduling": list(SCHEDULING_MODES)}
+    with pytest.raises(SystemExit):
+        _engine_parser().parse_args(["--matmul", "blas"])
+    assert "invalid choice: 'blas'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["chat"], ["serve"],
+                                     ["bench", "offline"], ["bench", "steps"], ["bench", "soak"],
+                                     ["bench", "placement"], ["bench", "structured"]])
+def test_every_command_with_engine_flags_parses_them_alike(command: list[str]) -> None:
+    argv = [token for argv, *_ in NON_DEFAULTS for token in argv if argv != ["some/model"]]
+    args = build_parser().parse_args([*command, "some/model", *argv])
+    expected = {name: value for _, _, name, value in NON_DEFAULTS if name != "model"}
+    assert args.model == "some/model" and engine_kwargs(args) == expected
+
+
+def test_unknown_engine_keyword_is_refused() -> None:
+    with pytest.raises(TypeError, match="unknown engine argument 'num_block'"):
+        EngineConfig.from_kwargs("m", num_block=8)
+    with pytest.raises(TypeError, match="unknown engine argument 'cache'"):
+        EngineConfig.from_kwargs("m", cache=CacheConfig())
