@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: serve test test-fast install model bench clean
+.PHONY: serve test test-fast check install model bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ serve: model
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
+
+# Lint and the type checker (strict on engine/, cache/, runner/: [tool.mypy] in
+# pyproject.toml); .ci/run runs them before the tests.
+check: $(TEST_STAMP)
+	$(VENV)/bin/ruff check kvloom tests
+	$(VENV)/bin/mypy
 
 # The inner loop (about 75 s on 2 cores): everything but the tests on the default model.
 test-fast: $(TEST_STAMP)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -36,9 +36,7 @@ class LLM:
         A prompt is a string or a list of token ids. ``n > 1`` runs n independent
         samples of the prompt (seed, when given, becomes seed + i for sample i).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -78,29 +76,37 @@ class LLM:
     def _merge(prompts: list[Prompt], params_list: list[SamplingParams],
                owners: dict[str, tuple[int, int]], finals: dict[str, RequestOutput]
                ) -> list[RequestOutput]:
-        merged: list[RequestOutput | None] = [None] * len(prompts)
-        samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params_list]
+        """One output per prompt (the first sample's, in request order) holding its n samples."""
+        firsts: dict[int, RequestOutput] = {}
+        samples: list[dict[int, CompletionOutput]] = [{} for _ in prompts]
         for request_id, (index, sample) in owners.items():
             output = finals[request_id]
             samples[index][sample] = dataclasses.replace(output.outputs[0], index=sample)
-            if merged[index] is None:
-                merged[index] = output
-        results = []
-        for index, output in enumerate(merged):
-            assert output is not None
-            results.append(dataclasses.replace(output, outputs=samples[index]))
-        return results
+            firsts.setdefault(index, output)
+        return [dataclasses.replace(firsts[index], outputs=[samples[index][s] for s in range(params.n)])
+                for index, params in enumerate(params_list)]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True,
              ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (chat template applied)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.encode_chat(conversation, add_generation_prompt)
-                   for conversation in conversations]  # type: ignore[arg-type]
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict)
+            else cast(list[list[Message]], messages))
+        prompts: list[Prompt] = [self.encode_chat(conversation, add_generation_prompt)
+                                 for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """The prompt's token ids (``Tokenizer.encode_chat``, as the server encodes chat)."""
         return self.tokenizer.encode_chat(conversation, add_generation_prompt)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or a sequence of them -> a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast(list[int], list(prompts))]
+    return [cast(Prompt, prompt) for prompt in prompts]

@@ -205,9 +205,7 @@ class AsyncEngine:
             if self.on_load_failed is not None:
                 self.on_load_failed(error)
             return
-        self.info = ModelInfo(engine.model_name, engine.max_model_len, engine.num_blocks,
-                              engine.config.cache.block_size, engine.model_config.vocab_size,
-                              engine.tokenizer)
+        self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer)
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:

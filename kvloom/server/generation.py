@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.sampling_params import SamplingParams, fan_out
 from kvloom.server.async_engine import (
@@ -118,25 +119,24 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
 
 def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | None,
                     info: ModelInfo, prompt_param: str) -> SamplingParams:
-    context = info.max_model_len
-    if prompt_len == 0:
-        raise bad_request("the prompt is empty (0 tokens)", prompt_param)
-    if prompt_len >= context:
-        raise bad_request(
-            f"This model's maximum context length is {context} tokens, but the prompt is "
-            f"{prompt_len} tokens (it must leave room for at least one output token)",
-            prompt_param, "context_length_exceeded")
+    """The engine's admission checks on the prompt, then OpenAI's rule for max_tokens:
+    prompt + max_tokens must fit the context (the engine would cap it silently)."""
+    limits = info.limits
+    try:
+        limits.check_prompt(prompt_len, prompt_param)
+    except RequestRejected as error:
+        raise from_value_error(error) from None
     if max_tokens is not None:
-        if isinstance(max_tokens, int) and prompt_len + max_tokens > context:
+        if isinstance(max_tokens, int) and prompt_len + max_tokens > limits.max_model_len:
             raise bad_request(
-                f"This model's maximum context length is {context} tokens, but you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                f"This model's maximum context length is {limits.max_model_len} tokens, but you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                 "for the completion); reduce the prompt or max_tokens",
                 "max_tokens", "context_length_exceeded")
     else:
         # Absent: generate up to the context, and never more than the KV pool can hold
         # (a request that could never fit is refused by the engine instead of queued).
-        capacity = min(context, info.num_blocks * info.block_size)
+        capacity = min(limits.max_model_len, limits.num_blocks * limits.block_size)
         max_tokens = max(1, capacity - prompt_len)
     try:
         return dataclasses.replace(params, max_tokens=max_tokens)
@@ -145,9 +145,11 @@ def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | N
 
 
 def check_token_ids(token_ids: list[int], info: ModelInfo, param: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise bad_request(f"token ids must be in [0, {info.vocab_size}), got {bad[:3]}", param)
+    """The engine's token-id check, as a 400 before anything is queued."""
+    try:
+        info.limits.check_token_ids(token_ids, param)
+    except RequestRejected as error:
+        raise from_value_error(error) from None
 
 
 def new_id(prefix: str) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import RequestOutput
 from kvloom.sampling_params import SamplingParams
 
@@ -39,11 +40,12 @@ class ModelInfo:
     """Facts the HTTP layer needs; fixed once the model has loaded."""
 
     model_name: str
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    vocab_size: int
+    limits: AdmissionLimits  # the engine's own admission checks, run before fan-out
     tokenizer: Any
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
 
 
 @dataclass(slots=True)
