@@ -22,6 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvloom.paths import kvloom_home
+
 SOURCES = Path(__file__).parent / "csrc"
 # -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernels
 # rely on -inf for "no score yet", so infinities stay meaningful. It is a compile flag
@@ -45,7 +47,6 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    from kvloom.models.default_model import kvloom_home  # lazy: keeps this module light
     return kvloom_home() / "kernels"
 
 
