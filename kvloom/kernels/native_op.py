@@ -212,7 +212,7 @@ class NativeOp:
         self._ordered = sorted(tensors, key=lambda name: tensors[name].like is not None)
         self._optional = {name for name in tensors if types[name][0] == "Tensor?"}
         self._relations: Callable[..., None] = _no_relations
-        self.validate = self._compile_validate()
+        self.validate, self._validate_fake = self._compile_validate(False), self._compile_validate(True)
         self.call: Callable[..., Any] = self.overload  # until the implementation is declared
         OPS[self.name] = self
 
@@ -221,7 +221,7 @@ class NativeOp:
         """Decorator: the checks between arguments (shapes that must agree), run after the
         TensorSpecs on real and fake tensors alike; they raise :meth:`error`."""
         self._relations = function
-        self.validate = self._compile_validate()
+        self.validate, self._validate_fake = self._compile_validate(False), self._compile_validate(True)
         return function
 
     def implementation(self, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -251,9 +251,10 @@ def call({arguments}):
         return function
 
     def fake(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: the output's metadata from the inputs' (no data is read), behind the checks."""
+        """Decorator: the output's metadata from the inputs' (no data is read), behind the
+        checks (which let meta tensors through here: shape propagation is no C call)."""
         def checked(*args: Any) -> Any:
-            self.validate(*args)
+            self._validate_fake(*args)
             return function(*args)
 
         torch.library.register_fake(f"kvloom::{self.name}", checked, lib=LIBRARY)
@@ -275,11 +276,12 @@ def call({arguments}):
         return ValueError(f"kvloom::{self.name}: {argument} {message}")
 
     # ---- the checks --------------------------------------------------------------------
-    def _compile_validate(self) -> Callable[..., None]:
+    def _compile_validate(self, fake: bool) -> Callable[..., None]:
         """``validate(*arguments)``: the TensorSpecs as one expression, then the ``check``
-        hook; on a failure, :meth:`_explain` finds the argument and raises."""
+        hook; on a failure, :meth:`_explain` finds the argument and raises. ``fake``: for
+        the fake kernel, where meta tensors are welcome too."""
         namespace: dict[str, Any] = {"_explain": self._explain, "_relations": self._relations,
-                                     "_rows_contiguous": rows_contiguous}
+                                     "_rows_contiguous": rows_contiguous, "_fake": fake}
         terms = []
         for name in self._ordered:
             spec = self.tensors[name]
@@ -289,7 +291,8 @@ def call({arguments}):
             else:
                 dtype = f"{name}.dtype is {spec.like}.dtype"
             layout = f"_rows_contiguous({name})" if spec.rows else f"{name}.is_contiguous()"
-            term = f"({name}.dim() == {spec.dim} and {name}.is_cpu and {dtype} and {layout})"
+            device = f"({name}.is_cpu or {name}.is_meta)" if fake else f"{name}.is_cpu"
+            term = f"({name}.dim() == {spec.dim} and {device} and {dtype} and {layout})"
             terms.append(f"({name} is None or {term})" if name in self._optional else term)
         arguments = ", ".join(self.arguments)
         return _compile("validate", f"""
@@ -299,18 +302,19 @@ def validate({arguments}):
     except AttributeError:  # not a tensor
         valid = False
     if not valid:
-        _explain(({arguments},))
+        _explain(({arguments},), _fake)
     _relations({arguments})
 """, namespace)
 
-    def _explain(self, args: tuple[Any, ...]) -> None:
+    def _explain(self, args: tuple[Any, ...], fake: bool) -> None:
         """Raise the ValueError for the first argument that fails its TensorSpec."""
         for name in self._ordered:
             spec, tensor = self.tensors[name], args[self.arguments.index(name)]
             like = None if spec.like is None else args[self.arguments.index(spec.like)]
             if tensor is None and name in self._optional:
                 continue
-            if not (isinstance(tensor, torch.Tensor) and tensor.dim() == spec.dim and tensor.is_cpu
+            if not (isinstance(tensor, torch.Tensor) and tensor.dim() == spec.dim
+                    and (tensor.is_cpu or (fake and tensor.is_meta))
                     and tensor.dtype in ((like.dtype,) if spec.like is not None else spec.dtypes)
                     and (rows_contiguous(tensor) if spec.rows else tensor.is_contiguous())):
                 raise self.error(name, f"must be {spec.describe(getattr(like, 'dtype', None))}, "

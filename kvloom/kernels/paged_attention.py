@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec
+from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec, dtype_name
 
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 _INT32 = (torch.int32,)
@@ -81,9 +81,10 @@ def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     for name, array in (("seq_lens", seq_lens), ("query_start", query_start), ("query_lens", query_lens)):
         if array.shape[0] != num_seqs:
             raise PAGED_ATTENTION.error(name, f"must have one entry per block table ({num_seqs}), got {array.shape[0]}")
-    if paired and not (kv_cache.dtype is torch.bfloat16 and paired_layout(head_dim, kv_cache.shape[2])):
+    # int(): the layout is decided per exact shape (a symbolic one is specialised).
+    if paired and not (kv_cache.dtype is torch.bfloat16 and paired_layout(int(head_dim), int(kv_cache.shape[2]))):
         raise PAGED_ATTENTION.error("paired", f"is set, but a {list(kv_cache.shape)} "
-                                              f"{kv_cache.dtype} cache has no paired layout here")
+                                              f"{dtype_name(kv_cache.dtype)} cache has no paired layout here")
 
 
 _VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -138,7 +139,7 @@ def _write_kv_paired_check(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     if slots.shape[0] != tokens:
         raise WRITE_KV_PAIRED.error("slots", f"must have one slot per token ({tokens}), got {slots.shape[0]}")
     _check_cache(WRITE_KV_PAIRED, kv_cache, kv_heads, head_dim)
-    if not paired_layout(head_dim, kv_cache.shape[2]):
+    if not paired_layout(int(head_dim), int(kv_cache.shape[2])):
         raise WRITE_KV_PAIRED.error("kv_cache", f"of shape {list(kv_cache.shape)} has no paired layout here")
 
 
