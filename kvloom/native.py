@@ -1,4 +1,9 @@
-"""Build and load kvloom's C++ sources (plain C ABI, called through ctypes).
+"""Build and load kvloom's C++ sources: plain C ABI libraries, no torch headers.
+
+kvloom/kernels declares each exported function once (kernels/native_op.py): the kernels
+as PyTorch ops ``torch.ops.kvloom.<name>`` with a schema and checks, the few scalar
+queries (a cache layout, the CPU's best GEMM path) as typed functions; both call through
+ctypes with the signature derived from that declaration. Nothing else calls them.
 
 Each source in ``kvloom/csrc`` is compiled on first use with the system C++ compiler
 (about a second: no torch headers) and cached under ``$KVLOOM_HOME/kernels``, keyed

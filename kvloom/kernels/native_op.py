@@ -19,11 +19,12 @@ corrupts memory instead of raising. So each kernel is one :class:`NativeOp`:
   tests/kernels/test_op_schemas.py holds every declaration to its C prototype (names,
   types, and const-ness against the schema's mutation marks).
 
-Calling ``op(*args)`` runs the checked CPU implementation directly when nothing could
-intercept the call (a plain tensor, no tracing, no dispatch mode, no profiler), else
-goes through ``torch.ops.kvloom.<name>``: the dispatcher's round trip into a Python
-kernel costs about 4 us, more than a small kernel's work, and a decode step makes ~180
-native calls. Both paths run the same checks and the same code.
+The entry point ``op.call(...)`` (behind each kernels module's typed function) runs the
+checks and the CPU implementation directly when nothing could intercept the call (a
+plain tensor, no tracing, no dispatch mode, no profiler), else goes through
+``torch.ops.kvloom.<name>``: the dispatcher's round trip into a Python kernel costs
+about 4 us, more than a small kernel's work, and a decode step makes ~180 native calls.
+Both paths run the same checks and the same code.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ LIBRARY = torch.library.Library("kvloom", "FRAGMENT")
 OPS: dict[str, NativeOp] = {}  # every declared op by name (tests walk it)
 FUNCTIONS: list[NativeFunction] = []  # every declared C function, ops' and queries'
 
-C_TYPES: dict[str, type | None] = {"Tensor": ctypes.c_void_p, "Tensor?": ctypes.c_void_p, "int": ctypes.c_int64,
-                                   "int32": ctypes.c_int, "float": ctypes.c_float}
+C_TYPES: dict[str, type] = {"Tensor": ctypes.c_void_p, "Tensor?": ctypes.c_void_p, "int": ctypes.c_int64,
+                            "int32": ctypes.c_int, "float": ctypes.c_float}
 RESULT_TYPES: dict[str, type | None] = {"()": None, "int": ctypes.c_int64, "int32": ctypes.c_int}
 _SCHEMA_TYPES = {"Tensor": "Tensor", "Optional[Tensor]": "Tensor?", "int": "int", "float": "float"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16",
@@ -290,7 +291,12 @@ def call({arguments}):
                 dtype = f"{name}.dtype in _dtypes_{name}"
             else:
                 dtype = f"{name}.dtype is {spec.like}.dtype"
-            layout = f"_rows_contiguous({name})" if spec.rows else f"{name}.is_contiguous()"
+            if not spec.rows:
+                layout = f"{name}.is_contiguous()"
+            elif spec.dim == 2:  # rows_contiguous's first case, inline
+                layout = f"({name}.stride(1) == 1 or {name}.shape[1] == 1)"
+            else:
+                layout = f"_rows_contiguous({name})"
             device = f"({name}.is_cpu or {name}.is_meta)" if fake else f"{name}.is_cpu"
             term = f"({name}.dim() == {spec.dim} and {device} and {dtype} and {layout})"
             terms.append(f"({name} is None or {term})" if name in self._optional else term)
