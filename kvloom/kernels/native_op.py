@@ -196,17 +196,19 @@ class NativeOp:
     def __init__(self, schema: str, *, library: str, native: str, tensors: dict[str, TensorSpec],
                  variants: tuple[str, ...] = ("",)) -> None:
         self.name = schema[:schema.index("(")]
-        LIBRARY.define(schema)
-        self.overload = getattr(torch.ops.kvloom, self.name).default
-        arguments = self.overload._schema.arguments
+        arguments = torch._C.parse_schema(f"kvloom::{schema}").arguments  # checked before anything registers
         types = {argument.name: (_SCHEMA_TYPES.get(str(argument.type), str(argument.type)),
                                  argument.alias_info is not None and argument.alias_info.is_write)
                  for argument in arguments}
-        self.native = NativeFunction(library, native, variants, types)
         tensor_arguments = {name for name, (kind, _) in types.items() if kind in ("Tensor", "Tensor?")}
         if set(tensors) != tensor_arguments or types[arguments[0].name][0] != "Tensor":
             raise ValueError(f"kvloom::{self.name}: the first argument must be a Tensor, and every Tensor "
                              f"argument needs a TensorSpec: {sorted(tensor_arguments)} vs {sorted(tensors)}")
+        if any(spec.like is not None and types.get(spec.like, ("",))[0] != "Tensor" for spec in tensors.values()):
+            raise ValueError(f"kvloom::{self.name}: a TensorSpec's like must name a Tensor that is always given")
+        self.native = NativeFunction(library, native, variants, types)
+        LIBRARY.define(schema)
+        self.overload = getattr(torch.ops.kvloom, self.name).default
         self.tensors = tensors
         self.arguments = tuple(argument.name for argument in arguments)
         # Arguments whose dtype others follow come first: a message never cites a bad dtype.
@@ -220,7 +222,10 @@ class NativeOp:
     # ---- declaration -----------------------------------------------------------------
     def check(self, function: Callable[..., None]) -> Callable[..., None]:
         """Decorator: the checks between arguments (shapes that must agree), run after the
-        TensorSpecs on real and fake tensors alike; they raise :meth:`error`."""
+        TensorSpecs on real and fake tensors alike; they raise :meth:`error`. Declared
+        before the implementation, which is compiled with them."""
+        if self.call is not self.overload:
+            raise RuntimeError(f"kvloom::{self.name}: declare the check before the implementation")
         self._relations = function
         self.validate, self._validate_fake = self._compile_validate(False), self._compile_validate(True)
         return function
@@ -262,9 +267,6 @@ def call({arguments}):
         return function
 
     # ---- use -------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
-        return self.call(*args)
-
     def function(self, variant: str = "") -> Callable[..., Any]:
         """The C function (of that variant) the implementation calls."""
         return self.native.function(variant)

@@ -249,6 +249,21 @@ def test_declarations_match_the_c_prototypes(function: native_op.NativeFunction)
                 assert param.written == (not const), f"{symbol}: {name} is {'' if const else 'not '}const in C"
 
 
+@pytest.mark.parametrize(("declaration", "message"), [
+    (dict(native="kvloom_f(x, y) -> ()"), "'y' .* is neither typed nor an argument"),
+    (dict(native="kvloom_f(x) -> float"), "not a native declaration"),
+    (dict(native="kvloom_f(x, Tensor* y) -> ()"), "bad parameter"),
+    (dict(tensors={}), "every Tensor argument needs a TensorSpec"),
+    (dict(tensors={"x": native_op.TensorSpec(1, like="z")}), "like must name a Tensor"),
+])
+def test_declaration_mistakes_are_refused_before_anything_registers(declaration: dict, message: str) -> None:
+    fields = dict(library="sampling", native="kvloom_f(x) -> ()", tensors={"x": native_op.TensorSpec(1)}) | declaration
+    with pytest.raises(ValueError, match=message):
+        native_op.NativeOp("never_registered(Tensor x) -> ()", **fields)
+    assert "never_registered" not in OPS and not hasattr(torch.ops.kvloom, "never_registered")
+    assert all(function.symbol != "kvloom_f" for function in native_op.FUNCTIONS)
+
+
 def test_kernels_import_nothing_above_them() -> None:
     code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.gemm, kvloom.kernels.paged_attention, "
             "kvloom.kernels.sampling\n"
