@@ -1,4 +1,9 @@
-"""Build and load kvloom's C++ sources (plain C ABI, called through ctypes).
+"""Build and load kvloom's C++ sources: plain C ABI libraries, no torch headers.
+
+kvloom/kernels declares each exported function once (kernels/native_op.py): the kernels
+as PyTorch ops ``torch.ops.kvloom.<name>`` with a schema and checks, the few scalar
+queries (a cache layout, the CPU's best GEMM path) as typed functions; both call through
+ctypes with the signature derived from that declaration. Nothing else calls them.
 
 Each source in ``kvloom/csrc`` is compiled on first use with the system C++ compiler
 (about a second: no torch headers) and cached under ``$KVLOOM_HOME/kernels``, keyed
@@ -21,6 +26,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from kvloom.paths import kvloom_home
 
 SOURCES = Path(__file__).parent / "csrc"
 # -ffast-math lets glibc's vector expf (libmvec) and reassociated sums in; the kernels
@@ -45,7 +52,6 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    from kvloom.models.default_model import kvloom_home  # lazy: keeps this module light
     return kvloom_home() / "kernels"
 
 

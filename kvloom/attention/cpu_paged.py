@@ -14,41 +14,30 @@ bf16 (a dim pair of one key), V as [kv_head, block_size / 2, head_dim] words (on
 dim of a token pair), so the kernel's dot products read registers straight from the
 block (see the kernel's comments). Other caches stay token-major.
 
-The kernel is compiled on first use (kvloom/native.py: about a second, plain C ABI
-through ctypes, no torch headers) and cached under ``$KVLOOM_HOME/kernels``.
+The kernels are the ops ``kvloom::paged_attention`` and ``kvloom::write_kv_paired``
+(kvloom/kernels/paged_attention.py: schemas, checks, fake tensors), compiled on first
+use by kvloom/native.py (about a second, a plain C ABI called through ctypes, no torch
+headers) and cached under ``$KVLOOM_HOME/kernels``.
 Both paths are tested against ``torch_ref`` (tests/attention).
 """
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from kvloom import native
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
+from kvloom.kernels import paged_attention as kernels
 from kvloom.native import KernelUnavailable
 
 __all__ = ["CPUPagedBackend", "KernelUnavailable", "load_library"]
 
 
-def load_library() -> ctypes.CDLL:
-    """Build (once) and load ``csrc/paged_attention.cpp``, with its signatures set."""
-    library = native.load("paged_attention")
-    library.kvloom_paired_layout.restype = ctypes.c_int
-    library.kvloom_paired_layout.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    library.kvloom_write_kv_paired.restype = None
-    library.kvloom_write_kv_paired.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64]
-                                               + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int])
-    for name in ("kvloom_paged_attention_f32", "kvloom_paged_attention_bf16", "kvloom_paged_attention_paired"):
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p, ctypes.c_int64]
-                             + [ctypes.c_void_p] * 3
-                             + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
-    return library
+def load_library() -> None:
+    """Build (once) and load ``csrc/paged_attention.cpp``; KernelUnavailable where it cannot."""
+    kernels.load()
 
 
 @dataclass(slots=True)
@@ -81,14 +70,12 @@ class CPUPagedMetadata:
     every: KernelRows  # all sequences: fresh prefills, chunks and decodes alike
 
 
-class CPUPagedBackend(AttentionBackend):
+class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
     name = "cpu_paged"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self._library = library = load_library()
-        self._kernels = {torch.float32: library.kvloom_paged_attention_f32,
-                         torch.bfloat16: library.kvloom_paged_attention_bf16}
+        load_library()
         self._paired_block_sizes: dict[int, bool] = {}
 
     def paired_layout(self, kv_cache: torch.Tensor) -> bool:
@@ -97,7 +84,7 @@ class CPUPagedBackend(AttentionBackend):
             return False
         block_size = kv_cache.shape[2]
         if block_size not in self._paired_block_sizes:
-            self._paired_block_sizes[block_size] = bool(self._library.kvloom_paired_layout(self.head_dim, block_size))
+            self._paired_block_sizes[block_size] = kernels.paired_layout(self.head_dim, block_size)
         return self._paired_block_sizes[block_size]
 
     def _paired_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,12 +102,7 @@ class CPUPagedBackend(AttentionBackend):
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]:
             k, v = k.contiguous(), v.contiguous()  # tokens may be strided, a token's row not
-        slots = slot_mapping.to(torch.int64).contiguous()
-        _, _, block_size, kv_heads, head_dim = kv_cache.shape
-        self._library.kvloom_write_kv_paired(
-            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), len(slots),
-            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_heads, head_dim, block_size,
-            torch.get_num_threads())
+        kernels.write_kv_paired(k, v, slot_mapping.to(torch.int64).contiguous(), kv_cache)
 
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.paired_layout(kv_cache):
@@ -138,22 +120,12 @@ class CPUPagedBackend(AttentionBackend):
         return CPUPagedMetadata(every=KernelRows.of(batch, list(range(len(starts))), starts))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: object) -> torch.Tensor:
-        assert isinstance(metadata, CPUPagedMetadata)
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: CPUPagedMetadata) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        paired = self.paired_layout(kv_cache)
-        if paired and q.dtype != torch.bfloat16:
-            raise ValueError(f"a bf16 KV cache needs bf16 queries, got {q.dtype}")
         # Every sequence goes through the kernel, fresh prefills too: a query's result is
         # then the same whether its sequence is prefilled whole, in chunks or token by
         # token (one fixed walk over its keys), which SDPA for fresh prefills broke.
+        # The op checks q against the cache (a bf16 cache needs bf16 queries, ...).
         rows = metadata.every
-        if rows.count:
-            kernel = self._library.kvloom_paged_attention_paired if paired else self._kernels[q.dtype]
-            kernel(q.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                   rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
-                   rows.query_start.data_ptr(), rows.query_lens.data_ptr(), rows.count, self.num_heads,
-                   self.num_kv_heads, self.head_dim, batch.block_size, self.scale, torch.get_num_threads())
-        return out
+        return kernels.paged_attention(q.contiguous(), kv_cache, rows.block_tables, rows.seq_lens,
+                                       rows.query_start, rows.query_lens, self.scale, self.paired_layout(kv_cache))

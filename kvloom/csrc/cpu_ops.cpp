@@ -153,12 +153,12 @@ void kvloom_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t ro
   silu_and_mul(gate_up, out, rows, n);
 }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-                       int64_t heads, int64_t head_dim) {
-  rotary(x, row_stride, cos, sin, tokens, heads, head_dim);
+                       int64_t num_heads, int64_t head_dim) {
+  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim);
 }
 void kvloom_rotary_bf16(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-                        int64_t heads, int64_t head_dim) {
-  rotary(x, row_stride, cos, sin, tokens, heads, head_dim);
+                        int64_t num_heads, int64_t head_dim) {
+  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim);
 }
 
 }

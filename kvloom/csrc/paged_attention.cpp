@@ -547,21 +547,30 @@ void write_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_
 
 extern "C" {
 
-#define KVLOOM_ARGS(T)                                                                       \
-  const T *q, T *out, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
-      int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start,               \
-      const int32_t *query_lens,                                                             \
-      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
-      int64_t block_size, float scale, int num_threads
-#define KVLOOM_CALL                                                                          \
-  (q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens,    \
-   num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
+// The C ABI that kvloom/kernels/paged_attention.py declares (tests/kernels/test_op_schemas.py
+// holds those declarations to these prototypes).
 
 // Whether bf16 caches of this shape use the paired layout (and kvloom_paged_attention_paired).
 int kvloom_paired_layout(int64_t head_dim, int64_t block_size) { return paired_supported(head_dim, block_size); }
 
-void kvloom_paged_attention_f32(KVLOOM_ARGS(float)) { attend KVLOOM_CALL; }
-void kvloom_paged_attention_bf16(KVLOOM_ARGS(uint16_t)) { attend KVLOOM_CALL; }
+void kvloom_paged_attention_f32(const float* q, float* out, const float* k_cache, const float* v_cache,
+                                const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                                const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, int num_threads) {
+  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs, num_heads,
+         num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+void kvloom_paged_attention_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                                 const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int num_threads) {
+  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs, num_heads,
+         num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
 void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
                             const int64_t* slots, int64_t tokens, uint16_t* k_cache, uint16_t* v_cache,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads) {
@@ -569,9 +578,14 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
                num_threads);
 }
 
-void kvloom_paged_attention_paired(KVLOOM_ARGS(uint16_t)) {
+void kvloom_paged_attention_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
+                                   const uint16_t* v_cache, const int32_t* block_tables, int64_t max_blocks,
+                                   const int32_t* seq_lens, const int32_t* query_start, const int32_t* query_lens,
+                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size, float scale, int num_threads) {
 #ifdef __AVX512BF16__
-  attend_paired KVLOOM_CALL;
+  attend_paired(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs,
+                num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
 #else
   std::abort();  // kvloom_paired_layout returned 0
 #endif

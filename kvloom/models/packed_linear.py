@@ -84,9 +84,9 @@ class InvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous():  # the model's case: [tokens, in_features]
-            return torch.ops.kvloom.gemm_bf16(x, self.packed_weight, self.bias, self.out_features, self.isa)
+            return gemm.gemm_bf16(x, self.packed_weight, self.bias, self.out_features, self.isa)
         rows = x.reshape(-1, self.in_features).contiguous()  # [tokens, in_features]
-        y = torch.ops.kvloom.gemm_bf16(rows, self.packed_weight, self.bias, self.out_features, self.isa)
+        y = gemm.gemm_bf16(rows, self.packed_weight, self.bias, self.out_features, self.isa)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

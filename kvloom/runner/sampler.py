@@ -18,43 +18,31 @@ what the sampling knobs reshaped; this matches vLLM's default ``raw_logprobs``.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvloom import native
 from kvloom.batch import LogprobsEntry
+from kvloom.kernels import sampling
 from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
 from kvloom.structured.mask import GrammarMask
 
 
-@functools.cache
-def native_sample_rows() -> Callable[..., None] | None:
-    """``kvloom_sample_rows`` from csrc/sampling.cpp, or None where it does not build."""
-    library = native.load_optional("sampling")
-    if library is None:
-        return None
-    function = library.kvloom_sample_rows
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return function
+@functools.cache  # asked once: whether csrc/sampling.cpp builds here
+def native_sampling() -> bool:
+    """Whether the one-pass C++ draw (``kvloom::sample_rows``) runs here; else the
+    PyTorch chain does."""
+    return sampling.available()
 
 
-def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor,
-                       function: Callable[..., None]) -> torch.Tensor:
+def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token ~ softmax(logits * inv_temperature) per row, drawn by inverse CDF with the
     row's uniform: ``Sampler._inverse_cdf`` of that softmax, in one pass per row."""
     logits = logits.float().contiguous()  # [R, V]
     inv_temperature = inv_temperature.float().flatten().contiguous()  # [R]
     uniforms = uniforms.float().contiguous()  # [R]
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    function(logits.data_ptr(), logits.shape[0], logits.shape[1], inv_temperature.data_ptr(),
-             uniforms.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
-    return tokens
+    return sampling.sample_rows(logits, inv_temperature, uniforms)
 
 
 @dataclass(slots=True)
@@ -111,17 +99,17 @@ class Sampler:
         assert metadata.temperature is not None  # set whenever there are random rows
         uniforms = self._uniforms(logits, metadata)  # [R]; filters consume no randomness
         filtered = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
-        fused = native_sample_rows() if logits.device.type == "cpu" else None
-        if fused is not None and not filtered:  # temperature folded into the one pass
-            return sample_rows_native(logits, 1.0 / metadata.temperature, uniforms, fused)
+        fused = logits.device.type == "cpu" and native_sampling()
+        if fused and not filtered:  # temperature folded into the one pass
+            return sample_rows_native(logits, 1.0 / metadata.temperature, uniforms)
         # Out of place: from here on every stage owns and may overwrite `scaled`.
         scaled = logits / metadata.temperature  # [R, V]
         if metadata.top_k is not None or metadata.top_p is not None:
             apply_top_k_top_p(scaled, metadata.top_k, metadata.max_top_k, metadata.top_p)
         if metadata.min_p is not None:
             apply_min_p(scaled, metadata.min_p)
-        if fused is not None:
-            return sample_rows_native(scaled, torch.ones_like(uniforms), uniforms, fused)
+        if fused:
+            return sample_rows_native(scaled, torch.ones_like(uniforms), uniforms)
         probs = torch.softmax(scaled, dim=-1)  # [R, V]
         return self._inverse_cdf(probs, uniforms)
 

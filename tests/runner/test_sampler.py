@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties, native_sample_rows, sample_rows_native
+from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties, native_sampling, sample_rows_native
 from kvloom.runner.sampling_metadata import (
     SamplingMetadata,
     SamplingRequestState,
@@ -365,8 +365,7 @@ def test_cpu_one_pass_draw_equals_the_pytorch_inverse_cdf() -> None:
     """csrc/sampling.cpp draws, from the same uniforms, the tokens of the PyTorch chain
     (temperature, softmax, cumsum, searchsorted), skips -inf entries, and takes the first
     / last token with mass at u = 0 / u -> 1."""
-    function = native_sample_rows()
-    assert function is not None, "csrc/sampling.cpp did not build"
+    assert native_sampling(), "csrc/sampling.cpp did not build"
     generator = torch.Generator().manual_seed(0)
     rows, vocab = 256, 1003  # a vocabulary that is not a multiple of 16
     logits = torch.randn(rows, vocab, generator=generator) * 3
@@ -377,7 +376,7 @@ def test_cpu_one_pass_draw_equals_the_pytorch_inverse_cdf() -> None:
     uniforms = torch.rand(rows, generator=generator)
     uniforms[5], uniforms[6] = 0.0, 1.0 - 2.0**-24
     expected = Sampler._inverse_cdf(torch.softmax(logits / temperature, dim=-1), uniforms)
-    actual = sample_rows_native(logits, 1.0 / temperature, uniforms, function)
+    actual = sample_rows_native(logits, 1.0 / temperature, uniforms)
     assert torch.equal(actual, expected)
     assert actual[5] == 40  # u = 0: the first token with mass
     assert actual[6] == vocab - 1  # u just below 1: the last one

@@ -1,0 +1,132 @@
+"""The fused elementwise ops of a decoder layer (kvloom/csrc/cpu_ops.cpp), float32 and
+bf16: ``kvloom::rms_norm``, ``kvloom::silu_and_mul`` and ``kvloom::rotary_``.
+
+models/ops.py calls them on CPU and keeps the pure-PyTorch references (the oracle in
+tests/models/test_ops.py, and what runs where this source does not build).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.native_op import NativeOp, TensorSpec
+
+ACTIVATIONS = (torch.float32, torch.bfloat16)
+_VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def available() -> bool:
+    """Whether cpu_ops.cpp builds here."""
+    return RMS_NORM.available()
+
+
+# ---- RMSNorm, optionally fused with the residual add ---------------------------------
+RMS_NORM = NativeOp(
+    "rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_rms_norm_{variant}(x, residual, weight, Tensor out, int rows, int n, eps) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS), "residual": TensorSpec(2, like="x"), "weight": TensorSpec(1, like="x")},
+)
+
+
+@RMS_NORM.check
+def _rms_norm_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
+    if residual is not None and residual.shape != x.shape:
+        raise RMS_NORM.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    if weight.shape[0] != x.shape[1]:
+        raise RMS_NORM.error("weight", f"must have x's row width {x.shape[1]}, got {weight.shape[0]}")
+
+
+@RMS_NORM.implementation
+def _rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    RMS_NORM.function(_VARIANT[x.dtype])(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], eps)
+    return out
+
+
+@RMS_NORM.fake
+def _rms_norm_fake(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) for x: [rows, n]; with ``residual``, first ``residual += x`` in
+    place and normalise that sum (models/ops.py has the reference)."""
+    return RMS_NORM.call(x, residual, weight, eps)
+
+
+# ---- the gated MLP's activation ------------------------------------------------------
+SILU_AND_MUL = NativeOp(
+    "silu_and_mul(Tensor gate_up) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_silu_and_mul_{variant}(gate_up, Tensor out, int rows, int n) -> ()",
+    tensors={"gate_up": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@SILU_AND_MUL.check
+def _silu_and_mul_check(gate_up: torch.Tensor) -> None:
+    if gate_up.shape[1] % 2:
+        raise SILU_AND_MUL.error("gate_up", f"must have an even width ([gate | up]), got {gate_up.shape[1]}")
+
+
+@SILU_AND_MUL.implementation
+def _silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)  # [rows, n]
+    SILU_AND_MUL.function(_VARIANT[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, n)
+    return out
+
+
+@SILU_AND_MUL.fake
+def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [rows, 2n] -> [rows, n]."""
+    return SILU_AND_MUL.call(gate_up)
+
+
+# ---- rotary embedding, in place ------------------------------------------------------
+ROTARY = NativeOp(
+    "rotary_(Tensor(a!) x, int num_heads, int head_dim, Tensor cos, Tensor sin) -> ()",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_rotary_{variant}(x, int row_stride, cos, sin, int tokens, num_heads, head_dim) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS, rows=True), "cos": TensorSpec(2, (torch.float32,)),
+             "sin": TensorSpec(2, (torch.float32,))},
+)
+
+
+@ROTARY.check
+def _rotary_check(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if head_dim <= 0 or head_dim % 2 or num_heads < 0:
+        raise ROTARY.error("head_dim", f"must be even and positive (num_heads >= 0), got {head_dim} "
+                                       f"(num_heads {num_heads})")
+    if num_heads * head_dim > x.shape[1]:
+        raise ROTARY.error("x", f"has rows of {x.shape[1]} values, fewer than num_heads * head_dim = "
+                                f"{num_heads * head_dim}")
+    tables = (x.shape[0], head_dim)
+    if cos.shape != tables or sin.shape != tables:
+        name = "cos" if cos.shape != tables else "sin"
+        raise ROTARY.error(name, f"must be [tokens, head_dim] = {list(tables)}, got "
+                                 f"{list((cos if name == 'cos' else sin).shape)}")
+
+
+@ROTARY.implementation
+def _rotary_cpu(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    ROTARY.function(_VARIANT[x.dtype])(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
+
+
+@ROTARY.fake
+def _rotary_fake(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    return None
+
+
+def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate, in place, the first ``num_heads`` head vectors of each row of x: [tokens,
+    width]; cos/sin: [tokens, head_dim] float32."""
+    ROTARY.call(x, num_heads, head_dim, cos, sin)

@@ -1,0 +1,163 @@
+"""Paged attention (kvloom/csrc/paged_attention.cpp) as ``kvloom::paged_attention`` and
+``kvloom::write_kv_paired``, and the layout query :func:`paired_layout`.
+
+A layer's KV cache is [2, num_blocks, block_size, kv_heads, head_dim]: token-major
+blocks, or for bf16 caches of shapes the AVX512-BF16 path serves, the paired layout
+(K as [kv_head, head_dim / 2, block_size] words of two bf16, V as [kv_head,
+block_size / 2, head_dim] words; see attention/cpu_paged.py and the kernel's comments).
+Only the kernel writes the paired layout (``write_kv_paired``); the token-major one is
+written by PyTorch (attention/base.py).
+
+The index arrays are the caller's contract, not checked here (that would read them on
+every call): block ids below num_blocks, ``seq_lens`` within each block table,
+``query_start + query_lens`` within q's rows, slots below num_blocks * block_size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec, dtype_name
+
+ACTIVATIONS = (torch.float32, torch.bfloat16)
+_INT32 = (torch.int32,)
+
+_PAIRED_LAYOUT = NativeFunction("paged_attention", "kvloom_paired_layout(int head_dim, int block_size) -> int32")
+
+
+def available() -> bool:
+    """Whether paged_attention.cpp builds here."""
+    return PAGED_ATTENTION.available()
+
+
+def load() -> None:
+    """Build (once) and load paged_attention.cpp; KernelUnavailable where it cannot."""
+    _PAIRED_LAYOUT.function()
+
+
+@functools.cache  # one answer per shape for the process: the build decides it
+def paired_layout(head_dim: int, block_size: int) -> bool:
+    """Whether bf16 caches of this shape use the paired layout (this CPU and build)."""
+    return bool(_PAIRED_LAYOUT.function()(head_dim, block_size))
+
+
+def _cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """K's and V's halves of a contiguous [2, ...] cache: kv_cache[0] and kv_cache[1]."""
+    k_pointer = kv_cache.data_ptr()
+    return k_pointer, k_pointer + kv_cache.stride(0) * kv_cache.element_size()
+
+
+def _check_cache(op: NativeOp, kv_cache: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    if kv_cache.shape[0] != 2 or kv_cache.shape[3] != kv_heads or kv_cache.shape[4] != head_dim:
+        raise op.error("kv_cache", f"must be [2, num_blocks, block_size, {kv_heads}, {head_dim}], "
+                                   f"got {list(kv_cache.shape)}")
+
+
+# ---- attention over the block tables -------------------------------------------------
+PAGED_ATTENTION = NativeOp(
+    "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
+    "Tensor query_lens, float scale, bool paired) -> Tensor",
+    library="paged_attention", variants=("f32", "bf16", "paired"),
+    native="kvloom_paged_attention_{variant}(q, Tensor out, Tensor k_cache, Tensor v_cache, block_tables, "
+           "int max_blocks, seq_lens, query_start, query_lens, int num_seqs, int num_heads, int num_kv_heads, "
+           "int head_dim, int block_size, scale, int32 num_threads) -> ()",
+    tensors={"q": TensorSpec(3, like="kv_cache"), "kv_cache": TensorSpec(5, ACTIVATIONS),
+             "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
+             "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
+)
+
+
+@PAGED_ATTENTION.check
+def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                           scale: float, paired: bool) -> None:
+    kv_heads, head_dim = kv_cache.shape[3], q.shape[2]
+    _check_cache(PAGED_ATTENTION, kv_cache, kv_heads, head_dim)
+    if kv_heads == 0 or q.shape[1] % kv_heads:
+        raise PAGED_ATTENTION.error("q", f"must have a multiple of kv_cache's {kv_heads} kv heads, got {q.shape[1]}")
+    num_seqs = block_tables.shape[0]
+    for name, array in (("seq_lens", seq_lens), ("query_start", query_start), ("query_lens", query_lens)):
+        if array.shape[0] != num_seqs:
+            raise PAGED_ATTENTION.error(name, f"must have one entry per block table ({num_seqs}), got {array.shape[0]}")
+    # int(): the layout is decided per exact shape (a symbolic one is specialised).
+    if paired and not (kv_cache.dtype is torch.bfloat16 and paired_layout(int(head_dim), int(kv_cache.shape[2]))):
+        raise PAGED_ATTENTION.error("paired", f"is set, but a {list(kv_cache.shape)} "
+                                              f"{dtype_name(kv_cache.dtype)} cache has no paired layout here")
+
+
+_VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@PAGED_ATTENTION.implementation
+def _paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                         scale: float, paired: bool) -> torch.Tensor:
+    out = torch.empty_like(q)  # [tokens, heads, head_dim]
+    k_cache, v_cache = _cache_pointers(kv_cache)
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    PAGED_ATTENTION.function("paired" if paired else _VARIANT[q.dtype])(
+        q.data_ptr(), out.data_ptr(), k_cache, v_cache, block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], q.shape[1],
+        kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    return out
+
+
+@PAGED_ATTENTION.fake
+def _paged_attention_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                          scale: float, paired: bool) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start: torch.Tensor, query_lens: torch.Tensor, scale: float, paired: bool) -> torch.Tensor:
+    """Attention of q: [tokens, heads, head_dim] over each sequence's cached keys
+    through its block table ([num_seqs, max_blocks] int32); ``seq_lens``,
+    ``query_start`` (first row in q) and ``query_lens``: [num_seqs] int32. ``paired``:
+    the cache is in the paired layout. Returns [tokens, heads, head_dim]."""
+    return PAGED_ATTENTION.call(q, kv_cache, block_tables, seq_lens, query_start, query_lens, scale, paired)
+
+
+# ---- writing K/V into the paired layout ----------------------------------------------
+WRITE_KV_PAIRED = NativeOp(
+    "write_kv_paired(Tensor k, Tensor v, Tensor slots, Tensor(a!) kv_cache) -> ()",
+    library="paged_attention",
+    native="kvloom_write_kv_paired(k, int k_stride, v, int v_stride, slots, int tokens, Tensor k_cache, "
+           "Tensor v_cache, int num_kv_heads, int head_dim, int block_size, int32 num_threads) -> ()",
+    tensors={"k": TensorSpec(3, (torch.bfloat16,), rows=True), "v": TensorSpec(3, (torch.bfloat16,), rows=True),
+             "slots": TensorSpec(1, (torch.int64,)), "kv_cache": TensorSpec(5, (torch.bfloat16,))},
+)
+
+
+@WRITE_KV_PAIRED.check
+def _write_kv_paired_check(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    tokens, kv_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise WRITE_KV_PAIRED.error("v", f"must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    if slots.shape[0] != tokens:
+        raise WRITE_KV_PAIRED.error("slots", f"must have one slot per token ({tokens}), got {slots.shape[0]}")
+    _check_cache(WRITE_KV_PAIRED, kv_cache, kv_heads, head_dim)
+    if not paired_layout(int(head_dim), int(kv_cache.shape[2])):
+        raise WRITE_KV_PAIRED.error("kv_cache", f"of shape {list(kv_cache.shape)} has no paired layout here")
+
+
+@WRITE_KV_PAIRED.implementation
+def _write_kv_paired_cpu(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    k_cache, v_cache = _cache_pointers(kv_cache)
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    WRITE_KV_PAIRED.function()(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), slots.shape[0], k_cache, v_cache,
+        kv_heads, head_dim, block_size, torch.get_num_threads())
+
+
+@WRITE_KV_PAIRED.fake
+def _write_kv_paired_fake(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    return None
+
+
+def write_kv_paired(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Store k, v: [tokens, kv_heads, head_dim] bf16 (rows may be strided) at ``slots``
+    ([tokens] int64) of a paired-layout cache, in place."""
+    WRITE_KV_PAIRED.call(k, v, slots, kv_cache)

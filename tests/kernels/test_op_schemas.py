@@ -1,0 +1,275 @@
+"""Every native op ``kvloom::*`` (kernels/native_op.py): a wrong call raises a ValueError
+that names the op and the argument (through torch.ops and through the direct path
+alike), ``torch.library.opcheck`` passes (schema and mutation marks, fake tensors,
+compilation), each declaration matches the C prototype in kvloom/csrc, and the
+kernels layer imports nothing above it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvloom import native
+from kvloom.kernels import cpu_ops, gemm, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
+
+OPS = native_op.OPS
+ISA = gemm.supported_isas()[0] if gemm.supported_isas() else "avx2"
+PAIRED = paged_attention.available() and paged_attention.paired_layout(64, 16)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def attention_args(dtype: torch.dtype, paired: bool) -> tuple[Any, ...]:
+    """Two sequences over 16-token blocks: a 3-token chunk after 17 cached tokens, and a
+    5-token fresh prefill. 4 heads on 2 kv heads of 64 dims."""
+    kv_cache = randn(2, 4, 16, 2, 64, dtype=dtype, seed=1)
+    block_tables = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32)
+    query_start = torch.tensor([0, 3], dtype=torch.int32)
+    query_lens = torch.tensor([3, 5], dtype=torch.int32)
+    q = randn(8, 4, 64, dtype=dtype, seed=2)
+    return q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired
+
+
+def gemm_args() -> tuple[Any, ...]:
+    weight, bias = randn(20, 8, dtype=torch.bfloat16, seed=3), randn(20, dtype=torch.bfloat16, seed=4)
+    return randn(4, 8, dtype=torch.bfloat16, seed=5), gemm.pack_weight(weight), bias, 20, ISA
+
+
+def rotary_args(dtype: torch.dtype) -> tuple[Any, ...]:
+    # Rows strided (the fused qkv output: q and k are a prefix of each row) are welcome.
+    qkv = randn(5, 200, dtype=dtype, seed=6)[:, :128]
+    return qkv, 6, 16, randn(5, 16, seed=7), randn(5, 16, seed=8)
+
+
+# op name -> calls with valid arguments (each a fresh tuple: some ops write their inputs)
+# (the first of each is the one RELATIONS changes)
+EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
+    "rms_norm": [lambda: (randn(5, 64, dtype=torch.bfloat16), randn(5, 64, dtype=torch.bfloat16, seed=2),
+                          randn(64, dtype=torch.bfloat16, seed=1), 1e-6),
+                 lambda: (randn(5, 64), None, randn(64, seed=1), 1e-5)],
+    "silu_and_mul": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
+    "rotary_": [lambda: rotary_args(torch.float32), lambda: rotary_args(torch.bfloat16)],
+    "paged_attention": [lambda: attention_args(torch.float32, False), lambda: attention_args(torch.bfloat16, False)]
+                       + ([lambda: attention_args(torch.bfloat16, True)] if PAIRED else []),
+    "write_kv_paired": [lambda: (randn(6, 2, 64, dtype=torch.bfloat16), randn(6, 2, 64, dtype=torch.bfloat16, seed=1),
+                                 torch.tensor([0, 17, 3, 40, 63, 20]),
+                                 torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16))],
+    "sample_rows": [lambda: (randn(4, 50) * 3, torch.rand(4) + 0.5, torch.rand(4))],
+    "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
+    "gemm_bf16": [gemm_args],
+}
+
+# (op, argument, a change to valid arguments that breaks a relation between them, message)
+RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
+    ("rms_norm", "weight", lambda a: a.__setitem__(2, a[2][:63]), "must have x's row width 64"),
+    ("rms_norm", "residual", lambda a: a.__setitem__(1, a[1][:4]), r"must have x's shape \[5, 64\]"),
+    ("silu_and_mul", "gate_up", lambda a: a.__setitem__(0, a[0][:, :31].contiguous()), "must have an even width"),
+    ("rotary_", "head_dim", lambda a: a.__setitem__(2, 15), "must be even"),
+    ("rotary_", "x", lambda a: a.__setitem__(1, 9), "fewer than num_heads"),
+    ("rotary_", "cos", lambda a: a.__setitem__(3, a[3][:4]), r"must be \[tokens, head_dim\]"),
+    ("paged_attention", "kv_cache", lambda a: a.__setitem__(0, a[0][:, :, :32].contiguous()),
+     r"must be \[2, num_blocks, block_size, 2, 32\]"),
+    ("paged_attention", "q", lambda a: a.__setitem__(0, a[0][:, :3].contiguous()), "multiple of kv_cache's 2"),
+    ("paged_attention", "seq_lens", lambda a: a.__setitem__(3, a[3][:1]), "one entry per block table"),
+    ("paged_attention", "paired", lambda a: a.__setitem__(7, True), "has no paired layout"),
+    ("write_kv_paired", "v", lambda a: a.__setitem__(1, a[1][:5]), "must have k's shape"),
+    ("write_kv_paired", "slots", lambda a: a.__setitem__(2, a[2][:5]), "one slot per token"),
+    ("sample_rows", "uniforms", lambda a: a.__setitem__(2, a[2][:3]), "one value per row of logits"),
+    ("gemm_bf16", "packed", lambda a: a.__setitem__(3, 40), "has .* elements"),
+    ("gemm_bf16", "bias", lambda a: a.__setitem__(2, a[2][:10]), r"must be a contiguous \[20\] bf16"),
+    ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+]
+
+needs_native = pytest.mark.skipif(not all(op.available() for op in OPS.values()), reason="a C++ source did not build")
+CALLS = [pytest.param(name, index, id=f"{name}-{index}") for name in EXAMPLES for index in range(len(EXAMPLES[name]))]
+
+
+def paths(name: str) -> list[Callable[..., Any]]:
+    """The two ways into an op: the dispatcher (torch.ops) and NativeOp.call's direct path."""
+    return [getattr(torch.ops.kvloom, name).default, OPS[name].call]
+
+
+def tensor_arguments(name: str, args: tuple[Any, ...]) -> list[tuple[int, str]]:
+    return [(index, argument) for index, argument in enumerate(OPS[name].arguments)
+            if argument in OPS[name].tensors and args[index] is not None]
+
+
+def test_every_op_has_examples_and_is_registered() -> None:
+    assert set(EXAMPLES) == set(OPS), "each op needs valid examples here"
+    for name, op in OPS.items():
+        assert getattr(torch.ops.kvloom, name).default is op.overload
+        assert str(op.overload._schema).startswith(f"kvloom::{name}(")
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "index"), CALLS)
+def test_wrong_dtype_rank_layout_or_device_raises_naming_the_argument(name: str, index: int) -> None:
+    args = EXAMPLES[name][index]()
+    for position, argument in tensor_arguments(name, args):
+        tensor = args[position]
+        strided = torch.empty(*tensor.shape[:-1], 2 * tensor.shape[-1], dtype=tensor.dtype)[..., ::2]
+        wrong = {"dtype": tensor.double(), "rank": tensor.unsqueeze(0),
+                 "layout": strided.copy_(tensor) if tensor.shape[-1] > 1 else None,
+                 "device": tensor.to("meta"), "type": 3 if position else None}
+        for kind, value in wrong.items():
+            if value is None:
+                continue
+            bad = list(args)
+            bad[position] = value
+            # The dispatcher sends a call with a meta tensor to the fake kernel (shapes
+            # only), and rejects a non-tensor itself (TypeError): the direct path here.
+            for call in paths(name)[1:] if kind in ("device", "type") else paths(name):
+                with pytest.raises(ValueError, match=rf"^kvloom::{name}: {argument} must be a .*got"):
+                    call(*bad)
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "argument", "change", "message"), RELATIONS,
+                         ids=[f"{name}-{argument}" for name, argument, _, _ in RELATIONS])
+def test_arguments_that_disagree_raise_naming_the_argument(name: str, argument: str, change: Callable,
+                                                           message: str) -> None:
+    if name == "write_kv_paired" and not PAIRED:
+        pytest.skip("no paired layout on this CPU")
+    bad = list(EXAMPLES[name][0]())
+    change(bad)
+    for call in paths(name):
+        with pytest.raises(ValueError, match=rf"^kvloom::{name}: {argument} .*{message}"):
+            call(*bad)
+
+
+@needs_native
+def test_a_bf16_cache_with_float32_queries_raises() -> None:
+    args = list(attention_args(torch.bfloat16, False))
+    args[0] = args[0].float()
+    with pytest.raises(ValueError, match=r"^kvloom::paged_attention: q must be a contiguous 3-D bf16 \(kv_cache's"):
+        paged_attention.paged_attention(*args)
+
+
+def clone(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Copies of the tensors with the same strides (strided rows stay strided)."""
+    return tuple(torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype).copy_(arg)
+                 if isinstance(arg, torch.Tensor) else arg for arg in args)
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "index"), CALLS)
+def test_the_direct_path_equals_the_dispatcher(name: str, index: int) -> None:
+    if name == "write_kv_paired" and not PAIRED:
+        pytest.skip("no paired layout on this CPU")
+    args = EXAMPLES[name][index]()
+    through_torch, direct = clone(args), clone(args)
+    want, got = paths(name)[0](*through_torch), OPS[name].call(*direct)
+    assert (want is None and got is None) or torch.equal(want, got)
+    for a, b in zip(through_torch, direct, strict=True):  # and they wrote the same
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "index"), CALLS)
+def test_opcheck(name: str, index: int) -> None:
+    """Schema (mutations declared are the mutations made; new outputs alias nothing), the
+    autograd registration, fake tensors against real ones, and AOT dispatch with dynamic
+    shapes (functionalization of the mutating ops)."""
+    if name == "write_kv_paired" and not PAIRED:
+        pytest.skip("no paired layout on this CPU")
+    torch.library.opcheck(getattr(torch.ops.kvloom, name).default, EXAMPLES[name][index]())
+
+
+@needs_native
+def test_tracing_and_dispatch_modes_see_the_op() -> None:
+    """The direct path steps aside for whatever could intercept a call: a dispatch mode
+    (here one that records), FakeTensor, torch.compile (one graph, the op in it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, weight = randn(3, 8), randn(8, seed=1)
+    with Record() as record:
+        cpu_ops.rms_norm(x, None, weight, 1e-5)
+    assert "kvloom.rms_norm.default" in record.seen
+    with FakeTensorMode():
+        assert cpu_ops.silu_and_mul(torch.empty(5, 12)).shape == (5, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: cpu_ops.rms_norm(x, None, w, 1e-5) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, weight), cpu_ops.rms_norm(x, None, weight, 1e-5) * 2)
+
+
+# ---- the declarations against the C sources -----------------------------------------
+C_TYPES = {"int64_t": "int", "int": "int32", "float": "float"}
+C_RESULTS = {"void": "()", "int": "int32", "int64_t": "int"}
+PROTOTYPE = re.compile(r"^(void|int|int64_t)\s+(kvloom_\w+)\(([^)]*)\)\s*\{", re.M)
+C_PARAMETER = re.compile(r"(const\s+)?(\w+)\s*(\*)?\s*(\w+)")
+
+
+def c_prototypes(library: str) -> dict[str, tuple[str, list[tuple[str, str, bool]]]]:
+    """symbol -> (result, [(name, type as a declaration spells it, const pointer)])."""
+    source = (native.SOURCES / f"{library}.cpp").read_text()
+    prototypes = {}
+    for result, symbol, parameters in PROTOTYPE.findall(source):
+        parsed = []
+        for text in filter(None, (part.strip() for part in parameters.split(","))):
+            const, c_type, pointer, name = C_PARAMETER.fullmatch(" ".join(text.split())).groups()
+            parsed.append((name, "Tensor" if pointer else C_TYPES[c_type], bool(pointer and const)))
+        prototypes[symbol] = (C_RESULTS[result], parsed)
+    return prototypes
+
+
+@pytest.mark.parametrize("function", native_op.FUNCTIONS, ids=lambda function: function.symbol)
+def test_declarations_match_the_c_prototypes(function: native_op.NativeFunction) -> None:
+    """Names, order and types of every declared C function's parameters, and const-ness:
+    C writes through a pointer taken from an op argument exactly when the schema marks
+    that argument mutated (Tensor(a!))."""
+    prototypes = c_prototypes(function.library)
+    for symbol in function.symbols():
+        assert symbol in prototypes, f"{symbol} is not in csrc/{function.library}.cpp"
+        result, parameters = prototypes[symbol]
+        assert result == function.result, symbol
+        declared = [(param.name, param.type.rstrip("?")) for param in function.params]
+        assert declared == [(name, c_type) for name, c_type, _ in parameters], symbol
+        for param, (name, _, const) in zip(function.params, parameters, strict=True):
+            if param.from_schema and param.type.startswith("Tensor"):
+                assert param.written == (not const), f"{symbol}: {name} is {'' if const else 'not '}const in C"
+
+
+@pytest.mark.parametrize(("declaration", "message"), [
+    (dict(native="kvloom_f(x, y) -> ()"), "'y' .* is neither typed nor an argument"),
+    (dict(native="kvloom_f(x) -> float"), "not a native declaration"),
+    (dict(native="kvloom_f(x, Tensor* y) -> ()"), "bad parameter"),
+    (dict(tensors={}), "every Tensor argument needs a TensorSpec"),
+    (dict(tensors={"x": native_op.TensorSpec(1, like="z")}), "like must name a Tensor"),
+])
+def test_declaration_mistakes_are_refused_before_anything_registers(declaration: dict, message: str) -> None:
+    fields = dict(library="sampling", native="kvloom_f(x) -> ()", tensors={"x": native_op.TensorSpec(1)}) | declaration
+    with pytest.raises(ValueError, match=message):
+        native_op.NativeOp("never_registered(Tensor x) -> ()", **fields)
+    assert "never_registered" not in OPS and not hasattr(torch.ops.kvloom, "never_registered")
+    assert all(function.symbol != "kvloom_f" for function in native_op.FUNCTIONS)
+
+
+def test_kernels_import_nothing_above_them() -> None:
+    code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.gemm, kvloom.kernels.paged_attention, "
+            "kvloom.kernels.sampling\n"
+            "print(' '.join(m for m in sys.modules if m.split('.')[:2] in (['kvloom', 'models'], "
+            "['kvloom', 'attention'], ['kvloom', 'runner'], ['kvloom', 'engine'], ['kvloom', 'server'])))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == ""
+
