@@ -550,26 +550,8 @@ extern "C" {
 // The C ABI that kvloom/kernels/paged_attention.py declares (tests/kernels/test_op_schemas.py
 // holds those declarations to these prototypes).
 
-// Whether bf16 caches of this shape use the paired layout (and kvloom_paged_attention_paired).
+// Whether bf16 caches of this shape use the paired layout (kvloom_paged_attention's kernel 2).
 int kvloom_paired_layout(int64_t head_dim, int64_t block_size) { return paired_supported(head_dim, block_size); }
-
-void kvloom_paged_attention_f32(const float* q, float* out, const float* k_cache, const float* v_cache,
-                                const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                                const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
-                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                float scale, int num_threads) {
-  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs, num_heads,
-         num_kv_heads, head_dim, block_size, scale, num_threads);
-}
-
-void kvloom_paged_attention_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
-                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                                 const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
-                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int num_threads) {
-  attend(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs, num_heads,
-         num_kv_heads, head_dim, block_size, scale, num_threads);
-}
 
 void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
                             const int64_t* slots, int64_t tokens, uint16_t* k_cache, uint16_t* v_cache,
@@ -578,17 +560,31 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
                num_threads);
 }
 
-void kvloom_paged_attention_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
-                                   const uint16_t* v_cache, const int32_t* block_tables, int64_t max_blocks,
-                                   const int32_t* seq_lens, const int32_t* query_start, const int32_t* query_lens,
-                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t block_size, float scale, int num_threads) {
+// kernel: 0 a float32 cache, 1 a token-major bf16 cache, 2 a bf16 cache in the paired
+// layout (only where kvloom_paired_layout said so). q, out and the caches hold that
+// element type: float, or bf16 as uint16_t.
+void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const void* v_cache,
+                            const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                            const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, int num_threads, int kernel) {
+  auto run = [&](auto attend_fn, auto element) {
+    using T = decltype(element);
+    attend_fn(static_cast<const T*>(q), static_cast<T*>(out), static_cast<const T*>(k_cache),
+              static_cast<const T*>(v_cache), block_tables, max_blocks, seq_lens, query_start, query_lens,
+              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+  };
+  if (kernel == 0) {
+    run(attend<float>, float{});
+  } else if (kernel == 1) {
+    run(attend<uint16_t>, uint16_t{});
+  } else {
 #ifdef __AVX512BF16__
-  attend_paired(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs,
-                num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+    run(attend_paired, uint16_t{});
 #else
-  std::abort();  // kvloom_paired_layout returned 0
+    std::abort();  // kvloom_paired_layout returned 0
 #endif
+  }
 }
 
 }

@@ -59,10 +59,10 @@ def _check_cache(op: NativeOp, kv_cache: torch.Tensor, kv_heads: int, head_dim: 
 PAGED_ATTENTION = NativeOp(
     "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
     "Tensor query_lens, float scale, bool paired) -> Tensor",
-    library="paged_attention", variants=("f32", "bf16", "paired"),
-    native="kvloom_paged_attention_{variant}(q, Tensor out, Tensor k_cache, Tensor v_cache, block_tables, "
+    library="paged_attention",
+    native="kvloom_paged_attention(q, Tensor out, Tensor k_cache, Tensor v_cache, block_tables, "
            "int max_blocks, seq_lens, query_start, query_lens, int num_seqs, int num_heads, int num_kv_heads, "
-           "int head_dim, int block_size, scale, int32 num_threads) -> ()",
+           "int head_dim, int block_size, scale, int32 num_threads, int32 kernel) -> ()",
     tensors={"q": TensorSpec(3, like="kv_cache"), "kv_cache": TensorSpec(5, ACTIVATIONS),
              "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
              "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
@@ -87,7 +87,9 @@ def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                               f"{dtype_name(kv_cache.dtype)} cache has no paired layout here")
 
 
-_VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# paged_attention.cpp's kernel codes: the cache's element type and layout.
+_TOKEN_MAJOR_KERNEL = {torch.float32: 0, torch.bfloat16: 1}
+_PAIRED_KERNEL = 2
 
 
 @PAGED_ATTENTION.implementation
@@ -97,10 +99,11 @@ def _paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     out = torch.empty_like(q)  # [tokens, heads, head_dim]
     k_cache, v_cache = _cache_pointers(kv_cache)
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    PAGED_ATTENTION.function("paired" if paired else _VARIANT[q.dtype])(
+    PAGED_ATTENTION.function()(
         q.data_ptr(), out.data_ptr(), k_cache, v_cache, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], q.shape[1],
-        kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+        _PAIRED_KERNEL if paired else _TOKEN_MAJOR_KERNEL[q.dtype])
     return out
 
 
