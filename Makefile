@@ -57,7 +57,7 @@ check: $(TEST_STAMP)
 	$(VENV)/bin/ruff check kvloom tests
 	$(VENV)/bin/mypy
 
-# The inner loop (about 75 s on 2 cores): everything but the tests on the default model.
+# The inner loop (about 85 s on 2 cores): everything but the tests on the default model.
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -x -k "not default and not smollm2"
 
