@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from kvloom.engine.engine import LLMEngine
     from kvloom.engine.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "EngineConfig", "CacheConfig",
-           "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "StructuredOutputsParams", "EngineConfig",
+           "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,9 +23,9 @@ def __getattr__(name: str) -> Any:
     if name == "LLM":
         from kvloom.engine.llm import LLM
         return LLM
-    if name == "StructuredOutput":
-        from kvloom.structured import StructuredOutput
-        return StructuredOutput
+    if name in ("StructuredOutput", "StructuredOutputsParams"):
+        from kvloom import structured
+        return getattr(structured, name)
     if name == "LLMEngine":
         from kvloom.engine.engine import LLMEngine
         return LLMEngine

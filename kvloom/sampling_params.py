@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.constraint import StructuredOutput, StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
@@ -57,6 +57,7 @@ class SamplingParams:
     The grammar then owns where the output ends: EOS is allowed exactly when the
     structure is complete and always stops the request (``ignore_eos`` and
     ``min_tokens`` do not apply to it); ``max_tokens`` still cuts it ("length").
+    ``structured_outputs`` (vLLM's spelling, a ``StructuredOutputsParams``) sets it too.
     """
 
     n: int = 1
@@ -77,8 +78,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None) -> None:
+        if structured_outputs is not None:
+            if not isinstance(structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(structured_outputs).__name__}")
+            if self.structured is not None:
+                raise ValueError("give structured or structured_outputs, not both")
+            self.structured = structured_outputs.to_structured_output()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -88,6 +88,24 @@ class StructuredOutput:
         return self.kind, self.text
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's spelling of a constraint, so that vLLM code ports unchanged:
+    ``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``. Set one of
+    ``json`` (a JSON Schema), ``regex``, ``choice``, ``grammar``, ``json_object``; it
+    becomes the request's :class:`StructuredOutput`."""
+
+    json: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_structured_output(self) -> StructuredOutput:
+        return StructuredOutput(json_schema=self.json, json_object=bool(self.json_object), regex=self.regex,
+                                grammar=self.grammar, choice=self.choice)
+
+
 def _schema_text(schema: object) -> str:
     if isinstance(schema, str):
         try:

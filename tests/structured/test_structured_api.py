@@ -56,6 +56,37 @@ def test_sampling_params_validates_the_field() -> None:
     assert params.structured.kind == "choice"
 
 
+@pytest.mark.parametrize(("vllm_spelling", "ours"), [
+    ({"json": SCHEMA}, {"json_schema": SCHEMA}),
+    ({"json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}),
+    ({"regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+    ({"choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"grammar": 'start: "a"+'}, {"grammar": 'start: "a"+'}),
+    ({"json_object": True}, {"json_object": True}),
+])
+def test_vllm_structured_outputs_params_port_unchanged(vllm_spelling, ours) -> None:
+    """vLLM's SamplingParams(structured_outputs=StructuredOutputsParams(...)) sets the
+    same constraint as ours, and survives dataclasses.replace (the n > 1 fan-out)."""
+    import dataclasses
+
+    from kvloom import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**vllm_spelling))
+    assert params.structured == StructuredOutput(**ours)
+    assert dataclasses.replace(params, n=2).structured == StructuredOutput(**ours)
+
+
+def test_vllm_structured_outputs_params_errors() -> None:
+    from kvloom import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(structured=StructuredOutput(regex="a"), structured_outputs=StructuredOutputsParams(regex="b"))
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
+
+
 def test_cache_key_is_kind_and_normalised_text() -> None:
     as_dict = StructuredOutput(json_schema=SCHEMA)
     as_text = StructuredOutput(json_schema=json.dumps(SCHEMA, indent=2))
