@@ -61,15 +61,25 @@ class LLM:
         return self._merge(prompts, params_list, owners, finals)
 
     def _run(self, owners: dict[str, tuple[int, int]], show: bool) -> dict[str, RequestOutput]:
+        """Step until every owned request has finished. The bar counts finished requests
+        and shows the output tokens as they come (vLLM's 'Processed prompts' bar)."""
         finals: dict[str, RequestOutput] = {}
+        num_output_tokens = 0
         with tqdm(total=len(owners), desc="generating", unit="req", disable=not show) as bar:
             while len(finals) < len(owners):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine stopped with requests unfinished")
                 for output in self.engine.step():
-                    if output.finished and output.request_id in owners:
+                    if output.request_id not in owners:
+                        continue
+                    num_output_tokens += len(output.outputs[0].delta_token_ids)
+                    if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)
+                if show:
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output {num_output_tokens} tok, {num_output_tokens / elapsed:.1f} tok/s",
+                                        refresh=True)
         return finals
 
     @staticmethod

@@ -132,3 +132,16 @@ def test_chat_uses_template(tiny_llama) -> None:
     expected = llm.tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
                                     add_special_tokens=False)
     assert out.prompt_token_ids == expected
+
+
+def test_the_offline_progress_bar_counts_output_tokens(tiny_llama, capsys) -> None:
+    """Two prompts, 5 and 3 tokens each (ignore_eos): the bar's last line reports both
+    requests and all 8 output tokens."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    params = [SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)]
+    outputs = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=True)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 3]
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "2/2" in last and "output 8 tok" in last
