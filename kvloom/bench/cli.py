@@ -147,12 +147,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     command = shlex.join(["kvloom", *sys.argv[1:]])
+    # Ctrl-C during the timed run still reports (and saves) the requests that finished.
     result = asyncio.run(run_benchmark(config, sample_workload(args), command))
     print(report(result))
     if args.output_json:
         save_result(args.output_json, result)
         print(f"results written to {args.output_json}")
-    return 0
+    return 130 if result["interrupted"] else 0
 
 
 def _offline(args: argparse.Namespace) -> int:

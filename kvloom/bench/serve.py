@@ -249,10 +249,20 @@ async def _warm_up(client: httpx.AsyncClient, url: str, config: ServeBenchConfig
     return results.count(False)
 
 
+@dataclass(slots=True)
+class TimedRun:
+    records: list[RequestRecord]  # the finished requests' (all of them unless interrupted)
+    duration_s: float
+    num_requests: int  # in the workload
+    interrupted: bool = False  # Ctrl-C: the run stopped early; records holds the finished ones
+
+
 async def _timed_run(client: httpx.AsyncClient, url: str, config: ServeBenchConfig, model: str,
-                     requests: Sequence[BenchRequest]) -> tuple[list[RequestRecord], float]:
-    """Send the workload on its arrival schedule; returns the records and the duration."""
+                     requests: Sequence[BenchRequest]) -> TimedRun:
+    """Send the workload on its arrival schedule. Interrupted (Ctrl-C cancels the run),
+    it cancels what is in flight and keeps the finished requests, for a partial report."""
     records = [RequestRecord(i, r.prompt_len, group=r.group, turn=r.turn) for i, r in enumerate(requests)]
+    finished: list[int] = []
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = tqdm(total=len(requests), disable=not config.show_progress, desc="requests")
     start = time.perf_counter()
@@ -263,6 +273,7 @@ async def _timed_run(client: httpx.AsyncClient, url: str, config: ServeBenchConf
             # Latency starts once a slot is free: waiting in the client is not the server's.
             records[index].start_time = time.perf_counter() - start
             await send_request(client, url, payload, records[index])
+        finished.append(index)
         progress.update(1)
 
     async def unit(indices: list[int]) -> None:
@@ -272,12 +283,20 @@ async def _timed_run(client: httpx.AsyncClient, url: str, config: ServeBenchConf
     units = _units(requests)
     offsets = arrival_offsets(inter_arrival_gaps(len(units), config.request_rate, config.seed,
                                                  config.burstiness))
+    tasks: list[asyncio.Task[None]] = []
     try:
-        tasks = [asyncio.create_task(unit(indices)) async for indices in paced(units, offsets, start)]
+        async for indices in paced(units, offsets, start):
+            tasks.append(asyncio.create_task(unit(indices)))
         await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return TimedRun([records[i] for i in sorted(finished)], time.perf_counter() - start, len(requests),
+                        interrupted=True)
     finally:
         progress.close()
-    return records, time.perf_counter() - start
+    return TimedRun(records, time.perf_counter() - start, len(requests))
 
 
 async def run_benchmark(config: ServeBenchConfig, requests: Sequence[BenchRequest],
@@ -300,9 +319,10 @@ async def run_benchmark(config: ServeBenchConfig, requests: Sequence[BenchReques
                   file=sys.stderr)
         # Scraped after the warm-ups, so the counters cover the timed run only.
         before = await scrape_metrics(client, base_url)
-        records, duration = await _timed_run(client, url, config, model, requests)
+        run = await _timed_run(client, url, config, model, requests)
         after = await scrape_metrics(client, base_url) if before is not None else None
-    metrics = compute_metrics(records, duration, config.slo)
+    records = run.records
+    metrics = compute_metrics(records, run.duration_s, config.slo)
     parameters = config.load_parameters()
     return {
         "kvloom_bench": "serve", "format_version": RESULT_FORMAT_VERSION,
@@ -312,6 +332,7 @@ async def run_benchmark(config: ServeBenchConfig, requests: Sequence[BenchReques
         "num_warmups": config.num_warmups, "warmup_failures": warmup_failures,
         "slo_ms": config.slo, "metrics": metrics.to_json(),
         "server_counters": counter_deltas(before, after),
+        "interrupted": ({"finished": len(records), "of": run.num_requests} if run.interrupted else None),
         "requests": [record.to_json() for record in records],
     }
 
@@ -319,6 +340,9 @@ async def run_benchmark(config: ServeBenchConfig, requests: Sequence[BenchReques
 def report(result: Mapping[str, Any]) -> str:
     """The printed table for a results document from ``run_benchmark``."""
     title = "Serving Benchmark Result" + (f" ({result['label']})" if result.get("label") else "")
+    interrupted = result.get("interrupted")
+    if interrupted:
+        title += f" - INTERRUPTED: the {interrupted['finished']} of {interrupted['of']} requests that finished"
     return format_report(BenchMetrics.from_json(result["metrics"]), result.get("server_counters"), title)
 
 

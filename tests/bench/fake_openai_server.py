@@ -11,7 +11,8 @@ message (chat) containing one of these words:
 - ``error500`` / ``bad400``: a JSON error response with that status;
 - ``disconnect``: one chunk, then the connection closes mid-body;
 - ``streamerror``: one chunk, then ``data: {"error": ...}``;
-- ``truncated``: two chunks, then a clean end with no finish_reason or [DONE].
+- ``truncated``: two chunks, then a clean end with no finish_reason or [DONE];
+- ``hang``: sets ``state.hanging`` and answers nothing until the server stops.
 
 Chat streams start with a role-only chunk. ``/metrics`` serves counters that grow
 with every streamed request (or 404 when ``metrics=False``). Run as a script
@@ -45,6 +46,8 @@ class FakeState:
         # overlap it checks is then a fact, not a matter of timing.
         self.rendezvous: threading.Barrier | None = None
         self.rendezvous_left = 0
+        self.hanging = threading.Event()  # a ``hang`` request has arrived
+        self.stopped = threading.Event()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -124,6 +127,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(404, {"error": {"message": "no such route"}})
             return
         prompt = payload["messages"][-1]["content"] if chat else payload["prompt"]
+        if "hang" in prompt:
+            state.hanging.set()
+            state.stopped.wait(timeout=60)
+            return
         if "error500" in prompt:
             self._send_json(500, {"error": {"message": "boom", "type": "InternalServerError"}})
             return
@@ -189,6 +196,7 @@ class FakeServer(ThreadingHTTPServer):
         return self
 
     def stop(self) -> None:
+        self.state.stopped.set()
         self.shutdown()
         self.server_close()
 

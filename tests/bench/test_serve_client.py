@@ -212,3 +212,23 @@ def test_fingerprint_tracks_requests_and_parameters() -> None:
     assert same != workload_fingerprint(requests, {**params, "seed": 1})
     # The server is not part of the workload: other base URLs, same fingerprint.
     assert ServeBenchConfig("http://y").load_parameters() == ServeBenchConfig("http://x").load_parameters()
+
+
+def test_an_interrupted_run_reports_the_requests_that_finished(fake: FakeServer) -> None:
+    """Ctrl-C (asyncio.run cancels the run) while the fourth request hangs: the result
+    holds the three that finished, says so, and the report is printed from them."""
+    requests = [BenchRequest(f"p{i} x", 2, 3) for i in range(3)] + [BenchRequest("hang", 1, 3)]
+    config = ServeBenchConfig(fake.base_url, show_progress=False, max_concurrency=1, num_warmups=0)
+
+    async def interrupted() -> dict[str, Any]:
+        run = asyncio.create_task(run_benchmark(config, requests, command="test"))
+        # One at a time: the hanging request is sent only once the other three are done.
+        await asyncio.get_running_loop().run_in_executor(None, fake.state.hanging.wait, 30)
+        run.cancel()  # what asyncio.run does on Ctrl-C
+        return await run
+
+    result = asyncio.run(interrupted())
+    assert result["interrupted"] == {"finished": 3, "of": 4}
+    assert result["metrics"]["completed"] == 3 and result["metrics"]["failed"] == 0
+    assert [r["index"] for r in result["requests"]] == [0, 1, 2]
+    assert "INTERRUPTED: the 3 of 4 requests that finished" in report(result)
