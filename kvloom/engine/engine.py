@@ -76,6 +76,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
+        started = time.monotonic()
+        logger.info("loading %s", config.model)
         checkpoint = load_checkpoint(config.model)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
@@ -112,6 +114,9 @@ class LLMEngine:
                                          StopChecker(self.output_processor))
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
+        logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
+                    "%s attention", self.model_name, time.monotonic() - started, self.dtype, self.device,
+                    self.max_model_len, self.num_blocks, block_size, backend.name)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 

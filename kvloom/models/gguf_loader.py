@@ -127,6 +127,11 @@ def gguf_weights(reader: Any, arch: str, hf_config: dict[str, Any]
     return iterate
 
 
+def num_weights(reader: Any) -> int:
+    """How many tensors ``gguf_weights`` yields."""
+    return sum(tensor.name not in _METADATA_TENSORS for tensor in reader.tensors)
+
+
 def hf_name(gguf_name: str) -> str:
     """GGUF tensor name -> HF parameter name (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``)."""

@@ -177,7 +177,8 @@ def _load_gguf(path: Path, name: str, home: str | Path | None, cache: bool) -> C
     num_elements = sum(int(t.n_elements) for t in reader.tensors)
     if cache_dir is not None and num_elements * 4 <= _GGUF_CACHE_MAX_BYTES:
         try:
-            _write_gguf_cache(cache_dir, path, hf_config, tokenizer, weights)
+            _write_gguf_cache(cache_dir, path, hf_config, tokenizer, weights,
+                              num_tensors=gguf_loader.num_weights(reader))
             checkpoint = _load_hf_dir(cache_dir, name)
             checkpoint.path = path
             return checkpoint
@@ -203,10 +204,12 @@ def _gguf_cache_valid(cache_dir: Path, path: Path) -> bool:
 
 def _write_gguf_cache(cache_dir: Path, path: Path, hf_config: dict[str, Any],
                       tokenizer: Tokenizer,
-                      weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+                      weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], num_tensors: int) -> None:
     """Write the GGUF as a HF directory: build it beside the target, then rename,
-    so a crash never leaves a half-written cache that looks valid."""
+    so a crash never leaves a half-written cache that looks valid. Once per file; a
+    progress bar shows the dequantization (a minute for the default model on 2 cores)."""
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(cache_dir)
@@ -214,7 +217,10 @@ def _write_gguf_cache(cache_dir: Path, path: Path, hf_config: dict[str, Any],
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        save_file(dict(weights()), str(staging / "model.safetensors"))
+        logger.info("dequantizing %s once into %s", path.name, cache_dir)
+        with tqdm(weights(), total=num_tensors, desc=f"dequantizing {path.name}", unit="tensor",
+                  disable=None) as tensors:  # None: no bar where stderr is not a terminal
+            save_file(dict(tensors), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=1))
         tokenizer.backend.save(str(staging / "tokenizer.json"))
         tokenizer_config = {**tokenizer.special_tokens, "chat_template": tokenizer.chat_template,

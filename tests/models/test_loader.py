@@ -136,6 +136,30 @@ def test_gguf_cache_reused_and_invalidated(tiny_dirs: dict[str, Path], tmp_path:
     _assert_same(_weights(load_checkpoint(str(gguf_file), home=home)), first)
 
 
+def test_gguf_dequantization_is_announced_with_its_tensor_count(tiny_dirs: dict[str, Path], tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time conversion says what it does, and its progress bar (shown on a
+    terminal) counts to the number of weight tensors the HF directory holds."""
+    import tqdm as tqdm_module
+
+    totals: list[int | None] = []
+    real_tqdm = tqdm_module.tqdm
+
+    class Recording(real_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            totals.append(self.total)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Recording)
+    gguf_file = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "llama.gguf")
+    with caplog.at_level("INFO", logger="kvloom.models.loader"):
+        checkpoint = load_checkpoint(str(gguf_file), home=tmp_path / "home")
+    assert "dequantizing llama.gguf once" in caplog.text
+    num_weights = len(_weights(checkpoint))
+    assert totals == [num_weights]
+
+
 # ------------------------------------------------------------ GGUF (SmolLM2, real)
 @pytest.fixture(scope="module")
 def smol_gguf() -> Path:
