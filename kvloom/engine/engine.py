@@ -76,7 +76,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
-        checkpoint = load_checkpoint(config.model)
+        checkpoint = load_checkpoint(config.model, revision=config.revision)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
