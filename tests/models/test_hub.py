@@ -313,3 +313,11 @@ def test_patterns_cover_the_loaders_files() -> None:
     kept = list(filter_repo_objects(wanted + unwanted, allow_patterns=list(ALLOW_PATTERNS),
                                     ignore_patterns=list(IGNORE_PATTERNS)))
     assert kept == wanted
+
+
+def test_bad_revision_value_names_the_field() -> None:
+    from kvloom.config import EngineConfig
+
+    for bad in ("", "  ", 3):
+        with pytest.raises(ValueError, match="^revision must be a non-empty string"):
+            EngineConfig.from_kwargs(REPO, revision=bad)
