@@ -180,7 +180,11 @@ class EngineConfig:
     # Every field below (and those of its sections, cache and scheduler) is an engine option:
     # an LLM(...) keyword and a CLI flag of the same name, with this help (see ENGINE_OPTIONS).
     model: str = field(default=DEFAULT_MODEL, metadata={
-        "flag": "model", "help": f"HF directory, .gguf file, or {DEFAULT_MODEL!r} (default)"})
+        "flag": "model", "help": f"HF directory, .gguf file, Hugging Face model id ORG/NAME (from the "
+                                 f"Hugging Face cache, downloaded there when missing), or {DEFAULT_MODEL!r} "
+                                 "(default)"})
+    revision: str | None = field(default=None, metadata={
+        "help": "revision of a Hugging Face model id: a branch, tag or commit hash (default: main)"})
     dtype: str = field(default="auto", metadata={
         "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype; auto means bfloat16"})
     device: str = field(default="auto", metadata={
@@ -205,6 +209,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"revision must be a non-empty string (a branch, tag or commit hash), "
+                             f"got {self.revision!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):

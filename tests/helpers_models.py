@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,49 @@ def write_tiny_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
         tokenizer_config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     return path
+
+
+def write_hub_cache(cache: str | Path, repo_id: str, revisions: dict[str, Path], *,
+                    tree_listing: bool = True, extra_files: dict[str, bytes] | None = None) -> dict[str, str]:
+    """Lay model directories out in a Hugging Face hub cache the way huggingface_hub
+    writes it: ``models--ORG--NAME/blobs/<hash>`` (sha256 for LFS files such as
+    safetensors, git blob sha1 for the rest; shared between revisions),
+    ``snapshots/<commit>/<file>`` as relative symlinks to the blobs, ``refs/<ref>``
+    holding the commit hash, and ``trees/<commit>.json``, the file listing that
+    huggingface_hub >= 2 caches. ``revisions`` maps a ref (branch or tag) to the
+    directory its snapshot holds; ``extra_files`` (name -> bytes) go into every
+    snapshot. Returns ``{ref: commit hash}``."""
+    import hashlib
+
+    storage = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    commits: dict[str, str] = {}
+    for ref, source in revisions.items():
+        files = {p.name: p.read_bytes() for p in sorted(Path(source).iterdir()) if p.is_file()}
+        files.update(extra_files or {})
+        commit = hashlib.sha1(repr((ref, sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
+                                   ).encode()).hexdigest()
+        snapshot = storage / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        listing: dict[str, dict[str, Any]] = {}
+        for name, data in files.items():
+            git_sha1 = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            lfs = name.endswith(".safetensors")
+            blob = storage / "blobs" / (hashlib.sha256(data).hexdigest() if lfs else git_sha1)
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            if not blob.exists():
+                blob.write_bytes(data)
+            (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+            listing[name] = {"size": len(data), "blob_id": git_sha1}
+            if lfs:
+                listing[name].update(lfs_sha256=blob.name, lfs_size=len(data))
+        (storage / "refs").mkdir(parents=True, exist_ok=True)
+        (storage / "refs" / ref).write_text(commit)  # no trailing newline, as huggingface_hub writes it
+        if tree_listing:
+            (storage / "trees").mkdir(exist_ok=True)
+            (storage / "trees" / f"{commit}.json").write_text(
+                json.dumps({"format_version": 1, "files": listing}, indent=1))
+        commits[ref] = commit
+    return commits
 
 
 def _randomize_norms(model: torch.nn.Module) -> None:

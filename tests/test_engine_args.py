@@ -23,6 +23,7 @@ from kvloom.engine_args import add_engine_args, engine_kwargs
 # The flag names are the public CLI (docs, Makefile, benchmark scripts): they never change.
 NON_DEFAULTS = [
     (["some/model"], None, "model", "some/model"),
+    (["--revision", "v2"], None, "revision", "v2"),
     (["--dtype", "float32"], None, "dtype", "float32"),
     (["--device", "cpu"], None, "device", "cpu"),
     (["--seed", "7"], None, "seed", 7),

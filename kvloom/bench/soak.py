@@ -213,7 +213,8 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     from kvloom.server.background import start_background_server
     from kvloom.server.settings import ServerSettings
 
-    tokenizer = load_checkpoint(config.model).tokenizer  # weights stay unread
+    revision = config.engine_kwargs.get("revision")
+    tokenizer = load_checkpoint(config.model, revision=revision).tokenizer  # weights stay unread
     counts = [len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
               for _, payload, _ in plan_requests(config) if isinstance(payload, dict) and "max_tokens" in payload
               and isinstance(payload.get("prompt"), str) and isinstance(payload["max_tokens"], int)

@@ -77,8 +77,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         started = time.monotonic()
-        logger.info("loading %s", config.model)
-        checkpoint = load_checkpoint(config.model)
+        logger.info("loading %s", config.model if config.revision is None else f"{config.model}@{config.revision}")
+        checkpoint = load_checkpoint(config.model, revision=config.revision)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)

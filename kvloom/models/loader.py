@@ -53,17 +53,24 @@ class Checkpoint:
 
 
 def load_checkpoint(model: str, home: str | Path | None = None,
-                    cache_gguf: bool = True) -> Checkpoint:
-    """Load ``model``: a HF directory, a ``.gguf`` file, or ``DEFAULT_MODEL``
-    (downloaded once into ``home``, default ``$KVLOOM_HOME`` or ``~/.cache/kvloom``)."""
+                    cache_gguf: bool = True, revision: str | None = None) -> Checkpoint:
+    """Load ``model``: a HF directory, a ``.gguf`` file, ``DEFAULT_MODEL`` (downloaded
+    once into ``home``, default ``$KVLOOM_HOME`` or ``~/.cache/kvloom``), or a Hugging
+    Face model id ``ORG/NAME`` at ``revision`` (from the Hugging Face cache, downloaded
+    there when missing: kvloom/models/hub.py). A local path that exists wins over an id."""
     from kvloom.config import DEFAULT_MODEL
+    from kvloom.models import hub
 
+    path = Path(model).expanduser()
     if model == DEFAULT_MODEL:
         from kvloom.models.default_model import resolve_default_model
 
+        _refuse_revision(model, revision)
         path = resolve_default_model(home)
+    elif not path.exists() and hub.is_hub_id(model):
+        path = hub.resolve_hub_model(model, revision)
     else:
-        path = Path(model).expanduser()
+        _refuse_revision(model, revision)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {model}")
     if path.is_dir():
@@ -74,6 +81,12 @@ def load_checkpoint(model: str, home: str | Path | None = None,
         raise ModelLoadError(f"refusing pickle weights {path}: convert to safetensors")
     raise ModelLoadError(f"unsupported model file {path}: expected a Hugging Face "
                          "model directory or a .gguf file")
+
+
+def _refuse_revision(model: str, revision: str | None) -> None:
+    if revision is not None:
+        raise ModelLoadError(f"revision={revision!r} names a revision of a Hugging Face model id "
+                             f"(ORG/NAME), but {model!r} is not one")
 
 
 # ------------------------------------------------------------------ HF directory
