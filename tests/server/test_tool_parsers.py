@@ -64,7 +64,8 @@ CASES = [
     ("llama3_json", ' {"name": "f", "parameters": {"q": 1}}; {"name": "g", "arguments": {"r": true}};\n',
      None, [("id0", "f", {"q": 1}), ("id1", "g", {"r": True})]),
     ("llama3_json", 'The answer is {"name": "f"}', 'The answer is {"name": "f"}', []),
-    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {oops}}', '<|python_tag|>{"name": "f", "parameters": {oops}}', []),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {oops}}',
+     '<|python_tag|>{"name": "f", "parameters": {oops}}', []),
     ("llama3_json", '{"name": "f", "parameters": {}} and more', " and more", [("id0", "f", {})]),
     ("llama3_json", '{"name": "f", "parameters": {}}; {"bad": 1}', '; {"bad": 1}', [("id0", "f", {})]),
     ("llama3_json", "<|python", "<|python", []),
@@ -75,7 +76,8 @@ CASES = [
     ("mistral", '[TOOL_CALLS] {"name": "f", "arguments": {"n": 2}}\n', None, [("id0", "f", {"n": 2})]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2}}, {"arguments": {}}]',
      '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2}}, {"arguments": {}}]', []),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2', '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2', []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2',
+     '[TOOL_CALLS][{"name": "f", "arguments": {"n": 2', []),
     ("mistral", "[TOOL_CALLS] no json", "[TOOL_CALLS] no json", []),
     ("mistral", "plain [TOOL_CALL", "plain [TOOL_CALL", []),
 ]
@@ -130,7 +132,8 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
 
 def test_registry_names_and_unknown_name() -> None:
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, mistral, got 'pythonic'"):
+    message = "tool_call_parser must be one of hermes, llama3_json, mistral, got 'pythonic'"
+    with pytest.raises(ValueError, match=message):
         get_tool_parser("pythonic")
 
 
