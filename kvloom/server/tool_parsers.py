@@ -80,30 +80,46 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-def json_value_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object or array opening at ``text[start]`` (brackets
-    balanced outside strings), or None if it is not closed yet. Says nothing about
-    validity: the slice still goes through ``json.loads``."""
-    depth = 0
-    in_string = escaped = False
-    for position in range(start, len(text)):
-        char = text[position]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+class JsonValueEnd:
+    """Finds where the JSON object or array opening at ``text[start]`` ends (brackets
+    balanced outside strings), resumably: ``scan`` may be called again after the text
+    grew, and continues where it stopped, so a streamed call costs linear time. Says
+    nothing about validity: the slice still goes through ``json.loads``."""
+
+    __slots__ = ("position", "depth", "in_string", "escaped")
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def scan(self, text: str) -> int | None:
+        """Index just past the value, or None if it is not closed in ``text`` yet."""
+        for position in range(self.position, len(text)):
+            char = text[position]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
             elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return position + 1
-    return None
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.position = position + 1
+                    return position + 1
+        self.position = len(text)
+        return None
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object or array opening at ``text[start]``, or None."""
+    return JsonValueEnd(start).scan(text)
 
 
 def _call_fields(value: object, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -148,6 +164,14 @@ class StreamingToolParser:
         self._out = StreamDelta()
         self.num_calls = 0
         self._finished = False
+        self._json_end: JsonValueEnd | None = None  # the pending call's scanner
+
+    def _scan_json(self, start: int) -> int | None:
+        """End of the JSON value at ``start`` of the pending call (which does not move
+        while it is pending), scanning only text not scanned before."""
+        if self._json_end is None:
+            self._json_end = JsonValueEnd(start)
+        return self._json_end.scan(self._buffer)
 
     def feed(self, text: str) -> StreamDelta:
         if self._finished:
@@ -233,6 +257,7 @@ class _MarkerParser(StreamingToolParser):
             end = len(self._buffer)
         body, self._buffer = self._buffer[:end], self._buffer[end:]
         self._in_call = False
+        self._json_end = None
         calls = self._decode(body)
         if calls is None:
             self._content(self.start_marker + body)
@@ -277,8 +302,7 @@ class _MistralStream(_MarkerParser):
             return None
         if stripped[0] not in "[{":
             return 0  # malformed: the marker alone becomes content
-        end = json_value_end(text, len(text) - len(stripped))
-        return end
+        return self._scan_json(len(text) - len(stripped))
 
     def _decode(self, body: str) -> list[tuple[str, str]] | None:
         value = _loads(body) if body.strip() else None
@@ -337,9 +361,10 @@ class _Llama3JsonStream(StreamingToolParser):
         return True
 
     def _object(self, start: int, final: bool) -> bool:
-        end = json_value_end(self._buffer, start)
+        end = self._scan_json(start)
         if end is None and not final:
             return False
+        self._json_end = None
         fields = None if end is None else _call_fields(
             _loads(self._buffer[start:end]), ("parameters", "arguments"))
         if fields is None or end is None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvloom.server.tool_parsers import (
     TOOL_PARSERS,
+    JsonValueEnd,
     ToolCall,
     calls_from_deltas,
     get_tool_parser,
@@ -148,6 +149,14 @@ def test_json_value_end() -> None:
     assert json_value_end('{"a": "}"} tail', 0) == 10
     assert json_value_end('[{"a": "\\"]"}]x', 0) == 14
     assert json_value_end('{"a": [1, 2', 0) is None
+    # resumed after the text grew: the same answer as one scan of the whole text
+    scanner = JsonValueEnd(2)
+    text = 'x {"a": "\\'
+    assert scanner.scan(text) is None
+    text += '"}'  # the escaped quote does not close the string
+    assert scanner.scan(text) is None
+    text += '"} tail'
+    assert scanner.scan(text) == json_value_end(text, 2) == len(text) - 5
 
 
 # Random outputs built from the pieces the formats are made of (markers, their prefixes,
