@@ -22,187 +22,28 @@ emits a call once its text is complete and valid. Rules the formats share:
 
 from __future__ import annotations
 
-import json
 import re
-import secrets
-import string
-import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
+from kvloom.server.tool_call_stream import (
+    JsonValueEnd,
+    StreamDelta,
+    StreamingToolParser,
+    ToolCall,
+    ToolCallDelta,
+    call_fields,
+    calls_from_deltas,
+    held_marker_prefix,
+    json_value_end,
+    loads_or_none,
+    mistral_call_id,
+    openai_call_id,
+)
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One complete call; ``arguments`` is JSON text of an object."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallDelta:
-    """A streamed piece of call ``index``: the first carries id and name (arguments "");
-    later ones carry only an arguments chunk to append."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
-
-    def to_openai(self) -> dict[str, Any]:
-        if self.id is None:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(slots=True)
-class StreamDelta:
-    """What one ``feed`` or ``finish`` produced: content text and call deltas, in order
-    within each (content text always precedes the calls it was written before)."""
-
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-
-def openai_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def mistral_call_id() -> str:
-    # Mistral's chat templates require ids of exactly nine alphanumeric characters.
-    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-
-
-class JsonValueEnd:
-    """Finds where the JSON object or array opening at ``text[start]`` ends (brackets
-    balanced outside strings), resumably: ``scan`` may be called again after the text
-    grew, and continues where it stopped, so a streamed call costs linear time. Says
-    nothing about validity: the slice still goes through ``json.loads``."""
-
-    __slots__ = ("position", "depth", "in_string", "escaped")
-
-    def __init__(self, start: int) -> None:
-        self.position = start
-        self.depth = 0
-        self.in_string = self.escaped = False
-
-    def scan(self, text: str) -> int | None:
-        """Index just past the value, or None if it is not closed in ``text`` yet."""
-        for position in range(self.position, len(text)):
-            char = text[position]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.position = position + 1
-                    return position + 1
-        self.position = len(text)
-        return None
-
-
-def json_value_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object or array opening at ``text[start]``, or None."""
-    return JsonValueEnd(start).scan(text)
-
-
-def _call_fields(value: object, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a decoded call object, or None if it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    present = [key for key in arguments_keys if key in value]
-    arguments = value[present[0]] if present else {}
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _loads(text: str) -> object:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _held_marker_prefix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
-class StreamingToolParser:
-    """Incremental parser for one output: ``feed`` text deltas, then ``finish`` once.
-
-    Subclasses implement ``_step(final)``: consume a determinable prefix of
-    ``self._buffer`` (calling ``_content`` / ``_call``) and return True, or return False
-    when the buffer's start cannot be decided without more text. With ``final`` the
-    step must decide. Chunking invariance follows from every decision depending only
-    on the text, never on where a delta ended.
-    """
-
-    def __init__(self, make_id: Callable[[], str]) -> None:
-        self._make_id = make_id
-        self._buffer = ""
-        self._out = StreamDelta()
-        self.num_calls = 0
-        self._finished = False
-        self._json_end: JsonValueEnd | None = None  # the pending call's scanner
-
-    def _scan_json(self, start: int) -> int | None:
-        """End of the JSON value at ``start`` of the pending call (which does not move
-        while it is pending), scanning only text not scanned before."""
-        if self._json_end is None:
-            self._json_end = JsonValueEnd(start)
-        return self._json_end.scan(self._buffer)
-
-    def feed(self, text: str) -> StreamDelta:
-        if self._finished:
-            raise RuntimeError("feed after finish")
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> StreamDelta:
-        if self._finished:
-            raise RuntimeError("finish called twice")
-        self._finished = True
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> StreamDelta:
-        while self._buffer and self._step(final):
-            pass
-        out, self._out = self._out, StreamDelta()
-        return out
-
-    def _content(self, text: str) -> None:
-        self._out.content += text
-
-    def _call(self, name: str, arguments: str) -> None:
-        call_id = self._make_id()
-        index = self.num_calls
-        self.num_calls += 1
-        self._out.tool_calls.append(ToolCallDelta(index, "", id=call_id, name=name))
-        self._out.tool_calls.append(ToolCallDelta(index, arguments))
-
-    def _step(self, final: bool) -> bool:
-        raise NotImplementedError
+__all__ = ["TOOL_PARSERS", "JsonValueEnd", "StreamDelta", "StreamingToolParser", "ToolCall", "ToolCallDelta",
+           "ToolParser", "calls_from_deltas", "get_tool_parser", "json_value_end"]
 
 
 class _MarkerParser(StreamingToolParser):
@@ -231,7 +72,7 @@ class _MarkerParser(StreamingToolParser):
         elif final:
             segment_end = len(buffer)
         else:
-            segment_end = len(buffer) - _held_marker_prefix(buffer, self.start_marker)
+            segment_end = len(buffer) - held_marker_prefix(buffer, self.start_marker)
         segment = buffer[:segment_end]
         if self._after_call:
             if segment.strip() == "":
@@ -289,7 +130,7 @@ class _HermesStream(_MarkerParser):
         # is accepted when its JSON is complete.
         if body.endswith(self.end_marker):
             body = body[:-len(self.end_marker)]
-        fields = _call_fields(_loads(body), ("arguments",))
+        fields = call_fields(loads_or_none(body), ("arguments",))
         return None if fields is None else [fields]
 
 
@@ -305,9 +146,9 @@ class _MistralStream(_MarkerParser):
         return self._scan_json(len(text) - len(stripped))
 
     def _decode(self, body: str) -> list[tuple[str, str]] | None:
-        value = _loads(body) if body.strip() else None
+        value = loads_or_none(body) if body.strip() else None
         items = value if isinstance(value, list) else [value]
-        calls = [_call_fields(item, ("arguments", "parameters")) for item in items]
+        calls = [call_fields(item, ("arguments", "parameters")) for item in items]
         if not calls or any(call is None for call in calls):
             return None
         return [call for call in calls if call is not None]
@@ -365,8 +206,8 @@ class _Llama3JsonStream(StreamingToolParser):
         if end is None and not final:
             return False
         self._json_end = None
-        fields = None if end is None else _call_fields(
-            _loads(self._buffer[start:end]), ("parameters", "arguments"))
+        fields = None if end is None else call_fields(
+            loads_or_none(self._buffer[start:end]), ("parameters", "arguments"))
         if fields is None or end is None:
             self._state = "content"
             return True
@@ -393,17 +234,6 @@ class ToolParser:
         deltas = [stream.feed(text), stream.finish()]
         content = "".join(delta.content for delta in deltas)
         return content or None, calls_from_deltas(delta for out in deltas for delta in out.tool_calls)
-
-
-def calls_from_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
-    """Assemble streamed call deltas into calls (what a client does)."""
-    calls: dict[int, list[str]] = {}
-    for delta in deltas:
-        if delta.id is not None:
-            calls[delta.index] = [delta.id, delta.name or "", delta.arguments]
-        else:
-            calls[delta.index][2] += delta.arguments
-    return [ToolCall(*calls[index]) for index in sorted(calls)]
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {
