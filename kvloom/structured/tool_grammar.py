@@ -1,0 +1,138 @@
+"""The grammar of an enforced tool call (``tool_choice`` "required" or a named function).
+
+``tool_call_constraint`` builds a Lark grammar (llguidance dialect) that forces the
+output into a tool-call parser's format, with each function's arguments generated
+under its JSON schema (``%json{...}``), so the parser of the same name
+(``kvloom.server.tool_parsers``) always finds valid calls in it. Pure Python: the
+schemas are checked by llguidance when the engine compiles the constraint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvloom.structured.constraint import StructuredOutput
+
+# OpenAI's rule for function names.
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# A function without "parameters" takes none (OpenAI: "omitting parameters defines a
+# function with an empty parameter list").
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    """How a parser's format writes calls: ``prefix (call (separator call)*) suffix``,
+    each call ``call_open {"name": ..., "<arguments_key>": <args>} call_close``."""
+
+    prefix: str
+    call_open: str
+    call_close: str
+    separator: str
+    suffix: str
+    arguments_key: str
+
+
+TOOL_CALL_FORMATS: dict[str, _Format] = {
+    "hermes": _Format("", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments"),
+    # <|python_tag|> and [TOOL_CALLS] are optional / plain text to the parsers, so the
+    # grammar needs no special token (which a tokenizer may lack).
+    "llama3_json": _Format("", "", "", "; ", "", "parameters"),
+    "mistral": _Format("[TOOL_CALLS][", "", "", ", ", "]", "arguments"),
+}
+
+
+def tool_call_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any],
+                         parser_name: str, parallel: bool = True) -> StructuredOutput:
+    """A constraint under which the output is one call (or, with ``parallel``, one or
+    more calls) of the allowed functions, written in ``parser_name``'s format.
+
+    tools: OpenAI ``tools`` (``[{"type": "function", "function": {"name", "parameters"}}]``).
+    tool_choice: "required" (any of ``tools``) or ``{"type": "function", "function":
+        {"name": ...}}`` (exactly one call of that function; ``parallel`` is ignored).
+    Raises ValueError naming the field for malformed tools, an unknown parser, a named
+    function not in ``tools``, or a tool_choice ("auto", "none") that forces nothing.
+    """
+    output_format = TOOL_CALL_FORMATS.get(parser_name)
+    if output_format is None:
+        known = ", ".join(sorted(TOOL_CALL_FORMATS))
+        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
+    functions = _functions(tools)
+    if isinstance(tool_choice, str):
+        if tool_choice != "required":
+            raise ValueError(f"tool_choice {tool_choice!r} forces no call; only 'required' or a "
+                             "named function has a constraint")
+        allowed = functions
+    else:
+        name = _named_choice(tool_choice)
+        if name not in functions:
+            raise ValueError(f"tool_choice.function.name {name!r} is not in tools "
+                             f"({', '.join(functions)})")
+        allowed = {name: functions[name]}
+        parallel = False
+    return StructuredOutput(grammar=_grammar(allowed, output_format, parallel))
+
+
+def _grammar(functions: Mapping[str, Mapping[str, Any]], output_format: _Format, parallel: bool) -> str:
+    rules = []
+    for number, (name, schema) in enumerate(functions.items()):
+        head = json.dumps({"name": name, output_format.arguments_key: 0}, ensure_ascii=False)
+        head = head[:-2]  # '{"name": "f", "arguments": ' : the value follows
+        # Compact JSON: free whitespace lets small models emit newlines forever.
+        compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f"fn_{number}: {_literal(output_format.call_open + head)} args_{number} "
+                     f"{_literal('}' + output_format.call_close)}")
+        rules.append(f"args_{number}: %json {json.dumps(compact, ensure_ascii=False)}")
+    call = " | ".join(f"fn_{number}" for number in range(len(functions)))
+    repeat = f" ({_literal(output_format.separator)} call)*" if parallel else ""
+    start = " ".join(part for part in (_literal(output_format.prefix), f"call{repeat}",
+                                       _literal(output_format.suffix)) if part)
+    return "\n".join([f"start: {start}", f"call: {call}", *rules])
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal ("" for none: Lark has no empty literal).
+    JSON string literals are valid Lark string literals (same escapes)."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+def _functions(tools: object) -> dict[str, Mapping[str, Any]]:
+    """Function name -> parameters schema, validated, in the order given."""
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools:
+        raise ValueError("tools must be a non-empty list of function tools")
+    functions: dict[str, Mapping[str, Any]] = {}
+    for number, tool in enumerate(tools):
+        where = f"tools[{number}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise ValueError(f"{where}.type must be 'function'")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise ValueError(f"{where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+            raise ValueError(f"{where}.function.name must match {_FUNCTION_NAME.pattern}, got {name!r}")
+        if name in functions:
+            raise ValueError(f"{where}.function.name {name!r} is given twice")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = NO_PARAMETERS
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+        functions[name] = parameters
+    return functions
+
+
+def _named_choice(tool_choice: object) -> str:
+    if not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function":
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError("tool_choice.function.name must be a string")
+    return name
