@@ -84,10 +84,10 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
         raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
     if body.store:
         raise bad_request("store=true is not supported: this server keeps no completions "
-                          "(send false or leave it out)", "store")
+                          "(send false or leave it out)", "store", "unsupported_parameter")
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported (prompt logprobs are not computed)",
-                          "prompt_logprobs")
+                          "prompt_logprobs", "unsupported_parameter")
     given = {name: getattr(body, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(body, name) is not None}

@@ -71,7 +71,8 @@ def tools_for_template(body: ChatCompletionRequest) -> list[dict[str, Any]] | No
     choice = body.tool_choice
     if choice is not None and choice not in ("none", "auto"):
         raise bad_request(f"tool_choice {choice!r} is not supported: this server does not parse "
-                          "tool calls, so only \"auto\" and \"none\" are", "tool_choice")
+                          "tool calls, so only \"auto\" and \"none\" are", "tool_choice",
+                          "unsupported_parameter")
     return tools
 
 

@@ -132,3 +132,15 @@ def test_chat_uses_template(tiny_llama) -> None:
     expected = llm.tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
                                     add_special_tokens=False)
     assert out.prompt_token_ids == expected
+
+
+def test_offline_logit_bias_and_chat_template_options(tiny_llama) -> None:
+    """vLLM's offline logit_bias (dict[int, float]) steers greedy decoding; LLM.chat passes
+    continue_final_message to the template as transformers does."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={77: 100.0}))[0]
+    assert out.outputs[0].token_ids == [77] * 4
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    chat = llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt=False,
+                    continue_final_message=True)[0]
+    assert llm.tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False).endswith("The answer")
