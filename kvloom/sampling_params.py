@@ -21,6 +21,9 @@ SEED_MIN, SEED_END = -(1 << 63), 1 << 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's limits on logit_bias: each bias in [-100, 100], at most this many tokens.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def seed_value(seed: int) -> int:
@@ -53,6 +56,11 @@ class SamplingParams:
     generated); repetition_penalty follows the CTRL paper (divide positive logits,
     multiply negative ones, for tokens in prompt or output).
 
+    ``logit_bias`` maps token ids to a value in [-100, 100] added to that token's logit
+    before sampling (OpenAI's semantics, greedy rows included): after the penalties,
+    before min_tokens and the grammar mask, so -inf stays -inf; logprobs still come
+    from the raw logits. The server's ``{"50256": -100}`` (string keys) is accepted too.
+
     ``structured`` constrains the output to a JSON schema, regex, grammar or choice.
     The grammar then owns where the output ends: EOS is allowed exactly when the
     structure is complete and always stops the request (``ignore_eos`` and
@@ -78,6 +86,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    logit_bias: dict[int, float] | None = None
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None) -> None:
@@ -132,6 +141,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias) or None
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(
                 f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
@@ -147,6 +158,25 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _checked_logit_bias(value: object) -> dict[int, float]:
+    """``{token id: bias}`` with int keys (JSON's string keys parsed), every bias finite
+    and in [-100, 100]; ValueError naming logit_bias otherwise."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {value!r}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+    checked: dict[int, float] = {}
+    for key, bias in value.items():
+        token_id = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token_id = int(key)
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        _check_number("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        checked[token_id] = float(bias)  # type: ignore[arg-type]
+    return checked
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

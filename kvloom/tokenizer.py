@@ -173,16 +173,32 @@ class Tokenizer:
 
     # ------------------------------------------------------------ chat template
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """Render ``messages`` with the model's Jinja chat template, as transformers
-        does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``)."""
+        does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``; extra
+        ``kwargs`` are template variables). ``continue_final_message`` cuts the text
+        right after the last message's content, so generation continues that message
+        (transformers' rule: its last occurrence, stripped if not found as is)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain completion "
                              "prompt instead of chat messages")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         context = {**self.special_tokens, **kwargs}
-        return _compile_template(self.chat_template).render(
+        text: str = _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             tools=tools, documents=None, **context)
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a final message with text content")
+        for needle in (final, final.strip()):
+            if needle in text:
+                return text[: text.rindex(needle) + len(needle)]
+        raise ValueError("continue_final_message: the template did not render the final "
+                         "message's content")
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

@@ -14,7 +14,7 @@ from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.sampling_params import SamplingParams, fan_out
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content, and tool_calls / tool_call_id / name as transformers takes them
 
 
 class LLM:
@@ -99,18 +99,24 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (chat template applied)."""
+        """Generate replies to one conversation or a list of them (chat template applied;
+        ``tools`` and ``chat_template_kwargs`` go to the template, as in vLLM's LLM.chat)."""
         conversations: list[list[Message]] = (
             [messages] if messages and isinstance(messages[0], dict)
             else cast(list[list[Message]], messages))
-        prompts: list[Prompt] = [self.encode_chat(conversation, add_generation_prompt)
-                                 for conversation in conversations]
+        prompts: list[Prompt] = [
+            self.encode_chat(conversation, add_generation_prompt, continue_final_message=continue_final_message,
+                             tools=tools, **(chat_template_kwargs or {}))
+            for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
+                    **template_options: Any) -> list[int]:
         """The prompt's token ids (``Tokenizer.encode_chat``, as the server encodes chat)."""
-        return self.tokenizer.encode_chat(conversation, add_generation_prompt)
+        return self.tokenizer.encode_chat(conversation, add_generation_prompt, **template_options)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -75,6 +75,7 @@ class Scheduler:
         limits.check_prompt(request.num_prompt_tokens)
         limits.check_token_ids(request.prompt_token_ids, "prompt")
         limits.check_token_ids(request.sampling_params.stop_token_ids, "stop_token_ids")
+        limits.check_token_ids(request.sampling_params.logit_bias or (), "logit_bias")
         limits.check_fits_pool(request.num_prompt_tokens, request.max_tokens)
         request.arrival_index = self._arrivals
         request.timeline.arrival_step = self.step_count

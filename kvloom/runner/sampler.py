@@ -3,6 +3,7 @@
 Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 
 1. penalties (repetition, then frequency, then presence), on the penalty rows only;
+1b. logit_bias: each row's biases added to its logits (OpenAI: greedy rows too);
 2. min_tokens: stop tokens of rows still short of ``min_tokens`` become -inf;
 3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
 4. greedy rows take the argmax here and never consume randomness;
@@ -67,12 +68,13 @@ class Sampler:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [B, V]; no copy when already float32
         processed = raw_logits
-        if (metadata.penalties is not None or metadata.blocked_rows is not None
-                or metadata.grammar is not None):
+        if (metadata.penalties is not None or metadata.bias_rows is not None
+                or metadata.blocked_rows is not None or metadata.grammar is not None):
             # The stages below write in place; raw_logits must survive for logprobs.
             processed = raw_logits.clone()
             if metadata.penalties is not None:
                 apply_penalties(processed, metadata.penalties)
+            apply_logit_bias(processed, metadata)
             apply_min_tokens(processed, metadata)
             if metadata.grammar is not None:
                 apply_token_bitmask(processed, metadata.grammar)
@@ -159,6 +161,15 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     rows -= penalties.frequency * penalties.output_counts
     rows -= penalties.presence * (penalties.output_counts > 0).to(rows.dtype)
     logits[penalties.rows] = rows
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: add each (row, token) bias; (row, token) pairs are unique per step."""
+    if metadata.bias_rows is not None:
+        assert metadata.bias_token_ids is not None and metadata.bias_values is not None
+        logits.index_put_((metadata.bias_rows, metadata.bias_token_ids), metadata.bias_values,
+                          accumulate=True)
     return logits
 
 

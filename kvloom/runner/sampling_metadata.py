@@ -81,6 +81,10 @@ class SamplingMetadata:
     # (batch row, token id), N of them. None when no row is below its min_tokens.
     blocked_rows: torch.Tensor | None  # [N] int64
     blocked_token_ids: torch.Tensor | None  # [N] int64
+    # logit_bias as M (batch row, token id, bias) triples; None when no row has one.
+    bias_rows: torch.Tensor | None  # [M] int64
+    bias_token_ids: torch.Tensor | None  # [M] int64
+    bias_values: torch.Tensor | None  # [M] float32
     logprob_rows: torch.Tensor | None  # [L] int64 batch rows that asked for logprobs
     num_logprobs: list[int]  # [L] top-n size per logprob row
     max_num_logprobs: int
@@ -128,6 +132,7 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         blocked_rows, blocked_token_ids = _min_tokens_blocks(rows, vocab_size)
+        bias_rows, bias_token_ids, bias_values = _logit_bias_triples(rows, vocab_size)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         num_logprobs = [rows[i].params.logprobs or 0 for i in logprob_rows]
         return cls(
@@ -152,6 +157,9 @@ class SamplingMetadata:
             penalties=_penalty_tensors(rows, vocab_size, device),
             blocked_rows=index_tensor(blocked_rows) if blocked_rows else None,
             blocked_token_ids=index_tensor(blocked_token_ids) if blocked_rows else None,
+            bias_rows=index_tensor(bias_rows) if bias_rows else None,
+            bias_token_ids=index_tensor(bias_token_ids) if bias_rows else None,
+            bias_values=float_tensor(bias_values) if bias_rows else None,
             logprob_rows=index_tensor(logprob_rows) if logprob_rows else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=min(max(num_logprobs, default=0), vocab_size),
@@ -187,6 +195,23 @@ def _min_tokens_blocks(
             blocked_rows.append(i)
             blocked_token_ids.append(token_id)
     return blocked_rows, blocked_token_ids
+
+
+def _logit_bias_triples(
+    rows: list[SamplingRequestState], vocab_size: int
+) -> tuple[list[int], list[int], list[float]]:
+    """(row, token, bias) for every logit_bias entry; ids outside the logits' vocabulary
+    (admission already refused ids outside the model's) are skipped like min_tokens'."""
+    bias_rows: list[int] = []
+    bias_token_ids: list[int] = []
+    bias_values: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in sorted((row.params.logit_bias or {}).items()):
+            if 0 <= token_id < vocab_size:
+                bias_rows.append(i)
+                bias_token_ids.append(token_id)
+                bias_values.append(bias)
+    return bias_rows, bias_token_ids, bias_values
 
 
 def _penalty_tensors(

@@ -82,6 +82,12 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
     """The request's sampling parameters; ``max_tokens`` is settled per prompt later."""
     if isinstance(body.n, int) and body.n > settings.max_n:
         raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
+    if body.store:
+        raise bad_request("store=true is not supported: this server keeps no completions "
+                          "(send false or leave it out)", "store", "unsupported_parameter")
+    if body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported (prompt logprobs are not computed)",
+                          "prompt_logprobs", "unsupported_parameter")
     given = {name: getattr(body, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(body, name) is not None}
@@ -93,7 +99,8 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
         return SamplingParams(
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
             stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured, **given)
+            ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
+            logit_bias=body.logit_bias, **given)
     except ValueError as error:
         raise from_value_error(error) from None
 

@@ -1,14 +1,17 @@
 """OpenAI request schemas (pydantic), strict on purpose.
 
 Every model forbids unknown fields and validates types strictly (``"5"`` is not an
-integer): a field we do not implement (``tools``, ``logit_bias``, ``best_of``,
-``suffix``, ...) is a 400 naming it, never a silent no-op. Value
+integer): a field we do not implement (``best_of``, ``suffix``, ``prompt_logprobs``,
+``audio``...) is a 400 naming it, never a silent no-op. Fields that change nothing
+here (``user``, ``metadata``, ``store: false``, ``service_tier``) are accepted, and a
+``null`` stands for "not given" on every optional field, as clients send them. Value
 ranges are left to ``SamplingParams`` so that the offline API and the server report the
 same message for the same mistake. Responses are plain dicts built in ``serving_*.py``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -54,7 +57,22 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(StrictModel):
+class RequestModel(StrictModel):
+    """A request body: ``null`` for a field with a non-null default means the default
+    (clients such as LangChain and the Agents SDK send ``"n": null``, ``"stream": null``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaults = {name: field.default for name, field in cls.model_fields.items()
+                    if not field.is_required()}
+        return {key: value for key, value in data.items()
+                if not (value is None and key in defaults and defaults[key] is not None)}
+
+
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
@@ -80,8 +98,18 @@ class SamplingRequest(StrictModel):
     priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # {token id (a JSON string key): bias in [-100, 100]}, checked by SamplingParams.
+    logit_bias: dict[str, Any] | None = None
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
+    # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # Whether OpenAI stores the completion for later retrieval: nothing is stored here,
+    # so only false/null is honest (true is refused by generation.base_params).
+    store: bool | None = None
+    # vLLM's prompt logprobs: not computed; any value other than null is a 400.
+    prompt_logprobs: int | None = None
     # Structured output: OpenAI's response_format and vLLM's guided_* / structured_outputs
     # (at most one); checked by kvloom.structured.structured_output_from_openai.
     response_format: dict[str, Any] | None = None
@@ -135,14 +163,23 @@ def _is_token_id(value: Any) -> bool:
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    """One message, in the shapes OpenAI's clients send: ``developer`` (read as system),
+    assistant turns with ``tool_calls`` (``content`` may then be null) and ``tool``
+    results answering a ``tool_call_id``. ``refusal`` and ``annotations`` are what the
+    SDK echoes back from an earlier assistant message; they are not rendered."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _check_content(cls, value: Any) -> Any:
-        if isinstance(value, str):
+        if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of text parts")
@@ -157,17 +194,61 @@ class ChatMessage(StrictModel):
                 raise ValueError("a text part must be exactly {\"type\": \"text\", \"text\": <string>}")
         return value
 
-    def text(self) -> str:
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in value or ():
+            function = call.get("function")
+            if (call.get("type", "function") != "function" or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str)
+                    or not isinstance(function.get("arguments", ""), str | dict)):
+                raise ValueError("each tool call must be {\"id\": ..., \"type\": \"function\", "
+                                 "\"function\": {\"name\": <string>, \"arguments\": <JSON string>}}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not {self.role}")
+        return self
+
+    def text(self) -> str | None:
         """The content as one string (text parts concatenated, as OpenAI reads them)."""
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part["text"] for part in self.content)
 
-    def to_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def to_template(self) -> dict[str, Any]:
+        """The message as transformers' ``apply_chat_template`` receives it: developer
+        becomes system, and tool-call arguments are parsed JSON objects (as transformers'
+        tool-use docs and vLLM hand them to templates, which ``tojson`` them)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            pass  # the template sees the string the client sent
+    return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -175,10 +256,19 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(description="The conversation; at least one message.",
                                         json_schema_extra={"minItems": 1})
-    # OpenAI's newer name for max_tokens; it wins when both are given.
+    # OpenAI's newer name for max_tokens; both given and different is a 400.
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI's function tools: rendered into the chat template (serving_chat.tools_for_template).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template controls: extra variables for the template, whether to open an
+    # assistant turn, or to continue the final (assistant) message instead.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -192,7 +282,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     """POST /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` (vLLM's shape)."""
 
     model: str | None = None
@@ -210,7 +300,7 @@ class TokenizeRequest(StrictModel):
         return self
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize: ``{"tokens": [...]}`` -> ``{"prompt": ...}``."""
 
     model: str | None = None

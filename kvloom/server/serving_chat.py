@@ -32,12 +32,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     check_stream_options(body)
+    _check_max_tokens(body)
     top_logprobs = _top_logprobs(body)
     params = base_params(body, serving.settings, top_logprobs)
-    prompt = encode_messages(body.messages, info, add_generation_prompt=True)
+    prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
+                             tools=tools_for_template(body), template_kwargs=_template_kwargs(body),
+                             continue_final_message=body.continue_final_message)
     request_id = new_id("chatcmpl")
     stream = await serving.open(engine_requests(
-        request_id, [prompt], params, body.effective_max_tokens, info, body.priority, "messages"))
+        request_id, [prompt], params, body.effective_max_tokens, info, body.priority,
+        "messages"))
     response = _Response(request_id, model, int(time.time()), top_logprobs)
     if body.stream:
         return StreamingResponse(
@@ -45,6 +49,55 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, [len(prompt)], params.n))
+
+
+def tools_for_template(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The ``tools`` the chat template renders, or None for none; 400 for a tool_choice
+    this server cannot honour.
+
+    Tool calling (parsing the model's calls) is not enabled here: with tools the request
+    is answered as plain chat, the tools rendered into the prompt as the model's template
+    writes them, which is what ``tool_choice`` ``"auto"`` (the model may answer in text)
+    and ``"none"`` allow. ``"required"`` or a named function would need a forced call,
+    so it is a 400 naming tool_choice. The tool-calling work extends this function.
+    """
+    tools = body.tools or None
+    for index, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                function.get("name"), str):
+            raise bad_request("each tool must be {\"type\": \"function\", \"function\": "
+                              "{\"name\": <string>, \"parameters\": {...}}}", f"tools[{index}]")
+    choice = body.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        raise bad_request(f"tool_choice {choice!r} is not supported: this server does not parse "
+                          "tool calls, so only \"auto\" and \"none\" are", "tool_choice",
+                          "unsupported_parameter")
+    return tools
+
+
+# Template variables that the render sets itself.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                          "continue_final_message"})
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = body.chat_template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (they are "
+                          "request fields of their own)", "chat_template_kwargs")
+    return kwargs
+
+
+def _check_max_tokens(body: ChatCompletionRequest) -> None:
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt to be false (the "
+                          "final message is continued, no new turn is opened)", "continue_final_message")
+    if (body.max_tokens is not None and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens):
+        raise bad_request(f"max_completion_tokens ({body.max_completion_tokens}) and max_tokens "
+                          f"({body.max_tokens}) disagree; give one of them", "max_completion_tokens")
 
 
 def _top_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -60,17 +113,37 @@ def _top_logprobs(body: ChatCompletionRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def encode_messages(messages: list[ChatMessage], info: ModelInfo, add_generation_prompt: bool
-                    ) -> list[int]:
+def encode_messages(messages: list[ChatMessage], info: ModelInfo, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
     """The prompt's token ids (``Tokenizer.encode_chat``, as ``LLM.chat`` encodes); a
-    template's refusal is a 400."""
+    template's refusal is a 400 naming the first message it cannot render."""
     conversation = [message.to_template() for message in messages]
+    options = dict(tools=tools, continue_final_message=continue_final_message, **(template_kwargs or {}))
     try:
-        return info.tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
-    except ValueError as error:  # no chat template
+        return info.tokenizer.encode_chat(conversation, add_generation_prompt, **options)
+    except ValueError as error:  # no chat template, continue_final_message
         raise bad_request(str(error), "messages") from None
-    except jinja2.TemplateError as error:  # the template's own raise_exception, e.g. role order
-        raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
+    except (jinja2.TemplateError, TypeError) as error:
+        # The template's own raise_exception (role order, ...) or a message it cannot
+        # handle (None + str for a tool call's null content).
+        index = _first_unrenderable(conversation, info, tools, template_kwargs or {})
+        where = "messages" if index is None else f"messages[{index}]"
+        raise bad_request(f"the chat template cannot render {where}: {error}", where) from None
+
+
+def _first_unrenderable(conversation: list[dict[str, Any]], info: ModelInfo,
+                        tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]
+                        ) -> int | None:
+    """The index of the message whose addition makes the template fail, if any."""
+    for end in range(1, len(conversation) + 1):
+        try:
+            info.tokenizer.apply_chat_template(conversation[:end], add_generation_prompt=False,
+                                               tools=tools, **template_kwargs)
+        except (jinja2.TemplateError, TypeError):
+            return end - 1
+    return None
 
 
 class _Response(GenerationResponse):

@@ -145,3 +145,15 @@ def test_the_offline_progress_bar_counts_output_tokens(tiny_llama, capsys) -> No
     assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 3]
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "2/2" in last and "output 8 tok" in last
+
+
+def test_offline_logit_bias_and_chat_template_options(tiny_llama) -> None:
+    """vLLM's offline logit_bias (dict[int, float]) steers greedy decoding; LLM.chat passes
+    continue_final_message to the template as transformers does."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={77: 100.0}))[0]
+    assert out.outputs[0].token_ids == [77] * 4
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    chat = llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt=False,
+                    continue_final_message=True)[0]
+    assert llm.tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False).endswith("The answer")

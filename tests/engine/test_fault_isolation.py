@@ -95,6 +95,8 @@ def test_bad_values_are_refused_at_admission(tiny_llama) -> None:
             SamplingParams(**params)
     with pytest.raises(ValueError, match="stop_token_ids must be token ids in \\[0, 512\\)"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, 512]))
+    with pytest.raises(ValueError, match="logit_bias must be token ids in \\[0, 512\\)"):
+        engine.add_request([1, 2], SamplingParams(logit_bias={5: 1.0, 512: 2.0}))
     with pytest.raises(ValueError, match="regex too complex to follow"):
         engine.add_request([1, 2], SamplingParams(structured=StructuredOutput(regex="(a{1000}){1000}")))
     assert not engine.has_unfinished_requests()

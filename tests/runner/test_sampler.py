@@ -381,3 +381,84 @@ def test_cpu_one_pass_draw_equals_the_pytorch_inverse_cdf() -> None:
     assert actual[5] == 40  # u = 0: the first token with mass
     assert actual[6] == vocab - 1  # u just below 1: the last one
     assert not torch.isinf(logits[torch.arange(rows), actual]).any()
+
+
+# ---- logit_bias ------------------------------------------------------------------------
+def test_logit_bias_plus_100_makes_greedy_pick_the_token(device: torch.device) -> None:
+    logits = torch.tensor([[3.0, 1.0, -2.0, 0.5], [3.0, 1.0, -2.0, 0.5], [3.0, 1.0, -2.0, 0.5]])
+    rows = [make_row(device, temperature=0.0, logit_bias={2: 100.0}),
+            make_row(device, temperature=0.0),  # no bias: the argmax
+            make_row(device, temperature=0.0, logit_bias={"0": -100, "3": 0.6})]  # 0.5+0.6 > 1.0
+    assert sample(rows, logits, device) == [2, 0, 3]
+
+
+def test_logit_bias_is_added_after_penalties_and_before_min_tokens(device: torch.device) -> None:
+    # Token 0 (logit 2.0) was generated: repetition 2 -> 1.0, then +0.5 -> 1.5 beats token 1's
+    # 1.4. Biasing first would give (2.0 + 0.5) / 2 = 1.25 and pick token 1.
+    logits = torch.tensor([[2.0, 1.4, 0.0], [0.0, 0.0, 1.0]])
+    rows = [make_row(device, output=(0,), temperature=0.0, repetition_penalty=2.0, logit_bias={0: 0.5}),
+            # EOS (token 2) is blocked below min_tokens whatever its bias.
+            make_row(device, eos=(2,), temperature=0.0, min_tokens=1, logit_bias={2: 100.0, 1: 0.25})]
+    assert sample(rows, logits, device) == [0, 1]
+
+
+def test_logit_bias_leaves_logprobs_raw(device: torch.device) -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0]])
+    rows = [make_row(device, temperature=0.0, logprobs=1, logit_bias={2: 50.0})]
+    out = sample_full(rows, logits, device)
+    assert out.token_ids == [2]
+    entry = out.logprobs[0]
+    assert entry is not None
+    raw = torch.log_softmax(logits[0].double(), dim=-1)
+    assert entry.logprob == pytest.approx(raw[2].item(), abs=1e-5) and entry.rank == 3
+
+
+def test_seeded_biased_draw_equals_the_pytorch_reference_chain(device: torch.device) -> None:
+    """Seeded rows draw exactly the token of the reference chain: softmax((logits + bias) / T),
+    inverse CDF with the uniform the request's own generator yields."""
+    logits = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.3])
+    bias = {1: 2.5, 2: -1.5, 5: 0.7}
+    bias_row = torch.zeros(6)
+    for token, value in bias.items():
+        bias_row[token] = value
+    seeds = list(range(300))
+    rows = [make_row(device, seed=s, temperature=0.8, logit_bias=bias) for s in seeds]
+    tokens = sample(rows, logits.expand(len(rows), -1), device)
+    probs = torch.softmax((logits + bias_row) / 0.8, dim=-1).to(device).unsqueeze(0)  # [1, V]
+    for seed, token in zip(seeds, tokens, strict=True):
+        uniform = torch.empty(1, device=device).uniform_(generator=generator_for_seed(seed, device))
+        assert token == Sampler._inverse_cdf(probs, uniform).item(), seed
+
+
+def test_logit_bias_distribution_is_softmax_of_biased_logits(device: torch.device) -> None:
+    logits = [1.0, -0.5, 2.0, 0.0, -3.0]
+    bias = {0: 1.0, 2: -2.0, 4: 3.5}
+    biased = [x + bias.get(i, 0.0) for i, x in enumerate(logits)]
+    weights = [math.exp(x) for x in biased]  # textbook softmax in float64, temperature 1
+    expected = [w / sum(weights) for w in weights]
+    rows = [make_row(device, logit_bias=bias) for _ in range(8000)]
+    tokens = sample(rows, torch.tensor(logits).expand(len(rows), -1), device, seed=5)
+    assert chi_square_p_value(Counter(tokens), expected) > 1e-4
+
+
+def test_logit_bias_metadata_only_when_used(device: torch.device) -> None:
+    plain = SamplingMetadata.build([make_row(device)], 10, device)
+    assert plain.bias_rows is None and plain.bias_values is None
+    rows = [make_row(device), make_row(device, logit_bias={7: -1.0, 3: 2.0, 12: 5.0})]
+    metadata = SamplingMetadata.build(rows, 10, device)
+    assert metadata.bias_rows is not None and metadata.bias_token_ids is not None
+    assert metadata.bias_rows.tolist() == [1, 1]  # id 12 is outside the logits: skipped
+    assert metadata.bias_token_ids.tolist() == [3, 7]
+    assert metadata.bias_values is not None and metadata.bias_values.tolist() == [2.0, -1.0]
+
+
+@pytest.mark.parametrize("bias, match", [
+    ({1: 100.5}, "logit_bias must be <= 100"), ({"1": -101}, "logit_bias must be >= -100"),
+    ({"a": 1}, "logit_bias keys"), ({-1: 1}, "logit_bias keys"), ({1: "x"}, "logit_bias must be a number"),
+    ({1: float("nan")}, "logit_bias must be a finite"), ([1, 2], "logit_bias must be a mapping"),
+])
+def test_logit_bias_validation_names_the_field(bias: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    assert SamplingParams(logit_bias={"5": 1, 6: -2.5}).logit_bias == {5: 1.0, 6: -2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None

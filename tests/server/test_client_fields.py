@@ -1,0 +1,150 @@
+"""Fields real clients send: accepted when they change nothing, implemented when they
+change the output (logit_bias, max_completion_tokens, developer, chat-template controls,
+response_format on completions), each checked against a reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from helpers_models import write_tiny_hf_model
+from server_harness import SERVED_NAME, LiveServer
+
+from kvloom.server.errors import APIError
+from kvloom.server.protocol import ChatMessage
+from kvloom.server.serving_chat import encode_messages
+from kvloom.tokenizer import Tokenizer
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hello there"}]
+
+
+def post(http: httpx.Client, path: str, **body: Any) -> dict[str, Any]:
+    response = http.post(path, json={"model": SERVED_NAME, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tokenize(http: httpx.Client, **body: Any) -> list[int]:
+    response = http.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def test_logit_bias_plus_100_makes_greedy_emit_the_token(http: httpx.Client, live_server: LiveServer) -> None:
+    token = 300
+    expected = http.post("/detokenize", json={"tokens": [token] * 5}).json()["prompt"]
+    for path, body in ((COMPLETIONS, {"prompt": "hello"}), (CHAT, {"messages": USER})):
+        out = post(http, path, **body, max_tokens=5, temperature=0, logit_bias={str(token): 100})
+        choice = out["choices"][0]
+        assert (choice.get("text") or choice["message"]["content"]) == expected
+    live_server.assert_idle_and_clean()
+
+
+def test_nulls_mean_not_given(http: httpx.Client) -> None:
+    plain = post(http, CHAT, messages=USER, max_tokens=4, temperature=0)
+    nulls = post(http, CHAT, messages=USER, max_tokens=4, temperature=0, n=None, stream=None, seed=None,
+                 stop=None, logit_bias=None, logprobs=None, top_logprobs=None, stream_options=None,
+                 presence_penalty=None, min_tokens=None, ignore_eos=None, priority=None, tools=[],
+                 tool_choice="none", parallel_tool_calls=False, user="u", metadata={"k": "v"},
+                 store=False, service_tier="default", chat_template_kwargs=None)
+    assert nulls["choices"][0]["message"] == plain["choices"][0]["message"]
+    completion = post(http, COMPLETIONS, prompt="hi", max_tokens=3, echo=None, logprobs=None, n=None,
+                      temperature=0)
+    assert completion["choices"][0]["text"] == post(http, COMPLETIONS, prompt="hi", max_tokens=3,
+                                                    temperature=0)["choices"][0]["text"]
+
+
+def test_max_completion_tokens_caps_the_output(http: httpx.Client) -> None:
+    out = post(http, CHAT, messages=USER, max_completion_tokens=3, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "length"
+    same = post(http, CHAT, messages=USER, max_completion_tokens=2, max_tokens=2, ignore_eos=True)
+    assert same["usage"]["completion_tokens"] == 2
+
+
+def test_developer_renders_as_system(http: httpx.Client) -> None:
+    developer = tokenize(http, messages=[{"role": "developer", "content": "Be brief."}, *USER])
+    system = tokenize(http, messages=[{"role": "system", "content": "Be brief."}, *USER])
+    assert developer == system
+    out = post(http, CHAT, messages=[{"role": "developer", "content": "Be brief."}, *USER], max_tokens=2)
+    assert out["usage"]["prompt_tokens"] == len(system)
+
+
+def test_add_generation_prompt_false(http: httpx.Client) -> None:
+    without = tokenize(http, messages=USER, add_generation_prompt=False)
+    assert len(without) < len(tokenize(http, messages=USER))
+    out = post(http, CHAT, messages=USER, max_tokens=2, add_generation_prompt=False)
+    assert out["usage"]["prompt_tokens"] == len(without)
+
+
+def test_tool_messages_with_content_render_in_a_plain_template(http: httpx.Client) -> None:
+    messages = [*USER, {"role": "assistant", "content": "calling", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    out = post(http, CHAT, messages=messages, max_tokens=2)
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_response_format_on_completions(http: httpx.Client) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    for seed in range(3):
+        out = post(http, COMPLETIONS, prompt="Answer:", max_tokens=20, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop" and json.loads(choice["text"]) in ("yes", "no"), choice
+
+
+# ---- the template render, against transformers -------------------------------------------
+KWARGS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def kwargs_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-kwargs"), chat_template=KWARGS_TEMPLATE)
+
+
+def ours(model: Path, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    info = SimpleNamespace(tokenizer=Tokenizer.from_file(model / "tokenizer.json", config))
+    return encode_messages([ChatMessage.model_validate(m) for m in messages], info, **options)  # type: ignore[arg-type]
+
+
+def reference(model: Path, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_template_kwargs_reach_the_template(kwargs_model: Path) -> None:
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}, {}):
+        assert ours(kwargs_model, USER, add_generation_prompt=True, template_kwargs=kwargs) == \
+            reference(kwargs_model, USER, add_generation_prompt=True, **kwargs)
+    assert ours(kwargs_model, USER, add_generation_prompt=True, template_kwargs={"enable_thinking": False}) != \
+        ours(kwargs_model, USER, add_generation_prompt=True)
+
+
+def test_continue_final_message_matches_transformers(kwargs_model: Path) -> None:
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    assert ours(kwargs_model, messages, add_generation_prompt=False, continue_final_message=True) == \
+        reference(kwargs_model, messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_unrenderable_message_is_named(kwargs_model: Path) -> None:
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    # This template prints None as text, so it renders; a template that concatenates fails:
+    ours(kwargs_model, messages, add_generation_prompt=True)
+    concat = write_tiny_hf_model(kwargs_model.parent / "concat")  # CHATML: role + content
+    with pytest.raises(APIError) as raised:
+        ours(concat, [*messages, *USER], add_generation_prompt=True)
+    assert raised.value.param == "messages[1]"
