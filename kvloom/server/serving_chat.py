@@ -33,7 +33,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = serving.check_model(body.model, info)
     check_stream_options(body)
     top_logprobs = _top_logprobs(body)
-    params = base_params(body, serving.settings, top_logprobs)
+    params = base_params(body, serving.settings, top_logprobs, info)
     prompt = encode_messages(body.messages, info, add_generation_prompt=True)
     request_id = new_id("chatcmpl")
     stream = await serving.open(engine_requests(
