@@ -91,3 +91,16 @@ def test_the_defaults_fill_what_a_request_leaves_unset() -> None:
 def test_without_defaults_the_request_is_unchanged() -> None:
     plain = base_params(CompletionRequest(prompt=[1, 2]), ServerSettings(), None, _info({}))
     assert plain == base_params(CompletionRequest(prompt=[1, 2]), ServerSettings(), None)
+
+
+def test_llm_generate_without_params_uses_the_defaults(tiny_llama, tmp_path) -> None:
+    from kvloom.engine.llm import LLM
+    from kvloom.sampling_params import SamplingParams
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    _with_file(model, {"max_new_tokens": 3, "temperature": 0.0})
+    llm = LLM(str(model), dtype="float32", num_blocks=8)
+    assert llm.get_default_sampling_params() == SamplingParams(max_tokens=3, temperature=0.0)
+    [output] = llm.generate([1, 2, 3])
+    assert (len(output.outputs[0].token_ids), output.outputs[0].finish_reason) == (3, "length")
+    assert LLM(str(tiny_llama), dtype="float32", num_blocks=8).get_default_sampling_params() == SamplingParams()
