@@ -217,11 +217,11 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
 @pytest.mark.parametrize("argv, message", BAD_VALUES, ids=[row[0][0] for row in BAD_VALUES])
 def test_a_bad_choice_is_a_usage_error_before_any_model_loads(argv: list[str], message: str,
                                                               capsys, monkeypatch) -> None:
-    import kvloom.models.loader as loader
+    import kvloom.server.main as server_main
 
-    def no_loading(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the model must not load")
-    monkeypatch.setattr(loader, "load_checkpoint", no_loading)
+    def no_serving(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the server (and its model) must not start")
+    monkeypatch.setattr(server_main, "run_server", no_serving)
     from kvloom.cli import main
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
