@@ -14,18 +14,19 @@ from kvloom.bench.cli import add_bench_parser
 from kvloom.bench.extras import MissingExtra
 from kvloom.bench.trace_render import add_trace_parser
 from kvloom.config import DEFAULT_MODEL
-from kvloom.engine_args import add_engine_args, engine_kwargs, save_trace
+from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, save_trace
 from kvloom.server.cli import add_serve_parser
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--sample-seed", type=int, default=None)
-    group.add_argument("--stop", action="append", default=[])
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    group.add_argument("--sample-seed", type=int, default=None,
+                       help="this command's sampling seed (default: the engine's --seed)")
+    group.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -37,19 +38,21 @@ def sampling_params(args: argparse.Namespace):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvloom", description=__doc__.splitlines()[0])
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     generate = sub.add_parser("generate", help="generate completions for prompts")
     add_engine_args(generate)
     add_sampling_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="repeatable")
-    generate.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap each prompt as a user message in the chat template")
     generate.set_defaults(run=_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
     add_engine_args(chat)
     add_sampling_args(chat)
-    chat.add_argument("--system", default=None)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
     chat.set_defaults(run=_chat)
 
     fetch = sub.add_parser("fetch-model", help=f"download and extract {DEFAULT_MODEL} into the model cache")
@@ -86,7 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvloom.engine.llm import LLM
     llm = LLM(args.model, **engine_kwargs(args))
     prompts: list[str | list[int]] = list(args.prompt)
-    if args.chat_template:
+    if args.chat:
         prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in args.prompt]
     for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args)), strict=True):
         print(f"--- {prompt!r}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}]")

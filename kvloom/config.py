@@ -4,8 +4,10 @@ message names the field, so a bad CLI flag and a bad ``LLM(...)`` keyword read a
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -13,6 +15,20 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MATMULS = ("invariant", "onednn", "torch")  # EngineConfig.matmul (models/packed_linear.py)
 SCHEDULING_MODES = ("continuous", "static")
+# The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
+# that a bad flag is refused before the model loads; tests hold them to the registries.
+POLICY_NAMES = ("fcfs", "priority", "fcfs-cheapest-victim", "watermark", "lpm")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref")
+DEFAULT_KV_CACHE_MEMORY = 1.0  # GiB, when neither kv_cache_memory nor gpu_memory_utilization is set
+GENERATION_CONFIG_MODES = ("auto", "vllm", "none")  # or a directory (kvloom/generation_config.py)
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+
+
+def parse_device(value: str) -> str:
+    """A device name: auto, cpu, cuda, cuda:N or mps (checked before the model loads)."""
+    if not isinstance(value, str) or not _DEVICE_PATTERN.fullmatch(value):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -105,22 +121,40 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing. ``num_blocks`` wins over ``kv_cache_memory`` (GiB)."""
+    """Paged KV cache sizing. ``num_blocks`` wins over ``kv_cache_memory`` (GiB) and
+    ``gpu_memory_utilization`` (a share of the device's memory); those two exclude each
+    other, and with neither the pool takes ``DEFAULT_KV_CACHE_MEMORY`` GiB."""
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block, the page of the paged cache"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV blocks in the pool (wins over --kv-cache-memory)"})
-    kv_cache_memory: float = field(default=1.0, metadata={"help": "GiB for the KV pool"})
+    kv_cache_memory: float | None = field(default=None, metadata={
+        "help": f"GiB for the KV pool (default: {DEFAULT_KV_CACHE_MEMORY:g} unless "
+                "--gpu-memory-utilization is given; not both)"})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "share (0, 1] of memory for the KV pool, instead of --kv-cache-memory: on CUDA "
+                "of the device's total memory less what the weights already hold; on CPU of the "
+                "RAM free when the engine starts"})
     enable_prefix_caching: bool = field(default=True, metadata={
-        "flag": "--no-prefix-cache", "help": "turn off the radix prefix cache (no KV reuse across requests)"})
+        "negatives": ("--no-enable-prefix-caching", "--no-prefix-cache"),
+        "help": "the radix prefix cache: KV reuse across requests (default: on)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
-        if not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and (
+                not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be > 0 (GiB), got {self.kv_cache_memory!r}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (not isinstance(utilization, (int, float))
+                                        or not 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError("kv_cache_memory and gpu_memory_utilization both size the KV pool: "
+                             f"give one (got kv_cache_memory={self.kv_cache_memory}, "
+                             f"gpu_memory_utilization={utilization})")
 
 
 @dataclass(frozen=True)
@@ -135,11 +169,10 @@ class SchedulerConfig:
         "help": "'continuous': requests join and leave the batch at every step; 'static': a "
                 "batch runs until all of it has finished (for comparison)"})
     policy: str = field(default="fcfs", metadata={
-        "help": "scheduling policy (engine/policy.py): fcfs, priority, fcfs-cheapest-victim, "
-                "watermark, lpm"})
+        "choices": POLICY_NAMES, "help": "scheduling policy (engine/policy.py)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
-        "flag": "--no-chunked-prefill",
-        "help": "prefill each prompt in one step instead of in budget-sized chunks"})
+        "negatives": ("--no-enable-chunked-prefill", "--no-chunked-prefill"),
+        "help": "prefill prompts in budget-sized chunks (default: on; off: each prompt in one step)"})
     long_prefill_threshold: int = field(default=0, metadata={
         "help": "largest prefill chunk one request may take in a step (0: the whole budget)"})
     max_wait_steps: int = field(default=0, metadata={
@@ -164,6 +197,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
@@ -180,21 +215,22 @@ class EngineConfig:
     # Every field below (and those of its sections, cache and scheduler) is an engine option:
     # an LLM(...) keyword and a CLI flag of the same name, with this help (see ENGINE_OPTIONS).
     model: str = field(default=DEFAULT_MODEL, metadata={
-        "flag": "model", "help": f"HF directory, .gguf file, Hugging Face model id ORG/NAME (from the "
-                                 f"Hugging Face cache, downloaded there when missing), or {DEFAULT_MODEL!r} "
-                                 "(default)"})
+        "flag": "model", "aliases": ("--model",),
+        "help": f"HF directory, .gguf file, Hugging Face model id ORG/NAME (from the Hugging Face cache, "
+                f"downloaded there when missing), or {DEFAULT_MODEL!r} (default); as MODEL or --model"})
     revision: str | None = field(default=None, metadata={
         "help": "revision of a Hugging Face model id: a branch, tag or commit hash (default: main)"})
     dtype: str = field(default="auto", metadata={
         "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype; auto means bfloat16"})
     device: str = field(default="auto", metadata={
-        "help": "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..."})
+        "parse": parse_device, "help": "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..."})
     seed: int = field(default=0, metadata={
-        "help": "seeds the sampler of requests that bring no seed of their own"})
+        "help": "random seed: seeds the sampler of requests that bring no seed of their own"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length, prompt + output (default and cap: the model's)"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (the C++ paged kernel on CPU when it builds, else torch_ref), cpu_paged, torch_ref"})
+        "choices": ATTENTION_BACKENDS,
+        "help": "auto: the C++ paged kernel (cpu_paged) on CPU when it builds, else torch_ref"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch CPU threads (default: torch's choice)"})
     # models/packed_linear.py holds the kernels.
@@ -203,6 +239,12 @@ class EngineConfig:
         "help": "kernel for CPU bf16 matmuls: 'invariant' (kvloom's GEMM: a request's tokens never "
                 "depend on the batch), 'onednn' (prepacked oneDNN: rounding changes with the batch "
                 "size), 'torch' (F.linear, for comparison)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "chat template instead of the tokenizer's: a file path or an inline Jinja template"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "sampling defaults for requests that set none: 'auto' reads the model "
+                "directory's generation_config.json if any, 'vllm' or 'none' ignores it, a "
+                "directory reads that one's"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -214,6 +256,18 @@ class EngineConfig:
                              f"got {self.revision!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
+        parse_device(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.chat_template is not None:
+            from kvloom.tokenizer import resolve_chat_template
+            resolve_chat_template(self.chat_template)  # a missing file fails before loading
+        if not isinstance(self.generation_config, str) or not (
+                self.generation_config in GENERATION_CONFIG_MODES
+                or (Path(self.generation_config).expanduser() / "generation_config.json").is_file()):
+            raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a directory "
+                             f"holding generation_config.json, got {self.generation_config!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
 

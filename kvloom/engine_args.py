@@ -2,10 +2,14 @@
 generated from the config dataclasses: one flag per ``ENGINE_OPTIONS`` entry.
 
 A field ``block_size`` becomes ``--block-size`` with the field's type, default and
-``help`` (and ``choices``) from its metadata; a bool that defaults to True becomes the
-switch its ``flag`` metadata spells (``--no-prefix-cache``), one that defaults to False
-a plain switch (``--trace``); ``model`` is the optional positional argument. The
-parsed values come back as ``LLM(...)`` keywords through ``engine_kwargs``.
+``help`` from its metadata, and from the optional metadata: ``choices`` (argparse
+refuses anything else, before any model loads), ``parse`` (a checking function that
+raises ValueError), ``flag`` (another spelling), ``aliases`` (further spellings of the
+same flag). A bool is a switch ``--name`` plus the spellings in ``negatives`` that turn
+it off (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``, and the older
+``--no-prefix-cache``); one that defaults to True must have a negative. ``model`` is the
+optional positional argument, also accepted as ``--model``. The parsed values come back
+as ``LLM(...)`` keywords through ``engine_kwargs``.
 
 This module sits below every CLI module (it imports only the config), so the CLIs
 import it and not each other.
@@ -29,32 +33,89 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add ``[MODEL]`` and one flag per engine option (plus ``--trace-file``)."""
     group = parser.add_argument_group("engine")
     for option in ENGINE_OPTIONS:
-        flag, spec = engine_flag(option)
-        group.add_argument(flag, **spec)
+        flags, spec = engine_flag(option)
+        if not flags[0].startswith("-"):
+            # The positional model: ``--model`` first, so that its default is the
+            # namespace's; the positional (default None) sets the model only when given.
+            group.add_argument(*flags[1:], **{**spec, "dest": option.name, "action": _ModelArgument})
+            group.add_argument(flags[0], **{**spec, "default": None, "nargs": "?",
+                                            "action": _ModelArgument, "metavar": flags[0].upper()})
+        else:
+            group.add_argument(*flags, **spec)
     group.add_argument("--trace-file", default=None, help=TRACE_FILE_HELP)
 
 
-def engine_flag(option: EngineOption) -> tuple[str, dict[str, Any]]:
-    """The flag of one option and its ``add_argument`` keywords."""
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print kvloom's version and exit (before anything loads)."""
+    from kvloom import __version__
+    parser.add_argument("--version", action="version", version=f"kvloom {__version__}",
+                        help="print kvloom's version and exit")
+
+
+def engine_flag(option: EngineOption) -> tuple[list[str], dict[str, Any]]:
+    """The spellings of one option's flag (the primary first) and its ``add_argument``
+    keywords."""
     metadata = option.field.metadata
     if not metadata.get("help"):
         raise TypeError(f"engine option {option.name!r} needs metadata={{'help': ...}} on its field")
     spec: dict[str, Any] = {"default": option.default, "help": metadata["help"]}
-    flag = metadata.get("flag", "--" + option.name.replace("_", "-"))
-    if not flag.startswith("-"):  # the positional argument (the model)
-        return flag, {**spec, "nargs": "?"}
+    flags = [metadata.get("flag", "--" + option.name.replace("_", "-")), *metadata.get("aliases", ())]
+    if not flags[0].startswith("-"):  # the positional argument (the model)
+        return flags, spec
     spec["dest"] = option.name
     if option.default is not None and option.type is not bool:
         spec["help"] += " (default: %(default)s)"
     if option.type is bool:
-        if option.default and flag == "--" + option.name.replace("_", "-"):
-            raise TypeError(f"engine option {option.name!r} defaults to True: give it a 'flag' "
-                            "such as '--no-...' in its metadata")
-        return flag, {**spec, "action": "store_false" if option.default else "store_true"}
-    spec["type"] = _scalar_type(option)
+        negatives = list(metadata.get("negatives", ()))
+        if option.default and not negatives:
+            raise TypeError(f"engine option {option.name!r} defaults to True: give it "
+                            "'negatives' such as ('--no-...',) in its metadata")
+        return flags + negatives, {**spec, "action": _Switch, "negatives": negatives}
+    kind = _scalar_type(option)
+    spec["type"] = _checked(metadata["parse"], kind) if "parse" in metadata else kind
     if "choices" in metadata:
         spec["choices"] = list(metadata["choices"])
-    return flag, spec
+    return flags, spec
+
+
+class _Switch(argparse.Action):
+    """A bool flag: its ``negatives`` spellings set False, every other spelling True."""
+
+    def __init__(self, option_strings: list[str], dest: str, negatives: list[str],
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.negatives = negatives
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+class _ModelArgument(argparse.Action):
+    """``MODEL`` or ``--model MODEL``, not both. argparse calls the positional with None
+    when it is absent: then ``--model`` or the default stands."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if values is None:
+            return
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice ({given!r} and {values!r}): as MODEL or "
+                         "--model, once")
+        namespace._model_given = values
+        setattr(namespace, self.dest, values)
+
+
+def _checked(parse: Any, kind: type) -> Any:
+    """An argparse ``type``: ``parse``'s ValueError becomes argparse's one-line usage error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(kind(text))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def _scalar_type(option: EngineOption) -> type:

@@ -77,6 +77,18 @@ class Tokenizer:
         # Order kept (the primary EOS first) so callers may use eos_token_ids[0].
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
 
+    def override_chat_template(self, template: str) -> None:
+        """Use ``template`` (``--chat-template``: a file path or inline Jinja, see
+        ``resolve_chat_template``) instead of the tokenizer's own; the special token it
+        writes after an assistant turn becomes an EOS too, as for a loaded template."""
+        source = resolve_chat_template(template)
+        try:
+            _compile_template(source)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat_template is not a valid Jinja template: {error}") from None
+        self.chat_template = source
+        self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(self._template_turn_end_ids())))
+
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_file(cls, tokenizer_json: Path | str, config: dict[str, Any] | None = None,
@@ -298,6 +310,21 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 _TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
+
+
+def resolve_chat_template(value: str) -> str:
+    """A template's source from ``--chat-template``: the file's text when ``value`` names
+    an existing file, else ``value`` itself when it is Jinja (holds ``{{`` or ``{%``)."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a long inline template is no valid file name
+        is_file = False
+    if is_file:
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither an existing file nor a Jinja template")
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -10,7 +10,10 @@ import pytest
 
 from kvloom.cli import build_parser
 from kvloom.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
     MATMULS,
+    POLICY_NAMES,
     SCHEDULING_MODES,
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -31,10 +34,14 @@ NON_DEFAULTS = [
     (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),
+    (["--chat-template", "{{ messages[0]['content'] }}"], None, "chat_template",
+     "{{ messages[0]['content'] }}"),
+    (["--generation-config", "none"], None, "generation_config", "none"),
     (["--block-size", "8"], "cache", "block_size", 8),
     (["--num-blocks", "7"], "cache", "num_blocks", 7),
     (["--kv-cache-memory", "0.5"], "cache", "kv_cache_memory", 0.5),
     (["--no-prefix-cache"], "cache", "enable_prefix_caching", False),
+    (["--gpu-memory-utilization", "0.5"], "cache", "gpu_memory_utilization", 0.5),
     (["--max-num-seqs", "3"], "scheduler", "max_num_seqs", 3),
     (["--max-num-batched-tokens", "99"], "scheduler", "max_num_batched_tokens", 99),
     (["--scheduling", "static"], "scheduler", "scheduling", "static"),
@@ -75,6 +82,16 @@ def _value(config: EngineConfig, section: str | None, name: str) -> object:
     return getattr(config if section is None else getattr(config, section), name)
 
 
+# Further spellings (vLLM's, or kvloom's older ones) of a flag in NON_DEFAULTS.
+ALIASES = [
+    (["--model", "some/model"], None, "model", "some/model"),
+    (["--no-enable-prefix-caching"], "cache", "enable_prefix_caching", False),
+    (["--no-enable-chunked-prefill"], "scheduler", "enable_chunked_prefill", False),
+]
+# Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
+EXCLUSIVE = {"gpu_memory_utilization"}
+
+
 def test_the_table_covers_every_config_field() -> None:
     assert {(section, name) for _, section, name, _ in NON_DEFAULTS} == _config_fields()
     assert len(NON_DEFAULTS) == len(_config_fields())
@@ -87,8 +104,53 @@ def test_every_engine_flag_has_help() -> None:
 
 def test_each_config_field_is_exactly_one_flag() -> None:
     dests = [action.dest for action in _engine_actions()]
-    # --trace-file is the one CLI-only flag (it implies --trace).
-    assert sorted(dests) == sorted([name for _, name in _config_fields()] + ["trace_file"])
+    # --trace-file is the one CLI-only flag (it implies --trace); the model is both the
+    # positional MODEL and --model.
+    assert sorted(dests) == sorted([name for _, name in _config_fields()] + ["trace_file", "model"])
+
+
+@pytest.mark.parametrize("argv, section, name, value", ALIASES, ids=[row[0][0] for row in ALIASES])
+def test_an_alias_round_trips_like_its_flag(argv: list[str], section: str | None, name: str,
+                                            value: object) -> None:
+    assert _value(_config(argv), section, name) == value
+    assert _value(EngineConfig(), section, name) != value
+
+
+def test_a_bool_switch_turns_on_again_and_the_last_spelling_wins() -> None:
+    assert _config(["--no-prefix-cache", "--enable-prefix-caching"]).cache.enable_prefix_caching
+    assert not _config(["--enable-prefix-caching", "--no-prefix-cache"]).cache.enable_prefix_caching
+    assert _config(["--no-chunked-prefill", "--enable-chunked-prefill"]).scheduler.enable_chunked_prefill
+
+
+def test_the_model_positional_or_flag_not_both(capsys) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model", "a/b"]).model == "a/b"
+    assert parser.parse_args(["serve", "a/b"]).model == "a/b"
+    assert parser.parse_args(["serve"]).model == DEFAULT_MODEL
+    assert parser.parse_args(["serve", "a/b", "--model", "a/b"]).model == "a/b"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["serve", "a/b", "--model", "c/d"])
+    assert exit_info.value.code == 2
+    assert "the model is given twice ('a/b' and 'c/d')" in capsys.readouterr().err
+
+
+def test_every_flag_and_alias_of_every_command_has_help() -> None:
+    """The engine flags and the server's, every spelling shows in --help with text."""
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for command in ("serve", "generate", "chat"):
+        for action in commands[command]._actions:
+            if action.dest != "help":
+                assert action.help and action.help.strip(), (command, action.option_strings or action.dest)
+        text = commands[command].format_help()
+        for flag in ("--model", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                     "--no-prefix-cache", "--gpu-memory-utilization", "--chat-template",
+                     "--generation-config", "--seed"):
+            assert flag in text, (command, flag)
+    serve_help = commands["serve"].format_help()
+    for flag in ("--served-model-name", "--disable-log-stats", "--host", "--port", "--version"):
+        assert flag in serve_help
+    assert "--version" in parser.format_help()
 
 
 def test_no_flags_give_the_dataclass_defaults() -> None:
@@ -111,9 +173,10 @@ def test_one_flag_round_trips_into_its_field(argv: list[str], section: str | Non
 
 
 def test_all_flags_at_once_round_trip() -> None:
-    config = _config([token for argv, *_ in NON_DEFAULTS for token in argv])
-    assert {(section, name): _value(config, section, name) for _, section, name, _ in NON_DEFAULTS} == {
-        (section, name): value for _, section, name, value in NON_DEFAULTS}
+    rows = [row for row in NON_DEFAULTS if row[2] not in EXCLUSIVE]
+    config = _config([token for argv, *_ in rows for token in argv])
+    assert {(section, name): _value(config, section, name) for _, section, name, _ in rows} == {
+        (section, name): value for _, section, name, value in rows}
 
 
 def test_trace_file_implies_trace(tmp_path) -> None:
@@ -125,19 +188,68 @@ def test_trace_file_implies_trace(tmp_path) -> None:
 def test_choices_come_from_the_config_constants(capsys) -> None:
     choices = {action.dest: action.choices for action in _engine_actions() if action.choices}
     assert choices == {"dtype": list(SUPPORTED_DTYPES), "matmul": list(MATMULS),
-                       "scheduling": list(SCHEDULING_MODES)}
+                       "scheduling": list(SCHEDULING_MODES), "policy": list(POLICY_NAMES),
+                       "attention_backend": list(ATTENTION_BACKENDS)}
     with pytest.raises(SystemExit):
         _engine_parser().parse_args(["--matmul", "blas"])
     assert "invalid choice: 'blas'" in capsys.readouterr().err
+
+
+def test_the_choices_are_the_registries_names() -> None:
+    from kvloom.attention.registry import BACKENDS
+    from kvloom.engine.policy import POLICIES
+    assert set(POLICY_NAMES) == set(POLICIES)
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+
+
+BAD_VALUES = [  # (argv, what the one-line error must say)
+    (["--policy", "bogus"], "argument --policy: invalid choice: 'bogus' (choose from 'fcfs', "
+                            "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
+    (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
+                                       "(choose from 'auto', 'cpu_paged', 'torch_ref')"),
+    (["--scheduling", "batch"], "argument --scheduling: invalid choice: 'batch'"),
+    (["--matmul", "blas"], "argument --matmul: invalid choice: 'blas'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--device", "gpu"], "argument --device: device must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
+    (["--device", "cuda:x"], "argument --device: device must be auto, cpu, cuda, cuda:N or mps"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_VALUES, ids=[row[0][0] for row in BAD_VALUES])
+def test_a_bad_choice_is_a_usage_error_before_any_model_loads(argv: list[str], message: str,
+                                                              capsys, monkeypatch) -> None:
+    import kvloom.server.main as server_main
+
+    def no_serving(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the server (and its model) must not start")
+    monkeypatch.setattr(server_main, "run_server", no_serving)
+    from kvloom.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_config_refuses_bad_names_too() -> None:
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SchedulerConfig(policy="bogus")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"):
+        EngineConfig(device="gpu")
+    assert EngineConfig(device="cuda:3").device == "cuda:3"
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["chat"], ["serve"],
                                      ["bench", "offline"], ["bench", "steps"], ["bench", "soak"],
                                      ["bench", "placement"], ["bench", "structured"]])
 def test_every_command_with_engine_flags_parses_them_alike(command: list[str]) -> None:
-    argv = [token for argv, *_ in NON_DEFAULTS for token in argv if argv != ["some/model"]]
+    rows = [row for row in NON_DEFAULTS if row[2] not in EXCLUSIVE]
+    argv = [token for argv, *_ in rows for token in argv if argv != ["some/model"]]
     args = build_parser().parse_args([*command, "some/model", *argv])
-    expected = {name: value for _, _, name, value in NON_DEFAULTS if name != "model"}
+    expected = {name: value for _, _, name, value in rows if name != "model"}
+    expected.update({name: None for name in EXCLUSIVE})  # left at its default
     assert args.model == "some/model" and engine_kwargs(args) == expected
 
 

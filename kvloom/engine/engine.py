@@ -25,10 +25,11 @@ from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.stop import StopChecker
+from kvloom.generation_config import generation_defaults
 from kvloom.models.loader import load_checkpoint
 from kvloom.models.registry import build_model
 from kvloom.request import Request, RequestError, RequestStatus
-from kvloom.runner.kv_pool import allocate_kv_pool, num_blocks_for
+from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
 
@@ -63,6 +64,9 @@ class EngineStats:
     num_batched_tokens: int = 0  # tokens the last step computed
     num_starvation_promotions: int = 0  # admissions forced by the starvation bound
     num_policy_fallbacks: int = 0  # steps the policy ordered FCFS instead (lpm, long queues)
+    # Cumulative since start: tokens computed by prefill chunks, tokens generated.
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -81,6 +85,10 @@ class LLMEngine:
         checkpoint = load_checkpoint(config.model, revision=config.revision)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.override_chat_template(config.chat_template)
+        # Sampling defaults for the fields a request leaves unset (--generation-config).
+        self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -97,7 +105,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size
-        self.num_blocks = num_blocks_for(config.cache, mc, self.dtype)
+        memory = (device_memory(self.device) if config.cache.gpu_memory_utilization is not None
+                  and config.cache.num_blocks is None else None)
+        self.num_blocks = num_blocks_for(config.cache, mc, self.dtype, memory)
         kv_caches = allocate_kv_pool(mc, self.num_blocks, block_size, self.dtype, self.device)
         backend = make_backend(config.attention_backend, self.device, mc.num_heads,
                                mc.num_kv_heads, mc.head_dim)
@@ -119,6 +129,8 @@ class LLMEngine:
                     self.max_model_len, self.num_blocks, block_size, backend.name)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -173,6 +185,9 @@ class LLMEngine:
         result = self.runner.execute(scheduled)
         # The scheduler alone writes request state: tokens, stops, failures.
         updates = self.scheduler.update(scheduled, result)
+        self._num_prompt_tokens += sum(part.num_new_tokens for part in scheduled.scheduled
+                                       if part.is_prefill)
+        self._num_generation_tokens += sum(update.num_new_tokens for update in updates)
         return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                 for update in updates]
 
@@ -204,7 +219,8 @@ class LLMEngine:
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
                            s.num_queried_prompt_tokens, s.num_cached_prompt_tokens,
                            self._last_num_batched_tokens, s.num_starvation_promotions,
-                           s.policy.num_fcfs_fallbacks)
+                           s.policy.num_fcfs_fallbacks, self._num_prompt_tokens,
+                           self._num_generation_tokens)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

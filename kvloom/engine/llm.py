@@ -42,7 +42,7 @@ class LLM:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
 
         # One engine request per sample; `owners` maps it back to (prompt index, sample index).
@@ -112,6 +112,11 @@ class LLM:
                              tools=tools, **(chat_template_kwargs or {}))
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without sampling params, as vLLM's: the model's
+        generation-config defaults (``generation_config``; none: ``SamplingParams()``)."""
+        return SamplingParams(**self.engine.generation_defaults)
 
     def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     **template_options: Any) -> list[int]:

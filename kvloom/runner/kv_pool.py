@@ -6,11 +6,61 @@ indexes the same slot range in every layer, so one block table serves the whole 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-from kvloom.config import CacheConfig, ModelConfig
+from kvloom.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, ModelConfig
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes of the device's memory: ``total``, ``free`` now, and ``held`` by this
+    process already (the weights), which ``gpu_memory_utilization`` counts in its share."""
+
+    total: int
+    free: int
+    held: int = 0
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """CUDA: the device's total and free memory, and what torch has reserved here.
+    CPU: the RAM available now (``MemAvailable``, else the free pages) as both total
+    and free: ``gpu_memory_utilization`` is a share of it."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(total, free, torch.cuda.memory_reserved(device))
+    available = _available_ram()
+    return DeviceMemory(available, available)
+
+
+def _available_ram() -> int:
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_pool_bytes(cache: CacheConfig, memory: DeviceMemory | None) -> int:
+    """Bytes for the pool: ``kv_cache_memory`` GiB; or ``gpu_memory_utilization`` of the
+    total less what this process holds, at most what is free (``memory`` is needed
+    then); or ``DEFAULT_KV_CACHE_MEMORY`` GiB."""
+    if cache.gpu_memory_utilization is None:
+        return int((cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) * GIB)
+    if memory is None:
+        raise ValueError("gpu_memory_utilization needs the device's memory")
+    budget = min(int(cache.gpu_memory_utilization * memory.total) - memory.held, memory.free)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no memory "
+                         f"for the KV pool: {memory.held / GIB:.2f} GiB already held of "
+                         f"{memory.total / GIB:.2f} GiB ({memory.free / GIB:.2f} GiB free)")
+    return budget
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -18,14 +68,17 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * element
 
 
-def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """``num_blocks`` if given, else as many blocks as ``kv_cache_memory`` GiB holds."""
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
+                   memory: DeviceMemory | None = None) -> int:
+    """``num_blocks`` if given, else as many blocks as ``kv_pool_bytes`` holds."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    count = int(cache.kv_cache_memory * GIB) // bytes_per_block(model, cache.block_size, dtype)
+    count = kv_pool_bytes(cache, memory) // bytes_per_block(model, cache.block_size, dtype)
     if count < 1:
-        raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} GiB holds no KV block of "
-                         f"{cache.block_size} tokens for this model")
+        sizing = (f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+                  if cache.gpu_memory_utilization is not None
+                  else f"kv_cache_memory={cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY} GiB")
+        raise ValueError(f"{sizing} holds no KV block of {cache.block_size} tokens for this model")
     return count
 
 

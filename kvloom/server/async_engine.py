@@ -34,6 +34,7 @@ from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
 from kvloom.models.errors import ModelLoadError
 from kvloom.server.metrics import EngineMetrics
+from kvloom.server.stats_log import StatsLogger
 from kvloom.server.streams import (
     EngineFailed,
     EngineNotReady,
@@ -82,8 +83,13 @@ class AsyncEngine:
     """
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 1024,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None,
+                 stats_log_interval: float | None = None) -> None:
+        """``stats_log_interval``: seconds between the stats lines logged while busy
+        (server/stats_log.py); None logs none."""
         self.max_waiting = max_waiting
+        self._stats_log = (StatsLogger(stats_log_interval, time.monotonic())
+                           if stats_log_interval is not None else None)
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.info: ModelInfo | None = None
         self.load_error: BaseException | None = None
@@ -205,7 +211,8 @@ class AsyncEngine:
             if self.on_load_failed is not None:
                 self.on_load_failed(error)
             return
-        self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer)
+        self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer,
+                              dict(getattr(engine, "generation_defaults", {})))
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:
@@ -225,7 +232,10 @@ class AsyncEngine:
     def _loop_until_stopped(self, engine: LLMEngine) -> None:
         while True:
             # Block only when idle: with work pending, pick up commands and go on stepping.
-            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            idle = not engine.has_unfinished_requests()
+            commands = self._take_commands(block=idle)
+            if idle and self._stats_log is not None:
+                self._stats_log.resume(time.monotonic())
             for command in commands:
                 if not isinstance(command, _Stop):
                     self._apply(engine, command)
@@ -239,6 +249,10 @@ class AsyncEngine:
             with self._lock:
                 self._num_waiting = stats.num_waiting
             self.metrics.record_state(stats)
+            if self._stats_log is not None:
+                line = self._stats_log.observe(now, stats)
+                if line is not None:
+                    logger.info("%s", line)
             if outputs is not None:
                 # Until the engine reports the step's scheduled tokens, the histogram
                 # stays empty rather than showing a guess.

@@ -65,9 +65,11 @@ class BackgroundServer:
 
 def start_background_server(make_engine: Callable[[], LLMEngine], settings: ServerSettings,
                             max_waiting: int = 1024, limits: ConnectionLimits | None = None,
-                            startup_deadline: float = 120.0) -> BackgroundServer:
+                            startup_deadline: float = 120.0,
+                            stats_log_interval: float | None = None) -> BackgroundServer:
     """Start the app on 127.0.0.1 (a free port) and return once ``/health`` is 200."""
-    async_engine = AsyncEngine(make_engine, max_waiting=max_waiting)
+    async_engine = AsyncEngine(make_engine, max_waiting=max_waiting,
+                               stats_log_interval=stats_log_interval)
     app = build_app(async_engine, settings)
     # IPPROTO_TCP is explicit because asyncio sets TCP_NODELAY only on sockets that say
     # so; without it, Nagle + delayed ACK add ~40 ms to every response.

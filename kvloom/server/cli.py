@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvloom.engine_args import add_engine_args, engine_kwargs
-from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ConnectionLimits
+from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs
+from kvloom.server.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING,
+    STATS_LOG_INTERVAL,
+    ConnectionLimits,
+)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``serve [MODEL] --host --port --api-key --max-waiting ...`` plus the engine flags."""
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_version_flag(serve)
     add_engine_args(serve)
     group = serve.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("KVLOOM_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $KVLOOM_API_KEY; "
                             "/health, /version and /metrics stay open)")
@@ -23,10 +29,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="requests allowed to wait for admission; beyond it: 503")
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body; beyond it: 413")
-    group.add_argument("--served-model-name", default=None,
-                       help="the model id clients use (default: the MODEL argument)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model ids clients may use, the first one reported in responses "
+                            "and /v1/models (default: the MODEL argument)")
     group.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="server log level (default: %(default)s)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help=f"no periodic stats line (throughput, running/waiting, KV usage, "
+                            f"prefix-cache hits; every {STATS_LOG_INTERVAL:g} s while busy)")
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -40,10 +51,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from kvloom.server.main import run_server
 
+    names = args.served_model_name or [None]
     return run_server(args.model, engine_kwargs(args), host=args.host, port=args.port,
                       api_key=args.api_key, max_waiting=args.max_waiting,
                       max_body_bytes=args.max_body_bytes,
-                      served_model_name=args.served_model_name, log_level=args.log_level,
+                      served_model_name=names[0], model_aliases=names[1:],
+                      log_stats=not args.disable_log_stats, log_level=args.log_level,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               max_header_bytes=args.max_header_bytes,
                                               max_connections=args.max_connections))

@@ -77,9 +77,10 @@ class Serving:
             raise from_value_error(error) from None
 
 
-def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int | None
-                ) -> SamplingParams:
-    """The request's sampling parameters; ``max_tokens`` is settled per prompt later."""
+def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int | None,
+                info: ModelInfo | None = None) -> SamplingParams:
+    """The request's sampling parameters; ``max_tokens`` is settled per prompt later.
+    A field the request leaves unset takes the model's generation-config default."""
     if isinstance(body.n, int) and body.n > settings.max_n:
         raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
     if body.store:
@@ -91,6 +92,10 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
     given = {name: getattr(body, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(body, name) is not None}
+    if info is not None:
+        defaults = {name: value for name, value in info.generation_defaults.items()
+                    if name != "max_tokens"}
+        given = {**defaults, **given}
     try:
         structured = structured_output_from_openai(
             body.response_format, guided_json=body.guided_json, guided_regex=body.guided_regex,
@@ -114,6 +119,8 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
                     max_tokens: int | None, info: ModelInfo, priority: int,
                     prompt_param: str) -> list[EngineRequest]:
     """One engine request per (prompt, sample), after the context-length checks."""
+    if max_tokens is None:
+        max_tokens = info.generation_defaults.get("max_tokens")
     arrival = time.monotonic()
     requests: list[EngineRequest] = []
     for prompt_index, token_ids in enumerate(prompts):

@@ -18,7 +18,12 @@ import uvicorn
 
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.http_protocol import ConnectionLimits, uvicorn_config
-from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ServerSettings
+from kvloom.server.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING,
+    STATS_LOG_INTERVAL,
+    ServerSettings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +44,12 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                port: int = 8000, api_key: str | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: str | None = None, model_aliases: Sequence[str] = (),
-               log_level: str = "info", graceful_timeout: float = 10.0,
+               log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
                limits: ConnectionLimits | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
-    supervisor restarts it). Bad engine flags raise ValueError first."""
+    supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
+    stats line every ``STATS_LOG_INTERVAL`` seconds while busy (server/stats_log.py)."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.server.app import build_app
@@ -53,7 +59,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     settings = ServerSettings(served_model_name=served_model_name, model_aliases=tuple(model_aliases),
                               api_key=api_key, max_body_bytes=max_body_bytes)
-    async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting)
+    async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting,
+                               stats_log_interval=STATS_LOG_INTERVAL if log_stats else None)
     app = build_app(async_engine, settings)
     _configure_logging(log_level)
     server = _Server(uvicorn_config(app, limits, host=host, port=port, log_level=log_level,

@@ -34,7 +34,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_stream_options(body)
     _check_max_tokens(body)
     top_logprobs = _top_logprobs(body)
-    params = base_params(body, serving.settings, top_logprobs)
+    params = base_params(body, serving.settings, top_logprobs, info)
     prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
                              tools=tools_for_template(body), template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)

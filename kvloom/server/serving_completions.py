@@ -34,7 +34,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
         # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
         raise bad_request("echo together with logprobs is not supported (prompt logprobs are "
                           "not computed)", "echo")
-    params = base_params(body, serving.settings, body.logprobs)
+    params = base_params(body, serving.settings, body.logprobs, info)
     prompts, texts = _encode_prompts(body.prompt, info)
     request_id = new_id("cmpl")
     stream = await serving.open(engine_requests(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING = 1024
+STATS_LOG_INTERVAL = 5.0  # seconds between two stats lines while the engine is busy
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class ModelInfo:
     model_name: str
     limits: AdmissionLimits  # the engine's own admission checks, run before fan-out
     tokenizer: Any
+    # --generation-config: sampling defaults for what a request leaves unset
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int:

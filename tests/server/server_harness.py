@@ -29,7 +29,7 @@ LiveServer = BackgroundServer
 
 def start_live_server(model: Path, settings: ServerSettings, max_waiting: int = 1024,
                       step_delay: float = 0.0, limits: ConnectionLimits | None = None,
-                      **engine_kwargs: Any) -> LiveServer:
+                      stats_log_interval: float | None = None, **engine_kwargs: Any) -> LiveServer:
     """``step_delay`` (seconds) makes every engine step that long at least, like a
     bigger model: a 200-token request then reliably outlives a client's disconnect."""
     config = EngineConfig.from_kwargs(str(model), **{**ENGINE_KWARGS, **engine_kwargs})
@@ -45,7 +45,8 @@ def start_live_server(model: Path, settings: ServerSettings, max_waiting: int = 
             engine.step = slow_step  # type: ignore[method-assign]
         return engine
 
-    return start_background_server(make_engine, settings, max_waiting, limits, STARTUP_DEADLINE_S)
+    return start_background_server(make_engine, settings, max_waiting, limits, STARTUP_DEADLINE_S,
+                                   stats_log_interval)
 
 
 def wait_for_health(base_url: str, deadline_s: float = STARTUP_DEADLINE_S) -> None:
