@@ -25,7 +25,11 @@ def run_chat(model: str, engine_args: dict[str, Any], params: SamplingParams,
 
 
 def chat_loop(llm: LLM, params: SamplingParams, system: str | None,
-              read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
+              read: Callable[[str], str] | None = None, out: TextIO | None = None) -> int:
+    """Read a line, stream the reply, until the user quits. ``read`` (default: input)
+    and ``out`` (default: sys.stdout) are looked up at call time, for tests."""
+    read = read or input
+    out = out or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     print(f"kvloom chat with {llm.engine.model_name} (empty line, Ctrl-D or Ctrl-C to quit; "
           "Ctrl-C during a reply stops it)", file=sys.stderr)
