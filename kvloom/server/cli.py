@@ -12,6 +12,7 @@ from kvloom.server.settings import (
     STATS_LOG_INTERVAL,
     ConnectionLimits,
 )
+from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +39,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--disable-log-stats", action="store_true",
                        help=f"no periodic stats line (throughput, running/waiting, KV usage, "
                             f"prefix-cache hits; every {STATS_LOG_INTERVAL:g} s while busy)")
+    tools = serve.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="with tool_choice \"auto\" (the default when a request has tools), parse "
+                            "the model's output into tool_calls (needs --tool-call-parser)")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format: hermes (SmolLM2, Qwen), llama3_json, mistral; "
+                            f"forced calls (tool_choice \"required\" or a named function) are written in "
+                            f"it too (default for those: {DEFAULT_FORCED_FORMAT})")
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -57,6 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
                       max_body_bytes=args.max_body_bytes,
                       served_model_name=names[0], model_aliases=names[1:],
                       log_stats=not args.disable_log_stats, log_level=args.log_level,
+                      tool_call_parser=args.tool_call_parser,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               max_header_bytes=args.max_header_bytes,
                                               max_connections=args.max_connections))

@@ -228,9 +228,12 @@ class ChatMessage(StrictModel):
     def to_template(self) -> dict[str, Any]:
         """The message as transformers' ``apply_chat_template`` receives it: developer
         becomes system, and tool-call arguments are parsed JSON objects (as transformers'
-        tool-use docs and vLLM hand them to templates, which ``tojson`` them)."""
+        tool-use docs and vLLM hand them to templates, which ``tojson`` them). A null
+        content (an assistant turn of tool calls only) is "": templates that know tool
+        calls test it for truth, and those that do not concatenate it."""
+        text = self.text()
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.text()}
+                                   "content": "" if text is None else text}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:
@@ -260,7 +263,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # OpenAI's function tools: rendered into the chat template (serving_chat.tools_for_template).
+    # OpenAI's function tools: rendered into the chat template, called per tool_choice (server/tool_calling.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

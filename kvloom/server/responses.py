@@ -60,8 +60,8 @@ class GenerationResponse(ABC):
 
     @abstractmethod
     def delta_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
-                     finish_reason: str | None) -> dict[str, Any]:
-        """A streamed chunk's choice for a visible delta."""
+                     finish_reason: str | None) -> dict[str, Any] | None:
+        """A streamed chunk's choice for a visible delta (None: nothing to send yet)."""
 
     # ---- shared --------------------------------------------------------------------------
     def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,9 +95,10 @@ class GenerationResponse(ABC):
                                 if completion.delta_logprobs else None)
                     if not completion.delta_text and logprobs is None and not output.finished:
                         continue  # nothing visible yet (an incomplete character or stop string)
-                    yield self._chunk(self.delta_choice(
-                        index, completion.delta_text, logprobs,
-                        completion.finish_reason if output.finished else None), include_usage)
+                    choice = self.delta_choice(index, completion.delta_text, logprobs,
+                                               completion.finish_reason if output.finished else None)
+                    if choice is not None:
+                        yield self._chunk(choice, include_usage)
                 if stream.aborted:
                     return  # the client is gone; nobody reads a [DONE]
                 if include_usage:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -24,6 +25,8 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
+from kvloom.server.tool_calling import StreamedCalls, message_with_calls, tool_use
+from kvloom.server.tool_parsers import ToolParser
 
 MAX_TOP_LOGPROBS = 20
 
@@ -35,45 +38,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     _check_max_tokens(body)
     top_logprobs = _top_logprobs(body)
     params = base_params(body, serving.settings, top_logprobs, info)
+    tools = tool_use(body, serving.settings)
+    if tools.constraint is not None:
+        if params.structured is not None:
+            raise bad_request("response_format and a forced tool call (tool_choice) cannot both "
+                              "constrain the output", "tool_choice")
+        params = dataclasses.replace(params, structured=tools.constraint)
     prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
-                             tools=tools_for_template(body), template_kwargs=_template_kwargs(body),
+                             tools=tools.tools, template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)
     request_id = new_id("chatcmpl")
     stream = await serving.open(engine_requests(
         request_id, [prompt], params, body.effective_max_tokens, info, body.priority,
         "messages"))
-    response = _Response(request_id, model, int(time.time()), top_logprobs)
+    response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser)
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, [len(prompt)], params.n))
-
-
-def tools_for_template(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The ``tools`` the chat template renders, or None for none; 400 for a tool_choice
-    this server cannot honour.
-
-    Tool calling (parsing the model's calls) is not enabled here: with tools the request
-    is answered as plain chat, the tools rendered into the prompt as the model's template
-    writes them, which is what ``tool_choice`` ``"auto"`` (the model may answer in text)
-    and ``"none"`` allow. ``"required"`` or a named function would need a forced call,
-    so it is a 400 naming tool_choice. The tool-calling work extends this function.
-    """
-    tools = body.tools or None
-    for index, tool in enumerate(tools or ()):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
-                function.get("name"), str):
-            raise bad_request("each tool must be {\"type\": \"function\", \"function\": "
-                              "{\"name\": <string>, \"parameters\": {...}}}", f"tools[{index}]")
-    choice = body.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        raise bad_request(f"tool_choice {choice!r} is not supported: this server does not parse "
-                          "tool calls, so only \"auto\" and \"none\" are", "tool_choice",
-                          "unsupported_parameter")
-    return tools
 
 
 # Template variables that the render sets itself.
@@ -151,14 +135,20 @@ class _Response(GenerationResponse):
 
     kind, full_object, chunk_object = "chat", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None) -> None:
+    def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(request_id, model, created)
         self.top_logprobs = top_logprobs
+        self.tool_parser = tool_parser  # parse the output into tool_calls (None: plain text)
+        self._streamed_calls = StreamedCalls(tool_parser) if tool_parser is not None else None
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion.logprobs),
-                "finish_reason": completion.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        if self.tool_parser is not None:
+            message, finish_reason = message_with_calls(self.tool_parser, completion.text, finish_reason)
+        return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
+                "finish_reason": finish_reason}
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # The first chunk of every choice names the role.
@@ -169,8 +159,13 @@ class _Response(GenerationResponse):
         return self._logprobs(entries)
 
     def delta_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
-                     finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
+                     finish_reason: str | None) -> dict[str, Any] | None:
+        if self._streamed_calls is None:
+            delta: dict[str, Any] = {"content": text} if text else {}
+        else:
+            delta, finish_reason = self._streamed_calls.delta(index, text, finish_reason)
+            if not delta and logprobs is None and finish_reason is None:
+                return None  # held back: it may be the start of a call
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:

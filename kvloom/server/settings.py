@@ -21,8 +21,19 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Largest n (samples per prompt) one request may ask for.
     max_n: int = 128
+    # Tool calling (vLLM's flags): the model's tool-call format (server/tool_parsers.py),
+    # and whether tool_choice "auto" parses the output with it.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
+        from kvloom.server.tool_parsers import get_tool_parser
+
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the format to parse "
+                             "the model's calls in)")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
         if self.api_key is not None and not self.api_key:

@@ -42,8 +42,8 @@ from kvloom.server.tool_call_stream import (
     openai_call_id,
 )
 
-__all__ = ["TOOL_PARSERS", "JsonValueEnd", "StreamDelta", "StreamingToolParser", "ToolCall", "ToolCallDelta",
-           "ToolParser", "calls_from_deltas", "get_tool_parser", "json_value_end"]
+__all__ = ["DEFAULT_FORCED_FORMAT", "TOOL_PARSERS", "JsonValueEnd", "StreamDelta", "StreamingToolParser",
+           "ToolCall", "ToolCallDelta", "ToolParser", "calls_from_deltas", "get_tool_parser", "json_value_end"]
 
 
 class _MarkerParser(StreamingToolParser):
@@ -241,6 +241,11 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "llama3_json": ToolParser("llama3_json", _Llama3JsonStream),
     "mistral": ToolParser("mistral", _MistralStream, make_id=mistral_call_id),
 }
+
+
+# The format forced calls (tool_choice "required" or a named function) are written in
+# when the server names no --tool-call-parser.
+DEFAULT_FORCED_FORMAT = "hermes"
 
 
 def get_tool_parser(name: str) -> ToolParser:

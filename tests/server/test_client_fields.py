@@ -140,11 +140,17 @@ def test_continue_final_message_matches_transformers(kwargs_model: Path) -> None
 
 
 def test_unrenderable_message_is_named(kwargs_model: Path) -> None:
-    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
-    # This template prints None as text, so it renders; a template that concatenates fails:
-    ours(kwargs_model, messages, add_generation_prompt=True)
+    """A tool-calls-only assistant turn (content null) renders as "" on a template that
+    concatenates content; a message the template refuses is named in the 400."""
+    calls_only = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     concat = write_tiny_hf_model(kwargs_model.parent / "concat")  # CHATML: role + content
+    assert ours(concat, [*USER, calls_only, *USER], add_generation_prompt=True) == ours(
+        concat, [*USER, {"role": "assistant", "content": ""}, *USER], add_generation_prompt=True)
+    refusing = write_tiny_hf_model(kwargs_model.parent / "refusing", chat_template=(
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+        "{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"))
     with pytest.raises(APIError) as raised:
-        ours(concat, [*messages, *USER], add_generation_prompt=True)
-    assert raised.value.param == "messages[1]"
+        ours(refusing, [*USER, calls_only, {"role": "tool", "tool_call_id": "c", "content": "42"}],
+             add_generation_prompt=True)
+    assert raised.value.param == "messages[2]"

@@ -41,9 +41,12 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("unknown field", COMPLETIONS, completion(foo=1), 400, BAD, "foo"),
     ("tool not a function", CHAT, chat(tools=[{"type": "retrieval"}]), 400, BAD, "tools[0]"),
     ("tool_choice required", CHAT, chat(tool_choice="required"), 400, BAD, "tool_choice"),
-    ("tool_choice named", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                     tool_choice={"type": "function", "function": {"name": "f"}}),
+    ("tool_choice names no tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                             tool_choice={"type": "function", "function": {"name": "g"}}),
      400, BAD, "tool_choice"),
+    ("tool_choice and response_format", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+          response_format={"type": "json_object"}), 400, BAD, "tool_choice"),
     ("response_format bad type", CHAT, chat(response_format={"type": "xml"}), 400,
      BAD, None),
     ("bad json schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
@@ -76,11 +79,6 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
      400, BAD, "messages[0]"),
     ("unknown role", CHAT, chat(messages=[{"role": "function", "content": "x"}]), 400,
      BAD, "messages[0].role"),
-    ("tool message the template cannot render", CHAT, chat(messages=[
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "42"}]), 400, BAD, "messages[1]"),
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
      BAD, "messages[0].content"),
