@@ -3,7 +3,7 @@
 ``offline`` drives the engine in-process; ``serve`` load-tests an OpenAI-compatible
 server over HTTP; ``sweep`` starts servers over a grid of engine options and
 request rates and runs ``serve`` for each cell; ``plot`` draws the results;
-``steps``, ``soak``, ``placement``, ``structured`` and ``roofline`` measure one
+``steps``, ``soak``, ``placement``, ``structured``, ``tools`` and ``roofline`` measure one
 thing each. Every command's parser sets ``run``, the function below that runs it.
 """
 
@@ -67,6 +67,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     structured.add_argument("--max-tokens", type=int, default=128, help="per request")
     structured.add_argument("--temperature", type=float, default=0.0)
 
+    tools = _command(bench_sub, "tools", "function calling with and without the grammar (tool_choice required)",
+                     _tools)
+    tools.add_argument("--num-prompts", type=int, default=16)
+    tools.add_argument("--max-tokens", type=int, default=96, help="per request")
+    tools.add_argument("--temperature", type=float, default=0.0)
+
     serve = _command(bench_sub, "serve", "load-test an OpenAI-compatible server over HTTP", _serve,
                      engine=False, output_json=False)
     add_serve_bench_args(serve)
@@ -124,6 +130,18 @@ def _structured(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
     results = run_structured_bench(engine, args.num_prompts, args.max_tokens, args.temperature)
+    print(format_table(results))
+    _save_json(args.output_json, [r.to_json() for r in results], indent=2)
+    return 0
+
+
+def _tools(args: argparse.Namespace) -> int:
+    from kvloom.bench.tool_calls import format_table, run_tool_call_bench
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    results = run_tool_call_bench(engine, args.num_prompts, args.max_tokens, args.temperature)
     print(format_table(results))
     _save_json(args.output_json, [r.to_json() for r in results], indent=2)
     return 0

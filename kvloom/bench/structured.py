@@ -86,8 +86,8 @@ def run_structured_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: i
     """
     schema = schema if schema is not None else REVIEW_SCHEMA
     prompts = review_prompts(engine, num_prompts)
-    _run(engine, prompts, SamplingParams(max_tokens=1))
-    _run(engine, prompts[:1], SamplingParams(max_tokens=4, structured=StructuredOutput(json_schema=schema)))
+    run_batch(engine, prompts, SamplingParams(max_tokens=1))
+    run_batch(engine, prompts[:1], SamplingParams(max_tokens=4, structured=StructuredOutput(json_schema=schema)))
     results = []
     for mode in MODES:
         structured = None if mode == "free" else StructuredOutput(
@@ -96,7 +96,7 @@ def run_structured_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: i
                                 structured=structured)
         steps_before = engine.scheduler.step_count
         start = time.perf_counter()
-        texts, output_tokens = _run(engine, prompts, params)
+        texts, output_tokens = run_batch(engine, prompts, params)
         elapsed = time.perf_counter() - start
         valid = None if structured is None else sum(_is_valid(text, schema) for text in texts)
         results.append(StructuredBenchResult(mode, len(prompts), output_tokens, elapsed,
@@ -104,7 +104,8 @@ def run_structured_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: i
     return results
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[str], int]:
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[str], int]:
+    """Run every prompt under ``params`` to the end on an idle engine: the texts, the output tokens."""
     for prompt in prompts:
         engine.add_request(prompt, params)
     texts, output_tokens = [], 0

@@ -177,3 +177,27 @@ def test_sampled_generations_parse_into_valid_calls(tiny_llama, parser_name, par
     assert len(finals) == 6
     # the samples differ: several functions, and several calls in some when parallel
     assert len(set(names)) > 1 and (not parallel or max(counts) > 1)
+
+
+def test_the_tool_call_bench_forces_valid_calls(tmp_path) -> None:
+    """kvloom bench tools on a tiny random model (a context long enough for the tools'
+    system prompt): the grammar's mode always calls validly; valid_calls agrees with
+    hand-written outputs."""
+    from helpers_models import write_tiny_hf_model
+
+    from kvloom.bench.tool_calls import MODES, format_table, run_tool_call_bench, valid_calls
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    model = write_tiny_hf_model(tmp_path / "tiny", max_position_embeddings=2048)
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model), dtype="float32", block_size=16, num_blocks=512))
+    results = run_tool_call_bench(engine, num_prompts=3, max_tokens=200)  # a small vocabulary: many tokens
+    assert [r.mode for r in results] == list(MODES)
+    required = results[1]
+    assert required.num_valid == required.num_requests == 3
+    assert "3/3" in format_table(results)
+    assert valid_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+                       "</tool_call>")
+    assert not valid_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "kelvin"}}'
+                           "\n</tool_call>")
+    assert not valid_calls("It is sunny in Oslo.")
