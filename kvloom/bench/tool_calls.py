@@ -48,13 +48,19 @@ class ToolBenchResult:
     num_valid: int  # responses with at least one call, every call valid under its schema
     output_tokens: int
     elapsed_s: float
+    steps: int  # engine steps the batch took (jump-forward appends forced tokens without one)
 
     @property
     def output_throughput(self) -> float:
         return self.output_tokens / self.elapsed_s
 
+    @property
+    def ms_per_step(self) -> float:
+        """The constraint's cost where it shows: the time of a step (mask, matcher advance)."""
+        return 1000 * self.elapsed_s / max(1, self.steps)
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "output_throughput": self.output_throughput}
+        return {**asdict(self), "output_throughput": self.output_throughput, "ms_per_step": self.ms_per_step}
 
 
 def system_prompt(tools: list[dict[str, Any]]) -> str:
@@ -89,10 +95,12 @@ def run_tool_call_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: in
     for mode in MODES:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                 structured=constraint if mode == "required" else None)
+        steps_before = engine.scheduler.step_count
         start = time.perf_counter()
         texts, output_tokens = run_batch(engine, batch, params)
         elapsed = time.perf_counter() - start
-        results.append(ToolBenchResult(mode, len(batch), sum(map(valid_calls, texts)), output_tokens, elapsed))
+        results.append(ToolBenchResult(mode, len(batch), sum(map(valid_calls, texts)), output_tokens, elapsed,
+                                       engine.scheduler.step_count - steps_before))
     return results
 
 
@@ -115,9 +123,11 @@ def valid_calls(text: str) -> bool:
 
 
 def format_table(results: list[ToolBenchResult]) -> str:
-    header = f"{'mode':<10}{'reqs':>6}{'valid calls':>13}{'out tok':>9}{'time s':>9}{'out tok/s':>11}"
+    header = (f"{'mode':<10}{'reqs':>6}{'valid calls':>13}{'out tok':>9}{'steps':>7}{'ms/step':>9}"
+              f"{'time s':>9}{'out tok/s':>11}")
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(f"{r.mode:<10}{r.num_requests:>6}{f'{r.num_valid}/{r.num_requests}':>13}"
-                     f"{r.output_tokens:>9}{r.elapsed_s:>9.2f}{r.output_throughput:>11.1f}")
+                     f"{r.output_tokens:>9}{r.steps:>7}{r.ms_per_step:>9.1f}{r.elapsed_s:>9.2f}"
+                     f"{r.output_throughput:>11.1f}")
     return "\n".join(lines)
