@@ -161,8 +161,9 @@ def _serve(args: argparse.Namespace) -> int:
     import sys
 
     from kvloom.bench.serve import report, run_benchmark, save_result
-    from kvloom.bench.serve_args import sample_workload, serve_config
+    from kvloom.bench.serve_args import resolve_tokenizer, sample_workload, serve_config
 
+    resolve_tokenizer(args)  # before the config records it
     config = serve_config(args)
     command = shlex.join(["kvloom", *sys.argv[1:]])
     # Ctrl-C during the timed run still reports (and saves) the requests that finished.

@@ -35,8 +35,10 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="default: chat for multiturn, completions otherwise")
     target.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     data = parser.add_argument_group("workload")
-    data.add_argument("--tokenizer", default=DEFAULT_MODEL,
-                      help="model whose tokenizer measures prompt lengths (only the tokenizer loads)")
+    data.add_argument("--tokenizer", default=None,
+                      help="model whose tokenizer measures prompt lengths (only the tokenizer loads; default: "
+                           "the model the server at --base-url serves, its /v1/models 'root', else "
+                           f"{DEFAULT_MODEL!r})")
     data.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix", "multiturn"])
     data.add_argument("--num-prompts", type=int, default=100,
                       help="requests; conversations for multiturn; groups x per-group for prefix")
@@ -82,12 +84,41 @@ def _workload_parameters(args: argparse.Namespace) -> dict[str, Any]:
             **{key: getattr(args, key) for key in keys}}
 
 
+def resolve_tokenizer(args: argparse.Namespace, default: str | None = None) -> None:
+    """Settle ``args.tokenizer``: as given; else ``default`` (a sweep's model); else what
+    the server at ``--base-url`` says it serves (``root`` in ``/v1/models``: the model
+    argument it was started with, loadable here when the server runs on this machine);
+    else the default model."""
+    from kvloom.config import DEFAULT_MODEL
+
+    if args.tokenizer is None:
+        args.tokenizer = default or served_model_root(args.base_url) or DEFAULT_MODEL
+
+
+def served_model_root(base_url: str) -> str | None:
+    """The ``root`` of the first model a server lists, or None when it cannot be asked."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0)
+        response.raise_for_status()
+        root = response.json()["data"][0].get("root")
+    except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError, AttributeError):
+        return None
+    return root if isinstance(root, str) and root else None
+
+
 def sample_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The request list the ``bench serve`` flags describe (loads only the tokenizer)."""
     from kvloom.bench import datasets
+    from kvloom.models.errors import ModelLoadError
     from kvloom.models.loader import load_checkpoint
 
-    tokenizer = load_checkpoint(args.tokenizer, cache_gguf=False).tokenizer
+    resolve_tokenizer(args)
+    try:
+        tokenizer = load_checkpoint(args.tokenizer, cache_gguf=False).tokenizer
+    except ModelLoadError as error:
+        raise ModelLoadError(f"the workload's tokenizer: {error} (pass --tokenizer)") from None
     if args.dataset == "sharegpt":
         if args.max_context_len is not None and args.sharegpt_filters != "sglang":
             raise ValueError("--max-context-len applies to sharegpt with --sharegpt-filters sglang")

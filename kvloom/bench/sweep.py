@@ -46,7 +46,7 @@ from typing import IO, Any
 
 import httpx
 
-from kvloom.bench.serve_args import add_serve_bench_args, sample_workload, serve_config
+from kvloom.bench.serve_args import add_serve_bench_args, resolve_tokenizer, sample_workload, serve_config
 
 __all__ = ["ManagedServer", "SweepConfig", "engine_flags", "format_summary", "run_sweep"]
 
@@ -228,6 +228,7 @@ def run_sweep(config: SweepConfig) -> int:
     parser = argparse.ArgumentParser(prog="bench_args")
     add_serve_bench_args(parser)
     args = parser.parse_args(config.bench_args)
+    resolve_tokenizer(args, default=config.model)  # the servers it starts serve config.model
     base_config = serve_config(args)
     requests = sample_workload(args)  # once: every cell replays exactly the same workload
     out = Path(config.output_dir)

@@ -85,3 +85,17 @@ def test_kvloom_serve_help_lists_the_server_flags() -> None:
                                timeout=60).stdout
     for flag in ("--port", "--host", "--num-blocks", "--no-prefix-cache"):
         assert flag in help_text
+
+
+def test_bench_serve_takes_the_tokenizer_of_the_model_the_server_serves(
+        kvloom_server: str, tiny_llama: Path, tmp_path: Path) -> None:
+    """No --tokenizer: the workload is measured with the served model's tokenizer (its
+    /v1/models root), so prompt lengths count the same tokens the server does."""
+    out = tmp_path / "result.json"
+    status = main(["bench", "serve", "--base-url", kvloom_server, "--dataset", "random", "--num-prompts", "2",
+                   "--random-input-len", "24", "--random-output-len", "2", "--ignore-eos", "--num-warmups", "0",
+                   "--no-progress", "--output-json", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    assert result["parameters"]["workload"]["tokenizer"] == str(tiny_llama)
+    assert all(r["server_prompt_tokens"] >= r["prompt_len"] > 0 for r in result["requests"])
