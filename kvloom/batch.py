@@ -139,6 +139,15 @@ class LogprobsEntry:
     top_logprobs: list[tuple[int, float]]  # the n best (token_id, logprob), best first
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens ``[first, first + len(entries))`` that one step's
+    chunk computed: entry i is prompt token ``first + i`` under the tokens before it."""
+
+    first: int
+    entries: list[LogprobsEntry]
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """What one forward pass produced, aligned with ``SchedulerOutput.scheduled``."""
@@ -151,6 +160,8 @@ class RunnerOutput:
     # Requests whose own per-request work failed this step (their grammar, ...): each
     # fails alone and its entries above are ignored.
     failed: dict[str, RequestError] = field(default_factory=dict)
+    # By request id, for requests with SamplingParams.prompt_logprobs whose chunk this was.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def new_token_ids(self, index: int) -> list[int]:
         """Entry ``index``'s sampled token, then its forced tokens."""

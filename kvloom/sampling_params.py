@@ -83,6 +83,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (each under the tokens before it) with this many
+    # alternatives (vLLM's). Such a request computes its whole prompt: no prefix-cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
@@ -137,10 +140,12 @@ class SamplingParams:
                              f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > 20:
+                    raise ValueError(f"{name} must be <= 20, got {value}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

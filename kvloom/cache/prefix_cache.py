@@ -23,6 +23,7 @@ class PrefixMatch:
     num_tokens: int = 0
     handle: object | None = None
     miss_reason: str | None = None
+    shareable: bool = True  # False: the request may not use cached blocks at all (nothing to wait for)
 
 
 class PrefixCache(ABC):

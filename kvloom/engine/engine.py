@@ -183,6 +183,10 @@ class LLMEngine:
             return []
         # An exception from the forward itself is an engine fault and propagates.
         result = self.runner.execute(scheduled)
+        for item in scheduled.scheduled:
+            chunk = result.prompt_logprobs.get(item.request.request_id)
+            if chunk is not None:
+                self.output_processor.add_prompt_logprobs(item.request, chunk)
         # The scheduler alone writes request state: tokens, stops, failures.
         updates = self.scheduler.update(scheduled, result)
         self._num_prompt_tokens += sum(part.num_new_tokens for part in scheduled.scheduled

@@ -44,3 +44,6 @@ class RequestOutput:
     cache_miss_reason: str | None = None  # why the cache did not serve more of the prompt
     metrics: RequestTimeline | None = None
     error: RequestError | None = None  # with finish_reason "error": what went wrong
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: entry i is prompt
+    # token i under the tokens before it (entry 0, which has none, is None), as vLLM's.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvloom.batch import LogprobsEntry
+from kvloom.batch import LogprobsEntry, PromptLogprobs
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvloom.request import Request
 from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -28,6 +28,8 @@ class _StreamState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[LogprobsEntry] | None = None  # prompt tokens 1, 2, ... as computed
+    prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -52,7 +54,21 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                    skip_special_tokens=params.skip_special_tokens),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+
+    def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
+        """Keep a step's prompt logprobs; positions already kept (a prompt recomputed
+        after preemption) are skipped."""
+        state = self._streams.get(request)
+        if state is None or state.prompt_logprobs is None:
+            return
+        have = len(state.prompt_logprobs)  # positions 1 .. have
+        skip = have + 1 - chunk.first
+        if skip < 0:
+            raise AssertionError(f"prompt logprobs of {request.request_id} from position {chunk.first}, "
+                                 f"but only {have} are known")
+        state.prompt_logprobs.extend(chunk.entries[skip:])
 
     def discard(self, request: Request) -> None:
         self._streams.pop(request, None)
@@ -82,6 +98,13 @@ class OutputProcessor:
                                          self.tokenizer.decode([sampled_id], skip_special_tokens=False))
         # The sampled token first, as vLLM orders it.
         return {sampled_id: result.pop(sampled_id), **result}
+
+    def _prompt_logprobs(self, state: _StreamState, request: Request) -> list[TokenLogprobs | None] | None:
+        """Complete once every prompt position is known (a prompt of P tokens has P - 1)."""
+        if state.prompt_logprobs_out is None and state.prompt_logprobs is not None \
+                and len(state.prompt_logprobs) >= request.num_prompt_tokens - 1:
+            state.prompt_logprobs_out = [None, *map(self._convert_logprobs, state.prompt_logprobs)]
+        return state.prompt_logprobs_out
 
     def make_output(self, request: Request, new_logprobs: Sequence[LogprobsEntry | None] = ()) -> RequestOutput:
         """The request's cumulative output and the delta since the previous call.
@@ -129,4 +152,5 @@ class OutputProcessor:
             cache_miss_reason=request.cache_miss_reason,
             metrics=request.timeline,
             error=request.error,
+            prompt_logprobs=self._prompt_logprobs(state, request),
         )

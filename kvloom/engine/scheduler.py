@@ -185,8 +185,8 @@ class Scheduler:
                 return None, WaitReason.TOKEN_BUDGET
             if len(self.running) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
-            prefix = self.kv.match_prefix(request)
-            if in_flight.covers_next_block(request, prefix.num_tokens):
+            prefix = self._cached_prefix(request)
+            if prefix.shareable and in_flight.covers_next_block(request, prefix.num_tokens):
                 # A running request is computing this request's next blocks right now:
                 # waiting for them turns recomputation into a cache hit.
                 self._deferred.append(request)
@@ -207,6 +207,13 @@ class Scheduler:
             scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
+
+    def _cached_prefix(self, request: Request) -> PrefixMatch:
+        """The request's prefix-cache hit; none for a request that wants its prompt's
+        logprobs (every prompt position must be computed)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch(miss_reason="prompt_logprobs needs the whole prompt computed", shareable=False)
+        return self.kv.match_prefix(request)
 
     def _mark_admitted(self, request: Request, prefix: PrefixMatch | None) -> None:
         timeline = request.timeline

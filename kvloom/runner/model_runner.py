@@ -18,6 +18,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, SchedulerOutput
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
+from kvloom.runner.prompt_logprobs import prompt_logprobs
 from kvloom.runner.sampler import Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
 from kvloom.structured.compiler import CompiledGrammar
@@ -70,9 +71,11 @@ class ModelRunner:
         batch = ForwardBatch.build(output, self.block_size, self.device)
         metadata = self.backend.prepare(batch)
         hidden = self.model(batch, self.kv_caches, self.backend, metadata)
+        prompt = prompt_logprobs(self.model, hidden, output)
         sampling = [item.request for item in output.scheduled if item.samples]
         if not sampling:
-            return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled))
+            return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),
+                                prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         rows = [
             SamplingRequestState(
@@ -91,7 +94,9 @@ class ModelRunner:
         result = self.sampler(
             logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
         forced = self.structured.advance(sampling, result.token_ids, failed) if grammar is not None else None
-        return self._align(output, result.token_ids, result.logprobs, forced, failed)
+        aligned = self._align(output, result.token_ids, result.logprobs, forced, failed)
+        aligned.prompt_logprobs = prompt
+        return aligned
 
     @staticmethod
     def _align(output: SchedulerOutput, token_ids: list[int], logprobs: list[LogprobsEntry | None],

@@ -63,7 +63,7 @@ def overloaded(message: str, code: str = "server_overloaded") -> APIError:
 _PARAM_NAMES = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
-    "logprobs", "top_logprobs", "logit_bias",
+    "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias",
 })
 
 

@@ -86,9 +86,8 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
     if body.store:
         raise bad_request("store=true is not supported: this server keeps no completions "
                           "(send false or leave it out)", "store", "unsupported_parameter")
-    if body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is not supported (prompt logprobs are not computed)",
-                          "prompt_logprobs", "unsupported_parameter")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is only returned with stream false (as vLLM)", "prompt_logprobs")
     given = {name: getattr(body, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty") if getattr(body, name) is not None}
@@ -105,7 +104,7 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
             stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
-            logit_bias=body.logit_bias, **given)
+            logit_bias=body.logit_bias, prompt_logprobs=body.prompt_logprobs, **given)
     except ValueError as error:
         raise from_value_error(error) from None
 

@@ -1,10 +1,10 @@
 """OpenAI request schemas (pydantic), strict on purpose.
 
 Every model forbids unknown fields and validates types strictly (``"5"`` is not an
-integer): a field we do not implement (``best_of``, ``suffix``, ``prompt_logprobs``,
-``audio``...) is a 400 naming it, never a silent no-op. Fields that change nothing
-here (``user``, ``metadata``, ``store: false``, ``service_tier``) are accepted, and a
-``null`` stands for "not given" on every optional field, as clients send them. Value
+integer): a field we do not implement (``best_of``, ``suffix``, ``audio``...) is a 400
+naming it, never a silent no-op. Fields that change nothing here (``user``,
+``metadata``, ``store: false``, ``service_tier``) are accepted, and a ``null`` stands
+for "not given" on every optional field, as clients send them. Value
 ranges are left to ``SamplingParams`` so that the offline API and the server report the
 same message for the same mistake. Responses are plain dicts built in ``serving_*.py``.
 """
@@ -108,7 +108,7 @@ class SamplingRequest(RequestModel):
     # Whether OpenAI stores the completion for later retrieval: nothing is stored here,
     # so only false/null is honest (true is refused by generation.base_params).
     store: bool | None = None
-    # vLLM's prompt logprobs: not computed; any value other than null is a 400.
+    # vLLM's prompt logprobs (0-20 alternatives per prompt token; not with stream).
     prompt_logprobs: int | None = None
     # Structured output: OpenAI's response_format and vLLM's guided_* / structured_outputs
     # (at most one); checked by kvloom.structured.structured_output_from_openai.

@@ -28,6 +28,15 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None) -> list[Any] | None:
+    """vLLM's wire form: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                                        "decoded_token": lp.decoded_token}
+                                        for token_id, lp in entry.items()} for entry in entries]
+
+
 def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -76,7 +85,15 @@ class GenerationResponse(ABC):
         cached = sum(finals[i].num_cached_tokens for i in finals if i % n == 0)
         data["usage"] = usage(prompt_lens, sum(len(f.outputs[0].token_ids) for f in finals.values()),
                               cached)
+        if any(f.prompt_logprobs is not None for f in finals.values()):
+            self.attach_prompt_logprobs(data, {index: prompt_logprobs_json(f.prompt_logprobs)
+                                               for index, f in finals.items()})
         return data
+
+    def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
+        """vLLM's place for them: on each choice (completions; chat puts them on the response)."""
+        for choice in data["choices"]:
+            choice["prompt_logprobs"] = by_choice.get(choice["index"])
 
     async def stream(self, stream: ResultStream, request: Request, prompt_lens: list[int], n: int,
                      include_usage: bool) -> AsyncIterator[str]:

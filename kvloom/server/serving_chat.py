@@ -150,6 +150,9 @@ class _Response(GenerationResponse):
         return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
                 "finish_reason": finish_reason}
 
+    def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
+        data["prompt_logprobs"] = by_choice.get(0)  # one prompt: every choice's is the same
+
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # The first chunk of every choice names the role.
         return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -154,3 +154,26 @@ def test_unrenderable_message_is_named(kwargs_model: Path) -> None:
         ours(refusing, [*USER, calls_only, {"role": "tool", "tool_call_id": "c", "content": "42"}],
              add_generation_prompt=True)
     assert raised.value.param == "messages[2]"
+
+def test_prompt_logprobs_over_http_equal_the_offline_api(http: httpx.Client, live_server: LiveServer,
+                                                         tiny_llama: Path) -> None:
+    """vLLM's prompt_logprobs: on each completions choice, on the chat response; the
+    same values the offline engine reports (tests/engine/test_prompt_logprobs.py holds
+    those to transformers)."""
+    from kvloom import LLM, SamplingParams
+
+    prompt = [5, 17, 99, 250, 41, 7]
+    out = post(http, COMPLETIONS, prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=2)
+    wire = out["choices"][0]["prompt_logprobs"]
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    offline = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    assert wire[0] is None and len(wire) == len(prompt)
+    for position in range(1, len(prompt)):
+        expected = offline.prompt_logprobs[position]
+        assert set(wire[position]) == {str(token_id) for token_id in expected}
+        token = prompt[position]
+        assert wire[position][str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
+        assert wire[position][str(token)]["rank"] == expected[token].rank
+    chat = post(http, CHAT, messages=USER, max_tokens=1, prompt_logprobs=0)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    live_server.assert_idle_and_clean()
