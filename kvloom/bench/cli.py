@@ -124,24 +124,25 @@ def _placement(args: argparse.Namespace) -> int:
 
 
 def _structured(args: argparse.Namespace) -> int:
-    from kvloom.bench.structured import format_table, run_structured_bench
-    from kvloom.config import EngineConfig
-    from kvloom.engine.engine import LLMEngine
+    from kvloom.bench import structured
 
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
-    results = run_structured_bench(engine, args.num_prompts, args.max_tokens, args.temperature)
-    print(format_table(results))
-    _save_json(args.output_json, [r.to_json() for r in results], indent=2)
-    return 0
+    return _batch_modes(args, structured.run_structured_bench, structured.format_table)
 
 
 def _tools(args: argparse.Namespace) -> int:
-    from kvloom.bench.tool_calls import format_table, run_tool_call_bench
+    from kvloom.bench import tool_calls
+
+    return _batch_modes(args, tool_calls.run_tool_call_bench, tool_calls.format_table)
+
+
+def _batch_modes(args: argparse.Namespace, run: Callable[..., list[Any]],
+                 format_table: Callable[[list[Any]], str]) -> int:
+    """An offline bench that runs one batch per mode on a fresh engine (structured, tools)."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
-    results = run_tool_call_bench(engine, args.num_prompts, args.max_tokens, args.temperature)
+    results = run(engine, args.num_prompts, args.max_tokens, args.temperature)
     print(format_table(results))
     _save_json(args.output_json, [r.to_json() for r in results], indent=2)
     return 0
