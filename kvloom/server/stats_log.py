@@ -11,27 +11,13 @@ the window restarts when it does (``resume``), so an idle hour never dilutes a r
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: this module stays a pure, torch-free unit
+    from kvloom.engine.engine import EngineStats
 
 
-class _Stats(Protocol):  # the fields of engine.engine.EngineStats read here
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_usage(self) -> float: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_generation_tokens(self) -> int: ...
-    @property
-    def prefix_cache_queried_tokens(self) -> int: ...
-    @property
-    def prefix_cache_hit_tokens(self) -> int: ...
-
-
-def format_stats_line(stats: _Stats, elapsed: float, prompt_tokens: int, generation_tokens: int,
+def format_stats_line(stats: EngineStats, elapsed: float, prompt_tokens: int, generation_tokens: int,
                       queried_tokens: int, hit_tokens: int) -> str:
     """One line for a window of ``elapsed`` seconds and the token counts within it."""
     seconds = max(elapsed, 1e-9)
@@ -61,7 +47,7 @@ class StatsLogger:
             self._window_start = now
             self._idle = False
 
-    def observe(self, now: float, stats: _Stats) -> str | None:
+    def observe(self, now: float, stats: EngineStats) -> str | None:
         counts = (stats.num_prompt_tokens, stats.num_generation_tokens,
                   stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens)
         deltas = [count - base for count, base in zip(counts, self._base, strict=True)]
