@@ -129,8 +129,6 @@ class LLMEngine:
                     self.max_model_len, self.num_blocks, block_size, backend.name)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -183,15 +181,13 @@ class LLMEngine:
             return []
         # An exception from the forward itself is an engine fault and propagates.
         result = self.runner.execute(scheduled)
-        for item in scheduled.scheduled:
-            chunk = result.prompt_logprobs.get(item.request.request_id)
-            if chunk is not None:
-                self.output_processor.add_prompt_logprobs(item.request, chunk)
+        if result.prompt_logprobs:  # only steps that computed some for a request that asked
+            for item in scheduled.scheduled:
+                chunk = result.prompt_logprobs.get(item.request.request_id)
+                if chunk is not None:
+                    self.output_processor.add_prompt_logprobs(item.request, chunk)
         # The scheduler alone writes request state: tokens, stops, failures.
         updates = self.scheduler.update(scheduled, result)
-        self._num_prompt_tokens += sum(part.num_new_tokens for part in scheduled.scheduled
-                                       if part.is_prefill)
-        self._num_generation_tokens += sum(update.num_new_tokens for update in updates)
         return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                 for update in updates]
 
@@ -223,8 +219,8 @@ class LLMEngine:
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
                            s.num_queried_prompt_tokens, s.num_cached_prompt_tokens,
                            self._last_num_batched_tokens, s.num_starvation_promotions,
-                           s.policy.num_fcfs_fallbacks, self._num_prompt_tokens,
-                           self._num_generation_tokens)
+                           s.policy.num_fcfs_fallbacks, s.num_prefill_tokens,
+                           s.num_generated_tokens)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

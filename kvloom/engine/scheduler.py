@@ -56,6 +56,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        # Cumulative: tokens prefill chunks computed (recompute included), tokens appended.
+        self.num_prefill_tokens = 0
+        self.num_generated_tokens = 0
         self.num_starvation_promotions = 0
         # Prefix-cache hit rate in tokens, counted once per request at first admission.
         self.num_queried_prompt_tokens = 0
@@ -264,6 +267,7 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             if item.is_prefill:
                 request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
+                self.num_prefill_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
             token_ids = result.new_token_ids(index)
             if not token_ids:
@@ -272,7 +276,9 @@ class Scheduler:
             if timeline.first_token_time is None:
                 timeline.first_token_time, timeline.first_token_step = now, output.step
             timeline.last_token_time = now
-            updates.append(StepUpdate(request, index, self._append(request, token_ids)))
+            appended = self._append(request, token_ids)
+            self.num_generated_tokens += appended
+            updates.append(StepUpdate(request, index, appended))
         return updates
 
     def _append(self, request: Request, token_ids: list[int]) -> int:
