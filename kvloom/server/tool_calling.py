@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvloom.server.errors import bad_request
+from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.protocol import ChatCompletionRequest
 from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_call_stream import StreamDelta, StreamingToolParser
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, ToolParser, get_tool_parser
 from kvloom.structured.constraint import StructuredOutput
-from kvloom.structured.tool_grammar import tool_call_constraint
+from kvloom.structured.tool_grammar import InvalidTools, tool_call_constraint, tool_functions
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +42,11 @@ def tool_use(body: ChatCompletionRequest, settings: ServerSettings) -> ToolUse:
     """The request's tool use; a 400 naming the field for malformed tools or a
     tool_choice that cannot be honoured."""
     tools = body.tools or None
-    for index, tool in enumerate(tools or ()):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
-                function.get("name"), str):
-            raise bad_request("each tool must be {\"type\": \"function\", \"function\": "
-                              "{\"name\": <string>, \"parameters\": {...}}}", f"tools[{index}]")
+    if tools is not None:
+        try:
+            tool_functions(tools)  # the grammar's own checks, so every tool_choice sees the same rules
+        except InvalidTools as error:
+            raise from_value_error(error) from None
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         auto = tools is not None and choice != "none" and settings.enable_auto_tool_choice

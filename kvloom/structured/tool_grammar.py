@@ -25,6 +25,14 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+class InvalidTools(ValueError):
+    """Malformed ``tools``; ``param`` names the field (``tools[2]``), as OpenAI's errors do."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class _Format:
     """How a parser's format writes calls: ``prefix (call (separator call)*) suffix``,
@@ -62,7 +70,7 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | 
     if output_format is None:
         known = ", ".join(sorted(TOOL_CALL_FORMATS))
         raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
-    functions = _functions(tools)
+    functions = tool_functions(tools)
     if isinstance(tool_choice, str):
         if tool_choice != "required":
             raise ValueError(f"tool_choice {tool_choice!r} forces no call; only 'required' or a "
@@ -101,28 +109,29 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False) if text else ""
 
 
-def _functions(tools: object) -> dict[str, Mapping[str, Any]]:
-    """Function name -> parameters schema, validated, in the order given."""
+def tool_functions(tools: object) -> dict[str, Mapping[str, Any]]:
+    """Function name -> parameters schema of OpenAI ``tools``, validated, in the order
+    given; ``InvalidTools`` (a ValueError whose ``param`` names the tool) otherwise."""
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools:
-        raise ValueError("tools must be a non-empty list of function tools")
+        raise InvalidTools("tools must be a non-empty list of function tools", "tools")
     functions: dict[str, Mapping[str, Any]] = {}
     for number, tool in enumerate(tools):
         where = f"tools[{number}]"
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise ValueError(f"{where}.type must be 'function'")
+            raise InvalidTools(f"{where}.type must be 'function'", where)
         function = tool.get("function")
         if not isinstance(function, Mapping):
-            raise ValueError(f"{where}.function must be an object")
+            raise InvalidTools(f"{where}.function must be an object", where)
         name = function.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
-            raise ValueError(f"{where}.function.name must match {_FUNCTION_NAME.pattern}, got {name!r}")
+            raise InvalidTools(f"{where}.function.name must match {_FUNCTION_NAME.pattern}, got {name!r}", where)
         if name in functions:
-            raise ValueError(f"{where}.function.name {name!r} is given twice")
+            raise InvalidTools(f"{where}.function.name {name!r} is given twice", where)
         parameters = function.get("parameters")
         if parameters is None:
             parameters = NO_PARAMETERS
         if not isinstance(parameters, Mapping):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+            raise InvalidTools(f"{where}.function.parameters must be a JSON schema object", where)
         functions[name] = parameters
     return functions
 
