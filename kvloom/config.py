@@ -14,6 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MATMULS = ("invariant", "onednn", "torch")  # EngineConfig.matmul (models/packed_linear.py)
+DECODER_STACKS = ("native", "modules")  # EngineConfig.decoder_stack (models/decoder_stack.py)
 SCHEDULING_MODES = ("continuous", "static")
 # The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
 # that a bad flag is refused before the model loads; tests hold them to the registries.
@@ -239,6 +240,12 @@ class EngineConfig:
         "help": "kernel for CPU bf16 matmuls: 'invariant' (kvloom's GEMM: a request's tokens never "
                 "depend on the batch), 'onednn' (prepacked oneDNN: rounding changes with the batch "
                 "size), 'torch' (F.linear, for comparison)"})
+    decoder_stack: str = field(default="native", metadata={
+        "choices": DECODER_STACKS,
+        "help": "how the decoder layers run: 'native' (one C++ call walks every layer through the "
+                "same kernels, bit-identical, without the Python between them; CPU bf16 with the "
+                "invariant matmul and the paired KV layout, else the modules run) or 'modules' "
+                "(the nn.Module path, the reference)"})
     chat_template: str | None = field(default=None, metadata={
         "help": "chat template instead of the tokenizer's: a file path or an inline Jinja template"})
     generation_config: str = field(default="auto", metadata={
@@ -256,6 +263,8 @@ class EngineConfig:
                              f"got {self.revision!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
+        if self.decoder_stack not in DECODER_STACKS:
+            raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {self.decoder_stack!r}")
         parse_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "

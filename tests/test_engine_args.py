@@ -11,6 +11,7 @@ import pytest
 from kvloom.cli import build_parser
 from kvloom.config import (
     ATTENTION_BACKENDS,
+    DECODER_STACKS,
     DEFAULT_MODEL,
     MATMULS,
     POLICY_NAMES,
@@ -34,6 +35,7 @@ NON_DEFAULTS = [
     (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),
+    (["--decoder-stack", "modules"], None, "decoder_stack", "modules"),
     (["--chat-template", "{{ messages[0]['content'] }}"], None, "chat_template",
      "{{ messages[0]['content'] }}"),
     (["--generation-config", "none"], None, "generation_config", "none"),
@@ -188,6 +190,7 @@ def test_trace_file_implies_trace(tmp_path) -> None:
 def test_choices_come_from_the_config_constants(capsys) -> None:
     choices = {action.dest: action.choices for action in _engine_actions() if action.choices}
     assert choices == {"dtype": list(SUPPORTED_DTYPES), "matmul": list(MATMULS),
+                       "decoder_stack": list(DECODER_STACKS),
                        "scheduling": list(SCHEDULING_MODES), "policy": list(POLICY_NAMES),
                        "attention_backend": list(ATTENTION_BACKENDS)}
     with pytest.raises(SystemExit):

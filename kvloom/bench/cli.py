@@ -23,8 +23,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = _command(bench_sub, "offline", "in-process throughput through the engine", _offline)
-    offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
+    offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "tokens"],
+                         help="tokens: a JSONL of prompt_token_ids and max_tokens (--dataset-path), "
+                              "the same ids another engine is given")
+    offline.add_argument("--dataset-path", default=None, help="the JSONL file of --dataset tokens")
     offline.add_argument("--num-prompts", type=int, default=100)
+    offline.add_argument("--lead", type=int, default=0,
+                         help="submit this many requests first and the rest once they have a token "
+                              "(lets a shared prefix be cached within the timed run)")
     offline.add_argument("--input-len", type=int, default=256, help="random dataset")
     offline.add_argument("--output-len", type=int, default=128,
                          help="random dataset; for sharegpt, caps each request's output length")
@@ -193,7 +199,11 @@ def _offline(args: argparse.Namespace) -> int:
     for mode in modes:
         engine = LLMEngine(EngineConfig.from_kwargs(args.model, **{**base, "scheduling": mode}))
         if requests is None:
-            if args.dataset == "sharegpt":
+            if args.dataset == "tokens":
+                if not args.dataset_path:
+                    raise SystemExit("--dataset tokens needs --dataset-path FILE.jsonl")
+                requests = datasets.load_token_workload(args.dataset_path, args.num_prompts)
+            elif args.dataset == "sharegpt":
                 requests = datasets.sample_sharegpt(engine.tokenizer, args.num_prompts, seed=args.dataset_seed)
                 if args.output_len:
                     requests = [dataclasses.replace(r, expected_output_len=min(r.expected_output_len, args.output_len))
@@ -202,7 +212,7 @@ def _offline(args: argparse.Namespace) -> int:
                 requests = datasets.sample_random(engine.tokenizer, args.num_prompts, args.input_len,
                                                   args.output_len, 0.0, args.dataset_seed)
         warm_up(engine)
-        results.append(run_offline(engine, requests, mode, ignore_eos=args.ignore_eos))
+        results.append(run_offline(engine, requests, mode, ignore_eos=args.ignore_eos, lead=args.lead))
         if args.trace_file:
             save_trace(engine, args)
         del engine
@@ -218,7 +228,7 @@ def _offline(args: argparse.Namespace) -> int:
 def _engine_flags(args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str, Any]:
     """The compute-path engine flags (and ``extra`` ones) of a benchmark that sizes the
     pool and the batch limits itself."""
-    keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", *extra}
+    keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "decoder_stack", *extra}
     return {key: value for key, value in engine_kwargs(args).items() if key in keep}
 
 

@@ -63,6 +63,9 @@ class BenchRequest:
     expected_output_len: int  # max_tokens to request
     group: int | None = None  # prefix group / conversation index
     turn: int | None = None  # multiturn: turn index within the conversation
+    # The exact ids to submit (a token-id workload shared with other engines); when set,
+    # the offline benchmark sends these instead of tokenizing ``prompt``.
+    prompt_token_ids: list[int] | None = None
 
 
 class ShareGPTUnavailableError(MissingExtra, RuntimeError):
@@ -272,6 +275,29 @@ def sample_sharegpt(tokenizer: BenchTokenizer, num_prompts: int, seed: int = 0,
 
 
 # ---------------------------------------------------------------- random
+def load_token_workload(path: str | Path, num_prompts: int | None = None) -> list[BenchRequest]:
+    """A workload shared with other engines (``shared/peers/make_ov_workload.py``): JSON
+    lines of ``{"prompt_token_ids": [...], "max_tokens": N}`` (and the text as
+    ``prompt``), so that every engine is handed the same ids. The first
+    ``num_prompts`` lines (all when None)."""
+    requests: list[BenchRequest] = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if num_prompts is not None and len(requests) >= num_prompts:
+                break
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            ids, max_tokens = record.get("prompt_token_ids"), record.get("max_tokens")
+            if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids)
+                    or not isinstance(max_tokens, int) or max_tokens < 1):
+                raise ValueError(f"{path}:{number}: a line needs a non-empty list of integer "
+                                 "prompt_token_ids and a positive integer max_tokens")
+            requests.append(BenchRequest(record.get("prompt", ""), len(ids), max_tokens,
+                                         prompt_token_ids=ids))
+    return requests
+
+
 def _vocab_size(tokenizer: Any) -> int:
     size = getattr(tokenizer, "vocab_size", None)
     if size is None and hasattr(tokenizer, "get_vocab_size"):

@@ -60,23 +60,36 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
-                ignore_eos: bool = True, show_progress: bool = True) -> OfflineResult:
-    """Submit every request at once and step the engine until all finish."""
-    for item in requests:
-        params = SamplingParams(max_tokens=item.expected_output_len, temperature=0.0,
-                                ignore_eos=ignore_eos)
-        engine.add_request(item.prompt, params)
+                ignore_eos: bool = True, show_progress: bool = True, lead: int = 0) -> OfflineResult:
+    """Submit every request at once and step the engine until all finish. With ``lead``,
+    the first ``lead`` requests go first and the rest only once those have their first
+    token (inside the timed run): a shared prompt is then cached before the others ask
+    for it, as with OpenVINO GenAI's staggered submission in shared/peers."""
+    def submit(batch: list[BenchRequest]) -> None:
+        for item in batch:
+            params = SamplingParams(max_tokens=item.expected_output_len, temperature=0.0,
+                                    ignore_eos=ignore_eos)
+            engine.add_request(item.prompt_token_ids or item.prompt, params)
+
     preemptions_before = engine.scheduler.num_preemptions
     steps, utilisation, finished, prompt_tokens, output_tokens = 0, [], 0, 0, 0
+    waiting = requests[lead:] if lead > 0 else []
+    started = 0  # requests that have produced a token, while the rest wait
     start = time.perf_counter()
+    submit(requests[:lead] if lead > 0 else requests)
     with tqdm(total=len(requests), desc=label, unit="req", disable=not show_progress) as bar:
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() or waiting:
+            if waiting and (started >= lead or not engine.has_unfinished_requests()):
+                submit(waiting)
+                waiting = []
             outputs = engine.step()
             steps += 1
             value = kv_utilisation(engine)
             if value is not None:
                 utilisation.append(value)
             for output in outputs:
+                if waiting and len(output.outputs[0].token_ids) == 1:
+                    started += 1
                 if output.finished:
                     finished += 1
                     prompt_tokens += len(output.prompt_token_ids)

@@ -1,8 +1,10 @@
 """`kvloom bench plot RESULTS.json... --out DIR`: PNG charts of ``bench serve`` results.
 
 - ``latency_vs_throughput.png``: output token throughput (x) against mean and p99
-  TTFT and TPOT (four panels), one line per label (an engine option set), points
-  in request-rate order and annotated with the rate.
+  TTFT and TPOT (four panels), one line per label (an engine or option set), points
+  in load order (request rate, then the cap on requests in flight) and annotated
+  with it: ``c16`` for 16 in flight, ``4/s`` for 4 requests a second. A sweep over
+  concurrencies draws each engine's throughput-vs-latency curve on the same axes.
 - ``throughput.png``: output token throughput as grouped bars, one group per
   request rate and one bar per label.
 
@@ -52,12 +54,30 @@ def _rate_text(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _cap(result: Mapping[str, Any]) -> float:
+    """The cap on requests in flight (inf: none)."""
+    cap = result.get("parameters", {}).get("max_concurrency")
+    return math.inf if cap is None else float(cap)
+
+
+def _load(result: Mapping[str, Any]) -> tuple[float, float]:
+    return _rate(result), _cap(result)
+
+
+def _load_text(result: Mapping[str, Any]) -> str:
+    rate, cap = _load(result)
+    if math.isinf(cap):
+        return _rate_text(rate) if math.isinf(rate) else f"{rate:g}/s"
+    return f"c{cap:g}" if math.isinf(rate) else f"{rate:g}/s c{cap:g}"
+
+
 def series_by_label(results: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Results grouped by label (first-seen order), each group sorted by request rate."""
+    """Results grouped by label (first-seen order), each group in load order (request
+    rate, then concurrency cap)."""
     series: dict[str, list[Mapping[str, Any]]] = {}
     for result in results:
         series.setdefault(_label(result), []).append(result)
-    return {label: sorted(group, key=_rate) for label, group in series.items()}
+    return {label: sorted(group, key=_load) for label, group in series.items()}
 
 
 def _figure(width: float, height: float) -> Any:
@@ -81,35 +101,38 @@ def plot_latency_vs_throughput(results: Sequence[Mapping[str, Any]], path: str |
             ys = [r["metrics"][metric][stat] for r in group]
             axis.plot(xs, ys, marker="o", label=label)
             for x, y, result in zip(xs, ys, group, strict=True):
-                axis.annotate(_rate_text(_rate(result)), (x, y), textcoords="offset points",
+                axis.annotate(_load_text(result), (x, y), textcoords="offset points",
                               xytext=(3, 3), fontsize=7)
         axis.set_title(title)
         axis.set_xlabel("output throughput (tok/s)")
         axis.set_ylabel(title)
         axis.grid(True, alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    figure.suptitle("Latency vs throughput (points annotated with request rate, req/s)")
+    figure.suptitle("Latency vs throughput (points annotated with the load: "
+                    "cN = N requests in flight, R/s = a request rate)")
     path = Path(path)
     figure.savefig(path, dpi=120)
     return path
 
 
 def plot_throughput_bars(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Output throughput per label, grouped by request rate; returns the PNG's path."""
+    """Output throughput per label, grouped by load (request rate and concurrency cap);
+    returns the PNG's path."""
     series = series_by_label(results)
-    rates = sorted({_rate(r) for r in results})
-    figure = _figure(max(6.0, 1.2 * len(rates) * max(1, len(series)) ** 0.5 + 3), 5)
+    loads = sorted({_load(r) for r in results})
+    names = {_load(r): _load_text(r) for r in results}
+    figure = _figure(max(6.0, 1.2 * len(loads) * max(1, len(series)) ** 0.5 + 3), 5)
     axis = figure.subplots()
     width = 0.8 / max(1, len(series))
     for position, (label, group) in enumerate(series.items()):
-        by_rate = {_rate(r): r["metrics"]["output_throughput"] for r in group}
+        by_load = {_load(r): r["metrics"]["output_throughput"] for r in group}
         xs = [index + (position - (len(series) - 1) / 2) * width
-              for index, rate in enumerate(rates) if rate in by_rate]
-        heights = [by_rate[rate] for rate in rates if rate in by_rate]
+              for index, load in enumerate(loads) if load in by_load]
+        heights = [by_load[load] for load in loads if load in by_load]
         bars = axis.bar(xs, heights, width=width, label=label)
         axis.bar_label(bars, fmt="%.0f", fontsize=7)
-    axis.set_xticks(range(len(rates)), [_rate_text(rate) for rate in rates])
-    axis.set_xlabel("request rate (req/s)")
+    axis.set_xticks(range(len(loads)), [names[load] for load in loads])
+    axis.set_xlabel("load (request rate, or cN: N requests in flight)")
     axis.set_ylabel("output throughput (tok/s)")
     axis.set_title("Output token throughput")
     axis.legend(fontsize=8)

@@ -1,4 +1,4 @@
-"""`kvloom bench sweep CONFIG.json`: ``bench serve`` over request rates x engine options.
+"""`kvloom bench sweep CONFIG.json`: ``bench serve`` over request rates x concurrencies x engine options.
 
 For every engine option set it starts a server (by default ``sys.executable -m
 kvloom serve MODEL --host H --port P <server_args> <options>``), waits for
@@ -17,13 +17,19 @@ The config (JSON)::
      "bench_args": ["--dataset", "prefix", "--num-prompts", "64", "--tokenizer", "..."],
      "output_dir": "bench-sweep"}
 
-Optional: ``host``, ``port`` (default: a free port per server),
+Optional: ``max_concurrencies`` (a list; each cell caps the requests in flight at
+one of them, ``null`` for no cap: the default ``[null]``; with a list of caps,
+``request_rates`` defaults to ``["inf"]``), ``num_prompts_by_concurrency`` (an
+object from a cap to the number of the workload's requests its cells send, the
+first ones; a sweep from 1 to 256 in flight need not send 200 requests one at a
+time), ``host``, ``port`` (default: a free port per server),
 ``startup_timeout_s`` (600), ``shutdown_timeout_s`` (60), ``restart_per_rate``
 (true), and ``server_command``, a list with ``{model}``, ``{host}`` and
 ``{port}`` placeholders to sweep another engine (options are appended to it).
 Option sets are flag lists or ``{flag: value}`` objects (``true``: a bare flag,
 ``false``/``null``: omitted). Each cell writes ``<label>_rate-<rate>.json`` and
-its server's log; ``summary.json`` and a printed table close the sweep.
+its server's log (``<label>_rate-<rate>_c<cap>`` when capped); ``summary.json``
+and a printed table close the sweep.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class SweepConfig:
     model: str
     request_rates: list[float]
     engine_options: dict[str, list[str]]
+    max_concurrencies: list[int | None] = field(default_factory=lambda: [None])
+    num_prompts_by_concurrency: dict[int, int] = field(default_factory=dict)
     bench_args: list[str] = field(default_factory=list)
     server_args: list[str] = field(default_factory=list)
     output_dir: str = "bench-sweep"
@@ -73,6 +81,16 @@ class SweepConfig:
             raise ValueError(f"request_rates must be non-empty and > 0, got {self.request_rates}")
         if not self.engine_options:
             raise ValueError("engine_options needs at least one option set (e.g. {\"default\": []})")
+        if not self.max_concurrencies or not all(c is None or c >= 1 for c in self.max_concurrencies):
+            raise ValueError(f"max_concurrencies must be non-empty, each null or >= 1, "
+                             f"got {self.max_concurrencies}")
+        if not all(n >= 1 for n in self.num_prompts_by_concurrency.values()):
+            raise ValueError(f"num_prompts_by_concurrency values must be >= 1, "
+                             f"got {self.num_prompts_by_concurrency}")
+
+    def cells(self) -> list[tuple[float, int | None]]:
+        """(request rate, concurrency cap) of every cell of one option set, in order."""
+        return [(rate, cap) for rate in self.request_rates for cap in self.max_concurrencies]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SweepConfig:
@@ -81,7 +99,13 @@ class SweepConfig:
         if unknown:
             raise ValueError(f"unknown sweep config keys: {sorted(unknown)}")
         values = dict(data)
-        values["request_rates"] = [float(rate) for rate in values.get("request_rates", [])]
+        caps = values.get("max_concurrencies")
+        if caps is not None:
+            values["max_concurrencies"] = [None if cap is None else int(cap) for cap in caps]
+        values["num_prompts_by_concurrency"] = {
+            int(cap): int(n) for cap, n in values.get("num_prompts_by_concurrency", {}).items()}
+        default_rates = ["inf"] if caps is not None else []
+        values["request_rates"] = [float(rate) for rate in values.get("request_rates", default_rates)]
         values["engine_options"] = {str(label): engine_flags(options)
                                     for label, options in values.get("engine_options", {}).items()}
         return cls(**values)
@@ -188,9 +212,14 @@ def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _summary_row(label: str, rate: float, result: Mapping[str, Any] | None, error: str | None
-                 ) -> dict[str, Any]:
-    row: dict[str, Any] = {"label": label, "request_rate": _rate_name(rate), "error": error}
+def _cell_name(label: str, rate: float, cap: int | None) -> str:
+    return f"{label}_rate-{_rate_name(rate)}" + ("" if cap is None else f"_c{cap}")
+
+
+def _summary_row(label: str, rate: float, cap: int | None, result: Mapping[str, Any] | None,
+                 error: str | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": label, "request_rate": _rate_name(rate), "max_concurrency": cap,
+                           "error": error}
     if result is not None:
         metrics = result["metrics"]
         row.update(completed=metrics["completed"], failed=metrics["failed"],
@@ -205,11 +234,12 @@ def _summary_row(label: str, rate: float, result: Mapping[str, Any] | None, erro
 
 def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
     """One line per cell: throughput, TTFT/TPOT (mean, p99) and prefix-cache hit rate."""
-    header = (f"{'label':<20}{'rate':>7}{'ok':>6}{'fail':>6}{'req/s':>8}{'out tok/s':>11}"
+    header = (f"{'label':<20}{'rate':>7}{'cap':>5}{'ok':>6}{'fail':>6}{'req/s':>8}{'out tok/s':>11}"
               f"{'TTFT ms':>9}{'p99':>9}{'TPOT ms':>9}{'p99':>9}{'hit':>7}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        start = f"{row['label'][:19]:<20}{row['request_rate']:>7}"
+        cap = row.get("max_concurrency")
+        start = f"{row['label'][:19]:<20}{row['request_rate']:>7}{'-' if cap is None else cap:>5}"
         if row.get("error"):
             lines.append(f"{start}  error: {row['error'].splitlines()[0][:80]}")
             continue
@@ -237,8 +267,8 @@ def run_sweep(config: SweepConfig) -> int:
     for label, options in config.engine_options.items():
         server: ManagedServer | None = None
         try:
-            for rate in config.request_rates:
-                cell = f"{label}_rate-{_rate_name(rate)}"
+            for rate, cap in config.cells():
+                cell = _cell_name(label, rate, cap)
                 result, error = None, None
                 try:
                     if server is None:
@@ -248,9 +278,11 @@ def run_sweep(config: SweepConfig) -> int:
                         print(f"[{cell}] starting: {' '.join(server.command)}", file=sys.stderr)
                         server.start(config.startup_timeout_s)
                     cell_config = dataclasses.replace(base_config, base_url=server.base_url,
-                                                      request_rate=rate, label=label)
+                                                      request_rate=rate, max_concurrency=cap or
+                                                      base_config.max_concurrency, label=label)
                     command = f"{shlex.join(sys.argv)}  # cell {cell}"
-                    result = asyncio.run(run_benchmark(cell_config, requests, command))
+                    count = config.num_prompts_by_concurrency.get(cap, len(requests)) if cap else len(requests)
+                    result = asyncio.run(run_benchmark(cell_config, requests[:count], command))
                     save_result(str(out / f"{cell}.json"), result)
                 except (RuntimeError, ValueError) as failure:  # this cell fails; the sweep goes on
                     error = str(failure)
@@ -258,7 +290,7 @@ def run_sweep(config: SweepConfig) -> int:
                 if server is not None and (config.restart_per_rate or error is not None):
                     server.stop(config.shutdown_timeout_s)
                     server = None
-                rows.append(_summary_row(label, rate, result, error))
+                rows.append(_summary_row(label, rate, cap, result, error))
         finally:  # also on Ctrl-C: never leave a server running
             if server is not None:
                 server.stop(config.shutdown_timeout_s)

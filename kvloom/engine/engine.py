@@ -101,6 +101,10 @@ class LLMEngine:
         model.to(device=self.device, dtype=self.dtype)  # in place, as nn.Module.to is
         model.eval()
         model.pack_weights(config.matmul)
+        if config.decoder_stack == "native" and self.device.type == "cpu":
+            why_not = model.use_native_stack()
+            if why_not is not None:
+                logger.info("decoder layers run as modules: %s", why_not)
         self.model = model
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 

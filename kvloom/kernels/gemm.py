@@ -182,6 +182,13 @@ def _gemm_check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 _ISA_ENUM = {isa: index + 1 for index, isa in enumerate(ISAS)}
 
 
+def isa_code(isa: str) -> int:
+    """gemm.cpp's enum value for a path name (what its C entry point takes)."""
+    if isa not in _ISA_ENUM:
+        raise ValueError(f"unknown GEMM path {isa!r}; the paths are {ISAS}")
+    return _ISA_ENUM[isa]
+
+
 @GEMM.implementation
 def _gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               isa: str) -> torch.Tensor:

@@ -17,6 +17,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.models import ops
+from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
 
@@ -70,6 +71,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The layers walked in one native call (models/decoder_stack.py), once asked for
+        # by use_native_stack; the module path below is the reference and the fallback.
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
@@ -77,6 +81,9 @@ class LlamaForCausalLM(nn.Module):
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         rotary = self.rotary.cos_sin(batch.positions)
+        stack = self.native_stack
+        if stack is not None and stack.serves(kv_caches, backend, metadata):
+            return self.norm(stack(residual, rotary, batch, kv_caches, backend, metadata), residual)
         hidden = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.layers):
             # Each norm first adds the previous block's output into the residual stream
@@ -105,6 +112,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = head
                 packed = 1
         return packed + pack_linear_layers(self, matmul)
+
+    def use_native_stack(self) -> str | None:
+        """Walk the decoder layers in one native call from now on, where a forward's
+        cache and backend allow (call after ``pack_weights``; the weights must not move
+        afterwards). Returns None, or why the model cannot (then the modules run)."""
+        self.native_stack, reason = NativeDecoderStack.build(self)
+        return None if self.native_stack is not None else reason
 
     # ---- loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -78,6 +78,29 @@ def test_sweep_runs_every_cell_and_stops_its_servers(tiny_llama: Path, tmp_path:
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in pngs)
 
 
+def test_sweep_over_concurrency_caps(tiny_llama: Path, tmp_path: Path) -> None:
+    config = SweepConfig.from_dict({
+        "model": "unused", "max_concurrencies": [1, 3], "num_prompts_by_concurrency": {"1": 2},
+        "engine_options": {"e": []}, "output_dir": str(tmp_path),
+        "server_command": [sys.executable, FAKE_SERVER, "--port", "{port}"],
+        "bench_args": ["--tokenizer", str(tiny_llama), "--dataset", "random", "--num-prompts", "5",
+                       "--random-input-len", "8", "--random-output-len", "4", "--no-progress"],
+        "startup_timeout_s": 30, "shutdown_timeout_s": 10})
+    assert config.request_rates == [math.inf]  # caps alone: every request sent at once, capped
+    assert run_sweep(config) == 0
+    c1 = json.loads((tmp_path / "e_rate-inf_c1.json").read_text())
+    c3 = json.loads((tmp_path / "e_rate-inf_c3.json").read_text())
+    # The first 2 of the same workload at cap 1; all 5 at cap 3.
+    assert (c1["metrics"]["completed"], c1["parameters"]["max_concurrency"]) == (2, 1)
+    assert (c3["metrics"]["completed"], c3["parameters"]["max_concurrency"]) == (5, 3)
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["max_concurrency"], r["completed"]) for r in rows] == [(1, 2), (3, 5)]
+    series = series_by_label([c3, c1])  # load order: the lower cap first
+    assert [r["parameters"]["max_concurrency"] for r in series["e"]] == [1, 3]
+    with pytest.raises(ValueError, match="max_concurrencies"):
+        SweepConfig.from_dict({"model": "m", "max_concurrencies": [0], "engine_options": {"a": []}})
+
+
 def test_sweep_reports_servers_that_never_become_healthy(tiny_llama: Path, tmp_path: Path) -> None:
     config = SweepConfig.from_dict({
         "model": "m", "request_rates": [1], "output_dir": str(tmp_path),

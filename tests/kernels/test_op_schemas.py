@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvloom import native
-from kvloom.kernels import cpu_ops, gemm, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
+from kvloom.kernels import cpu_ops, decoder_stack, gemm, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
 
 OPS = native_op.OPS
 ISA = gemm.supported_isas()[0] if gemm.supported_isas() else "avx2"
@@ -265,7 +265,8 @@ def test_declaration_mistakes_are_refused_before_anything_registers(declaration:
 
 
 def test_kernels_import_nothing_above_them() -> None:
-    code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.gemm, kvloom.kernels.paged_attention, "
+    code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.decoder_stack, kvloom.kernels.gemm, "
+            "kvloom.kernels.paged_attention, "
             "kvloom.kernels.sampling\n"
             "print(' '.join(m for m in sys.modules if m.split('.')[:2] in (['kvloom', 'models'], "
             "['kvloom', 'attention'], ['kvloom', 'runner'], ['kvloom', 'engine'], ['kvloom', 'server'])))")

@@ -1,0 +1,84 @@
+"""The decoder layers of a LlamaForCausalLM in one native call (kernels/decoder_stack.py).
+
+``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
+weights' data pointers (the tensors stay owned by the model's modules, which outlive
+the table) and the shapes; ``None``, with the reason, where the model is not one the
+walk serves (not bf16 on CPU with kvloom's GEMM in every layer). Per forward,
+``serves`` asks whether this step's cache and attention backend are the walk's (the
+CPU paged backend with its paired layout); otherwise the module path runs. Both paths
+call the same kernels in the same order, so their results are bit-identical
+(tests/models/test_decoder_stack.py); the module path stays the readable reference
+and what every other configuration runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.attention.cpu_paged import CPUPagedBackend, CPUPagedMetadata
+from kvloom.batch import ForwardBatch
+from kvloom.kernels import decoder_stack as kernels
+from kvloom.models.packed_linear import InvariantLinear
+
+if TYPE_CHECKING:
+    from kvloom.models.llama import LlamaForCausalLM
+
+
+class NativeDecoderStack:
+    def __init__(self, weights: torch.Tensor, owners: list[torch.Tensor], shape: kernels.StackShape) -> None:
+        self.weights = weights  # [layers, len(WEIGHT_COLUMNS)] int64 data pointers
+        self._owners = owners  # the tensors behind those pointers: alive as long as the table
+        self.shape = shape
+        self.kernels = kernels.kernel_table()
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> tuple[NativeDecoderStack | None, str]:
+        """The walk over ``model``'s layers, or None and why it cannot serve them."""
+        if not kernels.available():
+            return None, "kvloom/csrc/decoder_stack.cpp or a kernel it calls does not build here"
+        config = model.config
+        rows: list[list[int]] = []
+        owners: list[torch.Tensor] = []
+        isas: set[str] = set()
+        for index, layer in enumerate(model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(linear, InvariantLinear) for linear in linears):
+                return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
+                   or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
+                return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
+            isas.update(linear.isa for linear in linears)
+            row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
+                                   "post_norm": norms[1].weight.data_ptr()}
+            owners += [norm.weight for norm in norms]
+            for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
+                row[name] = linear.packed_weight.data_ptr()
+                row[f"{name}_bias"] = 0 if linear.bias is None else linear.bias.data_ptr()
+                owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
+            rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
+        if len(isas) != 1:
+            return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
+        shape = kernels.StackShape(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                                   config.head_dim, config.intermediate_size, config.rms_norm_eps, isas.pop())
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, shape), ""
+
+    def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> bool:
+        """Whether this forward's cache and attention are the walk's."""
+        return (isinstance(backend, CPUPagedBackend) and isinstance(metadata, CPUPagedMetadata)
+                and kv_caches.dtype == torch.bfloat16 and backend.paired_layout(kv_caches[0]))
+
+    def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                 kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata) -> torch.Tensor:
+        """Every layer over ``residual`` (the embeddings, [tokens, hidden], updated in
+        place); returns the last layer's output, which the final norm adds in."""
+        rows = metadata.every
+        cos, sin = rotary
+        return kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
+                           batch.slot_mapping.to(torch.int64).contiguous(),
+                           kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
+                           backend.scale)

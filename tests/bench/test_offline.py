@@ -1,0 +1,51 @@
+"""`bench offline` on a token-id workload shared with other engines, and ``--lead``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvloom.bench.datasets import load_token_workload
+from kvloom.bench.offline import run_offline
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+
+
+def _write(path: Path, lines: list[object]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_token_workload_keeps_the_ids_and_checks_each_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "w.jsonl", [{"prompt": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
+                                         {"prompt_token_ids": [8], "max_tokens": 2}])
+    requests = load_token_workload(path)
+    assert [(r.prompt_token_ids, r.prompt_len, r.expected_output_len) for r in requests] == [
+        ([5, 6, 7], 3, 4), ([8], 1, 2)]
+    assert len(load_token_workload(path, num_prompts=1)) == 1
+    for bad in ({"prompt_token_ids": [], "max_tokens": 2}, {"prompt_token_ids": [1, "x"], "max_tokens": 2},
+                {"prompt_token_ids": [1], "max_tokens": 0}, {"prompt": "only text", "max_tokens": 3}):
+        with pytest.raises(ValueError, match=r"w\.jsonl:2: .*prompt_token_ids"):
+            load_token_workload(_write(tmp_path / "w.jsonl", [{"prompt_token_ids": [1], "max_tokens": 1}, bad]))
+
+
+def test_lead_requests_go_first_and_the_rest_hit_their_prefix(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = list(range(10, 74))  # four blocks of 16
+    path = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": shared + [100 + i, 101 + i], "max_tokens": 3}
+                                         for i in range(4)])
+    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=64, block_size=16))
+    added_at: list[tuple[int, list[int]]] = []  # (steps taken when added, prompt)
+    add_request = engine.add_request
+    def recording_add(prompt, params=None, **kwargs):  # type: ignore[no-untyped-def]
+        added_at.append((engine.scheduler.step_count, list(prompt)))
+        return add_request(prompt, params, **kwargs)
+    engine.add_request = recording_add  # type: ignore[method-assign]
+    result = run_offline(engine, load_token_workload(path), "lead", show_progress=False, lead=1)
+    assert (result.num_requests, result.output_tokens) == (4, 12)
+    # The exact ids were submitted: the lead alone at first, the rest after its first step.
+    assert [prompt for _, prompt in added_at] == [shared + [100 + i, 101 + i] for i in range(4)]
+    assert added_at[0][0] == 0 and all(steps >= 1 for steps, _ in added_at[1:])
+    # The three followers found the lead's four shared blocks in the prefix cache.
+    assert engine.scheduler.num_cached_prompt_tokens == 3 * 64

@@ -1,0 +1,103 @@
+"""The native walk over the decoder layers (models/decoder_stack.py,
+csrc/decoder_stack.cpp) against the module path it replaces: the same hidden states
+and the same KV cache, bit for bit, on every step of a run that mixes fresh prefills,
+chunked prefills, prefix-cache hits and decodes; and the configurations it leaves to
+the modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.kernels import decoder_stack, paged_attention
+from kvloom.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not (decoder_stack.available() and paged_attention.paired_layout(32, 16)),
+    reason="the native walk needs the bf16 paired-layout kernels (AVX512-BF16)")
+
+# head_dim 32: a shape the paired layout serves.
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q/k/v biases
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers_models import write_tiny_hf_model
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE)
+
+
+def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", max_num_batched_tokens=40,
+                                                num_blocks=96, block_size=16, seed=0))
+    model: Any = engine.model
+    assert model.native_stack is not None
+    forward, steps = model.forward, []
+
+    def both_paths(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
+        assert model.native_stack.serves(kv_caches, backend, metadata)  # the walk runs below
+        modules_cache = kv_caches.clone()
+        stack, model.native_stack = model.native_stack, None
+        try:
+            expected = forward(batch, modules_cache, backend, metadata)
+        finally:
+            model.native_stack = stack
+        got = forward(batch, kv_caches, backend, metadata)
+        assert torch.equal(got, expected), f"hidden states differ on step {len(steps)}"
+        assert torch.equal(kv_caches, modules_cache), f"the KV cache differs on step {len(steps)}"
+        steps.append(batch.query_lens_list)
+        return got
+
+    model.forward = both_paths
+    shared = [(7 * i) % 200 + 3 for i in range(37)]  # two full blocks and a bit, shared
+    prompts = [shared + [11, 12, 13], shared + [21], list(range(5, 70)), [9, 8, 7]]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True)]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, params[index % 2])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(shared + [31, 32], params[0])  # a prefix-cache hit after the others
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_cached_prompt_tokens >= 32
+    assert any(len(lens) > 1 and max(lens) > 1 and min(lens) == 1 for lens in steps), "no mixed step"
+    assert any(max(lens) == 1 for lens in steps), "no pure decode step"
+
+
+def test_configurations_it_does_not_serve_run_the_modules(model_dir: Path) -> None:
+    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "matmul": "onednn"},
+                   {"dtype": "bfloat16", "decoder_stack": "modules"}):
+        engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), num_blocks=32, **kwargs))
+        assert engine.model.native_stack is None, kwargs  # type: ignore[attr-defined]
+    # Built, but a backend without the paired layout (the reference) is not the walk's.
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=32,
+                                                attention_backend="torch_ref"))
+    stack = engine.model.native_stack  # type: ignore[attr-defined]
+    assert stack is not None
+    assert not stack.serves(engine.runner.kv_caches, engine.runner.backend, None)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=32))
+    stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
+    tokens, caches = 3, engine.runner.kv_caches
+    rows = decoder_stack.StackRows(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                   torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    good = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
+                cos=torch.ones(tokens, 32), sin=torch.zeros(tokens, 32), slots=torch.arange(tokens), rows=rows)
+    for name, bad, message in (
+            ("residual", torch.zeros(tokens, 128), r"residual must be a contiguous \[3, 128\] torch.bfloat16"),
+            ("cos", torch.ones(tokens, 16), r"cos must be a contiguous \[3, 32\] torch.float32"),
+            ("slots", torch.arange(tokens, dtype=torch.int32), "slots must be"),
+            ("kv_caches", caches[:, :, :, :8], "kv_caches must be a contiguous")):
+        with pytest.raises(ValueError, match=f"kvloom decoder_stack: {message}"):
+            decoder_stack.run(stack.kernels, stack.weights, stack.shape, scale=0.1, **{**good, name: bad})
