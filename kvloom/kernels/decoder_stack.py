@@ -90,13 +90,21 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int
                           f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'}")
 
 
+def scratch_elements(shape: StackShape, tokens: int) -> int:
+    """bf16 elements of the walk's scratch for ``tokens`` rows."""
+    return int(_SCRATCH.function()(tokens, shape.hidden_size, shape.num_heads * shape.head_dim,
+                                   shape.num_kv_heads * shape.head_dim, shape.intermediate))
+
+
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
-        scale: float) -> torch.Tensor:
+        scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. ``kv_caches``: the whole pool
-    [layers, 2, blocks, block_size, kv_heads, head_dim] in the paired layout."""
+    [layers, 2, blocks, block_size, kv_heads, head_dim] in the paired layout.
+    ``scratch``: a bf16 buffer of at least ``scratch_elements`` to reuse (else one is
+    allocated)."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (6,))
@@ -117,10 +125,13 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     _check("block_tables", rows.block_tables, torch.int32, (num_seqs, rows.block_tables.shape[1]))
     for name in ("seq_lens", "query_start", "query_lens"):
         _check(name, getattr(rows, name), torch.int32, (num_seqs,))
-    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    needed = scratch_elements(shape, tokens)
+    if scratch is None:
+        scratch = torch.empty(needed, dtype=bf16)
+    elif scratch.dtype != bf16 or scratch.dim() != 1 or scratch.numel() < needed or not scratch.is_contiguous():
+        raise _fail("scratch", f"must be a contiguous 1-D bf16 tensor of at least {needed} elements, got "
+                               f"{list(scratch.shape)} {scratch.dtype}")
     hidden = torch.empty_like(residual)
-    scratch = torch.empty(_SCRATCH.function()(tokens, shape.hidden_size, q_size, kv_size, shape.intermediate),
-                          dtype=bf16)
     status = _STACK.function()(
         kernels.data_ptr(), weights.data_ptr(), shape.num_layers, residual.data_ptr(), hidden.data_ptr(),
         scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

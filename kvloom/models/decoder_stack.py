@@ -8,23 +8,32 @@ walk serves (not bf16 on CPU with kvloom's GEMM in every layer). Per forward,
 CPU paged backend with its paired layout); otherwise the module path runs. Both paths
 call the same kernels in the same order, so their results are bit-identical
 (tests/models/test_decoder_stack.py); the module path stays the readable reference
-and what every other configuration runs.
+and what every other configuration runs. A profiler sees the walk as one call:
+``--decoder-stack modules`` shows the kernels one by one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.attention.cpu_paged import CPUPagedBackend, CPUPagedMetadata
 from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
 from kvloom.kernels import decoder_stack as kernels
 from kvloom.models.packed_linear import InvariantLinear
 
-if TYPE_CHECKING:
-    from kvloom.models.llama import LlamaForCausalLM
+
+class DecoderModel(Protocol):
+    """What the walk reads of a model (LlamaForCausalLM is one): its config and its
+    layers, each with input_layernorm, self_attn (qkv_proj, o_proj),
+    post_attention_layernorm and mlp (gate_up_proj, down_proj)."""
+
+    config: ModelConfig
+    layers: nn.ModuleList
 
 
 class NativeDecoderStack:
@@ -33,9 +42,13 @@ class NativeDecoderStack:
         self._owners = owners  # the tensors behind those pointers: alive as long as the table
         self.shape = shape
         self.kernels = kernels.kernel_table()
+        # Reused by every forward, grown to the largest step's rows: a 2,048-token
+        # prefill needs 30 MB for the default model, which a fresh allocation would
+        # fault in page by page on every step.
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> tuple[NativeDecoderStack | None, str]:
+    def build(cls, model: DecoderModel) -> tuple[NativeDecoderStack | None, str]:
         """The walk over ``model``'s layers, or None and why it cannot serve them."""
         if not kernels.available():
             return None, "kvloom/csrc/decoder_stack.cpp or a kernel it calls does not build here"
@@ -68,9 +81,11 @@ class NativeDecoderStack:
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> bool:
-        """Whether this forward's cache and attention are the walk's."""
-        return (isinstance(backend, CPUPagedBackend) and isinstance(metadata, CPUPagedMetadata)
-                and kv_caches.dtype == torch.bfloat16 and backend.paired_layout(kv_caches[0]))
+        """Whether this forward's cache and attention are the walk's (never while
+        torch.compile traces: the walk is opaque to it, the modules' ops are not)."""
+        return (not torch.compiler.is_compiling() and isinstance(backend, CPUPagedBackend)
+                and isinstance(metadata, CPUPagedMetadata) and kv_caches.dtype == torch.bfloat16
+                and backend.paired_layout(kv_caches[0]))
 
     def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                  kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata) -> torch.Tensor:
@@ -78,7 +93,10 @@ class NativeDecoderStack:
         place); returns the last layer's output, which the final norm adds in."""
         rows = metadata.every
         cos, sin = rotary
+        needed = kernels.scratch_elements(self.shape, residual.shape[0])
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=torch.bfloat16)
         return kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                            batch.slot_mapping.to(torch.int64).contiguous(),
                            kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
-                           backend.scale)
+                           backend.scale, self._scratch)

@@ -92,12 +92,14 @@ def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> 
     tokens, caches = 3, engine.runner.kv_caches
     rows = decoder_stack.StackRows(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                                    torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
-    good = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
+    good: dict[str, Any] = dict(scratch=None, residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
                 cos=torch.ones(tokens, 32), sin=torch.zeros(tokens, 32), slots=torch.arange(tokens), rows=rows)
     for name, bad, message in (
             ("residual", torch.zeros(tokens, 128), r"residual must be a contiguous \[3, 128\] torch.bfloat16"),
             ("cos", torch.ones(tokens, 16), r"cos must be a contiguous \[3, 32\] torch.float32"),
             ("slots", torch.arange(tokens, dtype=torch.int32), "slots must be"),
-            ("kv_caches", caches[:, :, :, :8], "kv_caches must be a contiguous")):
+            ("kv_caches", caches[:, :, :, :8], "kv_caches must be a contiguous"),
+            ("scratch", torch.empty(decoder_stack.scratch_elements(stack.shape, tokens) - 1, dtype=torch.bfloat16),
+             "scratch must be a contiguous 1-D bf16 tensor of at least")):
         with pytest.raises(ValueError, match=f"kvloom decoder_stack: {message}"):
             decoder_stack.run(stack.kernels, stack.weights, stack.shape, scale=0.1, **{**good, name: bad})
