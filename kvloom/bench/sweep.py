@@ -29,7 +29,9 @@ time), ``host``, ``port`` (default: a free port per server),
 Option sets are flag lists or ``{flag: value}`` objects (``true``: a bare flag,
 ``false``/``null``: omitted). Each cell writes ``<label>_rate-<rate>.json`` and
 its server's log (``<label>_rate-<rate>_c<cap>`` when capped); ``summary.json``
-and a printed table close the sweep.
+and a printed table close the sweep. A sweep into a directory that holds another
+sweep's summary keeps that one's rows of other labels, so two engines swept one
+after the other (each with its own ``server_command``) share one summary.
 """
 
 from __future__ import annotations
@@ -294,6 +296,10 @@ def run_sweep(config: SweepConfig) -> int:
         finally:  # also on Ctrl-C: never leave a server running
             if server is not None:
                 server.stop(config.shutdown_timeout_s)
-    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    summary = out / "summary.json"
+    labels = set(config.engine_options)
+    earlier = json.loads(summary.read_text(encoding="utf-8")) if summary.exists() else []
+    kept = [row for row in earlier if row.get("label") not in labels]
+    summary.write_text(json.dumps(kept + rows, indent=1) + "\n", encoding="utf-8")
     print(format_summary(rows))
     return 1 if any(row["error"] for row in rows) else 0

@@ -3,6 +3,7 @@ and the `bench serve` flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -95,6 +96,11 @@ def test_sweep_over_concurrency_caps(tiny_llama: Path, tmp_path: Path) -> None:
     assert (c3["metrics"]["completed"], c3["parameters"]["max_concurrency"]) == (5, 3)
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert [(r["max_concurrency"], r["completed"]) for r in rows] == [(1, 2), (3, 5)]
+    # A second engine swept into the same directory: both engines' rows stay.
+    other = dataclasses.replace(config, engine_options={"other": []}, max_concurrencies=[1])
+    assert run_sweep(other) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["label"], r["max_concurrency"]) for r in rows] == [("e", 1), ("e", 3), ("other", 1)]
     series = series_by_label([c3, c1])  # load order: the lower cap first
     assert [r["parameters"]["max_concurrency"] for r in series["e"]] == [1, 3]
     with pytest.raises(ValueError, match="max_concurrencies"):
