@@ -26,7 +26,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "tokens"],
                          help="tokens: a JSONL of prompt_token_ids and max_tokens (--dataset-path), "
                               "the same ids another engine is given")
-    offline.add_argument("--dataset-path", default=None, help="the JSONL file of --dataset tokens")
+    offline.add_argument("--dataset-path", default=None,
+                         help="the JSONL file of --dataset tokens (its first --num-prompts lines)")
     offline.add_argument("--num-prompts", type=int, default=100)
     offline.add_argument("--lead", type=int, default=0,
                          help="submit this many requests first and the rest once they have a token "

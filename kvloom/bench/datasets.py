@@ -274,7 +274,7 @@ def sample_sharegpt(tokenizer: BenchTokenizer, num_prompts: int, seed: int = 0,
     return requests
 
 
-# ---------------------------------------------------------------- random
+# ---------------------------------------------------------------- token ids
 def load_token_workload(path: str | Path, num_prompts: int | None = None) -> list[BenchRequest]:
     """A workload shared with other engines (``shared/peers/make_ov_workload.py``): JSON
     lines of ``{"prompt_token_ids": [...], "max_tokens": N}`` (and the text as
@@ -298,6 +298,7 @@ def load_token_workload(path: str | Path, num_prompts: int | None = None) -> lis
     return requests
 
 
+# ---------------------------------------------------------------- random
 def _vocab_size(tokenizer: Any) -> int:
     size = getattr(tokenizer, "vocab_size", None)
     if size is None and hasattr(tokenizer, "get_vocab_size"):

