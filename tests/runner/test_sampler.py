@@ -113,6 +113,23 @@ def test_greedy_is_argmax_and_uses_no_randomness(device: torch.device) -> None:
             assert torch.equal(row.generator.get_state(), untouched.get_state())
 
 
+def test_greedy_on_bf16_logits_is_the_first_maximum_and_leaves_them_as_they_were(device: torch.device) -> None:
+    # The sampler takes any float dtype; ties (common in bf16) go to the lowest token
+    # id, as in the float32 argmax of the same values.
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    logits[1, 10] = logits[1, 40] = logits[1].max() + 1
+    logits[3, :] = 0.5  # every token tied
+    before = logits.clone()
+    rows = [make_row(device, temperature=0.0) for _ in range(5)]
+    out = sample_full(rows, logits, device)
+    assert out.token_ids == [naive_argmax(row) for row in logits.float().tolist()]
+    assert out.token_ids[1] == 10 and out.token_ids[3] == 0 and out.logprobs == [None] * 5
+    assert torch.equal(logits, before)
+    # With logprobs asked for, the same tokens (through the float32 path).
+    with_logprobs = [make_row(device, temperature=0.0, logprobs=1) for _ in range(5)]
+    assert sample_full(with_logprobs, logits, device).token_ids == out.token_ids
+
+
 def test_greedy_rows_in_a_mixed_batch_are_argmax(device: torch.device) -> None:
     logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(2))
     rows = [make_row(device, temperature=0.0 if i % 2 else 1.0, top_k=5) for i in range(8)]
