@@ -97,6 +97,6 @@ class NativeDecoderStack:
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.bfloat16)
         return kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
-                           batch.slot_mapping.to(torch.int64).contiguous(),
+                           batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                            kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                            backend.scale, self._scratch)
