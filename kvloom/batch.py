@@ -24,19 +24,39 @@ class ScheduledRequest:
     A snapshot taken when the step is scheduled: ``samples`` and ``is_prefill`` keep
     their values after ``Scheduler.update`` has moved the request on. The runner
     samples a token only where ``samples`` (the chunk reaches the last known token).
+
+    ``draft_token_ids`` (speculative decoding) are proposed tokens that follow the
+    request's known tokens: they are the last ``len(draft_token_ids)`` of the
+    ``num_new_tokens`` computed, and the runner samples at each of them too (the
+    verification chunk); they are not the request's tokens until verified.
     """
 
     request: Request
     start: int  # the request's num_computed_tokens when scheduled
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens + drafts
     samples: bool
     is_prefill: bool  # computes prompt, recomputed or forced tokens, not one decode token
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
-        samples = start + num_new_tokens == request.num_tokens
-        is_decode = num_new_tokens == 1 and samples and request.num_output_tokens > 0
-        return cls(request, start, num_new_tokens, samples, not is_decode)
+    def of(cls, request: Request, start: int, num_new_tokens: int,
+           draft_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
+        num_known = num_new_tokens - len(draft_token_ids)
+        samples = start + num_known == request.num_tokens
+        if draft_token_ids and not samples:
+            raise ValueError(f"drafts for {request.request_id} must follow its last known token")
+        is_decode = num_known == 1 and samples and request.num_output_tokens > 0
+        return cls(request, start, num_new_tokens, samples, not is_decode, draft_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens of the request itself (not drafts) this step computes."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions the runner samples at: the last known token and every draft."""
+        return (1 + len(self.draft_token_ids)) if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -71,7 +91,8 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int32: context length once this step's tokens are in
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    # [num_rows] int64: the last known token of each sampling request, then its drafts
+    logits_indices: torch.Tensor
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
@@ -97,14 +118,15 @@ class ForwardBatch:
             request, start, count = item.request, item.start, item.num_new_tokens
             end = start + count
             block_ids = request.block_ids
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(request.all_token_ids[start:start + item.num_known_tokens])
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // block_size] * block_size + p % block_size
                          for p in range(start, end))
             query_lens.append(count)
             seq_lens.append(end)
             if item.samples:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
             tables.append(block_ids[: -(-end // block_size)])
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -162,13 +184,22 @@ class RunnerOutput:
     failed: dict[str, RequestError] = field(default_factory=dict)
     # By request id, for requests with SamplingParams.prompt_logprobs whose chunk this was.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: each entry's verified drafts (the longest prefix of its
+    # draft_token_ids that the target's own samples reproduce), which come before
+    # ``sampled``, and their logprobs; None when no entry had drafts.
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[LogprobsEntry | None]] | None = None
+
+    def num_accepted(self, index: int) -> int:
+        return len(self.accepted[index]) if self.accepted else 0
 
     def new_token_ids(self, index: int) -> list[int]:
-        """Entry ``index``'s sampled token, then its forced tokens."""
+        """Entry ``index``'s accepted drafts, its sampled token, then its forced tokens."""
         token_id = self.sampled[index]
         if token_id is None:
             return []
-        return [token_id, *(self.forced[index] if self.forced else ())]
+        accepted = self.accepted[index] if self.accepted else ()
+        return [*accepted, token_id, *(self.forced[index] if self.forced else ())]
 
     def new_logprobs(self, index: int) -> list[LogprobsEntry | None]:
         """The logprobs of ``new_token_ids(index)``, one per token. A forced token was
@@ -176,5 +207,7 @@ class RunnerOutput:
         token_ids, entry = self.new_token_ids(index), self.logprobs[index]
         if entry is None or not token_ids:
             return [None] * len(token_ids)
-        return [entry, *(LogprobsEntry(forced_id, 0.0, 1, [(forced_id, 0.0)] if entry.top_logprobs else [])
-                         for forced_id in token_ids[1:])]
+        accepted = self.accepted_logprobs[index] if self.accepted_logprobs else []
+        forced = token_ids[len(accepted) + 1:]
+        return [*accepted, entry, *(LogprobsEntry(forced_id, 0.0, 1, [(forced_id, 0.0)] if entry.top_logprobs else [])
+                                    for forced_id in forced)]

@@ -4,6 +4,7 @@ message names the field, so a bad CLI flag and a bad ``LLM(...)`` keyword read a
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -209,6 +210,93 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "layer_skip")  # kvloom/spec/registry.py PROPOSERS
+# The step size, in tokens, up to which speculation runs (SpeculativeConfig.max_batched_tokens):
+# below it a CPU decode step is bound by streaming the weights, so verifying drafts costs
+# little; above it the step is compute-bound and drafts cost nearly what they save
+# (docs/benchmarks.md, "Speculative decoding", measured on AMD EPYC).
+DEFAULT_SPECULATIVE_MAX_BATCHED_TOKENS = 32
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "model", "num_layers", "max_batched_tokens", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys: a proposer guesses up to
+    ``num_speculative_tokens`` tokens per request, the model verifies them in one chunk.
+
+    ``ngram``: prompt lookup (the last ``prompt_lookup_max`` .. ``prompt_lookup_min``
+    tokens matched against the request's own tokens); ``draft``: a smaller ``model``
+    with the same vocabulary; ``layer_skip``: the target's first ``num_layers`` layers,
+    final norm and head (self-speculation, sharing the weights)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    num_layers: int | None = None
+    # Drafts are added to a step only while it stays within this many tokens (decodes,
+    # chunks and drafts together): the rule that turns speculation off for big batches.
+    max_batched_tokens: int = DEFAULT_SPECULATIVE_MAX_BATCHED_TOKENS
+    # Per request, propose fewer tokens when few are accepted (engine/speculation.py).
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "max_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
+        if self.method == "draft" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model (the draft model's path) is required for "
+                             "method 'draft'")
+        if self.method != "draft" and self.model is not None:
+            raise ValueError(f"speculative_config.model is only for method 'draft', not {self.method!r}")
+        if self.method == "layer_skip":
+            if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) \
+                    or self.num_layers <= 0:
+                raise ValueError("speculative_config.num_layers (how many of the target's layers the "
+                                 f"draft runs) must be a positive integer, got {self.num_layers!r}")
+        elif self.num_layers is not None:
+            raise ValueError(f"speculative_config.num_layers is only for method 'layer_skip', "
+                             f"not {self.method!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a dict (``LLM(speculative_config={...})``) or its JSON text (the flag)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config must be a JSON object: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{list(_SPECULATIVE_KEYS)}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config.method is required: one of {SPECULATIVE_METHODS}")
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> str:
+    """The flag's check: the JSON must make a valid SpeculativeConfig (before loading)."""
+    SpeculativeConfig.parse(text)
+    return text
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine. CLI flags map 1:1 onto these names."""
@@ -252,6 +340,11 @@ class EngineConfig:
         "help": "sampling defaults for requests that set none: 'auto' reads the model "
                 "directory's generation_config.json if any, 'vllm' or 'none' ignores it, a "
                 "directory reads that one's"})
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "parse": parse_speculative_config, "flag_type": str,
+        "help": "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', 'draft' with a "
+                "\"model\", 'layer_skip' with \"num_layers\" (default: off)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -279,6 +372,9 @@ class EngineConfig:
                              f"holding generation_config.json, got {self.generation_config!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.speculative_config is not None:
+            # A dict (LLM keyword) or JSON text (the flag) becomes the frozen config.
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:

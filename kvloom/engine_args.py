@@ -119,8 +119,10 @@ def _checked(parse: Any, kind: type) -> Any:
 
 
 def _scalar_type(option: EngineOption) -> type:
-    """``int`` for ``int`` and ``int | None``; an unset optional flag keeps its None default."""
-    kind = option.type
+    """``int`` for ``int`` and ``int | None``; an unset optional flag keeps its None default.
+    A structured option (``speculative_config``) names the text its flag takes in
+    ``flag_type``."""
+    kind = option.field.metadata.get("flag_type", option.type)
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         kinds = [arg for arg in typing.get_args(kind) if arg is not type(None)]
         kind = kinds[0] if len(kinds) == 1 else None

@@ -109,6 +109,14 @@ class Request:
     stop_reason: int | str | None = None
     error: RequestError | None = None  # set with status FINISHED_ERROR
     num_preemptions: int = 0
+    # Speculative decoding: the proposer's guesses at the tokens after the last one,
+    # for the next step to verify (never the request's tokens until verified); drafts
+    # verified and accepted so far; a running estimate of the chance that a draft
+    # token is accepted, which sets how many are proposed (engine/speculation.py).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_acceptance: float = 1.0
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

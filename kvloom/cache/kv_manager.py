@@ -122,6 +122,17 @@ class KVCacheManager:
         state.handle = handle
         state.num_inserted_blocks = num_full
 
+    def release_uncomputed(self, request: Request) -> int:
+        """Return the blocks past the request's computed tokens (speculative decoding:
+        they held only rejected drafts); returns how many. They are private to the
+        request: the prefix cache only ever holds full blocks of computed tokens."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        surplus = request.block_ids[keep:]
+        if surplus:
+            self.pool.decref(surplus)
+            del request.block_ids[keep:]
+        return len(surplus)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks; its computed full blocks stay in the prefix cache."""
         self.cache_computed_blocks(request)

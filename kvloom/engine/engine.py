@@ -27,11 +27,12 @@ from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.models.loader import load_checkpoint
-from kvloom.models.registry import build_model
+from kvloom.models.registry import load_model
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
+from kvloom.spec.proposer import Proposer, TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,20 @@ class EngineStats:
     # Cumulative since start: tokens computed by prefill chunks, tokens generated.
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding, cumulative: drafts verified, drafts accepted, verifications
+    # (request-steps with drafts).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification: accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_verifications)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -96,16 +111,8 @@ class LLMEngine:
         if mc.sliding_window:
             # Sliding-window attention is not implemented: stay within the window instead.
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
-        model = build_model(mc, self.max_model_len)
-        model.load_weights(checkpoint.weights())
-        model.to(device=self.device, dtype=self.dtype)  # in place, as nn.Module.to is
-        model.eval()
-        model.pack_weights(config.matmul)
-        if config.decoder_stack == "native" and self.device.type == "cpu":
-            why_not = model.use_native_stack()
-            if why_not is not None:
-                logger.info("decoder layers run as modules: %s", why_not)
-        self.model = model
+        self.model = load_model(mc, self.max_model_len, checkpoint.weights(), self.device, self.dtype,
+                                config.matmul, config.decoder_stack == "native")
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size
@@ -125,12 +132,18 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
                                          make_policy(config.scheduler), self.limits,
-                                         StopChecker(self.output_processor))
+                                         StopChecker(self.output_processor), config.speculative_config)
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
                     "%s attention", self.model_name, time.monotonic() - started, self.dtype, self.device,
                     self.max_model_len, self.num_blocks, block_size, backend.name)
+        # Speculative decoding's proposer (kvloom/spec/), None when it is off.
+        self.proposer: Proposer | None = None
+        if config.speculative_config is not None:
+            self.proposer = make_proposer(TargetModel(config, self.model, mc, self.device, self.dtype,
+                                                      self.max_model_len, self.num_blocks))
+            logger.info("speculative decoding: %s", config.speculative_config)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 
@@ -192,8 +205,19 @@ class LLMEngine:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
         # The scheduler alone writes request state: tokens, stops, failures.
         updates = self.scheduler.update(scheduled, result)
+        if self.proposer is not None:
+            self._propose()
         return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                 for update in updates]
+
+    def _propose(self) -> None:
+        """Drafts for the next step's decodes, where the scheduler has room for them."""
+        assert self.proposer is not None
+        candidates = self.scheduler.draft_candidates()
+        if candidates:
+            requests = [request for request, _ in candidates]
+            drafts = self.proposer.propose(requests, [count for _, count in candidates])
+            self.scheduler.set_draft_tokens(dict(zip(requests, drafts, strict=True)))
 
     def _output(self, request: Request, new_logprobs: list[LogprobsEntry | None]) -> RequestOutput:
         """The request's output for this step, inside the boundary that makes a failure
@@ -214,6 +238,8 @@ class LLMEngine:
 
     def _release(self, request: Request) -> None:
         self.runner.release(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         self.output_processor.discard(request)
 
     def stats(self) -> EngineStats:
@@ -224,7 +250,8 @@ class LLMEngine:
                            s.num_queried_prompt_tokens, s.num_cached_prompt_tokens,
                            self._last_num_batched_tokens, s.num_starvation_promotions,
                            s.policy.num_fcfs_fallbacks, s.num_prefill_tokens,
-                           s.num_generated_tokens)
+                           s.num_generated_tokens, s.num_draft_tokens, s.num_accepted_tokens,
+                           s.num_verifications)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
-from kvloom.config import SchedulerConfig
+from kvloom.config import SchedulerConfig, SpeculativeConfig
 from kvloom.engine.admission import AdmissionLimits, RequestRejected
 from kvloom.engine.policy import SchedulingPolicy
+from kvloom.engine.speculation import SpeculationPolicy, updated_acceptance
 from kvloom.engine.stop import StopChecker
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
 from kvloom.request import Request, RequestError, RequestStatus
@@ -45,7 +46,8 @@ class StepUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 limits: AdmissionLimits, stops: StopChecker | None = None) -> None:
+                 limits: AdmissionLimits, stops: StopChecker | None = None,
+                 speculation: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
@@ -68,6 +70,12 @@ class Scheduler:
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
         self._chunk_cap = config.long_prefill_threshold or config.max_num_batched_tokens
+        # Speculative decoding: drafts verified, drafts accepted, verifications (an entry
+        # with at least one draft), cumulative.
+        self.speculation = SpeculationPolicy(speculation) if speculation is not None else None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     # ---- lifecycle -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -147,10 +155,56 @@ class Scheduler:
         self._deferred = []
         blocked, reason = (None, WaitReason.POOL_FULL) if preempted else \
             self._admit_waiting(budget, scheduled)
+        if self.speculation is not None:
+            self._add_drafts(scheduled)
         output = SchedulerOutput(self.step_count, scheduled, preempted)
         self.trace.record_step(output, self.waiting, blocked, reason, preempt_reasons,
                                self.kv.pool.num_free_blocks, self._deferred)
         return output
+
+    def _add_drafts(self, scheduled: list[ScheduledRequest]) -> None:
+        """Extend the step's decodes by their requests' drafts, in the room the step
+        rule leaves (engine/speculation.py); a draft never preempts anyone: a request
+        whose drafts' slots do not fit goes without. Unused drafts are dropped."""
+        assert self.speculation is not None
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        room = min(self.config.max_num_batched_tokens, self.speculation.config.max_batched_tokens) - num_tokens
+        entries = [index for index, item in enumerate(scheduled)
+                   if item.samples and item.request.draft_token_ids]
+        wanted = [min(len(scheduled[i].request.draft_token_ids),
+                      self.speculation.num_to_propose(scheduled[i].request)) for i in entries]
+        for index, count in zip(entries, self.speculation.share(wanted, room), strict=True):
+            item = scheduled[index]
+            request = item.request
+            drafts = tuple(request.draft_token_ids[:count])
+            if count and self.kv.allocate_slots(request, item.num_new_tokens + count):
+                scheduled[index] = ScheduledRequest.of(request, item.start, item.num_new_tokens + count,
+                                                       drafts)
+        for request in self.running:
+            request.draft_token_ids = []
+
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """Requests whose next step is a decode that drafts could extend, with how many
+        drafts each is worth; none when the batch is too big for any (the step rule).
+        Constrained requests are not offered drafts (their grammar masks one position
+        per step)."""
+        if self.speculation is None or not self.speculation.wants_drafts(len(self.running)):
+            return []
+        candidates = []
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1 \
+                    or request.sampling_params.structured is not None:
+                continue
+            count = self.speculation.num_to_propose(request)
+            if count > 0:
+                candidates.append((request, count))
+        return candidates
+
+    def set_draft_tokens(self, drafts: dict[Request, list[int]]) -> None:
+        """Keep the proposer's guesses for the requests' next step."""
+        for request, token_ids in drafts.items():
+            if not request.is_finished:
+                request.draft_token_ids = list(token_ids)
 
     def _num_new_tokens(self, remaining: int, budget: int, first: bool) -> int:
         """How many of a request's ``remaining`` uncomputed tokens this step computes."""
@@ -235,6 +289,7 @@ class Scheduler:
         """Free the request's KV and requeue it at the head; it recomputes on resume."""
         self.running.remove(request)
         self._free(request)
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         request.timeline.preempted_steps.append(self.step_count)
@@ -264,7 +319,8 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR, error=error)
                 updates.append(StepUpdate(request, index, 0))
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            # Drafts count as computed only once verified (below).
+            request.num_computed_tokens += item.num_known_tokens
             if item.is_prefill:
                 request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
                 self.num_prefill_tokens += item.num_new_tokens
@@ -278,8 +334,29 @@ class Scheduler:
             timeline.last_token_time = now
             appended = self._append(request, token_ids)
             self.num_generated_tokens += appended
+            if item.draft_token_ids:
+                self._verified(request, output.step, len(item.draft_token_ids),
+                               result.num_accepted(index), appended)
             updates.append(StepUpdate(request, index, appended))
         return updates
+
+    def _verified(self, request: Request, step: int, num_drafts: int, num_accepted: int,
+                  num_appended: int) -> None:
+        """Account a verification; KV rollback: the accepted drafts' KV is the request's
+        (the tokens appended agree with them), the rejected ones' slots are dropped and
+        blocks that held only those go back to the pool. The radix cache only ever sees
+        computed, hence verified, tokens."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.num_verifications += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        request.draft_acceptance = updated_acceptance(request.draft_acceptance, num_drafts, num_accepted)
+        self.trace.record_verified(step, request, num_accepted)
+        if not request.is_finished:  # a finished request's blocks are already freed
+            # Tokens appended before a stop agree with the drafts up to num_accepted.
+            request.num_computed_tokens += min(num_accepted, num_appended)
+            self.kv.release_uncomputed(request)
 
     def _append(self, request: Request, token_ids: list[int]) -> int:
         """Append tokens up to and including the first that stops the request; returns

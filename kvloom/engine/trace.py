@@ -35,8 +35,10 @@ class WaitReason(str, enum.Enum):
 class ScheduledEntry:
     request_id: str
     kind: str  # "prefill" | "decode"
-    num_tokens: int
+    num_tokens: int  # drafts included
     num_blocks: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified in this entry
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -64,6 +66,9 @@ class NullTrace:
     def record_finish(self, step: int, request: Request) -> None:
         pass
 
+    def record_verified(self, step: int, request: Request, num_accepted: int) -> None:
+        pass
+
 
 class SchedulerTrace(NullTrace):
     enabled = True
@@ -77,7 +82,7 @@ class SchedulerTrace(NullTrace):
                     deferred: list[Request]) -> None:
         scheduled = [
             ScheduledEntry(item.request.request_id, "prefill" if item.is_prefill else "decode",
-                           item.num_new_tokens, len(item.request.block_ids))
+                           item.num_new_tokens, len(item.request.block_ids), len(item.draft_token_ids))
             for item in output.scheduled
         ]
         # The request admission stopped at gets the reason; those behind it wait on it,
@@ -101,6 +106,12 @@ class SchedulerTrace(NullTrace):
     def record_finish(self, step: int, request: Request) -> None:
         if self.records and self.records[-1].step == step:
             self.records[-1].finished.append((request.request_id, request.status.value))
+
+    def record_verified(self, step: int, request: Request, num_accepted: int) -> None:
+        if self.records and self.records[-1].step == step:
+            for entry in self.records[-1].scheduled:
+                if entry.request_id == request.request_id:
+                    entry.num_accepted_tokens = num_accepted
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "steps": [asdict(record) for record in self.records]}

@@ -7,6 +7,7 @@ accepts Hugging Face parameter names and routes each shard into the fused tensor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -112,6 +113,23 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = head
                 packed = 1
         return packed + pack_linear_layers(self, matmul)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """The self-speculative draft (layer skip): this model's first ``num_layers``
+        decoder layers, then its final norm and output head, all shared (no weight is
+        copied; call after ``pack_weights``). Its KV pool has ``num_layers`` layers."""
+        if not 0 < num_layers < len(self.layers):
+            raise ValueError(f"speculative_config.num_layers must be in [1, {len(self.layers) - 1}] "
+                             f"(the model has {len(self.layers)} layers), got {num_layers}")
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        with torch.device("meta"):  # the shell only: every module is replaced by a shared one
+            draft = LlamaForCausalLM(config, 1)
+        draft.embed_tokens = self.embed_tokens
+        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        draft.norm = self.norm
+        draft.rotary = self.rotary
+        draft.lm_head = self.lm_head
+        return draft
 
     def use_native_stack(self) -> str | None:
         """Walk the decoder layers in one native call from now on, where a forward's

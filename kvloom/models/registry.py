@@ -4,6 +4,7 @@ engine and the runner need of any model class."""
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -12,6 +13,8 @@ import torch
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class CausalLM(Protocol):
@@ -35,6 +38,11 @@ class CausalLM(Protocol):
     def use_native_stack(self) -> str | None:
         """Walk the decoder layers natively where a forward allows (after packing);
         returns None, or why this model cannot."""
+        ...
+
+    def first_layers(self, num_layers: int) -> CausalLM:
+        """A model of this one's first ``num_layers`` decoder layers, its final norm and
+        its output head, sharing their weights (the self-speculative draft)."""
         ...
 
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -63,4 +71,20 @@ def model_class(architecture: str) -> Any:
 
 def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
     model: CausalLM = model_class(config.architecture)(config, max_positions)
+    return model
+
+
+def load_model(config: ModelConfig, max_positions: int, weights: Iterable[tuple[str, torch.Tensor]],
+               device: torch.device, dtype: torch.dtype, matmul: str, native_stack: bool) -> CausalLM:
+    """Build, fill, move and pack a model as the engine runs it (the target and a
+    draft model alike); ``native_stack`` asks for the one-call decoder walk on CPU."""
+    model = build_model(config, max_positions)
+    model.load_weights(weights)
+    model.to(device=device, dtype=dtype)  # in place, as nn.Module.to is
+    model.eval()
+    model.pack_weights(matmul)
+    if native_stack and device.type == "cpu":
+        why_not = model.use_native_stack()
+        if why_not is not None:
+            logger.info("decoder layers run as modules: %s", why_not)
     return model

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, SchedulerOutput
+from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
 from kvloom.runner.prompt_logprobs import prompt_logprobs
@@ -72,44 +72,95 @@ class ModelRunner:
         metadata = self.backend.prepare(batch)
         hidden = self.model(batch, self.kv_caches, self.backend, metadata)
         prompt = prompt_logprobs(self.model, hidden, output)
-        sampling = [item.request for item in output.scheduled if item.samples]
+        sampling = [item for item in output.scheduled if item.samples]
         if not sampling:
             return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),
                                 prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        # One sampling row per position sampled at: the last known token, then each
+        # draft, whose row sees the drafts before it as output (penalties, min_tokens).
         rows = [
             SamplingRequestState(
-                params=request.sampling_params,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                generator=self._generator_for(request.request_id, request.sampling_params.seed),
-                eos_token_ids=request.eos_token_ids,
+                params=item.request.sampling_params,
+                prompt_token_ids=item.request.prompt_token_ids,
+                output_token_ids=(item.request.output_token_ids if not draft
+                                  else item.request.output_token_ids + list(item.draft_token_ids[:draft])),
+                generator=self._generator_for(item.request.request_id, item.request.sampling_params.seed),
+                eos_token_ids=item.request.eos_token_ids,
             )
-            for request in sampling
+            for item in sampling for draft in range(item.num_sampled_rows)
         ]
+        requests = [item.request for item in sampling]
         # Host-side mask work after the forward is queued: on an accelerator it overlaps
-        # the model. None (and no work at all) when no sampling row is constrained.
+        # the model. None (and no work at all) when no sampling row is constrained; a
+        # constrained request is never given drafts (Scheduler.draft_candidates), so its
+        # one row is the request's row.
         failed: dict[str, RequestError] = {}
-        grammar = self.structured.grammar_mask(sampling, failed)
+        grammar = self.structured.grammar_mask(requests, failed)
         result = self.sampler(
             logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
-        forced = self.structured.advance(sampling, result.token_ids, failed) if grammar is not None else None
-        aligned = self._align(output, result.token_ids, result.logprobs, forced, failed)
+        token_ids, logprobs = result.token_ids, result.logprobs
+        accepted: list[list[int]] | None = None
+        if len(rows) > len(sampling):
+            token_ids, logprobs, accepted, accepted_logprobs = verify_drafts(sampling, token_ids, logprobs)
+        forced = self.structured.advance(requests, token_ids, failed) if grammar is not None else None
+        aligned = self._align(output, token_ids, logprobs, forced, failed)
+        if accepted is not None:
+            aligned.accepted = self._aligned_rows(output, accepted, [])
+            aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
         aligned.prompt_logprobs = prompt
         return aligned
 
     @staticmethod
-    def _align(output: SchedulerOutput, token_ids: list[int], logprobs: list[LogprobsEntry | None],
+    def _aligned_rows(output: SchedulerOutput, values: list[Any], missing: Any) -> list[Any]:
+        """Per-sampling-request values -> per-scheduled-entry values (``missing`` where
+        the entry samples nothing)."""
+        rows = iter(values)
+        return [next(rows) if item.samples else missing for item in output.scheduled]
+
+    @classmethod
+    def _align(cls, output: SchedulerOutput, token_ids: list[int], logprobs: list[LogprobsEntry | None],
                forced: list[list[int]] | None, failed: dict[str, RequestError]) -> RunnerOutput:
-        """Per-sampling-row results -> per-scheduled-entry results (None where no sample)."""
-        row_of: list[int | None] = []
-        row = 0
-        for item in output.scheduled:
-            row_of.append(row if item.samples else None)
-            row += item.samples
+        """Per-sampling-request results -> per-scheduled-entry results (None where no sample)."""
         return RunnerOutput(
-            sampled=[None if r is None else token_ids[r] for r in row_of],
-            logprobs=[None if r is None else logprobs[r] for r in row_of],
-            forced=None if forced is None else [[] if r is None else forced[r] for r in row_of],
+            sampled=cls._aligned_rows(output, token_ids, None),
+            logprobs=cls._aligned_rows(output, logprobs, None),
+            forced=None if forced is None else cls._aligned_rows(output, forced, []),
             failed=failed,
         )
+
+
+def verify_drafts(sampling: list[ScheduledRequest], token_ids: list[int],
+                  logprobs: list[LogprobsEntry | None]
+                  ) -> tuple[list[int], list[LogprobsEntry | None], list[list[int]], list[list[LogprobsEntry | None]]]:
+    """Speculative verification over the rows sampled at each request's last known
+    token and drafts: ``token_ids[r]`` was drawn from the target's own distribution at
+    that position (greedy or random, every sampling knob applied), given the drafts
+    before it. A draft is accepted while it equals the target's sample at the position
+    before it; the first sample that differs, or the sample after the last draft, is
+    the request's next token.
+
+    This is speculative rejection sampling for a proposer that guesses one token (q is
+    a point mass on the draft d, as for n-gram lookup and greedy drafting): accept d
+    with probability min(1, p(d) / q(d)) = p(d), which is the chance that the sample
+    is d; on rejection draw from norm(max(0, p - q)), which is p without d,
+    renormalised: the sample, given that it is not d. So the output is distributed
+    exactly as the target's, and a greedy request's tokens are exactly its argmax
+    tokens. Returns, per request: the next token and its logprobs, the accepted drafts
+    and theirs."""
+    next_tokens: list[int] = []
+    next_logprobs: list[LogprobsEntry | None] = []
+    accepted: list[list[int]] = []
+    accepted_logprobs: list[list[LogprobsEntry | None]] = []
+    row = 0
+    for item in sampling:
+        drafts = item.draft_token_ids
+        count = 0
+        while count < len(drafts) and token_ids[row + count] == drafts[count]:
+            count += 1
+        accepted.append(list(drafts[:count]))
+        accepted_logprobs.append(logprobs[row:row + count])
+        next_tokens.append(token_ids[row + count])
+        next_logprobs.append(logprobs[row + count])
+        row += item.num_sampled_rows
+    return next_tokens, next_logprobs, accepted, accepted_logprobs
