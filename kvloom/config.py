@@ -291,10 +291,10 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def parse_speculative_config(text: str) -> str:
-    """The flag's check: the JSON must make a valid SpeculativeConfig (before loading)."""
-    SpeculativeConfig.parse(text)
-    return text
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The flag's value: JSON text that must make a valid SpeculativeConfig (checked
+    before any model loads)."""
+    return SpeculativeConfig.parse(text)
 
 
 @dataclass(frozen=True)

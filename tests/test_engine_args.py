@@ -4,6 +4,7 @@ help, and flags -> engine kwargs -> EngineConfig gives back exactly the values g
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 
 import pytest
@@ -20,6 +21,7 @@ from kvloom.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from kvloom.engine_args import add_engine_args, engine_kwargs
 
@@ -39,6 +41,8 @@ NON_DEFAULTS = [
     (["--chat-template", "{{ messages[0]['content'] }}"], None, "chat_template",
      "{{ messages[0]['content'] }}"),
     (["--generation-config", "none"], None, "generation_config", "none"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], None,
+     "speculative_config", SpeculativeConfig("ngram", num_speculative_tokens=3)),
     (["--block-size", "8"], "cache", "block_size", 8),
     (["--num-blocks", "7"], "cache", "num_blocks", 7),
     (["--kv-cache-memory", "0.5"], "cache", "kv_cache_memory", 0.5),
@@ -215,6 +219,14 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--device", "gpu"], "argument --device: device must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
     (["--device", "cuda:x"], "argument --device: device must be auto, cpu, cuda, cuda:N or mps"),
+    (["--speculative-config", "ngram"], "argument --speculative-config: speculative_config must be a "
+                                        "JSON object: Expecting value"),
+    (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method must be one of "
+                                                      "('ngram', 'draft', 'layer_skip'), got 'eagle'"),
+    (["--speculative-config", '{"method": "draft"}'], "speculative_config.model (the draft model's "
+                                                      "path) is required for method 'draft'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_token": 4}'],
+     "speculative_config has unknown keys ['num_speculative_token']"),
 ]
 
 
@@ -232,6 +244,21 @@ def test_a_bad_choice_is_a_usage_error_before_any_model_loads(argv: list[str], m
     assert exit_info.value.code == 2
     error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_speculative_config_checks_name_the_key() -> None:
+    for bad, message in [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+        ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min must be <= prompt_lookup_max"),
+        ({"method": "layer_skip"}, "num_layers (how many of the target's layers"),
+        ({"method": "ngram", "num_layers": 2}, "num_layers is only for method 'layer_skip'"),
+        ({"method": "ngram", "model": "x"}, "model is only for method 'draft'"),
+        ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineConfig(speculative_config=bad)
+    assert EngineConfig(speculative_config={"method": "layer_skip", "num_layers": 4}).speculative_config \
+        == SpeculativeConfig("layer_skip", num_layers=4)
 
 
 def test_config_refuses_bad_names_too() -> None:

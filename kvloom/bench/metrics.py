@@ -34,7 +34,9 @@ __all__ = [
 
 # Engines whose /metrics counters the report picks up, and the counters that matter.
 ENGINE_METRIC_PREFIXES = ("kvloom:", "vllm:", "sglang:")
-COUNTER_KEYWORDS = ("prefix_cache_hits", "prefix_cache_queries", "preempt", "retract")
+COUNTER_KEYWORDS = ("prefix_cache_hits", "prefix_cache_queries", "preempt", "retract",
+                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                    "spec_decode_num_accepted_tokens")
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -253,9 +255,12 @@ def _is_tracked_counter(name: str) -> bool:
 
 def counter_deltas(before: Mapping[str, float] | None,
                    after: Mapping[str, float] | None) -> dict[str, float]:
-    """Deltas of the prefix-cache and preemption counters over a run, plus
-    ``<prefix>prefix_cache_hit_rate`` (hits / queries) where queries grew.
-    Empty when either scrape is missing (the server has no /metrics)."""
+    """Deltas of the prefix-cache, preemption and speculative-decoding counters over a
+    run, plus ``<prefix>prefix_cache_hit_rate`` (hits / queries) where queries grew,
+    and ``<prefix>spec_decode_acceptance_rate`` (accepted / draft tokens) and
+    ``<prefix>spec_decode_mean_accepted_length`` (1 + accepted / verifications) where
+    drafts were verified. Empty when either scrape is missing (the server has no
+    /metrics)."""
     if before is None or after is None:
         return {}
     # A counter reset (server restarted mid-run) or a NaN sample gives no usable delta.
@@ -267,7 +272,20 @@ def counter_deltas(before: Mapping[str, float] | None,
                       if k.startswith(prefix) and "prefix_cache_queries" in k)
         if queries > 0:
             deltas[f"{prefix}prefix_cache_hit_rate"] = hits / queries
+        drafts = _summed(deltas, prefix, "spec_decode_num_drafts")
+        draft_tokens = _summed(deltas, prefix, "spec_decode_num_draft_tokens")
+        accepted = _summed(deltas, prefix, "spec_decode_num_accepted_tokens")
+        if draft_tokens > 0:
+            deltas[f"{prefix}spec_decode_acceptance_rate"] = accepted / draft_tokens
+        if drafts > 0:
+            deltas[f"{prefix}spec_decode_mean_accepted_length"] = 1.0 + accepted / drafts
     return deltas
+
+
+def _summed(deltas: Mapping[str, float], prefix: str, name: str) -> float:
+    """The delta of counter ``<prefix><name>`` (``_total`` and labelled series summed)."""
+    return sum(v for k, v in deltas.items()
+               if k.startswith(prefix) and k[len(prefix):].removesuffix("_total").split("{")[0] == name)
 
 
 # ---------------------------------------------------------------- report
@@ -307,7 +325,7 @@ def format_report(metrics: BenchMetrics, server_counters: Mapping[str, float] | 
     if server_counters:
         lines.append("-Server counters (delta)-".center(width, "-"))
         for name, delta in server_counters.items():
-            text = f"{delta:.3f}" if name.endswith("hit_rate") else f"{delta:.0f}"
+            text = f"{delta:.3f}" if name.endswith(("_rate", "_length")) else f"{delta:.0f}"
             lines.append(f"{name:<40}{text:>10}" if len(name) < 40 else f"{name} {text}")
     for message, count in metrics.errors.items():
         lines.append(f"error x{count}: {message[:200]}")

@@ -28,6 +28,19 @@ class OfflineResult:
     steps: int
     mean_kv_utilisation: float
     num_preemptions: int
+    # Speculative decoding: draft tokens verified and accepted, verifications.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verification: accepted drafts plus the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else None
 
     @property
     def output_throughput(self) -> float:
@@ -39,7 +52,8 @@ class OfflineResult:
 
     def to_json(self) -> dict:
         return {**asdict(self), "output_throughput": self.output_throughput,
-                "total_throughput": self.total_throughput}
+                "total_throughput": self.total_throughput, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}
 
 
 def kv_utilisation(engine: LLMEngine) -> float | None:
@@ -71,7 +85,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
                                     ignore_eos=ignore_eos)
             engine.add_request(item.prompt_token_ids or item.prompt, params)
 
-    preemptions_before = engine.scheduler.num_preemptions
+    scheduler = engine.scheduler
+    before = (scheduler.num_preemptions, scheduler.num_draft_tokens, scheduler.num_accepted_tokens,
+              scheduler.num_verifications)
     steps, utilisation, finished, prompt_tokens, output_tokens = 0, [], 0, 0, 0
     waiting = requests[lead:] if lead > 0 else []
     started = 0  # requests that have produced a token, while the rest wait
@@ -96,19 +112,28 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
                     output_tokens += len(output.outputs[0].token_ids)
                     bar.update(1)
     elapsed = time.perf_counter() - start
+    after = (scheduler.num_preemptions, scheduler.num_draft_tokens, scheduler.num_accepted_tokens,
+             scheduler.num_verifications)
+    deltas = [now - then for now, then in zip(after, before, strict=True)]
     return OfflineResult(label, finished, prompt_tokens, output_tokens, elapsed, steps,
-                         sum(utilisation) / max(1, len(utilisation)),
-                         engine.scheduler.num_preemptions - preemptions_before)
+                         sum(utilisation) / max(1, len(utilisation)), *deltas)
 
 
 def format_table(results: list[OfflineResult]) -> str:
     header = (f"{'mode':<14}{'reqs':>6}{'out tok':>9}{'time s':>9}{'out tok/s':>11}"
               f"{'tot tok/s':>11}{'steps':>7}{'KV util':>9}{'preempt':>9}")
+    speculative = any(r.num_draft_tokens for r in results)
+    if speculative:
+        header += f"{'accept':>8}{'len':>6}"
     lines = [header, "-" * len(header)]
     for r in results:
-        lines.append(f"{r.label:<14}{r.num_requests:>6}{r.output_tokens:>9}{r.elapsed_s:>9.1f}"
-                     f"{r.output_throughput:>11.1f}{r.total_throughput:>11.1f}{r.steps:>7}"
-                     f"{r.mean_kv_utilisation:>9.1%}{r.num_preemptions:>9}")
+        line = (f"{r.label:<14}{r.num_requests:>6}{r.output_tokens:>9}{r.elapsed_s:>9.1f}"
+                f"{r.output_throughput:>11.1f}{r.total_throughput:>11.1f}{r.steps:>7}"
+                f"{r.mean_kv_utilisation:>9.1%}{r.num_preemptions:>9}")
+        if speculative:  # the acceptance rate and the mean accepted length
+            rate, length = r.acceptance_rate, r.mean_accepted_length
+            line += f"{rate:>8.1%}{length:>6.2f}" if rate is not None and length is not None else f"{'-':>8}{'-':>6}"
+        lines.append(line)
     return "\n".join(lines)
 
 

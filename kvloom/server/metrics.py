@@ -54,7 +54,21 @@ class EngineMetrics:
         self.iteration_tokens = Histogram(
             "kvloom:iteration_tokens_total", "Tokens processed per engine step (prefill + decode).",
             buckets=_TOKEN_BUCKETS, registry=self.registry)
+        # Speculative decoding, named as vLLM's: verifications (a request-step with
+        # drafts), draft tokens verified, draft tokens accepted.
+        self.spec_decode_num_drafts = counter(
+            "kvloom:spec_decode_num_drafts", "Speculative verifications (a request's step with drafts).")
+        self.spec_decode_num_draft_tokens = counter(
+            "kvloom:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "kvloom:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.")
+        self.spec_decode_acceptance_rate = gauge(
+            "kvloom:spec_decode_acceptance_rate", "Accepted / verified draft tokens, since start.")
+        self.spec_decode_mean_accepted_length = gauge(
+            "kvloom:spec_decode_mean_accepted_length",
+            "Tokens per verification (accepted drafts + the target's own), since start.")
         self._num_preemptions_seen = 0
+        self._spec_seen = (0, 0, 0)
         # request id -> monotonic time of its previous token; engine thread only.
         self._last_token_time: dict[str, float] = {}
 
@@ -87,6 +101,15 @@ class EngineMetrics:
         if stats.num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = stats.num_preemptions
+        spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
+        if spec != self._spec_seen:
+            for metric, now, seen in zip((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                                          self.spec_decode_num_accepted_tokens), spec, self._spec_seen,
+                                         strict=True):
+                metric.inc(now - seen)
+            self._spec_seen = spec
+            self.spec_decode_acceptance_rate.set(stats.draft_acceptance_rate)
+            self.spec_decode_mean_accepted_length.set(stats.mean_accepted_length)
 
     def record_aborted(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

@@ -155,6 +155,20 @@ def test_counter_deltas_pick_engine_counters() -> None:
                       "kvloom:num_preemptions_total": 3.0, "sglang:num_retracted_reqs_total": 3.0,
                       "kvloom:prefix_cache_hit_rate": pytest.approx(0.3)}
     assert counter_deltas(None, after) == {} and counter_deltas(before, None) == {}
+
+
+def test_counter_deltas_derive_speculative_rates_for_kvloom_and_vllm() -> None:
+    before = {"vllm:spec_decode_num_drafts_total": 10.0, "vllm:spec_decode_num_draft_tokens_total": 40.0,
+              "vllm:spec_decode_num_accepted_tokens_total": 20.0,
+              "vllm:spec_decode_num_accepted_tokens_per_pos_total": 20.0}
+    after = {"vllm:spec_decode_num_drafts_total": 30.0, "vllm:spec_decode_num_draft_tokens_total": 120.0,
+             "vllm:spec_decode_num_accepted_tokens_total": 50.0,
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total": 50.0}
+    deltas = counter_deltas(before, after)
+    # 30 of 80 draft tokens accepted over 20 verifications: 1 + 30 / 20 tokens each.
+    assert deltas["vllm:spec_decode_acceptance_rate"] == pytest.approx(30 / 80)
+    assert deltas["vllm:spec_decode_mean_accepted_length"] == pytest.approx(2.5)
+    assert "kvloom:spec_decode_acceptance_rate" not in deltas
     # A restarted server (counter went down) or a NaN sample yields no delta, not garbage.
     odd = counter_deltas({"vllm:num_preemptions_total": 9.0}, {"vllm:num_preemptions_total": 2.0,
                                                                "vllm:prefix_cache_hits_total": math.nan})
