@@ -23,9 +23,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = _command(bench_sub, "offline", "in-process throughput through the engine", _offline)
-    offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "tokens"],
+    offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "tokens", "grounded"],
                          help="tokens: a JSONL of prompt_token_ids and max_tokens (--dataset-path), "
-                              "the same ids another engine is given")
+                              "the same ids another engine is given; grounded: ShareGPT's quoted code "
+                              "asked back reformatted (the output copies the prompt)")
     offline.add_argument("--dataset-path", default=None,
                          help="the JSONL file of --dataset tokens (its first --num-prompts lines)")
     offline.add_argument("--num-prompts", type=int, default=100)
@@ -204,6 +205,8 @@ def _offline(args: argparse.Namespace) -> int:
                 if not args.dataset_path:
                     raise SystemExit("--dataset tokens needs --dataset-path FILE.jsonl")
                 requests = datasets.load_token_workload(args.dataset_path, args.num_prompts)
+            elif args.dataset == "grounded":
+                requests = datasets.sample_grounded(engine.tokenizer, args.num_prompts, seed=args.dataset_seed)
             elif args.dataset == "sharegpt":
                 requests = datasets.sample_sharegpt(engine.tokenizer, args.num_prompts, seed=args.dataset_seed)
                 if args.output_len:

@@ -274,6 +274,43 @@ def sample_sharegpt(tokenizer: BenchTokenizer, num_prompts: int, seed: int = 0,
     return requests
 
 
+# ---------------------------------------------------------------- input-grounded (code edits)
+_CODE_BLOCK = re.compile(r"```([A-Za-z0-9_+-]*)\n(.*?)```", re.DOTALL)
+GROUNDED_TEMPLATE = ("Here is a piece of code:\n```{lang}\n{code}```\n\n"
+                     "Here is the same code, reformatted and otherwise unchanged:\n```{lang}\n")
+
+
+def sample_grounded(tokenizer: BenchTokenizer, num_prompts: int, seed: int = 0, min_len: int = 64,
+                    max_len: int = 512, *, records: Sequence[dict[str, Any]] | None = None
+                    ) -> list[BenchRequest]:
+    """An input-grounded workload, where the output copies from the prompt (the case
+    speculative decoding by prompt lookup is for): code blocks quoted in ShareGPT
+    conversations, each asked back "reformatted and otherwise unchanged", with the
+    block's token length (``min_len`` to ``max_len``) as the output length.
+
+    Conversations are shuffled with ``random.Random(seed)``; from each, the first code
+    block in range is taken. Raises ``ValueError`` when fewer than ``num_prompts`` exist."""
+    conversations = [m for m in map(_messages, load_sharegpt_records() if records is None else records)
+                     if m]
+    random.Random(seed).shuffle(conversations)
+    requests: list[BenchRequest] = []
+    for messages in conversations:
+        if len(requests) == num_prompts:
+            break
+        for message in messages:
+            block = next((b for b in _CODE_BLOCK.finditer(str(message.get("value", "")))
+                          if min_len <= _token_len(tokenizer, b.group(2)) <= max_len), None)
+            if block is not None:
+                lang, code = block.group(1), block.group(2)
+                prompt = GROUNDED_TEMPLATE.format(lang=lang, code=code)
+                requests.append(BenchRequest(prompt, _token_len(tokenizer, prompt), _token_len(tokenizer, code)))
+                break
+    if len(requests) < num_prompts:
+        raise ValueError(f"only {len(requests)} ShareGPT conversations quote a code block of "
+                         f"{min_len}-{max_len} tokens; num_prompts={num_prompts} asked for more")
+    return requests
+
+
 # ---------------------------------------------------------------- token ids
 def load_token_workload(path: str | Path, num_prompts: int | None = None) -> list[BenchRequest]:
     """A workload shared with other engines (``shared/peers/make_ov_workload.py``): JSON

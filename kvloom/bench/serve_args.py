@@ -39,7 +39,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="model whose tokenizer measures prompt lengths (only the tokenizer loads; default: "
                            "the model the server at --base-url serves, its /v1/models 'root', else "
                            f"{DEFAULT_MODEL!r})")
-    data.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix", "multiturn"])
+    data.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix", "multiturn", "grounded"],
+                      help="grounded: ShareGPT's quoted code blocks asked back reformatted (output copies "
+                           "the prompt: the case for n-gram speculation)")
     data.add_argument("--num-prompts", type=int, default=100,
                       help="requests; conversations for multiturn; groups x per-group for prefix")
     data.add_argument("--max-output-len", type=int, default=None, help="cap every request's max_tokens")
@@ -78,7 +80,8 @@ def _workload_parameters(args: argparse.Namespace) -> dict[str, Any]:
     keys = {"sharegpt": ("sharegpt_filters", "sharegpt_output_len", "max_context_len"),
             "random": ("random_input_len", "random_output_len", "random_range_ratio"),
             "prefix": ("prefix_groups", "prefix_len", "question_len", "reuse_ratio", "prefix_output_len"),
-            "multiturn": ("turns", "max_context_len")}[args.dataset]
+            "multiturn": ("turns", "max_context_len"),
+            "grounded": ()}[args.dataset]
     return {"dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
             "tokenizer": args.tokenizer, "max_output_len": args.max_output_len,
             **{key: getattr(args, key) for key in keys}}
@@ -124,6 +127,8 @@ def sample_workload(args: argparse.Namespace) -> list[BenchRequest]:
             raise ValueError("--max-context-len applies to sharegpt with --sharegpt-filters sglang")
         requests = datasets.sample_sharegpt(tokenizer, args.num_prompts, args.seed, args.sharegpt_filters,
                                             args.sharegpt_output_len, context_len=args.max_context_len)
+    elif args.dataset == "grounded":
+        requests = datasets.sample_grounded(tokenizer, args.num_prompts, args.seed)
     elif args.dataset == "random":
         requests = datasets.sample_random(tokenizer, args.num_prompts, args.random_input_len,
                                           args.random_output_len, args.random_range_ratio, args.seed)

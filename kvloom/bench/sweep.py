@@ -229,15 +229,24 @@ def _summary_row(label: str, rate: float, cap: int | None, result: Mapping[str, 
                    output_throughput=metrics["output_throughput"],
                    mean_ttft_ms=metrics["ttft_ms"]["mean"], p99_ttft_ms=metrics["ttft_ms"]["p99"],
                    mean_tpot_ms=metrics["tpot_ms"]["mean"], p99_tpot_ms=metrics["tpot_ms"]["p99"],
-                   prefix_hit_rate=next((v for k, v in result["server_counters"].items()
-                                         if k.endswith("prefix_cache_hit_rate")), None))
+                   prefix_hit_rate=_counter(result, "prefix_cache_hit_rate"),
+                   spec_acceptance_rate=_counter(result, "spec_decode_acceptance_rate"),
+                   spec_mean_accepted_length=_counter(result, "spec_decode_mean_accepted_length"))
     return row
 
 
+def _counter(result: Mapping[str, Any], suffix: str) -> float | None:
+    """A derived server counter of the cell (any engine's prefix), None when absent."""
+    return next((v for k, v in result["server_counters"].items() if k.endswith(suffix)), None)
+
+
 def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per cell: throughput, TTFT/TPOT (mean, p99) and prefix-cache hit rate."""
+    """One line per cell: throughput, TTFT/TPOT (mean, p99), prefix-cache hit rate and,
+    where drafts were verified, the acceptance rate and mean accepted length."""
+    speculative = any(row.get("spec_acceptance_rate") is not None for row in rows)
     header = (f"{'label':<20}{'rate':>7}{'cap':>5}{'ok':>6}{'fail':>6}{'req/s':>8}{'out tok/s':>11}"
-              f"{'TTFT ms':>9}{'p99':>9}{'TPOT ms':>9}{'p99':>9}{'hit':>7}")
+              f"{'TTFT ms':>9}{'p99':>9}{'TPOT ms':>9}{'p99':>9}{'hit':>7}"
+              + (f"{'accept':>8}{'len':>6}" if speculative else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         cap = row.get("max_concurrency")
@@ -249,8 +258,13 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"{start}{row['completed']:>6}{row['failed']:>6}{row['request_throughput']:>8.2f}"
                      f"{row['output_throughput']:>11.1f}{row['mean_ttft_ms']:>9.1f}"
                      f"{row['p99_ttft_ms']:>9.1f}{row['mean_tpot_ms']:>9.1f}{row['p99_tpot_ms']:>9.1f}"
-                     f"{hit:>7}")
+                     f"{hit:>7}" + (_speculative_columns(row) if speculative else ""))
     return "\n".join(lines)
+
+
+def _speculative_columns(row: Mapping[str, Any]) -> str:
+    rate, length = row.get("spec_acceptance_rate"), row.get("spec_mean_accepted_length")
+    return f"{rate:>8.1%}{length or 1.0:>6.2f}" if rate is not None else f"{'-':>8}{'-':>6}"
 
 
 def run_sweep(config: SweepConfig) -> int:
