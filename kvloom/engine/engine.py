@@ -24,6 +24,7 @@ from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
+from kvloom.engine.speculation import SpeculationPolicy
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.models.loader import load_checkpoint
@@ -127,23 +128,25 @@ class LLMEngine:
                                      else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Speculative decoding's proposer (kvloom/spec/), None when it is off.
+        self.proposer: Proposer | None = None
+        speculation = None
+        if config.speculative_config is not None:
+            self.proposer = make_proposer(TargetModel(config, self.model, mc, self.device, self.dtype,
+                                                      self.max_model_len, self.num_blocks))
+            speculation = SpeculationPolicy(config.speculative_config, self.proposer.draft_cost)
+            logger.info("speculative decoding: %s", config.speculative_config)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
         self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
                                          make_policy(config.scheduler), self.limits,
-                                         StopChecker(self.output_processor), config.speculative_config)
+                                         StopChecker(self.output_processor), speculation)
         self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
                     "%s attention", self.model_name, time.monotonic() - started, self.dtype, self.device,
                     self.max_model_len, self.num_blocks, block_size, backend.name)
-        # Speculative decoding's proposer (kvloom/spec/), None when it is off.
-        self.proposer: Proposer | None = None
-        if config.speculative_config is not None:
-            self.proposer = make_proposer(TargetModel(config, self.model, mc, self.device, self.dtype,
-                                                      self.max_model_len, self.num_blocks))
-            logger.info("speculative decoding: %s", config.speculative_config)
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
-from kvloom.config import SchedulerConfig, SpeculativeConfig
+from kvloom.config import SchedulerConfig
 from kvloom.engine.admission import AdmissionLimits, RequestRejected
 from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.speculation import SpeculationPolicy, updated_acceptance
@@ -47,7 +47,7 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
                  limits: AdmissionLimits, stops: StopChecker | None = None,
-                 speculation: SpeculativeConfig | None = None) -> None:
+                 speculation: SpeculationPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
@@ -72,7 +72,7 @@ class Scheduler:
         self._chunk_cap = config.long_prefill_threshold or config.max_num_batched_tokens
         # Speculative decoding: drafts verified, drafts accepted, verifications (an entry
         # with at least one draft), cumulative.
-        self.speculation = SpeculationPolicy(speculation) if speculation is not None else None
+        self.speculation = speculation
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0

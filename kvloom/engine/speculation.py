@@ -11,8 +11,11 @@ Two rules, both in tokens:
 * **The request rule** (``adaptive``): each request keeps ``draft_acceptance``, a
   moving estimate of the chance that one draft token is accepted. The i-th draft is
   used only if the i - 1 before it were accepted, about ``acceptance ** i``; a request
-  is offered drafts while that chance is at least ``MIN_USE_CHANCE``, and always at
-  least one, so that its estimate can recover.
+  is offered the i-th draft while that chance is at least ``MIN_USE_CHANCE`` plus the
+  proposer's cost of one draft (``draft_cost``, in target steps: 0 for prompt
+  lookup, about the share of the layers a draft model runs). A request below the bar
+  for even one draft is offered one every ``PROBE_INTERVAL`` tokens, so that its
+  estimate can recover.
 
 The room left in a step is shared out one draft at a time, round robin, so that no
 request's long guess crowds out the others'.
@@ -25,8 +28,9 @@ import math
 from kvloom.config import SpeculativeConfig
 from kvloom.request import Request
 
-MIN_USE_CHANCE = 0.1  # propose the i-th draft while acceptance ** i stays above this
+MIN_USE_CHANCE = 0.1  # propose the i-th draft while acceptance ** i stays above this (+ its cost)
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest verification in the moving estimate
+PROBE_INTERVAL = 16  # output tokens between probes of a request that drafts do not pay for
 
 
 def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> float:
@@ -39,19 +43,26 @@ def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> f
 
 
 class SpeculationPolicy:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_cost: float = 0.0) -> None:
         self.config = config
+        self.bar = MIN_USE_CHANCE + draft_cost  # the chance of use a draft must have
 
     def num_to_propose(self, request: Request) -> int:
-        """Drafts worth proposing for ``request``'s next step (0: none fit)."""
+        """Drafts worth proposing for ``request``'s next step (0: none)."""
         # The verified run plus the target's own token must stay within max_tokens.
         room = request.max_tokens - request.num_output_tokens - 1
         limit = self.config.num_speculative_tokens
         if self.config.adaptive and request.draft_acceptance < 1.0:
-            acceptance = request.draft_acceptance
-            useful = 1 if acceptance <= 0.0 else int(math.log(MIN_USE_CHANCE) / math.log(acceptance))
-            limit = max(1, min(limit, useful))
+            limit = min(limit, self._useful(request.draft_acceptance))
+            if limit == 0 and request.num_output_tokens % PROBE_INTERVAL == 0:
+                limit = 1
         return max(0, min(limit, room))
+
+    def _useful(self, acceptance: float) -> int:
+        """The most drafts whose chance of use, ``acceptance ** i``, clears the bar."""
+        if acceptance <= self.bar or self.bar >= 1.0:
+            return 0
+        return int(math.log(self.bar) / math.log(acceptance))
 
     def wants_drafts(self, num_running: int) -> bool:
         """Whether a step of ``num_running`` decodes leaves room for any draft."""

@@ -41,8 +41,10 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 
 class DraftModelProposer:
-    def __init__(self, name: str, model: CausalLM, model_config: ModelConfig, target: TargetModel) -> None:
+    def __init__(self, name: str, model: CausalLM, model_config: ModelConfig, target: TargetModel,
+                 draft_cost: float) -> None:
         self.name = name
+        self.draft_cost = draft_cost
         block_size = target.config.cache.block_size
         self.kv = KVCacheManager(BlockPool(target.num_blocks), block_size, NoPrefixCache())
         kv_caches = allocate_kv_pool(model_config, target.num_blocks, block_size, target.dtype, target.device)
@@ -153,7 +155,9 @@ def build_draft(target: TargetModel) -> DraftModelProposer:
                          f"positions, fewer than the target's context of {target.max_model_len}")
     model = load_model(config, target.max_model_len, checkpoint.weights(), target.device, target.dtype,
                        target.config.matmul, target.config.decoder_stack == "native")
-    return DraftModelProposer("draft", model, config, target)
+    # A decode step streams the weights: a draft step costs its share of the weights.
+    return DraftModelProposer("draft", model, config, target,
+                              _weights_read(config) / _weights_read(target.model_config))
 
 
 def build_layer_skip(target: TargetModel) -> DraftModelProposer:
@@ -164,4 +168,13 @@ def build_layer_skip(target: TargetModel) -> DraftModelProposer:
     if target.config.decoder_stack == "native" and target.device.type == "cpu":
         model.use_native_stack()  # over the shared, already packed layers
     config = dataclasses.replace(target.model_config, num_layers=spec.num_layers)
-    return DraftModelProposer("layer_skip", model, config, target)
+    return DraftModelProposer("layer_skip", model, config, target,
+                              spec.num_layers / target.model_config.num_layers)
+
+
+def _weights_read(config: ModelConfig) -> int:
+    """Weights a decode step reads: every layer's projections and the output head."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = config.hidden_size * (q + 2 * kv) + q * config.hidden_size \
+        + 3 * config.hidden_size * config.intermediate_size
+    return config.num_layers * layer + config.vocab_size * config.hidden_size

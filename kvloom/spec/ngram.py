@@ -70,6 +70,7 @@ def lookup(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> list[
 
 class NgramProposer:
     name = "ngram"
+    draft_cost = 0.0  # host work only, well under a step
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n

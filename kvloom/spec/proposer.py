@@ -23,6 +23,9 @@ from kvloom.request import Request
 
 class Proposer(Protocol):
     name: str
+    # What one draft token costs, in target steps (0 for a lookup; a draft model's
+    # forward relative to the target's): the scheduler's acceptance bar rises with it.
+    draft_cost: float
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         """At most ``num_tokens[i]`` guesses at what follows ``requests[i]``'s tokens

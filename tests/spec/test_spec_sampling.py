@@ -64,6 +64,7 @@ class RankProposer:
     larger rank: mostly or always rejected), computed with the reference model."""
 
     name = "rank"
+    draft_cost = 0.0
 
     def __init__(self, hf_model, rank: int) -> None:
         self.hf_model = hf_model
