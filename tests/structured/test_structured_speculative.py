@@ -9,21 +9,12 @@ import json
 import random
 
 import jsonschema
-from structured_helpers import PERSON, json_prompt, make_default_engine, run
+from structured_helpers import PERSON, SMALL, json_prompt, make_default_engine, run
 
 from kvloom import SamplingParams
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.structured import StructuredOutput
-
-SMALL = {
-    "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "tag": {"type": "string", "maxLength": 6},
-                   "ok": {"type": "boolean"}},
-    "required": ["id", "tag", "ok"],
-    "additionalProperties": False,
-}
 
 
 def tiny_engine(path, **kwargs) -> LLMEngine:
