@@ -4,8 +4,8 @@ help, and flags -> engine kwargs -> EngineConfig gives back exactly the values g
 from __future__ import annotations
 
 import argparse
-import re
 import dataclasses
+import re
 
 import pytest
 

@@ -39,7 +39,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="model whose tokenizer measures prompt lengths (only the tokenizer loads; default: "
                            "the model the server at --base-url serves, its /v1/models 'root', else "
                            f"{DEFAULT_MODEL!r})")
-    data.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix", "multiturn", "grounded"],
+    data.add_argument("--dataset", default="sharegpt",
+                      choices=["sharegpt", "random", "prefix", "multiturn", "grounded"],
                       help="grounded: ShareGPT's quoted code blocks asked back reformatted (output copies "
                            "the prompt: the case for n-gram speculation)")
     data.add_argument("--num-prompts", type=int, default=100,

@@ -195,6 +195,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that produced a token
         or ended."""
+        if self.proposer is not None:
+            # Drafts for the tokens the last step appended: proposed here rather than at
+            # the end of that step, so that its outputs (a first token) were not held
+            # back by a draft model catching up on a prompt.
+            self._propose()
         scheduled = self.scheduler.schedule()
         self._last_num_batched_tokens = scheduled.num_batched_tokens
         if scheduled.is_empty:
@@ -208,8 +213,6 @@ class LLMEngine:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
         # The scheduler alone writes request state: tokens, stops, failures.
         updates = self.scheduler.update(scheduled, result)
-        if self.proposer is not None:
-            self._propose()
         return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                 for update in updates]
 
@@ -220,7 +223,9 @@ class LLMEngine:
         if candidates:
             requests = [request for request, _ in candidates]
             drafts = self.proposer.propose(requests, [count for _, count in candidates])
-            self.scheduler.set_draft_tokens(dict(zip(requests, drafts, strict=True)))
+            # A constrained request's drafts are cut where its grammar stops allowing them.
+            self.scheduler.set_draft_tokens({request: self.runner.valid_drafts(request, tokens)
+                                             for request, tokens in zip(requests, drafts, strict=True)})
 
     def _output(self, request: Request, new_logprobs: list[LogprobsEntry | None]) -> RequestOutput:
         """The request's output for this step, inside the boundary that makes a failure

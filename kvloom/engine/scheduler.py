@@ -172,7 +172,7 @@ class Scheduler:
         entries = [index for index, item in enumerate(scheduled)
                    if item.samples and item.request.draft_token_ids]
         wanted = [min(len(scheduled[i].request.draft_token_ids),
-                      self.speculation.num_to_propose(scheduled[i].request)) for i in entries]
+                      self.speculation.num_to_propose(scheduled[i].request, num_tokens)) for i in entries]
         for index, count in zip(entries, self.speculation.share(wanted, room), strict=True):
             item = scheduled[index]
             request = item.request
@@ -185,17 +185,15 @@ class Scheduler:
 
     def draft_candidates(self) -> list[tuple[Request, int]]:
         """Requests whose next step is a decode that drafts could extend, with how many
-        drafts each is worth; none when the batch is too big for any (the step rule).
-        Constrained requests are not offered drafts (their grammar masks one position
-        per step)."""
+        drafts each is worth; none when the batch is too big for any (the step rule)."""
         if self.speculation is None or not self.speculation.wants_drafts(len(self.running)):
             return []
         candidates = []
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens != 1 \
-                    or request.sampling_params.structured is not None:
+            if request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            count = self.speculation.num_to_propose(request)
+            # The next step's other tokens: about one decode per running request.
+            count = self.speculation.num_to_propose(request, len(self.running))
             if count > 0:
                 candidates.append((request, count))
         return candidates

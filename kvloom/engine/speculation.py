@@ -10,12 +10,19 @@ Two rules, both in tokens:
   proposer work either (``wants_drafts``).
 * **The request rule** (``adaptive``): each request keeps ``draft_acceptance``, a
   moving estimate of the chance that one draft token is accepted. The i-th draft is
-  used only if the i - 1 before it were accepted, about ``acceptance ** i``; a request
-  is offered the i-th draft while that chance is at least ``MIN_USE_CHANCE`` plus the
-  proposer's cost of one draft (``draft_cost``, in target steps: 0 for prompt
-  lookup, about the share of the layers a draft model runs). A request below the bar
-  for even one draft is offered one every ``PROBE_INTERVAL`` tokens, so that its
-  estimate can recover.
+  used only if the i - 1 before it were accepted, about ``acceptance ** i``, and it is
+  offered only while that chance clears a bar set by what a draft costs against what
+  an accepted token saves. A step of n tokens takes about ``F + n`` token-times (F,
+  ``STEP_FIXED_TOKENS``: the step's fixed cost, streaming the weights, in units of
+  one more token's cost), so one token of output costs ``(F + n) / n`` and a draft
+  costs 1: the draft pays when its chance of use exceeds ``n / (F + n)``. At n = 1
+  that is 9% (nearly free), at 16 about 60%, at 64 about 85%. The bar is never below
+  ``MIN_USE_CHANCE`` and adds the proposer's own cost per draft (``draft_cost``, in
+  target steps: 0 for prompt lookup, about the share of the layers a draft model
+  runs). A request below the bar for even one draft is offered one every
+  ``PROBE_INTERVAL`` tokens, so that its estimate can recover; four times as seldom
+  for a draft model, whose probe first catches its KV up over every token since the
+  last one.
 
 The room left in a step is shared out one draft at a time, round robin, so that no
 request's long guess crowds out the others'.
@@ -28,9 +35,14 @@ import math
 from kvloom.config import SpeculativeConfig
 from kvloom.request import Request
 
-MIN_USE_CHANCE = 0.1  # propose the i-th draft while acceptance ** i stays above this (+ its cost)
+MIN_USE_CHANCE = 0.1  # the lowest chance of use a draft must have
+# A decode step's fixed cost in units of one more token's: `kvloom bench steps` on AMD EPYC
+# (SmolLM2-135M, bf16) gives 11 ms at 1 token, about 26 ms at 16 and 90 ms at 64, i.e.
+# about 10 ms + 1 ms per token (docs/benchmarks.md, "Speculative decoding").
+STEP_FIXED_TOKENS = 10.0
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest verification in the moving estimate
 PROBE_INTERVAL = 16  # output tokens between probes of a request that drafts do not pay for
+MODEL_PROBE_INTERVAL = 4 * PROBE_INTERVAL  # the same with a proposer that costs steps
 
 
 def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> float:
@@ -45,24 +57,34 @@ def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> f
 class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig, draft_cost: float = 0.0) -> None:
         self.config = config
-        self.bar = MIN_USE_CHANCE + draft_cost  # the chance of use a draft must have
+        self.draft_cost = draft_cost
+        self.probe_interval = PROBE_INTERVAL if draft_cost == 0 else MODEL_PROBE_INTERVAL
 
-    def num_to_propose(self, request: Request) -> int:
-        """Drafts worth proposing for ``request``'s next step (0: none)."""
+    def bar(self, num_step_tokens: int) -> float:
+        """The chance of use a draft needs in a step of ``num_step_tokens`` other tokens."""
+        batch_share = num_step_tokens / (STEP_FIXED_TOKENS + num_step_tokens)
+        return max(MIN_USE_CHANCE, batch_share) + self.draft_cost
+
+    def num_to_propose(self, request: Request, num_step_tokens: int) -> int:
+        """Drafts worth proposing for ``request``'s next step, in a step of
+        ``num_step_tokens`` other tokens (0: none)."""
         # The verified run plus the target's own token must stay within max_tokens.
         room = request.max_tokens - request.num_output_tokens - 1
         limit = self.config.num_speculative_tokens
-        if self.config.adaptive and request.draft_acceptance < 1.0:
-            limit = min(limit, self._useful(request.draft_acceptance))
-            if limit == 0 and request.num_output_tokens % PROBE_INTERVAL == 0:
+        if self.config.adaptive:
+            limit = min(limit, self._useful(request.draft_acceptance, self.bar(num_step_tokens)))
+            if limit == 0 and request.num_output_tokens % self.probe_interval == 0:
                 limit = 1
         return max(0, min(limit, room))
 
-    def _useful(self, acceptance: float) -> int:
-        """The most drafts whose chance of use, ``acceptance ** i``, clears the bar."""
-        if acceptance <= self.bar or self.bar >= 1.0:
+    @staticmethod
+    def _useful(acceptance: float, bar: float) -> int:
+        """The most drafts whose chance of use, ``acceptance ** i``, clears ``bar``."""
+        if acceptance <= bar or bar >= 1.0:
             return 0
-        return int(math.log(self.bar) / math.log(acceptance))
+        if acceptance >= 1.0:
+            return 1 << 30
+        return int(math.log(bar) / math.log(acceptance))
 
     def wants_drafts(self, num_running: int) -> bool:
         """Whether a step of ``num_running`` decodes leaves room for any draft."""

@@ -52,6 +52,10 @@ class ModelRunner:
         """Set up a queued request's per-request state (its grammar matcher, if any)."""
         self.structured.add_request(request, grammar)
 
+    def valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
+        """The prefix of a proposer's drafts that the request's grammar (if any) allows."""
+        return self.structured.valid_drafts(request, draft_token_ids)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
@@ -92,18 +96,17 @@ class ModelRunner:
         ]
         requests = [item.request for item in sampling]
         # Host-side mask work after the forward is queued: on an accelerator it overlaps
-        # the model. None (and no work at all) when no sampling row is constrained; a
-        # constrained request is never given drafts (Scheduler.draft_candidates), so its
-        # one row is the request's row.
+        # the model. None (and no work at all) when no sampling row is constrained.
         failed: dict[str, RequestError] = {}
-        grammar = self.structured.grammar_mask(requests, failed)
+        grammar = self.structured.grammar_mask([(item.request, item.draft_token_ids) for item in sampling],
+                                               failed)
         result = self.sampler(
             logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
         token_ids, logprobs = result.token_ids, result.logprobs
         accepted: list[list[int]] | None = None
         if len(rows) > len(sampling):
             token_ids, logprobs, accepted, accepted_logprobs = verify_drafts(sampling, token_ids, logprobs)
-        forced = self.structured.advance(requests, token_ids, failed) if grammar is not None else None
+        forced = self.structured.advance(requests, token_ids, failed, accepted) if grammar is not None else None
         aligned = self._align(output, token_ids, logprobs, forced, failed)
         if accepted is not None:
             aligned.accepted = self._aligned_rows(output, accepted, [])

@@ -65,7 +65,7 @@ def lookup(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> list[
     if best < min_n:
         return []
     end = int(ends[np.flatnonzero(matched == best)[-1]])  # the most recent of the longest
-    return tokens[end + 1:end + 1 + num_tokens].tolist()
+    return [int(token) for token in tokens[end + 1:end + 1 + num_tokens]]
 
 
 class NgramProposer:

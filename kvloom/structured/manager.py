@@ -7,6 +7,7 @@ costs one dict lookup per row: no bitmask is allocated, filled or applied.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import llguidance
@@ -83,55 +84,92 @@ class StructuredOutputManager:
                 rows.append((row, matcher))
         return rows
 
-    def grammar_mask(self, requests: Sequence[Request], failures: dict[str, RequestError]) -> GrammarMask | None:
-        """Allowed next tokens of every constrained row (``requests`` are the sampling
-        rows in order), or None when no row is constrained.
+    def valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
+        """The longest prefix of a proposer's drafts that the request's grammar accepts
+        (all of them for an unconstrained request): speculative decoding verifies only
+        tokens the grammar allows, so a rejected draft never reaches the model."""
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None or not draft_token_ids:
+            return draft_token_ids
+        try:
+            return draft_token_ids[:matcher.valid_prefix(draft_token_ids)]
+        except Exception:  # noqa: BLE001 - no drafts; the step itself reports a broken grammar
+            return []
+
+    def grammar_mask(self, sampling: Sequence[tuple[Request, tuple[int, ...]]],
+                     failures: dict[str, RequestError]) -> GrammarMask | None:
+        """Allowed next tokens of every constrained row, or None when no row is
+        constrained. ``sampling`` holds the sampling requests in order with their drafts:
+        a request has one row at its last known token, then one after each draft (the
+        grammar's state once that draft is consumed; drafts are ``valid_drafts``).
 
         A row whose grammar cannot go on (llguidance's matcher in its error state, e.g.
         a grammar that exceeds its limits) is recorded in ``failures`` and gets a mask
         that allows everything: it is sampled with the batch, and the engine fails that
         request alone and discards its token."""
-        constrained = self._constrained(requests)
+        constrained = self._constrained([request for request, _ in sampling])
         if not constrained:
             return None
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
+        first_rows = list(itertools.accumulate((1 + len(drafts) for _, drafts in sampling), initial=0))
         width = bitmask_width(self.vocab_size)
+        rows: list[int] = []  # sampling rows, in the bitmask's order
+        plain: list[tuple[int, GrammarMatcher]] = []  # (bitmask row, matcher) at one position
+        drafted: list[tuple[list[int], GrammarMatcher, tuple[int, ...]]] = []
+        for index, matcher in constrained:
+            drafts = sampling[index][1]
+            start = len(rows)
+            rows.extend(range(first_rows[index], first_rows[index] + 1 + len(drafts)))
+            if drafts:
+                drafted.append((list(range(start, len(rows))), matcher, drafts))
+            else:
+                plain.append((start, matcher))
         # Filled on the host by llguidance (in parallel across rows), then copied once.
-        bitmask = torch.empty((len(constrained), width), dtype=torch.int32)  # [C, W]
+        bitmask = torch.empty((len(rows), width), dtype=torch.int32)  # [C, W]
         try:
-            self._executor.unsafe_compute_mask_ptr(
-                [(matcher.matcher, index) for index, (_, matcher) in enumerate(constrained)],
-                bitmask.data_ptr(), width * 4, len(constrained))
+            if plain:
+                self._executor.unsafe_compute_mask_ptr(
+                    [(matcher.matcher, row) for row, matcher in plain], bitmask.data_ptr(), width * 4, len(rows))
         except Exception:  # noqa: BLE001 - one row's grammar raised: find it row by row
-            for index, (_, matcher) in enumerate(constrained):
+            for row, matcher in plain:
                 try:
-                    matcher.matcher.unsafe_compute_mask_ptr(bitmask[index].data_ptr(), width * 4)
+                    matcher.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), width * 4)
                 except Exception as error:  # noqa: BLE001 - attributed to that request
                     failures[matcher.request_id] = RequestError(f"the grammar failed: {error}", True)
-        for index, (_, matcher) in enumerate(constrained):
+        for mask_rows, matcher, drafts in drafted:  # one position after another: serial
+            try:
+                matcher.masks_along(drafts, [bitmask[row].data_ptr() for row in mask_rows], width * 4)
+            except Exception as error:  # noqa: BLE001 - attributed to that request
+                failures[matcher.request_id] = RequestError(f"the grammar failed: {error}", True)
+        owners = [(row, matcher) for row, matcher in plain] + \
+            [(row, matcher) for mask_rows, matcher, _ in drafted for row in mask_rows]
+        for row, matcher in owners:
             if matcher.matcher.is_error() and matcher.request_id not in failures:
                 failures[matcher.request_id] = RequestError(
                     f"the grammar cannot be followed: {matcher.matcher.get_error()}", True)
             if matcher.request_id in failures:
-                bitmask[index] = -1
-        rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64, device=self.device)
-        return GrammarMask(rows=rows, bitmask=bitmask.to(self.device))
+                bitmask[row] = -1
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return GrammarMask(rows=index, bitmask=bitmask.to(self.device))
 
     def advance(self, requests: Sequence[Request], token_ids: Sequence[int],
-                failures: dict[str, RequestError]) -> list[list[int]] | None:
-        """Feed each constrained row its sampled token; returns the tokens forced after
-        it per row (None when no row has any). Forced tokens never take a request past
-        its ``max_tokens``, so the scheduler appends all of them unless it stops first.
+                failures: dict[str, RequestError],
+                accepted: Sequence[list[int]] | None = None) -> list[list[int]] | None:
+        """Feed each constrained row its verified drafts (``accepted``, speculative
+        decoding) and its sampled token; returns the tokens forced after them per row
+        (None when no row has any). Forced tokens never take a request past its
+        ``max_tokens``, so the scheduler appends all of them unless it stops first.
         A row whose matcher fails is recorded in ``failures`` (its request alone fails)."""
         forced: list[list[int]] | None = None
         for row, matcher in self._constrained(requests):
             request = requests[row]
             if request.request_id in failures:
                 continue
-            room = request.max_tokens - request.num_output_tokens - 1  # after the sampled token
+            drafts = accepted[row] if accepted else []
+            room = request.max_tokens - request.num_output_tokens - 1 - len(drafts)  # after them
             try:
-                tokens = matcher.advance(token_ids[row], room)
+                tokens = matcher.advance(token_ids[row], room, drafts)
             except Exception as error:  # noqa: BLE001 - attributed to that request
                 failures[request.request_id] = RequestError(
                     f"the grammar failed: {error}", caused_by_request=matcher.matcher.is_error())

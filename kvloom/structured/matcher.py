@@ -35,13 +35,37 @@ class GrammarMatcher:
                 f"grammar matcher of request {self.request_id!r} consumed {self.num_consumed} tokens "
                 f"but the request has {num_output_tokens} output tokens")
 
-    def advance(self, token_id: int, room: int) -> list[int]:
-        """Consume the sampled token; return up to ``room`` tokens forced after it.
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` (a proposer's drafts) the grammar accepts in order
+        from here, stopping before any EOS (the target samples EOS itself). Consumes
+        nothing."""
+        for count, token_id in enumerate(token_ids):
+            if token_id in self.eos_token_ids:
+                token_ids = token_ids[:count]
+                break
+        return int(self.matcher.validate_tokens(token_ids)) if token_ids else 0
+
+    def masks_along(self, draft_token_ids: tuple[int, ...], rows: list[int], width: int) -> None:
+        """Write the allowed-token mask at the current position, then after each draft
+        (``rows[i]``: the address of row i's ``width`` bytes), and return to where it was.
+        The drafts must be a valid prefix (``valid_prefix``)."""
+        for index, address in enumerate(rows):
+            self.matcher.unsafe_compute_mask_ptr(address, width)
+            if index < len(draft_token_ids):
+                self._consume([draft_token_ids[index]], count=False)
+        if draft_token_ids and not self.matcher.rollback(len(draft_token_ids)):
+            raise GrammarMatcherError(f"grammar of request {self.request_id!r} could not roll back "
+                                      f"{len(draft_token_ids)} drafts: {self.matcher.get_error()}")
+
+    def advance(self, token_id: int, room: int, accepted: tuple[int, ...] | list[int] = ()) -> list[int]:
+        """Consume the verified drafts ``accepted`` (speculative decoding), then the
+        sampled token; return up to ``room`` tokens forced after them.
 
         Forced tokens are llguidance's fast-forward tokens, which it trims so they are
         the tokenizer's canonical tokenization, then EOS once the grammar admits
         nothing else (the request ends without a model step to sample it).
         """
+        self._consume(list(accepted))
         if token_id in self.eos_token_ids:
             self._count_eos()
             return []
@@ -63,9 +87,11 @@ class GrammarMatcher:
         # (llguidance refuses EOS after a stop it reached by itself).
         self.num_consumed += 1
 
-    def _consume(self, token_ids: list[int]) -> None:
+    def _consume(self, token_ids: list[int], count: bool = True) -> None:
+        """``count=False``: a draft looked at while masking, rolled back afterwards."""
         if token_ids and not self.matcher.consume_tokens(token_ids):
             raise GrammarMatcherError(
                 f"grammar of request {self.request_id!r} rejected tokens {token_ids}: "
                 f"{self.matcher.get_error()}")
-        self.num_consumed += len(token_ids)
+        if count:
+            self.num_consumed += len(token_ids)

@@ -101,8 +101,9 @@ def sample(engine: LLMEngine, seeds: Sequence[int]) -> dict[int, tuple[int, ...]
 
 
 def make_engine(tiny_llama, speculative: dict | None) -> LLMEngine:
-    # Speculation on up to 64 running requests (the step rule would stop it at 32).
-    config = None if speculative is None else {**speculative, "max_batched_tokens": 512}
+    # Speculation on up to 64 running requests (the step rule would stop it at 32), with
+    # every draft offered (the acceptance bar would stop most at this batch size).
+    config = None if speculative is None else {**speculative, "max_batched_tokens": 512, "adaptive": False}
     return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), dtype="float32", num_blocks=1024,
                                               max_num_seqs=48, speculative_config=config))
 
@@ -123,7 +124,7 @@ def test_distribution_of_the_first_tokens_is_the_targets(tiny_llama, hf_model, d
     keys = sorted(expected)
     observed = [counts.get(key, 0) for key in keys]
     result = chisquare(observed, [NUM_SEEDS * expected[key] for key in keys])
-    assert result.pvalue > 1e-3, (drafts, result, dict(zip(keys, observed)), expected)
+    assert result.pvalue > 1e-3, (drafts, result, dict(zip(keys, observed, strict=True)), expected)
     stats = engine.stats()
     if drafts != "off":
         assert stats.num_draft_tokens >= NUM_SEEDS // 2  # the drafts were really verified

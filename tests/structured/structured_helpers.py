@@ -56,6 +56,16 @@ def steps_taken(engine: LLMEngine, requests: dict[str, tuple[list[int] | str, Sa
     return engine.scheduler.step_count - before, finals
 
 
+SMALL = {  # bounded, so even a random-weight model finishes it
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tag": {"type": "string", "maxLength": 6},
+                   "ok": {"type": "boolean"}},
+    "required": ["id", "tag", "ok"],
+    "additionalProperties": False,
+}
+
+
 PERSON = {
     "type": "object",
     "properties": {

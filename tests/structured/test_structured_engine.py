@@ -11,6 +11,7 @@ import pytest
 from structured_helpers import (
     PERSON,
     SCHEMAS,
+    SMALL,
     TICKET,
     chat_prompt,
     default_engine,
@@ -25,15 +26,6 @@ from kvloom import SamplingParams
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.structured import StructuredOutput
-
-SMALL = {  # bounded, so even a random-weight model finishes it
-    "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "tag": {"type": "string", "maxLength": 6},
-                   "ok": {"type": "boolean"}},
-    "required": ["id", "tag", "ok"],
-    "additionalProperties": False,
-}
 
 
 def tiny_engine(path, **kwargs) -> LLMEngine:

@@ -1,0 +1,60 @@
+"""The scheduler's speculation rules against hand-computed values: the acceptance
+estimate, the bar a draft must clear at each step size, how many drafts a request
+is offered, and how a step's room is shared."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom.config import SpeculativeConfig
+from kvloom.engine.speculation import SpeculationPolicy, updated_acceptance
+from kvloom.request import Request
+from kvloom.sampling_params import SamplingParams
+
+
+def request(acceptance: float = 1.0, max_tokens: int = 100, num_output: int = 5) -> Request:
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    for _ in range(num_output):
+        r.append_output_token(7)
+    r.draft_acceptance = acceptance
+    return r
+
+
+def test_acceptance_estimate_moves_toward_each_verification() -> None:
+    # 2 of 4 accepted: 2 acceptances and 1 rejection seen, 2/3; weight 0.3 on it.
+    assert updated_acceptance(1.0, 4, 2) == pytest.approx(0.7 + 0.3 * 2 / 3)
+    assert updated_acceptance(0.5, 3, 3) == pytest.approx(0.35 + 0.3)  # all accepted: 1.0 seen
+    assert updated_acceptance(0.5, 2, 0) == pytest.approx(0.35)  # rejected at once: 0.0 seen
+
+
+def test_the_bar_rises_with_the_step_and_the_proposers_cost() -> None:
+    policy = SpeculationPolicy(SpeculativeConfig("ngram"))
+    assert policy.bar(1) == pytest.approx(0.1)  # 1 / 11 is below the floor
+    assert policy.bar(16) == pytest.approx(16 / 26)
+    assert policy.bar(64) == pytest.approx(64 / 74)
+    assert SpeculationPolicy(SpeculativeConfig("ngram"), draft_cost=0.25).bar(16) == pytest.approx(16 / 26 + 0.25)
+
+
+def test_drafts_offered_follow_the_chance_of_use() -> None:
+    policy = SpeculationPolicy(SpeculativeConfig("ngram", num_speculative_tokens=6))
+    assert policy.num_to_propose(request(1.0), 1) == 6  # no rejection seen yet
+    # 0.5 ** 3 = 0.125 clears the 0.1 bar, 0.5 ** 4 does not.
+    assert policy.num_to_propose(request(0.5), 1) == 3
+    # In a step of 16 tokens the bar is 0.615: 0.8 ** 2 = 0.64 clears it, 0.8 ** 3 not.
+    assert policy.num_to_propose(request(0.8), 16) == 2
+    # Below the bar: nothing, except a probe every 16 output tokens.
+    assert policy.num_to_propose(request(0.3, num_output=5), 16) == 0
+    assert policy.num_to_propose(request(0.3, num_output=16), 16) == 1
+    # Never past max_tokens: the verified run plus the target's token must fit.
+    assert policy.num_to_propose(request(1.0, max_tokens=8, num_output=5), 1) == 2
+    assert policy.num_to_propose(request(1.0, max_tokens=6, num_output=5), 1) == 0
+    fixed = SpeculationPolicy(SpeculativeConfig("ngram", num_speculative_tokens=6, adaptive=False))
+    assert fixed.num_to_propose(request(0.01), 64) == 6
+
+
+def test_room_is_shared_one_draft_at_a_time() -> None:
+    policy = SpeculationPolicy(SpeculativeConfig("ngram"))
+    assert policy.share([4, 4, 4], 5) == [2, 2, 1]
+    assert policy.share([1, 4, 0], 10) == [1, 4, 0]
+    assert policy.share([3, 3], 0) == [0, 0]
+    assert policy.wants_drafts(31) and not policy.wants_drafts(32)

@@ -1,0 +1,81 @@
+"""Structured output under speculative decoding: drafts are cut to what the grammar
+allows before they are verified, every verified position is masked by the grammar in
+the state its drafts lead to, and the output is exactly speculation off's (greedy)
+or valid (sampled), on the tiny model and the default one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+from structured_helpers import PERSON, SMALL, json_prompt, make_default_engine, run
+
+from kvloom import SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.structured import StructuredOutput
+
+
+def tiny_engine(path, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(str(path), block_size=8, num_blocks=512, **kwargs))
+
+
+def outputs(finals) -> dict[str, tuple[list[int], str, str | None]]:
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for rid, o in finals.items()}
+
+
+def test_tiny_model_constrained_greedy_matches_speculation_off(tiny_llama) -> None:
+    rng = random.Random(9)
+    requests = {}
+    for i in range(6):
+        prompt = [rng.randrange(3, 512) for _ in range(12)] * 2
+        constraint = (StructuredOutput(json_schema=SMALL) if i % 2 == 0
+                      else StructuredOutput(regex=r"(ab|cd|[0-9]{2}){3,12}"))
+        requests[f"c{i}"] = (prompt, SamplingParams(max_tokens=60, temperature=0.0, structured=constraint,
+                                                    logprobs=1))
+    reference = run(tiny_engine(tiny_llama), requests)
+    for speculative in ({"method": "draft", "model": str(tiny_llama), "num_speculative_tokens": 4,
+                         "adaptive": False},
+                        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}):
+        engine = tiny_engine(tiny_llama, speculative_config=speculative)
+        finals = run(engine, requests)
+        assert outputs(finals) == outputs(reference)
+        assert {r: o.outputs[0].logprobs for r, o in finals.items()} == \
+            {r: o.outputs[0].logprobs for r, o in reference.items()}
+        assert engine.stats().num_draft_tokens > 0
+        if speculative["method"] == "draft":
+            assert engine.stats().num_accepted_tokens > 0
+    for rid in ("c0", "c2", "c4"):
+        jsonschema.validate(json.loads(reference[rid].outputs[0].text), SMALL)
+
+
+def test_tiny_model_sampled_constrained_output_stays_valid(tiny_llama) -> None:
+    engine = tiny_engine(tiny_llama, speculative_config={"method": "draft", "model": str(tiny_llama),
+                                                         "num_speculative_tokens": 3, "adaptive": False})
+    requests = {f"s{i}": ([5, 9, 14, 5, 9, 14], SamplingParams(max_tokens=80, temperature=0.9, seed=i,
+                                                              structured=StructuredOutput(json_schema=SMALL)))
+                for i in range(8)}
+    for output in run(engine, requests).values():
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), SMALL)
+    assert engine.stats().num_draft_tokens > 0
+
+
+def test_default_model_json_and_free_text_match_speculation_off() -> None:
+    reference_engine = make_default_engine(num_blocks=256)
+    constrained = (json_prompt(reference_engine, "a person named Ada Lovelace, born 1815", PERSON),
+                   SamplingParams(max_tokens=80, temperature=0.0, structured=StructuredOutput(json_schema=PERSON)))
+    text = "Repeat this sentence twice: the cache keeps every block it can share."
+    free = (reference_engine.tokenizer.encode_chat([{"role": "user", "content": text}]),
+            SamplingParams(max_tokens=48, temperature=0.0))
+    requests = {"json": constrained, "free": free}
+    reference = run(reference_engine, requests)
+    for speculative in ({"method": "ngram", "num_speculative_tokens": 4},
+                        {"method": "layer_skip", "num_layers": 12, "num_speculative_tokens": 3,
+                         "adaptive": False}):
+        engine = make_default_engine(num_blocks=256, speculative_config=speculative)
+        assert outputs(run(engine, requests)) == outputs(reference)
+        assert engine.stats().num_accepted_tokens > 0
+    jsonschema.validate(json.loads(reference["json"].outputs[0].text), PERSON)
