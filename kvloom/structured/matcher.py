@@ -36,14 +36,30 @@ class GrammarMatcher:
                 f"but the request has {num_output_tokens} output tokens")
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of ``token_ids`` (a proposer's drafts) the grammar accepts in order
-        from here, stopping before any EOS (the target samples EOS itself). Consumes
-        nothing."""
+        """How many of ``token_ids`` (a proposer's drafts) may be verified from here: the
+        prefix the grammar accepts, stopping before any EOS (the target samples or the
+        grammar forces EOS itself) and, with jump-forward, before a draft after which the
+        grammar forces tokens. That draft is left for the target to sample, so the
+        forced tokens follow it exactly as without speculation. Consumes nothing."""
         for count, token_id in enumerate(token_ids):
             if token_id in self.eos_token_ids:
                 token_ids = token_ids[:count]
                 break
-        return int(self.matcher.validate_tokens(token_ids)) if token_ids else 0
+        valid = int(self.matcher.validate_tokens(token_ids)) if token_ids else 0
+        if not self.jump_forward or valid == 0:
+            return valid
+        consumed = 0
+        try:
+            for index in range(valid):
+                self._consume([token_ids[index]], count=False)
+                consumed += 1
+                if self.matcher.is_stopped() or self.matcher.compute_ff_tokens():
+                    return index
+            return valid
+        finally:
+            if consumed and not self.matcher.rollback(consumed):
+                raise GrammarMatcherError(f"grammar of request {self.request_id!r} could not roll back "
+                                          f"{consumed} drafts: {self.matcher.get_error()}")
 
     def masks_along(self, draft_token_ids: tuple[int, ...], rows: list[int], width: int) -> None:
         """Write the allowed-token mask at the current position, then after each draft
