@@ -63,10 +63,10 @@ def test_a_grammar_that_fails_mid_generation_fails_only_its_request(tiny_llama, 
     engine = engine_for(tiny_llama)
     advance = GrammarMatcher.advance
 
-    def failing(self, token_id, room):
+    def failing(self, token_id, room, accepted=()):
         if self.num_consumed == 2:
             raise ValueError("too many expressions constructed (injected)")
-        return advance(self, token_id, room)
+        return advance(self, token_id, room, accepted)
 
     monkeypatch.setattr(GrammarMatcher, "advance", failing)
     constrained = SamplingParams(max_tokens=12, temperature=0.0,

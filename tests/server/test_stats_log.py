@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -120,4 +119,4 @@ def test_engine_stats_count_prompt_and_generated_tokens(tiny_llama) -> None:
         engine.step()
     stats = engine.stats()
     # 5 prompt tokens computed once; 4 tokens generated (the first by the prefill step).
-    assert dataclasses.astuple(stats)[-2:] == (5, 4)
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (5, 4)
