@@ -16,7 +16,7 @@ Two rules, both in tokens:
   ``STEP_FIXED_TOKENS``: the step's fixed cost, streaming the weights, in units of
   one more token's cost), so one token of output costs ``(F + n) / n`` and a draft
   costs 1: the draft pays when its chance of use exceeds ``n / (F + n)``. At n = 1
-  that is 9% (nearly free), at 16 about 60%, at 64 about 85%. The bar is never below
+  that is 11% (nearly free), at 4 a third, at 16 two thirds, at 64 nearly 90%. The bar is never below
   ``MIN_USE_CHANCE`` and adds the proposer's own cost per draft (``draft_cost``, in
   target steps: 0 for prompt lookup, about the share of the layers a draft model
   runs). A request below the bar for even one draft is offered one every
@@ -36,10 +36,12 @@ from kvloom.config import SpeculativeConfig
 from kvloom.request import Request
 
 MIN_USE_CHANCE = 0.1  # the lowest chance of use a draft must have
-# A decode step's fixed cost in units of one more token's: `kvloom bench steps` on AMD EPYC
-# (SmolLM2-135M, bf16) gives 11 ms at 1 token, about 26 ms at 16 and 90 ms at 64, i.e.
-# about 10 ms + 1 ms per token (docs/benchmarks.md, "Speculative decoding").
-STEP_FIXED_TOKENS = 10.0
+# A decode step's fixed cost in units of one more token's. `kvloom bench steps` on AMD EPYC
+# (SmolLM2-135M, bf16, context 300; docs/results/issue18/steps_amd.txt): 11.4 ms at 1 token,
+# 14.1 at 4, 18.3 at 8, 26.7 at 16, 48.9 at 32, 105 at 64: about 10 ms fixed and 1 to 1.5 ms
+# per token, so the break-even chance of a draft (marginal cost / cost per output token)
+# is 0.10 at 1, 0.26 at 4, 0.72 at 16; F = 8 gives 0.11, 0.33, 0.67.
+STEP_FIXED_TOKENS = 8.0
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest verification in the moving estimate
 PROBE_INTERVAL = 16  # output tokens between probes of a request that drafts do not pay for
 MODEL_PROBE_INTERVAL = 4 * PROBE_INTERVAL  # the same with a proposer that costs steps

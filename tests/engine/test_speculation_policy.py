@@ -29,19 +29,19 @@ def test_acceptance_estimate_moves_toward_each_verification() -> None:
 
 def test_the_bar_rises_with_the_step_and_the_proposers_cost() -> None:
     policy = SpeculationPolicy(SpeculativeConfig("ngram"))
-    assert policy.bar(1) == pytest.approx(0.1)  # 1 / 11 is below the floor
-    assert policy.bar(16) == pytest.approx(16 / 26)
-    assert policy.bar(64) == pytest.approx(64 / 74)
-    assert SpeculationPolicy(SpeculativeConfig("ngram"), draft_cost=0.25).bar(16) == pytest.approx(16 / 26 + 0.25)
+    assert policy.bar(1) == pytest.approx(1 / 9)
+    assert policy.bar(16) == pytest.approx(16 / 24)
+    assert policy.bar(64) == pytest.approx(64 / 72)
+    assert SpeculationPolicy(SpeculativeConfig("ngram"), draft_cost=0.25).bar(16) == pytest.approx(16 / 24 + 0.25)
 
 
 def test_drafts_offered_follow_the_chance_of_use() -> None:
     policy = SpeculationPolicy(SpeculativeConfig("ngram", num_speculative_tokens=6))
     assert policy.num_to_propose(request(1.0), 1) == 6  # no rejection seen yet
-    # 0.5 ** 3 = 0.125 clears the 0.1 bar, 0.5 ** 4 does not.
+    # 0.5 ** 3 = 0.125 clears the 1/9 bar, 0.5 ** 4 does not.
     assert policy.num_to_propose(request(0.5), 1) == 3
-    # In a step of 16 tokens the bar is 0.615: 0.8 ** 2 = 0.64 clears it, 0.8 ** 3 not.
-    assert policy.num_to_propose(request(0.8), 16) == 2
+    # In a step of 16 tokens the bar is 2/3: 0.85 ** 2 = 0.72 clears it, 0.85 ** 3 not.
+    assert policy.num_to_propose(request(0.85), 16) == 2
     # Below the bar: nothing, except a probe every 16 output tokens.
     assert policy.num_to_propose(request(0.3, num_output=5), 16) == 0
     assert policy.num_to_propose(request(0.3, num_output=16), 16) == 1
