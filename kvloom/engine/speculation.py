@@ -22,7 +22,8 @@ Two rules, both in tokens:
   runs). A request below the bar for even one draft is offered one every
   ``PROBE_INTERVAL`` tokens, so that its estimate can recover; four times as seldom
   for a draft model, whose probe first catches its KV up over every token since the
-  last one.
+  last one; and never where the bar is out of reach (at or above 1: a draft model
+  in a step so big that even certain acceptance would not pay for it).
 
 The room left in a step is shared out one draft at a time, round robin, so that no
 request's long guess crowds out the others'.
@@ -74,8 +75,9 @@ class SpeculationPolicy:
         room = request.max_tokens - request.num_output_tokens - 1
         limit = self.config.num_speculative_tokens
         if self.config.adaptive:
-            limit = min(limit, self._useful(request.draft_acceptance, self.bar(num_step_tokens)))
-            if limit == 0 and request.num_output_tokens % self.probe_interval == 0:
+            bar = self.bar(num_step_tokens)
+            limit = min(limit, self._useful(request.draft_acceptance, bar))
+            if limit == 0 and bar < 1.0 and request.num_output_tokens % self.probe_interval == 0:
                 limit = 1
         return max(0, min(limit, room))
 

@@ -48,6 +48,12 @@ def test_drafts_offered_follow_the_chance_of_use() -> None:
     # Never past max_tokens: the verified run plus the target's token must fit.
     assert policy.num_to_propose(request(1.0, max_tokens=8, num_output=5), 1) == 2
     assert policy.num_to_propose(request(1.0, max_tokens=6, num_output=5), 1) == 0
+    # A draft model at half the target's cost: in a step of 16 (bar 2/3 + 1/2) even a
+    # certain draft would not pay, so there are no probes either.
+    costly = SpeculationPolicy(SpeculativeConfig("layer_skip", num_layers=2), draft_cost=0.5)
+    assert costly.num_to_propose(request(1.0, num_output=64), 16) == 0
+    assert costly.num_to_propose(request(0.05, num_output=64), 1) == 1  # a probe: the bar is 0.61
+    assert costly.num_to_propose(request(0.05, num_output=16), 1) == 0  # probes are 64 tokens apart
     fixed = SpeculationPolicy(SpeculativeConfig("ngram", num_speculative_tokens=6, adaptive=False))
     assert fixed.num_to_propose(request(0.01), 64) == 6
 
