@@ -344,12 +344,15 @@ class Scheduler:
         (the tokens appended agree with them), the rejected ones' slots are dropped and
         blocks that held only those go back to the pool. The radix cache only ever sees
         computed, hence verified, tokens."""
+        assert self.speculation is not None
+        previous = self.speculation.acceptance_of(request)
+        self.speculation.record(num_drafts, num_accepted)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
-        request.draft_acceptance = updated_acceptance(request.draft_acceptance, num_drafts, num_accepted)
+        request.draft_acceptance = updated_acceptance(previous, num_drafts, num_accepted)
         self.trace.record_verified(step, request, num_accepted)
         if not request.is_finished:  # a finished request's blocks are already freed
             # Tokens appended before a stop agree with the drafts up to num_accepted.

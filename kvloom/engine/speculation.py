@@ -22,8 +22,12 @@ Two rules, both in tokens:
   runs). A request below the bar for even one draft is offered one every
   ``PROBE_INTERVAL`` tokens, so that its estimate can recover; four times as seldom
   for a draft model, whose probe first catches its KV up over every token since the
-  last one; and never where the bar is out of reach (at or above 1: a draft model
-  in a step so big that even certain acceptance would not pay for it).
+  last one; never where the bar is out of reach (at or above 1: a draft model in a
+  step so big that even certain acceptance would not pay for it); and no more once
+  ``PROBE_EVIDENCE`` draft tokens, engine-wide, have been accepted less often than the
+  bar of a one-token step, the most favourable: then the proposer does not suit the
+  target (the first half of a model not trained for early exit agrees with the whole
+  on a few percent of tokens), and probing would only spend its forwards.
 
 The room left in a step is shared out one draft at a time, round robin, so that no
 request's long guess crowds out the others'.
@@ -46,6 +50,7 @@ STEP_FIXED_TOKENS = 8.0
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest verification in the moving estimate
 PROBE_INTERVAL = 16  # output tokens between probes of a request that drafts do not pay for
 MODEL_PROBE_INTERVAL = 4 * PROBE_INTERVAL  # the same with a proposer that costs steps
+PROBE_EVIDENCE = 256  # draft tokens verified before the engine-wide rate may stop probes
 
 
 def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> float:
@@ -62,6 +67,27 @@ class SpeculationPolicy:
         self.config = config
         self.draft_cost = draft_cost
         self.probe_interval = PROBE_INTERVAL if draft_cost == 0 else MODEL_PROBE_INTERVAL
+        self.num_draft_tokens = 0  # engine-wide, verified
+        self.num_accepted_tokens = 0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification's outcome, for the engine-wide acceptance rate."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
+    def acceptance_of(self, request: Request) -> float:
+        """The request's estimate; before its first verification, the engine-wide rate
+        once there is evidence (else 1.0: try the proposer)."""
+        if request.num_draft_tokens or self.num_draft_tokens < PROBE_EVIDENCE:
+            return request.draft_acceptance
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def probes_pay(self) -> bool:
+        """Until there is evidence, yes; then whether drafts are accepted at least as
+        often as a one-token step's bar asks."""
+        return (self.num_draft_tokens < PROBE_EVIDENCE
+                or self.num_accepted_tokens >= self.bar(1) * self.num_draft_tokens)
 
     def bar(self, num_step_tokens: int) -> float:
         """The chance of use a draft needs in a step of ``num_step_tokens`` other tokens."""
@@ -76,8 +102,9 @@ class SpeculationPolicy:
         limit = self.config.num_speculative_tokens
         if self.config.adaptive:
             bar = self.bar(num_step_tokens)
-            limit = min(limit, self._useful(request.draft_acceptance, bar))
-            if limit == 0 and bar < 1.0 and request.num_output_tokens % self.probe_interval == 0:
+            limit = min(limit, self._useful(self.acceptance_of(request), bar))
+            if limit == 0 and bar < 1.0 and request.num_output_tokens % self.probe_interval == 0 \
+                    and self.probes_pay:
                 limit = 1
         return max(0, min(limit, room))
 

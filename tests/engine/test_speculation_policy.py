@@ -12,11 +12,14 @@ from kvloom.request import Request
 from kvloom.sampling_params import SamplingParams
 
 
-def request(acceptance: float = 1.0, max_tokens: int = 100, num_output: int = 5) -> Request:
+def request(acceptance: float = 1.0, max_tokens: int = 100, num_output: int = 5,
+            verified: int = 4) -> Request:
+    """A request whose estimate is ``acceptance`` after ``verified`` drafts."""
     r = Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
     for _ in range(num_output):
         r.append_output_token(7)
     r.draft_acceptance = acceptance
+    r.num_draft_tokens = verified
     return r
 
 
@@ -54,6 +57,16 @@ def test_drafts_offered_follow_the_chance_of_use() -> None:
     assert costly.num_to_propose(request(1.0, num_output=64), 16) == 0
     assert costly.num_to_propose(request(0.05, num_output=64), 1) == 1  # a probe: the bar is 0.61
     assert costly.num_to_propose(request(0.05, num_output=16), 1) == 0  # probes are 64 tokens apart
+    # Once 256 drafts engine-wide were accepted less often than the one-token bar (0.61
+    # here), probes stop; a proposer that clears it keeps probing.
+    costly.record(300, 30)
+    assert costly.num_to_propose(request(0.05, num_output=64), 1) == 0
+    # A new request starts from the engine-wide rate (10% here), not from 1.0.
+    fresh = request(1.0, num_output=3, verified=0)
+    assert costly.acceptance_of(fresh) == pytest.approx(0.1) and costly.num_to_propose(fresh, 1) == 0
+    cheap = SpeculationPolicy(SpeculativeConfig("ngram"))
+    cheap.record(300, 200)
+    assert cheap.num_to_propose(request(0.05, num_output=16), 1) == 1
     fixed = SpeculationPolicy(SpeculativeConfig("ngram", num_speculative_tokens=6, adaptive=False))
     assert fixed.num_to_propose(request(0.01), 64) == 6
 
