@@ -24,7 +24,7 @@ Two rules, both in tokens:
   for a draft model, whose probe first catches its KV up over every token since the
   last one; never where the bar is out of reach (at or above 1: a draft model in a
   step so big that even certain acceptance would not pay for it); and no more once
-  ``PROBE_EVIDENCE`` draft tokens, engine-wide, have been accepted less often than the
+  ``PROBE_EVIDENCE`` (64) draft tokens, engine-wide, have been accepted less often than the
   bar of a one-token step, the most favourable: then the proposer does not suit the
   target (the first half of a model not trained for early exit agrees with the whole
   on a few percent of tokens), and probing would only spend its forwards.
@@ -50,7 +50,7 @@ STEP_FIXED_TOKENS = 8.0
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest verification in the moving estimate
 PROBE_INTERVAL = 16  # output tokens between probes of a request that drafts do not pay for
 MODEL_PROBE_INTERVAL = 4 * PROBE_INTERVAL  # the same with a proposer that costs steps
-PROBE_EVIDENCE = 256  # draft tokens verified before the engine-wide rate may stop probes
+PROBE_EVIDENCE = 64  # draft tokens verified before the engine-wide rate may stop probes
 
 
 def updated_acceptance(previous: float, num_drafts: int, num_accepted: int) -> float:

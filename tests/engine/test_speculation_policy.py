@@ -57,7 +57,7 @@ def test_drafts_offered_follow_the_chance_of_use() -> None:
     assert costly.num_to_propose(request(1.0, num_output=64), 16) == 0
     assert costly.num_to_propose(request(0.05, num_output=64), 1) == 1  # a probe: the bar is 0.61
     assert costly.num_to_propose(request(0.05, num_output=16), 1) == 0  # probes are 64 tokens apart
-    # Once 256 drafts engine-wide were accepted less often than the one-token bar (0.61
+    # Once 64 drafts engine-wide were accepted less often than the one-token bar (0.61
     # here), probes stop; a proposer that clears it keeps probing.
     costly.record(300, 30)
     assert costly.num_to_propose(request(0.05, num_output=64), 1) == 0
