@@ -100,12 +100,15 @@ class ModelRunner:
         failed: dict[str, RequestError] = {}
         grammar = self.structured.grammar_mask([(item.request, item.draft_token_ids) for item in sampling],
                                                failed)
+        rewinds = self._seeded_rewinds(sampling) if len(rows) > len(sampling) else {}
         result = self.sampler(
             logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
         token_ids, logprobs = result.token_ids, result.logprobs
         accepted: list[list[int]] | None = None
         if len(rows) > len(sampling):
             token_ids, logprobs, accepted, accepted_logprobs = verify_drafts(sampling, token_ids, logprobs)
+            for index, (generator, state) in rewinds.items():
+                self._advance_to(generator, state, len(accepted[index]) + 1)
         forced = self.structured.advance(requests, token_ids, failed, accepted) if grammar is not None else None
         aligned = self._align(output, token_ids, logprobs, forced, failed)
         if accepted is not None:
@@ -113,6 +116,27 @@ class ModelRunner:
             aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
         aligned.prompt_logprobs = prompt
         return aligned
+
+    def _seeded_rewinds(self, sampling: list[ScheduledRequest]) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+        """The generator state, before this step's draws, of each seeded random request
+        with drafts (by its index among the sampling requests)."""
+        rewinds = {}
+        for index, item in enumerate(sampling):
+            params = item.request.sampling_params
+            if item.draft_token_ids and params.seed is not None and not params.is_greedy:
+                generator = self._generator_for(item.request.request_id, params.seed)
+                assert generator is not None
+                rewinds[index] = (generator, generator.get_state())
+        return rewinds
+
+    def _advance_to(self, generator: torch.Generator, state: torch.Tensor, num_tokens: int) -> None:
+        """Leave a seeded request's generator as if it had drawn for ``num_tokens`` rows,
+        the tokens it produced, not one per draft: each output token then takes the
+        uniform of its position, so a seeded request gives the same tokens with and
+        without speculation (the sampler draws one uniform per row, in row order)."""
+        generator.set_state(state)
+        for _ in range(num_tokens):
+            torch.empty(1, dtype=torch.float32, device=self.device).uniform_(generator=generator)
 
     @staticmethod
     def _aligned_rows(output: SchedulerOutput, values: list[Any], missing: Any) -> list[Any]:
