@@ -33,7 +33,7 @@ from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec.proposer import Proposer, TargetModel, make_proposer
+from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class LLMEngine:
                                      else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Speculative decoding's proposer (kvloom/spec/), None when it is off.
+        # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None
         speculation = None
         if config.speculative_config is not None:

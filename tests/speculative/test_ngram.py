@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvloom.request import Request
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec.ngram import NgramProposer, lookup
+from kvloom.speculative.ngram import NgramProposer, lookup
 
 
 def reference(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:

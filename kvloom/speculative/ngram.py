@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvloom.request import Request
-from kvloom.spec.proposer import TargetModel
+from kvloom.speculative.proposer import TargetModel
 
 
 class _TokenBuffer:

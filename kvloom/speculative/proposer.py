@@ -52,9 +52,9 @@ class TargetModel:
 
 # method -> "module:function" building the proposer from a TargetModel; imported on use.
 PROPOSERS: dict[str, str] = {
-    "ngram": "kvloom.spec.ngram:build",
-    "draft": "kvloom.spec.draft_model:build_draft",
-    "layer_skip": "kvloom.spec.draft_model:build_layer_skip",
+    "ngram": "kvloom.speculative.ngram:build",
+    "draft": "kvloom.speculative.draft_model:build_draft",
+    "layer_skip": "kvloom.speculative.draft_model:build_layer_skip",
 }
 
 

@@ -35,7 +35,7 @@ from kvloom.request import Request
 from kvloom.runner.kv_pool import allocate_kv_pool
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec.proposer import TargetModel
+from kvloom.speculative.proposer import TargetModel
 
 _GREEDY = SamplingParams(temperature=0.0)
 
