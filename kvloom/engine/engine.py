@@ -263,3 +263,5 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.proposer is not None:
+            self.proposer.check_integrity()

@@ -65,6 +65,10 @@ class DraftModelProposer:
         if shadow is not None:
             self.kv.free(shadow)
 
+    def check_integrity(self) -> None:
+        """Every block of the draft's pool is held by exactly the live shadows."""
+        self.kv.check_integrity(list(self._shadows.values()))
+
     def _synced(self, request: Request) -> Request:
         """The request's shadow, rolled back to where it agrees with the target."""
         tokens = request.all_token_ids

@@ -89,6 +89,9 @@ class NgramProposer:
     def release(self, request_id: str) -> None:
         self._buffers.pop(request_id, None)
 
+    def check_integrity(self) -> None:
+        pass  # no blocks: a buffer per request, dropped by release
+
 
 def build(target: TargetModel) -> NgramProposer:
     spec = target.config.speculative_config

@@ -36,6 +36,10 @@ class Proposer(Protocol):
         """Forget a finished request."""
         ...
 
+    def check_integrity(self) -> None:
+        """Check the books of whatever the proposer allocates (a draft model's pool)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TargetModel:

@@ -85,6 +85,9 @@ class RankProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def check_integrity(self) -> None:
+        pass
+
 
 def sample(engine: LLMEngine, seeds: Sequence[int]) -> dict[int, tuple[int, ...]]:
     for seed in seeds:
