@@ -210,7 +210,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "layer_skip")  # kvloom/speculative/registry.py PROPOSERS
+SPECULATIVE_METHODS = ("ngram", "draft", "layer_skip")  # kvloom/speculative/proposer.py PROPOSERS
 # The step size, in tokens, up to which speculation runs (SpeculativeConfig.max_batched_tokens):
 # below it a CPU decode step is bound by streaming the weights, so verifying drafts costs
 # little; above it the step is compute-bound and drafts cost nearly what they save

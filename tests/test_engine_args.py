@@ -207,6 +207,9 @@ def test_the_choices_are_the_registries_names() -> None:
     from kvloom.engine.policy import POLICIES
     assert set(POLICY_NAMES) == set(POLICIES)
     assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+    from kvloom.config import SPECULATIVE_METHODS
+    from kvloom.speculative.proposer import PROPOSERS
+    assert set(SPECULATIVE_METHODS) == set(PROPOSERS)
 
 
 BAD_VALUES = [  # (argv, what the one-line error must say)

@@ -70,12 +70,8 @@ class Scheduler:
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
         self._chunk_cap = config.long_prefill_threshold or config.max_num_batched_tokens
-        # Speculative decoding: drafts verified, drafts accepted, verifications (an entry
-        # with at least one draft), cumulative.
+        # Speculative decoding's rules and its engine-wide counts (None when it is off).
         self.speculation = speculation
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_verifications = 0
 
     # ---- lifecycle -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,6 +114,20 @@ class Scheduler:
         if request is not None:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    # Speculative decoding, cumulative (kept by the speculation policy; 0 when it is off):
+    # drafts verified, drafts accepted, verifications (an entry with at least one draft).
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.speculation.num_draft_tokens if self.speculation else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.speculation.num_accepted_tokens if self.speculation else 0
+
+    @property
+    def num_verifications(self) -> int:
+        return self.speculation.num_verifications if self.speculation else 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -347,9 +357,6 @@ class Scheduler:
         assert self.speculation is not None
         previous = self.speculation.acceptance_of(request)
         self.speculation.record(num_drafts, num_accepted)
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        self.num_verifications += 1
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         request.draft_acceptance = updated_acceptance(previous, num_drafts, num_accepted)

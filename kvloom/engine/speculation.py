@@ -67,13 +67,17 @@ class SpeculationPolicy:
         self.config = config
         self.draft_cost = draft_cost
         self.probe_interval = PROBE_INTERVAL if draft_cost == 0 else MODEL_PROBE_INTERVAL
-        self.num_draft_tokens = 0  # engine-wide, verified
+        # Engine-wide, cumulative: draft tokens verified and accepted, verifications.
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One verification's outcome, for the engine-wide acceptance rate."""
+        """One verification's outcome: the engine-wide counts (the scheduler's stats and
+        the acceptance rate the rules read)."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        self.num_verifications += 1
 
     def acceptance_of(self, request: Request) -> float:
         """The request's estimate; before its first verification, the engine-wide rate
