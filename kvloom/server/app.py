@@ -78,7 +78,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         return {"object": "list", "data": [{
             "id": serving.served_name(info), "object": "model", "created": created,
             "owned_by": "kvloom", "root": info.model_name, "parent": None,
-            "max_model_len": info.max_model_len}]}
+            "max_model_len": info.max_model_len,
+            # kvloom's: the KV block size, which `kvloom router` checks workers agree on
+            "block_size": info.limits.block_size}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

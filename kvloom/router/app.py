@@ -1,0 +1,171 @@
+"""The router's FastAPI app: an OpenAI-compatible front over the workers.
+
+Generation requests go to the worker the policy picks from the request's routing key
+(``routing_key``); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
+loaded worker. The router validates nothing a worker validates: a bad body is passed
+to a worker, whose 400 comes back as is. ``/health``, ``/metrics`` and ``/version``
+are the router's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvloom import __version__
+from kvloom.router.config import RouterConfig
+from kvloom.router.metrics import RouterMetrics, sum_metrics
+from kvloom.router.policy import Decision, RoutingPolicy, WorkerLoad, make_policy
+from kvloom.router.proxy import Forward, Proxy
+from kvloom.router.workers import WorkerPool
+from kvloom.server.errors import install_error_handlers, overloaded
+from kvloom.server.middleware import BodySizeLimitMiddleware
+
+# Below the workers' keep-alive timeout (5 s by default), so that the router does not
+# send a request on a connection the worker is closing.
+KEEPALIVE_EXPIRY = 2.0
+
+
+@dataclass
+class Router:
+    """What the routes share; one per app."""
+
+    config: RouterConfig
+    policy: RoutingPolicy
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    proxy: Proxy
+
+
+def build_router(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> Router:
+    """The router's state; ``transport`` replaces the network (tests)."""
+    policy = make_policy(config.policy, config.policy_config)
+    metrics = RouterMetrics()
+    client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=config.connect_timeout),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=KEEPALIVE_EXPIRY))
+    pool = WorkerPool(config, client, metrics, on_down=policy.forget_worker)
+    return Router(config, policy, metrics, client, pool, Proxy(pool, client, metrics))
+
+
+def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router's app. Its lifespan runs the health checks and closes the client."""
+    router = build_router(config, transport)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        health = asyncio.create_task(router.pool.health_loop())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await router.client.aclose()
+
+    app = FastAPI(title="kvloom router", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.state.router = router
+
+    async def generate(request: Request) -> Response:
+        body = await request.body()
+        parsed = _json_object(body)
+        key = routing_key(request.url.path, parsed)
+        return await router.proxy.forward(Forward(
+            "POST", request.url.path, body, request.headers, parsed.get("stream") is True,
+            lambda candidates: router.policy.route(key, candidates)))
+
+    async def any_worker(request: Request) -> Response:
+        body = await request.body()
+        return await router.proxy.forward(Forward(request.method, request.url.path, body, request.headers,
+                                                  False, least_loaded))
+
+    app.add_api_route("/v1/completions", generate, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    app.add_api_route("/tokenize", any_worker, methods=["POST"])
+    app.add_api_route("/detokenize", any_worker, methods=["POST"])
+    app.add_api_route("/v1/models", any_worker, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one worker is up; 503 otherwise. Lists every worker's state."""
+        workers = {w.url: "up" if w.up else "down" for w in router.pool.workers.values()}
+        if not router.pool.up():
+            error = overloaded("no worker is up", code="no_worker_available")
+            body = error.body()
+            body["workers"] = workers
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "workers": workers})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        texts = await asyncio.gather(*(_worker_metrics(router, w.url) for w in router.pool.up()))
+        text = sum_metrics(t for t in texts if t is not None) + router.metrics.render()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def least_loaded(candidates: Sequence[WorkerLoad]) -> Decision:
+    """For requests that use no cache: the least loaded worker (the first of ties)."""
+    return Decision(min(candidates, key=lambda c: c.in_flight).worker, "least_loaded")
+
+
+async def _worker_metrics(router: Router, url: str) -> str | None:
+    try:
+        response = await router.client.get(f"{url}/metrics", timeout=router.config.health_timeout)
+    except httpx.HTTPError:
+        return None  # left out of the sums; the health check decides whether it is down
+    return response.text if response.status_code == 200 else None
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def routing_key(path: str, body: dict[str, Any]) -> str:
+    """The text whose prefix decides where a request goes: a completion's prompt (the
+    first of a batch; token ids as one character each), or a chat's message contents,
+    in order, each ended by a newline. A body the router cannot read has the key ""."""
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "".join(f"{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # A token id as one code point (mod the code space): same ids, same key.
+        return "".join(chr(t % 0x110000) for t in prompt)
+    return ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""

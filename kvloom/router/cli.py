@@ -1,0 +1,81 @@
+"""`kvloom router --worker URL ...`: argument parsing only; the work is in ``run_router``.
+
+Imported by kvloom/cli.py at start, so it imports nothing heavy: the router's modules
+load when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvloom.router.config import RouterConfig
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")  # kvloom/router/policy.py's registry
+
+
+def add_policy_args(group: argparse._ArgumentGroup, policy_flag: str = "--policy") -> None:
+    """The routing flags, shared by ``kvloom router`` and ``kvloom serve --data-parallel-size``."""
+    group.add_argument(policy_flag, dest="router_policy", default="cache_aware", choices=ROUTER_POLICIES,
+                       help="how requests are spread: cache_aware (the worker most likely to hold the "
+                            "prompt's prefix unless it is loaded beyond the balance thresholds), "
+                            "round_robin, least_loaded (default: %(default)s)")
+    group.add_argument("--cache-threshold", type=float, default=0.5,
+                       help="cache_aware: the share of the prompt a worker must have been sent before "
+                            "for a cache hit (default: %(default)s)")
+    group.add_argument("--balance-abs-threshold", type=int, default=8,
+                       help="cache_aware: a worker with more than this many requests in flight above the "
+                            "least loaded one (and --balance-rel-threshold times its load) gets no more "
+                            "(default: %(default)s)")
+    group.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                       help="cache_aware: see --balance-abs-threshold (default: %(default)s)")
+    group.add_argument("--max-tree-chars", type=int, default=1_000_000,
+                       help="cache_aware: characters of routed prompts remembered per worker, least "
+                            "recently used forgotten first (default: %(default)s)")
+    group.add_argument("--health-interval", type=float, default=2.0,
+                       help="seconds between health checks of each worker (default: %(default)s)")
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``router --worker URL [--worker URL ...] --host --port --policy ...``."""
+    router = subparsers.add_parser("router", help="OpenAI-compatible router in front of kvloom servers "
+                                                  "(data parallelism)")
+    group = router.add_argument_group("router")
+    group.add_argument("--worker", action="append", required=True, metavar="URL",
+                       help="a kvloom server's base URL, http://HOST:PORT (repeatable)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    group.add_argument("--api-key", default=os.environ.get("KVLOOM_API_KEY"),
+                       help="the workers' API key, for the router's own calls (default: $KVLOOM_API_KEY); "
+                            "clients' Authorization headers are passed through to the workers")
+    group.add_argument("--startup-timeout", type=float, default=60.0,
+                       help="seconds for every worker to answer at start (default: %(default)s)")
+    group.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="log level (default: %(default)s)")
+    add_policy_args(group)
+    router.set_defaults(run=run_router_command)
+
+
+def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
+    """The ``RouterConfig`` of the parsed flags (ValueError naming a bad one)."""
+    from kvloom.router.config import RouterConfig
+    from kvloom.router.policy import PolicyConfig
+
+    policy = PolicyConfig(cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+                          balance_rel_threshold=args.balance_rel_threshold, max_tree_chars=args.max_tree_chars)
+    return RouterConfig(tuple(workers), policy=args.router_policy, policy_config=policy,
+                        health_interval=args.health_interval, startup_timeout=args.startup_timeout,
+                        api_key=args.api_key)
+
+
+def run_router_command(args: argparse.Namespace) -> int:
+    from kvloom.router.main import configure_logging, run_router
+
+    config = router_config(args, args.worker)
+    configure_logging(args.log_level)
+    print(f"kvloom router: checking {len(args.worker)} worker(s)...", file=sys.stderr)
+    return run_router(config, host=args.host, port=args.port, log_level=args.log_level)
