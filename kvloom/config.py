@@ -159,6 +159,37 @@ class CacheConfig:
                              f"gpu_memory_utilization={utilization})")
 
 
+DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")  # ParallelConfig.distributed_backend
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes serve one model: ``tensor_parallel_size`` ranks each hold a
+    shard of every weight and of the KV pool (kvloom/distributed/). Rank 0 runs the
+    scheduler and samples; the others run the forward it broadcasts."""
+
+    tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-tp",),
+        "help": "ranks that shard the model (Megatron-style, on torch.distributed): spawned on "
+                "this host, or started by torchrun across hosts"})
+    distributed_backend: str = field(default="auto", metadata={
+        "choices": DISTRIBUTED_BACKENDS,
+        "help": "torch.distributed backend for tensor parallel: auto (nccl on CUDA, gloo on CPU)"})
+    distributed_timeout: float = field(default=300.0, metadata={
+        "help": "seconds a step's collective waits for the other ranks before every rank gives up "
+                "(a rank that dies is noticed at once; an idle engine never times out)"})
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}, "
+                             f"got {self.distributed_backend!r}")
+        if not isinstance(self.distributed_timeout, (int, float)) or self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 (seconds), got {self.distributed_timeout!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits and the scheduling policy. The scheduler thinks in tokens."""
@@ -347,6 +378,7 @@ class EngineConfig:
                 "\"model\", 'layer_skip' with \"num_layers\" (default: off)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -375,6 +407,10 @@ class EngineConfig:
         if self.speculative_config is not None:
             # A dict (LLM keyword) or JSON text (the flag) becomes the frozen config.
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            if self.speculative_config.method == "layer_skip" and self.parallel.tensor_parallel_size > 1:
+                raise ValueError("speculative_config method 'layer_skip' drafts with the target's own "
+                                 "layers, which tensor_parallel_size > 1 shards across ranks: use "
+                                 "'ngram' or 'draft' with tensor parallel")
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:

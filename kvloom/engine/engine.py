@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.attention.registry import make_backend
 from kvloom.batch import LogprobsEntry
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
@@ -28,26 +27,14 @@ from kvloom.engine.speculation import SpeculationPolicy
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.models.loader import load_checkpoint
-from kvloom.models.registry import load_model
 from kvloom.request import Request, RequestError, RequestStatus
-from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
+from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.model_runner import ModelRunner
+from kvloom.runner.tensor_parallel import load_first_rank, max_model_len_for
 from kvloom.sampling_params import SamplingParams
 from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    # bf16 by default: AMX/oneDNN on CPU and tensor cores on GPU run it fastest.
-    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
 
 
 @dataclass(frozen=True)
@@ -107,22 +94,16 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        if mc.sliding_window:
-            # Sliding-window attention is not implemented: stay within the window instead.
-            self.max_model_len = min(self.max_model_len, mc.sliding_window)
-        self.model = load_model(mc, self.max_model_len, checkpoint.weights(), self.device, self.dtype,
-                                config.matmul, config.decoder_stack == "native")
+        self.max_model_len = max_model_len_for(config, mc)
+        # The model and its KV pool: here, or as rank 0 of a tensor-parallel group whose
+        # other ranks hold the other shards (runner/tensor_parallel.py).
+        self.first_rank = load_first_rank(config, mc, checkpoint, self.device, self.dtype, self.max_model_len)
+        shard = self.first_rank.shard
+        self.device = self.first_rank.device
+        self.model, self.num_blocks, backend = shard.model, shard.num_blocks, shard.backend
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size
-        memory = (device_memory(self.device) if config.cache.gpu_memory_utilization is not None
-                  and config.cache.num_blocks is None else None)
-        self.num_blocks = num_blocks_for(config.cache, mc, self.dtype, memory)
-        kv_caches = allocate_kv_pool(mc, self.num_blocks, block_size, self.dtype, self.device)
-        backend = make_backend(config.attention_backend, self.device, mc.num_heads,
-                               mc.num_kv_heads, mc.head_dim)
         pool = BlockPool(self.num_blocks)
         prefix_cache: PrefixCache = (RadixCache(pool, block_size) if config.cache.enable_prefix_caching
                                      else NoPrefixCache())
@@ -142,11 +123,12 @@ class LLMEngine:
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
                                          make_policy(config.scheduler), self.limits,
                                          StopChecker(self.output_processor), speculation)
-        self.runner = ModelRunner(self.model, kv_caches, block_size, backend, self.device,
+        self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
-                    "%s attention", self.model_name, time.monotonic() - started, self.dtype, self.device,
-                    self.max_model_len, self.num_blocks, block_size, backend.name)
+                    "%s attention%s", self.model_name, time.monotonic() - started, self.dtype, self.device,
+                    self.max_model_len, self.num_blocks, block_size, backend.name,
+                    f", tensor parallel {self.first_rank.group.size}" if self.first_rank.group.size > 1 else "")
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 
@@ -260,6 +242,11 @@ class LLMEngine:
                            s.policy.num_fcfs_fallbacks, s.num_prefill_tokens,
                            s.num_generated_tokens, s.num_draft_tokens, s.num_accepted_tokens,
                            s.num_verifications)
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's other ranks and leave its process group (a
+        single-process engine holds nothing to release). The engine serves no more."""
+        self.first_rank.shutdown()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

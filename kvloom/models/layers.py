@@ -1,4 +1,5 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated MLP,
+the (vocabulary-parallel) embedding.
 
 Numerics follow Hugging Face transformers exactly (norms in float32, rotary tables in
 float32 cast to the activation dtype) so that greedy outputs are token-identical. The
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
+from kvloom.models.sharding import column_split, vocab_split
 
 
 class RMSNorm(nn.Module):
@@ -74,13 +77,55 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
+    parallel each rank holds its share of the intermediate features (gate/up
+    column-parallel, down row-parallel) and the down projection's partial sums are
+    all-reduced; its bias (if any) is held by rank 0 alone, so it is added once."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        start, end = column_split(intermediate_size, tp.rank, tp.size)
+        self.intermediate_size = end - start
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding; under tensor parallel each rank holds the rows of its share
+    of the token ids (padded: ``weight`` has ``ceil(vocab / ranks)`` rows, the padding
+    zero), looks up the ids it holds, zeroes the others, and the ranks' lookups are
+    summed: exactly one rank contributes each row, so the sum is exact."""
+
+    def __init__(self, vocab_size: int, hidden_size: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, self.end, rows = vocab_split(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
+
+    @property
+    def num_real_rows(self) -> int:
+        """Rows that hold token ids (the rest is padding)."""
+        return self.end - self.start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return torch.nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        elsewhere = (local < 0) | (local >= self.num_real_rows)
+        hidden = torch.nn.functional.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the ranks' logit columns [rows, padded shard] gathered into [rows,
+        vocab] (padding cut); the other ranks get their own columns back."""
+        if self.tp.size == 1:
+            return local
+        full = self.tp.gather_to_first(local)
+        return full[..., :self.vocab_size] if self.tp.is_first else full

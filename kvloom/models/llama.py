@@ -3,6 +3,8 @@
 The differences are flags on ModelConfig (q/k/v bias, tied embeddings, rope scaling).
 Q/K/V and gate/up are fused into single matmuls at load time; ``load_weights``
 accepts Hugging Face parameter names and routes each shard into the fused tensors.
+Under tensor parallel (``tp``, models/sharding.py) each rank builds its share of the
+heads, features and vocabulary, and reads only that part of each checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -17,20 +19,26 @@ from torch import nn
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+from kvloom.models.sharding import TensorSlice, llama_weight_slice, tensor_parallel_problem
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Under tensor parallel a rank holds ``1 / ranks`` of the query heads and of the KV
+    heads (the KV pool of its heads too); the output projection is row-parallel."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -47,31 +55,36 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache, batch, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [tokens, hidden]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))  # [tokens, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
+        problem = tensor_parallel_problem(config, tp.size)
+        if problem is not None:
+            raise ValueError(problem)
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         # The layers walked in one native call (models/decoder_stack.py), once asked for
         # by use_native_stack; the module path below is the reference and the fallback.
         self.native_stack: NativeDecoderStack | None = None
@@ -96,9 +109,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab]; under tensor parallel a collective (every rank
+        calls it with the same rows), whose full result is rank 0's."""
         if self.lm_head is None:  # tied: the embedding table is the output head
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, vocab]
-        return self.lm_head(hidden)
+            local = torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, shard]
+        else:
+            local = self.lm_head(hidden)
+        return self.embed_tokens.gather_logits(local)
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Pack the matmul weights once for the ``matmul`` kernel (models/packed_linear.py:
@@ -118,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         """The self-speculative draft (layer skip): this model's first ``num_layers``
         decoder layers, then its final norm and output head, all shared (no weight is
         copied; call after ``pack_weights``). Its KV pool has ``num_layers`` layers."""
+        if self.tp.size > 1:
+            raise ValueError("layer_skip drafts cannot run on a tensor-parallel model")
         if not 0 < num_layers < len(self.layers):
             raise ValueError(f"speculative_config.num_layers must be in [1, {len(self.layers) - 1}] "
                              f"(the model has {len(self.layers)} layers), got {num_layers}")
@@ -135,16 +154,24 @@ class LlamaForCausalLM(nn.Module):
         """Walk the decoder layers in one native call from now on, where a forward's
         cache and backend allow (call after ``pack_weights``; the weights must not move
         afterwards). Returns None, or why the model cannot (then the modules run)."""
+        if self.tp.size > 1:
+            return "tensor parallel: the layers all-reduce between kernels"
         self.native_stack, reason = NativeDecoderStack.build(self)
         return None if self.native_stack is not None else reason
 
     # ---- loading ---------------------------------------------------------------------
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it)."""
+        return llama_weight_slice(self.config, hf_name, self.tp.rank, self.tp.size)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; raise if any parameter is left unset or a name is unknown."""
+        """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any
+        parameter is left unset or a name is unknown."""
         params = dict(self.named_parameters())
-        # HF name fragment -> (our fused parameter fragment, shard offset function)
-        q, kv = self.config.num_heads * self.config.head_dim, self.config.num_kv_heads * self.config.head_dim
-        inter = self.config.intermediate_size
+        # HF name fragment -> (our fused parameter fragment, offset, size), in this rank's shard
+        attention = self.layers[0].self_attn
+        q, kv = attention.q_size, attention.kv_size
+        inter = self.layers[0].mlp.intermediate_size
         fused = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
@@ -167,11 +194,21 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
             param = params[target]
             dest = param.data if offset is None else param.data[offset:offset + size]
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                dest = dest[:self.embed_tokens.num_real_rows]  # the padding rows stay zero
             if dest.shape != tensor.shape:
                 raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + tensor.numel()
+        padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in filled:
+                filled[name] += padding
+        if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0
+            for name, param in params.items():
+                if name.endswith(("o_proj.bias", "down_proj.bias")):
+                    param.data.zero_()
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"

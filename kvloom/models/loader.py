@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvloom.models.errors import ModelLoadError
+from kvloom.models.sharding import TensorSlice
 from kvloom.paths import kvloom_home
 from kvloom.tokenizer import Tokenizer
 
@@ -36,6 +37,10 @@ _GGUF_CACHE_MAX_BYTES = 4 << 30
 _GGUF_CACHE_VERSION = 1
 
 
+# HF parameter name -> the part of that tensor to read (None: all of it).
+SliceOf = Callable[[str], TensorSlice | None]
+
+
 @dataclass
 class Checkpoint:
     """A model's HF-style config, tokenizer and (lazily read) parameters."""
@@ -45,11 +50,21 @@ class Checkpoint:
     tokenizer: Tokenizer
     path: Path
     weight_source: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # Reads only the asked-for part of each tensor (safetensors' slices: a tensor-parallel
+    # rank reads its shard, not the whole checkpoint); None where the source cannot.
+    sliced_source: Callable[[SliceOf], Iterator[tuple[str, torch.Tensor]]] | None = field(
+        default=None, repr=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, slice_of: SliceOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF parameter name, tensor)`` one at a time; ``lm_head.weight``
-        is absent when embeddings are tied. Each call starts a fresh pass."""
-        return self.weight_source()
+        is absent when embeddings are tied. Each call starts a fresh pass. With
+        ``slice_of``, each tensor is cut to ``slice_of(name)``: read as that slice from
+        safetensors, cut after reading from other sources (a GGUF too large to cache)."""
+        if slice_of is None:
+            return self.weight_source()
+        if self.sliced_source is not None:
+            return self.sliced_source(slice_of)
+        return _cut(self.weight_source(), slice_of)
 
 
 def load_checkpoint(model: str, home: str | Path | None = None,
@@ -119,14 +134,31 @@ def _load_hf_dir(path: Path, name: str) -> Checkpoint:
         hf_config["bos_token_id"] = tokenizer.bos_token_id
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        return sliced_weights(lambda _: None)
+
+    def sliced_weights(slice_of: SliceOf) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for shard in shards:
             with safe_open(str(shard), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
-                    yield key, handle.get_tensor(key)
+                    part = slice_of(key)
+                    if part is None:
+                        yield key, handle.get_tensor(key)
+                        continue
+                    tensor = handle.get_slice(key)
+                    index = [slice(None)] * len(tensor.get_shape())
+                    index[part.dim] = slice(part.start, part.end)
+                    yield key, tensor[tuple(index)]
 
-    return Checkpoint(name, hf_config, tokenizer, path, weights)
+    return Checkpoint(name, hf_config, tokenizer, path, weights, sliced_weights)
+
+
+def _cut(weights: Iterator[tuple[str, torch.Tensor]], slice_of: SliceOf) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        part = slice_of(name)
+        yield name, (tensor if part is None
+                     else tensor.narrow(part.dim, part.start, part.end - part.start).contiguous())
 
 
 def _safetensors_shards(path: Path) -> list[Path]:

@@ -6,13 +6,17 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+
+if TYPE_CHECKING:
+    from kvloom.models.loader import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,11 @@ class CausalLM(Protocol):
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def weight_slice(self, hf_name: str) -> Any:
+        """The ``TensorSlice`` of checkpoint tensor ``hf_name`` this rank holds, or None
+        for all of it (always None without tensor parallel)."""
+        ...
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Swap the linear layers for the ``matmul`` kernel's; returns how many."""
@@ -69,17 +78,20 @@ def model_class(architecture: str) -> Any:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
-    model: CausalLM = model_class(config.architecture)(config, max_positions)
+def build_model(config: ModelConfig, max_positions: int,
+                tp: TensorParallelGroup = SINGLE_PROCESS) -> CausalLM:
+    model: CausalLM = model_class(config.architecture)(config, max_positions, tp)
     return model
 
 
-def load_model(config: ModelConfig, max_positions: int, weights: Iterable[tuple[str, torch.Tensor]],
-               device: torch.device, dtype: torch.dtype, matmul: str, native_stack: bool) -> CausalLM:
+def load_model(config: ModelConfig, max_positions: int, checkpoint: Checkpoint,
+               device: torch.device, dtype: torch.dtype, matmul: str, native_stack: bool,
+               tp: TensorParallelGroup = SINGLE_PROCESS) -> CausalLM:
     """Build, fill, move and pack a model as the engine runs it (the target and a
-    draft model alike); ``native_stack`` asks for the one-call decoder walk on CPU."""
-    model = build_model(config, max_positions)
-    model.load_weights(weights)
+    draft model alike); ``native_stack`` asks for the one-call decoder walk on CPU.
+    Under tensor parallel (``tp``) this rank's shard, reading only its slices."""
+    model = build_model(config, max_positions, tp)
+    model.load_weights(checkpoint.weights(model.weight_slice if tp.size > 1 else None))
     model.to(device=device, dtype=dtype)  # in place, as nn.Module.to is
     model.eval()
     model.pack_weights(matmul)

@@ -157,7 +157,7 @@ def build_draft(target: TargetModel) -> DraftModelProposer:
     if config.max_position_embeddings < target.max_model_len:
         raise ValueError(f"speculative_config.model {spec.model!r} handles {config.max_position_embeddings} "
                          f"positions, fewer than the target's context of {target.max_model_len}")
-    model = load_model(config, target.max_model_len, checkpoint.weights(), target.device, target.dtype,
+    model = load_model(config, target.max_model_len, checkpoint, target.device, target.dtype,
                        target.config.matmul, target.config.decoder_stack == "native")
     # A decode step streams the weights: a draft step costs its share of the weights.
     return DraftModelProposer("draft", model, config, target,

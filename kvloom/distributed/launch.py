@@ -1,0 +1,160 @@
+"""How the ranks of a tensor-parallel engine start and agree.
+
+Two ways in, one code path after:
+
+- **spawned** (one host, the default): rank 0 is the process that built the engine;
+  it picks a free loopback port and starts ranks 1..N-1 as child processes (``spawn``,
+  daemonic: they die with it), each entering ``worker`` with its ``RankPlacement``;
+- **torchrun** (any number of hosts): every rank runs the same command; ranks and the
+  rendezvous come from torchrun's environment (``env://``). Rank 0 serves, the others
+  enter the worker loop (kvloom/cli.py asks ``torchrun_placement`` first).
+
+Every rank then loads its shard on its own and all of them meet once in ``agree``:
+each reports its error (if any), what it loaded and how many KV blocks fit in its
+memory, and every rank raises the same message naming the first rank that failed or
+differs. So a bad configuration fails at start, on every rank, never as a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvloom.config import EngineConfig
+from kvloom.distributed.group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+# The control group's timeout: rank 0's step messages may be days apart (an idle
+# server); dead ranks are noticed by their closed sockets, not by this.
+_CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+class RankFailed(RuntimeError):
+    """A rank could not start (its error, or it disagrees with rank 0)."""
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank sits: ``rank`` of ``size``, ``local_rank`` on its host (its CUDA
+    device), ``local_size`` ranks on the host (they share its cores), and the
+    rendezvous every rank of the group passes to ``init_process_group``."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    init_method: str
+    cores: tuple[int, ...] | None = None  # CPU cores this rank is pinned to (spawned ranks)
+
+
+def torchrun_placement() -> RankPlacement | None:
+    """This process's placement when torchrun started it (its environment), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    env = os.environ
+    return RankPlacement(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), "env://")
+
+
+def rank_device(device: torch.device, placement: RankPlacement) -> torch.device:
+    """A CUDA rank uses the GPU of its local rank; CPU ranks share the host."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", placement.local_rank)
+    return device
+
+
+def spawn_workers(config: EngineConfig, worker: Callable[[EngineConfig, RankPlacement], None]
+                  ) -> tuple[RankPlacement, list[Any]]:
+    """Rank 0's placement, and ranks 1..N-1 started as child processes running
+    ``worker(config, placement)``. Each rank is pinned to its share of this process's
+    cores (on 2 cores with 2 ranks: one each), so the ranks' thread pools do not
+    contend for the same core."""
+    size = config.parallel.tensor_parallel_size
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // size
+
+    def placement(rank: int) -> RankPlacement:
+        pinned = tuple(cores[rank * share:(rank + 1) * share]) if share else None
+        return RankPlacement(rank, size, rank, size, f"tcp://127.0.0.1:{port}", pinned)
+
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        process = context.Process(target=worker, args=(config, placement(rank)), daemon=True,
+                                  name=f"kvloom-tp-rank{rank}")
+        process.start()
+        processes.append(process)
+    return placement(0), processes
+
+
+def join_group(config: EngineConfig, placement: RankPlacement, device: torch.device) -> TensorParallelGroup:
+    """Initialise torch.distributed for this rank and return its group (after placing
+    its threads: ``num_threads``, else the host's cores shared among its ranks)."""
+    import torch.distributed as dist
+
+    if placement.cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, placement.cores)
+    torch.set_num_threads(config.num_threads or max(1, (len(placement.cores or ())
+                                                         or (os.cpu_count() or 1) // placement.local_size)))
+    parallel = config.parallel
+    backend = parallel.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=placement.init_method, rank=placement.rank,
+                            world_size=placement.size,
+                            timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
+    # The control group is gloo on every device: its messages are small host tensors.
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return TensorParallelGroup(placement.rank, placement.size, device, dist.group.WORLD, control)
+
+
+def agree(group: TensorParallelGroup, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``report`` (rank order), once all have arrived. ``report["error"]``
+    is a rank's startup error or None; the other keys must be equal on every rank,
+    except ``num_blocks`` (what fits in the rank's memory: the group takes the least).
+    Raises RankFailed on every rank when any rank failed or differs."""
+    if group.size == 1:
+        return [report]
+    import torch.distributed as dist
+
+    reports: list[Any] = [None] * group.size
+    dist.all_gather_object(reports, report, group=group.control_group)
+    for rank, other in enumerate(reports):
+        if other.get("error"):
+            raise RankFailed(f"tensor-parallel rank {rank} of {group.size} failed to start: {other['error']}")
+    first = reports[0]
+    for rank, other in enumerate(reports[1:], start=1):
+        for key, value in first.items():
+            if key not in ("error", "num_blocks") and other.get(key) != value:
+                raise RankFailed(f"tensor-parallel rank {rank} was started with a different {key}: "
+                                 f"{other.get(key)!r}, rank 0 has {value!r}")
+    return reports
+
+
+def leave_group(processes: list[Any], timeout: float = 30.0) -> None:
+    """Tear this rank's group down; rank 0 also waits for the ranks it spawned (and
+    terminates any that do not exit within ``timeout`` seconds)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for process in processes:
+        process.join(timeout)
+        if process.is_alive():
+            logger.warning("tensor-parallel %s did not exit: terminating it", process.name)
+            process.terminate()
+            process.join(5)

@@ -1,0 +1,312 @@
+"""Tensor parallel in the runner: rank 0 drives, the other ranks follow.
+
+Rank 0 holds the scheduler, the sampler and every request's state; the other ranks
+hold only their shard of the weights and of the KV pool (their heads, the same block
+ids). Each step rank 0 sends the one thing a shard needs: the step's ``ForwardBatch``
+(flat token ids, positions, slots, block tables, lengths: the compact form of the
+``SchedulerOutput``), packed into one int64 tensor. A message is a fixed-size header
+on the control group (which may wait indefinitely: an idle engine sends nothing),
+then its payload on the step's group:
+
+    FORWARD  header (sizes)  -> payload: the packed batch     every rank runs the model
+    LOGITS   header (rows)   -> payload: the rows' hidden     every rank computes its vocab
+                                                              columns, gathered on rank 0
+    STOP     header                                           the ranks leave
+
+``TensorParallelModel`` is rank 0's model: it sends the message, then runs its own
+shard, so the runner (and prompt logprobs) call it exactly as a single-process
+model. ``serve_rank`` is the other ranks' loop; ``run_worker`` a spawned or
+torchrun-started rank's whole life.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.attention.registry import make_backend
+from kvloom.batch import ForwardBatch
+from kvloom.config import EngineConfig, ModelConfig
+from kvloom.distributed.group import TensorParallelGroup
+from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_group, rank_device
+from kvloom.models.registry import CausalLM, load_model
+from kvloom.models.sharding import rank_view
+from kvloom.runner.device import resolve_device, resolve_dtype
+from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
+
+logger = logging.getLogger(__name__)
+
+FORWARD, LOGITS, STOP = 1, 2, 3
+_HEADER = 6  # command, then up to five sizes
+
+
+# ---- the step's wire format ---------------------------------------------------------
+def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+    """The sizes (tokens, sequences, table width, logit rows) and one flat int64 tensor:
+    input ids, positions, slots, block tables, sequence lengths, query starts, logit
+    rows, in that order."""
+    parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables.flatten(),
+             batch.seq_lens, batch.query_start_loc, batch.logits_indices]
+    sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel()]
+    return sizes, torch.cat([part.to(torch.int64) for part in parts])
+
+
+def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> ForwardBatch:
+    """``pack_batch``'s inverse: the same tensors (dtypes included) and host lists."""
+    tokens, seqs, width, rows = sizes
+    input_ids, positions, slots, tables, seq_lens, starts, logits = flat.split(
+        [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows])
+    starts_list = starts.tolist()
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, slot_mapping=slots,
+        block_tables=tables.view(seqs, width).to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+        query_start_loc=starts.to(torch.int32), logits_indices=logits,
+        query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:], strict=False)],
+        seq_lens_list=seq_lens.tolist(), block_size=block_size)
+
+
+def _header(command: int, sizes: Iterable[int] = ()) -> torch.Tensor:
+    values = [command, *sizes]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64)
+
+
+# ---- rank 0 -----------------------------------------------------------------------
+class TensorParallelModel:
+    """Rank 0's model under tensor parallel: each forward and each logits call first
+    tells the other ranks to do the same, then runs this rank's shard. A collective
+    that fails (a rank died, or timed out) raises here: an engine fault."""
+
+    def __init__(self, model: CausalLM, group: TensorParallelGroup, hidden_size: int,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.group = group
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self._stopped = False
+
+    def __call__(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                 metadata: Any) -> torch.Tensor:
+        sizes, flat = pack_batch(batch)
+        self.group.broadcast(_header(FORWARD, sizes), control=True)
+        self.group.broadcast(flat.to(self.group.device))
+        return self.model(batch, kv_caches, backend, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        self.group.broadcast(_header(LOGITS, [hidden.shape[0]]), control=True)
+        self.group.broadcast(hidden)
+        return self.model.compute_logits(hidden)
+
+    def stop(self) -> None:
+        """Tell the other ranks to leave (once; a broken group is left as it is)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.group.broadcast(_header(STOP), control=True)
+        except RuntimeError as error:  # a rank is already gone
+            logger.info("tensor-parallel stop: %s", error)
+
+    # The rest of CausalLM: this rank's shard answers.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_weights(weights)
+
+    def weight_slice(self, hf_name: str) -> Any:
+        return self.model.weight_slice(hf_name)
+
+    def pack_weights(self, matmul: str = "invariant") -> int:
+        return self.model.pack_weights(matmul)
+
+    def use_native_stack(self) -> str | None:
+        return self.model.use_native_stack()
+
+    def first_layers(self, num_layers: int) -> CausalLM:
+        raise ValueError("layer_skip drafts cannot run on a tensor-parallel model")
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.to(*args, **kwargs)
+
+    def eval(self) -> Any:
+        return self.model.eval()
+
+
+# ---- every rank: its shard ----------------------------------------------------------------
+@dataclass
+class RankShard:
+    """One rank's part of the engine: the model's shard, and its KV pool (its heads of
+    every block) with the attention backend over it."""
+
+    model: CausalLM
+    kv_caches: torch.Tensor
+    backend: AttentionBackend[Any]
+    num_blocks: int
+
+
+def max_model_len_for(config: EngineConfig, model: ModelConfig) -> int:
+    """The context length: the configured one, capped by the model's (and its sliding
+    window, which kvloom does not implement: it stays within it)."""
+    length = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    return min(length, model.sliding_window) if model.sliding_window else length
+
+
+def fitting_blocks(config: EngineConfig, model: ModelConfig, group: TensorParallelGroup,
+                   device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks of this rank's heads that fit in its memory (the group takes the least)."""
+    memory = (device_memory(device) if config.cache.gpu_memory_utilization is not None
+              and config.cache.num_blocks is None else None)
+    return num_blocks_for(config.cache, rank_view(model, group.size), dtype, memory)
+
+
+def build_pool(config: EngineConfig, model: ModelConfig, group: TensorParallelGroup, num_blocks: int,
+               device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, AttentionBackend[Any]]:
+    """This rank's KV pool (its KV heads, ``num_blocks`` blocks) and attention backend."""
+    local = rank_view(model, group.size)
+    kv_caches = allocate_kv_pool(local, num_blocks, config.cache.block_size, dtype, device)
+    backend = make_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
+                           local.head_dim)
+    return kv_caches, backend
+
+
+def startup_report(config: EngineConfig, model: ModelConfig | None, num_blocks: int,
+                   error: BaseException | None) -> dict[str, Any]:
+    """What a rank tells the others at start (``agree``): its error, and what must match."""
+    return {"error": None if error is None else f"{type(error).__name__}: {error}",
+            "model": None if model is None else repr(model), "dtype": config.dtype,
+            "block_size": config.cache.block_size, "max_model_len": config.max_model_len,
+            "matmul": config.matmul, "num_blocks": num_blocks}
+
+
+def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, dtype: torch.dtype,
+               block_size: int) -> None:
+    """A rank other than 0: run what rank 0 sends until STOP. Returns after STOP; a
+    failed collective (rank 0 died) raises."""
+    with torch.inference_mode():
+        while True:
+            header = group.broadcast(_header(0), control=True).tolist()
+            command, sizes = header[0], header[1:]
+            if command == STOP:
+                return
+            if command == FORWARD:
+                flat = torch.empty(sum(_payload_lengths(sizes)), dtype=torch.int64, device=group.device)
+                batch = unpack_batch(sizes[:4], group.broadcast(flat), block_size)
+                shard.model(batch, shard.kv_caches, shard.backend, shard.backend.prepare(batch))
+            elif command == LOGITS:
+                hidden = torch.empty(sizes[0], hidden_size, dtype=dtype, device=group.device)
+                shard.model.compute_logits(group.broadcast(hidden))
+            else:
+                raise RuntimeError(f"tensor-parallel rank {group.rank}: unknown command {command}")
+
+
+def _payload_lengths(sizes: list[int]) -> list[int]:
+    tokens, seqs, width, rows = sizes[:4]
+    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows]
+
+
+def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
+    """A rank > 0 from start to STOP: join the group, load this rank's shard, agree
+    with the others, then follow rank 0's steps. Spawned by rank 0 or started by
+    torchrun (kvloom/cli.py). Raises RankFailed when the group cannot start."""
+    from kvloom.models.loader import load_checkpoint
+
+    device = rank_device(resolve_device(config.device), placement)
+    dtype = resolve_dtype(config.dtype)
+    group = join_group(config, placement, device)
+    try:
+        model_config, model, own_blocks, error = None, None, 0, None
+        try:
+            checkpoint = load_checkpoint(config.model, revision=config.revision)
+            model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            model = load_model(model_config, max_model_len_for(config, model_config), checkpoint, device,
+                               dtype, config.matmul, False, group)
+            own_blocks = fitting_blocks(config, model_config, group, device, dtype)
+        except Exception as failure:  # noqa: BLE001 - reported to every rank by agree
+            error = failure
+        reports = agree(group, startup_report(config, model_config, own_blocks, error))
+        assert model is not None and model_config is not None  # agree raised otherwise
+        num_blocks = min(report["num_blocks"] for report in reports)
+        kv_caches, backend = build_pool(config, model_config, group, num_blocks, device, dtype)
+        serve_rank(group, RankShard(model, kv_caches, backend, num_blocks), model_config.hidden_size,
+                   dtype, config.cache.block_size)
+    finally:
+        leave_group([])
+
+
+@dataclass
+class FirstRank:
+    """What the engine (rank 0) holds: its model (a ``TensorParallelModel`` when there
+    are other ranks), its pool, the group, and the rank processes it spawned."""
+
+    shard: RankShard
+    group: TensorParallelGroup
+    processes: list[Any]
+    device: torch.device  # this rank's (a CUDA rank's is the GPU of its local rank)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the group (no-op for one process)."""
+        if self.group.size == 1:
+            return
+        if isinstance(self.shard.model, TensorParallelModel):
+            self.shard.model.stop()
+        leave_group(self.processes)
+
+
+def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint: Any,
+                    device: torch.device, dtype: torch.dtype, max_model_len: int) -> FirstRank:
+    """The engine's model and KV pool: in this process alone, or as rank 0 of
+    ``tensor_parallel_size`` (spawning the others here, or joining torchrun's group).
+    A model the size cannot split is refused before any rank starts; a rank that fails
+    to start fails the engine with that rank's error."""
+    from kvloom.distributed.group import SINGLE_PROCESS
+    from kvloom.distributed.launch import RankFailed, spawn_workers, torchrun_placement
+    from kvloom.models.sharding import tensor_parallel_problem
+
+    size = config.parallel.tensor_parallel_size
+    problem = tensor_parallel_problem(model_config, size)
+    if problem is not None:
+        raise ValueError(problem)
+    native = config.decoder_stack == "native"
+    if size == 1:
+        model = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul, native)
+        num_blocks = fitting_blocks(config, model_config, SINGLE_PROCESS, device, dtype)
+        kv_caches, backend = build_pool(config, model_config, SINGLE_PROCESS, num_blocks, device, dtype)
+        return FirstRank(RankShard(model, kv_caches, backend, num_blocks), SINGLE_PROCESS, [], device)
+    placement = torchrun_placement()
+    processes: list[Any] = []
+    if placement is None:
+        placement, processes = spawn_workers(config, run_worker)
+    elif placement.size != size or placement.rank != 0:
+        raise ValueError(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
+                         f"but tensor_parallel_size is {size}: start {size} ranks, and build the "
+                         "engine on rank 0 only (kvloom serve / generate run the other ranks' loop)")
+    device = rank_device(device, placement)
+    group = join_group(config, placement, device)
+    try:
+        error: BaseException | None = None
+        try:
+            local = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul,
+                               native, group)
+            own_blocks = fitting_blocks(config, model_config, group, device, dtype)
+        except Exception as failure:  # noqa: BLE001 - the others must hear of it before we raise
+            error, own_blocks = failure, 0
+        try:
+            reports = agree(group, startup_report(config, model_config, own_blocks, error))
+        except RankFailed:
+            if error is not None:
+                raise error from None
+            raise
+        num_blocks = min(report["num_blocks"] for report in reports)
+        kv_caches, backend = build_pool(config, model_config, group, num_blocks, device, dtype)
+        model = TensorParallelModel(local, group, model_config.hidden_size, dtype)
+        logger.info("tensor parallel: rank 0 of %d (%s), %d KV blocks of this rank's %d KV heads",
+                    size, placement.init_method, num_blocks, model_config.num_kv_heads // size)
+        return FirstRank(RankShard(model, kv_caches, backend, num_blocks), group, processes, device)
+    except BaseException:
+        for process in processes:
+            process.terminate()
+        leave_group(processes, timeout=10)
+        raise
