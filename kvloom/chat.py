@@ -21,7 +21,8 @@ def run_chat(model: str, engine_args: dict[str, Any], params: SamplingParams,
              system: str | None) -> int:
     from kvloom.engine.llm import LLM
 
-    return chat_loop(LLM(model, **engine_args), params, system)
+    with LLM(model, **engine_args) as llm:
+        return chat_loop(llm, params, system)
 
 
 def chat_loop(llm: LLM, params: SamplingParams, system: str | None,

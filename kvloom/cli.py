@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvloom.models.errors import ModelLoadError
     try:
+        if hasattr(args, "tensor_parallel_size"):
+            rank = _torchrun_worker_rank(args)
+            if rank is not None:
+                return rank
         return args.run(args)
     except (ModelLoadError, MissingExtra) as error:
         print(f"kvloom: error: {error}", file=sys.stderr)
@@ -77,6 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _torchrun_worker_rank(args: argparse.Namespace) -> int | None:
+    """Under torchrun every rank runs the same command: rank 0 runs it, the others
+    serve their tensor-parallel shard until rank 0 stops (their exit status), here."""
+    from kvloom.distributed.launch import torchrun_placement
+    placement = torchrun_placement()
+    if placement is None or placement.rank == 0:
+        return None
+    import logging
+
+    from kvloom.config import EngineConfig
+    from kvloom.runner.tensor_parallel import worker_main
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s rank{placement.rank} %(name)s: %(message)s")
+    return worker_main(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)), placement)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -91,9 +111,10 @@ def _generate(args: argparse.Namespace) -> int:
     prompts: list[str | list[int]] = list(args.prompt)
     if args.chat:
         prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in args.prompt]
-    for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args)), strict=True):
-        print(f"--- {prompt!r}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}]")
-    save_trace(llm.engine, args)
+    with llm:
+        for prompt, output in zip(args.prompt, llm.generate(prompts, sampling_params(args)), strict=True):
+            print(f"--- {prompt!r}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}]")
+        save_trace(llm.engine, args)
     return 0
 
 

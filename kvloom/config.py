@@ -51,7 +51,8 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v
+    attention_output_bias: bool = False  # the output projection (Llama's attention_bias)
     mlp_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -113,6 +114,8 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
+            # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
+            attention_output_bias=attention_bias and arch == "LlamaForCausalLM",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),

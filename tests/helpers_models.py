@@ -313,3 +313,16 @@ def default_model_path() -> Path:
     from kvloom.models.default_model import resolve_default_model
 
     return resolve_default_model()
+
+
+def hf_greedy_with_cache(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own KV-cached forward, argmax each step, eos not special-cased."""
+    tokens: list[int] = []
+    past, inputs = None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(inputs, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            inputs = torch.tensor([[tokens[-1]]])
+    return tokens

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
+# This process's thread count and core affinity before join_group placed it.
+_placed_before: list[tuple[int, set[int] | None]] = []
+
+
 class RankFailed(RuntimeError):
     """A rank could not start (its error, or it disagrees with rank 0)."""
 
@@ -104,10 +108,14 @@ def join_group(config: EngineConfig, placement: RankPlacement, device: torch.dev
     its threads: ``num_threads``, else the host's cores shared among its ranks)."""
     import torch.distributed as dist
 
+    # Rank 0 may be a process with a life of its own (a script, the test suite): what
+    # this changes is put back by leave_group.
+    _placed_before.append((torch.get_num_threads(),
+                           os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None))
     if placement.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cores)
-    torch.set_num_threads(config.num_threads or max(1, (len(placement.cores or ())
-                                                         or (os.cpu_count() or 1) // placement.local_size)))
+    cores = len(placement.cores or ()) or max(1, (os.cpu_count() or 1) // placement.local_size)
+    torch.set_num_threads(config.num_threads or cores)
     parallel = config.parallel
     backend = parallel.distributed_backend
     if backend == "auto":
@@ -152,6 +160,11 @@ def leave_group(processes: list[Any], timeout: float = 30.0) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _placed_before:
+        threads, affinity = _placed_before.pop()
+        torch.set_num_threads(threads)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
     for process in processes:
         process.join(timeout)
         if process.is_alive():

@@ -27,6 +27,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Release the engine's other processes (``tensor_parallel_size > 1``: stop its
+        ranks); nothing to do for a single-process engine. Generates no more after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None,

@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],

@@ -236,6 +236,32 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
         leave_group([])
 
 
+def worker_main(config: EngineConfig, placement: RankPlacement) -> int:
+    """A worker rank's process (spawned, or kvloom's CLI under torchrun): ``run_worker``
+    with its failures as one line each and an exit status (0 after STOP, 1 when the
+    group could not start or another rank went away mid-step)."""
+    from kvloom.distributed.launch import RankFailed
+
+    try:
+        run_worker(config, placement)
+    except RankFailed as error:
+        logger.error("%s", error)
+        return 1
+    except RuntimeError as error:  # a collective failed: another rank died or timed out
+        logger.error("tensor-parallel rank %d of %d stops: %s", placement.rank, placement.size,
+                     str(error).splitlines()[0])
+        return 1
+    return 0
+
+
+def _spawned_worker(config: EngineConfig, placement: RankPlacement) -> None:
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{placement.rank} "
+                                                   "%(name)s: %(message)s")
+    sys.exit(worker_main(config, placement))
+
+
 @dataclass
 class FirstRank:
     """What the engine (rank 0) holds: its model (a ``TensorParallelModel`` when there
@@ -278,7 +304,7 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     placement = torchrun_placement()
     processes: list[Any] = []
     if placement is None:
-        placement, processes = spawn_workers(config, run_worker)
+        placement, processes = spawn_workers(config, _spawned_worker)
     elif placement.size != size or placement.rank != 0:
         raise ValueError(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
                          f"but tensor_parallel_size is {size}: start {size} ranks, and build the "

@@ -228,6 +228,9 @@ class AsyncEngine:
                 self.on_engine_failed(error)
         finally:
             self._drain_after_stop()
+            shutdown = getattr(engine, "shutdown", None)  # test doubles may have none
+            if shutdown is not None:
+                shutdown()  # a tensor-parallel engine's other ranks stop with it
 
     def _loop_until_stopped(self, engine: LLMEngine) -> None:
         while True:

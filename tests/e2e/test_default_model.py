@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import default_model_path
+from helpers_models import default_model_path, hf_greedy_with_cache
 
 from kvloom import LLM, SamplingParams
 
@@ -19,18 +19,6 @@ PROMPTS = [
     "The largest planet in our solar system is",
     "In machine learning, overfitting means",
 ]
-
-
-def hf_greedy_with_cache(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own KV-cached forward, argmax each step, eos not special-cased."""
-    tokens, past, inputs = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            out = model(inputs, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            inputs = torch.tensor([[tokens[-1]]])
-    return tokens
 
 
 @pytest.fixture(scope="module")

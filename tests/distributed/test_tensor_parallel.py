@@ -1,0 +1,109 @@
+"""Tensor parallel on CPU (gloo, rank processes spawned by the engine): greedy tokens
+are transformers' own, and seeded samples are those of one process, through chunked
+prefill, prefix hits and preemption.
+
+Only one process group exists per process, so each test builds its engine and shuts
+it down (``with LLM(...)``) before the next one starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_models import default_model_path, hf_greedy_with_cache, write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+
+# A pool of 24 blocks for requests of up to 7 blocks each, 48-token steps: requests
+# are preempted and prefills are chunked; the prompts share a 40-token prefix.
+ENGINE = dict(dtype="float32", device="cpu", num_blocks=24, block_size=16, max_num_batched_tokens=48,
+              max_num_seqs=8)
+SHARED = [(7 * i + 3) % 500 + 5 for i in range(40)]
+PROMPTS = [SHARED + [(13 * i + j) % 500 + 5 for j in range(10 + 9 * i)] for i in range(6)]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tp") / "tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tied embeddings, q/k/v, o and MLP biases, a vocabulary that 2 does not divide."""
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tp") / "odd", seed=4, tie_word_embeddings=True,
+                               attention_bias=True, mlp_bias=True, vocab_size=509)
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params)]
+
+
+def test_tp2_greedy_is_transformers_and_seeded_samples_are_one_processs(tiny: Path) -> None:
+    reference = hf_model(tiny)
+    expected = [hf_greedy_with_cache(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    seeded = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with LLM(str(tiny), **ENGINE) as single:
+        single_samples = [list(o.outputs[0].token_ids) for o in single.generate(PROMPTS, seeded)]
+    with LLM(str(tiny), tensor_parallel_size=2, **ENGINE) as llm:
+        assert greedy(llm, PROMPTS) == expected
+        stats = llm.engine.stats()
+        # The paths named above were taken, not just available.
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, seeded)] == single_samples
+        llm.engine.check_integrity()
+        assert llm.engine.first_rank.group.stats.calls > 0  # the collectives ran
+
+
+def test_tp2_with_biases_tied_head_and_a_padded_vocabulary(odd: Path) -> None:
+    reference = hf_model(odd)
+    prompts = [prompt[:30] for prompt in PROMPTS[:3]]
+    expected = [hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
+    with LLM(str(odd), tensor_parallel_size=2, **ENGINE) as llm:
+        assert greedy(llm, prompts, 16) == expected
+
+
+def test_tp2_bf16_prompt_logprobs_within_bf16_tolerance(tiny: Path) -> None:
+    """bf16 cannot be bit-identical to one process: each rank's partial sums of the
+    o/down projections are rounded to bf16 before the all-reduce adds them (one rounding
+    more than a single matmul). Teacher-forced logprobs stay within bf16's error of
+    transformers' float32 ones."""
+    prompt = PROMPTS[5]
+    reference = hf_model(tiny)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    with LLM(str(tiny), tensor_parallel_size=2, **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        output = llm.generate([prompt], params)[0]
+    got = torch.tensor([next(iter(entry.values())).logprob for entry in output.prompt_logprobs[1:]])
+    assert torch.allclose(got, expected, atol=0.15), (got - expected).abs().max()
+
+
+def test_the_default_model_in_three_ranks_is_transformers() -> None:
+    """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks divide them, 2 do not."""
+    gguf = default_model_path()
+    reference = hf_model_gguf(gguf)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1001, 42, 7, 2203, 30]]
+    expected = [hf_greedy_with_cache(reference, prompt, 12) for prompt in prompts]
+    with LLM("smollm2-135m-instruct", tensor_parallel_size=3, dtype="float32", num_blocks=32) as llm:
+        assert greedy(llm, prompts, 12) == expected
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's num_attention_heads \(9\)"):
+        LLM("smollm2-135m-instruct", tensor_parallel_size=2, dtype="float32", num_blocks=32)
+
+
+def hf_model_gguf(gguf: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
