@@ -10,11 +10,14 @@ a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -59,8 +62,27 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000, 
     app = build_router_app(config)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5))
     logger.info("kvloom router on http://%s:%d, policy %s", host, sock.getsockname()[1], config.policy)
-    server.run(sockets=[sock])
+    with _signals_end_quietly():
+        server.run(sockets=[sock])
     return 0
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """uvicorn re-raises the signal it stopped on, with the handler it found at start;
+    a no-op handler there makes SIGINT/SIGTERM a clean exit 0, and lets the caller's
+    cleanup (the launcher's workers) run."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    except ValueError:  # not the main thread: uvicorn does not capture signals either
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def configure_logging(level: str) -> None:
@@ -68,6 +90,8 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: health checks would flood the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _log_workers(infos: dict[str, WorkerInfo]) -> None:

@@ -1,0 +1,143 @@
+"""``kvloom serve --data-parallel-size N``: N ``kvloom serve`` workers and a router.
+
+The router's port is bound first (a port in use fails at once). Each worker is the
+same command line without the router's flags (``ROUTER_FLAGS``), on a free loopback
+port, with ``--num-threads`` = max(1, cores // N) unless given, so the workers do not
+fight over cores. Every worker must answer ``/health`` before ``startup_timeout``; one
+that exits first fails the start with its exit status (its log is on our stderr, as
+the workers inherit it). On any exit, the workers get SIGTERM, then SIGKILL after
+``STOP_GRACE_S``; on Linux they also get SIGTERM if this process dies without
+cleaning up (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from kvloom.router.cli import router_config
+from kvloom.router.main import bind_socket, configure_logging, run_router
+from kvloom.router.workers import RouterStartupError
+
+# The flags that are the router's, not the workers' (with the number of values each takes).
+ROUTER_FLAGS = {"--host": 1, "--port": 1, "--data-parallel-size": 1, "-dp": 1, "--router-policy": 1,
+                "--cache-threshold": 1, "--balance-abs-threshold": 1, "--balance-rel-threshold": 1,
+                "--max-tree-chars": 1, "--health-interval": 1, "--startup-timeout": 1}
+STOP_GRACE_S = 10.0
+
+
+def worker_argv(argv: Sequence[str], drop: dict[str, int] | None = None) -> list[str]:
+    """``argv`` (``kvloom serve``'s arguments) without the router's flags and their
+    values, in both spellings: ``--port 8000`` and ``--port=8000``."""
+    drop = ROUTER_FLAGS if drop is None else drop
+    kept: list[str] = []
+    skip = 0
+    for index, arg in enumerate(argv):
+        if skip:
+            skip -= 1
+            continue
+        if arg == "--":
+            kept.extend(argv[index:])
+            break
+        name = arg.split("=", 1)[0]
+        if name in drop:
+            skip = 0 if "=" in arg else drop[name]
+            continue
+        kept.append(arg)
+    return kept
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback now (held together while chosen, so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+
+
+def start_workers(argv: Sequence[str], ports: Sequence[int], num_threads: int | None) -> list[subprocess.Popen[bytes]]:
+    base = [sys.executable, "-m", "kvloom", "serve", *argv]
+    if num_threads is not None:
+        base += ["--num-threads", str(num_threads)]
+    return [subprocess.Popen([*base, "--host", "127.0.0.1", "--port", str(port)], preexec_fn=_die_with_parent)
+            for port in ports]
+
+
+def wait_until_healthy(processes: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout: float) -> None:
+    """Poll every worker's ``/health`` until all are 200; RouterStartupError when one
+    exits first or ``timeout`` passes (naming which worker and what it last said)."""
+    deadline = time.monotonic() + timeout
+    pending = dict(zip(urls, processes, strict=True))
+    last: dict[str, str] = {url: "no answer" for url in urls}
+    while pending:
+        for url, process in list(pending.items()):
+            code = process.poll()
+            if code is not None:
+                raise RouterStartupError(f"worker {url} exited with status {code} before it was ready "
+                                         "(its log is above)")
+            try:
+                response = httpx.get(f"{url}/health", timeout=2.0)
+                if response.status_code == 200:
+                    del pending[url]
+                    continue
+                last[url] = f"/health answered {response.status_code}"
+            except httpx.HTTPError as error:
+                last[url] = repr(error)
+        if pending and time.monotonic() > deadline:
+            url = next(iter(pending))
+            raise RouterStartupError(f"worker {url} was not ready within {timeout:g} s (last: {last[url]}); "
+                                     "raise --startup-timeout for a slow model load")
+        time.sleep(0.2)
+
+
+def stop_workers(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``argv``: this ``kvloom serve`` command's arguments (after ``serve``)."""
+    size = args.data_parallel_size
+    configure_logging(args.log_level)
+    sock = bind_socket(args.host, args.port)
+    num_threads = None if args.num_threads is not None else max(1, (os.cpu_count() or 1) // size)
+    ports = free_ports(size)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    print(f"kvloom: starting {size} workers on {', '.join(urls)}"
+          + (f" with --num-threads {num_threads}" if num_threads else ""), file=sys.stderr)
+    processes = start_workers(worker_argv(argv), ports, num_threads)
+    try:
+        wait_until_healthy(processes, urls, args.startup_timeout)
+        return run_router(router_config(args, urls), host=args.host, port=args.port, log_level=args.log_level,
+                          sock=sock)
+    finally:
+        sock.close()
+        stop_workers(processes)
