@@ -21,8 +21,9 @@ torchrun-started rank's whole life.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,29 +89,43 @@ class TensorParallelModel:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self._stopped = False
+        self._broken = False
 
     def __call__(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                  metadata: Any) -> torch.Tensor:
-        sizes, flat = pack_batch(batch)
-        self.group.broadcast(_header(FORWARD, sizes), control=True)
-        self.group.broadcast(flat.to(self.group.device))
-        return self.model(batch, kv_caches, backend, metadata)
+        with self._collectives():
+            sizes, flat = pack_batch(batch)
+            self.group.broadcast(_header(FORWARD, sizes), control=True)
+            self.group.broadcast(flat.to(self.group.device))
+            return self.model(batch, kv_caches, backend, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.contiguous()
-        self.group.broadcast(_header(LOGITS, [hidden.shape[0]]), control=True)
-        self.group.broadcast(hidden)
-        return self.model.compute_logits(hidden)
+        with self._collectives():
+            hidden = hidden.contiguous()
+            self.group.broadcast(_header(LOGITS, [hidden.shape[0]]), control=True)
+            self.group.broadcast(hidden)
+            return self.model.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """A failed collective leaves the group broken: nothing may be sent on it again
+        (gloo aborts the process on a second use of a dead connection)."""
+        if self._broken:
+            raise RuntimeError("the tensor-parallel group failed earlier: the engine must restart")
+        try:
+            yield
+        except RuntimeError:
+            self._broken = True
+            raise
 
     def stop(self) -> None:
-        """Tell the other ranks to leave (once; a broken group is left as it is)."""
-        if self._stopped:
+        """Tell the other ranks to leave (once; not on a broken group, whose ranks have
+        seen the failure too)."""
+        if self._stopped or self._broken:
             return
         self._stopped = True
-        try:
+        with self._collectives():
             self.group.broadcast(_header(STOP), control=True)
-        except RuntimeError as error:  # a rank is already gone
-            logger.info("tensor-parallel stop: %s", error)
 
     # The rest of CausalLM: this rank's shard answers.
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -211,8 +226,12 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
     """A rank > 0 from start to STOP: join the group, load this rank's shard, agree
     with the others, then follow rank 0's steps. Spawned by rank 0 or started by
     torchrun (kvloom/cli.py). Raises RankFailed when the group cannot start."""
+    from kvloom.distributed.launch import RankFailed
     from kvloom.models.loader import load_checkpoint
 
+    if placement.size != config.parallel.tensor_parallel_size:  # rank 0 refuses the same way
+        raise RankFailed(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
+                         f"but tensor_parallel_size is {config.parallel.tensor_parallel_size}")
     device = rank_device(resolve_device(config.device), placement)
     dtype = resolve_dtype(config.dtype)
     group = join_group(config, placement, device)
@@ -295,20 +314,20 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     problem = tensor_parallel_problem(model_config, size)
     if problem is not None:
         raise ValueError(problem)
+    placement = torchrun_placement()
+    if placement is not None and (placement.size != size or placement.rank != 0):
+        raise ValueError(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
+                         f"but tensor_parallel_size is {size}: start {size} ranks, and build the "
+                         "engine on rank 0 only (kvloom serve / generate run the other ranks' loop)")
     native = config.decoder_stack == "native"
     if size == 1:
         model = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul, native)
         num_blocks = fitting_blocks(config, model_config, SINGLE_PROCESS, device, dtype)
         kv_caches, backend = build_pool(config, model_config, SINGLE_PROCESS, num_blocks, device, dtype)
         return FirstRank(RankShard(model, kv_caches, backend, num_blocks), SINGLE_PROCESS, [], device)
-    placement = torchrun_placement()
     processes: list[Any] = []
     if placement is None:
         placement, processes = spawn_workers(config, _spawned_worker)
-    elif placement.size != size or placement.rank != 0:
-        raise ValueError(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
-                         f"but tensor_parallel_size is {size}: start {size} ranks, and build the "
-                         "engine on rank 0 only (kvloom serve / generate run the other ranks' loop)")
     device = rank_device(device, placement)
     group = join_group(config, placement, device)
     try:
