@@ -59,9 +59,8 @@ def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
 
 def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> ForwardBatch:
     """``pack_batch``'s inverse: the same tensors (dtypes included) and host lists."""
-    tokens, seqs, width, rows = sizes
-    input_ids, positions, slots, tables, seq_lens, starts, logits = flat.split(
-        [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows])
+    seqs, width = sizes[1], sizes[2]
+    input_ids, positions, slots, tables, seq_lens, starts, logits = torch.split(flat, _payload_lengths(sizes))
     starts_list = starts.tolist()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, slot_mapping=slots,
