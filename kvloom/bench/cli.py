@@ -219,6 +219,7 @@ def _offline(args: argparse.Namespace) -> int:
         results.append(run_offline(engine, requests, mode, ignore_eos=args.ignore_eos, lead=args.lead))
         if args.trace_file:
             save_trace(engine, args)
+        engine.shutdown()  # a tensor-parallel engine's ranks stop before the next one starts
         del engine
     print(format_table(results))
     if args.output_json:
@@ -232,7 +233,8 @@ def _offline(args: argparse.Namespace) -> int:
 def _engine_flags(args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str, Any]:
     """The compute-path engine flags (and ``extra`` ones) of a benchmark that sizes the
     pool and the batch limits itself."""
-    keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "decoder_stack", *extra}
+    keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "decoder_stack",
+            "tensor_parallel_size", "distributed_backend", "distributed_timeout", *extra}
     return {key: value for key, value in engine_kwargs(args).items() if key in keep}
 
 

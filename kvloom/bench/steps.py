@@ -8,7 +8,9 @@ prefix cache is off, so nothing is reused). Prompts are random token ids, so eve
 engine option sees the same work; greedy, ``ignore_eos``.
 
 Prints min / median / max per shape (the machine is noisy: compare medians of runs
-taken the same hour) and returns the records for JSON.
+taken the same hour) and returns the records for JSON. Under tensor parallel each
+step's collectives are counted too: calls, bytes rank 0 handed to them, and the time
+rank 0 spent inside them (which includes waiting for the slowest rank).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvloom.config import EngineConfig
@@ -28,12 +30,48 @@ from kvloom.sampling_params import SamplingParams
 class StepTiming:
     shape: str  # "decode b16 x 300" or "prefill 8 x 256"
     milliseconds: list[float]
+    # Per timed step, tensor parallel only (else empty): collectives, their bytes, their ms.
+    comm_calls: list[int] = field(default_factory=list)
+    comm_bytes: list[int] = field(default_factory=list)
+    comm_milliseconds: list[float] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
         ms = sorted(self.milliseconds)
-        return (f"{self.shape:<22} min {ms[0]:8.1f}  median {statistics.median(ms):8.1f}  "
+        line = (f"{self.shape:<22} min {ms[0]:8.1f}  median {statistics.median(ms):8.1f}  "
                 f"max {ms[-1]:8.1f} ms  ({len(ms)} steps)")
+        if self.comm_calls:
+            line += (f"  collectives {statistics.median(self.comm_calls):.0f}/step, "
+                     f"{statistics.median(self.comm_bytes) / 1024:.1f} KiB, "
+                     f"{statistics.median(self.comm_milliseconds):.2f} ms")
+        return line
+
+
+class _StepClock:
+    """Times whole engine steps, and the tensor-parallel collectives inside them."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.stats = engine.first_rank.group.stats
+        self.tensor_parallel = engine.first_rank.group.size > 1
+        self.milliseconds: list[float] = []
+        self.calls: list[int] = []
+        self.bytes: list[int] = []
+        self.comm_milliseconds: list[float] = []
+
+    def step(self, engine: LLMEngine) -> list[Any]:
+        calls, sent, seconds = self.stats.calls, self.stats.bytes, self.stats.seconds
+        start = time.perf_counter()
+        outputs = engine.step()
+        self.milliseconds.append((time.perf_counter() - start) * 1e3)
+        if self.tensor_parallel:
+            self.calls.append(self.stats.calls - calls)
+            self.bytes.append(self.stats.bytes - sent)
+            self.comm_milliseconds.append((self.stats.seconds - seconds) * 1e3)
+        return outputs
+
+    def timing(self, shape: str, skip: int = 0) -> StepTiming:
+        return StepTiming(shape, self.milliseconds[skip:], self.calls[skip:], self.bytes[skip:],
+                          self.comm_milliseconds[skip:])
 
 
 def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -58,28 +96,24 @@ def time_decode(engine: LLMEngine, batch: int, context: int, steps: int, seed: i
     started: set[str] = set()
     while len(started) < batch:  # prefill everything first: the timed steps are pure decodes
         started.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
-    timings = []
+    clock = _StepClock(engine)
     for _ in range(steps):
-        start = time.perf_counter()
-        outputs = engine.step()
-        timings.append((time.perf_counter() - start) * 1e3)
+        outputs = clock.step(engine)
         assert len(outputs) == batch and not any(output.finished for output in outputs), "not a pure decode"
     _drain(engine, ids)
-    return StepTiming(f"decode b{batch} x {context}", timings)
+    return clock.timing(f"decode b{batch} x {context}")
 
 
 def time_prefill(engine: LLMEngine, count: int, length: int, repeats: int, seed: int) -> StepTiming:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    timings = []
+    clock = _StepClock(engine)
     for _ in range(repeats + 1):  # the first is a warm-up
         ids = [engine.add_request(_prompt(rng, length, vocab), params).request_id for _ in range(count)]
-        start = time.perf_counter()
-        engine.step()
-        timings.append((time.perf_counter() - start) * 1e3)
+        clock.step(engine)
         _drain(engine, ids)
-    return StepTiming(f"prefill {count} x {length}", timings[1:])
+    return clock.timing(f"prefill {count} x {length}", skip=1)
 
 
 def run_steps(model: str, engine_kwargs: dict[str, Any], batches: list[int], context: int,
@@ -99,6 +133,7 @@ def run_steps(model: str, engine_kwargs: dict[str, Any], batches: list[int], con
     for batch in batches:
         results.append(time_decode(engine, batch, context, decode_steps, seed=batch))
         print(results[-1].summary, flush=True)
+    engine.shutdown()
     return results
 
 
