@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -83,9 +83,9 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         body = await request.body()
         parsed = _json_object(body)
         key = routing_key(request.url.path, parsed)
-        return await router.proxy.forward(Forward(
+        return await until_disconnect(request, router.proxy.forward(Forward(
             "POST", request.url.path, body, request.headers, parsed.get("stream") is True,
-            lambda candidates: router.policy.route(key, candidates)))
+            lambda candidates: router.policy.route(key, candidates))))
 
     async def any_worker(request: Request) -> Response:
         body = await request.body()
@@ -120,6 +120,28 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def until_disconnect(request: Request, forward: Coroutine[Any, Any, Response]) -> Response:
+    """``forward``'s response, unless the client leaves first: then it is cancelled, which
+    closes the connection to the worker, and the worker aborts the request (as it does
+    for its own clients). A stream, once returned, watches for that itself."""
+    task = asyncio.ensure_future(forward)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        raise
+    finally:
+        watcher.cancel()
 
 
 def least_loaded(candidates: Sequence[WorkerLoad]) -> Decision:

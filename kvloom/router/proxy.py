@@ -115,8 +115,8 @@ class Proxy:
             self.pool.probe_soon(url)
             return worker_failed(url, error).response()
         finally:
+            self.pool.release(url)  # first: an await below may be cancelled (the client left)
             await response.aclose()
-            self.pool.release(url)
         return Response(content, status_code=response.status_code, headers=_response_headers(response, url))
 
 
@@ -140,8 +140,8 @@ class ProxiedStream(StreamingResponse):
     async def _close(self) -> None:
         if not self._released:
             self._released = True
+            self.proxy.pool.release(self.url)  # first: the await below may be cancelled
             await self.upstream.aclose()
-            self.proxy.pool.release(self.url)
 
     async def _events(self) -> AsyncIterator[bytes]:
         # Whole events only: after a break the client must not get half an event.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from router_harness import SYSTEM_LAWYER, SYSTEM_PIRATE, completion, samples, start_router, start_worker, wait_for
 from router_harness import worker_of as answered_by
 
@@ -55,3 +58,35 @@ def test_killing_a_worker_mid_load_loses_no_request_that_had_not_started(tiny_ll
         survivor.stop()
         if victim.thread.is_alive():
             victim.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_aborts_its_request_on_the_worker(tiny_llama: Path, stream: bool) -> None:
+    # Long enough that it could only finish as "abort" because the client left.
+    worker = start_worker(tiny_llama, step_delay=0.05)
+    router = start_router([worker.base_url])
+    aborted = ("kvloom:request_success_total", (("finished_reason", "abort"),))
+    try:
+        body = {"prompt": f"{SYSTEM_PIRATE}Sing.", "max_tokens": 150, "ignore_eos": True, "stream": stream}
+        with httpx.Client(base_url=router.base_url, timeout=60) as http:
+            if stream:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    next(response.iter_lines())  # the first event, then leave
+            else:
+                port = int(router.base_url.rsplit(":", 1)[1])
+                with socket.create_connection(("127.0.0.1", port)) as raw:
+                    payload = json.dumps(body).encode()
+                    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                    worker.wait_until(lambda s: s.num_running > 0, timeout=30)
+                # closed while the router waits for the whole response
+
+        def worker_aborted() -> bool:
+            return samples(httpx.get(f"{worker.base_url}/metrics").text).get(aborted, 0) == 1
+        wait_for(worker_aborted, timeout=30, what="the worker aborting the request")
+        wait_for(lambda: samples(httpx.get(f"{router.base_url}/metrics").text)[
+            ("kvloom_router_requests_in_flight", (("worker", worker.base_url),))] == 0, what="released")
+        worker.assert_idle_and_clean()
+    finally:
+        router.stop()
+        worker.stop()
