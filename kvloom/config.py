@@ -178,6 +178,10 @@ class ParallelConfig:
     distributed_backend: str = field(default="auto", metadata={
         "choices": DISTRIBUTED_BACKENDS,
         "help": "torch.distributed backend for tensor parallel: auto (nccl on CUDA, gloo on CPU)"})
+    shared_memory: bool = field(default=True, metadata={
+        "negatives": ("--no-shared-memory",),
+        "help": "ranks of one host (CPU) run the steps' collectives through shared memory, not gloo "
+                "(default: on)"})
     distributed_timeout: float = field(default=300.0, metadata={
         "help": "seconds a step's collective waits for the other ranks before every rank gives up "
                 "(a rank that dies is noticed at once; an idle engine never times out)"})

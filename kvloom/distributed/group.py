@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvloom.distributed.shm import SharedMemoryCollectives
 
 
 @dataclass
@@ -47,6 +50,9 @@ class TensorParallelGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: Any = None
     control_group: Any = None
+    # Ranks of one host on CPU: every collective of the steps goes through shared
+    # memory instead (distributed/shm.py); the process groups then serve the start.
+    shm: SharedMemoryCollectives | None = None
     stats: CommStats = field(default_factory=CommStats, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,10 +71,13 @@ class TensorParallelGroup:
         (each element is reduced once and the result sent to all)."""
         if self.size == 1:
             return tensor
-        import torch.distributed as dist
-
         started = time.perf_counter()
-        dist.all_reduce(tensor, group=self.process_group)
+        if self.shm is not None and self.shm.serves(tensor):
+            self.shm.all_reduce(tensor)
+        else:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.process_group)
         self.stats.add(tensor, started)
         return tensor
 
@@ -77,12 +86,15 @@ class TensorParallelGroup:
         rank order; the other ranks get their own ``tensor`` back (they use none)."""
         if self.size == 1:
             return tensor
-        import torch.distributed as dist
-
         started = time.perf_counter()
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_first else None
-        dist.gather(tensor, parts, dst=0, group=self.process_group)
+        if self.shm is not None and self.shm.serves(tensor):
+            parts = self.shm.gather(tensor)
+        else:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_first else None
+            dist.gather(tensor, parts, dst=0, group=self.process_group)
         self.stats.add(tensor, started)
         return torch.cat(parts, dim=-1) if parts is not None else tensor
 
@@ -91,10 +103,13 @@ class TensorParallelGroup:
         ``control``: on the control group (a message that may wait indefinitely)."""
         if self.size == 1:
             return tensor
-        import torch.distributed as dist
-
         started = time.perf_counter()
-        dist.broadcast(tensor, src=0, group=self.control_group if control else self.process_group)
+        if self.shm is not None and self.shm.serves(tensor):
+            self.shm.broadcast(tensor, wait_forever=control)
+        else:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=0, group=self.control_group if control else self.process_group)
         self.stats.add(tensor, started)
         return tensor
 

@@ -127,7 +127,32 @@ def join_group(config: EngineConfig, placement: RankPlacement, device: torch.dev
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
     # The control group is gloo on every device: its messages are small host tensors.
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    return TensorParallelGroup(placement.rank, placement.size, device, dist.group.WORLD, control)
+    shm = (_shared_memory(placement, parallel.distributed_timeout, control)
+           if device.type == "cpu" and placement.local_size == placement.size and parallel.shared_memory else None)
+    return TensorParallelGroup(placement.rank, placement.size, device, dist.group.WORLD, control, shm)
+
+
+def _shared_memory(placement: RankPlacement, timeout: float, control: Any) -> Any:
+    """The shared-memory collectives of ranks that all run on this host: rank 0 makes
+    the region and sends its path; once every rank has mapped it, rank 0 removes the
+    file (nothing is left in /dev/shm whatever happens next). None where the C++
+    source does not build: gloo then carries the steps."""
+    import torch.distributed as dist
+
+    from kvloom.distributed import shm
+
+    if not shm.available():
+        logger.warning("shared-memory collectives do not build here: tensor parallel steps use gloo")
+        return None
+    path = shm.create_region(placement.size) if placement.rank == 0 else None
+    paths: list[Any] = [path]
+    dist.broadcast_object_list(paths, src=0, group=control)
+    collectives = shm.SharedMemoryCollectives(shm.map_region(str(paths[0]), placement.size), placement.rank,
+                                              placement.size, shm.DEFAULT_SLOT_BYTES, timeout)
+    dist.barrier(group=control)
+    if path is not None:
+        shm.remove_region(path)
+    return collectives
 
 
 def agree(group: TensorParallelGroup, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -153,11 +178,13 @@ def agree(group: TensorParallelGroup, report: dict[str, Any]) -> list[dict[str, 
     return reports
 
 
-def leave_group(processes: list[Any], timeout: float = 30.0) -> None:
+def leave_group(group: TensorParallelGroup | None, processes: list[Any], timeout: float = 30.0) -> None:
     """Tear this rank's group down; rank 0 also waits for the ranks it spawned (and
     terminates any that do not exit within ``timeout`` seconds)."""
     import torch.distributed as dist
 
+    if group is not None and group.shm is not None:
+        group.shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     while _placed_before:

@@ -251,7 +251,7 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
         serve_rank(group, RankShard(model, kv_caches, backend, num_blocks), model_config.hidden_size,
                    dtype, config.cache.block_size)
     finally:
-        leave_group([])
+        leave_group(group, [])
 
 
 def worker_main(config: EngineConfig, placement: RankPlacement) -> int:
@@ -296,7 +296,7 @@ class FirstRank:
             return
         if isinstance(self.shard.model, TensorParallelModel):
             self.shard.model.stop()
-        leave_group(self.processes)
+        leave_group(self.group, self.processes)
 
 
 def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint: Any,
@@ -328,8 +328,9 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     if placement is None:
         placement, processes = spawn_workers(config, _spawned_worker)
     device = rank_device(device, placement)
-    group = join_group(config, placement, device)
+    group: TensorParallelGroup | None = None
     try:
+        group = join_group(config, placement, device)
         error: BaseException | None = None
         try:
             local = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul,
@@ -352,5 +353,5 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     except BaseException:
         for process in processes:
             process.terminate()
-        leave_group(processes, timeout=10)
+        leave_group(group, processes, timeout=10)
         raise
