@@ -62,14 +62,18 @@ def test_tp2_greedy_is_transformers_and_seeded_samples_are_one_processs(tiny: Pa
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, seeded)] == single_samples
         llm.engine.check_integrity()
-        assert llm.engine.first_rank.group.stats.calls > 0  # the collectives ran
+        group = llm.engine.first_rank.group
+        assert group.shm is not None and group.stats.calls > 0  # the shared-memory collectives ran
 
 
-def test_tp2_with_biases_tied_head_and_a_padded_vocabulary(odd: Path) -> None:
+def test_tp2_with_biases_tied_head_and_a_padded_vocabulary_over_gloo(odd: Path) -> None:
+    """Also the steps' collectives over gloo (``shared_memory=False``: what ranks on
+    different hosts use) rather than shared memory."""
     reference = hf_model(odd)
     prompts = [prompt[:30] for prompt in PROMPTS[:3]]
     expected = [hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
-    with LLM(str(odd), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(odd), tensor_parallel_size=2, shared_memory=False, **ENGINE) as llm:
+        assert llm.engine.first_rank.group.shm is None
         assert greedy(llm, prompts, 16) == expected
 
 
