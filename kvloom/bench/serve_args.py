@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import random
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--reuse-ratio", type=float, default=None,
                       help="shared tokens / prompt tokens (default: the whole system prompt)")
     data.add_argument("--prefix-output-len", type=int, default=128)
+    data.add_argument("--prefix-interleave", action="store_true",
+                      help="prefix: send the groups' requests in a seeded random order (tenants "
+                           "interleaved, as many users of a few system prompts arrive) rather than "
+                           "group by group")
     data.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
     data.add_argument("--max-context-len", type=int, default=None,
                       help="multiturn: the whole replay must fit; sharegpt with sglang filters: "
@@ -80,7 +85,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
 def _workload_parameters(args: argparse.Namespace) -> dict[str, Any]:
     keys = {"sharegpt": ("sharegpt_filters", "sharegpt_output_len", "max_context_len"),
             "random": ("random_input_len", "random_output_len", "random_range_ratio"),
-            "prefix": ("prefix_groups", "prefix_len", "question_len", "reuse_ratio", "prefix_output_len"),
+            "prefix": ("prefix_groups", "prefix_len", "question_len", "reuse_ratio", "prefix_output_len",
+                       "prefix_interleave"),
             "multiturn": ("turns", "max_context_len"),
             "grounded": ()}[args.dataset]
     return {"dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
@@ -138,6 +144,8 @@ def sample_workload(args: argparse.Namespace) -> list[BenchRequest]:
         requests = datasets.sample_prefix(tokenizer, args.prefix_groups, per_group, args.prefix_len,
                                           args.question_len, args.prefix_output_len, args.reuse_ratio,
                                           args.seed)
+        if args.prefix_interleave:
+            random.Random(args.seed).shuffle(requests)
     else:
         requests = datasets.sample_multiturn(tokenizer, args.num_prompts, args.turns, args.seed,
                                              max_context_len=args.max_context_len)

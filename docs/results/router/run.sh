@@ -26,6 +26,8 @@ PREFIXES=${PREFIXES:-8}; PREFIX_LEN=${PREFIX_LEN:-1000}; USERS=${USERS:-200}
 QUESTION_LEN=${QUESTION_LEN:-32}; OUTPUT_LEN=${OUTPUT_LEN:-32}; CONCURRENCY=${CONCURRENCY:-16}
 CONFIGS=${CONFIGS:-single cache_aware round_robin}
 EXTRA_SERVE_FLAGS=${EXTRA_SERVE_FLAGS:-}
+# Tenants' users interleaved (a seeded shuffle), not group after group.
+BENCH_FLAGS=${BENCH_FLAGS:---prefix-interleave}
 OUT=${OUT:-docs/results/router/out}
 BASE_PORT=${BASE_PORT:-18300}
 CORES=$(nproc)
@@ -67,7 +69,7 @@ bench() {  # LABEL URL
   $PY -m kvloom bench serve --base-url "$2" --dataset prefix --prefix-groups "$PREFIXES" \
     --prefix-len "$PREFIX_LEN" --question-len "$QUESTION_LEN" --prefix-output-len "$OUTPUT_LEN" \
     --num-prompts "$USERS" --max-concurrency "$CONCURRENCY" --ignore-eos --label "$1" --no-progress \
-    --output-json "$OUT/$1.json" >"$OUT/$1.txt"
+    $BENCH_FLAGS --output-json "$OUT/$1.json" >"$OUT/$1.txt"
 }
 
 hit_rates() {  # LABEL WORKER_URL...: each worker's prefix-cache hits / queries since it started
@@ -107,14 +109,18 @@ done
 $PY - "$OUT" $CONFIGS <<'EOF'
 import csv, json, sys
 out, configs = sys.argv[1], sys.argv[2:]
-rates = {}
+rates, totals = {}, {}
 for label, url, rate, hits, queries in csv.reader(open(f"{out}/hit_rates.tsv"), delimiter="\t"):
     rates.setdefault(label, []).append((url.rsplit(":", 1)[1], float(rate)))
+    done, asked = totals.get(label, (0, 0))
+    totals[label] = (done + int(hits), asked + int(queries))
 print(f"{'config':12} {'ok':>4} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT mean ms':>12} "
-      f"{'TTFT p50 ms':>11}  prefix-cache hit rate per worker (port: rate)")
+      f"{'TTFT p50 ms':>11} {'hit rate':>8}  per worker (port: rate)")
 for label in configs:
     m = json.load(open(f"{out}/{label}.json"))["metrics"]
     workers = ", ".join(f"{port}: {rate:.3f}" for port, rate in rates.get(label, []))
+    hits, queries = totals.get(label, (0, 0))
     print(f"{label:12} {m['completed']:>4} {m['failed']:>4} {m['request_throughput']:>7.2f} "
-          f"{m['output_throughput']:>9.1f} {m['ttft_ms']['mean']:>12.1f} {m['ttft_ms']['median']:>11.1f}  {workers}")
+          f"{m['output_throughput']:>9.1f} {m['ttft_ms']['mean']:>12.1f} {m['ttft_ms']['median']:>11.1f} "
+          f"{hits / max(1, queries):>8.3f}  {workers}")
 EOF
