@@ -2,8 +2,9 @@
 
 The router's port is bound first (a port in use fails at once). Each worker is the
 same command line without the router's flags (``ROUTER_FLAGS``), on a free loopback
-port, with ``--num-threads`` = max(1, cores // N) unless given, so the workers do not
-fight over cores. Every worker must answer ``/health`` before ``startup_timeout``; one
+port, pinned to its share of the cores, with ``--num-threads`` = max(1, cores // (N x
+its tensor-parallel ranks)) unless given, so the workers do not fight over cores.
+Every worker must answer ``/health`` before ``startup_timeout``; one
 that exits first fails the start with its exit status (its log is on our stderr, as
 the workers inherit it). On any exit, the workers get SIGTERM, then SIGKILL after
 ``STOP_GRACE_S``; on Linux they also get SIGTERM if this process dies without
@@ -20,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -75,12 +76,30 @@ def _die_with_parent() -> None:  # runs in the child before exec
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
 
 
+def core_shares(count: int) -> list[tuple[int, ...] | None]:
+    """The cores of this process split into ``count`` equal shares, one per worker
+    (None each where there are fewer cores than workers: then the OS places them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // count
+    return [tuple(cores[i * share:(i + 1) * share]) if share else None for i in range(count)]
+
+
 def start_workers(argv: Sequence[str], ports: Sequence[int], num_threads: int | None) -> list[subprocess.Popen[bytes]]:
+    """One ``kvloom serve`` per port, each pinned to its share of the cores (a worker
+    that is itself tensor parallel splits its share among its ranks)."""
     base = [sys.executable, "-m", "kvloom", "serve", *argv]
     if num_threads is not None:
         base += ["--num-threads", str(num_threads)]
-    return [subprocess.Popen([*base, "--host", "127.0.0.1", "--port", str(port)], preexec_fn=_die_with_parent)
-            for port in ports]
+
+    def placed(cores: tuple[int, ...] | None) -> Callable[[], None]:
+        def before_exec() -> None:
+            _die_with_parent()
+            if cores:
+                os.sched_setaffinity(0, cores)
+        return before_exec
+
+    return [subprocess.Popen([*base, "--host", "127.0.0.1", "--port", str(port)], preexec_fn=placed(cores))
+            for port, cores in zip(ports, core_shares(len(ports)), strict=True)]
 
 
 def wait_until_healthy(processes: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout: float) -> None:
@@ -128,7 +147,9 @@ def run_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     size = args.data_parallel_size
     configure_logging(args.log_level)
     sock = bind_socket(args.host, args.port)
-    num_threads = None if args.num_threads is not None else max(1, (os.cpu_count() or 1) // size)
+    # Each worker's share of the cores, split again among its tensor-parallel ranks.
+    ranks = size * getattr(args, "tensor_parallel_size", 1)
+    num_threads = None if args.num_threads is not None else max(1, (os.cpu_count() or 1) // ranks)
     ports = free_ports(size)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     print(f"kvloom: starting {size} workers on {', '.join(urls)}"

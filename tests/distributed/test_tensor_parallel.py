@@ -68,13 +68,16 @@ def test_tp2_greedy_is_transformers_and_seeded_samples_are_one_processs(tiny: Pa
 
 def test_tp2_with_biases_tied_head_and_a_padded_vocabulary_over_gloo(odd: Path) -> None:
     """Also the steps' collectives over gloo (``shared_memory=False``: what ranks on
-    different hosts use) rather than shared memory."""
+    different hosts use) rather than shared memory, and speculative decoding (prompt
+    lookup): its verification chunks send several logits rows per request."""
     reference = hf_model(odd)
     prompts = [prompt[:30] for prompt in PROMPTS[:3]]
     expected = [hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
-    with LLM(str(odd), tensor_parallel_size=2, shared_memory=False, **ENGINE) as llm:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(str(odd), tensor_parallel_size=2, shared_memory=False, speculative_config=ngram, **ENGINE) as llm:
         assert llm.engine.first_rank.group.shm is None
         assert greedy(llm, prompts, 16) == expected
+        assert llm.engine.stats().num_draft_tokens > 0
 
 
 def test_tp2_bf16_prompt_logprobs_within_bf16_tolerance(tiny: Path) -> None:
