@@ -22,3 +22,15 @@ if os.environ.get("CI"):
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_reference() -> torch.nn.Module:
+    """transformers' own float32 model from the default model's GGUF (loading it takes
+    ~17 s on 2 cores: once per session, for every test that compares with it)."""
+    import transformers
+    from helpers_models import default_model_path
+
+    gguf = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()

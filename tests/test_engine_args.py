@@ -14,12 +14,14 @@ from kvloom.config import (
     ATTENTION_BACKENDS,
     DECODER_STACKS,
     DEFAULT_MODEL,
+    DISTRIBUTED_BACKENDS,
     MATMULS,
     POLICY_NAMES,
     SCHEDULING_MODES,
     SUPPORTED_DTYPES,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -60,13 +62,17 @@ NON_DEFAULTS = [
     (["--high-watermark", "0.75"], "scheduler", "high_watermark", 0.75),
     (["--trace"], "scheduler", "trace", True),
     (["--trace-capacity", "50"], "scheduler", "trace_capacity", 50),
+    (["--tensor-parallel-size", "2"], "parallel", "tensor_parallel_size", 2),
+    (["--distributed-backend", "gloo"], "parallel", "distributed_backend", "gloo"),
+    (["--no-shared-memory"], "parallel", "shared_memory", False),
+    (["--distributed-timeout", "30"], "parallel", "distributed_timeout", 30.0),
 ]
 
 
 def _config_fields() -> set[tuple[str | None, str]]:
-    own = {(None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in ("cache", "scheduler")}
-    return own | {(section, f.name) for section, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig))
-                  for f in dataclasses.fields(cls)}
+    sections = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig))
+    own = {(None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in dict(sections)}
+    return own | {(section, f.name) for section, cls in sections for f in dataclasses.fields(cls)}
 
 
 def _engine_parser() -> argparse.ArgumentParser:
@@ -93,6 +99,7 @@ ALIASES = [
     (["--model", "some/model"], None, "model", "some/model"),
     (["--no-enable-prefix-caching"], "cache", "enable_prefix_caching", False),
     (["--no-enable-chunked-prefill"], "scheduler", "enable_chunked_prefill", False),
+    (["-tp", "2"], "parallel", "tensor_parallel_size", 2),
 ]
 # Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
 EXCLUSIVE = {"gpu_memory_utilization"}
@@ -196,7 +203,8 @@ def test_choices_come_from_the_config_constants(capsys) -> None:
     assert choices == {"dtype": list(SUPPORTED_DTYPES), "matmul": list(MATMULS),
                        "decoder_stack": list(DECODER_STACKS),
                        "scheduling": list(SCHEDULING_MODES), "policy": list(POLICY_NAMES),
-                       "attention_backend": list(ATTENTION_BACKENDS)}
+                       "attention_backend": list(ATTENTION_BACKENDS),
+                       "distributed_backend": list(DISTRIBUTED_BACKENDS)}
     with pytest.raises(SystemExit):
         _engine_parser().parse_args(["--matmul", "blas"])
     assert "invalid choice: 'blas'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import default_model_path, hf_greedy_with_cache, write_tiny_hf_model
+from helpers_models import hf_greedy_with_cache, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -97,10 +97,9 @@ def test_tp2_bf16_prompt_logprobs_within_bf16_tolerance(tiny: Path) -> None:
     assert torch.allclose(got, expected, atol=0.15), (got - expected).abs().max()
 
 
-def test_the_default_model_in_three_ranks_is_transformers() -> None:
+def test_the_default_model_in_three_ranks_is_transformers(default_model_reference: torch.nn.Module) -> None:
     """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks divide them, 2 do not."""
-    gguf = default_model_path()
-    reference = hf_model_gguf(gguf)
+    reference = default_model_reference
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1001, 42, 7, 2203, 30]]
     expected = [hf_greedy_with_cache(reference, prompt, 12) for prompt in prompts]
     with LLM("smollm2-135m-instruct", tensor_parallel_size=3, dtype="float32", num_blocks=32) as llm:
@@ -108,9 +107,3 @@ def test_the_default_model_in_three_ranks_is_transformers() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's num_attention_heads \(9\)"):
         LLM("smollm2-135m-instruct", tensor_parallel_size=2, dtype="float32", num_blocks=32)
 
-
-def hf_model_gguf(gguf: Path) -> torch.nn.Module:
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -4,7 +4,6 @@ same GGUF: greedy identity on 8 real prompts x 32 new tokens (fp32)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers_models import default_model_path, hf_greedy_with_cache
 
 from kvloom import LLM, SamplingParams
@@ -31,11 +30,8 @@ def llm(gguf_path):
     return LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256)
 
 
-def test_greedy_matches_transformers_on_default_model(gguf_path, llm) -> None:
-    import transformers
-
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+def test_greedy_matches_transformers_on_default_model(gguf_path, llm, default_model_reference) -> None:
+    reference = default_model_reference
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     outputs = llm.generate(prompts, params)

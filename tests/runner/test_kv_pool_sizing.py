@@ -66,12 +66,12 @@ def test_both_sizes_conflict_clearly() -> None:
 
 
 def test_the_engine_sizes_its_pool_from_the_share(tiny_llama, monkeypatch) -> None:
-    import kvloom.engine.engine as engine_module
+    import kvloom.runner.tensor_parallel as loading
     from kvloom.engine.engine import LLMEngine
 
     mc = ModelConfig.from_hf(__import__("json").loads((tiny_llama / "config.json").read_text()))
     block = bytes_per_block(mc, 16, torch.float32)
-    monkeypatch.setattr(engine_module, "device_memory",
+    monkeypatch.setattr(loading, "device_memory",
                         lambda device: DeviceMemory(total=40 * block, free=40 * block))
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), dtype="float32",
                                                 gpu_memory_utilization=0.5))
