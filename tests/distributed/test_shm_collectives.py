@@ -58,16 +58,21 @@ def run_ranks(tmp_path: Path, size: int, behaviour: str = "") -> dict[int, Any]:
     results, release = context.Queue(), context.Event()
     processes = [context.Process(target=_rank_main, args=(path, rank, size, results, behaviour, release))
                  for rank in range(size)]
-    for process in processes:
-        process.start()
-    reporting = 1 if behaviour else size
-    collected = {}
-    for _ in range(reporting):
-        rank, value = results.get(timeout=60)
-        collected[rank] = torch.load(io.BytesIO(value)) if isinstance(value, bytes) else value
-    for process in processes:
-        process.join(60)
-    shm.remove_region(path)
+    try:
+        for process in processes:
+            process.start()
+        reporting = 1 if behaviour else size
+        collected = {}
+        for _ in range(reporting):
+            rank, value = results.get(timeout=60)
+            collected[rank] = torch.load(io.BytesIO(value)) if isinstance(value, bytes) else value
+        for process in processes:
+            process.join(60)
+    finally:
+        shm.remove_region(path)  # whatever happened: nothing left in /dev/shm
+        for process in processes:
+            if process.is_alive():
+                process.kill()
     return collected
 
 
