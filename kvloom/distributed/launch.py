@@ -145,13 +145,15 @@ def _shared_memory(placement: RankPlacement, timeout: float, control: Any) -> An
         logger.warning("shared-memory collectives do not build here: tensor parallel steps use gloo")
         return None
     path = shm.create_region(placement.size) if placement.rank == 0 else None
-    paths: list[Any] = [path]
-    dist.broadcast_object_list(paths, src=0, group=control)
-    collectives = shm.SharedMemoryCollectives(shm.map_region(str(paths[0]), placement.size), placement.rank,
-                                              placement.size, shm.DEFAULT_SLOT_BYTES, timeout)
-    dist.barrier(group=control)
-    if path is not None:
-        shm.remove_region(path)
+    try:
+        paths: list[Any] = [path]
+        dist.broadcast_object_list(paths, src=0, group=control)
+        collectives = shm.SharedMemoryCollectives(shm.map_region(str(paths[0]), placement.size), placement.rank,
+                                                  placement.size, shm.DEFAULT_SLOT_BYTES, timeout)
+        dist.barrier(group=control)
+    finally:
+        if path is not None:  # mapped by every rank now, or never will be
+            shm.remove_region(path)
     return collectives
 
 
