@@ -10,14 +10,11 @@ a deadline.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
-import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -26,7 +23,7 @@ import uvicorn
 from kvloom.router.app import build_router_app
 from kvloom.router.config import RouterConfig
 from kvloom.router.workers import RouterStartupError, WorkerInfo, check_workers
-from kvloom.server.http_protocol import ConnectionLimits, uvicorn_config
+from kvloom.server.http_protocol import ConnectionLimits, signals_end_quietly, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -62,27 +59,9 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000, 
     app = build_router_app(config)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5))
     logger.info("kvloom router on http://%s:%d, policy %s", host, sock.getsockname()[1], config.policy)
-    with _signals_end_quietly():
+    with signals_end_quietly():
         server.run(sockets=[sock])
     return 0
-
-
-@contextlib.contextmanager
-def _signals_end_quietly() -> Iterator[None]:
-    """uvicorn re-raises the signal it stopped on, with the handler it found at start;
-    a no-op handler there makes SIGINT/SIGTERM a clean exit 0, and lets the caller's
-    cleanup (the launcher's workers) run."""
-    signals = (signal.SIGINT, signal.SIGTERM)
-    try:
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
-    except ValueError:  # not the main thread: uvicorn does not capture signals either
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def configure_logging(level: str) -> None:

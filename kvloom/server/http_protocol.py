@@ -19,7 +19,10 @@ over-long header block gets a plain-text 400. Here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import h11
@@ -133,3 +136,21 @@ def uvicorn_config(app: Any, limits: ConnectionLimits | None = None, **kwargs: A
     return uvicorn.Config(app, http=protocol, limit_concurrency=limits.max_connections,
                           timeout_keep_alive=limits.keep_alive_timeout,
                           h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)
+
+
+@contextlib.contextmanager
+def signals_end_quietly() -> Iterator[None]:
+    """uvicorn re-raises the signal it shut down on, with the handler found at start.
+    A no-op handler there turns "killed by SIGTERM" / KeyboardInterrupt into exit 0,
+    and lets the caller's cleanup run (the server's engine, the router's workers)."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    except ValueError:  # not the main thread: uvicorn does not capture signals either
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -8,16 +8,14 @@ generations to the end; then the app's lifespan joins the engine thread. Exit st
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
 
 from kvloom.server.async_engine import AsyncEngine
-from kvloom.server.http_protocol import ConnectionLimits, uvicorn_config
+from kvloom.server.http_protocol import ConnectionLimits, signals_end_quietly, uvicorn_config
 from kvloom.server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
@@ -81,28 +79,11 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
     async_engine.on_load_failed = on_load_failed
     async_engine.on_engine_failed = on_engine_failed
     logger.info("kvloom serving %s on http://%s:%d (loading the model...)", model, host, port)
-    with _signals_end_quietly():
+    with signals_end_quietly():
         server.run()
     if engine_errors:
         logger.error("exiting with status 1 after an engine fault: %s", engine_errors[0])
     return 1 if load_errors or engine_errors else 0
-
-
-@contextlib.contextmanager
-def _signals_end_quietly() -> Iterator[None]:
-    """uvicorn re-raises the signal it shut down on, with the handler found at start.
-    A no-op handler there turns "killed by SIGTERM" / KeyboardInterrupt into exit 0."""
-    signals = (signal.SIGINT, signal.SIGTERM)
-    try:
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
-    except ValueError:  # not the main thread: uvicorn does not capture signals either
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _configure_logging(level: str) -> None:
