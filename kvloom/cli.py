@@ -15,7 +15,7 @@ from kvloom.bench.extras import MissingExtra
 from kvloom.bench.trace_render import add_trace_parser
 from kvloom.config import DEFAULT_MODEL
 from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, save_trace
-from kvloom.router.cli import add_router_parser
+from kvloom.router.cli import add_data_parallel_args, add_router_parser
 from kvloom.server.cli import add_serve_parser
 
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_trace_parser(sub)
-    add_serve_parser(sub)
+    add_data_parallel_args(add_serve_parser(sub))
     add_router_parser(sub)
     return parser
 

@@ -39,6 +39,57 @@ def add_policy_args(group: argparse._ArgumentGroup, policy_flag: str = "--policy
                        help="seconds between health checks of each worker (default: %(default)s)")
 
 
+def add_data_parallel_args(serve: argparse.ArgumentParser) -> None:
+    """``kvloom serve --data-parallel-size N`` and the routing flags, on the serve parser
+    (kvloom/cli.py calls this: the server below knows nothing of the router). With N > 1
+    the command starts N engines and a router instead of serving (kvloom/router/launch.py)."""
+    serve_one = serve.get_default("run")
+    parallel = serve.add_argument_group("data parallel (kvloom/router)")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                          help="start this many engines (each its own `kvloom serve` process on a free "
+                               "loopback port) behind a cache-aware router on --host/--port")
+    parallel.add_argument("--startup-timeout", type=float, default=600.0,
+                          help="with --data-parallel-size: seconds for every engine to load its model "
+                               "(default: %(default)s)")
+    add_policy_args(parallel, policy_flag="--router-policy")
+
+    def run(args: argparse.Namespace) -> int:
+        if args.data_parallel_size == 1:
+            return int(serve_one(args))
+        return _run_data_parallel(args, serve)
+
+    serve.set_defaults(run=run)
+
+
+def _run_data_parallel(args: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
+    """The workers run this very command line minus the router's flags; it is read back
+    from ``sys.argv`` and must parse to ``args`` (else the command was not ours)."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    argv = sys.argv[1:]
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    again = _parse_quietly(serve, argv)
+    if not again or any(again.get(key, object()) != value for key, value in vars(args).items()
+                        if key in again and key != "run"):
+        raise ValueError("--data-parallel-size starts each engine with this process's command line; "
+                         "run it as a command (`kvloom serve ... --data-parallel-size N`)")
+    from kvloom.router.launch import run_data_parallel
+    return run_data_parallel(args, argv)
+
+
+def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]:
+    """``parser``'s parse of ``argv``, or {} where it would print usage and exit."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return vars(parser.parse_args(argv))
+        except SystemExit:
+            return {}
+
+
 def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``router --worker URL [--worker URL ...] --host --port --policy ...``."""
     router = subparsers.add_parser("router", help="OpenAI-compatible router in front of kvloom servers "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs
 from kvloom.server.settings import (
@@ -16,8 +15,9 @@ from kvloom.server.settings import (
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``serve [MODEL] --host --port --api-key --max-waiting ...`` plus the engine flags."""
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``serve [MODEL] --host --port --api-key --max-waiting ...`` plus the engine
+    flags; returns it (kvloom/cli.py adds the data-parallel flags, kvloom/router/cli.py)."""
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_version_flag(serve)
     add_engine_args(serve)
@@ -55,22 +55,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="largest request header block; beyond it: 431")
     group.add_argument("--max-connections", type=int, default=limits.max_connections,
                        help="open connections served at once; beyond it new requests get 503")
-    from kvloom.router.cli import add_policy_args  # argparse only; the router loads when it runs
-
-    parallel = serve.add_argument_group("data parallel (kvloom/router)")
-    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                          help="start this many engines (each its own `kvloom serve` process on a free "
-                               "loopback port) behind a cache-aware router on --host/--port")
-    parallel.add_argument("--startup-timeout", type=float, default=600.0,
-                          help="with --data-parallel-size: seconds for every engine to load its model "
-                               "(default: %(default)s)")
-    add_policy_args(parallel, policy_flag="--router-policy")
     serve.set_defaults(run=run_serve)
+    return serve
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.data_parallel_size != 1:
-        return _run_data_parallel(args)
     from kvloom.server.main import run_server
 
     names = args.served_model_name or [None]
@@ -84,24 +73,3 @@ def run_serve(args: argparse.Namespace) -> int:
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               max_header_bytes=args.max_header_bytes,
                                               max_connections=args.max_connections))
-
-
-def _run_data_parallel(args: argparse.Namespace) -> int:
-    """The workers run this very command line minus the router's flags; it is read back
-    from ``sys.argv`` and must parse to ``args`` (else the command was not ours)."""
-    if args.data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
-    argv = sys.argv[1:]
-    if argv[:1] == ["serve"]:
-        argv = argv[1:]
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_parser(parser.add_subparsers(dest="command"))
-    try:
-        again = vars(parser.parse_args(["serve", *argv]))
-    except (argparse.ArgumentError, SystemExit):
-        again = {}
-    if any(again.get(key, object()) != value for key, value in vars(args).items() if key in again) or not again:
-        raise ValueError("--data-parallel-size starts each engine with this process's command line; "
-                         "run it as a command (`kvloom serve ... --data-parallel-size N`)")
-    from kvloom.router.launch import run_data_parallel
-    return run_data_parallel(args, argv)
