@@ -75,7 +75,7 @@ def _run_data_parallel(args: argparse.Namespace, serve: argparse.ArgumentParser)
         raise ValueError("--data-parallel-size starts each engine with this process's command line; "
                          "run it as a command (`kvloom serve ... --data-parallel-size N`)")
     from kvloom.router.launch import run_data_parallel
-    return run_data_parallel(args, argv)
+    return run_data_parallel(args, argv, lambda urls: router_config(args, urls))
 
 
 def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from kvloom.router.cli import router_config
+from kvloom.router.config import RouterConfig
 from kvloom.router.main import bind_socket, configure_logging, run_router
 from kvloom.router.workers import RouterStartupError
 
@@ -142,8 +142,10 @@ def stop_workers(processes: Sequence[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-def run_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """``argv``: this ``kvloom serve`` command's arguments (after ``serve``)."""
+def run_data_parallel(args: argparse.Namespace, argv: Sequence[str],
+                      router_config: Callable[[list[str]], RouterConfig]) -> int:
+    """``argv``: this ``kvloom serve`` command's arguments (after ``serve``);
+    ``router_config``: the router's configuration for the workers' URLs."""
     size = args.data_parallel_size
     configure_logging(args.log_level)
     sock = bind_socket(args.host, args.port)
@@ -157,7 +159,7 @@ def run_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     processes = start_workers(worker_argv(argv), ports, num_threads)
     try:
         wait_until_healthy(processes, urls, args.startup_timeout)
-        return run_router(router_config(args, urls), host=args.host, port=args.port, log_level=args.log_level,
+        return run_router(router_config(urls), host=args.host, port=args.port, log_level=args.log_level,
                           sock=sock)
     finally:
         sock.close()
