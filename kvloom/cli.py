@@ -1,4 +1,4 @@
-"""`kvloom serve | generate | chat | fetch-model | bench | trace` (argparse -> config; no logic).
+"""`kvloom serve | router | generate | chat | fetch-model | bench | trace` (argparse -> config; no logic).
 
 Engine flags share their names with ``LLM(...)`` keyword arguments:
 ``--num-blocks`` <-> ``num_blocks``; they are generated from the config dataclasses
