@@ -61,6 +61,11 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verifications: int = 0
+    # Tensor parallel, cumulative on rank 0 (0 for one process): collectives, the bytes
+    # handed to them, seconds inside them (waiting for the slowest rank included).
+    tp_collectives: int = 0
+    tp_collective_bytes: int = 0
+    tp_collective_seconds: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -233,7 +238,7 @@ class LLMEngine:
         self.output_processor.discard(request)
 
     def stats(self) -> EngineStats:
-        s, kv = self.scheduler, self.kv_manager
+        s, kv, comm = self.scheduler, self.kv_manager, self.first_rank.group.stats
         return EngineStats(s.step_count, len(s.running), len(s.waiting), kv.usage,
                            s.num_preemptions, kv.pool.num_free_blocks, self.num_blocks,
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
@@ -241,7 +246,7 @@ class LLMEngine:
                            self._last_num_batched_tokens, s.num_starvation_promotions,
                            s.policy.num_fcfs_fallbacks, s.num_prefill_tokens,
                            s.num_generated_tokens, s.num_draft_tokens, s.num_accepted_tokens,
-                           s.num_verifications)
+                           s.num_verifications, comm.calls, comm.bytes, comm.seconds)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a

@@ -67,8 +67,17 @@ class EngineMetrics:
         self.spec_decode_mean_accepted_length = gauge(
             "kvloom:spec_decode_mean_accepted_length",
             "Tokens per verification (accepted drafts + the target's own), since start.")
+        # Tensor parallel (rank 0's view; zero for one process).
+        self.tp_collectives = counter(
+            "kvloom:tp_collectives", "Tensor-parallel collectives run by rank 0 (all-reduce, broadcast, gather).")
+        self.tp_collective_bytes = counter(
+            "kvloom:tp_collective_bytes", "Bytes rank 0 handed to tensor-parallel collectives.")
+        self.tp_collective_seconds = counter(
+            "kvloom:tp_collective_seconds",
+            "Seconds rank 0 spent inside tensor-parallel collectives (waiting for the slowest rank included).")
         self._num_preemptions_seen = 0
         self._spec_seen = (0, 0, 0)
+        self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
         # request id -> monotonic time of its previous token; engine thread only.
         self._last_token_time: dict[str, float] = {}
 
@@ -110,6 +119,12 @@ class EngineMetrics:
             self._spec_seen = spec
             self.spec_decode_acceptance_rate.set(stats.draft_acceptance_rate)
             self.spec_decode_mean_accepted_length.set(stats.mean_accepted_length)
+        tp = (stats.tp_collectives, stats.tp_collective_bytes, stats.tp_collective_seconds)
+        if tp != self._tp_seen:
+            for metric, now, seen in zip((self.tp_collectives, self.tp_collective_bytes,
+                                          self.tp_collective_seconds), tp, self._tp_seen, strict=True):
+                metric.inc(now - seen)
+            self._tp_seen = tp
 
     def record_aborted(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
