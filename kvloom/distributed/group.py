@@ -42,8 +42,10 @@ class TensorParallelGroup:
     ``process_group`` carries the step's collectives (with the configured timeout: a
     rank stuck mid-step makes the others fail rather than hang); ``control_group``
     carries only rank 0's step messages (no practical timeout: an idle engine sends
-    none for as long as it is idle). A rank that dies closes its sockets, and every
-    other rank's pending collective on either group fails at once."""
+    none for as long as it is idle). With ``shm`` (the ranks of one CPU host), the
+    steps' collectives go through shared memory instead, with the same two timeouts.
+    A rank that dies is noticed at once: its sockets close (gloo), or its pid is gone
+    (shared memory), and every other rank's pending collective fails."""
 
     rank: int = 0
     size: int = 1
