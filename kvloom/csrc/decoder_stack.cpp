@@ -25,7 +25,10 @@
 //   gate_up = normed @ Wgu (+ b)                [T, 2 I]
 //   act     = silu(gate) * up                   [T, I]
 //   hidden  = act @ Wdown (+ b)                 [T, H]
-// The caller adds the last `hidden` into `residual` with the final norm.
+// The caller adds the last `hidden` into `residual` with the final norm. Under tensor
+// parallel (a non-null `reduce`: the shared-memory all-reduce's context) each rank holds
+// its heads and MLP features, and `hidden` is summed over the ranks after the o and the
+// down projections, as the module path's all-reduces do, with the same function.
 #include <cstdint>
 #include <cstring>
 
@@ -46,10 +49,11 @@ using AttentionFn = void (*)(const void* q, void* out, const void* k_cache, cons
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, int num_threads, int kernel);
 using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);
+using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
-enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, NUM_KERNELS };
+enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, NUM_KERNELS };
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, NUM_WEIGHTS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -75,21 +79,25 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
 // (packed GEMM weights, bf16 norm weights and biases, 0 for no bias). residual: [tokens,
 // hidden_size] (the embeddings in; the stream before the last `hidden` out); hidden:
 // [tokens, hidden_size] out. kv_caches: [num_layers, 2, num_blocks, block_size, kv heads,
-// head_dim] bf16 in the paired layout. Returns 0, or 1 + the layer whose GEMM refused
-// `isa` (nothing after it ran).
+// head_dim] bf16 in the paired layout. reduce: nullptr, or the all-reduce's context
+// (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). Returns 0,
+// 1 + the layer whose GEMM refused `isa` (nothing after it ran), or the all-reduce's
+// failure (-1 timed out, -2 a rank died).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const int64_t* slots, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         int64_t block_size, float eps, float scale, int isa, int num_threads) {
+                         int64_t block_size, float eps, float scale, int isa, int num_threads,
+                         int64_t* reduce) {
   const auto rms_norm = entry<RmsNormFn>(kernels, K_RMS_NORM);
   const auto gemm = entry<GemmFn>(kernels, K_GEMM);
   const auto rotary = entry<RotaryFn>(kernels, K_ROTARY);
   const auto write_kv = entry<WriteKvFn>(kernels, K_WRITE_KV);
   const auto attention = entry<AttentionFn>(kernels, K_ATTENTION);
   const auto silu = entry<SiluFn>(kernels, K_SILU);
+  const auto all_reduce = entry<AllReduceFn>(kernels, K_ALL_REDUCE);
 
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_width = q_size + 2 * kv_size;
@@ -119,6 +127,10 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
               num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, PAIRED_KERNEL);
     if (gemm(attn, weight(w, W_O), weight(w, W_O_BIAS), hidden, tokens, hidden_size, q_size, isa, num_threads) != 0)
       return static_cast<int>(layer) + 1;
+    if (reduce != nullptr) {
+      const int status = all_reduce(reduce, hidden, tokens * hidden_size);
+      if (status != 0) return status;
+    }
     rms_norm(hidden, residual, weight(w, W_POST_NORM), normed, tokens, hidden_size, eps);
     if (gemm(normed, weight(w, W_GATE_UP), weight(w, W_GATE_UP_BIAS), gate_up, tokens, 2 * intermediate,
              hidden_size, isa, num_threads) != 0)
@@ -127,6 +139,10 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
     if (gemm(act, weight(w, W_DOWN), weight(w, W_DOWN_BIAS), hidden, tokens, hidden_size, intermediate, isa,
              num_threads) != 0)
       return static_cast<int>(layer) + 1;
+    if (reduce != nullptr) {
+      const int status = all_reduce(reduce, hidden, tokens * hidden_size);
+      if (status != 0) return status;
+    }
   }
   return 0;
 }

@@ -196,6 +196,29 @@ void kvloom_shm_done(uint8_t* region, int64_t rank, int64_t seq) {
   __atomic_store_n(&lines(region)[rank].done, seq, __ATOMIC_RELEASE);
 }
 
+// The decoder stack's all-reduce (csrc/decoder_stack.cpp calls it between its kernels).
+// context, int64 [9]: region address, rank, size, seq (the next collective's number is
+// seq + 1; advanced here, and shared with kvloom/distributed/shm.py), slot bytes,
+// timeout in milliseconds (0: none), then what this adds to: calls, bytes, nanoseconds.
+// data: [numel] bf16, summed in place, in slot-sized pieces. Returns 0, -1 or -2.
+int kvloom_shm_all_reduce_stack(int64_t* context, uint16_t* data, int64_t numel) {
+  uint8_t* region = reinterpret_cast<uint8_t*>(context[0]);
+  const int64_t rank = context[1], size = context[2], slot_bytes = context[4];
+  const float timeout = static_cast<float>(context[5]) / 1000.0f;
+  const int64_t step = slot_bytes / static_cast<int64_t>(sizeof(uint16_t));
+  const double started = now_seconds();
+  for (int64_t start = 0; start < numel; start += step) {
+    const int64_t count = numel - start < step ? numel - start : step;
+    const int64_t seq = ++context[3];
+    const int32_t status = all_reduce(region, data + start, count, rank, size, seq, slot_bytes, timeout);
+    if (status != 0) return status;
+  }
+  context[6] += 1;
+  context[7] += numel * static_cast<int64_t>(sizeof(uint16_t));
+  context[8] += static_cast<int64_t>((now_seconds() - started) * 1e9);
+  return 0;
+}
+
 int kvloom_shm_all_reduce_f32(uint8_t* region, float* data, int64_t numel, int64_t rank, int64_t size,
                               int64_t seq, int64_t slot_bytes, float timeout) {
   return all_reduce(region, data, numel, rank, size, seq, slot_bytes, timeout);

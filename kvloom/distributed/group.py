@@ -30,9 +30,13 @@ class CommStats:
     seconds: float = 0.0
 
     def add(self, tensor: torch.Tensor, started: float) -> None:
-        self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-        self.seconds += time.perf_counter() - started
+        self.add_counts(1, tensor.numel() * tensor.element_size(), time.perf_counter() - started)
+
+    def add_counts(self, calls: int, sent: int, seconds: float) -> None:
+        """Collectives run elsewhere (the native decoder stack's all-reduces)."""
+        self.calls += calls
+        self.bytes += sent
+        self.seconds += seconds
 
 
 @dataclass(frozen=True)

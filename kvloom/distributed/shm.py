@@ -42,13 +42,33 @@ class SharedMemoryCollectives:
         self.region = region  # the mapping lives as long as this tensor
         self._address = self.region.data_ptr()
         self._header = native.HEADER_BYTES.function()()
-        self.seq = 0
+        # The state the native decoder stack's all-reduce shares with this object
+        # (kernels/shm_collectives.py CONTEXT_FIELDS): above all ``seq``, the number of
+        # the last collective, which both advance.
+        fields = {"region": self._address, "rank": rank, "size": size, "seq": 0, "slot_bytes": slot_bytes,
+                  "timeout_ms": int(timeout * 1000), "calls": 0, "bytes": 0, "nanoseconds": 0}
+        self.context = torch.tensor([fields[name] for name in native.CONTEXT_FIELDS], dtype=torch.int64)
+        self._seq_index = native.CONTEXT_FIELDS.index("seq")
         self._publish = native.PUBLISH.function()
         self._wait = native.WAIT.function()
         self._done = native.DONE.function()
         self._all_reduce = {dtype: native.ALL_REDUCE.function(variant)
                             for dtype, variant in _ALL_REDUCE_VARIANTS.items()}
         native.JOIN.function()(self._address, rank, os.getpid())
+
+    @property
+    def seq(self) -> int:
+        """The number of the last collective (every rank's counts the same ones)."""
+        return int(self.context[self._seq_index])
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self.context[self._seq_index] = value
+
+    def native_counts(self) -> tuple[int, int, float]:
+        """Calls, bytes and seconds of the all-reduces the native decoder stack ran, so far."""
+        calls, sent, nanoseconds = self.context[-3:].tolist()
+        return calls, sent, nanoseconds / 1e9
 
     @staticmethod
     def region_bytes(size: int, slot_bytes: int) -> int:
@@ -69,9 +89,9 @@ class SharedMemoryCollectives:
         step = self.slot_bytes // flat.element_size()
         for start in range(0, flat.numel(), step):
             piece = flat[start:start + step]
-            self.seq += 1
+            seq = self._next_seq()
             self._check(function(self._address, piece.data_ptr(), piece.numel(), self.rank, self.size,
-                                 self.seq, self.slot_bytes, self.timeout), "all-reduce")
+                                 seq, self.slot_bytes, self.timeout), "all-reduce")
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -83,14 +103,14 @@ class SharedMemoryCollectives:
         timeout = 0.0 if wait_forever else self.timeout
         for start in range(0, flat.numel(), self.slot_bytes):
             piece = flat[start:start + self.slot_bytes]
-            self.seq += 1
+            seq = self._next_seq()
             mine = piece.numel() if self.rank == 0 else 0
-            self._check(self._publish(self._address, piece.data_ptr(), mine, self.rank, self.size, self.seq,
+            self._check(self._publish(self._address, piece.data_ptr(), mine, self.rank, self.size, seq,
                                       self.slot_bytes, timeout), "broadcast")
-            self._check(self._wait(self._address, self.size, self.seq, timeout), "broadcast")
+            self._check(self._wait(self._address, self.size, seq, timeout), "broadcast")
             if self.rank != 0:
-                piece.copy_(self._slot(0, piece.numel()))
-            self._done(self._address, self.rank, self.seq)
+                piece.copy_(self._slot(seq, 0, piece.numel()))
+            self._done(self._address, self.rank, seq)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view(tensor.dtype).view_as(tensor))
         return tensor
@@ -102,19 +122,20 @@ class SharedMemoryCollectives:
         parts = ([torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else [])
         for start in range(0, flat.numel(), self.slot_bytes):
             piece = flat[start:start + self.slot_bytes]
-            self.seq += 1
+            seq = self._next_seq()
             self._check(self._publish(self._address, piece.data_ptr(), piece.numel(), self.rank, self.size,
-                                      self.seq, self.slot_bytes, self.timeout), "gather")
-            self._check(self._wait(self._address, self.size, self.seq, self.timeout), "gather")
+                                      seq, self.slot_bytes, self.timeout), "gather")
+            self._check(self._wait(self._address, self.size, seq, self.timeout), "gather")
             for rank, part in enumerate(parts):
-                self._bytes(part)[start:start + piece.numel()].copy_(self._slot(rank, piece.numel()))
-            self._done(self._address, self.rank, self.seq)
+                self._bytes(part)[start:start + piece.numel()].copy_(self._slot(seq, rank, piece.numel()))
+            self._done(self._address, self.rank, seq)
         return parts if self.rank == 0 else None
 
     def close(self) -> None:
         """Drop this rank's mapping (unmapped once no view of it is left)."""
         self.region = torch.empty(0, dtype=torch.uint8)
         self._address = 0
+        self.context[0] = 0
 
     # ---- helpers -------------------------------------------------------------------
     @staticmethod
@@ -123,8 +144,13 @@ class SharedMemoryCollectives:
             raise ValueError("shared-memory collectives take contiguous tensors")
         return tensor.view(-1).view(torch.uint8)
 
-    def _slot(self, rank: int, nbytes: int) -> torch.Tensor:
-        start = self._header + ((self.seq & 1) * self.size + rank) * self.slot_bytes
+    def _next_seq(self) -> int:
+        seq = self.seq + 1
+        self.seq = seq
+        return seq
+
+    def _slot(self, seq: int, rank: int, nbytes: int) -> torch.Tensor:
+        start = self._header + ((seq & 1) * self.size + rank) * self.slot_bytes
         return self.region[start:start + nbytes]
 
     def _check(self, status: int, what: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.kernels import cpu_ops, gemm, paged_attention
+from kvloom.kernels import cpu_ops, gemm, paged_attention, shm_collectives
 from kvloom.kernels.native_op import NativeFunction, NativeOp
 
 _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tokens, int hidden_size, int q_size, "
@@ -29,7 +29,7 @@ _STACK = NativeFunction(
     "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
-    "float eps, float scale, int32 isa, int32 num_threads) -> int32")
+    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce) -> int32")
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -48,11 +48,13 @@ def _address(op: NativeOp, variant: str = "") -> int:
     return address
 
 
-def kernel_table() -> torch.Tensor:
-    """The entry points the walk calls, [6] int64, in decoder_stack.cpp's `Kernel` order."""
+def kernel_table(all_reduce: bool = False) -> torch.Tensor:
+    """The entry points the walk calls, [7] int64, in decoder_stack.cpp's `Kernel` order;
+    ``all_reduce``: with the shared-memory all-reduce (tensor parallel), else 0 there."""
+    reduce = ctypes.cast(shm_collectives.ALL_REDUCE_STACK.function(), ctypes.c_void_p).value if all_reduce else 0
     return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM), _address(cpu_ops.ROTARY, "bf16"),
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
-                         _address(cpu_ops.SILU_AND_MUL, "bf16")], dtype=torch.int64)
+                         _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0], dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +100,23 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
 
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
-        scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. ``kv_caches``: the whole pool
     [layers, 2, blocks, block_size, kv_heads, head_dim] in the paired layout.
     ``scratch``: a bf16 buffer of at least ``scratch_elements`` to reuse (else one is
-    allocated)."""
+    allocated). ``reduce``: under tensor parallel, the shared-memory all-reduce's
+    context (kernels/shm_collectives.py ``CONTEXT_FIELDS``; the kernel table must hold
+    its entry point): ``hidden`` is summed over the ranks after the o and down
+    projections."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
-    _check("kernels", kernels, torch.int64, (6,))
+    _check("kernels", kernels, torch.int64, (7,))
+    if reduce is not None:
+        _check("reduce", reduce, torch.int64, (len(shm_collectives.CONTEXT_FIELDS),))
+        if int(kernels[6]) == 0:
+            raise _fail("kernels", "have no all-reduce entry point, but a reduce context was given")
     _check("weights", weights, torch.int64, (shape.num_layers, len(WEIGHT_COLUMNS)))
     _check("residual", residual, bf16, (tokens, shape.hidden_size))
     if kv_caches.dim() != 6:
@@ -138,7 +147,11 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
         rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
-        gemm.isa_code(shape.isa), torch.get_num_threads())
+        gemm.isa_code(shape.isa), torch.get_num_threads(), 0 if reduce is None else reduce.data_ptr())
+    if status == -2:
+        raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
+    if status == -1:
+        raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: timed out waiting for another rank")
     if status != 0:
         raise RuntimeError(f"kvloom decoder_stack: layer {status - 1}'s matmul refused the {shape.isa!r} path "
                            f"(this CPU runs {gemm.supported_isas()})")

@@ -19,6 +19,12 @@ ALL_REDUCE = NativeFunction("shm_collectives", "kvloom_shm_all_reduce_{variant}(
                                                "int numel, int rank, int size, int seq, int slot_bytes, "
                                                "float timeout) -> int32", variants=("f32", "bf16"))
 
+# The decoder stack's all-reduce (csrc/decoder_stack.cpp calls it through its kernel table).
+ALL_REDUCE_STACK = NativeFunction("shm_collectives", "kvloom_shm_all_reduce_stack(Tensor context, Tensor data, "
+                                                     "int numel) -> int32")
+# kvloom_shm_all_reduce_stack's context: its int64 fields, in order.
+CONTEXT_FIELDS = ("region", "rank", "size", "seq", "slot_bytes", "timeout_ms", "calls", "bytes", "nanoseconds")
+
 
 def available() -> bool:
     """Whether shm_collectives.cpp builds here (else the ranks use gloo alone)."""

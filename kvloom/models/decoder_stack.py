@@ -23,25 +23,32 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.attention.cpu_paged import CPUPagedBackend, CPUPagedMetadata
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
+from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
 from kvloom.models.packed_linear import InvariantLinear
 
 
 class DecoderModel(Protocol):
-    """What the walk reads of a model (LlamaForCausalLM is one): its config and its
-    layers, each with input_layernorm, self_attn (qkv_proj, o_proj),
-    post_attention_layernorm and mlp (gate_up_proj, down_proj)."""
+    """What the walk reads of a model (LlamaForCausalLM is one): its config, its
+    tensor-parallel group and its layers, each with input_layernorm, self_attn
+    (qkv_proj, o_proj, this rank's num_heads and num_kv_heads), post_attention_layernorm
+    and mlp (gate_up_proj, down_proj, this rank's intermediate_size)."""
 
     config: ModelConfig
+    tp: TensorParallelGroup
     layers: nn.ModuleList
 
 
 class NativeDecoderStack:
-    def __init__(self, weights: torch.Tensor, owners: list[torch.Tensor], shape: kernels.StackShape) -> None:
+    def __init__(self, weights: torch.Tensor, owners: list[torch.Tensor], shape: kernels.StackShape,
+                 tp: TensorParallelGroup) -> None:
         self.weights = weights  # [layers, len(WEIGHT_COLUMNS)] int64 data pointers
         self._owners = owners  # the tensors behind those pointers: alive as long as the table
         self.shape = shape
-        self.kernels = kernels.kernel_table()
+        # Tensor parallel: the walk all-reduces through the group's shared memory, with
+        # the same function (and collective numbers) as the module path's all-reduces.
+        self.tp = tp
+        self.kernels = kernels.kernel_table(all_reduce=tp.size > 1)
         # Reused by every forward, grown to the largest step's rows: a 2,048-token
         # prefill needs 30 MB for the default model, which a fresh allocation would
         # fault in page by page on every step.
@@ -52,6 +59,9 @@ class NativeDecoderStack:
         """The walk over ``model``'s layers, or None and why it cannot serve them."""
         if not kernels.available():
             return None, "kvloom/csrc/decoder_stack.cpp or a kernel it calls does not build here"
+        if model.tp.size > 1 and model.tp.shm is None:
+            return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
+                          "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
@@ -76,9 +86,11 @@ class NativeDecoderStack:
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
-        shape = kernels.StackShape(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                                   config.head_dim, config.intermediate_size, config.rms_norm_eps, isas.pop())
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, shape), ""
+        first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
+        shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
+                                   first.self_attn.num_kv_heads, config.head_dim, first.mlp.intermediate_size,
+                                   config.rms_norm_eps, isas.pop())
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> bool:
         """Whether this forward's cache and attention are the walk's (never while
@@ -96,7 +108,13 @@ class NativeDecoderStack:
         needed = kernels.scratch_elements(self.shape, residual.shape[0])
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.bfloat16)
-        return kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
-                           batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
-                           kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
-                           backend.scale, self._scratch)
+        shm = self.tp.shm if self.tp.size > 1 else None
+        before = shm.native_counts() if shm is not None else None
+        hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
+                             batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
+                             kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
+                             backend.scale, self._scratch, None if shm is None else shm.context)
+        if shm is not None and before is not None:  # the walk's all-reduces count with the group's
+            calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
+            self.tp.stats.add_counts(int(calls), int(sent), seconds)
+        return hidden

@@ -154,8 +154,6 @@ class LlamaForCausalLM(nn.Module):
         """Walk the decoder layers in one native call from now on, where a forward's
         cache and backend allow (call after ``pack_weights``; the weights must not move
         afterwards). Returns None, or why the model cannot (then the modules run)."""
-        if self.tp.size > 1:
-            return "tensor parallel: the layers all-reduce between kernels"
         self.native_stack, reason = NativeDecoderStack.build(self)
         return None if self.native_stack is not None else reason
 

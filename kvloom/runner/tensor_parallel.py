@@ -240,7 +240,7 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
             checkpoint = load_checkpoint(config.model, revision=config.revision)
             model_config = ModelConfig.from_hf(checkpoint.hf_config)
             model = load_model(model_config, max_model_len_for(config, model_config), checkpoint, device,
-                               dtype, config.matmul, False, group)
+                               dtype, config.matmul, config.decoder_stack == "native", group)
             own_blocks = fitting_blocks(config, model_config, group, device, dtype)
         except Exception as failure:  # noqa: BLE001 - reported to every rank by agree
             error = failure

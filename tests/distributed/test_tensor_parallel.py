@@ -133,3 +133,20 @@ def test_one_steps_collectives_are_counted_and_exported(tiny: Path) -> None:
     assert exported["kvloom:tp_collectives_total"] == expected_calls
     assert exported["kvloom:tp_collective_bytes_total"] == expected_bytes
     assert exported["kvloom:tp_collective_seconds_total"] > 0
+
+
+def test_tp2_native_stack_is_the_module_path_bit_for_bit(tmp_path: Path) -> None:
+    """bf16 on CPU: each rank walks its layers in one native call, all-reducing between
+    kernels through the same shared-memory function (and collective numbers) as the
+    module path: the same tokens, the same collectives."""
+    path = write_tiny_hf_model(tmp_path / "hd32", seed=6, hidden_size=128, num_attention_heads=4,
+                               num_key_value_heads=2)  # head_dim 32: the paired KV layout's
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    runs = {}
+    for stack in ("native", "modules"):
+        with LLM(str(path), tensor_parallel_size=2, decoder_stack=stack, **engine) as llm:
+            assert (llm.engine.model.model.native_stack is not None) == (stack == "native")
+            tokens = greedy(llm, PROMPTS)
+            stats = llm.engine.stats()
+            runs[stack] = (tokens, stats.tp_collectives, stats.tp_collective_bytes)
+    assert runs["native"] == runs["modules"]
