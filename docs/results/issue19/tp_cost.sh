@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What tensor parallel costs on one 2-core machine: engine step times and each step's
-# collectives, one process vs 2 ranks (shared memory and gloo), on a random model of
+# collectives, one process vs 2 ranks (shared memory: native stack and modules; gloo: modules), on a random model of
 # SmolLM2-135M's shape with 8/4 heads (make_tp_model.py; the real 9/3 do not split in 2).
 # Usage: docs/results/issue19/tp_cost.sh [MODEL_DIR]   (results: docs/results/issue19/steps_*.json)
 set -euo pipefail
@@ -17,4 +17,5 @@ run() {  # name, flags...
 run tp1_native
 run tp1_modules --decoder-stack modules
 run tp2_shm --tensor-parallel-size 2
+run tp2_shm_modules --tensor-parallel-size 2 --decoder-stack modules
 run tp2_gloo --tensor-parallel-size 2 --no-shared-memory
