@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kvloom.distributed.errors import RankFailed
     from kvloom.models.errors import ModelLoadError
     try:
         if hasattr(args, "tensor_parallel_size"):
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank is not None:
                 return rank
         return args.run(args)
-    except (ModelLoadError, MissingExtra) as error:
+    except (ModelLoadError, MissingExtra, RankFailed) as error:
         print(f"kvloom: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvloom.config import EngineConfig
+from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,6 @@ _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 # This process's thread count and core affinity before join_group placed it.
 _placed_before: list[tuple[int, set[int] | None]] = []
-
-
-class RankFailed(RuntimeError):
-    """A rank could not start (its error, or it disagrees with rank 0)."""
 
 
 @dataclass(frozen=True)

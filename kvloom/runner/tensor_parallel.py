@@ -33,6 +33,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.attention.registry import make_backend
 from kvloom.batch import ForwardBatch
 from kvloom.config import EngineConfig, ModelConfig
+from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_group, rank_device
 from kvloom.models.registry import CausalLM, load_model
@@ -225,7 +226,6 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
     """A rank > 0 from start to STOP: join the group, load this rank's shard, agree
     with the others, then follow rank 0's steps. Spawned by rank 0 or started by
     torchrun (kvloom/cli.py). Raises RankFailed when the group cannot start."""
-    from kvloom.distributed.launch import RankFailed
     from kvloom.models.loader import load_checkpoint
 
     if placement.size != config.parallel.tensor_parallel_size:  # rank 0 refuses the same way
@@ -258,8 +258,6 @@ def worker_main(config: EngineConfig, placement: RankPlacement) -> int:
     """A worker rank's process (spawned, or kvloom's CLI under torchrun): ``run_worker``
     with its failures as one line each and an exit status (0 after STOP, 1 when the
     group could not start or another rank went away mid-step)."""
-    from kvloom.distributed.launch import RankFailed
-
     try:
         run_worker(config, placement)
     except RankFailed as error:
@@ -306,7 +304,7 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     A model the size cannot split is refused before any rank starts; a rank that fails
     to start fails the engine with that rank's error."""
     from kvloom.distributed.group import SINGLE_PROCESS
-    from kvloom.distributed.launch import RankFailed, spawn_workers, torchrun_placement
+    from kvloom.distributed.launch import spawn_workers, torchrun_placement
     from kvloom.models.sharding import tensor_parallel_problem
 
     size = config.parallel.tensor_parallel_size
