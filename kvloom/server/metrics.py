@@ -112,18 +112,14 @@ class EngineMetrics:
             self._num_preemptions_seen = stats.num_preemptions
         spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
         if spec != self._spec_seen:
-            for metric, now, seen in zip((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-                                          self.spec_decode_num_accepted_tokens), spec, self._spec_seen,
-                                         strict=True):
-                metric.inc(now - seen)
+            _advance((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                      self.spec_decode_num_accepted_tokens), spec, self._spec_seen)
             self._spec_seen = spec
             self.spec_decode_acceptance_rate.set(stats.draft_acceptance_rate)
             self.spec_decode_mean_accepted_length.set(stats.mean_accepted_length)
         tp = (stats.tp_collectives, stats.tp_collective_bytes, stats.tp_collective_seconds)
         if tp != self._tp_seen:
-            for metric, now, seen in zip((self.tp_collectives, self.tp_collective_bytes,
-                                          self.tp_collective_seconds), tp, self._tp_seen, strict=True):
-                metric.inc(now - seen)
+            _advance((self.tp_collectives, self.tp_collective_bytes, self.tp_collective_seconds), tp, self._tp_seen)
             self._tp_seen = tp
 
     def record_aborted(self, request_id: str) -> None:
@@ -155,3 +151,10 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+def _advance(counters: Sequence[Counter], totals: Sequence[float], seen: Sequence[float]) -> None:
+    """Counters that mirror the engine's cumulative totals: each goes up by what its
+    total gained since ``seen``."""
+    for counter, total, before in zip(counters, totals, seen, strict=True):
+        counter.inc(total - before)
