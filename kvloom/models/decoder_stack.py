@@ -109,12 +109,12 @@ class NativeDecoderStack:
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.bfloat16)
         shm = self.tp.shm if self.tp.size > 1 else None
-        before = shm.native_counts() if shm is not None else None
+        before = shm.native_counts() if shm is not None else (0, 0, 0.0)
         hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                              backend.scale, self._scratch, None if shm is None else shm.context)
-        if shm is not None and before is not None:  # the walk's all-reduces count with the group's
+        if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)
         return hidden

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +82,9 @@ class TensorParallelModel:
     tells the other ranks to do the same, then runs this rank's shard. A collective
     that fails (a rank died, or timed out) raises here: an engine fault."""
 
-    def __init__(self, model: CausalLM, group: TensorParallelGroup, hidden_size: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, group: TensorParallelGroup) -> None:
         self.model = model
         self.group = group
-        self.hidden_size = hidden_size
-        self.dtype = dtype
         self._stopped = False
         self._broken = False
 
@@ -187,6 +184,34 @@ def build_pool(config: EngineConfig, model: ModelConfig, group: TensorParallelGr
     return kv_caches, backend
 
 
+def load_shard(config: EngineConfig, group: TensorParallelGroup, device: torch.device, dtype: torch.dtype,
+               load: Callable[[], tuple[ModelConfig, CausalLM]]) -> tuple[ModelConfig, RankShard]:
+    """This rank's shard, on every rank alike: ``load`` its model (every rank on its own),
+    then meet the others once (``agree``: so a rank that failed, or differs, fails them
+    all), then build a pool of the fewest blocks any rank fits. A rank's own failure is
+    raised as itself; another rank's as RankFailed naming it."""
+    model_config: ModelConfig | None = None
+    model: CausalLM | None = None
+    own_blocks, error = 0, None
+    try:
+        model_config, model = load()
+        own_blocks = fitting_blocks(config, model_config, group, device, dtype)
+    except Exception as failure:  # noqa: BLE001 - the others must hear of it before it is raised
+        error = failure
+    try:
+        reports = agree(group, startup_report(config, model_config, own_blocks, error))
+    except RankFailed:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:  # one process: nobody to tell
+        raise error
+    assert model is not None and model_config is not None
+    num_blocks = min(report["num_blocks"] for report in reports)
+    kv_caches, backend = build_pool(config, model_config, group, num_blocks, device, dtype)
+    return model_config, RankShard(model, kv_caches, backend, num_blocks)
+
+
 def startup_report(config: EngineConfig, model: ModelConfig | None, num_blocks: int,
                    error: BaseException | None) -> dict[str, Any]:
     """What a rank tells the others at start (``agree``): its error, and what must match."""
@@ -234,22 +259,16 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
     device = rank_device(resolve_device(config.device), placement)
     dtype = resolve_dtype(config.dtype)
     group = join_group(config, placement, device)
+
+    def load() -> tuple[ModelConfig, CausalLM]:
+        checkpoint = load_checkpoint(config.model, revision=config.revision)
+        model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        return model_config, load_model(model_config, max_model_len_for(config, model_config), checkpoint,
+                                        device, dtype, config.matmul, config.decoder_stack == "native", group)
+
     try:
-        model_config, model, own_blocks, error = None, None, 0, None
-        try:
-            checkpoint = load_checkpoint(config.model, revision=config.revision)
-            model_config = ModelConfig.from_hf(checkpoint.hf_config)
-            model = load_model(model_config, max_model_len_for(config, model_config), checkpoint, device,
-                               dtype, config.matmul, config.decoder_stack == "native", group)
-            own_blocks = fitting_blocks(config, model_config, group, device, dtype)
-        except Exception as failure:  # noqa: BLE001 - reported to every rank by agree
-            error = failure
-        reports = agree(group, startup_report(config, model_config, own_blocks, error))
-        assert model is not None and model_config is not None  # agree raised otherwise
-        num_blocks = min(report["num_blocks"] for report in reports)
-        kv_caches, backend = build_pool(config, model_config, group, num_blocks, device, dtype)
-        serve_rank(group, RankShard(model, kv_caches, backend, num_blocks), model_config.hidden_size,
-                   dtype, config.cache.block_size)
+        model_config, shard = load_shard(config, group, device, dtype, load)
+        serve_rank(group, shard, model_config.hidden_size, dtype, config.cache.block_size)
     finally:
         leave_group(group, [])
 
@@ -260,12 +279,16 @@ def worker_main(config: EngineConfig, placement: RankPlacement) -> int:
     group could not start or another rank went away mid-step)."""
     try:
         run_worker(config, placement)
-    except RankFailed as error:
+    except RankFailed as error:  # another rank failed to start, or differs
         logger.error("%s", error)
         return 1
     except RuntimeError as error:  # a collective failed: another rank died or timed out
         logger.error("tensor-parallel rank %d of %d stops: %s", placement.rank, placement.size,
                      str(error).splitlines()[0])
+        return 1
+    except Exception as error:  # noqa: BLE001 - its own start failed (rank 0 reports it too)
+        logger.error("tensor-parallel rank %d of %d could not start: %s: %s", placement.rank, placement.size,
+                     type(error).__name__, error)
         return 1
     return 0
 
@@ -318,36 +341,22 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
                          "engine on rank 0 only (kvloom serve / generate run the other ranks' loop)")
     native = config.decoder_stack == "native"
     if size == 1:
-        model = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul, native)
-        num_blocks = fitting_blocks(config, model_config, SINGLE_PROCESS, device, dtype)
-        kv_caches, backend = build_pool(config, model_config, SINGLE_PROCESS, num_blocks, device, dtype)
-        return FirstRank(RankShard(model, kv_caches, backend, num_blocks), SINGLE_PROCESS, [], device)
+        _, shard = load_shard(config, SINGLE_PROCESS, device, dtype, lambda: (model_config, load_model(
+            model_config, max_model_len, checkpoint, device, dtype, config.matmul, native)))
+        return FirstRank(shard, SINGLE_PROCESS, [], device)
     processes: list[Any] = []
     if placement is None:
         placement, processes = spawn_workers(config, _spawned_worker)
     device = rank_device(device, placement)
     group: TensorParallelGroup | None = None
     try:
-        group = join_group(config, placement, device)
-        error: BaseException | None = None
-        try:
-            local = load_model(model_config, max_model_len, checkpoint, device, dtype, config.matmul,
-                               native, group)
-            own_blocks = fitting_blocks(config, model_config, group, device, dtype)
-        except Exception as failure:  # noqa: BLE001 - the others must hear of it before we raise
-            error, own_blocks = failure, 0
-        try:
-            reports = agree(group, startup_report(config, model_config, own_blocks, error))
-        except RankFailed:
-            if error is not None:
-                raise error from None
-            raise
-        num_blocks = min(report["num_blocks"] for report in reports)
-        kv_caches, backend = build_pool(config, model_config, group, num_blocks, device, dtype)
-        model = TensorParallelModel(local, group, model_config.hidden_size, dtype)
+        group = joined = join_group(config, placement, device)
+        _, shard = load_shard(config, joined, device, dtype, lambda: (model_config, load_model(
+            model_config, max_model_len, checkpoint, device, dtype, config.matmul, native, joined)))
+        shard.model = TensorParallelModel(shard.model, group)
         logger.info("tensor parallel: rank 0 of %d (%s), %d KV blocks of this rank's %d KV heads",
-                    size, placement.init_method, num_blocks, model_config.num_kv_heads // size)
-        return FirstRank(RankShard(model, kv_caches, backend, num_blocks), group, processes, device)
+                    size, placement.init_method, shard.num_blocks, model_config.num_kv_heads // size)
+        return FirstRank(shard, group, processes, device)
     except BaseException:
         for process in processes:
             process.terminate()
