@@ -197,6 +197,53 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout must be > 0 (seconds), got {self.distributed_timeout!r}")
 
 
+KV_ROLES = ("both", "prefill", "decode", "disaggregated")
+KV_TRANSPORTS = ("shm", "torch")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (kvloom/kv_transfer/): what this instance does with
+    prompts' KV. A prefill instance computes prompts and stages their KV blocks; a
+    decode instance pulls them and decodes; the router pairs them."""
+
+    role: str = field(default="both", metadata={
+        "choices": KV_ROLES,
+        "help": "'both': prefill and decode here (default); 'prefill': compute prompts and stage their "
+                "KV for decode instances; 'decode': admit requests whose KV a prefill instance staged; "
+                "'disaggregated' (kvloom serve only): one prefill + one decode instance and a router "
+                "on this host"})
+    kv_transport: str = field(default="shm", metadata={
+        "choices": KV_TRANSPORTS,
+        "help": "how a decode instance pulls staged KV: 'shm' (shared memory, same host) or 'torch' "
+                "(torch.distributed point-to-point, gloo on CPU, across hosts); a prefill instance "
+                "serves both"})
+    kv_host: str = field(default="127.0.0.1", metadata={
+        "help": "the address a prefill instance's torch.distributed KV server binds and advertises"})
+    kv_port: int = field(default=0, metadata={
+        "help": "that server's port (0: a free one)"})
+    kv_buffer_gib: float = field(default=2.0, metadata={
+        "help": "GiB of staged KV a prefill instance keeps for decode instances to pull; when it is "
+                "full, new prompts wait (back-pressure from slow decode instances)"})
+    kv_transfer_timeout: float = field(default=120.0, metadata={
+        "help": "seconds staged KV waits to be pulled before the prefill instance drops it; also "
+                "the torch transport's operation timeout"})
+    kv_shm_dir: str = field(default="/dev/shm", metadata={
+        "help": "where a prefill instance stages KV files (a memory-backed file system)"})
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"role must be one of {KV_ROLES}, got {self.role!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port must be a port number (0: a free one), got {self.kv_port!r}")
+        for name in ("kv_buffer_gib", "kv_transfer_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits and the scheduling policy. The scheduler thinks in tokens."""
@@ -386,6 +433,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -418,6 +466,13 @@ class EngineConfig:
                 raise ValueError("speculative_config method 'layer_skip' drafts with the target's own "
                                  "layers, which tensor_parallel_size > 1 shards across ranks: use "
                                  "'ngram' or 'draft' with tensor parallel")
+
+        if self.kv_transfer.role == "disaggregated":
+            raise ValueError("role 'disaggregated' starts several processes: it is `kvloom serve --role "
+                             "disaggregated`; one engine is 'both', 'prefill' or 'decode'")
+        if self.kv_transfer.role != "both" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"role {self.kv_transfer.role!r} with tensor_parallel_size > 1 is not "
+                             "supported: each rank would move its own heads' blocks")
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:

@@ -16,6 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvloom.kv_spec import KVTransferSpec
 from kvloom.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; KV freed, recomputed on resume
+    RECEIVING = "receiving"  # admitted with blocks; its prompt's KV is arriving from a prefill instance
     FINISHED_STOPPED = "stop"  # eos, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
@@ -97,6 +99,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = 0  # global admission order; breaks ties deterministically
     prompt: str | None = None
+    # Prefill/decode disaggregation: stage this prompt's KV (prefill instance) or pull
+    # it (decode instance); None: computed and decoded here (kvloom/kv_spec.py).
+    kv_transfer: KVTransferSpec | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output; kept as one list so slicing the next chunk never concatenates.

@@ -26,6 +26,8 @@ from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.speculation import SpeculationPolicy
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
+from kvloom.kv_spec import KVExport, KVTransferSpec
+from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
 from kvloom.models.loader import load_checkpoint
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner.device import resolve_device, resolve_dtype
@@ -66,6 +68,19 @@ class EngineStats:
     tp_collectives: int = 0
     tp_collective_bytes: int = 0
     tp_collective_seconds: float = 0.0
+    # Prefill/decode disaggregation, cumulative. Decode instance: pulls of staged KV that
+    # delivered, that failed (the request computed its prompt here), their bytes and
+    # seconds. Prefill instance: prompts staged, their bytes, entries their puller
+    # dropped, entries dropped unpulled at the deadline; staged entries held now.
+    kv_imports: int = 0
+    kv_import_failures: int = 0
+    kv_import_bytes: int = 0
+    kv_import_seconds: float = 0.0
+    kv_staged: int = 0
+    kv_staged_bytes: int = 0
+    kv_staged_pulled: int = 0
+    kv_staged_expired: int = 0
+    num_receiving: int = 0  # requests whose prompt's KV is arriving now
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -125,9 +140,12 @@ class LLMEngine:
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
         self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size)
+        # What this instance does with prompts' KV (--role; kvloom/kv_transfer/).
+        self.kv_layout = layout_of(self.model_name, mc, shard.kv_caches, backend)
+        self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
                                          make_policy(config.scheduler), self.limits,
-                                         StopChecker(self.output_processor), speculation)
+                                         StopChecker(self.output_processor), speculation, self.kv_transfer)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
@@ -140,14 +158,17 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, kv_transfer: KVTransferSpec | None = None) -> Request:
         """Tokenize (if text) and queue a request. Raises ValueError for a request that
         can never be served: RequestRejected from the admission checks (empty, longer
         than the context, larger than the KV pool, token ids outside the vocabulary),
-        or an invalid constraint."""
+        an invalid constraint, or a ``kv_transfer`` this instance's role cannot do."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
+        refusal = self.kv_transfer.refuse(kv_transfer)
+        if refusal is not None:
+            raise ValueError(refusal)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
@@ -155,8 +176,9 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
+        rid = request_id if request_id is not None else str(next(self._request_counter))
         request = Request(
-            request_id=request_id if request_id is not None else str(next(self._request_counter)),
+            request_id=rid,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
@@ -164,6 +186,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
+            kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
         )
         self.scheduler.add_request(request)
         self.runner.add_request(request, grammar)
@@ -190,6 +213,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self._last_num_batched_tokens = scheduled.num_batched_tokens
         if scheduled.is_empty:
+            if self.scheduler.receiving:  # nothing to run until a pull arrives
+                self.kv_transfer.wait(0.005)
             return []
         # An exception from the forward itself is an engine fault and propagates.
         result = self.runner.execute(scheduled)
@@ -228,6 +253,9 @@ class LLMEngine:
                                    [CompletionOutput(0, "", list(request.output_token_ids), "error")],
                                    finished=True, metrics=request.timeline, error=request.error)
         if request.is_finished:
+            if isinstance(request.kv_transfer, KVExport):
+                staged = self.kv_transfer.take_staged(request.request_id)
+                output.kv_transfer_params = staged.as_dict() if staged is not None else None
             self._release(request)
         return output
 
@@ -239,6 +267,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, kv, comm = self.scheduler, self.kv_manager, self.first_rank.group.stats
+        imports, staged = self.kv_transfer.imports, self.kv_transfer.staging_stats
         return EngineStats(s.step_count, len(s.running), len(s.waiting), kv.usage,
                            s.num_preemptions, kv.pool.num_free_blocks, self.num_blocks,
                            kv.prefix_cache.num_cached_blocks, kv.num_evicted_blocks,
@@ -246,11 +275,16 @@ class LLMEngine:
                            self._last_num_batched_tokens, s.num_starvation_promotions,
                            s.policy.num_fcfs_fallbacks, s.num_prefill_tokens,
                            s.num_generated_tokens, s.num_draft_tokens, s.num_accepted_tokens,
-                           s.num_verifications, comm.calls, comm.bytes, comm.seconds)
+                           s.num_verifications, comm.calls, comm.bytes, comm.seconds,
+                           imports.imports, imports.failures, imports.bytes, imports.seconds,
+                           staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
+                           len(s.receiving))
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a
-        single-process engine holds nothing to release). The engine serves no more."""
+        single-process engine holds nothing to release), and its KV connector (staged KV
+        files, the transfer thread). The engine serves no more."""
+        self.kv_transfer.close()
         self.first_rank.shutdown()
 
     def check_integrity(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloom.request import RequestError, RequestTimeline
 
@@ -47,3 +48,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, once the prompt is computed: entry i is prompt
     # token i under the tokens before it (entry 0, which has none, is None), as vLLM's.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prefill instance, on a KVExport request's final output: where its prompt's KV is
+    # staged (kvloom/kv_spec.py StagedKV.as_dict()), for a decode instance to pull.
+    kv_transfer_params: dict[str, Any] | None = None

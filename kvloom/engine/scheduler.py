@@ -29,6 +29,9 @@ from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.speculation import SpeculationPolicy, updated_acceptance
 from kvloom.engine.stop import StopChecker
 from kvloom.engine.trace import NullTrace, SchedulerTrace, WaitReason
+from kvloom.kv_spec import KVExport
+from kvloom.kv_transfer.connector import KVTransfer
+from kvloom.kv_transfer.staging import StagingError
 from kvloom.request import Request, RequestError, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
                  limits: AdmissionLimits, stops: StopChecker | None = None,
-                 speculation: SpeculationPolicy | None = None) -> None:
+                 speculation: SpeculationPolicy | None = None, kv_transfer: KVTransfer | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
@@ -55,6 +58,11 @@ class Scheduler:
         self.stops = stops if stops is not None else StopChecker()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Admitted with blocks, their prompt's KV arriving from a prefill instance; they
+        # join `running` when the pull is reported (an aborted one is freed only then).
+        self.receiving: list[Request] = []
+        # Prefill/decode disaggregation (kv_transfer/connector.py); the null one: nothing moves.
+        self.kv_transfer = kv_transfer if kv_transfer is not None else KVTransfer()
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
@@ -100,7 +108,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free(request)
+        if request not in self.receiving:  # else the transfer thread may still write its blocks
+            self._free(request)
+        self.kv_transfer.finish(request)
         request.status = status
         request.stop_reason = stop_reason
         request.error = error
@@ -131,7 +141,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.receiving)
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -140,6 +150,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         preempt_reasons: dict[str, str] = {}
+        self._take_received()
 
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
@@ -248,9 +259,16 @@ class Scheduler:
         for request in list(self._admission_order()):  # a copy: admission edits the queue
             if budget <= 0:
                 return None, WaitReason.TOKEN_BUDGET
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
             prefix = self._cached_prefix(request)
+            num_imported = self.kv_transfer.importable(request, prefix.num_tokens)
+            if num_imported:
+                # Like a hit: blocks for the whole prompt now, its KV pulled while others run.
+                if not self.kv.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix):
+                    return request, WaitReason.NO_FREE_BLOCKS
+                self._start_receiving(request, prefix, num_imported)
+                continue
             if prefix.shareable and in_flight.covers_next_block(request, prefix.num_tokens):
                 # A running request is computing this request's next blocks right now:
                 # waiting for them turns recomputation into a cache hit.
@@ -260,6 +278,8 @@ class Scheduler:
                                            first=not scheduled)
             refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
                 self.policy.refuse_admission(request, self.kv)
+            if refusal is None and not self.kv_transfer.reserve(request):
+                refusal = WaitReason.KV_STAGING_FULL
             if refusal is None and not self.kv.allocate_slots(request, num_new, prefix):
                 refusal = WaitReason.NO_FREE_BLOCKS
             if refusal is not None:
@@ -268,10 +288,34 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, prefix)
+            self.kv_transfer.skip_import(request)  # staged KV it did not need (cached here)
             in_flight.add(request)
             scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
+
+    def _start_receiving(self, request: Request, prefix: PrefixMatch, num_imported: int) -> None:
+        request.num_computed_tokens = prefix.num_tokens
+        self.waiting.remove(request)
+        self._mark_admitted(request, prefix)
+        request.status = RequestStatus.RECEIVING
+        self.receiving.append(request)
+        self.kv_transfer.start_import(request, prefix.num_tokens, num_imported)
+
+    def _take_received(self) -> None:
+        """Requests whose pull finished join the running batch: their KV counts as
+        computed (and enters the prefix cache), or, if it failed, they compute it here."""
+        for result in self.kv_transfer.poll():
+            request = result.request
+            self.receiving.remove(request)
+            if request.is_finished:  # aborted while its KV arrived: only now are its blocks free
+                self._free(request)
+                continue
+            if result.num_tokens:
+                request.num_computed_tokens = result.num_tokens
+                self.kv.cache_computed_blocks(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         """The request's prefix-cache hit; none for a request that wants its prompt's
@@ -333,6 +377,10 @@ class Scheduler:
                 request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
                 self.num_prefill_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            if isinstance(request.kv_transfer, KVExport) and not request.output_token_ids \
+                    and request.num_computed_tokens >= request.num_prompt_tokens and not self._export(request):
+                updates.append(StepUpdate(request, index, 0))
+                continue
             token_ids = result.new_token_ids(index)
             if not token_ids:
                 continue
@@ -347,6 +395,17 @@ class Scheduler:
                                result.num_accepted(index), appended)
             updates.append(StepUpdate(request, index, appended))
         return updates
+
+    def _export(self, request: Request) -> bool:
+        """Prefill instance: the prompt is computed; stage its KV before anything can
+        free its blocks. A failure is this request's alone."""
+        try:
+            self.kv_transfer.export(request)
+        except StagingError as error:
+            logger.error("request %s: %s", request.request_id, error)
+            self.finish_request(request, RequestStatus.FINISHED_ERROR, error=RequestError(str(error)))
+            return False
+        return True
 
     def _verified(self, request: Request, step: int, num_drafts: int, num_accepted: int,
                   num_appended: int) -> None:
@@ -385,7 +444,8 @@ class Scheduler:
         return len(token_ids)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.running + self.waiting)
+        self.kv.check_integrity(self.running + self.waiting + self.receiving)
+        self.kv_transfer.check_integrity()
 
 
 class StaticBatchScheduler(Scheduler):

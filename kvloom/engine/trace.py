@@ -29,6 +29,7 @@ class WaitReason(str, enum.Enum):
     POOL_FULL = "pool full (preempted this step)"  # admission pauses after a preemption
     STATIC_BATCH = "static batch running"  # baseline mode admits only between batches
     PREFIX_IN_FLIGHT = "shared prefix in flight"  # its next blocks are being computed by another
+    KV_STAGING_FULL = "KV staging full"  # prefill instance: decode instances have not pulled enough yet
 
 
 @dataclass(slots=True)

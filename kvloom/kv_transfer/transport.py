@@ -1,0 +1,240 @@
+"""How a decode instance pulls staged KV blocks: the ``KVTransport`` seam and its two
+transports, by ``--kv-transport``.
+
+- ``shm``: the staged file in shared memory is mapped and the blocks copied straight
+  into the pool (one copy; same host).
+- ``torch``: torch.distributed point-to-point (gloo on CPU) with the prefill
+  instance's ``KVServer``. Each decode instance forms its own two-rank gloo group with
+  each prefill instance it pulls from, through a TCPStore the server listens on; the
+  pair's handshake compares the two ``KVLayout``s and refuses a mismatch. A pull is a
+  store key ``[index, first_block, num_blocks, last]``, answered found or not, then
+  the blocks over gloo.
+
+A transport runs on the decode side's transfer thread, never the engine's: the blocks
+it writes belong to a request that no step touches until the transfer is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from kvloom.kv_spec import KVLayout, StagedKV
+from kvloom.kv_transfer.staging import KVStaging
+
+logger = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """The blocks could not be pulled (the prefill instance is gone, the entry expired,
+    the layouts differ): the request computes its prompt here instead."""
+
+
+def blocks_view(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+class KVTransport(Protocol):
+    name: str
+
+    def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
+             block_ids: list[int], last: bool) -> int:
+        """Copy staged blocks ``[first_block, first_block + num_blocks)`` into the pool's
+        ``block_ids``; ``last``: no request here pulls it again. Returns the bytes moved;
+        raises TransferFailed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SharedMemoryTransport:
+    name = "shm"
+
+    def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
+             block_ids: list[int], last: bool) -> int:
+        shape = blocks_view(staged.layout, staged.num_blocks)
+        numel = 1
+        for size in shape:
+            numel *= size
+        try:
+            if os.path.getsize(staged.path) != numel * pool.element_size():
+                raise TransferFailed(f"staged KV {staged.key} at {staged.path} has the wrong size")
+            data = torch.from_file(staged.path, shared=False, size=numel, dtype=pool.dtype).view(shape)
+        except OSError as error:
+            raise TransferFailed(f"staged KV {staged.key} is gone from {staged.path} ({error}): the prefill "
+                                 "instance dropped it (expired) or stopped") from None
+        source = data[:, :, first_block:first_block + num_blocks]
+        if num_blocks:
+            pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64), source)
+        if last:
+            try:
+                os.unlink(staged.path)  # the prefill side's sweep notices and frees its budget
+            except FileNotFoundError:
+                pass
+        return source.numel() * source.element_size()
+
+    def close(self) -> None:
+        pass
+
+
+class TorchTransport:
+    """The decode side of the torch.distributed transport: one pair (a TCPStore client
+    for the requests, a two-rank gloo group for the blocks) per prefill instance, made
+    on the first pull from it (the handshake) and kept."""
+
+    name = "torch"
+
+    def __init__(self, layout: KVLayout, timeout_s: float) -> None:
+        self.layout = layout
+        self.timeout = timedelta(seconds=timeout_s)
+        self._pairs: dict[str, _Pair] = {}
+
+    def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
+             block_ids: list[int], last: bool) -> int:
+        if staged.endpoint is None:
+            raise TransferFailed(f"staged KV {staged.key} names no torch.distributed endpoint")
+        try:
+            pair = self._pair(staged.endpoint, staged.instance_id)
+            found = pair.ask([staged.index, first_block, num_blocks, int(last)])
+            if not found:
+                raise TransferFailed(f"staged KV {staged.key} is no longer held by {staged.endpoint} (expired)")
+            if not num_blocks:  # only telling the server that this instance is done with it
+                return 0
+            data = torch.empty(blocks_view(staged.layout, num_blocks), dtype=pool.dtype)
+            pair.group.recv([data], 0, 0).wait()
+        except TransferFailed:
+            raise
+        except (RuntimeError, OSError, ValueError, dist.DistError) as error:
+            self._pairs.pop(staged.endpoint, None)
+            raise TransferFailed(f"pulling staged KV {staged.key} from {staged.endpoint} failed: {error}") from None
+        pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64), data)
+        return data.numel() * data.element_size()
+
+    def _pair(self, endpoint: str, instance_id: str) -> _Pair:
+        known = self._pairs.get(endpoint)
+        if known is not None:
+            return known
+        host, port = endpoint.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        number = store.add("peers", 1) - 1
+        store.set(f"peer/{number}/layout", json.dumps(self.layout.as_dict()))
+        store.set(f"peer/{number}/instance", instance_id)
+        verdict = store.get(f"peer/{number}/verdict").decode()
+        if verdict != "ok":
+            raise TransferFailed(f"{endpoint} refused this decode instance: {verdict}")
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{number}", store), 1, 2, self.timeout)
+        pair = self._pairs[endpoint] = _Pair(store, group, number)
+        return pair
+
+    def close(self) -> None:
+        self._pairs.clear()
+
+
+@dataclass
+class _Pair:
+    """A decode instance's link to one prefill instance: pulls are numbered store keys
+    ``pull/<pair>/<seq>`` answered under ``answer/<pair>/<seq>``; the blocks follow
+    over the gloo group."""
+
+    store: dist.TCPStore
+    group: dist.ProcessGroupGloo
+    number: int
+    seq: int = 0
+
+    def ask(self, request: list[int]) -> bool:
+        key = f"{self.number}/{self.seq}"
+        self.seq += 1
+        self.store.set(f"pull/{key}", json.dumps(request))
+        found = self.store.get(f"answer/{key}") == b"1"
+        self.store.delete_key(f"answer/{key}")
+        return found
+
+
+class KVServer:
+    """The prefill side of the torch.distributed transport: a TCPStore at ``host:port``
+    (0: a free port) that decode instances join, and one thread that admits them
+    (the layout handshake) and answers their pulls from the staging area, one at a
+    time (they share the link's bandwidth anyway). It polls the store every
+    ``POLL_S`` in Python, so that it can always stop; the blocks go over gloo."""
+
+    POLL_S = 0.002
+
+    def __init__(self, staging: KVStaging, layout: KVLayout, instance_id: str, host: str, port: int,
+                 timeout_s: float) -> None:
+        self.staging, self.layout, self.instance_id = staging, layout, instance_id
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.endpoint = f"{host}:{self.store.port}"
+        self._groups: dict[int, dist.ProcessGroupGloo] = {}  # peer number -> its pair's group
+        self._seqs: dict[int, int] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        next_peer = 0
+        while not self._stopping.is_set():
+            busy = False
+            if self.store.check([f"peer/{next_peer}/instance"]):
+                self._admit(next_peer)
+                next_peer += 1
+                busy = True
+            for number in list(self._groups):
+                key = f"{number}/{self._seqs[number]}"
+                if self.store.check([f"pull/{key}"]):
+                    self._answer(number, key)
+                    self._seqs[number] += 1
+                    busy = True
+            if not busy:
+                self._stopping.wait(self.POLL_S)
+
+    def _admit(self, number: int) -> None:
+        try:
+            theirs = KVLayout.from_dict(json.loads(self.store.get(f"peer/{number}/layout")))
+            problem = self.layout.mismatch(theirs)
+        except ValueError as error:
+            problem = f"its layout is unreadable ({error})"
+        instance = self.store.get(f"peer/{number}/instance").decode()
+        if instance != self.instance_id:
+            problem = f"it asked for prefill instance {instance}, this is {self.instance_id}"
+        self.store.set(f"peer/{number}/verdict", "ok" if problem is None else
+                       "instances of a different model, dtype, block size or cache layout cannot share "
+                       f"KV: {problem}")
+        if problem is not None:
+            logger.warning("refused decode instance %d: %s", number, problem)
+            return
+        self._groups[number] = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{number}", self.store), 0, 2,
+                                                     self.timeout)
+        self._seqs[number] = 0
+
+    def _answer(self, number: int, key: str) -> None:
+        index, first_block, num_blocks, last = json.loads(self.store.get(f"pull/{key}"))
+        self.store.delete_key(f"pull/{key}")
+        data = self.staging.read(index, first_block, num_blocks)
+        self.store.set(f"answer/{key}", "1" if data is not None else "0")
+        if data is None:
+            return
+        try:
+            if num_blocks:
+                self._groups[number].send([data.contiguous()], 1, 0).wait()
+        except (RuntimeError, dist.DistError) as error:
+            logger.info("decode instance %d left while pulling: %s", number, error)
+            del self._groups[number]
+            return
+        if last:
+            self.staging.drop(index)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5.0)
+
+
+TRANSPORTS = {"shm": SharedMemoryTransport, "torch": TorchTransport}
