@@ -4,7 +4,9 @@ Generation requests go to the worker the policy picks from the request's routing
 (``routing_key``); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
 loaded worker. The router validates nothing a worker validates: a bad body is passed
 to a worker, whose 400 comes back as is. ``/health``, ``/metrics`` and ``/version``
-are the router's own.
+are the router's own. A disaggregated router (``--prefill``/``--decode``) sends each
+generation request through a prefill and a decode instance (kvloom/router/disagg.py),
+and the other requests to the least loaded decode instance.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvloom import __version__
 from kvloom.router.config import RouterConfig
-from kvloom.router.metrics import RouterMetrics, sum_metrics
+from kvloom.router.disagg import Disaggregation
+from kvloom.router.metrics import DisaggMetrics, RouterMetrics, sum_metrics
 from kvloom.router.policy import Decision, RoutingPolicy, WorkerLoad, make_policy
 from kvloom.router.proxy import Forward, Proxy
 from kvloom.router.workers import WorkerPool
@@ -46,6 +49,9 @@ class Router:
     client: httpx.AsyncClient
     pool: WorkerPool
     proxy: Proxy
+    disagg: Disaggregation | None = None  # with prefill and decode pools
+    # The workers that answer /tokenize, /detokenize, /v1/models: all, or the decode pool.
+    any_worker: frozenset[str] | None = None
 
 
 def build_router(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> Router:
@@ -56,7 +62,11 @@ def build_router(config: RouterConfig, transport: httpx.AsyncBaseTransport | Non
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                    keepalive_expiry=KEEPALIVE_EXPIRY))
     pool = WorkerPool(config, client, metrics, on_down=policy.forget_worker)
-    return Router(config, policy, metrics, client, pool, Proxy(pool, client, metrics))
+    proxy = Proxy(pool, client, metrics)
+    if not config.disaggregated:
+        return Router(config, policy, metrics, client, pool, proxy)
+    disagg = Disaggregation(config, proxy, policy, DisaggMetrics(metrics.registry))
+    return Router(config, policy, metrics, client, pool, proxy, disagg, frozenset(config.decode))
 
 
 def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -82,15 +92,18 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     async def generate(request: Request) -> Response:
         body = await request.body()
         parsed = _json_object(body)
-        key = routing_key(request.url.path, parsed)
+        key = routing_key(request.url.path, parsed or {})
+        if router.disagg is not None:
+            return await until_disconnect(request, router.disagg.generate(
+                request.url.path, body, parsed, request.headers, key))
         return await until_disconnect(request, router.proxy.forward(Forward(
-            "POST", request.url.path, body, request.headers, parsed.get("stream") is True,
+            "POST", request.url.path, body, request.headers, (parsed or {}).get("stream") is True,
             lambda candidates: router.policy.route(key, candidates))))
 
     async def any_worker(request: Request) -> Response:
         body = await request.body()
         return await router.proxy.forward(Forward(request.method, request.url.path, body, request.headers,
-                                                  False, least_loaded))
+                                                  False, least_loaded, router.any_worker))
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
@@ -100,14 +113,19 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while at least one worker is up; 503 otherwise. Lists every worker's state."""
+        """200 while at least one worker is up (disaggregated: a decode instance, which
+        can serve alone); 503 otherwise. Lists every worker's state (disaggregated: also
+        by pool, ``prefill`` and ``decode``)."""
         workers = {w.url: "up" if w.up else "down" for w in router.pool.workers.values()}
-        if not router.pool.up():
-            error = overloaded("no worker is up", code="no_worker_available")
-            body = error.body()
-            body["workers"] = workers
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "workers": workers})
+        pools: dict[str, Any] = {"workers": workers}
+        if config.disaggregated:
+            pools["prefill"] = {url: workers[url] for url in config.prefill}
+            pools["decode"] = {url: workers[url] for url in config.decode}
+        if not router.pool.loads(among=router.any_worker):
+            what = "decode instance" if config.disaggregated else "worker"
+            error = overloaded(f"no {what} is up", code="no_worker_available")
+            return JSONResponse({**error.body(), **pools}, status_code=503)
+        return JSONResponse({"status": "ok", **pools})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -157,12 +175,13 @@ async def _worker_metrics(router: Router, url: str) -> str | None:
     return response.text if response.status_code == 200 else None
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` as a JSON object; None when it is not one."""
     try:
         parsed = json.loads(body)
     except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def routing_key(path: str, body: dict[str, Any]) -> str:

@@ -1,4 +1,7 @@
-"""`kvloom router --worker URL ...`: argument parsing only; the work is in ``run_router``.
+"""`kvloom router --worker URL ...` (or ``--prefill URL ... --decode URL ...``) and the
+launchers' flags on ``kvloom serve`` (``--data-parallel-size N``, ``--role
+disaggregated``): argument parsing only; the work is in ``run_router`` and
+kvloom/router/launch.py.
 
 Imported by kvloom/cli.py at start, so it imports nothing heavy: the router's modules
 load when it runs.
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,6 +58,9 @@ def add_data_parallel_args(serve: argparse.ArgumentParser) -> None:
     add_policy_args(parallel, policy_flag="--router-policy")
 
     def run(args: argparse.Namespace) -> int:
+        # `--role` is an engine flag (prefill, decode, both); its launcher value is ours.
+        if getattr(args, "role", None) == DISAGGREGATED:
+            return _run_disaggregated(args, serve)
         if args.data_parallel_size == 1:
             return int(serve_one(args))
         return _run_data_parallel(args, serve)
@@ -61,21 +68,39 @@ def add_data_parallel_args(serve: argparse.ArgumentParser) -> None:
     serve.set_defaults(run=run)
 
 
+DISAGGREGATED = "disaggregated"  # `kvloom serve --role disaggregated`: kvloom/router/launch.py
+
+
 def _run_data_parallel(args: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
-    """The workers run this very command line minus the router's flags; it is read back
-    from ``sys.argv`` and must parse to ``args`` (else the command was not ours)."""
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    argv = _own_command_line(args, serve, "--data-parallel-size N")
+    from kvloom.router.launch import run_data_parallel
+    return run_data_parallel(args, argv, lambda urls: router_config(args, urls))
+
+
+def _run_disaggregated(args: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--role {DISAGGREGATED} starts one prefill and one decode engine behind a router; "
+                         f"it cannot be combined with --data-parallel-size {args.data_parallel_size}")
+    argv = _own_command_line(args, serve, f"--role {DISAGGREGATED}")
+    from kvloom.router.launch import run_disaggregated
+    return run_disaggregated(args, argv, lambda prefill, decode: router_config(args, (), prefill, decode))
+
+
+def _own_command_line(args: argparse.Namespace, serve: argparse.ArgumentParser, flag: str) -> list[str]:
+    """This command's arguments after ``serve``: the workers run this very command line
+    minus the router's flags. It is read back from ``sys.argv`` and must parse to
+    ``args`` (else the command was not ours: ValueError)."""
     argv = sys.argv[1:]
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     again = _parse_quietly(serve, argv)
     if not again or any(again.get(key, object()) != value for key, value in vars(args).items()
                         if key in again and key != "run"):
-        raise ValueError("--data-parallel-size starts each engine with this process's command line; "
-                         "run it as a command (`kvloom serve ... --data-parallel-size N`)")
-    from kvloom.router.launch import run_data_parallel
-    return run_data_parallel(args, argv, lambda urls: router_config(args, urls))
+        raise ValueError(f"{flag.split()[0]} starts each engine with this process's command line; "
+                         f"run it as a command (`kvloom serve ... {flag}`)")
+    return argv
 
 
 def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, object]:
@@ -91,12 +116,20 @@ def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``router --worker URL [--worker URL ...] --host --port --policy ...``."""
+    """Add ``router --worker URL [--worker URL ...] --host --port --policy ...``, or
+    instead of the workers ``--prefill URL ... --decode URL ...`` (disaggregation)."""
     router = subparsers.add_parser("router", help="OpenAI-compatible router in front of kvloom servers "
-                                                  "(data parallelism)")
+                                                  "(data parallelism; prefill/decode disaggregation)")
     group = router.add_argument_group("router")
-    group.add_argument("--worker", action="append", required=True, metavar="URL",
+    group.add_argument("--worker", action="append", default=[], metavar="URL",
                        help="a kvloom server's base URL, http://HOST:PORT (repeatable)")
+    group.add_argument("--prefill", action="append", default=[], metavar="URL",
+                       help="instead of --worker: a `kvloom serve --role prefill` instance (repeatable; "
+                            "with --decode): each request's prompt is computed there, its KV sent on "
+                            "to a decode instance")
+    group.add_argument("--decode", action="append", default=[], metavar="URL",
+                       help="instead of --worker: a `kvloom serve --role decode` instance (repeatable; "
+                            "with --prefill): generates the tokens from the prefill's KV")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("KVLOOM_API_KEY"),
@@ -111,7 +144,8 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     router.set_defaults(run=run_router_command)
 
 
-def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
+def router_config(args: argparse.Namespace, workers: Sequence[str], prefill: Sequence[str] = (),
+                  decode: Sequence[str] = ()) -> RouterConfig:
     """The ``RouterConfig`` of the parsed flags (ValueError naming a bad one)."""
     from kvloom.router.config import RouterConfig
     from kvloom.router.policy import PolicyConfig
@@ -120,13 +154,15 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_chars=args.max_tree_chars)
     return RouterConfig(tuple(workers), policy=args.router_policy, policy_config=policy,
                         health_interval=args.health_interval, startup_timeout=args.startup_timeout,
-                        api_key=args.api_key)
+                        api_key=args.api_key, prefill=tuple(prefill), decode=tuple(decode))
 
 
 def run_router_command(args: argparse.Namespace) -> int:
     from kvloom.router.main import configure_logging, run_router
 
-    config = router_config(args, args.worker)
+    config = router_config(args, args.worker, args.prefill, args.decode)
     configure_logging(args.log_level)
-    print(f"kvloom router: checking {len(args.worker)} worker(s)...", file=sys.stderr)
+    what = (f"{len(config.prefill)} prefill and {len(config.decode)} decode instance(s)" if config.disaggregated
+            else f"{len(config.workers)} worker(s)")
+    print(f"kvloom router: checking {what}...", file=sys.stderr)
     return run_router(config, host=args.host, port=args.port, log_level=args.log_level)

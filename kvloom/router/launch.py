@@ -1,4 +1,6 @@
-"""``kvloom serve --data-parallel-size N``: N ``kvloom serve`` workers and a router.
+"""``kvloom serve --data-parallel-size N``: N ``kvloom serve`` workers and a router;
+``kvloom serve --role disaggregated``: a ``--role prefill`` and a ``--role decode``
+worker and a disaggregated router (kvloom/router/disagg.py), the same way with N = 2.
 
 The router's port is bound first (a port in use fails at once). Each worker is the
 same command line without the router's flags (``ROUTER_FLAGS``), on a free loopback
@@ -33,6 +35,9 @@ from kvloom.router.workers import RouterStartupError
 ROUTER_FLAGS = {"--host": 1, "--port": 1, "--data-parallel-size": 1, "-dp": 1, "--router-policy": 1,
                 "--cache-threshold": 1, "--balance-abs-threshold": 1, "--balance-rel-threshold": 1,
                 "--max-tree-chars": 1, "--health-interval": 1, "--startup-timeout": 1}
+# --role disaggregated: the workers get --role prefill and --role decode instead.
+DISAGGREGATED_FLAGS = {**ROUTER_FLAGS, "--role": 1}
+DISAGGREGATED_ROLES = (("--role", "prefill"), ("--role", "decode"))
 STOP_GRACE_S = 10.0
 
 
@@ -84,13 +89,22 @@ def core_shares(count: int) -> list[tuple[int, ...] | None]:
     return [tuple(cores[i * share:(i + 1) * share]) if share else None for i in range(count)]
 
 
-def start_workers(argv: Sequence[str], ports: Sequence[int], num_threads: int | None) -> list[subprocess.Popen[bytes]]:
-    """One ``kvloom serve`` per port, each pinned to its share of the cores (a worker
-    that is itself tensor parallel splits its share among its ranks)."""
+def worker_commands(argv: Sequence[str], ports: Sequence[int], num_threads: int | None,
+                    extra: Sequence[Sequence[str]] | None = None) -> list[list[str]]:
+    """The workers' command lines: ``kvloom serve`` with ``argv``, ``--num-threads`` when
+    given, each worker's ``extra`` arguments, and its loopback port."""
     base = [sys.executable, "-m", "kvloom", "serve", *argv]
     if num_threads is not None:
         base += ["--num-threads", str(num_threads)]
+    extras = [()] * len(ports) if extra is None else extra
+    return [[*base, *more, "--host", "127.0.0.1", "--port", str(port)]
+            for port, more in zip(ports, extras, strict=True)]
 
+
+def start_workers(argv: Sequence[str], ports: Sequence[int], num_threads: int | None,
+                  extra: Sequence[Sequence[str]] | None = None) -> list[subprocess.Popen[bytes]]:
+    """One ``kvloom serve`` per port (``worker_commands``), each pinned to its share of
+    the cores (a worker that is itself tensor parallel splits its share among its ranks)."""
     def placed(cores: tuple[int, ...] | None) -> Callable[[], None]:
         def before_exec() -> None:
             _die_with_parent()
@@ -98,8 +112,8 @@ def start_workers(argv: Sequence[str], ports: Sequence[int], num_threads: int | 
                 os.sched_setaffinity(0, cores)
         return before_exec
 
-    return [subprocess.Popen([*base, "--host", "127.0.0.1", "--port", str(port)], preexec_fn=placed(cores))
-            for port, cores in zip(ports, core_shares(len(ports)), strict=True)]
+    return [subprocess.Popen(command, preexec_fn=placed(cores)) for command, cores in
+            zip(worker_commands(argv, ports, num_threads, extra), core_shares(len(ports)), strict=True)]
 
 
 def wait_until_healthy(processes: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout: float) -> None:
@@ -142,21 +156,46 @@ def stop_workers(processes: Sequence[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
+def worker_threads(args: argparse.Namespace, size: int) -> int | None:
+    """``--num-threads`` for each of ``size`` workers: None where the command gives it
+    (the workers get it as given), else each worker's share of the cores, split again
+    among its tensor-parallel ranks."""
+    if args.num_threads is not None:
+        return None
+    return max(1, (os.cpu_count() or 1) // (size * getattr(args, "tensor_parallel_size", 1)))
+
+
 def run_data_parallel(args: argparse.Namespace, argv: Sequence[str],
                       router_config: Callable[[list[str]], RouterConfig]) -> int:
     """``argv``: this ``kvloom serve`` command's arguments (after ``serve``);
     ``router_config``: the router's configuration for the workers' URLs."""
     size = args.data_parallel_size
+    return _serve_behind_router(args, worker_argv(argv), [()] * size, router_config)
+
+
+def run_disaggregated(args: argparse.Namespace, argv: Sequence[str],
+                      router_config: Callable[[list[str], list[str]], RouterConfig]) -> int:
+    """``kvloom serve --role disaggregated``: one prefill and one decode worker (``argv``
+    without the router's flags and ``--role``) behind a disaggregated router;
+    ``router_config``: its configuration for the prefill and the decode URLs."""
+    return _serve_behind_router(args, worker_argv(argv, DISAGGREGATED_FLAGS), DISAGGREGATED_ROLES,
+                                lambda urls: router_config(urls[:1], urls[1:]))
+
+
+def _serve_behind_router(args: argparse.Namespace, argv: Sequence[str], extra: Sequence[Sequence[str]],
+                         router_config: Callable[[list[str]], RouterConfig]) -> int:
+    """Bind the router's port, start one worker per ``extra`` (its own arguments), wait
+    for all, then run the router (``router_config`` of their URLs) until it stops."""
+    size = len(extra)
     configure_logging(args.log_level)
     sock = bind_socket(args.host, args.port)
-    # Each worker's share of the cores, split again among its tensor-parallel ranks.
-    ranks = size * getattr(args, "tensor_parallel_size", 1)
-    num_threads = None if args.num_threads is not None else max(1, (os.cpu_count() or 1) // ranks)
+    num_threads = worker_threads(args, size)
     ports = free_ports(size)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    print(f"kvloom: starting {size} workers on {', '.join(urls)}"
+    named = ", ".join(f"{url} ({' '.join(more)})" if more else url for url, more in zip(urls, extra, strict=True))
+    print(f"kvloom: starting {size} workers on {named}"
           + (f" with --num-threads {num_threads}" if num_threads else ""), file=sys.stderr)
-    processes = start_workers(worker_argv(argv), ports, num_threads)
+    processes = start_workers(argv, ports, num_threads, extra)
     try:
         wait_until_healthy(processes, urls, args.startup_timeout)
         return run_router(router_config(urls), host=args.host, port=args.port, log_level=args.log_level,

@@ -4,7 +4,8 @@ The order is the startup contract: the listening port is bound first (a port in 
 an error naming it, before any waiting), then every worker must answer ``/v1/models``
 within ``startup_timeout`` and agree on the model, block size and context (else an
 error naming both workers), and only then does the router serve. Nothing waits without
-a deadline.
+a deadline. A disaggregated router also checks every instance's role and KV layout
+(``GET /kvloom/kv_transfer``) before it serves.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000, 
     _log_workers(infos)
     app = build_router_app(config)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5))
-    logger.info("kvloom router on http://%s:%d, policy %s", host, sock.getsockname()[1], config.policy)
+    logger.info("kvloom router on http://%s:%d, policy %s%s", host, sock.getsockname()[1], config.policy,
+                f", {len(config.prefill)} prefill and {len(config.decode)} decode instances"
+                if config.disaggregated else "")
     with signals_end_quietly():
         server.run(sockets=[sock])
     return 0
@@ -75,8 +78,8 @@ def configure_logging(level: str) -> None:
 
 def _log_workers(infos: dict[str, WorkerInfo]) -> None:
     for url, info in infos.items():
-        logger.info("worker %s: %s (context %s, block size %s)", url, info.model, info.max_model_len,
-                    info.block_size)
+        logger.info("%s %s: %s (context %s, block size %s)", info.role or "worker", url, info.model,
+                    info.max_model_len, info.block_size)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
@@ -48,6 +48,34 @@ class RouterMetrics:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+# Prefill legs run from milliseconds (a cached prefix) to a minute (a long prompt on CPU).
+PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class DisaggMetrics:
+    """Prefill/decode disaggregation's counters, in the router's registry (registered
+    only by a disaggregated router, so a data-parallel one exposes what it did before)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvloom_router_disagg_requests", "Requests sent to each pool: prefill (the prompt, for "
+            "its KV) and decode (the generation, with or without the prefill's KV).", ["role"],
+            registry=registry)
+        self.fallbacks = Counter(
+            "kvloom_router_disagg_fallbacks", "Requests sent to a decode instance without KV after "
+            "their prefill leg failed (no_prefill_worker: none up; prefill_error: a 5xx or a broken "
+            "answer; no_kv_transfer_params: a 200 without them); the decode instance prefilled them.",
+            ["reason"], registry=registry)
+        self.skipped = Counter(
+            "kvloom_router_disagg_prefill_skipped", "Requests sent straight to a decode instance "
+            "(prompt_logprobs: they need the whole prompt computed there; unreadable_body: not a "
+            "JSON object, for the decode instance to refuse).", ["reason"], registry=registry)
+        self.prefill_seconds = Histogram(
+            "kvloom_router_prefill_seconds", "Seconds from sending a request to a prefill instance to "
+            "its whole answer, for prefill legs that answered 200.", buckets=PREFILL_BUCKETS,
+            registry=registry)
 
 
 @dataclass

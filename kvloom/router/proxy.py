@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -45,7 +45,8 @@ Chooser = Callable[[Sequence[WorkerLoad]], Decision]
 
 @dataclass(frozen=True)
 class Forward:
-    """One request to forward: ``choose`` picks among the up workers not yet given up on."""
+    """One request to forward: ``choose`` picks among the up workers not yet given up on
+    (only those ``among``, when given: one pool of a disaggregated router)."""
 
     method: str
     path: str
@@ -53,6 +54,7 @@ class Forward:
     headers: Mapping[str, str]
     stream: bool
     choose: Chooser
+    among: Collection[str] | None = None
 
 
 class Proxy:
@@ -62,14 +64,24 @@ class Proxy:
         self.metrics = metrics
 
     async def forward(self, request: Forward) -> Response:
+        """The worker's response; APIError 503 ``no_worker_available`` when no worker (of
+        ``request.among``) is up, or all failed before answering."""
         tried: dict[str, int] = {}
+        response = await self.try_forward(request, tried)
+        if response is None:
+            self.metrics.unroutable.inc()
+            raise overloaded("no worker is up to take this request" + (
+                f" (tried {', '.join(tried)})" if tried else ""), code="no_worker_available")
+        return response
+
+    async def try_forward(self, request: Forward, tried: dict[str, int] | None = None) -> Response | None:
+        """As ``forward``, but None where that raises; ``tried`` collects the workers tried."""
+        tried = {} if tried is None else tried
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
         while True:
-            candidates = self.pool.loads(tried, _ATTEMPTS_PER_WORKER)
+            candidates = self.pool.loads(tried, _ATTEMPTS_PER_WORKER, request.among)
             if not candidates:
-                self.metrics.unroutable.inc()
-                raise overloaded("no worker is up to take this request" + (
-                    f" (tried {', '.join(tried)})" if tried else ""), code="no_worker_available")
+                return None
             decision = request.choose(candidates)
             url = decision.worker
             tried[url] = tried.get(url, 0) + 1

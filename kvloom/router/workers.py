@@ -1,4 +1,4 @@
-"""The workers behind the router: health, in-flight counts, and the startup check.
+"""The workers behind the router: health, in-flight counts, and the startup checks.
 
 A worker is *up* or *down*. The router sends requests only to workers that are up. A
 worker goes down when a connection to it is refused (at once: nothing listens there),
@@ -6,16 +6,18 @@ or after ``health_failures`` consecutive failed health checks (a slow answer und
 is not a death); it comes back up at its first good check, with nothing remembered in
 the routing policy (its cache may be gone). ``in_flight`` counts the requests this
 router has open on the worker, from dispatch to the end of the response: it is the
-load the policies balance.
+load the policies balance. A disaggregated router's startup check also asks every
+instance for its role and KV layout (``GET /kvloom/kv_transfer``): the pools must hold
+what they were told, and every layout must be the first prefill instance's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, cast
 
 import httpx
 
@@ -24,6 +26,7 @@ from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policy import WorkerLoad
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RouterStartupError(ValueError):
@@ -33,11 +36,26 @@ class RouterStartupError(ValueError):
 @dataclass(frozen=True)
 class WorkerInfo:
     """What must agree between workers: the model id clients use, its context, and the
-    KV block size (``None`` from a worker that does not report it)."""
+    KV block size (``None`` from a worker that does not report it). ``role``: a
+    disaggregated router's instances' (prefill or decode), else None."""
 
     model: str
     max_model_len: int | None
     block_size: int | None
+    role: str | None = None
+
+
+@dataclass(frozen=True)
+class KVTransferInfo:
+    """An instance's ``GET /kvloom/kv_transfer``: its role, and the KV layout (model,
+    dtype, block size, layers, heads, cache layout) that prefill and decode instances
+    must share for one's KV to be the other's."""
+
+    role: str
+    layout: dict[str, Any]
+    instance_id: str | None = None
+    transports: tuple[str, ...] = ()
+    kv_endpoint: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,10 +85,13 @@ class WorkerPool:
     def up(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.up]
 
-    def loads(self, exclude: Mapping[str, int] | None = None, limit: int = 1) -> list[WorkerLoad]:
-        """The up workers' loads, without those tried ``limit`` times already."""
+    def loads(self, exclude: Mapping[str, int] | None = None, limit: int = 1,
+              among: Collection[str] | None = None) -> list[WorkerLoad]:
+        """The up workers' loads (only those ``among``, when given: one pool), without those
+        tried ``limit`` times already."""
         tried = exclude or {}
-        return [WorkerLoad(w.url, w.in_flight) for w in self.up() if tried.get(w.url, 0) < limit]
+        return [WorkerLoad(w.url, w.in_flight) for w in self.up()
+                if tried.get(w.url, 0) < limit and (among is None or w.url in among)]
 
     def acquire(self, url: str) -> None:
         self.workers[url].in_flight += 1
@@ -188,16 +209,77 @@ def check_consistent(infos: Mapping[str, WorkerInfo]) -> None:
 async def check_workers(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
                         ) -> dict[str, WorkerInfo]:
     """Every worker's ``/v1/models``, concurrently, within ``startup_timeout``; then the
-    consistency check. RouterStartupError on the first problem."""
+    consistency check; for a disaggregated router, then every instance's role and KV
+    layout (``check_kv_transfer``). RouterStartupError on the first problem."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with httpx.AsyncClient(transport=transport) as client:
         deadline = asyncio.get_running_loop().time() + config.startup_timeout
-        results = await asyncio.gather(*(fetch_worker_info(client, url, deadline, headers)
-                                         for url in config.workers), return_exceptions=True)
-    infos: dict[str, WorkerInfo] = {}
-    for url, result in zip(config.workers, results, strict=True):
+        infos = await _gather(config.workers, (fetch_worker_info(client, url, deadline, headers)
+                                               for url in config.workers))
+        check_consistent(infos)
+        if not config.disaggregated:
+            return infos
+        kv = await _gather(config.workers, (fetch_kv_transfer_info(client, url, headers)
+                                            for url in config.workers))
+    check_kv_transfer(config, kv)
+    return {url: replace(info, role=kv[url].role) for url, info in infos.items()}
+
+
+async def _gather(urls: Sequence[str], calls: Iterable[Awaitable[T]]) -> dict[str, T]:
+    """The calls' results by URL, concurrently; the first URL's error (in order) raised."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
         if isinstance(result, BaseException):
             raise result
-        infos[url] = result
-    check_consistent(infos)
-    return infos
+    return dict(zip(urls, cast("list[T]", results), strict=True))
+
+
+# ---- the disaggregated startup check ------------------------------------------------------
+KV_TRANSFER_PATH = "/kvloom/kv_transfer"
+
+
+async def fetch_kv_transfer_info(client: httpx.AsyncClient, url: str, headers: Mapping[str, str]
+                                 ) -> KVTransferInfo:
+    """``url``'s ``GET /kvloom/kv_transfer`` (it answered ``/v1/models`` already, so once)."""
+    what = f"GET {KV_TRANSFER_PATH}"
+    try:
+        response = await client.get(f"{url}{KV_TRANSFER_PATH}", headers=dict(headers), timeout=5.0)
+    except httpx.HTTPError as error:
+        raise RouterStartupError(f"instance {url}: {what} failed ({error!r})") from None
+    if response.status_code == 401:
+        raise RouterStartupError(f"instance {url} requires an API key: give the router the same --api-key")
+    if response.status_code != 200:
+        raise RouterStartupError(f"instance {url} answered {what} with {response.status_code}: only kvloom "
+                                 "servers started with --role prefill or --role decode take part in "
+                                 "prefill/decode disaggregation")
+    try:
+        body = response.json()
+        role, layout = body["role"], body["layout"]
+        if not isinstance(role, str) or not isinstance(layout, dict):
+            raise TypeError
+        return KVTransferInfo(role, layout, body.get("instance_id"), tuple(body.get("transports") or ()),
+                              body.get("kv_endpoint"))
+    except (ValueError, KeyError, TypeError):
+        raise RouterStartupError(f"instance {url}: {what} is not a KV transfer description "
+                                 f"({response.text[:200]!r})") from None
+
+
+def check_kv_transfer(config: RouterConfig, infos: Mapping[str, KVTransferInfo]) -> None:
+    """Every ``--prefill`` instance has role prefill, every ``--decode`` one decode, and
+    all have the first prefill instance's KV layout; else RouterStartupError naming the
+    instance, and for a layout the field, both values and both instances."""
+    pools = {**{url: "prefill" for url in config.prefill}, **{url: "decode" for url in config.decode}}
+    for url, pool in pools.items():
+        if infos[url].role != pool:
+            raise RouterStartupError(f"{pool} {url} reports role {infos[url].role!r} (GET {KV_TRANSFER_PATH}), "
+                                     f"not {pool!r}: start it with `kvloom serve --role {pool}`")
+    first = config.prefill[0]
+    reference = infos[first].layout
+    for url in config.workers:
+        layout = infos[url].layout
+        for name in (*reference, *(k for k in layout if k not in reference)):
+            if layout.get(name) != reference.get(name):
+                raise RouterStartupError(
+                    f"{pools[url]} {url} has {name} {layout.get(name)!r} but prefill {first} has "
+                    f"{reference.get(name)!r}: instances of a different model, dtype, block size or "
+                    "cache layout cannot share KV")
