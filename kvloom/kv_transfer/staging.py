@@ -73,6 +73,7 @@ class KVStaging:
         self._by_request: dict[str, StagedKV] = {}  # staged, until the engine reports it
         self._lock = threading.Lock()
         self._numbers = itertools.count()
+        remove_orphans(directory)
 
     # ---- the engine thread -------------------------------------------------------------
     def nbytes_for(self, num_tokens: int) -> int:
@@ -101,7 +102,7 @@ class KVStaging:
         started = time.perf_counter()
         num_blocks = len(block_ids)
         index = next(self._numbers)
-        path = os.path.join(self.directory, f"kvloom-kv-{self.instance_id}-{index}")
+        path = os.path.join(self.directory, f"{_PREFIX}{os.getpid()}-{self.instance_id}-{index}")
         shape = (self.pool.shape[0], 2, num_blocks, *self.pool.shape[3:])
         numel = 1
         for size in shape:
@@ -199,6 +200,39 @@ class KVStaging:
     def _pop(self, index: int) -> _Entry | None:
         with self._lock:
             return self._entries.pop(index, None)
+
+
+_PREFIX = "kvloom-kv-"  # then the staging process's pid, its instance id, the entry's number
+
+
+def remove_orphans(directory: str) -> int:
+    """Remove staged files whose prefill process is gone (killed before it could clean
+    up): nobody can pull them any more. Returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(os.path.join(directory, name))
+            removed += 1
+    if removed:
+        logger.info("removed %d staged KV files of prefill processes that are gone", removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

@@ -219,22 +219,24 @@ class KVServer:
         index, first_block, num_blocks, last = json.loads(self.store.get(f"pull/{key}"))
         self.store.delete_key(f"pull/{key}")
         data = self.staging.read(index, first_block, num_blocks)
+        if data is not None and last:
+            self.staging.drop(index)  # before answering: the view keeps the pages until sent
         self.store.set(f"answer/{key}", "1" if data is not None else "0")
-        if data is None:
+        if data is None or not num_blocks:
             return
         try:
-            if num_blocks:
-                self._groups[number].send([data.contiguous()], 1, 0).wait()
+            self._groups[number].send([data.contiguous()], 1, 0).wait()
         except (RuntimeError, dist.DistError) as error:
             logger.info("decode instance %d left while pulling: %s", number, error)
             del self._groups[number]
-            return
-        if last:
-            self.staging.drop(index)
 
     def close(self) -> None:
+        """Stop answering; the store's socket closes with the last reference to it, so
+        decode instances that ask later fail at once instead of at their timeout."""
         self._stopping.set()
         self._thread.join(timeout=5.0)
+        self._groups.clear()
+        del self.store
 
 
 TRANSPORTS = {"shm": SharedMemoryTransport, "torch": TorchTransport}

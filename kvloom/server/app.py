@@ -82,6 +82,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             # kvloom's: the KV block size, which `kvloom router` checks workers agree on
             "block_size": info.limits.block_size}]}
 
+    @app.get("/kvloom/kv_transfer")
+    async def kv_transfer() -> dict[str, Any]:
+        """This instance's --role, KV layout and transports: the router's handshake for
+        prefill/decode disaggregation (kvloom/kv_spec.py)."""
+        return serving.model_info().kv_transfer
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, serving)

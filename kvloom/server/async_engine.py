@@ -212,7 +212,8 @@ class AsyncEngine:
                 self.on_load_failed(error)
             return
         self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer,
-                              dict(getattr(engine, "generation_defaults", {})))
+                              dict(getattr(engine, "generation_defaults", {})),
+                              engine.kv_transfer.info() if hasattr(engine, "kv_transfer") else {"role": "both"})
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:
@@ -294,7 +295,7 @@ class AsyncEngine:
             for index, request in enumerate(command.requests):
                 engine.add_request(request.prompt_token_ids, request.params,
                                    request_id=request.request_id, priority=request.priority,
-                                   arrival_time=request.arrival_time)
+                                   arrival_time=request.arrival_time, kv_transfer=request.kv_transfer)
                 added.append(request.request_id)
                 self._active[request.request_id] = (command.stream, index)
         except Exception as error:  # noqa: BLE001 - ValueError: unservable; delivered as such

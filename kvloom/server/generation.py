@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput, TokenLogprobs
+from kvloom.kv_spec import KVExport, KVImport, StagedKV
 from kvloom.sampling_params import SamplingParams, fan_out
 from kvloom.server.async_engine import (
     AsyncEngine,
@@ -163,6 +165,53 @@ def check_token_ids(token_ids: list[int], info: ModelInfo, param: str) -> None:
         info.limits.check_token_ids(token_ids, param)
     except RequestRejected as error:
         raise from_value_error(error) from None
+
+
+# ---- prefill/decode disaggregation --------------------------------------------------------
+async def open_with_kv_transfer(serving: Serving, request: Request, requests: list[EngineRequest],
+                                kv_params: dict[str, Any] | None, n: int) -> ResultStream | JSONResponse:
+    """The generation's stream, with its ``kv_transfer_params`` applied. The prefill
+    leg (``{"do_remote_decode": true}``) is answered here: one engine request per
+    prompt, ``max_tokens`` 1, whose prompt's KV the instance stages; the JSON answer
+    holds, per prompt, where (``{"transfers": [StagedKV...]}``). The decode leg
+    (``{"transfers": [...]}``) pulls that KV into each of the prompt's ``n`` samples.
+    The engine refuses a leg its ``--role`` does not serve (400)."""
+    if kv_params is None:
+        return await serving.open(requests)
+    prefill = kv_params.get("do_remote_decode") is True
+    role = serving.model_info().kv_transfer.get("role")
+    if role != ("prefill" if prefill else "decode"):
+        raise bad_request(f"this instance serves --role {role}; kv_transfer_params "
+                          f"{'asking to stage the KV' if prefill else 'bringing staged KV'} need a --role "
+                          f"{'prefill' if prefill else 'decode'} instance", "kv_transfer_params")
+    if prefill:
+        return await _prefill_leg(serving, request, requests[::n])
+    transfers = kv_params.get("transfers")
+    num_prompts = len(requests) // n
+    if not isinstance(transfers, list) or len(transfers) != num_prompts:
+        raise bad_request(f"kv_transfer_params must be {{\"do_remote_decode\": true}} or {{\"transfers\": "
+                          f"[...]}} with one entry per prompt ({num_prompts})", "kv_transfer_params")
+    try:
+        staged = [StagedKV.from_dict(entry) for entry in transfers]
+    except (ValueError, TypeError) as error:
+        raise bad_request(f"kv_transfer_params: {error}", "kv_transfer_params") from None
+    for index, engine_request in enumerate(requests):
+        engine_request.kv_transfer = KVImport(staged[index // n], pulls=n)
+    return await serving.open(requests)
+
+
+async def _prefill_leg(serving: Serving, request: Request, requests: list[EngineRequest]) -> JSONResponse:
+    for engine_request in requests:
+        engine_request.params = SamplingParams(max_tokens=1)
+        engine_request.kv_transfer = KVExport()
+    finals = await collect(await serving.open(requests), request)
+    transfers = [finals[index].kv_transfer_params for index in range(len(requests))]
+    if any(transfer is None for transfer in transfers):
+        raise APIError(500, "the prompt was computed but its KV was not staged", SERVER_ERROR,
+                       code="kv_transfer_failed")
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    return JSONResponse({"object": "kvloom.prefill", "kv_transfer_params": {"transfers": transfers},
+                         "usage": usage(prompt_lens, 0, sum(f.num_cached_tokens for f in finals.values()))})
 
 
 def new_id(prefix: str) -> str:

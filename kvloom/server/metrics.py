@@ -75,6 +75,22 @@ class EngineMetrics:
         self.tp_collective_seconds = counter(
             "kvloom:tp_collective_seconds",
             "Seconds rank 0 spent inside tensor-parallel collectives (waiting for the slowest rank included).")
+        # Prefill/decode disaggregation (zero for --role both).
+        self.kv_imports = counter(
+            "kvloom:kv_transfer_imports", "Decode instance: pulls of staged KV that delivered.")
+        self.kv_import_failures = counter(
+            "kvloom:kv_transfer_import_failures",
+            "Decode instance: staged KV refused or not pulled (those requests computed their prompts here).")
+        self.kv_import_bytes = counter("kvloom:kv_transfer_import_bytes", "Decode instance: KV bytes pulled.")
+        self.kv_import_seconds = counter(
+            "kvloom:kv_transfer_import_seconds", "Decode instance: seconds spent pulling KV (transfer thread).")
+        self.kv_staged = counter("kvloom:kv_transfer_staged", "Prefill instance: prompts whose KV was staged.")
+        self.kv_staged_bytes = counter("kvloom:kv_transfer_staged_bytes", "Prefill instance: KV bytes staged.")
+        self.kv_staged_expired = counter(
+            "kvloom:kv_transfer_staged_expired", "Prefill instance: staged KV dropped unpulled at its deadline.")
+        self.num_requests_receiving = gauge(
+            "kvloom:num_requests_receiving", "Decode instance: requests whose prompt's KV is arriving.")
+        self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
         self._spec_seen = (0, 0, 0)
         self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
@@ -121,6 +137,13 @@ class EngineMetrics:
         if tp != self._tp_seen:
             _advance((self.tp_collectives, self.tp_collective_bytes, self.tp_collective_seconds), tp, self._tp_seen)
             self._tp_seen = tp
+        self.num_requests_receiving.set(stats.num_receiving)
+        kv = (stats.kv_imports, stats.kv_import_failures, stats.kv_import_bytes, stats.kv_import_seconds,
+              stats.kv_staged, stats.kv_staged_bytes, stats.kv_staged_expired)
+        if kv != self._kv_seen:
+            _advance((self.kv_imports, self.kv_import_failures, self.kv_import_bytes, self.kv_import_seconds,
+                      self.kv_staged, self.kv_staged_bytes, self.kv_staged_expired), kv, self._kv_seen)
+            self._kv_seen = kv
 
     def record_aborted(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

@@ -110,6 +110,11 @@ class SamplingRequest(RequestModel):
     store: bool | None = None
     # vLLM's prompt logprobs (0-20 alternatives per prompt token; not with stream).
     prompt_logprobs: int | None = None
+    # Prefill/decode disaggregation, set by kvloom's router (as vLLM's field of that name):
+    # {"do_remote_decode": true} asks a --role prefill instance to compute and stage the
+    # prompts' KV; {"transfers": [...]} (what that instance answered) tells a --role
+    # decode instance where each prompt's KV is staged. Read by generation.py.
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured output: OpenAI's response_format and vLLM's guided_* / structured_outputs
     # (at most one); checked by kvloom.structured.structured_output_from_openai.
     response_format: dict[str, Any] | None = None

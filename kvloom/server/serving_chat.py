@@ -20,6 +20,7 @@ from kvloom.server.generation import (
     collect,
     engine_requests,
     new_id,
+    open_with_kv_transfer,
     sampled_entry,
     top_entries,
 )
@@ -48,9 +49,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                              tools=tools.tools, template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)
     request_id = new_id("chatcmpl")
-    stream = await serving.open(engine_requests(
+    stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, [prompt], params, body.effective_max_tokens, info, body.priority,
-        "messages"))
+        "messages"), body.kv_transfer_params, params.n)
+    if isinstance(stream, JSONResponse):  # the prefill leg, answered
+        return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser)
     if body.stream:
         return StreamingResponse(

@@ -19,6 +19,7 @@ from kvloom.server.generation import (
     collect,
     engine_requests,
     new_id,
+    open_with_kv_transfer,
     sampled_entry,
     top_entries,
 )
@@ -37,8 +38,10 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     params = base_params(body, serving.settings, body.logprobs, info)
     prompts, texts = _encode_prompts(body.prompt, info)
     request_id = new_id("cmpl")
-    stream = await serving.open(engine_requests(
-        request_id, prompts, params, body.max_tokens, info, body.priority, "prompt"))
+    stream = await open_with_kv_transfer(serving, request, engine_requests(
+        request_id, prompts, params, body.max_tokens, info, body.priority, "prompt"), body.kv_transfer_params, params.n)
+    if isinstance(stream, JSONResponse):  # the prefill leg, answered
+        return stream
     response = _Response(request_id, model, int(time.time()), body, texts, params.n)
     prompt_lens = [len(p) for p in prompts]
     if body.stream:

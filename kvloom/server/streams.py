@@ -14,6 +14,7 @@ from typing import Any
 
 from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import RequestOutput
+from kvloom.kv_spec import KVTransferSpec
 from kvloom.sampling_params import SamplingParams
 
 
@@ -44,6 +45,8 @@ class ModelInfo:
     tokenizer: Any
     # --generation-config: sampling defaults for what a request leaves unset
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # The instance's role and KV layout (GET /kvloom/kv_transfer; the router's handshake)
+    kv_transfer: dict[str, Any] = field(default_factory=lambda: {"role": "both"})
 
     @property
     def max_model_len(self) -> int:
@@ -59,6 +62,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    kv_transfer: KVTransferSpec | None = None  # prefill/decode disaggregation (kvloom/kv_spec.py)
 
 
 @dataclass(frozen=True)
