@@ -3,8 +3,9 @@
 ``offline`` drives the engine in-process; ``serve`` load-tests an OpenAI-compatible
 server over HTTP; ``sweep`` starts servers over a grid of engine options and
 request rates and runs ``serve`` for each cell; ``plot`` draws the results;
-``steps``, ``soak``, ``placement``, ``structured``, ``tools`` and ``roofline`` measure one
-thing each. Every command's parser sets ``run``, the function below that runs it.
+``steps``, ``soak``, ``placement``, ``structured``, ``tools``, ``roofline`` and
+``interference`` measure one thing each; ``pd-sim`` simulates prefill/decode
+placements. Every command's parser sets ``run``, the function below that runs it.
 """
 
 from __future__ import annotations
@@ -92,6 +93,63 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                     engine=False, output_json=False)
     plot.add_argument("results", nargs="+", help="bench serve results JSON files")
     plot.add_argument("--out", required=True, help="directory for the PNG files")
+    _add_interference(bench_sub)
+    _add_pd_sim(bench_sub)
+
+
+def _add_interference(bench_sub: argparse._SubParsersAction) -> None:
+    parser = _command(bench_sub, "interference", "long prompts arriving while requests decode: TTFT, ITL",
+                      _interference, engine=False, output_json=False)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="served model name (default: GET /v1/models)")
+    parser.add_argument("--decodes", type=int, default=32, help="requests decoding when the long prompts come")
+    parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--decode-output-len", type=int, default=1024, help="long enough to outlast the run")
+    parser.add_argument("--num-prompts", type=int, default=16, help="long prompts")
+    parser.add_argument("--prompt-len", type=int, default=1500)
+    parser.add_argument("--prompt-output-len", type=int, default=16)
+    parser.add_argument("--request-rate", type=float, default=1.0, help="long prompts per second (Poisson)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the token ids and the arrivals")
+    parser.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn from [100, this)")
+    parser.add_argument("--baseline-seconds", type=float, default=2.0,
+                        help="the decodes run alone this long before the first long prompt")
+    parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--result-json", "--output-json", dest="result_json", default=None)
+
+
+def _add_pd_sim(bench_sub: argparse._SubParsersAction) -> None:
+    parser = _command(bench_sub, "pd-sim", "simulate N prefill : M decode instances vs N + M colocated",
+                      _pd_sim, engine=False, output_json=False)
+    parser.add_argument("--profile", default=None, help="JSON: prefill_ms, decode_ms, mixed_ms points, "
+                        "kv_bytes_per_token, transfer_bytes_per_s, transfer_latency_ms (kvloom.bench.pd_simulation)")
+    parser.add_argument("--steps-json", default=None, help="`bench steps --output-json` file: the step curves")
+    parser.add_argument("--kv-bytes-per-token", type=float, default=None)
+    parser.add_argument("--transfer-bytes-per-s", type=float, default=None)
+    parser.add_argument("--transfer-latency-ms", type=float, default=None)
+    parser.add_argument("--transfer-json", default=None,
+                        help="`bench interference` result against a disaggregated server: the KV bytes "
+                             "per token and transfer rate it measured (the flags above win)")
+    parser.add_argument("--first-token-on", default="decode", choices=["decode", "prefill"],
+                        help="disaggregated: the instance that samples the first token (decode: kvloom's "
+                             "router; prefill: DistServe's accounting)")
+    parser.add_argument("--splits", default="1:1", help="PREFILL:DECODE instance counts, comma-separated")
+    parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3", help="request rates per second")
+    parser.add_argument("--num-requests", type=int, default=400, help="per rate and placement")
+    parser.add_argument("--prompt-len", default="1500", help="a length, or lengths drawn uniformly: 500,1500")
+    parser.add_argument("--output-len", default="128", help="a length, or lengths drawn uniformly")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-budget", type=int, default=2048, help="colocated: tokens per step")
+    parser.add_argument("--max-batch", type=int, default=256, help="running requests per decode instance")
+    parser.add_argument("--prefill-token-budget", type=int, default=None,
+                        help="a prefill instance's step takes whole prompts up to this many tokens (default: one)")
+    parser.add_argument("--ttft-slo", type=float, default=2000.0, help="ms")
+    parser.add_argument("--itl-slo", type=float, default=100.0, help="ms")
+    parser.add_argument("--itl-slo-stat", default="mean", choices=["mean", "p99", "max"],
+                        help="of each request's gaps: mean (TPOT, as DistServe), p99 or max")
+    parser.add_argument("--slo-attainment", type=float, default=0.9,
+                        help="the share of requests that must meet both SLOs")
+    parser.add_argument("--plot", default=None, help="PNG: p99 ITL, p99 TTFT and SLO attainment vs rate")
+    parser.add_argument("--result-json", "--output-json", dest="result_json", default=None)
 
 
 def _command(bench_sub: argparse._SubParsersAction, name: str, help: str,
@@ -111,6 +169,47 @@ def _save_json(path: str | None, data: Any, indent: int = 1) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=indent)
+
+
+def _interference(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvloom.bench.interference import InterferenceConfig, format_report, run_interference
+
+    config = InterferenceConfig(
+        args.base_url, args.model, args.decodes, args.decode_prompt_len, args.decode_output_len,
+        args.num_prompts, args.prompt_len, args.prompt_output_len, args.request_rate, args.seed,
+        args.vocab_size, args.baseline_seconds, args.request_timeout)
+    result = asyncio.run(run_interference(config))
+    print(format_report(result))
+    _save_json(args.result_json, result)
+    return 0
+
+
+def _pd_sim(args: argparse.Namespace) -> int:
+    from kvloom.bench import pd_simulation as sim
+
+    def numbers(text: str) -> list[float]:
+        return [float(value) for value in text.split(",") if value]
+
+    profile_json, steps_json, transfer_json = (json.loads(open(path).read()) if path else None
+                                               for path in (args.profile, args.steps_json, args.transfer_json))
+    flags = {"kv_bytes_per_token": args.kv_bytes_per_token, "transfer_bytes_per_s": args.transfer_bytes_per_s,
+             "transfer_latency_ms": args.transfer_latency_ms}
+    overrides = ((sim.transfer_from_interference(transfer_json) if transfer_json else {})
+                 | {key: value for key, value in flags.items() if value is not None})
+    profile = sim.load_profile(profile_json, steps_json, **overrides)
+    workload = sim.Workload(args.num_requests, tuple(int(n) for n in numbers(args.prompt_len)),
+                            tuple(int(n) for n in numbers(args.output_len)), args.seed)
+    splits = [(int(n), int(m)) for n, _, m in (split.partition(":") for split in args.splits.split(","))]
+    scheduling = sim.Scheduling(args.token_budget, args.max_batch, args.prefill_token_budget, args.first_token_on)
+    slo = sim.Slo(args.ttft_slo, args.itl_slo, args.itl_slo_stat, args.slo_attainment)
+    result = sim.run_sweep(profile, scheduling, workload, numbers(args.rates), splits, slo)
+    print(sim.format_table(result))
+    if args.plot:
+        sim.plot_sweep(result, args.plot)
+    _save_json(args.result_json, result)
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
