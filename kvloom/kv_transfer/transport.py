@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -123,6 +124,12 @@ class TorchTransport:
         if known is not None:
             return known
         host, port = endpoint.rsplit(":", 1)
+        # A plain connect first: TCPStore retries a refused one until its timeout, and a
+        # prefill instance that is gone should fail the pull at once.
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, self.timeout.total_seconds())).close()
+        except OSError as error:
+            raise TransferFailed(f"the prefill instance at {endpoint} is unreachable ({error})") from None
         store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         number = store.add("peers", 1) - 1
         store.set(f"peer/{number}/layout", json.dumps(self.layout.as_dict()))
