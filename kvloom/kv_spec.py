@@ -110,6 +110,9 @@ def token_hash(token_ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
 
 
+_EXPECTED_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "str | None": (str, type(None))}
+
+
 def _fields_of(cls: type, data: Any, what: str) -> dict[str, Any]:
     """``data``'s values for ``cls``'s fields; ValueError naming what is missing or wrong."""
     if not isinstance(data, dict):
@@ -121,7 +124,7 @@ def _fields_of(cls: type, data: Any, what: str) -> dict[str, Any]:
     values = {name: data[name] for name in names}
     for f in fields(cls):
         value, kind = values[f.name], f.type
-        expected = {"int": int, "str": str, "str | None": (str, type(None))}.get(str(kind))
+        expected = _EXPECTED_TYPES.get(str(kind))
         if expected is not None and (not isinstance(value, expected) or isinstance(value, bool)):
             raise ValueError(f"{what} field {f.name} must be {kind}, got {value!r}")
     return values

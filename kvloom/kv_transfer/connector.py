@@ -165,7 +165,7 @@ class PrefillTransfer(KVTransfer):
 
     def export(self, request: Request) -> None:
         """The prompt is computed: stage its blocks (raises StagingError)."""
-        num_blocks = -(-request.num_prompt_tokens // self.layout.block_size)
+        num_blocks = -(-request.num_prompt_tokens // self.staging.layout.block_size)
         self.staging.stage(request.request_id, request.prompt_token_ids, request.block_ids[:num_blocks])
 
     def finish(self, request: Request) -> None:

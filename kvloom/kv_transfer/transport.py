@@ -23,10 +23,13 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+# The store and the gloo group, built directly (no default process group: each pair is its own).
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from kvloom.kv_spec import KVLayout, StagedKV
 from kvloom.kv_transfer.staging import KVStaging
@@ -130,14 +133,14 @@ class TorchTransport:
             socket.create_connection((host, int(port)), timeout=min(5.0, self.timeout.total_seconds())).close()
         except OSError as error:
             raise TransferFailed(f"the prefill instance at {endpoint} is unreachable ({error})") from None
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        store = TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         number = store.add("peers", 1) - 1
         store.set(f"peer/{number}/layout", json.dumps(self.layout.as_dict()))
         store.set(f"peer/{number}/instance", instance_id)
         verdict = store.get(f"peer/{number}/verdict").decode()
         if verdict != "ok":
             raise TransferFailed(f"{endpoint} refused this decode instance: {verdict}")
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{number}", store), 1, 2, self.timeout)
+        group = ProcessGroupGloo(PrefixStore(f"pair/{number}", store), 1, 2, self.timeout)
         pair = self._pairs[endpoint] = _Pair(store, group, number)
         return pair
 
@@ -151,8 +154,8 @@ class _Pair:
     ``pull/<pair>/<seq>`` answered under ``answer/<pair>/<seq>``; the blocks follow
     over the gloo group."""
 
-    store: dist.TCPStore
-    group: dist.ProcessGroupGloo
+    store: TCPStore
+    group: Any  # a ProcessGroupGloo (torch's stubs omit its send and recv)
     number: int
     seq: int = 0
 
@@ -160,7 +163,7 @@ class _Pair:
         key = f"{self.number}/{self.seq}"
         self.seq += 1
         self.store.set(f"pull/{key}", json.dumps(request))
-        found = self.store.get(f"answer/{key}") == b"1"
+        found = bool(self.store.get(f"answer/{key}") == b"1")
         self.store.delete_key(f"answer/{key}")
         return found
 
@@ -178,9 +181,10 @@ class KVServer:
                  timeout_s: float) -> None:
         self.staging, self.layout, self.instance_id = staging, layout, instance_id
         self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.store = TCPStore(host, port, is_master=True, timeout=self.timeout, wait_for_workers=False)
         self.endpoint = f"{host}:{self.store.port}"
-        self._groups: dict[int, dist.ProcessGroupGloo] = {}  # peer number -> its pair's group
+        # peer number -> its pair's ProcessGroupGloo (torch's stubs omit send and recv)
+        self._groups: dict[int, Any] = {}
         self._seqs: dict[int, int] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
@@ -218,7 +222,7 @@ class KVServer:
         if problem is not None:
             logger.warning("refused decode instance %d: %s", number, problem)
             return
-        self._groups[number] = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{number}", self.store), 0, 2,
+        self._groups[number] = ProcessGroupGloo(PrefixStore(f"pair/{number}", self.store), 0, 2,
                                                      self.timeout)
         self._seqs[number] = 0
 
