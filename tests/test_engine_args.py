@@ -15,12 +15,15 @@ from kvloom.config import (
     DECODER_STACKS,
     DEFAULT_MODEL,
     DISTRIBUTED_BACKENDS,
+    KV_ROLES,
+    KV_TRANSPORTS,
     MATMULS,
     POLICY_NAMES,
     SCHEDULING_MODES,
     SUPPORTED_DTYPES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -66,11 +69,19 @@ NON_DEFAULTS = [
     (["--distributed-backend", "gloo"], "parallel", "distributed_backend", "gloo"),
     (["--no-shared-memory"], "parallel", "shared_memory", False),
     (["--distributed-timeout", "30"], "parallel", "distributed_timeout", 30.0),
+    (["--role", "decode"], "kv_transfer", "role", "decode"),
+    (["--kv-transport", "torch"], "kv_transfer", "kv_transport", "torch"),
+    (["--kv-host", "10.0.0.1"], "kv_transfer", "kv_host", "10.0.0.1"),
+    (["--kv-port", "29600"], "kv_transfer", "kv_port", 29600),
+    (["--kv-buffer-gib", "0.5"], "kv_transfer", "kv_buffer_gib", 0.5),
+    (["--kv-transfer-timeout", "30"], "kv_transfer", "kv_transfer_timeout", 30.0),
+    (["--kv-shm-dir", "/tmp/kv"], "kv_transfer", "kv_shm_dir", "/tmp/kv"),
 ]
 
 
 def _config_fields() -> set[tuple[str | None, str]]:
-    sections = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig))
+    sections = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig),
+                ("kv_transfer", KVTransferConfig))
     own = {(None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in dict(sections)}
     return own | {(section, f.name) for section, cls in sections for f in dataclasses.fields(cls)}
 
@@ -102,7 +113,8 @@ ALIASES = [
     (["-tp", "2"], "parallel", "tensor_parallel_size", 2),
 ]
 # Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
-EXCLUSIVE = {"gpu_memory_utilization"}
+# And a role other than both is refused with the tensor-parallel size set above.
+EXCLUSIVE = {"gpu_memory_utilization", "role"}
 
 
 def test_the_table_covers_every_config_field() -> None:
@@ -204,7 +216,8 @@ def test_choices_come_from_the_config_constants(capsys) -> None:
                        "decoder_stack": list(DECODER_STACKS),
                        "scheduling": list(SCHEDULING_MODES), "policy": list(POLICY_NAMES),
                        "attention_backend": list(ATTENTION_BACKENDS),
-                       "distributed_backend": list(DISTRIBUTED_BACKENDS)}
+                       "distributed_backend": list(DISTRIBUTED_BACKENDS), "role": list(KV_ROLES),
+                       "kv_transport": list(KV_TRANSPORTS)}
     with pytest.raises(SystemExit):
         _engine_parser().parse_args(["--matmul", "blas"])
     assert "invalid choice: 'blas'" in capsys.readouterr().err
@@ -290,7 +303,8 @@ def test_every_command_with_engine_flags_parses_them_alike(command: list[str]) -
     argv = [token for argv, *_ in rows for token in argv if argv != ["some/model"]]
     args = build_parser().parse_args([*command, "some/model", *argv])
     expected = {name: value for _, _, name, value in rows if name != "model"}
-    expected.update({name: None for name in EXCLUSIVE})  # left at its default
+    defaults = {"gpu_memory_utilization": None, "role": "both"}  # left at their defaults
+    expected.update({name: defaults[name] for name in EXCLUSIVE})
     assert args.model == "some/model" and engine_kwargs(args) == expected
 
 
