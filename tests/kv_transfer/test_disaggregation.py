@@ -334,3 +334,38 @@ def test_a_prefill_process_that_dies_fails_the_pull_cleanly(model_dir: Path, tmp
     # Its staged files outlived it; the next prefill instance here removes them.
     assert len(list(tmp_path.iterdir())) == 2
     assert remove_orphans(str(tmp_path)) == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_the_batch_keeps_stepping_while_blocks_arrive(model_dir: Path, tmp_path: Path) -> None:
+    """A pull runs on the transfer thread: the decode instance's running requests get a
+    token every step while another request's KV is still arriving."""
+    prompts = prompts_of([30, 70], seed=10)
+    single = run(engine(model_dir, "both", tmp_path), [(rid, p, GREEDY, None) for rid, p in prompts.items()])
+    producer = engine(model_dir, "prefill", tmp_path)
+    consumer = engine(model_dir, "decode", tmp_path)
+    held = _HeldTransport()
+    assert isinstance(consumer.kv_transfer, DecodeTransfer)
+    try:
+        staged = prefill(producer, prompts)
+        finals: dict[str, RequestOutput] = {}
+        consumer.add_request(prompts["r0"], GREEDY, request_id="r0", kv_transfer=KVImport(staged["r0"]))
+        while not consumer.scheduler.running:  # r0's pull (unheld) arrives
+            consumer.step()
+        consumer.kv_transfer.transport = held
+        consumer.add_request(prompts["r1"], GREEDY, request_id="r1", kv_transfer=KVImport(staged["r1"]))
+        outputs = consumer.step()
+        assert held.started.wait(10.0)
+        for _ in range(3):  # r1 receiving, held: r0 decodes on
+            assert [o.request_id for o in outputs] == ["r0"]
+            assert consumer.scheduler.receiving[0].request_id == "r1"
+            outputs = consumer.step()
+            consumer.check_integrity()
+        held.release.set()
+        while consumer.has_unfinished_requests():
+            finals |= {o.request_id: o for o in consumer.step() if o.finished}
+            consumer.check_integrity()
+        assert tokens(finals) == tokens(single)
+    finally:
+        held.release.set()
+        producer.shutdown()
+        consumer.shutdown()
