@@ -43,7 +43,7 @@ import httpx
 
 from kvloom.bench.arrivals import arrival_offsets, inter_arrival_gaps, paced
 from kvloom.bench.metrics import Distribution, RequestRecord
-from kvloom.bench.serve import COMPLETIONS, resolve_model, scrape_metrics, send_request
+from kvloom.bench.serve import COMPLETIONS, http_client, resolve_model, scrape_metrics, send_request
 
 __all__ = ["InterferenceConfig", "Stream", "analyse", "format_report", "random_prompts", "run_interference"]
 
@@ -207,9 +207,7 @@ async def run_interference(config: InterferenceConfig, command: str | None = Non
                          config.vocab_size, rng)
     base_url = config.base_url.rstrip("/")
     url = f"{base_url}{COMPLETIONS}"
-    timeout = httpx.Timeout(config.request_timeout_s, connect=60.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with http_client(config.request_timeout_s) as client:
         model = config.model or await resolve_model(client, base_url)
         start = time.perf_counter()
         streaming = [asyncio.Event() for _ in range(config.decodes)]

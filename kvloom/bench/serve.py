@@ -211,6 +211,13 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
     return parse_prometheus(response.text)
 
 
+def http_client(request_timeout_s: float) -> httpx.AsyncClient:
+    """The load generators' client. No pool cap: httpx's default of 100 connections
+    would silently bound concurrency."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=60.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
 async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
     """The first model id the server lists, as vLLM's client picks one."""
     try:
@@ -307,10 +314,7 @@ async def run_benchmark(config: ServeBenchConfig, requests: Sequence[BenchReques
         raise ValueError("the workload has no requests")
     base_url = config.base_url.rstrip("/")
     url = f"{base_url}{config.endpoint}"
-    timeout = httpx.Timeout(config.request_timeout_s, connect=60.0)
-    # No pool cap: httpx's default of 100 connections would silently bound concurrency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with http_client(config.request_timeout_s) as client:
         model = config.model or await resolve_model(client, base_url)
         build_payload(requests[0], config, model)  # a bad endpoint/dataset pairing fails here, once
         warmup_failures = await _warm_up(client, url, config, model, requests)
