@@ -10,6 +10,8 @@ OUT=docs/results/issue20
 K=.venv/bin/kvloom
 RATE=${RATE:-0.2}
 N=${N:-10}
+TAG=${TAG:-}            # e.g. TAG=_run2: a second pass, written next to the first
+ONLY_INTERFERENCE=${ONLY_INTERFERENCE:-}  # set: skip the step times and the simulation
 COMMON=(--decodes 32 --decode-prompt-len 64 --decode-output-len 2048 --prompt-len 1500
         --prompt-output-len 16 --num-prompts "$N" --request-rate "$RATE" --seed 0 --baseline-seconds 3)
 wait_up() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
@@ -19,7 +21,7 @@ stop() { kill "$@" 2>/dev/null || true; wait "$@" 2>/dev/null || true; }
 $K serve --port 8200 --num-threads 2 --disable-log-stats > "$OUT/serve_single.log" 2>&1 &
 S=$!
 wait_up http://127.0.0.1:8200
-$K bench interference --base-url http://127.0.0.1:8200 "${COMMON[@]}" --result-json "$OUT/interference_single.json"
+$K bench interference --base-url http://127.0.0.1:8200 "${COMMON[@]}" --result-json "$OUT/interference_single$TAG.json"
 stop $S
 
 # B: one prefill + one decode instance, one core each, and the router.
@@ -31,8 +33,10 @@ wait_up http://127.0.0.1:8210; wait_up http://127.0.0.1:8211
 $K router --prefill http://127.0.0.1:8210 --decode http://127.0.0.1:8211 --port 8220 > "$OUT/router.log" 2>&1 &
 R=$!
 wait_up http://127.0.0.1:8220
-$K bench interference --base-url http://127.0.0.1:8220 "${COMMON[@]}" --result-json "$OUT/interference_pd.json"
+$K bench interference --base-url http://127.0.0.1:8220 "${COMMON[@]}" --result-json "$OUT/interference_pd$TAG.json"
 stop $R $P $D
+
+[ -n "$ONLY_INTERFERENCE" ] && exit 0
 
 # Step times on one core, for the simulation.
 taskset -c 0 $K bench steps --num-threads 1 --batches 1,8,16,32,64 --context 300 \
