@@ -115,3 +115,31 @@ def test_serve_data_parallel_starts_routes_and_stops_its_workers(tiny_llama: Pat
     for url in workers:  # the workers went with it
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+def test_serve_disaggregated_starts_a_pair_and_a_router_and_moves_kv(tiny_llama: Path, tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    process = _kvloom("serve", str(tiny_llama), "--dtype", "float32", "--num-blocks", "64", "--role",
+                      "disaggregated", "--kv-shm-dir", str(tmp_path), "--port", str(port), "--disable-log-stats",
+                      "--log-level", "warning")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            assert process.poll() is None, process.communicate()[0]
+            try:
+                return httpx.get(f"{base}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(healthy, timeout=120, what="the router and its prefill and decode instances")
+        health = httpx.get(f"{base}/health").json()
+        assert len(health["prefill"]) == 1 and len(health["decode"]) == 1
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": "hello there, old friend",
+                                                               "max_tokens": 3}, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "kvloom:kv_transfer_imports_total 1.0" in metrics  # summed over both instances
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert list(tmp_path.iterdir()) == []  # the staged file was pulled and removed
