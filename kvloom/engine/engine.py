@@ -196,6 +196,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)
         if request is not None:
+            self.kv_transfer.take_staged(request_id)  # nobody will ask for it (it expires unpulled)
             self._release(request)
 
     def has_unfinished_requests(self) -> bool:
