@@ -84,8 +84,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     # Logprobs of the prompt's tokens (each under the tokens before it) with this many
-    # alternatives (vLLM's). Such a request computes its whole prompt: no prefix-cache hit.
+    # alternatives (vLLM's). Such a request computes its prompt from token
+    # ``prompt_logprobs_start - 1`` on (kvloom's): tokens before ``prompt_logprobs_start``
+    # get no logprobs (None) and the prefix cache may serve them; 0, the default: the
+    # whole prompt is computed, no prefix-cache hit (scoring continuations of one
+    # prefix, as kvloom.lang's select does, computes the prefix once).
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
@@ -140,6 +145,7 @@ class SamplingParams:
                              f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=0)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

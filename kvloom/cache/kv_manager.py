@@ -62,10 +62,11 @@ class KVCacheManager:
             return NoPrefixesInFlight()
         return PrefixesInFlight(self.block_size, running)
 
-    def match_prefix(self, request: Request) -> PrefixMatch:
-        """Look up the request's cached prefix; the last token is always left to compute
-        because its logits are needed."""
-        return self.prefix_cache.match(request.all_token_ids[: request.num_tokens - 1])
+    def match_prefix(self, request: Request, max_tokens: int | None = None) -> PrefixMatch:
+        """Look up the request's cached prefix, of at most ``max_tokens``; the last token
+        is always left to compute because its logits are needed."""
+        limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens - 1)
+        return self.prefix_cache.match(request.all_token_ids[:limit])
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix: PrefixMatch | None = None) -> bool:

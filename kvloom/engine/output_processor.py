@@ -28,7 +28,9 @@ class _StreamState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[LogprobsEntry] | None = None  # prompt tokens 1, 2, ... as computed
+    # prompt tokens 1, 2, ... as computed (None before prompt_logprobs_start, when a
+    # prefix-cache hit served them)
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
 
 
@@ -65,6 +67,9 @@ class OutputProcessor:
             return
         have = len(state.prompt_logprobs)  # positions 1 .. have
         skip = have + 1 - chunk.first
+        if skip < 0 and chunk.first <= request.sampling_params.prompt_logprobs_start:
+            state.prompt_logprobs.extend([None] * -skip)  # not asked for: a cache hit served them
+            skip = 0
         if skip < 0:
             raise AssertionError(f"prompt logprobs of {request.request_id} from position {chunk.first}, "
                                  f"but only {have} are known")
@@ -103,7 +108,8 @@ class OutputProcessor:
         """Complete once every prompt position is known (a prompt of P tokens has P - 1)."""
         if state.prompt_logprobs_out is None and state.prompt_logprobs is not None \
                 and len(state.prompt_logprobs) >= request.num_prompt_tokens - 1:
-            state.prompt_logprobs_out = [None, *map(self._convert_logprobs, state.prompt_logprobs)]
+            state.prompt_logprobs_out = [None, *(None if entry is None else self._convert_logprobs(entry)
+                                                 for entry in state.prompt_logprobs)]
         return state.prompt_logprobs_out
 
     def make_output(self, request: Request, new_logprobs: Sequence[LogprobsEntry | None] = ()) -> RequestOutput:

@@ -320,8 +320,12 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         """The request's prefix-cache hit; none for a request that wants its prompt's
         logprobs (every prompt position must be computed)."""
-        if request.sampling_params.prompt_logprobs is not None:
-            return PrefixMatch(miss_reason="prompt_logprobs needs the whole prompt computed", shareable=False)
+        params = request.sampling_params
+        if params.prompt_logprobs is not None:
+            if not params.prompt_logprobs_start:
+                return PrefixMatch(miss_reason="prompt_logprobs needs the whole prompt computed", shareable=False)
+            # Token i's logprob comes from position i - 1's hidden state: compute from there.
+            return self.kv.match_prefix(request, max_tokens=params.prompt_logprobs_start - 1)
         return self.kv.match_prefix(request)
 
     def _mark_admitted(self, request: Request, prefix: PrefixMatch | None) -> None:

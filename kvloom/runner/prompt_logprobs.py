@@ -23,11 +23,13 @@ def prompt_logprobs(model: CausalLM, hidden: torch.Tensor, output: SchedulerOutp
     spans: list[tuple[str, int, int, int]] = []  # (request id, first position, count, top n)
     offset = 0
     for item in output.scheduled:
-        request, start = item.request, item.start
+        request = item.request
         top_n = request.sampling_params.prompt_logprobs
-        last = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)  # last predicting position + 1
+        # Positions before prompt_logprobs_start - 1 score tokens nobody asked for.
+        start = max(item.start, request.sampling_params.prompt_logprobs_start - 1)
+        last = min(item.start + item.num_new_tokens, request.num_prompt_tokens - 1)  # last predicting position + 1
         if top_n is not None and start < last:
-            rows.extend(range(offset, offset + last - start))
+            rows.extend(range(offset + start - item.start, offset + last - item.start))
             targets.extend(request.prompt_token_ids[start + 1:last + 1])
             spans.append((request.request_id, start + 1, last - start, top_n))
         offset += item.num_new_tokens

@@ -99,3 +99,28 @@ def test_prompt_logprobs_are_validated() -> None:
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("start", [17, 18, 20])
+def test_logprobs_from_a_start_take_the_cached_prefix(tiny_llama, reference, start: int) -> None:
+    """``prompt_logprobs_start``: the 16 cached tokens are a hit (capped so that position
+    start - 1, which scores token start, is computed), positions before start are None
+    and the rest equal transformers'."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=start)
+    finals = run(tiny_llama, [("warm", SHARED + [1], SamplingParams(max_tokens=1)), ("r", PROMPT, params)])
+    assert finals["r"].num_cached_tokens == 16
+    prompt_logprobs = finals["r"].prompt_logprobs
+    assert prompt_logprobs is not None and len(prompt_logprobs) == len(PROMPT)
+    assert all(prompt_logprobs[p] is None for p in range(start))
+    for position in range(start, len(PROMPT)):
+        token = PROMPT[position]
+        assert prompt_logprobs[position][token].logprob == pytest.approx(reference[position - 1][token].item(),
+                                                                         abs=1e-4)
+
+
+def test_a_start_inside_the_cached_prefix_caps_the_hit(tiny_llama, reference) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=9)
+    finals = run(tiny_llama, [("warm", SHARED + [1], SamplingParams(max_tokens=1)), ("r", PROMPT, params)])
+    assert finals["r"].num_cached_tokens == 8  # block-aligned, at most start - 1 = 8 tokens
+    entry = finals["r"].prompt_logprobs[9]
+    assert entry[PROMPT[9]].logprob == pytest.approx(reference[8][PROMPT[9]].item(), abs=1e-4)
