@@ -1,0 +1,182 @@
+"""Where a program's text goes: the ``Backend`` seam, and ``Local``, an in-process
+``LLM`` driven by one thread for every program at once.
+
+A backend answers two questions about a text: its continuation under some sampling
+parameters (``generate``), and the log-probability of each of several continuations
+(``score``). Both are blocking and thread-safe: each program state runs on its own
+thread (state.py), so many programs, and the forks of one, are in the engine's batch
+together; the radix cache shares what their texts share.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvloom.engine.llm import LLM
+from kvloom.engine.output import RequestOutput
+from kvloom.sampling_params import SamplingParams
+from kvloom.structured import StructuredOutput
+
+_SENTINEL = "\x00kvloom-lang\x00"
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefix cache served
+
+
+@dataclass(frozen=True)
+class Scored:
+    logprobs: list[float]  # per choice: the sum over its tokens
+    num_cached_tokens: list[int]
+
+
+class Backend(Protocol):
+    def role_markers(self, role: str) -> tuple[str, str]:
+        """The chat template's text before and after a ``role`` message's content."""
+        ...
+
+    def generate(self, text: str, params: SamplingParams) -> Generated: ...
+
+    def score(self, text: str, choices: list[str]) -> Scored: ...
+
+
+def role_markers_from_template(tokenizer: Any, role: str) -> tuple[str, str]:
+    """Render a sentinel message after a system message, so that templates that insert
+    a default system message when none leads do not leak it into every role."""
+    if role == "system":
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": _SENTINEL}],
+                                                 add_generation_prompt=False)
+        before, after = rendered.split(_SENTINEL)
+        return before, after
+    lead = [{"role": "system", "content": "x"}]
+    base = tokenizer.apply_chat_template(lead, add_generation_prompt=False)
+    rendered = tokenizer.apply_chat_template([*lead, {"role": role, "content": _SENTINEL}],
+                                             add_generation_prompt=False)
+    if not rendered.startswith(base):
+        raise ValueError(f"the chat template renders a {role} message in a way kvloom.lang cannot split")
+    before, after = rendered[len(base):].split(_SENTINEL)
+    return before, after
+
+
+class Local:
+    """An in-process engine (``kl.Local(LLM(...))``). Its engine is driven by this
+    backend's thread from now on: do not call the ``LLM`` from elsewhere meanwhile."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self._markers: dict[str, tuple[str, str]] = {}
+        self._pending: list[tuple[list[int], SamplingParams, Future[RequestOutput]]] = []
+        self._futures: dict[str, Future[RequestOutput]] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._drive, name="kvloom-lang-local", daemon=True)
+        self._thread.start()
+
+    def role_markers(self, role: str) -> tuple[str, str]:
+        if role not in self._markers:
+            self._markers[role] = role_markers_from_template(self.tokenizer, role)
+        return self._markers[role]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, text: str, params: SamplingParams) -> Generated:
+        token_ids = self.encode(text)
+        output = self._submit(token_ids, params).result()
+        return Generated(output.outputs[0].text, len(token_ids), output.num_cached_tokens)
+
+    def score(self, text: str, choices: list[str]) -> Scored:
+        """Each choice's tokens' log-probabilities after ``text``, summed; all choices
+        submitted at once (the first computes the shared prefix, the rest wait a step
+        for it and hit, engine/scheduler.py), from the first token where ``text +
+        choice`` tokenizes differently from ``text``."""
+        prefix = self.encode(text)
+        fulls = [self.encode(text + choice) for choice in choices]
+        starts = [max(1, _common_prefix(prefix, full)) for full in fulls]
+        futures = [self._submit(full, SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=start))
+                   for full, start in zip(fulls, starts, strict=True)]
+        logprobs: list[float] = []
+        cached: list[int] = []
+        for full, start, future in zip(fulls, starts, futures, strict=True):
+            output = future.result()
+            entries = output.prompt_logprobs
+            assert entries is not None
+            total = 0.0
+            for i in range(start, len(full)):
+                entry = entries[i]
+                assert entry is not None  # positions from prompt_logprobs_start are computed
+                total += entry[full[i]].logprob
+            logprobs.append(total)
+            cached.append(output.num_cached_tokens)
+        return Scored(logprobs, cached)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=10.0)
+
+    # ---- the driver thread --------------------------------------------------------------
+    def _submit(self, token_ids: list[int], params: SamplingParams) -> Future[RequestOutput]:
+        future: Future[RequestOutput] = Future()
+        with self._wake:
+            self._pending.append((token_ids, params, future))
+            self._wake.notify()
+        return future
+
+    def _drive(self) -> None:
+        engine = self.llm.engine
+        while True:
+            with self._wake:
+                while not self._pending and not engine.has_unfinished_requests() and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                pending, self._pending = self._pending, []
+            for token_ids, params, future in pending:
+                try:
+                    request = engine.add_request(token_ids, params)
+                except Exception as error:  # noqa: BLE001 - that request's own (a bad constraint)
+                    future.set_exception(error)
+                else:
+                    self._futures[request.request_id] = future
+            try:
+                outputs = engine.step()
+            except Exception as error:  # noqa: BLE001 - an engine fault fails everyone waiting
+                for future in self._futures.values():
+                    future.set_exception(error)
+                self._futures.clear()
+                continue
+            for output in outputs:
+                if output.finished:
+                    future = self._futures.pop(output.request_id)
+                    if output.error is not None:
+                        future.set_exception(RuntimeError(output.error.message))
+                    else:
+                        future.set_result(output)
+
+
+def sampling_params_for(max_tokens: int, stop: tuple[str, ...], temperature: float, regex: str | None,
+                        json_schema: dict[str, Any] | str | None) -> SamplingParams:
+    structured = None
+    if regex is not None:
+        structured = StructuredOutput(regex=regex)
+    elif json_schema is not None:
+        structured = StructuredOutput(json_schema=json_schema)
+    return SamplingParams(max_tokens=max_tokens, stop=list(stop), temperature=temperature, structured=structured)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

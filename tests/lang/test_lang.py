@@ -1,0 +1,147 @@
+"""kvloom.lang on the tiny model (float32), in-process: select's scores against
+transformers' log-probabilities, gen against transformers' greedy continuation,
+forks and successive calls hitting the radix cache (the engine's cached-token counts),
+batches, streaming, and the errors a program author meets."""
+
+from __future__ import annotations
+
+import linecache
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvloom.lang as kl
+from kvloom import LLM
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama: Path) -> Iterator[kl.Local]:
+    local = kl.Local(LLM(str(tiny_llama), dtype="float32", num_blocks=256))
+    yield local
+    local.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> torch.nn.Module:
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def transformers_logprob(model: torch.nn.Module, prefix: list[int], full: list[int]) -> float:
+    """Sum of log p(full[i] | full[:i]) over the tokens past ``prefix``'s common part."""
+    start = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), min(len(prefix), len(full)))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), dim=-1)
+    return sum(logprobs[i - 1, full[i]].item() for i in range(max(1, start), len(full)))
+
+
+@kl.function
+def classify(s, question: str) -> None:
+    s += kl.system("Answer with one word.")
+    s += kl.user(question)
+    s += kl.assistant(kl.select("answer", ["yes", "no", "maybe later", "perhaps"]))
+
+
+def test_select_scores_are_transformers_log_probabilities(backend: kl.Local, reference: torch.nn.Module) -> None:
+    state = classify.run(question="Is the river cold in winter?", backend=backend)
+    prefix_text = state.text[: -len(state["answer"]) - len(backend.role_markers("assistant")[1])]
+    prefix = backend.encode(prefix_text)
+    expected = {c: transformers_logprob(reference, prefix, backend.encode(prefix_text + c))
+                for c in ["yes", "no", "maybe later", "perhaps"]}
+    assert state.select_scores["answer"] == pytest.approx(expected, abs=1e-3)
+    assert state["answer"] == max(expected, key=expected.__getitem__)
+    # One forward computed the shared prefix; the other choices hit it in the cache.
+    hits = state.select_cached_tokens[0]
+    assert hits[0] == 0 and all(h >= 16 for h in hits[1:])
+
+
+@kl.function
+def two_turns(s) -> None:
+    s += kl.user("Tell me about the fox.")
+    s += kl.assistant(kl.gen("first", max_tokens=6))
+    s += kl.user("And the river?")
+    s += kl.assistant(kl.gen("second", max_tokens=6))
+
+
+def test_gen_is_transformers_greedy_and_the_second_turn_hits(backend: kl.Local, reference: torch.nn.Module) -> None:
+    state = two_turns.run(backend=backend)
+    before, _ = backend.role_markers("assistant")
+    prompt = backend.encode(state.text.split(before + state["first"])[0] + before)
+    with torch.no_grad():
+        greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+    assert state["first"] == backend.tokenizer.decode(greedy.tolist())
+    first, second = state.calls
+    assert first.num_cached_tokens == 0
+    # The second call's prompt starts with the first call's text: its full blocks hit.
+    assert second.num_cached_tokens >= (first.num_prompt_tokens // 16) * 16 > 0
+
+
+@kl.function
+def drafts(s, ticket: str) -> None:
+    s += kl.system("You sort support tickets.")
+    s += kl.user(ticket)
+    s += kl.assistant(kl.select("team", ["billing", "bugs", "sales"]))
+    forks = s.fork(3)
+    for i, fork in enumerate(forks):
+        fork += kl.user(f"Reply draft {i}:") + kl.assistant(kl.gen("draft", max_tokens=5))
+    s["drafts"] = [f["draft"] for f in forks]
+
+
+def test_forks_share_the_prefix_and_a_batch_runs_each_program(backend: kl.Local) -> None:
+    alone = drafts.run(ticket="I was charged twice.", backend=backend)
+    assert len(alone["drafts"]) == 3 and alone["team"] in ("billing", "bugs", "sales")
+    shared = len(backend.encode(alone.text))
+    for fork in alone.forks:
+        (call,) = fork.calls
+        assert call.num_cached_tokens >= (shared // 16) * 16 > 0  # the parent's text, computed once
+    tickets = ["I was charged twice.", "The app crashes.", "Gift cards?"]
+    batch = drafts.run_batch([{"ticket": t} for t in tickets], backend=backend)
+    assert batch[0].variables() == alone.variables()  # greedy: the same, batched with others
+    for state, ticket in zip(batch, tickets, strict=True):
+        assert ticket in state.text and state["drafts"] == drafts.run(ticket=ticket, backend=backend)["drafts"]
+
+
+def test_the_text_streams_in_pieces(backend: kl.Local) -> None:
+    state = two_turns.run(backend=backend, stream=True)
+    pieces = list(state.text_stream())
+    assert "".join(pieces) == state.text and state["second"] in pieces
+
+
+def _line_of(error: kl.LangError, text: str) -> None:
+    assert error.where is not None
+    assert text in linecache.getline(error.where.filename, error.where.lineno)
+
+
+def test_errors_name_the_program_line(backend: kl.Local) -> None:
+    @kl.function
+    def reads_too_early(s) -> None:
+        s += kl.user("hi")
+        s["answer"]  # never generated
+
+    with pytest.raises(kl.LangError, match="variable 'answer' is read before anything generated it") as caught:
+        reads_too_early.run(backend=backend)
+    _line_of(caught.value, 's["answer"]  # never generated')
+
+    with pytest.raises(kl.LangError, match="empty choice list") as caught:
+        kl.select("team", [])
+    _line_of(caught.value, 'kl.select("team", [])')
+
+    @kl.function
+    def bad_regex(s) -> None:
+        s += kl.gen("code", regex="(unclosed")
+
+    with pytest.raises(kl.LangError, match="gen 'code' was refused") as caught:
+        bad_regex.run(backend=backend)
+    _line_of(caught.value, 'kl.gen("code", regex="(unclosed")')
+
+    state = classify.run(question="Is it?", backend=backend)
+    with pytest.raises(kl.LangError, match="fork of a finished state") as caught:
+        state.fork(2)
+    _line_of(caught.value, "state.fork(2)")
+    with pytest.raises(kl.LangError, match="no backend"):
+        kl.set_default_backend(None)  # type: ignore[arg-type]
+        classify.run(question="x")
+    # After all that, the engine's books balance.
+    backend.llm.engine.check_integrity()
