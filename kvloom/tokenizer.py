@@ -184,6 +184,22 @@ class Tokenizer:
         return token_id in self._special_ids
 
     # ------------------------------------------------------------ chat template
+    def role_markers(self, role: str) -> tuple[str, str]:
+        """The text the chat template writes before and after a ``role`` message's
+        content (kvloom.lang's ``system`` / ``user`` / ``assistant``). Rendered after a
+        system message, so that a template that inserts a default system message when
+        none leads does not put it into every role."""
+        sentinel = "\x00kvloom-role\x00"
+        lead = [] if role == "system" else [{"role": "system", "content": "x"}]
+        base = self.apply_chat_template(lead, add_generation_prompt=False) if lead else ""
+        rendered = self.apply_chat_template([*lead, {"role": role, "content": sentinel}],
+                                            add_generation_prompt=False)
+        if not rendered.startswith(base) or rendered.count(sentinel) != 1:
+            raise ValueError(f"the chat template renders a {role!r} message in a way that cannot be split "
+                             "into the text before and after its content")
+        before, after = rendered[len(base):].split(sentinel)
+        return before, after
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
                             continue_final_message: bool = False, **kwargs: Any) -> str:

@@ -17,10 +17,9 @@ from typing import Any, Protocol
 
 from kvloom.engine.llm import LLM
 from kvloom.engine.output import RequestOutput
+from kvloom.engine.scoring import continuations
 from kvloom.sampling_params import SamplingParams
 from kvloom.structured import StructuredOutput
-
-_SENTINEL = "\x00kvloom-lang\x00"
 
 
 @dataclass(frozen=True)
@@ -46,24 +45,6 @@ class Backend(Protocol):
     def score(self, text: str, choices: list[str]) -> Scored: ...
 
 
-def role_markers_from_template(tokenizer: Any, role: str) -> tuple[str, str]:
-    """Render a sentinel message after a system message, so that templates that insert
-    a default system message when none leads do not leak it into every role."""
-    if role == "system":
-        rendered = tokenizer.apply_chat_template([{"role": "system", "content": _SENTINEL}],
-                                                 add_generation_prompt=False)
-        before, after = rendered.split(_SENTINEL)
-        return before, after
-    lead = [{"role": "system", "content": "x"}]
-    base = tokenizer.apply_chat_template(lead, add_generation_prompt=False)
-    rendered = tokenizer.apply_chat_template([*lead, {"role": role, "content": _SENTINEL}],
-                                             add_generation_prompt=False)
-    if not rendered.startswith(base):
-        raise ValueError(f"the chat template renders a {role} message in a way kvloom.lang cannot split")
-    before, after = rendered[len(base):].split(_SENTINEL)
-    return before, after
-
-
 class Local:
     """An in-process engine (``kl.Local(LLM(...))``). Its engine is driven by this
     backend's thread from now on: do not call the ``LLM`` from elsewhere meanwhile."""
@@ -81,7 +62,7 @@ class Local:
 
     def role_markers(self, role: str) -> tuple[str, str]:
         if role not in self._markers:
-            self._markers[role] = role_markers_from_template(self.tokenizer, role)
+            self._markers[role] = self.tokenizer.role_markers(role)
         return self._markers[role]
 
     def encode(self, text: str) -> list[int]:
@@ -97,25 +78,11 @@ class Local:
         submitted at once (the first computes the shared prefix, the rest wait a step
         for it and hit, engine/scheduler.py), from the first token where ``text +
         choice`` tokenizes differently from ``text``."""
-        prefix = self.encode(text)
-        fulls = [self.encode(text + choice) for choice in choices]
-        starts = [max(1, _common_prefix(prefix, full)) for full in fulls]
-        futures = [self._submit(full, SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=start))
-                   for full, start in zip(fulls, starts, strict=True)]
-        logprobs: list[float] = []
-        cached: list[int] = []
-        for full, start, future in zip(fulls, starts, futures, strict=True):
-            output = future.result()
-            entries = output.prompt_logprobs
-            assert entries is not None
-            total = 0.0
-            for i in range(start, len(full)):
-                entry = entries[i]
-                assert entry is not None  # positions from prompt_logprobs_start are computed
-                total += entry[full[i]].logprob
-            logprobs.append(total)
-            cached.append(output.num_cached_tokens)
-        return Scored(logprobs, cached)
+        wanted = continuations(self.encode(text), [self.encode(text + choice) for choice in choices])
+        futures = [self._submit(c.token_ids, c.params) for c in wanted]
+        outputs = [future.result() for future in futures]
+        return Scored([c.logprob(o) for c, o in zip(wanted, outputs, strict=True)],
+                      [o.num_cached_tokens for o in outputs])
 
     def close(self) -> None:
         with self._wake:
@@ -173,10 +140,3 @@ def sampling_params_for(max_tokens: int, stop: tuple[str, ...], temperature: flo
     return SamplingParams(max_tokens=max_tokens, stop=list(stop), temperature=temperature, structured=structured)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
