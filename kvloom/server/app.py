@@ -30,6 +30,7 @@ from kvloom.server.protocol import (
 )
 from kvloom.server.serving_chat import create_chat_completion, encode_messages
 from kvloom.server.serving_completions import create_completion
+from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
 
 
@@ -95,6 +96,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, serving)
+
+    @app.post("/kvloom/score")
+    async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+        return await create_score(body, request, serving)
+
+    @app.get("/kvloom/chat_roles")
+    async def roles() -> dict[str, list[str]]:
+        return chat_roles(serving)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

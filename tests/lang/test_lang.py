@@ -145,3 +145,48 @@ def test_errors_name_the_program_line(backend: kl.Local) -> None:
         classify.run(question="x")
     # After all that, the engine's books balance.
     backend.llm.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_llama: Path) -> Iterator[kl.Endpoint]:
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    from kvloom.server.background import start_background_server
+    from kvloom.server.settings import ServerSettings
+
+    config = EngineConfig.from_kwargs(str(tiny_llama), dtype="float32", num_blocks=256)
+    server = start_background_server(lambda: LLMEngine(config), ServerSettings(), 1024, None, 60.0)
+    remote = kl.Endpoint(server.base_url)
+    yield remote
+    remote.close()
+    server.stop()
+
+
+def test_the_same_program_gives_the_same_output_against_a_server(backend: kl.Local, endpoint: kl.Endpoint) -> None:
+    for program, kwargs in ((drafts, {"ticket": "I was charged twice."}), (two_turns, {}),
+                            (classify, {"question": "Is the river cold in winter?"})):
+        local, remote = program.run(backend=backend, **kwargs), program.run(backend=endpoint, **kwargs)
+        assert remote.variables() == local.variables() and remote.text == local.text
+    remote = classify.run(question="Is the river cold in winter?", backend=endpoint)
+    local = classify.run(question="Is the river cold in winter?", backend=backend)
+    assert remote.select_scores["answer"] == pytest.approx(local.select_scores["answer"], abs=1e-4)
+    # The server's cache served the repeated program: its choices hit.
+    assert all(hit > 0 for hit in remote.select_cached_tokens[0])
+
+
+def test_a_constraint_the_server_refuses_names_the_program_line(endpoint: kl.Endpoint) -> None:
+    @kl.function
+    def bad_regex(s) -> None:
+        s += kl.gen("code", regex="(unclosed")
+
+    with pytest.raises(kl.LangError, match="gen 'code' was refused") as caught:
+        bad_regex.run(backend=endpoint)
+    _line_of(caught.value, 'kl.gen("code", regex="(unclosed")')
+
+
+def test_the_score_endpoint_refuses_bad_bodies(endpoint: kl.Endpoint) -> None:
+    for body, param in (({"prompt": "x", "choices": []}, "choices"), ({"prompt": "x", "choices": ["a", ""]}, "choices"),
+                        ({"choices": ["a"]}, "prompt")):
+        response = endpoint.client.post("/kvloom/score", json=body)
+        assert response.status_code == 400, response.text
+        assert param in response.json()["error"]["message"] + str(response.json()["error"]["param"])
