@@ -110,6 +110,9 @@ class SamplingRequest(RequestModel):
     store: bool | None = None
     # vLLM's prompt logprobs (0-20 alternatives per prompt token; not with stream).
     prompt_logprobs: int | None = None
+    # kvloom's: prompt logprobs only from this prompt token on; the prefix before it may
+    # be served by the prefix cache (those positions are null). 0 or absent: all of them.
+    prompt_logprobs_start: int | None = None
     # Prefill/decode disaggregation, set by kvloom's router (as vLLM's field of that name):
     # {"do_remote_decode": true} asks a --role prefill instance to compute and stage the
     # prompts' KV; {"transfers": [...]} (what that instance answered) tells a --role

@@ -176,4 +176,8 @@ def test_prompt_logprobs_over_http_equal_the_offline_api(http: httpx.Client, liv
         assert wire[position][str(token)]["rank"] == expected[token].rank
     chat = post(http, CHAT, messages=USER, max_tokens=1, prompt_logprobs=0)
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    # kvloom's prompt_logprobs_start: only from token 3 on (the positions before are null).
+    late = post(http, COMPLETIONS, prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=2,
+                prompt_logprobs_start=3)["choices"][0]["prompt_logprobs"]
+    assert late[:3] == [None, None, None] and late[3:] == wire[3:]
     live_server.assert_idle_and_clean()
