@@ -1,0 +1,125 @@
+"""kvloom.lang programs: the SGLang paper's workloads that fit a CPU, and a timer.
+
+    python examples/lang_programs.py                     # every workload, radix cache on
+    python examples/lang_programs.py --no-prefix-cache   # the same with it off
+    python examples/lang_programs.py --workload few_shot --endpoint http://127.0.0.1:8000
+
+Each run prints the wall time, programs per second, output tokens per second and the
+engine's prefix-cache hit rate (in-process only) as one JSON line per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kvloom.lang as kl
+
+EXAMPLES = [("The package arrived broken.", "negative"), ("Fast delivery, great price!", "positive"),
+            ("It works, I suppose.", "neutral"), ("Terrible support, never again.", "negative"),
+            ("Exactly what I wanted.", "positive")]
+QUESTIONS = ["The battery died after a day.", "Lovely colours and soft fabric.", "It is a chair.",
+             "Arrived late but works well.", "Broke on first use.", "Best purchase this year.",
+             "Average quality for the price.", "I returned it immediately."]
+
+
+@kl.function
+def few_shot(s, review: str) -> None:
+    """Classification with five shared examples: every program's prompt starts the same."""
+    s += "Classify the sentiment of each review.\n\n"
+    for text, label in EXAMPLES:
+        s += f"Review: {text}\nSentiment: {label}\n\n"
+    s += f"Review: {review}\nSentiment: " + kl.select("label", ["positive", "negative", "neutral"])
+
+
+@kl.function
+def tree_of_thought(s, question: str) -> None:
+    """Three ideas, then three refinements of each (2 levels, 12 generations)."""
+    s += kl.system("You think step by step.")
+    s += kl.user(f"{question} Propose an approach.")
+    ideas = s.fork(3)
+    for i, idea in enumerate(ideas):
+        idea += kl.assistant(f"Approach {i + 1}: " + kl.gen("idea", max_tokens=24, temperature=0.8))
+        refinements = idea.fork(3)
+        for j, refined in enumerate(refinements):
+            refined += kl.user(f"Refine it ({j + 1}).") + kl.assistant(kl.gen("refined", max_tokens=24,
+                                                                               temperature=0.8))
+        idea["refined"] = [r["refined"] for r in refinements]
+    s["ideas"] = [{"idea": idea["idea"], "refined": idea["refined"]} for idea in ideas]
+
+
+@kl.function
+def multi_turn(s, topic: str) -> None:
+    """Four turns of one conversation: each turn's prompt is the previous one's, longer."""
+    s += kl.system("You are a concise assistant.")
+    for turn in range(4):
+        s += kl.user(f"Tell me one more fact about {topic} (fact {turn + 1}).")
+        s += kl.assistant(kl.gen(f"answer{turn}", max_tokens=32))
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 24}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+@kl.function
+def json_extraction(s, text: str) -> None:
+    s += kl.user(f"Extract the person as JSON (name, age, city): {text}")
+    s += kl.assistant(kl.gen("person", max_tokens=96, json_schema=PERSON))
+
+
+WORKLOADS: dict[str, tuple[kl.Function, Callable[[int], list[dict[str, Any]]]]] = {
+    "few_shot": (few_shot, lambda n: [{"review": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"} for i in range(n)]),
+    "tree_of_thought": (tree_of_thought, lambda n: [{"question": f"How do I sort {i + 10} books?"}
+                                                    for i in range(n)]),
+    "multi_turn": (multi_turn, lambda n: [{"topic": t} for t in (["rivers", "owls", "glass", "tea"] * n)[:n]]),
+    "json_extraction": (json_extraction, lambda n: [{"text": f"Ana Silva, {20 + i}, lives in Porto."}
+                                                    for i in range(n)]),
+}
+SIZES = {"few_shot": 64, "tree_of_thought": 4, "multi_turn": 16, "json_extraction": 16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--endpoint", default=None, help="a kvloom serve URL instead of an in-process LLM")
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--num", type=int, default=None, help="programs per workload")
+    args = parser.parse_args()
+    engine = None
+    if args.endpoint:
+        backend: kl.Backend = kl.Endpoint(args.endpoint)
+    else:
+        from kvloom import LLM
+        from kvloom.config import DEFAULT_MODEL
+        llm = LLM(args.model or DEFAULT_MODEL, enable_prefix_caching=not args.no_prefix_cache)
+        engine = llm.engine
+        backend = kl.Local(llm)
+    for name in WORKLOADS if args.workload == "all" else [args.workload]:
+        program, inputs = WORKLOADS[name]
+        batch = inputs(args.num or SIZES[name])
+        before = engine.stats() if engine is not None else None
+        started = time.perf_counter()
+        program.run_batch(batch, backend=backend)
+        seconds = time.perf_counter() - started
+        result: dict[str, Any] = {"workload": name, "programs": len(batch), "seconds": round(seconds, 2),
+                                  "programs_per_s": round(len(batch) / seconds, 3),
+                                  "prefix_cache": not args.no_prefix_cache}
+        if engine is not None and before is not None:
+            after = engine.stats()
+            queried = after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
+            result.update(output_tok_per_s=round((after.num_generation_tokens - before.num_generation_tokens)
+                                                 / seconds, 1),
+                          prompt_tokens_computed=after.num_prompt_tokens - before.num_prompt_tokens,
+                          cache_hit_rate=round((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
+                                               / max(1, queried), 3))
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
