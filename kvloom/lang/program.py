@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -45,14 +46,20 @@ class Function:
         return state
 
     def _run(self, state: ProgramState, args: Sequence[Any], kwargs: Mapping[str, Any], background: bool) -> None:
+        """In the background, an error stays in the state: reading it raises it."""
         try:
             self.fn(state, *args, **kwargs)
-        finally:
-            try:
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the program's own error is the one to see
                 state.finish()
-            except BaseException:
-                if not background:
-                    raise
+            if not background:
+                raise
+            return
+        try:
+            state.finish()
+        except BaseException:
+            if not background:
+                raise
 
     def run_batch(self, batch: Sequence[Mapping[str, Any]], backend: Backend | None = None,
                   num_threads: int = 64) -> list[ProgramState]:

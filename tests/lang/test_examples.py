@@ -37,8 +37,10 @@ def test_the_example_programs_run(examples, tiny_llama: Path) -> None:  # type: 
         for state in runs["json_extraction"]:
             person = json.loads(state["person"])
             assert set(person) == {"name", "age", "city"} and isinstance(person["age"], int)
-        # Few-shot programs share their examples: the second one's choices hit the cache.
-        assert min(runs["few_shot"][1].select_cached_tokens[0]) > 0
+        # A select's choices share its prefix: at most one of them (the first admitted,
+        # which the others wait for) computes it; concurrent programs may race for that.
+        for state in runs["few_shot"]:
+            assert all(hit > 0 for hit in sorted(state.select_cached_tokens[0])[1:])
         backend.llm.engine.check_integrity()
     finally:
         backend.close()
