@@ -119,6 +119,11 @@ def test_the_text_streams_in_pieces(backend: kl.Local) -> None:
     assert "".join(pieces) == state.text and state["second"] in pieces
 
 
+@kl.function
+def bad_regex(s) -> None:
+    s += kl.gen("code", regex="(unclosed")
+
+
 def _line_of(error: kl.LangError, text: str) -> None:
     assert error.where is not None
     assert text in linecache.getline(error.where.filename, error.where.lineno)
@@ -137,10 +142,6 @@ def test_errors_name_the_program_line(backend: kl.Local) -> None:
     with pytest.raises(kl.LangError, match="empty choice list") as caught:
         kl.select("team", [])
     _line_of(caught.value, 'kl.select("team", [])')
-
-    @kl.function
-    def bad_regex(s) -> None:
-        s += kl.gen("code", regex="(unclosed")
 
     with pytest.raises(kl.LangError, match="gen 'code' was refused") as caught:
         bad_regex.run(backend=backend)
@@ -186,10 +187,6 @@ def test_the_same_program_gives_the_same_output_against_a_server(exact: kl.Local
 
 
 def test_a_constraint_the_server_refuses_names_the_program_line(endpoint: kl.Endpoint) -> None:
-    @kl.function
-    def bad_regex(s) -> None:
-        s += kl.gen("code", regex="(unclosed")
-
     with pytest.raises(kl.LangError, match="gen 'code' was refused") as caught:
         bad_regex.run(backend=endpoint)
     _line_of(caught.value, 'kl.gen("code", regex="(unclosed")')

@@ -79,6 +79,17 @@ def _kvloom(*args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def wait_for_launcher(process: subprocess.Popen[str], base: str, what: str) -> None:
+    """Until ``base``/health answers 200; the launcher exiting first fails with its output."""
+    def healthy() -> bool:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(healthy, timeout=120, what=what)
+
+
 def test_serve_data_parallel_port_in_use_fails_before_starting_workers(tiny_llama: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -97,13 +108,7 @@ def test_serve_data_parallel_starts_routes_and_stops_its_workers(tiny_llama: Pat
                       "--log-level", "warning")
     base = f"http://127.0.0.1:{port}"
     try:
-        def healthy() -> bool:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(healthy, timeout=120, what="the router and its workers")
+        wait_for_launcher(process, base, "the router and its workers")
         workers = list(httpx.get(f"{base}/health").json()["workers"])
         assert len(workers) == 2
         response = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=60)
@@ -124,13 +129,7 @@ def test_serve_disaggregated_starts_a_pair_and_a_router_and_moves_kv(tiny_llama:
                       "--log-level", "warning")
     base = f"http://127.0.0.1:{port}"
     try:
-        def healthy() -> bool:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(healthy, timeout=120, what="the router and its prefill and decode instances")
+        wait_for_launcher(process, base, "the router and its prefill and decode instances")
         health = httpx.get(f"{base}/health").json()
         assert len(health["prefill"]) == 1 and len(health["decode"]) == 1
         response = httpx.post(f"{base}/v1/completions", json={"prompt": "hello there, old friend",
