@@ -11,6 +11,7 @@ together; the radix cache shares what their texts share.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,7 +41,10 @@ class Backend(Protocol):
         """The chat template's text before and after a ``role`` message's content."""
         ...
 
-    def generate(self, text: str, params: SamplingParams) -> Generated: ...
+    def generate(self, text: str, params: SamplingParams,
+                 on_text: Callable[[str], None] | None = None) -> Generated:
+        """``on_text``: called with each new piece of the output as it is generated."""
+        ...
 
     def score(self, text: str, choices: list[str]) -> Scored: ...
 
@@ -53,8 +57,8 @@ class Local:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self._markers: dict[str, tuple[str, str]] = {}
-        self._pending: list[tuple[list[int], SamplingParams, Future[RequestOutput]]] = []
-        self._futures: dict[str, Future[RequestOutput]] = {}
+        self._pending: list[tuple[list[int], SamplingParams, Future[RequestOutput], OnText]] = []
+        self._futures: dict[str, tuple[Future[RequestOutput], OnText]] = {}
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._drive, name="kvloom-lang-local", daemon=True)
@@ -68,9 +72,10 @@ class Local:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, text: str, params: SamplingParams) -> Generated:
+    def generate(self, text: str, params: SamplingParams,
+                 on_text: Callable[[str], None] | None = None) -> Generated:
         token_ids = self.encode(text)
-        output = self._submit(token_ids, params).result()
+        output = self._submit(token_ids, params, on_text).result()
         return Generated(output.outputs[0].text, len(token_ids), output.num_cached_tokens)
 
     def score(self, text: str, choices: list[str]) -> Scored:
@@ -91,10 +96,11 @@ class Local:
         self._thread.join(timeout=10.0)
 
     # ---- the driver thread --------------------------------------------------------------
-    def _submit(self, token_ids: list[int], params: SamplingParams) -> Future[RequestOutput]:
+    def _submit(self, token_ids: list[int], params: SamplingParams,
+                on_text: OnText = None) -> Future[RequestOutput]:
         future: Future[RequestOutput] = Future()
         with self._wake:
-            self._pending.append((token_ids, params, future))
+            self._pending.append((token_ids, params, future, on_text))
             self._wake.notify()
         return future
 
@@ -107,27 +113,34 @@ class Local:
                 if self._stopping:
                     return
                 pending, self._pending = self._pending, []
-            for token_ids, params, future in pending:
+            for token_ids, params, future, on_text in pending:
                 try:
                     request = engine.add_request(token_ids, params)
                 except Exception as error:  # noqa: BLE001 - that request's own (a bad constraint)
                     future.set_exception(error)
                 else:
-                    self._futures[request.request_id] = future
+                    self._futures[request.request_id] = (future, on_text)
             try:
                 outputs = engine.step()
             except Exception as error:  # noqa: BLE001 - an engine fault fails everyone waiting
-                for future in self._futures.values():
+                for future, _ in self._futures.values():
                     future.set_exception(error)
                 self._futures.clear()
                 continue
             for output in outputs:
+                future, on_text = self._futures[output.request_id]
+                delta = output.outputs[0].delta_text
+                if on_text is not None and delta:
+                    on_text(delta)  # the state's queue: cheap, never blocks
                 if output.finished:
-                    future = self._futures.pop(output.request_id)
+                    del self._futures[output.request_id]
                     if output.error is not None:
                         future.set_exception(RuntimeError(output.error.message))
                     else:
                         future.set_result(output)
+
+
+OnText = Callable[[str], None] | None
 
 
 def sampling_params_for(max_tokens: int, stop: tuple[str, ...], temperature: float, regex: str | None,

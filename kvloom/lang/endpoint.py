@@ -7,7 +7,9 @@ one HTTP client, so the server batches them."""
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -31,7 +33,8 @@ class Endpoint:
                 self._roles = {name: (pair[0], pair[1]) for name, pair in roles.items()}
         return self._roles[role]
 
-    def generate(self, text: str, params: SamplingParams) -> Generated:
+    def generate(self, text: str, params: SamplingParams,
+                 on_text: Callable[[str], None] | None = None) -> Generated:
         token_ids = self._call("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
         body: dict[str, Any] = {"prompt": token_ids, "max_tokens": params.max_tokens,
                                 "temperature": params.temperature, "stop": params.stop or None}
@@ -40,10 +43,36 @@ class Endpoint:
             body["guided_regex"] = structured.regex
         elif structured is not None and structured.json_schema is not None:
             body["guided_json"] = structured.json_schema
-        answer = self._call("POST", "/v1/completions", body)
-        usage = answer["usage"]
-        return Generated(answer["choices"][0]["text"], usage["prompt_tokens"],
-                         usage["prompt_tokens_details"]["cached_tokens"])
+        if on_text is None:
+            answer = self._call("POST", "/v1/completions", body)
+            output, usage = answer["choices"][0]["text"], answer["usage"]
+        else:
+            output, usage = self._stream(body, on_text)
+        return Generated(output, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+
+    def _stream(self, body: dict[str, Any], on_text: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
+        """A streamed completion: each event's text to ``on_text``; the usage comes last."""
+        pieces: list[str] = []
+        usage: dict[str, Any] = {}
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                if response.status_code == 400:
+                    raise ValueError(_message(response))
+                raise RuntimeError(f"POST /v1/completions answered {response.status_code}: {_message(response)}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"the server failed mid-stream: {event['error'].get('message')}")
+                for choice in event.get("choices") or []:
+                    if choice.get("text"):
+                        pieces.append(choice["text"])
+                        on_text(choice["text"])
+                usage = event.get("usage") or usage
+        return "".join(pieces), usage
 
     def score(self, text: str, choices: list[str]) -> Scored:
         answer = self._call("POST", "/kvloom/score", {"prompt": text, "choices": choices})

@@ -110,8 +110,8 @@ class ProgramState:
                 state._queue.put(None)
 
     def text_stream(self) -> Iterator[str]:
-        """The text as it is appended (by whole pieces: a gen's output at once), until
-        the program finishes (``run(stream=True)``)."""
+        """The text as it is appended (a gen's output as it is generated), until the
+        program finishes (``run(stream=True)``)."""
         while (delta := self._deltas.get()) is not None:
             yield delta
 
@@ -152,11 +152,11 @@ class ProgramState:
         elif isinstance(expr, Gen):
             params = sampling_params_for(expr.max_tokens, expr.stop, expr.temperature, expr.regex, expr.json_schema)
             try:
-                result = self.backend.generate(self._text, params)
+                result = self.backend.generate(self._text, params, self._deltas.put)  # streamed as it comes
             except ValueError as error:  # the engine refused it: a constraint that cannot compile, ...
                 raise LangError(f"gen {expr.name!r} was refused: {error}", expr.where) from None
             self.calls.append(result)
-            self._append(result.text)
+            self._text += result.text
             if expr.name is not None:
                 self._variables[expr.name] = result.text
         elif isinstance(expr, Select):
