@@ -35,6 +35,11 @@ class KVLayout:
     head_dim: int
     cache_layout: str  # the attention backend and its in-block order
 
+    def blocks_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """``num_blocks`` blocks as the pool holds them: [layers, 2, blocks, block_size,
+        kv_heads, head_dim] (staged files and pulls keep this layout)."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
     @property
     def bytes_per_block(self) -> int:
         """One block of every layer, keys and values."""

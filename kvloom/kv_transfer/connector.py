@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvloom.attention.base import AttentionBackend
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.kv_spec import KVExport, KVImport, KVLayout, KVTransferSpec, StagedKV, token_hash
 from kvloom.kv_transfer.staging import KVStaging, StagingStats
@@ -40,14 +41,15 @@ from kvloom.request import Request
 logger = logging.getLogger(__name__)
 
 
-def layout_of(model_name: str, model_config: ModelConfig, pool: torch.Tensor, backend: Any) -> KVLayout:
+def layout_of(model_name: str, model_config: ModelConfig, pool: torch.Tensor,
+              backend: AttentionBackend[Any]) -> KVLayout:
     """This engine's ``KVLayout``, from its model and KV pool
     ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
     paired = getattr(backend, "paired_layout", None)
     order = "paired" if paired is not None and paired(pool[0]) else "token-major"  # one layer's cache
     return KVLayout(model_name, hashlib.sha256(repr(model_config).encode()).hexdigest()[:16],
                     str(pool.dtype).removeprefix("torch."), pool.shape[3], pool.shape[0], pool.shape[4],
-                    pool.shape[5], f"{getattr(backend, 'name', type(backend).__name__)}/{order}")
+                    pool.shape[5], f"{backend.name}/{order}")
 
 
 @dataclass(frozen=True)

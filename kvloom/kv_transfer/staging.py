@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -103,24 +104,21 @@ class KVStaging:
         num_blocks = len(block_ids)
         index = next(self._numbers)
         path = os.path.join(self.directory, f"{_PREFIX}{os.getpid()}-{self.instance_id}-{index}")
-        shape = (self.pool.shape[0], 2, num_blocks, *self.pool.shape[3:])
-        numel = 1
-        for size in shape:
-            numel *= size
+        shape = self.layout.blocks_shape(num_blocks)
+        nbytes = num_blocks * self.layout.bytes_per_block
         try:
             handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(handle, numel * self.pool.element_size())
+                os.ftruncate(handle, nbytes)
             finally:
                 os.close(handle)
-            data = torch.from_file(path, shared=True, size=numel, dtype=self.pool.dtype).view(shape)
+            data = torch.from_file(path, shared=True, size=math.prod(shape), dtype=self.pool.dtype).view(shape)
             torch.index_select(self.pool, 2, torch.tensor(block_ids, dtype=torch.int64), out=data)
         except (OSError, RuntimeError) as error:
-            _remove(path)
+            remove_file(path)
             raise StagingError(f"staging {num_blocks} KV blocks in {self.directory} failed: {error}") from error
         staged = StagedKV(f"{self.instance_id}-{index}", self.instance_id, index, len(token_ids), num_blocks,
                           token_hash(token_ids), path, self.endpoint, self.layout)
-        nbytes = numel * self.pool.element_size()
         with self._lock:
             self._reserved.pop(request_id, None)
             self._entries[index] = _Entry(staged, nbytes, time.monotonic() + self.timeout_s, data)
@@ -150,13 +148,13 @@ class KVStaging:
                                    self.timeout_s)
                 else:
                     self.stats.pulled += 1
-                _remove(entry.staged.path)
+                remove_file(entry.staged.path)
 
     def close(self) -> None:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
-            _remove(entry.staged.path)
+            remove_file(entry.staged.path)
 
     # ---- any thread ---------------------------------------------------------------------
     def read(self, index: int, first_block: int, num_blocks: int) -> torch.Tensor | None:
@@ -173,7 +171,7 @@ class KVStaging:
         entry = self._pop(index)
         if entry is not None:
             self.stats.pulled += 1
-            _remove(entry.staged.path)
+            remove_file(entry.staged.path)
 
     @property
     def num_staged(self) -> int:
@@ -189,10 +187,6 @@ class KVStaging:
             used = self._used_bytes()
             if used > self.budget_bytes and (len(self._reserved) + len(self._entries)) > 1:
                 raise AssertionError(f"staging holds {used} bytes over its budget of {self.budget_bytes}")
-            missing = [e.staged.key for e in self._entries.values() if not os.path.exists(e.staged.path)]
-        if missing:
-            # A puller may remove a file between two sweeps; anything else is a leak.
-            logger.debug("staged KV files removed by their puller, not yet swept: %s", missing)
 
     def _used_bytes(self) -> int:
         return sum(self._reserved.values()) + sum(e.nbytes for e in self._entries.values())
@@ -218,7 +212,7 @@ def remove_orphans(directory: str) -> int:
             continue
         pid = name[len(_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
-            _remove(os.path.join(directory, name))
+            remove_file(os.path.join(directory, name))
             removed += 1
     if removed:
         logger.info("removed %d staged KV files of prefill processes that are gone", removed)
@@ -235,7 +229,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove(path: str) -> None:
+def remove_file(path: str) -> None:
+    """Remove a staged file; one already gone (its puller removed it) is fine."""
     try:
         os.unlink(path)
     except FileNotFoundError:

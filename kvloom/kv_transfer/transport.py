@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from kvloom.kv_spec import KVLayout, StagedKV
-from kvloom.kv_transfer.staging import KVStaging
+from kvloom.kv_transfer.staging import KVStaging, remove_file
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ logger = logging.getLogger(__name__)
 class TransferFailed(RuntimeError):
     """The blocks could not be pulled (the prefill instance is gone, the entry expired,
     the layouts differ): the request computes its prompt here instead."""
-
-
-def blocks_view(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
 
 class KVTransport(Protocol):
@@ -64,14 +61,11 @@ class SharedMemoryTransport:
 
     def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
              block_ids: list[int], last: bool) -> int:
-        shape = blocks_view(staged.layout, staged.num_blocks)
-        numel = 1
-        for size in shape:
-            numel *= size
+        shape = staged.layout.blocks_shape(staged.num_blocks)
         try:
-            if os.path.getsize(staged.path) != numel * pool.element_size():
+            if os.path.getsize(staged.path) != staged.num_blocks * staged.layout.bytes_per_block:
                 raise TransferFailed(f"staged KV {staged.key} at {staged.path} has the wrong size")
-            data = torch.from_file(staged.path, shared=False, size=numel, dtype=pool.dtype).view(shape)
+            data = torch.from_file(staged.path, shared=False, size=math.prod(shape), dtype=pool.dtype).view(shape)
         except OSError as error:
             raise TransferFailed(f"staged KV {staged.key} is gone from {staged.path} ({error}): the prefill "
                                  "instance dropped it (expired) or stopped") from None
@@ -79,10 +73,7 @@ class SharedMemoryTransport:
         if num_blocks:
             pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64), source)
         if last:
-            try:
-                os.unlink(staged.path)  # the prefill side's sweep notices and frees its budget
-            except FileNotFoundError:
-                pass
+            remove_file(staged.path)  # the prefill side's sweep notices and frees its budget
         return source.numel() * source.element_size()
 
     def close(self) -> None:
@@ -112,7 +103,7 @@ class TorchTransport:
                 raise TransferFailed(f"staged KV {staged.key} is no longer held by {staged.endpoint} (expired)")
             if not num_blocks:  # only telling the server that this instance is done with it
                 return 0
-            data = torch.empty(blocks_view(staged.layout, num_blocks), dtype=pool.dtype)
+            data = torch.empty(staged.layout.blocks_shape(num_blocks), dtype=pool.dtype)
             pair.group.recv([data], 0, 0).wait()
         except TransferFailed:
             raise
@@ -172,10 +163,13 @@ class KVServer:
     """The prefill side of the torch.distributed transport: a TCPStore at ``host:port``
     (0: a free port) that decode instances join, and one thread that admits them
     (the layout handshake) and answers their pulls from the staging area, one at a
-    time (they share the link's bandwidth anyway). It polls the store every
-    ``POLL_S`` in Python, so that it can always stop; the blocks go over gloo."""
+    time (they share the link's bandwidth anyway). It polls the store in Python, so
+    that it can always stop: every ``POLL_S`` after activity, backing off to
+    ``IDLE_POLL_S`` while nobody pulls (each poll is a store round trip, taken from the
+    prefill engine's core); the blocks go over gloo."""
 
     POLL_S = 0.002
+    IDLE_POLL_S = 0.05
 
     def __init__(self, staging: KVStaging, layout: KVLayout, instance_id: str, host: str, port: int,
                  timeout_s: float) -> None:
@@ -192,6 +186,7 @@ class KVServer:
 
     def _serve(self) -> None:
         next_peer = 0
+        wait = self.POLL_S
         while not self._stopping.is_set():
             busy = False
             if self.store.check([f"peer/{next_peer}/instance"]):
@@ -204,8 +199,11 @@ class KVServer:
                     self._answer(number, key)
                     self._seqs[number] += 1
                     busy = True
-            if not busy:
-                self._stopping.wait(self.POLL_S)
+            if busy:
+                wait = self.POLL_S
+            else:
+                self._stopping.wait(wait)
+                wait = min(2 * wait, self.IDLE_POLL_S)
 
     def _admit(self, number: int) -> None:
         try:
