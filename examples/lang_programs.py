@@ -4,17 +4,23 @@
     python examples/lang_programs.py --no-prefix-cache   # the same with it off
     python examples/lang_programs.py --workload few_shot --endpoint http://127.0.0.1:8000
 
-Each run prints the wall time, programs per second, output tokens per second and the
-engine's prefix-cache hit rate (in-process only) as one JSON line per workload.
+Each run prints one JSON line per workload: wall time, programs per second, output
+tokens per second, the prefix-cache hit rate (the engine's counters in-process, the
+server's /metrics with --endpoint) and, for multi_turn, each turn's time to first text.
+examples/openai_calls.py runs the same logic as independent OpenAI calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 import kvloom.lang as kl
 
@@ -68,6 +74,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @kl.function
 def json_extraction(s, text: str) -> None:
+    s += kl.system("You extract data as JSON.")
     s += kl.user(f"Extract the person as JSON (name, age, city): {text}")
     s += kl.assistant(kl.gen("person", max_tokens=96, json_schema=PERSON))
 
@@ -81,6 +88,39 @@ WORKLOADS: dict[str, tuple[kl.Function, Callable[[int], list[dict[str, Any]]]]] 
                                                     for i in range(n)]),
 }
 SIZES = {"few_shot": 64, "tree_of_thought": 4, "multi_turn": 16, "json_extraction": 16}
+TURNS = 4
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """The kvloom server's token counters (its /metrics), to difference around a run.
+    Prompt tokens computed: those admitted less those the cache served."""
+    names = {"kvloom:prompt_tokens": "prompt", "kvloom:generation_tokens": "generated",
+             "kvloom:prefix_cache_queries": "queried", "kvloom:prefix_cache_hits": "hit"}
+    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30.0).text
+    found = {names[f.name]: sum(x.value for x in f.samples if x.name.endswith("_total"))
+             for f in text_string_to_metric_families(text) if f.name in names}
+    return {"computed": found["prompt"] - found["hit"], "generated": found["generated"],
+            "queried": found["queried"], "hit": found["hit"]}
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """The same counters from an in-process engine."""
+    stats = engine.stats()
+    return {"computed": stats.num_prompt_tokens, "generated": stats.num_generation_tokens,
+            "queried": stats.prefix_cache_queried_tokens, "hit": stats.prefix_cache_hit_tokens}
+
+
+def token_figures(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
+    change = {key: after[key] - before[key] for key in after}
+    return {"output_tok_per_s": round(change["generated"] / seconds, 1),
+            "prompt_tokens_computed": int(change["computed"]),
+            "cache_hit_rate": round(change["hit"] / max(1.0, change["queried"]), 3)}
+
+
+def ttft_by_turn(first_text_s: list[list[float | None]]) -> list[float]:
+    """Median time to first text of each turn over the conversations, in ms."""
+    turns = zip(*first_text_s, strict=True)
+    return [round(1000 * statistics.median(t for t in turn if t is not None), 1) for turn in turns]
 
 
 def main() -> None:
@@ -100,26 +140,26 @@ def main() -> None:
         llm = LLM(args.model or DEFAULT_MODEL, enable_prefix_caching=not args.no_prefix_cache)
         engine = llm.engine
         backend = kl.Local(llm)
+
+    def counters() -> dict[str, float]:
+        return engine_counters(engine) if engine is not None else server_counters(args.endpoint)
+
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
         program, inputs = WORKLOADS[name]
         batch = inputs(args.num or SIZES[name])
-        before = engine.stats() if engine is not None else None
+        before = counters()
         started = time.perf_counter()
-        program.run_batch(batch, backend=backend)
+        states = program.run_batch(batch, backend=backend)
         seconds = time.perf_counter() - started
-        result: dict[str, Any] = {"workload": name, "programs": len(batch), "seconds": round(seconds, 2),
-                                  "programs_per_s": round(len(batch) / seconds, 3),
-                                  "prefix_cache": not args.no_prefix_cache}
-        if engine is not None and before is not None:
-            after = engine.stats()
-            queried = after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
-            result.update(output_tok_per_s=round((after.num_generation_tokens - before.num_generation_tokens)
-                                                 / seconds, 1),
-                          prompt_tokens_computed=after.num_prompt_tokens - before.num_prompt_tokens,
-                          cache_hit_rate=round((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
-                                               / max(1, queried), 3))
+        result: dict[str, Any] = {"workload": name, "style": "program",
+                                  "backend": "endpoint" if args.endpoint else "local", "programs": len(batch),
+                                  "seconds": round(seconds, 2), "programs_per_s": round(len(batch) / seconds, 3),
+                                  **token_figures(before, counters(), seconds)}
+        if args.endpoint is None:
+            result["prefix_cache"] = not args.no_prefix_cache
+        if name == "multi_turn":
+            result["ttft_ms_by_turn"] = ttft_by_turn([[c.first_text_s for c in state.calls] for state in states])
         print(json.dumps(result), flush=True)
-
 
 if __name__ == "__main__":
     main()

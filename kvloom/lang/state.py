@@ -15,12 +15,27 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from kvloom.lang.backend import Backend, Generated, sampling_params_for
+from kvloom.lang.backend import Backend, sampling_params_for
 from kvloom.lang.errors import LangError, caller
 from kvloom.lang.expr import Concat, Expr, Gen, Role, Select, Text, as_expr
+
+
+@dataclass(frozen=True)
+class Call:
+    """One gen as the program saw it: its prompt, what the prefix cache served, and
+    its latency measured on the state's thread (so, for ``Endpoint``, with the HTTP
+    round trips a client pays)."""
+
+    name: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefix cache served
+    first_text_s: float | None  # request to its first piece of text (the TTFT a user sees); None: no text
+    seconds: float  # request to the whole answer
 
 
 class ProgramState:
@@ -29,7 +44,7 @@ class ProgramState:
         self._text = text
         self._variables: dict[str, Any] = dict(variables or {})
         self.select_scores: dict[str, dict[str, float]] = {}  # select name -> choice -> summed logprob
-        self.calls: list[Generated] = []  # every gen's prompt size and prefix-cache hit
+        self.calls: list[Call] = []  # every gen, in order
         self.select_cached_tokens: list[list[int]] = []  # every select's hits, per choice
         self.forks: list[ProgramState] = []
         self._queue: queue.SimpleQueue[Expr | None] = queue.SimpleQueue()
@@ -151,11 +166,20 @@ class ProgramState:
             self._append(after)
         elif isinstance(expr, Gen):
             params = sampling_params_for(expr.max_tokens, expr.stop, expr.temperature, expr.regex, expr.json_schema)
+            started = time.perf_counter()
+            first_text: list[float] = []
+
+            def on_text(delta: str) -> None:
+                if not first_text:
+                    first_text.append(time.perf_counter() - started)
+                self._deltas.put(delta)  # streamed as it comes
+
             try:
-                result = self.backend.generate(self._text, params, self._deltas.put)  # streamed as it comes
+                result = self.backend.generate(self._text, params, on_text)
             except ValueError as error:  # the engine refused it: a constraint that cannot compile, ...
                 raise LangError(f"gen {expr.name!r} was refused: {error}", expr.where) from None
-            self.calls.append(result)
+            self.calls.append(Call(expr.name, result.num_prompt_tokens, result.num_cached_tokens,
+                                   first_text[0] if first_text else None, time.perf_counter() - started))
             self._text += result.text
             if expr.name is not None:
                 self._variables[expr.name] = result.text

@@ -82,7 +82,10 @@ def test_gen_is_transformers_greedy_and_the_second_turn_hits(backend: kl.Local, 
         greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
     assert state["first"] == backend.tokenizer.decode(greedy.tolist())
     first, second = state.calls
+    assert (first.name, second.name) == ("first", "second")
     assert first.num_cached_tokens == 0
+    # Timed on the state's thread: the first text comes before the whole answer.
+    assert all(c.first_text_s is not None and 0 < c.first_text_s <= c.seconds for c in state.calls)
     # The second call's prompt starts with the first call's text: its full blocks hit.
     assert second.num_cached_tokens >= (first.num_prompt_tokens // 16) * 16 > 0
 
