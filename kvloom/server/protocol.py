@@ -143,6 +143,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     # The legacy format: an integer number of alternatives per position.
     logprobs: int | None = None
+    add_special_tokens: bool = Field(default=True, description=(
+        "Whether a text prompt is tokenized with the tokenizer's special tokens (a BOS), as "
+        "vLLM's field; token-id prompts are taken as they are."))
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
         raise bad_request("echo together with logprobs is not supported (prompt logprobs are "
                           "not computed)", "echo")
     params = base_params(body, serving.settings, body.logprobs, info)
-    prompts, texts = _encode_prompts(body.prompt, info)
+    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, prompts, params, body.max_tokens, info, body.priority, "prompt"), body.kv_transfer_params, params.n)
@@ -52,13 +52,14 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     return JSONResponse(response.full(finals, prompt_lens, params.n))
 
 
-def _encode_prompts(prompt: Any, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt (text is what ``echo`` sends back)."""
+def _encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (text is what ``echo`` sends back); ``special``:
+    text is tokenized with the special tokens (a BOS)."""
     tokenizer = info.tokenizer
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)], [prompt]
+        return [tokenizer.encode(prompt, add_special_tokens=special)], [prompt]
     if isinstance(prompt[0], str):
-        return [tokenizer.encode(p) for p in prompt], list(prompt)
+        return [tokenizer.encode(p, add_special_tokens=special) for p in prompt], list(prompt)
     batch = [prompt] if isinstance(prompt[0], int) else prompt
     for token_ids in batch:
         check_token_ids(token_ids, info, "prompt")

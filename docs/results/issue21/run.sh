@@ -8,12 +8,13 @@
 #      previous one's prompts in the cache.
 set -euo pipefail
 OUT=docs/results/issue21
+P=${PASS:+_$PASS}  # PASS=2: a second pass beside the first
 PORT=${PORT:-8321}
 URL=http://127.0.0.1:$PORT
 PY=.venv/bin/python
 
-.venv/bin/python examples/lang_programs.py > "$OUT/cache_on.jsonl"
-.venv/bin/python examples/lang_programs.py --no-prefix-cache > "$OUT/cache_off.jsonl"
+.venv/bin/python examples/lang_programs.py > "$OUT/cache_on$P.jsonl"
+.venv/bin/python examples/lang_programs.py --no-prefix-cache > "$OUT/cache_off$P.jsonl"
 
 serve() {  # serve <log> [flags...]: start a server, wait for /health
     local log=$1; shift
@@ -28,7 +29,7 @@ serve() {  # serve <log> [flags...]: start a server, wait for /health
 }
 stop() { kill "$SERVER"; wait "$SERVER" || true; }
 
-: > "$OUT/server.jsonl"
+: > "$OUT/server$P.jsonl"
 for cache in on off; do
     flags=(); [ "$cache" = off ] && flags=(--no-prefix-cache)
     for style in program openai; do
@@ -39,8 +40,8 @@ for cache in on off; do
             $PY examples/openai_calls.py --endpoint "$URL"
         fi | $PY -c "import json,sys
 for line in sys.stdin: print(json.dumps({**json.loads(line), 'prefix_cache': '$cache' == 'on'}))" \
-            >> "$OUT/server.jsonl"
+            >> "$OUT/server$P.jsonl"
         stop
     done
 done
-cat "$OUT"/cache_on.jsonl "$OUT"/cache_off.jsonl "$OUT"/server.jsonl
+cat "$OUT"/cache_on$P.jsonl "$OUT"/cache_off$P.jsonl "$OUT"/server$P.jsonl
