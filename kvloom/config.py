@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloom.model_families import MLAConfig, MoEConfig
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,6 +60,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoEConfig | None = None  # a mixture-of-experts FFN (model_families.py)
+    mla: MLAConfig | None = None  # DeepSeek's latent attention: the pool holds latents
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -74,6 +78,15 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """What the paged pool holds per token and layer, as (planes, heads, numbers per
+        head): K and V of each KV head, or MLA's one latent (K's shared rotary part
+        after it)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -121,6 +134,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            moe=MoEConfig.from_hf(hf),
+            mla=MLAConfig.from_hf(hf),
         )
 
 
