@@ -43,18 +43,22 @@ def few_shot(s, review: str) -> None:
 
 @kl.function
 def tree_of_thought(s, question: str) -> None:
-    """Three ideas, then three refinements of each (2 levels, 12 generations)."""
+    """Three ideas, then three refinements of each (2 levels, 12 generations). Every
+    gen is queued before any result is read, so all that can run at once does: a
+    fork waits only for its parent's text."""
     s += kl.system("You think step by step.")
     s += kl.user(f"{question} Propose an approach.")
     ideas = s.fork(3)
     for i, idea in enumerate(ideas):
         idea += kl.assistant(f"Approach {i + 1}: " + kl.gen("idea", max_tokens=24, temperature=0.8))
-        refinements = idea.fork(3)
-        for j, refined in enumerate(refinements):
+    refinements = []
+    for idea in ideas:
+        refinements.append(idea.fork(3))
+        for j, refined in enumerate(refinements[-1]):
             refined += kl.user(f"Refine it ({j + 1}).") + kl.assistant(kl.gen("refined", max_tokens=24,
                                                                                temperature=0.8))
-        idea["refined"] = [r["refined"] for r in refinements]
-    s["ideas"] = [{"idea": idea["idea"], "refined": idea["refined"]} for idea in ideas]
+    s["ideas"] = [{"idea": idea["idea"], "refined": [r["refined"] for r in forks]}
+                  for idea, forks in zip(ideas, refinements, strict=True)]
 
 
 @kl.function
