@@ -34,17 +34,18 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     cache_layout: str  # the attention backend and its in-block order
+    num_planes: int = 2  # K and V; 1 for a latent (MLA) pool, whose "head" is the latent
 
     def blocks_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """``num_blocks`` blocks as the pool holds them: [layers, 2, blocks, block_size,
-        kv_heads, head_dim] (staged files and pulls keep this layout)."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """``num_blocks`` blocks as the pool holds them: [layers, planes, blocks,
+        block_size, kv_heads, head_dim] (staged files and pulls keep this layout)."""
+        return (self.num_layers, self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        """One block of every layer, keys and values."""
+        """One block of every layer, every plane."""
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.num_planes * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None when blocks can move between the two; else the first field that differs,

@@ -50,6 +50,7 @@ NON_DEFAULTS = [
      "speculative_config", SpeculativeConfig("ngram", num_speculative_tokens=3)),
     (["--block-size", "8"], "cache", "block_size", 8),
     (["--num-blocks", "7"], "cache", "num_blocks", 7),
+    (["--num-state-slots", "3"], "cache", "num_state_slots", 3),
     (["--kv-cache-memory", "0.5"], "cache", "kv_cache_memory", 0.5),
     (["--no-prefix-cache"], "cache", "enable_prefix_caching", False),
     (["--gpu-memory-utilization", "0.5"], "cache", "gpu_memory_utilization", 0.5),
@@ -224,10 +225,10 @@ def test_choices_come_from_the_config_constants(capsys) -> None:
 
 
 def test_the_choices_are_the_registries_names() -> None:
-    from kvloom.attention.registry import BACKENDS
+    from kvloom.attention.registry import BACKENDS, MLA_BACKENDS
     from kvloom.engine.policy import POLICIES
     assert set(POLICY_NAMES) == set(POLICIES)
-    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS, *MLA_BACKENDS}
     from kvloom.config import SPECULATIVE_METHODS
     from kvloom.speculative.proposer import PROPOSERS
     assert set(SPECULATIVE_METHODS) == set(PROPOSERS)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvloom.attention.base import AttentionBackend
+from kvloom.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +18,10 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, str] = {
     "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
     "cpu_paged": "kvloom.attention.cpu_paged:CPUPagedBackend",
+}
+# Latent attention (MLA models) is served by these alone; "auto" picks the first.
+MLA_BACKENDS: dict[str, str] = {
+    "mla_ref": "kvloom.attention.mla_ref:MLAReferenceBackend",
 }
 
 
@@ -42,3 +47,23 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(num_heads, num_kv_heads, head_dim)
+
+
+def backend_for(model: ModelConfig, name: str, device: torch.device) -> AttentionBackend[Any]:
+    """The backend of ``model``'s attention over its pool (``model``: this rank's view):
+    the named one, or for latent attention one of MLA_BACKENDS."""
+    mla = model.mla
+    if mla is None:
+        if name in MLA_BACKENDS:
+            raise ValueError(f"attention_backend {name!r} serves latent attention (DeepSeek) only, not "
+                             f"{model.architecture}; use one of {sorted(BACKENDS) + ['auto']}")
+        return make_backend(name, device, model.num_heads, model.num_kv_heads, model.head_dim)
+    if name == "auto":
+        name = next(iter(MLA_BACKENDS))
+    if name not in MLA_BACKENDS:
+        raise ValueError(f"attention_backend {name!r} does not serve latent attention ({model.architecture}); "
+                         f"use one of {sorted(MLA_BACKENDS) + ['auto']}")
+    module_name, class_name = MLA_BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    backend: AttentionBackend[Any] = cls(model.num_heads, mla.latent_dim, mla.kv_lora_rank, mla.softmax_scale)
+    return backend

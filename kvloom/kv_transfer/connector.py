@@ -44,12 +44,12 @@ logger = logging.getLogger(__name__)
 def layout_of(model_name: str, model_config: ModelConfig, pool: torch.Tensor,
               backend: AttentionBackend[Any]) -> KVLayout:
     """This engine's ``KVLayout``, from its model and KV pool
-    ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
+    ``[layers, planes, blocks, block_size, kv_heads, head_dim]``."""
     paired = getattr(backend, "paired_layout", None)
     order = "paired" if paired is not None and paired(pool[0]) else "token-major"  # one layer's cache
     return KVLayout(model_name, hashlib.sha256(repr(model_config).encode()).hexdigest()[:16],
                     str(pool.dtype).removeprefix("torch."), pool.shape[3], pool.shape[0], pool.shape[4],
-                    pool.shape[5], f"{backend.name}/{order}")
+                    pool.shape[5], f"{backend.name}/{order}", pool.shape[1])
 
 
 @dataclass(frozen=True)

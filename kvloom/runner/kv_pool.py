@@ -1,6 +1,8 @@
 """The KV cache tensors: one preallocated pool for all layers.
 
-Layout: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]. A block id
+Layout: [layers, planes, num_blocks, block_size, heads, dim], where (planes, heads,
+dim) is ``ModelConfig.kv_entry``: (2 (K, V), kv_heads, head_dim) for multi-head and
+grouped-query attention, (1, 1, latent) for DeepSeek's latent attention. A block id
 indexes the same slot range in every layer, so one block table serves the whole model.
 """
 
@@ -65,7 +67,8 @@ def kv_pool_bytes(cache: CacheConfig, memory: DeviceMemory | None) -> int:
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * element
+    planes, heads, dim = model.kv_entry
+    return model.num_layers * planes * block_size * heads * dim * element
 
 
 def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
@@ -85,5 +88,5 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
 def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int,
                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Zero-filled so that padded/unused slots never hold NaNs that a kernel could read.
-    return torch.zeros(model.num_layers, 2, num_blocks, block_size, model.num_kv_heads,
-                       model.head_dim, dtype=dtype, device=device)
+    planes, heads, dim = model.kv_entry
+    return torch.zeros(model.num_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype, device=device)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.attention.registry import make_backend
+from kvloom.attention.registry import backend_for
 from kvloom.batch import ForwardBatch
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.distributed.errors import RankFailed
@@ -179,9 +179,7 @@ def build_pool(config: EngineConfig, model: ModelConfig, group: TensorParallelGr
     """This rank's KV pool (its KV heads, ``num_blocks`` blocks) and attention backend."""
     local = rank_view(model, group.size)
     kv_caches = allocate_kv_pool(local, num_blocks, config.cache.block_size, dtype, device)
-    backend = make_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
-                           local.head_dim)
-    return kv_caches, backend
+    return kv_caches, backend_for(local, config.attention_backend, device)
 
 
 def load_shard(config: EngineConfig, group: TensorParallelGroup, device: torch.device, dtype: torch.dtype,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvloom.attention.registry import make_backend
+from kvloom.attention.registry import backend_for
 from kvloom.batch import ScheduledRequest, SchedulerOutput
 from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
@@ -48,8 +48,7 @@ class DraftModelProposer:
         block_size = target.config.cache.block_size
         self.kv = KVCacheManager(BlockPool(target.num_blocks), block_size, NoPrefixCache())
         kv_caches = allocate_kv_pool(model_config, target.num_blocks, block_size, target.dtype, target.device)
-        backend = make_backend(target.config.attention_backend, target.device, model_config.num_heads,
-                               model_config.num_kv_heads, model_config.head_dim)
+        backend = backend_for(model_config, target.config.attention_backend, target.device)
         self.runner = ModelRunner(model, kv_caches, block_size, backend, target.device,
                                   model_config.vocab_size, seed=0)
         self.token_budget = target.config.scheduler.max_num_batched_tokens

@@ -1,0 +1,72 @@
+"""Pure-PyTorch paged attention over a latent pool (DeepSeek's multi-head latent
+attention, absorbed form): the oracle for any faster MLA backend.
+
+Each token's cache entry is one vector, ``latent = [c_kv (kv_lora_rank) | k_pe
+(qk_rope_head_dim)]``, shared by every head. The model folds each head's key
+up-projection into its query beforehand (``q = [q_nope @ W_uk | q_pe]``), so a head's
+score against a token is ``q . latent``, and its output, in latent space, is the
+softmax-weighted sum of the tokens' ``c_kv``: attention with one KV "head" whose
+value is the first ``value_dim`` numbers of its key. The model then applies each
+head's value up-projection. The latent is never expanded per head, in decode or
+prefill (expanding would trade the per-head K/V tensors for cheaper prefill dot
+products; not done).
+
+The pool: [layers, 1, num_blocks, block_size, 1, latent_dim]; one layer's is
+[1, num_blocks, block_size, 1, latent_dim], token-major.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+
+
+class MLAReferenceBackend(AttentionBackend[None]):
+    name = "mla_ref"
+
+    def __init__(self, num_heads: int, latent_dim: int, value_dim: int, scale: float) -> None:
+        super().__init__(num_heads, 1, latent_dim)
+        self.value_dim = value_dim
+        self.scale = scale  # the model's (qk_head_dim ** -0.5, YaRN-adjusted), not latent_dim's
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        return None
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store the step's latents ``k`` ([tokens, 1, latent_dim]); there is no V."""
+        _, num_blocks, block_size, _, dim = kv_cache.shape
+        kv_cache.view(num_blocks * block_size, dim).index_copy_(0, slot_mapping, k[:, 0].to(kv_cache.dtype))
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, num_blocks, block_size, _, dim = kv_cache.shape
+        latent = kv_cache.view(num_blocks * block_size, 1, dim)[slot_mapping]
+        return latent, latent[..., :self.value_dim]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
+        """q: [tokens, heads, latent_dim] (absorbed); k: the step's latents [tokens, 1,
+        latent_dim]; v: unused. Returns [tokens, heads, value_dim], in latent space."""
+        self.write_kv(kv_cache, k, None, batch.slot_mapping)
+        block_size = batch.block_size
+        out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
+            blocks = batch.block_tables[i, :-(-seq_len // block_size)].long()
+            latent = kv_cache[0, blocks].flatten(0, 1)[:seq_len, 0].to(q.dtype)  # [seq_len, latent_dim]
+            q_i = q[start:start + query_len].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, latent_dim]
+            k_i = latent[None, None]  # [1, 1, seq_len, latent_dim]
+            v_i = latent[None, None, :, :self.value_dim]
+            mask = None
+            if query_len > 1:  # query j sits at position seq_len - query_len + j, sees keys <= it
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.num_heads > 1)
+            out[start:start + query_len] = o.squeeze(0).transpose(0, 1)
+            start += query_len
+        return out

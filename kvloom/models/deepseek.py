@@ -1,0 +1,203 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) over a latent pool, and a
+mixture-of-experts FFN after the first ``first_k_dense_replace`` dense layers.
+
+MLA in one paragraph: every token's K (its non-rotary part, per head) and V (per
+head) are up-projections of one latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normed);
+the rotary part of K, ``k_pe``, is one vector shared by all heads. The pool stores
+``[c_kv | k_pe]`` per token and layer (``ModelConfig.kv_entry`` (1, 1, latent)): for
+DeepSeek-V2's 512 + 64 that is 576 numbers where per-head K and V would be 128 heads x
+(192 + 128). Attention is computed in the absorbed form: each head's query is mapped
+into latent space through its K up-projection (``q_nope @ W_uk``), attends over the
+latents (attention/mla_ref.py), and the result is mapped out through its V
+up-projection (``W_uv``) before ``o_proj``. So the latent is never expanded per head.
+
+Numerics follow transformers' DeepseekV2/V3 (norms in float32; the rotary part of q
+and k rotated in float32). The rotary dimensions are interleaved pairs (x0, x1), (x2,
+x3), ... (V2 always, V3 with ``rope_interleave``); the rotated vector is written
+de-interleaved (evens' results, then odds'), as transformers' V3 does. q and k get the
+same permutation, so their dot product, all attention uses, is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.model_families import MLAConfig
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of ``x`` [tokens, heads, dim] in float32, at the tokens' angles
+    (``cos``/``sin``: [tokens, dim], ``cat(freqs, freqs)`` as RotaryEmbedding gives).
+    ``interleaved``: pairs are adjacent elements; the output is de-interleaved."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    xf = x.float()
+    first, second = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :half], xf[..., half:])
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, config: ModelConfig, mla: MLAConfig) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_heads
+        self.mla = mla
+        self.num_heads = heads
+        bias = config.attention_bias
+        if mla.q_lora_rank is None:
+            self.q_proj: nn.Module | None = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        # kv_b_proj's weight, viewed per head: [heads, nope + v, kv_lora_rank]. Kept as a
+        # plain parameter (not a Linear that packing would replace): both halves are
+        # used as einsum operands, never as a projection of the hidden state.
+        self.kv_b = nn.Parameter(torch.zeros(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank))
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> torch.Tensor:
+        mla, tokens = self.mla, hidden.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        q_pe = rotate(q_pe, *rotary, mla.rope_interleave)
+        k_pe = rotate(k_pe.unsqueeze(1), *rotary, mla.rope_interleave)  # [tokens, 1, rope]
+        latent = torch.cat((self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe), dim=-1)  # [tokens, 1, latent]
+        w_uk, w_uv = self.kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # each head's query, in latent space
+        out = backend.forward(torch.cat((q_latent, q_pe), dim=-1), latent, None, kv_cache, batch, metadata)
+        out = torch.einsum("thr,hvr->thv", out, w_uv)  # [tokens, heads, v_head_dim]
+        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, mla: MLAConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LatentAttention(config, mla)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.moe
+        if moe is not None and moe.is_sparse(index):
+            from kvloom.models.moe import SparseMoE
+            self.mlp: nn.Module = SparseMoE(config.hidden_size, moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (one process: no tensor parallel)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"{config.architecture} does not run under tensor parallel yet "
+                             "(tensor_parallel_size must be 1)")
+        mla = config.mla
+        if mla is None:
+            raise ValueError(f"{config.architecture}: config.json has no latent-attention fields")
+        self.config = config
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, mla, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, max_positions, config.rope_theta,
+                                      config.rope_scaling_dict)
+        self.lm_head: nn.Module | None = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """The final hidden states [tokens, hidden]; ``kv_caches`` is the latent pool
+        [layers, 1, num_blocks, block_size, 1, latent]."""
+        residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
+        rotary = self.rotary.cos_sin(batch.positions)
+        hidden = None
+        for index, layer in enumerate(self.layers):
+            normed = (layer.input_layernorm(residual) if hidden is None
+                      else layer.input_layernorm(hidden, residual))
+            hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
+            hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
+        return self.norm(hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack_weights(self, matmul: str = "invariant") -> int:
+        packed = 0
+        if self.lm_head is None:
+            head = packed_linear(self.embed_tokens.weight, None, matmul)
+            if head is not None:
+                self.lm_head, packed = head, 1
+        return packed + pack_linear_layers(self, matmul)
+
+    def use_native_stack(self) -> str | None:
+        return "the native decoder walk serves the Llama family only (latent attention runs as modules)"
+
+    def first_layers(self, num_layers: int) -> DeepseekForCausalLM:
+        raise ValueError(f"layer_skip drafts are not implemented for {self.config.architecture}")
+
+    def weight_slice(self, hf_name: str) -> None:
+        return None
+
+    # ---- loading ---------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raise if a parameter is left unset or a name is
+        unknown. Dense FFN gate/up go into the fused ``gate_up_proj``; ``kv_b_proj`` is
+        viewed per head; a MoE layer's tensors go to its ``load_hf``."""
+        params = dict(self.named_parameters())
+        mla = self.config.mla
+        assert mla is not None
+        filled: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if name.startswith("layers.") and ".mlp." in name:
+                index = int(name.split(".")[1])
+                mlp = self.layers[index].mlp
+                if not isinstance(mlp, GatedMLP):
+                    for target in mlp.load_hf(name.split(".mlp.", 1)[1], tensor):
+                        key = f"layers.{index}.mlp.{target}"
+                        filled[key] = filled.get(key, 0) + tensor.numel()
+                    continue
+            target, rows = name, None
+            if name.endswith("mlp.gate_proj.weight"):
+                target, rows = name.replace("gate_proj", "gate_up_proj"), slice(0, tensor.shape[0])
+            elif name.endswith("mlp.up_proj.weight"):
+                target, rows = name.replace("up_proj", "gate_up_proj"), slice(tensor.shape[0], 2 * tensor.shape[0])
+            elif name.endswith("self_attn.kv_b_proj.weight"):
+                target = name.replace("kv_b_proj.weight", "kv_b")
+                tensor = tensor.view(self.config.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+            if target not in params:
+                raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
+            dest = params[target].data if rows is None else params[target].data[rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + tensor.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

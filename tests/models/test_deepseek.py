@@ -1,0 +1,154 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) on tiny random-weight checkpoints built
+from transformers' own config classes: greedy tokens identical to transformers in
+float32 through chunked prefill, batching, preemption and prefix-cache hits; the pool
+holds one latent per token and layer; the absorbed attention equals per-head K/V
+attention computed by hand; what MLA models refuse."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, n_shared_experts=1)
+SHAPES = {
+    "v2": ("deepseek_v2", dict(q_lora_rank=None)),
+    "v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24)),
+    "v3-interleaved": ("deepseek_v3", dict(q_lora_rank=24, n_group=1, topk_group=1)),
+    "v3-halves": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False)),
+}
+LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim
+
+
+def write(tmp: Path, shape: str) -> Path:
+    arch, overrides = SHAPES[shape]
+    return write_tiny_hf_model(tmp / shape, arch=arch, **{**MLA, **overrides})
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Every prompt at once, the integrity check after every step."""
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    results: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+        engine.check_integrity()
+    return [results[i] for i in ids]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_matches_transformers(shape: str, tmp_path: Path) -> None:
+    import transformers
+    path = write(tmp_path, shape)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(len(shape))
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 16, 33, 50)]
+    # A small token budget splits the long prompts into chunks; all run batched.
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8), f"prompt of {len(prompt)} tokens"
+    llm.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(tmp_path_factory.mktemp("deepseek"), "v2-q-lora")
+
+
+def test_the_pool_holds_one_latent_per_token_and_layer(v2: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", block_size=16, num_blocks=8))
+    pool = engine.runner.kv_caches
+    assert tuple(pool.shape) == (2, 1, 8, 16, 1, LATENT)
+    # Two layers x 16 tokens x 40 floats, where per-head K and V would be 4 x (24 + 16).
+    from kvloom.runner.kv_pool import bytes_per_block
+    assert bytes_per_block(engine.model_config, 16, torch.float32) == 2 * 16 * LATENT * 4
+
+
+def test_prefix_hits_and_preemption_keep_transformers_tokens(v2: Path) -> None:
+    import transformers
+    reference = transformers.AutoModelForCausalLM.from_pretrained(v2, dtype=torch.float32).eval()
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))] for _ in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(reference, p, 24) for p in prompts]
+    # 14 blocks of 8 tokens hold about two of these requests: the rest wait or are preempted.
+    engine = LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", block_size=8, num_blocks=14,
+                                                max_num_batched_tokens=32))
+    assert drive(engine, prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens >= 7 * 40 // 8 * 8 // 2  # most later prompts hit the shared blocks
+    assert engine.kv_manager.num_available_blocks == 14
+
+
+def test_absorbed_attention_equals_per_head_keys_and_values() -> None:
+    """The backend's absorbed form against attention over explicitly expanded per-head
+    K = [W_uk c | k_pe] and V = W_uv c, computed by hand."""
+    from kvloom.attention.mla_ref import MLAReferenceBackend
+    from kvloom.batch import ForwardBatch
+    torch.manual_seed(0)
+    heads, rank, rope, nope, vdim, block = 3, 12, 4, 6, 5, 4
+    seq_lens, query_lens = [7, 3], [3, 1]  # a prefill chunk after 4 cached tokens, and a decode
+    backend = MLAReferenceBackend(heads, rank + rope, rank, scale=(nope + rope) ** -0.5)
+    pool = torch.zeros(1, 8, block, 1, rank + rope)
+    latents = [torch.randn(n, rank + rope) for n in seq_lens]
+    tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    for table, latent in zip(tables, latents, strict=True):  # the cached part, as earlier steps wrote it
+        for p in range(latent.shape[0]):
+            pool[0, int(table[p // block]), p % block, 0] = latent[p]
+    w_uk, w_uv = torch.randn(heads, nope, rank), torch.randn(heads, vdim, rank)
+    q_nope = [torch.randn(n, heads, nope) for n in query_lens]
+    q_pe = [torch.randn(n, heads, rope) for n in query_lens]
+    query = torch.cat([torch.cat((torch.einsum("thn,hnr->thr", a, w_uk), b), -1) for a, b in zip(q_nope, q_pe,
+                                                                                                 strict=True)])
+    new = torch.cat([latent[-n:] for latent, n in zip(latents, query_lens, strict=True)]).unsqueeze(1)
+    slots = [int(tables[i, p // block]) * block + p % block for i, (s, n) in enumerate(zip(seq_lens, query_lens,
+                                                                                          strict=True))
+             for p in range(s - n, s)]
+    batch = ForwardBatch(input_ids=torch.zeros(4, dtype=torch.long), positions=torch.zeros(4, dtype=torch.long),
+                         slot_mapping=torch.tensor(slots), block_tables=tables, seq_lens=torch.tensor(seq_lens),
+                         query_start_loc=torch.tensor([0, 3, 4]), logits_indices=torch.tensor([2, 3]),
+                         query_lens_list=query_lens, seq_lens_list=seq_lens, block_size=block)
+    out = torch.einsum("thr,hvr->thv", backend.forward(query, new, None, pool, batch, None), w_uv)
+    start = 0
+    for latent, n, qn, qp in zip(latents, query_lens, q_nope, q_pe, strict=True):
+        seq = latent.shape[0]
+        for h in range(heads):
+            keys = torch.cat((latent[:, :rank] @ w_uk[h].T, latent[:, rank:]), -1)  # [seq, nope + rope]
+            values = latent[:, :rank] @ w_uv[h].T  # [seq, vdim]
+            for j in range(n):
+                visible = seq - n + j + 1
+                scores = torch.cat((qn[j, h], qp[j, h])) @ keys[:visible].T * (nope + rope) ** -0.5
+                expected = torch.softmax(scores, -1) @ values[:visible]
+                torch.testing.assert_close(out[start + j, h], expected, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_what_latent_attention_refuses(v2: Path) -> None:
+    with pytest.raises(ValueError, match="does not serve latent attention"):
+        LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", num_blocks=8, attention_backend="cpu_paged"))
+    with pytest.raises(ValueError, match="layer_skip drafts are not implemented for DeepseekV2ForCausalLM"):
+        LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", num_blocks=8,
+                                           speculative_config={"method": "layer_skip", "num_layers": 1,
+                                                               "num_speculative_tokens": 2}))
