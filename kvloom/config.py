@@ -22,7 +22,7 @@ SCHEDULING_MODES = ("continuous", "static")
 # The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
 # that a bad flag is refused before the model loads; tests hold them to the registries.
 POLICY_NAMES = ("fcfs", "priority", "fcfs-cheapest-victim", "watermark", "lpm")
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "mla_ref")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "mla_batched", "mla_ref")
 DEFAULT_KV_CACHE_MEMORY = 1.0  # GiB, when neither kv_cache_memory nor gpu_memory_utilization is set
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")  # or a directory (kvloom/generation_config.py)
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?|mps")

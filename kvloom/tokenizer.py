@@ -114,6 +114,13 @@ class Tokenizer:
             special_tokens={k: v for k, v in special.items() if isinstance(v, str)},
         )
 
+    def save(self, directory: Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``:
+        what ``from_file`` reads back."""
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {**self.special_tokens, "chat_template": self.chat_template, "add_bos_token": self.add_bos_token}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> Tokenizer:
         """Build from a ``gguf.GGUFReader``'s ``tokenizer.ggml.*`` metadata: byte-level

@@ -70,3 +70,26 @@ class MLAReferenceBackend(AttentionBackend[None]):
             out[start:start + query_len] = o.squeeze(0).transpose(0, 1)
             start += query_len
         return out
+
+
+class MLABatchedBackend(MLAReferenceBackend):
+    """The reference, with a step of decodes only (one query per request) done as one
+    batched attention over every request's latents gathered into a padded
+    [requests, longest, latent_dim] tensor (past a request's length, masked). Steps
+    with a prefill chunk run the reference's per-request loop."""
+
+    name = "mla_batched"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
+        if any(n != 1 for n in batch.query_lens_list):
+            return super().forward(q, k, v, kv_cache, batch, metadata)
+        self.write_kv(kv_cache, k, None, batch.slot_mapping)
+        longest = max(batch.seq_lens_list)
+        blocks = batch.block_tables[:, :-(-longest // batch.block_size)].long()  # [requests, blocks]
+        latent = kv_cache[0][blocks].flatten(1, 2)[:, :longest, 0].to(q.dtype)  # [requests, longest, latent]
+        visible = torch.arange(longest, device=q.device) < batch.seq_lens.to(q.device).unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), latent.unsqueeze(1), latent[..., :self.value_dim].unsqueeze(1),
+            attn_mask=visible[:, None, None, :], scale=self.scale, enable_gqa=self.num_heads > 1)
+        return out.squeeze(2)  # [requests, heads, value_dim]

@@ -21,6 +21,7 @@ BACKENDS: dict[str, str] = {
 }
 # Latent attention (MLA models) is served by these alone; "auto" picks the first.
 MLA_BACKENDS: dict[str, str] = {
+    "mla_batched": "kvloom.attention.mla_ref:MLABatchedBackend",
     "mla_ref": "kvloom.attention.mla_ref:MLAReferenceBackend",
 }
 

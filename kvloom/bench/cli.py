@@ -4,7 +4,7 @@
 server over HTTP; ``sweep`` starts servers over a grid of engine options and
 request rates and runs ``serve`` for each cell; ``plot`` draws the results;
 ``steps``, ``soak``, ``placement``, ``structured``, ``tools``, ``roofline`` and
-``interference`` measure one thing each; ``pd-sim`` simulates prefill/decode
+``interference`` and ``families`` measure one thing each; ``pd-sim`` simulates prefill/decode
 placements. Every command's parser sets ``run``, the function below that runs it.
 """
 
@@ -95,6 +95,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("--out", required=True, help="directory for the PNG files")
     _add_interference(bench_sub)
     _add_pd_sim(bench_sub)
+    families = _command(bench_sub, "families", "cache bytes, concurrency and decode speed of model families",
+                        _families, engine=False)
+    families.add_argument("--families", default="all", help="comma-separated (kvloom.bench.families), or all")
+    families.add_argument("--workdir", default="/tmp/kvloom-families", help="the random-weight models, written once")
+    families.add_argument("--batches", default="1,16,64", help="decode batch sizes")
+    families.add_argument("--context", type=int, default=512, help="tokens of each request (prompt, then decode)")
+    families.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch size")
+    families.add_argument("--memory-gib", type=float, default=1.0, help="cache and state memory for the "
+                          "concurrency column")
 
 
 def _add_interference(bench_sub: argparse._SubParsersAction) -> None:
@@ -335,6 +344,20 @@ def _engine_flags(args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str,
     keep = {"dtype", "device", "seed", "attention_backend", "num_threads", "matmul", "decoder_stack",
             "tensor_parallel_size", "distributed_backend", "distributed_timeout", *extra}
     return {key: value for key, value in engine_kwargs(args).items() if key in keep}
+
+
+def _families(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvloom.bench.families import FAMILIES, as_json, format_families, run_families
+
+    names = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    results = run_families(names, Path(args.workdir), batches, args.context, args.decode_steps, args.memory_gib, {})
+    print(format_families(results, args.context, args.memory_gib))
+    _save_json(args.output_json, {"context": args.context, "memory_gib": args.memory_gib,
+                                  "families": as_json(results)})
+    return 0
 
 
 def _steps(args: argparse.Namespace) -> int:

@@ -68,24 +68,65 @@ class LatentAttention(nn.Module):
         self.kv_b = nn.Parameter(torch.zeros(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank))
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
 
+        # Set by absorb(): the query projection with each head's K up-projection folded
+        # in, and o_proj with each head's V up-projection folded in.
+        self.q_absorbed: nn.Module | None = None
+        self.o_absorbed: nn.Module | None = None
+
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> torch.Tensor:
         mla, tokens = self.mla, hidden.shape[0]
-        if self.q_proj is not None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
-            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        q_pe = rotate(q_pe, *rotary, mla.rope_interleave)
         k_pe = rotate(k_pe.unsqueeze(1), *rotary, mla.rope_interleave)  # [tokens, 1, rope]
         latent = torch.cat((self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe), dim=-1)  # [tokens, 1, latent]
+        q_in = hidden if mla.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
+        if self.q_absorbed is not None and self.o_absorbed is not None:  # two matmuls, no per-head products
+            q_latent, q_pe = self.q_absorbed(q_in).view(tokens, self.num_heads, mla.latent_dim).split(
+                [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            query = torch.cat((q_latent, rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
+            out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
+            return self.o_absorbed(out.reshape(tokens, self.num_heads * mla.kv_lora_rank))
+        # The reference: each head's query into latent space, its output out of it.
+        q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
+        q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self.kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # each head's query, in latent space
-        out = backend.forward(torch.cat((q_latent, q_pe), dim=-1), latent, None, kv_cache, batch, metadata)
+        query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), rotate(q_pe, *rotary, mla.rope_interleave)),
+                          dim=-1)
+        out = backend.forward(query, latent, None, kv_cache, batch, metadata)
         out = torch.einsum("thr,hvr->thv", out, w_uv)  # [tokens, heads, v_head_dim]
         return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+
+    def absorb(self) -> None:
+        """Fold each head's K up-projection ``W_uk`` into the query projection (its
+        non-rotary rows become ``W_uk^T W_q``: the query comes out in latent space) and
+        its V up-projection ``W_uv`` into ``o_proj`` (``W_o,h W_uv,h`` per head), so
+        the forward is matmuls the packed kernels serve instead of per-head products;
+        the same function of the input, rounded once (the products are formed in
+        float32). Wider: the query projection gives ``rank + rope`` per head instead of
+        ``nope + rope``, o_proj takes ``rank`` per head instead of ``v``."""
+        mla, heads = self.mla, self.num_heads
+        q_linear = self.q_proj if self.q_proj is not None else self.q_b_proj
+        assert isinstance(q_linear, nn.Linear) and isinstance(self.o_proj, nn.Linear)
+        dtype = q_linear.weight.dtype
+        w_q = q_linear.weight.float().view(heads, mla.qk_head_dim, -1)  # [heads, nope + rope, in]
+        w_uk, w_uv = self.kv_b.float().split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        q_rows = torch.cat((w_uk.transpose(1, 2) @ w_q[:, :mla.qk_nope_head_dim], w_q[:, mla.qk_nope_head_dim:]), 1)
+        q_absorbed = nn.Linear(q_linear.in_features, heads * mla.latent_dim, bias=False)
+        q_absorbed.weight = nn.Parameter(q_rows.reshape(heads * mla.latent_dim, -1).to(dtype), requires_grad=False)
+        w_o = self.o_proj.weight.float().view(-1, heads, mla.v_head_dim).transpose(0, 1)  # [heads, hidden, v]
+        o_absorbed = nn.Linear(heads * mla.kv_lora_rank, w_o.shape[1], bias=self.o_proj.bias is not None)
+        o_absorbed.weight = nn.Parameter((w_o @ w_uv).transpose(0, 1).reshape(w_o.shape[1], -1).to(dtype),
+                                         requires_grad=False)
+        if self.o_proj.bias is not None:
+            o_absorbed.bias = nn.Parameter(self.o_proj.bias.detach().clone(), requires_grad=False)
+        self.q_absorbed, self.o_absorbed = q_absorbed, o_absorbed
+        # The folded weights are all the forward uses from now on.
+        del self.kv_b, self.o_proj
+        if self.q_proj is not None:
+            self.q_proj = None
+        else:
+            del self.q_b_proj
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -145,6 +186,10 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_weights(self, matmul: str = "invariant") -> int:
+        """Absorb the up-projections (LatentAttention.absorb), then pack the matmuls
+        as the Llama family does; call after ``load_weights`` and the dtype move."""
+        for layer in self.layers:
+            layer.self_attn.absorb()
         packed = 0
         if self.lm_head is None:
             head = packed_linear(self.embed_tokens.weight, None, matmul)

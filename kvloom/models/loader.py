@@ -267,10 +267,7 @@ def _write_gguf_cache(cache_dir: Path, path: Path, hf_config: dict[str, Any],
                   disable=None) as tensors:  # None: no bar where stderr is not a terminal
             save_file(dict(tensors), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=1))
-        tokenizer.backend.save(str(staging / "tokenizer.json"))
-        tokenizer_config = {**tokenizer.special_tokens, "chat_template": tokenizer.chat_template,
-                            "add_bos_token": tokenizer.add_bos_token}
-        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+        tokenizer.save(staging)
         # Written last: its presence with a matching stamp marks the cache complete.
         (staging / "source.json").write_text(json.dumps(_gguf_source_stamp(path)))
         shutil.rmtree(cache_dir, ignore_errors=True)

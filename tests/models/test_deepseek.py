@@ -54,15 +54,17 @@ def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -
     return [results[i] for i in ids]
 
 
+@pytest.mark.parametrize("backend", ["mla_ref", "mla_batched"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_greedy_matches_transformers(shape: str, tmp_path: Path) -> None:
+def test_greedy_matches_transformers(shape: str, backend: str, tmp_path: Path) -> None:
     import transformers
     path = write(tmp_path, shape)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(len(shape))
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 16, 33, 50)]
     # A small token budget splits the long prompts into chunks; all run batched.
-    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=24)
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=24,
+              attention_backend=backend)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -152,3 +154,38 @@ def test_what_latent_attention_refuses(v2: Path) -> None:
         LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", num_blocks=8,
                                            speculative_config={"method": "layer_skip", "num_layers": 1,
                                                                "num_speculative_tokens": 2}))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_absorbed_projections_equal_the_per_head_reference(q_lora_rank: int | None) -> None:
+    """LatentAttention.absorb folds W_uk into the query projection and W_uv into o_proj:
+    the same function as the per-head einsums, to float32 rounding."""
+    from kvloom.attention.mla_ref import MLAReferenceBackend
+    from kvloom.batch import ForwardBatch
+    from kvloom.config import ModelConfig
+    from kvloom.models.deepseek import LatentAttention
+    from kvloom.models.layers import RotaryEmbedding
+    hf = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8,
+          "kv_lora_rank": 16, "q_lora_rank": q_lora_rank, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+          "v_head_dim": 10, "attention_bias": True, "n_routed_experts": 2, "num_experts_per_tok": 1,
+          "first_k_dense_replace": 1, "moe_intermediate_size": 8, "n_shared_experts": 1}
+    config = ModelConfig.from_hf(hf)
+    assert config.mla is not None
+    torch.manual_seed(1)
+    attention = LatentAttention(config, config.mla)
+    for param in attention.parameters():
+        param.data.normal_(0, 0.3)
+    backend = MLAReferenceBackend(3, config.mla.latent_dim, 16, config.mla.softmax_scale)
+    tokens = 6
+    batch = ForwardBatch(input_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
+                         slot_mapping=torch.arange(tokens), block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                         seq_lens=torch.tensor([tokens]), query_start_loc=torch.tensor([0, tokens]),
+                         logits_indices=torch.tensor([tokens - 1]), query_lens_list=[tokens], seq_lens_list=[tokens],
+                         block_size=4)
+    rotary = RotaryEmbedding(8, 16, 10000.0, None).cos_sin(batch.positions)
+    hidden = torch.randn(tokens, 48)
+    reference = attention(hidden, rotary, batch, torch.zeros(1, 2, 4, 1, config.mla.latent_dim), backend, None)
+    attention.absorb()
+    absorbed = attention(hidden, rotary, batch, torch.zeros(1, 2, 4, 1, config.mla.latent_dim), backend, None)
+    torch.testing.assert_close(absorbed, reference, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,147 @@
+"""`kvloom bench families`: what each model family costs in cache memory, and its
+decode speed, at one model size.
+
+Each family is a random-weight model (the speed of a step does not depend on the
+weights' values) built from transformers' own config class, at about SmolLM2-135M's
+size (576 wide, its vocabulary and tokenizer), and written once into
+``--workdir``:
+
+- ``llama``: SmolLM2-135M's own shape (30 layers, 9 query heads sharing 3 KV heads
+  of 64): K and V of 3 heads per token and layer;
+- ``mla``: DeepSeek-V2's latent attention in the same 30 layers (9 heads, a latent of
+  256 plus a 32-wide rotary key per token and layer; q/k heads 64 + 32, v 64);
+- families whose model classes kvloom registers later join by adding a row here.
+
+For each: the cache's bytes per token (every layer), a request's fixed state bytes
+(state-space models), the most requests of ``context`` tokens that ``memory_gib`` of
+cache and state holds, and pure decode steps timed at each batch size
+(``bench steps``'s ``time_decode``: median step time, tokens per second).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvloom.bench.steps import time_decode
+from kvloom.config import DEFAULT_MODEL, EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.models.loader import load_checkpoint
+from kvloom.tokenizer import Tokenizer
+
+GIB = 1 << 30
+_SMOLLM = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, max_position_embeddings=8192, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+# family -> (transformers config class, its settings)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {**_SMOLLM, "num_key_value_heads": 3, "architectures": ["LlamaForCausalLM"]}),
+    "mla": ("DeepseekV2Config", {**_SMOLLM, "num_key_value_heads": 9, "kv_lora_rank": 256, "q_lora_rank": None,
+                                 "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+                                 "first_k_dense_replace": 30, "n_routed_experts": 1, "num_experts_per_tok": 1,
+                                 "moe_intermediate_size": 1, "n_shared_experts": 1,
+                                 "architectures": ["DeepseekV2ForCausalLM"]}),
+}
+
+
+@dataclass(frozen=True)
+class FamilyResult:
+    family: str
+    architecture: str
+    parameters: int
+    cache_bytes_per_token: int  # every layer's share of the paged pool, per token
+    state_bytes_per_request: int  # fixed per request (state-space layers); 0 for attention only
+    max_requests: int  # of `context` tokens in `memory_gib` of cache and state
+    decode: dict[int, dict[str, float]]  # batch -> median step ms, tokens/s
+
+
+def write_family(family: str, directory: Path, tokenizer: Tokenizer) -> Path:
+    """The family's random-weight bf16 checkpoint (once), with the default model's tokenizer."""
+    import transformers
+    target = directory / family
+    if (target / "config.json").exists():
+        return target
+    class_name, settings = FAMILIES[family]
+    config = getattr(transformers, class_name)(**settings)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(target)
+    tokenizer.save(target)
+    return target
+
+
+def measure_family(family: str, path: Path, batches: list[int], context: int, decode_steps: int,
+                   memory_gib: float, engine_kwargs: dict[str, Any]) -> FamilyResult:
+    largest = max(batches)
+    kwargs: dict[str, Any] = dict(dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(largest, 64),
+                                  max_num_batched_tokens=2048,
+                                  num_blocks=largest * (context + decode_steps + 64) // 16 + 64)
+    kwargs.update(engine_kwargs)
+    engine = LLMEngine(EngineConfig.from_kwargs(str(path), **kwargs))
+    pool = engine.runner.kv_caches
+    blocks = pool.shape[2]
+    per_token = pool.numel() * pool.element_size() // (blocks * pool.shape[3])
+    state = _state_bytes_per_request(engine)
+    max_requests = int(memory_gib * GIB // (per_token * context + state))
+    decode: dict[int, dict[str, float]] = {}
+    time_decode(engine, batches[0], min(context, 64), 3, seed=99)  # warm-up
+    for batch in batches:
+        timing = time_decode(engine, batch, context, decode_steps, seed=batch)
+        median = statistics.median(timing.milliseconds)
+        decode[batch] = {"median_step_ms": round(median, 2), "tokens_per_s": round(batch * 1000 / median, 1)}
+        print(f"{family:<8} {timing.summary}", flush=True)
+    engine.shutdown()
+    parameters = _checkpoint_parameters(path)
+    return FamilyResult(family, engine.model_config.architecture, parameters, per_token, state,
+                        max_requests, decode)
+
+
+def _checkpoint_parameters(path: Path) -> int:
+    """Numbers in the checkpoint (the packed weights the engine holds are not parameters)."""
+    from safetensors import safe_open
+    total = 0
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total
+
+
+def _state_bytes_per_request(engine: LLMEngine) -> int:
+    """A state-space model's fixed state per request (its state pool's slot), else 0."""
+    states = getattr(engine.runner, "state_pool", None)
+    return int(states.bytes_per_slot) if states is not None else 0
+
+
+def run_families(families: list[str], workdir: Path, batches: list[int], context: int, decode_steps: int,
+                 memory_gib: float, engine_kwargs: dict[str, Any]) -> list[FamilyResult]:
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
+    tokenizer = load_checkpoint(DEFAULT_MODEL).tokenizer
+    results = []
+    for family in families:
+        path = write_family(family, workdir, tokenizer)
+        results.append(measure_family(family, path, batches, context, decode_steps, memory_gib, engine_kwargs))
+    return results
+
+
+def format_families(results: list[FamilyResult], context: int, memory_gib: float) -> str:
+    batches = sorted({b for r in results for b in r.decode})
+    head = (f"| family | parameters | cache bytes/token | state bytes/request | requests of {context} tokens "
+            f"in {memory_gib:g} GiB | " + " | ".join(f"decode b{b}: ms/step, tok/s" for b in batches) + " |")
+    lines = [head, "|" + "---|" * (5 + len(batches))]
+    for r in results:
+        cells = [f"{r.decode[b]['median_step_ms']}, {r.decode[b]['tokens_per_s']}" for b in batches]
+        lines.append(f"| {r.family} ({r.architecture}) | {r.parameters / 1e6:.1f} M | {r.cache_bytes_per_token:,} | "
+                     f"{r.state_bytes_per_request:,} | {r.max_requests:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def as_json(results: list[FamilyResult]) -> list[dict[str, Any]]:
+    return [json.loads(json.dumps(asdict(r))) for r in results]
