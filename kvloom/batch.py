@@ -96,6 +96,9 @@ class ForwardBatch:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    # [num_seqs] int64: each request's state slot (cache/state_pool.py); None for a model
+    # without state-space layers
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +117,7 @@ class ForwardBatch:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         tables: list[list[int]] = []
+        state_slots: list[int] = []
         for item in output.scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             end = start + count
@@ -128,6 +132,8 @@ class ForwardBatch:
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
             tables.append(block_ids[: -(-end // block_size)])
+            if request.state_slot is not None:
+                state_slots.append(request.state_slot)
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         starts = [0]
@@ -148,6 +154,7 @@ class ForwardBatch:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
             block_size=block_size,
+            state_slots=tensor(state_slots, torch.int64) if state_slots else None,
         )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvloom.model_families import MLAConfig, MoEConfig
+from kvloom.model_families import MLAConfig, MoEConfig, SSMConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -62,6 +62,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     moe: MoEConfig | None = None  # a mixture-of-experts FFN (model_families.py)
     mla: MLAConfig | None = None  # DeepSeek's latent attention: the pool holds latents
+    ssm: SSMConfig | None = None  # Mamba2 mixers: a state per request (cache/state_pool.py)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -80,6 +81,12 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers with a part in the paged KV pool: every layer, except that a model with
+        state-space mixers (``ssm``) has only its attention layers there (none for Mamba2)."""
+        return self.num_layers if self.ssm is None else len(self.ssm.attention_layers)
+
+    @property
     def kv_entry(self) -> tuple[int, int, int]:
         """What the paged pool holds per token and layer, as (planes, heads, numbers per
         head): K and V of each KV head, or MLA's one latent (K's shared rotary part
@@ -94,6 +101,9 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("model config: config.json has no 'architectures' entry")
+        ssm = SSMConfig.from_hf(hf)
+        if ssm is not None:  # a pure state-space model has no attention fields
+            hf = ssm.attention_fields(hf)
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         eos = hf.get("eos_token_id")
@@ -128,7 +138,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
-            attention_output_bias=attention_bias and arch == "LlamaForCausalLM",
+            attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
@@ -136,6 +146,7 @@ class ModelConfig:
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             moe=MoEConfig.from_hf(hf),
             mla=MLAConfig.from_hf(hf),
+            ssm=ssm,
         )
 
 
@@ -155,6 +166,9 @@ class CacheConfig:
         "help": "share (0, 1] of memory for the KV pool, instead of --kv-cache-memory: on CUDA "
                 "of the device's total memory less what the weights already hold; on CPU of the "
                 "RAM free when the engine starts"})
+    num_state_slots: int | None = field(default=None, metadata={
+        "help": "state slots of a state-space model (Mamba2, Bamba): one per running request, each "
+                "holding every mixer layer's convolution and SSM state (default: --max-num-seqs)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "negatives": ("--no-enable-prefix-caching", "--no-prefix-cache"),
         "help": "the radix prefix cache: KV reuse across requests (default: on)"})
@@ -164,6 +178,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
+        if self.num_state_slots is not None and (not isinstance(self.num_state_slots, int)
+                                                 or self.num_state_slots <= 0):
+            raise ValueError(f"num_state_slots must be a positive integer, got {self.num_state_slots!r}")
         if self.kv_cache_memory is not None and (
                 not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be > 0 (GiB), got {self.kv_cache_memory!r}")

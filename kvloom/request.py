@@ -1,8 +1,8 @@
 """The engine's record of one request: tokens, progress, KV blocks and timeline.
 
 Owners: the scheduler (engine/scheduler.py) is the one writer of everything here
-but ``block_ids``, which the KV cache manager (cache/kv_manager.py) writes. Others
-read.
+but ``block_ids``, which the KV cache manager (cache/kv_manager.py) writes, and
+``state_slot``, which the state pool (cache/state_pool.py) writes. Others read.
 
 Invariant: ``num_computed_tokens <= num_tokens``; the KV of the first
 ``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order). A request
@@ -110,6 +110,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cache_miss_reason: str | None = None  # why the prefix cache did not serve (more of) the prompt
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # a state-space model's state slot (cache/state_pool.py)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: RequestError | None = None  # set with status FINISHED_ERROR

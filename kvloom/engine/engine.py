@@ -17,6 +17,7 @@ from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
 from kvloom.cache.radix_cache import RadixCache
+from kvloom.cache.state_pool import NoStatePool, StatePool
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import CompletionOutput, RequestOutput
@@ -24,6 +25,7 @@ from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.speculation import SpeculationPolicy
+from kvloom.engine.state_space import num_state_slots, state_space_config
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.kv_spec import KVExport, KVTransferSpec
@@ -115,6 +117,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)
+        if mc.ssm is not None:  # Mamba2 layers: no prefix cache, a state pool (engine/state_space.py)
+            config = self.config = state_space_config(config, mc, self.max_model_len)
         # The model and its KV pool: here, or as rank 0 of a tensor-parallel group whose
         # other ranks hold the other shards (runner/tensor_parallel.py).
         self.first_rank = load_first_rank(config, mc, checkpoint, self.device, self.dtype, self.max_model_len)
@@ -128,6 +132,13 @@ class LLMEngine:
         prefix_cache: PrefixCache = (RadixCache(pool, block_size) if config.cache.enable_prefix_caching
                                      else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
+        self.state_pool: StatePool = NoStatePool()
+        if mc.ssm is not None:
+            from kvloom.models.mamba2 import allocate_state
+            self.state_pool = StatePool(num_state_slots(config))
+            state_bytes = allocate_state(self.model, self.state_pool.num_slots)
+            logger.info("state pool: %d slots of %.1f MiB (every Mamba2 layer's state)",
+                        self.state_pool.num_slots, state_bytes / self.state_pool.num_slots / (1 << 20))
         self.output_processor = OutputProcessor(self.tokenizer)
         # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None
@@ -145,7 +156,8 @@ class LLMEngine:
         self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)
         self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
                                          make_policy(config.scheduler), self.limits,
-                                         StopChecker(self.output_processor), speculation, self.kv_transfer)
+                                         StopChecker(self.output_processor), speculation, self.kv_transfer,
+                                         self.state_pool)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "

@@ -7,7 +7,8 @@ per-step token budget. Decode (one token), a prefill chunk, a prefix-cache hit
 Each step: running requests first (in policy order); when one cannot get a block,
 the policy picks a victim among those not yet scheduled and it is preempted (blocks
 freed, back to the head of the waiting queue). Then waiting requests are admitted in
-policy order while budget, ``max_num_seqs`` and blocks last.
+policy order while budget, ``max_num_seqs``, blocks and (for a state-space model)
+state slots last.
 
 The scheduler is the one writer of a request's state: its status, progress
 (``num_computed_tokens``), output tokens, stop reason and error (``block_ids`` are
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
+from kvloom.cache.state_pool import NoStatePool, StatePool
 from kvloom.config import SchedulerConfig
 from kvloom.engine.admission import AdmissionLimits, RequestRejected
 from kvloom.engine.policy import SchedulingPolicy
@@ -50,9 +52,12 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
                  limits: AdmissionLimits, stops: StopChecker | None = None,
-                 speculation: SpeculationPolicy | None = None, kv_transfer: KVTransfer | None = None) -> None:
+                 speculation: SpeculationPolicy | None = None, kv_transfer: KVTransfer | None = None,
+                 state: StatePool | None = None) -> None:
         self.config = config
         self.kv = kv
+        # A state-space model's state slots, one per running request (the null pool otherwise).
+        self.state = state if state is not None else NoStatePool()
         self.policy = policy
         self.limits = limits
         self.stops = stops if stops is not None else StopChecker()
@@ -278,6 +283,8 @@ class Scheduler:
                                            first=not scheduled)
             refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
                 self.policy.refuse_admission(request, self.kv)
+            if refusal is None and not self.state.has_free_slot:
+                refusal = WaitReason.NO_FREE_STATE_SLOT
             if refusal is None and not self.kv_transfer.reserve(request):
                 refusal = WaitReason.KV_STAGING_FULL
             if refusal is None and not self.kv.allocate_slots(request, num_new, prefix):
@@ -285,6 +292,7 @@ class Scheduler:
             if refusal is not None:
                 return request, refusal
             request.num_computed_tokens = prefix.num_tokens  # the hit counts as computed
+            self.state.allocate(request)
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, prefix)
@@ -353,8 +361,10 @@ class Scheduler:
         self.waiting.insert(0, request)
 
     def _free(self, request: Request) -> None:
-        """Release the request's KV (computed full blocks stay cached): nothing is computed."""
+        """Release the request's KV (computed full blocks stay cached) and its state slot:
+        nothing is computed."""
         self.kv.free(request)
+        self.state.free(request)
         request.num_computed_tokens = 0
 
     # ---- after the forward pass ------------------------------------------------------
@@ -449,6 +459,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running + self.waiting + self.receiving)
+        self.state.check_integrity(self.running + self.waiting + self.receiving)
         self.kv_transfer.check_integrity()
 
 
@@ -465,10 +476,13 @@ class StaticBatchScheduler(Scheduler):
         for request in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
+            if not self.state.has_free_slot:
+                return request, WaitReason.NO_FREE_STATE_SLOT
             # Max-length preallocation: what a system without paging must reserve.
             reserve = min(self.limits.max_model_len, self.kv.num_blocks * self.kv.block_size)
             if not self.kv.allocate_slots(request, reserve):
                 return request, WaitReason.NO_FREE_BLOCKS
+            self.state.allocate(request)
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, None)

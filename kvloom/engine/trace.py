@@ -30,6 +30,7 @@ class WaitReason(str, enum.Enum):
     STATIC_BATCH = "static batch running"  # baseline mode admits only between batches
     PREFIX_IN_FLIGHT = "shared prefix in flight"  # its next blocks are being computed by another
     KV_STAGING_FULL = "KV staging full"  # prefill instance: decode instances have not pulled enough yet
+    NO_FREE_STATE_SLOT = "no free state slot"  # a state-space model's slots are all held by running requests
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ def layout_of(model_name: str, model_config: ModelConfig, pool: torch.Tensor,
     """This engine's ``KVLayout``, from its model and KV pool
     ``[layers, planes, blocks, block_size, kv_heads, head_dim]``."""
     paired = getattr(backend, "paired_layout", None)
-    order = "paired" if paired is not None and paired(pool[0]) else "token-major"  # one layer's cache
+    # one layer's cache (a pure state-space model's pool has no layers)
+    order = "paired" if paired is not None and pool.shape[0] and paired(pool[0]) else "token-major"
     return KVLayout(model_name, hashlib.sha256(repr(model_config).encode()).hexdigest()[:16],
                     str(pool.dtype).removeprefix("torch."), pool.shape[3], pool.shape[0], pool.shape[4],
                     pool.shape[5], f"{backend.name}/{order}", pool.shape[1])

@@ -4,6 +4,8 @@ Layout: [layers, planes, num_blocks, block_size, heads, dim], where (planes, hea
 dim) is ``ModelConfig.kv_entry``: (2 (K, V), kv_heads, head_dim) for multi-head and
 grouped-query attention, (1, 1, latent) for DeepSeek's latent attention. A block id
 indexes the same slot range in every layer, so one block table serves the whole model.
+The layers are those with KV (``ModelConfig.num_kv_layers``): a hybrid's attention
+layers only, none for a pure state-space model (its blocks are then bookkeeping).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def kv_pool_bytes(cache: CacheConfig, memory: DeviceMemory | None) -> int:
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     planes, heads, dim = model.kv_entry
-    return model.num_layers * planes * block_size * heads * dim * element
+    return model.num_kv_layers * planes * block_size * heads * dim * element
 
 
 def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
@@ -89,4 +91,4 @@ def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int,
                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Zero-filled so that padded/unused slots never hold NaNs that a kernel could read.
     planes, heads, dim = model.kv_entry
-    return torch.zeros(model.num_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype, device=device)
+    return torch.zeros(model.num_kv_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype, device=device)

@@ -111,7 +111,7 @@ def test_a_runner_failure_finishes_the_request_with_its_error() -> None:
 # ---- who writes request state ---------------------------------------------------------
 KVLOOM = Path(__file__).resolve().parents[2] / "kvloom"
 # Attributes only a Request has, and the files allowed to assign them.
-OWNERS = {"block_ids": {"cache/kv_manager.py"}}
+OWNERS = {"block_ids": {"cache/kv_manager.py"}, "state_slot": {"cache/state_pool.py"}}
 SCHEDULER_OWNED = ("num_computed_tokens", "output_token_ids", "all_token_ids", "stop_reason",
                    "num_cached_tokens", "cache_miss_reason", "num_preemptions", "status", "error")
 

@@ -1,0 +1,164 @@
+"""The arithmetic of a Mamba2 mixer over a flat, mixed batch: pure PyTorch.
+
+Each request's tokens are contiguous in the flat batch; each request owns a state
+slot (cache/state_pool.py) where every mixer layer keeps, between steps, its causal
+convolution's last ``k - 1`` inputs and its SSM state ``[heads, head_dim, d_state]``.
+A chunk that starts at token 0 starts from a zero state; a later chunk (chunked
+prefill, a decode) from the slot's stored state, and leaves its own final state there.
+
+- ``causal_conv``: the depthwise causal convolution of every token at once, windows
+  reaching back into the stored inputs.
+- ``selective_state_update``: one recurrent step for a batch of requests; applied
+  token by token (``sequential_scan``) it is the reference of the scan.
+- ``ssd_scan``: the chunked state-space-duality form of the same scan (Mamba2's
+  prefill algorithm, as transformers' ``torch_forward`` computes it), tested against
+  the sequential one; the model uses it for chunks of more than one token.
+
+Numbers follow transformers' Mamba2 (scan in float32; softplus(dt + dt_bias), clamped
+to ``time_step_limit``, which transformers applies only to prefill: with the default
+limits (0, inf) the clamp changes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.batch import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class SSMSpans:
+    """Where each request's tokens and state are, once per step for every mixer layer.
+
+    The convolution reads an extended sequence: the ``k - 1`` stored inputs of every
+    request (rows ``i * (k - 1) ...``), then the step's tokens (rows ``n * (k - 1) + t``)."""
+
+    token_starts: list[int]
+    lengths: list[int]
+    has_state: list[bool]  # the chunk continues from the slot's state (it starts past token 0)
+    slots: torch.Tensor  # [n] int64
+    has_state_mask: torch.Tensor  # [n] bool
+    conv_windows: torch.Tensor  # [tokens, k] rows of the extended sequence, oldest first
+    conv_tails: torch.Tensor  # [n, k - 1] rows that become each request's stored inputs
+    decode_requests: torch.Tensor  # [d] requests whose chunk is one token: scanned together
+    decode_tokens: torch.Tensor  # [d] their tokens
+    prefill_requests: list[int]  # requests with longer chunks: scanned one by one
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, conv_kernel: int) -> SSMSpans:
+        if batch.state_slots is None or batch.state_slots.numel() != batch.num_seqs:
+            raise ValueError("a state-space model needs a state slot for every request of the batch")
+        n, tail = batch.num_seqs, conv_kernel - 1
+        lengths = batch.query_lens_list
+        has_state = [seq > query for seq, query in zip(batch.seq_lens_list, lengths, strict=True)]
+        starts: list[int] = []
+        windows: list[list[int]] = []
+        tails: list[list[int]] = []
+        token = 0
+        for i, length in enumerate(lengths):
+            def row(m: int, i: int = i, first: int = token) -> int:  # extended position m of request i
+                return i * tail + m if m < tail else n * tail + first + m - tail
+            starts.append(token)
+            windows.extend([row(j + w) for w in range(conv_kernel)] for j in range(length))
+            tails.append([row(length + w) for w in range(tail)])
+            token += length
+        device = batch.input_ids.device
+        decodes = [i for i, length in enumerate(lengths) if length == 1]
+
+        def tensor(values: list[int] | list[list[int]] | list[bool], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(starts, lengths, has_state, batch.state_slots, tensor(has_state, torch.bool),
+                   tensor(windows, torch.int64), tensor(tails, torch.int64), tensor(decodes, torch.int64),
+                   tensor([starts[i] for i in decodes], torch.int64),
+                   [i for i, length in enumerate(lengths) if length > 1])
+
+
+def causal_conv(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
+    """The depthwise causal convolution (before its activation) of the step's tokens,
+    ``xbc`` [tokens, channels], with ``weight`` [channels, k]; stores each request's last
+    ``k - 1`` inputs in ``conv_state`` [slots, channels, k - 1]. Returns [tokens,
+    channels] in xbc's dtype (summed in float32)."""
+    channels, kernel = weight.shape
+    stored = conv_state[spans.slots]  # [n, channels, k - 1]
+    stored = torch.where(spans.has_state_mask[:, None, None], stored, torch.zeros((), dtype=stored.dtype))
+    extended = torch.cat([stored.transpose(1, 2).reshape(-1, channels), xbc.to(stored.dtype)])  # [n(k-1) + T, C]
+    windows = extended[spans.conv_windows].float()  # [tokens, k, channels]
+    out = (windows * weight.t().float()).sum(1)  # [tokens, channels]
+    if bias is not None:
+        out = out + bias.float()
+    conv_state.index_copy_(0, spans.slots, extended[spans.conv_tails].transpose(1, 2))
+    return out.to(xbc.dtype)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of ``n`` requests: state [n, heads, head_dim, d_state], x [n,
+    heads, head_dim], dt [n, heads] (after softplus), A and D [heads], B and C [n, heads,
+    d_state] (groups already repeated per head). Returns (y [n, heads, head_dim], the
+    new state); h' = exp(dt A) h + dt B x, y = h' C + D x."""
+    decay = torch.exp(dt * A)  # [n, heads]
+    inputs = (dt[..., None] * B)[:, :, None, :] * x[..., None]  # [n, heads, head_dim, d_state]
+    state = state * decay[..., None, None] + inputs
+    y = (state @ C[..., None]).squeeze(-1)  # [n, heads, head_dim]
+    return y + x * D[:, None], state
+
+
+def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference scan of one request's chunk, token by token from ``state`` [heads,
+    head_dim, d_state]: x [L, heads, head_dim], dt [L, heads], B and C [L, heads, d_state].
+    Returns (y [L, heads, head_dim], the final state)."""
+    ys = []
+    current = state[None]
+    for t in range(x.shape[0]):
+        y, current = selective_state_update(current, x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D)
+        ys.append(y)
+    return torch.cat(ys), current[0]
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """[..., l] -> [..., l, l]: entry (i, j) is a[j+1] + ... + a[i] for i >= j (0 on the
+    diagonal), -inf above it; by masked cumulative sums (stable, no differences)."""
+    length = a.shape[-1]
+    expanded = a[..., None].expand(*a.shape, length)  # [..., l (k), l (j)]: a[k]
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = torch.cumsum(expanded.masked_fill(~below, 0), dim=-2)
+    lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
+    return sums.masked_fill(~lower, -torch.inf)
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequential_scan``'s result by the chunked (SSD) algorithm: within blocks of
+    ``chunk_size`` tokens the scan is a masked, attention-like product; between blocks
+    the states are passed on. Same arguments and results."""
+    length, heads, head_dim = x.shape
+    pad = (-length) % chunk_size
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [chunks, chunk_size, ...], zero-padded
+        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).reshape(-1, chunk_size, *t.shape[1:])
+
+    xs = blocks(x * dt[..., None])  # [c, l, h, p]
+    decays = blocks(A * dt).permute(2, 0, 1)  # [h, c, l]
+    Bs, Cs = blocks(B), blocks(C)  # [c, l, h, n]
+    cumulative = torch.cumsum(decays, dim=-1)  # [h, c, l]
+    # 1. Within each block: y_l = sum_{s <= l} (C_l . B_s) exp(A_s+1 + ... + A_l) x_s dt_s.
+    mask = torch.exp(segment_sum(decays))  # [h, c, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", Cs, Bs) * mask.permute(1, 2, 3, 0)
+    y_diag = torch.einsum("clsh,cshp->clhp", scores, xs)
+    # 2. Each block's own contribution to the state at its end.
+    to_end = torch.exp(cumulative[..., -1:] - cumulative)  # [h, c, l]
+    block_states = torch.einsum("clhn,clhp->chpn", Bs * to_end.permute(1, 2, 0)[..., None], xs)
+    # 3. The state entering each block: the initial state and earlier blocks', decayed.
+    block_states = torch.cat([state[None].to(block_states.dtype), block_states])  # [c + 1, h, p, n]
+    between = torch.exp(segment_sum(F.pad(cumulative[..., -1], (1, 0))))  # [h, c + 1, c + 1]
+    entering = torch.einsum("hij,jhpn->ihpn", between, block_states)  # [c + 1, h, p, n]
+    # 4. What the entering state adds to each position of its block.
+    y_off = torch.einsum("clhn,chpn->clhp", Cs, entering[:-1]) * torch.exp(cumulative).permute(1, 2, 0)[..., None]
+    y = (y_diag + y_off).reshape(-1, heads, head_dim)[:length]  # [L, h, p]
+    return y + x * D[:, None], entering[-1]

@@ -1,0 +1,66 @@
+"""Tiny random-weight state-space checkpoints (Mamba2, the Bamba hybrid) written with
+transformers' own config and model classes, and transformers' greedy tokens for them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers_models import CHATML_TEMPLATE, TINY_VOCAB_SIZE, tiny_tokenizer_json
+
+# Small but with every feature in play: 2 groups over 4 heads, several SSD blocks per
+# prompt (chunk_size 8), a 4-tap convolution.
+_SETTINGS: dict[str, dict[str, Any]] = {
+    "mamba2": dict(hidden_size=32, num_hidden_layers=2, vocab_size=TINY_VOCAB_SIZE, num_heads=4, head_dim=16,
+                   state_size=8, n_groups=2, conv_kernel=4, chunk_size=8, expand=2, tie_word_embeddings=False,
+                   bos_token_id=0, eos_token_id=2, pad_token_id=0),
+    "bamba": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, attn_layer_indices=[1], mamba_n_heads=4,
+                  mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_expand=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=2, pad_token_id=0),
+}
+_CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM")}
+
+
+def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight ``arch`` (mamba2 | bamba) HF directory with a tokenizer.
+    Norm weights, biases and the mixers' A_log, D and dt_bias are perturbed from their
+    initial values so that a loader that mixes two up is caught."""
+    import transformers
+
+    config_name, model_name = _CLASSES[arch]
+    config = getattr(transformers, config_name)(**{**_SETTINGS[arch], **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "norm_f.weight")):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith((".bias", ".D", ".dt_bias", ".A_log")):
+                param.add_(torch.randn_like(param) * 0.1)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE}))
+    return path
+
+
+def hf_greedy(path: Path, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
+    """transformers' float32 greedy tokens (its own cache, one prompt at a time)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    results = {}
+    with torch.no_grad():
+        for request_id, prompt in prompts.items():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            results[request_id] = out[0, len(prompt):].tolist()
+    return results
