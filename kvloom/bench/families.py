@@ -61,18 +61,20 @@ class FamilyResult:
     decode: dict[int, dict[str, float]]  # batch -> median step ms, tokens/s
 
 
-def write_family(family: str, directory: Path, tokenizer: Tokenizer) -> Path:
-    """The family's random-weight bf16 checkpoint (once), with the default model's tokenizer."""
+def write_family(shape: tuple[str, dict[str, Any]], target: Path, tokenizer: Tokenizer) -> Path:
+    """A random-weight bf16 checkpoint of ``shape`` (a transformers config class and its
+    settings) in ``target``, with ``tokenizer``; kept if already written."""
     import transformers
-    target = directory / family
-    if (target / "config.json").exists():
+    stamp = json.dumps(shape, sort_keys=True)
+    if (target / "family.json").exists() and (target / "family.json").read_text() == stamp:
         return target
-    class_name, settings = FAMILIES[family]
+    class_name, settings = shape
     config = getattr(transformers, class_name)(**settings)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(target)
     tokenizer.save(target)
+    (target / "family.json").write_text(stamp)  # last: marks the directory complete
     return target
 
 
@@ -119,14 +121,17 @@ def _state_bytes_per_request(engine: LLMEngine) -> int:
 
 
 def run_families(families: list[str], workdir: Path, batches: list[int], context: int, decode_steps: int,
-                 memory_gib: float, engine_kwargs: dict[str, Any]) -> list[FamilyResult]:
-    unknown = sorted(set(families) - set(FAMILIES))
+                 memory_gib: float, engine_kwargs: dict[str, Any], tokenizer: Tokenizer | None = None,
+                 shapes: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[FamilyResult]:
+    """``shapes``: instead of FAMILIES; ``tokenizer``: instead of the default model's."""
+    shapes = shapes or FAMILIES
+    unknown = sorted(set(families) - set(shapes))
     if unknown:
-        raise ValueError(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
-    tokenizer = load_checkpoint(DEFAULT_MODEL).tokenizer
+        raise ValueError(f"unknown families {unknown}; known: {sorted(shapes)}")
+    tokenizer = tokenizer or load_checkpoint(DEFAULT_MODEL).tokenizer
     results = []
     for family in families:
-        path = write_family(family, workdir, tokenizer)
+        path = write_family(shapes[family], workdir / family, tokenizer)
         results.append(measure_family(family, path, batches, context, decode_steps, memory_gib, engine_kwargs))
     return results
 
