@@ -189,3 +189,42 @@ def test_absorbed_projections_equal_the_per_head_reference(q_lora_rank: int | No
     attention.absorb()
     absorbed = attention(hidden, rotary, batch, torch.zeros(1, 2, 4, 1, config.mla.latent_dim), backend, None)
     torch.testing.assert_close(absorbed, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_latents_move_between_a_prefill_and_a_decode_instance(v2: Path, tmp_path: Path) -> None:
+    """Disaggregation carries the latent pool as it is: one plane, the latent as its head."""
+    from kvloom.kv_spec import KVExport, KVImport, StagedKV
+
+    def make(role: str) -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", role=role, num_blocks=32,
+                                                  kv_shm_dir=str(tmp_path)))
+
+    rng = random.Random(9)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(n)] for i, n in enumerate((5, 17, 40))}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    single = make("both")
+    expected = dict(zip(prompts, drive(single, list(prompts.values()), params), strict=True))
+    producer, consumer = make("prefill"), make("decode")
+    try:
+        assert (consumer.kv_layout.num_planes, consumer.kv_layout.num_kv_heads) == (1, 1)
+        assert consumer.kv_layout.head_dim == LATENT
+        staged = {}
+        for rid, prompt in prompts.items():
+            producer.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, kv_transfer=KVExport())
+        while producer.has_unfinished_requests():
+            for output in producer.step():
+                if output.finished:
+                    staged[output.request_id] = StagedKV.from_dict(output.kv_transfer_params)
+        for rid, prompt in prompts.items():
+            consumer.add_request(prompt, params, request_id=rid, kv_transfer=KVImport(staged[rid]))
+        got: dict[str, list[int]] = {}
+        while consumer.has_unfinished_requests():
+            for output in consumer.step():
+                if output.finished:
+                    got[output.request_id] = output.outputs[0].token_ids
+            consumer.check_integrity()
+        assert got == expected
+        assert consumer.stats().kv_imports == 3
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
