@@ -20,6 +20,7 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, attn_layer_indices=[1], mamba_n_heads=4,
                   mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_expand=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  initializer_range=0.1,  # 0.02 (the default) makes a tiny model repeat one token
                   bos_token_id=0, eos_token_id=2, pad_token_id=0),
 }
 _CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM")}
@@ -64,3 +65,19 @@ def hf_greedy(path: Path, prompts: dict[str, list[int]], max_new_tokens: int) ->
                                  pad_token_id=0, eos_token_id=None)
             results[request_id] = out[0, len(prompt):].tolist()
     return results
+
+
+def random_prompts(count: int, seed: int, shortest: int = 3, longest: int = 40) -> dict[str, list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(rng.randrange(shortest, longest))]
+            for i in range(count)}
+
+
+def ssm_engine(path: Path, **kwargs: Any) -> Any:
+    """A float32 engine on ``path``; ``kwargs`` are engine options."""
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(str(path), dtype="float32", **kwargs))

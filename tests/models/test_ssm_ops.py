@@ -59,7 +59,8 @@ def batch_of(query_lens: list[int], seq_lens: list[int], slots: list[int]) -> Fo
         starts.append(starts[-1] + n)
     return ForwardBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=torch.zeros(num_tokens, dtype=torch.int64),
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64), block_tables=torch.zeros(len(slots), 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        block_tables=torch.zeros(len(slots), 1, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(starts, dtype=torch.int32),
         logits_indices=torch.zeros(0, dtype=torch.int64), query_lens_list=query_lens, seq_lens_list=seq_lens,
         block_size=16, state_slots=torch.tensor(slots, dtype=torch.int64))
