@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from fake_runner import expected_output, fake_execute, make_request, make_scheduler, run_to_completion
 
+from kvloom.cache.block_pool import BlockPoolError
 from kvloom.cache.state_pool import StatePool
 from kvloom.engine.scheduler import Scheduler
 from kvloom.engine.trace import SchedulerTrace, WaitReason
@@ -84,3 +86,16 @@ def test_static_batching_admits_only_as_many_as_slots() -> None:
     assert len(output.scheduled) == 2
     run_to_completion(scheduler)
     assert all(request.output_token_ids == expected_output(request) for request in requests)
+
+
+def test_the_schedulers_integrity_check_covers_the_slots() -> None:
+    scheduler = with_slots(2, num_blocks=64, block_size=4)
+    first, second = make_request("a", 5, 3), make_request("b", 5, 3)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    scheduler.update(output, fake_execute(output))
+    scheduler.check_integrity()
+    second.state_slot = first.state_slot  # two requests on one slot
+    with pytest.raises(BlockPoolError, match="state slot"):
+        scheduler.check_integrity()
