@@ -60,6 +60,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, spans: ssm_ops.SSMSpans) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]; reads and writes the requests' slots."""
+        if not self.ssm_state.numel():
+            raise RuntimeError("a Mamba2 mixer runs only after allocate_state gave it its state slots")
         ssm, num_tokens = self.ssm, hidden.shape[0]
         heads, head_dim, groups, d_state = ssm.num_heads, ssm.head_dim, ssm.num_groups, ssm.state_size
         gate, xbc, dt = self.in_proj(hidden).split([ssm.intermediate_size, ssm.conv_dim, heads], dim=-1)
