@@ -238,7 +238,8 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
     (["--policy", "bogus"], "argument --policy: invalid choice: 'bogus' (choose from 'fcfs', "
                             "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
-                                       "(choose from 'auto', 'cpu_paged', 'torch_ref')"),
+                                       "(choose from 'auto', 'cpu_paged', 'torch_ref', 'mla_batched', "
+                                       "'mla_ref')"),
     (["--scheduling", "batch"], "argument --scheduling: invalid choice: 'batch'"),
     (["--matmul", "blas"], "argument --matmul: invalid choice: 'blas'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
