@@ -10,7 +10,10 @@ size (576 wide, its vocabulary and tokenizer), and written once into
   of 64): K and V of 3 heads per token and layer;
 - ``mla``: DeepSeek-V2's latent attention in the same 30 layers (9 heads, a latent of
   256 plus a 32-wide rotary key per token and layer; q/k heads 64 + 32, v 64);
-- families whose model classes kvloom registers later join by adding a row here.
+- ``mamba2``: Mamba2-130m's shape (768 wide, 24 mixers, no attention): a fixed state
+  per request, no KV at all;
+- ``hybrid``: Bamba, SmolLM2's width and depth with 5 attention layers among 30, the
+  others Mamba2 mixers (a 64-wide state per head).
 
 For each: the cache's bytes per token (every layer), a request's fixed state bytes
 (state-space models), the most requests of ``context`` tokens that ``memory_gib`` of
@@ -47,6 +50,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                  "first_k_dense_replace": 30, "n_routed_experts": 1, "num_experts_per_tok": 1,
                                  "moe_intermediate_size": 1, "n_shared_experts": 1,
                                  "architectures": ["DeepseekV2ForCausalLM"]}),
+    # Mamba2-130m's own shape (768 wide, 24 mixers, a 128-wide state per head of 64).
+    "mamba2": ("Mamba2Config", {"vocab_size": 49152, "hidden_size": 768, "num_hidden_layers": 24, "state_size": 128,
+                                "head_dim": 64, "num_heads": 24, "expand": 2, "n_groups": 1, "conv_kernel": 4,
+                                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+                                "architectures": ["Mamba2ForCausalLM"]}),
+    # SmolLM2's width and depth with one attention layer in six, the rest Mamba2 mixers.
+    "hybrid": ("BambaConfig", {**_SMOLLM, "num_key_value_heads": 3, "attn_layer_indices": [5, 11, 17, 23, 29],
+                               "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1,
+                               "mamba_d_conv": 4, "mamba_expand": 2, "architectures": ["BambaForCausalLM"]}),
 }
 
 
@@ -89,7 +101,7 @@ def measure_family(family: str, path: Path, batches: list[int], context: int, de
     pool = engine.runner.kv_caches
     blocks = pool.shape[2]
     per_token = pool.numel() * pool.element_size() // (blocks * pool.shape[3])
-    state = _state_bytes_per_request(engine)
+    state = engine.state_bytes_per_slot
     max_requests = int(memory_gib * GIB // (per_token * context + state))
     decode: dict[int, dict[str, float]] = {}
     time_decode(engine, batches[0], min(context, 64), 3, seed=99)  # warm-up
@@ -112,12 +124,6 @@ def _checkpoint_parameters(path: Path) -> int:
         with safe_open(str(shard), "pt") as f:
             total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
     return total
-
-
-def _state_bytes_per_request(engine: LLMEngine) -> int:
-    """A state-space model's fixed state per request (its state pool's slot), else 0."""
-    states = getattr(engine.runner, "state_pool", None)
-    return int(states.bytes_per_slot) if states is not None else 0
 
 
 def run_families(families: list[str], workdir: Path, batches: list[int], context: int, decode_steps: int,

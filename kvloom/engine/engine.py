@@ -133,12 +133,14 @@ class LLMEngine:
                                      else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         self.state_pool: StatePool = NoStatePool()
+        self.state_bytes_per_slot = 0  # a state-space model's fixed state per request, every layer
         if mc.ssm is not None:
             from kvloom.models.mamba2 import allocate_state
-            self.state_pool = StatePool(num_state_slots(config))
-            state_bytes = allocate_state(self.model, self.state_pool.num_slots)
+            slots = num_state_slots(config)
+            self.state_pool = StatePool(slots)
+            self.state_bytes_per_slot = allocate_state(self.model, slots) // slots
             logger.info("state pool: %d slots of %.1f MiB (every Mamba2 layer's state)",
-                        self.state_pool.num_slots, state_bytes / self.state_pool.num_slots / (1 << 20))
+                        self.state_pool.num_slots, self.state_bytes_per_slot / (1 << 20))
         self.output_processor = OutputProcessor(self.tokenizer)
         # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None

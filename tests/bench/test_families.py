@@ -36,3 +36,20 @@ def test_cache_bytes_concurrency_and_decode_rows(tmp_path: Path) -> None:
     for result in results:
         assert set(result.decode) == {1, 3} and all(row["tokens_per_s"] > 0 for row in result.decode.values())
     assert "DeepseekV2ForCausalLM" in format_families(results, 32, 1 / 1024)
+
+
+def test_a_state_space_model_holds_a_fixed_state_per_request(tmp_path: Path) -> None:
+    """Mamba2: no KV at all; its state per request is every mixer's convolution inputs
+    (model dtype, bf16) and SSM state (float32), counted by hand."""
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(512))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json", {"eos_token": "<|im_end|>"})
+    shapes = {"mamba2": ("Mamba2Config", dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_heads=4,
+                                              head_dim=16, state_size=8, n_groups=2, conv_kernel=4, expand=2,
+                                              bos_token_id=0, eos_token_id=2,
+                                              architectures=["Mamba2ForCausalLM"]))}
+    (result,) = run_families(["mamba2"], tmp_path / "models", [2], 32, 2, 1 / 1024, {}, tokenizer=tokenizer,
+                             shapes=shapes)
+    conv_dim = 64 + 2 * 2 * 8  # the inner width, then B and C of each group
+    per_layer = conv_dim * (4 - 1) * 2 + 4 * 16 * 8 * 4
+    assert (result.cache_bytes_per_token, result.state_bytes_per_request) == (0, 2 * per_layer)
+    assert result.max_requests == (1 << 20) // (2 * per_layer)
