@@ -18,7 +18,10 @@ size (576 wide, its vocabulary and tokenizer), and written once into
 For each: the cache's bytes per token (every layer), a request's fixed state bytes
 (state-space models), the most requests of ``context`` tokens that ``memory_gib`` of
 cache and state holds, and pure decode steps timed at each batch size
-(``bench steps``'s ``time_decode``: median step time, tokens per second).
+(``bench steps``'s ``time_decode``: median step time, tokens per second), and the
+step that computes one fresh prompt of ``context`` tokens: what a prefix-cache hit of
+that length saves an attention model, and what a state-space model, whose prefixes
+are never reused (engine/state_space.py), pays every time.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvloom.bench.steps import time_decode
+from kvloom.bench.steps import time_decode, time_prefill
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.models.loader import load_checkpoint
@@ -70,6 +73,7 @@ class FamilyResult:
     cache_bytes_per_token: int  # every layer's share of the paged pool, per token
     state_bytes_per_request: int  # fixed per request (state-space layers); 0 for attention only
     max_requests: int  # of `context` tokens in `memory_gib` of cache and state
+    prefill_ms: float  # median step computing one fresh prompt of `context` tokens
     decode: dict[int, dict[str, float]]  # batch -> median step ms, tokens/s
 
 
@@ -105,6 +109,8 @@ def measure_family(family: str, path: Path, batches: list[int], context: int, de
     max_requests = int(memory_gib * GIB // (per_token * context + state))
     decode: dict[int, dict[str, float]] = {}
     time_decode(engine, batches[0], min(context, 64), 3, seed=99)  # warm-up
+    prefill = time_prefill(engine, 1, context, 3, seed=7)
+    print(f"{family:<8} {prefill.summary}", flush=True)
     for batch in batches:
         timing = time_decode(engine, batch, context, decode_steps, seed=batch)
         median = statistics.median(timing.milliseconds)
@@ -113,7 +119,7 @@ def measure_family(family: str, path: Path, batches: list[int], context: int, de
     engine.shutdown()
     parameters = _checkpoint_parameters(path)
     return FamilyResult(family, engine.model_config.architecture, parameters, per_token, state,
-                        max_requests, decode)
+                        max_requests, round(statistics.median(prefill.milliseconds), 2), decode)
 
 
 def _checkpoint_parameters(path: Path) -> int:
@@ -145,12 +151,14 @@ def run_families(families: list[str], workdir: Path, batches: list[int], context
 def format_families(results: list[FamilyResult], context: int, memory_gib: float) -> str:
     batches = sorted({b for r in results for b in r.decode})
     head = (f"| family | parameters | cache bytes/token | state bytes/request | requests of {context} tokens "
-            f"in {memory_gib:g} GiB | " + " | ".join(f"decode b{b}: ms/step, tok/s" for b in batches) + " |")
-    lines = [head, "|" + "---|" * (5 + len(batches))]
+            f"in {memory_gib:g} GiB | prefill 1 x {context}: ms | "
+            + " | ".join(f"decode b{b}: ms/step, tok/s" for b in batches) + " |")
+    lines = [head, "|" + "---|" * (6 + len(batches))]
     for r in results:
         cells = [f"{r.decode[b]['median_step_ms']}, {r.decode[b]['tokens_per_s']}" for b in batches]
         lines.append(f"| {r.family} ({r.architecture}) | {r.parameters / 1e6:.1f} M | {r.cache_bytes_per_token:,} | "
-                     f"{r.state_bytes_per_request:,} | {r.max_requests:,} | " + " | ".join(cells) + " |")
+                     f"{r.state_bytes_per_request:,} | {r.max_requests:,} | {r.prefill_ms} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
