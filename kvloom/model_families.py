@@ -12,18 +12,141 @@ from typing import Any
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
+MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """A sparse mixture-of-experts FFN: a router picks ``top_k`` of ``num_experts``
-    gated MLPs per token and sums their outputs weighted by the routing weights."""
+    gated MLPs per token and sums their outputs weighted by the routing weights.
+
+    The fields say how each family routes, exactly as transformers 5.24 computes it
+    (models/moe.py runs it): Mixtral (softmax, top-k, renormalised), Qwen2-MoE
+    (softmax, top-k, ``norm_topk_prob``, a shared expert scaled by a sigmoid gate),
+    DeepSeek-V2 (softmax in float32, greedy or group-limited top-k, scaled) and
+    DeepSeek-V3 (sigmoid, a bias that steers the choice only, groups by their top-2
+    sum, renormalised, scaled). Layers outside ``sparse_layers`` keep the dense MLP
+    of ``ModelConfig.intermediate_size``."""
 
     num_experts: int
     top_k: int
-    intermediate_size: int  # of one expert
+    intermediate_size: int  # of one routed expert
+    sparse_layers: tuple[int, ...]  # the decoder layers whose FFN is this MoE, ascending
+    scoring: str = "softmax"  # router logits -> scores: "softmax" or "sigmoid"
+    # How the top_k experts are chosen: "greedy" (the top_k scores), "group_limited_greedy"
+    # (only within the topk_groups groups of best single score), "noaux_tc" (scores plus
+    # score_correction_bias, within the groups of best top-2 sum; weights from the raw scores).
+    topk_method: str = "greedy"
+    norm_topk_prob: bool = False  # divide the chosen weights by their sum
+    routed_scaling_factor: float = 1.0  # multiplies the chosen weights (after any norm)
+    num_groups: int = 1  # experts form num_groups equal groups (group-limited methods)
+    topk_groups: int = 1  # groups a token may choose from
+    score_correction_bias: bool = False  # a per-expert float32 bias added for selection (V3)
+    router_float32: bool = False  # router weight kept and applied in float32 (DeepSeek)
+    # Qwen2-MoE rounds the routing weights to the activation dtype before they scale the
+    # expert outputs; the others scale in float32 and round the product.
+    round_routing_weights: bool = False
+    shared_expert_intermediate_size: int = 0  # a shared MLP every token runs; 0: none
+    shared_expert_gate: bool = False  # the shared MLP's output times sigmoid(x @ gate) (Qwen2-MoE)
+    hidden_act: str = "silu"  # the experts' activation (the only one kvloom runs)
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size", "num_groups", "topk_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe config: {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe config: num_experts_per_tok ({self.top_k}) exceeds the "
+                             f"number of experts ({self.num_experts})")
+        if self.scoring not in MOE_SCORINGS:
+            raise ValueError(f"moe config: scoring_func must be one of {MOE_SCORINGS}, got {self.scoring!r}")
+        if self.topk_method not in MOE_TOPK_METHODS:
+            raise ValueError(f"moe config: topk_method must be one of {MOE_TOPK_METHODS}, "
+                             f"got {self.topk_method!r}")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(f"moe config: n_group ({self.num_groups}) must divide the "
+                             f"{self.num_experts} experts and be at least topk_group ({self.topk_groups})")
+        if self.topk_method == "noaux_tc" and (self.scoring != "sigmoid" or self.num_experts // self.num_groups < 2):
+            raise ValueError("moe config: topk_method 'noaux_tc' needs sigmoid scoring and at least "
+                             "2 experts per group (groups are ranked by their top-2 sum)")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("moe config: shared_expert_intermediate_size must be >= 0, "
+                             f"got {self.shared_expert_intermediate_size}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"moe config: hidden_act must be 'silu', got {self.hidden_act!r}")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether decoder layer ``layer_index`` runs this MoE (else the dense MLP)."""
+        return layer_index in self.sparse_layers
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        return None
+        """The MoE of a Mixtral, Qwen2-MoE or DeepSeek-V2/V3 ``config.json`` (HF's
+        defaults where a key is absent); None for any other architecture, or one
+        without a sparse layer."""
+        arch = (hf.get("architectures") or [""])[0]
+        layers = range(int(hf.get("num_hidden_layers", 0)))
+        act = str(hf.get("hidden_act", "silu"))
+        config: MoEConfig
+        if arch == "MixtralForCausalLM":
+            config = cls(num_experts=int(hf.get("num_local_experts", 8)), top_k=int(hf.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
+                         norm_topk_prob=True, hidden_act=act)
+        elif arch == "Qwen2MoeForCausalLM":
+            num_experts = int(hf.get("num_experts", 60))
+            dense = set(hf.get("mlp_only_layers") or ())
+            step = int(hf.get("decoder_sparse_step", 1))
+            sparse = tuple(i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+            if not sparse:
+                return None
+            config = cls(num_experts=num_experts, top_k=int(hf.get("num_experts_per_tok", 4)),
+                         intermediate_size=int(hf.get("moe_intermediate_size", 1408)), sparse_layers=sparse,
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), round_routing_weights=True,
+                         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)),
+                         shared_expert_gate=True, hidden_act=act)
+        elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+            config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
+        else:
+            return None
+        return config if config.sparse_layers else None
+
+
+def _deepseek_moe(cls: type[MoEConfig], hf: dict[str, Any], v3: bool, layers: range, act: str) -> MoEConfig:
+    """DeepSeek's MoE as transformers 5.24 runs it: V2 scores by softmax and, whatever
+    ``norm_topk_prob`` says, only scales the chosen weights (its ``DeepseekV2TopkRouter``;
+    published V2 checkpoints say false); V3 always routes by ``noaux_tc`` (sigmoid, the
+    correction bias), whatever ``topk_method`` and ``scoring_func`` say. Layer i is
+    sparse from ``first_k_dense_replace`` on where ``i % moe_layer_freq == 0`` (the
+    original modeling code's rule; transformers ignores ``moe_layer_freq``, which is 1
+    in every published checkpoint)."""
+
+    def value(key: str, v2_default: Any, v3_default: Any) -> Any:  # HF's default where absent or null
+        found = hf.get(key)
+        found = (v3_default if v3 else v2_default) if found is None else found
+        if found is None:
+            raise ValueError(f"moe config: config.json needs {key} (it has no default)")
+        return found
+
+    first_dense = int(value("first_k_dense_replace", 0, 3))
+    frequency = int(value("moe_layer_freq", 1, 1))
+    intermediate = int(value("moe_intermediate_size", 1407, 2048))
+    method = "noaux_tc" if v3 else str(value("topk_method", "greedy", None))
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"moe config: DeepSeek-V2's topk_method must be 'greedy' or 'group_limited_greedy', "
+                         f"got {method!r}")
+    grouped = method != "greedy"
+    return cls(num_experts=int(value("n_routed_experts", 64, 256)), top_k=int(value("num_experts_per_tok", None, 8)),
+               intermediate_size=intermediate,
+               sparse_layers=tuple(i for i in layers if i >= first_dense and i % frequency == 0),
+               scoring="sigmoid" if v3 else "softmax", topk_method=method,
+               norm_topk_prob=v3 and bool(value("norm_topk_prob", False, True)),
+               routed_scaling_factor=float(value("routed_scaling_factor", 1.0, 2.5)),
+               num_groups=int(value("n_group", None, 8)) if grouped else 1,
+               topk_groups=int(value("topk_group", None, 4)) if grouped else 1,
+               score_correction_bias=v3, router_float32=True,
+               shared_expert_intermediate_size=intermediate * int(value("n_shared_experts", 2, 1)),
+               hidden_act=act)
 
 
 @dataclass(frozen=True)

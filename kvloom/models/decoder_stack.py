@@ -63,6 +63,9 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.moe is not None:
+            return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
+                          "the native walk does not run")
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()

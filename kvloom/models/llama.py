@@ -1,6 +1,8 @@
-"""Llama-family decoder: Llama (SmolLM2, TinyLlama, Llama-3), Qwen2/2.5, Mistral.
+"""Llama-family decoder: Llama (SmolLM2, TinyLlama, Llama-3), Qwen2/2.5, Mistral, and
+the mixture-of-experts Mixtral and Qwen2-MoE.
 
-The differences are flags on ModelConfig (q/k/v bias, tied embeddings, rope scaling).
+The differences are flags on ModelConfig (q/k/v bias, tied embeddings, rope scaling);
+where ``config.moe`` makes a layer sparse, its FFN is models/moe.py's SparseMoE.
 Q/K/V and gate/up are fused into single matmuls at load time; ``load_weights``
 accepts Hugging Face parameter names and routes each shard into the fused tensors.
 Under tensor parallel (``tp``, models/sharding.py) each rank builds its share of the
@@ -23,8 +25,9 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
-from kvloom.models.sharding import TensorSlice, llama_weight_slice, tensor_parallel_problem
+from kvloom.models.sharding import TensorSlice, llama_weight_slice, moe_block_name, tensor_parallel_problem
 
 
 class LlamaAttention(nn.Module):
@@ -59,12 +62,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        moe = config.moe
+        self.mlp: GatedMLP | SparseMoE = (
+            SparseMoE(config.hidden_size, moe, tp) if moe is not None and moe.is_sparse(index)
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,7 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
@@ -169,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         # HF name fragment -> (our fused parameter fragment, offset, size), in this rank's shard
         attention = self.layers[0].self_attn
         q, kv = attention.q_size, attention.kv_size
-        inter = self.layers[0].mlp.intermediate_size
+        inter = self.config.intermediate_size // self.tp.size  # this rank's features of a dense MLP
         fused = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
@@ -181,6 +187,13 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            block = moe_block_name(name)
+            if block is not None and block[0] < len(self.layers) and isinstance(self.layers[block[0]].mlp, SparseMoE):
+                layer, inside = block
+                for parameter, count in self.layers[layer].mlp.load_hf(inside, tensor).items():
+                    key = f"layers.{layer}.mlp.{parameter}"
+                    filled[key] = filled.get(key, 0) + count
                 continue
             target, offset, size = name, None, None
             for fragment, (ours, start, length) in fused.items():

@@ -9,15 +9,20 @@ holds and which part of each checkpoint tensor it reads.
 - vocabulary-parallel: the embedding table and the output head split by token id
   (padded to a multiple of the ranks); a lookup is a masked local lookup plus an
   all-reduce, the logits are the ranks' columns gathered on rank 0;
-- replicated: the norms, and a row-parallel layer's bias, added on rank 0 only.
+- replicated: the norms, and a row-parallel layer's bias, added on rank 0 only;
+- mixture of experts (models/moe.py): every expert's gate/up column-parallel and its
+  down row-parallel, by its intermediate features (the shared expert's too); the
+  router replicated; one all-reduce after the whole FFN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from kvloom.config import ModelConfig
+from kvloom.model_families import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -31,11 +36,18 @@ class TensorSlice:
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     """Why ``config`` cannot be split across ``size`` ranks, or None. Heads, KV heads
-    and intermediate features must divide evenly (the vocabulary is padded instead)."""
+    and intermediate features (dense, each expert's, the shared expert's) must divide
+    evenly (the vocabulary is padded instead)."""
     if size == 1:
         return None
-    sizes = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-             "intermediate_size": config.intermediate_size}
+    sizes = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
+    moe = config.moe
+    if moe is None or len(moe.sparse_layers) < config.num_layers:  # some layer has the dense MLP
+        sizes["intermediate_size"] = config.intermediate_size
+    if moe is not None:
+        sizes["experts' intermediate size"] = moe.intermediate_size
+        if moe.shared_expert_intermediate_size:
+            sizes["shared expert's intermediate size"] = moe.shared_expert_intermediate_size
     bad = [f"{name} ({value})" for name, value in sizes.items() if value % size]
     if bad:
         return (f"tensor_parallel_size={size} must divide the model's {' and '.join(bad)}: "
@@ -74,6 +86,9 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) 
     if size == 1:
         return None
     name = hf_name.removeprefix("model.")
+    block = moe_block_name(name)
+    if config.moe is not None and block is not None and config.moe.is_sparse(block[0]):
+        return moe_weight_slice(config.moe, block[1], rank, size)
     head_dim = config.head_dim
     if ".self_attn.q_proj." in name:
         return TensorSlice(0, *column_split(config.num_heads * head_dim, rank, size))
@@ -89,3 +104,61 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) 
         start, end, _ = vocab_split(config.vocab_size, rank, size)
         return TensorSlice(0, start, end)
     return None
+
+
+# ---- mixture of experts: checkpoint names ----------------------------------------------
+# Mixtral's hub names (w1 gate, w3 up, w2 down), Qwen2-MoE's and DeepSeek's, and the
+# fused tensors of transformers 5's modules ([experts, 2 * inter, hidden] gate|up and
+# [experts, hidden, inter] down; its save_pretrained writes the per-expert names back).
+_BLOCK = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)")
+_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_SHARED = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_WHOLE = {"gate.weight": "router", "gate.e_score_correction_bias": "score_correction_bias",
+          "experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "shared_expert_gate.weight": "shared_gate"}
+
+
+@dataclass(frozen=True)
+class MoETensor:
+    """What one checkpoint tensor of a MoE block holds. ``part``: ``router``,
+    ``score_correction_bias``, ``gate`` / ``up`` / ``down`` (of ``expert``; ``gate_up``
+    and ``down`` with expert None: every expert's, fused), ``shared_gate`` (the shared
+    expert's sigmoid gate), ``shared_gate_proj`` / ``shared_up_proj`` / ``shared_down_proj``."""
+
+    part: str
+    expert: int | None = None
+
+
+def moe_block_name(name: str) -> tuple[int, str] | None:
+    """``(layer, name inside the FFN block)`` for ``layers.N.mlp.*`` and Mixtral's
+    ``layers.N.block_sparse_moe.*`` (``model.`` already removed), else None."""
+    match = _BLOCK.fullmatch(name)
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
+def moe_tensor(name: str) -> MoETensor | None:
+    """What the tensor named ``name`` inside a MoE block holds, or None if it is none of its."""
+    if name in _WHOLE:
+        return MoETensor(_WHOLE[name])
+    expert = _EXPERT.fullmatch(name)
+    if expert is not None:
+        return MoETensor(_EXPERT_PARTS[expert.group(2)], int(expert.group(1)))
+    shared = _SHARED.fullmatch(name)
+    return None if shared is None else MoETensor(f"shared_{shared.group(1)}")
+
+
+def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int) -> TensorSlice | None:
+    """The part of MoE-block tensor ``name`` that ``rank`` of ``size`` reads (None: all
+    of it: the router, the bias, the shared gate, and the fused gate|up, whose two
+    halves the module cuts itself)."""
+    if size == 1:
+        return None
+    tensor = moe_tensor(name)
+    if tensor is None:
+        return None
+    inter = column_split(moe.intermediate_size, rank, size)
+    shared = column_split(moe.shared_expert_intermediate_size, rank, size)
+    if tensor.expert is not None:  # one expert's [inter, hidden] gate/up or [hidden, inter] down
+        return TensorSlice(1 if tensor.part == "down" else 0, *inter)
+    return {"down": TensorSlice(2, *inter), "shared_gate_proj": TensorSlice(0, *shared),
+            "shared_up_proj": TensorSlice(0, *shared), "shared_down_proj": TensorSlice(1, *shared)}.get(tensor.part)

@@ -1,0 +1,268 @@
+"""The sparse mixture-of-experts FFN (Mixtral, Qwen2-MoE, DeepSeek-V2/V3).
+
+``SparseMoE(hidden_size, moe, tp)`` maps ``[tokens, hidden] -> [tokens, hidden]``:
+the router (``MoERouter``, the family's rule in ``route``) picks ``moe.top_k`` experts
+per token with a weight each; every expert is a gated MLP held in two 3D tensors,
+``experts_gate_up`` ``[experts, 2 * inter, hidden]`` (gate | up) and ``experts_down``
+``[experts, hidden, inter]``; a shared expert (Qwen2-MoE, DeepSeek) runs for every
+token. ``experts_grouped`` is the fast path: the (token, expert) pairs sorted by
+expert, one gate/up and one down matmul per expert over its contiguous slice, the
+weighted rows scatter-added back; ``experts_reference`` is the plain per-token loop
+it is tested against.
+
+Numerics follow transformers 5.24 (its ``*TopkRouter`` / ``*Experts`` modules): each
+token's expert outputs are added in ascending expert order onto zeros (so its result
+depends only on its own row and experts), in the activation dtype; the routing weights
+are float32 except Qwen2-MoE's. Under tensor parallel each rank holds its share of
+every expert's intermediate features (and the shared expert's): the rank's partial sums
+of the routed and shared outputs are added and all-reduced once; the router is
+replicated, so every rank routes alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.model_families import MoEConfig
+from kvloom.models import ops
+from kvloom.models.layers import GatedMLP
+from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
+
+
+# ---- routing -------------------------------------------------------------------------
+def route(logits: torch.Tensor, moe: MoEConfig,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[tokens, experts]`` -> (weights, experts), ``[tokens, top_k]``
+    each: the weights float32, the expert ids int64, in no particular order."""
+    if moe.scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = logits.float().sigmoid()
+    # Mixtral and Qwen2-MoE take the top-k sorted, DeepSeek unsorted: the same experts,
+    # but the order decides how the renormalising sum rounds.
+    ordered = not moe.router_float32
+    if moe.topk_method == "greedy":
+        weights, experts = torch.topk(scores, moe.top_k, dim=-1, sorted=ordered)
+    elif moe.topk_method == "group_limited_greedy":  # groups ranked by their best expert
+        group_scores = scores.view(-1, moe.num_groups, moe.num_experts // moe.num_groups).max(dim=-1).values
+        allowed = _chosen_groups(group_scores, moe)
+        weights, experts = torch.topk(scores.masked_fill(~allowed, 0.0), moe.top_k, dim=-1, sorted=False)
+    else:  # noaux_tc: the bias steers the choice; the weights are the raw scores
+        if correction_bias is None:
+            raise ValueError("topk_method 'noaux_tc' needs the router's e_score_correction_bias")
+        choice = scores + correction_bias
+        group_scores = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups).topk(2, dim=-1)[0].sum(-1)
+        allowed = _chosen_groups(group_scores, moe)
+        experts = torch.topk(choice.masked_fill(~allowed, float("-inf")), moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+    if moe.norm_topk_prob:
+        denominator = weights.sum(dim=-1, keepdim=True)
+        if moe.scoring == "sigmoid":  # DeepSeek-V3's guard (a softmax's top-k never sums to 0)
+            denominator = denominator + 1e-20
+        weights = weights / denominator
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return weights, experts
+
+
+def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """[tokens, groups] -> [tokens, experts] bool: the experts of each token's
+    ``topk_groups`` best groups."""
+    chosen = torch.topk(group_scores, moe.topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask.repeat_interleave(moe.num_experts // moe.num_groups, dim=1)
+
+
+class MoERouter(nn.Module):
+    """The router's weight ``[experts, hidden]`` (and DeepSeek-V3's per-expert
+    ``score_correction_bias``). With ``moe.router_float32`` (DeepSeek) both stay
+    float32 through ``model.to(dtype)`` and the logits are computed in float32, as
+    transformers keeps ``gate.weight`` and the bias in float32; otherwise the router
+    runs in the activation dtype."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size))
+        self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
+                                      if moe.score_correction_bias else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
+        if self.moe.router_float32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)  # [tokens, experts]
+        return route(logits, self.moe, self.score_correction_bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:
+        convert = fn
+        if self.moe.router_float32:
+            def convert(tensor: torch.Tensor) -> torch.Tensor:  # to where fn sends it, kept float32
+                return tensor.to(device=fn(tensor.new_empty(0)).device, dtype=torch.float32)
+
+        super()._apply(convert, recurse)  # type: ignore[no-untyped-call]
+        return self
+
+
+# ---- the experts ---------------------------------------------------------------------
+def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert over rows x [rows, hidden]: down(silu(gate(x)) * up(x))."""
+    return F.linear(ops.silu_and_mul(F.linear(x, gate_up)), down)
+
+
+def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
+    hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter], weights and experts
+    [tokens, top_k]. Pairs sorted by expert, one matmul pair per expert that any token
+    chose, added back expert by expert."""
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)  # [pairs]: pair p is token p // top_k's choice p % top_k
+    pair = torch.arange(flat.numel(), device=flat.device)
+    # Within an expert, rows in transformers' order (by choice slot, then token): a float32
+    # matmul's rows can round differently by their place in the call.
+    order = torch.argsort((flat * top_k + pair % top_k) * num_tokens + pair // top_k)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # the slices' bounds (one sync)
+    tokens = order // top_k  # [pairs], grouped by expert
+    rows = x.index_select(0, tokens)  # [pairs, hidden]
+    pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:  # nobody chose it
+            continue
+        end = start + count
+        contribution = _expert(rows[start:end], gate_up[expert], down[expert]) * pair_weights[start:end]
+        # A token chose each expert at most once: one add per token and expert, ascending.
+        out.index_add_(0, tokens[start:end], contribution.to(x.dtype))
+        start = end
+    return out
+
+
+def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                      experts: torch.Tensor) -> torch.Tensor:
+    """The oracle of ``experts_grouped``: token by token, its experts in ascending order,
+    in plain PyTorch ops."""
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for slot in sorted(range(experts.shape[1]), key=lambda j: int(experts[token, j])):
+            expert = int(experts[token, slot])
+            gate, up = F.linear(x[token:token + 1], gate_up[expert]).chunk(2, dim=-1)  # [1, inter] each
+            y = F.linear(F.silu(gate) * up, down[expert])[0]  # [hidden]
+            out[token] += (y * weights[token, slot]).to(x.dtype)
+    return out
+
+
+class SharedExpert(GatedMLP):
+    """The shared expert: a GatedMLP (this rank's share of its features) whose partial
+    sum is returned un-reduced; SparseMoE all-reduces it with the routed experts'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return partial
+
+
+class SparseMoE(nn.Module):
+    """The MoE FFN of one decoder layer: ``forward(x [tokens, hidden]) -> [tokens,
+    hidden]``, all-reduced under tensor parallel. Parameters (this rank's share of the
+    intermediate features ``inter``): ``router.weight`` [experts, hidden],
+    ``router.score_correction_bias`` [experts] (V3), ``experts_gate_up`` [experts,
+    2 * inter, hidden], ``experts_down`` [experts, hidden, inter], ``shared_expert``
+    (gate_up_proj / down_proj) and ``shared_expert_gate`` [1, hidden] (Qwen2-MoE).
+    ``load_hf`` and ``weight_slice`` take checkpoint names inside the block."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__()
+        self.moe = moe
+        self.tp = tp
+        start, end = column_split(moe.intermediate_size, tp.rank, tp.size)
+        self.intermediate_size = end - start  # this rank's features of each expert
+        self.router = MoERouter(hidden_size, moe)
+        self.experts_gate_up = nn.Parameter(torch.zeros(moe.num_experts, 2 * self.intermediate_size, hidden_size))
+        self.experts_down = nn.Parameter(torch.zeros(moe.num_experts, hidden_size, self.intermediate_size))
+        self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
+                              if moe.shared_expert_intermediate_size else None)
+        self.shared_expert_gate = nn.Parameter(torch.zeros(1, hidden_size)) if moe.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._combine(x, experts_grouped)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the experts run by the per-token loop (tests' oracle)."""
+        return self._combine(x, experts_reference)
+
+    def _combine(self, x: torch.Tensor, run_experts: Callable[..., torch.Tensor]) -> torch.Tensor:
+        weights, experts = self.router(x)
+        if self.moe.round_routing_weights:
+            weights = weights.to(x.dtype)
+        out = run_experts(x, self.experts_gate_up, self.experts_down, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
+        return self.tp.all_reduce(out)
+
+    # ---- loading ---------------------------------------------------------------------
+    def weight_slice(self, name: str) -> TensorSlice | None:
+        """The part of block tensor ``name`` (e.g. ``experts.3.up_proj.weight``) this
+        rank reads; None: all of it."""
+        return moe_weight_slice(self.moe, name, self.tp.rank, self.tp.size)
+
+    def load_hf(self, name: str, tensor: torch.Tensor) -> dict[str, int]:
+        """Copy checkpoint tensor ``name`` (inside the block: ``gate.weight``,
+        ``gate.e_score_correction_bias``, ``experts.N.{gate,up,down}_proj.weight`` or
+        Mixtral's ``experts.N.w1/w3/w2.weight``, the fused ``experts.gate_up_proj`` /
+        ``experts.down_proj``, ``shared_expert(s).*_proj.weight``,
+        ``shared_expert_gate.weight``), already cut to ``weight_slice``, into this
+        module. Returns {parameter name inside this module: elements copied}; raises
+        ValueError on a name or shape that is not this module's."""
+        part = moe_tensor(name)
+        if part is None:
+            raise ValueError(f"unexpected tensor {name!r} in a mixture-of-experts block")
+        if part.expert is not None and part.expert >= self.moe.num_experts:
+            raise ValueError(f"tensor {name!r} names expert {part.expert}; the model has {self.moe.num_experts}")
+        if part.part == "gate_up":  # all experts' [E, 2 * full inter, hidden]: this rank's gate and up rows
+            full = tensor.shape[1] // 2
+            start, end = column_split(full, self.tp.rank, self.tp.size)
+            tensor = torch.cat((tensor[:, start:end], tensor[:, full + start:full + end]), dim=1)
+        parameter, dest = self._destination(name, part)
+        if dest.shape != tensor.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return {parameter: tensor.numel()}
+
+    def _destination(self, name: str, part: MoETensor) -> tuple[str, torch.Tensor]:
+        """(parameter name, the part of its data) that block tensor ``part`` fills."""
+        inter = self.intermediate_size
+        if part.expert is not None:
+            if part.part == "down":
+                return "experts_down", self.experts_down.data[part.expert]
+            rows = slice(0, inter) if part.part == "gate" else slice(inter, 2 * inter)
+            return "experts_gate_up", self.experts_gate_up.data[part.expert, rows]
+        places: dict[str, tuple[str, torch.Tensor | None, slice]] = {
+            "router": ("router.weight", self.router.weight, slice(None)),
+            "score_correction_bias": ("router.score_correction_bias", self.router.score_correction_bias,
+                                      slice(None)),
+            "gate_up": ("experts_gate_up", self.experts_gate_up, slice(None)),
+            "down": ("experts_down", self.experts_down, slice(None)),
+            "shared_gate": ("shared_expert_gate", self.shared_expert_gate, slice(None)),
+        }
+        shared = self.shared_expert
+        if shared is not None:
+            width = shared.intermediate_size
+            places["shared_gate_proj"] = ("shared_expert.gate_up_proj.weight", shared.gate_up_proj.weight,
+                                          slice(0, width))
+            places["shared_up_proj"] = ("shared_expert.gate_up_proj.weight", shared.gate_up_proj.weight,
+                                        slice(width, 2 * width))
+            places["shared_down_proj"] = ("shared_expert.down_proj.weight", shared.down_proj.weight, slice(None))
+        parameter, param, rows = places.get(part.part, ("", None, slice(None)))
+        if param is None:
+            raise ValueError(f"checkpoint has an unexpected tensor {name!r}: this model's MoE has no {part.part}")
+        return parameter, param.data[rows]
