@@ -223,9 +223,9 @@ class DeepseekForCausalLM(nn.Module):
                 index = int(name.split(".")[1])
                 mlp = self.layers[index].mlp
                 if not isinstance(mlp, GatedMLP):
-                    for target in mlp.load_hf(name.split(".mlp.", 1)[1], tensor):
+                    for target, count in mlp.load_hf(name.split(".mlp.", 1)[1], tensor).items():
                         key = f"layers.{index}.mlp.{target}"
-                        filled[key] = filled.get(key, 0) + tensor.numel()
+                        filled[key] = filled.get(key, 0) + count
                     continue
             target, rows = name, None
             if name.endswith("mlp.gate_proj.weight"):

@@ -17,14 +17,17 @@ from kvloom import LLM, SamplingParams
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 
+# Layer 0 dense, layer 1 a mixture of 4 experts (top 2) and a shared expert.
 MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-           qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+           qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=32, n_shared_experts=1)
 SHAPES = {
     "v2": ("deepseek_v2", dict(q_lora_rank=None)),
-    "v2-q-lora": ("deepseek_v2", dict(q_lora_rank=24)),
-    "v3-interleaved": ("deepseek_v3", dict(q_lora_rank=24, n_group=1, topk_group=1)),
-    "v3-halves": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False)),
+    "v2-q-lora-group-limited": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=2,
+                                                    topk_group=1, routed_scaling_factor=1.5)),
+    "v3-interleaved": ("deepseek_v3", dict(q_lora_rank=24, n_group=2, topk_group=1)),
+    "v3-halves": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False,
+                                      norm_topk_prob=False, routed_scaling_factor=2.5)),
 }
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim
 
@@ -74,7 +77,7 @@ def test_greedy_matches_transformers(shape: str, backend: str, tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write(tmp_path_factory.mktemp("deepseek"), "v2-q-lora")
+    return write(tmp_path_factory.mktemp("deepseek"), "v2-q-lora-group-limited")
 
 
 def test_the_pool_holds_one_latent_per_token_and_layer(v2: Path) -> None:
