@@ -120,7 +120,8 @@ class ModelConfig:
             ))
         arch = archs[0]
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
-        attention_bias = bool(hf.get("attention_bias", arch.startswith("Qwen2")))
+        # (Qwen2-MoE names the same flag qkv_bias.)
+        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", arch.startswith("Qwen2"))))
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,

@@ -265,13 +265,21 @@ def qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
 
 
+@pytest.fixture(scope="module")
+def qwen2_moe_no_bias(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """qkv_bias false: Qwen2-MoE's name for the flag (no q/k/v bias at all)."""
+    return write_tiny_hf_model(tmp_path_factory.mktemp("moe") / "qwen2_moe_no_bias", arch="qwen2_moe", seed=3,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, qkv_bias=False)
+
+
 # A 14-block pool for prompts of up to 5 blocks with 12 tokens out, 24-token steps:
 # prefills are chunked, requests batch together and some are preempted.
 PROMPTS = [[(11 * i + 7 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([1, 7, 20, 33, 41, 64])]
 ENGINE = dict(dtype="float32", block_size=16, num_blocks=14, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen2_moe_no_bias"])
 def test_greedy_tokens_are_transformers(arch: str, request: pytest.FixtureRequest) -> None:
     import transformers
 
