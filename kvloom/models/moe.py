@@ -21,7 +21,7 @@ replicated, so every rank routes alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import MoEConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP
+from kvloom.models.packed_linear import packed_linear
 from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
 
 
@@ -91,14 +92,23 @@ class MoERouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size))
         self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
                                       if moe.score_correction_bias else None)
+        self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
         if self.moe.router_float32:
             logits = F.linear(x.float(), self.weight.float())
+        elif self.packed is not None:
+            logits = self.packed(x)
         else:
             logits = F.linear(x, self.weight)  # [tokens, experts]
         return route(logits, self.moe, self.score_correction_bias)
+
+    def pack(self, matmul: str) -> int:
+        """The weight packed for ``matmul`` where it applies (a float32 router stays)."""
+        if not self.moe.router_float32:
+            self.packed = packed_linear(self.weight, None, matmul)
+        return int(self.packed is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:
         convert = fn
@@ -116,19 +126,25 @@ def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
     return F.linear(ops.silu_and_mul(F.linear(x, gate_up)), down)
 
 
-def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                    experts: torch.Tensor) -> torch.Tensor:
+# Each expert's (gate_up, down) as the matmul kernel's layers (SparseMoE.pack).
+PackedExperts = Sequence[tuple[nn.Module, nn.Module]]
+
+
+def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
+                    weights: torch.Tensor, experts: torch.Tensor,
+                    packed: PackedExperts | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
-    hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter], weights and experts
-    [tokens, top_k]. Pairs sorted by expert, one matmul pair per expert that any token
-    chose, added back expert by expert."""
+    hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (or ``packed``: each
+    expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert,
+    one matmul pair per expert that any token chose, added back expert by expert."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [pairs]: pair p is token p // top_k's choice p % top_k
     pair = torch.arange(flat.numel(), device=flat.device)
     # Within an expert, rows in transformers' order (by choice slot, then token): a float32
     # matmul's rows can round differently by their place in the call.
     order = torch.argsort((flat * top_k + pair % top_k) * num_tokens + pair // top_k)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # the slices' bounds (one sync)
+    num_experts = len(packed) if packed is not None else gate_up.shape[0]  # type: ignore[union-attr]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the slices' bounds (one sync)
     tokens = order // top_k  # [pairs], grouped by expert
     rows = x.index_select(0, tokens)  # [pairs, hidden]
     pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
@@ -138,7 +154,12 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         if count == 0:  # nobody chose it
             continue
         end = start + count
-        contribution = _expert(rows[start:end], gate_up[expert], down[expert]) * pair_weights[start:end]
+        if packed is not None:
+            up_layer, down_layer = packed[expert]
+            y = down_layer(ops.silu_and_mul(up_layer(rows[start:end])))
+        else:
+            y = _expert(rows[start:end], gate_up[expert], down[expert])  # type: ignore[index]
+        contribution = y * pair_weights[start:end]
         # A token chose each expert at most once: one add per token and expert, ascending.
         out.index_add_(0, tokens[start:end], contribution.to(x.dtype))
         start = end
@@ -189,23 +210,55 @@ class SparseMoE(nn.Module):
         self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
                               if moe.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.zeros(1, hidden_size)) if moe.shared_expert_gate else None
+        # Set by pack(): each expert's two matmuls as the kernel's layers (the 3D tensors
+        # are then released), and the shared expert's gate.
+        self.packed_experts: nn.ModuleList | None = None
+        self.packed_shared_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._combine(x, experts_grouped)
+        packed = self.packed_experts
+        if packed is None:
+            return self._combine(x, experts_grouped)
+        pairs = [(pair[0], pair[1]) for pair in packed]  # type: ignore[index]  # each a ModuleList of two
+        return self._combine(x, lambda x, gate_up, down, weights, experts: experts_grouped(
+            x, None, None, weights, experts, packed=pairs))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` with the experts run by the per-token loop (tests' oracle)."""
+        """``forward`` with the experts run by the per-token loop (tests' oracle; before pack)."""
+        if self.packed_experts is not None:
+            raise RuntimeError("forward_reference needs the experts' tensors, which pack() released")
         return self._combine(x, experts_reference)
+
+    def pack(self, matmul: str) -> int:
+        """Every expert's gate/up and down and the shared expert's gate as ``matmul``'s
+        packed layers (models/packed_linear.py), where it applies (bf16 on CPU): so the
+        routed experts are batch-invariant like every other matmul (the router packs
+        itself; ``pack_linear_layers`` calls both). Returns how many layers were packed;
+        0 leaves the module as it was."""
+        gate_up, down = self.experts_gate_up, self.experts_down
+        layers = [(packed_linear(gate_up[e], None, matmul), packed_linear(down[e], None, matmul))
+                  for e in range(self.moe.num_experts)]
+        pairs = [(a, b) for a, b in layers if a is not None and b is not None]
+        if len(pairs) < len(layers):
+            return 0
+        self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)
+        del self.experts_gate_up, self.experts_down  # the packed copies are what runs now
+        if self.shared_expert_gate is not None:
+            self.packed_shared_gate = packed_linear(self.shared_expert_gate, None, matmul)
+        return 2 * len(pairs) + int(self.packed_shared_gate is not None)
 
     def _combine(self, x: torch.Tensor, run_experts: Callable[..., torch.Tensor]) -> torch.Tensor:
         weights, experts = self.router(x)
         if self.moe.round_routing_weights:
             weights = weights.to(x.dtype)
-        out = run_experts(x, self.experts_gate_up, self.experts_down, weights, experts)
+        out = run_experts(x, getattr(self, "experts_gate_up", None), getattr(self, "experts_down", None),
+                          weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+                gate_logit = (self.packed_shared_gate(x) if self.packed_shared_gate is not None
+                              else F.linear(x, self.shared_expert_gate))
+                shared = torch.sigmoid(gate_logit) * shared
             out = out + shared
         return self.tp.all_reduce(out)
 

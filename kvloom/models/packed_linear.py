@@ -19,6 +19,7 @@ reference dtype, and other devices keep their own libraries.
 from __future__ import annotations
 
 import logging
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -105,12 +106,21 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, matmul: str) 
     return None
 
 
+@runtime_checkable
+class PacksItself(Protocol):
+    """A module holding matmul weights outside ``nn.Linear`` (the MoE's 3D expert
+    tensors): ``pack(matmul)`` packs them itself and returns how many layers."""
+
+    def pack(self, matmul: str) -> int: ...
+
+
 def pack_linear_layers(model: nn.Module, matmul: str = "invariant") -> int:
     """Swap every packable ``nn.Linear`` in ``model`` for the ``matmul`` choice's packed
-    layer, in place. Returns how many were swapped (0 where nothing qualifies)."""
+    layer, in place, and have every ``PacksItself`` module pack its own weights.
+    Returns how many were packed (0 where nothing qualifies)."""
+    count = sum(module.pack(matmul) for module in list(model.modules()) if isinstance(module, PacksItself))
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    count = 0
     for parent, name, child in swaps:
         layer = packed_linear(child.weight, child.bias, matmul)
         if layer is not None:

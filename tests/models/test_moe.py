@@ -319,13 +319,24 @@ def test_hub_and_fused_expert_names_load_the_same(mixtral: Path, qwen2_moe: Path
             from_fused.load_weights([("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(1))])
 
 
-def test_bfloat16_runs_on_the_module_path(mixtral: Path, qwen2_moe: Path) -> None:
+def test_bfloat16_experts_are_packed_and_batch_invariant(mixtral: Path, qwen2_moe: Path) -> None:
+    """bf16 on a CPU with kvloom's invariant GEMM: every expert's matmuls (and the router,
+    the shared gate) are packed, so a prompt's greedy tokens do not depend on what else
+    is in its batch; the module path runs (no native stack for MoE layers)."""
+    from kvloom.models.packed_linear import InvariantLinear, can_pack_invariant
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for path in (mixtral, qwen2_moe):
-        llm = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=32)
-        outputs = llm.generate(PROMPTS[:3], params)
-        assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+        llm = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=64)
+        batched = llm.generate(PROMPTS, params)
+        alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+        assert all(len(o.outputs[0].token_ids) == 6 for o in batched)
         model = llm.engine.model
         assert model.native_stack is None
         assert "mixture-of-experts" in (model.use_native_stack() or "")
         llm.engine.check_integrity()
+        moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE))
+        if not can_pack_invariant(torch.zeros(1, dtype=torch.bfloat16)):
+            continue  # no invariant GEMM on this CPU: nothing to hold the batch to
+        assert moe.packed_experts is not None and isinstance(moe.router.packed, InvariantLinear)
+        assert not hasattr(moe, "experts_gate_up")  # released once packed
+        assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
