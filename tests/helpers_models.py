@@ -330,3 +330,155 @@ def hf_greedy_with_cache(model: Any, prompt: list[int], max_new_tokens: int) -> 
             tokens.append(int(out.logits[0, -1].argmax()))
             inputs = torch.tensor([[tokens[-1]]])
     return tokens
+
+
+# HF model_type -> the general.architecture llama.cpp's converter gives it.
+_GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
+                     "deepseek_v3": "deepseek2", "mamba2": "mamba2"}
+# HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
+_GGUF_FAMILY_BLOCK = {
+    **_GGUF_BLOCK, "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    **{f"mlp.{shared}.{proj}_proj": f"ffn_{proj}_shexp" for shared in ("shared_expert", "shared_experts")
+       for proj in ("gate", "up", "down")},
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+    "norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.out_proj": "ssm_out",
+}
+_GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                     "down_proj": "down"}
+
+
+def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True) -> Path:
+    """Convert a tiny Mixtral, Qwen2-MoE, DeepSeek-V2/V3 or Mamba2 HF directory to an F32
+    GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
+    into ``ffn_*_exps`` [experts, out, in], Mixtral's Q/K rows permuted; DeepSeek's
+    kv_b_proj split per head into k_b (transposed) and v_b with head_count_kv 1 and the
+    per-head lengths in ``*_mla`` (``split_kv_b=False``: an older converter's file,
+    kv_b whole and the per-head lengths in key_length / value_length); Mamba2's A_log as
+    -exp(A_log), A and D as [heads, 1], the norm as [groups, d_inner / groups], conv1d
+    squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20."""
+    import re
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from kvloom.models.gguf_loader import permute_rows
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    writer = gguf.GGUFWriter(str(out), _GGUF_FAMILY_ARCH[model_type])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    deepseek, mamba = model_type.startswith("deepseek"), model_type == "mamba2"
+    heads = config.get("num_attention_heads", 0)
+    if mamba:
+        inner = config["expand"] * config["hidden_size"]
+        writer.add_context_length(2**20)
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+        writer.add_ssm_conv_kernel(config["conv_kernel"])
+        writer.add_ssm_inner_size(inner)
+        writer.add_ssm_state_size(config["state_size"])
+        writer.add_ssm_time_step_rank(inner // config["head_dim"])
+        writer.add_ssm_group_count(config["n_groups"])
+        writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    else:
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(1 if deepseek and split_kv_b else config["num_key_value_heads"])
+        writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+        if experts:
+            writer.add_expert_count(experts)
+            writer.add_expert_used_count(config["num_experts_per_tok"])
+    if model_type == "mixtral":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    elif model_type == "qwen2_moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    elif deepseek:
+        rank, rope, nope, v_dim = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                        "v_head_dim"))
+        if config.get("n_group") is not None:
+            writer.add_expert_group_count(config["n_group"])
+        if config.get("topk_group") is not None:
+            writer.add_expert_group_used_count(config["topk_group"])
+        # The hub's configs say scoring_func (transformers' own omit it): V2 softmax, V3 sigmoid.
+        v3 = model_type == "deepseek_v3"
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_vocab_size(config["vocab_size"])
+        if config.get("q_lora_rank") is not None:
+            writer.add_q_lora_rank(config["q_lora_rank"])
+        writer.add_kv_lora_rank(rank)
+        if split_kv_b:
+            writer.add_key_length(rank + rope)
+            writer.add_value_length(rank)
+            writer.add_key_length_mla(nope + rope)
+            writer.add_value_length_mla(v_dim)
+        else:
+            writer.add_key_length(nope + rope)
+            writer.add_value_length(v_dim)
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        if config.get("norm_topk_prob"):
+            writer.add_expert_weights_norm(True)
+        writer.add_rope_dimension_count(rope)
+    _add_gguf_tokenizer(writer, hf_dir)
+
+    stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        top = {"model.embed_tokens.weight": "token_embd.weight", "backbone.embeddings.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "backbone.norm_f.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+        if name in top:
+            if not (name == "lm_head.weight" and config.get("tie_word_embeddings")):
+                writer.add_tensor(top[name], np.ascontiguousarray(array))
+            continue
+        layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
+        if expert:
+            stacked.setdefault((layer, _GGUF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = array
+            continue
+        module, kind = rest.rsplit(".", 1)
+        gguf_name = None
+        if rest == "mlp.gate.e_score_correction_bias":
+            gguf_name = f"blk.{layer}.exp_probs_b.bias"
+        elif rest == "mixer.A_log":
+            gguf_name, array = f"blk.{layer}.ssm_a", (-torch.exp(tensor.float())).numpy().reshape(-1, 1)
+        elif rest == "mixer.D":
+            gguf_name, array = f"blk.{layer}.ssm_d", array.reshape(-1, 1)
+        elif rest == "mixer.dt_bias":
+            gguf_name = f"blk.{layer}.ssm_dt.bias"
+        elif rest == "mixer.norm.weight":
+            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(config["n_groups"], -1)
+        elif rest == "mixer.conv1d.weight":
+            array = array.squeeze(1)
+        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            kv_b = array.reshape(heads, nope + v_dim, rank)
+            k_b, v_b = kv_b[:, :nope], kv_b[:, nope:]
+            writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(k_b.transpose(0, 2, 1)))
+            writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(v_b))
+            continue
+        elif model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            array = permute_rows(array, heads if module.endswith("q_proj") else config["num_key_value_heads"])
+        writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_FAMILY_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
+    for (layer, proj), by_expert in stacked.items():
+        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight",
+                          np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)])))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

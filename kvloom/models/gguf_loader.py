@@ -1,9 +1,39 @@
 """GGUF checkpoints: metadata -> HF config, tensors -> dequantized HF parameters.
 
 Every tensor is dequantized to float32 with ``gguf.quants``; the engine never runs
-quantized kernels. llama.cpp's converter reorders the rows of Q and K in llama-family
-models (its rotary kernel pairs adjacent dimensions, HF pairs the two halves of each
-head); ``_unpermute_rows`` restores HF's order. Qwen2 GGUFs are stored unpermuted.
+quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
+the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe,
+deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2) and mamba2.
+
+Each tensor comes back under the name the HF checkpoint has, with llama.cpp's
+converter (convert_hf_to_gguf.py) undone exactly:
+
+- Llama-family attention (llama, mistral, Mixtral): llama.cpp reorders the rows of Q and
+  K (its rotary kernel pairs adjacent dimensions, HF the two halves of each head);
+  ``_unpermute_rows`` restores HF's order. Qwen2, Qwen2-MoE and DeepSeek are stored
+  unpermuted (DeepSeek's own rotary pairs are adjacent already).
+- Experts: one 3D tensor per projection, ``ffn_{gate,up,down}_exps`` [experts, out, in],
+  split into the hub's per-expert tensors (files from before April 2024 hold
+  ``ffn_gate.E`` per expert: the same names).
+- DeepSeek: newer files store ``kv_b_proj`` per head as ``attn_k_b`` (transposed,
+  [heads, kv_lora_rank, nope]) and ``attn_v_b`` ([heads, v, kv_lora_rank]) for
+  llama.cpp's absorbed attention, with head_count_kv 1 and key_length kv_lora_rank +
+  rope (one latent "head"); the per-head sizes are then ``key_length_mla`` /
+  ``value_length_mla``. The two are joined back into ``kv_b_proj``; older files hold
+  ``attn_kv_b`` whole and the per-head sizes in key_length / value_length.
+- Mamba2: A is stored as -exp(A_log) (taken back to the float32 A_log whose exp is
+  that A exactly, where one is), A and D as [heads, 1], the gated norm as [groups, d_inner / groups], conv1d
+  as [channels, kernel] and dt_bias as ``ssm_dt.bias``. Its context_length (2**20) is
+  the converter's placeholder and is dropped.
+
+What a file does not record is read as llama.cpp runs it: no normalisation of the
+top-k weights unless ``expert_weights_norm`` (Qwen2-MoE's norm_topk_prob is not
+stored), one expert group unless ``expert_group_count``, a MoE in every layer that
+has ``ffn_gate_inp`` (DeepSeek's moe_layer_freq 1, Qwen2-MoE's dense layers from the
+tensors), Mamba2's time_step_limit none and its SSD chunk size HF's default (256,
+which only changes how the scan rounds); YaRN's mscale is taken equal to mscale_all_dim
+(DeepSeek's files keep one of them; every published V2/V3 has them equal). A file that
+contradicts its family is refused with a ModelLoadError naming what is missing.
 """
 
 from __future__ import annotations
@@ -11,6 +41,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +51,74 @@ import torch
 from kvloom.models.errors import ModelLoadError
 from kvloom.tokenizer import Tokenizer
 
-# GGUF general.architecture -> (HF architectures[0], HF model_type, Q/K permuted?)
-GGUF_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "mistral": ("MistralForCausalLM", "mistral", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+# GGUF general.architecture -> HF architectures[0] of its dense family (a llama or mistral
+# file with experts is Mixtral; a deepseek2 file with sigmoid gating DeepSeek-V3).
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
 }
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2",
+}
+_PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"}
+_SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+_MAMBA2_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "backbone.embeddings.weight",
+    "output_norm.weight": "backbone.norm_f.weight",
+    "output.weight": "lm_head.weight",
+}
+# GGUF block part -> HF module inside the layer (".weight" / ".bias" appended), or
+# "part.kind" -> the HF leaf name itself; "{}" in an expert name is the expert's index.
+_ATTENTION_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _experts(prefix: str, gate: str, up: str, down: str) -> dict[str, str]:
+    return {"ffn_gate_exps": f"{prefix}.{{}}.{gate}", "ffn_up_exps": f"{prefix}.{{}}.{up}",
+            "ffn_down_exps": f"{prefix}.{{}}.{down}"}
+
+
+def _shared(prefix: str) -> dict[str, str]:
+    return {"ffn_gate_shexp": f"{prefix}.gate_proj", "ffn_up_shexp": f"{prefix}.up_proj",
+            "ffn_down_shexp": f"{prefix}.down_proj"}
+
+
+_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "LlamaForCausalLM": _ATTENTION_BLOCK, "MistralForCausalLM": _ATTENTION_BLOCK, "Qwen2ForCausalLM": _ATTENTION_BLOCK,
+    "MixtralForCausalLM": {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.gate",
+                           **_experts("block_sparse_moe.experts", "w1", "w3", "w2")},
+    "Qwen2MoeForCausalLM": {**_ATTENTION_BLOCK, "ffn_gate_inp": "mlp.gate",
+                            "ffn_gate_inp_shexp": "mlp.shared_expert_gate", **_shared("mlp.shared_expert"),
+                            **_experts("mlp.experts", "gate_proj", "up_proj", "down_proj")},
+    "DeepseekV2ForCausalLM": {
+        **_ATTENTION_BLOCK, "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_inp": "mlp.gate",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        **_experts("mlp.experts", "gate_proj", "up_proj", "down_proj"), **_shared("mlp.shared_experts")},
+    "Mamba2ForCausalLM": {
+        "attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_dt.bias": "mixer.dt_bias",
+        "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"},
+}
+_BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
+# blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 # Consumed into the config (llama3 rope scaling), not a parameter.
 _METADATA_TENSORS = {"rope_freqs.weight"}
+
+Meta = Callable[..., Any]  # meta(key[, default]): "<arch>.<key>"; KeyError naming it if absent and no default
 
 
 def open_gguf(path: Path) -> Any:
@@ -63,85 +141,275 @@ def gguf_architecture(reader: Any, path: Path) -> str:
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} "
                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    return arch
+    return str(arch)
 
 
 def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
-    """Synthesize a config.json-like dict from ``<arch>.*`` metadata."""
+    """Synthesize a config.json-like dict from ``<arch>.*`` metadata (and, where the
+    metadata is silent, the tensors' names and shapes)."""
     arch = gguf_architecture(reader, path)
-    hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # innermost first
 
-    def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+    def meta(key: str, default: Any = ...) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is ...:
+            raise KeyError(f"{arch}.{key}")
+        return value
 
     try:
-        hidden = int(meta("embedding_length"))
-        num_heads = int(meta("attention.head_count"))
-        config: dict[str, Any] = {
-            "architectures": [hf_arch],
-            "model_type": model_type,
-            "hidden_size": hidden,
-            "num_hidden_layers": int(meta("block_count")),
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
-            "intermediate_size": int(meta("feed_forward_length")),
-            "head_dim": int(meta("attention.key_length", hidden // num_heads)),
-            # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
-            "vocab_size": shapes["token_embd.weight"][-1],
-            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(meta("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(meta("context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in shapes,
-            "torch_dtype": "float32",
-        }
+        config = _mamba2_config(meta, shapes) if arch == "mamba2" else _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
         raise ModelLoadError(f"GGUF file {path} lacks required metadata ({exc})") from None
-    if arch == "qwen2":
-        config["attention_bias"] = True
-    window = meta("attention.sliding_window")
-    if window:
-        config["sliding_window"] = int(window)
+    config["model_type"] = _MODEL_TYPES[config["architectures"][0]]
     config["rope_scaling"] = _rope_scaling(reader, arch, config, path)
     return config
 
 
+def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
+        "intermediate_size": int(meta("feed_forward_length")),
+        "head_dim": int(meta("attention.key_length", hidden // num_heads)),
+        # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
+        "vocab_size": shapes["token_embd.weight"][-1],
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "torch_dtype": "float32",
+    }
+    if arch in ("qwen2", "qwen2moe"):
+        config["attention_bias"] = True
+    window = meta("attention.sliding_window", None)
+    if window:
+        config["sliding_window"] = int(window)
+    sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
+    if arch == "deepseek2":
+        config.update(_deepseek_fields(meta, shapes, config, sparse, path))
+    elif arch == "qwen2moe":
+        config.update(_qwen2_moe_fields(meta, shapes, config, sparse, path))
+    elif sparse:
+        config.update(_mixtral_fields(meta, config, sparse, path))
+    return config
+
+
+def _mixtral_fields(meta: Meta, config: dict[str, Any], sparse: list[int], path: Path) -> dict[str, Any]:
+    """A llama / mistral file with experts: Mixtral, a softmax-routed MoE in every layer."""
+    if sparse != list(range(config["num_hidden_layers"])) or meta("expert_shared_count", 0) \
+            or int(meta("expert_gating_func", 1)) == _SIGMOID:
+        raise ModelLoadError(f"GGUF file {path}: a llama-family MoE is read as Mixtral (softmax routing over "
+                             f"experts in every layer, no shared expert); this one has experts in layers {sparse}, "
+                             f"expert_shared_count {meta('expert_shared_count', 0)}, expert_gating_func "
+                             f"{meta('expert_gating_func', 1)}")
+    return {"architectures": ["MixtralForCausalLM"], "num_local_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count"))}
+
+
+def _qwen2_moe_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any], sparse: list[int],
+                      path: Path) -> dict[str, Any]:
+    """Qwen2-MoE: its dense layers (mlp_only_layers) are those without a router."""
+    if int(meta("expert_gating_func", 1)) == _SIGMOID:
+        raise ModelLoadError(f"GGUF file {path}: qwen2moe with sigmoid expert gating is not Qwen2-MoE (softmax)")
+    fields: dict[str, Any] = {"decoder_sparse_step": 1, "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+                              "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in sparse]}
+    if not sparse:
+        return {**fields, "num_experts": 0}
+    first = f"blk.{sparse[0]}"
+    if f"{first}.ffn_up_shexp.weight" not in shapes or f"{first}.ffn_gate_inp_shexp.weight" not in shapes:
+        raise ModelLoadError(f"GGUF file {path}: Qwen2-MoE needs the shared expert and its gate "
+                             f"({first}.ffn_up_shexp / ffn_gate_inp_shexp), which the file lacks")
+    # [hidden, features(, experts)] innermost first: the metadata where present, else the tensors.
+    return {**fields, "num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length", shapes[f"{first}.ffn_up_exps.weight"][1])),
+            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length",
+                                                        shapes[f"{first}.ffn_up_shexp.weight"][1]))}
+
+
+def _deepseek_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any], sparse: list[int],
+                     path: Path) -> dict[str, Any]:
+    """DeepSeek-V2/V3: latent attention's sizes, the MoE after the leading dense layers."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    rank, rope = meta("attention.kv_lora_rank", None), meta("rope.dimension_count", None)
+    if not rank or not rope:
+        raise ModelLoadError(f"GGUF file {path}: deepseek2 needs attention.kv_lora_rank and rope.dimension_count "
+                             "(multi-head latent attention), which the file lacks")
+    # Newer files: per-head sizes in *_mla (key_length is then the latent's); older: key_length.
+    qk_head = int(meta("attention.key_length_mla", None) or meta("attention.key_length"))
+    v_head = int(meta("attention.value_length_mla", None) or meta("attention.value_length"))
+    query = "blk.0.attn_q.weight" if "blk.0.attn_q.weight" in shapes else "blk.0.attn_q_b.weight"
+    if shapes[query][1] != heads * qk_head or shapes["blk.0.attn_output.weight"][0] != heads * v_head:
+        raise ModelLoadError(f"GGUF file {path}: key/value lengths ({qk_head}, {v_head} per head) disagree with "
+                             f"the shapes of {query} and blk.0.attn_output")
+    # Without experts every layer is dense, whatever leading_dense_block_count says.
+    first_dense = int(meta("leading_dense_block_count", 0)) if sparse else layers
+    v3 = int(meta("expert_gating_func", 1)) == _SIGMOID
+    fields: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": heads,  # llama.cpp's head_count_kv 1 is its latent trick
+        "head_dim": int(rope), "kv_lora_rank": int(rank), "q_lora_rank": meta("attention.q_lora_rank", None) or None,
+        "qk_rope_head_dim": int(rope), "qk_nope_head_dim": qk_head - int(rope), "v_head_dim": v_head,
+        "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in shapes,
+    }
+    if v3:
+        fields["rope_interleave"] = True  # llama.cpp's rotary pairs adjacent numbers, V3's default
+    if sparse:
+        biased = all(f"blk.{i}.exp_probs_b.bias" in shapes for i in sparse)
+        if sparse != list(range(first_dense, layers)) or biased != v3:
+            raise ModelLoadError(f"GGUF file {path}: deepseek2's MoE must fill the layers from "
+                                 f"leading_dense_block_count ({first_dense}) on, with exp_probs_b exactly when "
+                                 f"gating is sigmoid (V3); this file has experts in layers {sparse}, exp_probs_b "
+                                 f"{'in all of them' if biased else 'missing'}, gating "
+                                 f"{'sigmoid' if v3 else 'softmax'}")
+    elif not meta("expert_count", 0):  # a dense model: MoE fields for no sparse layer
+        return {**fields, "n_routed_experts": 1, "num_experts_per_tok": 1}
+    groups, used_groups = int(meta("expert_group_count", 1)), int(meta("expert_group_used_count", 1))
+    method = "noaux_tc" if v3 else ("group_limited_greedy" if used_groups < groups else "greedy")
+    return {**fields, "n_routed_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "n_shared_experts": int(meta("expert_shared_count", 0)),
+            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(meta("expert_weights_norm", False)), "n_group": groups, "topk_group": used_groups,
+            "topk_method": method, "scoring_func": "sigmoid" if v3 else "softmax"}
+
+
+def _mamba2_config(meta: Meta, shapes: dict[str, list[int]]) -> dict[str, Any]:
+    hidden, inner, heads = (int(meta(k)) for k in ("embedding_length", "ssm.inner_size", "ssm.time_step_rank"))
+    if inner % hidden or inner % heads:
+        raise ModelLoadError(f"mamba2 GGUF: ssm.inner_size {inner} must be a multiple of embedding_length {hidden} "
+                             f"and of ssm.time_step_rank (the heads) {heads}")
+    return {"architectures": ["Mamba2ForCausalLM"], "hidden_size": hidden,
+            "num_hidden_layers": int(meta("block_count")),
+            "vocab_size": shapes["token_embd.weight"][-1], "num_heads": heads, "head_dim": inner // heads,
+            "expand": inner // hidden, "state_size": int(meta("ssm.state_size")),
+            "n_groups": int(meta("ssm.group_count", 1)), "conv_kernel": int(meta("ssm.conv_kernel")),
+            "layer_norm_epsilon": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+            "use_conv_bias": "blk.0.ssm_conv1d.bias" in shapes, "use_bias": "blk.0.ssm_in.bias" in shapes,
+            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+
+
 def gguf_weights(reader: Any, arch: str, hf_config: dict[str, Any]
                  ) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
-    """A re-iterable source of (HF name, float32 tensor), dequantized one at a time."""
-    _, _, permuted = GGUF_ARCHITECTURES[arch]
-    head_counts = {"self_attn.q_proj.weight": hf_config["num_attention_heads"],
-                   "self_attn.k_proj.weight": hf_config["num_key_value_heads"]}
+    """A re-iterable source of (HF name, float32 tensor), dequantized one GGUF tensor at
+    a time (an expert tensor yields one tensor per expert)."""
+    whole_kv_b = any(t.name.endswith(".attn_kv_b.weight") for t in reader.tensors)
 
     def iterate() -> Iterator[tuple[str, torch.Tensor]]:
+        converter = _Converter(hf_config, whole_kv_b)
         for tensor in reader.tensors:
             if tensor.name in _METADATA_TENSORS:
                 continue
-            name = hf_name(tensor.name)
-            array = dequantize(tensor)
-            suffix = name.split(".", 3)[-1]
-            if permuted and suffix in head_counts:
-                array = _unpermute_rows(array, head_counts[suffix])
-            yield name, torch.from_numpy(np.ascontiguousarray(array))
+            for name, array in converter.convert(tensor.name, dequantize(tensor)):
+                yield name, torch.from_numpy(np.ascontiguousarray(array))
+        if converter.pending:
+            raise ModelLoadError(f"GGUF tensors {sorted(converter.pending)} lack their attn_k_b / attn_v_b partner")
 
     return iterate
 
 
+@dataclass
+class _Converter:
+    """One pass over a file's tensors: GGUF name and array -> HF names and arrays."""
+
+    hf_config: dict[str, Any]
+    whole_kv_b: bool  # the file holds attn_kv_b itself: any k_b / v_b are llama.cpp's copies
+    pending: dict[str, np.ndarray] = field(default_factory=dict)  # a layer's k_b or v_b awaiting the other
+
+    def convert(self, gguf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        family = self.hf_config["architectures"][0]
+        mamba = family == "Mamba2ForCausalLM"
+        top = (_MAMBA2_TOP_LEVEL_NAMES if mamba else _TOP_LEVEL_NAMES).get(gguf_name)
+        if top is not None:
+            yield top, array
+            return
+        match = _BLOCK_TENSOR.fullmatch(gguf_name)
+        if match is None:
+            raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
+        layer, part, expert, kind = match.groups()
+        prefix = f"{'backbone' if mamba else 'model'}.layers.{layer}."
+        if expert is not None:  # an old Mixtral file's ffn_gate.E: one expert of ffn_gate_exps
+            part, array = f"{part}_exps", array[None]
+        if part in ("attn_k_b", "attn_v_b") and family.startswith("Deepseek"):
+            yield from self._join_kv_b(prefix, part, array)
+            return
+        names = _BLOCK_NAMES[family]
+        leaf = names.get(f"{part}.{kind}") if kind else names.get(part)
+        if leaf is None and kind and part in names:
+            leaf = f"{names[part]}.{kind}"
+        if leaf is None:
+            raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r} for {family}")
+        if part.endswith("_exps"):  # [experts, out, in]
+            first = int(expert or 0)
+            for index, one in enumerate(array):
+                yield prefix + leaf.format(first + index), one
+            return
+        yield prefix + leaf, self._undo(family, part, kind, array)
+
+    def _undo(self, family: str, part: str, kind: str | None, array: np.ndarray) -> np.ndarray:
+        if family in _PERMUTED_QK and part in ("attn_q", "attn_k"):
+            heads = self.hf_config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+            return _unpermute_rows(array, heads)
+        if part == "ssm_a":  # stored -exp(A_log), [heads, 1]
+            return _a_log(array.reshape(-1))
+        if part in ("ssm_d", "ssm_norm"):  # [heads, 1] / [groups, d_inner / groups]
+            return array.reshape(-1)
+        if part == "ssm_conv1d" and kind == "weight":  # squeezed [channels, kernel]
+            return array.reshape(array.shape[0], 1, -1)
+        if part == "ffn_gate_inp_shexp":  # HF's Linear(hidden, 1), stored [hidden] or [1, hidden]
+            return array.reshape(1, -1)
+        return array
+
+    def _join_kv_b(self, prefix: str, part: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """kv_b_proj [heads * (nope + v), rank] from k_b [heads, rank, nope] (llama.cpp
+        transposed it) and v_b [heads, v, rank]."""
+        if self.whole_kv_b:
+            return
+        other = prefix + ("attn_v_b" if part == "attn_k_b" else "attn_k_b")
+        partner = self.pending.pop(other, None)
+        if partner is None:
+            self.pending[prefix + part] = array
+            return
+        k_b, v_b = (array, partner) if part == "attn_k_b" else (partner, array)
+        heads, rank = self.hf_config["num_attention_heads"], self.hf_config["kv_lora_rank"]
+        nope, v_dim = self.hf_config["qk_nope_head_dim"], self.hf_config["v_head_dim"]
+        if k_b.size != heads * rank * nope or v_b.size != heads * v_dim * rank:
+            raise ModelLoadError(f"GGUF tensors {prefix}attn_k_b / attn_v_b have {k_b.size} / {v_b.size} numbers; "
+                                 f"{heads} heads of kv_lora_rank {rank}, nope {nope}, v {v_dim} need "
+                                 f"{heads * rank * nope} / {heads * v_dim * rank}")
+        # [heads, rank, nope] -> [heads, nope, rank]; with v_b: [heads, nope + v, rank]
+        joined = np.concatenate((k_b.reshape(heads, rank, nope).transpose(0, 2, 1), v_b.reshape(heads, v_dim, rank)), 1)
+        yield prefix + "self_attn.kv_b_proj.weight", joined.reshape(heads * (nope + v_dim), rank)
+
+
+def _a_log(a: np.ndarray) -> np.ndarray:
+    """A_log from llama.cpp's A = -exp(A_log): of the float32 numbers next to log(-A),
+    the one whose float32 exp (torch's, as the mixer takes it) is -A exactly where one
+    is, so the model's A is the stored A bit for bit."""
+    target = torch.from_numpy(-a.astype(np.float32))
+    best = torch.from_numpy(np.log(-a.astype(np.float64))).float()
+    for neighbour in (best.nextafter(torch.tensor(math.inf)), best.nextafter(torch.tensor(-math.inf))):
+        best = torch.where((torch.exp(best) != target) & (torch.exp(neighbour) == target), neighbour, best)
+    result: np.ndarray = best.numpy()
+    return result
+
+
 def num_weights(reader: Any) -> int:
     """How many tensors ``gguf_weights`` yields."""
-    return sum(tensor.name not in _METADATA_TENSORS for tensor in reader.tensors)
-
-
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF parameter name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``)."""
-    if gguf_name in _TOP_LEVEL_NAMES:
-        return _TOP_LEVEL_NAMES[gguf_name]
-    match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
+    whole_kv_b = any(t.name.endswith(".attn_kv_b.weight") for t in reader.tensors)
+    count = 0
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _METADATA_TENSORS or ".attn_v_b." in name or (".attn_k_b." in name and whole_kv_b):
+            continue
+        count += int(tensor.shape[-1]) if "_exps." in name else 1  # innermost first: experts last
+    return count
 
 
 def dequantize(tensor: Any) -> np.ndarray:
@@ -161,12 +429,14 @@ def dequantize(tensor: Any) -> np.ndarray:
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row order. Within each head, llama.cpp stores row
-    ``2*i + j`` for HF row ``j*half + i`` (i < half = head_dim/2, j in {0, 1})."""
+    """Undo llama.cpp's Q/K row order (of a weight or a bias). Within each head,
+    llama.cpp stores row ``2*i + j`` for HF row ``j*half + i`` (i < half = head_dim/2,
+    j in {0, 1})."""
     rows = weight.shape[0]
     half = rows // num_heads // 2
-    # [num_heads, half, 2, in] -> [num_heads, 2, half, in] -> [rows, in]
-    return weight.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(rows, -1)
+    # [num_heads, half, 2, in] -> [num_heads, 2, half, in] -> the weight's shape
+    restored: np.ndarray = weight.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+    return restored
 
 
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -174,8 +444,9 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     write GGUF files the way llama.cpp's converter does."""
     rows = weight.shape[0]
     half = rows // num_heads // 2
-    # [num_heads, 2, half, in] -> [num_heads, half, 2, in] -> [rows, in]
-    return weight.reshape(num_heads, 2, half, -1).swapaxes(1, 2).reshape(rows, -1)
+    # [num_heads, 2, half, in] -> [num_heads, half, 2, in] -> the weight's shape
+    permuted: np.ndarray = weight.reshape(num_heads, 2, half, -1).swapaxes(1, 2).reshape(weight.shape)
+    return permuted
 
 
 def gguf_tokenizer(reader: Any, path: Path) -> Tokenizer:
@@ -194,6 +465,14 @@ def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], path: Path
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
         if original:
             scaling["original_max_position_embeddings"] = int(original)
+        for key in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if kind == "yarn" and value is not None:
+                scaling[key] = float(value)
+        log_multiplier = _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+        if kind == "yarn" and arch == "deepseek2" and log_multiplier:
+            # deepseek2 files store 0.1 * mscale_all_dim (llama.cpp's legacy convention).
+            scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_multiplier) * 10, 6)
         return scaling
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
@@ -224,12 +503,20 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarra
     wavelen = 2 * math.pi / inv_freq
     smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
     # smooth == 1: high frequency, unchanged; smooth == 0: low frequency, / factor.
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled: np.ndarray = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return scaled
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value; a float32 comes back as the shortest decimal that is that
+    float32 (1e-06, not 9.99999997e-07): the HF value the converter rounded."""
+    import gguf
+
     field = reader.fields.get(key)
     if field is None:
         return default
     value = field.contents()
-    return value.item() if hasattr(value, "item") else value
+    value = value.item() if hasattr(value, "item") else value
+    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32 and isinstance(value, float):
+        return float(str(np.float32(value)))
+    return value

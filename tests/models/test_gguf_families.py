@@ -1,0 +1,187 @@
+"""GGUF files of the new families (issue 22), converted from tiny random-weight HF
+checkpoints the way llama.cpp's converter writes them (helpers_models.write_tiny_gguf_family):
+DeepSeek-V2 (dense only; MoE with q-LoRA, group-limited routing and an older converter's
+whole kv_b), DeepSeek-V3, Mixtral, Qwen2-MoE (a dense layer among sparse ones) and Mamba2.
+Each loads with every HF tensor back under its hub name (Mamba2's A, stored as
+-exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
+engine's greedy tokens on it equal transformers' float32 tokens on the HF directory.
+Files that contradict their family are refused with the reason."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers_models import write_tiny_gguf_family, write_tiny_hf_model
+from helpers_ssm import write_tiny_ssm_model
+
+from kvloom import LLM, SamplingParams
+from kvloom.config import ModelConfig
+from kvloom.models import gguf_loader
+from kvloom.models.errors import ModelLoadError
+from kvloom.models.loader import load_checkpoint
+from kvloom.paths import kvloom_home
+
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           n_shared_experts=1)
+# case -> (HF model_type, config overrides, converter options, GGUF tensors that show the file is llama.cpp's)
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = {
+    "deepseek-v2-dense": ("deepseek_v2", dict(MLA, first_k_dense_replace=2, q_lora_rank=None), {},
+                          ("blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight", "blk.1.ffn_gate.weight")),
+    "deepseek-v2-moe-whole-kv-b": ("deepseek_v2", dict(MLA, q_lora_rank=24, topk_method="group_limited_greedy",
+                                                       n_group=2, topk_group=1, routed_scaling_factor=1.5),
+                                   {"split_kv_b": False}, ("blk.0.attn_kv_b.weight", "blk.1.ffn_gate_exps.weight")),
+    "deepseek-v3": ("deepseek_v3", dict(MLA, q_lora_rank=None, n_group=2, topk_group=1), {},
+                    ("blk.1.exp_probs_b.bias", "blk.1.ffn_down_exps.weight", "blk.1.ffn_up_shexp.weight")),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), {},
+                ("blk.0.ffn_gate_inp.weight", "blk.1.ffn_up_exps.weight")),
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, mlp_only_layers=[1]), {},
+                  ("blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
+    # The SSD chunk size is not in GGUF: the loader takes HF's default, so the model has it too.
+    "mamba2": ("mamba2", dict(chunk_size=256), {}, ("blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.1.ssm_conv1d.weight")),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """case -> (HF directory, its GGUF), each written once per module."""
+    root = tmp_path_factory.mktemp("gguf-families")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in made:
+            model_type, overrides, options, _ = CASES[case]
+            hf_dir = (write_tiny_ssm_model(root / case, model_type, **overrides) if model_type == "mamba2"
+                      else write_tiny_hf_model(root / case, model_type, **overrides))
+            made[case] = hf_dir, write_tiny_gguf_family(hf_dir, root / f"{case}.gguf", **options)
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensors_and_config_are_the_hf_checkpoints(case: str, converted: Callable[[str], tuple[Path, Path]],
+                                                   tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    hf_dir, gguf_file = converted(case)
+    reader = gguf_loader.open_gguf(gguf_file)
+    stored = {t.name for t in reader.tensors}
+    assert set(CASES[case][3]) <= stored  # not a vacuous round trip: llama.cpp's layout
+    checkpoint = load_checkpoint(str(gguf_file), home=tmp_path, cache_gguf=False)
+    ours = dict(checkpoint.weights())
+    expected = load_file(str(hf_dir / "model.safetensors"))
+    assert sorted(ours) == sorted(expected)
+    assert gguf_loader.num_weights(reader) == len(ours)
+    for name, tensor in expected.items():
+        if name.endswith(".A_log"):  # only -exp(A_log) is stored: the A the model computes is the same
+            assert torch.equal(torch.exp(ours[name]), torch.exp(tensor)), name
+        else:
+            assert torch.equal(ours[name], tensor), name
+    assert ModelConfig.from_hf(checkpoint.hf_config) == ModelConfig.from_hf(load_checkpoint(str(hf_dir)).hf_config)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $KVLOOM_HOME for the engine's dequantized GGUF cache that shares the
+    built kernels of the usual one (rebuilding them takes seconds)."""
+    kernels = kvloom_home() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("KVLOOM_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_match_transformers(case: str, converted: Callable[[str], tuple[Path, Path]],
+                                          home: Path) -> None:
+    import transformers
+
+    hf_dir, gguf_file = converted(case)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    rng = random.Random(case)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 23)]
+    # A small token budget splits the longest prompt into chunks; all run batched.
+    llm = LLM(str(gguf_file), dtype="float32", block_size=16, num_blocks=32, max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt of {len(prompt)} tokens"
+    assert list((home / "gguf-cache").glob("*/model.safetensors"))  # the engine read the dequantized cache
+
+
+# ------------------------------------------------------------------ refusals
+def _gguf(path: Path, arch: str, metadata: dict[str, int], tensors: dict[str, tuple[int, ...]]) -> Path:
+    """A header-only sketch of a file: ``<arch>.<key>`` integers and zero tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+BASE = {"block_count": 2, "embedding_length": 8, "attention.head_count": 2, "feed_forward_length": 8}
+LATENT = dict(BASE, **{"attention.kv_lora_rank": 4, "rope.dimension_count": 2, "attention.key_length_mla": 6,
+                       "attention.value_length_mla": 4})
+LATENT_TENSORS = {"token_embd.weight": (16, 8), "blk.0.attn_q.weight": (12, 8), "blk.0.attn_output.weight": (8, 8)}
+ROUTER_1 = {"blk.1.ffn_gate_inp.weight": (2, 8)}
+REFUSED = {
+    "llama-experts-in-some-layers": ("llama", dict(BASE, expert_count=2, expert_used_count=1),
+                                     {"token_embd.weight": (16, 8), **ROUTER_1}, "read as Mixtral"),
+    "qwen2moe-sigmoid": ("qwen2moe", dict(BASE, expert_count=2, expert_used_count=1, expert_gating_func=2),
+                         {"token_embd.weight": (16, 8), **ROUTER_1}, "sigmoid expert gating is not Qwen2-MoE"),
+    "qwen2moe-no-shared-expert": ("qwen2moe", dict(BASE, expert_count=2, expert_used_count=1),
+                                  {"token_embd.weight": (16, 8), **ROUTER_1}, "needs the shared expert"),
+    "deepseek2-no-latent": ("deepseek2", BASE, {"token_embd.weight": (16, 8)}, "attention.kv_lora_rank"),
+    "deepseek2-sigmoid-without-bias": ("deepseek2", dict(LATENT, expert_count=2, expert_used_count=1,
+                                                         expert_gating_func=2, leading_dense_block_count=1,
+                                                         expert_feed_forward_length=4),
+                                       {**LATENT_TENSORS, **ROUTER_1}, "exp_probs_b missing, gating sigmoid"),
+    "deepseek2-lengths-disagree": ("deepseek2", dict(LATENT, **{"attention.value_length_mla": 3}), LATENT_TENSORS,
+                                   "disagree with the shapes"),
+    "deepseek2-no-expert-count": ("deepseek2", dict(LATENT, leading_dense_block_count=1),
+                                  {**LATENT_TENSORS, **ROUTER_1}, "deepseek2.expert_count"),
+    "mamba2-inner-not-heads": ("mamba2", {"block_count": 1, "embedding_length": 8, "ssm.inner_size": 16,
+                                          "ssm.time_step_rank": 3}, {"token_embd.weight": (16, 8)},
+                               "ssm.time_step_rank"),
+    "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
+    "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_files_that_contradict_their_family_are_refused(case: str, tmp_path: Path) -> None:
+    arch, metadata, tensors, reason = REFUSED[case]
+    path = _gguf(tmp_path / f"{case}.gguf", arch, metadata, tensors)
+    with pytest.raises(ModelLoadError, match=reason):
+        gguf_loader.gguf_hf_config(gguf_loader.open_gguf(path), path)
+
+
+def test_a_k_b_without_its_v_b_is_refused(tmp_path: Path) -> None:
+    path = _gguf(tmp_path / "half.gguf", "deepseek2", LATENT,
+                 {**LATENT_TENSORS, "blk.0.attn_k_b.weight": (2, 4, 4)})  # [heads, rank, nope]
+    reader = gguf_loader.open_gguf(path)
+    weights = gguf_loader.gguf_weights(reader, "deepseek2", gguf_loader.gguf_hf_config(reader, path))
+    with pytest.raises(ModelLoadError, match="lack their attn_k_b / attn_v_b partner"):
+        list(weights())
