@@ -350,7 +350,8 @@ _GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate"
                      "down_proj": "down"}
 
 
-def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True) -> Path:
+def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True,
+                           stack_experts: bool = True) -> Path:
     """Convert a tiny Mixtral, Qwen2-MoE, DeepSeek-V2/V3 or Mamba2 HF directory to an F32
     GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
     into ``ffn_*_exps`` [experts, out, in], Mixtral's Q/K rows permuted; DeepSeek's
@@ -358,7 +359,8 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     per-head lengths in ``*_mla`` (``split_kv_b=False``: an older converter's file,
     kv_b whole and the per-head lengths in key_length / value_length); Mamba2's A_log as
     -exp(A_log), A and D as [heads, 1], the norm as [groups, d_inner / groups], conv1d
-    squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20."""
+    squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20. ``stack_experts=False``:
+    a converter from before April 2024, one ``ffn_gate.E`` tensor per expert."""
     import re
 
     import gguf
@@ -475,6 +477,10 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
             array = permute_rows(array, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_FAMILY_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
     for (layer, proj), by_expert in stacked.items():
+        if not stack_experts:
+            for expert_index, array in sorted(by_expert.items()):
+                writer.add_tensor(f"blk.{layer}.ffn_{proj}.{expert_index}.weight", np.ascontiguousarray(array))
+            continue
         writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight",
                           np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)])))
     writer.write_header_to_file()

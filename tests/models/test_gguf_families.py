@@ -1,7 +1,8 @@
 """GGUF files of the new families (issue 22), converted from tiny random-weight HF
 checkpoints the way llama.cpp's converter writes them (helpers_models.write_tiny_gguf_family):
 DeepSeek-V2 (dense only; MoE with q-LoRA, group-limited routing and an older converter's
-whole kv_b), DeepSeek-V3, Mixtral, Qwen2-MoE (a dense layer among sparse ones) and Mamba2.
+whole kv_b), DeepSeek-V3, Mixtral (experts stacked, and one tensor per expert as files from
+before April 2024 have them), Qwen2-MoE (a dense layer among sparse ones) and Mamba2.
 Each loads with every HF tensor back under its hub name (Mamba2's A, stored as
 -exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
 engine's greedy tokens on it equal transformers' float32 tokens on the HF directory.
@@ -41,6 +42,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = 
                     ("blk.1.exp_probs_b.bias", "blk.1.ffn_down_exps.weight", "blk.1.ffn_up_shexp.weight")),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), {},
                 ("blk.0.ffn_gate_inp.weight", "blk.1.ffn_up_exps.weight")),
+    "mixtral-per-expert": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), {"stack_experts": False},
+                           ("blk.0.ffn_gate.0.weight", "blk.1.ffn_down.3.weight")),
     "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, mlp_only_layers=[1]), {},
                   ("blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
@@ -125,13 +128,14 @@ def test_greedy_tokens_match_transformers(case: str, converted: Callable[[str], 
 
 
 # ------------------------------------------------------------------ refusals
-def _gguf(path: Path, arch: str, metadata: dict[str, int], tensors: dict[str, tuple[int, ...]]) -> Path:
-    """A header-only sketch of a file: ``<arch>.<key>`` integers and zero tensors."""
+def _gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) -> Path:
+    """A sketch of a file: ``<arch>.<key>`` integers, floats and strings, zero tensors."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add(f"{arch}.{key}", value)
     for name, shape in tensors.items():
         writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
     writer.write_header_to_file()
@@ -185,3 +189,20 @@ def test_a_k_b_without_its_v_b_is_refused(tmp_path: Path) -> None:
     weights = gguf_loader.gguf_weights(reader, "deepseek2", gguf_loader.gguf_hf_config(reader, path))
     with pytest.raises(ModelLoadError, match="lack their attn_k_b / attn_v_b partner"):
         list(weights())
+
+
+def test_deepseek_yarn_is_the_hf_rope_scaling(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite's YaRN as llama.cpp stores it (mscale_all_dim as 0.1 x it in
+    yarn_log_multiplier): the same rope settings and softmax scale as its config.json."""
+    from kvloom.model_families import MLAConfig
+
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0, "rope.scaling.original_context_length": 4096,
+            "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+            "rope.scaling.yarn_log_multiplier": 0.0707}
+    path = _gguf(tmp_path / "yarn.gguf", "deepseek2", {**LATENT, **yarn}, LATENT_TENSORS)
+    config = gguf_loader.gguf_hf_config(gguf_loader.open_gguf(path), path)
+    hf_scaling = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    assert config["rope_scaling"] == {"rope_type": "yarn", **{k: v for k, v in hf_scaling.items() if k != "type"}}
+    assert MLAConfig.from_hf(config) == MLAConfig.from_hf({**config, "rope_scaling": hf_scaling})
+    assert MLAConfig.from_hf(config).softmax_scale != 6 ** -0.5  # the scaling is in it
