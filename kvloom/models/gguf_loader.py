@@ -22,9 +22,9 @@ converter (convert_hf_to_gguf.py) undone exactly:
   ``value_length_mla``. The two are joined back into ``kv_b_proj``; older files hold
   ``attn_kv_b`` whole and the per-head sizes in key_length / value_length.
 - Mamba2: A is stored as -exp(A_log) (taken back to the float32 A_log whose exp is
-  that A exactly, where one is), A and D as [heads, 1], the gated norm as [groups, d_inner / groups], conv1d
-  as [channels, kernel] and dt_bias as ``ssm_dt.bias``. Its context_length (2**20) is
-  the converter's placeholder and is dropped.
+  that A exactly, where one is), A and D as [heads, 1], the gated norm as [groups,
+  d_inner / groups], conv1d as [channels, kernel] and dt_bias as ``ssm_dt.bias``. Its
+  context_length (2**20) is the converter's placeholder and is dropped.
 
 What a file does not record is read as llama.cpp runs it: no normalisation of the
 top-k weights unless ``expert_weights_norm`` (Qwen2-MoE's norm_topk_prob is not
@@ -33,7 +33,9 @@ has ``ffn_gate_inp`` (DeepSeek's moe_layer_freq 1, Qwen2-MoE's dense layers from
 tensors), Mamba2's time_step_limit none and its SSD chunk size HF's default (256,
 which only changes how the scan rounds); YaRN's mscale is taken equal to mscale_all_dim
 (DeepSeek's files keep one of them; every published V2/V3 has them equal). A file that
-contradicts its family is refused with a ModelLoadError naming what is missing.
+contradicts its family is refused with a ModelLoadError naming what is missing, and so
+is every architecture gguf knows that kvloom does not serve (deepseek, mamba, qwen3moe,
+granitehybrid, ...).
 """
 
 from __future__ import annotations
