@@ -34,7 +34,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # safetensors: parsing a GGUF header and dequantizing take seconds, an mmap doesn't.
 _GGUF_CACHE_MAX_BYTES = 4 << 30
 # Bump when the GGUF conversion changes, so stale caches are rebuilt.
-_GGUF_CACHE_VERSION = 1
+_GGUF_CACHE_VERSION = 2  # 2: llama-family Q/K biases un-permuted; the new families
 
 
 # HF parameter name -> the part of that tensor to read (None: all of it).
