@@ -52,7 +52,55 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, blended, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
+                              scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer
+    than ``beta_slow`` times over the original context are interpolated (divided by
+    ``factor``), those that turn more than ``beta_fast`` times kept, a linear ramp
+    between (over the pair index, its ends rounded outwards unless ``truncate`` is
+    false)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def pair_turning(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the frequency as it is (extrapolated), 0: interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for every other rope type): the given
+    ``attention_factor``, else 0.1 ln(factor) + 1, or with ``mscale`` and
+    ``mscale_all_dim`` (DeepSeek) their ratio."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
+
 
 
 class RotaryEmbedding(nn.Module):
@@ -65,8 +113,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        scale = rope_attention_factor(scaling)  # YaRN's; 1 otherwise
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rotation tables, [tokens, head_dim] float32 each; looked up once
