@@ -26,16 +26,7 @@ converter (convert_hf_to_gguf.py) undone exactly:
   d_inner / groups], conv1d as [channels, kernel] and dt_bias as ``ssm_dt.bias``. Its
   context_length (2**20) is the converter's placeholder and is dropped.
 
-What a file does not record is read as llama.cpp runs it: no normalisation of the
-top-k weights unless ``expert_weights_norm`` (Qwen2-MoE's norm_topk_prob is not
-stored), one expert group unless ``expert_group_count``, a MoE in every layer that
-has ``ffn_gate_inp`` (DeepSeek's moe_layer_freq 1, Qwen2-MoE's dense layers from the
-tensors), Mamba2's time_step_limit none and its SSD chunk size HF's default (256,
-which only changes how the scan rounds); YaRN's mscale is taken equal to mscale_all_dim
-(DeepSeek's files keep one of them; every published V2/V3 has them equal). A file that
-contradicts its family is refused with a ModelLoadError naming what is missing, and so
-is every architecture gguf knows that kvloom does not serve (deepseek, mamba, qwen3moe,
-granitehybrid, ...).
+The config each file implies is built in ``gguf_config.py``.
 """
 
 from __future__ import annotations
@@ -51,21 +42,13 @@ import numpy as np
 import torch
 
 from kvloom.models.errors import ModelLoadError
+from kvloom.models.gguf_config import GGUF_ARCHITECTURES, dequantize, gguf_architecture, gguf_hf_config
 from kvloom.tokenizer import Tokenizer
 
-# GGUF general.architecture -> HF architectures[0] of its dense family (a llama or mistral
-# file with experts is Mixtral; a deepseek2 file with sigmoid gating DeepSeek-V3).
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
-}
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2",
-}
+__all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_config", "gguf_tokenizer", "gguf_weights",
+           "num_weights", "open_gguf", "permute_rows"]
+
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"}
-_SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -116,11 +99,8 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
-_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 # Consumed into the config (llama3 rope scaling), not a parameter.
 _METADATA_TENSORS = {"rope_freqs.weight"}
-
-Meta = Callable[..., Any]  # meta(key[, default]): "<arch>.<key>"; KeyError naming it if absent and no default
 
 
 def open_gguf(path: Path) -> Any:
@@ -136,165 +116,6 @@ def open_gguf(path: Path) -> Any:
             raise ModelLoadError(f"corrupt or truncated GGUF file {path}: tensor "
                                  f"{tensor.name} is cut short")
     return reader
-
-
-def gguf_architecture(reader: Any, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} "
-                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    return str(arch)
-
-
-def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
-    """Synthesize a config.json-like dict from ``<arch>.*`` metadata (and, where the
-    metadata is silent, the tensors' names and shapes)."""
-    arch = gguf_architecture(reader, path)
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # innermost first
-
-    def meta(key: str, default: Any = ...) -> Any:
-        value = _field(reader, f"{arch}.{key}", default)
-        if value is ...:
-            raise KeyError(f"{arch}.{key}")
-        return value
-
-    try:
-        config = _mamba2_config(meta, shapes) if arch == "mamba2" else _attention_config(arch, meta, shapes, path)
-    except (TypeError, KeyError) as exc:
-        raise ModelLoadError(f"GGUF file {path} lacks required metadata ({exc})") from None
-    config["model_type"] = _MODEL_TYPES[config["architectures"][0]]
-    config["rope_scaling"] = _rope_scaling(reader, arch, config, path)
-    return config
-
-
-def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
-    hidden = int(meta("embedding_length"))
-    num_heads = int(meta("attention.head_count"))
-    config: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
-        "intermediate_size": int(meta("feed_forward_length")),
-        "head_dim": int(meta("attention.key_length", hidden // num_heads)),
-        # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
-        "vocab_size": shapes["token_embd.weight"][-1],
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "torch_dtype": "float32",
-    }
-    if arch in ("qwen2", "qwen2moe"):
-        config["attention_bias"] = True
-    window = meta("attention.sliding_window", None)
-    if window:
-        config["sliding_window"] = int(window)
-    sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
-    if arch == "deepseek2":
-        config.update(_deepseek_fields(meta, shapes, config, sparse, path))
-    elif arch == "qwen2moe":
-        config.update(_qwen2_moe_fields(meta, shapes, config, sparse, path))
-    elif sparse:
-        config.update(_mixtral_fields(meta, config, sparse, path))
-    return config
-
-
-def _mixtral_fields(meta: Meta, config: dict[str, Any], sparse: list[int], path: Path) -> dict[str, Any]:
-    """A llama / mistral file with experts: Mixtral, a softmax-routed MoE in every layer."""
-    if sparse != list(range(config["num_hidden_layers"])) or meta("expert_shared_count", 0) \
-            or int(meta("expert_gating_func", 1)) == _SIGMOID:
-        raise ModelLoadError(f"GGUF file {path}: a llama-family MoE is read as Mixtral (softmax routing over "
-                             f"experts in every layer, no shared expert); this one has experts in layers {sparse}, "
-                             f"expert_shared_count {meta('expert_shared_count', 0)}, expert_gating_func "
-                             f"{meta('expert_gating_func', 1)}")
-    return {"architectures": ["MixtralForCausalLM"], "num_local_experts": int(meta("expert_count")),
-            "num_experts_per_tok": int(meta("expert_used_count"))}
-
-
-def _qwen2_moe_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any], sparse: list[int],
-                      path: Path) -> dict[str, Any]:
-    """Qwen2-MoE: its dense layers (mlp_only_layers) are those without a router."""
-    if int(meta("expert_gating_func", 1)) == _SIGMOID:
-        raise ModelLoadError(f"GGUF file {path}: qwen2moe with sigmoid expert gating is not Qwen2-MoE (softmax)")
-    fields: dict[str, Any] = {"decoder_sparse_step": 1, "norm_topk_prob": bool(meta("expert_weights_norm", False)),
-                              "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in sparse]}
-    if not sparse:
-        return {**fields, "num_experts": 0}
-    first = f"blk.{sparse[0]}"
-    if f"{first}.ffn_up_shexp.weight" not in shapes or f"{first}.ffn_gate_inp_shexp.weight" not in shapes:
-        raise ModelLoadError(f"GGUF file {path}: Qwen2-MoE needs the shared expert and its gate "
-                             f"({first}.ffn_up_shexp / ffn_gate_inp_shexp), which the file lacks")
-    # [hidden, features(, experts)] innermost first: the metadata where present, else the tensors.
-    return {**fields, "num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
-            "moe_intermediate_size": int(meta("expert_feed_forward_length", shapes[f"{first}.ffn_up_exps.weight"][1])),
-            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length",
-                                                        shapes[f"{first}.ffn_up_shexp.weight"][1]))}
-
-
-def _deepseek_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any], sparse: list[int],
-                     path: Path) -> dict[str, Any]:
-    """DeepSeek-V2/V3: latent attention's sizes, the MoE after the leading dense layers."""
-    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
-    rank, rope = meta("attention.kv_lora_rank", None), meta("rope.dimension_count", None)
-    if not rank or not rope:
-        raise ModelLoadError(f"GGUF file {path}: deepseek2 needs attention.kv_lora_rank and rope.dimension_count "
-                             "(multi-head latent attention), which the file lacks")
-    # Newer files: per-head sizes in *_mla (key_length is then the latent's); older: key_length.
-    qk_head = int(meta("attention.key_length_mla", None) or meta("attention.key_length"))
-    v_head = int(meta("attention.value_length_mla", None) or meta("attention.value_length"))
-    query = "blk.0.attn_q.weight" if "blk.0.attn_q.weight" in shapes else "blk.0.attn_q_b.weight"
-    if shapes[query][1] != heads * qk_head or shapes["blk.0.attn_output.weight"][0] != heads * v_head:
-        raise ModelLoadError(f"GGUF file {path}: key/value lengths ({qk_head}, {v_head} per head) disagree with "
-                             f"the shapes of {query} and blk.0.attn_output")
-    # Without experts every layer is dense, whatever leading_dense_block_count says.
-    first_dense = int(meta("leading_dense_block_count", 0)) if sparse else layers
-    v3 = int(meta("expert_gating_func", 1)) == _SIGMOID
-    fields: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-        "num_key_value_heads": heads,  # llama.cpp's head_count_kv 1 is its latent trick
-        "head_dim": int(rope), "kv_lora_rank": int(rank), "q_lora_rank": meta("attention.q_lora_rank", None) or None,
-        "qk_rope_head_dim": int(rope), "qk_nope_head_dim": qk_head - int(rope), "v_head_dim": v_head,
-        "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
-        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in shapes,
-    }
-    if v3:
-        fields["rope_interleave"] = True  # llama.cpp's rotary pairs adjacent numbers, V3's default
-    if sparse:
-        biased = all(f"blk.{i}.exp_probs_b.bias" in shapes for i in sparse)
-        if sparse != list(range(first_dense, layers)) or biased != v3:
-            raise ModelLoadError(f"GGUF file {path}: deepseek2's MoE must fill the layers from "
-                                 f"leading_dense_block_count ({first_dense}) on, with exp_probs_b exactly when "
-                                 f"gating is sigmoid (V3); this file has experts in layers {sparse}, exp_probs_b "
-                                 f"{'in all of them' if biased else 'missing'}, gating "
-                                 f"{'sigmoid' if v3 else 'softmax'}")
-    elif not meta("expert_count", 0):  # a dense model: MoE fields for no sparse layer
-        return {**fields, "n_routed_experts": 1, "num_experts_per_tok": 1}
-    groups, used_groups = int(meta("expert_group_count", 1)), int(meta("expert_group_used_count", 1))
-    method = "noaux_tc" if v3 else ("group_limited_greedy" if used_groups < groups else "greedy")
-    return {**fields, "n_routed_experts": int(meta("expert_count")),
-            "num_experts_per_tok": int(meta("expert_used_count")),
-            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
-            "n_shared_experts": int(meta("expert_shared_count", 0)),
-            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
-            "norm_topk_prob": bool(meta("expert_weights_norm", False)), "n_group": groups, "topk_group": used_groups,
-            "topk_method": method, "scoring_func": "sigmoid" if v3 else "softmax"}
-
-
-def _mamba2_config(meta: Meta, shapes: dict[str, list[int]]) -> dict[str, Any]:
-    hidden, inner, heads = (int(meta(k)) for k in ("embedding_length", "ssm.inner_size", "ssm.time_step_rank"))
-    if inner % hidden or inner % heads:
-        raise ModelLoadError(f"mamba2 GGUF: ssm.inner_size {inner} must be a multiple of embedding_length {hidden} "
-                             f"and of ssm.time_step_rank (the heads) {heads}")
-    return {"architectures": ["Mamba2ForCausalLM"], "hidden_size": hidden,
-            "num_hidden_layers": int(meta("block_count")),
-            "vocab_size": shapes["token_embd.weight"][-1], "num_heads": heads, "head_dim": inner // heads,
-            "expand": inner // hidden, "state_size": int(meta("ssm.state_size")),
-            "n_groups": int(meta("ssm.group_count", 1)), "conv_kernel": int(meta("ssm.conv_kernel")),
-            "layer_norm_epsilon": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            "use_conv_bias": "blk.0.ssm_conv1d.bias" in shapes, "use_bias": "blk.0.ssm_in.bias" in shapes,
-            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
 
 
 def gguf_weights(reader: Any, arch: str, hf_config: dict[str, Any]
@@ -414,22 +235,6 @@ def num_weights(reader: Any) -> int:
     return count
 
 
-def dequantize(tensor: Any) -> np.ndarray:
-    """Dequantize one ReaderTensor to float32 in torch's (outermost-first) shape."""
-    from gguf.quants import dequantize as gguf_dequantize
-
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    try:
-        array = gguf_dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} uses quantization "
-                             f"{tensor.tensor_type.name}, which gguf cannot dequantize") from None
-    array = array.astype(np.float32, copy=False).reshape(shape)
-    # F32 tensors come back as views of the read-only memory map; torch needs a
-    # writable buffer, and callers must not keep the file mapped through them.
-    return array if array.flags.writeable else array.copy()
-
-
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row order (of a weight or a bias). Within each head,
     llama.cpp stores row ``2*i + j`` for HF row ``j*half + i`` (i < half = head_dim/2,
@@ -458,67 +263,3 @@ def gguf_tokenizer(reader: Any, path: Path) -> Tokenizer:
         raise ModelLoadError(f"cannot build the tokenizer of {path}: {exc}") from None
 
 
-def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], path: Path
-                  ) -> dict[str, Any] | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if kind in ("linear", "yarn") and factor:
-        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-        if original:
-            scaling["original_max_position_embeddings"] = int(original)
-        for key in ("beta_fast", "beta_slow"):
-            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
-            if kind == "yarn" and value is not None:
-                scaling[key] = float(value)
-        log_multiplier = _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
-        if kind == "yarn" and arch == "deepseek2" and log_multiplier:
-            # deepseek2 files store 0.1 * mscale_all_dim (llama.cpp's legacy convention).
-            scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_multiplier) * 10, 6)
-        return scaling
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        return _llama3_scaling(dequantize(rope_freqs), config, path)
-    return None
-
-
-def _llama3_scaling(freq_factors: np.ndarray, config: dict[str, Any], path: Path
-                    ) -> dict[str, Any]:
-    """llama.cpp stores Llama 3.1-style rope scaling as per-dimension divisors of the
-    rotary frequencies, not as parameters. Recover the parameters by matching the
-    published settings (Llama 3.1: factor 8; Llama 3.2: factor 32)."""
-    dim = config["head_dim"]
-    inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    for factor in (8.0, 32.0, 16.0, 4.0):
-        candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        scaled = _llama3_inv_freq(inv_freq, candidate)
-        if np.allclose(inv_freq / scaled, freq_factors, rtol=1e-3):
-            return candidate
-    raise ModelLoadError(f"GGUF file {path} has rope_freqs that match no known "
-                         "llama3 rope scaling")
-
-
-def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
-    original = scaling["original_max_position_embeddings"]
-    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
-    # smooth == 1: high frequency, unchanged; smooth == 0: low frequency, / factor.
-    scaled: np.ndarray = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return scaled
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value; a float32 comes back as the shortest decimal that is that
-    float32 (1e-06, not 9.99999997e-07): the HF value the converter rounded."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    value = value.item() if hasattr(value, "item") else value
-    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32 and isinstance(value, float):
-        return float(str(np.float32(value)))
-    return value
