@@ -96,7 +96,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_interference(bench_sub)
     _add_pd_sim(bench_sub)
     families = _command(bench_sub, "families", "cache bytes, concurrency and decode speed of model families",
-                        _families, engine=False)
+                        _families)
     families.add_argument("--families", default="all", help="comma-separated (kvloom.bench.families), or all")
     families.add_argument("--workdir", default="/tmp/kvloom-families", help="the random-weight models, written once")
     families.add_argument("--batches", default="1,16,64", help="decode batch sizes")
@@ -353,9 +353,13 @@ def _families(args: argparse.Namespace) -> int:
 
     names = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
     batches = [int(b) for b in args.batches.split(",") if b]
-    results = run_families(names, Path(args.workdir), batches, args.context, args.decode_steps, args.memory_gib, {})
+    # The compute-path flags (e.g. --decoder-stack modules) apply to every family; the
+    # benchmark sizes the pool and the batch limits itself.
+    engine = _engine_flags(args, ())
+    results = run_families(names, Path(args.workdir), batches, args.context, args.decode_steps, args.memory_gib,
+                           engine)
     print(format_families(results, args.context, args.memory_gib))
-    _save_json(args.output_json, {"context": args.context, "memory_gib": args.memory_gib,
+    _save_json(args.output_json, {"context": args.context, "memory_gib": args.memory_gib, "engine": engine,
                                   "families": as_json(results)})
     return 0
 
