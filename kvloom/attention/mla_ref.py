@@ -18,7 +18,6 @@ The pool: [layers, 1, num_blocks, block_size, 1, latent_dim]; one layer's is
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
@@ -57,19 +56,23 @@ class MLAReferenceBackend(AttentionBackend[None]):
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
             blocks = batch.block_tables[i, :-(-seq_len // block_size)].long()
             latent = kv_cache[0, blocks].flatten(0, 1)[:seq_len, 0].to(q.dtype)  # [seq_len, latent_dim]
-            q_i = q[start:start + query_len].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, latent_dim]
-            k_i = latent[None, None]  # [1, 1, seq_len, latent_dim]
-            v_i = latent[None, None, :, :self.value_dim]
-            mask = None
-            if query_len > 1:  # query j sits at position seq_len - query_len + j, sees keys <= it
-                key_pos = torch.arange(seq_len, device=q.device)
-                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-                mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-            o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.num_heads > 1)
-            out[start:start + query_len] = o.squeeze(0).transpose(0, 1)
+            # Query j sits at position seq_len - query_len + j and sees keys <= it.
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            visible = (key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)).unsqueeze(1)  # [query_len, 1, seq_len]
+            out[start:start + query_len] = self.attend(q[start:start + query_len], latent, visible)
             start += query_len
         return out
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Every head of q [..., heads, latent_dim] over one latent sequence [..., seq,
+        latent_dim] (broadcast over the leading dims), where ``visible`` [..., 1 or heads,
+        seq] allows: one matmul for all heads' scores (the key is shared: nothing is
+        expanded per head), softmax in float32, as transformers' eager attention."""
+        scores = torch.matmul(q, latent.transpose(-1, -2)) * self.scale  # [..., heads, seq]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, latent[..., :self.value_dim])  # [..., heads, value_dim]
 
 
 class MLABatchedBackend(MLAReferenceBackend):
@@ -89,7 +92,4 @@ class MLABatchedBackend(MLAReferenceBackend):
         blocks = batch.block_tables[:, :-(-longest // batch.block_size)].long()  # [requests, blocks]
         latent = kv_cache[0][blocks].flatten(1, 2)[:, :longest, 0].to(q.dtype)  # [requests, longest, latent]
         visible = torch.arange(longest, device=q.device) < batch.seq_lens.to(q.device).unsqueeze(1)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), latent.unsqueeze(1), latent[..., :self.value_dim].unsqueeze(1),
-            attn_mask=visible[:, None, None, :], scale=self.scale, enable_gqa=self.num_heads > 1)
-        return out.squeeze(2)  # [requests, heads, value_dim]
+        return self.attend(q, latent, visible.unsqueeze(1))  # [requests, heads, value_dim]
