@@ -85,11 +85,10 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty_like(x)
         if spans.decode_tokens.numel():
             tokens, slots = spans.decode_tokens, spans.slots[spans.decode_requests]
-            stored = self.ssm_state[slots]
-            stored = torch.where(spans.has_state_mask[spans.decode_requests][:, None, None, None], stored, 0.0)
-            y[tokens], state = ssm_ops.selective_state_update(stored, x[tokens], dt[tokens], A, B[tokens],
-                                                              C[tokens], D)
-            self.ssm_state.index_copy_(0, slots, state)
+            stored = self.ssm_state[slots]  # a copy, updated in place, then stored back
+            stored[~spans.has_state_mask[spans.decode_requests]] = 0  # a 1-token prompt starts from zero
+            y[tokens] = ssm_ops.selective_state_update_(stored, x[tokens], dt[tokens], A, B[tokens], C[tokens], D)
+            self.ssm_state.index_copy_(0, slots, stored)
         for i in spans.prefill_requests:
             start, end, slot = spans.token_starts[i], spans.token_starts[i] + spans.lengths[i], spans.slots[i]
             initial = self.ssm_state[slot] if spans.has_state[i] else torch.zeros_like(self.ssm_state[0])

@@ -108,6 +108,19 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     return y + x * D[:, None], state
 
 
+def selective_state_update_(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """``selective_state_update`` with ``state`` updated in place (the decode step's
+    hot path: the state, not the token, is what it moves, so two passes over it instead
+    of the reference's five). Returns y [n, heads, head_dim]."""
+    n, heads, head_dim, d_state = state.shape
+    state.mul_(torch.exp(dt * A)[..., None, None])
+    flat = state.view(n * heads, head_dim, d_state)
+    flat.baddbmm_(x.reshape(n * heads, head_dim, 1), (dt[..., None] * B).reshape(n * heads, 1, d_state))
+    y = torch.bmm(flat, C.reshape(n * heads, d_state, 1)).view(n, heads, head_dim)
+    return y + x * D[:, None]
+
+
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                     D: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference scan of one request's chunk, token by token from ``state`` [heads,

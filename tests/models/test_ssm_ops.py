@@ -98,3 +98,21 @@ def test_spans_need_a_slot_for_every_request() -> None:
     batch.state_slots = None
     with pytest.raises(ValueError, match="state slot"):
         ssm_ops.SSMSpans.of(batch, 4)
+
+
+def test_the_in_place_decode_update_is_the_reference() -> None:
+    """selective_state_update_ (the decode path: the state updated in place) against
+    selective_state_update (the reference), float64."""
+    from kvloom.models.ssm_ops import selective_state_update, selective_state_update_
+    g = torch.Generator().manual_seed(5)
+    n, heads, head_dim, d_state = 3, 4, 5, 6
+    state = torch.randn(n, heads, head_dim, d_state, generator=g, dtype=torch.float64)
+    x = torch.randn(n, heads, head_dim, generator=g, dtype=torch.float64)
+    dt = torch.rand(n, heads, generator=g, dtype=torch.float64)
+    A, D = -torch.rand(heads, generator=g, dtype=torch.float64), torch.randn(heads, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(n, heads, d_state, generator=g, dtype=torch.float64) for _ in range(2))
+    expected_y, expected_state = selective_state_update(state, x, dt, A, B, C, D)
+    updated = state.clone()
+    y = selective_state_update_(updated, x, dt, A, B, C, D)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(updated, expected_state)
