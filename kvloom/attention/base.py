@@ -47,9 +47,10 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         return flat[0, slot_mapping], flat[1, slot_mapping]
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (v None for
+        latent attention, whose value is part of its key: attention/mla_ref.py);
         kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim] (the
         arrangement inside a block is this backend's, see ``write_kv``).
         Returns [tokens, heads, head_dim]."""

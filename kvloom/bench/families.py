@@ -92,7 +92,7 @@ def write_family(shape: tuple[str, dict[str, Any]], target: Path, tokenizer: Tok
     class_name, settings = shape
     config = getattr(transformers, class_name)(**settings)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     model.save_pretrained(target)
     tokenizer.save(target)
     (target / "family.json").write_text(stamp)  # last: marks the directory complete

@@ -21,7 +21,7 @@ same permutation, so their dot product, all attention uses, is unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import MLAConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
 
 
@@ -85,17 +86,19 @@ class LatentAttention(nn.Module):
                 [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             query = torch.cat((q_latent, rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
             out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
-            return self.o_absorbed(out.reshape(tokens, self.num_heads * mla.kv_lora_rank))
+            result: torch.Tensor = self.o_absorbed(out.reshape(tokens, self.num_heads * mla.kv_lora_rank))
+            return result
         # The reference: each head's query into latent space, its output out of it.
         q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
         q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        w_uk, w_uv = self.kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        w_uk, w_uv = torch.split(self.kv_b, [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), rotate(q_pe, *rotary, mla.rope_interleave)),
                           dim=-1)
         out = backend.forward(query, latent, None, kv_cache, batch, metadata)
         out = torch.einsum("thr,hvr->thv", out, w_uv)  # [tokens, heads, v_head_dim]
-        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+        return projected
 
     def absorb(self) -> None:
         """Fold each head's K up-projection ``W_uk`` into the query projection (its
@@ -110,7 +113,7 @@ class LatentAttention(nn.Module):
         assert isinstance(q_linear, nn.Linear) and isinstance(self.o_proj, nn.Linear)
         dtype = q_linear.weight.dtype
         w_q = q_linear.weight.float().view(heads, mla.qk_head_dim, -1)  # [heads, nope + rope, in]
-        w_uk, w_uv = self.kv_b.float().split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        w_uk, w_uv = torch.split(self.kv_b.float(), [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         q_rows = torch.cat((w_uk.transpose(1, 2) @ w_q[:, :mla.qk_nope_head_dim], w_q[:, mla.qk_nope_head_dim:]), 1)
         q_absorbed = nn.Linear(q_linear.in_features, heads * mla.latent_dim, bias=False)
         q_absorbed.weight = nn.Parameter(q_rows.reshape(heads * mla.latent_dim, -1).to(dtype), requires_grad=False)
@@ -136,11 +139,9 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = LatentAttention(config, mla)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.moe
-        if moe is not None and moe.is_sparse(index):
-            from kvloom.models.moe import SparseMoE
-            self.mlp: nn.Module = SparseMoE(config.hidden_size, moe)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp: SparseMoE | GatedMLP = (
+            SparseMoE(config.hidden_size, moe) if moe is not None and moe.is_sparse(index)
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -173,22 +174,28 @@ class DeepseekForCausalLM(nn.Module):
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         rotary = self.rotary.cos_sin(batch.positions)
         hidden = None
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.decoder_layers):
             normed = (layer.input_layernorm(residual) if hidden is None
                       else layer.input_layernorm(hidden, residual))
             hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
             hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
-        return self.norm(hidden, residual)
+        out: torch.Tensor = self.norm(hidden, residual)
+        return out
+
+    @property
+    def decoder_layers(self) -> list[DeepseekDecoderLayer]:
+        return cast(list[DeepseekDecoderLayer], list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Absorb the up-projections (LatentAttention.absorb), then pack the matmuls
         as the Llama family does; call after ``load_weights`` and the dtype move."""
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.self_attn.absorb()
         packed = 0
         if self.lm_head is None:
@@ -221,8 +228,8 @@ class DeepseekForCausalLM(nn.Module):
                 continue
             if name.startswith("layers.") and ".mlp." in name:
                 index = int(name.split(".")[1])
-                mlp = self.layers[index].mlp
-                if not isinstance(mlp, GatedMLP):
+                mlp = self.decoder_layers[index].mlp
+                if isinstance(mlp, SparseMoE):
                     for target, count in mlp.load_hf(name.split(".mlp.", 1)[1], tensor).items():
                         key = f"layers.{index}.mlp.{target}"
                         filled[key] = filled.get(key, 0) + count
