@@ -488,3 +488,13 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def hf_greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation by full recompute each step (no cache at all):
+    the reference the parity tests hold kvloom's tokens to."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

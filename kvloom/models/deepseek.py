@@ -34,6 +34,7 @@ from kvloom.model_families import MLAConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+from kvloom.models.weights import WeightFiller
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -218,10 +219,9 @@ class DeepseekForCausalLM(nn.Module):
         """Copy HF-named tensors in; raise if a parameter is left unset or a name is
         unknown. Dense FFN gate/up go into the fused ``gate_up_proj``; ``kv_b_proj`` is
         viewed per head; a MoE layer's tensors go to its ``load_hf``."""
-        params = dict(self.named_parameters())
+        filler = WeightFiller(self)
         mla = self.config.mla
         assert mla is not None
-        filled: dict[str, int] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
@@ -231,8 +231,7 @@ class DeepseekForCausalLM(nn.Module):
                 mlp = self.decoder_layers[index].mlp
                 if isinstance(mlp, SparseMoE):
                     for target, count in mlp.load_hf(name.split(".mlp.", 1)[1], tensor).items():
-                        key = f"layers.{index}.mlp.{target}"
-                        filled[key] = filled.get(key, 0) + count
+                        filler.count(f"layers.{index}.mlp.{target}", count)
                     continue
             target, rows = name, None
             if name.endswith("mlp.gate_proj.weight"):
@@ -242,14 +241,5 @@ class DeepseekForCausalLM(nn.Module):
             elif name.endswith("self_attn.kv_b_proj.weight"):
                 target = name.replace("kv_b_proj.weight", "kv_b")
                 tensor = tensor.view(self.config.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
-            if target not in params:
-                raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
-            dest = params[target].data if rows is None else params[target].data[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + tensor.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            filler.copy(target, tensor, hf_name, rows)
+        filler.check_complete()

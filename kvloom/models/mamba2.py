@@ -30,6 +30,7 @@ from kvloom.models import ssm_ops
 from kvloom.models.layers import RMSNorm, VocabParallelEmbedding
 from kvloom.models.packed_linear import pack_linear_layers, packed_linear
 from kvloom.models.registry import CausalLM
+from kvloom.models.weights import WeightFiller
 
 
 class Mamba2Mixer(nn.Module):
@@ -204,24 +205,14 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     """Copy tensors named as ``model``'s parameters in; ``fused`` maps a name fragment
     to (our fused parameter's fragment, row offset, rows). Raises on an unknown name, a
     wrong shape or a parameter left unset."""
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
+    filler = WeightFiller(model)
     for name, tensor in weights:
-        if name == "lm_head.weight" and "lm_head.weight" not in params:
+        if name == "lm_head.weight" and "lm_head.weight" not in filler:
             continue  # tied: the embedding table is the head
         target, rows = name, None
         for fragment, (ours, start, length) in fused.items():
             if f".{fragment}." in name:
                 target, rows = name.replace(fragment, ours), slice(start, start + length)
                 break
-        if target not in params:
-            raise ValueError(f"checkpoint has an unexpected tensor {name!r}")
-        dest = params[target].data if rows is None else params[target].data[rows]
-        if dest.shape != tensor.shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
-        filled[target] = filled.get(target, 0) + tensor.numel()
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        filler.copy(target, tensor, name, rows)
+    filler.check_complete()

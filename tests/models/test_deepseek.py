@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import write_tiny_hf_model
+from helpers_models import hf_greedy_tokens, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 from kvloom.config import EngineConfig
@@ -36,13 +36,6 @@ def write(tmp: Path, shape: str) -> Path:
     arch, overrides = SHAPES[shape]
     return write_tiny_hf_model(tmp / shape, arch=arch, **{**MLA, **overrides})
 
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -71,7 +64,7 @@ def test_greedy_matches_transformers(shape: str, backend: str, tmp_path: Path) -
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8), f"prompt of {len(prompt)} tokens"
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, 8), f"prompt of {len(prompt)} tokens"
     llm.engine.check_integrity()
 
 
@@ -96,7 +89,7 @@ def test_prefix_hits_and_preemption_keep_transformers_tokens(v2: Path) -> None:
     shared = [rng.randrange(3, 500) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))] for _ in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = [hf_greedy(reference, p, 24) for p in prompts]
+    expected = [hf_greedy_tokens(reference, p, 24) for p in prompts]
     # 14 blocks of 8 tokens hold about two of these requests: the rest wait or are preempted.
     engine = LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", block_size=8, num_blocks=14,
                                                 max_num_batched_tokens=32))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_models import write_tiny_gguf_family, write_tiny_hf_model
+from helpers_models import hf_greedy_tokens, write_tiny_gguf_family, write_tiny_hf_model
 from helpers_ssm import write_tiny_ssm_model
 
 from kvloom import LLM, SamplingParams
@@ -91,13 +91,6 @@ def test_tensors_and_config_are_the_hf_checkpoints(case: str, converted: Callabl
     assert ModelConfig.from_hf(checkpoint.hf_config) == ModelConfig.from_hf(load_checkpoint(str(hf_dir)).hf_config)
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -123,7 +116,7 @@ def test_greedy_tokens_match_transformers(case: str, converted: Callable[[str], 
     llm = LLM(str(gguf_file), dtype="float32", block_size=16, num_blocks=32, max_num_batched_tokens=16)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt of {len(prompt)} tokens"
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, 6), f"prompt of {len(prompt)} tokens"
     assert list((home / "gguf-cache").glob("*/model.safetensors"))  # the engine read the dequantized cache
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import write_tiny_hf_model
+from helpers_models import hf_greedy_tokens, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 from kvloom.models.layers import rope_attention_factor, rope_inverse_frequencies
@@ -35,13 +35,6 @@ def test_yarn_is_transformers(scaling: dict) -> None:
     assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 @pytest.mark.parametrize("arch", ["qwen2", "deepseek_v2"])
 def test_yarn_models_give_transformers_tokens(arch: str, tmp_path: Path) -> None:
@@ -58,4 +51,4 @@ def test_yarn_models_give_transformers_tokens(arch: str, tmp_path: Path) -> None
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90)]  # past the original 32
     outputs = LLM(str(path), dtype="float32", num_blocks=64).generate(
         prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy_tokens(reference, p, 8) for p in prompts]

@@ -1,0 +1,38 @@
+"""``WeightFiller``: checkpoint tensors copied into a model's parameters and counted,
+so that a name the model does not have, a tensor of the wrong shape and a parameter
+left (partly) unset are each refused with the name. The models' ``load_weights`` map
+HF names to their parameters; this is the bookkeeping they share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class WeightFiller:
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.filled: dict[str, int] = {}  # parameter -> elements copied into it
+
+    def __contains__(self, target: str) -> bool:
+        return target in self.params
+
+    def copy(self, target: str, tensor: torch.Tensor, hf_name: str, rows: slice | None = None) -> None:
+        """Checkpoint tensor ``hf_name`` into parameter ``target`` (its ``rows`` only)."""
+        if target not in self.params:
+            raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
+        dest = self.params[target].data if rows is None else self.params[target].data[rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        self.count(target, tensor.numel())
+
+    def count(self, target: str, elements: int) -> None:
+        """Elements of ``target`` filled elsewhere (a module's own loader)."""
+        self.filled[target] = self.filled.get(target, 0) + elements
+
+    def check_complete(self) -> None:
+        missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
