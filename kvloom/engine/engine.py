@@ -83,6 +83,9 @@ class EngineStats:
     kv_staged_pulled: int = 0
     kv_staged_expired: int = 0
     num_receiving: int = 0  # requests whose prompt's KV is arriving now
+    # State-space models: the state pool's slots, and those free now (0 and 0 otherwise).
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -293,7 +296,7 @@ class LLMEngine:
                            s.num_verifications, comm.calls, comm.bytes, comm.seconds,
                            imports.imports, imports.failures, imports.bytes, imports.seconds,
                            staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
-                           len(s.receiving))
+                           len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a

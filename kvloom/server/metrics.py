@@ -90,6 +90,9 @@ class EngineMetrics:
             "kvloom:kv_transfer_staged_expired", "Prefill instance: staged KV dropped unpulled at its deadline.")
         self.num_requests_receiving = gauge(
             "kvloom:num_requests_receiving", "Decode instance: requests whose prompt's KV is arriving.")
+        self.state_slots_usage = gauge(
+            "kvloom:state_slots_usage_perc",
+            "State-space models: share of the state slots held by running requests (1 = all).")
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
         self._spec_seen = (0, 0, 0)
@@ -138,6 +141,8 @@ class EngineMetrics:
             _advance((self.tp_collectives, self.tp_collective_bytes, self.tp_collective_seconds), tp, self._tp_seen)
             self._tp_seen = tp
         self.num_requests_receiving.set(stats.num_receiving)
+        if stats.num_state_slots:
+            self.state_slots_usage.set(1 - stats.num_free_state_slots / stats.num_state_slots)
         kv = (stats.kv_imports, stats.kv_import_failures, stats.kv_import_bytes, stats.kv_import_seconds,
               stats.kv_staged, stats.kv_staged_bytes, stats.kv_staged_expired)
         if kv != self._kv_seen:

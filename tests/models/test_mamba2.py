@@ -97,3 +97,20 @@ def test_the_engine_refuses_what_the_state_cannot_follow(model_dir, options, rea
     with pytest.raises(ValueError, match=reason) as error:
         ssm_engine(model_dir, **options)
     assert "Mamba2ForCausalLM keeps a state per request" in str(error.value)
+
+
+def test_the_state_slots_are_reported(model_dir, prompts) -> None:
+    """EngineStats and the server's gauge: slots held by running requests, then none."""
+    from kvloom.server.metrics import EngineMetrics
+    engine = ssm_engine(model_dir, num_state_slots=3, max_num_seqs=8)
+    for prompt in list(prompts.values())[:2]:
+        engine.add_request(prompt, GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_state_slots, stats.num_free_state_slots) == (3, 3 - stats.num_running) and stats.num_running == 2
+    metrics = EngineMetrics()
+    metrics.record_state(stats)
+    assert metrics.registry.get_sample_value("kvloom:state_slots_usage_perc") == pytest.approx(2 / 3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_free_state_slots == 3
