@@ -17,6 +17,8 @@ The pool: [layers, 1, num_blocks, block_size, 1, latent_dim]; one layer's is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvloom.attention.base import AttentionBackend
@@ -75,7 +77,17 @@ class MLAReferenceBackend(AttentionBackend[None]):
         return torch.matmul(weights, latent[..., :self.value_dim])  # [..., heads, value_dim]
 
 
-class MLABatchedBackend(MLAReferenceBackend):
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of a decode-only step shares: the requests' block tables cut
+    to the longest one's blocks, and which of its positions each request has."""
+
+    blocks: torch.Tensor  # [requests, blocks] int64
+    visible: torch.Tensor  # [requests, 1, longest] bool
+    longest: int
+
+
+class MLABatchedBackend(AttentionBackend[DecodeStep | None]):
     """The reference, with a step of decodes only (one query per request) done as one
     batched attention over every request's latents gathered into a padded
     [requests, longest, latent_dim] tensor (past a request's length, masked). Steps
@@ -83,13 +95,33 @@ class MLABatchedBackend(MLAReferenceBackend):
 
     name = "mla_batched"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
+    def __init__(self, num_heads: int, latent_dim: int, value_dim: int, scale: float) -> None:
+        super().__init__(num_heads, 1, latent_dim)
+        self.reference = MLAReferenceBackend(num_heads, latent_dim, value_dim, scale)
+        self.scale = scale
+
+    def prepare(self, batch: ForwardBatch) -> DecodeStep | None:
+        """Once per step (not per layer): None when a request brings more than one token."""
         if any(n != 1 for n in batch.query_lens_list):
-            return super().forward(q, k, v, kv_cache, batch, metadata)
-        self.write_kv(kv_cache, k, None, batch.slot_mapping)
+            return None
         longest = max(batch.seq_lens_list)
-        blocks = batch.block_tables[:, :-(-longest // batch.block_size)].long()  # [requests, blocks]
-        latent = kv_cache[0][blocks].flatten(1, 2)[:, :longest, 0].to(q.dtype)  # [requests, longest, latent]
-        visible = torch.arange(longest, device=q.device) < batch.seq_lens.to(q.device).unsqueeze(1)
-        return self.attend(q, latent, visible.unsqueeze(1))  # [requests, heads, value_dim]
+        blocks = batch.block_tables[:, :-(-longest // batch.block_size)].long()
+        seq_lens = batch.seq_lens.to(blocks.device)
+        visible = torch.arange(longest, device=blocks.device) < seq_lens.unsqueeze(1)
+        return DecodeStep(blocks, visible.unsqueeze(1), longest)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                 slot_mapping: torch.Tensor) -> None:
+        self.reference.write_kv(kv_cache, k, v, slot_mapping)
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reference.read_kv(kv_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: DecodeStep | None) -> torch.Tensor:
+        if metadata is None:
+            return self.reference.forward(q, k, v, kv_cache, batch, None)
+        self.write_kv(kv_cache, k, None, batch.slot_mapping)
+        # [requests, longest, latent]: this layer's latents of every request, padded
+        latent = kv_cache[0][metadata.blocks].flatten(1, 2)[:, :metadata.longest, 0].to(q.dtype)
+        return self.reference.attend(q, latent, metadata.visible)  # [requests, heads, value_dim]

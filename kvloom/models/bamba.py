@@ -25,7 +25,8 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ssm_ops
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
-from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights, pack_with_tied_head
+from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
+from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it

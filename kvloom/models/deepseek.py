@@ -33,7 +33,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import MLAConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
-from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.weights import WeightFiller
 
 
@@ -198,12 +198,7 @@ class DeepseekForCausalLM(nn.Module):
         as the Llama family does; call after ``load_weights`` and the dtype move."""
         for layer in self.decoder_layers:
             layer.self_attn.absorb()
-        packed = 0
-        if self.lm_head is None:
-            head = packed_linear(self.embed_tokens.weight, None, matmul)
-            if head is not None:
-                self.lm_head, packed = head, 1
-        return packed + pack_linear_layers(self, matmul)
+        return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
 
     def use_native_stack(self) -> str | None:
         return "the native decoder walk serves the Llama family only (latent attention runs as modules)"

@@ -26,8 +26,9 @@ from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
-from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.sharding import TensorSlice, llama_weight_slice, moe_block_name, tensor_parallel_problem
+from kvloom.models.weights import WeightFiller
 
 
 class LlamaAttention(nn.Module):
@@ -129,13 +130,7 @@ class LlamaForCausalLM(nn.Module):
         output head gets its own packed copy of the embedding table (vocab x hidden more
         memory: 56 MB for SmolLM2-135M) because the lookup needs the plain one. Returns
         how many layers were packed."""
-        packed = 0
-        if self.lm_head is None:
-            head = packed_linear(self.embed_tokens.weight, None, matmul)
-            if head is not None:
-                self.lm_head = head
-                packed = 1
-        return packed + pack_linear_layers(self, matmul)
+        return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """The self-speculative draft (layer skip): this model's first ``num_layers``
@@ -171,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any
         parameter is left unset or a name is unknown."""
-        params = dict(self.named_parameters())
+        filler = WeightFiller(self)
         # HF name fragment -> (our fused parameter fragment, offset, size), in this rank's shard
         attention = self.layers[0].self_attn
         q, kv = attention.q_size, attention.kv_size
@@ -183,7 +178,6 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
             "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
         }
-        filled: dict[str, int] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
@@ -192,35 +186,22 @@ class LlamaForCausalLM(nn.Module):
             if block is not None and block[0] < len(self.layers) and isinstance(self.layers[block[0]].mlp, SparseMoE):
                 layer, inside = block
                 for parameter, count in self.layers[layer].mlp.load_hf(inside, tensor).items():
-                    key = f"layers.{layer}.mlp.{parameter}"
-                    filled[key] = filled.get(key, 0) + count
+                    filler.count(f"layers.{layer}.mlp.{parameter}", count)
                 continue
-            target, offset, size = name, None, None
+            target, rows = name, None
             for fragment, (ours, start, length) in fused.items():
                 if f".{fragment}." in name:
-                    target = name.replace(fragment, ours)
-                    offset, size = start, length
+                    target, rows = name.replace(fragment, ours), slice(start, start + length)
                     break
-            if target not in params:
-                raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
-            param = params[target]
-            dest = param.data if offset is None else param.data[offset:offset + size]
             if target in ("embed_tokens.weight", "lm_head.weight"):
-                dest = dest[:self.embed_tokens.num_real_rows]  # the padding rows stay zero
-            if dest.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + tensor.numel()
+                rows = slice(0, self.embed_tokens.num_real_rows)  # the padding rows stay zero
+            filler.copy(target, tensor, hf_name, rows)
         padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
         for name in ("embed_tokens.weight", "lm_head.weight"):
-            if name in filled:
-                filled[name] += padding
+            if name in filler.filled:
+                filler.count(name, padding)
         if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0
-            for name, param in params.items():
+            for name, param in filler.params.items():
                 if name.endswith(("o_proj.bias", "down_proj.bias")):
                     param.data.zero_()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        filler.check_complete()

@@ -28,7 +28,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import SSMConfig
 from kvloom.models import ssm_ops
 from kvloom.models.layers import RMSNorm, VocabParallelEmbedding
-from kvloom.models.packed_linear import pack_linear_layers, packed_linear
+from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 from kvloom.models.weights import WeightFiller
 
@@ -186,18 +186,6 @@ def allocate_mixer_state(model: nn.Module, num_slots: int) -> int:
     reference = next(p for p in model.parameters() if p.is_floating_point())
     return sum(module.allocate_state(num_slots, reference.device, reference.dtype)
                for module in model.modules() if isinstance(module, Mamba2Mixer))
-
-
-def pack_with_tied_head(model: nn.Module, embedding: torch.Tensor, matmul: str) -> int:
-    """``pack_linear_layers``, and a tied output head its own packed copy of the embedding
-    table where the kernel applies (as LlamaForCausalLM.pack_weights)."""
-    packed = 0
-    if getattr(model, "lm_head", None) is None:
-        head = packed_linear(embedding, None, matmul)
-        if head is not None:
-            model.lm_head = head
-            packed = 1
-    return packed + pack_linear_layers(model, matmul)
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

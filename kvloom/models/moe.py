@@ -213,13 +213,13 @@ class SparseMoE(nn.Module):
         # Set by pack(): each expert's two matmuls as the kernel's layers (the 3D tensors
         # are then released), and the shared expert's gate.
         self.packed_experts: nn.ModuleList | None = None
+        self._packed_pairs: list[tuple[nn.Module, nn.Module]] | None = None  # the same layers, as pairs
         self.packed_shared_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_experts
-        if packed is None:
+        pairs = self._packed_pairs
+        if pairs is None:
             return self._combine(x, experts_grouped)
-        pairs = [(pair[0], pair[1]) for pair in packed]  # type: ignore[index]  # each a ModuleList of two
         return self._combine(x, lambda x, gate_up, down, weights, experts: experts_grouped(
             x, None, None, weights, experts, packed=pairs))
 
@@ -241,7 +241,8 @@ class SparseMoE(nn.Module):
         pairs = [(a, b) for a, b in layers if a is not None and b is not None]
         if len(pairs) < len(layers):
             return 0
-        self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)
+        self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)  # registered: .to() moves them
+        self._packed_pairs = pairs
         del self.experts_gate_up, self.experts_down  # the packed copies are what runs now
         if self.shared_expert_gate is not None:
             self.packed_shared_gate = packed_linear(self.shared_expert_gate, None, matmul)

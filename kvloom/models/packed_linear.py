@@ -129,3 +129,17 @@ def pack_linear_layers(model: nn.Module, matmul: str = "invariant") -> int:
     if matmul == "invariant" and swaps and count == 0 and swaps[0][2].weight.dtype == torch.bfloat16:
         logger.warning("bf16 matmuls run on F.linear: outputs may depend on the batch (no invariant GEMM here)")
     return count
+
+
+def pack_with_tied_head(model: nn.Module, embedding: torch.Tensor, matmul: str) -> int:
+    """``pack_linear_layers``, and first, for a model whose output head is its embedding
+    table (``model.lm_head`` None), a packed copy of the table as its head where the
+    kernel applies (vocab x hidden more memory, since the lookup needs the plain one).
+    Every model's ``pack_weights`` ends here."""
+    packed = 0
+    if getattr(model, "lm_head", None) is None:
+        head = packed_linear(embedding, None, matmul)
+        if head is not None:
+            model.lm_head = head
+            packed = 1
+    return packed + pack_linear_layers(model, matmul)
