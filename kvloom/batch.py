@@ -59,6 +59,14 @@ class ScheduledRequest:
         return (1 + len(self.draft_token_ids)) if self.samples else 0
 
 
+@dataclass(frozen=True, slots=True)
+class StateCopy:
+    """Copy a state-space model's state (every mixer layer's) from slot ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """Everything the runner needs for one forward pass, and nothing else."""
@@ -66,6 +74,11 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
+    # State-space models with prefix caching (cache/kv_manager.py): before the forward,
+    # a hit's checkpoint into its request's slot; after it, a request's slot into a
+    # checkpoint (its chunk ended at a planned checkpoint).
+    state_restores: list[StateCopy] = field(default_factory=list)
+    state_saves: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -170,6 +170,10 @@ class CacheConfig:
     num_state_slots: int | None = field(default=None, metadata={
         "help": "state slots of a state-space model (Mamba2, Bamba): one per running request, each "
                 "holding every mixer layer's convolution and SSM state (default: --max-num-seqs)"})
+    num_state_checkpoints: int | None = field(default=None, metadata={
+        "help": "state-space models with prefix caching: slots beside the state slots that keep the "
+                "mixers' state after cached prefixes, which a prefix hit needs (default: "
+                "--num-state-slots; 0: no prefix reuse for such a model)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "negatives": ("--no-enable-prefix-caching", "--no-prefix-cache"),
         "help": "the radix prefix cache: KV reuse across requests (default: on)"})
@@ -182,6 +186,10 @@ class CacheConfig:
         if self.num_state_slots is not None and (not isinstance(self.num_state_slots, int)
                                                  or self.num_state_slots <= 0):
             raise ValueError(f"num_state_slots must be a positive integer, got {self.num_state_slots!r}")
+        if self.num_state_checkpoints is not None and (not isinstance(self.num_state_checkpoints, int)
+                                                       or self.num_state_checkpoints < 0):
+            raise ValueError(f"num_state_checkpoints must be a non-negative integer, got "
+                             f"{self.num_state_checkpoints!r}")
         if self.kv_cache_memory is not None and (
                 not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be > 0 (GiB), got {self.kv_cache_memory!r}")

@@ -51,6 +51,7 @@ NON_DEFAULTS = [
     (["--block-size", "8"], "cache", "block_size", 8),
     (["--num-blocks", "7"], "cache", "num_blocks", 7),
     (["--num-state-slots", "3"], "cache", "num_state_slots", 3),
+    (["--num-state-checkpoints", "0"], "cache", "num_state_checkpoints", 0),
     (["--kv-cache-memory", "0.5"], "cache", "kv_cache_memory", 0.5),
     (["--no-prefix-cache"], "cache", "enable_prefix_caching", False),
     (["--gpu-memory-utilization", "0.5"], "cache", "gpu_memory_utilization", 0.5),

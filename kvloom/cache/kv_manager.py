@@ -4,11 +4,20 @@ Ownership: this manager is the one writer of ``request.block_ids`` (the schedule
 owns the rest of a request's state). A request holds one pool reference per entry
 of its ``block_ids``; the prefix cache holds one per block it indexes. A request's blocks beyond its
 cached prefix are private to it, so a request never writes into a shared block.
+
+For a state-space model the prefix cache also keeps state checkpoints (a hit needs
+one, cache/radix_cache.py), and this manager plans where a request saves them: where
+its prompt leaves the cached tree (the next request with that prefix then hits it)
+and at its prompt's last block boundary (a repeat, or the next turn of a chat,
+hits it). The scheduler ends a chunk at each planned position
+(``tokens_to_checkpoint``), has the runner copy the request's state into a reserved
+slot after that step (``reserve_checkpoint``), and ``cache_computed_blocks``
+attaches it to the node that ends there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
 from kvloom.cache.in_flight import NoPrefixesInFlight, PrefixesInFlight
@@ -26,6 +35,8 @@ class _CacheState:
 
     handle: object | None = None  # locked node
     num_inserted_blocks: int = 0
+    checkpoints: list[int] = field(default_factory=list)  # planned state checkpoint positions, ascending
+    saving: tuple[int, int] | None = None  # (position, reserved slot): a state saved this step
 
 
 class KVCacheManager:
@@ -57,8 +68,10 @@ class KVCacheManager:
         return max(0, total - len(request.block_ids))
 
     def prefixes_in_flight(self, running: list[Request]) -> NoPrefixesInFlight:
-        """Prompt blocks being computed by ``running`` requests (see ``in_flight``)."""
-        if not self.prefix_cache.shares_prefixes:
+        """Prompt blocks being computed by ``running`` requests (see ``in_flight``). None
+        for a cache that keeps states: the running request saves no checkpoint where the
+        waiting one would branch off, so waiting for its blocks would gain no hit."""
+        if not self.prefix_cache.shares_prefixes or self.prefix_cache.keeps_states:
             return NoPrefixesInFlight()
         return PrefixesInFlight(self.block_size, running)
 
@@ -98,6 +111,36 @@ class KVCacheManager:
             self._cache_state[request] = _CacheState()
         return True
 
+    def plan_checkpoints(self, request: Request, prefix: PrefixMatch) -> None:
+        """At admission (after ``allocate_slots``): where the request will save its state
+        for later requests, if the cache keeps states; positions past its hit only."""
+        state = self._cache_state.get(request)
+        if state is None or not self.prefix_cache.keeps_states:
+            return
+        last = (request.num_tokens - 1) // self.block_size * self.block_size
+        wanted = {last, prefix.branch_tokens}
+        state.checkpoints = sorted(p for p in wanted if prefix.num_tokens < p <= last)
+
+    def tokens_to_checkpoint(self, request: Request, num_new_tokens: int) -> int:
+        """``num_new_tokens``, cut so that the chunk ends at the next planned checkpoint."""
+        state = self._cache_state.get(request)
+        if state is None or not state.checkpoints:
+            return num_new_tokens
+        return min(num_new_tokens, state.checkpoints[0] - request.num_computed_tokens)
+
+    def reserve_checkpoint(self, request: Request, end: int) -> int | None:
+        """For a chunk scheduled to end at ``end``: the slot its state is to be copied
+        into after the step, if ``end`` is a planned checkpoint and a slot is to be had
+        (a checkpoint is worth an eviction, never a wait: without a slot it is skipped)."""
+        state = self._cache_state.get(request)
+        if state is None or not state.checkpoints or state.checkpoints[0] != end:
+            return None
+        del state.checkpoints[0]
+        slot = self.prefix_cache.reserve_state_slot()
+        if slot is not None:
+            state.saving = (end, slot)
+        return slot
+
     def _reserve(self, needed: int) -> bool:
         """Ensure ``needed`` free blocks exist, evicting idle cached blocks if that suffices."""
         shortfall = needed - self.pool.num_free_blocks
@@ -113,15 +156,21 @@ class KVCacheManager:
         if state is None:
             return
         num_full = request.num_computed_tokens // self.block_size
-        if num_full <= state.num_inserted_blocks:
-            return
-        handle = self.prefix_cache.insert(
-            request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full]
-        )
-        self.prefix_cache.lock(handle)
-        self.prefix_cache.unlock(state.handle)
-        state.handle = handle
-        state.num_inserted_blocks = num_full
+        if num_full > state.num_inserted_blocks:
+            handle = self.prefix_cache.insert(
+                request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full]
+            )
+            self.prefix_cache.lock(handle)
+            self.prefix_cache.unlock(state.handle)
+            state.handle = handle
+            state.num_inserted_blocks = num_full
+        if state.saving is not None and request.num_computed_tokens >= state.saving[0]:
+            # The step that ended at the checkpoint ran, and the runner saved the state:
+            # the node ending there (split off if need be; the path is locked) holds it.
+            end, slot = state.saving
+            state.saving = None
+            node = self.prefix_cache.insert(request.all_token_ids[:end], request.block_ids[: end // self.block_size])
+            self.prefix_cache.attach_state(node, slot)
 
     def release_uncomputed(self, request: Request) -> int:
         """Return the blocks past the request's computed tokens (speculative decoding:
@@ -139,6 +188,8 @@ class KVCacheManager:
         self.cache_computed_blocks(request)
         state = self._cache_state.pop(request, None)
         if state is not None:
+            if state.saving is not None:  # the step that was to save it never completed
+                self.prefix_cache.release_state_slot(state.saving[1])
             self.prefix_cache.unlock(state.handle)
         self.pool.decref(request.block_ids)
         request.block_ids = []
@@ -157,3 +208,7 @@ class KVCacheManager:
         stale = [r.request_id for r in self._cache_state if r not in live]
         if stale:
             raise BlockPoolError(f"cache state kept for requests no longer live: {stale}")
+        saving = {state.saving[1] for state in self._cache_state.values() if state.saving is not None}
+        if saving != self.prefix_cache.reserved_state_slots():
+            raise BlockPoolError(f"state slots being saved {sorted(saving)} != the cache's reserved "
+                                 f"{sorted(self.prefix_cache.reserved_state_slots())}")

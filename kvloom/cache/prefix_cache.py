@@ -24,6 +24,12 @@ class PrefixMatch:
     handle: object | None = None
     miss_reason: str | None = None
     shareable: bool = True  # False: the request may not use cached blocks at all (nothing to wait for)
+    # A cache that keeps state checkpoints (state-space models): the checkpoint slot
+    # holding every mixer's state after ``num_tokens`` (None: no hit), and the tokens of
+    # KV the tree holds for this prefix, checkpointed or not (>= num_tokens): where the
+    # request leaves the tree, a checkpoint would serve the next request to share it.
+    state_slot: int | None = None
+    branch_tokens: int = 0
 
 
 class PrefixCache(ABC):
@@ -31,6 +37,9 @@ class PrefixCache(ABC):
 
     # Whether matches can ever hit; the scheduler waits for in-flight prefixes only if so.
     shares_prefixes: bool = True
+    # Whether a hit needs a state checkpoint as well as KV (a state-space model's cache,
+    # cache/radix_cache.py); such a cache serves only prefixes that end at a checkpoint.
+    keeps_states: bool = False
 
     @abstractmethod
     def match(self, token_ids: list[int]) -> PrefixMatch:
@@ -75,6 +84,29 @@ class PrefixCache(ABC):
 
     def check_integrity(self) -> None:  # noqa: B027 - a cache with no structure has nothing to check
         """Raise if the cache's own structure is inconsistent."""
+
+    # State checkpoints, for a cache that ``keeps_states`` (the rest never has any).
+    def reserve_state_slot(self) -> int | None:
+        """A checkpoint slot for a state about to be saved (evicting the least recently
+        used unlocked checkpoint if none is free), or None if every one is in use."""
+        return None
+
+    def attach_state(self, handle: object | None, slot: int) -> None:
+        """The reserved ``slot`` now holds the state after ``handle``'s last token."""
+        raise TypeError(f"{type(self).__name__} keeps no state checkpoints")
+
+    def release_state_slot(self, slot: int) -> None:
+        """Give back a reserved slot that was never attached."""
+        raise TypeError(f"{type(self).__name__} keeps no state checkpoints")
+
+    def reserved_state_slots(self) -> set[int]:
+        """Slots reserved and not yet attached or released (for integrity checks)."""
+        return set()
+
+    @property
+    def num_cached_states(self) -> int:
+        """State checkpoints attached to cached prefixes."""
+        return 0
 
 
 class NoPrefixCache(PrefixCache):

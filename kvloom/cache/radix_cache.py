@@ -18,6 +18,17 @@ Handles are nodes. A split keeps the existing node object as the lower half, so 
 handle always means "the path down to this node's end", whatever splits happen
 later. A handle must be locked before anything can evict (the KVCacheManager locks
 right after ``match``); an unlocked handle may be evicted and is then refused.
+
+State checkpoints (a state-space model's cache, ``state_slots`` given): KV alone does
+not let a request skip a prefix when its model also has Mamba2 mixers, whose state
+after the prefix must be there too. A node may then hold ``state_slot``, a state-pool
+slot (cache/state_pool.py) with every mixer's state after the node's last token, and
+a match ends at the deepest checkpointed node on the path. A split keeps the
+checkpoint with the lower half (its end does not move); trimming or evicting a node
+frees its checkpoint (the state after a shorter prefix is not that one). Checkpoints
+are evicted on their own, least recently used first, among unlocked nodes; the node's
+KV stays until the KV eviction takes it. Slots are free, reserved (a state is being
+saved into them this step) or attached to exactly one node.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ class RadixNode:
     handle_locks: int = 0  # locks taken with this node as the handle
     last_access: int = 0
     detached: bool = False  # evicted: no longer in the tree
+    state_slot: int | None = None  # the mixers' state after this node's last token
 
     @property
     def num_blocks(self) -> int:
@@ -56,7 +68,9 @@ class RadixNode:
 class RadixCache(PrefixCache):
     """Prefix cache indexing KV blocks by block-aligned token prefixes, LRU eviction."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, state_slots: range | None = None) -> None:
+        """``state_slots``: the state-pool slots this cache may fill with checkpoints, for
+        a state-space model (its hits need one); None for a KV-only cache."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
@@ -65,6 +79,11 @@ class RadixCache(PrefixCache):
         self._clock = itertools.count(1)  # logical LRU time: strictly increasing per operation
         self._indexed: set[int] = set()  # every block in the tree, for O(1) duplicate checks
         self._num_evictable_blocks = 0  # blocks of nodes with lock_count == 0
+        self.keeps_states = state_slots is not None
+        self._state_slots = state_slots if state_slots is not None else range(0)
+        self._free_state_slots: list[int] = list(self._state_slots)
+        self._reserved_state_slots: set[int] = set()
+        self._num_cached_states = 0
         # Statistics (the engine derives its hit rate from these).
         self.num_match_queries = 0
         self.num_queried_tokens = 0
@@ -80,24 +99,49 @@ class RadixCache(PrefixCache):
         ends inside its edge); the matched path becomes most recently used.
         """
         node, in_edge, num_blocks, block_ids = self._walk(token_ids)
-        if in_edge:
+        branch_tokens = num_blocks * self.block_size
+        if self.keeps_states:
+            node, num_blocks = self._checkpointed(node, in_edge, num_blocks)
+            del block_ids[num_blocks:]
+        elif in_edge:
             node = self._split(node, in_edge)
         matched = num_blocks * self.block_size
         self.num_match_queries += 1
         self.num_queried_tokens += len(token_ids)
         self.num_matched_tokens += matched
+        reason = self._miss_reason(token_ids, matched, in_edge, branch_tokens)
         if node is self.root:
-            return PrefixMatch(miss_reason=self._miss_reason(token_ids, matched, in_edge))
+            return PrefixMatch(miss_reason=reason, branch_tokens=branch_tokens)
         self._touch(node)
-        return PrefixMatch(block_ids, matched, node, self._miss_reason(token_ids, matched, in_edge))
+        return PrefixMatch(block_ids, matched, node, reason, state_slot=node.state_slot,
+                           branch_tokens=branch_tokens)
 
     def cached_prefix_length(self, token_ids: list[int]) -> int:
         """Tokens of ``token_ids`` a ``match`` would return, without any side effect
         (no split, no LRU refresh, no statistics): for cache-aware scheduling."""
-        return self._walk(token_ids)[2] * self.block_size
+        node, in_edge, num_blocks, _ = self._walk(token_ids)
+        if self.keeps_states:
+            num_blocks = self._checkpointed(node, in_edge, num_blocks)[1]
+        return num_blocks * self.block_size
 
-    def _miss_reason(self, token_ids: list[int], matched: int, in_edge: int) -> str | None:
+    def _checkpointed(self, node: RadixNode, in_edge: int, num_blocks: int) -> tuple[RadixNode, int]:
+        """The deepest node with a state checkpoint on a walk's path, and the blocks
+        down to its end (the root and 0 if none): a checkpoint is at a node's end, so a
+        walk that stops ``in_edge`` blocks into ``node`` can use its parent's at best."""
+        if in_edge:
+            assert node.parent is not None
+            node, num_blocks = node.parent, num_blocks - in_edge
+        while node is not self.root and node.state_slot is None:
+            assert node.parent is not None
+            node, num_blocks = node.parent, num_blocks - node.num_blocks
+        return node, num_blocks
+
+    def _miss_reason(self, token_ids: list[int], matched: int, in_edge: int, branch_tokens: int) -> str | None:
         """Why the hit is shorter than the block-aligned length of ``token_ids``."""
+        if matched < branch_tokens:
+            where = f"only after {matched} tokens" if matched else "nowhere on them"
+            return (f"prefix hit of {matched} tokens: {branch_tokens} tokens of KV are cached, but the "
+                    f"state-space layers' state is checkpointed {where}")
         aligned = len(token_ids) // self.block_size * self.block_size
         if matched == aligned:
             if matched == 0:
@@ -257,6 +301,7 @@ class RadixCache(PrefixCache):
             dropped = leaf.block_ids[-take:]
             self._indexed.difference_update(dropped)
             self.pool.decref(dropped)
+            self._drop_state(leaf)  # its end moves (trimmed) or goes: the state was after it
             if take < leaf.num_blocks:
                 del leaf.block_ids[-take:]
                 del leaf.key[-take * self.block_size :]
@@ -274,6 +319,49 @@ class RadixCache(PrefixCache):
 
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
         return node is not self.root and not node.children and node.lock_count == 0
+
+    # ---- state checkpoints -------------------------------------------------------------
+    def reserve_state_slot(self) -> int | None:
+        if not self._free_state_slots:
+            victims = [n for n in self._nodes() if n.state_slot is not None and n.lock_count == 0]
+            if not victims:
+                return None
+            self._drop_state(min(victims, key=lambda n: n.last_access))
+        slot = self._free_state_slots.pop()
+        self._reserved_state_slots.add(slot)
+        return slot
+
+    def attach_state(self, handle: object | None, slot: int) -> None:
+        """A node that has a checkpoint already keeps it (the same tokens' state, saved
+        by a request that got there first); ``slot`` is then free again."""
+        node = self._node(handle, "attach_state")
+        if slot not in self._reserved_state_slots:
+            raise RadixCacheError(f"state slot {slot} is attached without being reserved")
+        self._reserved_state_slots.remove(slot)
+        if node is None or node.state_slot is not None:
+            self._free_state_slots.append(slot)
+            return
+        node.state_slot = slot
+        self._num_cached_states += 1
+
+    def release_state_slot(self, slot: int) -> None:
+        if slot not in self._reserved_state_slots:
+            raise RadixCacheError(f"state slot {slot} is released without being reserved")
+        self._reserved_state_slots.remove(slot)
+        self._free_state_slots.append(slot)
+
+    def reserved_state_slots(self) -> set[int]:
+        return set(self._reserved_state_slots)
+
+    @property
+    def num_cached_states(self) -> int:
+        return self._num_cached_states
+
+    def _drop_state(self, node: RadixNode) -> None:
+        if node.state_slot is not None:
+            self._free_state_slots.append(node.state_slot)
+            node.state_slot = None
+            self._num_cached_states -= 1
 
     # ---- accounting --------------------------------------------------------------------
     @property
@@ -333,7 +421,19 @@ class RadixCache(PrefixCache):
                 num_evictable += node.num_blocks
         if seen != self._indexed:
             raise RadixCacheError(f"index has {len(self._indexed)} blocks, tree has {len(seen)}")
+        self._check_state_slots()
         if num_evictable != self._num_evictable_blocks:
             raise RadixCacheError(
                 f"counter says {self._num_evictable_blocks} evictable, tree has {num_evictable}"
             )
+
+    def _check_state_slots(self) -> None:
+        """Every checkpoint slot is free, reserved or attached to one node, exactly once."""
+        attached = [n.state_slot for n in self._nodes() if n.state_slot is not None]
+        parts = [*self._free_state_slots, *self._reserved_state_slots, *attached]
+        if sorted(parts) != list(self._state_slots):
+            raise RadixCacheError(f"state checkpoint slots: {len(self._free_state_slots)} free, "
+                                  f"{len(self._reserved_state_slots)} reserved and {len(attached)} attached "
+                                  f"are not each of {self._state_slots} once")
+        if len(attached) != self._num_cached_states:
+            raise RadixCacheError(f"counter says {self._num_cached_states} checkpoints, tree has {len(attached)}")

@@ -25,7 +25,7 @@ from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.speculation import SpeculationPolicy
-from kvloom.engine.state_space import num_state_slots, state_space_config
+from kvloom.engine.state_space import num_state_checkpoints, num_state_slots, state_space_config
 from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.kv_spec import KVExport, KVTransferSpec
@@ -86,6 +86,7 @@ class EngineStats:
     # State-space models: the state pool's slots, and those free now (0 and 0 otherwise).
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    num_cached_states: int = 0  # the prefix cache's state checkpoints, each a slot's worth
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -120,7 +121,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)
-        if mc.ssm is not None:  # Mamba2 layers: no prefix cache, a state pool (engine/state_space.py)
+        if mc.ssm is not None:  # Mamba2 layers: a state pool, checkpoints to cache (engine/state_space.py)
             config = self.config = state_space_config(config, mc, self.max_model_len)
         # The model and its KV pool: here, or as rank 0 of a tensor-parallel group whose
         # other ranks hold the other shards (runner/tensor_parallel.py).
@@ -132,18 +133,20 @@ class LLMEngine:
 
         block_size = config.cache.block_size
         pool = BlockPool(self.num_blocks)
-        prefix_cache: PrefixCache = (RadixCache(pool, block_size) if config.cache.enable_prefix_caching
-                                     else NoPrefixCache())
-        self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         self.state_pool: StatePool = NoStatePool()
         self.state_bytes_per_slot = 0  # a state-space model's fixed state per request, every layer
+        checkpoint_slots: range | None = None  # the radix cache's state checkpoints, after the requests'
         if mc.ssm is not None:
             from kvloom.models.mamba2 import allocate_state
-            slots = num_state_slots(config)
+            slots, checkpoints = num_state_slots(config), num_state_checkpoints(config)
             self.state_pool = StatePool(slots)
-            self.state_bytes_per_slot = allocate_state(self.model, slots) // slots
-            logger.info("state pool: %d slots of %.1f MiB (every Mamba2 layer's state)",
-                        self.state_pool.num_slots, self.state_bytes_per_slot / (1 << 20))
+            checkpoint_slots = range(slots, slots + checkpoints)
+            self.state_bytes_per_slot = allocate_state(self.model, slots + checkpoints) // (slots + checkpoints)
+            logger.info("state pool: %d slots and %d prefix-cache checkpoints of %.1f MiB (every Mamba2 "
+                        "layer's state)", slots, checkpoints, self.state_bytes_per_slot / (1 << 20))
+        prefix_cache: PrefixCache = (RadixCache(pool, block_size, checkpoint_slots)
+                                     if config.cache.enable_prefix_caching else NoPrefixCache())
+        self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None
@@ -296,7 +299,8 @@ class LLMEngine:
                            s.num_verifications, comm.calls, comm.bytes, comm.seconds,
                            imports.imports, imports.failures, imports.bytes, imports.seconds,
                            staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
-                           len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots)
+                           len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots,
+                           kv.prefix_cache.num_cached_states)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a

@@ -10,6 +10,10 @@ freed, back to the head of the waiting queue). Then waiting requests are admitte
 policy order while budget, ``max_num_seqs``, blocks and (for a state-space model)
 state slots last.
 
+For a state-space model with prefix caching, a hit also restores the mixers' state
+from its checkpoint, and a chunk ends at each checkpoint the KV cache manager plans
+for the request, whose state the runner then saves (``SchedulerOutput.state_*``).
+
 The scheduler is the one writer of a request's state: its status, progress
 (``num_computed_tokens``), output tokens, stop reason and error (``block_ids`` are
 the KV cache manager's). ``update`` is where a step's results enter it.
@@ -21,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput, StateCopy
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.cache.state_pool import NoStatePool, StatePool
@@ -79,6 +83,8 @@ class Scheduler:
         self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self._deferred: list[Request] = []  # waiting on a shared prefix in flight, this step
+        self._state_restores: list[StateCopy] = []  # this step's (SchedulerOutput.state_restores)
+        self._state_saves: list[StateCopy] = []
         self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
@@ -156,12 +162,14 @@ class Scheduler:
         preempted: list[Request] = []
         preempt_reasons: dict[str, str] = {}
         self._take_received()
+        self._state_restores, self._state_saves = [], []
 
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
             request = pending.pop(0)
             num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget,
                                            first=not scheduled)
+            num_new = self.kv.tokens_to_checkpoint(request, num_new)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -174,6 +182,7 @@ class Scheduler:
                     break
                 pending.remove(victim)
             else:
+                self._save_state_at_checkpoint(request, num_new)
                 scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
                 budget -= num_new
 
@@ -183,7 +192,7 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         if self.speculation is not None:
             self._add_drafts(scheduled)
-        output = SchedulerOutput(self.step_count, scheduled, preempted)
+        output = SchedulerOutput(self.step_count, scheduled, preempted, self._state_restores, self._state_saves)
         self.trace.record_step(output, self.waiting, blocked, reason, preempt_reasons,
                                self.kv.pool.num_free_blocks, self._deferred)
         return output
@@ -293,14 +302,33 @@ class Scheduler:
                 return request, refusal
             request.num_computed_tokens = prefix.num_tokens  # the hit counts as computed
             self.state.allocate(request)
+            self._restore_state(request, prefix)
             self.waiting.remove(request)
             self.running.append(request)
             self._mark_admitted(request, prefix)
             self.kv_transfer.skip_import(request)  # staged KV it did not need (cached here)
             in_flight.add(request)
+            num_new = self.kv.tokens_to_checkpoint(request, num_new)
+            self._save_state_at_checkpoint(request, num_new)
             scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
+
+    def _restore_state(self, request: Request, prefix: PrefixMatch) -> None:
+        """A hit of a cache that keeps states: the mixers start from the checkpoint (its
+        node is locked by the request, so the slot is not reused before the copy), and
+        the KV cache manager plans where this request saves its own."""
+        if prefix.state_slot is not None and prefix.num_tokens:
+            assert request.state_slot is not None
+            self._state_restores.append(StateCopy(prefix.state_slot, request.state_slot))
+        self.kv.plan_checkpoints(request, prefix)
+
+    def _save_state_at_checkpoint(self, request: Request, num_new: int) -> None:
+        """A chunk that ends at a planned checkpoint saves the state after it."""
+        slot = self.kv.reserve_checkpoint(request, request.num_computed_tokens + num_new)
+        if slot is not None:
+            assert request.state_slot is not None
+            self._state_saves.append(StateCopy(request.state_slot, slot))
 
     def _start_receiving(self, request: Request, prefix: PrefixMatch, num_imported: int) -> None:
         request.num_computed_tokens = prefix.num_tokens

@@ -6,13 +6,19 @@ so the engine, at start:
   rejected draft would have to roll every mixer's state back), prefill/decode
   disaggregation (it moves paged KV blocks; the state is not in them) and tensor
   parallel (the mixers are not sharded);
-- turns prefix caching off: a cached prefix's KV says nothing about the state a
-  mixer had after it, and the state is not checkpointed at block boundaries (the
-  alternative, not built): every request computes its prompt from its first token;
-- sizes the state pool: ``num_state_slots``, by default ``max_num_seqs``;
+- sizes the state pool: ``num_state_slots`` for running requests, by default
+  ``max_num_seqs``, and, with prefix caching, ``num_state_checkpoints`` more (by
+  default as many) for the radix cache: a cached prefix's KV says nothing about the
+  state a mixer had after it, so a hit needs a checkpoint of that state too
+  (cache/radix_cache.py), saved where a prompt leaves the cached tree and at its last
+  block boundary (cache/kv_manager.py). Checkpoints only at those points, not every
+  block: one costs a whole state (megabytes, against kilobytes of KV per block), and a
+  prefix ends where the next request branches off, not at every block. With 0
+  checkpoints prefix caching is off: every prompt is computed from its first token;
 - gives a model without attention layers (Mamba2) a KV pool of bookkeeping only:
   the scheduler still counts blocks, which hold nothing (``num_kv_layers`` is 0), so
-  there are enough for every slot's request to reach the context length.
+  there are enough for every slot's request, and every checkpoint's prefix, to reach
+  the context length.
 """
 
 from __future__ import annotations
@@ -41,23 +47,33 @@ def refusal(config: EngineConfig, model: ModelConfig) -> str | None:
 
 
 def num_state_slots(config: EngineConfig) -> int:
+    """Slots for running requests."""
     return config.cache.num_state_slots or config.scheduler.max_num_seqs
+
+
+def num_state_checkpoints(config: EngineConfig) -> int:
+    """Slots for the prefix cache's checkpoints, after the requests' (0: caching off)."""
+    if not config.cache.enable_prefix_caching:
+        return 0
+    count = config.cache.num_state_checkpoints
+    return num_state_slots(config) if count is None else count
 
 
 def state_space_config(config: EngineConfig, model: ModelConfig, max_model_len: int) -> EngineConfig:
     """``config`` as the engine runs ``model`` (which has state-space layers): prefix
-    caching off, and a bookkeeping-only KV pool's size for a model without attention.
-    Raises ValueError naming what is not supported."""
+    caching off without checkpoint slots, and a bookkeeping-only KV pool's size for a
+    model without attention. Raises ValueError naming what is not supported."""
     problem = refusal(config, model)
     if problem is not None:
         raise ValueError(problem)
     cache = config.cache
-    if cache.enable_prefix_caching:
-        logger.info("prefix caching is off: %s has state-space layers, whose state after a prefix "
-                    "is not cached (each request computes its prompt from its first token)",
-                    model.architecture)
+    if cache.enable_prefix_caching and num_state_checkpoints(config) == 0:
+        logger.info("prefix caching is off: %s has state-space layers and num_state_checkpoints is 0, "
+                    "so no state after a prefix is kept (each request computes its prompt from its "
+                    "first token)", model.architecture)
         cache = dataclasses.replace(cache, enable_prefix_caching=False)
     if model.num_kv_layers == 0 and cache.num_blocks is None:
         blocks_per_request = -(-max_model_len // cache.block_size)
-        cache = dataclasses.replace(cache, num_blocks=num_state_slots(config) * blocks_per_request)
+        holders = num_state_slots(config) + num_state_checkpoints(config)
+        cache = dataclasses.replace(cache, num_blocks=holders * blocks_per_request)
     return dataclasses.replace(config, cache=cache)

@@ -14,7 +14,7 @@ reference these numbers follow.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch
+from kvloom.batch import ForwardBatch, StateCopy
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import SSMConfig
@@ -58,6 +58,11 @@ class Mamba2Mixer(nn.Module):
         self.ssm_state = torch.zeros(num_slots, ssm.num_heads, ssm.head_dim, ssm.state_size,
                                      dtype=torch.float32, device=device)
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots ``src[i]`` -> ``dst[i]`` (the sources are gathered before any is written)."""
+        self.conv_state.index_copy_(0, dst, self.conv_state[src])
+        self.ssm_state.index_copy_(0, dst, self.ssm_state[src])
 
     def forward(self, hidden: torch.Tensor, spans: ssm_ops.SSMSpans) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]; reads and writes the requests' slots."""
@@ -179,6 +184,19 @@ def allocate_state(model: CausalLM, num_slots: int) -> int:
     if not isinstance(model, StatefulModel):
         raise TypeError(f"{type(model).__name__} keeps no per-request state")
     return model.allocate_state(num_slots)
+
+
+def copy_state(model: CausalLM, copies: Sequence[StateCopy]) -> None:
+    """Every mixer layer's state from each copy's source slot to its destination (a
+    prefix-cache hit's checkpoint, or a state saved as one: cache/kv_manager.py)."""
+    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)] if isinstance(model, nn.Module) else []
+    if not mixers:
+        raise TypeError(f"{type(model).__name__} keeps no per-request state")
+    device = mixers[0].ssm_state.device
+    src = torch.tensor([copy.src for copy in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([copy.dst for copy in copies], dtype=torch.int64, device=device)
+    for mixer in mixers:
+        mixer.copy_state(src, dst)
 
 
 def allocate_mixer_state(model: nn.Module, num_slots: int) -> int:

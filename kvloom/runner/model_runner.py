@@ -16,6 +16,7 @@ import torch
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
 from kvloom.runner.prompt_logprobs import prompt_logprobs
@@ -74,7 +75,11 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         batch = ForwardBatch.build(output, self.block_size, self.device)
         metadata = self.backend.prepare(batch)
+        if output.state_restores:  # a state-space model's prefix hits start from their checkpoints
+            copy_state(self.model, output.state_restores)
         hidden = self.model(batch, self.kv_caches, self.backend, metadata)
+        if output.state_saves:  # ... and chunks that end at a checkpoint save theirs
+            copy_state(self.model, output.state_saves)
         prompt = prompt_logprobs(self.model, hidden, output)
         sampling = [item for item in output.scheduled if item.samples]
         if not sampling:

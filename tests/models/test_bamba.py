@@ -72,8 +72,7 @@ def test_preempted_requests_recompute_from_a_zero_state(model_dir, prompts, refe
     assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
 
 
-def test_prefix_caching_is_off_and_refusals_name_the_reason(model_dir) -> None:
-    assert not ssm_engine(model_dir, num_blocks=64).config.cache.enable_prefix_caching
+def test_refusals_name_the_reason(model_dir) -> None:
     with pytest.raises(ValueError, match="speculative decoding is not supported for state-space models"):
         ssm_engine(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for state-space"):

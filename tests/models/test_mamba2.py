@@ -76,8 +76,9 @@ def test_preempted_requests_recompute_from_a_zero_state(model_dir, prompts, refe
     assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
 
 
-def test_prefix_caching_is_off(model_dir, prompts) -> None:
-    engine = ssm_engine(model_dir)
+def test_prefix_caching_is_off_without_state_checkpoints(model_dir, prompts) -> None:
+    # (With checkpoints, the default: tests/models/test_ssm_prefix_cache.py.)
+    engine = ssm_engine(model_dir, num_state_checkpoints=0)
     assert not engine.config.cache.enable_prefix_caching
     assert isinstance(engine.kv_manager.prefix_cache, NoPrefixCache)
     prompt = prompts["r0"] * 3
