@@ -20,10 +20,12 @@ size (576 wide, its vocabulary and tokenizer), and written once into
 For each: the cache's bytes per token (every layer), a request's fixed state bytes
 (state-space models), the most requests of ``context`` tokens that ``memory_gib`` of
 cache and state holds, and pure decode steps timed at each batch size
-(``bench steps``'s ``time_decode``: median step time, tokens per second), and the
-step that computes one fresh prompt of ``context`` tokens: what a prefix-cache hit of
-that length saves an attention model, and what a state-space model, whose prefixes
-are never reused (engine/state_space.py), pays every time.
+(``bench steps``'s ``time_decode``: median step time, tokens per second); the step
+that computes one fresh prompt of ``context`` tokens, and, with prefix caching on, the
+step that computes ``PREFIX_SUFFIX`` tokens after a hit of ``context`` tokens (for a
+state-space model the hit restores a state checkpoint: engine/state_space.py); and for
+a state-space model the copy of one state slot, which each checkpoint's save and each
+hit's restore costs.
 """
 
 from __future__ import annotations
@@ -31,19 +33,22 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvloom.bench.steps import time_decode, time_prefill
+from kvloom.batch import StateCopy
+from kvloom.bench.steps import time_decode, time_prefill, time_prefix_hit
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.models.loader import load_checkpoint
 from kvloom.tokenizer import Tokenizer
 
 GIB = 1 << 30
+PREFIX_SUFFIX = 16  # fresh tokens after the prefix-cache hit that is timed
 _SMOLLM = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, max_position_embeddings=8192, tie_word_embeddings=True,
                bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
@@ -79,6 +84,8 @@ class FamilyResult:
     state_bytes_per_request: int  # fixed per request (state-space layers); 0 for attention only
     max_requests: int  # of `context` tokens in `memory_gib` of cache and state
     prefill_ms: float  # median step computing one fresh prompt of `context` tokens
+    prefix_hit_ms: float  # median step computing PREFIX_SUFFIX tokens after a `context`-token hit
+    state_copy_ms: float  # one state slot copied (a checkpoint's save or a hit's restore); 0 without state
     decode: dict[int, dict[str, float]]  # batch -> median step ms, tokens/s
 
 
@@ -121,10 +128,30 @@ def measure_family(family: str, path: Path, batches: list[int], context: int, de
         median = statistics.median(timing.milliseconds)
         decode[batch] = {"median_step_ms": round(median, 2), "tokens_per_s": round(batch * 1000 / median, 1)}
         print(f"{family:<8} {timing.summary}", flush=True)
+    copy_ms = _time_state_copy(engine) if state else 0.0
     engine.shutdown()
+    # The prefix cache on (a fresh engine: above, a prompt's last-block checkpoint would
+    # split every timed prefill in two).
+    cached = LLMEngine(EngineConfig.from_kwargs(str(path), **{**kwargs, "enable_prefix_caching": True}))
+    hit = time_prefix_hit(cached, context // 16 * 16, PREFIX_SUFFIX, 3, seed=11)
+    print(f"{family:<8} {hit.summary}", flush=True)
+    cached.shutdown()
     parameters = _checkpoint_parameters(path)
     return FamilyResult(family, engine.model_config.architecture, parameters, per_token, state,
-                        max_requests, round(statistics.median(prefill.milliseconds), 2), decode)
+                        max_requests, round(statistics.median(prefill.milliseconds), 2),
+                        round(statistics.median(hit.milliseconds), 2), copy_ms, decode)
+
+
+def _time_state_copy(engine: LLMEngine, repeats: int = 20) -> float:
+    """Median ms of copying one state slot into another, every mixer layer (the runner's
+    copy for a checkpoint's save or a hit's restore)."""
+    from kvloom.models.mamba2 import copy_state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy_state(engine.model, [StateCopy(0, 1)])
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 3)
 
 
 def _checkpoint_parameters(path: Path) -> int:
@@ -156,13 +183,14 @@ def run_families(families: list[str], workdir: Path, batches: list[int], context
 def format_families(results: list[FamilyResult], context: int, memory_gib: float) -> str:
     batches = sorted({b for r in results for b in r.decode})
     head = (f"| family | parameters | cache bytes/token | state bytes/request | requests of {context} tokens "
-            f"in {memory_gib:g} GiB | prefill 1 x {context}: ms | "
-            + " | ".join(f"decode b{b}: ms/step, tok/s" for b in batches) + " |")
-    lines = [head, "|" + "---|" * (6 + len(batches))]
+            f"in {memory_gib:g} GiB | prefill 1 x {context}: ms | prefill 1 x {PREFIX_SUFFIX} after a hit: ms | "
+            f"state copy: ms | " + " | ".join(f"decode b{b}: ms/step, tok/s" for b in batches) + " |")
+    lines = [head, "|" + "---|" * (8 + len(batches))]
     for r in results:
         cells = [f"{r.decode[b]['median_step_ms']}, {r.decode[b]['tokens_per_s']}" for b in batches]
         lines.append(f"| {r.family} ({r.architecture}) | {r.parameters / 1e6:.1f} M | {r.cache_bytes_per_token:,} | "
-                     f"{r.state_bytes_per_request:,} | {r.max_requests:,} | {r.prefill_ms} | "
+                     f"{r.state_bytes_per_request:,} | {r.max_requests:,} | {r.prefill_ms} | {r.prefix_hit_ms} | "
+                     f"{r.state_copy_ms} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 

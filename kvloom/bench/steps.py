@@ -139,3 +139,30 @@ def run_steps(model: str, engine_kwargs: dict[str, Any], batches: list[int], con
 
 def as_json(results: list[StepTiming]) -> list[dict[str, Any]]:
     return [asdict(result) | {"median_ms": statistics.median(result.milliseconds)} for result in results]
+
+
+def time_prefix_hit(engine: LLMEngine, shared: int, suffix: int, repeats: int, seed: int) -> StepTiming:
+    """The step that computes ``suffix`` fresh tokens after a prefix-cache hit of
+    ``shared`` tokens (a multiple of the block size), once per repeat on a new prefix:
+    two requests with the prefix and different suffixes run first (for a state-space
+    model the second leaves the cached tree after the prefix and saves the state
+    there), then a third is timed. Needs an engine with prefix caching; raises if the
+    third did not hit the whole prefix."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    clock = _StepClock(engine)
+    for _ in range(repeats):
+        prefix = _prompt(rng, shared, vocab)
+        for _warm in range(2):  # each to its end, so that its blocks (and state) are cached
+            engine.add_request(prefix + _prompt(rng, suffix, vocab), params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        request = engine.add_request(prefix + _prompt(rng, suffix, vocab), params)
+        clock.step(engine)
+        if request.num_cached_tokens != shared:
+            raise RuntimeError(f"the timed request hit {request.num_cached_tokens} of {shared} prefix tokens "
+                               f"({request.cache_miss_reason})")
+        _drain(engine, [request.request_id])
+    return clock.timing(f"prefill 1 x {suffix} after a {shared}-token hit")
+

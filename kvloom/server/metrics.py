@@ -93,6 +93,9 @@ class EngineMetrics:
         self.state_slots_usage = gauge(
             "kvloom:state_slots_usage_perc",
             "State-space models: share of the state slots held by running requests (1 = all).")
+        self.num_cached_states = gauge(
+            "kvloom:num_cached_states",
+            "State-space models: state checkpoints the prefix cache holds (a hit needs one).")
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
         self._spec_seen = (0, 0, 0)
@@ -143,6 +146,7 @@ class EngineMetrics:
         self.num_requests_receiving.set(stats.num_receiving)
         if stats.num_state_slots:
             self.state_slots_usage.set(1 - stats.num_free_state_slots / stats.num_state_slots)
+            self.num_cached_states.set(stats.num_cached_states)
         kv = (stats.kv_imports, stats.kv_import_failures, stats.kv_import_bytes, stats.kv_import_seconds,
               stats.kv_staged, stats.kv_staged_bytes, stats.kv_staged_expired)
         if kv != self._kv_seen:

@@ -35,6 +35,7 @@ def test_cache_bytes_concurrency_and_decode_rows(tmp_path: Path) -> None:
     assert llama.state_bytes_per_request == mla.state_bytes_per_request == 0
     for result in results:
         assert set(result.decode) == {1, 3} and all(row["tokens_per_s"] > 0 for row in result.decode.values())
+        assert result.prefix_hit_ms > 0 and result.state_copy_ms == 0  # (time_prefix_hit raises without a hit)
     assert "DeepseekV2ForCausalLM" in format_families(results, 32, 1 / 1024)
 
 
@@ -53,3 +54,5 @@ def test_a_state_space_model_holds_a_fixed_state_per_request(tmp_path: Path) -> 
     per_layer = conv_dim * (4 - 1) * 2 + 4 * 16 * 8 * 4
     assert (result.cache_bytes_per_token, result.state_bytes_per_request) == (0, 2 * per_layer)
     assert result.max_requests == (1 << 20) // (2 * per_layer)
+    # The timed hit restored a state checkpoint (time_prefix_hit raises without the hit).
+    assert result.prefix_hit_ms > 0 and result.state_copy_ms > 0

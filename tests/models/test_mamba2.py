@@ -114,4 +114,9 @@ def test_the_state_slots_are_reported(model_dir, prompts) -> None:
     assert metrics.registry.get_sample_value("kvloom:state_slots_usage_perc") == pytest.approx(2 / 3)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats().num_free_state_slots == 3
+    stats = engine.stats()
+    assert stats.num_free_state_slots == 3
+    # Each prompt (no two share a block) saved its state after its last whole block of 16, if any.
+    assert stats.num_cached_states == sum(len(p) > 16 for p in list(prompts.values())[:2]) > 0
+    metrics.record_state(stats)
+    assert metrics.registry.get_sample_value("kvloom:num_cached_states") == stats.num_cached_states
