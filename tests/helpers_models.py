@@ -334,7 +334,7 @@ def hf_greedy_with_cache(model: Any, prompt: list[int], max_new_tokens: int) -> 
 
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
 _GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
-                     "deepseek_v3": "deepseek2", "mamba2": "mamba2"}
+                     "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid"}
 # HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
 _GGUF_FAMILY_BLOCK = {
     **_GGUF_BLOCK, "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
@@ -345,6 +345,9 @@ _GGUF_FAMILY_BLOCK = {
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
     "self_attn.kv_b_proj": "attn_kv_b",
     "norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.out_proj": "ssm_out",
+    "mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.out_proj": "ssm_out",
+    "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down",
+    "pre_ff_layernorm": "ffn_norm",
 }
 _GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                      "down_proj": "down"}
@@ -352,15 +355,17 @@ _GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate"
 
 def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True,
                            stack_experts: bool = True) -> Path:
-    """Convert a tiny Mixtral, Qwen2-MoE, DeepSeek-V2/V3 or Mamba2 HF directory to an F32
-    GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
-    into ``ffn_*_exps`` [experts, out, in], Mixtral's Q/K rows permuted; DeepSeek's
+    """Convert a tiny Mixtral, Qwen2-MoE, DeepSeek-V2/V3, Mamba2 or Bamba HF directory to an
+    F32 GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
+    into ``ffn_*_exps`` [experts, out, in], Mixtral's and Bamba's Q/K rows permuted; DeepSeek's
     kv_b_proj split per head into k_b (transposed) and v_b with head_count_kv 1 and the
     per-head lengths in ``*_mla`` (``split_kv_b=False``: an older converter's file,
     kv_b whole and the per-head lengths in key_length / value_length); Mamba2's A_log as
     -exp(A_log), A and D as [heads, 1], the norm as [groups, d_inner / groups], conv1d
-    squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20. ``stack_experts=False``:
-    a converter from before April 2024, one ``ffn_gate.E`` tensor per expert."""
+    squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20; Bamba (granitehybrid) with
+    Mamba2's mixer tensors and keys, head_count_kv per layer (0 in the mixers), rope
+    dimension head_dim and rope.scaling.finetuned. ``stack_experts=False``: a converter
+    from before April 2024, one ``ffn_gate.E`` tensor per expert."""
     import re
 
     import gguf
@@ -377,8 +382,9 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     writer = gguf.GGUFWriter(str(out), _GGUF_FAMILY_ARCH[model_type])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
-    deepseek, mamba = model_type.startswith("deepseek"), model_type == "mamba2"
+    deepseek, mamba, bamba = model_type.startswith("deepseek"), model_type == "mamba2", model_type == "bamba"
     heads = config.get("num_attention_heads", 0)
+    mixer = "mamba" if bamba else "mixer"  # the HF module of Mamba2's mixer
     if mamba:
         inner = config["expand"] * config["hidden_size"]
         writer.add_context_length(2**20)
@@ -394,7 +400,11 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         writer.add_context_length(config["max_position_embeddings"])
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_head_count(heads)
-        writer.add_head_count_kv(1 if deepseek and split_kv_b else config["num_key_value_heads"])
+        if bamba:  # GraniteHybridModel: per layer, 0 in the mixers
+            writer.add_head_count_kv([config["num_key_value_heads"] if i in config["attn_layer_indices"] else 0
+                                      for i in range(config["num_hidden_layers"])])
+        else:
+            writer.add_head_count_kv(1 if deepseek and split_kv_b else config["num_key_value_heads"])
         writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
         experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
@@ -404,6 +414,16 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     if model_type == "mixtral":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    elif bamba:
+        # LlamaModel's rope dimension (GraniteModel drops head_dim), unless attn_rotary_emb.
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config.get("attn_rotary_emb") or config["hidden_size"] // heads)
+        writer.add_rope_scaling_finetuned(True)  # Bamba uses rope
+        writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+        writer.add_ssm_state_size(config["mamba_d_state"])
+        writer.add_ssm_group_count(config["mamba_n_groups"])
+        writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
+        writer.add_ssm_time_step_rank(config["mamba_n_heads"])
     elif model_type == "qwen2_moe":
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
@@ -443,7 +463,7 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         array = tensor.float().numpy()
         top = {"model.embed_tokens.weight": "token_embd.weight", "backbone.embeddings.weight": "token_embd.weight",
                "model.norm.weight": "output_norm.weight", "backbone.norm_f.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
+               "model.final_layernorm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
         if name in top:
             if not (name == "lm_head.weight" and config.get("tie_word_embeddings")):
                 writer.add_tensor(top[name], np.ascontiguousarray(array))
@@ -457,15 +477,16 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         gguf_name = None
         if rest == "mlp.gate.e_score_correction_bias":
             gguf_name = f"blk.{layer}.exp_probs_b.bias"
-        elif rest == "mixer.A_log":
+        elif rest == f"{mixer}.A_log":
             gguf_name, array = f"blk.{layer}.ssm_a", (-torch.exp(tensor.float())).numpy().reshape(-1, 1)
-        elif rest == "mixer.D":
+        elif rest == f"{mixer}.D":
             gguf_name, array = f"blk.{layer}.ssm_d", array.reshape(-1, 1)
-        elif rest == "mixer.dt_bias":
+        elif rest == f"{mixer}.dt_bias":
             gguf_name = f"blk.{layer}.ssm_dt.bias"
-        elif rest == "mixer.norm.weight":
-            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(config["n_groups"], -1)
-        elif rest == "mixer.conv1d.weight":
+        elif rest == f"{mixer}.norm.weight":
+            groups = config["mamba_n_groups"] if bamba else config["n_groups"]
+            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(groups, -1)
+        elif rest == f"{mixer}.conv1d.weight":
             array = array.squeeze(1)
         elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
             kv_b = array.reshape(heads, nope + v_dim, rank)
@@ -473,7 +494,7 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
             writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(k_b.transpose(0, 2, 1)))
             writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(v_b))
             continue
-        elif model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        elif model_type in ("mixtral", "bamba") and module in ("self_attn.q_proj", "self_attn.k_proj"):
             array = permute_rows(array, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_FAMILY_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
     for (layer, proj), by_expert in stacked.items():

@@ -4,10 +4,12 @@ A Mamba2 mixer keeps a fixed-size state per request instead of a growing KV cach
 its convolution's last inputs and its SSM state. Every mixer layer holds one such
 state per slot (the tensors are the model's, indexed by slot: models/mamba2.py); a
 running request owns exactly one slot from admission until it finishes, is aborted
-or is preempted (it then recomputes from its first token into whichever slot it gets
-next). A slot's state is zero when its request's first chunk starts: the mixers scan
-a chunk that starts at token 0 from a zero state, and every later chunk from the
-state the one before stored, so chunked prefill carries the state chunk to chunk.
+or is preempted (it then recomputes into whichever slot it gets next). The mixers
+scan a chunk that starts at token 0 from a zero state, and every later chunk from the
+state the one before stored, so chunked prefill carries the state chunk to chunk. A
+request that starts after a prefix-cache hit starts from the hit's state checkpoint,
+copied into its slot first: checkpoints are slots too, numbered after these, but the
+radix cache keeps their books (cache/radix_cache.py).
 
 Like BlockPool, this is pure Python and never touches tensors. Ownership: the pool is
 the one writer of ``Request.state_slot`` (the scheduler calls it, as it calls the KV

@@ -2,19 +2,24 @@
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, deepseek2 (DeepSeek-V3
-where the router is sigmoid-gated, else V2) and mamba2; where the metadata is silent,
-the tensors' names and shapes fill in (gguf_loader.py maps the tensors themselves).
+where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba);
+where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
+the tensors themselves).
 
 What a file does not record is read as llama.cpp runs it: no normalisation of the
 top-k weights unless ``expert_weights_norm`` (Qwen2-MoE's norm_topk_prob is not
 stored), one expert group unless ``expert_group_count``, a MoE in every layer that
 has ``ffn_gate_inp`` (DeepSeek's moe_layer_freq 1, Qwen2-MoE's dense layers from the
-tensors), Mamba2's time_step_limit none and its SSD chunk size HF's default (256,
-which only changes how the scan rounds); YaRN's mscale is taken equal to mscale_all_dim
-(DeepSeek's files keep one of them; every published V2/V3 has them equal). A file that
-contradicts its family is refused with a ModelLoadError naming what is missing, and so
-is every architecture gguf knows that kvloom does not serve (deepseek, mamba, qwen3moe,
-granitehybrid, ...).
+tensors), Mamba2's and Bamba's time_step_limit none and their SSD chunk size HF's
+default (256, which only changes how the scan rounds); YaRN's mscale is taken equal to
+mscale_all_dim (DeepSeek's files keep one of them; every published V2/V3 has them
+equal). granitehybrid holds two HF families: Bamba (rope, no multipliers, no experts),
+which kvloom serves, its attention layers those with a nonzero per-layer
+``attention.head_count_kv``; and IBM Granite 4.0 (GraniteMoeHybrid: experts or a shared
+expert, embedding / residual / attention / logit multipliers, mostly no rope), which is
+refused. A file that contradicts its family is refused with a ModelLoadError naming what
+is missing, and so is every architecture gguf knows that kvloom does not serve (deepseek,
+mamba, qwen3moe, ...).
 """
 
 from __future__ import annotations
@@ -34,17 +39,23 @@ from kvloom.models.errors import ModelLoadError
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
+    "granitehybrid": "BambaForCausalLM",
 }
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2",
+    "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
 
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+# A router, routed experts or a shared expert: GraniteMoeHybrid's MoE, which Bamba lacks.
+_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?:gate_inp|\w+_exps|\w+_shexp)\.")
+# Granite's multipliers: the converter writes each only where the HF config has it
+# (GraniteMoeHybrid's, not Bamba's).
+_GRANITE_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
 
 Meta = Callable[..., Any]  # meta(key[, default]): "<arch>.<key>"; KeyError naming it if absent and no default
 
@@ -70,7 +81,12 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
         return value
 
     try:
-        config = _mamba2_config(meta, shapes) if arch == "mamba2" else _attention_config(arch, meta, shapes, path)
+        if arch == "mamba2":
+            config = _mamba2_config(meta, shapes)
+        elif arch == "granitehybrid":
+            config = _bamba_config(meta, shapes, path)
+        else:
+            config = _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
         raise ModelLoadError(f"GGUF file {path} lacks required metadata ({exc})") from None
     config["model_type"] = _MODEL_TYPES[config["architectures"][0]]
@@ -208,6 +224,84 @@ def _mamba2_config(meta: Meta, shapes: dict[str, list[int]]) -> dict[str, Any]:
             "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
 
 
+def _bamba_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+    """granitehybrid as Bamba: Mamba2 mixers in the layers whose head_count_kv is 0,
+    Llama attention (half of each head rotated) in the others, a gated MLP after each."""
+    layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    _refuse_granite_4(meta, shapes, head_dim, path)
+    attention, kv_heads = _hybrid_layers(meta("attention.head_count_kv"), layers, path)
+    # The converter writes head_dim (it does not know Bamba's partial_rotary_factor), or
+    # attn_rotary_emb where the HF config has one; transformers rotates half of each head.
+    rope = int(meta("rope.dimension_count", head_dim))
+    if rope not in (head_dim, head_dim // 2):
+        raise ModelLoadError(f"granitehybrid GGUF {path}: rope.dimension_count {rope} is neither head_dim "
+                             f"{head_dim} nor its half; Bamba rotates exactly half of each head")
+    inner, ssm_heads = int(meta("ssm.inner_size")), int(meta("ssm.time_step_rank"))
+    if inner % hidden or inner % ssm_heads:
+        raise ModelLoadError(f"granitehybrid GGUF {path}: ssm.inner_size {inner} must be a multiple of "
+                             f"embedding_length {hidden} and of ssm.time_step_rank (the mamba heads) {ssm_heads}")
+    first_attention = f"blk.{attention[0]}"
+    first_mamba = f"blk.{next(i for i in range(layers) if i not in attention)}"
+    return {"architectures": ["BambaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "intermediate_size": int(meta("feed_forward_length")), "attn_layer_indices": attention,
+            "vocab_size": shapes["token_embd.weight"][-1],
+            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(meta("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(meta("context_length")),
+            "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // hidden,
+            "mamba_d_state": int(meta("ssm.state_size")), "mamba_n_groups": int(meta("ssm.group_count", 1)),
+            "mamba_d_conv": int(meta("ssm.conv_kernel")),
+            "mamba_conv_bias": f"{first_mamba}.ssm_conv1d.bias" in shapes,
+            "mamba_proj_bias": f"{first_mamba}.ssm_in.bias" in shapes,
+            "attention_bias": f"{first_attention}.attn_q.bias" in shapes, "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
+            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+
+
+def _refuse_granite_4(meta: Meta, shapes: dict[str, list[int]], head_dim: int, path: Path) -> None:
+    """A granitehybrid file from GraniteMoeHybrid (IBM Granite 4.0), not Bamba: experts,
+    a multiplier that changes the model, or no rope (llama.cpp reads an absent
+    rope.scaling.finetuned as no rope)."""
+    signs = []
+    if meta("expert_count", None) is not None:
+        signs.append(f"expert_count {meta('expert_count')}")
+    experts = sorted(name for name in shapes if _EXPERT_TENSOR.match(name))
+    if experts:
+        signs.append(f"expert tensors ({experts[0]}, ...)")
+    for key in _GRANITE_SCALES:
+        # The value that leaves Bamba's model as it is: 1, or for the attention's the
+        # softmax scale it has anyway (llama.cpp takes attention.scale in its place).
+        plain = head_dim ** -0.5 if key == "attention.scale" else 1.0
+        value = meta(key, None)
+        if value is not None and not math.isclose(float(value), plain, rel_tol=1e-6):
+            signs.append(f"{key} {value}")
+    if not meta("rope.scaling.finetuned", False):
+        signs.append("rope.scaling.finetuned false or absent (no rope)")
+    if signs:
+        raise ModelLoadError(f"granitehybrid GGUF {path} is IBM Granite 4.0 (GraniteMoeHybrid) "
+                             f"({', '.join(signs)}): kvloom serves the Bamba form of granitehybrid "
+                             "(no experts, no multipliers, rope)")
+
+
+def _hybrid_layers(head_count_kv: Any, layers: int, path: Path) -> tuple[list[int], int]:
+    """(attention layers, their KV heads) from the per-layer head_count_kv, 0 in a mixer."""
+    counts = [int(n) for n in head_count_kv] if isinstance(head_count_kv, list) else [int(head_count_kv)] * layers
+    attention = [i for i, n in enumerate(counts) if n]
+    wrong = ("the wrong length" if len(counts) != layers else "no attention layer" if not attention
+             else "no mamba layer" if len(attention) == layers else None)
+    if wrong:
+        raise ModelLoadError(f"granitehybrid GGUF {path}: Bamba needs attention.head_count_kv per layer "
+                             f"({layers} of them), nonzero in the attention layers and 0 in the mamba layers, "
+                             f"at least one of each; the file's {counts} has {wrong}")
+    kv_heads = {counts[i] for i in attention}
+    if len(kv_heads) > 1:
+        raise ModelLoadError(f"granitehybrid GGUF {path}: the attention layers' head_count_kv differ "
+                             f"({counts}); Bamba has one num_key_value_heads")
+    return attention, kv_heads.pop()
+
+
 def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], path: Path
                   ) -> dict[str, Any] | None:
     kind = _field(reader, f"{arch}.rope.scaling.type")
@@ -260,8 +354,9 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarra
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value; a float32 comes back as the shortest decimal that is that
-    float32 (1e-06, not 9.99999997e-07): the HF value the converter rounded."""
+    """A metadata value (an array as a list: granitehybrid's per-layer head_count_kv); a
+    float32 comes back as the shortest decimal that is that float32 (1e-06, not
+    9.99999997e-07): the HF value the converter rounded."""
     import gguf
 
     field = reader.fields.get(key)

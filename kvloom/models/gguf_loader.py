@@ -3,13 +3,15 @@
 Every tensor is dequantized to float32 with ``gguf.quants``; the engine never runs
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe,
-deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2) and mamba2.
+deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2 and
+granitehybrid (Bamba; IBM Granite 4.0's files, the same architecture name, are refused).
 
 Each tensor comes back under the name the HF checkpoint has, with llama.cpp's
 converter (convert_hf_to_gguf.py) undone exactly:
 
-- Llama-family attention (llama, mistral, Mixtral): llama.cpp reorders the rows of Q and
-  K (its rotary kernel pairs adjacent dimensions, HF the two halves of each head);
+- Llama-family attention (llama, mistral, Mixtral, Bamba's attention layers): llama.cpp
+  reorders the rows of Q and K (its rotary kernel pairs adjacent dimensions, HF the two
+  halves of each head; over whole heads, Bamba's partial rotary included);
   ``_unpermute_rows`` restores HF's order. Qwen2, Qwen2-MoE and DeepSeek are stored
   unpermuted (DeepSeek's own rotary pairs are adjacent already).
 - Experts: one 3D tensor per projection, ``ffn_{gate,up,down}_exps`` [experts, out, in],
@@ -25,6 +27,9 @@ converter (convert_hf_to_gguf.py) undone exactly:
   that A exactly, where one is), A and D as [heads, 1], the gated norm as [groups,
   d_inner / groups], conv1d as [channels, kernel] and dt_bias as ``ssm_dt.bias``. Its
   context_length (2**20) is the converter's placeholder and is dropped.
+- Bamba: its mixers (HF ``mamba.``) are stored as Mamba2's, its attention layers and
+  MLPs under the Llama names (``pre_ff_layernorm`` as ``ffn_norm``), its final norm as
+  ``output_norm``.
 
 The config each file implies is built in ``gguf_config.py``.
 """
@@ -48,18 +53,24 @@ from kvloom.tokenizer import Tokenizer
 __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_config", "gguf_tokenizer", "gguf_weights",
            "num_weights", "open_gguf", "permute_rows"]
 
-_PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"}
+_PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM"}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_MAMBA2_TOP_LEVEL_NAMES = {
-    "token_embd.weight": "backbone.embeddings.weight",
-    "output_norm.weight": "backbone.norm_f.weight",
-    "output.weight": "lm_head.weight",
+# Families whose top-level names are not _TOP_LEVEL_NAMES.
+_FAMILY_TOP_LEVEL_NAMES = {
+    "Mamba2ForCausalLM": {
+        "token_embd.weight": "backbone.embeddings.weight",
+        "output_norm.weight": "backbone.norm_f.weight",
+        "output.weight": "lm_head.weight",
+    },
+    "BambaForCausalLM": {**_TOP_LEVEL_NAMES, "output_norm.weight": "model.final_layernorm.weight"},
 }
+# Families whose layers are HF's ``backbone.layers.N`` (the rest: ``model.layers.N``).
+_BACKBONE_FAMILIES = {"Mamba2ForCausalLM"}
 # GGUF block part -> HF module inside the layer (".weight" / ".bias" appended), or
 # "part.kind" -> the HF leaf name itself; "{}" in an expert name is the expert's index.
 _ATTENTION_BLOCK = {
@@ -72,6 +83,13 @@ _ATTENTION_BLOCK = {
 def _experts(prefix: str, gate: str, up: str, down: str) -> dict[str, str]:
     return {"ffn_gate_exps": f"{prefix}.{{}}.{gate}", "ffn_up_exps": f"{prefix}.{{}}.{up}",
             "ffn_down_exps": f"{prefix}.{{}}.{down}"}
+
+
+def _mixer(prefix: str) -> dict[str, str]:
+    """Mamba2's mixer, HF module ``prefix`` (Mamba2's ``mixer``, Bamba's ``mamba``)."""
+    return {"ssm_in": f"{prefix}.in_proj", "ssm_conv1d": f"{prefix}.conv1d", "ssm_dt.bias": f"{prefix}.dt_bias",
+            "ssm_a": f"{prefix}.A_log", "ssm_d": f"{prefix}.D", "ssm_norm": f"{prefix}.norm",
+            "ssm_out": f"{prefix}.out_proj"}
 
 
 def _shared(prefix: str) -> dict[str, str]:
@@ -92,9 +110,10 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_inp": "mlp.gate",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
         **_experts("mlp.experts", "gate_proj", "up_proj", "down_proj"), **_shared("mlp.shared_experts")},
-    "Mamba2ForCausalLM": {
-        "attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_dt.bias": "mixer.dt_bias",
-        "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"},
+    "Mamba2ForCausalLM": {"attn_norm": "norm", **_mixer("mixer")},
+    "BambaForCausalLM": {
+        **_ATTENTION_BLOCK, "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
+        "ffn_down": "feed_forward.down_proj", "ffn_norm": "pre_ff_layernorm", **_mixer("mamba")},
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
@@ -147,8 +166,7 @@ class _Converter:
 
     def convert(self, gguf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         family = self.hf_config["architectures"][0]
-        mamba = family == "Mamba2ForCausalLM"
-        top = (_MAMBA2_TOP_LEVEL_NAMES if mamba else _TOP_LEVEL_NAMES).get(gguf_name)
+        top = _FAMILY_TOP_LEVEL_NAMES.get(family, _TOP_LEVEL_NAMES).get(gguf_name)
         if top is not None:
             yield top, array
             return
@@ -156,7 +174,7 @@ class _Converter:
         if match is None:
             raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
         layer, part, expert, kind = match.groups()
-        prefix = f"{'backbone' if mamba else 'model'}.layers.{layer}."
+        prefix = f"{'backbone' if family in _BACKBONE_FAMILIES else 'model'}.layers.{layer}."
         if expert is not None:  # an old Mixtral file's ffn_gate.E: one expert of ffn_gate_exps
             part, array = f"{part}_exps", array[None]
         if part in ("attn_k_b", "attn_v_b") and family.startswith("Deepseek"):

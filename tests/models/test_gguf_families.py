@@ -2,15 +2,18 @@
 checkpoints the way llama.cpp's converter writes them (helpers_models.write_tiny_gguf_family):
 DeepSeek-V2 (dense only; MoE with q-LoRA, group-limited routing and an older converter's
 whole kv_b), DeepSeek-V3, Mixtral (experts stacked, and one tensor per expert as files from
-before April 2024 have them), Qwen2-MoE (a dense layer among sparse ones) and Mamba2.
-Each loads with every HF tensor back under its hub name (Mamba2's A, stored as
--exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
+before April 2024 have them), Qwen2-MoE (a dense layer among sparse ones), Mamba2 and
+Bamba (granitehybrid: mixers and attention layers interleaved).
+Each loads with every HF tensor back under its hub name (Mamba2's and Bamba's A, stored
+as -exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
 engine's greedy tokens on it equal transformers' float32 tokens on the HF directory.
-Files that contradict their family are refused with the reason."""
+Files that contradict their family are refused with the reason, and so are IBM Granite
+4.0's granitehybrid files (GraniteMoeHybrid, not Bamba)."""
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,12 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = 
                   ("blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
     # The SSD chunk size is not in GGUF: the loader takes HF's default, so the model has it too.
     "mamba2": ("mamba2", dict(chunk_size=256), {}, ("blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.1.ssm_conv1d.weight")),
+    # Mixers in layers 0 and 2, attention in 1 and 3 (the last layer attends).
+    "bamba": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_chunk_size=256), {},
+              ("blk.0.ssm_a", "blk.2.ssm_norm.weight", "blk.1.attn_q.weight", "blk.3.attn_k.weight",
+               "blk.1.ffn_norm.weight", "output_norm.weight")),
 }
+SSM_TYPES = ("mamba2", "bamba")  # written by helpers_ssm
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +69,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
     def get(case: str) -> tuple[Path, Path]:
         if case not in made:
             model_type, overrides, options, _ = CASES[case]
-            hf_dir = (write_tiny_ssm_model(root / case, model_type, **overrides) if model_type == "mamba2"
+            hf_dir = (write_tiny_ssm_model(root / case, model_type, **overrides) if model_type in SSM_TYPES
                       else write_tiny_hf_model(root / case, model_type, **overrides))
             made[case] = hf_dir, write_tiny_gguf_family(hf_dir, root / f"{case}.gguf", **options)
         return made[case]
@@ -89,6 +97,25 @@ def test_tensors_and_config_are_the_hf_checkpoints(case: str, converted: Callabl
         else:
             assert torch.equal(ours[name], tensor), name
     assert ModelConfig.from_hf(checkpoint.hf_config) == ModelConfig.from_hf(load_checkpoint(str(hf_dir)).hf_config)
+
+
+def test_bamba_file_is_llama_cpp_layout(converted: Callable[[str], tuple[Path, Path]]) -> None:
+    """Not a vacuous round trip: the file says which layers attend the way the converter
+    does (head_count_kv 0 in a mixer), and its Q/K rows are in llama.cpp's order."""
+    from safetensors.torch import load_file
+
+    hf_dir, gguf_file = converted("bamba")
+    reader = gguf_loader.open_gguf(gguf_file)
+    assert reader.fields["granitehybrid.attention.head_count_kv"].contents() == [0, 2, 0, 2]
+    assert reader.fields["granitehybrid.rope.scaling.finetuned"].contents() is True
+    hf = load_file(str(hf_dir / "model.safetensors"))
+    stored = {t.name: gguf_loader.dequantize(t) for t in reader.tensors}
+    for part, proj, heads in (("attn_q", "q_proj", 4), ("attn_k", "k_proj", 2)):
+        original = hf[f"model.layers.3.self_attn.{proj}.weight"].numpy()
+        assert np.array_equal(stored[f"blk.3.{part}.weight"], gguf_loader.permute_rows(original, heads))
+        assert not np.array_equal(stored[f"blk.3.{part}.weight"], original)
+    ssm = ModelConfig.from_hf(gguf_loader.gguf_hf_config(reader, gguf_file)).ssm
+    assert ssm is not None and ssm.layer_kinds == ("mamba", "attention", "mamba", "attention")
 
 
 
@@ -122,12 +149,14 @@ def test_greedy_tokens_match_transformers(case: str, converted: Callable[[str], 
 
 # ------------------------------------------------------------------ refusals
 def _gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) -> Path:
-    """A sketch of a file: ``<arch>.<key>`` integers, floats and strings, zero tensors."""
+    """A sketch of a file: ``<arch>.<key>`` integers, floats, strings, booleans and arrays,
+    zero tensors."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
-        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string, bool: writer.add_bool,
+               list: writer.add_array}[type(value)]
         add(f"{arch}.{key}", value)
     for name, shape in tensors.items():
         writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
@@ -143,6 +172,15 @@ LATENT = dict(BASE, **{"attention.kv_lora_rank": 4, "rope.dimension_count": 2, "
                        "attention.value_length_mla": 4})
 LATENT_TENSORS = {"token_embd.weight": (16, 8), "blk.0.attn_q.weight": (12, 8), "blk.0.attn_output.weight": (8, 8)}
 ROUTER_1 = {"blk.1.ffn_gate_inp.weight": (2, 8)}
+# A Bamba-shaped granitehybrid file (4 heads of 2, attention in layer 1 of 2), as the
+# converter writes it; Granite 4.0's differ from it by the keys and tensors below.
+HYBRID = dict(BASE, **{"attention.head_count": 4, "attention.head_count_kv": [0, 2], "context_length": 64,
+                       "rope.dimension_count": 2, "rope.scaling.finetuned": True, "ssm.inner_size": 16,
+                       "ssm.time_step_rank": 2, "ssm.state_size": 4, "ssm.group_count": 1, "ssm.conv_kernel": 4})
+HYBRID_TENSORS = {"token_embd.weight": (16, 8)}
+GRANITE_4 = r"granitehybrid GGUF .* is IBM Granite 4\.0 \(GraniteMoeHybrid\) \({}.*\): kvloom serves the Bamba form"
+# granite-4.0-h-tiny-like multipliers (attention.scale in place of head_dim ** -0.5)
+GRANITE_SCALES = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.0078125, "logit_scale": 6.0}
 REFUSED = {
     "llama-experts-in-some-layers": ("llama", dict(BASE, expert_count=2, expert_used_count=1),
                                      {"token_embd.weight": (16, 8), **ROUTER_1}, "read as Mixtral"),
@@ -162,6 +200,41 @@ REFUSED = {
     "mamba2-inner-not-heads": ("mamba2", {"block_count": 1, "embedding_length": 8, "ssm.inner_size": 16,
                                           "ssm.time_step_rank": 3}, {"token_embd.weight": (16, 8)},
                                "ssm.time_step_rank"),
+    "granitehybrid-expert-count": ("granitehybrid", dict(HYBRID, expert_count=4, expert_used_count=2),
+                                   HYBRID_TENSORS, GRANITE_4.format("expert_count 4")),
+    "granitehybrid-dense-expert-count": ("granitehybrid", dict(HYBRID, expert_count=0), HYBRID_TENSORS,
+                                         GRANITE_4.format("expert_count 0")),
+    "granitehybrid-routed-experts": ("granitehybrid", HYBRID,
+                                     {**HYBRID_TENSORS, "blk.1.ffn_gate_inp.weight": (4, 8),
+                                      "blk.1.ffn_up_exps.weight": (4, 8, 8)},
+                                     GRANITE_4.format(r"expert tensors \(blk\.1\.ffn_gate_inp\.weight")),
+    "granitehybrid-shared-expert": ("granitehybrid", HYBRID, {**HYBRID_TENSORS, "blk.0.ffn_up_shexp.weight": (8, 8)},
+                                    GRANITE_4.format(r"expert tensors \(blk\.0\.ffn_up_shexp\.weight")),
+    **{f"granitehybrid-{key}": ("granitehybrid", dict(HYBRID, **{key: value}), HYBRID_TENSORS,
+                                GRANITE_4.format(re.escape(f"{key} {value}")))
+       for key, value in GRANITE_SCALES.items()},
+    # 1 is not the softmax's own scale (head_dim ** -0.5), which llama.cpp takes it in place of
+    "granitehybrid-attention-scale-1": ("granitehybrid", dict(HYBRID, **{"attention.scale": 1.0}), HYBRID_TENSORS,
+                                        GRANITE_4.format(re.escape("attention.scale 1.0"))),
+    "granitehybrid-no-rope": ("granitehybrid", dict(HYBRID, context_length=2**20, **{"rope.scaling.finetuned": False}),
+                              HYBRID_TENSORS, GRANITE_4.format("rope.scaling.finetuned false")),
+    "granitehybrid-rope-unsaid": ("granitehybrid", {k: v for k, v in HYBRID.items() if k != "rope.scaling.finetuned"},
+                                  HYBRID_TENSORS, GRANITE_4.format("rope.scaling.finetuned false or absent")),
+    "granitehybrid-rope-dimension": ("granitehybrid", dict(HYBRID, **{"rope.dimension_count": 3}), HYBRID_TENSORS,
+                                     "rope.dimension_count 3 is neither head_dim 2 nor its half"),
+    "granitehybrid-no-attention": ("granitehybrid", dict(HYBRID, **{"attention.head_count_kv": [0, 0]}),
+                                   HYBRID_TENSORS, "has no attention layer"),
+    "granitehybrid-no-mamba": ("granitehybrid", dict(HYBRID, **{"attention.head_count_kv": [2, 2]}),
+                               HYBRID_TENSORS, "has no mamba layer"),
+    "granitehybrid-one-kv-count": ("granitehybrid", dict(HYBRID, **{"attention.head_count_kv": 2}), HYBRID_TENSORS,
+                                   "has no mamba layer"),
+    "granitehybrid-kv-counts-short": ("granitehybrid", dict(HYBRID, **{"attention.head_count_kv": [0, 2, 0]}),
+                                      HYBRID_TENSORS, "has the wrong length"),
+    "granitehybrid-kv-heads-differ": ("granitehybrid", dict(HYBRID, block_count=3,
+                                                            **{"attention.head_count_kv": [0, 2, 1]}),
+                                      HYBRID_TENSORS, "the attention layers' head_count_kv differ"),
+    "granitehybrid-inner-not-heads": ("granitehybrid", dict(HYBRID, **{"ssm.time_step_rank": 3}), HYBRID_TENSORS,
+                                      "ssm.time_step_rank"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
     "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),
 }
@@ -173,6 +246,18 @@ def test_files_that_contradict_their_family_are_refused(case: str, tmp_path: Pat
     path = _gguf(tmp_path / f"{case}.gguf", arch, metadata, tensors)
     with pytest.raises(ModelLoadError, match=reason):
         gguf_loader.gguf_hf_config(gguf_loader.open_gguf(path), path)
+
+
+def test_granitehybrid_without_granite_4_features_is_bamba(tmp_path: Path) -> None:
+    """Multipliers that change nothing (attention.scale the softmax's own) and a rope
+    dimension of half the head (a config with attn_rotary_emb) are Bamba's."""
+    plain = {"embedding_scale": 1.0, "residual_scale": 1.0, "attention.scale": 2 ** -0.5, "logit_scale": 1.0}
+    path = _gguf(tmp_path / "bamba.gguf", "granitehybrid", dict(HYBRID, **plain, **{"rope.dimension_count": 1}),
+                 HYBRID_TENSORS)
+    config = gguf_loader.gguf_hf_config(gguf_loader.open_gguf(path), path)
+    assert (config["architectures"], config["model_type"]) == (["BambaForCausalLM"], "bamba")
+    assert (config["attn_layer_indices"], config["num_key_value_heads"], config["head_dim"]) == ([1], 2, 2)
+    assert (config["mamba_n_heads"], config["mamba_d_head"], config["mamba_expand"]) == (2, 8, 2)
 
 
 def test_a_k_b_without_its_v_b_is_refused(tmp_path: Path) -> None:
