@@ -32,6 +32,11 @@ class OfflineResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verifications: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -52,7 +57,8 @@ class OfflineResult:
 
     def to_json(self) -> dict:
         return {**asdict(self), "output_throughput": self.output_throughput,
-                "total_throughput": self.total_throughput, "acceptance_rate": self.acceptance_rate,
+                "total_throughput": self.total_throughput, "prefix_hit_rate": self.prefix_hit_rate,
+                "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_length": self.mean_accepted_length}
 
 
@@ -88,7 +94,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
     scheduler = engine.scheduler
     before = (scheduler.num_preemptions, scheduler.num_draft_tokens, scheduler.num_accepted_tokens,
               scheduler.num_verifications)
-    steps, utilisation, finished, prompt_tokens, output_tokens = 0, [], 0, 0, 0
+    steps, utilisation, finished, prompt_tokens, output_tokens, cached_tokens = 0, [], 0, 0, 0, 0
     waiting = requests[lead:] if lead > 0 else []
     started = 0  # requests that have produced a token, while the rest wait
     submit(requests[:lead] if lead > 0 else requests)  # before the clock, as it always was
@@ -110,18 +116,19 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
                     finished += 1
                     prompt_tokens += len(output.prompt_token_ids)
                     output_tokens += len(output.outputs[0].token_ids)
+                    cached_tokens += output.num_cached_tokens
                     bar.update(1)
     elapsed = time.perf_counter() - start
     after = (scheduler.num_preemptions, scheduler.num_draft_tokens, scheduler.num_accepted_tokens,
              scheduler.num_verifications)
     deltas = [now - then for now, then in zip(after, before, strict=True)]
     return OfflineResult(label, finished, prompt_tokens, output_tokens, elapsed, steps,
-                         sum(utilisation) / max(1, len(utilisation)), *deltas)
+                         sum(utilisation) / max(1, len(utilisation)), *deltas, cached_prompt_tokens=cached_tokens)
 
 
 def format_table(results: list[OfflineResult]) -> str:
     header = (f"{'mode':<14}{'reqs':>6}{'out tok':>9}{'time s':>9}{'out tok/s':>11}"
-              f"{'tot tok/s':>11}{'steps':>7}{'KV util':>9}{'preempt':>9}")
+              f"{'tot tok/s':>11}{'steps':>7}{'KV util':>9}{'preempt':>9}{'cached':>8}")
     speculative = any(r.num_draft_tokens for r in results)
     if speculative:
         header += f"{'accept':>8}{'len':>6}"
@@ -129,7 +136,7 @@ def format_table(results: list[OfflineResult]) -> str:
     for r in results:
         line = (f"{r.label:<14}{r.num_requests:>6}{r.output_tokens:>9}{r.elapsed_s:>9.1f}"
                 f"{r.output_throughput:>11.1f}{r.total_throughput:>11.1f}{r.steps:>7}"
-                f"{r.mean_kv_utilisation:>9.1%}{r.num_preemptions:>9}")
+                f"{r.mean_kv_utilisation:>9.1%}{r.num_preemptions:>9}{r.prefix_hit_rate:>8.1%}")
         if speculative:  # the acceptance rate and the mean accepted length
             rate, length = r.acceptance_rate, r.mean_accepted_length
             line += f"{rate:>8.1%}{length:>6.2f}" if rate is not None and length is not None else f"{'-':>8}{'-':>6}"

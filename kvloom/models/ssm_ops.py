@@ -151,6 +151,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     ``chunk_size`` tokens the scan is a masked, attention-like product; between blocks
     the states are passed on. Same arguments and results."""
     length, heads, head_dim = x.shape
+    # A chunk shorter than a block is one block of its own length: padded to the block,
+    # the 16 tokens after a prefix hit would cost a 256 x 256 mask per head.
+    chunk_size = min(chunk_size, length)
     pad = (-length) % chunk_size
 
     def blocks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [chunks, chunk_size, ...], zero-padded

@@ -48,4 +48,5 @@ def test_lead_requests_go_first_and_the_rest_hit_their_prefix(tiny_llama: Path, 
     assert [prompt for _, prompt in added_at] == [shared + [100 + i, 101 + i] for i in range(4)]
     assert added_at[0][0] == 0 and all(steps >= 1 for steps, _ in added_at[1:])
     # The three followers found the lead's four shared blocks in the prefix cache.
-    assert engine.scheduler.num_cached_prompt_tokens == 3 * 64
+    assert engine.scheduler.num_cached_prompt_tokens == result.cached_prompt_tokens == 3 * 64
+    assert result.prefix_hit_rate == 3 * 64 / result.prompt_tokens
