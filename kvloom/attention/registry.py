@@ -4,6 +4,7 @@ kernel never loads on a CPU machine)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, str] = {
     "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
     "cpu_paged": "kvloom.attention.cpu_paged:CPUPagedBackend",
+    "triton": "kvloom.attention.triton_paged:TritonPagedBackend",
 }
 # Latent attention (MLA models) is served by these alone; "auto" picks the first.
 MLA_BACKENDS: dict[str, str] = {
@@ -27,9 +29,14 @@ MLA_BACKENDS: dict[str, str] = {
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto": the C++ paged kernel on CPU when it builds here, else the reference."""
+    """"auto": the C++ paged kernel on CPU when it builds here, the Triton kernels on
+    CUDA when triton is installed, else the reference."""
     if name != "auto":
         return name
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is not None:
+            return "triton"
+        logger.warning("triton is not installed; using the pure-PyTorch attention backend on CUDA")
     if device.type == "cpu":
         from kvloom.attention.cpu_paged import KernelUnavailable, load_library
         try:

@@ -3,8 +3,9 @@
 ``rms_norm``, ``silu_and_mul`` and ``rotary_`` dispatch on the tensor's device: on CPU
 they run the ops ``kvloom::rms_norm``, ``kvloom::silu_and_mul`` and ``kvloom::rotary_``
 (kvloom/kernels/cpu_ops.py: ``kvloom/csrc/cpu_ops.cpp``, one pass, one call) when it
-builds here, else the reference chains below, which also serve every other device
-and layouts the ops do not take. Why: at decode batch sizes a layer ran about 35 small
+builds here; on CUDA the Triton kernels of kvloom/kernels/triton_ops.py when triton is
+installed; else the reference chains below, which also serve every other device and
+layouts the ops do not take. Why: at decode batch sizes a layer ran about 35 small
 PyTorch ops whose dispatch cost more than their arithmetic (profile in
 docs/benchmarks.md). tests/models/test_ops.py holds the fused ops to the reference.
 """
@@ -12,6 +13,7 @@ docs/benchmarks.md). tests/models/test_ops.py holds the fused ops to the referen
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,16 @@ def _native(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype in cpu_ops.ACTIVATIONS and _built()
 
 
+@functools.cache  # asked once: whether the Triton kernels can load (CUDA only)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves x (a CUDA tensor with unit stride in its rows)."""
+    return x.is_cuda and x.stride(-1) == 1 and _triton_installed()
+
+
 # ---- RMSNorm (optionally fused with the residual add) --------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,6 +49,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With ``residual``: first ``residual += x`` (in place, in x's dtype), then normalise
     that sum; the caller keeps ``residual`` as the new residual stream. x: [rows, n].
     """
+    if _triton(x) and x.dim() == 2 and (residual is None or residual.stride(-1) == 1):
+        from kvloom.kernels import triton_ops
+        return triton_ops.rms_norm(x, weight, eps, residual)
     if not (_native(x) and x.is_contiguous() and weight.dtype == x.dtype):
         return rms_norm_reference(x, weight, eps, residual)
     return cpu_ops.rms_norm(x, residual, weight, eps)  # checks residual: a mismatch raises
@@ -55,6 +70,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- gated MLP activation ------------------------------------------------------------
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2n] -> [rows, n]."""
+    if _triton(gate_up) and gate_up.dim() == 2:
+        from kvloom.kernels import triton_ops
+        return triton_ops.silu_and_mul(gate_up)
     if not (_native(gate_up) and gate_up.is_contiguous()):
         return silu_and_mul_reference(gate_up)
     return cpu_ops.silu_and_mul(gate_up)
@@ -74,6 +92,10 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, s
     """
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise TypeError(f"rotary tables must be float32, got {cos.dtype} and {sin.dtype}")
+    if _triton(x) and cos.is_contiguous() and sin.is_contiguous():
+        from kvloom.kernels import triton_ops
+        triton_ops.rotary_(x, num_heads, head_dim, cos, sin)
+        return
     if not (_native(x) and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()):
         rotary_reference_(x, num_heads, head_dim, cos, sin)
         return

@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers_attention import FEW, MIXED, mixed_batch
 
 from kvloom.attention.registry import make_backend
-from kvloom.batch import ForwardBatch, ScheduledRequest, SchedulerOutput
-from kvloom.request import Request
-from kvloom.sampling_params import SamplingParams
+from kvloom.batch import ForwardBatch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-MIXED = [(0, 1), (0, 7), (0, 40), (5, 1), (31, 1), (16, 16), (33, 9), (63, 1), (2, 30), (100, 3)]
-# Too few work items to fill the threads: the kernel splits items by kv head.
-FEW = [(150, 1), (20, 5)]
-
-
-def mixed_batch(block_size: int, num_blocks: int, seed: int, shapes=MIXED):
-    """Requests mid-decode, mid-chunk, fresh prefills and prefix-hit style chunks;
-    ``shapes`` lists (tokens already computed, tokens this step)."""
-    rng = random.Random(seed)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    scheduled = []
-    for i, (done, new) in enumerate(shapes):
-        total = done + new
-        request = Request(f"r{i}", [rng.randrange(100) for _ in range(total)], SamplingParams())
-        request.block_ids = [free.pop() for _ in range(-(-total // block_size))]
-        scheduled.append(ScheduledRequest.of(request, done, new))
-    return SchedulerOutput(1, scheduled)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,81 @@
+"""The CUDA attention backend: paged attention and the KV write as Triton kernels
+(kvloom/kernels/triton_attention.py), over the token-major pool every backend
+shares by default.
+
+``prepare`` does the step's host work once, from the host-side lengths the batch
+carries (no device sync): the tile table (each request's queries cut into tiles of
+``block_q``, each tile with all query heads of one KV head), and for a decode-only
+step the split-K shape (enough key ranges per request to fill the device on long
+contexts). Every layer's ``forward`` then launches the same kernels. It also runs on
+CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI holds
+it to ``torch_ref``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.kernels import triton_attention
+
+ROWS_PER_TILE = 64  # a prefill tile's query rows (queries x the heads sharing a KV head)
+BLOCKS_PER_SPLIT = 16  # a decode split's least share of a request's blocks
+MAX_SPLITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TritonMetadata:
+    tiles: torch.Tensor  # [2, num_tiles] int32: each tile's request and first query
+    block_q: int  # queries per tile
+    num_splits: int  # key ranges per tile (a power of two; 1: no split)
+    blocks_per_split: int
+
+
+def split_shape(max_blocks: int) -> tuple[int, int]:
+    """(num_splits, blocks_per_split) for a decode step whose longest request holds
+    ``max_blocks`` blocks: one split per ``BLOCKS_PER_SPLIT`` blocks, a power of two
+    (the merge's width), at most ``MAX_SPLITS``."""
+    wanted = -(-max_blocks // BLOCKS_PER_SPLIT)
+    num_splits = 1
+    while num_splits < min(wanted, MAX_SPLITS):
+        num_splits *= 2
+    return num_splits, -(-max_blocks // num_splits)
+
+
+class TritonPagedBackend(AttentionBackend[TritonMetadata]):
+    name = "triton"
+
+    def prepare(self, batch: ForwardBatch) -> TritonMetadata:
+        group = self.num_heads // self.num_kv_heads
+        decode_only = max(batch.query_lens_list, default=0) <= 1
+        block_q = 1 if decode_only else max(1, ROWS_PER_TILE // group)
+        seqs, firsts = triton_attention.tile_table(batch.query_lens_list, block_q)
+        tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(batch.seq_lens.device, non_blocking=True)
+        num_splits, per_split = 1, 0
+        if decode_only and batch.seq_lens_list:
+            num_splits, per_split = split_shape(-(-max(batch.seq_lens_list) // batch.block_size))
+        return TritonMetadata(tiles, block_q, num_splits, per_split)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        triton_attention.write_kv(kv_cache, _unit_last(k), _unit_last(v), slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: TritonMetadata) -> torch.Tensor:
+        if v is None:
+            raise ValueError("the triton backend serves K/V attention; latent attention has its own backends")
+        self.write_kv(kv_cache, k, v, batch.slot_mapping)
+        q = _unit_last(q)
+        out = torch.empty_like(q)
+        triton_attention.paged_attention(
+            q, kv_cache, out, metadata.tiles, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split)
+        return out
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride in its last dimension, which the kernels index directly."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,73 @@
+"""The CUDA backend's Triton kernels (kvloom/kernels/triton_attention.py) against the
+pure-PyTorch reference: paged attention over mixed batches (decodes, fresh prefills,
+chunks after a cached prefix, split-K decode steps), block sizes 16 and 32, GQA, and
+the KV write, slot for slot. Without a GPU they run in Triton's interpreter on CPU
+(tests/conftest.py sets TRITON_INTERPRET=1); ``pytest -k triton`` selects them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_attention import mixed_batch
+
+from kvloom.attention.registry import make_backend
+from kvloom.batch import ForwardBatch
+
+pytest.importorskip("triton", reason="the CUDA backend's kernels need the triton package (pip install triton)")
+
+from kvloom.attention.triton_paged import split_shape  # noqa: E402 - after the skip: it imports triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# (tokens already computed, tokens this step): decodes at short and long contexts,
+# fresh prefills, a chunk after a cached prefix, one longer than a tile.
+MIXED = [(0, 1), (0, 7), (5, 1), (16, 16), (33, 9), (70, 1), (2, 30), (40, 3)]
+DECODES = [(0, 1), (3, 1), (47, 1), (200, 1), (520, 1)]  # a decode-only step: split-K
+
+
+def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size):
+    """(triton's output, torch_ref's, the two pools' slots) for one batch over the same history."""
+    torch.manual_seed(0)
+    num_blocks = 80
+    batch = ForwardBatch.build(mixed_batch(block_size, num_blocks, seed=block_size + heads, shapes=shapes),
+                               block_size, DEVICE)
+    tokens = batch.num_tokens
+    q, k, v = (torch.randn(tokens, n, head_dim, dtype=dtype, device=DEVICE) for n in (heads, kv_heads, kv_heads))
+    history = [torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+               for _ in range(2)]
+    slots = torch.arange(num_blocks * block_size, device=DEVICE)
+    outputs, pools = [], []
+    for name in ("triton", "torch_ref"):
+        backend = make_backend(name, DEVICE, heads, kv_heads, head_dim)
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        backend.write_kv(cache, *history, slots)
+        outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch)))
+        pools.append(cache)
+    return outputs, pools
+
+
+# The interpreter is slow (seconds a case): each head layout and block size once, each dtype.
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size", [
+    (torch.float32, 9, 3, 64, 16),  # SmolLM2's GQA
+    (torch.bfloat16, 6, 2, 32, 32),
+    (torch.float32, 4, 4, 16, 16),  # no sharing: one query head per KV head
+])
+def test_triton_paged_attention_matches_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
+    (actual, expected), (pool_triton, pool_ref) = run_both(MIXED, dtype, heads, kv_heads, head_dim, block_size)
+    assert torch.equal(pool_triton, pool_ref)  # the KV write put every token in the same slot
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_triton_split_k_decode_matches_reference(dtype, block_size) -> None:
+    # The longest request holds 33 (or 17) blocks: 4 (or 2) splits, short requests' later splits empty.
+    assert split_shape(-(-521 // block_size))[0] == (4 if block_size == 16 else 2)
+    (actual, expected), _ = run_both(DECODES, dtype, 8, 2, 32, block_size)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_triton_split_shapes() -> None:
+    """Splits are a power of two (the merge's width), at most 16, each >= 16 blocks' share."""
+    assert split_shape(1) == (1, 1) and split_shape(16) == (1, 16)
+    assert split_shape(17) == (2, 9) and split_shape(40) == (4, 10)
+    assert split_shape(10_000) == (16, 625)
