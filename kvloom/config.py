@@ -22,7 +22,7 @@ SCHEDULING_MODES = ("continuous", "static")
 # The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
 # that a bad flag is refused before the model loads; tests hold them to the registries.
 POLICY_NAMES = ("fcfs", "priority", "fcfs-cheapest-victim", "watermark", "lpm")
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "mla_batched", "mla_ref")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "triton", "torch_ref", "mla_batched", "mla_ref")
 DEFAULT_KV_CACHE_MEMORY = 1.0  # GiB, when neither kv_cache_memory nor gpu_memory_utilization is set
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")  # or a directory (kvloom/generation_config.py)
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
@@ -445,7 +445,8 @@ class EngineConfig:
         "help": "context length, prompt + output (default and cap: the model's)"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
-        "help": "auto: the C++ paged kernel (cpu_paged) on CPU when it builds, else torch_ref"})
+        "help": "auto: the C++ paged kernel (cpu_paged) on CPU when it builds, the Triton kernels "
+                "(triton) on CUDA when triton is installed, else torch_ref; mla_batched for latent attention"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch CPU threads (default: torch's choice)"})
     # models/packed_linear.py holds the kernels.

@@ -71,3 +71,19 @@ def test_triton_split_shapes() -> None:
     assert split_shape(1) == (1, 1) and split_shape(16) == (1, 16)
     assert split_shape(17) == (2, 9) and split_shape(40) == (4, 10)
     assert split_shape(10_000) == (16, 625)
+
+
+def test_triton_backend_serves_the_engine_as_the_reference_does(tiny_llama) -> None:
+    """The backend inside the engine: chunked prefills, batching and decodes of a tiny
+    Llama give torch_ref's greedy tokens (float32)."""
+    from kvloom import LLM, SamplingParams
+
+    prompts = [[5, 9, 14, 3, 77, 21, 8, 40, 2, 31, 60, 11, 7, 19, 23, 42, 5, 6], [12, 13], [99, 98, 97, 96, 95]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("triton", "torch_ref"):
+        llm = LLM(str(tiny_llama), dtype="float32", attention_backend=backend, num_blocks=32, block_size=16,
+                  max_num_batched_tokens=8, device=str(DEVICE))
+        assert llm.engine.runner.backend.name == backend
+        tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch_ref"]
