@@ -153,22 +153,32 @@ class ForwardBatch:
         for n in query_lens:
             starts.append(starts[-1] + n)
 
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        # Every field goes to the device in two copies (its int64 and its int32 fields,
+        # each packed into one buffer, pinned on CUDA so the copy is asynchronous), then
+        # the fields are views of those buffers.
+        wide = _to_device([input_ids, positions, slots, logits_indices, state_slots], torch.int64, device)
+        narrow = _to_device([[b for t in padded for b in t], seq_lens, starts], torch.int32, device)
         return cls(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(starts, torch.int32),
-            logits_indices=tensor(logits_indices, torch.int64),
+            input_ids=wide[0],
+            positions=wide[1],
+            slot_mapping=wide[2],
+            block_tables=narrow[0].view(len(padded), max_blocks),
+            seq_lens=narrow[1],
+            query_start_loc=narrow[2],
+            logits_indices=wide[3],
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
             block_size=block_size,
-            state_slots=tensor(state_slots, torch.int64) if state_slots else None,
+            state_slots=wide[4] if state_slots else None,
         )
+
+
+def _to_device(fields: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``fields`` as tensors on ``device`` from one host buffer and one copy."""
+    host = torch.tensor([value for field_values in fields for value in field_values], dtype=dtype,
+                        pin_memory=device.type == "cuda")
+    packed = host.to(device, non_blocking=True)
+    return list(packed.split([len(field_values) for field_values in fields]))
 
 
 @dataclass(slots=True)
