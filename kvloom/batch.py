@@ -178,7 +178,7 @@ def _to_device(fields: list[list[int]], dtype: torch.dtype, device: torch.device
     host = torch.tensor([value for field_values in fields for value in field_values], dtype=dtype,
                         pin_memory=device.type == "cuda")
     packed = host.to(device, non_blocking=True)
-    return list(packed.split([len(field_values) for field_values in fields]))
+    return list(torch.split(packed, [len(field_values) for field_values in fields]))
 
 
 @dataclass(slots=True)

@@ -461,6 +461,9 @@ class EngineConfig:
                 "same kernels, bit-identical, without the Python between them; CPU bf16 with the "
                 "invariant matmul and the paired KV layout, else the modules run) or 'modules' "
                 "(the nn.Module path, the reference)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
+                "captured at start (runner/cuda_graphs.py); no effect on CPU"})
     chat_template: str | None = field(default=None, metadata={
         "help": "chat template instead of the tokenizer's: a file path or an inline Jinja template"})
     generation_config: str = field(default="auto", metadata={

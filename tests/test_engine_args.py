@@ -43,6 +43,7 @@ NON_DEFAULTS = [
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),
     (["--decoder-stack", "modules"], None, "decoder_stack", "modules"),
+    (["--enforce-eager"], None, "enforce_eager", True),
     (["--chat-template", "{{ messages[0]['content'] }}"], None, "chat_template",
      "{{ messages[0]['content'] }}"),
     (["--generation-config", "none"], None, "generation_config", "none"),
@@ -239,7 +240,7 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
     (["--policy", "bogus"], "argument --policy: invalid choice: 'bogus' (choose from 'fcfs', "
                             "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
-                                       "(choose from 'auto', 'cpu_paged', 'torch_ref', 'mla_batched', "
+                                       "(choose from 'auto', 'cpu_paged', 'triton', 'torch_ref', 'mla_batched', "
                                        "'mla_ref')"),
     (["--scheduling", "batch"], "argument --scheduling: invalid choice: 'batch'"),
     (["--matmul", "blas"], "argument --matmul: invalid choice: 'blas'"),

@@ -59,6 +59,16 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
             num_splits, per_split = split_shape(-(-max(batch.seq_lens_list) // batch.block_size))
         return TritonMetadata(tiles, block_q, num_splits, per_split)
 
+    def prepare_static(self, batch: ForwardBatch, max_blocks: int) -> TritonMetadata:
+        """A decode step's metadata that holds whatever its lengths, up to ``max_blocks``
+        blocks a request (runner/cuda_graphs.py captures it once per bucket): one tile
+        per request, the split shape of the longest context (shorter ones leave their
+        later ranges empty)."""
+        count = batch.num_seqs
+        tiles = torch.tensor([list(range(count)), [0] * count], dtype=torch.int32, device=batch.seq_lens.device)
+        num_splits, per_split = split_shape(max_blocks)
+        return TritonMetadata(tiles, 1, num_splits, per_split)
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         triton_attention.write_kv(kv_cache, _unit_last(k), _unit_last(v), slot_mapping)

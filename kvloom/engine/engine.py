@@ -32,6 +32,7 @@ from kvloom.kv_spec import KVExport, KVTransferSpec
 from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
 from kvloom.models.loader import load_checkpoint
 from kvloom.request import Request, RequestError, RequestStatus
+from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.model_runner import ModelRunner
 from kvloom.runner.tensor_parallel import load_first_rank, max_model_len_for
@@ -132,6 +133,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
 
         block_size = config.cache.block_size
+        # Decode steps from CUDA graphs where they can be captured; their padding rows
+        # write to a scratch block the pool never hands out: the last one.
+        eager_reason = cuda_graphs.graph_refusal(mc.architecture, self.device.type == "cuda", backend,
+                                                 self.first_rank.group.size, config.enforce_eager)
+        scratch_block = None
+        if eager_reason is None:
+            self.num_blocks -= 1
+            scratch_block = self.num_blocks
         pool = BlockPool(self.num_blocks)
         self.state_pool: StatePool = NoStatePool()
         self.state_bytes_per_slot = 0  # a state-space model's fixed state per request, every layer
@@ -168,6 +177,16 @@ class LLMEngine:
                                          self.state_pool)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed)
+        if scratch_block is not None:
+            captured = time.monotonic()
+            self.runner.graphs = cuda_graphs.DecodeGraphs(
+                self.model, shard.kv_caches, backend, block_size,
+                min(config.scheduler.max_num_seqs, cuda_graphs.BUCKETS[-1]), -(-self.max_model_len // block_size),
+                scratch_block, self.device, cuda_graphs.CUDACapture())
+            logger.info("decode steps of up to %d requests replay CUDA graphs (%d buckets, captured in %.1f s)",
+                        self.runner.graphs.max_batch, len(self.runner.graphs.sizes), time.monotonic() - captured)
+        else:
+            logger.debug("decode steps run eagerly: %s", eager_reason)
         logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
                     "%s attention%s", self.model_name, time.monotonic() - started, self.dtype, self.device,
                     self.max_model_len, self.num_blocks, block_size, backend.name,

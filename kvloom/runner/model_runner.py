@@ -19,6 +19,7 @@ from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, ScheduledReq
 from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
+from kvloom.runner.cuda_graphs import DecodeGraphs
 from kvloom.runner.prompt_logprobs import prompt_logprobs
 from kvloom.runner.sampler import Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
@@ -41,6 +42,8 @@ class ModelRunner:
         self.sampler = Sampler(generator_for_seed(seed, device))
         self._generators: dict[str, torch.Generator] = {}
         self.structured = StructuredOutputManager(vocab_size, device)
+        # Decode steps replayed from captured graphs (runner/cuda_graphs.py); None: eager.
+        self.graphs: DecodeGraphs | None = None
 
     # ---- per-request state -----------------------------------------------------------
     def compile_constraint(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -74,10 +77,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         batch = ForwardBatch.build(output, self.block_size, self.device)
-        metadata = self.backend.prepare(batch)
         if output.state_restores:  # a state-space model's prefix hits start from their checkpoints
             copy_state(self.model, output.state_restores)
-        hidden = self.model(batch, self.kv_caches, self.backend, metadata)
+        if self.graphs is not None and self.graphs.serves(batch, any(i.draft_token_ids for i in output.scheduled)):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch, self.kv_caches, self.backend, self.backend.prepare(batch))
         if output.state_saves:  # ... and chunks that end at a checkpoint save theirs
             copy_state(self.model, output.state_saves)
         prompt = prompt_logprobs(self.model, hidden, output)
