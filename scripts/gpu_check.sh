@@ -34,7 +34,8 @@ stage() { echo "== $1 ($(date +%T))" | tee -a "$out/log.txt"; }
 } > "$out/gpu.txt" 2>&1
 
 stage "CUDA tests"
-tests=(tests/attention/test_triton_attention.py tests/models/test_triton_ops.py tests/models/test_hf_parity.py
+tests=(tests/attention/test_triton_attention.py tests/attention/test_triton_decode_graphs.py
+       tests/models/test_triton_ops.py tests/models/test_hf_parity.py
        tests/models/test_ssm_prefix_cache.py tests/models/test_deepseek.py)
 [ "$quick" = 1 ] && tests=(tests/models/test_triton_ops.py)
 timeout 200 $py -m pytest -q -p no:cacheprovider "${tests[@]}" > "$out/tests.txt" 2>&1

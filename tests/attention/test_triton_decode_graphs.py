@@ -52,3 +52,15 @@ def test_triton_decode_graph_buckets_give_the_eager_tokens(tiny_llama, monkeypat
         engine.check_integrity()
     assert [finals[str(i)] for i in range(4)] == expected
     assert {4, 2, 1} <= set(replays)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="records real CUDA graphs: GPU only (scripts/gpu_check.sh)")
+def test_triton_cuda_graphs_give_the_eager_tokens(tiny_llama) -> None:
+    prompts = [[5, 9, 14, 3, 77, 21, 8, 40], [12, 13], [99, 98, 97, 96, 95], [7, 7, 8]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 3, 5, 8)]
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_llama), dtype="float32", num_blocks=32, block_size=16, max_num_seqs=4, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        tokens[eager] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert tokens[False] == tokens[True]
