@@ -140,8 +140,8 @@ class DecodeGraphs:
         self.input_ids[:count].copy_(batch.input_ids)
         self.positions[:count].copy_(batch.positions)
         self.slot_mapping[:count].copy_(batch.slot_mapping)
-        self.block_tables[:count, :width].copy_(batch.block_tables)  # columns past a request's
-        # table are never read: the kernels stop at its length
+        # Columns past a request's table keep stale ids: the kernels stop at its length.
+        self.block_tables[:count, :width].copy_(batch.block_tables)
         self.seq_lens[:count].copy_(batch.seq_lens)
         # The padding rows of this bucket: one token at the scratch block's first slot.
         self.input_ids[count:size].zero_()
