@@ -22,8 +22,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.kernels import triton_attention
 
 ROWS_PER_TILE = 64  # a prefill tile's query rows (queries x the heads sharing a KV head)
-BLOCKS_PER_SPLIT = 16  # a decode split's least share of a request's blocks
-MAX_SPLITS = 16
+BLOCKS_PER_SPLIT = 16  # a decode split's share of a request's blocks, whatever the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +35,17 @@ class TritonMetadata:
 
 def split_shape(max_blocks: int) -> tuple[int, int]:
     """(num_splits, blocks_per_split) for a decode step whose longest request holds
-    ``max_blocks`` blocks: one split per ``BLOCKS_PER_SPLIT`` blocks, a power of two
-    (the merge's width), at most ``MAX_SPLITS``."""
+    ``max_blocks`` blocks: a split per ``BLOCKS_PER_SPLIT`` blocks, rounded up to a
+    power of two (the merge's width). The ranges are the same whatever else is in the
+    batch: a request's keys are always cut every ``BLOCKS_PER_SPLIT`` blocks, and the
+    splits a longer request adds are empty for it (weight 0, sums of exact zeros), so a
+    decode's attention is bit for bit the same alone, batched, or replayed from a CUDA
+    graph captured for the longest context."""
     wanted = -(-max_blocks // BLOCKS_PER_SPLIT)
     num_splits = 1
-    while num_splits < min(wanted, MAX_SPLITS):
+    while num_splits < wanted:
         num_splits *= 2
-    return num_splits, -(-max_blocks // num_splits)
+    return num_splits, BLOCKS_PER_SPLIT
 
 
 class TritonPagedBackend(AttentionBackend[TritonMetadata]):

@@ -70,10 +70,40 @@ def test_triton_split_k_decode_matches_reference(dtype, block_size) -> None:
 
 
 def test_triton_split_shapes() -> None:
-    """Splits are a power of two (the merge's width), at most 16, each >= 16 blocks' share."""
-    assert split_shape(1) == (1, 1) and split_shape(16) == (1, 16)
-    assert split_shape(17) == (2, 9) and split_shape(40) == (4, 10)
-    assert split_shape(10_000) == (16, 625)
+    """Splits of 16 blocks each, as many as the longest context needs, a power of two."""
+    assert split_shape(1) == (1, 16) and split_shape(16) == (1, 16)
+    assert split_shape(17) == (2, 16) and split_shape(40) == (4, 16)
+    assert split_shape(10_000) == (1024, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shapes, target", [
+    ([(300, 1), (5, 1), (900, 1)], 0),  # a decode of 19 blocks: 2 splits alone, 4 beside the longest
+    ([(16, 16), (0, 7), (70, 1), (33, 9)], 0),  # a chunk after 16 cached tokens, in a mixed step
+])
+def test_triton_attention_is_batch_invariant(dtype, shapes, target) -> None:
+    """A request's attention rows are bit for bit the same alone and in a batch of the
+    same kind of step (its tiles, and its split ranges, do not depend on the others)."""
+    block_size, heads, kv_heads, head_dim, num_blocks = 16, 6, 2, 32, 80
+    backend = make_backend("triton", DEVICE, heads, kv_heads, head_dim)
+    torch.manual_seed(3)
+    history = [torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+               for _ in range(2)]
+    slots = torch.arange(num_blocks * block_size, device=DEVICE)
+    rows = {}
+    for name, batch_shapes in (("batched", shapes), ("alone", [shapes[target]])):
+        output = mixed_batch(block_size, num_blocks, seed=5, shapes=batch_shapes)
+        batch = ForwardBatch.build(output, block_size, DEVICE)
+        own, others = shapes[target][1], batch.num_tokens - shapes[target][1]
+        mine, rest = torch.Generator().manual_seed(9), torch.Generator().manual_seed(10)
+        q, k, v = (torch.cat([torch.randn(own, n, head_dim, generator=mine),  # the target's: the same draws
+                              torch.randn(others, n, head_dim, generator=rest)]).to(dtype).to(DEVICE)
+                   for n in (heads, kv_heads, kv_heads))
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        write_token_major(cache, *history, slots)
+        out = backend.forward(q, k, v, cache, batch, backend.prepare(batch))
+        rows[name] = out[: shapes[target][1]]  # the target is the batch's first request
+    assert torch.equal(rows["batched"], rows["alone"])
 
 
 def test_triton_backend_serves_the_engine_as_the_reference_does(tiny_llama) -> None:
