@@ -56,7 +56,9 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
         decode_only = max(batch.query_lens_list, default=0) <= 1
         block_q = 1 if decode_only else max(1, ROWS_PER_TILE // group)
         seqs, firsts = triton_attention.tile_table(batch.query_lens_list, block_q)
-        tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(batch.seq_lens.device, non_blocking=True)
+        device = batch.seq_lens.device  # pinned on CUDA, as the batch's own fields: the copy is asynchronous
+        tiles = torch.tensor([seqs, firsts], dtype=torch.int32, pin_memory=device.type == "cuda")
+        tiles = tiles.to(device, non_blocking=True)
         num_splits, per_split = 1, 0
         if decode_only and batch.seq_lens_list:
             num_splits, per_split = split_shape(-(-max(batch.seq_lens_list) // batch.block_size))

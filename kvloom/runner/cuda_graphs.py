@@ -102,6 +102,7 @@ class DecodeGraphs:
                  capture: Capture) -> None:
         self.max_batch = max_batch
         self.sizes = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -147,6 +148,6 @@ class DecodeGraphs:
         self.input_ids[count:size].zero_()
         self.positions[count:size].zero_()
         self.slot_mapping[count:size].fill_(self.scratch_slot)
-        self.block_tables[count:size, 0].fill_(self.scratch_slot // batch.block_size)
+        self.block_tables[count:size, 0].fill_(self.scratch_block)
         self.seq_lens[count:size].fill_(1)
         return self.buckets[size].replay()[:count]
