@@ -10,6 +10,7 @@ this module; it imports nothing above ``request``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -42,10 +43,11 @@ class ScheduledRequest:
     def of(cls, request: Request, start: int, num_new_tokens: int,
            draft_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
         num_known = num_new_tokens - len(draft_token_ids)
-        samples = start + num_known == request.num_tokens
+        samples = start + num_known == request.num_tokens_with_pending
         if draft_token_ids and not samples:
             raise ValueError(f"drafts for {request.request_id} must follow its last known token")
-        is_decode = num_known == 1 and samples and request.num_output_tokens > 0
+        is_decode = (num_known == 1 and samples
+                     and request.num_output_tokens + request.num_pending_tokens > 0)
         return cls(request, start, num_new_tokens, samples, not is_decode, draft_token_ids)
 
     @property
@@ -112,6 +114,11 @@ class ForwardBatch:
     # [num_seqs] int64: each request's state slot (cache/state_pool.py); None for a model
     # without state-space layers
     state_slots: torch.Tensor | None = None
+    # Overlap scheduling: input_ids[placeholder_positions[i]] is the token the previous
+    # step sampled in its row placeholder_rows[i], still on the device (0 here until
+    # the runner fills it in); None when every input token is known.
+    placeholder_positions: torch.Tensor | None = None
+    placeholder_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +129,10 @@ class ForwardBatch:
         return len(self.query_lens_list)
 
     @classmethod
-    def build(cls, output: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
+    def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
+              pending_rows: Mapping[str, int] | None = None) -> ForwardBatch:
+        """``pending_rows``: for each request with a pending token (overlap scheduling),
+        its row among the previous step's sampled tokens."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -131,11 +141,18 @@ class ForwardBatch:
         logits_indices: list[int] = []
         tables: list[list[int]] = []
         state_slots: list[int] = []
+        placeholders: list[int] = []
+        placeholder_rows: list[int] = []
         for item in output.scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             end = start + count
             block_ids = request.block_ids
             input_ids.extend(request.all_token_ids[start:start + item.num_known_tokens])
+            if start + item.num_known_tokens > request.num_tokens:  # it computes its pending token
+                assert pending_rows is not None and request.num_pending_tokens == 1, request
+                placeholders.append(len(input_ids))
+                placeholder_rows.append(pending_rows[request.request_id])
+                input_ids.append(0)
             input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // block_size] * block_size + p % block_size
@@ -156,7 +173,8 @@ class ForwardBatch:
         # Every field goes to the device in two copies (its int64 and its int32 fields,
         # each packed into one buffer, pinned on CUDA so the copy is asynchronous), then
         # the fields are views of those buffers.
-        wide = _to_device([input_ids, positions, slots, logits_indices, state_slots], torch.int64, device)
+        wide = _to_device([input_ids, positions, slots, logits_indices, state_slots, placeholders,
+                           placeholder_rows], torch.int64, device)
         narrow = _to_device([[b for t in padded for b in t], seq_lens, starts], torch.int32, device)
         return cls(
             input_ids=wide[0],
@@ -170,6 +188,8 @@ class ForwardBatch:
             seq_lens_list=seq_lens,
             block_size=block_size,
             state_slots=wide[4] if state_slots else None,
+            placeholder_positions=wide[5] if placeholders else None,
+            placeholder_rows=wide[6] if placeholders else None,
         )
 
 

@@ -18,6 +18,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MATMULS = ("invariant", "onednn", "torch")  # EngineConfig.matmul (models/packed_linear.py)
 DECODER_STACKS = ("native", "modules")  # EngineConfig.decoder_stack (models/decoder_stack.py)
+OVERLAP_MODES = ("auto", "on", "off")  # EngineConfig.overlap_scheduling (engine/overlap.py)
 SCHEDULING_MODES = ("continuous", "static")
 # The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
 # that a bad flag is refused before the model loads; tests hold them to the registries.
@@ -464,6 +465,13 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
                 "captured at start (runner/cuda_graphs.py); no effect on CPU"})
+    overlap_scheduling: str = field(default="auto", metadata={
+        "choices": OVERLAP_MODES,
+        "help": "schedule and launch each step before the previous one's tokens reach the host, "
+                "so the CPU's work (scheduling, batch building, detokenizing) overlaps the device's "
+                "forward: 'auto' on CUDA, 'on' also on CPU (no gain there: the CPU is the device), "
+                "'off'; refused with speculative decoding, tensor parallel, disaggregation and "
+                "static batching (engine/overlap.py)"})
     chat_template: str | None = field(default=None, metadata={
         "help": "chat template instead of the tokenizer's: a file path or an inline Jinja template"})
     generation_config: str = field(default="auto", metadata={
@@ -490,6 +498,8 @@ class EngineConfig:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.decoder_stack not in DECODER_STACKS:
             raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {self.decoder_stack!r}")
+        if self.overlap_scheduling not in OVERLAP_MODES:
+            raise ValueError(f"overlap_scheduling must be one of {OVERLAP_MODES}, got {self.overlap_scheduling!r}")
         parse_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -8,6 +8,11 @@ Invariant: ``num_computed_tokens <= num_tokens``; the KV of the first
 ``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order). A request
 whose ``num_computed_tokens == num_tokens`` is "decoding": its next step computes the
 last sampled token and samples another.
+
+With overlap scheduling (engine/engine.py) the token a step samples is appended one
+engine step later, after the next step has been scheduled and launched; until then
+it is ``num_pending_tokens`` (0 or 1), a token of known position and unknown value,
+which the next step may already compute (its input id is read on the device).
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ class Request:
     # prompt + output; kept as one list so slicing the next chunk never concatenates.
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Sampled by a step still in flight, not appended yet (0 or 1; see the module doc).
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cache_miss_reason: str | None = None  # why the prefix cache did not serve (more of) the prompt
     block_ids: list[int] = field(default_factory=list)
@@ -140,6 +147,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Appended tokens and the pending one, if any: where the next step starts."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def max_tokens(self) -> int:

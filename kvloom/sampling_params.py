@@ -163,6 +163,14 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     @property
+    def reads_previous_tokens(self) -> bool:
+        """Whether sampling the next token needs the value of the last one on the host:
+        penalties count the output, min_tokens counts it, a grammar advances on it.
+        Overlap scheduling lets a step of such a request finish before the next is
+        scheduled."""
+        return self.uses_penalties or self.min_tokens > 0 or self.structured is not None
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, call ``step()``, read per-request deltas.
 
-``step()`` is the whole engine: schedule -> execute -> update -> outputs.
+``step()`` is the whole engine: schedule -> launch -> advance -> commit -> outputs
+(with overlap scheduling the commit is the previous step's; engine/overlap.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
+from kvloom.engine.overlap import overlap_refusal
 from kvloom.engine.policy import make_policy
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
 from kvloom.engine.speculation import SpeculationPolicy
@@ -34,7 +36,7 @@ from kvloom.models.loader import load_checkpoint
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
-from kvloom.runner.model_runner import ModelRunner
+from kvloom.runner.model_runner import LaunchedStep, ModelRunner
 from kvloom.runner.tensor_parallel import load_first_rank, max_model_len_for
 from kvloom.sampling_params import SamplingParams
 from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
@@ -191,6 +193,10 @@ class LLMEngine:
                     "%s attention%s", self.model_name, time.monotonic() - started, self.dtype, self.device,
                     self.max_model_len, self.num_blocks, block_size, backend.name,
                     f", tensor parallel {self.first_rank.group.size}" if self.first_rank.group.size > 1 else "")
+        overlap_reason = overlap_refusal(config, self.device.type == "cuda", self.first_rank.group.size)
+        self.overlap = overlap_reason is None
+        logger.debug("overlap scheduling %s", "on" if self.overlap else f"off: {overlap_reason}")
+        self._in_flight: LaunchedStep | None = None  # launched, committed by the next step()
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
 
@@ -239,12 +245,14 @@ class LLMEngine:
             self._release(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests not finished yet, or a launched step not committed yet."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that produced a token
-        or ended."""
+        or ended. With overlap scheduling (engine/overlap.py) this launches a step and
+        returns the outputs of the one launched before it."""
         if self.proposer is not None:
             # Drafts for the tokens the last step appended: proposed here rather than at
             # the end of that step, so that its outputs (a first token) were not held
@@ -252,19 +260,32 @@ class LLMEngine:
             self._propose()
         scheduled = self.scheduler.schedule()
         self._last_num_batched_tokens = scheduled.num_batched_tokens
-        if scheduled.is_empty:
-            if self.scheduler.receiving:  # nothing to run until a pull arrives
-                self.kv_transfer.wait(0.005)
-            return []
         # An exception from the forward itself is an engine fault and propagates.
-        result = self.runner.execute(scheduled)
+        launched = None if scheduled.is_empty else self.runner.launch(scheduled)
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._commit(previous) if previous is not None else []
+        if launched is None:
+            if not outputs and self.scheduler.receiving:  # nothing to run until a pull arrives
+                self.kv_transfer.wait(0.005)
+            return outputs
+        # The previous step's tokens are in: this one's progress counts from them.
+        self.scheduler.advance(scheduled)
+        if self.overlap and launched.overlappable:
+            self._in_flight = launched  # committed by the next call, while its successor runs
+            return outputs
+        return outputs + self._commit(launched)
+
+    def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """A launched step's samples into its requests (the scheduler alone writes
+        request state: tokens, stops, failures), and their outputs."""
+        result = self.runner.finish(launched)
+        scheduled = launched.scheduled
         if result.prompt_logprobs:  # only steps that computed some for a request that asked
             for item in scheduled.scheduled:
                 chunk = result.prompt_logprobs.get(item.request.request_id)
                 if chunk is not None:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
-        # The scheduler alone writes request state: tokens, stops, failures.
-        updates = self.scheduler.update(scheduled, result)
+        updates = self.scheduler.commit(scheduled, result)
         return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                 for update in updates]
 

@@ -15,8 +15,9 @@ from its checkpoint, and a chunk ends at each checkpoint the KV cache manager pl
 for the request, whose state the runner then saves (``SchedulerOutput.state_*``).
 
 The scheduler is the one writer of a request's state: its status, progress
-(``num_computed_tokens``), output tokens, stop reason and error (``block_ids`` are
-the KV cache manager's). ``update`` is where a step's results enter it.
+(``num_computed_tokens``, ``num_pending_tokens``), output tokens, stop reason and
+error (``block_ids`` are the KV cache manager's). ``advance`` is where a launched
+step's progress enters it, ``commit`` where its sampled tokens do (``update``: both).
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ class Scheduler:
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
             request = pending.pop(0)
-            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget,
+            if request.num_pending_tokens and request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # its pending token is its last (overlap scheduling): nothing to compute
+            num_new = self._num_new_tokens(request.num_tokens_with_pending - request.num_computed_tokens, budget,
                                            first=not scheduled)
             num_new = self.kv.tokens_to_checkpoint(request, num_new)
             if num_new <= 0:
@@ -395,30 +398,52 @@ class Scheduler:
         self.state.free(request)
         request.num_computed_tokens = 0
 
-    # ---- after the forward pass ------------------------------------------------------
-    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
-        """Enter a step's results: progress advances by the computed tokens, then each
-        entry's sampled token and any forced ones (jump-forward, left uncomputed so the
-        next step computes them as a chunk) are appended one by one until one stops the
-        request; a request the runner reports failed finishes with its error. Returns,
-        in schedule order, an update for every request that appended tokens or failed."""
-        now = time.monotonic()
-        updates: list[StepUpdate] = []
-        for index, item in enumerate(output.scheduled):
+    # ---- once the step is launched, and after the forward pass ----------------------
+    def advance(self, output: SchedulerOutput) -> None:
+        """A launched step's progress: its known tokens count as computed (the device
+        computes them before anything launched later reads them) and an entry that
+        samples leaves its request a pending token until ``commit``. Called after the
+        previous step's ``commit`` and before this one's, so the pending token of one
+        step is appended before the next step counts it as computed."""
+        for item in output.scheduled:
             request = item.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted, or stopped by the previous step's tokens
                 continue
-            error = result.failed.get(request.request_id)
-            if error is not None:
-                self.finish_request(request, RequestStatus.FINISHED_ERROR, error=error)
-                updates.append(StepUpdate(request, index, 0))
-                continue
-            # Drafts count as computed only once verified (below).
+            assert request.num_pending_tokens == 0, request
+            # Drafts count as computed only once verified (commit).
             request.num_computed_tokens += item.num_known_tokens
             if item.is_prefill:
                 request.timeline.prefill_chunks.append((output.step, item.num_new_tokens))
                 self.num_prefill_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            if item.samples:
+                request.num_pending_tokens = 1
+
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
+        """A step that ran to its end before the next was scheduled: ``advance`` and
+        ``commit`` at once."""
+        self.advance(output)
+        return self.commit(output, result)
+
+    def commit(self, output: SchedulerOutput, result: RunnerOutput) -> list[StepUpdate]:
+        """Enter an advanced step's results: each entry's sampled token and any forced
+        ones (jump-forward, left uncomputed so the next step computes them as a chunk)
+        are appended one by one until one stops the request; a request the runner
+        reports failed finishes with its error. Returns, in schedule order, an update
+        for every request that appended tokens or failed."""
+        now = time.monotonic()
+        updates: list[StepUpdate] = []
+        for index, item in enumerate(output.scheduled):
+            request = item.request
+            if request.is_finished:  # aborted while the step ran, or stopped by the step before
+                continue
+            if item.samples:
+                request.num_pending_tokens = 0
+            error = result.failed.get(request.request_id)
+            if error is not None:
+                self.finish_request(request, RequestStatus.FINISHED_ERROR, error=error)
+                updates.append(StepUpdate(request, index, 0))
+                continue
             if isinstance(request.kv_transfer, KVExport) and not request.output_token_ids \
                     and request.num_computed_tokens >= request.num_prompt_tokens and not self._export(request):
                 updates.append(StepUpdate(request, index, 0))

@@ -5,28 +5,56 @@ one token (or None, for a prefill chunk that does not reach the end) per entry, 
 the tokens a grammar forces after it (jump-forward). Per-request state lives here,
 keyed by request id and dropped by ``release``: random generators (so a seeded
 request draws the same numbers whatever else is in the batch) and grammar matchers.
+
+A step is ``launch``ed (forward and sampling queued on the device, nothing waited
+for) and later ``finish``ed (its samples on the host); between the two the engine may
+schedule and launch the next step (overlap scheduling, engine/engine.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch, LogprobsEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvloom.batch import ForwardBatch, LogprobsEntry, PromptLogprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
 from kvloom.runner.cuda_graphs import DecodeGraphs
 from kvloom.runner.prompt_logprobs import prompt_logprobs
-from kvloom.runner.sampler import Sampler
+from kvloom.runner.sampler import DeviceSample, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
 from kvloom.structured.compiler import CompiledGrammar
 from kvloom.structured.constraint import StructuredOutput
 from kvloom.structured.manager import StructuredOutputManager
+from kvloom.structured.mask import GrammarMask
 from kvloom.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device, from ``ModelRunner.launch`` to ``finish``."""
+
+    scheduled: SchedulerOutput
+    prompt_logprobs: dict[str, PromptLogprobs]
+    sampling: list[ScheduledRequest] = field(default_factory=list)  # the entries that sample
+    sample: DeviceSample | None = None  # None: no entry samples
+    grammar: GrammarMask | None = None
+    failed: dict[str, RequestError] = field(default_factory=dict)  # requests whose grammar failed
+    # Seeded random requests with drafts: their generators' state before the draws.
+    rewinds: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next step may be scheduled and launched before this one finishes:
+        no entry's next token depends on this step's values on the host (no drafts to
+        verify, no grammar to advance, no penalties or min_tokens)."""
+        return all(not item.draft_token_ids and not item.request.sampling_params.reads_previous_tokens
+                   for item in self.sampling)
 
 
 class ModelRunner:
@@ -44,6 +72,10 @@ class ModelRunner:
         self.structured = StructuredOutputManager(vocab_size, device)
         # Decode steps replayed from captured graphs (runner/cuda_graphs.py); None: eager.
         self.graphs: DecodeGraphs | None = None
+        # The last launch's samples on the device, and each sampling request's row in
+        # them: the inputs of the next step's pending tokens (overlap scheduling).
+        self._pending_tokens: torch.Tensor | None = None
+        self._pending_rows: dict[str, int] = {}
 
     # ---- per-request state -----------------------------------------------------------
     def compile_constraint(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -74,9 +106,20 @@ class ModelRunner:
         return generator
 
     # ---- one step --------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        batch = ForwardBatch.build(output, self.block_size, self.device)
+        """Run one step to its end: ``finish(launch(output))``."""
+        return self.finish(self.launch(output))
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device and return without
+        waiting for them (on the CPU they run here). Input tokens that are the previous
+        launch's pending samples are read from its device tensor, so that step need not
+        have finished."""
+        batch = ForwardBatch.build(output, self.block_size, self.device, self._pending_rows)
+        if batch.placeholder_positions is not None:
+            assert self._pending_tokens is not None and batch.placeholder_rows is not None
+            batch.input_ids[batch.placeholder_positions] = self._pending_tokens[batch.placeholder_rows]
         if output.state_restores:  # a state-space model's prefix hits start from their checkpoints
             copy_state(self.model, output.state_restores)
         if self.graphs is not None and self.graphs.serves(batch, any(i.draft_token_ids for i in output.scheduled)):
@@ -85,11 +128,11 @@ class ModelRunner:
             hidden = self.model(batch, self.kv_caches, self.backend, self.backend.prepare(batch))
         if output.state_saves:  # ... and chunks that end at a checkpoint save theirs
             copy_state(self.model, output.state_saves)
-        prompt = prompt_logprobs(self.model, hidden, output)
-        sampling = [item for item in output.scheduled if item.samples]
-        if not sampling:
-            return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),
-                                prompt_logprobs=prompt)
+        launched = LaunchedStep(output, prompt_logprobs(self.model, hidden, output))
+        launched.sampling = [item for item in output.scheduled if item.samples]
+        self._pending_tokens, self._pending_rows = None, {}
+        if not launched.sampling:
+            return launched
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         # One sampling row per position sampled at: the last known token, then each
         # draft, whose row sees the drafts before it as output (penalties, min_tokens).
@@ -102,29 +145,45 @@ class ModelRunner:
                 generator=self._generator_for(item.request.request_id, item.request.sampling_params.seed),
                 eos_token_ids=item.request.eos_token_ids,
             )
-            for item in sampling for draft in range(item.num_sampled_rows)
+            for item in launched.sampling for draft in range(item.num_sampled_rows)
         ]
-        requests = [item.request for item in sampling]
         # Host-side mask work after the forward is queued: on an accelerator it overlaps
         # the model. None (and no work at all) when no sampling row is constrained.
-        failed: dict[str, RequestError] = {}
-        grammar = self.structured.grammar_mask([(item.request, item.draft_token_ids) for item in sampling],
-                                               failed)
-        rewinds = self._seeded_rewinds(sampling) if len(rows) > len(sampling) else {}
-        result = self.sampler(
-            logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, grammar))
+        launched.grammar = self.structured.grammar_mask(
+            [(item.request, item.draft_token_ids) for item in launched.sampling], launched.failed)
+        if len(rows) > len(launched.sampling):
+            launched.rewinds = self._seeded_rewinds(launched.sampling)
+        launched.sample = self.sampler.sample(
+            logits, SamplingMetadata.build(rows, logits.shape[-1], self.device, launched.grammar))
+        if launched.overlappable:  # one row per sampling entry: the next step's placeholders
+            self._pending_tokens = launched.sample.token_ids
+            self._pending_rows = {item.request.request_id: row for row, item in enumerate(launched.sampling)}
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's samples (that step only, not those launched after
+        it) and turn them into its RunnerOutput: drafts verified, grammars advanced."""
+        output, sampling = launched.scheduled, launched.sampling
+        if launched.sample is None:
+            return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),
+                                prompt_logprobs=launched.prompt_logprobs)
+        result = launched.sample.result()
         token_ids, logprobs = result.token_ids, result.logprobs
         accepted: list[list[int]] | None = None
-        if len(rows) > len(sampling):
+        if any(item.draft_token_ids for item in sampling):
             token_ids, logprobs, accepted, accepted_logprobs = verify_drafts(sampling, token_ids, logprobs)
-            for index, (generator, state) in rewinds.items():
+            for index, (generator, state) in launched.rewinds.items():
                 self._advance_to(generator, state, len(accepted[index]) + 1)
-        forced = self.structured.advance(requests, token_ids, failed, accepted) if grammar is not None else None
-        aligned = self._align(output, token_ids, logprobs, forced, failed)
+        forced = None
+        if launched.grammar is not None:
+            forced = self.structured.advance([item.request for item in sampling], token_ids, launched.failed,
+                                             accepted)
+        aligned = self._align(output, token_ids, logprobs, forced, launched.failed)
         if accepted is not None:
             aligned.accepted = self._aligned_rows(output, accepted, [])
             aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
-        aligned.prompt_logprobs = prompt
+        aligned.prompt_logprobs = launched.prompt_logprobs
         return aligned
 
     def _seeded_rewinds(self, sampling: list[ScheduledRequest]) -> dict[int, tuple[torch.Generator, torch.Tensor]]:

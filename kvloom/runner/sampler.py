@@ -26,6 +26,7 @@ import torch
 
 from kvloom.batch import LogprobsEntry
 from kvloom.kernels import sampling
+from kvloom.runner.device import HostCopy
 from kvloom.runner.sampling_metadata import PenaltyTensors, SamplingMetadata
 from kvloom.structured.mask import GrammarMask
 
@@ -54,6 +55,22 @@ class SamplerOutput:
     logprobs: list[LogprobsEntry | None]  # [B]; None where params.logprobs is None
 
 
+@dataclass(slots=True)
+class DeviceSample:
+    """A step's samples as the device left them, on their way to the host: the copy is
+    queued behind the sampling, so the host can go on (and queue the next step) until
+    it needs the values."""
+
+    token_ids: torch.Tensor  # [B] int64 on the logits' device: the next step's placeholders read it
+    _host: HostCopy
+    _metadata: SamplingMetadata
+
+    def result(self) -> SamplerOutput:
+        """The samples on the host; waits for the device (up to this step only)."""
+        token_ids, *logprobs = self._host.wait()
+        return SamplerOutput(token_ids.tolist(), logprob_entries(logprobs, self._metadata))
+
+
 class Sampler:
     """Samples one token per row from ``[B, V]`` logits under a ``SamplingMetadata``."""
 
@@ -63,6 +80,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample ``[B]`` tokens; ``logits`` (any float dtype) is never modified."""
+        return self.sample(logits, metadata).result()
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> DeviceSample:
+        """``__call__`` without waiting for the device: no synchronisation before the
+        host reads the result."""
         expected = (metadata.num_rows, metadata.vocab_size)
         if logits.dim() != 2 or tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
@@ -79,10 +101,8 @@ class Sampler:
             if metadata.grammar is not None:
                 apply_token_bitmask(processed, metadata.grammar)
         token_ids = self._sample(processed, metadata)  # [B] int64
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=compute_logprobs(raw_logits, token_ids, metadata),
-        )
+        logprobs = logprob_tensors(raw_logits, token_ids, metadata)
+        return DeviceSample(token_ids, HostCopy([token_ids, *logprobs]), metadata)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
@@ -247,21 +267,33 @@ def compute_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata
 ) -> list[LogprobsEntry | None]:
     """Logprob, rank and top-n alternatives of each sampled token, from the raw logits."""
-    entries: list[LogprobsEntry | None] = [None] * metadata.num_rows
+    return logprob_entries(logprob_tensors(raw_logits, token_ids, metadata), metadata)
+
+
+def logprob_tensors(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                    metadata: SamplingMetadata) -> list[torch.Tensor]:
+    """On the logits' device, for the L rows that want logprobs: their rows [L], sampled
+    tokens [L], the sampled tokens' logprobs [L] and ranks [L], the top max_n ids and
+    logprobs [L, max_n]; [] when no row wants any."""
     if metadata.logprob_rows is None:
-        return entries
+        return []
     rows = metadata.logprob_rows
     logprobs = torch.log_softmax(raw_logits[rows], dim=-1)  # [L, V]
-    sampled = token_ids[rows].unsqueeze(1)  # [L, 1]
-    sampled_logprobs = logprobs.gather(1, sampled)  # [L, 1]
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [L]
+    sampled = token_ids[rows]  # [L]
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [L]
+    ranks = (logprobs > sampled_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [L]
     top = logprobs.topk(metadata.max_num_logprobs, dim=-1)  # [L, max_n] each
-    # One host transfer per tensor, not one per element.
-    top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    sampled_ids = sampled.squeeze(1).tolist()
-    sampled_values = sampled_logprobs.squeeze(1).tolist()
-    rank_values = ranks.tolist()
-    for i, (row, n) in enumerate(zip(rows.tolist(), metadata.num_logprobs, strict=True)):
+    return [rows, sampled, sampled_logprobs, ranks, top.indices, top.values]
+
+
+def logprob_entries(tensors: list[torch.Tensor], metadata: SamplingMetadata) -> list[LogprobsEntry | None]:
+    """``logprob_tensors``' results (on the host) as one entry per row, None where the
+    row asked for none. One host conversion per tensor, not one per element."""
+    entries: list[LogprobsEntry | None] = [None] * metadata.num_rows
+    if not tensors:
+        return entries
+    rows, sampled_ids, sampled_values, rank_values, top_ids, top_values = (tensor.tolist() for tensor in tensors)
+    for i, (row, n) in enumerate(zip(rows, metadata.num_logprobs, strict=True)):
         entries[row] = LogprobsEntry(
             token_id=sampled_ids[i],
             logprob=sampled_values[i],

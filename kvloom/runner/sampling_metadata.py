@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.runner.device import host_values_to
 from kvloom.sampling_params import SamplingParams, seed_value
 from kvloom.structured.mask import GrammarMask
 
@@ -105,7 +106,7 @@ class SamplingMetadata:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
 
         def index_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return host_values_to(values, torch.int64, device)
 
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -129,7 +130,7 @@ class SamplingMetadata:
         uses_min_p = any(p.min_p > 0.0 for p in random_params)
 
         def float_tensor(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return host_values_to(values, torch.float32, device)
 
         blocked_rows, blocked_token_ids = _min_tokens_blocks(rows, vocab_size)
         bias_rows, bias_token_ids, bias_values = _logit_bias_triples(rows, vocab_size)
@@ -233,10 +234,10 @@ def _penalty_tensors(
     params = [rows[i].params for i in penalty_rows]
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [P, 1]
+        return host_values_to(values, torch.float32, device).unsqueeze(1)  # [P, 1]
 
     return PenaltyTensors(
-        rows=torch.tensor(penalty_rows, dtype=torch.int64, device=device),
+        rows=host_values_to(penalty_rows, torch.int64, device),
         repetition=column([p.repetition_penalty for p in params]),
         frequency=column([p.frequency_penalty for p in params]),
         presence=column([p.presence_penalty for p in params]),
@@ -256,7 +257,7 @@ def _token_counts(
         + [vocab_size] * (width - len(tokens))
         for tokens in token_lists
     ]
-    index = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_lists), width)
+    index = host_values_to(padded, torch.int64, device).reshape(len(token_lists), width)
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]  # [P, V], trash column dropped

@@ -69,13 +69,16 @@ def test_checkpoints_are_evicted_least_recently_used_first(model_dir: Path) -> N
     assert engine.stats().num_cached_states == 2
 
 
-def test_concurrent_sharers_and_preemption_match_transformers(model_dir: Path) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_concurrent_sharers_and_preemption_match_transformers(model_dir: Path, overlap: str) -> None:
+    """Also with overlap scheduling: a step's state copies and chunks are queued behind
+    the previous step's, and a finished request's slot is reused only after it."""
     prompts = {f"r{i}": SHARED + [40 + i] * (i + 1) for i in range(6)}
     reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
     # A pool too small for six at once: requests are preempted and recompute, hitting
     # the checkpoints the others saved; chunks of 5 cross checkpoints mid-chunk.
     engine = ssm_engine(model_dir, block_size=BLOCK, num_blocks=18, max_num_batched_tokens=12,
-                        long_prefill_threshold=5, num_state_checkpoints=3)
+                        long_prefill_threshold=5, num_state_checkpoints=3, overlap_scheduling=overlap)
     arrivals = {0: [("r0", prompts["r0"], GREEDY)],
                 3: [(rid, prompts[rid], GREEDY) for rid in ("r1", "r2", "r3")],
                 9: [(rid, prompts[rid], GREEDY) for rid in ("r4", "r5")]}
