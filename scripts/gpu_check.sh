@@ -7,7 +7,8 @@
 #   2. Benchmarks on random-weight models with the default model's tokenizer: its own
 #      shape (SmolLM2-135M) and Llama-3.2-1B's: offline ShareGPT (1,000 prompts), decode
 #      step times by batch size (against the HBM bound: weights + KV read per step),
-#      and a serving run at concurrency 64.
+#      and a serving run at concurrency 64; the offline run again with overlap
+#      scheduling off, to measure what it buys.
 # Results: $OUT (the device tool's) or docs/results/gpu/.
 # QUICK=1 PYTHON=.venv/bin/python bash scripts/gpu_check.sh: the same stages, tiny, on
 # any machine (checks the script itself; the wheels are not installed then).
@@ -36,6 +37,7 @@ stage() { echo "== $1 ($(date +%T))" | tee -a "$out/log.txt"; }
 stage "CUDA tests"
 tests=(tests/attention/test_triton_attention.py tests/attention/test_triton_decode_graphs.py
        tests/models/test_triton_ops.py tests/models/test_hf_parity.py
+       tests/engine/test_overlap_scheduling.py tests/attention/test_optional_cuda_backends.py
        tests/models/test_ssm_prefix_cache.py tests/models/test_deepseek.py)
 [ "$quick" = 1 ] && tests=(tests/models/test_triton_ops.py)
 timeout 200 $py -m pytest -q -p no:cacheprovider "${tests[@]}" > "$out/tests.txt" 2>&1
@@ -69,6 +71,11 @@ for model in $models; do
     --decode-steps 5 --output-json "$out/steps_$model.json" > "$out/steps_$model.txt" 2>&1
   echo "rc=$?" | tee -a "$out/log.txt"
 done
+# The same offline run with every step synchronous: what overlap scheduling buys.
+stage "offline ShareGPT 1000, overlap scheduling off: smollm2-135m"
+timeout 120 $py -m kvloom bench offline /tmp/models/smollm2-135m --dataset sharegpt --num-prompts $prompts \
+  --dtype bfloat16 --overlap-scheduling off --output-json "$out/offline_smollm2-135m_sync.json" \
+  > "$out/offline_smollm2-135m_sync.txt" 2>&1; echo "rc=$?" | tee -a "$out/log.txt"
 
 stage "serving, concurrency 64: smollm2-135m"
 $py -m kvloom serve /tmp/models/smollm2-135m --dtype bfloat16 --port 8123 > "$out/serve_log.txt" 2>&1 &

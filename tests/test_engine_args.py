@@ -18,6 +18,7 @@ from kvloom.config import (
     KV_ROLES,
     KV_TRANSPORTS,
     MATMULS,
+    OVERLAP_MODES,
     POLICY_NAMES,
     SCHEDULING_MODES,
     SUPPORTED_DTYPES,
@@ -44,6 +45,7 @@ NON_DEFAULTS = [
     (["--matmul", "onednn"], None, "matmul", "onednn"),
     (["--decoder-stack", "modules"], None, "decoder_stack", "modules"),
     (["--enforce-eager"], None, "enforce_eager", True),
+    (["--overlap-scheduling", "off"], None, "overlap_scheduling", "off"),
     (["--chat-template", "{{ messages[0]['content'] }}"], None, "chat_template",
      "{{ messages[0]['content'] }}"),
     (["--generation-config", "none"], None, "generation_config", "none"),
@@ -216,7 +218,7 @@ def test_trace_file_implies_trace(tmp_path) -> None:
 def test_choices_come_from_the_config_constants(capsys) -> None:
     choices = {action.dest: action.choices for action in _engine_actions() if action.choices}
     assert choices == {"dtype": list(SUPPORTED_DTYPES), "matmul": list(MATMULS),
-                       "decoder_stack": list(DECODER_STACKS),
+                       "decoder_stack": list(DECODER_STACKS), "overlap_scheduling": list(OVERLAP_MODES),
                        "scheduling": list(SCHEDULING_MODES), "policy": list(POLICY_NAMES),
                        "attention_backend": list(ATTENTION_BACKENDS),
                        "distributed_backend": list(DISTRIBUTED_BACKENDS), "role": list(KV_ROLES),
@@ -240,8 +242,10 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
     (["--policy", "bogus"], "argument --policy: invalid choice: 'bogus' (choose from 'fcfs', "
                             "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
-                                       "(choose from 'auto', 'cpu_paged', 'triton', 'torch_ref', 'mla_batched', "
-                                       "'mla_ref')"),
+                                       "(choose from 'auto', 'cpu_paged', 'triton', 'flashinfer', 'flash_attn', "
+                                       "'torch_ref', 'mla_batched', 'mla_ref')"),
+    (["--overlap-scheduling", "yes"], "argument --overlap-scheduling: invalid choice: 'yes' "
+                                      "(choose from 'auto', 'on', 'off')"),
     (["--scheduling", "batch"], "argument --scheduling: invalid choice: 'batch'"),
     (["--matmul", "blas"], "argument --matmul: invalid choice: 'blas'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),

@@ -9,8 +9,9 @@ Backends are chosen by name in ``attention/registry.py``.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -64,3 +65,11 @@ def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def import_library(package: str, install: str, backend: str) -> Any:
+    """The kernel library an optional backend wraps, or a ValueError saying how to get it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as error:
+        raise ValueError(f"attention_backend {backend!r} needs the {package} package ({install}): {error}") from None

@@ -20,7 +20,11 @@ BACKENDS: dict[str, str] = {
     "torch_ref": "kvloom.attention.torch_ref:TorchReferenceBackend",
     "cpu_paged": "kvloom.attention.cpu_paged:CPUPagedBackend",
     "triton": "kvloom.attention.triton_paged:TritonPagedBackend",
+    # Optional CUDA libraries, used when installed and named (never chosen by "auto").
+    "flashinfer": "kvloom.attention.flashinfer_paged:FlashInferBackend",
+    "flash_attn": "kvloom.attention.flash_attn_paged:FlashAttnBackend",
 }
+CUDA_ONLY = frozenset({"flashinfer", "flash_attn"})  # their kernels exist only for CUDA tensors
 # Latent attention (MLA models) is served by these alone; "auto" picks the first.
 MLA_BACKENDS: dict[str, str] = {
     "mla_batched": "kvloom.attention.mla_ref:MLABatchedBackend",
@@ -52,9 +56,13 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
     name = resolve_backend_name(name, device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS) + ['auto']}, got {name!r}")
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise ValueError(f"attention_backend {name!r} runs on CUDA only, not {device.type}; on {device.type} "
+                         f"use auto, cpu_paged or torch_ref")
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(num_heads, num_kv_heads, head_dim)
+    backend: AttentionBackend[Any] = cls(num_heads, num_kv_heads, head_dim)
+    return backend
 
 
 def backend_for(model: ModelConfig, name: str, device: torch.device) -> AttentionBackend[Any]:

@@ -49,7 +49,9 @@ def hf_model(tiny_llama):
 
 
 def test_auto_overlaps_on_cuda_only_and_on_is_refused_where_it_cannot_hold(tiny_llama) -> None:
-    assert not engine_for(tiny_llama, "auto").overlap  # the CPU is the device
+    # On the CPU the CPU is the device: nothing to overlap (device auto: CUDA if present).
+    assert engine_for(tiny_llama, "auto").overlap == torch.cuda.is_available()
+    assert not engine_for(tiny_llama, "auto", device="cpu").overlap
     assert engine_for(tiny_llama, "on").overlap
     with pytest.raises(ValueError, match="speculative decoding"):
         engine_for(tiny_llama, "on", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -205,3 +207,29 @@ def test_a_failing_output_fails_its_request_alone(tiny_llama, monkeypatch) -> No
     assert isinstance(finals["r2"].error, RequestError) and "UnicodeDecodeError" in finals["r2"].error.message
     assert {rid: o.outputs[0].token_ids for rid, o in finals.items() if rid != "r2"} == \
         {rid: tokens for rid, tokens in reference.items() if rid != "r2"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's queue exists on a GPU only")
+def test_cuda_launch_never_waits_for_the_device(tiny_llama, hf_model) -> None:
+    """torch's sync debug mode raises at any synchronisation (a blocking copy, .item(),
+    nonzero, a stream sync) inside every launch after the first (the first compiles the
+    kernels): the host never waits for the device between finishes."""
+    engine = engine_for(tiny_llama, "on", device="cuda")
+    launch, launches = engine.runner.launch, []
+
+    def strict(output):
+        launches.append(output.step)
+        if len(launches) > 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(output)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    engine.runner.launch = strict
+    requests = {rid: (prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                for rid, prompt in list(PROMPTS.items())[:4]}
+    outputs = token_ids(run(engine, requests, arrivals_every=1))
+    assert len(launches) > 8
+    for rid, (prompt, params) in requests.items():
+        assert outputs[rid] == hf_greedy_tokens(hf_model, prompt, params.max_tokens), rid

@@ -77,10 +77,10 @@ ENGINE_FAULT_SERVER = textwrap.dedent("""
     from kvloom.runner.model_runner import ModelRunner
     from kvloom.server.main import run_server
 
-    def broken_execute(self, output):
+    def broken_launch(self, output):
         raise RuntimeError("injected kernel fault")
 
-    ModelRunner.execute = broken_execute
+    ModelRunner.launch = broken_launch
     sys.exit(run_server(sys.argv[1], dict(dtype="float32", num_blocks=32), port=int(sys.argv[2]),
                         served_model_name="tiny-llama", log_level="warning"))
 """)
