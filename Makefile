@@ -38,6 +38,19 @@ $(TEST_STAMP): $(TORCH_PIN) pyproject.toml
 	$(PIP) install -q -c $(TORCH_PIN) -e '.[test,bench]'
 	touch $@
 
+# The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's Chromium
+# through Selenium: installed once where apt works as root (CI, these machines; about a
+# minute); elsewhere the test says plainly that the browser is missing.
+BROWSER_STAMP := $(VENV)/.installed-browser
+$(BROWSER_STAMP): $(VENV)/bin/python
+	@command -v chromedriver >/dev/null \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+	            || { apt-get update -q >/dev/null 2>&1 \
+	                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } \
+	  || echo "chromium/chromedriver could not be installed: the dashboard's browser test will say so"
+	touch $@
+
 install: $(SERVE_STAMP)
 
 bench: $(BENCH_STAMP)
@@ -48,7 +61,7 @@ model: $(SERVE_STAMP)
 serve: model
 	$(PY) -m kvloom serve
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q
 
 # Lint and the type checker (strict on engine/, cache/, runner/: [tool.mypy] in

@@ -28,3 +28,19 @@ def run_arrivals(engine: LLMEngine, arrivals: dict[int, list[Arrival]]) -> dict[
 
 def token_ids(finals: dict[str, RequestOutput]) -> dict[str, list[int]]:
     return {request_id: output.outputs[0].token_ids for request_id, output in finals.items()}
+
+
+def fail_output_of(engine: LLMEngine, monkeypatch, request_id: str, at_token: int) -> None:
+    """Make detokenizing ``request_id``'s ``at_token``-th token (1-based) raise, as a
+    broken byte sequence would: a failure that belongs to that request alone."""
+    add_token = engine.output_processor.add_token
+    calls = {request_id: 0}
+
+    def flaky(request, token_id):
+        if request.request_id == request_id:
+            calls[request_id] += 1
+            if calls[request_id] == at_token:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return add_token(request, token_id)
+
+    monkeypatch.setattr(engine.output_processor, "add_token", flaky)

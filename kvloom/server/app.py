@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvloom import __version__
+from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.errors import install_error_handlers
 from kvloom.server.generation import Serving, check_token_ids
@@ -47,6 +48,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             yield
         finally:
             await async_engine.shutdown()
+            for observer in async_engine.observers:  # after the engine thread: nothing observes any more
+                close = getattr(observer, "close", None)
+                if close is not None:
+                    close()
 
     app = FastAPI(title="kvloom", version=__version__, lifespan=lifespan)
     app.openapi = lambda: openapi_with_openai_errors(app)  # type: ignore[method-assign]
@@ -57,6 +62,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.async_engine = async_engine
     app.state.settings = settings
+    if settings.enable_dashboard:
+        dashboard.install(app, async_engine)
+    if settings.otlp_traces_endpoint is not None:
+        from kvloom.server.tracing import RequestTracer  # the OpenTelemetry SDK loads only when asked for
+        async_engine.observers.append(RequestTracer(settings.otlp_traces_endpoint))
 
     @app.get("/health")
     async def health() -> JSONResponse:

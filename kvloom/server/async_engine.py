@@ -26,9 +26,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
@@ -75,6 +75,15 @@ class _Stop:
     pass
 
 
+class StepObserver(Protocol):
+    """Sees the engine after each loop iteration, on the engine thread: the step's
+    outputs (empty when nothing ran), ``engine.stats()``, ``time.monotonic()``. It may
+    read the engine (its scheduler's trace, requests) but never change it, and must be
+    quick: it runs between two steps."""
+
+    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None: ...
+
+
 class AsyncEngine:
     """Runs an ``LLMEngine`` built by ``engine_factory`` on a dedicated thread.
 
@@ -84,10 +93,13 @@ class AsyncEngine:
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 1024,
                  metrics: EngineMetrics | None = None,
-                 stats_log_interval: float | None = None) -> None:
+                 stats_log_interval: float | None = None,
+                 observers: Sequence[StepObserver] = ()) -> None:
         """``stats_log_interval``: seconds between the stats lines logged while busy
-        (server/stats_log.py); None logs none."""
+        (server/stats_log.py); None logs none. ``observers`` see every loop iteration
+        on the engine thread (the dashboard's live stats, OpenTelemetry traces)."""
         self.max_waiting = max_waiting
+        self.observers = list(observers)
         self._stats_log = (StatsLogger(stats_log_interval, time.monotonic())
                            if stats_log_interval is not None else None)
         self.metrics = metrics if metrics is not None else EngineMetrics()
@@ -264,6 +276,16 @@ class AsyncEngine:
                 # Delivered after the state is published: a client that has seen a
                 # token also sees the admission counts of the step that produced it.
                 self._deliver_from_thread(outputs)
+            self._notify(engine, outputs or [], stats, now)
+
+    def _notify(self, engine: LLMEngine, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None:
+        """The observers' turn; one that fails is logged and dropped, never an engine fault."""
+        for observer in list(self.observers):
+            try:
+                observer.on_step(engine, outputs, stats, now)
+            except Exception:  # noqa: BLE001 - observing must not stop serving
+                logger.exception("step observer %s failed; it is removed", type(observer).__name__)
+                self.observers.remove(observer)
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
         commands = [self._commands.get()] if block else []

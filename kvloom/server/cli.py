@@ -40,6 +40,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--disable-log-stats", action="store_true",
                        help=f"no periodic stats line (throughput, running/waiting, KV usage, "
                             f"prefix-cache hits; every {STATS_LOG_INTERVAL:g} s while busy)")
+    group.add_argument("--disable-dashboard", action="store_true",
+                       help="do not serve the live dashboard at /dashboard (and its data at /dashboard/data, "
+                            "/dashboard/events); it follows the same API-key rule as /metrics")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send an OpenTelemetry span per request (queued, scheduled, first token, "
+                            "preemptions, finish; token counts) to this OTLP/HTTP traces URL, "
+                            "e.g. http://localhost:4318/v1/traces (default: no tracing)")
     tools = serve.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="with tool_choice \"auto\" (the default when a request has tools), parse "
@@ -70,6 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
                       log_stats=not args.disable_log_stats, log_level=args.log_level,
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                      enable_dashboard=not args.disable_dashboard,
+                      otlp_traces_endpoint=args.otlp_traces_endpoint,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               max_header_bytes=args.max_header_bytes,
                                               max_connections=args.max_connections))

@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.http_protocol import ConnectionLimits, signals_end_quietly, uvicorn_config
 from kvloom.server.settings import (
@@ -44,7 +45,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                served_model_name: str | None = None, model_aliases: Sequence[str] = (),
                log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
                limits: ConnectionLimits | None = None, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False) -> int:
+               enable_auto_tool_choice: bool = False, enable_dashboard: bool = True,
+               otlp_traces_endpoint: str | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
     supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
@@ -58,7 +60,10 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     settings = ServerSettings(served_model_name=served_model_name, model_aliases=tuple(model_aliases),
                               api_key=api_key, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-                              enable_auto_tool_choice=enable_auto_tool_choice)
+                              enable_auto_tool_choice=enable_auto_tool_choice,
+                              enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint)
+    if enable_dashboard:
+        config = dashboard.with_trace(config)  # its timeline reads the scheduler's trace
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting,
                                stats_log_interval=STATS_LOG_INTERVAL if log_stats else None)
     app = build_app(async_engine, settings)

@@ -15,19 +15,25 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvloom.server.errors import APIError
 
-# Liveness, version and metrics stay open so that probes and scrapers need no key.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
+# Liveness, version and metrics stay open so that probes and scrapers need no key; the
+# dashboard (a view of the same numbers) follows the rule of /metrics.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping", "/dashboard"})
+PUBLIC_PREFIXES = ("/dashboard/",)
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <api_key>`` on every path but ``PUBLIC_PATHS``."""
+    """Requires ``Authorization: Bearer <api_key>`` on every path but the public ones."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or is_public(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

@@ -25,6 +25,11 @@ class ServerSettings:
     # and whether tool_choice "auto" parses the output with it.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # The live dashboard at /dashboard (server/dashboard.py), on unless disabled.
+    enable_dashboard: bool = True
+    # OpenTelemetry: an OTLP/HTTP collector's traces URL (e.g. http://host:4318/v1/traces)
+    # that receives a span per request (server/tracing.py); None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         from kvloom.server.tool_parsers import get_tool_parser

@@ -5,7 +5,7 @@ of the same steps produces exactly the tokens it produces without the failure.""
 from __future__ import annotations
 
 import pytest
-from helpers_engine import run_arrivals
+from helpers_engine import fail_output_of, run_arrivals
 
 from kvloom import SamplingParams
 from kvloom.config import EngineConfig
@@ -36,17 +36,7 @@ def reference(tiny_llama) -> dict[str, list[int]]:
 
 def test_a_failing_output_step_fails_only_its_request(tiny_llama, reference, monkeypatch) -> None:
     engine = engine_for(tiny_llama)
-    add_token = engine.output_processor.add_token
-    calls = {"r2": 0}
-
-    def flaky(request, token_id):
-        if request.request_id == "r2":
-            calls["r2"] += 1
-            if calls["r2"] == 4:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return add_token(request, token_id)
-
-    monkeypatch.setattr(engine.output_processor, "add_token", flaky)
+    fail_output_of(engine, monkeypatch, "r2", at_token=4)
     finals = run(engine, {rid: (prompt, PARAMS) for rid, prompt in PROMPTS.items()})
     failed = finals["r2"]
     assert failed.outputs[0].finish_reason == "error"

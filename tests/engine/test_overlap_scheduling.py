@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers_engine import run_arrivals, token_ids
+from helpers_engine import fail_output_of, run_arrivals, token_ids
 from helpers_models import hf_greedy_tokens
 
 from kvloom import SamplingParams
@@ -191,17 +191,7 @@ def test_a_failing_output_fails_its_request_alone(tiny_llama, monkeypatch) -> No
     requests = {rid: (prompt, params) for rid, prompt in list(PROMPTS.items())[:5]}
     reference = token_ids(run(engine_for(tiny_llama, "off"), requests))
     engine = engine_for(tiny_llama, "on")
-    add_token = engine.output_processor.add_token
-    calls = {"r2": 0}
-
-    def flaky(request, token_id):
-        if request.request_id == "r2":
-            calls["r2"] += 1
-            if calls["r2"] == 4:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return add_token(request, token_id)
-
-    monkeypatch.setattr(engine.output_processor, "add_token", flaky)
+    fail_output_of(engine, monkeypatch, "r2", at_token=4)
     finals = run(engine, requests)
     assert finals["r2"].outputs[0].finish_reason == "error"
     assert isinstance(finals["r2"].error, RequestError) and "UnicodeDecodeError" in finals["r2"].error.message
