@@ -18,7 +18,13 @@ from kvloom.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Request phases that span many steps (decode, inference): a CPU decode of a few hundred
+# ms a token reaches minutes for a long output, past the 80 s of the step-scale list.
+_REQUEST_LATENCY_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 320.0, 640.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Prompt and output lengths per request: 1-2-5 steps (as vLLM's build_1_2_5_buckets) up
+# to 100k tokens, past any context length kvloom serves today.
+_LENGTH_BUCKETS = tuple(float(m * 10 ** e) for e in range(5) for m in (1, 2, 5)) + (100_000.0,)
 
 
 class EngineMetrics:
@@ -51,6 +57,22 @@ class EngineMetrics:
             "kvloom:inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e_request_latency = latency("kvloom:e2e_request_latency_seconds", "Arrival to finish.")
         self.request_queue_time = latency("kvloom:request_queue_time_seconds", "Arrival to first scheduled.")
+        # Per request the engine finishes (stop, length, error; a client's abort has no
+        # output), as vLLM's. The first token splits first-scheduled-to-finish into
+        # prefill and decode: prefill + decode == inference <= e2e for every request.
+        request_latency = functools.partial(Histogram, buckets=_REQUEST_LATENCY_BUCKETS, registry=self.registry)
+        self.request_prefill_time = latency(
+            "kvloom:request_prefill_time_seconds",
+            "First scheduled to first generated token (waits after a preemption included).")
+        self.request_decode_time = request_latency(
+            "kvloom:request_decode_time_seconds", "First generated token to finish.")
+        self.request_inference_time = request_latency(
+            "kvloom:request_inference_time_seconds", "First scheduled to finish.")
+        lengths = functools.partial(Histogram, buckets=_LENGTH_BUCKETS, registry=self.registry)
+        self.request_prompt_tokens = lengths(
+            "kvloom:request_prompt_tokens", "Prompt tokens of each finished request.")
+        self.request_generation_tokens = lengths(
+            "kvloom:request_generation_tokens", "Tokens generated for each finished request.")
         self.iteration_tokens = Histogram(
             "kvloom:iteration_tokens_total", "Tokens processed per engine step (prefill + decode).",
             buckets=_TOKEN_BUCKETS, registry=self.registry)
@@ -93,11 +115,16 @@ class EngineMetrics:
         self.state_slots_usage = gauge(
             "kvloom:state_slots_usage_perc",
             "State-space models: share of the state slots held by running requests (1 = all).")
+        self.num_cached_blocks = gauge(
+            "kvloom:num_cached_blocks", "KV blocks the prefix cache indexes, held by requests or idle.")
+        self.num_evicted_blocks = counter(
+            "kvloom:num_evicted_blocks", "Idle prefix-cache blocks evicted to make room for new KV.")
         self.num_cached_states = gauge(
             "kvloom:num_cached_states",
             "State-space models: state checkpoints the prefix cache holds (a hit needs one).")
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
+        self._num_evicted_seen = 0
         self._spec_seen = (0, 0, 0)
         self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
         # request id -> monotonic time of its previous token; engine thread only.
@@ -132,6 +159,10 @@ class EngineMetrics:
         if stats.num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = stats.num_preemptions
+        self.num_cached_blocks.set(stats.num_cached_blocks)
+        if stats.num_evicted_blocks > self._num_evicted_seen:
+            self.num_evicted_blocks.inc(stats.num_evicted_blocks - self._num_evicted_seen)
+            self._num_evicted_seen = stats.num_evicted_blocks
         spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
         if spec != self._spec_seen:
             _advance((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
@@ -173,11 +204,20 @@ class EngineMetrics:
 
     def _on_finished(self, output: RequestOutput) -> None:
         self._last_token_time.pop(output.request_id, None)
-        reason = output.outputs[0].finish_reason or "unknown"
-        self.request_success.labels(reason).inc()
+        completion = output.outputs[0]
+        self.request_success.labels(completion.finish_reason or "unknown").inc()
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(len(completion.token_ids))
         timeline = output.metrics
-        if timeline is not None and timeline.e2e_latency is not None:
-            self.e2e_request_latency.observe(timeline.e2e_latency)
+        if timeline is None or timeline.finished_time is None:
+            return
+        self.e2e_request_latency.observe(timeline.finished_time - timeline.arrival_time)
+        scheduled, first_token = timeline.first_scheduled_time, timeline.first_token_time
+        if scheduled is not None:  # else it failed before it was ever scheduled
+            self.request_inference_time.observe(timeline.finished_time - scheduled)
+            if first_token is not None:  # else it failed during its prefill
+                self.request_prefill_time.observe(first_token - scheduled)
+                self.request_decode_time.observe(timeline.finished_time - first_token)
 
     # ---- event loop ------------------------------------------------------------------
     def render(self) -> bytes:
