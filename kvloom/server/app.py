@@ -66,7 +66,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         dashboard.install(app, async_engine)
     if settings.otlp_traces_endpoint is not None:
         from kvloom.server.tracing import RequestTracer  # the OpenTelemetry SDK loads only when asked for
-        async_engine.observers.append(RequestTracer(settings.otlp_traces_endpoint))
+        tracer = RequestTracer(settings.otlp_traces_endpoint, model_name=settings.served_model_name)
+        async_engine.observers.append(tracer)
 
     @app.get("/health")
     async def health() -> JSONResponse:
