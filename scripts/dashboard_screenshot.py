@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
+import sys
 import time
 
 from selenium import webdriver
@@ -29,6 +31,9 @@ def main() -> None:
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                      f"--window-size={args.size}"):
         options.add_argument(argument)
+    # A kill (SIGTERM) must close the browser too, or Chromium lives on, orphaned, still
+    # drawing the page (and taking CPU from whatever runs next).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "chromedriver"), options=options)
     try:
         driver.get(args.url)

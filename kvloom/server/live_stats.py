@@ -6,7 +6,8 @@ Two kinds of data, both bounded:
 
 - **Samples**, one per ``SAMPLE_SECONDS`` of engine time: throughput over the interval
   (prompt and output tokens per second, from the engine's cumulative counts), running
-  and waiting requests, preemptions in the interval, KV blocks in use and cached, the
+  and waiting requests, preemptions in the interval, KV blocks held by requests and
+  cached but idle (reclaimable), the
   prefix-cache hit rate over the interval, and TTFT / ITL percentiles over the last
   ``LATENCY_WINDOW_SECONDS`` (at most the last ``LATENCY_VALUES`` values each, so a
   percentile costs a sort of a few thousand floats every sample, never of a whole
@@ -206,13 +207,15 @@ class LiveStats:
         horizon = now - LATENCY_WINDOW_SECONDS
         ttfts = [value for at, value in self._ttfts if at >= horizon]
         itls = [value for at, value in self._itls if at >= horizon]
+        held = round(stats.kv_usage * stats.num_blocks)
         self.version += 1
         self.samples.append({
             "t": now + self._epoch_offset, "v": self.version,
             "prompt_tps": prompt / elapsed, "output_tps": output / elapsed,
             "running": stats.num_running, "waiting": stats.num_waiting, "preempted": preempted,
             "preemptions_total": stats.num_preemptions,
-            "kv_used": stats.num_blocks - stats.num_free_blocks, "kv_cached": stats.num_cached_blocks,
+            # Held by requests, and cached but idle (reclaimable): together the pool's used blocks.
+            "kv_used": held, "kv_cached": stats.num_blocks - stats.num_free_blocks - held,
             "hit_rate": hits / queried if queried else None,
             "ttft": percentiles(ttfts), "itl": percentiles(itls),
         })

@@ -6,15 +6,21 @@
 #   browser: headless Chromium on /dashboard (the page itself, drawing; on these 2 cores
 #            its rendering competes with the engine for the CPU),
 #   off:     --disable-dashboard (no live stats and no scheduler trace at all),
-# in the order given by $ORDER, twice. Results: docs/results/issue24/<mode>_<pass>.json.
+#   trace:   --disable-dashboard with the 256-step scheduler trace the dashboard keeps,
+# in the order given by $ORDER, for each pass in $PASSES (default two). Results:
+# docs/results/issue24/<mode>_<pass>.json.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 py=.venv/bin/python
 out=docs/results/issue24
 port=8124
-for pass in 1 2; do
+for pass in ${PASSES:-1 2}; do
   for mode in ${ORDER:-none sse browser off}; do
-    flags=$([ "$mode" = off ] && echo --disable-dashboard || true)
+    case $mode in
+      off) flags=--disable-dashboard ;;
+      trace) flags="--disable-dashboard --trace --trace-capacity 256" ;;  # the dashboard's trace alone
+      *) flags="" ;;
+    esac
     $py -m kvloom serve --port $port $flags > /tmp/dash_serve.log 2>&1 &
     server=$!
     $py - <<PY

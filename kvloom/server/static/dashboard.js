@@ -7,9 +7,10 @@
 const SAMPLES_KEPT = 1200;   // ten minutes at the server's 0.5 s samples
 const TIMELINE_STEPS = 120;  // columns: the last steps any row touched
 const TIMELINE_ROWS = 40;    // the most recent requests
+const TIMELINE_PERIOD_MS = 500;  // the timeline redraws at most twice a second
 
 const state = { version: 0, model: "", numBlocks: 0, samples: [], rows: new Map(), updates: 0,
-                preemptions: 0, selected: null };  // preemptions: the engine's, since it started
+                preemptions: 0, selected: null, drawnTimeline: 0 };  // preemptions: the engine's, since it started
 window.kvloom = { state };
 
 const $ = (id) => document.getElementById(id);
@@ -30,7 +31,8 @@ const charts = {
   throughput: chart("chart-throughput", "Throughput (tokens/s)", [["output", "#22c55e"], ["prompt", "#3b82f6"]]),
   requests: chart("chart-requests", "Requests", [["running", "#22c55e"], ["waiting", "#f59e0b"],
                                                  ["preempted (per sample)", "#ef4444"]]),
-  kv: chart("chart-kv", "KV blocks", [["in use", "#8b5cf6"], ["cached (idle)", "#06b6d4"], ["pool", "#999"]]),
+  kv: chart("chart-kv", "KV blocks", [["held by requests", "#8b5cf6"], ["cached, idle", "#06b6d4"],
+                                      ["pool", "#999"]]),
   hits: chart("chart-hits", "Prefix-cache hit rate", [["hit rate", "#0ea5e9"]], { range: [0, 1] }),
   ttft: chart("chart-ttft", "TTFT (s), last 5 min", [["p50", "#22c55e"], ["p90", "#f59e0b"], ["p99", "#ef4444"]]),
   itl: chart("chart-itl", "ITL (s), last 5 min", [["p50", "#22c55e"], ["p90", "#f59e0b"], ["p99", "#ef4444"]]),
@@ -73,11 +75,14 @@ function describe(segment) {
 }
 
 function drawTimeline() {
-  const rows = [...state.rows.values()].filter((row) => row.segments.length);
+  const lastOf = (row) => row.segments[row.segments.length - 1][1];
+  const active = [...state.rows.values()].filter((row) => row.segments.length);
+  const lastStep = Math.max(0, ...active.map(lastOf));
+  const firstStep = Math.max(1, lastStep - TIMELINE_STEPS + 1);
+  // The requests the window's steps touched, oldest first, the newest TIMELINE_ROWS.
+  const rows = active.filter((row) => lastOf(row) >= firstStep);
   rows.sort((a, b) => a.segments[0][0] - b.segments[0][0] || a.id.localeCompare(b.id));
   const shown = rows.slice(-TIMELINE_ROWS);
-  const lastStep = Math.max(0, ...shown.map((row) => row.segments[row.segments.length - 1][1]));
-  const firstStep = Math.max(1, lastStep - TIMELINE_STEPS + 1);
   const width = lastStep - firstStep + 1;
   const html = shown.map((row) => {
     const segments = row.segments.filter((s) => s[1] >= firstStep).map((s) => {
@@ -138,9 +143,18 @@ function merge(snapshot) {
   for (const row of snapshot.rows) state.rows.set(row.id, row);
   for (const id of [...state.rows.keys()]) if (!kept.has(id)) state.rows.delete(id);
   state.updates += 1;
+  // Draw only what changed, the timeline at most every TIMELINE_PERIOD_MS: the page's
+  // rendering is CPU time taken from the engine when both share a machine.
   drawSummary();
-  drawCharts();
-  drawTimeline();
+  if (snapshot.samples.length) drawCharts();
+  if (snapshot.rows.length || !state.drawnTimeline) scheduleTimeline();
+}
+
+let timelineTimer = null;
+function scheduleTimeline() {
+  if (timelineTimer !== null) return;
+  const wait = Math.max(0, (state.drawnTimeline || 0) + TIMELINE_PERIOD_MS - Date.now());
+  timelineTimer = setTimeout(() => { timelineTimer = null; state.drawnTimeline = Date.now(); drawTimeline(); }, wait);
 }
 
 function listen() {
