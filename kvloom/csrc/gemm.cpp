@@ -321,35 +321,46 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
   if (ROW_TILES > 1 && COL_TILES > 1) { _tile_stored(3, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, j0 + 1); }
 }
 
+// Like run_vector: each thread owns a contiguous range of column blocks, and rows go in
+// passes of X_BYTES_PER_PASS, so that within a pass every weight panel is read once
+// (from memory, for a large weight such as the output head) and the pass's inputs stay
+// in L2 for all of them. Rows are padded (to K_ALIGN, and to whole 32-row steps) in a
+// per-thread copy only where x cannot be read as it is.
 KVLOOM_TARGET_AMX void run_amx(const Problem& p, int num_threads) {
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t k_pad = round_up(p.k, K_ALIGN);
   const bool direct = p.k == k_pad;  // x's rows can be tile rows as they are
+  const int64_t step_rows = 2 * AMX_ROWS;
+  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * k_pad) / step_rows) * step_rows;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #pragma omp parallel num_threads(threads)
   {
     amx_configure();
     alignas(64) float scratch[AMX_ROWS * COLS];
-    std::vector<uint16_t> padded;  // 32 zero-padded input rows, when x cannot be read directly
+    std::vector<uint16_t> padded;  // the pass's rows (or its last partial step) zero-padded
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
-    for (int64_t m0 = 0; m0 < p.m; m0 += 2 * AMX_ROWS) {
-      const int64_t rows = std::min<int64_t>(2 * AMX_ROWS, p.m - m0);
-      const uint16_t* x = p.x + m0 * p.k;
-      int64_t stride = p.k;
-      if (!direct || rows < 2 * AMX_ROWS) {
-        padded.assign(2 * AMX_ROWS * k_pad, 0);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * k_pad], x + r * p.k, p.k * sizeof(uint16_t));
-        x = padded.data();
-        stride = k_pad;
+    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
+      const int64_t pass_end = std::min(p.m, pass + pass_rows);
+      // Rows [pad_from, pass_end) are read from `padded`, the rest straight from x.
+      const int64_t pad_from = direct ? pass + (pass_end - pass) / step_rows * step_rows : pass;
+      if (pad_from < pass_end) {
+        padded.assign(round_up(pass_end - pad_from, step_rows) * k_pad, 0);
+        for (int64_t r = pad_from; r < pass_end; ++r)
+          std::memcpy(&padded[(r - pad_from) * k_pad], p.x + r * p.k, p.k * sizeof(uint16_t));
       }
-      const bool two_rows = rows > AMX_ROWS;
       for (int64_t j = first; j < last; j += 2) {
         const bool two_cols = j + 1 < last;
-        if (two_rows && two_cols) amx_step<2, 2>(p, x, stride, m0, j, scratch);
-        else if (two_rows) amx_step<2, 1>(p, x, stride, m0, j, scratch);
-        else if (two_cols) amx_step<1, 2>(p, x, stride, m0, j, scratch);
-        else amx_step<1, 1>(p, x, stride, m0, j, scratch);
+        for (int64_t m0 = pass; m0 < pass_end; m0 += step_rows) {
+          const bool from_copy = m0 >= pad_from;
+          const uint16_t* x = from_copy ? padded.data() + (m0 - pad_from) * k_pad : p.x + m0 * p.k;
+          const int64_t stride = from_copy ? k_pad : p.k;
+          const bool two_rows = pass_end - m0 > AMX_ROWS;
+          if (two_rows && two_cols) amx_step<2, 2>(p, x, stride, m0, j, scratch);
+          else if (two_rows) amx_step<2, 1>(p, x, stride, m0, j, scratch);
+          else if (two_cols) amx_step<1, 2>(p, x, stride, m0, j, scratch);
+          else amx_step<1, 1>(p, x, stride, m0, j, scratch);
+        }
       }
     }
     _tile_release();

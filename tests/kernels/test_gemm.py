@@ -51,6 +51,8 @@ def test_dispatch_matches_the_cpu_flags() -> None:
 @pytest.mark.parametrize(("m", "n", "k", "bias"), [
     (1, 1, 1, False), (3, 17, 33, True), (50, 100, 63, False), (7, 37, 5, True),
     (40, 960, 576, False), (19, 576, 1536, False), (33, 130, 64, True), (6, 64, 2, False),
+    # More rows than one pass over the weight keeps in L2 (64 at k=1536, 128 at k=1000):
+    (150, 70, 1536, True), (300, 40, 1000, False),
 ])
 def test_equals_the_float32_reference(isa: str, m: int, n: int, k: int, bias: bool) -> None:
     x, weight, b = random_problem(m, n, k, bias, seed=m * 7 + n)
@@ -61,7 +63,7 @@ def test_equals_the_float32_reference(isa: str, m: int, n: int, k: int, bias: bo
 
 
 @pytest.mark.parametrize("isa", ISAS_HERE)
-@pytest.mark.parametrize(("n", "k"), [(100, 96), (50, 37)])
+@pytest.mark.parametrize(("n", "k"), [(100, 96), (50, 37), (40, 1536)])  # the last: 5 passes of rows
 def test_rows_are_bit_identical_alone_and_in_any_batch(isa: str, n: int, k: int) -> None:
     x, weight, b = random_problem(300, n, k, bias=True, seed=n + k)
     packed = gemm.pack_weight(weight)
