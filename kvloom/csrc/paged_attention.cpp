@@ -17,7 +17,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <type_traits>
+#include <atomic>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -377,13 +380,33 @@ struct KeySource {
   float scale;           // softmax scale, applied to the scores
 };
 
-// G query vectors (same sequence and kv head, possibly different rows) against the
-// sequence's keys, flash-attention style with the whole state in registers: per 16
-// keys, scores -> running max -> rescale -> exp -> weighted V. limit[g] is the number
-// of keys vector g sees (a prefix of the sequence: causal within the query tile).
+// The flash-attention state of one query vector, stored between two block ranges of
+// its keys (see Cascade): exactly what attend_group_paired keeps in registers.
+struct alignas(64) PairedState {
+  float acc[128];  // head_dim floats used
+  float sum[16];   // per-lane partial sums
+  float row_max;
+};
+
+// Where a group's walk over the blocks starts and ends. A split walk (blocks [0, b)
+// with `suspend`, then [b, end) with `resume` from the stored states) does the same
+// arithmetic in the same order as one walk, so its results are bit-identical.
+struct BlockRange {
+  int64_t begin = 0;
+  int64_t end = -1;                      // -1: up to the keys the vectors see
+  PairedState* const* resume = nullptr;  // start from these states instead of zero
+  PairedState* const* suspend = nullptr; // store the states here instead of the outputs
+};
+
+// G query vectors (same kv head; the same sequence, or sequences whose block tables
+// agree over the range) against the keys, flash-attention style with the whole state
+// in registers: per 16 keys, scores -> running max -> rescale -> exp -> weighted V.
+// limit[g] is the number of keys vector g sees (a prefix of the sequence: causal
+// within the query tile). A vector's arithmetic does not depend on the others in its
+// group, nor on G.
 template <int D, int G>
 void attend_group_paired(const KeySource& src, const uint16_t* const* q, const int64_t* limit,
-                         uint16_t* const* out) {
+                         uint16_t* const* out, const BlockRange& range) {
   const int32_t* table = src.table;
   const uint16_t *k_cache = src.k_cache, *v_cache = src.v_cache;
   const int64_t block_stride = src.block_stride, head_offset = src.head_offset, block_size = src.block_size;
@@ -393,16 +416,23 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   float row_max[G];
   int64_t max_limit = 0;
   for (int g = 0; g < G; ++g) {
-    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
-    sum[g] = _mm512_setzero_ps();  // per-lane partial sums; reduced once at the end
-    row_max[g] = -INFINITY;
+    if (range.resume) {
+      const PairedState& st = *range.resume[g];
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_load_ps(st.acc + 16 * r);
+      sum[g] = _mm512_load_ps(st.sum);
+      row_max[g] = st.row_max;
+    } else {
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+      sum[g] = _mm512_setzero_ps();  // per-lane partial sums; reduced once at the end
+      row_max[g] = -INFINITY;
+    }
     max_limit = std::max(max_limit, limit[g]);
   }
   const __m512 scale_v = _mm512_set1_ps(src.scale);
   const uint32_t* qw[G];
   for (int g = 0; g < G; ++g) qw[g] = reinterpret_cast<const uint32_t*>(q[g]);
-  const int64_t num_blocks = (max_limit + block_size - 1) / block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
+  for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + table[b] * block_stride + head_offset);
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + table[b] * block_stride + head_offset);
     if (b + PREFETCH_BLOCKS < num_blocks) {  // blocks are scattered: fetch ahead
@@ -454,6 +484,13 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
     }
   }
   for (int g = 0; g < G; ++g) {
+    if (range.suspend) {
+      PairedState& st = *range.suspend[g];
+      for (int r = 0; r < R; ++r) _mm512_store_ps(st.acc + 16 * r, acc[g][r]);
+      _mm512_store_ps(st.sum, sum[g]);
+      st.row_max = row_max[g];
+      continue;
+    }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[g]));
     for (int r = 0; r < R; ++r) kvloom_simd::store16(out[g] + 16 * r, _mm512_mul_ps(acc[g][r], inv), 16);
   }
@@ -461,17 +498,258 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
 
 template <int D>
 void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* const* q, const int64_t* limit,
-                           uint16_t* const* out) {
+                           uint16_t* const* out, const BlockRange& range) {
   switch (count) {
-    case 1: return attend_group_paired<D, 1>(src, q, limit, out);
-    case 2: return attend_group_paired<D, 2>(src, q, limit, out);
-    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(src, q, limit, out);
+    case 1: return attend_group_paired<D, 1>(src, q, limit, out, range);
+    case 2: return attend_group_paired<D, 2>(src, q, limit, out, range);
+    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(src, q, limit, out, range);
       break;
-    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(src, q, limit, out);
+    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(src, q, limit, out, range);
       break;
     default: break;
   }
   std::abort();  // callers never pass more than max_group(D)
+}
+
+
+// ---- AMX: up to 16 query vectors against the keys, the dot products as tiles ------
+// Where the CPU has AMX (and Linux grants its state), every paired-layout call takes
+// this path instead of the vector one, so that a query's result never depends on
+// which path served it (AMX's tdpbf16ps rounds its pair products differently from
+// vdpbf16ps: the two agree to rounding, not bit for bit). Per 16 keys: S = Q K^T as
+// one tile product per 32 dims (the K block's rows are a B tile as they lie), the
+// softmax of the vector path on S's rows, then acc += P V as one tile product per 16
+// dims (the V block's token-pair rows are a B tile). Rows are independent in every
+// tile operation, so a vector's result does not depend on the others in its group.
+// Tiles: 0 S (16 x 16 float), 1 an accumulator slice (16 x 16 float), 2 queries
+// (16 x 32 bf16), 3 keys (16 dim pairs x 16 keys), 4 probabilities (16 x 8 key
+// pairs), 5 values (8 key pairs x 16 dims).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVLOOM_PAIRED_AMX 1
+
+constexpr int AMX_VECTORS = 16;
+
+bool amx_granted() {  // Linux hands out AMX tile state only on request (once per process)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {  // per thread, before its first tile instruction of a call
+  TileConfig config;
+  const int rows[6] = {16, 16, 16, 16, 16, 8}, colsb[6] = {64, 64, 64, 64, 32, 64};
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
+    config.colsb[t] = static_cast<uint16_t>(colsb[t]);
+  }
+  _tile_loadconfig(&config);
+}
+
+template <int D>
+void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const* q, const int64_t* limit,
+                      uint16_t* const* out, const BlockRange& range) {
+  constexpr int R = D / 16;  // accumulator slices
+  constexpr int C = D / 32;  // query tiles
+  const int64_t block_stride = src.block_stride, head_offset = src.head_offset, block_size = src.block_size;
+  alignas(64) uint16_t queries[AMX_VECTORS * D] = {};  // rows past count stay zero
+  alignas(64) float acc[AMX_VECTORS * D] = {};
+  alignas(64) float sums[AMX_VECTORS * 16];
+  alignas(64) float scores[AMX_VECTORS * 16];
+  alignas(64) uint16_t probs[AMX_VECTORS * 16] = {};
+  float row_max[AMX_VECTORS];
+  int64_t max_limit = 0;
+  for (int64_t g = 0; g < count; ++g) {
+    std::memcpy(queries + g * D, q[g], D * sizeof(uint16_t));
+    if (range.resume) {
+      const PairedState& st = *range.resume[g];
+      std::memcpy(acc + g * D, st.acc, D * sizeof(float));
+      std::memcpy(sums + g * 16, st.sum, sizeof(st.sum));
+      row_max[g] = st.row_max;
+    } else {
+      std::memset(sums + g * 16, 0, 16 * sizeof(float));
+      row_max[g] = -INFINITY;
+    }
+    max_limit = std::max(max_limit, limit[g]);
+  }
+  const __m512 scale_v = _mm512_set1_ps(src.scale);
+  const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
+  for (int64_t b = range.begin; b < num_blocks; ++b) {
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.table[b] * block_stride + head_offset);
+    const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.table[b] * block_stride + head_offset);
+    if (b + PREFETCH_BLOCKS < num_blocks) {
+      const int64_t ahead = src.table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
+      const char* next_k = reinterpret_cast<const char*>(src.k_cache + ahead);
+      const char* next_v = reinterpret_cast<const char*>(src.v_cache + ahead);
+      for (int64_t off = 0; off < block_size * D * 2; off += 64) {
+        __builtin_prefetch(next_k + off);
+        __builtin_prefetch(next_v + off);
+      }
+    }
+    for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
+      const int64_t base = b * block_size + t0;
+      if (base >= max_limit) break;
+      _tile_zero(0);
+      for (int c = 0; c < C; ++c) {
+        _tile_loadd(2, queries + 32 * c, D * 2);
+        _tile_loadd(3, kb + 16 * c * block_size + t0, block_size * 4);
+        _tile_dpbf16ps(0, 2, 3);
+      }
+      _tile_stored(0, scores, 64);
+      for (int64_t g = 0; g < count; ++g) {
+        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+        __m512 e = _mm512_setzero_ps();
+        if (live) {
+          const __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v);
+          const float new_max = std::max(row_max[g], _mm512_mask_reduce_max_ps(live, s));
+          __m512 sum = _mm512_load_ps(sums + 16 * g);
+          if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
+            const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
+            for (int r = 0; r < R; ++r)
+              _mm512_store_ps(acc + g * D + 16 * r, _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * r), correction));
+            sum = _mm512_mul_ps(sum, correction);
+            row_max[g] = new_max;
+          }
+          e = _mm512_maskz_mov_ps(live, kvloom_simd::exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+          _mm512_store_ps(sums + 16 * g, _mm512_add_ps(sum, e));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(probs + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      _tile_loadd(4, probs, 32);
+      const uint32_t* pairs = vb + (t0 / 2) * D;
+      for (int r = 0; r < R; ++r) {
+        _tile_loadd(1, acc + 16 * r, D * 4);
+        _tile_loadd(5, pairs + 16 * r, D * 4);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_stored(1, acc + 16 * r, D * 4);
+      }
+    }
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    if (range.suspend) {
+      PairedState& st = *range.suspend[g];
+      std::memcpy(st.acc, acc + g * D, D * sizeof(float));
+      std::memcpy(st.sum, sums + g * 16, sizeof(st.sum));
+      st.row_max = row_max[g];
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums + 16 * g)));
+    for (int r = 0; r < R; ++r)
+      kvloom_simd::store16(out[g] + 16 * r, _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * r), inv), 16);
+  }
+}
+#endif
+
+// Which path paired-layout calls take: AMX where it was asked for and granted.
+std::atomic<bool> use_amx{false};
+constexpr int MAX_WIDTH = 16;  // the widest group of any path
+
+// The widest group a path takes: 16 tile rows, or what the vector registers hold.
+int group_width(int64_t head_dim, bool amx) {
+#ifdef KVLOOM_PAIRED_AMX
+  if (amx) return AMX_VECTORS;
+#endif
+  (void)amx;
+  return max_group(static_cast<int>(head_dim));
+}
+
+void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const uint16_t* const* q,
+                  const int64_t* limit, uint16_t* const* out, const BlockRange& range, bool amx) {
+#ifdef KVLOOM_PAIRED_AMX
+  if (amx) {
+    switch (head_dim) {
+      case 64: return attend_group_amx<64>(src, count, q, limit, out, range);
+      case 128: return attend_group_amx<128>(src, count, q, limit, out, range);
+      case 32: return attend_group_amx<32>(src, count, q, limit, out, range);
+      default: std::abort();
+    }
+  }
+#endif
+  (void)amx;
+  switch (head_dim) {
+    case 64: return attend_group_dispatch<64>(src, count, q, limit, out, range);
+    case 128: return attend_group_dispatch<128>(src, count, q, limit, out, range);
+    case 32: return attend_group_dispatch<32>(src, count, q, limit, out, range);
+    default: std::abort();  // paired_supported was checked
+  }
+}
+
+// Shared prefixes in a batch (the radix cache hands many sequences the same leading
+// blocks): decoding sequences whose block tables start with the same blocks form a
+// group, and the group's query vectors walk those shared blocks together, a block's
+// K/V loaded once for all of them (from memory once a step, instead of once per
+// sequence), each vector's state then suspended; every sequence resumes from its
+// states over its own blocks. A vector's arithmetic is the same as walking alone (the
+// same blocks in the same order, the same per-vector operations), so grouping changes
+// no bit of any result: tests/attention/test_cpu_paged.py holds the two to equality.
+struct Cascade {
+  std::vector<int64_t> shared;       // per sequence: its group's shared blocks (0: none)
+  std::vector<int64_t> first_state;  // per sequence: index of its first query vector's state
+  std::vector<int64_t> members;      // sequences, group after group
+  std::vector<int64_t> group_begin;  // groups' offsets in members (one past the last too)
+  std::vector<int64_t> group_shared; // per group: blocks shared (fully seen by every vector)
+  int64_t num_states = 0;
+};
+
+constexpr int64_t CASCADE_MIN_BLOCKS = 4;  // shorter shared runs are not worth a suspend
+
+Cascade plan_cascade(const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                     const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t block_size) {
+  Cascade plan;
+  plan.shared.assign(num_seqs, 0);
+  plan.first_state.assign(num_seqs, 0);
+  plan.group_begin.push_back(0);
+  // Decodes (and other steps of one query tile): the blocks their first row sees whole.
+  std::vector<int64_t> seen(num_seqs, 0), order;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (query_lens[s] < 1 || query_lens[s] > TILE) continue;
+    seen[s] = std::min<int64_t>(max_blocks, (seq_lens[s] - query_lens[s] + 1) / block_size);
+    if (seen[s] >= CASCADE_MIN_BLOCKS) order.push_back(s);
+  }
+  if (order.size() < 2) return plan;
+  // Sorted by their tables (as far as each sees whole blocks), sequences that share
+  // leading blocks are neighbours; a group is a run of neighbours that share at least
+  // CASCADE_MIN_BLOCKS, and shares the least of its neighbours' common prefixes.
+  const auto table = [&](int64_t s) { return block_tables + s * max_blocks; };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(table(a), table(a) + seen[a], table(b), table(b) + seen[b]);
+  });
+  const auto common = [&](int64_t a, int64_t b) {
+    const int64_t most = std::min(seen[a], seen[b]);
+    int64_t n = 0;
+    while (n < most && table(a)[n] == table(b)[n]) ++n;
+    return n;
+  };
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    int64_t shared = seen[order[i]];
+    while (j < order.size()) {
+      const int64_t next = common(order[j - 1], order[j]);
+      if (next < CASCADE_MIN_BLOCKS) break;
+      shared = std::min(shared, next);
+      ++j;
+    }
+    if (j - i >= 2) {
+      for (size_t m = i; m < j; ++m) {
+        const int64_t s = order[m];
+        plan.shared[s] = shared;
+        plan.first_state[s] = plan.num_states;
+        plan.num_states += query_lens[s] * num_heads;
+        plan.members.push_back(s);
+      }
+      plan.group_begin.push_back(static_cast<int64_t>(plan.members.size()));
+      plan.group_shared.push_back(shared);
+    }
+    i = j;
+  }
+  return plan;
 }
 
 void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -482,39 +760,97 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
-  const int max_rows = max_group(static_cast<int>(head_dim));
+  const bool amx = use_amx.load(std::memory_order_relaxed);
+  const int max_rows = group_width(head_dim, amx);
   const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t item = 0; item < work.size(); ++item) {
-    const int64_t s = work.items[3 * item], r0 = work.items[3 * item + 1], kv0 = work.items[3 * item + 2];
-    const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r0);
-    // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
-    const int64_t first_pos = seq_lens[s] - query_lens[s] + r0;
-    const int32_t* table = block_tables + s * max_blocks;
-    for (int64_t kh = kv0; kh < kv0 + work.heads_per_item; ++kh) {
-      // The kv head's query vectors, row-major then head: a row's heads share a limit.
-      const int64_t vecs = rows * group;
-      for (int64_t m0 = 0; m0 < vecs; m0 += max_rows) {
-        const int64_t count = std::min<int64_t>(max_rows, vecs - m0);
-        const uint16_t* qs[4];
-        uint16_t* outs[4];
-        int64_t limit[4];
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t r = (m0 + i) / group, head = kh * group + (m0 + i) % group;
-          const int64_t token = query_start[s] + r0 + r;
-          qs[i] = q + (token * num_heads + head) * head_dim;
-          outs[i] = out + (token * num_heads + head) * head_dim;
-          limit[i] = first_pos + r + 1;
+  const Cascade plan = plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, num_heads,
+                                    block_size);
+  static thread_local std::vector<PairedState> states;  // reused: no page faults per call
+  if (states.size() < static_cast<size_t>(plan.num_states)) states.resize(plan.num_states);
+  PairedState* const state = states.data();  // the calling thread's: the workers' own are empty
+  // Vector i of kv head kh in a tile starting at row r0: its row, query head, and token.
+  const auto vector_at = [&](int64_t r0, int64_t kh, int64_t i, int64_t* row, int64_t* head) {
+    *row = r0 + i / group;
+    *head = kh * group + i % group;
+  };
+  // The shared walks: items of (group, kv head, up to CHUNK of its sequences).
+  constexpr int64_t CHUNK = 16;
+  std::vector<int64_t> shared_items;  // (group, first member) pairs
+  for (size_t g = 0; g + 1 < plan.group_begin.size(); ++g)
+    for (int64_t m = plan.group_begin[g]; m < plan.group_begin[g + 1]; m += CHUNK) {
+      shared_items.push_back(static_cast<int64_t>(g));
+      shared_items.push_back(m);
+    }
+  const int64_t num_shared_items = static_cast<int64_t>(shared_items.size() / 2) * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef KVLOOM_PAIRED_AMX
+    if (amx) amx_configure();
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_shared_items; ++item) {
+      const int64_t g = shared_items[2 * (item / num_kv_heads)], m_begin = shared_items[2 * (item / num_kv_heads) + 1];
+      const int64_t kh = item % num_kv_heads;
+      const int64_t m_end = std::min(plan.group_begin[g + 1], m_begin + CHUNK);
+      const int32_t* table = block_tables + plan.members[plan.group_begin[g]] * max_blocks;
+      const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
+      // Every vector of the chunk's sequences for this kv head, in groups of max_rows.
+      const uint16_t* qs[MAX_WIDTH];
+      int64_t limit[MAX_WIDTH];
+      PairedState* suspend[MAX_WIDTH];
+      int64_t count = 0;
+      const BlockRange range{0, plan.group_shared[g], nullptr, suspend};
+      for (int64_t m = m_begin; m < m_end; ++m) {
+        const int64_t s = plan.members[m];
+        for (int64_t i = 0; i < query_lens[s] * group; ++i) {
+          int64_t row, head;
+          vector_at(0, kh, i, &row, &head);
+          qs[count] = q + ((query_start[s] + row) * num_heads + head) * head_dim;
+          limit[count] = seq_lens[s] - query_lens[s] + row + 1;
+          suspend[count] = &state[plan.first_state[s] + row * num_heads + head];
+          if (++count == max_rows) {
+            attend_group(head_dim, src, count, qs, limit, nullptr, range, amx);
+            count = 0;
+          }
         }
-        const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
-        switch (head_dim) {
-          case 64: attend_group_dispatch<64>(src, count, qs, limit, outs); break;
-          case 128: attend_group_dispatch<128>(src, count, qs, limit, outs); break;
-          case 32: attend_group_dispatch<32>(src, count, qs, limit, outs); break;
-          default: std::abort();  // paired_supported was checked
+      }
+      if (count) attend_group(head_dim, src, count, qs, limit, nullptr, range, amx);
+    }
+    // Then every sequence over its own blocks (all of them, where it is in no group).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < work.size(); ++item) {
+      const int64_t s = work.items[3 * item], r0 = work.items[3 * item + 1], kv0 = work.items[3 * item + 2];
+      const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r0);
+      // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
+      const int64_t first_pos = seq_lens[s] - query_lens[s] + r0;
+      const int32_t* table = block_tables + s * max_blocks;
+      const int64_t shared = plan.shared[s];
+      for (int64_t kh = kv0; kh < kv0 + work.heads_per_item; ++kh) {
+        // The kv head's query vectors, row-major then head: a row's heads share a limit.
+        const int64_t vecs = rows * group;
+        for (int64_t m0 = 0; m0 < vecs; m0 += max_rows) {
+          const int64_t count = std::min<int64_t>(max_rows, vecs - m0);
+          const uint16_t* qs[MAX_WIDTH];
+          uint16_t* outs[MAX_WIDTH];
+          int64_t limit[MAX_WIDTH];
+          PairedState* resume[MAX_WIDTH];
+          for (int64_t i = 0; i < count; ++i) {
+            int64_t row, head;
+            vector_at(r0, kh, m0 + i, &row, &head);
+            const int64_t token = query_start[s] + row;
+            qs[i] = q + (token * num_heads + head) * head_dim;
+            outs[i] = out + (token * num_heads + head) * head_dim;
+            limit[i] = first_pos + (row - r0) + 1;
+            if (shared) resume[i] = &state[plan.first_state[s] + row * num_heads + head];
+          }
+          const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
+          attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, amx);
         }
       }
     }
+#ifdef KVLOOM_PAIRED_AMX
+    if (amx) _tile_release();
+#endif
   }
 }
 #else
@@ -558,6 +894,30 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads) {
   write_paired(k, k_stride, v, v_stride, slots, tokens, k_cache, v_cache, num_kv_heads, head_dim, block_size,
                num_threads);
+}
+
+// Asks for the AMX path of paired-layout calls (want = 1) or the vector one (0); returns
+// whether AMX is now used (0 where this build or CPU has none, or Linux refused it).
+int kvloom_paired_attention_amx(int want) {
+#ifdef KVLOOM_PAIRED_AMX
+  use_amx = want != 0 && amx_granted();
+  return use_amx ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// How many of the sequences a paired-layout call walks partly in shared groups (the
+// Cascade above); 0 where the paired layout is not built. For tests.
+int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                                      const int32_t* query_lens, int64_t num_seqs, int64_t block_size) {
+#ifdef __AVX512BF16__
+  return static_cast<int64_t>(
+      plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, 1, block_size).members.size());
+#else
+  return 0;
+#endif
 }
 
 // kernel: 0 a float32 cache, 1 a token-major bf16 cache, 2 a bf16 cache in the paired

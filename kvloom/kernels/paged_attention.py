@@ -19,12 +19,17 @@ import functools
 
 import torch
 
+from kvloom.kernels import gemm
 from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec, dtype_name
 
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 _INT32 = (torch.int32,)
 
 _PAIRED_LAYOUT = NativeFunction("paged_attention", "kvloom_paired_layout(int head_dim, int block_size) -> int32")
+_PAIRED_AMX = NativeFunction("paged_attention", "kvloom_paired_attention_amx(int32 want) -> int32")
+_CASCADE_MEMBERS = NativeFunction(
+    "paged_attention", "kvloom_paired_cascade_members(Tensor block_tables, int max_blocks, Tensor seq_lens, "
+                       "Tensor query_lens, int num_seqs, int block_size) -> int")
 
 
 def available() -> bool:
@@ -33,14 +38,44 @@ def available() -> bool:
 
 
 def load() -> None:
-    """Build (once) and load paged_attention.cpp; KernelUnavailable where it cannot."""
+    """Build (once) and load paged_attention.cpp, and choose the paired layout's path
+    (:func:`paired_isa`); KernelUnavailable where it cannot be built."""
     _PAIRED_LAYOUT.function()
+    paired_isa()
+
+
+@functools.cache  # chosen once per process, so every call takes the same path
+def paired_isa() -> str:
+    """The instructions paired-layout attention runs on: ``"amx"`` where this build and
+    CPU have AMX, the GEMM's AMX check passed and ``$KVLOOM_CPU_ISA`` allows it; else
+    ``"avx512_bf16"``. One path for the whole process: the two agree to rounding, not
+    bit for bit, and a query's result must not depend on which path served it."""
+    return "amx" if set_paired_isa("amx" if gemm.default_isa() == "amx" else "avx512_bf16") else "avx512_bf16"
+
+
+def set_paired_isa(isa: str) -> bool:
+    """Switch paired-layout attention to ``isa`` ("amx" or "avx512_bf16"); returns
+    whether AMX is now in use. For tests and benchmarks that compare the two paths:
+    the engine keeps :func:`paired_isa`'s choice."""
+    if isa not in ("amx", "avx512_bf16"):
+        raise ValueError(f"paired attention runs on 'amx' or 'avx512_bf16', got {isa!r}")
+    return bool(_PAIRED_AMX.function()(1 if isa == "amx" else 0))
 
 
 @functools.cache  # one answer per shape for the process: the build decides it
 def paired_layout(head_dim: int, block_size: int) -> bool:
     """Whether bf16 caches of this shape use the paired layout (this CPU and build)."""
     return bool(_PAIRED_LAYOUT.function()(head_dim, block_size))
+
+
+def cascade_members(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
+                    block_size: int) -> int:
+    """How many of these sequences (int32 arrays as for :func:`paged_attention`) the
+    paired kernel walks partly together with others over shared leading blocks (0 where
+    the paired layout is not built). Tests use it to know the shared walk ran."""
+    tables, seq_lens, query_lens = (t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_lens))
+    return int(_CASCADE_MEMBERS.function()(tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
+                                           query_lens.data_ptr(), tables.shape[0], block_size))
 
 
 def _cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import torch
 
 from kvloom.attention.registry import make_backend
 from kvloom.batch import ForwardBatch, ScheduledRequest, SchedulerOutput
+from kvloom.kernels import paged_attention as kernels
 from kvloom.request import Request
 from kvloom.sampling_params import SamplingParams
 
@@ -44,7 +45,7 @@ LAYOUTS = [(torch.bfloat16, 64, 16), (torch.bfloat16, 16, 16), (torch.float32, 6
 
 
 @pytest.fixture(params=LAYOUTS, ids=["bf16-paired", "bf16-token-major", "f32-token-major"])
-def setup(request):
+def setup(request, paired_path):
     dtype, head_dim, block_size = request.param
     torch.manual_seed(0)
     backend = make_backend("cpu_paged", torch.device("cpu"), HEADS, KV_HEADS, head_dim)
@@ -73,3 +74,38 @@ def test_prefill_chunks_and_decodes_give_the_same_bits(setup) -> None:
     for done, new in [(69, 1), (40, 30), (0, LENGTH), (64, 6)]:
         rows = attend(backend, cache, history, others[:1] + [(table, done, new)] + others[1:])
         assert torch.equal(rows[1], fresh[done:done + new]), f"batched: tokens {done}..{done + new}"
+
+
+def test_decodes_sharing_leading_blocks_give_their_own_bits(setup) -> None:
+    """Decodes whose block tables start with the same blocks (a cached prefix) walk those
+    blocks together in the paired kernel, each query's state suspended and resumed over
+    its own blocks: the same bits as each one alone, and as its fresh prefill."""
+    backend, cache, history, table, spare = setup
+    size = cache.shape[2]
+    pool = random.Random(2).sample(range(cache.shape[1]), cache.shape[1])
+    prefix, own = pool[:80 // size], iter(pool[80 // size:])  # 80 shared tokens (5 blocks of 16)
+    deeper = prefix + [next(own) for _ in range(48 // size)]  # two sequences share more
+
+    def blocks(shared: list[int], length: int) -> list[int]:
+        return shared + [next(own) for _ in range(-(-length // size) - len(shared))]
+
+    # (block table, tokens done, tokens this step)
+    decodes = [(blocks(prefix, 90), 89, 1), (blocks(prefix, 110), 109, 1), (prefix, 79, 1),
+               (blocks(prefix, 98), 95, 3), (blocks(deeper, 140), 139, 1), (blocks(deeper, 129), 128, 1)]
+    partly = (blocks(prefix[:2], 96), 95, 1)  # shares 2 blocks: too few to join
+    prefill = (blocks(prefix, 100), 80, 20)  # a chunk: walks alone
+    sequences = decodes + [partly, prefill]
+    fresh = [attend(backend, cache, history, [(t, 0, done + new)])[0][done:] for t, done, new in sequences]
+    alone = [attend(backend, cache, history, [sequence])[0] for sequence in sequences]
+    order = [3, 7, 0, 6, 5, 1, 4, 2]
+    together = attend(backend, cache, history, [sequences[i] for i in order])
+    for position, i in enumerate(order):
+        assert torch.equal(alone[i], fresh[i]), f"sequence {i} alone"
+        assert torch.equal(together[position], alone[i]), f"sequence {i} in the batch"
+    if backend.paired_layout(cache):
+        tables = torch.zeros(len(sequences), max(len(t) for t, _, _ in sequences), dtype=torch.int32)
+        for row, (t, _, _) in enumerate(sequences):
+            tables[row, :len(t)] = torch.tensor(t)
+        seq_lens = torch.tensor([done + new for _, done, new in sequences], dtype=torch.int32)
+        query_lens = torch.tensor([new for _, _, new in sequences], dtype=torch.int32)
+        assert kernels.cascade_members(tables, seq_lens, query_lens, size) == len(decodes)
