@@ -71,9 +71,59 @@ int64_t sample_row(const float* x, int64_t vocab, float inv_temp, float uniform,
   return 0;
 }
 
+// Greedy: the index of the row's first maximum, as torch.argmax (a NaN counts as the
+// maximum: the first NaN's index). Each of 16 lanes keeps the first maximum of its
+// indices (strictly greater replaces), so the row's answer is the smallest index among
+// the lanes holding the overall maximum.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t vocab) {
+#ifdef KVLOOM_AVX512
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_at = _mm512_setzero_si512();
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 live = kvloom_simd::lanes(vocab - i);
+    const __m512 v = kvloom_simd::load16(x + i, vocab - i);
+    if (_mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q)) {
+      for (int64_t j = i;; ++j)
+        if (std::isnan(kvloom_simd::to_float(x[j]))) return j;
+    }
+    const __mmask16 greater = _mm512_mask_cmp_ps_mask(live, v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    at = _mm512_add_epi32(at, step);
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  // Lanes never replaced hold index 0 with -inf: right when the whole row is -inf.
+  return _mm512_mask_reduce_min_epi32(holders, best_at);
+#else
+  int64_t best_at = 0;
+  float best = kvloom_simd::to_float(x[0]);
+  if (std::isnan(best)) return 0;
+  for (int64_t i = 1; i < vocab; ++i) {
+    const float v = kvloom_simd::to_float(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > best) { best = v; best_at = i; }
+  }
+  return best_at;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
+
+// logits: [rows, vocab] float32 (dtype 0) or bf16 (1), contiguous; out: [rows].
+void kvloom_argmax_rows(const void* logits, int dtype, int64_t rows, int64_t vocab, int64_t* out,
+                        int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(rows > 1 ? num_threads : 1)
+  for (int64_t r = 0; r < rows; ++r)
+    out[r] = dtype == 0 ? argmax_row(static_cast<const float*>(logits) + r * vocab, vocab)
+                        : argmax_row(static_cast<const uint16_t*>(logits) + r * vocab, vocab);
+}
+
 
 // logits: [rows, vocab] float32, contiguous; inv_temp, uniforms: [rows]; out: [rows].
 void kvloom_sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* inv_temp,

@@ -55,3 +55,39 @@ def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, uniforms: torch.Te
     """One token per row of logits: [rows, vocab] float32, with inv_temp and uniforms:
     [rows] float32 (all contiguous). Returns [rows] int64."""
     return SAMPLE_ROWS.call(logits, inv_temp, uniforms)
+
+
+# ---- greedy: the first maximum of each row --------------------------------------------
+ARGMAX_ROWS = NativeOp(
+    "argmax_rows(Tensor logits) -> Tensor",
+    library="sampling",
+    native="kvloom_argmax_rows(logits, int32 dtype, int rows, int vocab, Tensor out, int32 num_threads) -> ()",
+    tensors={"logits": TensorSpec(2, (torch.float32, torch.bfloat16))},
+)
+
+
+@ARGMAX_ROWS.check
+def _argmax_rows_check(logits: torch.Tensor) -> None:
+    if logits.shape[1] == 0:
+        raise ARGMAX_ROWS.error("logits", "must have at least one column")
+
+
+@ARGMAX_ROWS.implementation
+def _argmax_rows_cpu(logits: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)  # [rows]
+    ARGMAX_ROWS.function()(logits.data_ptr(), 0 if logits.dtype == torch.float32 else 1, rows, vocab,
+                           tokens.data_ptr(), torch.get_num_threads())
+    return tokens
+
+
+@ARGMAX_ROWS.fake
+def _argmax_rows_fake(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [rows, vocab] float32 or bf16 logits (contiguous),
+    read once as they are: no float32 copy, and several times faster than torch's
+    argmax on these CPUs. Returns [rows] int64; ties and NaN as torch.argmax."""
+    return ARGMAX_ROWS.call(logits)

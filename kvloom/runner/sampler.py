@@ -38,6 +38,14 @@ def native_sampling() -> bool:
     return sampling.available()
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` -> ``[B]`` int64, the first maximum of each row (torch.argmax's rule):
+    on CPU the one-pass native kernel, which reads bf16 logits as they are."""
+    if logits.device.type == "cpu" and native_sampling() and logits.dtype in (torch.float32, torch.bfloat16):
+        return sampling.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
+
+
 def sample_rows_native(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token ~ softmax(logits * inv_temperature) per row, drawn by inverse CDF with the
     row's uniform: ``Sampler._inverse_cdf`` of that softmax, in one pass per row."""
@@ -88,10 +96,14 @@ class Sampler:
         expected = (metadata.num_rows, metadata.vocab_size)
         if logits.dim() != 2 or tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
+        processing = (metadata.penalties is not None or metadata.bias_rows is not None
+                      or metadata.blocked_rows is not None or metadata.grammar is not None)
+        if metadata.all_greedy and not processing and metadata.logprob_rows is None:
+            token_ids = argmax(logits)  # straight from the model's logits, in their dtype
+            return DeviceSample(token_ids, HostCopy([token_ids]), metadata)
         raw_logits = logits.float()  # [B, V]; no copy when already float32
         processed = raw_logits
-        if (metadata.penalties is not None or metadata.bias_rows is not None
-                or metadata.blocked_rows is not None or metadata.grammar is not None):
+        if processing:
             # The stages below write in place; raw_logits must survive for logprobs.
             processed = raw_logits.clone()
             if metadata.penalties is not None:
@@ -106,13 +118,13 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         random_logits = logits if metadata.all_random else logits[metadata.random_rows]
         random_tokens = self._sample_random(random_logits, metadata)  # [R]
         if metadata.all_random:
             return random_tokens
         tokens = torch.empty(metadata.num_rows, dtype=torch.int64, device=logits.device)
-        tokens[metadata.greedy_rows] = logits[metadata.greedy_rows].argmax(dim=-1)
+        tokens[metadata.greedy_rows] = argmax(logits[metadata.greedy_rows])
         tokens[metadata.random_rows] = random_tokens
         return tokens
 

@@ -65,6 +65,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                                  torch.tensor([0, 17, 3, 40, 63, 20]),
                                  torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16))],
     "sample_rows": [lambda: (randn(4, 50) * 3, torch.rand(4) + 0.5, torch.rand(4))],
+    "argmax_rows": [lambda: (randn(4, 50),), lambda: (randn(3, 70, dtype=torch.bfloat16),)],
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
 }

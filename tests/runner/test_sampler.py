@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from kvloom.kernels import sampling
 from kvloom.runner.sampler import Sampler, SamplerOutput, apply_penalties, native_sampling, sample_rows_native
 from kvloom.runner.sampling_metadata import (
     SamplingMetadata,
@@ -479,3 +480,21 @@ def test_logit_bias_validation_names_the_field(bias: object, match: str) -> None
         SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
     assert SamplingParams(logit_bias={"5": 1, 6: -2.5}).logit_bias == {5: 1.0, 6: -2.5}
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.skipif(not sampling.available(), reason="sampling.cpp does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_argmax_takes_the_first_maximum_of_every_row(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(4)
+    for rows, vocab in [(1, 1), (3, 15), (4, 17), (7, 49152), (2, 100)]:
+        logits = torch.randn(rows, vocab, generator=generator).to(dtype)
+        if vocab > 20:
+            logits[0, 19] = logits[0, 5] = logits[0].max() + 1  # a tie across lanes
+        got = sampling.argmax_rows(logits).tolist()
+        assert got == [naive_argmax(row) for row in logits.float().tolist()], (rows, vocab)
+    special = torch.full((3, 40), float("-inf"))
+    special[1, 21] = special[1, 36] = float("nan")  # torch counts the first NaN as the maximum
+    special[2, 39] = 1.0
+    assert sampling.argmax_rows(special.to(dtype)).tolist() == [0, 21, 39]
+    with pytest.raises(ValueError, match="logits must have at least one column"):
+        sampling.argmax_rows(torch.empty(2, 0, dtype=dtype))
