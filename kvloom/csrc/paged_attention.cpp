@@ -365,6 +365,13 @@ inline bool paired_supported(int64_t head_dim, int64_t block_size) {
   return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
 }
 
+// max(row_max, the live scores): one compare where no live score passes the running
+// max (after the first blocks, nearly always), the full reduction only where one does.
+inline float running_max(float row_max, __m512 scores, __mmask16 live) {
+  if (!_mm512_mask_cmp_ps_mask(live, scores, _mm512_set1_ps(row_max), _CMP_GT_OQ)) return row_max;
+  return std::max(row_max, _mm512_mask_reduce_max_ps(live, scores));
+}
+
 // The largest row group (query vectors sharing every K/V load) whose accumulators fit
 // the 32 vector registers: G x head_dim / 16 of them, plus G running sums and scores.
 constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
@@ -461,7 +468,7 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
         __m512 e = _mm512_setzero_ps();
         if (live) {
           const __m512 scores = _mm512_mul_ps(s[g], scale_v);
-          const float new_max = std::max(row_max[g], _mm512_mask_reduce_max_ps(live, scores));
+          const float new_max = running_max(row_max[g], scores, live);
           if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
             const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
             for (int r = 0; r < R; ++r) acc[g][r] = _mm512_mul_ps(acc[g][r], correction);
@@ -608,7 +615,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
         __m512 e = _mm512_setzero_ps();
         if (live) {
           const __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v);
-          const float new_max = std::max(row_max[g], _mm512_mask_reduce_max_ps(live, s));
+          const float new_max = running_max(row_max[g], s, live);
           __m512 sum = _mm512_load_ps(sums + 16 * g);
           if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
             const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
