@@ -923,6 +923,7 @@ int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_b
   return static_cast<int64_t>(
       plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, 1, block_size).members.size());
 #else
+  (void)block_tables, (void)max_blocks, (void)seq_lens, (void)query_lens, (void)num_seqs, (void)block_size;
   return 0;
 #endif
 }
