@@ -8,27 +8,15 @@ its paths, GFLOP/s, best of 3 timed loops, 2 threads, the paths alternating per 
 from __future__ import annotations
 
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 from kvloom.kernels import gemm
 from kvloom.models.packed_linear import PackedLinear
 
-SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate/up 3072x576": (3072, 576),
-          "down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e3
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from gemm_vs_onednn import SHAPES, best_ms  # noqa: E402 (the shapes and the timer of that comparison)
 
 
 def main() -> None:
