@@ -30,8 +30,8 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 namespace {
 
@@ -268,21 +268,9 @@ void run_vector(const Problem& p, int num_threads) {
 // from a zeroed copy of the inputs, never from past the end of x.
 constexpr int64_t AMX_ROWS = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 KVLOOM_TARGET_AMX void amx_configure() {
-  TileConfig config{};
-  config.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = AMX_ROWS;
-    config.colsb[t] = 64;
-  }
+  kvloom_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) config.set(t, AMX_ROWS, 64);
   _tile_loadconfig(&config);
 }
 
@@ -374,12 +362,6 @@ uint64_t xcr0() {
   return (static_cast<uint64_t>(edx) << 32) | eax;
 }
 
-bool amx_permitted() {  // Linux hands out AMX tile state only on request (once per process)
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
 int detect_isa() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE) || !(c & bit_FMA)) return ISA_NONE;
@@ -393,7 +375,7 @@ int detect_isa() {
   __get_cpuid_count(7, 1, &a, &b, &c, &d);
   if (!(a & (1u << 5))) return ISA_AVX512;  // AVX512_BF16
   const bool amx = (leaf7_edx & (1u << 24)) && (leaf7_edx & (1u << 22));  // AMX-TILE, AMX-BF16
-  return amx && amx_permitted() ? ISA_AMX : ISA_AVX512_BF16;
+  return amx && kvloom_amx::permitted() ? ISA_AMX : ISA_AVX512_BF16;
 }
 
 }  // namespace

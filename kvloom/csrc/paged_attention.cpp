@@ -19,12 +19,11 @@
 #include <type_traits>
 #include <atomic>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "simd.h"
 
 namespace {
@@ -536,27 +535,10 @@ void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* 
 
 constexpr int AMX_VECTORS = 16;
 
-bool amx_granted() {  // Linux hands out AMX tile state only on request (once per process)
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void amx_configure() {  // per thread, before its first tile instruction of a call
-  TileConfig config;
+  kvloom_amx::TileConfig config;
   const int rows[6] = {16, 16, 16, 16, 16, 8}, colsb[6] = {64, 64, 64, 64, 32, 64};
-  for (int t = 0; t < 6; ++t) {
-    config.rows[t] = static_cast<uint8_t>(rows[t]);
-    config.colsb[t] = static_cast<uint16_t>(colsb[t]);
-  }
+  for (int t = 0; t < 6; ++t) config.set(t, rows[t], colsb[t]);
   _tile_loadconfig(&config);
 }
 
@@ -695,7 +677,7 @@ void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const u
 // sequence), each vector's state then suspended; every sequence resumes from its
 // states over its own blocks. A vector's arithmetic is the same as walking alone (the
 // same blocks in the same order, the same per-vector operations), so grouping changes
-// no bit of any result: tests/attention/test_cpu_paged.py holds the two to equality.
+// no bit of any result: tests/attention/test_attention_invariance.py holds the two to equality.
 struct Cascade {
   std::vector<int64_t> shared;       // per sequence: its group's shared blocks (0: none)
   std::vector<int64_t> first_state;  // per sequence: index of its first query vector's state
@@ -907,7 +889,7 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
 // whether AMX is now used (0 where this build or CPU has none, or Linux refused it).
 int kvloom_paired_attention_amx(int want) {
 #ifdef KVLOOM_PAIRED_AMX
-  use_amx = want != 0 && amx_granted();
+  use_amx = want != 0 && kvloom_amx::permitted();
   return use_amx ? 1 : 0;
 #else
   (void)want;

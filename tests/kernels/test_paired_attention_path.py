@@ -3,6 +3,7 @@ AMX check passed and ``$KVLOOM_CPU_ISA`` allows it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="paged_attention
 
 def paired_isa_with(env_cap: str | None) -> str:
     code = "from kvloom.kernels import paged_attention as k\nk.load()\nprint(k.paired_isa())"
-    env = None
-    if env_cap is not None:
-        import os
-        env = dict(os.environ, KVLOOM_CPU_ISA=env_cap)
+    env = None if env_cap is None else dict(os.environ, KVLOOM_CPU_ISA=env_cap)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                             cwd=Path(__file__).parents[2], timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
