@@ -1,10 +1,11 @@
 // Paged attention for CPUs: reads K/V straight through the block table (no gather).
 //
 // One work item = (sequence, query tile of up to TILE rows, kv heads). Two paths:
-// - paired layout (bf16 on a CPU with AVX512-BF16; see attend_paired): the cache is
-//   arranged so that both dot products run on vdpbf16ps from registers loaded straight
-//   out of the block, with row groups of query vectors sharing every load and the
-//   whole flash-attention state (max, sum, accumulator) in registers;
+// - paired layout (bf16 on a CPU with AVX-512; see attend_paired): the cache is
+//   arranged so that both dot products run on vdpbf16ps (or, without AVX512-BF16, two
+//   FMAs that are its arithmetic) from registers loaded straight out of the block, with
+//   row groups of query vectors sharing every load and the whole flash-attention state
+//   (max, sum, accumulator) in registers;
 // - token-major layout (float storage, or bf16 elsewhere; see attend): K/V rows are
 //   converted to float once per block and kv head and shared by the group's query
 //   heads and the tile's rows, flash-attention style per block.
@@ -344,9 +345,9 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 }
 
 // ---------------------------------------------------------------------------------
-// Paired layout: bf16 storage on a CPU with AVX512-BF16 (vdpbf16ps: 32 bf16 products
-// per instruction, summed in pairs into 16 float32 lanes), block_size a multiple of
-// 16, head_dim 32/64/128. Within one block, per kv head (h), in 32-bit words that each
+// Paired layout: bf16 storage on a CPU with AVX-512 (the pair products of vdpbf16ps:
+// 32 bf16 products per instruction, summed in pairs into 16 float32 lanes; see Pairs
+// below), block_size a multiple of 16, head_dim 32/64/128. Within one block, per kv head (h), in 32-bit words that each
 // hold two bf16:
 //   K: [h][head_dim / 2][block_size]  word (p, t) = (k[t][2p], k[t][2p + 1])
 //   V: [h][block_size / 2][head_dim]  word (j, d) = (v[2j][d], v[2j + 1][d])
@@ -358,7 +359,57 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 //
 // Invariant: every slot holds finite values (the pool is zero-filled and only ever
 // receives model K/V), so a masked-out key's zero probability times its V is zero.
+#ifdef KVLOOM_AVX512
+#define KVLOOM_PAIRED 1
+
+// The pair products, as Intel documents one vdpbf16ps lane: acc + a.hi * b.hi, rounded,
+// then + a.lo * b.lo, rounded (hi: the bf16 in a word's upper half), denormals
+// flushed. A product of two bf16 is exact in float32, so each of those steps is one
+// FMA: PairsFma, for AVX-512 CPUs without AVX512-BF16, does that arithmetic (save the
+// flushing) at two FMAs, and a split of each loaded register, per instruction. Tests
+// hold every path to the float32 reference (tests/attention/conftest.py's paired_path).
+// Keys: 16 loaded words; Pair: one word, broadcast.
 #ifdef __AVX512BF16__
+struct PairsBf16 {
+  using Keys = __m512i;
+  using Pair = uint32_t;
+  static Keys load(const uint32_t* words) { return _mm512_loadu_si512(words); }
+  static __m512 dot(__m512 acc, Keys a, Pair b) {
+    // The broadcast last, so it folds into the instruction as a {1to16} operand.
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(static_cast<int>(b)));
+  }
+  static void query(const uint16_t* q, int64_t head_dim, Pair* out) { std::memcpy(out, q, head_dim * 2); }
+  // 16 probabilities as 8 words of two bf16 (out 32-byte aligned).
+  static void probabilities(__m512 e, Pair* out) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+};
+#endif
+
+struct PairsFma {
+  struct Keys { __m512 hi, lo; };
+  struct Pair { float lo, hi; };  // a word's two bf16 as floats, in memory order
+  static Keys load(const uint32_t* words) {
+    const __m512i w = _mm512_loadu_si512(words);
+    return {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))),
+            _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static __m512 dot(__m512 acc, const Keys& a, const Pair& b) {
+    return _mm512_fmadd_ps(a.lo, _mm512_set1_ps(b.lo), _mm512_fmadd_ps(a.hi, _mm512_set1_ps(b.hi), acc));
+  }
+  static void query(const uint16_t* q, int64_t head_dim, Pair* out) {
+    for (int64_t i = 0; i < head_dim / 2; ++i) out[i] = {to_float(q[2 * i]), to_float(q[2 * i + 1])};
+  }
+  // 16 probabilities rounded to bf16 (vcvtneps2bf16's rounding), kept as floats (out
+  // 64-byte aligned: 8 pairs).
+  static void probabilities(__m512 e, Pair* out) {
+    _mm512_store_ps(&out[0].lo, _mm512_castsi512_ps(kvloom_simd::bf16_bits(e)));
+  }
+};
+
+// The paired layout's paths, worst to best (kvloom/kernels/paged_attention.py's
+// PAIRED_ISAS): one for the whole process, chosen by kvloom_paired_attention_isa.
+enum PairedPath : int { PAIRED_FMA = 0, PAIRED_BF16 = 1, PAIRED_AMX = 2 };
 
 inline bool paired_supported(int64_t head_dim, int64_t block_size) {
   return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
@@ -410,7 +461,7 @@ struct BlockRange {
 // limit[g] is the number of keys vector g sees (a prefix of the sequence: causal
 // within the query tile). A vector's arithmetic does not depend on the others in its
 // group, nor on G.
-template <int D, int G>
+template <class Pairs, int D, int G>
 void attend_group_paired(const KeySource& src, const uint16_t* const* q, const int64_t* limit,
                          uint16_t* const* out, const BlockRange& range) {
   const int32_t* table = src.table;
@@ -435,8 +486,8 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
     max_limit = std::max(max_limit, limit[g]);
   }
   const __m512 scale_v = _mm512_set1_ps(src.scale);
-  const uint32_t* qw[G];
-  for (int g = 0; g < G; ++g) qw[g] = reinterpret_cast<const uint32_t*>(q[g]);
+  typename Pairs::Pair query[G][P];
+  for (int g = 0; g < G; ++g) Pairs::query(q[g], D, query[g]);
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + table[b] * block_stride + head_offset);
@@ -456,12 +507,10 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
       __m512 s[G];
       for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
       for (int p = 0; p < P; ++p) {
-        const __m512bh keys = (__m512bh)_mm512_loadu_si512(kb + p * block_size + t0);
-        for (int g = 0; g < G; ++g)
-          // The broadcast last, so it folds into the instruction as a {1to16} operand.
-          s[g] = _mm512_dpbf16_ps(s[g], keys, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g][p])));
+        const auto keys = Pairs::load(kb + p * block_size + t0);
+        for (int g = 0; g < G; ++g) s[g] = Pairs::dot(s[g], keys, query[g][p]);
       }
-      alignas(64) uint32_t weights[G][8];  // probabilities as bf16 token pairs
+      alignas(64) typename Pairs::Pair weights[G][8];  // probabilities as bf16 token pairs
       for (int g = 0; g < G; ++g) {
         const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
         __m512 e = _mm512_setzero_ps();
@@ -477,15 +526,13 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
           e = _mm512_maskz_mov_ps(live, kvloom_simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
           sum[g] = _mm512_add_ps(sum[g], e);
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(weights[g]), (__m256i)_mm512_cvtneps_pbh(e));
+        Pairs::probabilities(e, weights[g]);
       }
       const uint32_t* pairs = vb + (t0 / 2) * D;
       for (int j = 0; j < 8; ++j)
         for (int r = 0; r < R; ++r) {
-          const __m512bh values = (__m512bh)_mm512_loadu_si512(pairs + j * D + 16 * r);
-          for (int g = 0; g < G; ++g)
-            acc[g][r] = _mm512_dpbf16_ps(acc[g][r], values,
-                                         (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[g][j])));
+          const auto values = Pairs::load(pairs + j * D + 16 * r);
+          for (int g = 0; g < G; ++g) acc[g][r] = Pairs::dot(acc[g][r], values, weights[g][j]);
         }
     }
   }
@@ -502,15 +549,15 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   }
 }
 
-template <int D>
+template <class Pairs, int D>
 void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* const* q, const int64_t* limit,
                            uint16_t* const* out, const BlockRange& range) {
   switch (count) {
-    case 1: return attend_group_paired<D, 1>(src, q, limit, out, range);
-    case 2: return attend_group_paired<D, 2>(src, q, limit, out, range);
-    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<D, 3>(src, q, limit, out, range);
+    case 1: return attend_group_paired<Pairs, D, 1>(src, q, limit, out, range);
+    case 2: return attend_group_paired<Pairs, D, 2>(src, q, limit, out, range);
+    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<Pairs, D, 3>(src, q, limit, out, range);
       break;
-    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<D, 4>(src, q, limit, out, range);
+    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<Pairs, D, 4>(src, q, limit, out, range);
       break;
     default: break;
   }
@@ -530,7 +577,7 @@ void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* 
 // Tiles: 0 S (16 x 16 float), 1 an accumulator slice (16 x 16 float), 2 queries
 // (16 x 32 bf16), 3 keys (16 dim pairs x 16 keys), 4 probabilities (16 x 8 key
 // pairs), 5 values (8 key pairs x 16 dims).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVLOOM_PAIRED_AMX 1
 
 constexpr int AMX_VECTORS = 16;
@@ -636,23 +683,36 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
 }
 #endif
 
-// Which path paired-layout calls take: AMX where it was asked for and granted.
-std::atomic<bool> use_amx{false};
+// The best path this build has short of AMX: the one paired-layout calls take until
+// kvloom_paired_attention_isa says otherwise.
+#ifdef __AVX512BF16__
+constexpr PairedPath BEST_VECTOR_PATH = PAIRED_BF16;
+#else
+constexpr PairedPath BEST_VECTOR_PATH = PAIRED_FMA;
+#endif
+std::atomic<int> paired_path{BEST_VECTOR_PATH};
 constexpr int MAX_WIDTH = 16;  // the widest group of any path
 
 // The widest group a path takes: 16 tile rows, or what the vector registers hold.
-int group_width(int64_t head_dim, bool amx) {
-#ifdef KVLOOM_PAIRED_AMX
-  if (amx) return AMX_VECTORS;
-#endif
-  (void)amx;
-  return max_group(static_cast<int>(head_dim));
+int group_width(int64_t head_dim, int path) {
+  return path == PAIRED_AMX ? 16 : max_group(static_cast<int>(head_dim));
+}
+
+template <class Pairs>
+void attend_group_vector(int64_t head_dim, const KeySource& src, int64_t count, const uint16_t* const* q,
+                         const int64_t* limit, uint16_t* const* out, const BlockRange& range) {
+  switch (head_dim) {
+    case 64: return attend_group_dispatch<Pairs, 64>(src, count, q, limit, out, range);
+    case 128: return attend_group_dispatch<Pairs, 128>(src, count, q, limit, out, range);
+    case 32: return attend_group_dispatch<Pairs, 32>(src, count, q, limit, out, range);
+    default: std::abort();  // paired_supported was checked
+  }
 }
 
 void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const uint16_t* const* q,
-                  const int64_t* limit, uint16_t* const* out, const BlockRange& range, bool amx) {
+                  const int64_t* limit, uint16_t* const* out, const BlockRange& range, int path) {
 #ifdef KVLOOM_PAIRED_AMX
-  if (amx) {
+  if (path == PAIRED_AMX) {
     switch (head_dim) {
       case 64: return attend_group_amx<64>(src, count, q, limit, out, range);
       case 128: return attend_group_amx<128>(src, count, q, limit, out, range);
@@ -661,13 +721,10 @@ void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const u
     }
   }
 #endif
-  (void)amx;
-  switch (head_dim) {
-    case 64: return attend_group_dispatch<64>(src, count, q, limit, out, range);
-    case 128: return attend_group_dispatch<128>(src, count, q, limit, out, range);
-    case 32: return attend_group_dispatch<32>(src, count, q, limit, out, range);
-    default: std::abort();  // paired_supported was checked
-  }
+#ifdef __AVX512BF16__
+  if (path == PAIRED_BF16) return attend_group_vector<PairsBf16>(head_dim, src, count, q, limit, out, range);
+#endif
+  attend_group_vector<PairsFma>(head_dim, src, count, q, limit, out, range);
 }
 
 // Shared prefixes in a batch (the radix cache hands many sequences the same leading
@@ -749,8 +806,8 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
-  const bool amx = use_amx.load(std::memory_order_relaxed);
-  const int max_rows = group_width(head_dim, amx);
+  const int path = paired_path.load(std::memory_order_relaxed);  // one path for the whole call
+  const int max_rows = group_width(head_dim, path);
   const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
   const Cascade plan = plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, num_heads,
                                     block_size);
@@ -774,7 +831,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
 #pragma omp parallel num_threads(num_threads)
   {
 #ifdef KVLOOM_PAIRED_AMX
-    if (amx) amx_configure();
+    if (path == PAIRED_AMX) amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_shared_items; ++item) {
@@ -798,12 +855,12 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
           limit[count] = seq_lens[s] - query_lens[s] + row + 1;
           suspend[count] = &state[plan.first_state[s] + row * num_heads + head];
           if (++count == max_rows) {
-            attend_group(head_dim, src, count, qs, limit, nullptr, range, amx);
+            attend_group(head_dim, src, count, qs, limit, nullptr, range, path);
             count = 0;
           }
         }
       }
-      if (count) attend_group(head_dim, src, count, qs, limit, nullptr, range, amx);
+      if (count) attend_group(head_dim, src, count, qs, limit, nullptr, range, path);
     }
     // Then every sequence over its own blocks (all of them, where it is in no group).
 #pragma omp for schedule(dynamic, 1)
@@ -833,12 +890,12 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
             if (shared) resume[i] = &state[plan.first_state[s] + row * num_heads + head];
           }
           const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
-          attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, amx);
+          attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, path);
         }
       }
     }
 #ifdef KVLOOM_PAIRED_AMX
-    if (amx) _tile_release();
+    if (path == PAIRED_AMX) _tile_release();
 #endif
   }
 }
@@ -885,15 +942,20 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
                num_threads);
 }
 
-// Asks for the AMX path of paired-layout calls (want = 1) or the vector one (0); returns
-// whether AMX is now used (0 where this build or CPU has none, or Linux refused it).
-int kvloom_paired_attention_amx(int want) {
+// Sets the path of paired-layout calls (PairedPath) to the best one up to `want` that
+// this build has (AMX only where Linux grants its state) and returns it; -1 where the
+// paired layout is not built.
+int kvloom_paired_attention_isa(int want) {
+#ifdef KVLOOM_PAIRED
+  int path = std::max<int>(PAIRED_FMA, std::min<int>(want, BEST_VECTOR_PATH));
 #ifdef KVLOOM_PAIRED_AMX
-  use_amx = want != 0 && kvloom_amx::permitted();
-  return use_amx ? 1 : 0;
+  if (want >= PAIRED_AMX && kvloom_amx::permitted()) path = PAIRED_AMX;
+#endif
+  paired_path = path;
+  return path;
 #else
   (void)want;
-  return 0;
+  return -1;
 #endif
 }
 
@@ -901,7 +963,7 @@ int kvloom_paired_attention_amx(int want) {
 // Cascade above); 0 where the paired layout is not built. For tests.
 int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                                       const int32_t* query_lens, int64_t num_seqs, int64_t block_size) {
-#ifdef __AVX512BF16__
+#ifdef KVLOOM_PAIRED
   return static_cast<int64_t>(
       plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, 1, block_size).members.size());
 #else
@@ -929,7 +991,7 @@ void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const
   } else if (kernel == 1) {
     run(attend<uint16_t>, uint16_t{});
   } else {
-#ifdef __AVX512BF16__
+#ifdef KVLOOM_PAIRED
     run(attend_paired, uint16_t{});
 #else
     std::abort();  // kvloom_paired_layout returned 0

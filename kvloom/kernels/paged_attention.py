@@ -2,7 +2,7 @@
 ``kvloom::write_kv_paired``, and the layout query :func:`paired_layout`.
 
 A layer's KV cache is [2, num_blocks, block_size, kv_heads, head_dim]: token-major
-blocks, or for bf16 caches of shapes the AVX512-BF16 path serves, the paired layout
+blocks, or for bf16 caches of shapes the AVX-512 paths serve, the paired layout
 (K as [kv_head, head_dim / 2, block_size] words of two bf16, V as [kv_head,
 block_size / 2, head_dim] words; see attention/cpu_paged.py and the kernel's comments).
 Only the kernel writes the paired layout (``write_kv_paired``); the token-major one is
@@ -26,7 +26,10 @@ ACTIVATIONS = (torch.float32, torch.bfloat16)
 _INT32 = (torch.int32,)
 
 _PAIRED_LAYOUT = NativeFunction("paged_attention", "kvloom_paired_layout(int head_dim, int block_size) -> int32")
-_PAIRED_AMX = NativeFunction("paged_attention", "kvloom_paired_attention_amx(int32 want) -> int32")
+_PAIRED_ISA = NativeFunction("paged_attention", "kvloom_paired_attention_isa(int32 want) -> int32")
+# The paired layout's paths, worst to best (paged_attention.cpp's PairedPath): vdpbf16ps's
+# arithmetic as two FMAs per pair (AVX-512 without AVX512-BF16), vdpbf16ps, AMX tiles.
+PAIRED_ISAS = ("avx512", "avx512_bf16", "amx")
 _CASCADE_MEMBERS = NativeFunction(
     "paged_attention", "kvloom_paired_cascade_members(Tensor block_tables, int max_blocks, Tensor seq_lens, "
                        "Tensor query_lens, int num_seqs, int block_size) -> int")
@@ -45,21 +48,26 @@ def load() -> None:
 
 
 @functools.cache  # chosen once per process, so every call takes the same path
-def paired_isa() -> str:
-    """The instructions paired-layout attention runs on: ``"amx"`` where this build and
-    CPU have AMX, the GEMM's AMX check passed and ``$KVLOOM_CPU_ISA`` allows it; else
-    ``"avx512_bf16"``. One path for the whole process: the two agree to rounding, not
-    bit for bit, and a query's result must not depend on which path served it."""
-    return "amx" if set_paired_isa("amx" if gemm.default_isa() == "amx" else "avx512_bf16") else "avx512_bf16"
+def paired_isa() -> str | None:
+    """The instructions paired-layout attention runs on (one of :data:`PAIRED_ISAS`):
+    the best this build and CPU have, no better than the GEMM's path
+    (``gemm.default_isa()``: AMX only where the GEMM's AMX check passed, and
+    ``$KVLOOM_CPU_ISA`` caps both); None where the paired layout is not built. One path
+    for the whole process: AMX and vdpbf16ps agree to rounding, not bit for bit, and a
+    query's result must not depend on which path served it."""
+    matmul = gemm.default_isa()
+    return set_paired_isa(matmul if matmul in PAIRED_ISAS else "avx512")
 
 
-def set_paired_isa(isa: str) -> bool:
-    """Switch paired-layout attention to ``isa`` ("amx" or "avx512_bf16"); returns
-    whether AMX is now in use. For tests and benchmarks that compare the two paths:
-    the engine keeps :func:`paired_isa`'s choice."""
-    if isa not in ("amx", "avx512_bf16"):
-        raise ValueError(f"paired attention runs on 'amx' or 'avx512_bf16', got {isa!r}")
-    return bool(_PAIRED_AMX.function()(1 if isa == "amx" else 0))
+def set_paired_isa(isa: str) -> str | None:
+    """Switch paired-layout attention to the best path up to ``isa`` (one of
+    :data:`PAIRED_ISAS`) that this build has, and return it (None where the paired
+    layout is not built). For tests and benchmarks that compare the paths: the engine
+    keeps :func:`paired_isa`'s choice."""
+    if isa not in PAIRED_ISAS:
+        raise ValueError(f"paired attention runs on one of {PAIRED_ISAS}, got {isa!r}")
+    path = int(_PAIRED_ISA.function()(PAIRED_ISAS.index(isa)))
+    return PAIRED_ISAS[path] if path >= 0 else None
 
 
 @functools.cache  # one answer per shape for the process: the build decides it

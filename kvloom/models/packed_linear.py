@@ -8,8 +8,9 @@
   preemption. At decode sizes it is also faster than oneDNN here
   (docs/benchmarks.md has the numbers, by CPU).
 - ``onednn``: :class:`PackedLinear`, oneDNN with the weight prepacked (bit-identical
-  to ``F.linear``). oneDNN chooses its kernel, and so its reduction order, by the
-  number of rows: outputs then change with what else is in the step.
+  to ``F.linear`` where the CPU has native bf16; where oneDNN emulates bf16 in float32
+  some shapes differ by a rounding). oneDNN chooses its kernel, and so its reduction
+  order, by the number of rows: outputs then change with what else is in the step.
 - ``torch``: plain ``F.linear`` (oneDNN repacks the weight on every call).
 
 Only bf16 weights on CPU are packed. Float32 stays on ``F.linear`` (MKL): it is the

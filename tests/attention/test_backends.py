@@ -47,7 +47,7 @@ def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_siz
 def test_cpu_paged_layout_round_trip(block_size) -> None:
     """write_kv then read_kv gives back what was written, slot by slot, and bf16 caches
     of kernel-friendly shapes really use the paired layout (K's dim pairs of one key are
-    block_size words apart), where the CPU has AVX512-BF16."""
+    block_size words apart), where the CPU has AVX-512."""
     torch.manual_seed(1)
     kv_heads, head_dim, num_blocks = 3, 64, 6
     backend = make_backend("cpu_paged", torch.device("cpu"), 9, kv_heads, head_dim)
@@ -67,3 +67,4 @@ def test_cpu_paged_layout_round_trip(block_size) -> None:
         assert words[1 * block_size + offset] == pair  # (head 0, dim pair 1, this key)
     else:
         assert block_size % 16 != 0 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        # (torch's AVX512 capability means AVX512F/BW/VL/DQ: what the paired kernel needs)

@@ -5,21 +5,13 @@ path the CPU's flags name, and bad calls raise errors that say what is wrong."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers_cpu import cpu_flags
 
 from kvloom.kernels import gemm
 
 ISAS_HERE = gemm.supported_isas()  # AMX only where the CPU has it; lower paths everywhere
-
-
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def expected_best_isa(flags: set[str]) -> str | None:

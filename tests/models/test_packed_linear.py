@@ -1,5 +1,6 @@
-"""Packed linear layers: oneDNN's equal F.linear bit for bit (and an engine on them
-generates exactly what one on F.linear does); the invariant one equals the float32
+"""Packed linear layers: oneDNN's equal F.linear bit for bit where the CPU has native
+bf16, to one rounding where oneDNN emulates it (and an engine on them generates exactly
+what one on F.linear does); the invariant one equals the float32
 reference; the matmul choice swaps exactly the layers it can serve."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_cpu import has_native_bf16
 from helpers_models import write_tiny_hf_model
 from torch import nn
 
@@ -27,7 +29,11 @@ def test_packed_equals_f_linear_bitwise(rows: int, in_features: int, out_feature
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
+    packed, plain = PackedLinear(weight, b)(x), F.linear(x, weight, b)
+    if has_native_bf16():
+        assert torch.equal(packed, plain)
+    else:  # oneDNN's float32 emulation picks another kernel for some prepacked shapes
+        torch.testing.assert_close(packed.float(), plain.float(), rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(64, 96, False), (48, 80, True)])

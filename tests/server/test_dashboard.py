@@ -197,20 +197,35 @@ def test_the_page_shows_the_requests_and_updates_live(tiny_llama: Path, tmp_path
         wait_for(driver, f"return [...window.kvloom.state.rows.values()]"
                          f".filter(r => r.status === 'length').length === {NUM_REQUESTS}")
         assert driver.execute_script("return window.kvloom.state.updates") > during
+        from selenium.common.exceptions import StaleElementReferenceException
         from selenium.webdriver.common.by import By
-        rows = driver.find_elements(By.CSS_SELECTOR, "#timeline .tl-row")
-        assert {row.get_attribute("data-request-id") for row in rows} == ids
-        assert driver.find_elements(By.CSS_SELECTOR, "#timeline .seg.preempted")
-        waits = [seg.get_attribute("title") for seg in driver.find_elements(By.CSS_SELECTOR, "#timeline .seg.wait")]
+
+        # The page redraws the timeline on every update (samples keep coming): read it in
+        # one script, which runs between two redraws, rather than element by element.
+        def attributes(selector: str, name: str) -> list[str]:
+            return driver.execute_script(
+                "return [...document.querySelectorAll(arguments[0])].map(e => e.getAttribute(arguments[1]))",
+                selector, name)
+
+        assert set(attributes("#timeline .tl-row", "data-request-id")) == ids
+        assert attributes("#timeline .seg.preempted", "class")
+        waits = attributes("#timeline .seg.wait", "title")
         assert any("waited: no free blocks" in title or "waited: pool full" in title for title in waits)
         assert int(driver.find_element(By.ID, "stat-preemptions").text) > 0
         # The charts hold the samples the server sent: uPlot's own data arrays.
         assert driver.execute_script("return window.kvloom.state.samples.length") >= 2
         assert driver.find_elements(By.CSS_SELECTOR, "#chart-throughput canvas")
         # A click tells one request's story: where it waited and why.
-        preempted = driver.find_element(By.CSS_SELECTOR, "#timeline .tl-row:has(.seg.preempted)")
-        clicked = preempted.get_attribute("data-request-id")
-        preempted.click()  # the timeline redraws with the row selected
+        for _attempt in range(5):  # a redraw between finding the row and clicking it: find it again
+            try:
+                preempted = driver.find_element(By.CSS_SELECTOR, "#timeline .tl-row:has(.seg.preempted)")
+                clicked = preempted.get_attribute("data-request-id")
+                preempted.click()  # the timeline redraws with the row selected
+                break
+            except StaleElementReferenceException:
+                continue
+        else:
+            pytest.fail("the timeline kept redrawing under every click")
         wait_for(driver, "return !document.getElementById('detail').hidden && "
                          "document.querySelectorAll('#detail .event').length")
         detail = driver.find_element(By.ID, "detail")

@@ -50,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     kernels.load()
-    paths = ["avx512_bf16"] + (["amx"] if kernels.set_paired_isa("amx") else [])
+    paths = [isa for isa in kernels.PAIRED_ISAS if kernels.set_paired_isa(isa) == isa]
     cases = {"decode b64, context 300": (64, 300, 1), "prefill 8 x 256": (8, 256, 256),
              "prefill 1 x 512 at context 1024": (1, 1024, 512),
              "100 decodes at context 1060, no shared blocks": (100, 1060, 1, 0),
