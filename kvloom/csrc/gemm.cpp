@@ -20,7 +20,7 @@
 //   ISA_AMX          AMX tiles (tdpbf16ps), 32 x 32 outputs per step
 //   ISA_AVX512_BF16  vdpbf16ps: 16 lanes += pair products, 6 rows x 64 columns a tile
 //   ISA_AVX512       bf16 -> float32 and fma, k by k, 4 rows x 64 columns
-//   ISA_AVX2         the same on 8 lanes, 4 rows x 16 columns
+//   ISA_AVX2         the same on 8 lanes, 2 rows x 32 columns, x widened once per call
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
@@ -50,6 +50,8 @@ struct Problem {
   uint16_t* y;             // [m, n] bf16, row stride n
   int64_t m, n, k;
   int64_t block_words;     // words per packed block: K_pad / 2 * 16
+  const float* xf = nullptr;  // x widened to float32, for paths with FLOAT_INPUTS (else unused)
+  int64_t xf_stride = 0;      // its row stride: K rounded up to even, the pad a zero
   const uint32_t* block(int64_t j) const { return packed + j * block_words; }
 };
 
@@ -126,6 +128,7 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
+  static constexpr bool FLOAT_INPUTS = false;
   template <int R, int B>
   KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
     __m512 acc[R][B];
@@ -147,6 +150,7 @@ struct PathAvx512Bf16 {
 
 struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
+  static constexpr bool FLOAT_INPUTS = false;
   template <int R, int B>
   KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
     __m512 acc[R][B];
@@ -176,39 +180,52 @@ struct PathAvx512 {
   }
 };
 
+// AVX2 has no broadcast from a bf16 half-word: widening a pair of x to two float32
+// broadcasts costs a scalar load, shifts and a move to the vector unit, per row and k
+// pair. So this path reads x from a float32 copy made once per call (Problem::xf, rows
+// padded to an even K with a zero, as the packed weight is), and each broadcast is a
+// plain load. The values, and the fma order (k = 2q, then 2q + 1), are the same.
 struct PathAvx2 {
-  static constexpr int ROWS = 4, BLOCKS = 1;  // 8 accumulators + 4 weight registers + 2
+  // 8 accumulators, the rows' 4 broadcasts, and one weight half's even and odd lanes:
+  // 14 of the 16 registers. Wider tiles spill (measured: 4 x 16 and 5 x 16 are no
+  // faster at M >= 16 and slower at M = 1, where the weight stream is the bound).
+  static constexpr int ROWS = 2, BLOCKS = 2;
+  static constexpr bool FLOAT_INPUTS = true;
   template <int R, int B>
   KVLOOM_TARGET_AVX2 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    static_assert(B == 1, "one column block (two 8-lane halves) per AVX2 tile");
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const uint32_t* w = p.block(j0);
+    __m256 acc[R][2 * B];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * B; ++c) acc[r][c] = _mm256_setzero_ps();
+    const uint32_t* w[B];
+    for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
+    const float* x = p.xf + m0 * p.xf_stride;
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX2 {
-      __m256 even[2], odd[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * WORDS_PER_ROW + 8 * h));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-      }
+    const int64_t pairs = p.xf_stride / 2;
+    for (int64_t q = 0; q < pairs; ++q) {
+      __m256 x_even[R], x_odd[R];
       for (int r = 0; r < R; ++r) {
-        const uint32_t pair = pair_of_row(r);
-        const __m256 x_even = _mm256_set1_ps(bf16_to_float(static_cast<uint16_t>(pair)));
-        const __m256 x_odd = _mm256_set1_ps(bf16_to_float(static_cast<uint16_t>(pair >> 16)));
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h] = _mm256_fmadd_ps(x_even, even[h], acc[r][h]);
-          acc[r][h] = _mm256_fmadd_ps(x_odd, odd[h], acc[r][h]);
+        x_even[r] = _mm256_broadcast_ss(x + r * p.xf_stride + 2 * q);
+        x_odd[r] = _mm256_broadcast_ss(x + r * p.xf_stride + 2 * q + 1);
+      }
+      for (int c = 0; c < 2 * B; ++c) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[c / 2] + q * WORDS_PER_ROW + 8 * (c % 2)));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm256_fmadd_ps(x_even[r], even, acc[r][c]);  // k = 2q, then 2q + 1
+          acc[r][c] = _mm256_fmadd_ps(x_odd[r], odd, acc[r][c]);
         }
       }
-    });
+    }
     alignas(32) float lanes[COLS];
-    const int64_t col0 = j0 * COLS;
-    const int64_t count = std::min<int64_t>(COLS, p.n - col0);
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(lanes, acc[r][0]);
-      _mm256_store_ps(lanes + 8, acc[r][1]);
-      store_row(p, m0 + r, col0, lanes, count);
+    for (int b = 0; b < B; ++b) {
+      const int64_t col0 = (j0 + b) * COLS;
+      const int64_t count = std::min<int64_t>(COLS, p.n - col0);
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(lanes, acc[r][2 * b]);
+        _mm256_store_ps(lanes + 8, acc[r][2 * b + 1]);
+        store_row(p, m0 + r, col0, lanes, count);
+      }
     }
   }
 };
@@ -238,14 +255,30 @@ constexpr int64_t X_BYTES_PER_PASS = 256 * 1024;
 // its own part of the weight) and, within a range, walks panels of BLOCKS blocks, each
 // against every row tile of the pass while the panel sits in L2.
 template <class Path>
-void run_vector(const Problem& p, int num_threads) {
+void run_vector(const Problem& problem, int num_threads) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
+  static thread_local std::vector<float> widened;  // the calling thread's, reused across calls
+  Problem p = problem;
+  float* xf = nullptr;  // the workers see the caller's buffer through this, not their own thread_local
+  if constexpr (Path::FLOAT_INPUTS) {
+    p.xf_stride = round_up(p.k, 2);
+    if (widened.size() < static_cast<size_t>(p.m * p.xf_stride)) widened.resize(p.m * p.xf_stride);
+    p.xf = xf = widened.data();
+  }
+  const int64_t row_bytes = Path::FLOAT_INPUTS ? 4 * p.xf_stride : 2 * p.k;
   const int64_t blocks = (p.n + COLS - 1) / COLS;
-  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
+  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / std::max<int64_t>(row_bytes, 1) / Path::ROWS)
                             * Path::ROWS;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #pragma omp parallel num_threads(threads)
   {
+    if constexpr (Path::FLOAT_INPUTS) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < p.m; ++r) {
+        for (int64_t c = 0; c < p.k; ++c) xf[r * p.xf_stride + c] = bf16_to_float(p.x[r * p.k + c]);
+        if (p.k & 1) xf[r * p.xf_stride + p.k] = 0.0f;
+      }  // the loop's implicit barrier: every row is widened before any tile reads it
+    }
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
