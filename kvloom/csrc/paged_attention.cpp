@@ -1,11 +1,12 @@
 // Paged attention for CPUs: reads K/V straight through the block table (no gather).
 //
 // One work item = (sequence, query tile of up to TILE rows, kv heads). Two paths:
-// - paired layout (bf16 on a CPU with AVX-512; see attend_paired): the cache is
-//   arranged so that both dot products run on vdpbf16ps (or, without AVX512-BF16, two
-//   FMAs that are its arithmetic) from registers loaded straight out of the block, with
-//   row groups of query vectors sharing every load and the whole flash-attention state
-//   (max, sum, accumulator) in registers;
+// - paired layout (bf16 on a CPU with AVX2 or AVX-512; paired.h, attend_paired): the
+//   cache is arranged so that both dot products run on vdpbf16ps (or two FMAs that are
+//   its arithmetic: AVX-512 without AVX512-BF16, and AVX2 in paired_avx2.h) from
+//   registers loaded straight out of the block, with row groups of query vectors
+//   sharing every load and the flash-attention state (max, sum, accumulator) in
+//   registers (in L1 on AVX2), or on AMX tiles;
 // - token-major layout (float storage, or bf16 elsewhere; see attend): K/V rows are
 //   converted to float once per block and kv head and shared by the group's query
 //   heads and the tile's rows, flash-attention style per block.
@@ -25,12 +26,15 @@
 #endif
 
 #include "amx.h"
+#include "paired.h"
+#include "paired_avx2.h"
 #include "simd.h"
 
 namespace {
 
+using namespace kvloom_paired;
+
 constexpr int TILE = 16;
-constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch
 
 using kvloom_simd::from_float;
 using kvloom_simd::to_float;
@@ -345,30 +349,26 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 }
 
 // ---------------------------------------------------------------------------------
-// Paired layout: bf16 storage on a CPU with AVX-512 (the pair products of vdpbf16ps:
-// 32 bf16 products per instruction, summed in pairs into 16 float32 lanes; see Pairs
-// below), block_size a multiple of 16, head_dim 32/64/128. Within one block, per kv head (h), in 32-bit words that each
-// hold two bf16:
-//   K: [h][head_dim / 2][block_size]  word (p, t) = (k[t][2p], k[t][2p + 1])
-//   V: [h][block_size / 2][head_dim]  word (j, d) = (v[2j][d], v[2j + 1][d])
-// So 16 consecutive keys of one dim pair are one register: a query's scores for 16
-// keys come out in the lanes of head_dim / 2 vdpbf16ps against the broadcast query
-// pair (no horizontal sums), and each load serves every query row of a row group. A
-// token pair's V row is head_dim / 16 registers, weighted by the broadcast pair of
-// probabilities. The layout is written by CPUPagedBackend.write_kv.
-//
-// Invariant: every slot holds finite values (the pool is zero-filled and only ever
-// receives model K/V), so a masked-out key's zero probability times its V is zero.
-#ifdef KVLOOM_AVX512
+// Paired layout (paired.h): bf16 storage, block_size a multiple of 16, head_dim
+// 32/64/128, on a CPU with AVX2 or AVX-512. The AVX-512 paths below keep a group's
+// whole state in registers; AVX2's (paired_avx2.h) keeps the accumulators in L1.
+#if defined(KVLOOM_AVX512) || defined(KVLOOM_AVX2)
 #define KVLOOM_PAIRED 1
 
-// The pair products, as Intel documents one vdpbf16ps lane: acc + a.hi * b.hi, rounded,
-// then + a.lo * b.lo, rounded (hi: the bf16 in a word's upper half), denormals
-// flushed. A product of two bf16 is exact in float32, so each of those steps is one
-// FMA: PairsFma, for AVX-512 CPUs without AVX512-BF16, does that arithmetic (save the
-// flushing) at two FMAs, and a split of each loaded register, per instruction. Tests
-// hold every path to the float32 reference (tests/attention/conftest.py's paired_path).
-// Keys: 16 loaded words; Pair: one word, broadcast.
+// The paired layout's paths, worst to best (kvloom/kernels/paged_attention.py's
+// PAIRED_ISAS): one for the whole process, chosen by kvloom_paired_attention_isa.
+enum PairedPath : int { PAIRED_AVX2 = 0, PAIRED_AVX512 = 1, PAIRED_BF16 = 2, PAIRED_AMX = 3 };
+
+inline bool paired_supported(int64_t head_dim, int64_t block_size) {
+  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+}
+
+#ifdef KVLOOM_AVX512
+// PairsBf16 (vdpbf16ps) and PairsFma (its arithmetic as two FMAs, for AVX-512 CPUs
+// without AVX512-BF16, as paired.h describes), each doing a split of the loaded
+// register where it needs one. Tests hold every path to the float32 reference
+// (tests/attention/conftest.py's paired_path). Keys: 16 loaded words; Pair: one word,
+// broadcast.
 #ifdef __AVX512BF16__
 struct PairsBf16 {
   using Keys = __m512i;
@@ -407,14 +407,6 @@ struct PairsFma {
   }
 };
 
-// The paired layout's paths, worst to best (kvloom/kernels/paged_attention.py's
-// PAIRED_ISAS): one for the whole process, chosen by kvloom_paired_attention_isa.
-enum PairedPath : int { PAIRED_FMA = 0, PAIRED_BF16 = 1, PAIRED_AMX = 2 };
-
-inline bool paired_supported(int64_t head_dim, int64_t block_size) {
-  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
-}
-
 // max(row_max, the live scores): one compare where no live score passes the running
 // max (after the first blocks, nearly always), the full reduction only where one does.
 inline float running_max(float row_max, __m512 scores, __mmask16 live) {
@@ -425,35 +417,6 @@ inline float running_max(float row_max, __m512 scores, __mmask16 live) {
 // The largest row group (query vectors sharing every K/V load) whose accumulators fit
 // the 32 vector registers: G x head_dim / 16 of them, plus G running sums and scores.
 constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
-
-// One sequence's keys for one kv head: what every row group of a work item reads.
-struct KeySource {
-  const int32_t* table;  // the sequence's block table
-  const uint16_t* k_cache;
-  const uint16_t* v_cache;
-  int64_t block_stride;  // elements per block (all kv heads)
-  int64_t head_offset;   // elements from a block's start to this kv head's K (or V)
-  int64_t block_size;
-  float scale;           // softmax scale, applied to the scores
-};
-
-// The flash-attention state of one query vector, stored between two block ranges of
-// its keys (see Cascade): exactly what attend_group_paired keeps in registers.
-struct alignas(64) PairedState {
-  float acc[128];  // head_dim floats used
-  float sum[16];   // per-lane partial sums
-  float row_max;
-};
-
-// Where a group's walk over the blocks starts and ends. A split walk (blocks [0, b)
-// with `suspend`, then [b, end) with `resume` from the stored states) does the same
-// arithmetic in the same order as one walk, so its results are bit-identical.
-struct BlockRange {
-  int64_t begin = 0;
-  int64_t end = -1;                      // -1: up to the keys the vectors see
-  PairedState* const* resume = nullptr;  // start from these states instead of zero
-  PairedState* const* suspend = nullptr; // store the states here instead of the outputs
-};
 
 // G query vectors (same kv head; the same sequence, or sequences whose block tables
 // agree over the range) against the keys, flash-attention style with the whole state
@@ -492,15 +455,7 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + table[b] * block_stride + head_offset);
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + table[b] * block_stride + head_offset);
-    if (b + PREFETCH_BLOCKS < num_blocks) {  // blocks are scattered: fetch ahead
-      const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
-      const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
-      const char* next_v = reinterpret_cast<const char*>(v_cache + ahead);
-      for (int64_t off = 0; off < block_size * D * 2; off += 64) {
-        __builtin_prefetch(next_k + off);
-        __builtin_prefetch(next_v + off);
-      }
-    }
+    src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;  // position of this sub-tile's first key
       if (base >= max_limit) break;
@@ -620,15 +575,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.table[b] * block_stride + head_offset);
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.table[b] * block_stride + head_offset);
-    if (b + PREFETCH_BLOCKS < num_blocks) {
-      const int64_t ahead = src.table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
-      const char* next_k = reinterpret_cast<const char*>(src.k_cache + ahead);
-      const char* next_v = reinterpret_cast<const char*>(src.v_cache + ahead);
-      for (int64_t off = 0; off < block_size * D * 2; off += 64) {
-        __builtin_prefetch(next_k + off);
-        __builtin_prefetch(next_v + off);
-      }
-    }
+    src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;
       if (base >= max_limit) break;
@@ -681,22 +628,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
       kvloom_simd::store16(out[g] + 16 * r, _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * r), inv), 16);
   }
 }
-#endif
-
-// The best path this build has short of AMX: the one paired-layout calls take until
-// kvloom_paired_attention_isa says otherwise.
-#ifdef __AVX512BF16__
-constexpr PairedPath BEST_VECTOR_PATH = PAIRED_BF16;
-#else
-constexpr PairedPath BEST_VECTOR_PATH = PAIRED_FMA;
-#endif
-std::atomic<int> paired_path{BEST_VECTOR_PATH};
-constexpr int MAX_WIDTH = 16;  // the widest group of any path
-
-// The widest group a path takes: 16 tile rows, or what the vector registers hold.
-int group_width(int64_t head_dim, int path) {
-  return path == PAIRED_AMX ? 16 : max_group(static_cast<int>(head_dim));
-}
+#endif  // AMX
 
 template <class Pairs>
 void attend_group_vector(int64_t head_dim, const KeySource& src, int64_t count, const uint16_t* const* q,
@@ -707,6 +639,34 @@ void attend_group_vector(int64_t head_dim, const KeySource& src, int64_t count, 
     case 32: return attend_group_dispatch<Pairs, 32>(src, count, q, limit, out, range);
     default: std::abort();  // paired_supported was checked
   }
+}
+#endif  // KVLOOM_AVX512
+
+// The best path this build has short of AMX: the one paired-layout calls take until
+// kvloom_paired_attention_isa says otherwise.
+#if defined(__AVX512BF16__) && defined(KVLOOM_AVX512)
+constexpr PairedPath BEST_VECTOR_PATH = PAIRED_BF16;
+#elif defined(KVLOOM_AVX512)
+constexpr PairedPath BEST_VECTOR_PATH = PAIRED_AVX512;
+#else
+constexpr PairedPath BEST_VECTOR_PATH = PAIRED_AVX2;
+#endif
+// The worst path this build has (AVX2 exists wherever AVX-512 does; -march=native).
+#ifdef KVLOOM_AVX2
+constexpr PairedPath WORST_PATH = PAIRED_AVX2;
+#else
+constexpr PairedPath WORST_PATH = PAIRED_AVX512;
+#endif
+std::atomic<int> paired_path{BEST_VECTOR_PATH};
+constexpr int MAX_WIDTH = 16;  // the widest group of any path
+
+// The widest group a path takes: 16 tile rows, or what the vector registers hold.
+int group_width(int64_t head_dim, int path) {
+#ifdef KVLOOM_AVX512
+  if (path == PAIRED_AVX512 || path == PAIRED_BF16) return max_group(static_cast<int>(head_dim));
+#endif
+  (void)head_dim;
+  return path == PAIRED_AMX ? 16 : AVX2_GROUP;
 }
 
 void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const uint16_t* const* q,
@@ -721,10 +681,16 @@ void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const u
     }
   }
 #endif
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(KVLOOM_AVX512)
   if (path == PAIRED_BF16) return attend_group_vector<PairsBf16>(head_dim, src, count, q, limit, out, range);
 #endif
-  attend_group_vector<PairsFma>(head_dim, src, count, q, limit, out, range);
+#ifdef KVLOOM_AVX512
+  if (path == PAIRED_AVX512) return attend_group_vector<PairsFma>(head_dim, src, count, q, limit, out, range);
+#endif
+#ifdef KVLOOM_AVX2
+  if (path == PAIRED_AVX2) return attend_group_avx2(head_dim, src, count, q, limit, out, range);
+#endif
+  std::abort();  // kvloom_paired_attention_isa only sets paths this build has
 }
 
 // Shared prefixes in a batch (the radix cache hands many sequences the same leading
@@ -947,7 +913,7 @@ void kvloom_write_kv_paired(const uint16_t* k, int64_t k_stride, const uint16_t*
 // paired layout is not built.
 int kvloom_paired_attention_isa(int want) {
 #ifdef KVLOOM_PAIRED
-  int path = std::max<int>(PAIRED_FMA, std::min<int>(want, BEST_VECTOR_PATH));
+  int path = std::max<int>(WORST_PATH, std::min<int>(want, BEST_VECTOR_PATH));
 #ifdef KVLOOM_PAIRED_AMX
   if (want >= PAIRED_AMX && kvloom_amx::permitted()) path = PAIRED_AMX;
 #endif

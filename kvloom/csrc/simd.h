@@ -88,3 +88,79 @@ inline __m512 exp16(__m512 x) {
 
 }  // namespace kvloom_simd
 #endif
+
+// AVX2 (and FMA): 8 lanes of float32. Kernels that have an AVX-512 path keep its
+// 16-lane arithmetic here as two 8-lane halves, lane for lane, so both paths compute
+// the same operations in the same order.
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVLOOM_AVX2 1
+#include <immintrin.h>
+
+namespace kvloom_simd {
+
+// Lanes [0, count) all ones, the rest zero (count may be out of [0, 8]); `first` is the
+// index of lane 0 (8 for the upper half of a 16-lane group).
+inline __m256 live8(int64_t count, int first = 0) {
+  const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  const int clamped = static_cast<int>(count < 0 ? 0 : (count > 16 ? 16 : count));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(clamped), index));
+}
+inline __m256 load8(const uint16_t* src) {  // 8 bf16 -> float32
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+}
+// The bf16 bits (in the high half of each 32-bit lane) nearest to x, ties to even, NaN
+// a quiet NaN: bf16_bits on 8 lanes.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan);
+  return _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+inline void store8(uint16_t* dst, __m256 x) {  // 8 float32 -> bf16, rounded as bf16_bits8
+  const __m256i halves = _mm256_srli_epi32(bf16_bits8(x), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
+}
+
+// exp16's arithmetic on 8 lanes: the same clamps, rounding and polynomial. scalef's
+// p * 2^n (one rounding) is two multiplications by powers of two built as floats,
+// 2^(n/2) then 2^(n - n/2): the first is exact and both are normal for every n in
+// [-126, 128], so the second rounds once, as scalef does (subnormal and infinite
+// results included).
+inline __m256 exp8(__m256 x) {
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
+  t = _mm256_min_ps(t, _mm256_set1_ps(128.0f));
+  const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, whole);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.52527338040598e-05f), f, _mm256_set1_ps(0.000154035303933816f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00133335581464284f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812910762848f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041086648216f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226506959101f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147180559945f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_cvtps_epi32(whole);
+  const __m256i first = _mm256_srai_epi32(n, 1);
+  const __m256i second = _mm256_sub_epi32(n, first);
+  const auto power = [](__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  };
+  return _mm256_mul_ps(_mm256_mul_ps(p, power(first)), power(second));
+}
+
+// The sum of 16 lanes held as two halves, in _mm512_reduce_add_ps's order (halves,
+// then quarters, then pairs), so that it equals the AVX-512 reduction bit for bit.
+inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 eight = _mm256_add_ps(hi, lo);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m128 one = _mm_add_ps(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 1, 0, 1)));
+  return _mm_cvtss_f32(one);
+}
+
+}  // namespace kvloom_simd
+#endif

@@ -2,7 +2,7 @@
 ``kvloom::write_kv_paired``, and the layout query :func:`paired_layout`.
 
 A layer's KV cache is [2, num_blocks, block_size, kv_heads, head_dim]: token-major
-blocks, or for bf16 caches of shapes the AVX-512 paths serve, the paired layout
+blocks, or for bf16 caches of shapes the AVX2 and AVX-512 paths serve, the paired layout
 (K as [kv_head, head_dim / 2, block_size] words of two bf16, V as [kv_head,
 block_size / 2, head_dim] words; see attention/cpu_paged.py and the kernel's comments).
 Only the kernel writes the paired layout (``write_kv_paired``); the token-major one is
@@ -28,8 +28,9 @@ _INT32 = (torch.int32,)
 _PAIRED_LAYOUT = NativeFunction("paged_attention", "kvloom_paired_layout(int head_dim, int block_size) -> int32")
 _PAIRED_ISA = NativeFunction("paged_attention", "kvloom_paired_attention_isa(int32 want) -> int32")
 # The paired layout's paths, worst to best (paged_attention.cpp's PairedPath): vdpbf16ps's
-# arithmetic as two FMAs per pair (AVX-512 without AVX512-BF16), vdpbf16ps, AMX tiles.
-PAIRED_ISAS = ("avx512", "avx512_bf16", "amx")
+# arithmetic as two FMAs per pair on 8 lanes (AVX2, csrc/paired_avx2.h) and on 16 (AVX-512
+# without AVX512-BF16), vdpbf16ps, AMX tiles. The names are the GEMM's (gemm.ISAS).
+PAIRED_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _CASCADE_MEMBERS = NativeFunction(
     "paged_attention", "kvloom_paired_cascade_members(Tensor block_tables, int max_blocks, Tensor seq_lens, "
                        "Tensor query_lens, int num_seqs, int block_size) -> int")
@@ -56,7 +57,7 @@ def paired_isa() -> str | None:
     for the whole process: AMX and vdpbf16ps agree to rounding, not bit for bit, and a
     query's result must not depend on which path served it."""
     matmul = gemm.default_isa()
-    return set_paired_isa(matmul if matmul in PAIRED_ISAS else "avx512")
+    return set_paired_isa(matmul if matmul in PAIRED_ISAS else PAIRED_ISAS[0])
 
 
 def set_paired_isa(isa: str) -> str | None:

@@ -32,15 +32,22 @@ def paired_isa_with(env_cap: str | None) -> str | None:
 def best_vector_path() -> str | None:
     """What this CPU's flags allow short of AMX (the build is -march=native)."""
     flags = cpu_flags()
-    if not {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return None
-    return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else None
+
+
+def capped(best: str | None, cap: str) -> str | None:
+    """The path a cap leaves: the lower of the two (the names are ordered worst to best)."""
+    return None if best is None else kernels.PAIRED_ISAS[min(kernels.PAIRED_ISAS.index(best),
+                                                             kernels.PAIRED_ISAS.index(cap))]
 
 
 def test_the_cap_keeps_amx_and_vdpbf16ps_out() -> None:
     best = best_vector_path()
     assert paired_isa_with("avx512_bf16") == best
-    assert paired_isa_with("avx512") == (None if best is None else "avx512")
+    assert paired_isa_with("avx512") == capped(best, "avx512")
+    assert paired_isa_with("avx2") == capped(best, "avx2")
 
 
 def test_amx_is_taken_only_where_the_gemm_takes_it() -> None:
@@ -51,10 +58,10 @@ def test_amx_is_taken_only_where_the_gemm_takes_it() -> None:
         assert chosen == "amx"
 
 
-def test_the_paired_layout_is_built_on_every_avx512_cpu() -> None:
+def test_the_paired_layout_is_built_on_every_avx2_cpu() -> None:
     assert kernels.paired_layout(64, 16) == (best_vector_path() is not None)
 
 
 def test_unknown_paths_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"one of \('avx512', 'avx512_bf16', 'amx'\), got 'sse'"):
+    with pytest.raises(ValueError, match=r"one of \('avx2', 'avx512', 'avx512_bf16', 'amx'\), got 'sse'"):
         kernels.set_paired_isa("sse")

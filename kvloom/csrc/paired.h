@@ -1,0 +1,70 @@
+// The paired KV layout's shared pieces: what every path of paired-layout attention
+// (paged_attention.cpp: AVX-512, vdpbf16ps, AMX; paired_avx2.h: AVX2) reads and keeps.
+//
+// Layout (bf16 storage, block_size a multiple of 16, head_dim 32/64/128). Within one
+// block, per kv head (h), in 32-bit words that each hold two bf16:
+//   K: [h][head_dim / 2][block_size]  word (p, t) = (k[t][2p], k[t][2p + 1])
+//   V: [h][block_size / 2][head_dim]  word (j, d) = (v[2j][d], v[2j + 1][d])
+// So 16 consecutive keys of one dim pair are 16 consecutive words: a query's scores for
+// 16 keys come out in 16 lanes of pair products against the broadcast query pair (no
+// horizontal sums), and each load serves every query vector of a group. A token pair's
+// V row is head_dim words, weighted by the broadcast pair of probabilities. The layout
+// is written by write_paired (paged_attention.cpp), called by CPUPagedBackend.write_kv.
+//
+// The pair product, as Intel documents one vdpbf16ps lane: acc + a.hi * b.hi, rounded,
+// then + a.lo * b.lo, rounded (hi: the bf16 in a word's upper half). A product of two
+// bf16 is exact in float32, so each step is one FMA; the vector paths without
+// AVX512-BF16 do exactly that (save vdpbf16ps's flushing of denormals).
+//
+// Invariant: every slot holds finite values (the pool is zero-filled and only ever
+// receives model K/V), so a masked-out key's zero probability times its V is zero.
+#pragma once
+#include <cstdint>
+
+namespace kvloom_paired {
+
+constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead in the block table to prefetch
+
+// One sequence's keys for one kv head: what every group of query vectors reads.
+struct KeySource {
+  const int32_t* table;  // the sequence's block table
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  int64_t block_stride;  // elements per block (all kv heads)
+  int64_t head_offset;   // elements from a block's start to this kv head's K (or V)
+  int64_t block_size;
+  float scale;           // softmax scale, applied to the scores
+
+  // Ask for block b + PREFETCH_BLOCKS of the walk's K and V (`bytes` each) while block
+  // b computes: the blocks are scattered in the pool, so the hardware cannot guess them.
+  void prefetch_ahead(int64_t b, int64_t num_blocks, int64_t bytes) const {
+    if (b + PREFETCH_BLOCKS >= num_blocks) return;
+    const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
+    const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
+    const char* next_v = reinterpret_cast<const char*>(v_cache + ahead);
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(next_k + off);
+      __builtin_prefetch(next_v + off);
+    }
+  }
+};
+
+// The flash-attention state of one query vector, stored between two block ranges of
+// its keys (see Cascade in paged_attention.cpp): what every path keeps while it walks.
+struct alignas(64) PairedState {
+  float acc[128];  // head_dim floats used
+  float sum[16];   // per-lane partial sums
+  float row_max;
+};
+
+// Where a group's walk over the blocks starts and ends. A split walk (blocks [0, b)
+// with `suspend`, then [b, end) with `resume` from the stored states) does the same
+// arithmetic in the same order as one walk, so its results are bit-identical.
+struct BlockRange {
+  int64_t begin = 0;
+  int64_t end = -1;                      // -1: up to the keys the vectors see
+  PairedState* const* resume = nullptr;  // start from these states instead of zero
+  PairedState* const* suspend = nullptr; // store the states here instead of the outputs
+};
+
+}  // namespace kvloom_paired
