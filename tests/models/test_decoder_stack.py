@@ -19,7 +19,7 @@ from kvloom.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not (decoder_stack.available() and paged_attention.paired_layout(32, 16)),
-    reason="the native walk needs the bf16 paired-layout kernels (AVX512-BF16)")
+    reason="the native walk needs the bf16 paired-layout kernels (AVX2 or AVX-512)")
 
 # head_dim 32: a shape the paired layout serves.
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
