@@ -71,7 +71,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
       std::fill(sums[g], sums[g] + 16, 0.0f);
       row_max[g] = -INFINITY;
     }
-    for (int s = 0; s < S; ++s) _mm256_store_ps(query[g] + 8 * s, load8(q[g] + 8 * s));
+    for (int s = 0; s < S; ++s) _mm256_store_ps(query[g] + 8 * s, to_float8(q[g] + 8 * s));
     max_limit = std::max(max_limit, limit[g]);
   }
   const __m256 scale = _mm256_set1_ps(src.scale);

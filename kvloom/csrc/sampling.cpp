@@ -98,6 +98,41 @@ int64_t argmax_row(const T* x, int64_t vocab) {
   const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   // Lanes never replaced hold index 0 with -inf: right when the whole row is -inf.
   return _mm512_mask_reduce_min_epi32(holders, best_at);
+#elif defined(KVLOOM_AVX2)
+  // The same on 8 lanes; a tail shorter than 8 goes through the scalar loop's rule.
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i best_at = _mm256_setzero_si256();
+  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t i = 0;
+  for (; i + 8 <= vocab; i += 8) {
+    const __m256 v = kvloom_simd::to_float8(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (int64_t j = i;; ++j)
+        if (std::isnan(kvloom_simd::to_float(x[j]))) return j;
+    }
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    best_at = _mm256_blendv_epi8(best_at, at, _mm256_castps_si256(greater));
+    at = _mm256_add_epi32(at, step);
+  }
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_at[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), best_at);
+  float top = lane_best[0];
+  int64_t top_at = lane_at[0];  // lanes never replaced hold index 0 with -inf: right for a -inf row
+  for (int lane = 1; lane < 8; ++lane)
+    if (lane_best[lane] > top || (lane_best[lane] == top && lane_at[lane] < top_at)) {
+      top = lane_best[lane];
+      top_at = lane_at[lane];
+    }
+  for (; i < vocab; ++i) {  // the tail: later indices, so only a strictly greater value wins
+    const float v = kvloom_simd::to_float(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > top) { top = v; top_at = i; }
+  }
+  return top_at;
 #else
   int64_t best_at = 0;
   float best = kvloom_simd::to_float(x[0]);

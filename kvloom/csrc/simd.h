@@ -105,7 +105,9 @@ inline __m256 live8(int64_t count, int first = 0) {
   const int clamped = static_cast<int>(count < 0 ? 0 : (count > 16 ? 16 : count));
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(clamped), index));
 }
-inline __m256 load8(const uint16_t* src) {  // 8 bf16 -> float32
+// 8 elements as float32, from float32 or bf16.
+inline __m256 to_float8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 to_float8(const uint16_t* src) {  // 8 bf16 -> float32
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
 }
