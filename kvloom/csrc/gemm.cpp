@@ -20,7 +20,9 @@
 //   ISA_AMX          AMX tiles (tdpbf16ps), 32 x 32 outputs per step
 //   ISA_AVX512_BF16  vdpbf16ps: 16 lanes += pair products, 6 rows x 64 columns a tile
 //   ISA_AVX512       bf16 -> float32 and fma, k by k, 4 rows x 64 columns
-//   ISA_AVX2         the same on 8 lanes, 2 rows x 32 columns, x widened once per call
+//   ISA_AVX2         the same on 8 lanes: x widened once per call; for passes of many
+//                    rows the weight too, a block at a time (6 rows x 16 columns);
+//                    else split where used (2 rows x 32 columns)
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
@@ -50,8 +52,6 @@ struct Problem {
   uint16_t* y;             // [m, n] bf16, row stride n
   int64_t m, n, k;
   int64_t block_words;     // words per packed block: K_pad / 2 * 16
-  const float* xf = nullptr;  // x widened to float32, for paths with FLOAT_INPUTS (else unused)
-  int64_t xf_stride = 0;      // its row stride: K rounded up to even, the pad a zero
   const uint32_t* block(int64_t j) const { return packed + j * block_words; }
 };
 
@@ -128,7 +128,6 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
-  static constexpr bool FLOAT_INPUTS = false;
   template <int R, int B>
   KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
     __m512 acc[R][B];
@@ -150,7 +149,6 @@ struct PathAvx512Bf16 {
 
 struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
-  static constexpr bool FLOAT_INPUTS = false;
   template <int R, int B>
   KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
     __m512 acc[R][B];
@@ -180,56 +178,6 @@ struct PathAvx512 {
   }
 };
 
-// AVX2 has no broadcast from a bf16 half-word: widening a pair of x to two float32
-// broadcasts costs a scalar load, shifts and a move to the vector unit, per row and k
-// pair. So this path reads x from a float32 copy made once per call (Problem::xf, rows
-// padded to an even K with a zero, as the packed weight is), and each broadcast is a
-// plain load. The values, and the fma order (k = 2q, then 2q + 1), are the same.
-struct PathAvx2 {
-  // 8 accumulators, the rows' 4 broadcasts, and one weight half's even and odd lanes:
-  // 14 of the 16 registers. Wider tiles spill (measured: 4 x 16 and 5 x 16 are no
-  // faster at M >= 16 and slower at M = 1, where the weight stream is the bound).
-  static constexpr int ROWS = 2, BLOCKS = 2;
-  static constexpr bool FLOAT_INPUTS = true;
-  template <int R, int B>
-  KVLOOM_TARGET_AVX2 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    __m256 acc[R][2 * B];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 2 * B; ++c) acc[r][c] = _mm256_setzero_ps();
-    const uint32_t* w[B];
-    for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
-    const float* x = p.xf + m0 * p.xf_stride;
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    const int64_t pairs = p.xf_stride / 2;
-    for (int64_t q = 0; q < pairs; ++q) {
-      __m256 x_even[R], x_odd[R];
-      for (int r = 0; r < R; ++r) {
-        x_even[r] = _mm256_broadcast_ss(x + r * p.xf_stride + 2 * q);
-        x_odd[r] = _mm256_broadcast_ss(x + r * p.xf_stride + 2 * q + 1);
-      }
-      for (int c = 0; c < 2 * B; ++c) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[c / 2] + q * WORDS_PER_ROW + 8 * (c % 2)));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm256_fmadd_ps(x_even[r], even, acc[r][c]);  // k = 2q, then 2q + 1
-          acc[r][c] = _mm256_fmadd_ps(x_odd[r], odd, acc[r][c]);
-        }
-      }
-    }
-    alignas(32) float lanes[COLS];
-    for (int b = 0; b < B; ++b) {
-      const int64_t col0 = (j0 + b) * COLS;
-      const int64_t count = std::min<int64_t>(COLS, p.n - col0);
-      for (int r = 0; r < R; ++r) {
-        _mm256_store_ps(lanes, acc[r][2 * b]);
-        _mm256_store_ps(lanes + 8, acc[r][2 * b + 1]);
-        store_row(p, m0 + r, col0, lanes, count);
-      }
-    }
-  }
-};
-
 // Tile functions of every (rows, blocks) up to the path's maximum, indexed [rows - 1][blocks - 1].
 using TileFn = void (*)(const Problem&, int64_t, int64_t);
 template <class Path, int R, int B>
@@ -255,30 +203,14 @@ constexpr int64_t X_BYTES_PER_PASS = 256 * 1024;
 // its own part of the weight) and, within a range, walks panels of BLOCKS blocks, each
 // against every row tile of the pass while the panel sits in L2.
 template <class Path>
-void run_vector(const Problem& problem, int num_threads) {
+void run_vector(const Problem& p, int num_threads) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
-  static thread_local std::vector<float> widened;  // the calling thread's, reused across calls
-  Problem p = problem;
-  float* xf = nullptr;  // the workers see the caller's buffer through this, not their own thread_local
-  if constexpr (Path::FLOAT_INPUTS) {
-    p.xf_stride = round_up(p.k, 2);
-    if (widened.size() < static_cast<size_t>(p.m * p.xf_stride)) widened.resize(p.m * p.xf_stride);
-    p.xf = xf = widened.data();
-  }
-  const int64_t row_bytes = Path::FLOAT_INPUTS ? 4 * p.xf_stride : 2 * p.k;
   const int64_t blocks = (p.n + COLS - 1) / COLS;
-  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / std::max<int64_t>(row_bytes, 1) / Path::ROWS)
+  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
                             * Path::ROWS;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #pragma omp parallel num_threads(threads)
   {
-    if constexpr (Path::FLOAT_INPUTS) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < p.m; ++r) {
-        for (int64_t c = 0; c < p.k; ++c) xf[r * p.xf_stride + c] = bf16_to_float(p.x[r * p.k + c]);
-        if (p.k & 1) xf[r * p.xf_stride + p.k] = 0.0f;
-      }  // the loop's implicit barrier: every row is widened before any tile reads it
-    }
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
@@ -288,6 +220,163 @@ void run_vector(const Problem& problem, int num_threads) {
         for (int64_t m0 = pass; m0 < pass_end; m0 += Path::ROWS) {
           const int64_t rows = std::min<int64_t>(Path::ROWS, pass_end - m0);
           table.at[rows - 1][panel - 1](p, m0, j0);
+        }
+      }
+    }
+  }
+}
+
+// ---- AVX2 -----------------------------------------------------------------------
+// AVX2 has no bf16 arithmetic and no broadcast from a bf16 half-word, so this path
+// widens both operands to float32 where that pays, and then is a plain float32 kernel.
+// x is widened once per call (rows padded to an even K with a zero, as the packed
+// weight is), so a broadcast is a plain load. The weight is widened one 16-column
+// block at a time into a per-thread [K][16] float copy when a pass has enough rows to
+// reuse it (WIDEN_MIN_ROWS); with fewer rows (decode), the tiles split each loaded
+// word into its even and odd k instead. Either way every output is one accumulator
+// walking k = 0, 1, 2, ... with one fma per k (the order of the AVX-512 FMA path), so
+// which tile served a row never changes its bits.
+struct Avx2Inputs {
+  const float* x;  // x widened: [m][stride]
+  int64_t stride;  // K rounded up to even
+};
+
+// The store of one row's 16 columns of block j (two 8-lane halves), by value: an
+// accumulator array passed by reference made the compiler store it on every k.
+KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t j, __m256 lo, __m256 hi) {
+  alignas(32) float lanes[COLS];
+  _mm256_store_ps(lanes, lo);
+  _mm256_store_ps(lanes + 8, hi);
+  store_row(p, row, j * COLS, lanes, std::min<int64_t>(COLS, p.n - j * COLS));
+}
+
+// Rows m0 .. m0 + R (R <= 2) of blocks j0 .. j0 + B (B <= 2), from the packed words,
+// each split into its even and odd k where it is used: 8 accumulators, 4 row
+// broadcasts, one weight half's two lane sets (14 registers). The accumulators are
+// named, not an array (see avx2_tile_widened).
+template <int R, int B>
+KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in, int64_t m0, int64_t j0) {
+  static_assert(R >= 1 && R <= 2 && B >= 1 && B <= 2, "a packed tile is at most 2 rows x 2 blocks");
+  const int64_t stride = in.stride;
+  const float* x0 = in.x + m0 * stride;
+  const float* x1 = R > 1 ? x0 + stride : x0;
+  const uint32_t* w0 = p.block(j0);
+  const uint32_t* w1 = B > 1 ? p.block(j0 + 1) : w0;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 r0c0 = _mm256_setzero_ps(), r0c1 = r0c0, r0c2 = r0c0, r0c3 = r0c0;  // row, 8-column quarter
+  __m256 r1c0 = r0c0, r1c1 = r0c0, r1c2 = r0c0, r1c3 = r0c0;
+  for (int64_t q = 0; q < stride / 2; ++q) {
+    const __m256 e0 = _mm256_broadcast_ss(x0 + 2 * q), o0 = _mm256_broadcast_ss(x0 + 2 * q + 1);
+    const __m256 e1 = _mm256_broadcast_ss(x1 + 2 * q), o1 = _mm256_broadcast_ss(x1 + 2 * q + 1);
+    // acc += x[2q] * W[.][2q], then += x[2q + 1] * W[.][2q + 1], for both rows
+    const auto quarter = [&](const uint32_t* words, __m256& row0, __m256& row1) KVLOOM_TARGET_AVX2 {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+      row0 = _mm256_fmadd_ps(o0, odd, _mm256_fmadd_ps(e0, even, row0));
+      if (R > 1) row1 = _mm256_fmadd_ps(o1, odd, _mm256_fmadd_ps(e1, even, row1));
+    };
+    quarter(w0 + q * WORDS_PER_ROW, r0c0, r1c0);
+    quarter(w0 + q * WORDS_PER_ROW + 8, r0c1, r1c1);
+    if (B > 1) {
+      quarter(w1 + q * WORDS_PER_ROW, r0c2, r1c2);
+      quarter(w1 + q * WORDS_PER_ROW + 8, r0c3, r1c3);
+    }
+  }
+  avx2_store(p, m0, j0, r0c0, r0c1);
+  if (R > 1) avx2_store(p, m0 + 1, j0, r1c0, r1c1);
+  if (B > 1) {
+    avx2_store(p, m0, j0 + 1, r0c2, r0c3);
+    if (R > 1) avx2_store(p, m0 + 1, j0 + 1, r1c2, r1c3);
+  }
+}
+
+// Block j as [K][16] float32 (k rows of the block's 16 columns).
+KVLOOM_TARGET_AVX2 void avx2_widen_block(const Problem& p, int64_t j, int64_t k_even, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint32_t* w = p.block(j);
+  for (int64_t q = 0; q < k_even / 2; ++q)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * WORDS_PER_ROW + 8 * h));
+      _mm256_store_ps(out + (2 * q) * COLS + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+      _mm256_store_ps(out + (2 * q + 1) * COLS + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(words, high)));
+    }
+}
+
+// Six rows (m0 ..) of block j from its widened copy: 12 accumulators (enough to hide
+// the fma latency), 2 weight registers and a broadcast. Named, not an array: GCC 12
+// kept an array of them in memory, storing all 12 on every k (half the speed).
+KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in, const float* wf, int64_t m0,
+                                          int64_t j) {
+  const int64_t stride = in.stride;
+  const float* x = in.x + m0 * stride;
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
+  __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+  for (int64_t k = 0; k < stride; ++k) {
+    const __m256 lo = _mm256_load_ps(wf + k * COLS), hi = _mm256_load_ps(wf + k * COLS + 8);
+    __m256 v = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(v, lo, a0), b0 = _mm256_fmadd_ps(v, hi, b0);
+    v = _mm256_broadcast_ss(x + stride + k);
+    a1 = _mm256_fmadd_ps(v, lo, a1), b1 = _mm256_fmadd_ps(v, hi, b1);
+    v = _mm256_broadcast_ss(x + 2 * stride + k);
+    a2 = _mm256_fmadd_ps(v, lo, a2), b2 = _mm256_fmadd_ps(v, hi, b2);
+    v = _mm256_broadcast_ss(x + 3 * stride + k);
+    a3 = _mm256_fmadd_ps(v, lo, a3), b3 = _mm256_fmadd_ps(v, hi, b3);
+    v = _mm256_broadcast_ss(x + 4 * stride + k);
+    a4 = _mm256_fmadd_ps(v, lo, a4), b4 = _mm256_fmadd_ps(v, hi, b4);
+    v = _mm256_broadcast_ss(x + 5 * stride + k);
+    a5 = _mm256_fmadd_ps(v, lo, a5), b5 = _mm256_fmadd_ps(v, hi, b5);
+  }
+  avx2_store(p, m0, j, a0, b0);
+  avx2_store(p, m0 + 1, j, a1, b1);
+  avx2_store(p, m0 + 2, j, a2, b2);
+  avx2_store(p, m0 + 3, j, a3, b3);
+  avx2_store(p, m0 + 4, j, a4, b4);
+  avx2_store(p, m0 + 5, j, a5, b5);
+}
+
+constexpr int AVX2_PACKED_ROWS = 2, AVX2_PACKED_BLOCKS = 2, AVX2_WIDE_ROWS = 6;
+constexpr int64_t WIDEN_MIN_ROWS = 24;  // a widened block pays for itself from about here (measured)
+
+void run_avx2(const Problem& p, int num_threads) {
+  using PackedFn = void (*)(const Problem&, const Avx2Inputs&, int64_t, int64_t);
+  static const PackedFn packed[2][2] = {{avx2_tile_packed<1, 1>, avx2_tile_packed<1, 2>},
+                                        {avx2_tile_packed<2, 1>, avx2_tile_packed<2, 2>}};
+  static thread_local std::vector<float> widened_x;  // the calling thread's, reused across calls
+  const int64_t stride = round_up(p.k, 2);
+  if (widened_x.size() < static_cast<size_t>(p.m * stride)) widened_x.resize(p.m * stride);
+  float* const xf = widened_x.data();  // the workers reach the caller's buffer through this
+  const Avx2Inputs in{xf, stride};
+  const int64_t blocks = (p.n + COLS - 1) / COLS;
+  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (4 * stride) / AVX2_WIDE_ROWS) * AVX2_WIDE_ROWS;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < p.m; ++r) {
+      for (int64_t c = 0; c < p.k; ++c) xf[r * stride + c] = bf16_to_float(p.x[r * p.k + c]);
+      if (p.k & 1) xf[r * stride + p.k] = 0.0f;
+    }  // the loop's implicit barrier: every row is widened before any tile reads it
+    std::vector<float> wf;  // this thread's widened block
+    const int t = omp_get_thread_num(), count = omp_get_num_threads();
+    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
+    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
+      const int64_t pass_end = std::min(p.m, pass + pass_rows);
+      if (pass_end - pass >= WIDEN_MIN_ROWS) {
+        if (wf.empty()) wf.resize(stride * COLS + 8);
+        float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
+        for (int64_t j = first; j < last; ++j) {
+          avx2_widen_block(p, j, stride, block);
+          int64_t m0 = pass;
+          for (; m0 + AVX2_WIDE_ROWS <= pass_end; m0 += AVX2_WIDE_ROWS) avx2_tile_widened(p, in, block, m0, j);
+          for (; m0 < pass_end; m0 += AVX2_PACKED_ROWS)  // the last rows: the same sums from the packed words
+            packed[std::min<int64_t>(AVX2_PACKED_ROWS, pass_end - m0) - 1][0](p, in, m0, j);
+        }
+      } else {
+        for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {
+          const int64_t panel = std::min<int64_t>(AVX2_PACKED_BLOCKS, last - j0);
+          for (int64_t m0 = pass; m0 < pass_end; m0 += AVX2_PACKED_ROWS)
+            packed[std::min<int64_t>(AVX2_PACKED_ROWS, pass_end - m0) - 1][panel - 1](p, in, m0, j0);
         }
       }
     }
@@ -447,7 +536,7 @@ int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* 
     case ISA_AMX: run_amx(p, num_threads); break;
     case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads); break;
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
-    default: run_vector<PathAvx2>(p, num_threads); break;
+    default: run_avx2(p, num_threads); break;
   }
   return 0;
 }
