@@ -26,6 +26,7 @@
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,8 +35,11 @@
 #include <omp.h>
 
 #include "amx.h"
+#include "simd.h"
 
 namespace {
+
+using kvloom_simd::unrolled;  // accumulators indexed by constants: they stay in registers
 
 enum Isa : int { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX = 4 };
 
@@ -106,42 +110,46 @@ inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* 
 // (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
 template <int ROWS, int BLOCKS>
 KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, int64_t j0,
-                                                const __m512 (&acc)[ROWS][BLOCKS]) {
+                                                const std::array<__m512, ROWS * BLOCKS>& acc) {
   const __m512i round_bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-  for (int b = 0; b < BLOCKS; ++b) {
+  unrolled<BLOCKS>([&](auto b) KVLOOM_TARGET_AVX512 {
     const int64_t col0 = (j0 + b) * COLS;
     const __mmask16 live = static_cast<__mmask16>(p.n - col0 >= COLS ? 0xffff : (1u << (p.n - col0)) - 1);
     __m512 bias = _mm512_setzero_ps();
     if (p.bias)
       bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p.bias + col0)), 16));
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 sum = p.bias ? _mm512_add_ps(acc[r][b], bias) : acc[r][b];
+    unrolled<ROWS>([&](auto r) KVLOOM_TARGET_AVX512 {
+      const __m512 sum = p.bias ? _mm512_add_ps(acc[r * BLOCKS + b], bias) : acc[r * BLOCKS + b];
       const __m512i bits = _mm512_castps_si512(sum);
       __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
                                          _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
       rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
                                       _mm512_set1_epi32(0x7fc0));
       _mm256_mask_storeu_epi16(p.y + (m0 + r) * p.n + col0, live, _mm512_cvtepi32_epi16(rounded));
-    }
-  }
+    });
+  });
 }
 
+// Accumulator (r, b) is acc[r * B + b].
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
   template <int R, int B>
   KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    __m512 acc[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    std::array<__m512, R * B> acc;
+    unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512_BF16 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
     for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
-      __m512bh weights[B];
-      for (int b = 0; b < B; ++b) weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
-      for (int r = 0; r < R; ++r) {
+      std::array<__m512bh, B> weights;
+      unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512_BF16 {
+        weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
+      });
+      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX512_BF16 {
         const __m512bh inputs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of_row(r)));
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], inputs, weights[b]);
-      }
+        unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512_BF16 {
+          acc[r * B + b] = _mm512_dpbf16_ps(acc[r * B + b], inputs, weights[b]);
+        });
+      });
     });
     store_tile_512<R, B>(p, m0, j0, acc);
   }
@@ -151,28 +159,27 @@ struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
   template <int R, int B>
   KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    __m512 acc[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    std::array<__m512, R * B> acc;
+    unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512 {
-      __m512 even[B], odd[B];  // W[.][2q] and W[.][2q + 1] as float32
-      for (int b = 0; b < B; ++b) {
+      std::array<__m512, B> even, odd;  // W[.][2q] and W[.][2q + 1] as float32
+      unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512 {
         const __m512i words = _mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
         even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
         odd[b] = _mm512_castsi512_ps(_mm512_and_si512(words, high));
-      }
-      for (int r = 0; r < R; ++r) {
+      });
+      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX512 {
         const uint32_t pair = pair_of_row(r);
         const __m512 x_even = _mm512_set1_ps(bf16_to_float(static_cast<uint16_t>(pair)));
         const __m512 x_odd = _mm512_set1_ps(bf16_to_float(static_cast<uint16_t>(pair >> 16)));
-        for (int b = 0; b < B; ++b) {
-          acc[r][b] = _mm512_fmadd_ps(x_even, even[b], acc[r][b]);  // k = 2q, then 2q + 1
-          acc[r][b] = _mm512_fmadd_ps(x_odd, odd[b], acc[r][b]);
-        }
-      }
+        unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512 {
+          acc[r * B + b] = _mm512_fmadd_ps(x_even, even[b], acc[r * B + b]);  // k = 2q, then 2q + 1
+          acc[r * B + b] = _mm512_fmadd_ps(x_odd, odd[b], acc[r * B + b]);
+        });
+      });
     });
     store_tile_512<R, B>(p, m0, j0, acc);
   }
@@ -241,8 +248,7 @@ struct Avx2Inputs {
   int64_t stride;  // K rounded up to even
 };
 
-// The store of one row's 16 columns of block j (two 8-lane halves), by value: an
-// accumulator array passed by reference made the compiler store it on every k.
+// The store of one row's 16 columns of block j (two 8-lane halves).
 KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t j, __m256 lo, __m256 hi) {
   alignas(32) float lanes[COLS];
   _mm256_store_ps(lanes, lo);
@@ -250,45 +256,37 @@ KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t
   store_row(p, row, j * COLS, lanes, std::min<int64_t>(COLS, p.n - j * COLS));
 }
 
-// Rows m0 .. m0 + R (R <= 2) of blocks j0 .. j0 + B (B <= 2), from the packed words,
-// each split into its even and odd k where it is used: 8 accumulators, 4 row
-// broadcasts, one weight half's two lane sets (14 registers). The accumulators are
-// named, not an array (see avx2_tile_widened).
+// Rows m0 .. m0 + R of blocks j0 .. j0 + B, from the packed words, each split into its
+// even and odd k where it is used: at 2 x 2, 8 accumulators (acc[r * 2B + quarter],
+// 8 columns a quarter), 4 row broadcasts, one quarter's two lane sets: 14 registers.
 template <int R, int B>
 KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in, int64_t m0, int64_t j0) {
-  static_assert(R >= 1 && R <= 2 && B >= 1 && B <= 2, "a packed tile is at most 2 rows x 2 blocks");
+  constexpr int C = 2 * B;  // 8-column quarters
   const int64_t stride = in.stride;
-  const float* x0 = in.x + m0 * stride;
-  const float* x1 = R > 1 ? x0 + stride : x0;
-  const uint32_t* w0 = p.block(j0);
-  const uint32_t* w1 = B > 1 ? p.block(j0 + 1) : w0;
+  const float* x = in.x + m0 * stride;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  __m256 r0c0 = _mm256_setzero_ps(), r0c1 = r0c0, r0c2 = r0c0, r0c3 = r0c0;  // row, 8-column quarter
-  __m256 r1c0 = r0c0, r1c1 = r0c0, r1c2 = r0c0, r1c3 = r0c0;
+  std::array<__m256, R * C> acc;
+  unrolled<R * C>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
   for (int64_t q = 0; q < stride / 2; ++q) {
-    const __m256 e0 = _mm256_broadcast_ss(x0 + 2 * q), o0 = _mm256_broadcast_ss(x0 + 2 * q + 1);
-    const __m256 e1 = _mm256_broadcast_ss(x1 + 2 * q), o1 = _mm256_broadcast_ss(x1 + 2 * q + 1);
-    // acc += x[2q] * W[.][2q], then += x[2q + 1] * W[.][2q + 1], for both rows
-    const auto quarter = [&](const uint32_t* words, __m256& row0, __m256& row1) KVLOOM_TARGET_AVX2 {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-      row0 = _mm256_fmadd_ps(o0, odd, _mm256_fmadd_ps(e0, even, row0));
-      if (R > 1) row1 = _mm256_fmadd_ps(o1, odd, _mm256_fmadd_ps(e1, even, row1));
-    };
-    quarter(w0 + q * WORDS_PER_ROW, r0c0, r1c0);
-    quarter(w0 + q * WORDS_PER_ROW + 8, r0c1, r1c1);
-    if (B > 1) {
-      quarter(w1 + q * WORDS_PER_ROW, r0c2, r1c2);
-      quarter(w1 + q * WORDS_PER_ROW + 8, r0c3, r1c3);
-    }
+    std::array<__m256, R> x_even, x_odd;
+    unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
+      x_even[r] = _mm256_broadcast_ss(x + r * stride + 2 * q);
+      x_odd[r] = _mm256_broadcast_ss(x + r * stride + 2 * q + 1);
+    });
+    unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 {
+      const __m256i words = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p.block(j0 + c / 2) + q * WORDS_PER_ROW + 8 * (c % 2)));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {  // k = 2q, then 2q + 1
+        acc[r * C + c] = _mm256_fmadd_ps(x_odd[r], odd, _mm256_fmadd_ps(x_even[r], even, acc[r * C + c]));
+      });
+    });
   }
-  avx2_store(p, m0, j0, r0c0, r0c1);
-  if (R > 1) avx2_store(p, m0 + 1, j0, r1c0, r1c1);
-  if (B > 1) {
-    avx2_store(p, m0, j0 + 1, r0c2, r0c3);
-    if (R > 1) avx2_store(p, m0 + 1, j0 + 1, r1c2, r1c3);
-  }
+  unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX2 {
+    constexpr int r = i / B, b = i % B;
+    avx2_store(p, m0 + r, j0 + b, acc[r * C + 2 * b], acc[r * C + 2 * b + 1]);
+  });
 }
 
 // Block j as [K][16] float32 (k rows of the block's 16 columns).
@@ -303,36 +301,25 @@ KVLOOM_TARGET_AVX2 void avx2_widen_block(const Problem& p, int64_t j, int64_t k_
     }
 }
 
-// Six rows (m0 ..) of block j from its widened copy: 12 accumulators (enough to hide
-// the fma latency), 2 weight registers and a broadcast. Named, not an array: GCC 12
-// kept an array of them in memory, storing all 12 on every k (half the speed).
+// Rows m0 .. m0 + R of block j from its widened copy: at 6 rows, 12 accumulators
+// (acc[2r], acc[2r + 1]: enough to hide the fma latency), 2 weight registers and a
+// broadcast.
+template <int R>
 KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in, const float* wf, int64_t m0,
                                           int64_t j) {
   const int64_t stride = in.stride;
   const float* x = in.x + m0 * stride;
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
-  __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+  std::array<__m256, 2 * R> acc;
+  unrolled<2 * R>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
   for (int64_t k = 0; k < stride; ++k) {
     const __m256 lo = _mm256_load_ps(wf + k * COLS), hi = _mm256_load_ps(wf + k * COLS + 8);
-    __m256 v = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(v, lo, a0), b0 = _mm256_fmadd_ps(v, hi, b0);
-    v = _mm256_broadcast_ss(x + stride + k);
-    a1 = _mm256_fmadd_ps(v, lo, a1), b1 = _mm256_fmadd_ps(v, hi, b1);
-    v = _mm256_broadcast_ss(x + 2 * stride + k);
-    a2 = _mm256_fmadd_ps(v, lo, a2), b2 = _mm256_fmadd_ps(v, hi, b2);
-    v = _mm256_broadcast_ss(x + 3 * stride + k);
-    a3 = _mm256_fmadd_ps(v, lo, a3), b3 = _mm256_fmadd_ps(v, hi, b3);
-    v = _mm256_broadcast_ss(x + 4 * stride + k);
-    a4 = _mm256_fmadd_ps(v, lo, a4), b4 = _mm256_fmadd_ps(v, hi, b4);
-    v = _mm256_broadcast_ss(x + 5 * stride + k);
-    a5 = _mm256_fmadd_ps(v, lo, a5), b5 = _mm256_fmadd_ps(v, hi, b5);
+    unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
+      const __m256 v = _mm256_broadcast_ss(x + r * stride + k);
+      acc[2 * r] = _mm256_fmadd_ps(v, lo, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(v, hi, acc[2 * r + 1]);
+    });
   }
-  avx2_store(p, m0, j, a0, b0);
-  avx2_store(p, m0 + 1, j, a1, b1);
-  avx2_store(p, m0 + 2, j, a2, b2);
-  avx2_store(p, m0 + 3, j, a3, b3);
-  avx2_store(p, m0 + 4, j, a4, b4);
-  avx2_store(p, m0 + 5, j, a5, b5);
+  unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 { avx2_store(p, m0 + r, j, acc[2 * r], acc[2 * r + 1]); });
 }
 
 constexpr int AVX2_PACKED_ROWS = 2, AVX2_PACKED_BLOCKS = 2, AVX2_WIDE_ROWS = 6;
@@ -340,6 +327,9 @@ constexpr int64_t WIDEN_MIN_ROWS = 24;  // a widened block pays for itself from 
 
 void run_avx2(const Problem& p, int num_threads) {
   using PackedFn = void (*)(const Problem&, const Avx2Inputs&, int64_t, int64_t);
+  using WideFn = void (*)(const Problem&, const Avx2Inputs&, const float*, int64_t, int64_t);
+  static const WideFn wide[6] = {avx2_tile_widened<1>, avx2_tile_widened<2>, avx2_tile_widened<3>,
+                                 avx2_tile_widened<4>, avx2_tile_widened<5>, avx2_tile_widened<6>};
   static const PackedFn packed[2][2] = {{avx2_tile_packed<1, 1>, avx2_tile_packed<1, 2>},
                                         {avx2_tile_packed<2, 1>, avx2_tile_packed<2, 2>}};
   static thread_local std::vector<float> widened_x;  // the calling thread's, reused across calls
@@ -367,10 +357,8 @@ void run_avx2(const Problem& p, int num_threads) {
         float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
         for (int64_t j = first; j < last; ++j) {
           avx2_widen_block(p, j, stride, block);
-          int64_t m0 = pass;
-          for (; m0 + AVX2_WIDE_ROWS <= pass_end; m0 += AVX2_WIDE_ROWS) avx2_tile_widened(p, in, block, m0, j);
-          for (; m0 < pass_end; m0 += AVX2_PACKED_ROWS)  // the last rows: the same sums from the packed words
-            packed[std::min<int64_t>(AVX2_PACKED_ROWS, pass_end - m0) - 1][0](p, in, m0, j);
+          for (int64_t m0 = pass; m0 < pass_end; m0 += AVX2_WIDE_ROWS)
+            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j);
         }
       } else {
         for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {

@@ -5,8 +5,20 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 namespace kvloom_simd {
+
+// f(std::integral_constant<int, I>()) for I = 0 .. N - 1, in order. Kernels index
+// their accumulator arrays this way: GCC 12 keeps an array of more than a few vectors
+// in memory when a loop indexes it, storing every accumulator on every step of the
+// reduction (measured: half the speed of the AVX2 GEMM), but keeps it in registers
+// when every index is a constant.
+template <class F, std::size_t... I>
+inline void unrolled_impl(F& f, std::index_sequence<I...>) { (f(std::integral_constant<int, I>()), ...); }
+template <int N, class F>
+inline void unrolled(F&& f) { unrolled_impl(f, std::make_index_sequence<N>()); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float: the high half of a float
