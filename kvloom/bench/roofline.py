@@ -1,9 +1,11 @@
 """`kvloom bench roofline`: this machine's limits, and what they mean for a decode step.
 
-Measures matmul throughput (bf16 and fp32; large and decode-shaped) and memory
-bandwidth, then derives the lower bound on one decode step of a model: every
-weight read once plus every running sequence's KV read once, or the FLOPs at the
-measured matmul rate, whichever is larger.
+Measures matmul throughput (bf16 and fp32 through torch; large and decode-shaped; and
+kvloom's own bf16 GEMM on the path the engine takes) and memory bandwidth, then derives
+the lower bound on one decode step of a model: every weight read once plus every
+running sequence's KV read once, or the FLOPs at the best measured bf16 rate (torch's or
+kvloom's: on a CPU without AVX512-BF16, torch's bf16 matmul is oneDNN's slow reference
+path, and a bound from it would be no bound), whichever is larger.
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(n, k, dtype=dtype)
     seconds = _best_time(lambda: torch.nn.functional.linear(a, b))
+    return 2 * m * k * n / seconds / 1e9
+
+
+def kvloom_gemm_gflops(m: int, k: int, n: int) -> float | None:
+    """kvloom's batch-invariant bf16 GEMM on the engine's path (None where it does not
+    build or run here)."""
+    from kvloom.kernels import gemm
+
+    isa = gemm.default_isa()
+    if isa is None:
+        return None
+    x = torch.randn(m, k).bfloat16()
+    packed = gemm.pack_weight(torch.randn(n, k).bfloat16())
+    seconds = _best_time(lambda: gemm.gemm_bf16(x, packed, None, n, isa))
     return 2 * m * k * n / seconds / 1e9
 
 
@@ -77,9 +93,14 @@ def run_roofline(model: ModelConfig, num_params: int, batches: list[int], contex
             rate = matmul_gflops(m, h, 2 * i, dtype)
             rates[(label, m)] = rate
             lines.append(f"  {label} decode-shaped {m}x{h}x{2 * i}: {rate:8.1f}")
+    for m in batches:
+        ours = kvloom_gemm_gflops(m, h, 2 * i)
+        if ours is not None:
+            lines.append(f"  kvloom GEMM bf16 decode-shaped {m}x{h}x{2 * i}: {ours:8.1f}")
+            rates[("bf16", m)] = max(rates[("bf16", m)], ours)
     bandwidth = memory_bandwidth_gbs()
     lines.append(f"memory bandwidth (copy, read+write): {bandwidth:.1f} GB/s")
-    lines.append(f"decode step lower bound (bf16, context {context}):")
+    lines.append(f"decode step lower bound (bf16 at the better of torch's and kvloom's rate, context {context}):")
     lines.append(f"  {'batch':>5} {'weights MB':>10} {'KV MB':>8} {'GFLOP':>7} {'mem ms':>7} "
                  f"{'compute ms':>10} {'bound ms':>9} {'tok/s':>8}")
     for m in batches:
