@@ -26,7 +26,6 @@
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -110,7 +109,7 @@ inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* 
 // (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
 template <int ROWS, int BLOCKS>
 KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, int64_t j0,
-                                                const std::array<__m512, ROWS * BLOCKS>& acc) {
+                                                const __m512 (&acc)[ROWS * BLOCKS]) {
   const __m512i round_bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
   unrolled<BLOCKS>([&](auto b) KVLOOM_TARGET_AVX512 {
     const int64_t col0 = (j0 + b) * COLS;
@@ -135,12 +134,12 @@ struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
   template <int R, int B>
   KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    std::array<__m512, R * B> acc;
+    __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512_BF16 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
     for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
-      std::array<__m512bh, B> weights;
+      __m512bh weights[B];
       unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512_BF16 {
         weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
       });
@@ -159,13 +158,13 @@ struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
   template <int R, int B>
   KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
-    std::array<__m512, R * B> acc;
+    __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512 {
-      std::array<__m512, B> even, odd;  // W[.][2q] and W[.][2q + 1] as float32
+      __m512 even[B], odd[B];  // W[.][2q] and W[.][2q + 1] as float32
       unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512 {
         const __m512i words = _mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
         even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
@@ -265,10 +264,10 @@ KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in,
   const int64_t stride = in.stride;
   const float* x = in.x + m0 * stride;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  std::array<__m256, R * C> acc;
+  __m256 acc[R * C];
   unrolled<R * C>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
   for (int64_t q = 0; q < stride / 2; ++q) {
-    std::array<__m256, R> x_even, x_odd;
+    __m256 x_even[R], x_odd[R];
     unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
       x_even[r] = _mm256_broadcast_ss(x + r * stride + 2 * q);
       x_odd[r] = _mm256_broadcast_ss(x + r * stride + 2 * q + 1);
@@ -309,7 +308,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in
                                           int64_t j) {
   const int64_t stride = in.stride;
   const float* x = in.x + m0 * stride;
-  std::array<__m256, 2 * R> acc;
+  __m256 acc[2 * R];
   unrolled<2 * R>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
   for (int64_t k = 0; k < stride; ++k) {
     const __m256 lo = _mm256_load_ps(wf + k * COLS), hi = _mm256_load_ps(wf + k * COLS + 8);
