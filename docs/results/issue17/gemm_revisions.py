@@ -1,6 +1,6 @@
 """kvloom's GEMM as it was at several git revisions, side by side on this machine: each
 revision's csrc/gemm.cpp (with that revision's headers) is built with kvloom's flags,
-timed on the default model's matmul shapes (GFLOP/s, best of 5 loops, 2 threads) on one
+timed on the default model's matmul shapes (GFLOP/s, best of 3 loops, 2 threads) on one
 path, and its outputs compared with the first revision's bit for bit.
 
     .venv/bin/python docs/results/issue17/gemm_revisions.py avx2 7d18248 HEAD
@@ -12,13 +12,15 @@ import ctypes
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from kvloom import native
 from kvloom.kernels import gemm
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from gemm_vs_onednn import best_ms  # noqa: E402 (the timer of that comparison: best of 3 loops)
 
 SHAPES = {"qkv 960x576": (960, 576), "gate/up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
           "lm_head 49152x576": (49152, 576)}
@@ -58,15 +60,7 @@ def measure(library: ctypes.CDLL, isa: int) -> tuple[list[float], list[torch.Ten
             x, y = torch.randn(m, k).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
             def call(x=x, y=y, m=m, n=n, k=k, packed=packed) -> None:
                 library.kvloom_gemm_bf16(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), m, n, k, isa, 2)
-            reps = max(3, int(3e8 / (2 * m * n * k)))
-            call()
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(reps):
-                    call()
-                best = min(best, (time.perf_counter() - start) / reps)
-            rates.append(2 * m * n * k / best / 1e9)
+            rates.append(2 * m * n * k / best_ms(call, max(3, int(3e8 / (2 * m * n * k)))) / 1e6)
             outputs.append(y.clone())
     return rates, outputs
 
