@@ -50,8 +50,24 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     }
     continue;
 #endif
+    // The scalar rule, for every element or (AVX2) for those past the last 8 lanes.
+    int64_t vec = 0;  // elements the vector loops take
     float sum_sq = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)  // an AVX-512 build took its own path above
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    __m256 sum_v = _mm256_setzero_ps();
+    for (int64_t i = 0; i < vec; i += 8) {
+      __m256 v = to_float8(xr + i);
+      if (res) {
+        v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
+        store8(res + i, v);
+      }
+      sum_v = _mm256_fmadd_ps(v, v, sum_v);
+    }
+    sum_sq = reduce_add8(sum_v);
+#endif
+    for (int64_t i = vec; i < n; ++i) {
       float v = to_float(xr[i]);
       if (res) {
         v = round_to(v + to_float(res[i]), res);
@@ -61,7 +77,13 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     }
     const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
     const T* src = res ? res : xr;
-    for (int64_t i = 0; i < n; ++i) {
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    for (int64_t i = 0; i < vec; i += 8) {
+      const __m256 normed = round8(_mm256_mul_ps(to_float8(src + i), _mm256_set1_ps(inv)), o);
+      store8(o + i, _mm256_mul_ps(to_float8(weight + i), normed));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i) {
       const float normed = round_to(to_float(src[i]) * inv, o);
       from_float(round_to(to_float(weight[i]) * normed, o), o + i);
     }
@@ -85,7 +107,17 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
     }
     continue;
 #endif
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    for (int64_t i = 0; i < vec; i += 8) {  // exp8: exp16's arithmetic
+      const __m256 gv = to_float8(g + i);
+      const __m256 silu = round8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), o);
+      store8(o + i, _mm256_mul_ps(silu, to_float8(u + i)));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i) {
       const float gv = to_float(g[i]);
       const float silu = round_to(gv / (1.0f + std::exp(-gv)), o);
       from_float(round_to(silu * to_float(u[i]), o), o + i);
@@ -122,7 +154,21 @@ void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_
       }
       continue;
 #endif
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t vec = 0;  // dims the vector loop takes; the scalar rule does the rest
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+      using namespace kvloom_simd;
+      vec = half / 8 * 8;
+      for (int64_t i = 0; i < vec; i += 8) {
+        const __m256 ci = round8(to_float8(c + i), v), si = round8(to_float8(s + i), v);
+        const __m256 x1 = to_float8(v + i), x2 = to_float8(v + i + half);
+        const __m256 y1 = _mm256_add_ps(round8(_mm256_mul_ps(x1, ci), v),
+                                        round8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), si), v));
+        const __m256 y2 = _mm256_add_ps(round8(_mm256_mul_ps(x2, ci), v), round8(_mm256_mul_ps(x1, si), v));
+        store8(v + i, y1);
+        store8(v + i + half, y2);
+      }
+#endif
+      for (int64_t i = vec; i < half; ++i) {
         const float ci = round_to(c[i], v), si = round_to(s[i], v);
         const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
         const float y1 = round_to(round_to(x1 * ci, v) + round_to(-x2 * si, v), v);

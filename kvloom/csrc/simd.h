@@ -134,6 +134,10 @@ inline __m256i bf16_bits8(__m256 x) {
   rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan);
   return _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
 }
+// x rounded to the storage type's precision, still as float (identity for float).
+inline __m256 round8(__m256 x, const float*) { return x; }
+inline __m256 round8(__m256 x, const uint16_t*) { return _mm256_castsi256_ps(bf16_bits8(x)); }
+inline void store8(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
 inline void store8(uint16_t* dst, __m256 x) {  // 8 float32 -> bf16, rounded as bf16_bits8
   const __m256i halves = _mm256_srli_epi32(bf16_bits8(x), 16);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
@@ -162,15 +166,16 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, power(first)), power(second));
 }
 
+// The sum of 8 lanes: halves, then quarters, then pairs.
+inline float reduce_add8(__m256 x) {
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ps(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 1, 0, 1))));
+}
+
 // The sum of 16 lanes held as two halves, in _mm512_reduce_add_ps's order (halves,
 // then quarters, then pairs), so that it equals the AVX-512 reduction bit for bit.
-inline float reduce_add16(__m256 lo, __m256 hi) {
-  const __m256 eight = _mm256_add_ps(hi, lo);
-  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
-  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
-  const __m128 one = _mm_add_ps(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 1, 0, 1)));
-  return _mm_cvtss_f32(one);
-}
+inline float reduce_add16(__m256 lo, __m256 hi) { return reduce_add8(_mm256_add_ps(hi, lo)); }
 
 }  // namespace kvloom_simd
 #endif

@@ -65,7 +65,8 @@ def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (13, 4, 2, 16), (40, 8, 1, 128)])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"),
+                         [(1, 9, 3, 64), (13, 4, 2, 16), (40, 8, 1, 128), (5, 3, 1, 24)])  # 24: a tail past 8 lanes
 def test_rotary_rotates_q_and_k_in_place(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int,
                                          head_dim: int) -> None:
     from kvloom.models.layers import RotaryEmbedding
