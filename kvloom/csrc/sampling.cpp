@@ -39,7 +39,26 @@ int64_t sample_row(const float* x, int64_t vocab, float inv_temp, float uniform,
     total += chunk_sums[c];
   }
 #else
-  for (int64_t c = 0; c < chunks; ++c) {
+  int64_t vec = 0;  // chunks the vector loop takes; the scalar rule does the rest (a partial last one)
+#ifdef KVLOOM_AVX2
+  // The AVX-512 chunk on two 8-lane halves: exp8 is exp16's arithmetic, and
+  // reduce_add16 sums a chunk in _mm512_reduce_add_ps's order.
+  vec = vocab / 16;
+  const __m256 shift = _mm256_set1_ps(row_max), scale = _mm256_set1_ps(inv_temp);
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < vec; ++c) {
+    __m256 w[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = _mm256_loadu_ps(x + 16 * c + 8 * h);
+      const __m256 has_mass = _mm256_cmp_ps(v, minus_inf, _CMP_NEQ_OQ);
+      w[h] = _mm256_and_ps(kvloom_simd::exp8(_mm256_mul_ps(_mm256_sub_ps(v, shift), scale)), has_mass);
+      _mm256_storeu_ps(weights + 16 * c + 8 * h, w[h]);
+    }
+    chunk_sums[c] = kvloom_simd::reduce_add16(w[0], w[1]);
+    total += chunk_sums[c];
+  }
+#endif
+  for (int64_t c = vec; c < chunks; ++c) {
     float sum = 0.0f;
     for (int64_t i = 16 * c; i < std::min<int64_t>(vocab, 16 * c + 16); ++i) {
       weights[i] = x[i] == -INFINITY ? 0.0f : std::exp((x[i] - row_max) * inv_temp);
