@@ -37,7 +37,10 @@ struct KeySource {
 
   // Ask for block b + PREFETCH_BLOCKS of the walk's K and V (`bytes` each) while block
   // b computes: the blocks are scattered in the pool, so the hardware cannot guess them.
-  void prefetch_ahead(int64_t b, int64_t num_blocks, int64_t bytes) const {
+  // Always inlined: GCC 12 counts a prefetch as no side effect, so a function holding
+  // only prefetches is "pure", and every call to it was deleted (no prefetch at all in
+  // the paired kernels' assembly until this attribute).
+  __attribute__((always_inline)) inline void prefetch_ahead(int64_t b, int64_t num_blocks, int64_t bytes) const {
     if (b + PREFETCH_BLOCKS >= num_blocks) return;
     const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
     const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
