@@ -19,6 +19,7 @@
 
 #ifdef KVLOOM_AVX2
 namespace kvloom_paired {
+namespace {  // paged_attention.cpp's own: not exported from its library, called directly (no PLT)
 
 constexpr int AVX2_GROUP = 4;  // query vectors per walk: 2 x 4 accumulators + 4 split keys + 2 broadcasts
 
@@ -187,5 +188,6 @@ inline void attend_group_avx2(int64_t head_dim, const KeySource& src, int64_t co
   }
 }
 
+}  // namespace
 }  // namespace kvloom_paired
 #endif
