@@ -346,13 +346,13 @@ void run_avx2(const Problem& p, int num_threads) {
       for (int64_t c = 0; c < p.k; ++c) xf[r * stride + c] = bf16_to_float(p.x[r * p.k + c]);
       if (p.k & 1) xf[r * stride + p.k] = 0.0f;
     }  // the loop's implicit barrier: every row is widened before any tile reads it
-    std::vector<float> wf;  // this thread's widened block
+    static thread_local std::vector<float> wf;  // this thread's widened block, kept across calls (no allocation per call)
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
       if (pass_end - pass >= WIDEN_MIN_ROWS) {
-        if (wf.empty()) wf.resize(stride * COLS + 8);
+        if (wf.size() < static_cast<size_t>(stride * COLS + 8)) wf.resize(stride * COLS + 8);
         float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
         for (int64_t j = first; j < last; ++j) {
           avx2_widen_block(p, j, stride, block);

@@ -111,8 +111,8 @@ inline __m512 exp16(__m512 x) {
 
 namespace kvloom_simd {
 
-// Lanes [0, count) all ones, the rest zero (count may be out of [0, 8]); `first` is the
-// index of lane 0 (8 for the upper half of a 16-lane group).
+// Of a 16-lane group's lanes [first, first + 8) (first: 0 or 8), those below `count`
+// (any integer) all ones, the rest zero.
 inline __m256 live8(int64_t count, int first = 0) {
   const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
   const int clamped = static_cast<int>(count < 0 ? 0 : (count > 16 ? 16 : count));

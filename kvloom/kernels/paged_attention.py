@@ -27,10 +27,10 @@ _INT32 = (torch.int32,)
 
 _PAIRED_LAYOUT = NativeFunction("paged_attention", "kvloom_paired_layout(int head_dim, int block_size) -> int32")
 _PAIRED_ISA = NativeFunction("paged_attention", "kvloom_paired_attention_isa(int32 want) -> int32")
-# The paired layout's paths, worst to best (paged_attention.cpp's PairedPath): vdpbf16ps's
-# arithmetic as two FMAs per pair on 8 lanes (AVX2, csrc/paired_avx2.h) and on 16 (AVX-512
-# without AVX512-BF16), vdpbf16ps, AMX tiles. The names are the GEMM's (gemm.ISAS).
-PAIRED_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
+# The paired layout's paths, worst to best (paged_attention.cpp's PairedPath, by index):
+# vdpbf16ps's arithmetic as two FMAs per pair on 8 lanes (AVX2, csrc/paired_avx2.h) and
+# on 16 (AVX-512 without AVX512-BF16), vdpbf16ps, AMX tiles: one for each GEMM path.
+PAIRED_ISAS = gemm.ISAS
 _CASCADE_MEMBERS = NativeFunction(
     "paged_attention", "kvloom_paired_cascade_members(Tensor block_tables, int max_blocks, Tensor seq_lens, "
                        "Tensor query_lens, int num_seqs, int block_size) -> int")
@@ -56,8 +56,7 @@ def paired_isa() -> str | None:
     ``$KVLOOM_CPU_ISA`` caps both); None where the paired layout is not built. One path
     for the whole process: AMX and vdpbf16ps agree to rounding, not bit for bit, and a
     query's result must not depend on which path served it."""
-    matmul = gemm.default_isa()
-    return set_paired_isa(matmul if matmul in PAIRED_ISAS else PAIRED_ISAS[0])
+    return set_paired_isa(gemm.default_isa() or PAIRED_ISAS[0])
 
 
 def set_paired_isa(isa: str) -> str | None:
