@@ -22,7 +22,7 @@
 //   ISA_AVX512       bf16 -> float32 and fma, k by k, 4 rows x 64 columns
 //   ISA_AVX2         the same on 8 lanes: x widened once per call; for passes of many
 //                    rows the weight too, a block at a time (6 rows x 16 columns);
-//                    else split where used (2 rows x 32 columns)
+//                    else split where used (4 rows x 16 columns; 2 x 32 for the last rows)
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
@@ -256,31 +256,54 @@ KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t
 }
 
 // Rows m0 .. m0 + R of blocks j0 .. j0 + B, from the packed words, each split into its
-// even and odd k where it is used: at 2 x 2, 8 accumulators (acc[r * 2B + quarter],
-// 8 columns a quarter), 4 row broadcasts, one quarter's two lane sets: 14 registers.
+// even and odd k where it is used. Two register plans, both 14 of the 16 registers:
+//   tall (R = 3-4 rows, one block): the block's two 8-column halves are split once
+//     per k pair (4 registers) and serve every row, each row's two broadcasts loaded
+//     in turn: 8 accumulators at 4 rows, half the splits per fma of the wide plan;
+//   wide (R = 1-2 rows, B = 2 blocks): every row's broadcasts held (4 registers) and
+//     each 8-column quarter split in turn: 8 accumulators at 2 rows, where the tall
+//     plan would have only 4 chains to hide the fma latency with.
+// acc[r * C + quarter], 8 columns a quarter.
 template <int R, int B>
 KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in, int64_t m0, int64_t j0) {
   constexpr int C = 2 * B;  // 8-column quarters
+  constexpr bool tall = B == 1 && R >= 3;
   const int64_t stride = in.stride;
   const float* x = in.x + m0 * stride;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[R * C];
   unrolled<R * C>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
-  for (int64_t q = 0; q < stride / 2; ++q) {
-    __m256 x_even[R], x_odd[R];
-    unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
-      x_even[r] = _mm256_broadcast_ss(x + r * stride + 2 * q);
-      x_odd[r] = _mm256_broadcast_ss(x + r * stride + 2 * q + 1);
-    });
-    unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 {
-      const __m256i words = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(p.block(j0 + c / 2) + q * WORDS_PER_ROW + 8 * (c % 2)));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {  // k = 2q, then 2q + 1
-        acc[r * C + c] = _mm256_fmadd_ps(x_odd[r], odd, _mm256_fmadd_ps(x_even[r], even, acc[r * C + c]));
+  const auto split = [&](int64_t q, int c, __m256& even, __m256& odd) KVLOOM_TARGET_AVX2 {
+    const __m256i words = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p.block(j0 + c / 2) + q * WORDS_PER_ROW + 8 * (c % 2)));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+  };
+  for (int64_t q = 0; q < stride / 2; ++q) {  // every accumulator: k = 2q, then 2q + 1
+    if constexpr (tall) {
+      __m256 even[C], odd[C];
+      unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 { split(q, c, even[c], odd[c]); });
+      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
+        const __m256 x_even = _mm256_broadcast_ss(x + r * stride + 2 * q);
+        const __m256 x_odd = _mm256_broadcast_ss(x + r * stride + 2 * q + 1);
+        unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 {
+          acc[r * C + c] = _mm256_fmadd_ps(x_odd, odd[c], _mm256_fmadd_ps(x_even, even[c], acc[r * C + c]));
+        });
       });
-    });
+    } else {
+      __m256 x_even[R], x_odd[R];
+      unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
+        x_even[r] = _mm256_broadcast_ss(x + r * stride + 2 * q);
+        x_odd[r] = _mm256_broadcast_ss(x + r * stride + 2 * q + 1);
+      });
+      unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 {
+        __m256 even, odd;
+        split(q, c, even, odd);
+        unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
+          acc[r * C + c] = _mm256_fmadd_ps(x_odd[r], odd, _mm256_fmadd_ps(x_even[r], even, acc[r * C + c]));
+        });
+      });
+    }
   }
   unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX2 {
     constexpr int r = i / B, b = i % B;
@@ -321,7 +344,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in
   unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 { avx2_store(p, m0 + r, j, acc[2 * r], acc[2 * r + 1]); });
 }
 
-constexpr int AVX2_PACKED_ROWS = 2, AVX2_PACKED_BLOCKS = 2, AVX2_WIDE_ROWS = 6;
+constexpr int AVX2_TALL_ROWS = 4, AVX2_PACKED_BLOCKS = 2, AVX2_WIDE_ROWS = 6;
 constexpr int64_t WIDEN_MIN_ROWS = 24;  // a widened block pays for itself from about here (measured)
 
 void run_avx2(const Problem& p, int num_threads) {
@@ -329,8 +352,10 @@ void run_avx2(const Problem& p, int num_threads) {
   using WideFn = void (*)(const Problem&, const Avx2Inputs&, const float*, int64_t, int64_t);
   static const WideFn wide[6] = {avx2_tile_widened<1>, avx2_tile_widened<2>, avx2_tile_widened<3>,
                                  avx2_tile_widened<4>, avx2_tile_widened<5>, avx2_tile_widened<6>};
+  // packed[rows - 1][blocks - 1] for a panel's last 1-2 rows; tall[rows - 3] for 3-4 rows of one block
   static const PackedFn packed[2][2] = {{avx2_tile_packed<1, 1>, avx2_tile_packed<1, 2>},
                                         {avx2_tile_packed<2, 1>, avx2_tile_packed<2, 2>}};
+  static const PackedFn tall[2] = {avx2_tile_packed<3, 1>, avx2_tile_packed<4, 1>};
   static thread_local std::vector<float> widened_x;  // the calling thread's, reused across calls
   const int64_t stride = round_up(p.k, 2);
   if (widened_x.size() < static_cast<size_t>(p.m * stride)) widened_x.resize(p.m * stride);
@@ -362,8 +387,12 @@ void run_avx2(const Problem& p, int num_threads) {
       } else {
         for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {
           const int64_t panel = std::min<int64_t>(AVX2_PACKED_BLOCKS, last - j0);
-          for (int64_t m0 = pass; m0 < pass_end; m0 += AVX2_PACKED_ROWS)
-            packed[std::min<int64_t>(AVX2_PACKED_ROWS, pass_end - m0) - 1][panel - 1](p, in, m0, j0);
+          int64_t m0 = pass;
+          for (; pass_end - m0 >= 3; m0 += AVX2_TALL_ROWS) {
+            const int rows = static_cast<int>(std::min<int64_t>(AVX2_TALL_ROWS, pass_end - m0));
+            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b);
+          }
+          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0);
         }
       }
     }
