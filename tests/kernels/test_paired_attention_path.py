@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_cpu import HAS_CPUINFO, cpu_flags
 
 from kvloom.kernels import gemm
@@ -65,3 +66,42 @@ def test_the_paired_layout_is_built_on_every_avx2_cpu() -> None:
 def test_unknown_paths_are_refused() -> None:
     with pytest.raises(ValueError, match=r"one of \('avx2', 'avx512', 'avx512_bf16', 'amx'\), got 'sse'"):
         kernels.set_paired_isa("sse")
+
+
+def _attention_cases():
+    """Groups of 1-4 query vectors per kv head, blocks of 16 and 32, fresh prefills, chunks,
+    decodes and a walk over shared leading blocks, on random bytes read as the paired layout."""
+    generator = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim in [(9, 3, 64), (8, 2, 32), (4, 4, 64), (8, 1, 128)]:
+        for block in (16, 32):
+            for seq_lens, query_lens, shared in [([37, 1, 200, 64, 129], [5, 1, 17, 64, 3], 0),
+                                                 ([300] * 3, [1] * 3, 256)]:
+                count = len(seq_lens)
+                blocks, shared_blocks = -(-max(seq_lens) // block), shared // block
+                total = shared_blocks + count * (blocks - shared_blocks)
+                cache = torch.randn(2, total, block, kv_heads, dim, generator=generator).bfloat16()
+                order = torch.randperm(total, generator=generator).int()
+                tables = torch.empty(count, blocks, dtype=torch.int32)
+                tables[:, :shared_blocks] = order[:shared_blocks]
+                tables[:, shared_blocks:] = order[shared_blocks:].view(count, blocks - shared_blocks)
+                starts = torch.tensor([0] + query_lens[:-1]).cumsum(0).int()
+                q = torch.randn(sum(query_lens), heads, dim, generator=generator).bfloat16()
+                yield (q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts,
+                       torch.tensor(query_lens, dtype=torch.int32), dim ** -0.5, True)
+
+
+@pytest.mark.skipif(best_vector_path() not in ("avx512", "avx512_bf16"),
+                    reason="the AVX-512 FMA path needs an AVX-512 CPU")
+def test_the_avx2_path_gives_the_avx512_fma_paths_bits() -> None:
+    """paired_avx2.h promises each lane the AVX-512 FMA path's operations in their order, so
+    an AVX2 machine and an AVX-512 one give a request the same tokens."""
+    kernels.load()
+    try:
+        for args in _attention_cases():
+            outputs = {}
+            for path in ("avx2", "avx512"):
+                assert kernels.set_paired_isa(path) == path
+                outputs[path] = kernels.paged_attention(*args)
+            assert torch.equal(outputs["avx2"].view(torch.int16), outputs["avx512"].view(torch.int16))
+    finally:
+        kernels.set_paired_isa(kernels.paired_isa())
