@@ -186,10 +186,12 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
 
   // The sub-tiles in order, TILES at a time (across a block boundary too), up to the
   // last one any vector sees: sub-tile t0 / 16 of block b is next.
-  for (int64_t b = range.begin, t0 = 0; b < num_blocks && b * block_size + t0 < max_limit;) {
+  int64_t b = range.begin, t0 = 0;
+  const auto keys_left = [&] { return b < num_blocks && b * block_size + t0 < max_limit; };
+  while (keys_left()) {
     SubTile tiles[TILES];
     int n = 0;
-    for (; n < TILES && b < num_blocks && b * block_size + t0 < max_limit; ++n) {
+    for (; n < TILES && keys_left(); ++n) {
       if (t0 == 0) src.prefetch_ahead(b, num_blocks, block_size * D * 2);
       const int64_t offset = src.table[b] * src.block_stride + src.head_offset;
       tiles[n] = {reinterpret_cast<const uint32_t*>(src.k_cache + offset) + t0,
