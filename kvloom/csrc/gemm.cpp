@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -247,6 +248,23 @@ struct Avx2Inputs {
   int64_t stride;  // K rounded up to even
 };
 
+// The weight lines a tile fetches ahead, into L2, for the tiles after it: one 64-byte
+// line per k step (a packed block row is one line) until `end`. In a step the weights
+// stream from memory (30 layers do not fit in cache); fetched here they arrive while
+// the fmas run instead of stalling the first tile that reads them (the hardware
+// prefetcher stops between tiles, which read no weight while they sit in L1). A
+// prefetch changes no arithmetic.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  KVLOOM_TARGET_AVX2 void step() {
+    if (next < end) {
+      _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
+    }
+  }
+};
+
 // The store of one row's 16 columns of block j (two 8-lane halves).
 KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t j, __m256 lo, __m256 hi) {
   alignas(32) float lanes[COLS];
@@ -265,7 +283,7 @@ KVLOOM_TARGET_AVX2 inline void avx2_store(const Problem& p, int64_t row, int64_t
 //     plan would have only 4 chains to hide the fma latency with.
 // acc[r * C + quarter], 8 columns a quarter.
 template <int R, int B>
-KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in, int64_t m0, int64_t j0) {
+KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in, int64_t m0, int64_t j0, Ahead ahead) {
   constexpr int C = 2 * B;  // 8-column quarters
   constexpr bool tall = B == 1 && R >= 3;
   const int64_t stride = in.stride;
@@ -280,6 +298,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in,
     odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
   };
   for (int64_t q = 0; q < stride / 2; ++q) {  // every accumulator: k = 2q, then 2q + 1
+    ahead.step();
     if constexpr (tall) {
       __m256 even[C], odd[C];
       unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 { split(q, c, even[c], odd[c]); });
@@ -328,12 +347,13 @@ KVLOOM_TARGET_AVX2 void avx2_widen_block(const Problem& p, int64_t j, int64_t k_
 // broadcast.
 template <int R>
 KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in, const float* wf, int64_t m0,
-                                          int64_t j) {
+                                          int64_t j, Ahead ahead) {
   const int64_t stride = in.stride;
   const float* x = in.x + m0 * stride;
   __m256 acc[2 * R];
   unrolled<2 * R>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
   for (int64_t k = 0; k < stride; ++k) {
+    ahead.step();
     const __m256 lo = _mm256_load_ps(wf + k * COLS), hi = _mm256_load_ps(wf + k * COLS + 8);
     unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
       const __m256 v = _mm256_broadcast_ss(x + r * stride + k);
@@ -348,8 +368,8 @@ constexpr int AVX2_TALL_ROWS = 4, AVX2_PACKED_BLOCKS = 2, AVX2_WIDE_ROWS = 6;
 constexpr int64_t WIDEN_MIN_ROWS = 24;  // a widened block pays for itself from about here (measured)
 
 void run_avx2(const Problem& p, int num_threads) {
-  using PackedFn = void (*)(const Problem&, const Avx2Inputs&, int64_t, int64_t);
-  using WideFn = void (*)(const Problem&, const Avx2Inputs&, const float*, int64_t, int64_t);
+  using PackedFn = void (*)(const Problem&, const Avx2Inputs&, int64_t, int64_t, Ahead);
+  using WideFn = void (*)(const Problem&, const Avx2Inputs&, const float*, int64_t, int64_t, Ahead);
   static const WideFn wide[6] = {avx2_tile_widened<1>, avx2_tile_widened<2>, avx2_tile_widened<3>,
                                  avx2_tile_widened<4>, avx2_tile_widened<5>, avx2_tile_widened<6>};
   // packed[rows - 1][blocks - 1] for a panel's last 1-2 rows; tall[rows - 3] for 3-4 rows of one block
@@ -374,25 +394,42 @@ void run_avx2(const Problem& p, int num_threads) {
     static thread_local std::vector<float> wf;  // this thread's widened block, kept across calls (no allocation per call)
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
+    // The bytes of this thread's blocks [j, j_end): where a tile's Ahead points.
+    const auto span = [&](int64_t j, int64_t j_end) {
+      const char* base = reinterpret_cast<const char*>(p.block(std::min(j, last)));
+      return std::pair{base, reinterpret_cast<const char*>(p.block(std::min(j_end, last)))};
+    };
+    // The calls over one panel share the next panel's lines: call i of n fetches slice i.
+    const auto slice = [](std::pair<const char*, const char*> next, int64_t i, int64_t n) {
+      const int64_t lines = (next.second - next.first) / 64;
+      return Ahead{next.first + lines * i / n * 64, next.first + lines * (i + 1) / n * 64};
+    };
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
       if (pass_end - pass >= WIDEN_MIN_ROWS) {
         if (wf.size() < static_cast<size_t>(stride * COLS + 8)) wf.resize(stride * COLS + 8);
         float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
+        const int64_t calls = (pass_end - pass + AVX2_WIDE_ROWS - 1) / AVX2_WIDE_ROWS;
         for (int64_t j = first; j < last; ++j) {
           avx2_widen_block(p, j, stride, block);
-          for (int64_t m0 = pass; m0 < pass_end; m0 += AVX2_WIDE_ROWS)
-            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j);
+          const auto next = span(j + 1, j + 2);
+          for (int64_t m0 = pass, i = 0; m0 < pass_end; m0 += AVX2_WIDE_ROWS, ++i)
+            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j, slice(next, i, calls));
         }
       } else {
+        // The calls per panel, as the loop below makes them: a tall tile per block for
+        // every 4 rows while 3 or more are left, then one packed tile for the last 1-2.
+        const int64_t tall_groups = (pass_end - pass + 1) / AVX2_TALL_ROWS;
         for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {
           const int64_t panel = std::min<int64_t>(AVX2_PACKED_BLOCKS, last - j0);
-          int64_t m0 = pass;
+          const auto next = span(j0 + panel, j0 + 2 * panel);
+          const int64_t calls = tall_groups * panel + ((pass_end - pass - tall_groups * AVX2_TALL_ROWS) > 0 ? 1 : 0);
+          int64_t m0 = pass, i = 0;
           for (; pass_end - m0 >= 3; m0 += AVX2_TALL_ROWS) {
             const int rows = static_cast<int>(std::min<int64_t>(AVX2_TALL_ROWS, pass_end - m0));
-            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b);
+            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b, slice(next, i++, calls));
           }
-          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0);
+          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0, slice(next, i, calls));
         }
       }
     }
