@@ -100,6 +100,12 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
   const __m256 scale = _mm256_set1_ps(src.scale);
   const int64_t block_size = src.block_size;
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
+  // A step per dim pair of QK^T and per token pair of PV: at G = 3 and blocks of 16, a
+  // pass over two sub-tiles takes 64 steps and queues two blocks of 32 + 32 lines, so
+  // the feed keeps pace (two lines a step was slower, 22.5 vs 20.1 ms; so were feeding
+  // 1, 3, 4 or 6 blocks ahead, 21.5-23.3 ms).
+  LineFeed feed;
+  feed.bytes = block_size * D * 2;
 
   // QK^T of N sub-tiles: 2N 8-key halves, each split once and used by every vector.
   const auto qk = [&](const SubTile* tiles, auto n) {
@@ -107,6 +113,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
     __m256 s[2 * N][G];
     unrolled<2 * N * G>([&](auto i) { s[i / G][i % G] = _mm256_setzero_ps(); });
     for (int p = 0; p < P; ++p) {
+      feed.step();
       if constexpr (N == 1) {  // both halves split first, each broadcast then used twice
         const Split8 keys[2] = {Split8(tiles[0].k + p * block_size), Split8(tiles[0].k + p * block_size + 8)};
         unrolled<G>([&](auto g) {
@@ -164,6 +171,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
       __m256 a[SLICES][G];
       unrolled<SLICES * G>([&](auto i) { a[i / G][i % G] = _mm256_load_ps(acc[i % G] + 8 * (s0 + i / G)); });
       for (int j = 0; j < 8; ++j) {
+        feed.step();
         if constexpr (SLICES == 2) {  // both slices split first, each broadcast then used twice
           const Split8 values[2] = {Split8(tile.v + j * D + 8 * s0), Split8(tile.v + j * D + 8 * s0 + 8)};
           unrolled<G>([&](auto g) {
@@ -192,7 +200,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
     SubTile tiles[TILES];
     int n = 0;
     for (; n < TILES && keys_left(); ++n) {
-      if (t0 == 0) src.prefetch_ahead(b, num_blocks, block_size * D * 2);
+      if (t0 == 0) feed.add(src, b, num_blocks);
       const int64_t offset = src.table[b] * src.block_stride + src.head_offset;
       tiles[n] = {reinterpret_cast<const uint32_t*>(src.k_cache + offset) + t0,
                   reinterpret_cast<const uint32_t*>(src.v_cache + offset) + t0 / 2 * D, b * block_size + t0};
