@@ -3,7 +3,7 @@ revision's csrc/gemm.cpp (with that revision's headers) is built with kvloom's f
 timed on the default model's matmul shapes (GFLOP/s, best of 3 loops, 2 threads) on one
 path, and its outputs compared with the first revision's bit for bit.
 
-    .venv/bin/python docs/results/issue17/gemm_revisions.py avx2 7d18248 HEAD
+    .venv/bin/python docs/results/issue17/gemm_revisions.py avx2 7d18248 HEAD   (WORK: the working tree)
 """
 
 from __future__ import annotations
@@ -29,9 +29,15 @@ REPO = Path(__file__).parents[3]
 
 
 def build(revision: str, into: Path) -> ctypes.CDLL:
-    """That revision's gemm.cpp and headers, compiled and linked as kvloom/native.py does."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", revision, "kvloom/csrc/"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split()
+    """That revision's gemm.cpp and headers (WORK: the working tree's), compiled and linked
+    as kvloom/native.py does."""
+    if revision == "WORK":
+        for path in (REPO / "kvloom/csrc").iterdir():
+            if path.suffix == ".h" or path.name == "gemm.cpp":
+                (into / path.name).write_bytes(path.read_bytes())
+    names = [] if revision == "WORK" else subprocess.run(
+        ["git", "ls-tree", "--name-only", revision, "kvloom/csrc/"], cwd=REPO, check=True,
+        capture_output=True, text=True).stdout.split()
     for name in names:
         if name.endswith((".h", "gemm.cpp")):
             text = subprocess.run(["git", "show", f"{revision}:{name}"], cwd=REPO, check=True,
@@ -70,8 +76,8 @@ def main() -> None:
     code = gemm.ISAS.index(isa) + 1  # gemm.cpp's enum
     columns = []
     with tempfile.TemporaryDirectory() as tmp:
-        for revision in revisions:
-            where = Path(tmp) / revision
+        for i, revision in enumerate(revisions):
+            where = Path(tmp) / f"{i}-{revision}"
             where.mkdir()
             columns.append(measure(build(revision, where), code))
     print(f"GFLOP/s on the {isa} path, 2 threads; " + ", ".join(

@@ -5,31 +5,13 @@ match the first build bit for bit.
 
     .venv/bin/python docs/results/issue17/gemm_stream.py avx2 1,16,64,128 HEAD WORK
 """
-import ctypes, subprocess, sys, tempfile, time, statistics, shutil
+import sys, tempfile, time, statistics
 from pathlib import Path
 import torch
-from kvloom import native
 from kvloom.kernels import gemm
-REPO = Path(__file__).parents[3]
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_revisions import build  # noqa: E402 (a revision's gemm.cpp, built as kvloom builds it)
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-def build(rev, into):
-    if rev == "WORK":
-        for f in (REPO / "kvloom/csrc").iterdir():
-            if f.suffix == ".h" or f.name == "gemm.cpp": shutil.copy(f, into / f.name)
-    else:
-        names = subprocess.run(["git", "ls-tree", "--name-only", rev, "kvloom/csrc/"], cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
-        for name in names:
-            if name.endswith((".h", "gemm.cpp")):
-                (into / Path(name).name).write_bytes(subprocess.run(["git", "show", f"{rev}:{name}"], cwd=REPO, check=True, capture_output=True).stdout)
-    cxx = native.compiler() or "g++"
-    subprocess.run([cxx, *native.flags_for("gemm"), "-c", str(into / "gemm.cpp"), "-o", str(into / "gemm.o")], check=True)
-    subprocess.run([cxx, *native.LINK_FLAGS, str(into / "gemm.o"), "-o", str(into / "gemm.so")], check=True)
-    lib = ctypes.CDLL(str(into / "gemm.so"))
-    lib.kvloom_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.kvloom_gemm_packed_elements.restype = ctypes.c_int64
-    lib.kvloom_gemm_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.kvloom_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    return lib
 def weights(lib):
     torch.manual_seed(0)
     out = []
