@@ -249,19 +249,19 @@ struct Avx2Inputs {
 };
 
 // The weight lines a tile fetches ahead, into L2, for the tiles after it: one 64-byte
-// line per k step (a packed block row is one line) until `end`. In a step the weights
-// stream from memory (30 layers do not fit in cache); fetched here they arrive while
-// the fmas run instead of stalling the first tile that reads them (the hardware
-// prefetcher stops between tiles, which read no weight while they sit in L1). A
-// prefetch changes no arithmetic.
+// line per k step (a packed block row is one line) over its first steps, until `end`.
+// In a step the weights stream from memory (30 layers do not fit in cache); fetched
+// here they arrive while the fmas run instead of stalling the first tile that reads
+// them (the hardware prefetcher stops between tiles, which read no weight while they
+// sit in L1). A tile runs its k steps as two loops, the fetching ones and the rest, so
+// the steps after its slice pay nothing. A prefetch changes no arithmetic.
 struct Ahead {
   const char* next = nullptr;
   const char* end = nullptr;
-  KVLOOM_TARGET_AVX2 void step() {
-    if (next < end) {
-      _mm_prefetch(next, _MM_HINT_T1);
-      next += 64;
-    }
+  int64_t lines() const { return (end - next) / 64; }
+  KVLOOM_TARGET_AVX2 void fetch() {  // the next line; the caller keeps to lines()
+    _mm_prefetch(next, _MM_HINT_T1);
+    next += 64;
   }
 };
 
@@ -297,8 +297,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in,
     even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
     odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
   };
-  for (int64_t q = 0; q < stride / 2; ++q) {  // every accumulator: k = 2q, then 2q + 1
-    ahead.step();
+  const auto pair = [&](int64_t q) __attribute__((always_inline)) KVLOOM_TARGET_AVX2 {  // k = 2q, then 2q + 1
     if constexpr (tall) {
       __m256 even[C], odd[C];
       unrolled<C>([&](auto c) KVLOOM_TARGET_AVX2 { split(q, c, even[c], odd[c]); });
@@ -323,7 +322,14 @@ KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in,
         });
       });
     }
+  };
+  // Every accumulator walks q = 0, 1, ... in order; the first steps also fetch ahead.
+  int64_t q = 0;
+  for (const int64_t fetching = std::min(stride / 2, ahead.lines()); q < fetching; ++q) {
+    ahead.fetch();
+    pair(q);
   }
+  for (; q < stride / 2; ++q) pair(q);
   unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX2 {
     constexpr int r = i / B, b = i % B;
     avx2_store(p, m0 + r, j0 + b, acc[r * C + 2 * b], acc[r * C + 2 * b + 1]);
@@ -352,15 +358,20 @@ KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in
   const float* x = in.x + m0 * stride;
   __m256 acc[2 * R];
   unrolled<2 * R>([&](auto i) KVLOOM_TARGET_AVX2 { acc[i] = _mm256_setzero_ps(); });
-  for (int64_t k = 0; k < stride; ++k) {
-    ahead.step();
+  const auto step = [&](int64_t k) __attribute__((always_inline)) KVLOOM_TARGET_AVX2 {
     const __m256 lo = _mm256_load_ps(wf + k * COLS), hi = _mm256_load_ps(wf + k * COLS + 8);
     unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 {
       const __m256 v = _mm256_broadcast_ss(x + r * stride + k);
       acc[2 * r] = _mm256_fmadd_ps(v, lo, acc[2 * r]);
       acc[2 * r + 1] = _mm256_fmadd_ps(v, hi, acc[2 * r + 1]);
     });
+  };
+  int64_t k = 0;  // k = 0, 1, ... in order; the first steps also fetch ahead
+  for (const int64_t fetching = std::min(stride, ahead.lines()); k < fetching; ++k) {
+    ahead.fetch();
+    step(k);
   }
+  for (; k < stride; ++k) step(k);
   unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 { avx2_store(p, m0 + r, j, acc[2 * r], acc[2 * r + 1]); });
 }
 
