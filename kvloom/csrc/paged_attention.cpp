@@ -427,9 +427,8 @@ constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
 template <class Pairs, int D, int G>
 void attend_group_paired(const KeySource& src, const uint16_t* const* q, const int64_t* limit,
                          uint16_t* const* out, const BlockRange& range) {
-  const int32_t* table = src.table;
   const uint16_t *k_cache = src.k_cache, *v_cache = src.v_cache;
-  const int64_t block_stride = src.block_stride, head_offset = src.head_offset, block_size = src.block_size;
+  const int64_t block_size = src.block_size;
   constexpr int P = D / 2;   // dim pairs: vdpbf16ps steps per 16 scores
   constexpr int R = D / 16;  // float32 registers per accumulator row
   __m512 acc[G][R], sum[G];
@@ -453,8 +452,8 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   for (int g = 0; g < G; ++g) Pairs::query(q[g], D, query[g]);
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
   for (int64_t b = range.begin; b < num_blocks; ++b) {
-    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + table[b] * block_stride + head_offset);
-    const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + table[b] * block_stride + head_offset);
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + src.block_offset(b));
+    const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + src.block_offset(b));
     src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;  // position of this sub-tile's first key
@@ -549,7 +548,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
                       uint16_t* const* out, const BlockRange& range) {
   constexpr int R = D / 16;  // accumulator slices
   constexpr int C = D / 32;  // query tiles
-  const int64_t block_stride = src.block_stride, head_offset = src.head_offset, block_size = src.block_size;
+  const int64_t block_size = src.block_size;
   alignas(64) uint16_t queries[AMX_VECTORS * D] = {};  // rows past count stay zero
   alignas(64) float acc[AMX_VECTORS * D] = {};
   alignas(64) float sums[AMX_VECTORS * 16];
@@ -573,8 +572,8 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   const __m512 scale_v = _mm512_set1_ps(src.scale);
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
   for (int64_t b = range.begin; b < num_blocks; ++b) {
-    const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.table[b] * block_stride + head_offset);
-    const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.table[b] * block_stride + head_offset);
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.block_offset(b));
+    const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.block_offset(b));
     src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;

@@ -35,6 +35,9 @@ struct KeySource {
   int64_t block_size;
   float scale;           // softmax scale, applied to the scores
 
+  // Elements from the cache's start to block b's K (or V) of this kv head.
+  int64_t block_offset(int64_t b) const { return table[b] * block_stride + head_offset; }
+
   // Ask for block b + PREFETCH_BLOCKS of the walk's K and V (`bytes` each) while block
   // b computes: the blocks are scattered in the pool, so the hardware cannot guess them.
   // Always inlined: GCC 12 counts a prefetch as no side effect, so a function holding
@@ -42,7 +45,7 @@ struct KeySource {
   // the paired kernels' assembly until this attribute).
   __attribute__((always_inline)) inline void prefetch_ahead(int64_t b, int64_t num_blocks, int64_t bytes) const {
     if (b + PREFETCH_BLOCKS >= num_blocks) return;
-    const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_stride + head_offset;
+    const int64_t ahead = block_offset(b + PREFETCH_BLOCKS);
     const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
     const char* next_v = reinterpret_cast<const char*>(v_cache + ahead);
     for (int64_t off = 0; off < bytes; off += 64) {
@@ -71,7 +74,7 @@ struct LineFeed {
   __attribute__((always_inline)) inline void add(const KeySource& src, int64_t b, int64_t num_blocks) {
     if (b + PREFETCH_BLOCKS >= num_blocks) return;
     while (queued == SLOTS) step();
-    const int64_t at = src.table[b + PREFETCH_BLOCKS] * src.block_stride + src.head_offset;
+    const int64_t at = src.block_offset(b + PREFETCH_BLOCKS);
     const int slot = (head + queued++) % SLOTS;
     k[slot] = reinterpret_cast<const char*>(src.k_cache + at);
     v[slot] = reinterpret_cast<const char*>(src.v_cache + at);

@@ -201,7 +201,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
     int n = 0;
     for (; n < TILES && keys_left(); ++n) {
       if (t0 == 0) feed.add(src, b, num_blocks);
-      const int64_t offset = src.table[b] * src.block_stride + src.head_offset;
+      const int64_t offset = src.block_offset(b);
       tiles[n] = {reinterpret_cast<const uint32_t*>(src.k_cache + offset) + t0,
                   reinterpret_cast<const uint32_t*>(src.v_cache + offset) + t0 / 2 * D, b * block_size + t0};
       t0 += 16;
