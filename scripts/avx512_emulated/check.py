@@ -1,0 +1,113 @@
+"""Run kvloom's tests against kernels whose AVX-512 paths are emulated on an AVX2 CPU.
+
+An AVX2-only machine (AMD Zen 1-3, Intel before Skylake-X) cannot run the AVX-512 and
+AVX512-BF16 paths of kvloom/csrc, and QEMU cannot emulate them either. This builds
+every kernel with ``kvloom_emu512.h`` included first: it defines ``__AVX512F__`` and
+friends and maps each ``_mm512_*`` intrinsic the kernels use to SIMDe's portable
+version (Debian: ``apt-get install libsimde-dev``), or, where SIMDe 0.7.4 has none, to
+a lane-by-lane version after Intel's pseudocode (the reductions in GCC's order,
+vdpbf16ps as its two roundings). The GEMM's run-time dispatch is pinned to the
+emulated ISA. AMX is not emulated (no tile state here): its paths stay out.
+
+The builds go to a temporary ``$KVLOOM_HOME`` under the names ``kvloom.native.load``
+looks for, so the tests load them unchanged; ``KVLOOM_TEST_EMULATED_CPU_FLAGS`` tells
+the tests' CPU-flag helpers (tests/helpers_cpu.py) what the build has. What this
+checks: results and bit-identities (the AVX2 path against the AVX-512 FMA path, row
+invariance), not speed (emulated code runs several times slower) and not denormal
+flushing (vdpbf16ps flushes, the emulation does not).
+
+    python scripts/avx512_emulated/check.py                      # tests/kernels, tests/attention
+    python scripts/avx512_emulated/check.py tests/models -k packed  # other tests
+    python scripts/avx512_emulated/check.py --isa avx512 ...     # AVX-512 without BF16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvloom import native
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SIMDE = Path("/usr/include/simde/x86/avx512.h")
+# What each emulated ISA adds to /proc/cpuinfo's flags, and gemm.cpp's enum for it.
+# the compiler flags that pick the header's part.
+ISAS = {"avx512_bf16": ("avx512f avx512bw avx512vl avx512dq avx512_bf16", "ISA_AVX512_BF16", []),
+        "avx512": ("avx512f avx512bw avx512vl avx512dq", "ISA_AVX512", ["-DKVLOOM_EMU_NO_BF16"])}
+_TARGET = re.compile(r'__attribute__\(\(target\("[^"]*"\)\)\)')
+
+
+def emulated_source(cpp: Path, gemm_isa: str) -> str:
+    """``cpp`` with the emulation header first; gemm.cpp also loses its AVX-512 target
+    attributes (GCC would emit real AVX-512 in those functions) and its CPU probe."""
+    text = '#include "kvloom_emu512.h"\n' + cpp.read_text()
+    if cpp.name == "gemm.cpp":
+        amx = re.search(r"#define KVLOOM_TARGET_AMX \\\n\s*" + _TARGET.pattern, text)
+        if amx is None:
+            raise SystemExit("gemm.cpp's KVLOOM_TARGET_AMX is not where check.py expects it")
+        text = text.replace(amx.group(0), '#define KVLOOM_TARGET_AMX __attribute__((target("amx-tile,amx-bf16")))')
+        for macro in ("KVLOOM_TARGET_AVX512", "KVLOOM_TARGET_AVX512_BF16"):
+            text, found = re.subn(rf"#define {macro} {_TARGET.pattern}", f"#define {macro}", text)
+            if not found:
+                raise SystemExit(f"gemm.cpp's {macro} is not where check.py expects it")
+        probe = "static const int best = detect_isa();"
+        if probe not in text:
+            raise SystemExit("gemm.cpp's ISA probe is not where check.py expects it")
+        text = text.replace(probe, f"static const int best = {gemm_isa};")
+    if 'target("avx512' in text:
+        raise SystemExit(f"{cpp.name} keeps an AVX-512 target attribute: the build would emit AVX-512")
+    return text
+
+
+def build(home: Path, gemm_isa: str, defines: list[str]) -> None:
+    """Every kernel, emulated, into ``home``/kernels under kvloom.native's names."""
+    cxx = native.compiler()
+    if cxx is None:
+        raise SystemExit("no C++ compiler")
+    os.environ["KVLOOM_HOME"] = str(home)  # native.cache_dir() reads it
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = Path(tmp) / "csrc"
+        shutil.copytree(native.SOURCES, sources)
+        for cpp in sorted(sources.glob("*.cpp")):
+            cpp.write_text(emulated_source(cpp, gemm_isa))
+            name = cpp.stem
+            target = native.cache_dir() / f"{name}-{native.build_key(name, cxx)}.so"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            obj = Path(tmp) / f"{name}.o"
+            for command in ([cxx, *native.flags_for(name), *defines, "-I", str(HERE), "-c", str(cpp), "-o", str(obj)],
+                            [cxx, *native.LINK_FLAGS, str(obj), "-o", str(target)]):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode:
+                    raise SystemExit(f"building {cpp.name} emulated failed:\n{result.stderr[-3000:]}")
+            disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
+            if "%zmm" in disassembly:  # the point of the exercise: nothing this CPU cannot run
+                raise SystemExit(f"{target.name} holds real AVX-512 instructions")
+            print(f"built {name} (emulated)", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--isa", choices=sorted(ISAS), default="avx512_bf16", help="the ISA to emulate")
+    parser.add_argument("pytest_args", nargs="*",
+                        help="for pytest, options too (default: tests/kernels tests/attention)")
+    args, options = parser.parse_known_args()
+    pytest_args = [*args.pytest_args, *options] or ["tests/kernels", "tests/attention"]
+    if not SIMDE.exists():
+        raise SystemExit(f"{SIMDE} is missing: apt-get install libsimde-dev")
+    flags, gemm_isa, defines = ISAS[args.isa]
+    with tempfile.TemporaryDirectory(prefix="kvloom-emu512-") as home:
+        build(Path(home), gemm_isa, defines)
+        env = dict(os.environ, KVLOOM_HOME=home, KVLOOM_TEST_EMULATED_CPU_FLAGS=flags)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                              cwd=ROOT, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
