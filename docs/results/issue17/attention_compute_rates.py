@@ -10,12 +10,16 @@ cost much would show as a faster rate at 128 (twice the fmas per softmax).
 
 from __future__ import annotations
 
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from kvloom.kernels import paged_attention as kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_paths import best_ms  # noqa: E402 (best of 5, in ms)
 
 BLOCK, REPEATS = 16, 30
 
@@ -35,16 +39,6 @@ def case(dim: int, batch: int, context: int, query_len: int, heads: int = 9,
                      for _ in range(REPEATS)]), flops
 
 
-def best_seconds(fn: Callable[[], object]) -> float:
-    fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     torch.manual_seed(0)
     kernels.load()
@@ -56,8 +50,8 @@ def main() -> None:
         cells = []
         for dim in (64, 128):
             fn, flops = case(dim, *shape)
-            seconds = best_seconds(fn)
-            cells.append(f"{seconds * 1e3:.1f} ({flops / seconds / 1e9:.0f})")
+            ms = best_ms(fn)
+            cells.append(f"{ms:.1f} ({flops / ms / 1e6:.0f})")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
