@@ -16,9 +16,9 @@ checks: results and bit-identities (the AVX2 path against the AVX-512 FMA path, 
 invariance), not speed (emulated code runs several times slower) and not denormal
 flushing (vdpbf16ps flushes, the emulation does not).
 
-    python scripts/avx512_emulated/check.py                      # tests/kernels, tests/attention
-    python scripts/avx512_emulated/check.py tests/models -k packed  # other tests
-    python scripts/avx512_emulated/check.py --isa avx512 ...     # AVX-512 without BF16
+    .venv/bin/python scripts/avx512_emulated/check.py              # tests/kernels, tests/attention
+    .venv/bin/python scripts/avx512_emulated/check.py tests/models -k packed  # other tests
+    .venv/bin/python scripts/avx512_emulated/check.py --isa avx512 # AVX-512 without BF16
 """
 
 from __future__ import annotations
