@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: serve test test-fast check install model bench clean
+.PHONY: serve test test-fast test-avx512-emulated check install model bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,23 @@ check: $(TEST_STAMP)
 # The inner loop (about 85 s on 2 cores): everything but the tests on the default model.
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -x -k "not default and not smollm2"
+
+# The kernels' AVX-512 and AVX512-BF16 paths on a CPU without them (an AVX2-only machine
+# cannot run them, and `make test` there tests only its own): the kernel and attention
+# tests against builds with those paths emulated (scripts/avx512_emulated/, about 90 s).
+# Needs Debian's libsimde-dev, installed as the browser is where apt works as root.
+SIMDE_STAMP := $(VENV)/.installed-simde
+$(SIMDE_STAMP): $(VENV)/bin/python
+	@test -f /usr/include/simde/x86/avx512.h \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && { DEBIAN_FRONTEND=noninteractive apt-get install -y -q libsimde-dev >/dev/null 2>&1 \
+	            || { apt-get update -q >/dev/null 2>&1 \
+	                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libsimde-dev >/dev/null 2>&1; }; }; } \
+	  || echo "libsimde-dev could not be installed: check.py will say what is missing"
+	touch $@
+
+test-avx512-emulated: $(TEST_STAMP) $(SIMDE_STAMP)
+	$(PY) scripts/avx512_emulated/check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
