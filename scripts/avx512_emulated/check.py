@@ -37,8 +37,8 @@ from kvloom import native
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SIMDE = Path("/usr/include/simde/x86/avx512.h")
-# What each emulated ISA adds to /proc/cpuinfo's flags, and gemm.cpp's enum for it.
-# the compiler flags that pick the header's part.
+# Per emulated ISA: the flags it adds to /proc/cpuinfo's, gemm.cpp's enum for it, and the
+# defines that pick the header's part.
 ISAS = {"avx512_bf16": ("avx512f avx512bw avx512vl avx512dq avx512_bf16", "ISA_AVX512_BF16", []),
         "avx512": ("avx512f avx512bw avx512vl avx512dq", "ISA_AVX512", ["-DKVLOOM_EMU_NO_BF16"])}
 _TARGET = re.compile(r'__attribute__\(\(target\("[^"]*"\)\)\)')
