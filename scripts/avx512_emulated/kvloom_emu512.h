@@ -47,6 +47,8 @@
 #define _mm512_unpacklo_ps simde_mm512_unpacklo_ps
 // What SIMDe 0.7.4 lacks, written lane by lane after Intel's pseudocode (reductions in
 // GCC's avx512fintrin.h order: the halves, the quarters, then {2,3,0,1} and {1,0,1,0}).
+// Sources build with -ffast-math (kvloom/native.py), which would let GCC reorder the
+// reductions' sums; the pragma around them keeps each in its written order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +59,8 @@ inline F16 f(simde__m512 a) { F16 r; std::memcpy(&r, &a, 64); return r; }
 inline I16 i(simde__m512i a) { I16 r; std::memcpy(&r, &a, 64); return r; }
 inline simde__m512 pf(const F16& r) { simde__m512 a; std::memcpy(&a, &r, 64); return a; }
 inline simde__m512i pi(const I16& r) { simde__m512i a; std::memcpy(&a, &r, 64); return a; }
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 inline float reduce_add(F16 x) {
   float t3[8], t6[4];
   for (int j = 0; j < 8; ++j) t3[j] = x.v[8 + j] + x.v[j];
@@ -72,6 +76,7 @@ inline float reduce_max(F16 x) {
   const float t8[4] = {maxps(t6[0], t6[2]), maxps(t6[1], t6[3]), maxps(t6[2], t6[0]), maxps(t6[3], t6[1])};
   return maxps(t8[0], t8[1]);
 }
+#pragma GCC pop_options
 inline uint16_t to_bf16_rne(float x) {  // vcvtneps2bf16: RNE, NaN -> quiet
   uint32_t b; std::memcpy(&b, &x, 4);
   if (std::isnan(x)) return static_cast<uint16_t>((b >> 16) | 0x40);
