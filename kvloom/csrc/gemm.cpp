@@ -263,6 +263,17 @@ struct Ahead {
     _mm_prefetch(next, _MM_HINT_T1);
     next += 64;
   }
+  // step(0), step(1), ..., step(steps - 1) in order, the first lines() of them each
+  // after fetching a line: two loops, so the steps past the slice pay no check.
+  template <class Step>
+  KVLOOM_TARGET_AVX2 __attribute__((always_inline)) void walk(int64_t steps, const Step& step) {
+    int64_t k = 0;
+    for (const int64_t fetching = std::min(steps, lines()); k < fetching; ++k) {
+      fetch();
+      step(k);
+    }
+    for (; k < steps; ++k) step(k);
+  }
 };
 
 // The store of one row's 16 columns of block j (two 8-lane halves).
@@ -323,13 +334,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_packed(const Problem& p, const Avx2Inputs& in,
       });
     }
   };
-  // Every accumulator walks q = 0, 1, ... in order; the first steps also fetch ahead.
-  int64_t q = 0;
-  for (const int64_t fetching = std::min(stride / 2, ahead.lines()); q < fetching; ++q) {
-    ahead.fetch();
-    pair(q);
-  }
-  for (; q < stride / 2; ++q) pair(q);
+  ahead.walk(stride / 2, pair);  // every accumulator walks q = 0, 1, ... in order
   unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX2 {
     constexpr int r = i / B, b = i % B;
     avx2_store(p, m0 + r, j0 + b, acc[r * C + 2 * b], acc[r * C + 2 * b + 1]);
@@ -366,12 +371,7 @@ KVLOOM_TARGET_AVX2 void avx2_tile_widened(const Problem& p, const Avx2Inputs& in
       acc[2 * r + 1] = _mm256_fmadd_ps(v, hi, acc[2 * r + 1]);
     });
   };
-  int64_t k = 0;  // k = 0, 1, ... in order; the first steps also fetch ahead
-  for (const int64_t fetching = std::min(stride, ahead.lines()); k < fetching; ++k) {
-    ahead.fetch();
-    step(k);
-  }
-  for (; k < stride; ++k) step(k);
+  ahead.walk(stride, step);  // k = 0, 1, ... in order
   unrolled<R>([&](auto r) KVLOOM_TARGET_AVX2 { avx2_store(p, m0 + r, j, acc[2 * r], acc[2 * r + 1]); });
 }
 
