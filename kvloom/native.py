@@ -95,29 +95,37 @@ def build_key(name: str, compiler: str) -> str:
     return hashlib.sha256(source + identity.encode()).hexdigest()[:16]
 
 
+def compile_library(source: Path, target: Path, flags: list[str]) -> None:
+    """Compile ``source`` with ``flags`` and link it into ``target``, in two steps (see
+    FLAGS), through a temporary name: concurrent builders never see half a file.
+    KernelUnavailable names the first error."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable(f"no C++ compiler (g++) found to build {source.name}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built, objects = Path(tmp) / target.name, Path(tmp) / f"{source.stem}.o"
+        for command in ([cxx, *flags, "-c", str(source), "-o", str(objects)],
+                        [cxx, *LINK_FLAGS, str(objects), "-o", str(built)]):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                errors = [line for line in result.stderr.splitlines() if "error" in line]
+                raise KernelUnavailable(f"building {source.name} failed: "
+                                        + (errors[0] if errors else result.stderr.strip()[-300:]))
+        os.replace(built, target)
+
+
 def load(name: str) -> ctypes.CDLL:
     """Build (once per source/flags/compiler) and load ``csrc/<name>.cpp``."""
     with _lock:
         if name in _libraries:
             return _libraries[name]
-        source_path = SOURCES / f"{name}.cpp"
         cxx = compiler()
         if cxx is None:
-            raise KernelUnavailable(f"no C++ compiler (g++) found to build {source_path.name}")
-        flags = flags_for(name)
+            raise KernelUnavailable(f"no C++ compiler (g++) found to build {name}.cpp")
         target = cache_dir() / f"{name}-{build_key(name, cxx)}.so"
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built, objects = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
-                for command in ([cxx, *flags, "-c", str(source_path), "-o", str(objects)],
-                                [cxx, *LINK_FLAGS, str(objects), "-o", str(built)]):
-                    result = subprocess.run(command, capture_output=True, text=True)
-                    if result.returncode != 0:
-                        errors = [line for line in result.stderr.splitlines() if "error" in line]
-                        raise KernelUnavailable(f"building {source_path.name} failed: "
-                                                + (errors[0] if errors else result.stderr.strip()[-300:]))
-                os.replace(built, target)  # atomic: concurrent builders never see half a file
+            compile_library(SOURCES / f"{name}.cpp", target, flags_for(name))
         library = ctypes.CDLL(str(target))
         _libraries[name] = library
         return library

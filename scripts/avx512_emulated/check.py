@@ -79,13 +79,10 @@ def build(home: Path, gemm_isa: str, defines: list[str]) -> None:
             cpp.write_text(emulated_source(cpp, gemm_isa))
             name = cpp.stem
             target = native.cache_dir() / f"{name}-{native.build_key(name, cxx)}.so"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            obj = Path(tmp) / f"{name}.o"
-            for command in ([cxx, *native.flags_for(name), *defines, "-I", str(HERE), "-c", str(cpp), "-o", str(obj)],
-                            [cxx, *native.LINK_FLAGS, str(obj), "-o", str(target)]):
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode:
-                    raise SystemExit(f"building {cpp.name} emulated failed:\n{result.stderr[-3000:]}")
+            try:
+                native.compile_library(cpp, target, [*native.flags_for(name), *defines, "-I", str(HERE)])
+            except native.KernelUnavailable as error:
+                raise SystemExit(f"emulated: {error}") from None
             disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
             if "%zmm" in disassembly:  # the point of the exercise: nothing this CPU cannot run
                 raise SystemExit(f"{target.name} holds real AVX-512 instructions")

@@ -43,10 +43,7 @@ def build(revision: str, into: Path) -> ctypes.CDLL:
             text = subprocess.run(["git", "show", f"{revision}:{name}"], cwd=REPO, check=True,
                                   capture_output=True).stdout
             (into / Path(name).name).write_bytes(text)
-    cxx = native.compiler() or "g++"
-    subprocess.run([cxx, *native.flags_for("gemm"), "-c", str(into / "gemm.cpp"), "-o", str(into / "gemm.o")],
-                   check=True)
-    subprocess.run([cxx, *native.LINK_FLAGS, str(into / "gemm.o"), "-o", str(into / "gemm.so")], check=True)
+    native.compile_library(into / "gemm.cpp", into / "gemm.so", native.flags_for("gemm"))
     library = ctypes.CDLL(str(into / "gemm.so"))
     library.kvloom_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     library.kvloom_gemm_packed_elements.restype = ctypes.c_int64
