@@ -69,6 +69,18 @@ class StateCopy:
     dst: int
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy KV block ``src`` whole into block ``dst``, in every layer: a prefix hit that
+    ends inside cached block ``src`` starts its request's first private block ``dst``
+    as that block (cache/kv_manager.py). Whole blocks, so that no caller needs the
+    order of the slots inside one (the attention backend's); the slots past the hit
+    are overwritten by the request before anything reads them."""
+
+    src: int
+    dst: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """Everything the runner needs for one forward pass, and nothing else."""
@@ -81,6 +93,8 @@ class SchedulerOutput:
     # checkpoint (its chunk ended at a planned checkpoint).
     state_restores: list[StateCopy] = field(default_factory=list)
     state_saves: list[StateCopy] = field(default_factory=list)
+    # Before the forward: the partial blocks of this step's prefix hits.
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -119,6 +133,9 @@ class ForwardBatch:
     # the runner fills it in); None when every input token is known.
     placeholder_positions: torch.Tensor | None = None
     placeholder_rows: torch.Tensor | None = None
+    # [2, num_copies] int64: source blocks, then destination blocks, to be copied before
+    # the forward (SchedulerOutput.block_copies); None when there are none.
+    block_copies: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -173,8 +190,9 @@ class ForwardBatch:
         # Every field goes to the device in two copies (its int64 and its int32 fields,
         # each packed into one buffer, pinned on CUDA so the copy is asynchronous), then
         # the fields are views of those buffers.
+        copies = [c.src for c in output.block_copies] + [c.dst for c in output.block_copies]
         wide = _to_device([input_ids, positions, slots, logits_indices, state_slots, placeholders,
-                           placeholder_rows], torch.int64, device)
+                           placeholder_rows, copies], torch.int64, device)
         narrow = _to_device([[b for t in padded for b in t], seq_lens, starts], torch.int32, device)
         return cls(
             input_ids=wide[0],
@@ -190,6 +208,7 @@ class ForwardBatch:
             state_slots=wide[4] if state_slots else None,
             placeholder_positions=wide[5] if placeholders else None,
             placeholder_rows=wide[6] if placeholders else None,
+            block_copies=wide[7].view(2, -1) if copies else None,
         )
 
 

@@ -5,6 +5,11 @@ owns the rest of a request's state). A request holds one pool reference per entr
 of its ``block_ids``; the prefix cache holds one per block it indexes. A request's blocks beyond its
 cached prefix are private to it, so a request never writes into a shared block.
 
+A hit may end inside a block (``PrefixMatch.partial``): the request's first private
+block then starts as a copy of the cached block that holds those tokens
+(``block_copy``; the runner copies before the step's forward), and the cached block
+stays locked until that step has been launched, so nothing evicts and reuses it first.
+
 For a state-space model the prefix cache also keeps state checkpoints (a hit needs
 one, cache/radix_cache.py), and this manager plans where a request saves them: where
 its prompt leaves the cached tree (the next request with that prefix then hits it)
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvloom.batch import BlockCopy
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
 from kvloom.cache.in_flight import NoPrefixesInFlight, PrefixesInFlight
 from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
@@ -37,6 +43,11 @@ class _CacheState:
     num_inserted_blocks: int = 0
     checkpoints: list[int] = field(default_factory=list)  # planned state checkpoint positions, ascending
     saving: tuple[int, int] | None = None  # (position, reserved slot): a state saved this step
+    # A partial hit's copy into the first private block, and the lock on its source,
+    # until the step that copies it has been launched (``cache_computed_blocks``).
+    copy: BlockCopy | None = None
+    copy_handle: object | None = None
+    copy_end: int = 0  # tokens computed once the copy is in (the whole hit)
 
 
 class KVCacheManager:
@@ -86,22 +97,30 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens of KV; all or nothing.
 
         ``prefix`` (only for a request that holds no blocks yet) is attached first:
-        its blocks are shared; the scheduler then counts its tokens as computed.
+        its blocks are shared, its partial block is to be copied (``block_copy``); the
+        scheduler then counts its ``num_hit_tokens`` as computed.
         """
         state = self._cache_state.get(request)
-        if prefix is not None and prefix.block_ids:
+        if prefix is not None and (prefix.block_ids or prefix.partial is not None):
             if request.block_ids:
                 raise BlockPoolError(f"request {request.request_id} already holds blocks")
+            partial = prefix.partial
+            copy_handle = partial.handle if partial is not None else None
             # Lock before evicting so that making room never evicts the hit itself.
             self.prefix_cache.lock(prefix.handle)
-            total = cdiv(prefix.num_tokens + num_new_tokens, self.block_size)
+            self.prefix_cache.lock(copy_handle)
+            total = cdiv(prefix.num_hit_tokens + num_new_tokens, self.block_size)
             needed = total - len(prefix.block_ids)
             if not self._reserve(needed):
+                self.prefix_cache.unlock(copy_handle)
                 self.prefix_cache.unlock(prefix.handle)
                 return False
             self.pool.incref(prefix.block_ids)
             request.block_ids = list(prefix.block_ids) + self.pool.allocate(needed)
-            self._cache_state[request] = _CacheState(prefix.handle, len(prefix.block_ids))
+            state = self._cache_state[request] = _CacheState(prefix.handle, len(prefix.block_ids))
+            if partial is not None:  # ``needed`` >= 1: the hit ends inside a private block
+                state.copy = BlockCopy(partial.block_id, request.block_ids[len(prefix.block_ids)])
+                state.copy_handle, state.copy_end = copy_handle, prefix.num_hit_tokens
             return True
         needed = self.blocks_needed(request, num_new_tokens)
         if not self._reserve(needed):
@@ -110,6 +129,11 @@ class KVCacheManager:
         if state is None:
             self._cache_state[request] = _CacheState()
         return True
+
+    def block_copy(self, request: Request) -> BlockCopy | None:
+        """The copy a partial hit needs before the request's first step (None if none)."""
+        state = self._cache_state.get(request)
+        return state.copy if state is not None else None
 
     def plan_checkpoints(self, request: Request, prefix: PrefixMatch) -> None:
         """At admission (after ``allocate_slots``): where the request will save its state
@@ -155,6 +179,8 @@ class KVCacheManager:
         state = self._cache_state.get(request)
         if state is None:
             return
+        if state.copy is not None and request.num_computed_tokens > state.copy_end:
+            self._copied(state)  # the step that copies was launched: the source is free to go
         num_full = request.num_computed_tokens // self.block_size
         if num_full > state.num_inserted_blocks:
             handle = self.prefix_cache.insert(
@@ -171,6 +197,10 @@ class KVCacheManager:
             state.saving = None
             node = self.prefix_cache.insert(request.all_token_ids[:end], request.block_ids[: end // self.block_size])
             self.prefix_cache.attach_state(node, slot)
+
+    def _copied(self, state: _CacheState) -> None:
+        self.prefix_cache.unlock(state.copy_handle)
+        state.copy, state.copy_handle = None, None
 
     def release_uncomputed(self, request: Request) -> int:
         """Return the blocks past the request's computed tokens (speculative decoding:
@@ -190,6 +220,8 @@ class KVCacheManager:
         if state is not None:
             if state.saving is not None:  # the step that was to save it never completed
                 self.prefix_cache.release_state_slot(state.saving[1])
+            if state.copy is not None:  # admitted, but its first step never launched
+                self._copied(state)
             self.prefix_cache.unlock(state.handle)
         self.pool.decref(request.block_ids)
         request.block_ids = []

@@ -10,9 +10,27 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class PartialBlock:
+    """The tokens of a cached block that a match can use past its whole blocks.
+
+    The request's next block differs from every cached one, but the first
+    ``num_tokens`` (0 < num_tokens < block_size) of cached block ``block_id`` are its
+    own next tokens, after the same prefix, so their KV is the request's KV bit for bit
+    (the kernels are batch-invariant). The request cannot share the block (it would
+    write into it), so its first private block starts as a copy of this one. ``handle``
+    pins the block until the step that copies it has been launched.
+    """
+
+    block_id: int
+    num_tokens: int
+    handle: object
+
+
 @dataclass(slots=True)
 class PrefixMatch:
-    """The longest cached block-aligned prefix of a token sequence.
+    """The longest cached block-aligned prefix of a token sequence, and the cached
+    block (if any) that serves some of the tokens after it.
 
     ``handle`` is opaque to callers: pass it back to ``lock``/``unlock``.
     ``miss_reason`` explains a zero or short hit ("cache disabled", "shorter than one
@@ -30,6 +48,13 @@ class PrefixMatch:
     # request leaves the tree, a checkpoint would serve the next request to share it.
     state_slot: int | None = None
     branch_tokens: int = 0
+    partial: PartialBlock | None = None
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Tokens the request need not compute: its whole shared blocks, then the
+        partial block's tokens."""
+        return self.num_tokens + (self.partial.num_tokens if self.partial is not None else 0)
 
 
 class PrefixCache(ABC):
@@ -43,7 +68,9 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match(self, token_ids: list[int]) -> PrefixMatch:
-        """Longest cached prefix of ``token_ids``, in whole blocks; refreshes its LRU time."""
+        """Longest cached prefix of ``token_ids``, in whole blocks, and a cached block
+        whose first tokens continue it (``PrefixMatch.partial``) if the cache can tell;
+        refreshes the whole blocks' LRU time."""
 
     @abstractmethod
     def lock(self, handle: object | None) -> None:
@@ -78,8 +105,8 @@ class PrefixCache(ABC):
         """Every block the cache holds a reference on (for integrity checks)."""
 
     def cached_prefix_length(self, token_ids: list[int]) -> int:
-        """Tokens of ``token_ids`` a match would serve, without touching LRU or stats
-        (for cache-aware scheduling)."""
+        """Tokens of ``token_ids`` a match would serve (``num_hit_tokens``), without
+        touching LRU or stats (for cache-aware scheduling)."""
         return 0
 
     def check_integrity(self) -> None:  # noqa: B027 - a cache with no structure has nothing to check

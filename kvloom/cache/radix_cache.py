@@ -14,6 +14,16 @@ with ``lock_count == 0`` has only unlocked descendants, and every unlocked block
 reachable by evicting least-recently-used unlocked leaves from the bottom up:
 ``num_evictable_blocks`` is exactly what ``evict`` can free.
 
+Partial blocks: where a request's next block differs from every cached one, a match
+also names the cached block whose first tokens continue the request's prefix furthest
+(``PrefixMatch.partial``): the block after the match in the edge the walk stopped in,
+or the first block of the deepest node's child that agrees longest. The KV manager
+copies it into the request's first private block, so a prefix that ends inside a
+block (a 1,000-token system prompt in blocks of 16) is reused to its last token, not
+to its last whole block. The tree itself stays block-granular: a partial hit splits
+nothing and refreshes no LRU time. Not for a state-space model's cache: its hits end
+at checkpoints, and a checkpoint is at a node's end.
+
 Handles are nodes. A split keeps the existing node object as the lower half, so a
 handle always means "the path down to this node's end", whatever splits happen
 later. A handle must be locked before anything can evict (the KVCacheManager locks
@@ -39,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
-from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
+from kvloom.cache.prefix_cache import PartialBlock, PrefixCache, PrefixMatch
 
 
 class RadixCacheError(BlockPoolError):
@@ -100,29 +110,58 @@ class RadixCache(PrefixCache):
         """
         node, in_edge, num_blocks, block_ids = self._walk(token_ids)
         branch_tokens = num_blocks * self.block_size
+        partial = None
         if self.keeps_states:
             node, num_blocks = self._checkpointed(node, in_edge, num_blocks)
             del block_ids[num_blocks:]
-        elif in_edge:
-            node = self._split(node, in_edge)
+        else:
+            # Found before the split, which keeps ``node`` as the lower half: the block
+            # after the match is then that node's first, and the node its handle.
+            partial = self._partial_block(node, in_edge, token_ids[branch_tokens:])
+            if in_edge:
+                node = self._split(node, in_edge)
         matched = num_blocks * self.block_size
         self.num_match_queries += 1
         self.num_queried_tokens += len(token_ids)
-        self.num_matched_tokens += matched
-        reason = self._miss_reason(token_ids, matched, in_edge, branch_tokens)
+        self.num_matched_tokens += matched + (partial.num_tokens if partial is not None else 0)
+        reason = self._miss_reason(token_ids, matched, in_edge, branch_tokens, partial)
         if node is self.root:
-            return PrefixMatch(miss_reason=reason, branch_tokens=branch_tokens)
+            return PrefixMatch(miss_reason=reason, branch_tokens=branch_tokens, partial=partial)
         self._touch(node)
         return PrefixMatch(block_ids, matched, node, reason, state_slot=node.state_slot,
-                           branch_tokens=branch_tokens)
+                           branch_tokens=branch_tokens, partial=partial)
 
     def cached_prefix_length(self, token_ids: list[int]) -> int:
         """Tokens of ``token_ids`` a ``match`` would return, without any side effect
         (no split, no LRU refresh, no statistics): for cache-aware scheduling."""
         node, in_edge, num_blocks, _ = self._walk(token_ids)
         if self.keeps_states:
-            num_blocks = self._checkpointed(node, in_edge, num_blocks)[1]
-        return num_blocks * self.block_size
+            return self._checkpointed(node, in_edge, num_blocks)[1] * self.block_size
+        matched = num_blocks * self.block_size
+        partial = self._partial_block(node, in_edge, token_ids[matched:])
+        return matched + (partial.num_tokens if partial is not None else 0)
+
+    def _partial_block(self, node: RadixNode, in_edge: int, rest: list[int]) -> PartialBlock | None:
+        """The cached block whose first tokens agree longest with ``rest``, the tokens
+        after a walk's whole blocks (None if none agrees on the first). Candidates: the
+        walk stopped ``in_edge`` blocks into ``node``'s edge, so its next block there;
+        or at ``node``'s end, so its children's first blocks (the scan costs one
+        comparison per child that starts with the same token)."""
+        if not rest:
+            return None
+        bs, first = self.block_size, rest[0]
+        if in_edge:
+            candidates = [(node, in_edge)]
+        else:
+            candidates = [(child, 0) for key, child in node.children.items() if key[0] == first]
+        best: PartialBlock | None = None
+        for candidate, index in candidates:
+            count = _common_length(candidate.key[index * bs:(index + 1) * bs], rest)
+            if count and (best is None or count > best.num_tokens):
+                best = PartialBlock(candidate.block_ids[index], count, candidate)
+        # A whole block in common would have been matched (the walk compares whole blocks).
+        assert best is None or best.num_tokens < bs
+        return best
 
     def _checkpointed(self, node: RadixNode, in_edge: int, num_blocks: int) -> tuple[RadixNode, int]:
         """The deepest node with a state checkpoint on a walk's path, and the blocks
@@ -136,8 +175,19 @@ class RadixCache(PrefixCache):
             node, num_blocks = node.parent, num_blocks - node.num_blocks
         return node, num_blocks
 
-    def _miss_reason(self, token_ids: list[int], matched: int, in_edge: int, branch_tokens: int) -> str | None:
-        """Why the hit is shorter than the block-aligned length of ``token_ids``."""
+    def _miss_reason(self, token_ids: list[int], matched: int, in_edge: int, branch_tokens: int,
+                     partial: PartialBlock | None) -> str | None:
+        """Why the hit is shorter than the block-aligned length of ``token_ids`` (with a
+        partial block: shorter than ``token_ids``)."""
+        if partial is None:
+            return self._whole_block_miss(token_ids, matched, in_edge, branch_tokens)
+        hit = matched + partial.num_tokens
+        if hit == len(token_ids):
+            return None
+        return (f"prefix hit of {hit} tokens, {partial.num_tokens} of them copied from a cached block: "
+                f"token {hit} differs from every cached continuation")
+
+    def _whole_block_miss(self, token_ids: list[int], matched: int, in_edge: int, branch_tokens: int) -> str | None:
         if matched < branch_tokens:
             where = f"only after {matched} tokens" if matched else "nowhere on them"
             return (f"prefix hit of {matched} tokens: {branch_tokens} tokens of KV are cached, but the "
@@ -437,3 +487,13 @@ class RadixCache(PrefixCache):
                                   f"are not each of {self._state_slots} once")
         if len(attached) != self._num_cached_states:
             raise RadixCacheError(f"counter says {self._num_cached_states} checkpoints, tree has {len(attached)}")
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count

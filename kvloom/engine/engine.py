@@ -90,6 +90,9 @@ class EngineStats:
     num_state_slots: int = 0
     num_free_state_slots: int = 0
     num_cached_states: int = 0  # the prefix cache's state checkpoints, each a slot's worth
+    # Prefix hits that ended inside a cached block, each copied into its request's first
+    # private block (cumulative; their tokens count in prefix_cache_hit_tokens).
+    num_block_copies: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -340,7 +343,7 @@ class LLMEngine:
                            imports.imports, imports.failures, imports.bytes, imports.seconds,
                            staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
                            len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots,
-                           kv.prefix_cache.num_cached_states)
+                           kv.prefix_cache.num_cached_states, s.num_block_copies)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a

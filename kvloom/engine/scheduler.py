@@ -10,6 +10,9 @@ freed, back to the head of the waiting queue). Then waiting requests are admitte
 policy order while budget, ``max_num_seqs``, blocks and (for a state-space model)
 state slots last.
 
+A prefix hit that ends inside a cached block has that block copied into the request's
+first private block before the step's forward (``SchedulerOutput.block_copies``).
+
 For a state-space model with prefix caching, a hit also restores the mixers' state
 from its checkpoint, and a chunk ends at each checkpoint the KV cache manager plans
 for the request, whose state the runner then saves (``SchedulerOutput.state_*``).
@@ -22,11 +25,12 @@ step's progress enters it, ``commit`` where its sampled tokens do (``update``: b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
-from kvloom.batch import RunnerOutput, ScheduledRequest, SchedulerOutput, StateCopy
+from kvloom.batch import BlockCopy, RunnerOutput, ScheduledRequest, SchedulerOutput, StateCopy
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.cache.state_pool import NoStatePool, StatePool
@@ -83,9 +87,11 @@ class Scheduler:
         # Prefix-cache hit rate in tokens, counted once per request at first admission.
         self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
+        self.num_block_copies = 0  # hits that ended inside a cached block (its copies)
         self._deferred: list[Request] = []  # waiting on a shared prefix in flight, this step
         self._state_restores: list[StateCopy] = []  # this step's (SchedulerOutput.state_restores)
         self._state_saves: list[StateCopy] = []
+        self._block_copies: list[BlockCopy] = []  # this step's (SchedulerOutput.block_copies)
         self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
@@ -163,7 +169,7 @@ class Scheduler:
         preempted: list[Request] = []
         preempt_reasons: dict[str, str] = {}
         self._take_received()
-        self._state_restores, self._state_saves = [], []
+        self._state_restores, self._state_saves, self._block_copies = [], [], []
 
         pending = list(self.policy.order_running(self.running))
         while pending and budget > 0:
@@ -195,7 +201,8 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         if self.speculation is not None:
             self._add_drafts(scheduled)
-        output = SchedulerOutput(self.step_count, scheduled, preempted, self._state_restores, self._state_saves)
+        output = SchedulerOutput(self.step_count, scheduled, preempted, self._state_restores, self._state_saves,
+                                 self._block_copies)
         self.trace.record_step(output, self.waiting, blocked, reason, preempt_reasons,
                                self.kv.pool.num_free_blocks, self._deferred)
         return output
@@ -281,6 +288,7 @@ class Scheduler:
             prefix = self._cached_prefix(request)
             num_imported = self.kv_transfer.importable(request, prefix.num_tokens)
             if num_imported:
+                prefix = dataclasses.replace(prefix, partial=None)  # a pull fills whole blocks
                 # Like a hit: blocks for the whole prompt now, its KV pulled while others run.
                 if not self.kv.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix):
                     return request, WaitReason.NO_FREE_BLOCKS
@@ -291,7 +299,7 @@ class Scheduler:
                 # waiting for them turns recomputation into a cache hit.
                 self._deferred.append(request)
                 continue
-            num_new = self._num_new_tokens(request.num_tokens - prefix.num_tokens, budget,
+            num_new = self._num_new_tokens(request.num_tokens - prefix.num_hit_tokens, budget,
                                            first=not scheduled)
             refusal = WaitReason.TOKEN_BUDGET if num_new <= 0 else \
                 self.policy.refuse_admission(request, self.kv)
@@ -299,11 +307,19 @@ class Scheduler:
                 refusal = WaitReason.NO_FREE_STATE_SLOT
             if refusal is None and not self.kv_transfer.reserve(request):
                 refusal = WaitReason.KV_STAGING_FULL
-            if refusal is None and not self.kv.allocate_slots(request, num_new, prefix):
-                refusal = WaitReason.NO_FREE_BLOCKS
+            if refusal is None:
+                attached = self._allocate_hit(request, num_new, prefix)
+                if attached is None:
+                    refusal = WaitReason.NO_FREE_BLOCKS
+                else:
+                    prefix = attached
             if refusal is not None:
                 return request, refusal
-            request.num_computed_tokens = prefix.num_tokens  # the hit counts as computed
+            request.num_computed_tokens = prefix.num_hit_tokens  # the hit counts as computed
+            copy = self.kv.block_copy(request)
+            if copy is not None:  # the hit ends inside a cached block: copied before the forward
+                self._block_copies.append(copy)
+                self.num_block_copies += 1
             self.state.allocate(request)
             self._restore_state(request, prefix)
             self.waiting.remove(request)
@@ -316,6 +332,21 @@ class Scheduler:
             scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
+
+    def _allocate_hit(self, request: Request, num_new: int, prefix: PrefixMatch) -> PrefixMatch | None:
+        """Blocks for ``num_new`` tokens past the hit, and the hit attached; returns the hit
+        as attached, None if the blocks are not to be had. A partial block is worth a copy,
+        never a wait: its source's node is locked until the copy, which takes that node's
+        blocks out of what eviction can free, so where only that stands in the way the
+        request goes without it (and computes those tokens)."""
+        if self.kv.allocate_slots(request, num_new, prefix):
+            return prefix
+        if prefix.partial is None:
+            return None
+        reason = (f"prefix hit of {prefix.num_tokens} tokens; the {prefix.partial.num_tokens} after them "
+                  "are computed: the pool had no room to copy the cached block that holds them")
+        whole = dataclasses.replace(prefix, partial=None, miss_reason=reason)
+        return whole if self.kv.allocate_slots(request, num_new, whole) else None
 
     def _restore_state(self, request: Request, prefix: PrefixMatch) -> None:
         """A hit of a cache that keeps states: the mixers start from the checkpoint (its
@@ -372,7 +403,7 @@ class Scheduler:
         if request.status is RequestStatus.PREEMPTED:
             timeline.resumed_steps.append(self.step_count)
         else:
-            request.num_cached_tokens = prefix.num_tokens if prefix else 0
+            request.num_cached_tokens = prefix.num_hit_tokens if prefix else 0
             self.num_queried_prompt_tokens += request.num_prompt_tokens
             self.num_cached_prompt_tokens += request.num_cached_tokens
             request.cache_miss_reason = prefix.miss_reason if prefix else "static batching"

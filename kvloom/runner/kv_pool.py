@@ -92,3 +92,11 @@ def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int,
     # Zero-filled so that padded/unused slots never hold NaNs that a kernel could read.
     planes, heads, dim = model.kv_entry
     return torch.zeros(model.num_kv_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype, device=device)
+
+
+def copy_blocks(kv_caches: torch.Tensor, copies: torch.Tensor) -> None:
+    """Copy whole blocks in every layer and plane: ``copies`` is [2, n] int64, source
+    blocks then destinations (``ForwardBatch.block_copies``). The sources are read
+    before anything is written, so a block may be both (never the case today: a
+    destination is a newly allocated block, a source a cached one)."""
+    kv_caches.index_copy_(2, copies[1], kv_caches.index_select(2, copies[0]))

@@ -25,6 +25,7 @@ from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
 from kvloom.runner.cuda_graphs import DecodeGraphs
+from kvloom.runner.kv_pool import copy_blocks
 from kvloom.runner.prompt_logprobs import prompt_logprobs
 from kvloom.runner.sampler import DeviceSample, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
@@ -120,6 +121,8 @@ class ModelRunner:
         if batch.placeholder_positions is not None:
             assert self._pending_tokens is not None and batch.placeholder_rows is not None
             batch.input_ids[batch.placeholder_positions] = self._pending_tokens[batch.placeholder_rows]
+        if batch.block_copies is not None:  # prefix hits that end inside a cached block
+            copy_blocks(self.kv_caches, batch.block_copies)
         if output.state_restores:  # a state-space model's prefix hits start from their checkpoints
             copy_state(self.model, output.state_restores)
         if self.graphs is not None and self.graphs.serves(batch, any(i.draft_token_ids for i in output.scheduled)):

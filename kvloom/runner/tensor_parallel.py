@@ -8,7 +8,8 @@ ids). Each step rank 0 sends the one thing a shard needs: the step's ``ForwardBa
 on the control group (which may wait indefinitely: an idle engine sends nothing),
 then its payload on the step's group:
 
-    FORWARD  header (sizes)  -> payload: the packed batch     every rank runs the model
+    FORWARD  header (sizes)  -> payload: the packed batch     every rank copies the step's
+                                                              blocks, runs the model
     LOGITS   header (rows)   -> payload: the rows' hidden     every rank computes its vocab
                                                               columns, gathered on rank 0
     STOP     header                                           the ranks leave
@@ -39,7 +40,7 @@ from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_gr
 from kvloom.models.registry import CausalLM, load_model
 from kvloom.models.sharding import rank_view
 from kvloom.runner.device import resolve_device, resolve_dtype
-from kvloom.runner.kv_pool import allocate_kv_pool, device_memory, num_blocks_for
+from kvloom.runner.kv_pool import allocate_kv_pool, copy_blocks, device_memory, num_blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,26 +50,30 @@ _HEADER = 6  # command, then up to five sizes
 
 # ---- the step's wire format ---------------------------------------------------------
 def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
-    """The sizes (tokens, sequences, table width, logit rows) and one flat int64 tensor:
-    input ids, positions, slots, block tables, sequence lengths, query starts, logit
-    rows, in that order."""
+    """The sizes (tokens, sequences, table width, logit rows, block copies) and one flat
+    int64 tensor: input ids, positions, slots, block tables, sequence lengths, query
+    starts, logit rows, block copies, in that order."""
+    copies = batch.block_copies if batch.block_copies is not None else torch.empty(2, 0, dtype=torch.int64)
     parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables.flatten(),
-             batch.seq_lens, batch.query_start_loc, batch.logits_indices]
-    sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel()]
+             batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten()]
+    sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel(),
+             copies.shape[1]]
     return sizes, torch.cat([part.to(torch.int64) for part in parts])
 
 
 def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> ForwardBatch:
     """``pack_batch``'s inverse: the same tensors (dtypes included) and host lists."""
-    seqs, width = sizes[1], sizes[2]
-    input_ids, positions, slots, tables, seq_lens, starts, logits = torch.split(flat, _payload_lengths(sizes))
+    seqs, width, num_copies = sizes[1], sizes[2], sizes[4]
+    input_ids, positions, slots, tables, seq_lens, starts, logits, copies = torch.split(
+        flat, _payload_lengths(sizes))
     starts_list = starts.tolist()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, slot_mapping=slots,
         block_tables=tables.view(seqs, width).to(torch.int32), seq_lens=seq_lens.to(torch.int32),
         query_start_loc=starts.to(torch.int32), logits_indices=logits,
         query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:], strict=False)],
-        seq_lens_list=seq_lens.tolist(), block_size=block_size)
+        seq_lens_list=seq_lens.tolist(), block_size=block_size,
+        block_copies=copies.view(2, num_copies) if num_copies else None)
 
 
 def _header(command: int, sizes: Iterable[int] = ()) -> torch.Tensor:
@@ -231,7 +236,9 @@ def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, d
                 return
             if command == FORWARD:
                 flat = torch.empty(sum(_payload_lengths(sizes)), dtype=torch.int64, device=group.device)
-                batch = unpack_batch(sizes[:4], group.broadcast(flat), block_size)
+                batch = unpack_batch(sizes[:5], group.broadcast(flat), block_size)
+                if batch.block_copies is not None:  # as rank 0's runner did before its forward
+                    copy_blocks(shard.kv_caches, batch.block_copies)
                 shard.model(batch, shard.kv_caches, shard.backend, shard.backend.prepare(batch))
             elif command == LOGITS:
                 hidden = torch.empty(sizes[0], hidden_size, dtype=dtype, device=group.device)
@@ -241,8 +248,8 @@ def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, d
 
 
 def _payload_lengths(sizes: list[int]) -> list[int]:
-    tokens, seqs, width, rows = sizes[:4]
-    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows]
+    tokens, seqs, width, rows, copies = sizes[:5]
+    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 2 * copies]
 
 
 def run_worker(config: EngineConfig, placement: RankPlacement) -> None:

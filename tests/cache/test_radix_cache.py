@@ -45,6 +45,23 @@ class ReferenceCache:
             blocks.append(self.blocks[p])
         return prefix, blocks
 
+    def partial(self, tokens: list[int], prefix: Prefix) -> tuple[int, set[int]]:
+        """Past ``prefix`` (a match): the most leading tokens that a cached block after it
+        shares with ``tokens``, and every block that shares that many (0 and none if no
+        block shares a token)."""
+        rest = tuple(tokens[len(prefix):])
+        best, blocks = 0, set()
+        for q, block_id in self.blocks.items():
+            if len(q) != len(prefix) + self.bs or q[: len(prefix)] != prefix:
+                continue
+            count = next((i for i, (a, b) in enumerate(zip(q[len(prefix):], rest)) if a != b),
+                         min(self.bs, len(rest)))
+            if count > best:
+                best, blocks = count, set()
+            if count == best and count:
+                blocks.add(block_id)
+        return best, blocks
+
     def touch(self, prefix: Prefix) -> None:
         if prefix:
             self.clock += 1
@@ -106,8 +123,19 @@ class Harness:
         self.ref.touch(prefix)
         assert (got.num_tokens, got.block_ids) == (len(prefix), blocks)
         assert (got.handle is None) == (not prefix)
-        # A reason for every miss and every hit shorter than the prompt's full blocks.
-        assert (got.miss_reason is None) == (bool(prefix) and len(prefix) == len(tokens) // self.bs * self.bs)
+        num_partial, partial_blocks = self.ref.partial(tokens, prefix)
+        if num_partial:
+            assert got.partial is not None and got.partial.num_tokens == num_partial, (got.partial, num_partial)
+            assert got.partial.block_id in partial_blocks
+            assert got.num_hit_tokens == len(prefix) + num_partial
+        else:
+            assert got.partial is None
+        # A reason for every miss and every hit shorter than the prompt's full blocks, or
+        # with a partial block, than the prompt.
+        if got.partial is None:
+            assert (got.miss_reason is None) == (bool(prefix) and len(prefix) == len(tokens) // self.bs * self.bs)
+        else:
+            assert (got.miss_reason is None) == (got.num_hit_tokens == len(tokens))
         return got.handle, prefix, blocks
 
     def evict(self, count: int) -> None:
@@ -201,7 +229,8 @@ def test_matches_reference_model(block_size: int, ops: list[tuple]) -> None:
         elif kind == "evict":
             h.evict(op[1])
         elif kind == "peek":
-            assert h.cache.cached_prefix_length(op[1]) == len(h.ref.match(op[1])[0])
+            prefix = h.ref.match(op[1])[0]
+            assert h.cache.cached_prefix_length(op[1]) == len(prefix) + h.ref.partial(op[1], prefix)[0]
         h.check()
     # Releasing everything leaves only the cache's references; evicting all empties the pool.
     while h.requests:
@@ -364,3 +393,74 @@ def test_kv_manager_shares_prefix_and_evicts_under_pressure() -> None:
     third = admit([7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7])  # needs all 6 blocks: evicts the rest
     assert kv.num_evicted_blocks == 2
     kv.check_integrity([third])
+
+
+# ---- hits that end inside a block -----------------------------------------------------------
+def test_partial_block_inside_an_edge_is_the_next_block_of_that_edge() -> None:
+    pool, cache = make(block_size=4)
+    a, b, c = index(pool, cache, list(range(1, 13)))
+    hit = cache.match([1, 2, 3, 4, 5, 6, 77, 78, 79])
+    assert (hit.num_tokens, hit.block_ids) == (4, [a])
+    assert hit.partial is not None and (hit.partial.block_id, hit.partial.num_tokens) == (b, 2)
+    assert hit.num_hit_tokens == 6
+    assert hit.partial.handle.block_ids == [b, c]  # the lower half of the split: the block is its first
+    assert hit.miss_reason == ("prefix hit of 6 tokens, 2 of them copied from a cached block: token 6 "
+                               "differs from every cached continuation")
+    assert cache.num_matched_tokens == 6
+    cache.check_integrity()
+
+
+def test_partial_block_is_the_child_that_agrees_longest_and_may_be_the_prompts_end() -> None:
+    pool, cache = make(block_size=4)
+    index(pool, cache, [1, 2, 3, 4, 5, 9, 9, 9])
+    _, best = index(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    index(pool, cache, [1, 2, 3, 4, 5, 6, 0, 0])
+    for tokens in ([1, 2, 3, 4, 5, 6, 7, 1, 2], [1, 2, 3, 4, 5, 6, 7]):  # the second ends inside the block
+        hit = cache.match(tokens)
+        assert hit.num_tokens == 4 and hit.partial is not None
+        assert (hit.partial.block_id, hit.partial.num_tokens) == (best, 3)
+        assert cache.cached_prefix_length(tokens) == 7
+    assert cache.match([1, 2, 3, 4, 8, 8]).partial is None  # no child starts with token 8
+    first_block_only = cache.match([1, 2, 3, 7])  # a partial hit of the very first block
+    assert first_block_only.handle is None and first_block_only.num_hit_tokens == 3
+    cache.check_integrity()
+
+
+def test_kv_manager_copies_the_partial_block_and_pins_it_until_the_step_runs() -> None:
+    pool = BlockPool(8)
+    cache = RadixCache(pool, 4)
+    kv = KVCacheManager(pool, 4, cache)
+    _, _, source = index(pool, cache, list(range(1, 13)))
+    params = SamplingParams(max_tokens=4)
+    request = Request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 77, 78, 79], params)
+    hit = kv.match_prefix(request)
+    assert (hit.num_tokens, hit.num_hit_tokens) == (8, 10)
+    assert kv.allocate_slots(request, request.num_tokens - hit.num_hit_tokens, hit)
+    assert len(request.block_ids) == 4  # two shared, the copy's destination, one more
+    copy = kv.block_copy(request)
+    assert copy is not None and (copy.src, copy.dst) == (source, request.block_ids[2])
+    request.num_computed_tokens = hit.num_hit_tokens
+    # Until the step runs, the source cannot be evicted even though no request shares it.
+    assert cache.evict(8) == 0 and pool.ref_count(source) == 1
+    kv.check_integrity([request])
+    request.num_computed_tokens = request.num_tokens  # the step ran
+    kv.cache_computed_blocks(request)
+    assert kv.block_copy(request) is None
+    kv.free(request)
+    kv.check_integrity([])
+    # Cached: the 3 blocks indexed first and the request's own third block.
+    assert cache.evict(8) == 4 and pool.num_free_blocks == 8  # the source went with the rest
+
+
+def test_kv_manager_releases_the_copy_source_of_a_request_freed_before_its_step() -> None:
+    pool = BlockPool(8)
+    cache = RadixCache(pool, 4)
+    kv = KVCacheManager(pool, 4, cache)
+    index(pool, cache, list(range(1, 9)))
+    request = Request("b", [1, 2, 3, 5, 6], SamplingParams(max_tokens=4))
+    hit = kv.match_prefix(request)
+    assert (hit.num_tokens, hit.num_hit_tokens, hit.handle) == (0, 3, None)
+    assert kv.allocate_slots(request, 2, hit) and kv.block_copy(request) is not None
+    kv.free(request)  # aborted before its first step
+    kv.check_integrity([])
+    assert cache.num_evictable_blocks == 2

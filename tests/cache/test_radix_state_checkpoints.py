@@ -54,6 +54,9 @@ def test_a_match_ends_at_the_deepest_checkpoint() -> None:
     assert hit.block_ids == tree.block_ids([1, 2, 3, 4])
     assert "only after 4 tokens" in (hit.miss_reason or "")
     assert cache.cached_prefix_length([1, 2, 3, 4, 5, 6, 9, 9]) == 4
+    # No partial block: the state after a token inside a block is checkpointed nowhere.
+    assert cache.match([1, 2, 3, 4, 5, 7]).partial is None
+    assert cache.cached_prefix_length([1, 2, 3, 4, 5, 7]) == 4
     cache.check_integrity()
 
 

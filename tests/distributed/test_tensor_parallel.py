@@ -60,6 +60,7 @@ def test_tp2_greedy_is_transformers_and_seeded_samples_are_one_processs(tiny: Pa
         stats = llm.engine.stats()
         # The paths named above were taken, not just available.
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert stats.num_block_copies > 0  # hits ending inside block 2 of the 40-token prefix: every rank copied
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, seeded)] == single_samples
         llm.engine.check_integrity()
         group = llm.engine.first_rank.group

@@ -112,3 +112,60 @@ def test_lpm_policy_prefers_cached_prefixes(tiny_llama, policy) -> None:
         assert order[0] == "hot"
     else:
         assert order[-1] == "hot"
+
+
+@pytest.fixture(scope="module")
+def tiny_paired(tmp_path_factory):
+    """head_dim 64: in bf16 the CPU backend's paired in-block order."""
+    from helpers_models import write_tiny_hf_model
+    return write_tiny_hf_model(tmp_path_factory.mktemp("paired"), arch="llama", hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_hit_ending_inside_a_block_copies_it_and_changes_no_bit(tiny_paired, dtype: str) -> None:
+    rng = random.Random(5)
+    system = [rng.randrange(3, 512) for _ in range(37)]  # 2 blocks and 5 tokens
+    lead = system + [rng.randrange(3, 512) for _ in range(12)]
+    # Each follower's block 2 is system[32:37] and then tokens of its own, unlike the lead's.
+    followers = {f"f{i}": system + [t for t in (rng.randrange(3, 512) for _ in range(20 + i)) if t != lead[37]]
+                 for i in range(4)}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    engine = make_engine(tiny_paired, dtype=dtype)
+    run(engine, {"lead": lead}, params)  # 49 + 7 tokens computed: its blocks 0-2 are cached
+    on = run(engine, followers, params)
+    off = run(make_engine(tiny_paired, dtype=dtype, enable_prefix_caching=False), followers, params)
+    for request_id in followers:
+        assert on[request_id].outputs[0].token_ids == off[request_id].outputs[0].token_ids
+        assert on[request_id].outputs[0].logprobs == off[request_id].outputs[0].logprobs  # bit for bit
+        assert on[request_id].num_cached_tokens == 37  # 32 shared, 5 copied
+        assert on[request_id].cache_miss_reason == ("prefix hit of 37 tokens, 5 of them copied from a cached "
+                                                   "block: token 37 differs from every cached continuation")
+    assert engine.stats().num_block_copies == 4
+    # The followers computed 37 tokens fewer each than without the cache.
+    assert prefill_tokens_computed(engine) == len(lead) + sum(len(p) - 37 for p in followers.values())
+
+
+def test_a_partial_block_gives_way_when_locking_its_source_would_leave_no_room(tiny_llama) -> None:
+    """The copy's source node stays locked until the copy; where that lock is all that
+    keeps eviction from making room, the request is admitted without the partial block
+    (it computes those tokens) rather than waiting for ever on an idle engine."""
+    rng = random.Random(6)
+    lead = [rng.randrange(3, 512) for _ in range(70)]
+    follower = lead[:8] + [t for t in (rng.randrange(3, 512) for _ in range(120)) if t != lead[8]][:112]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = make_engine(tiny_llama, num_blocks=8)
+    run(engine, {"lead": lead}, SamplingParams(max_tokens=1, temperature=0.0))  # 4 blocks cached, one node
+    engine.add_request(follower, params, request_id="follower")
+    finals = {}
+    for _ in range(40):  # it needs 8 blocks: the 4 cached ones must all be evicted
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert "follower" in finals, "the follower was never admitted"
+    off = run(make_engine(tiny_llama, enable_prefix_caching=False), {"follower": follower}, params)
+    assert finals["follower"].outputs[0].token_ids == off["follower"].outputs[0].token_ids
+    assert finals["follower"].num_cached_tokens == 0 and engine.stats().num_block_copies == 0
+    assert finals["follower"].cache_miss_reason == ("prefix hit of 0 tokens; the 8 after them are computed: "
+                                                    "the pool had no room to copy the cached block that holds them")
