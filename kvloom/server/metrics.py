@@ -119,12 +119,16 @@ class EngineMetrics:
             "kvloom:num_cached_blocks", "KV blocks the prefix cache indexes, held by requests or idle.")
         self.num_evicted_blocks = counter(
             "kvloom:num_evicted_blocks", "Idle prefix-cache blocks evicted to make room for new KV.")
+        self.prefix_cache_block_copies = counter(
+            "kvloom:prefix_cache_block_copies",
+            "Prefix hits that ended inside a cached block, whose tokens were copied (counted in the hits).")
         self.num_cached_states = gauge(
             "kvloom:num_cached_states",
             "State-space models: state checkpoints the prefix cache holds (a hit needs one).")
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
         self._num_evicted_seen = 0
+        self._block_copies_seen = 0
         self._spec_seen = (0, 0, 0)
         self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
         # request id -> monotonic time of its previous token; engine thread only.
@@ -163,6 +167,9 @@ class EngineMetrics:
         if stats.num_evicted_blocks > self._num_evicted_seen:
             self.num_evicted_blocks.inc(stats.num_evicted_blocks - self._num_evicted_seen)
             self._num_evicted_seen = stats.num_evicted_blocks
+        if stats.num_block_copies > self._block_copies_seen:
+            self.prefix_cache_block_copies.inc(stats.num_block_copies - self._block_copies_seen)
+            self._block_copies_seen = stats.num_block_copies
         spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
         if spec != self._spec_seen:
             _advance((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,

@@ -54,7 +54,7 @@ class ReferenceCache:
         for q, block_id in self.blocks.items():
             if len(q) != len(prefix) + self.bs or q[: len(prefix)] != prefix:
                 continue
-            count = next((i for i, (a, b) in enumerate(zip(q[len(prefix):], rest)) if a != b),
+            count = next((i for i, (a, b) in enumerate(zip(q[len(prefix):], rest, strict=False)) if a != b),
                          min(self.bs, len(rest)))
             if count > best:
                 best, blocks = count, set()

@@ -83,7 +83,9 @@ def test_gen_is_transformers_greedy_and_the_second_turn_hits(backend: kl.Local, 
     assert state["first"] == backend.tokenizer.decode(greedy.tolist())
     first, second = state.calls
     assert (first.name, second.name) == ("first", "second")
-    assert first.num_cached_tokens == 0
+    # No whole block of it was cached (the module's earlier calls share at most the chat
+    # template's first tokens, which a partial block serves).
+    assert first.num_cached_tokens < 16
     # Timed on the state's thread: the first text comes before the whole answer.
     assert all(c.first_text_s is not None and 0 < c.first_text_s <= c.seconds for c in state.calls)
     # The second call's prompt starts with the first call's text: its full blocks hit.

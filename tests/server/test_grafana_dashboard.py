@@ -173,3 +173,17 @@ def test_cached_blocks_gauge_counts_a_new_prompts_full_blocks(live_server: LiveS
     after, _ = scrape(http)
     assert after[("kvloom:num_evicted_blocks_total", ())] == before[("kvloom:num_evicted_blocks_total", ())]
     assert after[("kvloom:num_cached_blocks", ())] - before[("kvloom:num_cached_blocks", ())] == 2
+
+
+def test_a_hit_ending_inside_a_block_is_copied_counted_and_reported(live_server: LiveServer,
+                                                                    http: httpx.Client) -> None:
+    # Two blocks of token ids no other test sends, then a prompt that shares a block and
+    # a half of them: the half block is copied, and its tokens are cached tokens too.
+    complete(http, list(range(240, 240 + 2 * BLOCK_SIZE)), max_tokens=1)
+    before, _ = scrape(http)
+    shared = BLOCK_SIZE + BLOCK_SIZE // 2
+    usage = complete(http, list(range(240, 240 + shared)) + [7, 8, 9, 10, 11], max_tokens=1)["usage"]
+    after, _ = scrape(http)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == shared
+    copies = ("kvloom:prefix_cache_block_copies_total", ())
+    assert after[copies] - before.get(copies, 0.0) == 1
