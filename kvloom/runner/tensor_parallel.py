@@ -53,7 +53,8 @@ def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
     """The sizes (tokens, sequences, table width, logit rows, block copies) and one flat
     int64 tensor: input ids, positions, slots, block tables, sequence lengths, query
     starts, logit rows, block copies, in that order."""
-    copies = batch.block_copies if batch.block_copies is not None else torch.empty(2, 0, dtype=torch.int64)
+    copies = batch.block_copies if batch.block_copies is not None else \
+        torch.empty(2, 0, dtype=torch.int64, device=batch.input_ids.device)
     parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables.flatten(),
              batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten()]
     sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel(),
