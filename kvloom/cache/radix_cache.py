@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -145,8 +146,9 @@ class RadixCache(PrefixCache):
         """The cached block whose first tokens agree longest with ``rest``, the tokens
         after a walk's whole blocks (None if none agrees on the first). Candidates: the
         walk stopped ``in_edge`` blocks into ``node``'s edge, so its next block there;
-        or at ``node``'s end, so its children's first blocks (the scan costs one
-        comparison per child that starts with the same token)."""
+        or at ``node``'s end, so its children's first blocks. That scan passes over every
+        child once (a first-token check each; a node after a shared system prompt has one
+        child per distinct question) and compares a block only for those that agree."""
         if not rest:
             return None
         bs, first = self.block_size, rest[0]
@@ -156,7 +158,8 @@ class RadixCache(PrefixCache):
             candidates = [(child, 0) for key, child in node.children.items() if key[0] == first]
         best: PartialBlock | None = None
         for candidate, index in candidates:
-            count = _common_length(candidate.key[index * bs:(index + 1) * bs], rest)
+            # commonprefix compares in C (as the router's prefix tree does), on lists too.
+            count = len(os.path.commonprefix([candidate.key[index * bs:(index + 1) * bs], rest[:bs]]))
             if count and (best is None or count > best.num_tokens):
                 best = PartialBlock(candidate.block_ids[index], count, candidate)
         # A whole block in common would have been matched (the walk compares whole blocks).
@@ -488,12 +491,3 @@ class RadixCache(PrefixCache):
         if len(attached) != self._num_cached_states:
             raise RadixCacheError(f"counter says {self._num_cached_states} checkpoints, tree has {len(attached)}")
 
-
-def _common_length(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count

@@ -127,8 +127,7 @@ class EngineMetrics:
             "State-space models: state checkpoints the prefix cache holds (a hit needs one).")
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
-        self._num_evicted_seen = 0
-        self._block_copies_seen = 0
+        self._cache_seen = (0, 0)  # evicted blocks, block copies
         self._spec_seen = (0, 0, 0)
         self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
         # request id -> monotonic time of its previous token; engine thread only.
@@ -164,12 +163,10 @@ class EngineMetrics:
             self.num_preemptions.inc(stats.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = stats.num_preemptions
         self.num_cached_blocks.set(stats.num_cached_blocks)
-        if stats.num_evicted_blocks > self._num_evicted_seen:
-            self.num_evicted_blocks.inc(stats.num_evicted_blocks - self._num_evicted_seen)
-            self._num_evicted_seen = stats.num_evicted_blocks
-        if stats.num_block_copies > self._block_copies_seen:
-            self.prefix_cache_block_copies.inc(stats.num_block_copies - self._block_copies_seen)
-            self._block_copies_seen = stats.num_block_copies
+        cache = (stats.num_evicted_blocks, stats.num_block_copies)
+        if cache != self._cache_seen:
+            _advance((self.num_evicted_blocks, self.prefix_cache_block_copies), cache, self._cache_seen)
+            self._cache_seen = cache
         spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
         if spec != self._spec_seen:
             _advance((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
