@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvloom.engine.admission import RequestRejected
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
 from kvloom.models.errors import ModelLoadError
@@ -148,9 +149,15 @@ class AsyncEngine:
     async def generate(self, requests: list[EngineRequest]) -> ResultStream:
         """Queue a group of requests; returns once the engine accepted all of them.
 
-        Raises ``EngineNotReady``, ``EngineOverloaded``, or the engine's ``ValueError``
-        for a request it can never serve (then none of the group runs)."""
+        Raises ``EngineNotReady``, ``EngineOverloaded``, or a ``ValueError`` for a request
+        that can never be served: the engine's verdict, or a group larger than
+        ``max_waiting`` (then none of the group runs)."""
         self.check_ready()
+        if len(requests) > self.max_waiting > 0:  # no retry can help: refuse it as bad input
+            raise RequestRejected(
+                f"the request asks for {len(requests)} sequences (prompts x n), more than this "
+                f"server ever queues at once (--max-waiting {self.max_waiting}); send fewer "
+                "prompts or a smaller n", None, "too_many_sequences")
         with self._lock:
             if self._num_waiting + self._num_pending + len(requests) > self.max_waiting:
                 raise EngineOverloaded(

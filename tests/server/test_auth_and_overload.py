@@ -82,3 +82,15 @@ def test_full_waiting_queue_is_503(http: httpx.Client, guarded: LiveServer) -> N
                 assert (error["type"], error["code"]) == ("server_error", "server_overloaded")
                 assert response.headers["retry-after"]
     # Both streams were closed early: their requests are aborted (the fixture checks).
+
+
+def test_a_group_larger_than_the_queue_is_400_not_503(http: httpx.Client) -> None:
+    """max_waiting=1: two samples can never be queued at once, so retrying cannot help;
+    the request is refused as bad input, and the server goes on serving."""
+    response = http.post("/v1/completions", json={**BODY, "n": 2}, headers=GOOD)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "too_many_sequences")
+    assert "2 sequences" in error["message"] and "--max-waiting 1" in error["message"]
+    assert "retry-after" not in response.headers
+    assert http.post("/v1/completions", json=BODY, headers=GOOD).status_code == 200
