@@ -4,7 +4,8 @@ scheduler's trace ring buffer (engine/trace.py). Never from the Prometheus text.
 
 Two kinds of data, both bounded:
 
-- **Samples**, one per ``SAMPLE_SECONDS`` of engine time: throughput over the interval
+- **Samples**, one per ``SAMPLE_SECONDS`` of engine time, and a closing one when the
+  engine goes idle (a window of any length): throughput over the interval
   (prompt and output tokens per second, from the engine's cumulative counts), running
   and waiting requests, preemptions in the interval, KV blocks held by requests and
   cached but idle (reclaimable), the
@@ -103,6 +104,7 @@ class LiveStats:
         self._last_step = 0  # the newest trace record taken
         self._window_start: float | None = None
         self._window_totals: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+        self._busy = False  # requests running or waiting at the last iteration
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=LATENCY_VALUES)
         self._itls: deque[tuple[float, float]] = deque(maxlen=LATENCY_VALUES)
         self._last_token: dict[str, float] = {}  # request id -> its previous token's time
@@ -197,13 +199,21 @@ class LiveStats:
     def _maybe_sample(self, stats: Any, now: float) -> None:
         totals = (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_preemptions,
                   stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens)
+        # The engine thread blocks once idle, so the iteration that finds it newly idle
+        # takes a closing sample however short its window: without it the charts would
+        # show the last busy sample (requests running, blocks held) while the engine idles.
+        idle = stats.num_running == 0 and stats.num_waiting == 0
+        closing, self._busy = idle and self._busy, not idle
         if self._window_start is None:
             self._window_start, self._window_totals = now, totals
             return
         elapsed = now - self._window_start
-        if elapsed < SAMPLE_SECONDS:
+        if elapsed < SAMPLE_SECONDS and not (closing and elapsed > 0):
             return
         prompt, output, preempted, queried, hits = (a - b for a, b in zip(totals, self._window_totals, strict=True))
+        # A closing window can be one step long: its tokens over a whole sample period (the
+        # engine idles for the rest of it), not a spike of one step's tokens over its time.
+        period = max(elapsed, SAMPLE_SECONDS)
         horizon = now - LATENCY_WINDOW_SECONDS
         ttfts = [value for at, value in self._ttfts if at >= horizon]
         itls = [value for at, value in self._itls if at >= horizon]
@@ -211,7 +221,7 @@ class LiveStats:
         self.version += 1
         self.samples.append({
             "t": now + self._epoch_offset, "v": self.version,
-            "prompt_tps": prompt / elapsed, "output_tps": output / elapsed,
+            "prompt_tps": prompt / period, "output_tps": output / period,
             "running": stats.num_running, "waiting": stats.num_waiting, "preempted": preempted,
             "preemptions_total": stats.num_preemptions,
             # Held by requests, and cached but idle (reclaimable): together the pool's used blocks.
@@ -219,7 +229,9 @@ class LiveStats:
             "hit_rate": hits / queried if queried else None,
             "ttft": percentiles(ttfts), "itl": percentiles(itls),
         })
-        self._window_start, self._window_totals = now, totals
+        # After a closing sample the next window starts when the engine wakes, so that
+        # the idle time does not dilute the first busy sample's rates.
+        self._window_start, self._window_totals = (None, totals) if closing else (now, totals)
 
     # ---- event loop ------------------------------------------------------------------
     def snapshot(self, since: int = 0) -> dict[str, Any]:

@@ -87,6 +87,9 @@ def test_rows_and_samples_tell_what_the_requests_did(loaded_server) -> None:
     assert all(0 <= s["kv_used"] and 0 <= s["kv_cached"] and s["kv_used"] + s["kv_cached"] <= 12 for s in samples)
     assert max(s["kv_used"] for s in samples) >= 9  # six requests in a pool of twelve fill it
     assert any(s["ttft"][0] is not None and s["itl"][0] is not None for s in samples)
+    # The engine is idle now (assert_idle_and_clean): the newest sample says so, rather
+    # than the last busy one's requests and blocks.
+    assert (samples[-1]["running"], samples[-1]["waiting"], samples[-1]["kv_used"]) == (0, 0, 0)
 
 
 def test_a_request_row_and_the_missing_one(loaded_server) -> None:
