@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput
 from kvloom.sampling_params import SamplingParams
 
@@ -38,9 +39,21 @@ class Continuation:
 
 
 def continuations(prefix: list[int], fulls: list[list[int]]) -> list[Continuation]:
-    """One per choice (``fulls``: each ``text + choice`` tokenized)."""
+    """One per choice (``fulls``: each ``text + choice`` tokenized).
+
+    Raises ``RequestRejected`` where a choice would have no token to score: an empty
+    text (a first token has no context), or a text and choice that are one token
+    together. Scoring such a choice as 0.0 (probability 1) would make ``select`` prefer
+    it over every other."""
+    if not prefix:
+        raise RequestRejected("the prompt is empty: a choice's first token needs the prompt as "
+                              "its context to be scored", "prompt", "empty_prompt")
     result = []
-    for full in fulls:
+    for index, full in enumerate(fulls):
+        if len(full) < 2:
+            raise RequestRejected(f"choice {index} and the prompt tokenize into {len(full)} token "
+                                  "together, so no token of the choice follows the prompt to be "
+                                  "scored", f"choices[{index}]", "invalid_value")
         common = 0
         for a, b in zip(prefix, full, strict=False):
             if a != b:

@@ -64,18 +64,21 @@ _PARAM_NAMES = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
     "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias",
+    # structured output (kvloom/structured/openai.py): "response_format.json_schema.schema ..."
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_json_object", "structured_outputs",
 })
 
 
 def from_value_error(error: ValueError, param: str | None = None) -> APIError:
-    """A ValueError from SamplingParams or the engine, as a 400 naming the field (the
-    engine's rejections carry ``param`` and ``code``; SamplingParams' messages start
-    with the field's name)."""
+    """A ValueError from SamplingParams, the structured-output fields or the engine, as a
+    400 naming the field (the engine's rejections carry ``param`` and ``code``; the
+    others' messages start with the field's name, or its dotted path)."""
     message = str(error)
     param = param or getattr(error, "param", None)
-    if param is None:
-        first = message.split(" ", 1)[0].split("(", 1)[0]
-        param = first if first in _PARAM_NAMES else None
+    if param is None:  # "top_p must be ...", "response_format.json_schema: ..."
+        first = message.split(" ", 1)[0].split("(", 1)[0].rstrip(":")
+        param = first if first.split(".", 1)[0] in _PARAM_NAMES else None
     return bad_request(message, param, getattr(error, "code", None) or "invalid_value")
 
 

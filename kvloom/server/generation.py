@@ -104,7 +104,7 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             guided_json_object=body.guided_json_object, structured_outputs=body.structured_outputs)
         return SamplingParams(
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
-            stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
             logit_bias=body.logit_bias, prompt_logprobs=body.prompt_logprobs,
             prompt_logprobs_start=body.prompt_logprobs_start or 0, **given)

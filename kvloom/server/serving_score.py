@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import Field
 
 from kvloom.engine.scoring import continuations
-from kvloom.server.errors import bad_request
+from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import Serving, collect, new_id
 from kvloom.server.protocol import RequestModel
 from kvloom.server.streams import EngineRequest
@@ -37,9 +37,14 @@ async def create_score(body: ScoreRequest, request: Request, serving: Serving) -
     if not all(body.choices):
         raise bad_request("every choice must be a non-empty string", "choices")
     tokenizer = info.tokenizer
-    wanted = continuations(tokenizer.encode(body.prompt, add_special_tokens=False),
-                           [tokenizer.encode(body.prompt + choice, add_special_tokens=False)
-                            for choice in body.choices])
+    try:
+        wanted = continuations(tokenizer.encode(body.prompt, add_special_tokens=False),
+                               [tokenizer.encode(body.prompt + choice, add_special_tokens=False)
+                                for choice in body.choices])
+        for index, choice in enumerate(wanted):  # the engine would blame "the prompt"
+            info.limits.check_prompt(len(choice.token_ids), f"choices[{index}]")
+    except ValueError as error:
+        raise from_value_error(error) from None
     request_id = new_id("score")
     finals = await collect(await serving.open([EngineRequest(f"{request_id}-{i}", c.token_ids, c.params)
                                                for i, c in enumerate(wanted)]), request)

@@ -56,7 +56,10 @@ def structured_output_from_openai(
     outputs = _as_mapping(structured_outputs, "structured_outputs")
     if outputs is not None:
         for key, value in outputs.items():
-            if key in _STRUCTURED_OUTPUTS_KEYS and value is not None and value is not False:
+            if key not in _STRUCTURED_OUTPUTS_KEYS:
+                raise ValueError(f"structured_outputs.{key} is not supported: the keys are "
+                                 f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}")
+            if value is not None and value is not False:
                 candidates.append((f"structured_outputs.{key}", {_STRUCTURED_OUTPUTS_KEYS[key]: value}))
     if not candidates:
         return None
@@ -96,6 +99,9 @@ def _from_response_format(response_format: Mapping[str, Any] | None) -> dict[str
         schema = spec.get("schema", spec.get("schema_"))
         if schema is None:
             raise ValueError("response_format.json_schema.schema is required")
+        if schema is False:
+            raise ValueError("response_format.json_schema.schema is false: no value satisfies it, "
+                             "so there is nothing to generate")
         return {"json_schema": schema}
     raise ValueError(
         f"response_format.type must be one of 'text', 'json_object', 'json_schema', got {kind!r}"

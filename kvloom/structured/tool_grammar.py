@@ -73,8 +73,9 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | 
     functions = tool_functions(tools)
     if isinstance(tool_choice, str):
         if tool_choice != "required":
-            raise ValueError(f"tool_choice {tool_choice!r} forces no call; only 'required' or a "
-                             "named function has a constraint")
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+                             f'{{"type": "function", "function": {{"name": ...}}}}; {tool_choice!r} '
+                             "forces no call")
         allowed = functions
     else:
         name = _named_choice(tool_choice)

@@ -205,7 +205,10 @@ def test_a_constraint_the_server_refuses_names_the_program_line(endpoint: kl.End
 
 def test_the_score_endpoint_refuses_bad_bodies(endpoint: kl.Endpoint) -> None:
     for body, param in (({"prompt": "x", "choices": []}, "choices"), ({"prompt": "x", "choices": ["a", ""]}, "choices"),
-                        ({"choices": ["a"]}, "prompt")):
+                        ({"choices": ["a"]}, "prompt"), ({"prompt": "", "choices": ["a", "bc"]}, "prompt"),
+                        # " " + "a" is the one token " a": nothing of the choice follows the prompt.
+                        ({"prompt": " ", "choices": ["hello", "a"]}, "choices[1]"),
+                        ({"prompt": "x", "choices": ["a", " y" * 5000]}, "choices[1]")):
         response = endpoint.client.post("/kvloom/score", json=body)
         assert response.status_code == 400, response.text
         assert param in response.json()["error"]["message"] + str(response.json()["error"]["param"])

@@ -48,7 +48,12 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
      chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
           response_format={"type": "json_object"}), 400, BAD, "tool_choice"),
     ("response_format bad type", CHAT, chat(response_format={"type": "xml"}), 400,
-     BAD, None),
+     BAD, "response_format.type"),
+    ("json schema false", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": False}}), 400, BAD, "response_format.json_schema.schema"),
+    ("structured_outputs unknown key", CHAT, chat(structured_outputs={"foo": 1}), 400, BAD,
+     "structured_outputs.foo"),
+    ("empty stop string", COMPLETIONS, completion(stop=""), 400, BAD, "stop"),
     ("bad json schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "strin"}}}), 400, BAD, None),
     ("bad regex", COMPLETIONS, completion(guided_regex="[a-"), 400, BAD, None),

@@ -121,8 +121,9 @@ def test_accepted_text_parses_into_the_calls(compiler) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tool_choice="auto"), "tool_choice 'auto' forces no call"),
-    (dict(tool_choice="none"), "tool_choice 'none' forces no call"),
+    (dict(tool_choice="auto"), "tool_choice must be 'none', 'auto', 'required' or .*; 'auto' forces no call"),
+    (dict(tool_choice="none"), "; 'none' forces no call"),
+    (dict(tool_choice="sometimes"), "tool_choice must be 'none', 'auto', 'required' or .*; 'sometimes'"),
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}),
      "tool_choice.function.name 'nope' is not in tools"),
     (dict(tool_choice={"type": "function"}), "tool_choice.function.name must be a string"),
