@@ -58,6 +58,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
+    group.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       help="seconds a request has to send its whole body once its headers are in; "
+                            "then the connection is closed")
     group.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
                        help="largest request header block; beyond it: 431")
     group.add_argument("--max-connections", type=int, default=limits.max_connections,
@@ -80,5 +83,6 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
+                                              body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,
                                               max_connections=args.max_connections))

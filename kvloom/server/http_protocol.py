@@ -7,6 +7,10 @@ over-long header block gets a plain-text 400. Here:
 - **Header deadline**: a connection must send complete request headers within
   ``header_timeout`` seconds of connecting, or of the end of its previous response;
   otherwise it is closed. Trickling bytes does not extend the deadline.
+- **Body deadline**: once its headers are in, a request must send its whole body
+  within ``body_timeout`` seconds, or the connection is closed (the request is then a
+  client disconnect). uvicorn waits forever for a body that stops short of its
+  ``Content-Length``, which is the same attack one step later.
 - **431** (Request Header Fields Too Large), in OpenAI's error shape, for a header
   block over ``max_header_bytes``.
 - **Bounded connections**: beyond ``max_connections`` open connections uvicorn
@@ -84,6 +88,7 @@ class GuardedH11Protocol(H11Protocol):
         self.conn = _Connection(h11.SERVER, self.limits.max_header_bytes)
         self.app = _HeaderSizeLimit(self.app, self.limits.max_header_bytes)
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -91,12 +96,18 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._disarm_body_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
             self._disarm_header_deadline()
+        if self.conn.their_state is h11.SEND_BODY:  # a body is due, from the first time seen
+            if self._body_deadline is None:
+                self._body_deadline = self.loop.call_later(self.limits.body_timeout, self._body_too_late)
+        else:
+            self._disarm_body_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -122,6 +133,16 @@ class GuardedH11Protocol(H11Protocol):
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
+
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_too_late(self) -> None:
+        self._body_deadline = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
 
     def _headers_too_late(self) -> None:
         self._header_deadline = None

@@ -53,16 +53,18 @@ class ServerSettings:
 @dataclass(frozen=True)
 class ConnectionLimits:
     """Per-connection guards of the HTTP server (server/http_protocol.py): seconds to
-    send complete request headers, the largest header block (431 beyond), open
-    connections served at once (503 beyond), seconds an idle keep-alive connection
-    stays open."""
+    send complete request headers, then seconds to send the whole body, the largest
+    header block (431 beyond), open connections served at once (503 beyond), seconds an
+    idle keep-alive connection stays open."""
 
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024
     max_connections: int = 2048
     keep_alive_timeout: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "max_header_bytes", "max_connections", "keep_alive_timeout"):
+        for name in ("header_timeout", "body_timeout", "max_header_bytes", "max_connections",
+                     "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -16,7 +16,7 @@ from server_harness import SERVED_NAME, LiveServer, start_live_server
 from kvloom.server.http_protocol import ConnectionLimits
 from kvloom.server.settings import ServerSettings
 
-LIMITS = ConnectionLimits(header_timeout=1.0, max_header_bytes=8192, max_connections=64)
+LIMITS = ConnectionLimits(header_timeout=1.0, body_timeout=1.0, max_header_bytes=8192, max_connections=64)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,23 @@ def test_slow_header_connections_are_closed_at_the_deadline(guarded) -> None:
         assert http.get("/health").status_code == 200
 
 
+def test_a_body_that_stops_short_is_closed_at_the_deadline(guarded) -> None:
+    """Complete headers, then a body that stops short of its Content-Length: closed at the
+    body deadline (trickled bytes do not extend it), and the server goes on serving."""
+    sock = connect(guarded)
+    started = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    sock.sendall(b" ")  # a trickle
+    assert sock.recv(1024) == b""  # blocks until the server closes it (socket timeout 15 s)
+    sock.close()
+    assert time.monotonic() - started < 14
+    with httpx.Client(base_url=guarded.base_url, timeout=30) as http:
+        assert http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi", "max_tokens": 2}
+                         ).status_code == 200
+    guarded.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("complete", [True, False], ids=["whole block", "unterminated block"])
 def test_oversized_headers_get_431(guarded, complete: bool) -> None:
     # A complete block is measured once parsed; an unterminated one by h11 as it grows.
@@ -72,3 +89,5 @@ def test_keep_alive_requests_are_untouched(guarded) -> None:
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="header_timeout must be > 0"):
         ConnectionLimits(header_timeout=0)
+    with pytest.raises(ValueError, match="body_timeout must be > 0"):
+        ConnectionLimits(body_timeout=-1)
