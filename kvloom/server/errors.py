@@ -148,6 +148,11 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = error.detail if isinstance(error.detail, str) else str(error.detail)
         if error.status_code == 404 and detail == "Not Found":
             detail = f"no route for {request.method} {request.url.path}"
+        elif error.status_code == 400 and detail == "There was an error parsing the body":
+            # FastAPI's words for a body json.loads could not even start on (JSON syntax
+            # errors are RequestValidationErrors, with their position, above).
+            detail = ("request body could not be read as JSON: it must be UTF-8 text, not "
+                      "compressed (no Content-Encoding), nested fewer than about 1,000 levels deep")
         return JSONResponse(error_body(detail, kind, None, code), status_code=error.status_code,
                             headers=getattr(error, "headers", None))
 

@@ -3,6 +3,7 @@ leaks no KV blocks."""
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,6 +143,14 @@ def test_sampling_params_message_passes_through(checked: httpx.Client) -> None:
 def test_malformed_json(checked: httpx.Client, raw: bytes) -> None:
     response = checked.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
     assert_error(response, 400, "invalid_request_error")
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\xff"}', gzip.compress(b'{"prompt": "x"}'), b"[" * 100_000],
+                         ids=["not utf-8", "gzip", "deep nesting"])
+def test_unreadable_bodies_say_why(checked: httpx.Client, raw: bytes) -> None:
+    response = checked.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    error = assert_error(response, 400, "invalid_request_error")
+    assert "UTF-8" in error["message"] and "compressed" in error["message"], error
 
 
 def test_huge_body_with_content_length(checked: httpx.Client, live_server: LiveServer) -> None:
