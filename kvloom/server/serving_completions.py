@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvloom.engine.output import CompletionOutput, TokenLogprobs
+from kvloom.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
 from kvloom.server.errors import bad_request
 from kvloom.server.generation import (
@@ -22,6 +23,7 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
     sampled_entry,
     top_entries,
+    usage,
 )
 from kvloom.server.protocol import CompletionRequest
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
@@ -31,18 +33,24 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     check_stream_options(body)
-    if body.echo and body.logprobs is not None:
-        # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
-        raise bad_request("echo together with logprobs is not supported (prompt logprobs are "
-                          "not computed)", "echo")
+    # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests), and
+    # with max_tokens 0 only the prompt, as vLLM's "echo without generation".
+    scores_prompt = body.echo and body.logprobs is not None
+    prompt_only = body.echo and body.max_tokens == 0
+    if (scores_prompt or prompt_only) and body.stream:
+        raise bad_request("echo with logprobs or with max_tokens 0 is only returned with stream false "
+                          "(the prompt's logprobs come once the whole prompt is computed)", "stream")
     params = base_params(body, serving.settings, body.logprobs, info)
+    if scores_prompt:
+        params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs or 0, params.prompt_logprobs or 0))
     prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
-        request_id, prompts, params, body.max_tokens, info, body.priority, "prompt"), body.kv_transfer_params, params.n)
+        request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt"),
+        body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
-    response = _Response(request_id, model, int(time.time()), body, texts, params.n)
+    response = _Response(request_id, model, int(time.time()), body, texts, params.n, info, prompt_only)
     prompt_lens = [len(p) for p in prompts]
     if body.stream:
         return StreamingResponse(
@@ -72,16 +80,58 @@ class _Response(GenerationResponse):
     kind, full_object, chunk_object = "completion", "text_completion", "text_completion"
 
     def __init__(self, request_id: str, model: str, created: int, body: CompletionRequest,
-                 prompt_texts: list[str], n: int) -> None:
+                 prompt_texts: list[str], n: int, info: ModelInfo, prompt_only: bool = False) -> None:
         super().__init__(request_id, model, created)
         self.body, self.prompt_texts, self.n = body, prompt_texts, n
+        self.tokenizer = info.tokenizer
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the one generated token is dropped
         self.sent: dict[int, int] = {}  # per streamed choice: characters sent, for text_offset
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
         prefix = self.prompt_texts[index // self.n] if self.body.echo else ""
+        if self.prompt_only:
+            return {"index": index, "text": prefix, "logprobs": None, "finish_reason": "length"}
         return {"index": index, "text": prefix + completion.text,
                 "logprobs": self._logprobs(completion.logprobs, len(prefix)),
                 "finish_reason": completion.finish_reason}
+
+    def full(self, finals: dict[int, RequestOutput], prompt_lens: list[int], n: int) -> dict[str, Any]:
+        data = super().full(finals, prompt_lens, n)
+        if self.prompt_only:
+            data["usage"] = usage(prompt_lens, 0, data["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if self.body.echo and self.body.logprobs is not None:
+            for choice in data["choices"]:  # the prompt's tokens first, the first one unscored
+                final = finals[choice["index"]]
+                scored = self._prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs or [])
+                if choice["logprobs"] is not None:
+                    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        scored[key] += choice["logprobs"][key]
+                choice["logprobs"] = scored
+                if self.body.prompt_logprobs is None:
+                    choice.pop("prompt_logprobs", None)  # asked for through echo, not as vLLM's field
+        return data
+
+    def _prompt_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
+        """The legacy shape for the prompt's tokens: None for the first (nothing before it)."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = 0
+        for position, token_id in enumerate(token_ids):
+            entry = entries[position] if position < len(entries) else None
+            if entry is None:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                _, scored = sampled_entry(entry)
+                text = scored.decoded_token or ""
+                token_logprobs.append(scored.logprob)
+                top = {lp.decoded_token or "": lp.logprob for _, lp in top_entries(entry, self.body.logprobs or 0)}
+                top.setdefault(text, scored.logprob)
+                tops.append(top)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         self.sent = dict.fromkeys(range(num_choices), 0)

@@ -200,3 +200,37 @@ def test_prompt_logprobs_over_http_equal_the_offline_api(http: httpx.Client, liv
                 prompt_logprobs_start=3)["choices"][0]["prompt_logprobs"]
     assert late[:3] == [None, None, None] and late[3:] == wire[3:]
     live_server.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1], ids=["prompt only", "one token"])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(http: httpx.Client, live_server: LiveServer,
+                                                              tiny_llama: Path, max_tokens: int) -> None:
+    """lm-eval's loglikelihood request (``echo``, ``logprobs``, ``max_tokens`` 0 or 1): the
+    legacy logprobs list the prompt's tokens first (the first unscored), each the
+    log-probability transformers gives it after the tokens before it."""
+    import torch
+    import transformers
+
+    prompt = [5, 17, 99, 250, 41, 7]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    out = post(http, COMPLETIONS, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
+    choice = out["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(prompt) + max_tokens
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for position in range(1, len(prompt)):
+        expected = reference[position - 1, prompt[position]].item()
+        assert logprobs["token_logprobs"][position] == pytest.approx(expected, abs=1e-4), position
+        assert max(logprobs["top_logprobs"][position].values()) == pytest.approx(
+            reference[position - 1].max().item(), abs=1e-4)
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
+    assert "prompt_logprobs" not in choice  # asked for through echo, not as vLLM's field
+    if max_tokens == 0:  # vLLM's echo without generation
+        assert out["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+        assert choice["text"] == "".join(logprobs["tokens"])
+    else:  # greedy: the generated token is the reference's most likely one
+        assert logprobs["token_logprobs"][-1] == pytest.approx(reference[-1].max().item(), abs=1e-4)
+        assert out["usage"]["completion_tokens"] == 1
+    live_server.assert_idle_and_clean()
