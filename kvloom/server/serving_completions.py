@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
@@ -102,7 +103,10 @@ class _Response(GenerationResponse):
         if self.body.echo and self.body.logprobs is not None:
             for choice in data["choices"]:  # the prompt's tokens first, the first one unscored
                 final = finals[choice["index"]]
-                scored = self._prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs or [])
+                known = final.prompt_logprobs or []
+                entries = [known[i] if i < len(known) else None for i in range(len(final.prompt_token_ids))]
+                scored = self._logprobs(entries, 0, final.prompt_token_ids)
+                assert scored is not None  # logprobs were asked for
                 if choice["logprobs"] is not None:
                     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                         scored[key] += choice["logprobs"][key]
@@ -110,28 +114,6 @@ class _Response(GenerationResponse):
                 if self.body.prompt_logprobs is None:
                     choice.pop("prompt_logprobs", None)  # asked for through echo, not as vLLM's field
         return data
-
-    def _prompt_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
-        """The legacy shape for the prompt's tokens: None for the first (nothing before it)."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = 0
-        for position, token_id in enumerate(token_ids):
-            entry = entries[position] if position < len(entries) else None
-            if entry is None:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-                token_logprobs.append(None)
-                tops.append(None)
-            else:
-                _, scored = sampled_entry(entry)
-                text = scored.decoded_token or ""
-                token_logprobs.append(scored.logprob)
-                top = {lp.decoded_token or "": lp.logprob for _, lp in top_entries(entry, self.body.logprobs or 0)}
-                top.setdefault(text, scored.logprob)
-                tops.append(top)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         self.sent = dict.fromkeys(range(num_choices), 0)
@@ -148,19 +130,31 @@ class _Response(GenerationResponse):
         self.sent[index] += len(text)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _logprobs(self, entries: list[TokenLogprobs] | None, offset: int) -> dict[str, Any] | None:
-        """The legacy shape: parallel lists, one element per generated token."""
+    def _logprobs(self, entries: Sequence[TokenLogprobs | None] | None, offset: int,
+                  token_ids: list[int] | None = None) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists, one element per token. An entry is None only
+        for an echoed prompt's token that nothing scored (its first): ``token_ids`` give
+        its text, and its logprob and alternatives are null."""
         if entries is None or self.body.logprobs is None:
             return None
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for entry in entries:
-            _, sampled = sampled_entry(entry)
-            text = sampled.decoded_token or ""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for position, entry in enumerate(entries):
+            if entry is None:
+                assert token_ids is not None
+                text = self.tokenizer.decode([token_ids[position]], skip_special_tokens=False)
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                _, sampled = sampled_entry(entry)
+                text = sampled.decoded_token or ""
+                token_logprobs.append(sampled.logprob)
+                top = {lp.decoded_token or "": lp.logprob for _, lp in top_entries(entry, self.body.logprobs)}
+                top.setdefault(text, sampled.logprob)
+                tops.append(top)
             tokens.append(text)
-            token_logprobs.append(sampled.logprob)
-            top = {lp.decoded_token or "": lp.logprob for _, lp in top_entries(entry, self.body.logprobs)}
-            top.setdefault(text, sampled.logprob)
-            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
