@@ -212,6 +212,8 @@ class LLMEngine:
         than the context, larger than the KV pool, token ids outside the vocabulary),
         an invalid constraint, or a ``kv_transfer`` this instance's role cannot do."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):  # the policy compares them
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if params.n != 1:
             raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
         refusal = self.kv_transfer.refuse(kv_transfer)
@@ -224,7 +226,7 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
-        rid = request_id if request_id is not None else str(next(self._request_counter))
+        rid = request_id if request_id is not None else self.new_request_id()
         request = Request(
             request_id=rid,
             prompt_token_ids=token_ids,
@@ -240,6 +242,10 @@ class LLMEngine:
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
+
+    def new_request_id(self) -> str:
+        """The id add_request would give a request added without one."""
+        return str(next(self._request_counter))
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

@@ -55,26 +55,34 @@ class LLM:
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
 
         # One engine request per sample; `owners` maps it back to (prompt index, sample index).
+        # An id is owned before its request is added, and whatever ends this call early
+        # (a refused request, an engine fault, Ctrl-C) aborts every owned request that has
+        # not finished: none is left running in the engine to hold blocks or to fail the
+        # next call again.
         owners: dict[str, tuple[int, int]] = {}
+        finals: dict[str, RequestOutput] = {}
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 for sample, sample_params in enumerate(fan_out(params)):
-                    request = self.engine.add_request(prompt, sample_params,
-                                                      priority=priorities[index])
-                    owners[request.request_id] = (index, sample)
-        except Exception:
-            for request_id in owners:
+                    request_id = self.engine.new_request_id()
+                    owners[request_id] = (index, sample)
+                    self.engine.add_request(prompt, sample_params, request_id=request_id,
+                                            priority=priorities[index])
+            self._run(owners, finals, use_tqdm if use_tqdm is not None else len(owners) > 8)
+        except BaseException:
+            for request_id in owners.keys() - finals.keys():
                 self.engine.abort_request(request_id)
             raise
-        finals = self._run(owners, use_tqdm if use_tqdm is not None else len(owners) > 8)
         return self._merge(prompts, params_list, owners, finals)
 
-    def _run(self, owners: dict[str, tuple[int, int]], show: bool) -> dict[str, RequestOutput]:
-        """Step until every owned request has finished. The bar counts finished requests
-        and shows the output tokens as they come (vLLM's 'Processed prompts' bar)."""
-        finals: dict[str, RequestOutput] = {}
+    def _run(self, owners: dict[str, tuple[int, int]], finals: dict[str, RequestOutput], show: bool) -> None:
+        """Step until every owned request has finished (into ``finals``). The bar counts
+        finished requests and shows the output tokens as they come (vLLM's 'Processed
+        prompts' bar)."""
         num_output_tokens = 0
         with tqdm(total=len(owners), desc="generating", unit="req", disable=not show) as bar:
             while len(finals) < len(owners):
@@ -91,7 +99,6 @@ class LLM:
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(f"output {num_output_tokens} tok, {num_output_tokens / elapsed:.1f} tok/s",
                                         refresh=True)
-        return finals
 
     @staticmethod
     def _merge(prompts: list[Prompt], params_list: list[SamplingParams],

@@ -121,3 +121,66 @@ def test_samples_of_a_seed_near_the_top_wrap_to_64_bits(tiny_llama) -> None:
     # Sample 2's seed wraps to 0: the same tokens as a request seeded with 0.
     alone = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
     assert outputs[2].token_ids == alone[0].outputs[0].token_ids
+
+
+def _assert_clean_and_serving(llm, reference) -> None:
+    """Nothing of an interrupted call is left, and the next call gives the clean run's tokens."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_available_blocks == engine.num_blocks
+    engine.check_integrity()
+    outputs = llm.generate([PROMPTS[rid] for rid in PROMPTS], PARAMS)
+    assert [output.outputs[0].token_ids for output in outputs] == [reference[rid] for rid in PROMPTS]
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError], ids=["ctrl-c", "engine fault"])
+def test_a_generate_ended_by_a_step_aborts_its_requests(tiny_llama, reference, monkeypatch, raised) -> None:
+    """A Ctrl-C or an engine fault in the third step ends LLM.generate; before, its requests
+    stayed running, and each later call stepped them again (and failed again)."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    launch, calls = llm.engine.runner.launch, []
+
+    def failing(scheduled):
+        calls.append(1)
+        if len(calls) == 3:
+            raise raised("injected")
+        return launch(scheduled)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", failing)
+    with pytest.raises(raised, match="injected"):
+        llm.generate([PROMPTS[rid] for rid in PROMPTS], PARAMS)
+    _assert_clean_and_serving(llm, reference)
+
+
+def test_a_generate_interrupted_while_adding_aborts_the_half_added_request(tiny_llama, reference,
+                                                                           monkeypatch) -> None:
+    """Ctrl-C between the scheduler taking a request and the output processor knowing it:
+    the request is aborted too (its id was owned before it was added)."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    add, calls = llm.engine.output_processor.add, []
+
+    def interrupted(request):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return add(request)
+
+    monkeypatch.setattr(llm.engine.output_processor, "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[rid] for rid in PROMPTS], PARAMS)
+    monkeypatch.undo()
+    _assert_clean_and_serving(llm, reference)
+
+
+@pytest.mark.parametrize("priority", [[None, 1], ["x", 1], [1.5, 1], [True, 1], [1]])
+def test_bad_priorities_are_refused_before_anything_runs(tiny_llama, reference, priority) -> None:
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64, policy="priority")
+    with pytest.raises(ValueError, match="priority must be an integer|priorities for 2 prompts"):
+        llm.generate([PROMPTS["r0"], PROMPTS["r1"]], PARAMS, priority=priority)
+    _assert_clean_and_serving(llm, reference)
