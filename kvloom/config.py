@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -192,8 +193,9 @@ class CacheConfig:
             raise ValueError(f"num_state_checkpoints must be a non-negative integer, got "
                              f"{self.num_state_checkpoints!r}")
         if self.kv_cache_memory is not None and (
-                not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0):
-            raise ValueError(f"kv_cache_memory must be > 0 (GiB), got {self.kv_cache_memory!r}")
+                isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, (int, float))
+                or not 0 < self.kv_cache_memory < math.inf):  # NaN fails too
+            raise ValueError(f"kv_cache_memory must be a finite number > 0 (GiB), got {self.kv_cache_memory!r}")
         utilization = self.gpu_memory_utilization
         if utilization is not None and (not isinstance(utilization, (int, float))
                                         or not 0 < utilization <= 1):
@@ -502,6 +504,11 @@ class EngineConfig:
         if self.overlap_scheduling not in OVERLAP_MODES:
             raise ValueError(f"overlap_scheduling must be one of {OVERLAP_MODES}, got {self.overlap_scheduling!r}")
         parse_device(self.device)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads <= 0):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -321,3 +321,33 @@ def test_unknown_engine_keyword_is_refused() -> None:
         EngineConfig.from_kwargs("m", num_block=8)
     with pytest.raises(TypeError, match="unknown engine argument 'cache'"):
         EngineConfig.from_kwargs("m", cache=CacheConfig())
+
+
+def test_devices_and_backends_this_machine_cannot_run_are_refused_up_front(monkeypatch) -> None:
+    import torch
+
+    from kvloom.attention.registry import make_backend
+    from kvloom.runner.device import resolve_device, resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda': this torch .* sees no CUDA device"):
+        resolve_device("cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA"):
+        make_backend("triton", torch.device("cpu"), 4, 2, 16)
+    # float16 on a CPU is bf16, as vLLM's CPU backend has it (the kernels take f32 and bf16).
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_cache_memory": float("nan")}, "kv_cache_memory must be a finite number > 0 (GiB), got nan"),
+    ({"kv_cache_memory": float("inf")}, "kv_cache_memory must be a finite number > 0 (GiB), got inf"),
+    ({"num_threads": -3}, "num_threads must be a positive integer, got -3"),
+    ({"seed": 2**70}, "seed must be an integer in [-2**63, 2**64)"),
+    ({"seed": "x"}, "seed must be an integer"),
+])
+def test_numbers_that_would_fail_deep_in_loading_are_refused_by_the_config(kwargs, message) -> None:
+    """Before, each failed after the model loaded, in torch or in int(), without naming the option."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig.from_kwargs(DEFAULT_MODEL, **kwargs)

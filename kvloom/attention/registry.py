@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 from typing import Any
 
 import torch
@@ -59,6 +60,9 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
     if name in CUDA_ONLY and device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} runs on CUDA only, not {device.type}; on {device.type} "
                          f"use auto, cpu_paged or torch_ref")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' runs on CUDA (on {device.type} only under Triton's "
+                         "interpreter, TRITON_INTERPRET=1, for tests); on the CPU use auto, cpu_paged or torch_ref")
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     backend: AttentionBackend[Any] = cls(num_heads, num_kv_heads, head_dim)

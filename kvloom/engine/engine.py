@@ -114,7 +114,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.monotonic()
         logger.info("loading %s", config.model if config.revision is None else f"{config.model}@{config.revision}")
         checkpoint = load_checkpoint(config.model, revision=config.revision)

@@ -3,19 +3,33 @@ results copied from the device without waiting for it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when this torch has it, else the CPU. Raises ValueError for a CUDA
+    device this torch cannot reach (a CPU build, or no GPU), before the model loads."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                         "use --device cpu or auto")
+    return device
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    # bf16 by default: AMX/oneDNN on CPU and tensor cores on GPU run it fastest.
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bf16 by default: AMX/oneDNN on CPU and tensor cores on GPU run it fastest. float16
+    on a CPU becomes bf16, as vLLM's CPU backend does: its kernels (attention, the GEMM)
+    take float32 and bf16 only."""
+    if name == "float16" and device.type == "cpu":
+        logger.warning("dtype float16 is not supported on CPU; using bfloat16 (or ask for float32)")
+        return torch.bfloat16
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}[name]
 

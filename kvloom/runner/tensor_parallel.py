@@ -263,7 +263,7 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
         raise RankFailed(f"torchrun started this process as rank {placement.rank} of {placement.size}, "
                          f"but tensor_parallel_size is {config.parallel.tensor_parallel_size}")
     device = rank_device(resolve_device(config.device), placement)
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, device)
     group = join_group(config, placement, device)
 
     def load() -> tuple[ModelConfig, CausalLM]:
