@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from kvloom.engine.llm import LLM
 from kvloom.engine.output import RequestOutput
 from kvloom.engine.scoring import continuations
+from kvloom.lang.errors import BackendClosed, EngineFault
 from kvloom.sampling_params import SamplingParams
 from kvloom.structured import StructuredOutput
 
@@ -90,6 +91,7 @@ class Local:
                       [o.num_cached_tokens for o in outputs])
 
     def close(self) -> None:
+        """Stop the driver thread; calls still waiting fail with BackendClosed, later ones too."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -100,6 +102,8 @@ class Local:
                 on_text: OnText = None) -> Future[RequestOutput]:
         future: Future[RequestOutput] = Future()
         with self._wake:
+            if self._stopping:
+                raise BackendClosed("this kl.Local backend is closed: make a new one to run programs")
             self._pending.append((token_ids, params, future, on_text))
             self._wake.notify()
         return future
@@ -111,6 +115,8 @@ class Local:
                 while not self._pending and not engine.has_unfinished_requests() and not self._stopping:
                     self._wake.wait()
                 if self._stopping:
+                    self._fail_all(engine, [future for _, _, future, _ in self._pending],
+                                   BackendClosed("this kl.Local backend was closed before the call ended"))
                     return
                 pending, self._pending = self._pending, []
             for token_ids, params, future, on_text in pending:
@@ -123,9 +129,9 @@ class Local:
             try:
                 outputs = engine.step()
             except Exception as error:  # noqa: BLE001 - an engine fault fails everyone waiting
-                for future, _ in self._futures.values():
-                    future.set_exception(error)
-                self._futures.clear()
+                fault = EngineFault(f"the engine failed in a step ({type(error).__name__}: {error})")
+                fault.__cause__ = error
+                self._fail_all(engine, [], fault)
                 continue
             for output in outputs:
                 future, on_text = self._futures[output.request_id]
@@ -138,6 +144,16 @@ class Local:
                         future.set_exception(RuntimeError(output.error.message))
                     else:
                         future.set_result(output)
+
+    def _fail_all(self, engine: Any, waiting: list[Future[RequestOutput]], error: Exception) -> None:
+        """Abort every request this backend has in the engine (none is left to be stepped
+        again) and fail their calls and the ``waiting`` ones with ``error``."""
+        for request_id, (future, _) in self._futures.items():
+            engine.abort_request(request_id)
+            waiting.append(future)
+        self._futures.clear()
+        for future in waiting:
+            future.set_exception(error)
 
 
 OnText = Callable[[str], None] | None

@@ -34,3 +34,12 @@ class LangError(Exception):
     def __init__(self, message: str, where: Where | None = None) -> None:
         self.message, self.where = message, where
         super().__init__(f"{message} (at {where})" if where is not None else message)
+
+
+class EngineFault(RuntimeError):
+    """The in-process engine failed in a step: every call then waiting fails with it (not
+    a verdict on the call's own input, which is a ValueError)."""
+
+
+class BackendClosed(RuntimeError):
+    """A call on a ``kl.Local`` backend after (or across) its ``close()``."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloom.lang.backend import Backend, sampling_params_for
-from kvloom.lang.errors import LangError, caller
+from kvloom.lang.errors import BackendClosed, EngineFault, LangError, caller
 from kvloom.lang.expr import Concat, Expr, Gen, Role, Select, Text, as_expr
 
 
@@ -178,13 +178,20 @@ class ProgramState:
                 result = self.backend.generate(self._text, params, on_text)
             except ValueError as error:  # the engine refused it: a constraint that cannot compile, ...
                 raise LangError(f"gen {expr.name!r} was refused: {error}", expr.where) from None
+            except (EngineFault, BackendClosed) as error:
+                raise LangError(f"gen {expr.name!r} failed: {error}", expr.where) from error
             self.calls.append(Call(expr.name, result.num_prompt_tokens, result.num_cached_tokens,
                                    first_text[0] if first_text else None, time.perf_counter() - started))
             self._text += result.text
             if expr.name is not None:
                 self._variables[expr.name] = result.text
         elif isinstance(expr, Select):
-            scored = self.backend.score(self._text, list(expr.choices))
+            try:
+                scored = self.backend.score(self._text, list(expr.choices))
+            except ValueError as error:  # nothing to score a choice after (an empty text), ...
+                raise LangError(f"select {expr.name!r} was refused: {error}", expr.where) from None
+            except (EngineFault, BackendClosed) as error:
+                raise LangError(f"select {expr.name!r} failed: {error}", expr.where) from error
             best = max(range(len(expr.choices)), key=lambda i: scored.logprobs[i])  # the first of ties
             self.select_cached_tokens.append(scored.num_cached_tokens)
             self._append(expr.choices[best])

@@ -223,3 +223,45 @@ def test_a_program_s_own_error_is_the_one_raised(backend: kl.Local) -> None:
     with pytest.raises(ZeroDivisionError, match="the program's own"):
         divides.run(backend=backend)
     backend.llm.engine.check_integrity()
+
+
+@kl.function
+def one_gen(s) -> None:
+    s += kl.user("Say something.")
+    s += kl.assistant(kl.gen("answer", max_tokens=4))
+
+
+def test_an_engine_fault_fails_the_call_and_leaves_the_backend_idle(tiny_llama: Path, monkeypatch) -> None:
+    """A step that raises fails the program's call with a LangError naming the program's
+    line (not "refused": the input was fine), aborts the call's request (the driver does
+    not step it again and again), and the next program runs as before the fault."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", num_blocks=64)
+    local = kl.Local(llm)
+    try:
+        expected = one_gen.run(backend=local)["answer"]
+        launch = llm.engine.runner.launch
+        monkeypatch.setattr(llm.engine.runner, "launch", lambda scheduled: (_ for _ in ()).throw(
+            RuntimeError("injected fault")))
+        with pytest.raises(kl.LangError, match=r"gen 'answer' failed: the engine failed in a step "
+                                               r"\(RuntimeError: injected fault\)") as caught:
+            one_gen.run(backend=local)
+        _line_of(caught.value, 's += kl.assistant(kl.gen("answer", max_tokens=4))')
+        with local._wake:  # the driver has nothing left to step (its own lock: no race with it)
+            assert not llm.engine.has_unfinished_requests()
+        monkeypatch.setattr(llm.engine.runner, "launch", launch)
+        assert one_gen.run(backend=local)["answer"] == expected
+        llm.engine.check_integrity()
+    finally:
+        local.close()
+    with pytest.raises(kl.LangError, match="gen 'answer' failed: this kl.Local backend is closed"):
+        one_gen.run(backend=local)  # before, this waited forever
+
+
+def test_a_select_with_nothing_before_it_is_a_lang_error(backend: kl.Local) -> None:
+    @kl.function
+    def bare(s) -> None:
+        s += kl.select("x", ["a", "b"])
+
+    with pytest.raises(kl.LangError, match="select 'x' was refused: the prompt is empty") as caught:
+        bare.run(backend=backend)
+    _line_of(caught.value, 's += kl.select("x", ["a", "b"])')
