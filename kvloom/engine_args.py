@@ -147,3 +147,14 @@ def save_trace(engine: Any, args: argparse.Namespace) -> None:
     if getattr(args, "trace_file", None):
         engine.scheduler.trace.save(args.trace_file)
         print(f"trace written to {args.trace_file}", file=sys.stderr)
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type`` for ``--port``: 0-65535, refused before any model loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port

@@ -107,8 +107,13 @@ class SamplingParams:
             self.structured = structured_outputs.to_structured_output()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop, (dict, set)):  # list() would take its keys, in no set order
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "no" would count as true
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("n", self.n, minimum=1)
         _check_number("temperature", self.temperature, 0.0, None)
         _check_number("top_p", self.top_p, 0.0, 1.0)

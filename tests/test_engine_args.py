@@ -351,3 +351,14 @@ def test_numbers_that_would_fail_deep_in_loading_are_refused_by_the_config(kwarg
     """Before, each failed after the model loaded, in torch or in int(), without naming the option."""
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig.from_kwargs(DEFAULT_MODEL, **kwargs)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["router", "--worker-url", "http://127.0.0.1:1"]])
+@pytest.mark.parametrize("port, message", [("99999", "port must be in 0..65535, got 99999"),
+                                           ("x", "port must be an integer, got 'x'")])
+def test_a_bad_port_is_a_usage_error_before_any_model_loads(command, port, message, capsys) -> None:
+    """Before, `serve --port 99999` loaded the model and then failed in bind() with 80 lines."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--port", port])
+    assert exit_info.value.code == 2
+    assert f"argument --port: {message}" in capsys.readouterr().err

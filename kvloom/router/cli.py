@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvloom.engine_args import port_number
+
 if TYPE_CHECKING:
     from kvloom.router.config import RouterConfig
 
@@ -131,7 +133,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        help="instead of --worker: a `kvloom serve --role decode` instance (repeatable; "
                             "with --prefill): generates the tokens from the prefill's KV")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    group.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("KVLOOM_API_KEY"),
                        help="the workers' API key, for the router's own calls (default: $KVLOOM_API_KEY); "
                             "clients' Authorization headers are passed through to the workers")

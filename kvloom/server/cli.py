@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs
+from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, port_number
 from kvloom.server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
@@ -23,7 +23,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_engine_args(serve)
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    group.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("KVLOOM_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $KVLOOM_API_KEY; "
                             "/health, /version and /metrics stay open)")

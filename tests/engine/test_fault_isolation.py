@@ -80,6 +80,10 @@ def test_bad_values_are_refused_at_admission(tiny_llama) -> None:
         (dict(top_p=float("nan")), "top_p must be a finite number"),
         (dict(stop=["x"] * 65), "stop may hold at most 64"),
         (dict(stop=["y" * 1025]), "stop strings may be at most 1024"),
+        (dict(ignore_eos="no"), "ignore_eos must be a bool, got 'no'"),  # a truthy string, before
+        (dict(skip_special_tokens=0), "skip_special_tokens must be a bool"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output must be a bool"),
+        (dict(stop={"a": 1}), "stop must be a string or a list of strings, got dict"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**params)
