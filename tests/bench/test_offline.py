@@ -50,3 +50,24 @@ def test_lead_requests_go_first_and_the_rest_hit_their_prefix(tiny_llama: Path, 
     # The three followers found the lead's four shared blocks in the prefix cache.
     assert engine.scheduler.num_cached_prompt_tokens == result.cached_prompt_tokens == 3 * 64
     assert result.prefix_hit_rate == 3 * 64 / result.prompt_tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--lead", "-1"], "--lead must be >= 0, got -1"),
+    (["--dataset", "tokens"], "--dataset tokens needs --dataset-path FILE.jsonl"),
+    (["--dataset-path", "/nonexistent.json"], "--dataset-path is read by --dataset tokens only, not sharegpt"),
+    (["--dataset", "tokens", "--dataset-path", "/nonexistent.jsonl"], "/nonexistent.jsonl: no such file"),
+    (["--output-json", "/nonexistent/dir/x.json"], "its directory does not exist"),
+])
+def test_bad_offline_flags_are_refused_before_a_model_loads(argv, message, capsys, monkeypatch) -> None:
+    """Before, each of these loaded the model first (or silently used ShareGPT instead of the
+    path given), then failed with a traceback, some only after the whole run."""
+    import kvloom.engine.engine as engine_module
+    from kvloom.cli import main
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("no model may load")
+    monkeypatch.setattr(engine_module, "LLMEngine", no_engine)
+    assert main(["bench", "offline", *argv]) == 2
+    assert message in capsys.readouterr().err
