@@ -21,6 +21,25 @@ from kvloom.bench.serve_args import add_serve_bench_args
 from kvloom.engine_args import add_engine_args, engine_kwargs, save_trace
 
 
+def _positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (a usage error naming the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers >= 1 (``1,16,64``)."""
+    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -46,15 +65,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     roofline = _command(bench_sub, "roofline", "matmul rate, memory bandwidth, decode-step bound",
                         _roofline, engine=False, output_json=False)
     roofline.add_argument("model", nargs="?", default=None)
-    roofline.add_argument("--batches", default="1,16,64", help="decode batch sizes")
-    roofline.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
+    roofline.add_argument("--batches", type=_positive_ints, default="1,16,64", help="decode batch sizes")
+    roofline.add_argument("--context", type=_positive_int, default=512, help="tokens of KV per sequence")
 
     steps = _command(bench_sub, "steps", "time engine steps: decode at given batch sizes, prefill", _steps)
-    steps.add_argument("--batches", default="1,16,64,200", help="decode batch sizes")
-    steps.add_argument("--context", type=int, default=300, help="prompt tokens of each decoding sequence")
-    steps.add_argument("--decode-steps", type=int, default=20, help="timed decode steps per batch size")
+    steps.add_argument("--batches", type=_positive_ints, default="1,16,64,200", help="decode batch sizes")
+    steps.add_argument("--context", type=_positive_int, default=300, help="prompt tokens of each decoding sequence")
+    steps.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch size")
     steps.add_argument("--prefill", default="8x256", help="COUNTxLENGTH[,...]: fresh prompts per prefill step")
-    steps.add_argument("--repeats", type=int, default=5, help="timed prefill steps per shape")
+    steps.add_argument("--repeats", type=_positive_int, default=5, help="timed prefill steps per shape")
 
     soak = _command(bench_sub, "soak", "ordinary, disconnecting, aborting and hostile clients on a tiny pool",
                     _soak)
@@ -100,9 +119,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         _families)
     families.add_argument("--families", default="all", help="comma-separated (kvloom.bench.families), or all")
     families.add_argument("--workdir", default="/tmp/kvloom-families", help="the random-weight models, written once")
-    families.add_argument("--batches", default="1,16,64", help="decode batch sizes")
-    families.add_argument("--context", type=int, default=512, help="tokens of each request (prompt, then decode)")
-    families.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch size")
+    families.add_argument("--batches", type=_positive_ints, default="1,16,64", help="decode batch sizes")
+    families.add_argument("--context", type=_positive_int, default=512,
+                          help="tokens of each request (prompt, then decode)")
+    families.add_argument("--decode-steps", type=_positive_int, default=10, help="timed decode steps per batch size")
     families.add_argument("--memory-gib", type=float, default=1.0, help="cache and state memory for the "
                           "concurrency column")
 
@@ -370,7 +390,7 @@ def _families(args: argparse.Namespace) -> int:
     from kvloom.bench.families import FAMILIES, as_json, format_families, run_families
 
     names = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = args.batches
     # The compute-path flags (e.g. --decoder-stack modules) apply to every family; the
     # benchmark sizes the pool and the batch limits itself.
     engine = _engine_flags(args, ())
@@ -386,7 +406,7 @@ def _steps(args: argparse.Namespace) -> int:
     from kvloom.bench.steps import as_json, run_steps
 
     prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",") if shape]
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = args.batches
     # The pool, the batch limits and the prefix cache are the benchmark's to size.
     engine = _engine_flags(args, ())
     results = run_steps(args.model, engine, batches, args.context, args.decode_steps,
@@ -420,5 +440,5 @@ def _roofline(args: argparse.Namespace) -> int:
     config = ModelConfig.from_hf(checkpoint.hf_config)
     num_params = sum(t.numel() for _, t in checkpoint.weights())
     print(f"{checkpoint.name}: {num_params / 1e6:.1f}M parameters")
-    print(run_roofline(config, num_params, [int(b) for b in args.batches.split(",")], args.context))
+    print(run_roofline(config, num_params, args.batches, args.context))
     return 0

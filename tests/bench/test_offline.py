@@ -71,3 +71,25 @@ def test_bad_offline_flags_are_refused_before_a_model_loads(argv, message, capsy
     monkeypatch.setattr(engine_module, "LLMEngine", no_engine)
     assert main(["bench", "offline", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["roofline", "--batches", "-1"], "argument --batches: must be >= 1, got -1"),  # numpy's error, before
+    (["steps", "--batches", "abc"], "argument --batches: expected an integer, got 'abc'"),
+    (["steps", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
+    (["steps", "--decode-steps", "0"], "argument --decode-steps: must be >= 1, got 0"),
+    (["families", "--context", "-5"], "argument --context: must be >= 1, got -5"),
+])
+def test_bench_sizes_are_usage_errors(argv, message, capsys) -> None:
+    from kvloom.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_sizes_parse_into_lists() -> None:
+    from kvloom.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "steps", "--batches", "1,16,64"]).batches == [1, 16, 64]
+    assert build_parser().parse_args(["bench", "roofline"]).batches == [1, 16, 64]  # the default, parsed
