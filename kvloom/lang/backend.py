@@ -21,7 +21,6 @@ from kvloom.engine.output import RequestOutput
 from kvloom.engine.scoring import continuations
 from kvloom.lang.errors import BackendClosed, EngineFault
 from kvloom.sampling_params import SamplingParams
-from kvloom.structured import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -157,15 +156,3 @@ class Local:
 
 
 OnText = Callable[[str], None] | None
-
-
-def sampling_params_for(max_tokens: int, stop: tuple[str, ...], temperature: float, regex: str | None,
-                        json_schema: dict[str, Any] | str | None) -> SamplingParams:
-    structured = None
-    if regex is not None:
-        structured = StructuredOutput(regex=regex)
-    elif json_schema is not None:
-        structured = StructuredOutput(json_schema=json_schema)
-    return SamplingParams(max_tokens=max_tokens, stop=list(stop), temperature=temperature, structured=structured)
-
-

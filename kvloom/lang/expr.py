@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.lang.errors import LangError, Where, caller
+from kvloom.sampling_params import SamplingParams
+from kvloom.structured import StructuredOutput
 
 
 class Expr:
@@ -49,6 +51,15 @@ class Gen(Expr):
     json_schema: dict[str, Any] | str | None
     where: Where | None = field(compare=False)
 
+    def sampling_params(self) -> SamplingParams:
+        structured = None
+        if self.regex is not None:
+            structured = StructuredOutput(regex=self.regex)
+        elif self.json_schema is not None:
+            structured = StructuredOutput(json_schema=self.json_schema)
+        return SamplingParams(max_tokens=self.max_tokens, stop=list(self.stop), temperature=self.temperature,
+                              structured=structured)
+
 
 @dataclass(frozen=True)
 class Select(Expr):
@@ -79,7 +90,12 @@ def gen(name: str | None = None, max_tokens: int = 128, stop: str | list[str] | 
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise LangError(f"gen max_tokens must be a positive integer, got {max_tokens!r}", where)
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return Gen(name, max_tokens, stops, float(temperature), regex, json_schema, where)
+    expr = Gen(name, max_tokens, stops, temperature, regex, json_schema, where)
+    try:  # checked here, with this line to name, not at the program's next sync point
+        expr.sampling_params()
+    except ValueError as error:
+        raise LangError(f"gen {name!r}: {error}", where) from None
+    return expr
 
 
 def select(name: str | None, choices: list[str]) -> Select:

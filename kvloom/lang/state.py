@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvloom.lang.backend import Backend, sampling_params_for
+from kvloom.lang.backend import Backend
 from kvloom.lang.errors import BackendClosed, EngineFault, LangError, caller
 from kvloom.lang.expr import Concat, Expr, Gen, Role, Select, Text, as_expr
 
@@ -165,7 +165,7 @@ class ProgramState:
             self._execute(expr.body)
             self._append(after)
         elif isinstance(expr, Gen):
-            params = sampling_params_for(expr.max_tokens, expr.stop, expr.temperature, expr.regex, expr.json_schema)
+            params = expr.sampling_params()
             started = time.perf_counter()
             first_text: list[float] = []
 

@@ -265,3 +265,16 @@ def test_a_select_with_nothing_before_it_is_a_lang_error(backend: kl.Local) -> N
     with pytest.raises(kl.LangError, match="select 'x' was refused: the prompt is empty") as caught:
         bare.run(backend=backend)
     _line_of(caught.value, 's += kl.select("x", ["a", "b"])')
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(stop=""), "stop must be non-empty strings"),
+    (dict(json_schema="{not json"), "json_schema is not valid JSON"),
+])
+def test_gen_values_are_checked_where_gen_is_called(kwargs, message) -> None:
+    """Before, these surfaced at the program's next sync point as a bare ValueError."""
+    with pytest.raises(kl.LangError, match=f"gen 'x': {message}") as caught:
+        kl.gen("x", **kwargs)
+    _line_of(caught.value, 'kl.gen("x", **kwargs)')
