@@ -288,6 +288,9 @@ def _batch_modes(args: argparse.Namespace, run: Callable[..., list[Any]],
 def _plot(args: argparse.Namespace) -> int:
     from kvloom.bench.plot import plot_results
 
+    missing = [path for path in args.results if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"no such result file: {', '.join(missing)}")
     for path in plot_results(args.results, args.out):
         print(path)
     return 0

@@ -93,3 +93,10 @@ def test_bench_sizes_parse_into_lists() -> None:
 
     assert build_parser().parse_args(["bench", "steps", "--batches", "1,16,64"]).batches == [1, 16, 64]
     assert build_parser().parse_args(["bench", "roofline"]).batches == [1, 16, 64]  # the default, parsed
+
+
+def test_bench_plot_names_a_missing_result_file(capsys) -> None:
+    from kvloom.cli import main
+
+    assert main(["bench", "plot", "/nonexistent.json", "--out", "/tmp/kvloom-plot-test"]) == 2
+    assert "no such result file: /nonexistent.json" in capsys.readouterr().err
