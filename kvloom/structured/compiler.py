@@ -105,6 +105,10 @@ class GrammarCompiler:
         still, the engine fails that request alone.)"""
         probe = template.deep_copy()
         mask = probe.compute_bitmask()
+        if probe.is_error() and "NoExtensionBias" in probe.get_error():
+            # llguidance's word for a first mask with nothing in it: the language is
+            # empty (``[^\s\S]``, ``[a&&b]``), so no output, not even an empty one, fits.
+            raise ValueError(f"{kind} matches no text at all: no output can satisfy it")
         if not probe.is_error():
             allowed = next((word * 32 + bit for word, bits in enumerate(memoryview(mask).cast("I"))
                             if bits for bit in range(32) if bits >> bit & 1

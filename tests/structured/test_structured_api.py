@@ -155,6 +155,9 @@ def test_compile_is_cached_by_kind_and_text(compiler: GrammarCompiler) -> None:
     (StructuredOutput(regex="[a-"), "(?s)invalid regex: .*unclosed character class"),
     (StructuredOutput(grammar='root ::= "a" | undefined'), "invalid grammar: .*undefined"),
     (StructuredOutput(grammar="start: x y"), "invalid grammar: .*"),
+    # Valid syntax, empty language: no text at all matches (was "too complex to follow").
+    (StructuredOutput(regex="[^\\s\\S]"), "^regex matches no text at all"),
+    (StructuredOutput(regex="[a&&b]"), "^regex matches no text at all"),
 ])
 def test_compile_errors_are_clear(compiler: GrammarCompiler, constraint, message) -> None:
     with pytest.raises(ValueError, match=message) as info:
