@@ -52,6 +52,8 @@ class SamplingParams:
     """How to pick tokens for one request (vLLM-compatible names and meanings).
 
     top_k=0 or -1 disables top-k; top_p=1 disables nucleus; min_p=0 disables min-p.
+    max_tokens=None generates up to the context, or up to what the whole KV pool holds
+    when that is less (the engine fills it in when the request is added).
     presence/frequency penalties follow OpenAI (subtract from logits of tokens already
     generated); repetition_penalty follows the CTRL paper (divide positive logits,
     multiply negative ones, for tokens in prompt or output).

@@ -43,6 +43,12 @@ class AdmissionLimits:
                 f"is {num_prompt_tokens} tokens (it must leave room for at least one output token)",
                 param, "context_length_exceeded")
 
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens for a request that gives none: up to the context, and never more
+        than the whole KV pool holds (capped there, not refused as too large for it)."""
+        capacity = min(self.max_model_len, self.num_blocks * self.block_size)
+        return max(1, capacity - num_prompt_tokens)
+
     def check_fits_pool(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """prompt + max_tokens must fit the whole KV pool, or the request could never run."""
         needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)

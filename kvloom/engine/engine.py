@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -224,6 +224,8 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
+        if params.max_tokens is None:  # as the server: up to the context or the pool's size
+            params = replace(params, max_tokens=self.limits.default_max_tokens(len(token_ids)))
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         rid = request_id if request_id is not None else self.new_request_id()

@@ -37,6 +37,7 @@ from kvloom.config import EngineConfig, ModelConfig
 from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_group, rank_device
+from kvloom.models.errors import ModelLoadError
 from kvloom.models.registry import CausalLM, load_model
 from kvloom.models.sharding import rank_view
 from kvloom.runner.device import resolve_device, resolve_dtype
@@ -166,10 +167,15 @@ class RankShard:
 
 
 def max_model_len_for(config: EngineConfig, model: ModelConfig) -> int:
-    """The context length: the configured one, capped by the model's (and its sliding
-    window, which kvloom does not implement: it stays within it)."""
-    length = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    return min(length, model.sliding_window) if model.sliding_window else length
+    """The context length: the configured one, else the model's positions (and its
+    sliding window, which kvloom does not implement: it stays within it). A configured
+    length past either is refused, as vLLM does, rather than quietly served shorter."""
+    limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
+    if config.max_model_len is not None and config.max_model_len > limit:
+        what = (f"its sliding window of {limit} tokens (kvloom attends to whole contexts only)"
+                if limit < model.max_position_embeddings else f"its {limit} positions")
+        raise ModelLoadError(f"max_model_len {config.max_model_len} is longer than the model allows: {what}")
+    return config.max_model_len or limit
 
 
 def fitting_blocks(config: EngineConfig, model: ModelConfig, group: TensorParallelGroup,

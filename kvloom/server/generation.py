@@ -150,10 +150,7 @@ def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | N
                 "for the completion); reduce the prompt or max_tokens",
                 "max_tokens", "context_length_exceeded")
     else:
-        # Absent: generate up to the context, and never more than the KV pool can hold
-        # (a request that could never fit is refused by the engine instead of queued).
-        capacity = min(limits.max_model_len, limits.num_blocks * limits.block_size)
-        max_tokens = max(1, capacity - prompt_len)
+        max_tokens = limits.default_max_tokens(prompt_len)
     try:
         return dataclasses.replace(params, max_tokens=max_tokens)
     except ValueError as error:

@@ -89,6 +89,18 @@ def test_max_tokens_min_tokens_and_stop_token_ids(tiny_llama) -> None:
     llm.engine.check_integrity()
 
 
+def test_no_max_tokens_generates_up_to_the_context_or_the_pool(engine_factory) -> None:
+    """max_tokens=None runs to the context (64 here) or, where the pool is smaller (2
+    blocks of 16 = 32 tokens), to the pool's size: capped as the server caps it, not
+    refused as too large for the pool."""
+    for num_blocks, capacity in [(2, 32), (256, 64)]:
+        engine = engine_factory(num_blocks=num_blocks, max_model_len=64)
+        finals = run_all(engine, {0: [("a", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True))]})
+        assert len(finals["a"]) == capacity - 10
+        engine.check_integrity()
+        assert engine.kv_manager.num_available_blocks == num_blocks
+
+
 def test_abort_running_and_waiting_frees_blocks(engine_factory) -> None:
     engine = engine_factory(max_num_seqs=1)
     engine.add_request([1] * 40, SamplingParams(max_tokens=50), request_id="a")
@@ -157,3 +169,19 @@ def test_offline_logit_bias_and_chat_template_options(tiny_llama) -> None:
     chat = llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt=False,
                     continue_final_message=True)[0]
     assert llm.tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False).endswith("The answer")
+
+
+def test_a_context_longer_than_the_model_allows_is_refused(tiny_llama, tmp_path) -> None:
+    """A configured max_model_len past the model's positions (512 here) or its sliding
+    window is refused when the engine is built, as vLLM refuses it (it was cut to the
+    model's length without a word); up to them it is served."""
+    from helpers_models import write_tiny_hf_model
+
+    from kvloom.models.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="max_model_len 513 is longer than the model allows: its 512 positions"):
+        LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), dtype="float32", num_blocks=8, max_model_len=513))
+    windowed = write_tiny_hf_model(tmp_path / "mistral", "mistral", sliding_window=128)
+    with pytest.raises(ModelLoadError, match="its sliding window of 128 tokens"):
+        LLMEngine(EngineConfig.from_kwargs(str(windowed), dtype="float32", num_blocks=8, max_model_len=129))
+    assert LLMEngine(EngineConfig.from_kwargs(str(windowed), dtype="float32", num_blocks=8)).max_model_len == 128
