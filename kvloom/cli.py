@@ -38,11 +38,11 @@ def sampling_params(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvloom", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvloom", allow_abbrev=False, description=__doc__.splitlines()[0])
     add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    generate = sub.add_parser("generate", help="generate completions for prompts")
+    generate = sub.add_parser("generate", allow_abbrev=False, help="generate completions for prompts")
     add_engine_args(generate)
     add_sampling_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="repeatable")
@@ -50,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="wrap each prompt as a user message in the chat template")
     generate.set_defaults(run=_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    chat = sub.add_parser("chat", allow_abbrev=False, help="interactive chat, streaming tokens")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     chat.set_defaults(run=_chat)
 
-    fetch = sub.add_parser("fetch-model", help=f"download and extract {DEFAULT_MODEL} into the model cache")
+    fetch = sub.add_parser("fetch-model", allow_abbrev=False,
+                           help=f"download and extract {DEFAULT_MODEL} into the model cache")
     fetch.set_defaults(model=DEFAULT_MODEL, run=_fetch_model)
 
     add_bench_parser(sub)

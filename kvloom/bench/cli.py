@@ -41,7 +41,7 @@ def _positive_ints(text: str) -> list[int]:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", allow_abbrev=False, help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = _command(bench_sub, "offline", "in-process throughput through the engine", _offline)
     offline.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "tokens", "grounded"],
@@ -186,7 +186,7 @@ def _command(bench_sub: argparse._SubParsersAction, name: str, help: str,
              run: Callable[[argparse.Namespace], int], engine: bool = True,
              output_json: bool = True) -> argparse.ArgumentParser:
     """A ``bench NAME`` parser that runs ``run``, with the engine flags and ``--output-json``."""
-    parser = bench_sub.add_parser(name, help=help)
+    parser = bench_sub.add_parser(name, help=help, allow_abbrev=False)
     if engine:
         add_engine_args(parser)
     if output_json:

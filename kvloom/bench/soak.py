@@ -207,20 +207,23 @@ def pool_blocks(config: SoakConfig, token_counts: list[int], block_size: int = 1
 
 
 def run_soak(config: SoakConfig) -> dict[str, Any]:
-    from kvloom.config import EngineConfig
+    from kvloom.config import EngineConfig, ModelConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.models.loader import load_checkpoint
     from kvloom.server.background import start_background_server
     from kvloom.server.settings import ServerSettings
 
     revision = config.engine_kwargs.get("revision")
-    tokenizer = load_checkpoint(config.model, revision=revision).tokenizer  # weights stay unread
+    checkpoint = load_checkpoint(config.model, revision=revision)  # weights stay unread
+    tokenizer = checkpoint.tokenizer
+    # 2,048 tokens of context at most (the pool is sized for the plan, not the context).
+    max_model_len = min(2048, ModelConfig.from_hf(checkpoint.hf_config).max_position_embeddings)
     counts = [len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
               for _, payload, _ in plan_requests(config) if isinstance(payload, dict) and "max_tokens" in payload
               and isinstance(payload.get("prompt"), str) and isinstance(payload["max_tokens"], int)
               and payload["max_tokens"] > 0]
     num_blocks = pool_blocks(config, counts)
-    engine_config = EngineConfig.from_kwargs(config.model, **{"num_blocks": num_blocks, "max_model_len": 2048,
+    engine_config = EngineConfig.from_kwargs(config.model, **{"num_blocks": num_blocks, "max_model_len": max_model_len,
                                                                **config.engine_kwargs})
     server = start_background_server(lambda: LLMEngine(engine_config), ServerSettings(served_model_name="soak"))
     try:

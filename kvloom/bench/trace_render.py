@@ -351,9 +351,9 @@ def _positive_int(text: str) -> int:
 
 def add_trace_parser(subparsers: Any) -> None:
     """Register ``kvloom trace render TRACE.json [--png OUT.png] [--max-steps N] ...``."""
-    trace = subparsers.add_parser("trace", help="inspect a scheduler trace saved with --trace")
+    trace = subparsers.add_parser("trace", allow_abbrev=False, help="inspect a scheduler trace saved with --trace")
     actions = trace.add_subparsers(dest="trace_command", required=True)
-    render = actions.add_parser("render", help="draw a trace as a request x step timeline")
+    render = actions.add_parser("render", allow_abbrev=False, help="draw a trace as a request x step timeline")
     render.add_argument("trace_path", metavar="TRACE.json")
     render.add_argument("--png", metavar="OUT.png", default=None, help="also write an image")
     render.add_argument("--max-steps", type=_positive_int, default=None, help="first N steps only")

@@ -120,8 +120,9 @@ def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str
 def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``router --worker URL [--worker URL ...] --host --port --policy ...``, or
     instead of the workers ``--prefill URL ... --decode URL ...`` (disaggregation)."""
-    router = subparsers.add_parser("router", help="OpenAI-compatible router in front of kvloom servers "
-                                                  "(data parallelism; prefill/decode disaggregation)")
+    router = subparsers.add_parser("router", allow_abbrev=False,
+                                   help="OpenAI-compatible router in front of kvloom servers "
+                                        "(data parallelism; prefill/decode disaggregation)")
     group = router.add_argument_group("router")
     group.add_argument("--worker", action="append", default=[], metavar="URL",
                        help="a kvloom server's base URL, http://HOST:PORT (repeatable)")

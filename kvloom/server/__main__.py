@@ -9,7 +9,7 @@ from kvloom.server.cli import add_serve_parser, run_serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvloom.server")
+    parser = argparse.ArgumentParser(prog="python -m kvloom.server", allow_abbrev=False)
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:

@@ -81,14 +81,24 @@ def start_background_server(make_engine: Callable[[], LLMEngine], settings: Serv
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     background = BackgroundServer(f"http://127.0.0.1:{port}", async_engine, server, thread, settings)
-    wait_for_health(background.base_url, startup_deadline)
+    try:
+        wait_for_health(background.base_url, startup_deadline, lambda: async_engine.load_error)
+    except BaseException:
+        background.stop()
+        raise
     return background
 
 
-def wait_for_health(base_url: str, deadline_s: float) -> None:
+def wait_for_health(base_url: str, deadline_s: float,
+                    load_error: Callable[[], BaseException | None] = lambda: None) -> None:
+    """Until ``/health`` is 200; a model that failed to load ends the wait at once with
+    its error (``/health`` would answer 503 until the deadline)."""
     deadline = time.monotonic() + deadline_s
     last: object = None
     while time.monotonic() < deadline:
+        error = load_error()
+        if error is not None:
+            raise RuntimeError(f"the model failed to load: {error}") from error
         try:
             response = httpx.get(f"{base_url}/health", timeout=2.0)
             if response.status_code == 200:

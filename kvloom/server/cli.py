@@ -18,7 +18,7 @@ from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``serve [MODEL] --host --port --api-key --max-waiting ...`` plus the engine
     flags; returns it (kvloom/cli.py adds the data-parallel flags, kvloom/router/cli.py)."""
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = subparsers.add_parser("serve", allow_abbrev=False, help="OpenAI-compatible HTTP server")
     add_version_flag(serve)
     add_engine_args(serve)
     group = serve.add_argument_group("server")

@@ -27,6 +27,19 @@ def test_worker_argv_drops_the_router_flags_in_both_spellings() -> None:
                                  "--api-key", "k"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["serve", "MODEL", "--data-parallel", "2"], ["serve", "MODEL", "--data-parallel-s=2"],
+    ["serve", "MODEL", "--router-pol", "round_robin"], ["router", "--worker", "http://x:1", "--pol", "round_robin"],
+])
+def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The workers run this command line minus the router's flags, found by their full
+    names: an abbreviation argparse accepted (``--data-parallel 2``) reached every
+    worker, each of which started two more, without end. No parser takes them."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
 def test_router_flags_parse_to_a_config() -> None:
     from kvloom.router.cli import router_config
 

@@ -73,3 +73,18 @@ def test_model_that_fails_to_load_exits_one(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode == 1, output
     assert "no-such-model" in output
+
+
+def test_an_in_process_server_whose_model_fails_to_load_raises_at_once(tiny_llama: Path) -> None:
+    """start_background_server (the soak's and the tests' server) raises the load error
+    as soon as the engine reports it, and stops the HTTP thread; it used to wait out its
+    120-s deadline on /health's 503 and then name only the status."""
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    from kvloom.server.background import start_background_server
+    from kvloom.server.settings import ServerSettings
+
+    config = EngineConfig.from_kwargs(str(tiny_llama), dtype="float32", num_blocks=8, max_model_len=4096)
+    with pytest.raises(RuntimeError, match="failed to load: max_model_len 4096 is longer than the model allows"):
+        start_background_server(lambda: LLMEngine(config), ServerSettings(served_model_name="x"),
+                                startup_deadline=600)
