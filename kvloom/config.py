@@ -273,7 +273,8 @@ class KVTransferConfig:
         "help": "seconds staged KV waits to be pulled before the prefill instance drops it; also "
                 "the torch transport's operation timeout"})
     kv_shm_dir: str = field(default="/dev/shm", metadata={
-        "help": "where a prefill instance stages KV files (a memory-backed file system)"})
+        "help": "where a prefill instance stages KV files (a memory-backed file system) and the only "
+                "place a decode instance reads them from"})
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:

@@ -35,7 +35,14 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.kv_spec import KVExport, KVImport, KVLayout, KVTransferSpec, StagedKV, token_hash
 from kvloom.kv_transfer.staging import KVStaging, StagingStats
-from kvloom.kv_transfer.transport import TRANSPORTS, KVServer, KVTransport, TorchTransport, TransferFailed
+from kvloom.kv_transfer.transport import (
+    TRANSPORTS,
+    KVServer,
+    KVTransport,
+    SharedMemoryTransport,
+    TorchTransport,
+    TransferFailed,
+)
 from kvloom.request import Request
 
 logger = logging.getLogger(__name__)
@@ -225,6 +232,8 @@ class DecodeTransfer(KVTransfer):
         if problem is None and (staged.num_tokens != len(token_ids) or staged.token_hash != token_hash(token_ids)):
             problem = f"it holds {staged.num_tokens} tokens that are not this request's {len(token_ids)} prompt tokens"
         if problem is None:
+            problem = self.transport.refusal(staged)
+        if problem is None:
             return spec
         self.imports.failures += 1
         logger.warning("request %s: staged KV %s refused (%s); computing its prompt here", request_id,
@@ -349,7 +358,7 @@ def make_kv_transfer(config: EngineConfig, layout: KVLayout, pool: torch.Tensor)
         return PrefillTransfer(layout, instance_id, staging, server)
     if settings.role == "decode":
         transport: KVTransport = (TorchTransport(layout, settings.kv_transfer_timeout)
-                                  if settings.kv_transport == "torch" else TRANSPORTS["shm"]())
+                                  if settings.kv_transport == "torch" else SharedMemoryTransport(settings.kv_shm_dir))
         logger.info("decode instance %s: pulling KV over %s", instance_id, transport.name)
         return DecodeTransfer(layout, instance_id, pool, transport)
     return KVTransfer(layout, instance_id)

@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -197,6 +198,16 @@ class KVStaging:
 
 
 _PREFIX = "kvloom-kv-"  # then the staging process's pid, its instance id, the entry's number
+
+
+def is_staged_file(path: str, directory: str, instance_id: str, index: int) -> bool:
+    """Whether ``path`` names entry ``index`` of prefill instance ``instance_id``, as
+    ``stage`` names it in ``directory``: the only files a decode instance maps (and,
+    after the last pull, deletes). A descriptor comes from whoever sent the request;
+    any other path is not ours to read or remove."""
+    name = re.escape(_PREFIX) + r"\d+-" + re.escape(f"{instance_id}-{index}")
+    return (re.fullmatch(name, os.path.basename(path)) is not None
+            and os.path.realpath(os.path.dirname(path)) == os.path.realpath(directory))
 
 
 def remove_orphans(directory: str) -> int:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from kvloom.kv_spec import KVLayout, StagedKV
-from kvloom.kv_transfer.staging import KVStaging, remove_file
+from kvloom.kv_transfer.staging import KVStaging, is_staged_file, remove_file
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,34 @@ class KVTransport(Protocol):
         raises TransferFailed."""
         ...
 
+    def refusal(self, staged: StagedKV) -> str | None:
+        """Why this transport will not pull ``staged`` (checked when its request
+        arrives: the descriptor comes from the request's sender), or None."""
+        ...
+
     def close(self) -> None: ...
 
 
 class SharedMemoryTransport:
+    """Maps staged files of ``directory`` (this instance's ``--kv-shm-dir``, where the
+    prefill instances on this host stage them) and no other path."""
+
     name = "shm"
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def refusal(self, staged: StagedKV) -> str | None:
+        if is_staged_file(staged.path, self.directory, staged.instance_id, staged.index):
+            return None
+        return (f"its path {staged.path!r} is not staged KV file {staged.index} of prefill instance "
+                f"{staged.instance_id} in {self.directory}")
 
     def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
              block_ids: list[int], last: bool) -> int:
+        problem = self.refusal(staged)  # accept() refused it already; never read or remove another file
+        if problem is not None:
+            raise TransferFailed(f"staged KV {staged.key}: {problem}")
         shape = staged.layout.blocks_shape(staged.num_blocks)
         try:
             if os.path.getsize(staged.path) != staged.num_blocks * staged.layout.bytes_per_block:
@@ -91,6 +111,9 @@ class TorchTransport:
         self.layout = layout
         self.timeout = timedelta(seconds=timeout_s)
         self._pairs: dict[str, _Pair] = {}
+
+    def refusal(self, staged: StagedKV) -> str | None:
+        return None if staged.endpoint is not None else "it names no torch.distributed endpoint"
 
     def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
              block_ids: list[int], last: bool) -> int:

@@ -7,6 +7,7 @@ Every engine's books are checked after every step (check_integrity)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -234,7 +235,8 @@ def test_a_peer_gone_before_the_pull_leaves_the_decode_side_computing(model_dir:
 class _HeldTransport(SharedMemoryTransport):
     """Holds every pull until released: the transfer is in flight while the test acts."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path) -> None:
+        super().__init__(str(directory))
         self.release = threading.Event()
         self.started = threading.Event()
 
@@ -248,7 +250,7 @@ def test_abort_while_receiving_frees_blocks_only_after_the_pull(model_dir: Path,
     prompt = prompts_of([70], seed=7)["r0"]
     producer = engine(model_dir, "prefill", tmp_path)
     consumer = engine(model_dir, "decode", tmp_path)
-    held = _HeldTransport()
+    held = _HeldTransport(tmp_path)
     assert isinstance(consumer.kv_transfer, DecodeTransfer)
     consumer.kv_transfer.transport = held
     try:
@@ -285,6 +287,41 @@ def test_mismatched_layouts_are_refused(model_dir: Path, tmp_path: Path) -> None
         # The torch transport's handshake refuses the pair itself, naming the difference.
         with pytest.raises(TransferFailed, match="cannot share KV: block_size 16 here, 32 there"):
             TorchTransport(consumer.kv_layout, 5.0).pull(staged, 0, 1, consumer.runner.kv_caches, [0], True)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_a_forged_staged_path_is_neither_read_nor_removed(model_dir: Path, tmp_path: Path) -> None:
+    """A descriptor comes from whoever sent the request. One that names any file but a
+    staged one of its prefill instance in this instance's --kv-shm-dir (a client's
+    file, a staged file's name in another directory, a real staged file under another
+    entry's number) is refused when the request arrives: the file is left alone and the
+    prompt computed here. (The decode instance used to map such a file into its pool
+    and delete it.)"""
+    prompt = prompts_of([40], seed=9)["r0"]
+    single = run(engine(model_dir, "both", tmp_path), [("r0", prompt, GREEDY, None)])
+    producer = engine(model_dir, "prefill", tmp_path)
+    consumer = engine(model_dir, "decode", tmp_path)
+    try:
+        staged = prefill(producer, {"r0": prompt})["r0"]
+        victim = tmp_path / "victim.bin"
+        victim.write_bytes(Path(staged.path).read_bytes())  # the right size, so only the path is wrong
+        outside = tmp_path / "elsewhere"
+        outside.mkdir()
+        moved = outside / Path(staged.path).name
+        moved.write_bytes(victim.read_bytes())
+        forged = [dataclasses.replace(staged, path=str(victim)),
+                  dataclasses.replace(staged, path=str(moved)),
+                  dataclasses.replace(staged, index=staged.index + 1)]
+        for number, spec in enumerate(forged):
+            pair = run(consumer, [(f"f{number}", prompt, GREEDY, KVImport(spec))])
+            assert [out.outputs[0].token_ids for out in pair.values()] == list(tokens(single).values())
+        assert victim.exists() and moved.exists() and Path(staged.path).exists()
+        assert consumer.stats().kv_import_failures == 3 and consumer.stats().kv_imports == 0
+        # The real descriptor still serves, and its file goes after the last pull.
+        assert tokens(run(consumer, [("r0", prompt, GREEDY, KVImport(staged))])) == tokens(single)
+        assert consumer.stats().kv_imports == 1 and not Path(staged.path).exists()
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -343,7 +380,7 @@ def test_the_batch_keeps_stepping_while_blocks_arrive(model_dir: Path, tmp_path:
     single = run(engine(model_dir, "both", tmp_path), [(rid, p, GREEDY, None) for rid, p in prompts.items()])
     producer = engine(model_dir, "prefill", tmp_path)
     consumer = engine(model_dir, "decode", tmp_path)
-    held = _HeldTransport()
+    held = _HeldTransport(tmp_path)
     assert isinstance(consumer.kv_transfer, DecodeTransfer)
     try:
         staged = prefill(producer, prompts)
