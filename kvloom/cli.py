@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"kvloom: error: {error}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as error:
+        # A path the command was given (a config, a profile, a work directory): named, no traceback.
+        print(f"kvloom: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -237,8 +237,10 @@ class ParallelConfig:
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}, "
                              f"got {self.distributed_backend!r}")
-        if not isinstance(self.distributed_timeout, (int, float)) or self.distributed_timeout <= 0:
-            raise ValueError(f"distributed_timeout must be > 0 (seconds), got {self.distributed_timeout!r}")
+        timeout = self.distributed_timeout
+        # At most a year: torch's timedelta overflows past ~1e14 s, and nan/inf are not waits.
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 365 * 86400):
+            raise ValueError(f"distributed_timeout must be > 0 and at most a year (seconds), got {timeout!r}")
 
 
 KV_ROLES = ("both", "prefill", "decode", "disaggregated")

@@ -335,6 +335,14 @@ def test_devices_and_backends_this_machine_cannot_run_are_refused_up_front(monke
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA"):
         make_backend("triton", torch.device("cpu"), 4, 2, 16)
+    # Tensor parallel over nccl on a CPU: torch's "NCCL built in" traceback, before, from every rank.
+    from kvloom.config import ModelConfig
+    from kvloom.runner.tensor_parallel import load_first_rank
+    config = EngineConfig.from_kwargs(DEFAULT_MODEL, tensor_parallel_size=2, distributed_backend="nccl")
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
+                        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="distributed_backend nccl runs on CUDA devices only, not cpu"):
+        load_first_rank(config, model, None, torch.device("cpu"), torch.bfloat16, 64)
     # float16 on a CPU is bf16, as vLLM's CPU backend has it (the kernels take f32 and bf16).
     assert resolve_dtype("float16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
@@ -346,6 +354,9 @@ def test_devices_and_backends_this_machine_cannot_run_are_refused_up_front(monke
     ({"num_threads": -3}, "num_threads must be a positive integer, got -3"),
     ({"seed": 2**70}, "seed must be an integer in [-2**63, 2**64)"),
     ({"seed": "x"}, "seed must be an integer"),
+    # An OverflowError in timedelta and "cannot convert float NaN to integer", before.
+    ({"distributed_timeout": 1e300}, "distributed_timeout must be > 0 and at most a year (seconds), got 1e+300"),
+    ({"distributed_timeout": float("nan")}, "distributed_timeout must be > 0 and at most a year (seconds), got nan"),
 ])
 def test_numbers_that_would_fail_deep_in_loading_are_refused_by_the_config(kwargs, message) -> None:
     """Before, each failed after the model loaded, in torch or in int(), without naming the option."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,38 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _number(text: str, low: float, low_included: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= low if low_included else value > low) or value == math.inf:  # nan fails both
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if low_included else '>'} {low:g}, "
+                                         f"got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (seconds, rates, factors)."""
+    return _number(text, 0.0, False)
+
+
+def _nonnegative_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0 (a temperature, a pause)."""
+    return _number(text, 0.0, True)
+
+
+def _prefill_shapes(text: str) -> list[tuple[int, int]]:
+    """An argparse ``type``: ``COUNTxLENGTH[,...]`` (``8x256,1x2048``)."""
+    shapes = []
+    for shape in (part.strip() for part in text.split(",")):
+        count, _, length = shape.partition("x")
+        if not (count.isdigit() and length.isdigit() and int(count) > 0 and int(length) > 0):
+            raise argparse.ArgumentTypeError(f"expected COUNTxLENGTH of positive integers (8x256), got {shape!r}")
+        shapes.append((int(count), int(length)))
+    return shapes
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -54,8 +87,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--lead", type=int, default=0,
                          help="submit this many requests first and the rest once they have a token "
                               "(lets a shared prefix be cached within the timed run)")
-    offline.add_argument("--input-len", type=int, default=256, help="random dataset")
-    offline.add_argument("--output-len", type=int, default=128,
+    offline.add_argument("--input-len", type=_positive_int, default=256, help="random dataset")
+    offline.add_argument("--output-len", type=_positive_int, default=128,
                          help="random dataset; for sharegpt, caps each request's output length")
     offline.add_argument("--dataset-seed", type=int, default=0)
     offline.add_argument("--compare", action="store_true",
@@ -72,35 +105,38 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     steps.add_argument("--batches", type=_positive_ints, default="1,16,64,200", help="decode batch sizes")
     steps.add_argument("--context", type=_positive_int, default=300, help="prompt tokens of each decoding sequence")
     steps.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch size")
-    steps.add_argument("--prefill", default="8x256", help="COUNTxLENGTH[,...]: fresh prompts per prefill step")
+    steps.add_argument("--prefill", type=_prefill_shapes, default="8x256",
+                       help="COUNTxLENGTH[,...]: fresh prompts per prefill step")
     steps.add_argument("--repeats", type=_positive_int, default=5, help="timed prefill steps per shape")
 
     soak = _command(bench_sub, "soak", "ordinary, disconnecting, aborting and hostile clients on a tiny pool",
                     _soak)
-    soak.add_argument("--num-requests", type=int, default=1000)
-    soak.add_argument("--concurrency", type=int, default=64)
-    soak.add_argument("--max-seconds", type=float, default=1800.0, help="stop sending new requests after this")
-    soak.add_argument("--pool-factor", type=float, default=5.0, help="the KV pool is this many times too small")
-    soak.add_argument("--soak-max-tokens", type=int, default=48, help="largest max_tokens of a request")
+    soak.add_argument("--num-requests", type=_positive_int, default=1000)
+    soak.add_argument("--concurrency", type=_positive_int, default=64)
+    soak.add_argument("--max-seconds", type=_positive_float, default=1800.0,
+                      help="stop sending new requests after this")
+    soak.add_argument("--pool-factor", type=_positive_float, default=5.0,
+                      help="the KV pool is this many times too small")
+    soak.add_argument("--soak-max-tokens", type=_positive_int, default=48, help="largest max_tokens of a request")
     soak.add_argument("--soak-seed", type=int, default=0, help="draws the requests")
 
     placement = _command(bench_sub, "placement", "engine loop in a thread vs a process", _placement,
                          output_json=False)
-    placement.add_argument("--num-requests", type=int, default=32)
-    placement.add_argument("--prompt-len", type=int, default=128)
-    placement.add_argument("--max-tokens", type=int, default=128)
+    placement.add_argument("--num-requests", type=_positive_int, default=32)
+    placement.add_argument("--prompt-len", type=_positive_int, default=128)
+    placement.add_argument("--max-tokens", type=_positive_int, default=128)
 
     structured = _command(bench_sub, "structured", "JSON-schema workload vs unconstrained, jump-forward on/off",
                           _structured)
-    structured.add_argument("--num-prompts", type=int, default=16)
-    structured.add_argument("--max-tokens", type=int, default=128, help="per request")
-    structured.add_argument("--temperature", type=float, default=0.0)
+    structured.add_argument("--num-prompts", type=_positive_int, default=16)
+    structured.add_argument("--max-tokens", type=_positive_int, default=128, help="per request")
+    structured.add_argument("--temperature", type=_nonnegative_float, default=0.0)
 
     tools = _command(bench_sub, "tools", "function calling with and without the grammar (tool_choice required)",
                      _tools)
-    tools.add_argument("--num-prompts", type=int, default=16)
-    tools.add_argument("--max-tokens", type=int, default=96, help="per request")
-    tools.add_argument("--temperature", type=float, default=0.0)
+    tools.add_argument("--num-prompts", type=_positive_int, default=16)
+    tools.add_argument("--max-tokens", type=_positive_int, default=96, help="per request")
+    tools.add_argument("--temperature", type=_nonnegative_float, default=0.0)
 
     serve = _command(bench_sub, "serve", "load-test an OpenAI-compatible server over HTTP", _serve,
                      engine=False, output_json=False)
@@ -123,7 +159,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     families.add_argument("--context", type=_positive_int, default=512,
                           help="tokens of each request (prompt, then decode)")
     families.add_argument("--decode-steps", type=_positive_int, default=10, help="timed decode steps per batch size")
-    families.add_argument("--memory-gib", type=float, default=1.0, help="cache and state memory for the "
+    families.add_argument("--memory-gib", type=_positive_float, default=1.0, help="cache and state memory for the "
                           "concurrency column")
 
 
@@ -132,18 +168,19 @@ def _add_interference(bench_sub: argparse._SubParsersAction) -> None:
                       _interference, engine=False, output_json=False)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: GET /v1/models)")
-    parser.add_argument("--decodes", type=int, default=32, help="requests decoding when the long prompts come")
-    parser.add_argument("--decode-prompt-len", type=int, default=64)
-    parser.add_argument("--decode-output-len", type=int, default=1024, help="long enough to outlast the run")
-    parser.add_argument("--num-prompts", type=int, default=16, help="long prompts")
-    parser.add_argument("--prompt-len", type=int, default=1500)
-    parser.add_argument("--prompt-output-len", type=int, default=16)
-    parser.add_argument("--request-rate", type=float, default=1.0, help="long prompts per second (Poisson)")
+    parser.add_argument("--decodes", type=_positive_int, default=32,
+                        help="requests decoding when the long prompts come")
+    parser.add_argument("--decode-prompt-len", type=_positive_int, default=64)
+    parser.add_argument("--decode-output-len", type=_positive_int, default=1024, help="long enough to outlast the run")
+    parser.add_argument("--num-prompts", type=_positive_int, default=16, help="long prompts")
+    parser.add_argument("--prompt-len", type=_positive_int, default=1500)
+    parser.add_argument("--prompt-output-len", type=_positive_int, default=16)
+    parser.add_argument("--request-rate", type=_positive_float, default=1.0, help="long prompts per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0, help="draws the token ids and the arrivals")
-    parser.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn from [100, this)")
-    parser.add_argument("--baseline-seconds", type=float, default=2.0,
+    parser.add_argument("--vocab-size", type=_positive_int, default=49152, help="token ids are drawn from [100, this)")
+    parser.add_argument("--baseline-seconds", type=_nonnegative_float, default=2.0,
                         help="the decodes run alone this long before the first long prompt")
-    parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request")
     parser.add_argument("--result-json", "--output-json", dest="result_json", default=None)
 
 
@@ -164,16 +201,16 @@ def _add_pd_sim(bench_sub: argparse._SubParsersAction) -> None:
                              "router; prefill: DistServe's accounting)")
     parser.add_argument("--splits", default="1:1", help="PREFILL:DECODE instance counts, comma-separated")
     parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3", help="request rates per second")
-    parser.add_argument("--num-requests", type=int, default=400, help="per rate and placement")
+    parser.add_argument("--num-requests", type=_positive_int, default=400, help="per rate and placement")
     parser.add_argument("--prompt-len", default="1500", help="a length, or lengths drawn uniformly: 500,1500")
     parser.add_argument("--output-len", default="128", help="a length, or lengths drawn uniformly")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token-budget", type=int, default=2048, help="colocated: tokens per step")
-    parser.add_argument("--max-batch", type=int, default=256, help="running requests per decode instance")
-    parser.add_argument("--prefill-token-budget", type=int, default=None,
+    parser.add_argument("--token-budget", type=_positive_int, default=2048, help="colocated: tokens per step")
+    parser.add_argument("--max-batch", type=_positive_int, default=256, help="running requests per decode instance")
+    parser.add_argument("--prefill-token-budget", type=_positive_int, default=None,
                         help="a prefill instance's step takes whole prompts up to this many tokens (default: one)")
-    parser.add_argument("--ttft-slo", type=float, default=2000.0, help="ms")
-    parser.add_argument("--itl-slo", type=float, default=100.0, help="ms")
+    parser.add_argument("--ttft-slo", type=_positive_float, default=2000.0, help="ms")
+    parser.add_argument("--itl-slo", type=_positive_float, default=100.0, help="ms")
     parser.add_argument("--itl-slo-stat", default="mean", choices=["mean", "p99", "max"],
                         help="of each request's gaps: mean (TPOT, as DistServe), p99 or max")
     parser.add_argument("--slo-attainment", type=float, default=0.9,
@@ -393,6 +430,8 @@ def _families(args: argparse.Namespace) -> int:
     from kvloom.bench.families import FAMILIES, as_json, format_families, run_families
 
     names = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
+    if not names:
+        raise ValueError(f"--families names no family: give some of {', '.join(FAMILIES)}, or all")
     batches = args.batches
     # The compute-path flags (e.g. --decoder-stack modules) apply to every family; the
     # benchmark sizes the pool and the batch limits itself.
@@ -408,12 +447,12 @@ def _families(args: argparse.Namespace) -> int:
 def _steps(args: argparse.Namespace) -> int:
     from kvloom.bench.steps import as_json, run_steps
 
-    prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",") if shape]
+    prefills = args.prefill
     batches = args.batches
     # The pool, the batch limits and the prefix cache are the benchmark's to size.
     engine = _engine_flags(args, ())
     results = run_steps(args.model, engine, batches, args.context, args.decode_steps,
-                        prefills, args.repeats)  # type: ignore[arg-type]
+                        prefills, args.repeats)
     _save_json(args.output_json, {"model": args.model, "engine": engine, "steps": as_json(results)})
     return 0
 

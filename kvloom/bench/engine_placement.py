@@ -20,8 +20,21 @@ from kvloom.sampling_params import SamplingParams
 _DONE = None
 
 
+class _Failed(str):
+    """The engine loop's error, sent in place of ``_DONE`` so that the consumer ends
+    (it would wait on the queue forever)."""
+
+
 def _engine_loop(model: str, engine_kwargs: dict[str, Any], prompts: list[list[int]],
                  max_tokens: int, out: Any) -> None:
+    try:
+        _run_engine(model, engine_kwargs, prompts, max_tokens, out)
+    except BaseException as error:  # noqa: BLE001 - reported to the consumer, which raises it
+        out.put(_Failed(f"{type(error).__name__}: {error}"))
+
+
+def _run_engine(model: str, engine_kwargs: dict[str, Any], prompts: list[list[int]],
+                max_tokens: int, out: Any) -> None:
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
 
@@ -39,11 +52,17 @@ def _engine_loop(model: str, engine_kwargs: dict[str, Any], prompts: list[list[i
 
 
 def _consume(out: Any) -> tuple[float, int]:
-    assert out.get() == "ready"
+    _check(out.get())
     start, tokens = time.perf_counter(), 0
-    while (batch := out.get()) is not _DONE:
+    while (batch := _check(out.get())) is not _DONE:
         tokens += sum(len(delta) for _, delta, _ in batch)
     return time.perf_counter() - start, tokens
+
+
+def _check(message: Any) -> Any:
+    if isinstance(message, _Failed):
+        raise RuntimeError(f"the engine loop failed: {message}")
+    return message
 
 
 def measure(model: str, engine_kwargs: dict[str, Any], num_requests: int, prompt_len: int,

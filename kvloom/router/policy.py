@@ -40,13 +40,14 @@ class PolicyConfig:
     max_tree_chars: int = 1_000_000  # per worker; about 250k tokens of English
 
     def __post_init__(self) -> None:
+        # Written so that nan fails each check (a nan compared is always false).
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_abs_threshold < 0:
+        if not self.balance_abs_threshold >= 0:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
-        if self.balance_rel_threshold < 1.0:
+        if not self.balance_rel_threshold >= 1.0:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
-        if self.max_tree_chars < 1:
+        if not self.max_tree_chars >= 1:
             raise ValueError(f"max_tree_chars must be >= 1, got {self.max_tree_chars}")
 
 

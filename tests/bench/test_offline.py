@@ -79,6 +79,16 @@ def test_bad_offline_flags_are_refused_before_a_model_loads(argv, message, capsy
     (["steps", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
     (["steps", "--decode-steps", "0"], "argument --decode-steps: must be >= 1, got 0"),
     (["families", "--context", "-5"], "argument --context: must be >= 1, got -5"),
+    # Each of these reached the run: a hang (placement), a traceback, or an empty table.
+    (["placement", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+    (["placement", "--prompt-len", "-1"], "argument --prompt-len: must be >= 1, got -1"),
+    (["structured", "--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+    (["tools", "--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+    (["soak", "--pool-factor", "nan"], "argument --pool-factor: must be a finite number > 0, got nan"),
+    (["soak", "--soak-max-tokens", "0"], "argument --soak-max-tokens: must be >= 1, got 0"),
+    (["steps", "--prefill", "2x"], "argument --prefill: expected COUNTxLENGTH of positive integers (8x256), got '2x'"),
+    (["interference", "--request-rate", "inf"], "argument --request-rate: must be a finite number > 0, got inf"),
+    (["pd-sim", "--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
 ])
 def test_bench_sizes_are_usage_errors(argv, message, capsys) -> None:
     from kvloom.cli import build_parser
@@ -93,6 +103,24 @@ def test_bench_sizes_parse_into_lists() -> None:
 
     assert build_parser().parse_args(["bench", "steps", "--batches", "1,16,64"]).batches == [1, 16, 64]
     assert build_parser().parse_args(["bench", "roofline"]).batches == [1, 16, 64]  # the default, parsed
+    assert build_parser().parse_args(["bench", "steps", "--prefill", "8x256,1x2048"]).prefill == [(8, 256), (1, 2048)]
+
+
+def test_bench_paths_and_names_are_one_line_errors(capsys) -> None:
+    from kvloom.cli import main
+
+    assert main(["bench", "sweep", "/nonexistent.json"]) == 1
+    assert "kvloom: error: [Errno 2] No such file or directory: '/nonexistent.json'" in capsys.readouterr().err
+    assert main(["bench", "families", "--families", ","]) == 2
+    assert "--families names no family: give some of llama" in capsys.readouterr().err
+
+
+def test_placement_ends_when_the_engine_loop_fails(tmp_path) -> None:
+    """The consumer waited on the queue forever when the engine thread died."""
+    from kvloom.bench.engine_placement import measure
+
+    with pytest.raises(RuntimeError, match="the engine loop failed: .*no-such-model"):
+        measure(str(tmp_path / "no-such-model"), {}, num_requests=1, prompt_len=4, max_tokens=1)
 
 
 def test_bench_plot_names_a_missing_result_file(capsys) -> None:

@@ -76,6 +76,8 @@ def test_round_robin_and_least_loaded() -> None:
     ({"cache_threshold": 1.5}, "cache_threshold"),
     ({"balance_abs_threshold": -1}, "balance_abs_threshold"),
     ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
+    ({"balance_rel_threshold": float("nan")}, "balance_rel_threshold"),  # passed, and balancing was off
+    ({"balance_abs_threshold": float("nan")}, "balance_abs_threshold"),
     ({"max_tree_chars": 0}, "max_tree_chars"),
 ])
 def test_bad_policy_config_names_the_field(kwargs: dict[str, float], field: str) -> None:
