@@ -22,8 +22,11 @@ import logging
 import multiprocessing
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import torch
@@ -91,13 +94,57 @@ def spawn_workers(config: EngineConfig, worker: Callable[[EngineConfig, RankPlac
         return RankPlacement(rank, size, rank, size, f"tcp://127.0.0.1:{port}", pinned)
 
     context = multiprocessing.get_context("spawn")
-    processes = []
+    processes, started = [], []
     for rank in range(1, size):
-        process = context.Process(target=worker, args=(config, placement(rank)), daemon=True,
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=_entered, args=(worker, writer, config, placement(rank)), daemon=True,
                                   name=f"kvloom-tp-rank{rank}")
         process.start()
+        writer.close()  # the child holds its own copy: its end closing is the child's death
         processes.append(process)
+        started.append(reader)
+    try:
+        _await_entered(processes, started, config.parallel.distributed_timeout)
+    except BaseException:
+        for process in processes:
+            process.terminate()
+        raise
     return placement(0), processes
+
+
+def _entered(worker: Callable[[EngineConfig, RankPlacement], None], started: Connection, config: EngineConfig,
+             placement: RankPlacement) -> None:
+    """A spawned rank's entry: it says it got past multiprocessing's start, then works."""
+    started.send(placement.rank)
+    started.close()
+    worker(config, placement)
+
+
+def _await_entered(processes: list[Any], started: list[Connection], timeout_s: float) -> None:
+    """Until every spawned rank has entered its worker. One that dies first (in
+    multiprocessing's start: a script that builds an engine at its top level, unguarded,
+    which spawn re-runs in the child) fails the start now, naming it; rank 0 would
+    otherwise wait out ``distributed_timeout`` at the rendezvous."""
+    waiting = dict(zip(started, processes, strict=True))
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for ready in wait_for(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+            assert isinstance(ready, Connection)
+            process = waiting.pop(ready)
+            try:
+                ready.recv()
+                continue
+            except EOFError:
+                process.join()
+            finally:
+                ready.close()
+            raise RankFailed(
+                f"tensor-parallel rank {process.name.removeprefix('kvloom-tp-rank')} exited with status "
+                f"{process.exitcode} before it started (its error is above); a script that builds an engine "
+                "with tensor_parallel_size > 1 must do so under `if __name__ == \"__main__\":`, since the "
+                "ranks' processes import it again")
+        if waiting and time.monotonic() >= deadline:
+            raise RankFailed(f"{len(waiting)} tensor-parallel rank(s) did not start within {timeout_s:g} s")
 
 
 def join_group(config: EngineConfig, placement: RankPlacement, device: torch.device) -> TensorParallelGroup:

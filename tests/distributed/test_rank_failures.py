@@ -123,3 +123,19 @@ def test_tensor_parallel_size_must_match_the_ranks_torchrun_started(tiny: Path) 
     # so which rank's message comes out first is a race.
     assert re.search(r"torchrun started this process as rank [01] of 2, but tensor_parallel_size is 1",
                      result.stderr), result.stderr[-2000:]
+
+
+def test_a_script_without_a_main_guard_fails_at_once_naming_it(tiny: Path, tmp_path: Path) -> None:
+    """spawn re-runs the script in each rank's process, where building the engine again
+    fails before the rank's worker starts. Rank 0 waited out distributed_timeout (300 s,
+    past this test's deadline) at the rendezvous, then raised torch's DistStoreError."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from kvloom import LLM
+        LLM({str(tiny)!r}, tensor_parallel_size=2, dtype="float32", device="cpu", num_blocks=16)
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S,
+                            cwd=REPO)
+    assert result.returncode != 0
+    assert re.search(r"RankFailed: tensor-parallel rank 1 exited with status 1 before it started .*"
+                     r'`if __name__ == "__main__":`', result.stderr), result.stderr[-2000:]
