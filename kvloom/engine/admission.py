@@ -59,7 +59,7 @@ class AdmissionLimits:
                 "max_tokens", "kv_pool_too_small")
 
     def check_token_ids(self, token_ids: Iterable[object], param: str) -> None:
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestRejected(f"{param} must be token ids in [0, {self.vocab_size}), got {bad[:3]}",
                                   param, "invalid_token_id")

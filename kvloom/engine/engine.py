@@ -246,8 +246,11 @@ class LLMEngine:
         return request
 
     def new_request_id(self) -> str:
-        """The id add_request would give a request added without one."""
-        return str(next(self._request_counter))
+        """A fresh id for a request added without one: the counter's next value that no
+        request in the engine holds (a caller may have chosen "1" itself)."""
+        while (request_id := str(next(self._request_counter))) in self.scheduler.requests:
+            pass
+        return request_id
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

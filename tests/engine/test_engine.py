@@ -131,6 +131,8 @@ def test_bad_requests_rejected_with_clear_errors(engine_factory) -> None:
         engine.add_request([1] * 200, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, 99999], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="token ids .* got \\[True\\]"):  # bool is an int to Python
+        engine.add_request([1, True], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="at least one token"):
         engine.add_request([], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="temperature"):

@@ -180,6 +180,22 @@ def test_a_generate_interrupted_while_adding_aborts_the_half_added_request(tiny_
     _assert_clean_and_serving(llm, reference)
 
 
+def test_generate_never_takes_an_id_a_caller_chose(tiny_llama, reference) -> None:
+    """A request added straight to the engine as "1", then generate(): its ids came from
+    the engine's counter ("0", "1"), so it was refused as a duplicate and, cleaning up,
+    aborted the caller's request "1"."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    longer = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # outlasts the generate call
+    llm.engine.add_request(PROMPTS["r0"], longer, request_id="1")
+    outputs = llm.generate([PROMPTS["r1"], PROMPTS["r2"]], PARAMS)
+    assert [o.outputs[0].token_ids for o in outputs] == [reference["r1"], reference["r2"]]
+    assert "1" in llm.engine.scheduler.requests  # the caller's, still there for it to step
+    finals = run(llm.engine, {})
+    assert finals["1"].outputs[0].token_ids[:12] == reference["r0"]
+
+
 @pytest.mark.parametrize("priority", [[None, 1], ["x", 1], [1.5, 1], [True, 1], [1]])
 def test_bad_priorities_are_refused_before_anything_runs(tiny_llama, reference, priority) -> None:
     from kvloom import LLM
