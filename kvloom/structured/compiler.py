@@ -133,7 +133,9 @@ def _to_llguidance(kind: str, text: str) -> str:
         # terminal (upper-case name) is one lexeme: the options become a single
         # automaton in the lexer, so thousands of them cost no parser row per option
         # (llguidance's parser caps a row at 2,000 items).
-        options = " | ".join(json.dumps(option, ensure_ascii=False) for option in json.loads(text))
+        # DEL is the one character JSON leaves raw that the lexer refuses: escaped too.
+        options = " | ".join(json.dumps(option, ensure_ascii=False).replace("\x7f", "\\u007f")
+                             for option in json.loads(text))
         return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}")
     if kind == "grammar":
         try:

@@ -195,3 +195,15 @@ def test_sampler_only_picks_allowed_tokens(temperature: float) -> None:
     for _ in range(20):
         tokens = sampler(torch.randn(2, vocab), metadata).token_ids
         assert tokens[1] == 2 and tokens[0] != 2
+
+
+def test_choices_with_control_characters_compile_and_match(compiler: GrammarCompiler) -> None:
+    """Each option is matched as the text it is: DEL (which JSON leaves raw and the
+    grammar's lexer refused: "invalid choice: lexer error"), NUL, a C1 control, quotes."""
+    options = ["a\x7fb", "\x00", "c\x9f", 'say "hi"\\', "plain"]
+    constraint = StructuredOutput(choice=options)
+    for option in options:
+        matcher = compiler.compile(constraint).new_matcher()
+        assert matcher.consume_tokens(compiler.ll_tokenizer.tokenize_str(option)) and matcher.is_accepting(), option
+    matcher = compiler.compile(constraint).new_matcher()
+    assert not (matcher.consume_tokens(compiler.ll_tokenizer.tokenize_str("ab")) and matcher.is_accepting())
