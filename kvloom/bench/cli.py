@@ -44,6 +44,11 @@ def _number(text: str, low: float, low_included: bool) -> float:
     return value
 
 
+def _request_rate(text: str) -> float:
+    """An argparse ``type``: requests per second > 0; inf sends them all at once."""
+    return math.inf if text.strip().lower() in ("inf", "infinity") else _number(text, 0.0, False)
+
+
 def _positive_float(text: str) -> float:
     """An argparse ``type``: a finite number > 0 (seconds, rates, factors)."""
     return _number(text, 0.0, False)
@@ -175,7 +180,7 @@ def _add_interference(bench_sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-prompts", type=_positive_int, default=16, help="long prompts")
     parser.add_argument("--prompt-len", type=_positive_int, default=1500)
     parser.add_argument("--prompt-output-len", type=_positive_int, default=16)
-    parser.add_argument("--request-rate", type=_positive_float, default=1.0, help="long prompts per second (Poisson)")
+    parser.add_argument("--request-rate", type=_request_rate, default=1.0, help="long prompts per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0, help="draws the token ids and the arrivals")
     parser.add_argument("--vocab-size", type=_positive_int, default=49152, help="token ids are drawn from [100, this)")
     parser.add_argument("--baseline-seconds", type=_nonnegative_float, default=2.0,

@@ -87,7 +87,7 @@ def test_bad_offline_flags_are_refused_before_a_model_loads(argv, message, capsy
     (["soak", "--pool-factor", "nan"], "argument --pool-factor: must be a finite number > 0, got nan"),
     (["soak", "--soak-max-tokens", "0"], "argument --soak-max-tokens: must be >= 1, got 0"),
     (["steps", "--prefill", "2x"], "argument --prefill: expected COUNTxLENGTH of positive integers (8x256), got '2x'"),
-    (["interference", "--request-rate", "inf"], "argument --request-rate: must be a finite number > 0, got inf"),
+    (["interference", "--request-rate", "0"], "argument --request-rate: must be a finite number > 0, got 0"),
     (["pd-sim", "--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
 ])
 def test_bench_sizes_are_usage_errors(argv, message, capsys) -> None:
