@@ -133,16 +133,15 @@ def _await_entered(processes: list[Any], started: list[Connection], timeout_s: f
             process = waiting.pop(ready)
             try:
                 ready.recv()
-                continue
-            except EOFError:
+            except EOFError:  # its end closed with nothing sent: the process is gone
                 process.join()
+                raise RankFailed(
+                    f"tensor-parallel rank {process.name.removeprefix('kvloom-tp-rank')} exited with status "
+                    f"{process.exitcode} before it started (its error is above); a script that builds an "
+                    "engine with tensor_parallel_size > 1 must do so under `if __name__ == \"__main__\":`, "
+                    "since the ranks' processes import it again") from None
             finally:
                 ready.close()
-            raise RankFailed(
-                f"tensor-parallel rank {process.name.removeprefix('kvloom-tp-rank')} exited with status "
-                f"{process.exitcode} before it started (its error is above); a script that builds an engine "
-                "with tensor_parallel_size > 1 must do so under `if __name__ == \"__main__\":`, since the "
-                "ranks' processes import it again")
         if waiting and time.monotonic() >= deadline:
             raise RankFailed(f"{len(waiting)} tensor-parallel rank(s) did not start within {timeout_s:g} s")
 

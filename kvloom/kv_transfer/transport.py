@@ -71,6 +71,7 @@ class SharedMemoryTransport:
         self.directory = directory
 
     def refusal(self, staged: StagedKV) -> str | None:
+        # The one gate: DecodeTransfer.accept drops a refused descriptor, so pull never sees it.
         if is_staged_file(staged.path, self.directory, staged.instance_id, staged.index):
             return None
         return (f"its path {staged.path!r} is not staged KV file {staged.index} of prefill instance "
@@ -78,9 +79,6 @@ class SharedMemoryTransport:
 
     def pull(self, staged: StagedKV, first_block: int, num_blocks: int, pool: torch.Tensor,
              block_ids: list[int], last: bool) -> int:
-        problem = self.refusal(staged)  # accept() refused it already; never read or remove another file
-        if problem is not None:
-            raise TransferFailed(f"staged KV {staged.key}: {problem}")
         shape = staged.layout.blocks_shape(staged.num_blocks)
         try:
             if os.path.getsize(staged.path) != staged.num_blocks * staged.layout.bytes_per_block:
