@@ -64,13 +64,70 @@ inline uint32_t load_pair(const uint16_t* src) {  // two bf16 from a 2-byte alig
   std::memcpy(&word, src, sizeof(word));
   return word;
 }
+#define KVLOOM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define KVLOOM_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define KVLOOM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define KVLOOM_TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// The weight lines a tile fetches ahead, into L2, for the tiles after it: one 64-byte
+// line per k step (a packed block row is one line) over its first steps, until `end`.
+// In a step the weights stream from memory (30 layers do not fit in cache); fetched
+// here they arrive while the tile computes instead of stalling the first tile that
+// reads them (the hardware prefetcher stops between tiles, which read no weight while
+// they sit in L1). A tile runs its k steps as two loops, the fetching ones and the
+// rest, so the steps after its slice pay nothing. A prefetch changes no arithmetic.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines() const { return (end - next) / 64; }
+  void fetch() {  // the next line; the caller keeps to lines()
+    _mm_prefetch(next, _MM_HINT_T1);
+    next += 64;
+  }
+  // step(0), step(1), ..., step(steps - 1) in order, the first lines() of them each
+  // after fetching a line: two loops, so the steps past the slice pay no check.
+  template <class Step>
+  KVLOOM_TARGET_AVX2 __attribute__((always_inline)) void walk(int64_t steps, const Step& step) {
+    int64_t k = 0;
+    for (const int64_t fetching = std::min(steps, lines()); k < fetching; ++k) {
+      fetch();
+      step(k);
+    }
+    for (; k < steps; ++k) step(k);
+  }
+};
+
+// Where the tiles of one thread fetch ahead: its blocks are [first, last), walked in
+// panels, and the calls over one panel share the next panel's lines (call i of n
+// fetches slice i of them).
+struct AheadPlan {
+  const Problem& p;
+  int64_t last;
+  // The bytes of blocks [j, j_end), clipped to the thread's range.
+  std::pair<const char*, const char*> span(int64_t j, int64_t j_end) const {
+    return {reinterpret_cast<const char*>(p.block(std::min(j, last))),
+            reinterpret_cast<const char*>(p.block(std::min(j_end, last)))};
+  }
+  Ahead slice(std::pair<const char*, const char*> next, int64_t i, int64_t n) const {
+    const int64_t lines = (next.second - next.first) / 64;
+    return Ahead{next.first + lines * i / n * 64, next.first + lines * (i + 1) / n * 64};
+  }
+};
+
 // Calls step(q, pair_of_row) for the k pairs q = 0, 1, ... in order, where
 // pair_of_row(r) is (x[r][2q], x[r][2q + 1]) and, for an odd K, the last pair is
-// (x[r][K - 1], 0) (the packed weight's padding is zero there too).
+// (x[r][K - 1], 0) (the packed weight's padding is zero there too). The first
+// ahead.lines() steps each fetch a line ahead (Ahead::walk's two loops).
 template <class Step>
-inline void for_each_pair(const uint16_t* x, int64_t k, Step&& step) {
+inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step) {
   const int64_t full = k / 2;
-  for (int64_t q = 0; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
+  int64_t q = 0;
+  for (const int64_t fetching = std::min(full, ahead.lines()); q < fetching; ++q) {
+    ahead.fetch();
+    step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
+  }
+  for (; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
   if (k & 1) step(full, [=](int r) { return static_cast<uint32_t>(x[r * k + k - 1]); });
 }
 
@@ -100,12 +157,6 @@ inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* 
 // computes it over the whole K, then stores it. The driver below picks ROWS and BLOCKS
 // only by where the tile sits (tails), which changes no accumulator's arithmetic.
 
-#define KVLOOM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define KVLOOM_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-#define KVLOOM_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define KVLOOM_TARGET_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
 // store_row on 16 lanes at once: the same float32 bias add and the same rounding
 // (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
 template <int ROWS, int BLOCKS>
@@ -134,12 +185,12 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
   template <int R, int B>
-  KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0) {
+  KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead) {
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512_BF16 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
-    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
+    for_each_pair(p.x + m0 * p.k, p.k, ahead, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
       __m512bh weights[B];
       unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512_BF16 {
         weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
@@ -158,13 +209,13 @@ struct PathAvx512Bf16 {
 struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
   template <int R, int B>
-  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0) {
+  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead) {
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    for_each_pair(p.x + m0 * p.k, p.k, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512 {
+    for_each_pair(p.x + m0 * p.k, p.k, ahead, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512 {
       __m512 even[B], odd[B];  // W[.][2q] and W[.][2q + 1] as float32
       unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512 {
         const __m512i words = _mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
@@ -186,7 +237,7 @@ struct PathAvx512 {
 };
 
 // Tile functions of every (rows, blocks) up to the path's maximum, indexed [rows - 1][blocks - 1].
-using TileFn = void (*)(const Problem&, int64_t, int64_t);
+using TileFn = void (*)(const Problem&, int64_t, int64_t, Ahead);
 template <class Path, int R, int B>
 TileFn tile_fn() { return &Path::template tile<R, B>; }
 template <class Path, int R, int... B>
@@ -220,13 +271,16 @@ void run_vector(const Problem& p, int num_threads) {
   {
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
+    const AheadPlan plan{p, last};
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
+      const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
       for (int64_t j0 = first; j0 < last; j0 += Path::BLOCKS) {
         const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
-        for (int64_t m0 = pass; m0 < pass_end; m0 += Path::ROWS) {
+        const auto next = plan.span(j0 + panel, j0 + panel + Path::BLOCKS);
+        for (int64_t m0 = pass, i = 0; m0 < pass_end; m0 += Path::ROWS, ++i) {
           const int64_t rows = std::min<int64_t>(Path::ROWS, pass_end - m0);
-          table.at[rows - 1][panel - 1](p, m0, j0);
+          table.at[rows - 1][panel - 1](p, m0, j0, plan.slice(next, i, calls));
         }
       }
     }
@@ -246,34 +300,6 @@ void run_vector(const Problem& p, int num_threads) {
 struct Avx2Inputs {
   const float* x;  // x widened: [m][stride]
   int64_t stride;  // K rounded up to even
-};
-
-// The weight lines a tile fetches ahead, into L2, for the tiles after it: one 64-byte
-// line per k step (a packed block row is one line) over its first steps, until `end`.
-// In a step the weights stream from memory (30 layers do not fit in cache); fetched
-// here they arrive while the fmas run instead of stalling the first tile that reads
-// them (the hardware prefetcher stops between tiles, which read no weight while they
-// sit in L1). A tile runs its k steps as two loops, the fetching ones and the rest, so
-// the steps after its slice pay nothing. A prefetch changes no arithmetic.
-struct Ahead {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t lines() const { return (end - next) / 64; }
-  KVLOOM_TARGET_AVX2 void fetch() {  // the next line; the caller keeps to lines()
-    _mm_prefetch(next, _MM_HINT_T1);
-    next += 64;
-  }
-  // step(0), step(1), ..., step(steps - 1) in order, the first lines() of them each
-  // after fetching a line: two loops, so the steps past the slice pay no check.
-  template <class Step>
-  KVLOOM_TARGET_AVX2 __attribute__((always_inline)) void walk(int64_t steps, const Step& step) {
-    int64_t k = 0;
-    for (const int64_t fetching = std::min(steps, lines()); k < fetching; ++k) {
-      fetch();
-      step(k);
-    }
-    for (; k < steps; ++k) step(k);
-  }
 };
 
 // The store of one row's 16 columns of block j (two 8-lane halves).
@@ -405,16 +431,7 @@ void run_avx2(const Problem& p, int num_threads) {
     static thread_local std::vector<float> wf;  // this thread's widened block, kept across calls (no allocation per call)
     const int t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
-    // The bytes of this thread's blocks [j, j_end): where a tile's Ahead points.
-    const auto span = [&](int64_t j, int64_t j_end) {
-      const char* base = reinterpret_cast<const char*>(p.block(std::min(j, last)));
-      return std::pair{base, reinterpret_cast<const char*>(p.block(std::min(j_end, last)))};
-    };
-    // The calls over one panel share the next panel's lines: call i of n fetches slice i.
-    const auto slice = [](std::pair<const char*, const char*> next, int64_t i, int64_t n) {
-      const int64_t lines = (next.second - next.first) / 64;
-      return Ahead{next.first + lines * i / n * 64, next.first + lines * (i + 1) / n * 64};
-    };
+    const AheadPlan plan{p, last};
     for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
       if (pass_end - pass >= WIDEN_MIN_ROWS) {
@@ -423,9 +440,9 @@ void run_avx2(const Problem& p, int num_threads) {
         const int64_t calls = (pass_end - pass + AVX2_WIDE_ROWS - 1) / AVX2_WIDE_ROWS;
         for (int64_t j = first; j < last; ++j) {
           avx2_widen_block(p, j, stride, block);
-          const auto next = span(j + 1, j + 2);
+          const auto next = plan.span(j + 1, j + 2);
           for (int64_t m0 = pass, i = 0; m0 < pass_end; m0 += AVX2_WIDE_ROWS, ++i)
-            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j, slice(next, i, calls));
+            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j, plan.slice(next, i, calls));
         }
       } else {
         // The calls per panel, as the loop below makes them: a tall tile per block for
@@ -433,14 +450,14 @@ void run_avx2(const Problem& p, int num_threads) {
         const int64_t tall_groups = (pass_end - pass + 1) / AVX2_TALL_ROWS;
         for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {
           const int64_t panel = std::min<int64_t>(AVX2_PACKED_BLOCKS, last - j0);
-          const auto next = span(j0 + panel, j0 + 2 * panel);
+          const auto next = plan.span(j0 + panel, j0 + 2 * panel);
           const int64_t calls = tall_groups * panel + ((pass_end - pass - tall_groups * AVX2_TALL_ROWS) > 0 ? 1 : 0);
           int64_t m0 = pass, i = 0;
           for (; pass_end - m0 >= 3; m0 += AVX2_TALL_ROWS) {
             const int rows = static_cast<int>(std::min<int64_t>(AVX2_TALL_ROWS, pass_end - m0));
-            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b, slice(next, i++, calls));
+            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b, plan.slice(next, i++, calls));
           }
-          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0, slice(next, i, calls));
+          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0, plan.slice(next, i, calls));
         }
       }
     }
