@@ -451,16 +451,21 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   typename Pairs::Pair query[G][P];
   for (int g = 0; g < G; ++g) Pairs::query(q[g], D, query[g]);
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
+  // The blocks ahead, a K line and a V line per dim pair of QK^T: P steps per 16 keys
+  // are the lines of 16 keys of K and of V (paired.h, LineFeed).
+  LineFeed feed;
+  feed.bytes = block_size * D * 2;
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + src.block_offset(b));
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + src.block_offset(b));
-    src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
+    feed.add(src, b, num_blocks);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;  // position of this sub-tile's first key
       if (base >= max_limit) break;
       __m512 s[G];
       for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
       for (int p = 0; p < P; ++p) {
+        feed.step();
         const auto keys = Pairs::load(kb + p * block_size + t0);
         for (int g = 0; g < G; ++g) s[g] = Pairs::dot(s[g], keys, query[g][p]);
       }
@@ -571,10 +576,15 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   }
   const __m512 scale_v = _mm512_set1_ps(src.scale);
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
+  // The blocks ahead, two K lines and two V lines per vector's softmax and one of each
+  // per accumulator slice (paired.h, LineFeed): 16 keys of K and of V are D / 2 lines
+  // each, 2 * count + R steps.
+  LineFeed feed;
+  feed.bytes = block_size * D * 2;
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.block_offset(b));
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.block_offset(b));
-    src.prefetch_ahead(b, num_blocks, block_size * D * 2);  // blocks are scattered: fetch ahead
+    feed.add(src, b, num_blocks);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;
       if (base >= max_limit) break;
@@ -586,6 +596,8 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
       }
       _tile_stored(0, scores, 64);
       for (int64_t g = 0; g < count; ++g) {
+        feed.step();
+        feed.step();
         const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
         __m512 e = _mm512_setzero_ps();
         if (live) {
@@ -607,6 +619,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
       _tile_loadd(4, probs, 32);
       const uint32_t* pairs = vb + (t0 / 2) * D;
       for (int r = 0; r < R; ++r) {
+        feed.step();
         _tile_loadd(1, acc + 16 * r, D * 4);
         _tile_loadd(5, pairs + 16 * r, D * 4);
         _tile_dpbf16ps(1, 4, 5);
