@@ -118,7 +118,8 @@ struct AheadPlan {
 // Calls step(q, pair_of_row) for the k pairs q = 0, 1, ... in order, where
 // pair_of_row(r) is (x[r][2q], x[r][2q + 1]) and, for an odd K, the last pair is
 // (x[r][K - 1], 0) (the packed weight's padding is zero there too). The first
-// ahead.lines() steps each fetch a line ahead (Ahead::walk's two loops).
+// ahead.lines() steps each fetch a line ahead: Ahead::walk's two loops, spelled out
+// because walk carries the AVX2 target and this runs inside the AVX-512 tiles.
 template <class Step>
 inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step) {
   const int64_t full = k / 2;

@@ -37,30 +37,15 @@ struct KeySource {
 
   // Elements from the cache's start to block b's K (or V) of this kv head.
   int64_t block_offset(int64_t b) const { return table[b] * block_stride + head_offset; }
-
-  // Ask for block b + PREFETCH_BLOCKS of the walk's K and V (`bytes` each) while block
-  // b computes: the blocks are scattered in the pool, so the hardware cannot guess them.
-  // Always inlined: GCC 12 counts a prefetch as no side effect, so a function holding
-  // only prefetches is "pure", and every call to it was deleted (no prefetch at all in
-  // the paired kernels' assembly until this attribute).
-  __attribute__((always_inline)) inline void prefetch_ahead(int64_t b, int64_t num_blocks, int64_t bytes) const {
-    if (b + PREFETCH_BLOCKS >= num_blocks) return;
-    const int64_t ahead = block_offset(b + PREFETCH_BLOCKS);
-    const char* next_k = reinterpret_cast<const char*>(k_cache + ahead);
-    const char* next_v = reinterpret_cast<const char*>(v_cache + ahead);
-    for (int64_t off = 0; off < bytes; off += 64) {
-      __builtin_prefetch(next_k + off);
-      __builtin_prefetch(next_v + off);
-    }
-  }
 };
 
-// The same blocks as prefetch_ahead, requested a K line and a V line per step of a
-// walk's inner loops instead of all at once when a block is reached. A burst of 64
-// prefetches fills the core's few miss buffers and then leaves memory idle while the
-// block computes; fed a line at a time, the next blocks stream in behind the fmas
-// (AVX2 decode at batch 64: 27.7 -> 20.2 ms for 30 layers, docs/benchmarks.md). The
-// AVX-512 paths still burst: measure them before moving them over.
+// Block b + PREFETCH_BLOCKS of a walk's K and V, asked for while block b computes (the
+// blocks are scattered in the pool, so the hardware cannot guess them), a K line and a
+// V line per step of the walk's inner loops rather than all at once when a block is
+// reached: a burst of 64 prefetches fills the core's few miss buffers and then leaves
+// memory idle while the block computes; fed a line at a time, the next blocks stream in
+// behind the arithmetic (decode at batch 64, 30 layers: AVX2 on Milan 27.7 -> 20.2 ms,
+// AVX512-BF16 on AMD EPYC model 17 26.5-33.1 -> 25.2-28.1 ms; docs/benchmarks.md).
 // Invariant: every queued block is requested in full, oldest first (a full queue
 // drains its oldest at once).
 struct LineFeed {
@@ -79,7 +64,9 @@ struct LineFeed {
     k[slot] = reinterpret_cast<const char*>(src.k_cache + at);
     v[slot] = reinterpret_cast<const char*>(src.v_cache + at);
   }
-  // Always inlined for prefetch_ahead's reason: GCC would drop it.
+  // Always inlined: GCC 12 counts a prefetch as no side effect, so a function holding
+  // only prefetches is "pure", and every call to it was deleted (no prefetch at all in
+  // the paired kernels' assembly until this attribute).
   __attribute__((always_inline)) inline void step() {
     if (queued == 0) return;
     __builtin_prefetch(k[head] + offset);

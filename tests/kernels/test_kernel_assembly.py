@@ -2,7 +2,7 @@
 
 GCC 12 once deleted every block prefetch of these kernels without a trace in any
 result: the prefetch sat in a helper that held nothing else, GCC took the helper for
-a pure function, and dropped its calls (paired.h's prefetch_ahead is always inlined
+a pure function, and dropped its calls (paired.h's LineFeed, which now issues them, is always inlined
 since). Only the machine code shows it, so this test reads it: every walk over the
 blocks (each instance of attend_group_avx2 / _paired / _amx this CPU's build has)
 must issue prefetches."""
