@@ -455,45 +455,72 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   // are the lines of 16 keys of K and of V (paired.h, LineFeed).
   LineFeed feed;
   feed.bytes = block_size * D * 2;
-  for (int64_t b = range.begin; b < num_blocks; ++b) {
-    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache + src.block_offset(b));
-    const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_cache + src.block_offset(b));
-    feed.add(src, b, num_blocks);  // blocks are scattered: fetch ahead
-    for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
-      const int64_t base = b * block_size + t0;  // position of this sub-tile's first key
-      if (base >= max_limit) break;
-      __m512 s[G];
-      for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
-      for (int p = 0; p < P; ++p) {
-        feed.step();
-        const auto keys = Pairs::load(kb + p * block_size + t0);
-        for (int g = 0; g < G; ++g) s[g] = Pairs::dot(s[g], keys, query[g][p]);
-      }
-      alignas(64) typename Pairs::Pair weights[G][8];  // probabilities as bf16 token pairs
-      for (int g = 0; g < G; ++g) {
-        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
-        __m512 e = _mm512_setzero_ps();
-        if (live) {
-          const __m512 scores = _mm512_mul_ps(s[g], scale_v);
-          const float new_max = running_max(row_max[g], scores, live);
-          if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
-            const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
-            for (int r = 0; r < R; ++r) acc[g][r] = _mm512_mul_ps(acc[g][r], correction);
-            sum[g] = _mm512_mul_ps(sum[g], correction);
-            row_max[g] = new_max;
-          }
-          e = _mm512_maskz_mov_ps(live, kvloom_simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-          sum[g] = _mm512_add_ps(sum[g], e);
-        }
-        Pairs::probabilities(e, weights[g]);
-      }
-      const uint32_t* pairs = vb + (t0 / 2) * D;
-      for (int j = 0; j < 8; ++j)
-        for (int r = 0; r < R; ++r) {
-          const auto values = Pairs::load(pairs + j * D + 16 * r);
-          for (int g = 0; g < G; ++g) acc[g][r] = Pairs::dot(acc[g][r], values, weights[g][j]);
-        }
+  feed.prime(src, range.begin, num_blocks);
+  // Tiles of 16 keys, u = 0, 1, ... from the range's first block; those past every
+  // vector's limit are skipped.
+  const int64_t per_block = block_size / 16;
+  const int64_t first = range.begin * per_block;
+  const int64_t last = std::min(num_blocks * per_block, (max_limit + 15) / 16);
+  // Scores of N tiles at once (N = 2 but for an odd last one): each tile's sums are
+  // chains of P dependent dot products, so two tiles give the core twice the
+  // independent chains to overlap (one tile's G chains leave it waiting on latency).
+  // Each tile's arithmetic is as if it were alone.
+  __m512 s[2][G];
+  const auto scores = [&](auto n, int64_t u) __attribute__((always_inline)) {
+    constexpr int N = decltype(n)::value;
+    const uint32_t* kt[N];
+    for (int i = 0; i < N; ++i) {
+      if ((u + i) % per_block == 0) feed.add(src, (u + i) / per_block, num_blocks);  // scattered: fetch ahead
+      // Tile u + i's first K word: its block's dim-pair rows, 16 keys in (the K layout).
+      kt[i] = reinterpret_cast<const uint32_t*>(k_cache + src.block_offset((u + i) / per_block)) + (u + i) % per_block * 16;
+      for (int g = 0; g < G; ++g) s[i][g] = _mm512_setzero_ps();
     }
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < N; ++i) {
+        feed.step();
+        const auto keys = Pairs::load(kt[i] + p * block_size);
+        for (int g = 0; g < G; ++g) s[i][g] = Pairs::dot(s[i][g], keys, query[g][p]);
+      }
+  };
+  // Tile u's online-softmax update from its scores sc, then its weighted V rows.
+  const auto accumulate = [&](const __m512* sc, int64_t u) __attribute__((always_inline)) {
+    const int64_t base = u * 16;  // position of the tile's first key
+    alignas(64) typename Pairs::Pair weights[G][8];  // probabilities as bf16 token pairs
+    for (int g = 0; g < G; ++g) {
+      const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+      __m512 e = _mm512_setzero_ps();
+      if (live) {
+        const __m512 scaled = _mm512_mul_ps(sc[g], scale_v);
+        const float new_max = running_max(row_max[g], scaled, live);
+        if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
+          const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
+          for (int r = 0; r < R; ++r) acc[g][r] = _mm512_mul_ps(acc[g][r], correction);
+          sum[g] = _mm512_mul_ps(sum[g], correction);
+          row_max[g] = new_max;
+        }
+        e = _mm512_maskz_mov_ps(live, kvloom_simd::exp16(_mm512_sub_ps(scaled, _mm512_set1_ps(new_max))));
+        sum[g] = _mm512_add_ps(sum[g], e);
+      }
+      Pairs::probabilities(e, weights[g]);
+    }
+    // Tile u's token pairs: 8 rows of D words (the V layout, paired.h).
+    const uint32_t* vt = reinterpret_cast<const uint32_t*>(v_cache + src.block_offset(u / per_block))
+                         + (u % per_block) * 8 * D;
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < R; ++r) {
+        const auto values = Pairs::load(vt + j * D + 16 * r);
+        for (int g = 0; g < G; ++g) acc[g][r] = Pairs::dot(acc[g][r], values, weights[g][j]);
+      }
+  };
+  int64_t u = first;
+  for (; u + 1 < last; u += 2) {
+    scores(std::integral_constant<int, 2>{}, u);
+    accumulate(s[0], u);
+    accumulate(s[1], u + 1);
+  }
+  if (u < last) {
+    scores(std::integral_constant<int, 1>{}, u);
+    accumulate(s[0], u);
   }
   for (int g = 0; g < G; ++g) {
     if (range.suspend) {
@@ -581,6 +608,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   // each, 2 * count + R steps.
   LineFeed feed;
   feed.bytes = block_size * D * 2;
+  feed.prime(src, range.begin, num_blocks);
   for (int64_t b = range.begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.block_offset(b));
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.block_offset(b));

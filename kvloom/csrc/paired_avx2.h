@@ -106,6 +106,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
   // 1, 3, 4 or 6 blocks ahead, 21.5-23.3 ms).
   LineFeed feed;
   feed.bytes = block_size * D * 2;
+  feed.prime(src, range.begin, num_blocks);
 
   // QK^T of N sub-tiles: 2N 8-key halves, each split once and used by every vector.
   const auto qk = [&](const SubTile* tiles, auto n) {
