@@ -85,6 +85,8 @@ struct Ahead {
     _mm_prefetch(next, _MM_HINT_T1);
     next += 64;
   }
+  // Lines per step for `steps` steps to fetch the whole slice (at least one).
+  int64_t per_step(int64_t steps) const { return std::max<int64_t>(1, (lines() + steps - 1) / std::max<int64_t>(steps, 1)); }
   // step(0), step(1), ..., step(steps - 1) in order, the first lines() of them each
   // after fetching a line: two loops, so the steps past the slice pay no check.
   template <class Step>
@@ -118,14 +120,19 @@ struct AheadPlan {
 // Calls step(q, pair_of_row) for the k pairs q = 0, 1, ... in order, where
 // pair_of_row(r) is (x[r][2q], x[r][2q + 1]) and, for an odd K, the last pair is
 // (x[r][K - 1], 0) (the packed weight's padding is zero there too). The first
-// ahead.lines() steps each fetch a line ahead: Ahead::walk's two loops, spelled out
-// because walk carries the AVX2 target and this runs inside the AVX-512 tiles.
+// steps each fetch ahead.per_step(K / 2) lines, so that a panel's tiles fetch the whole
+// next panel between them (one line a step left 3/4 of it to the hardware at up to 6
+// rows, one tile a panel; paced, out of cache on AMD EPYC model 17 at 2-12 rows 3-8%
+// faster over two runs, docs/results/issue17/genoa/gemm_even_tiles.txt): Ahead::walk's
+// two loops, spelled out because walk carries the AVX2 target and this runs inside the
+// AVX-512 tiles.
 template <class Step>
 inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step) {
   const int64_t full = k / 2;
+  const int64_t per_step = ahead.per_step(full);
   int64_t q = 0;
-  for (const int64_t fetching = std::min(full, ahead.lines()); q < fetching; ++q) {
-    ahead.fetch();
+  for (const int64_t fetching = std::min(full, ahead.lines() / per_step); q < fetching; ++q) {
+    for (int64_t i = 0; i < per_step; ++i) ahead.fetch();
     step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
   }
   for (; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
