@@ -131,8 +131,9 @@ inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step
   const int64_t full = k / 2;
   const int64_t per_step = ahead.per_step(full);
   int64_t q = 0;
+  const char* line = ahead.next;  // a local, not ahead's member: no store in the loop
   for (const int64_t fetching = std::min(full, ahead.lines() / per_step); q < fetching; ++q) {
-    for (int64_t i = 0; i < per_step; ++i) ahead.fetch();
+    for (int64_t i = 0; i < per_step; ++i, line += 64) _mm_prefetch(line, _MM_HINT_T1);
     step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
   }
   for (; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
@@ -165,11 +166,24 @@ inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* 
 // computes it over the whole K, then stores it. The driver below picks ROWS and BLOCKS
 // only by where the tile sits (tails), which changes no accumulator's arithmetic.
 
+// A copy of the accumulators for the store: the tile's own array never has its address
+// taken, so GCC 12 keeps it in registers. Handed to store_tile_512 itself (which is not
+// inlined), it was kept in memory too, with every k step storing each accumulator to
+// the stack (tiles of 1-3 rows: 4-12 stores a step).
+template <int N>
+struct Accumulators { __m512 v[N]; };
+template <int N>
+KVLOOM_TARGET_AVX512 inline Accumulators<N> escape(const __m512 (&acc)[N]) {
+  Accumulators<N> copy;
+  for (int i = 0; i < N; ++i) copy.v[i] = acc[i];
+  return copy;
+}
+
 // store_row on 16 lanes at once: the same float32 bias add and the same rounding
 // (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
 template <int ROWS, int BLOCKS>
 KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, int64_t j0,
-                                                const __m512 (&acc)[ROWS * BLOCKS]) {
+                                                const Accumulators<ROWS * BLOCKS>& acc) {
   const __m512i round_bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
   unrolled<BLOCKS>([&](auto b) KVLOOM_TARGET_AVX512 {
     const int64_t col0 = (j0 + b) * COLS;
@@ -178,7 +192,7 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
     if (p.bias)
       bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p.bias + col0)), 16));
     unrolled<ROWS>([&](auto r) KVLOOM_TARGET_AVX512 {
-      const __m512 sum = p.bias ? _mm512_add_ps(acc[r * BLOCKS + b], bias) : acc[r * BLOCKS + b];
+      const __m512 sum = p.bias ? _mm512_add_ps(acc.v[r * BLOCKS + b], bias) : acc.v[r * BLOCKS + b];
       const __m512i bits = _mm512_castps_si512(sum);
       __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
                                          _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
@@ -210,7 +224,7 @@ struct PathAvx512Bf16 {
         });
       });
     });
-    store_tile_512<R, B>(p, m0, j0, acc);
+    store_tile_512<R, B>(p, m0, j0, escape(acc));
   }
 };
 
@@ -240,7 +254,7 @@ struct PathAvx512 {
         });
       });
     });
-    store_tile_512<R, B>(p, m0, j0, acc);
+    store_tile_512<R, B>(p, m0, j0, escape(acc));
   }
 };
 
