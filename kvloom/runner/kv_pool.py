@@ -121,7 +121,8 @@ def prefer_huge_pages(tensor: torch.Tensor) -> bool:
     if not length or not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    status: int = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)
+    return status == 0
 
 
 def copy_blocks(kv_caches: torch.Tensor, copies: torch.Tensor) -> None:
