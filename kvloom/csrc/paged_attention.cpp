@@ -895,6 +895,15 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
             limit[i] = first_pos + (row - r0) + 1;
             if (shared) resume[i] = &state[plan.first_state[s] + row * num_heads + head];
           }
+          // The next group's query vectors, fetched while this group walks its keys: a
+          // prompt's vectors are each read once, by one group, fresh from the matmul that
+          // made them (they missed in cache at the head of every group of a prefill).
+          for (int64_t i = m0 + count; i < std::min(vecs, m0 + count + max_rows); ++i) {
+            int64_t row, head;
+            vector_at(r0, kh, i, &row, &head);
+            const char* vector = reinterpret_cast<const char*>(q + ((query_start[s] + row) * num_heads + head) * head_dim);
+            for (int64_t at = 0; at < head_dim * 2; at += 64) __builtin_prefetch(vector + at);
+          }
           const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
           attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, path);
         }
