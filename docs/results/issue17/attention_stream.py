@@ -5,6 +5,7 @@ tree), run alternately, on the build's best vector path (or ATTENTION_PATH=avx2 
 rate at the median, and whether the outputs match the first build bit for bit.
 
     .venv/bin/python docs/results/issue17/attention_stream.py 64x300,16x300,64x1000 HEAD WORK
+    QLEN=256 LAYERS=8 .venv/bin/python docs/results/issue17/attention_stream.py 8x256 HEAD WORK   (prefill)
 """
 import ctypes
 import os
@@ -19,10 +20,12 @@ import torch
 
 from kvloom import native
 
-HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 REPO = Path(__file__).parents[3]
 PATHS = ("avx2", "avx512", "avx512_bf16", "amx")  # paged_attention.cpp's PairedPath
 PATH = os.environ.get("ATTENTION_PATH", "")
+QLEN = int(os.environ.get("QLEN", "1"))  # query rows a sequence: 1 decodes; the context, a prefill
+LAYERS = int(os.environ.get("LAYERS", "30"))
 
 
 def build(revision: str, into: Path) -> ctypes.CDLL:
@@ -56,9 +59,9 @@ def case(batch: int, context: int):
     caches = [torch.empty(2, total, BLOCK * KV_HEADS * DIM, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
     tables = torch.randperm(total).int().view(batch, blocks).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    query_lens = torch.ones(batch, dtype=torch.int32)
-    query_start = torch.arange(batch, dtype=torch.int32)
-    q = torch.randn(batch, HEADS, DIM).bfloat16()
+    query_lens = torch.full((batch,), QLEN, dtype=torch.int32)
+    query_start = torch.arange(batch, dtype=torch.int32) * QLEN
+    q = torch.randn(batch * QLEN, HEADS, DIM).bfloat16()
     return caches, tables, seq_lens, query_start, query_lens, q
 
 
@@ -81,7 +84,7 @@ def main() -> None:
     torch.manual_seed(0)
     for batch, context in shapes:
         data = case(batch, context)
-        outs = [[torch.empty(batch, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)] for _ in libraries]
+        outs = [[torch.empty(batch * QLEN, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)] for _ in libraries]
         times = [[] for _ in libraries]
         for rep in range(10):
             for i, library in enumerate(libraries):
