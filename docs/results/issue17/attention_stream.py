@@ -1,5 +1,5 @@
-"""Paired-layout decode attention out of cache, as in a decode step (30 layers' distinct
-caches, the default model's 9 query and 3 kv heads of 64 dims, blocks of 16 scattered
+"""Paired-layout decode attention (or, with QLEN, prefill) out of cache, as in a step (30
+layers' distinct caches, or LAYERS, the default model's 9 query and 3 kv heads of 64 dims, blocks of 16 scattered
 over the pool), for builds of paged_attention.cpp at git revisions (WORK = the working
 tree), run alternately, on the build's best vector path (or ATTENTION_PATH=avx2 ...): ms per pass of the 30 layers (median and min of 9), the KV read
 rate at the median, and whether the outputs match the first build bit for bit.
