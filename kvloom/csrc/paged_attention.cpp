@@ -825,6 +825,8 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
     *row = r0 + i / group;
     *head = kh * group + i % group;
   };
+  // Query vector `head` of a token (a row of q in the batch).
+  const auto query_vector = [&](int64_t token, int64_t head) { return q + (token * num_heads + head) * head_dim; };
   // The shared walks: items of (group, kv head, up to CHUNK of its sequences).
   constexpr int64_t CHUNK = 16;
   std::vector<int64_t> shared_items;  // (group, first member) pairs
@@ -857,7 +859,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
         for (int64_t i = 0; i < query_lens[s] * group; ++i) {
           int64_t row, head;
           vector_at(0, kh, i, &row, &head);
-          qs[count] = q + ((query_start[s] + row) * num_heads + head) * head_dim;
+          qs[count] = query_vector(query_start[s] + row, head);
           limit[count] = seq_lens[s] - query_lens[s] + row + 1;
           suspend[count] = &state[plan.first_state[s] + row * num_heads + head];
           if (++count == max_rows) {
@@ -890,7 +892,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
             int64_t row, head;
             vector_at(r0, kh, m0 + i, &row, &head);
             const int64_t token = query_start[s] + row;
-            qs[i] = q + (token * num_heads + head) * head_dim;
+            qs[i] = query_vector(token, head);
             outs[i] = out + (token * num_heads + head) * head_dim;
             limit[i] = first_pos + (row - r0) + 1;
             if (shared) resume[i] = &state[plan.first_state[s] + row * num_heads + head];
@@ -901,7 +903,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
           for (int64_t i = m0 + count; i < std::min(vecs, m0 + count + max_rows); ++i) {
             int64_t row, head;
             vector_at(r0, kh, i, &row, &head);
-            const char* vector = reinterpret_cast<const char*>(q + ((query_start[s] + row) * num_heads + head) * head_dim);
+            const char* vector = reinterpret_cast<const char*>(query_vector(query_start[s] + row, head));
             for (int64_t at = 0; at < head_dim * 2; at += 64) __builtin_prefetch(vector + at);
           }
           const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
