@@ -927,7 +927,9 @@ void write_paired(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_
                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads) {
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t pairs = head_dim / 2;
-#pragma omp parallel for num_threads(tokens >= 256 ? num_threads : 1)
+// Threads from two tokens on: each token's K writes touch head_dim / 2 cold cache lines
+// (one word each), a latency-bound scatter that two threads halve (decode steps).
+#pragma omp parallel for num_threads(tokens >= 2 ? num_threads : 1)
   for (int64_t i = 0; i < tokens; ++i) {
     const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {

@@ -136,7 +136,9 @@ class ModelRunner:
         self._pending_tokens, self._pending_rows = None, {}
         if not launched.sampling:
             return launched
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        # In the model's dtype: a greedy batch's argmax reads bf16 as it is (the sampler
+        # widens to float32 where it computes, the same values either way).
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         # One sampling row per position sampled at: the last known token, then each
         # draft, whose row sees the drafts before it as output (penalties, min_tokens).
         rows = [

@@ -34,7 +34,8 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n"), [(1, 576), (7, 64), (300, 100)])
+# 16 rows: a decode batch, its rows split over the threads
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (7, 64), (16, 576), (300, 100)])
 def test_rms_norm_and_fused_residual(dtype: torch.dtype, rows: int, n: int) -> None:
     x, residual, weight = data((rows, n), dtype, 1), data((rows, n), dtype, 2), data((n,), dtype, 3)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
@@ -49,7 +50,7 @@ def test_rms_norm_and_fused_residual(dtype: torch.dtype, rows: int, n: int) -> N
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 17), (70, 1024)])
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 17), (16, 1536), (70, 1024)])
 def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     gate_up = data((rows, 2 * n), dtype, 4)
     expected = F.silu(gate_up[:, :n]) * gate_up[:, n:]
@@ -66,7 +67,8 @@ def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"),
-                         [(1, 9, 3, 64), (13, 4, 2, 16), (40, 8, 1, 128), (5, 3, 1, 24)])  # 24: a tail past 8 lanes
+                         [(1, 9, 3, 64), (16, 9, 3, 64), (13, 4, 2, 16), (40, 8, 1, 128),
+                          (5, 3, 1, 24)])  # 24: a tail past 8 lanes
 def test_rotary_rotates_q_and_k_in_place(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int,
                                          head_dim: int) -> None:
     from kvloom.models.layers import RotaryEmbedding
