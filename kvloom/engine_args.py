@@ -149,6 +149,17 @@ def save_trace(engine: Any, args: argparse.Namespace) -> None:
         print(f"trace written to {args.trace_file}", file=sys.stderr)
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (a usage error naming the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     """An argparse ``type`` for ``--port``: 0-65535, refused before any model loads."""
     try:

@@ -19,18 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvloom.bench.serve_args import add_serve_bench_args
-from kvloom.engine_args import add_engine_args, engine_kwargs, save_trace
-
-
-def _positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1 (a usage error naming the flag otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from kvloom.engine_args import add_engine_args, engine_kwargs, positive_int, save_trace
 
 
 def _number(text: str, low: float, low_included: bool) -> float:
@@ -72,7 +61,7 @@ def _prefill_shapes(text: str) -> list[tuple[int, int]]:
 
 def _positive_ints(text: str) -> list[int]:
     """An argparse ``type``: comma-separated integers >= 1 (``1,16,64``)."""
-    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    values = [positive_int(part) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return values
@@ -92,8 +81,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--lead", type=int, default=0,
                          help="submit this many requests first and the rest once they have a token "
                               "(lets a shared prefix be cached within the timed run)")
-    offline.add_argument("--input-len", type=_positive_int, default=256, help="random dataset")
-    offline.add_argument("--output-len", type=_positive_int, default=128,
+    offline.add_argument("--input-len", type=positive_int, default=256, help="random dataset")
+    offline.add_argument("--output-len", type=positive_int, default=128,
                          help="random dataset; for sharegpt, caps each request's output length")
     offline.add_argument("--dataset-seed", type=int, default=0)
     offline.add_argument("--compare", action="store_true",
@@ -104,43 +93,43 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         _roofline, engine=False, output_json=False)
     roofline.add_argument("model", nargs="?", default=None)
     roofline.add_argument("--batches", type=_positive_ints, default="1,16,64", help="decode batch sizes")
-    roofline.add_argument("--context", type=_positive_int, default=512, help="tokens of KV per sequence")
+    roofline.add_argument("--context", type=positive_int, default=512, help="tokens of KV per sequence")
 
     steps = _command(bench_sub, "steps", "time engine steps: decode at given batch sizes, prefill", _steps)
     steps.add_argument("--batches", type=_positive_ints, default="1,16,64,200", help="decode batch sizes")
-    steps.add_argument("--context", type=_positive_int, default=300, help="prompt tokens of each decoding sequence")
-    steps.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch size")
+    steps.add_argument("--context", type=positive_int, default=300, help="prompt tokens of each decoding sequence")
+    steps.add_argument("--decode-steps", type=positive_int, default=20, help="timed decode steps per batch size")
     steps.add_argument("--prefill", type=_prefill_shapes, default="8x256",
                        help="COUNTxLENGTH[,...]: fresh prompts per prefill step")
-    steps.add_argument("--repeats", type=_positive_int, default=5, help="timed prefill steps per shape")
+    steps.add_argument("--repeats", type=positive_int, default=5, help="timed prefill steps per shape")
 
     soak = _command(bench_sub, "soak", "ordinary, disconnecting, aborting and hostile clients on a tiny pool",
                     _soak)
-    soak.add_argument("--num-requests", type=_positive_int, default=1000)
-    soak.add_argument("--concurrency", type=_positive_int, default=64)
+    soak.add_argument("--num-requests", type=positive_int, default=1000)
+    soak.add_argument("--concurrency", type=positive_int, default=64)
     soak.add_argument("--max-seconds", type=_positive_float, default=1800.0,
                       help="stop sending new requests after this")
     soak.add_argument("--pool-factor", type=_positive_float, default=5.0,
                       help="the KV pool is this many times too small")
-    soak.add_argument("--soak-max-tokens", type=_positive_int, default=48, help="largest max_tokens of a request")
+    soak.add_argument("--soak-max-tokens", type=positive_int, default=48, help="largest max_tokens of a request")
     soak.add_argument("--soak-seed", type=int, default=0, help="draws the requests")
 
     placement = _command(bench_sub, "placement", "engine loop in a thread vs a process", _placement,
                          output_json=False)
-    placement.add_argument("--num-requests", type=_positive_int, default=32)
-    placement.add_argument("--prompt-len", type=_positive_int, default=128)
-    placement.add_argument("--max-tokens", type=_positive_int, default=128)
+    placement.add_argument("--num-requests", type=positive_int, default=32)
+    placement.add_argument("--prompt-len", type=positive_int, default=128)
+    placement.add_argument("--max-tokens", type=positive_int, default=128)
 
     structured = _command(bench_sub, "structured", "JSON-schema workload vs unconstrained, jump-forward on/off",
                           _structured)
-    structured.add_argument("--num-prompts", type=_positive_int, default=16)
-    structured.add_argument("--max-tokens", type=_positive_int, default=128, help="per request")
+    structured.add_argument("--num-prompts", type=positive_int, default=16)
+    structured.add_argument("--max-tokens", type=positive_int, default=128, help="per request")
     structured.add_argument("--temperature", type=_nonnegative_float, default=0.0)
 
     tools = _command(bench_sub, "tools", "function calling with and without the grammar (tool_choice required)",
                      _tools)
-    tools.add_argument("--num-prompts", type=_positive_int, default=16)
-    tools.add_argument("--max-tokens", type=_positive_int, default=96, help="per request")
+    tools.add_argument("--num-prompts", type=positive_int, default=16)
+    tools.add_argument("--max-tokens", type=positive_int, default=96, help="per request")
     tools.add_argument("--temperature", type=_nonnegative_float, default=0.0)
 
     serve = _command(bench_sub, "serve", "load-test an OpenAI-compatible server over HTTP", _serve,
@@ -161,9 +150,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     families.add_argument("--families", default="all", help="comma-separated (kvloom.bench.families), or all")
     families.add_argument("--workdir", default="/tmp/kvloom-families", help="the random-weight models, written once")
     families.add_argument("--batches", type=_positive_ints, default="1,16,64", help="decode batch sizes")
-    families.add_argument("--context", type=_positive_int, default=512,
+    families.add_argument("--context", type=positive_int, default=512,
                           help="tokens of each request (prompt, then decode)")
-    families.add_argument("--decode-steps", type=_positive_int, default=10, help="timed decode steps per batch size")
+    families.add_argument("--decode-steps", type=positive_int, default=10, help="timed decode steps per batch size")
     families.add_argument("--memory-gib", type=_positive_float, default=1.0, help="cache and state memory for the "
                           "concurrency column")
 
@@ -173,16 +162,16 @@ def _add_interference(bench_sub: argparse._SubParsersAction) -> None:
                       _interference, engine=False, output_json=False)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: GET /v1/models)")
-    parser.add_argument("--decodes", type=_positive_int, default=32,
+    parser.add_argument("--decodes", type=positive_int, default=32,
                         help="requests decoding when the long prompts come")
-    parser.add_argument("--decode-prompt-len", type=_positive_int, default=64)
-    parser.add_argument("--decode-output-len", type=_positive_int, default=1024, help="long enough to outlast the run")
-    parser.add_argument("--num-prompts", type=_positive_int, default=16, help="long prompts")
-    parser.add_argument("--prompt-len", type=_positive_int, default=1500)
-    parser.add_argument("--prompt-output-len", type=_positive_int, default=16)
+    parser.add_argument("--decode-prompt-len", type=positive_int, default=64)
+    parser.add_argument("--decode-output-len", type=positive_int, default=1024, help="long enough to outlast the run")
+    parser.add_argument("--num-prompts", type=positive_int, default=16, help="long prompts")
+    parser.add_argument("--prompt-len", type=positive_int, default=1500)
+    parser.add_argument("--prompt-output-len", type=positive_int, default=16)
     parser.add_argument("--request-rate", type=_request_rate, default=1.0, help="long prompts per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0, help="draws the token ids and the arrivals")
-    parser.add_argument("--vocab-size", type=_positive_int, default=49152, help="token ids are drawn from [100, this)")
+    parser.add_argument("--vocab-size", type=positive_int, default=49152, help="token ids are drawn from [100, this)")
     parser.add_argument("--baseline-seconds", type=_nonnegative_float, default=2.0,
                         help="the decodes run alone this long before the first long prompt")
     parser.add_argument("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request")
@@ -206,13 +195,13 @@ def _add_pd_sim(bench_sub: argparse._SubParsersAction) -> None:
                              "router; prefill: DistServe's accounting)")
     parser.add_argument("--splits", default="1:1", help="PREFILL:DECODE instance counts, comma-separated")
     parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3", help="request rates per second")
-    parser.add_argument("--num-requests", type=_positive_int, default=400, help="per rate and placement")
+    parser.add_argument("--num-requests", type=positive_int, default=400, help="per rate and placement")
     parser.add_argument("--prompt-len", default="1500", help="a length, or lengths drawn uniformly: 500,1500")
     parser.add_argument("--output-len", default="128", help="a length, or lengths drawn uniformly")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token-budget", type=_positive_int, default=2048, help="colocated: tokens per step")
-    parser.add_argument("--max-batch", type=_positive_int, default=256, help="running requests per decode instance")
-    parser.add_argument("--prefill-token-budget", type=_positive_int, default=None,
+    parser.add_argument("--token-budget", type=positive_int, default=2048, help="colocated: tokens per step")
+    parser.add_argument("--max-batch", type=positive_int, default=256, help="running requests per decode instance")
+    parser.add_argument("--prefill-token-budget", type=positive_int, default=None,
                         help="a prefill instance's step takes whole prompts up to this many tokens (default: one)")
     parser.add_argument("--ttft-slo", type=_positive_float, default=2000.0, help="ms")
     parser.add_argument("--itl-slo", type=_positive_float, default=100.0, help="ms")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.bench.extras import require_bench_package
+from kvloom.engine_args import positive_int
 
 TRACE_VERSION = 1
 
@@ -342,13 +343,6 @@ def render_png(trace: Any, path: str, max_steps: int | None = None,
 
 
 # ---- command line --------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_trace_parser(subparsers: Any) -> None:
     """Register ``kvloom trace render TRACE.json [--png OUT.png] [--max-steps N] ...``."""
     trace = subparsers.add_parser("trace", allow_abbrev=False, help="inspect a scheduler trace saved with --trace")
@@ -356,10 +350,10 @@ def add_trace_parser(subparsers: Any) -> None:
     render = actions.add_parser("render", allow_abbrev=False, help="draw a trace as a request x step timeline")
     render.add_argument("trace_path", metavar="TRACE.json")
     render.add_argument("--png", metavar="OUT.png", default=None, help="also write an image")
-    render.add_argument("--max-steps", type=_positive_int, default=None, help="first N steps only")
-    render.add_argument("--max-requests", type=_positive_int, default=None,
+    render.add_argument("--max-steps", type=positive_int, default=None, help="first N steps only")
+    render.add_argument("--max-requests", type=positive_int, default=None,
                         help="first N requests only")
-    render.add_argument("--width", type=_positive_int, default=None,
+    render.add_argument("--width", type=positive_int, default=None,
                         help="text columns (default: the terminal's)")
     render.set_defaults(run=run_trace)
 
