@@ -208,13 +208,22 @@ class ChatMessage(StrictModel):
     @field_validator("tool_calls")
     @classmethod
     def _check_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for call in value or ():
+        for index, call in enumerate(value or ()):
             function = call.get("function")
             if (call.get("type", "function") != "function" or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str)
                     or not isinstance(function.get("arguments", ""), str | dict)):
                 raise ValueError("each tool call must be {\"id\": ..., \"type\": \"function\", "
                                  "\"function\": {\"name\": <string>, \"arguments\": <JSON string>}}")
+            arguments = function.get("arguments", "")
+            if isinstance(arguments, str) and arguments:  # the template gets it parsed (to_template)
+                try:
+                    parsed = json.loads(arguments)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"call {index}'s function.arguments is not valid JSON: {error}") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"call {index}'s function.arguments must be a JSON object, "
+                                     f"got {type(parsed).__name__}")
         return value
 
     @model_validator(mode="after")
@@ -258,10 +267,7 @@ def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = call["function"]
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError:
-            pass  # the template sees the string the client sent
+        arguments = json.loads(arguments or "{}")  # a JSON object: ChatMessage checked it
     return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
 
 

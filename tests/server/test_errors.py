@@ -75,6 +75,14 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("tool_calls on a user message", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
      400, BAD, "messages[0]"),
+    ("tool call arguments not JSON", CHAT, chat(messages=[{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{\"city\": "}}]}]),
+     400, BAD, "messages[1].tool_calls"),
+    ("tool call arguments not an object", CHAT, chat(messages=[{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]),
+     400, BAD, "messages[1].tool_calls"),
     ("template kwarg overrides messages", CHAT, chat(chat_template_kwargs={"messages": []}), 400,
      BAD, "chat_template_kwargs"),
     ("continue_final_message with add_generation_prompt", CHAT, chat(continue_final_message=True),
