@@ -130,8 +130,8 @@ struct AheadPlan {
 // The fetching steps take a compile-time count of lines each (fetch_steps): with the count
 // a variable, its loop held two more integers than the others, and GCC 12 then parked
 // integers in vector registers and reloaded two of the four weight registers from the
-// stack for every row of every step (the fetching steps ran 6-9% slower where the tile
-// computes from cache; AMD EPYC model 17, gemm_revisions.py).
+// stack for every row of every step. Out of cache, 30 layers + head, 1-64 rows 2-6%
+// faster on AMD EPYC model 17 (docs/results/issue17/genoa3/gemm_fetch_steps.txt).
 template <int LINES, class Step>
 __attribute__((always_inline)) inline int64_t fetch_steps(const uint16_t* x, int64_t k, const char* line,
                                                           int64_t steps, Step& step) {
