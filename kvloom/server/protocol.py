@@ -207,24 +207,30 @@ class ChatMessage(StrictModel):
 
     @field_validator("tool_calls")
     @classmethod
-    def _check_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for index, call in enumerate(value or ()):
+    def _parse_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Each call checked and kept as the chat template takes it (``to_template``):
+        type "function", arguments a parsed JSON object ("" and absent: {})."""
+        if value is None:
+            return None
+        calls = []
+        for index, call in enumerate(value):
             function = call.get("function")
             if (call.get("type", "function") != "function" or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str)
                     or not isinstance(function.get("arguments", ""), str | dict)):
                 raise ValueError("each tool call must be {\"id\": ..., \"type\": \"function\", "
                                  "\"function\": {\"name\": <string>, \"arguments\": <JSON string>}}")
-            arguments = function.get("arguments", "")
-            if isinstance(arguments, str) and arguments:  # the template gets it parsed (to_template)
+            arguments = function.get("arguments") or "{}"
+            if isinstance(arguments, str):
                 try:
-                    parsed = json.loads(arguments)
+                    arguments = json.loads(arguments)
                 except json.JSONDecodeError as error:
                     raise ValueError(f"call {index}'s function.arguments is not valid JSON: {error}") from None
-                if not isinstance(parsed, dict):
+                if not isinstance(arguments, dict):
                     raise ValueError(f"call {index}'s function.arguments must be a JSON object, "
-                                     f"got {type(parsed).__name__}")
-        return value
+                                     f"got {type(arguments).__name__}")
+            calls.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+        return calls
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -257,18 +263,10 @@ class ChatMessage(StrictModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:
-            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+            message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
-
-
-def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = call["function"]
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments or "{}")  # a JSON object: ChatMessage checked it
-    return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingRequest):
