@@ -132,15 +132,14 @@ struct AheadPlan {
 // integers in vector registers and reloaded two of the four weight registers from the
 // stack for every row of every step. Out of cache, 30 layers + head, 1-64 rows 2-6%
 // faster on AMD EPYC model 17 (docs/results/issue17/genoa3/gemm_fetch_steps.txt).
+// Steps q = from .. end - 1, each fetching LINES lines from `line` on (0: none).
 template <int LINES, class Step>
-__attribute__((always_inline)) inline int64_t fetch_steps(const uint16_t* x, int64_t k, const char* line,
-                                                          int64_t steps, Step& step) {
-  int64_t q = 0;
-  for (; q < steps; ++q, line += 64 * LINES) {
+__attribute__((always_inline)) inline void fetch_steps(const uint16_t* x, int64_t k, const char* line,
+                                                       int64_t from, int64_t end, Step& step) {
+  for (int64_t q = from; q < end; ++q, line += 64 * LINES) {
     for (int i = 0; i < LINES; ++i) _mm_prefetch(line + 64 * i, _MM_HINT_T1);
     step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
   }
-  return q;
 }
 constexpr int64_t MAX_LINES_PER_STEP = 4;  // a tile that is a panel's only one fetches 4 a step
 
@@ -149,14 +148,13 @@ inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step
   const int64_t full = k / 2;
   const int64_t per_step = std::min(MAX_LINES_PER_STEP, ahead.per_step(full));
   const int64_t fetching = std::min(full, ahead.lines() / per_step);
-  int64_t q;
   switch (per_step) {
-    case 1: q = fetch_steps<1>(x, k, ahead.next, fetching, step); break;
-    case 2: q = fetch_steps<2>(x, k, ahead.next, fetching, step); break;
-    case 3: q = fetch_steps<3>(x, k, ahead.next, fetching, step); break;
-    default: q = fetch_steps<4>(x, k, ahead.next, fetching, step); break;
+    case 1: fetch_steps<1>(x, k, ahead.next, 0, fetching, step); break;
+    case 2: fetch_steps<2>(x, k, ahead.next, 0, fetching, step); break;
+    case 3: fetch_steps<3>(x, k, ahead.next, 0, fetching, step); break;
+    default: fetch_steps<4>(x, k, ahead.next, 0, fetching, step); break;
   }
-  for (; q < full; ++q) step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
+  fetch_steps<0>(x, k, nullptr, fetching, full, step);
   if (k & 1) step(full, [=](int r) { return static_cast<uint32_t>(x[r * k + k - 1]); });
 }
 
