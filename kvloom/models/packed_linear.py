@@ -20,6 +20,7 @@ reference dtype, and other devices keep their own libraries.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -72,16 +73,18 @@ class InvariantLinear(nn.Module):
     """y = x @ W.T + b on kvloom's batch-invariant GEMM, W packed for it once.
 
     ``isa`` is the kernel path (kernels/gemm.py), fixed per module so that every call
-    of a model runs the same arithmetic.
+    of a model runs the same arithmetic. ``packed``: the weight already packed (one of
+    ``gemm.pack_weights``'s views, as :func:`pack_linear_layers` hands them out).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None,
+                 packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.isa = isa or gemm.default_isa()
         if self.isa is None:
             raise KernelUnavailable("the batch-invariant GEMM does not run on this CPU")
-        self.packed_weight = gemm.pack_weight(weight)
+        self.packed_weight = gemm.pack_weight(weight) if packed is None else packed
         self.bias = None if bias is None else bias.detach().contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,32 +118,43 @@ class PacksItself(Protocol):
     def pack(self, matmul: str) -> int: ...
 
 
-def pack_linear_layers(model: nn.Module, matmul: str = "invariant") -> int:
+def packed_linears(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], matmul: str) -> list[nn.Module | None]:
+    """:func:`packed_linear` of each (weight, bias), in order; for ``invariant``, the
+    weights the GEMM serves are packed together, in that order, into one buffer on 2 MiB
+    pages (``gemm.pack_weights``: a decode step streams them all from memory)."""
+    if matmul != "invariant":
+        return [packed_linear(weight, bias, matmul) for weight, bias in layers]
+    served = [can_pack_invariant(weight) for weight, _ in layers]
+    packed = iter(gemm.pack_weights([weight for (weight, _), ok in zip(layers, served) if ok]))
+    return [InvariantLinear(weight, bias, packed=next(packed)) if ok else None
+            for (weight, bias), ok in zip(layers, served)]
+
+
+def pack_linear_layers(model: nn.Module, matmul: str = "invariant", tied_head: torch.Tensor | None = None) -> int:
     """Swap every packable ``nn.Linear`` in ``model`` for the ``matmul`` choice's packed
-    layer, in place, and have every ``PacksItself`` module pack its own weights.
-    Returns how many were packed (0 where nothing qualifies)."""
+    layer, in place, and have every ``PacksItself`` module pack its own weights; with
+    ``tied_head`` (the embedding table of a model whose ``lm_head`` is None), also make
+    ``model.lm_head`` a packed copy of it where the kernel applies (vocab x hidden more
+    memory: the lookup needs the plain table). Returns how many were packed (0 where
+    nothing qualifies)."""
     count = sum(module.pack(matmul) for module in list(model.modules()) if isinstance(module, PacksItself))
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, child in swaps:
-        layer = packed_linear(child.weight, child.bias, matmul)
+    swaps: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]] = [
+        (parent, name, child.weight, child.bias) for parent in model.modules()
+        for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    if tied_head is not None:
+        swaps.append((model, "lm_head", tied_head, None))
+    for (parent, name, _, _), layer in zip(swaps, packed_linears([(w, b) for _, _, w, b in swaps], matmul)):
         if layer is not None:
             setattr(parent, name, layer)
             count += 1
-    if matmul == "invariant" and swaps and count == 0 and swaps[0][2].weight.dtype == torch.bfloat16:
+    if matmul == "invariant" and swaps and count == 0 and swaps[0][2].dtype == torch.bfloat16:
         logger.warning("bf16 matmuls run on F.linear: outputs may depend on the batch (no invariant GEMM here)")
     return count
 
 
 def pack_with_tied_head(model: nn.Module, embedding: torch.Tensor, matmul: str) -> int:
-    """``pack_linear_layers``, and first, for a model whose output head is its embedding
-    table (``model.lm_head`` None), a packed copy of the table as its head where the
-    kernel applies (vocab x hidden more memory, since the lookup needs the plain one).
-    Every model's ``pack_weights`` ends here."""
-    packed = 0
-    if getattr(model, "lm_head", None) is None:
-        head = packed_linear(embedding, None, matmul)
-        if head is not None:
-            model.lm_head = head
-            packed = 1
-    return packed + pack_linear_layers(model, matmul)
+    """``pack_linear_layers``, with the embedding table as the head of a model whose
+    output head is its embedding (``model.lm_head`` None). Every model's
+    ``pack_weights`` ends here."""
+    tied = embedding if getattr(model, "lm_head", None) is None else None
+    return pack_linear_layers(model, matmul, tied_head=tied)

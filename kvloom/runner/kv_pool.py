@@ -10,15 +10,15 @@ layers only, none for a pure state-space model (its blocks are then bookkeeping)
 
 from __future__ import annotations
 
-import ctypes
+import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvloom.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, ModelConfig
+from kvloom.kernels.huge_pages import empty_on_huge_pages
 
 GIB = 1 << 30
 
@@ -93,36 +93,12 @@ def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int,
                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Zero-filled so that padded/unused slots never hold NaNs that a kernel could read.
     planes, heads, dim = model.kv_entry
-    pool = torch.empty(model.num_kv_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype, device=device)
-    if device.type == "cpu":
-        prefer_huge_pages(pool)  # before the zero fill: the first touch places the pages
-    return pool.zero_()
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # linux/mman.h
-
-
-def huge_page_range(address: int, nbytes: int) -> tuple[int, int]:
-    """The 2 MiB-aligned part of [address, address + nbytes): (start, length), length 0
-    when no whole huge page fits."""
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    return start, max(0, end - start)
-
-
-def prefer_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back a CPU tensor's untouched memory with 2 MiB pages (madvise
-    MADV_HUGEPAGE; transparent huge pages are often "madvise"-only). Decode attention
-    reads the pool's blocks in a scattered order, a TLB miss per 4 KiB page otherwise:
-    on AMD EPYC model 17 it ran 3-8% faster on huge pages (docs/benchmarks.md). Changes
-    no value; False where the kernel does not take the advice (not Linux, THP off)."""
-    start, length = huge_page_range(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    if not length or not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    status: int = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)
-    return status == 0
+    shape = (model.num_kv_layers, planes, num_blocks, block_size, heads, dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # Decode attention reads the blocks in a scattered order: a TLB miss per 4 KiB page
+    # otherwise (kernels/huge_pages.py). The zero fill is the first touch.
+    return empty_on_huge_pages(math.prod(shape), dtype).view(shape).zero_()
 
 
 def copy_blocks(kv_caches: torch.Tensor, copies: torch.Tensor) -> None:

@@ -143,3 +143,23 @@ def test_a_crashing_or_wrong_amx_build_is_left_out(monkeypatch, tmp_path) -> Non
     assert gemm.amx_verified() is False and gemm.amx_verified() is False
     assert len(probes) == 1  # the second answer came from the verdict file
     assert list((tmp_path / "kernels").glob("gemm-*.amx"))
+
+
+def test_weights_packed_together_equal_each_packed_alone() -> None:
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(960, 576), (17, 33), (3072, 576), (1, 1), (576, 1536)]
+    weights = [torch.randn(n, k, generator=generator).bfloat16() for n, k in shapes]
+    views = gemm.pack_weights(weights)
+    assert [v.numel() for v in views] == [gemm.packed_elements(n, k) for n, k in shapes]
+    for weight, view in zip(weights, views):
+        assert torch.equal(view, gemm.pack_weight(weight))  # the same bytes, padding zero too
+    # One buffer, in the order given, each view at a cache-line boundary.
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    starts = [v.data_ptr() for v in views]
+    assert starts == sorted(starts) and all(s % 64 == 0 for s in starts)
+    assert all(a.data_ptr() + 2 * a.numel() <= b.data_ptr() for a, b in zip(views, views[1:]))
+    x = torch.randn(5, 576, generator=generator).bfloat16()
+    torch.testing.assert_close(gemm.gemm_bf16(x, views[2], None, 3072, gemm.default_isa()).float(),
+                               gemm.gemm_reference(x, weights[2], None).float(), rtol=1.6e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="2-D bf16 CPU tensor"):
+        gemm.pack_weights([weights[0], weights[1].float()])

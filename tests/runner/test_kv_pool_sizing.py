@@ -78,23 +78,11 @@ def test_the_engine_sizes_its_pool_from_the_share(tiny_llama, monkeypatch) -> No
     assert engine.num_blocks == 20
 
 
-def test_huge_page_range_is_the_aligned_interior():
-    from kvloom.runner.kv_pool import HUGE_PAGE, huge_page_range
-
-    assert HUGE_PAGE == 2 * 1024 * 1024
-    # Starts inside page 1, ends inside page 4: pages 2 and 3 are whole.
-    assert huge_page_range(HUGE_PAGE + 64, 3 * HUGE_PAGE) == (2 * HUGE_PAGE, 2 * HUGE_PAGE)
-    assert huge_page_range(0, 2 * HUGE_PAGE) == (0, 2 * HUGE_PAGE)  # aligned both ends
-    assert huge_page_range(4096, HUGE_PAGE) == (HUGE_PAGE, 0)  # no whole page inside
-
-
-def test_the_cpu_pool_is_zero_filled_and_shaped():
-    import sys
-    from pathlib import Path
-
+def test_the_cpu_pool_is_zero_filled_shaped_and_on_huge_page_boundaries():
     import torch
 
-    from kvloom.runner.kv_pool import allocate_kv_pool, prefer_huge_pages
+    from kvloom.kernels.huge_pages import HUGE_PAGE
+    from kvloom.runner.kv_pool import allocate_kv_pool
 
     class Model:  # the two fields allocate_kv_pool reads
         num_kv_layers = 2
@@ -102,9 +90,6 @@ def test_the_cpu_pool_is_zero_filled_and_shaped():
 
     pool = allocate_kv_pool(Model(), num_blocks=1200, block_size=16, dtype=torch.bfloat16,
                             device=torch.device("cpu"))
-    assert pool.shape == (2, 2, 1200, 16, 3, 64)
+    assert pool.shape == (2, 2, 1200, 16, 3, 64) and pool.is_contiguous()
     assert not pool.any()
-    # Linux with transparent huge pages built in takes the advice for whole huge pages.
-    big = torch.empty(3 * 1024 * 1024, dtype=torch.float32)
-    if sys.platform.startswith("linux") and Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
-        assert prefer_huge_pages(big)
+    assert pool.data_ptr() % HUGE_PAGE == 0  # so every page of it can be a huge one
