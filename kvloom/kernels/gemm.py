@@ -146,7 +146,7 @@ def pack_weights(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     sizes = [packed_elements(*weight.shape) for weight in weights]
     buffer = empty_on_huge_pages(sum(sizes), torch.bfloat16)
     views, start = [], 0
-    for weight, size in zip(weights, sizes):
+    for weight, size in zip(weights, sizes, strict=True):
         view = buffer[start:start + size]
         contiguous = weight.detach().contiguous()
         GEMM_PACK.function()(contiguous.data_ptr(), weight.shape[0], weight.shape[1], view.data_ptr())

@@ -125,9 +125,9 @@ def packed_linears(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], m
     if matmul != "invariant":
         return [packed_linear(weight, bias, matmul) for weight, bias in layers]
     served = [can_pack_invariant(weight) for weight, _ in layers]
-    packed = iter(gemm.pack_weights([weight for (weight, _), ok in zip(layers, served) if ok]))
+    packed = iter(gemm.pack_weights([weight for (weight, _), ok in zip(layers, served, strict=True) if ok]))
     return [InvariantLinear(weight, bias, packed=next(packed)) if ok else None
-            for (weight, bias), ok in zip(layers, served)]
+            for (weight, bias), ok in zip(layers, served, strict=True)]
 
 
 def pack_linear_layers(model: nn.Module, matmul: str = "invariant", tied_head: torch.Tensor | None = None) -> int:
@@ -143,7 +143,8 @@ def pack_linear_layers(model: nn.Module, matmul: str = "invariant", tied_head: t
         for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     if tied_head is not None:
         swaps.append((model, "lm_head", tied_head, None))
-    for (parent, name, _, _), layer in zip(swaps, packed_linears([(w, b) for _, _, w, b in swaps], matmul)):
+    layers = packed_linears([(weight, bias) for _, _, weight, bias in swaps], matmul)
+    for (parent, name, _, _), layer in zip(swaps, layers, strict=True):
         if layer is not None:
             setattr(parent, name, layer)
             count += 1

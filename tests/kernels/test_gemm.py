@@ -151,13 +151,13 @@ def test_weights_packed_together_equal_each_packed_alone() -> None:
     weights = [torch.randn(n, k, generator=generator).bfloat16() for n, k in shapes]
     views = gemm.pack_weights(weights)
     assert [v.numel() for v in views] == [gemm.packed_elements(n, k) for n, k in shapes]
-    for weight, view in zip(weights, views):
+    for weight, view in zip(weights, views, strict=True):
         assert torch.equal(view, gemm.pack_weight(weight))  # the same bytes, padding zero too
     # One buffer, in the order given, each view at a cache-line boundary.
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
     starts = [v.data_ptr() for v in views]
     assert starts == sorted(starts) and all(s % 64 == 0 for s in starts)
-    assert all(a.data_ptr() + 2 * a.numel() <= b.data_ptr() for a, b in zip(views, views[1:]))
+    assert all(a.data_ptr() + 2 * a.numel() <= b.data_ptr() for a, b in zip(views, views[1:], strict=False))
     x = torch.randn(5, 576, generator=generator).bfloat16()
     torch.testing.assert_close(gemm.gemm_bf16(x, views[2], None, 3072, gemm.default_isa()).float(),
                                gemm.gemm_reference(x, weights[2], None).float(), rtol=1.6e-2, atol=1e-2)
