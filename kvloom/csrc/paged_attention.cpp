@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 #include <algorithm>
+#include <utility>
 #include <cstdlib>
 #include <type_traits>
 #include <atomic>
@@ -239,23 +240,42 @@ inline void block_update(int64_t head_dim, const float* qv, const float* kb, con
 // Work items: (seq, first query row, first kv head), TILE query rows each. An item
 // normally takes every kv head, so a block is one contiguous read; with too few items
 // to keep the threads busy (few long sequences) it is split by kv head instead.
+//
+// Longest walk first. The threads take items as they free up (schedule(dynamic)), so
+// an expensive item taken last leaves the others waiting for it: a decode batch's one
+// long context, or a prompt's last query tiles, which see the most keys, were last in
+// batch order. The order changes no result (items are independent).
 struct WorkItems {
   std::vector<int64_t> items;  // 3 per item
   int64_t heads_per_item;
   int64_t size() const { return static_cast<int64_t>(items.size() / 3); }
 };
 
-inline WorkItems make_items(const int32_t* query_lens, int64_t num_seqs, int64_t num_kv_heads,
-                            int num_threads) {
+// skipped: per sequence, the keys another walk covers (the cascade's shared blocks), or
+// nullptr.
+inline WorkItems make_items(const int32_t* query_lens, const int32_t* seq_lens, const int64_t* skipped,
+                            int64_t num_seqs, int64_t num_kv_heads, int num_threads) {
   int64_t num_tiles = 0;
   for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (query_lens[s] + TILE - 1) / TILE;
   WorkItems work;
   work.heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
+  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (query rows x keys they see, tile)
+  std::vector<int64_t> tiles;                       // (seq, first row) pairs
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r = 0; r < query_lens[s]; r += TILE)
-      for (int64_t h = 0; h < num_kv_heads; h += work.heads_per_item) {
-        work.items.push_back(s); work.items.push_back(r); work.items.push_back(h);
-      }
+    for (int64_t r = 0; r < query_lens[s]; r += TILE) {
+      const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r);
+      const int64_t keys = seq_lens[s] - query_lens[s] + r + (rows + 1) / 2 - (skipped ? skipped[s] : 0);
+      by_cost.emplace_back(-rows * keys, static_cast<int64_t>(tiles.size() / 2));
+      tiles.push_back(s);
+      tiles.push_back(r);
+    }
+  std::stable_sort(by_cost.begin(), by_cost.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  work.items.reserve(by_cost.size() * 3 * (num_kv_heads / work.heads_per_item));
+  for (const auto& [cost, tile] : by_cost)
+    for (int64_t h = 0; h < num_kv_heads; h += work.heads_per_item) {
+      work.items.push_back(tiles[2 * tile]); work.items.push_back(tiles[2 * tile + 1]); work.items.push_back(h);
+    }
   return work;
 }
 
@@ -272,7 +292,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
-  const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
+  const WorkItems work = make_items(query_lens, seq_lens, nullptr, num_seqs, num_kv_heads, num_threads);
   const int64_t heads_per_item = work.heads_per_item;
   const int64_t max_vecs = TILE * heads_per_item * group;
 
@@ -814,9 +834,11 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
   const int path = paired_path.load(std::memory_order_relaxed);  // one path for the whole call
   const int max_rows = group_width(head_dim, path);
-  const WorkItems work = make_items(query_lens, num_seqs, num_kv_heads, num_threads);
   const Cascade plan = plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, num_heads,
                                     block_size);
+  std::vector<int64_t> shared_keys(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) shared_keys[s] = plan.shared[s] * block_size;
+  const WorkItems work = make_items(query_lens, seq_lens, shared_keys.data(), num_seqs, num_kv_heads, num_threads);
   static thread_local std::vector<PairedState> states;  // reused: no page faults per call
   if (states.size() < static_cast<size_t>(plan.num_states)) states.resize(plan.num_states);
   PairedState* const state = states.data();  // the calling thread's: the workers' own are empty
