@@ -238,8 +238,11 @@ inline void block_update(int64_t head_dim, const float* qv, const float* kb, con
 }
 
 // Work items: (seq, first query row, first kv head), TILE query rows each. An item
-// normally takes every kv head, so a block is one contiguous read; with too few items
-// to keep the threads busy (few long sequences) it is split by kv head instead.
+// normally takes every kv head, so a block is one contiguous read; it is split by kv
+// head instead where whole items cannot keep the threads evenly busy: too few of them
+// (few long sequences), or one costing more than a thread's share of the call (the
+// last long contexts of a decode batch, e.g. 200 x 4 and 2,000: 3.0 -> 2.8 ms, 30
+// layers on AMD EPYC model 17, docs/results/issue17/genoa4/attention_longest_first.txt).
 //
 // Longest walk first. The threads take items as they free up (schedule(dynamic)), so
 // an expensive item taken last leaves the others waiting for it: a decode batch's one
@@ -255,12 +258,9 @@ struct WorkItems {
 // nullptr.
 inline WorkItems make_items(const int32_t* query_lens, const int32_t* seq_lens, const int64_t* skipped,
                             int64_t num_seqs, int64_t num_kv_heads, int num_threads) {
-  int64_t num_tiles = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (query_lens[s] + TILE - 1) / TILE;
-  WorkItems work;
-  work.heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
-  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (query rows x keys they see, tile)
+  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (-(query rows x keys they see), tile)
   std::vector<int64_t> tiles;                       // (seq, first row) pairs
+  int64_t total = 0, largest = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t r = 0; r < query_lens[s]; r += TILE) {
       const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r);
@@ -268,7 +268,13 @@ inline WorkItems make_items(const int32_t* query_lens, const int32_t* seq_lens, 
       by_cost.emplace_back(-rows * keys, static_cast<int64_t>(tiles.size() / 2));
       tiles.push_back(s);
       tiles.push_back(r);
+      total += rows * keys;
+      largest = std::max(largest, rows * keys);
     }
+  const int64_t num_tiles = static_cast<int64_t>(by_cost.size());
+  WorkItems work;
+  const bool split = num_tiles < 2 * num_threads || largest * num_threads > total;
+  work.heads_per_item = split ? 1 : num_kv_heads;
   std::stable_sort(by_cost.begin(), by_cost.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   work.items.reserve(by_cost.size() * 3 * (num_kv_heads / work.heads_per_item));

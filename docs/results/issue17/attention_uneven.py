@@ -33,6 +33,8 @@ random.seed(1); torch.manual_seed(0)
 cases = {
   "decode 8 mixed (one 2000 last)": ([300, 250, 400, 350, 200, 300, 280, 2000], [1] * 8),
   "decode 4 [300,400,600,1500]": ([300, 400, 600, 1500], [1] * 4),
+  "decode 5 [200 x 4, 2000]": ([200, 2000, 200, 200, 200], [1] * 5),
+  "decode 12 [150-400 x 11, 1800]": ([1800] + [random.randint(150, 400) for _ in range(11)], [1] * 12),
   "decode 24 random 50-1500": ([random.randint(50, 1500) for _ in range(24)], [1] * 24),
   "decode 64 sharegpt-like": ([random.randint(100, 900) for _ in range(64)], [1] * 64),
   "prefill 2048 chunk (1015 last)": ([243, 180, 300, 310, 1015], [243, 180, 300, 310, 1015]),
