@@ -12,6 +12,9 @@ from kvloom.sampling_params import SamplingParams
 MIXED = [(0, 1), (0, 7), (0, 40), (5, 1), (31, 1), (16, 16), (33, 9), (63, 1), (2, 30), (100, 3)]
 # Too few work items to fill the threads: the kernel splits items by kv head.
 FEW = [(150, 1), (20, 5)]
+# One long context among short decodes: one whole item would cost more than a thread's
+# share, so the kernel splits items by kv head (and takes the longest walks first).
+UNEVEN = [(9, 1), (3, 1), (12, 1), (300, 1), (6, 1)]
 
 
 def mixed_batch(block_size: int, num_blocks: int, seed: int, shapes=MIXED):
