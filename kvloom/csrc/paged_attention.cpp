@@ -17,7 +17,6 @@
 #include <cstring>
 #include <vector>
 #include <algorithm>
-#include <utility>
 #include <cstdlib>
 #include <type_traits>
 #include <atomic>
@@ -254,33 +253,29 @@ struct WorkItems {
   int64_t size() const { return static_cast<int64_t>(items.size() / 3); }
 };
 
-// skipped: per sequence, the keys another walk covers (the cascade's shared blocks), or
-// nullptr.
-inline WorkItems make_items(const int32_t* query_lens, const int32_t* seq_lens, const int64_t* skipped,
-                            int64_t num_seqs, int64_t num_kv_heads, int num_threads) {
-  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (-(query rows x keys they see), tile)
-  std::vector<int64_t> tiles;                       // (seq, first row) pairs
+// shared_blocks: per sequence, the blocks another walk covers (the cascade's), or nullptr.
+inline WorkItems make_items(const int32_t* query_lens, const int32_t* seq_lens, const int64_t* shared_blocks,
+                            int64_t block_size, int64_t num_seqs, int64_t num_kv_heads, int num_threads) {
+  struct Tile { int64_t cost, seq, row; };  // cost: query rows x the keys they see
+  std::vector<Tile> tiles;
   int64_t total = 0, largest = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t r = 0; r < query_lens[s]; r += TILE) {
       const int64_t rows = std::min<int64_t>(TILE, query_lens[s] - r);
-      const int64_t keys = seq_lens[s] - query_lens[s] + r + (rows + 1) / 2 - (skipped ? skipped[s] : 0);
-      by_cost.emplace_back(-rows * keys, static_cast<int64_t>(tiles.size() / 2));
-      tiles.push_back(s);
-      tiles.push_back(r);
-      total += rows * keys;
-      largest = std::max(largest, rows * keys);
+      const int64_t skipped = shared_blocks ? shared_blocks[s] * block_size : 0;
+      const int64_t cost = rows * (seq_lens[s] - query_lens[s] + r + (rows + 1) / 2 - skipped);
+      tiles.push_back({cost, s, r});
+      total += cost;
+      largest = std::max(largest, cost);
     }
-  const int64_t num_tiles = static_cast<int64_t>(by_cost.size());
   WorkItems work;
-  const bool split = num_tiles < 2 * num_threads || largest * num_threads > total;
+  const bool split = static_cast<int64_t>(tiles.size()) < 2 * num_threads || largest * num_threads > total;
   work.heads_per_item = split ? 1 : num_kv_heads;
-  std::stable_sort(by_cost.begin(), by_cost.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  work.items.reserve(by_cost.size() * 3 * (num_kv_heads / work.heads_per_item));
-  for (const auto& [cost, tile] : by_cost)
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  work.items.reserve(tiles.size() * 3 * (num_kv_heads / work.heads_per_item));
+  for (const Tile& tile : tiles)
     for (int64_t h = 0; h < num_kv_heads; h += work.heads_per_item) {
-      work.items.push_back(tiles[2 * tile]); work.items.push_back(tiles[2 * tile + 1]); work.items.push_back(h);
+      work.items.push_back(tile.seq); work.items.push_back(tile.row); work.items.push_back(h);
     }
   return work;
 }
@@ -298,7 +293,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
-  const WorkItems work = make_items(query_lens, seq_lens, nullptr, num_seqs, num_kv_heads, num_threads);
+  const WorkItems work = make_items(query_lens, seq_lens, nullptr, block_size, num_seqs, num_kv_heads, num_threads);
   const int64_t heads_per_item = work.heads_per_item;
   const int64_t max_vecs = TILE * heads_per_item * group;
 
@@ -842,9 +837,8 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
   const int max_rows = group_width(head_dim, path);
   const Cascade plan = plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, num_heads,
                                     block_size);
-  std::vector<int64_t> shared_keys(num_seqs);
-  for (int64_t s = 0; s < num_seqs; ++s) shared_keys[s] = plan.shared[s] * block_size;
-  const WorkItems work = make_items(query_lens, seq_lens, shared_keys.data(), num_seqs, num_kv_heads, num_threads);
+  const WorkItems work = make_items(query_lens, seq_lens, plan.shared.data(), block_size, num_seqs, num_kv_heads,
+                                    num_threads);
   static thread_local std::vector<PairedState> states;  // reused: no page faults per call
   if (states.size() < static_cast<size_t>(plan.num_states)) states.resize(plan.num_states);
   PairedState* const state = states.data();  // the calling thread's: the workers' own are empty

@@ -46,9 +46,8 @@ def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     before anything touches them, so that all of it can be huge pages (a plain
     allocation covers only the whole pages inside it: none for a tensor under 2 MiB).
     Costs at most 2 MiB of address space more than ``numel`` elements."""
-    element = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + HUGE_PAGE // element, dtype=dtype)
-    skip = (-raw.data_ptr() % HUGE_PAGE) // element  # the allocator's alignment divides the page
+    raw = torch.empty(numel + HUGE_PAGE // dtype.itemsize, dtype=dtype)
+    skip = (-raw.data_ptr() % HUGE_PAGE) // dtype.itemsize  # the allocator's alignment divides the page
     out = raw[skip:skip + numel]  # a view: it keeps the whole allocation alive
     prefer_huge_pages(out)
     return out
