@@ -36,6 +36,7 @@
 
 #include "amx.h"
 #include "simd.h"
+#include "work_shares.h"
 
 namespace {
 
@@ -310,30 +311,38 @@ inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t cal
 
 // Splits the column blocks into one contiguous range per thread (each thread streams
 // its own part of the weight) and, within a range, walks panels of BLOCKS blocks, each
-// against every row tile of the pass while the panel sits in L2.
+// against every row tile of the pass while the panel sits in L2. A thread's share of
+// the work is its panels for every pass, in pass order; one that finishes first takes
+// (pass, panel) units from the back of the other's share (work_shares.h).
 template <class Path>
 void run_vector(const Problem& p, int num_threads) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
                             * Path::ROWS;
+  const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+  const auto first_block = [&](int s) { return blocks * s / threads; };  // share s: blocks [first_block(s), first_block(s + 1))
+  const auto panels = [&](int s) { return (first_block(s + 1) - first_block(s) + Path::BLOCKS - 1) / Path::BLOCKS; };
+  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s); });
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num(), count = omp_get_num_threads();
-    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
-    const AheadPlan plan{p, last};
-    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
+    kvloom_work::Unit unit;
+    while (shares.next(omp_get_thread_num(), unit)) {
+      const int64_t first = first_block(unit.share), last = first_block(unit.share + 1);
+      const int64_t pass = unit.index / panels(unit.share) * pass_rows;
+      const int64_t j0 = first + unit.index % panels(unit.share) * Path::BLOCKS;
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
       const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
-      for (int64_t j0 = first; j0 < last; j0 += Path::BLOCKS) {
-        const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
-        const auto next = plan.span(j0 + panel, j0 + panel + Path::BLOCKS);
-        for (int64_t i = 0; i < calls; ++i) {
-          const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
-          const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
-          table.at[rows - 1][panel - 1](p, m0, j0, plan.slice(next, i, calls));
-        }
+      const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
+      // Fetched ahead: the owner's next panel; a thief's, the panel before (its next steal).
+      const AheadPlan plan{p, last};
+      const auto next = unit.stolen ? plan.span(std::max(first, j0 - Path::BLOCKS), j0)
+                                    : plan.span(j0 + panel, j0 + panel + Path::BLOCKS);
+      for (int64_t i = 0; i < calls; ++i) {
+        const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
+        const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
+        table.at[rows - 1][panel - 1](p, m0, j0, plan.slice(next, i, calls));
       }
     }
   }
@@ -473,6 +482,12 @@ void run_avx2(const Problem& p, int num_threads) {
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (4 * stride) / AVX2_WIDE_ROWS) * AVX2_WIDE_ROWS;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+  const int64_t panel_blocks = AVX2_PACKED_BLOCKS;
+  const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
+  // Shares as run_vector's: thread s's blocks, in panels, for every pass in order.
+  const auto first_block = [&](int s) { return blocks * s / threads; };
+  const auto panels = [&](int s) { return (first_block(s + 1) - first_block(s) + panel_blocks - 1) / panel_blocks; };
+  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s); });
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -481,36 +496,38 @@ void run_avx2(const Problem& p, int num_threads) {
       if (p.k & 1) xf[r * stride + p.k] = 0.0f;
     }  // the loop's implicit barrier: every row is widened before any tile reads it
     static thread_local std::vector<float> wf;  // this thread's widened block, kept across calls (no allocation per call)
-    const int t = omp_get_thread_num(), count = omp_get_num_threads();
-    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
-    const AheadPlan plan{p, last};
-    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
+    kvloom_work::Unit unit;
+    while (shares.next(omp_get_thread_num(), unit)) {
+      const int64_t first = first_block(unit.share), last = first_block(unit.share + 1);
+      const int64_t pass = unit.index / panels(unit.share) * pass_rows;
+      const int64_t j0 = first + unit.index % panels(unit.share) * panel_blocks;
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
-      if (pass_end - pass >= WIDEN_MIN_ROWS) {
+      const int64_t panel = std::min<int64_t>(panel_blocks, last - j0);
+      // Fetched ahead: the owner's next panel; a thief's, the panel before (its next steal).
+      const AheadPlan plan{p, last};
+      const auto next = unit.stolen ? plan.span(std::max(first, j0 - panel_blocks), j0)
+                                    : plan.span(j0 + panel, j0 + panel + panel_blocks);
+      if (pass_end - pass >= WIDEN_MIN_ROWS) {  // each block widened once for the pass's rows
         if (wf.size() < static_cast<size_t>(stride * COLS + 8)) wf.resize(stride * COLS + 8);
         float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
-        const int64_t calls = (pass_end - pass + AVX2_WIDE_ROWS - 1) / AVX2_WIDE_ROWS;
-        for (int64_t j = first; j < last; ++j) {
-          avx2_widen_block(p, j, stride, block);
-          const auto next = plan.span(j + 1, j + 2);
-          for (int64_t m0 = pass, i = 0; m0 < pass_end; m0 += AVX2_WIDE_ROWS, ++i)
-            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j, plan.slice(next, i, calls));
+        const int64_t calls = (pass_end - pass + AVX2_WIDE_ROWS - 1) / AVX2_WIDE_ROWS * panel;
+        for (int64_t b = 0, i = 0; b < panel; ++b) {
+          avx2_widen_block(p, j0 + b, stride, block);
+          for (int64_t m0 = pass; m0 < pass_end; m0 += AVX2_WIDE_ROWS, ++i)
+            wide[std::min<int64_t>(AVX2_WIDE_ROWS, pass_end - m0) - 1](p, in, block, m0, j0 + b,
+                                                                       plan.slice(next, i, calls));
         }
       } else {
         // The calls per panel, as the loop below makes them: a tall tile per block for
         // every 4 rows while 3 or more are left, then one packed tile for the last 1-2.
         const int64_t tall_groups = (pass_end - pass + 1) / AVX2_TALL_ROWS;
-        for (int64_t j0 = first; j0 < last; j0 += AVX2_PACKED_BLOCKS) {
-          const int64_t panel = std::min<int64_t>(AVX2_PACKED_BLOCKS, last - j0);
-          const auto next = plan.span(j0 + panel, j0 + 2 * panel);
-          const int64_t calls = tall_groups * panel + ((pass_end - pass - tall_groups * AVX2_TALL_ROWS) > 0 ? 1 : 0);
-          int64_t m0 = pass, i = 0;
-          for (; pass_end - m0 >= 3; m0 += AVX2_TALL_ROWS) {
-            const int rows = static_cast<int>(std::min<int64_t>(AVX2_TALL_ROWS, pass_end - m0));
-            for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b, plan.slice(next, i++, calls));
-          }
-          if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0, plan.slice(next, i, calls));
+        const int64_t calls = tall_groups * panel + ((pass_end - pass - tall_groups * AVX2_TALL_ROWS) > 0 ? 1 : 0);
+        int64_t m0 = pass, i = 0;
+        for (; pass_end - m0 >= 3; m0 += AVX2_TALL_ROWS) {
+          const int rows = static_cast<int>(std::min<int64_t>(AVX2_TALL_ROWS, pass_end - m0));
+          for (int64_t b = 0; b < panel; ++b) tall[rows - 3](p, in, m0, j0 + b, plan.slice(next, i++, calls));
         }
+        if (m0 < pass_end) packed[pass_end - m0 - 1][panel - 1](p, in, m0, j0, plan.slice(next, i, calls));
       }
     }
   }

@@ -66,8 +66,11 @@ def test_rows_are_bit_identical_alone_and_in_any_batch(isa: str, n: int, k: int)
     assert torch.equal(gemm.gemm_bf16(x[order].contiguous(), packed, b, n, isa), alone[order])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(gemm.gemm_bf16(x, packed, b, n, isa), alone)
+        # One thread; and more threads than cores, whose shares of the weight are cut
+        # short by the OS, so that threads take units from each other (work_shares.h).
+        for count in (1, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(gemm.gemm_bf16(x, packed, b, n, isa), alone), f"{count} threads"
     finally:
         torch.set_num_threads(threads)
 
