@@ -312,8 +312,12 @@ inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t cal
 // Splits the column blocks into one contiguous range per thread (each thread streams
 // its own part of the weight) and, within a range, walks panels of BLOCKS blocks, each
 // against every row tile of the pass while the panel sits in L2. A thread's share of
-// the work is its panels for every pass, in pass order; one that finishes first takes
-// (pass, panel) units from the back of the other's share (work_shares.h).
+// the work is its (pass, panel, pair of row tiles) units in that order; one that
+// finishes first takes units from the back of the other's share (work_shares.h). Units
+// of two row tiles, not whole panels: a thread waits at the end for at most one unit,
+// and a panel against 64 rows at K = 1536 is ~60 us of work.
+constexpr int64_t TILES_PER_UNIT = 2;
+
 template <class Path>
 void run_vector(const Problem& p, int num_threads) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
@@ -321,25 +325,31 @@ void run_vector(const Problem& p, int num_threads) {
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
                             * Path::ROWS;
   const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
+  // Units per (pass, panel): the first pass's row tiles in pairs (a shorter last pass
+  // leaves its last units empty).
+  const int64_t groups = ((std::min(p.m, pass_rows) + Path::ROWS - 1) / Path::ROWS + TILES_PER_UNIT - 1) / TILES_PER_UNIT;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
   const auto first_block = [&](int s) { return blocks * s / threads; };  // share s: blocks [first_block(s), first_block(s + 1))
   const auto panels = [&](int s) { return (first_block(s + 1) - first_block(s) + Path::BLOCKS - 1) / Path::BLOCKS; };
-  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s); });
+  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s) * groups; });
 #pragma omp parallel num_threads(threads)
   {
     kvloom_work::Unit unit;
     while (shares.next(omp_get_thread_num(), unit)) {
       const int64_t first = first_block(unit.share), last = first_block(unit.share + 1);
-      const int64_t pass = unit.index / panels(unit.share) * pass_rows;
-      const int64_t j0 = first + unit.index % panels(unit.share) * Path::BLOCKS;
+      const int64_t per_pass = panels(unit.share) * groups;
+      const int64_t pass = unit.index / per_pass * pass_rows;
+      const int64_t j0 = first + unit.index % per_pass / groups * Path::BLOCKS;
+      const int64_t group = unit.index % groups;
       const int64_t pass_end = std::min(p.m, pass + pass_rows);
       const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
       const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
-      // Fetched ahead: the owner's next panel; a thief's, the panel before (its next steal).
+      // Fetched ahead over the panel's row tiles: the owner's next panel; a thief's, the
+      // panel before (its next steal).
       const AheadPlan plan{p, last};
       const auto next = unit.stolen ? plan.span(std::max(first, j0 - Path::BLOCKS), j0)
                                     : plan.span(j0 + panel, j0 + panel + Path::BLOCKS);
-      for (int64_t i = 0; i < calls; ++i) {
+      for (int64_t i = group * TILES_PER_UNIT; i < std::min(calls, (group + 1) * TILES_PER_UNIT); ++i) {
         const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
         const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
         table.at[rows - 1][panel - 1](p, m0, j0, plan.slice(next, i, calls));

@@ -6,9 +6,9 @@
 // together: the hypervisor takes a vCPU away for a while, or one thread's part of the
 // weight comes from memory more slowly. Measured inside decode steps on AMD EPYC model
 // 17 (rdtsc at each thread's end, docs/results/issue17/genoa5/gemm_work_shares.txt):
-// the threads finished 5-11% of the call's time apart at 1-16 rows and 2-4% in
-// prefill, one of them idle all that while; with stealing 2-4% and 0.2-0.3%, and a
-// call at 1-16 rows 3% shorter.
+// the threads finished 5-11% of the call's time apart at 1-16 rows, 3-4% at 64 and
+// 2-4% in prefill, one of them idle all that while; with stealing (the GEMM's units
+// are two row tiles against a panel) 1.6%, 0.6-1.1% and 0.1%.
 //
 // So each thread walks its own share from the front, and a thread whose share is done
 // takes units one at a time from the back of the share with the most left. The owner
