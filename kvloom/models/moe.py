@@ -31,7 +31,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import MoEConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP
-from kvloom.models.packed_linear import packed_linear
+from kvloom.models.packed_linear import packed_linear, packed_linears
 from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
 
 
@@ -233,13 +233,14 @@ class SparseMoE(nn.Module):
         """Every expert's gate/up and down and the shared expert's gate as ``matmul``'s
         packed layers (models/packed_linear.py), where it applies (bf16 on CPU): so the
         routed experts are batch-invariant like every other matmul (the router packs
-        itself; ``pack_linear_layers`` calls both). Returns how many layers were packed;
-        0 leaves the module as it was."""
+        itself; ``pack_linear_layers`` calls both). For ``invariant`` the block's experts
+        share one buffer on 2 MiB pages, expert after expert (``packed_linears``), as the
+        dense layers do. Returns how many layers were packed; 0 leaves the module as it was."""
         gate_up, down = self.experts_gate_up, self.experts_down
-        layers = [(packed_linear(gate_up[e], None, matmul), packed_linear(down[e], None, matmul))
-                  for e in range(self.moe.num_experts)]
-        pairs = [(a, b) for a, b in layers if a is not None and b is not None]
-        if len(pairs) < len(layers):
+        layers = packed_linears([(weight[e], None) for e in range(self.moe.num_experts)
+                                 for weight in (gate_up, down)], matmul)
+        pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True) if a is not None and b is not None]
+        if len(pairs) < self.moe.num_experts:
             return 0
         self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)  # registered: .to() moves them
         self._packed_pairs = pairs

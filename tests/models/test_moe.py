@@ -339,4 +339,9 @@ def test_bfloat16_experts_are_packed_and_batch_invariant(mixtral: Path, qwen2_mo
             continue  # no invariant GEMM on this CPU: nothing to hold the batch to
         assert moe.packed_experts is not None and isinstance(moe.router.packed, InvariantLinear)
         assert not hasattr(moe, "experts_gate_up")  # released once packed
+        # The block's experts are views into one buffer, expert after expert (gate/up, down).
+        views = [layer.packed_weight for pair in moe.packed_experts for layer in pair]
+        assert len({view.untyped_storage().data_ptr() for view in views}) == 1
+        starts = [view.data_ptr() for view in views]
+        assert starts == sorted(starts) and len(set(starts)) == len(starts)
         assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
