@@ -118,6 +118,34 @@ struct AheadPlan {
   }
 };
 
+// The threads' shares of a call's work (work_shares.h): share s is thread s's column
+// blocks [first(s), first(s + 1)), in panels of `width` blocks, for every pass in
+// order, each (pass, panel) as `groups` units of row tiles. Where a unit falls, and
+// what its tiles fetch ahead: the owner its next panel, a thief the panel before (its
+// next steal).
+struct PanelShares {
+  int64_t blocks, threads, width, passes, groups;
+  int64_t first(int s) const { return blocks * s / threads; }
+  int64_t panels(int s) const { return (first(s + 1) - first(s) + width - 1) / width; }
+  int64_t size(int s) const { return passes * panels(s) * groups; }
+
+  struct Place {
+    int64_t first, last;  // the share's blocks
+    int64_t pass;         // the pass's index
+    int64_t j0, panel;    // the panel's first block and its width (the share's last may be narrower)
+    int64_t group;        // which units of the (pass, panel) row tiles
+  };
+  Place place(const kvloom_work::Unit& unit) const {
+    const int64_t f = first(unit.share), l = first(unit.share + 1), per_pass = panels(unit.share) * groups;
+    const int64_t j0 = f + unit.index % per_pass / groups * width;
+    return {f, l, unit.index / per_pass, j0, std::min(width, l - j0), unit.index % groups};
+  }
+  std::pair<const char*, const char*> ahead(const AheadPlan& plan, const Place& at, bool stolen) const {
+    return stolen ? plan.span(std::max(at.first, at.j0 - width), at.j0)
+                  : plan.span(at.j0 + at.panel, at.j0 + at.panel + width);
+  }
+};
+
 // Calls step(q, pair_of_row) for the k pairs q = 0, 1, ... in order, where
 // pair_of_row(r) is (x[r][2q], x[r][2q + 1]) and, for an odd K, the last pair is
 // (x[r][K - 1], 0) (the packed weight's padding is zero there too). The first
@@ -329,30 +357,21 @@ void run_vector(const Problem& p, int num_threads) {
   // leaves its last units empty).
   const int64_t groups = ((std::min(p.m, pass_rows) + Path::ROWS - 1) / Path::ROWS + TILES_PER_UNIT - 1) / TILES_PER_UNIT;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-  const auto first_block = [&](int s) { return blocks * s / threads; };  // share s: blocks [first_block(s), first_block(s + 1))
-  const auto panels = [&](int s) { return (first_block(s + 1) - first_block(s) + Path::BLOCKS - 1) / Path::BLOCKS; };
-  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s) * groups; });
+  const PanelShares layout{blocks, threads, Path::BLOCKS, passes, groups};
+  kvloom_work::WorkShares shares(threads, [&](int s) { return layout.size(s); });
 #pragma omp parallel num_threads(threads)
   {
     kvloom_work::Unit unit;
     while (shares.next(omp_get_thread_num(), unit)) {
-      const int64_t first = first_block(unit.share), last = first_block(unit.share + 1);
-      const int64_t per_pass = panels(unit.share) * groups;
-      const int64_t pass = unit.index / per_pass * pass_rows;
-      const int64_t j0 = first + unit.index % per_pass / groups * Path::BLOCKS;
-      const int64_t group = unit.index % groups;
-      const int64_t pass_end = std::min(p.m, pass + pass_rows);
+      const PanelShares::Place at = layout.place(unit);
+      const int64_t pass = at.pass * pass_rows, pass_end = std::min(p.m, pass + pass_rows);
       const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
-      const int64_t panel = std::min<int64_t>(Path::BLOCKS, last - j0);
-      // Fetched ahead over the panel's row tiles: the owner's next panel; a thief's, the
-      // panel before (its next steal).
-      const AheadPlan plan{p, last};
-      const auto next = unit.stolen ? plan.span(std::max(first, j0 - Path::BLOCKS), j0)
-                                    : plan.span(j0 + panel, j0 + panel + Path::BLOCKS);
-      for (int64_t i = group * TILES_PER_UNIT; i < std::min(calls, (group + 1) * TILES_PER_UNIT); ++i) {
+      const AheadPlan plan{p, at.last};
+      const auto next = layout.ahead(plan, at, unit.stolen);  // sliced over the panel's row tiles
+      for (int64_t i = at.group * TILES_PER_UNIT; i < std::min(calls, (at.group + 1) * TILES_PER_UNIT); ++i) {
         const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
         const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
-        table.at[rows - 1][panel - 1](p, m0, j0, plan.slice(next, i, calls));
+        table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls));
       }
     }
   }
@@ -492,12 +511,9 @@ void run_avx2(const Problem& p, int num_threads) {
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (4 * stride) / AVX2_WIDE_ROWS) * AVX2_WIDE_ROWS;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-  const int64_t panel_blocks = AVX2_PACKED_BLOCKS;
-  const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
-  // Shares as run_vector's: thread s's blocks, in panels, for every pass in order.
-  const auto first_block = [&](int s) { return blocks * s / threads; };
-  const auto panels = [&](int s) { return (first_block(s + 1) - first_block(s) + panel_blocks - 1) / panel_blocks; };
-  kvloom_work::WorkShares shares(threads, [&](int s) { return passes * panels(s); });
+  // Shares as run_vector's, a unit a whole (pass, panel) of two blocks.
+  const PanelShares layout{blocks, threads, AVX2_PACKED_BLOCKS, (p.m + pass_rows - 1) / pass_rows, 1};
+  kvloom_work::WorkShares shares(threads, [&](int s) { return layout.size(s); });
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -508,15 +524,11 @@ void run_avx2(const Problem& p, int num_threads) {
     static thread_local std::vector<float> wf;  // this thread's widened block, kept across calls (no allocation per call)
     kvloom_work::Unit unit;
     while (shares.next(omp_get_thread_num(), unit)) {
-      const int64_t first = first_block(unit.share), last = first_block(unit.share + 1);
-      const int64_t pass = unit.index / panels(unit.share) * pass_rows;
-      const int64_t j0 = first + unit.index % panels(unit.share) * panel_blocks;
-      const int64_t pass_end = std::min(p.m, pass + pass_rows);
-      const int64_t panel = std::min<int64_t>(panel_blocks, last - j0);
-      // Fetched ahead: the owner's next panel; a thief's, the panel before (its next steal).
-      const AheadPlan plan{p, last};
-      const auto next = unit.stolen ? plan.span(std::max(first, j0 - panel_blocks), j0)
-                                    : plan.span(j0 + panel, j0 + panel + panel_blocks);
+      const PanelShares::Place at = layout.place(unit);
+      const int64_t pass = at.pass * pass_rows, pass_end = std::min(p.m, pass + pass_rows);
+      const int64_t j0 = at.j0, panel = at.panel;
+      const AheadPlan plan{p, at.last};
+      const auto next = layout.ahead(plan, at, unit.stolen);
       if (pass_end - pass >= WIDEN_MIN_ROWS) {  // each block widened once for the pass's rows
         if (wf.size() < static_cast<size_t>(stride * COLS + 8)) wf.resize(stride * COLS + 8);
         float* const block = wf.data() + (8 - reinterpret_cast<uintptr_t>(wf.data()) / 4 % 8) % 8;  // 32-byte aligned
