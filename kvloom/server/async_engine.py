@@ -17,6 +17,13 @@ measurement (docs/api.md, "Threading") found the engine on this thread as fast a
 bare engine loop within noise, and /health answering in a few milliseconds mid-
 generation. What a process split would win back is the per-token JSON/SSE work on
 the event loop competing for the GIL, at the price of pickling every step's outputs.
+
+Invariant: the engine is built on the engine thread, and the event loop never runs an
+OpenMP region (a large torch op). One more OpenMP team in the process than the engine's
+makes libgomp manage more threads than there are CPUs, and it then cuts every barrier's
+spin to a few iterations: each of a step's ~300 parallel regions sleeps and wakes on a
+futex. On two cores that cost a decode step 12-28% (docs/results/issue17/genoa6/
+forward_thread.txt); the server as it stands runs one team (checked with gdb).
 """
 
 from __future__ import annotations
