@@ -140,3 +140,38 @@ def load_optional(name: str) -> ctypes.CDLL | None:
     except KernelUnavailable as error:
         logger.warning("C++ %s unavailable, using the PyTorch reference: %s", name, error)
         return None
+
+
+def loaded_openmp() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime this process has loaded (torch's copy, which kvloom's
+    kernels bind to by soname), or None where none is loaded or it has no pause call."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
+    for path in sorted(paths):
+        library = ctypes.CDLL(path)  # already loaded: the same handle, no second copy
+        if hasattr(library, "omp_pause_resource_all"):
+            return library
+    return None
+
+
+OMP_PAUSE_SOFT = 1  # omp.h's omp_pause_soft
+
+
+def release_openmp_team() -> bool:
+    """Release the calling thread's OpenMP team: libgomp's worker threads for it exit
+    (joined before this returns), and a later parallel region on this thread starts a
+    new team. Call it on a thread that is done computing, before another thread takes
+    over: libgomp counts every team's threads, and once it manages more threads than
+    there are CPUs it cuts each barrier's spin to ~100 iterations, so every parallel
+    region of the thread that computes sleeps and wakes on a futex (a decode step
+    12-28% slower on two cores; docs/results/issue17/genoa6/forward_thread.txt).
+    Returns whether a runtime was there to ask."""
+    library = loaded_openmp()
+    if library is None:
+        return False
+    library.omp_pause_resource_all.argtypes = [ctypes.c_int]
+    library.omp_pause_resource_all.restype = ctypes.c_int
+    return bool(library.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0)

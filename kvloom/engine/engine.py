@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ from kvloom.generation_config import generation_defaults
 from kvloom.kv_spec import KVExport, KVTransferSpec
 from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
 from kvloom.models.loader import load_checkpoint
+from kvloom.native import release_openmp_team
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
@@ -202,6 +204,10 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # launched, committed by the next step()
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
+        # The thread whose OpenMP team runs the forward on a CPU: the one that built the
+        # engine (loading it ran parallel regions) until step() is called from another;
+        # None after hand_over(): the next thread to step takes over silently.
+        self._compute_thread: int | None = threading.get_ident()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -267,6 +273,8 @@ class LLMEngine:
         """Run one iteration; returns an output for every request that produced a token
         or ended. With overlap scheduling (engine/overlap.py) this launches a step and
         returns the outputs of the one launched before it."""
+        if threading.get_ident() != self._compute_thread:
+            self._moved_thread()
         if self.proposer is not None:
             # Drafts for the tokens the last step appended: proposed here rather than at
             # the end of that step, so that its outputs (a first token) were not held
@@ -288,6 +296,32 @@ class LLMEngine:
             self._in_flight = launched  # committed by the next call, while its successor runs
             return outputs
         return outputs + self._commit(launched)
+
+    def hand_over(self) -> None:
+        """Call on the thread that built (or last stepped) the engine when another
+        thread will step it from now on: this thread's OpenMP team is released
+        (native.release_openmp_team), so the next thread's team is the process's only
+        one, and that thread takes over without the warning of _moved_thread."""
+        if self.device.type == "cpu":
+            release_openmp_team()
+        self._compute_thread = None
+
+    def _moved_thread(self) -> None:
+        """step() on another thread than the last one that computed for this engine. On
+        a CPU each thread that runs parallel regions keeps its own OpenMP team; with two,
+        libgomp manages more threads than there are cores and cuts every barrier's spin
+        short, so each of a step's few hundred parallel regions sleeps and wakes on a
+        futex (a decode step 12-28% slower on two cores: docs/results/issue17/genoa6/
+        forward_thread.txt). Said once per move: the step itself is correct either way."""
+        handed_over = self._compute_thread is None
+        self._compute_thread = threading.get_ident()
+        if self.device.type == "cpu" and not handed_over:
+            logger.warning("LLMEngine.step() now runs on thread %s, not on the thread that built the engine or "
+                           "last stepped it: that thread's OpenMP team stays, and with two teams on a CPU "
+                           "every step runs slower (libgomp shortens its barriers' spinning when it manages "
+                           "more threads than there are cores). Build and step the engine on one thread, as "
+                           "`kvloom serve` and LLM do, or call LLMEngine.hand_over() on the old thread first.",
+                           threading.current_thread().name)
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
         """A launched step's samples into its requests (the scheduler alone writes

@@ -51,10 +51,13 @@ class Backend(Protocol):
 
 class Local:
     """An in-process engine (``kl.Local(LLM(...))``). Its engine is driven by this
-    backend's thread from now on: do not call the ``LLM`` from elsewhere meanwhile."""
+    backend's thread from now on: do not call the ``LLM`` from elsewhere meanwhile.
+    The calling thread hands the engine over (``LLMEngine.hand_over``: its OpenMP team
+    is released, so the driver's is the process's only one)."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
+        llm.engine.hand_over()
         self.tokenizer = llm.tokenizer
         self._markers: dict[str, tuple[str, str]] = {}
         self._pending: list[tuple[list[int], SamplingParams, Future[RequestOutput], OnText]] = []
