@@ -143,18 +143,16 @@ def load_optional(name: str) -> ctypes.CDLL | None:
 
 
 def loaded_openmp() -> ctypes.CDLL | None:
-    """The GNU OpenMP runtime this process has loaded (torch's copy, which kvloom's
-    kernels bind to by soname), or None where none is loaded or it has no pause call."""
+    """The GNU OpenMP runtime that torch and kvloom's kernels run their parallel regions
+    on, or None where none is loaded. Found by its soname, libgomp.so.1, among the loaded
+    libraries only (RTLD_NOLOAD): the one the dynamic linker binds both to (torch's own
+    copy). Other wheels bundle renamed copies (sentencepiece's libgomp-<hash>.so) whose
+    teams are not ours."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        library = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
     except OSError:
         return None
-    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
-    for path in sorted(paths):
-        library = ctypes.CDLL(path)  # already loaded: the same handle, no second copy
-        if hasattr(library, "omp_pause_resource_all"):
-            return library
-    return None
+    return library if hasattr(library, "omp_pause_resource_all") else None
 
 
 OMP_PAUSE_SOFT = 1  # omp.h's omp_pause_soft

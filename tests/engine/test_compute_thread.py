@@ -4,10 +4,12 @@ releases the old thread's OpenMP team so that the new one takes over silently.""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,22 @@ def test_stepping_on_another_thread_is_said_once_per_move(engine, caplog) -> Non
     assert len(warnings_of(caplog)) == 1
     engine.step()  # and back: another move
     assert len(warnings_of(caplog)) == 2
+
+
+def test_the_runtime_released_is_the_one_torch_runs_on() -> None:
+    import sentencepiece  # noqa: F401 - it brings its own, renamed libgomp (found first by path)
+
+    library = loaded_openmp()
+    assert library is not None
+    address = ctypes.cast(library.omp_pause_resource_all, ctypes.c_void_p).value
+    torch_lib = Path(torch.__file__).parent / "lib"
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            assert Path(fields[-1]).parent == torch_lib, fields[-1]
+            return
+    raise AssertionError("omp_pause_resource_all is in no mapped file")
 
 
 def threads() -> int:
