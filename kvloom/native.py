@@ -11,6 +11,9 @@ by the source, the flags, the compiler version and the CPU's features (``-march=
 code built on one machine must never load on another through a shared home).
 Callers keep a pure-PyTorch reference for everything built here and fall back to it
 when building fails.
+
+Also here: the OpenMP runtime those kernels (and torch) run on, for the one call the
+engine makes to it (``release_openmp_team``, when another thread takes the engine over).
 """
 
 from __future__ import annotations
