@@ -43,6 +43,7 @@ from kvloom.kv_transfer.transport import (
     TorchTransport,
     TransferFailed,
 )
+from kvloom.native import release_openmp_team
 from kvloom.request import Request
 
 logger = logging.getLogger(__name__)
@@ -324,8 +325,14 @@ class DecodeTransfer(KVTransfer):
         while (job := self._jobs.get()) is not None:
             started = time.perf_counter()
             try:
-                nbytes = self.transport.pull(job.staged, job.first_block, job.num_blocks, self.pool,
-                                             job.block_ids, job.last)
+                try:
+                    nbytes = self.transport.pull(job.staged, job.first_block, job.num_blocks, self.pool,
+                                                 job.block_ids, job.last)
+                finally:
+                    # The pull's copy into the pool ran parallel regions on this thread; its
+                    # OpenMP team must not outlive it, or libgomp (then managing more threads
+                    # than there are cores) throttles every step of the engine's own team.
+                    release_openmp_team()
                 if job.request is None:
                     continue
                 result = ImportResult(job.request, job.num_tokens, nbytes, time.perf_counter() - started)

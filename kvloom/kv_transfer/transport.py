@@ -34,6 +34,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from kvloom.kv_spec import KVLayout, StagedKV
 from kvloom.kv_transfer.staging import KVStaging, is_staged_file, remove_file
+from kvloom.native import release_openmp_team
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,8 @@ class KVServer:
             self._groups[number].send([data.contiguous()], 1, 0).wait()
         except (RuntimeError, dist.DistError) as error:
             logger.info("decode instance %d left while pulling: %s", number, error)
+        finally:
+            release_openmp_team()  # the copy's OpenMP team, as DecodeTransfer._run does
             del self._groups[number]
 
     def close(self) -> None:

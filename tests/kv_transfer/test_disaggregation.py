@@ -406,3 +406,25 @@ def test_the_batch_keeps_stepping_while_blocks_arrive(model_dir: Path, tmp_path:
         held.release.set()
         producer.shutdown()
         consumer.shutdown()
+
+
+def native_threads() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
+
+
+def test_a_pull_leaves_no_openmp_team_on_the_import_thread(model_dir: Path, tmp_path: Path) -> None:
+    """The pull's copy into the pool is parallel (a 400-token prompt: 25 blocks); its
+    OpenMP team on the kv-import thread is released after it, or libgomp, managing more
+    threads than there are cores, would throttle every later step of the engine."""
+    prompts = prompts_of([400])
+    producer = engine(model_dir, "prefill", tmp_path, num_blocks=64)
+    consumer = engine(model_dir, "decode", tmp_path, num_blocks=64, kv_transport="shm")
+    try:
+        staged = prefill(producer, prompts)
+        before = native_threads()
+        pair = run(consumer, [(rid, p, GREEDY, KVImport(staged[rid])) for rid, p in prompts.items()])
+        assert consumer.stats().kv_imports == 1 and len(pair) == 1
+        assert native_threads() == before
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
