@@ -259,9 +259,9 @@ class KVServer:
             self._groups[number].send([data.contiguous()], 1, 0).wait()
         except (RuntimeError, dist.DistError) as error:
             logger.info("decode instance %d left while pulling: %s", number, error)
+            del self._groups[number]
         finally:
             release_openmp_team()  # the copy's OpenMP team, as DecodeTransfer._run does
-            del self._groups[number]
 
     def close(self) -> None:
         """Stop answering; the store's socket closes with the last reference to it, so
