@@ -7,11 +7,10 @@
 //
 // Invariant: it does no arithmetic of its own. It calls the very kernels the module
 // path calls (csrc/cpu_ops.cpp, gemm.cpp, paged_attention.cpp, handed over as entry
-// points so each keeps its own build flags), in the same order, on the same values,
-// with the same thread count; the results are bit-identical to LlamaForCausalLM's
-// module path (tests/models/test_decoder_stack.py holds it to that). Only the bf16
-// paired-layout attention and kvloom's GEMM are wired here: anything else takes the
-// module path.
+// points so each keeps its own build flags), in the same order, on the same values;
+// the results are bit-identical to LlamaForCausalLM's module path
+// (tests/models/test_decoder_stack.py holds it to that). Only the bf16 paired-layout
+// attention and kvloom's GEMM are wired here: anything else takes the module path.
 //
 // Per layer, with T tokens:
 //   normed  = rms_norm(layer 0: residual; else residual += hidden)
@@ -29,8 +28,26 @@
 // parallel (a non-null `reduce`: the shared-memory all-reduce's context) each rank holds
 // its heads and MLP features, and `hidden` is summed over the ranks after the o and the
 // down projections, as the module path's all-reduces do, with the same function.
+//
+// Two walks at once (split_seqs > 0): the batch's first split_seqs sequences and the
+// rest, each walked by half the threads, concurrently. Why: a large decode batch's step
+// crosses ~300 kernels, each ending in a barrier of its threads, and alternates between
+// matmuls that keep the vector units busy and attention that waits on memory (its KV is
+// read once a step). Two walks meet at no barrier and drift apart, so one core's
+// attention often runs beside the other's matmuls (decode at batch 32-128, AMD EPYC
+// model 17: 3-8% faster steps, docs/benchmarks.md). Making the walks take turns at
+// attention gained nothing more, so they do not. Each walk reads the weights for
+// itself, so small batches, bound by that read, keep one walk (batch 16: 15% slower
+// split); the caller decides (kvloom/models/decoder_stack.py). Every kernel's result for
+// a row is independent of which rows share its call and of its thread count (the GEMM
+// keeps one K order per output; attention computes each query vector alone; the norms,
+// rotary and silu work a row at a time), so the split changes no bit; and a sequence
+// lies in one walk, so neither reads what the other writes.
+#include <omp.h>
+
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -58,21 +75,142 @@ enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GAT
               W_DOWN_BIAS, NUM_WEIGHTS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
 
+// Scratch elements (bf16) of a walk of `tokens` rows: normed, qkv, q rows, attention
+// output, gate_up and the activation.
+inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
+                                int64_t intermediate) {
+  return tokens * (hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate);
+}
+
 template <class T>
 T entry(const int64_t* kernels, Kernel which) { return reinterpret_cast<T>(kernels[which]); }
 inline const uint16_t* weight(const int64_t* row, Weight which) {
   return reinterpret_cast<const uint16_t*>(row[which]);  // 0 (a missing bias) is nullptr
 }
 
+// What every walk of a call shares: the model and its cache.
+struct Model {
+  const int64_t* kernels;
+  const int64_t* weights;
+  int64_t num_layers;
+  uint16_t* kv_caches;
+  int64_t num_blocks, max_blocks, hidden_size, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+  float eps, scale;
+  int isa;
+  int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
+
+  int64_t q_size() const { return num_heads * head_dim; }
+  int64_t kv_size() const { return num_kv_heads * head_dim; }
+  int64_t scratch(int64_t tokens) const {
+    return scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate);
+  }
+};
+
+// One walk's rows: consecutive tokens of the batch and the sequences they belong to.
+// query_start is relative to the walk's first token.
+struct Rows {
+  uint16_t* residual;
+  uint16_t* hidden;
+  uint16_t* scratch;
+  const float* cos;
+  const float* sin;
+  const int64_t* slots;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* query_lens;
+  int64_t num_seqs, tokens;
+};
+
+// The layers over one walk's rows with `num_threads` threads in each kernel.
+int walk(const Model& m, const Rows& r, int num_threads) {
+  const auto rms_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
+  const auto gemm = entry<GemmFn>(m.kernels, K_GEMM);
+  const auto rotary = entry<RotaryFn>(m.kernels, K_ROTARY);
+  const auto write_kv = entry<WriteKvFn>(m.kernels, K_WRITE_KV);
+  const auto attention = entry<AttentionFn>(m.kernels, K_ATTENTION);
+  const auto silu = entry<SiluFn>(m.kernels, K_SILU);
+  const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);
+
+  const int64_t T = r.tokens, H = m.hidden_size, I = m.intermediate;
+  const int64_t q_size = m.q_size(), kv_size = m.kv_size(), qkv_width = q_size + 2 * kv_size;
+  uint16_t* normed = r.scratch;                // [T, H]
+  uint16_t* qkv = normed + T * H;              // [T, q + 2 kv]
+  uint16_t* q_rows = qkv + T * qkv_width;      // [T, q]
+  uint16_t* attn = q_rows + T * q_size;        // [T, q]
+  uint16_t* gate_up = attn + T * q_size;       // [T, 2 I]
+  uint16_t* act = gate_up + T * 2 * I;         // [T, I]
+  uint16_t* hidden = r.hidden;
+  const int64_t half_cache = m.num_blocks * m.block_size * kv_size;  // K's (or V's) elements in one layer
+
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+    const int64_t* w = m.weights + layer * NUM_WEIGHTS;
+    uint16_t* k_cache = m.kv_caches + layer * 2 * half_cache;
+    uint16_t* v_cache = k_cache + half_cache;
+    // A GEMM that refuses the path ends the walk: 1 + the layer (nothing after it runs).
+    const auto matmul = [&](const uint16_t* x, Weight which, Weight bias, uint16_t* y, int64_t n, int64_t k) {
+      return gemm(x, weight(w, which), weight(w, bias), y, T, n, k, m.isa, num_threads) == 0;
+    };
+    const int refused = static_cast<int>(layer) + 1;
+    if (layer == 0) rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+    else rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+    if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H)) return refused;
+    rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
+    write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
+             m.num_kv_heads, m.head_dim, m.block_size, num_threads);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(q_rows + t * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
+    attention(q_rows, attn, k_cache, v_cache, r.block_tables, m.max_blocks, r.seq_lens, r.query_start, r.query_lens,
+              r.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale, num_threads, PAIRED_KERNEL);
+    if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size)) return refused;
+    if (m.reduce != nullptr) {
+      const int status = all_reduce(m.reduce, hidden, T * H);
+      if (status != 0) return status;
+    }
+    rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, m.eps);
+    if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
+    silu(gate_up, act, T, I);
+    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I)) return refused;
+    if (m.reduce != nullptr) {
+      const int status = all_reduce(m.reduce, hidden, T * H);
+      if (status != 0) return status;
+    }
+  }
+  return 0;
+}
+
+// Two walks: sequences [0, split) and [split, num_seqs), num_threads / 2 threads each.
+int split_walks(const Model& m, const Rows& all, int64_t split, int num_threads) {
+  const int64_t first_tokens = all.query_start[split];
+  std::vector<int32_t> second_start(all.query_start + split, all.query_start + all.num_seqs);
+  for (int32_t& start : second_start) start -= static_cast<int32_t>(first_tokens);
+  const Rows halves[2] = {
+      {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.slots, all.block_tables, all.seq_lens,
+       all.query_start, all.query_lens, split, first_tokens},
+      {all.residual + first_tokens * m.hidden_size, all.hidden + first_tokens * m.hidden_size,
+       all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.head_dim, all.sin + first_tokens * m.head_dim,
+       all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
+       second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens}};
+  int status[2] = {0, 0};
+#pragma omp parallel num_threads(2)
+  {
+    // The kernels' own parallel regions are nested in this one: a walk's threads are
+    // the ones its kernels are given (the element-wise ops take the default count).
+    omp_set_num_threads(num_threads / 2);
+    // Both halves whatever the team the runtime grants (one thread walks them in turn).
+    for (int index = omp_get_thread_num(); index < 2; index += omp_get_num_threads())
+      status[index] = walk(m, halves[index], num_threads / 2);
+  }
+  return status[0] != 0 ? status[0] : status[1];
+}
+
 }  // namespace
 
 extern "C" {
 
-// Scratch elements (bf16) the walk needs for `tokens` rows: normed, qkv, q rows,
-// attention output, gate_up and the activation.
+// Scratch elements (bf16) a call needs for `tokens` rows (two walks take their rows' share each).
 int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
                                      int64_t intermediate) {
-  return tokens * (hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate);
+  return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate);
 }
 
 // kernels: [NUM_KERNELS] entry points; weights: [num_layers, NUM_WEIGHTS] data pointers
@@ -80,8 +218,10 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
 // hidden_size] (the embeddings in; the stream before the last `hidden` out); hidden:
 // [tokens, hidden_size] out. kv_caches: [num_layers, 2, num_blocks, block_size, kv heads,
 // head_dim] bf16 in the paired layout. reduce: nullptr, or the all-reduce's context
-// (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). Returns 0,
-// 1 + the layer whose GEMM refused `isa` (nothing after it ran), or the all-reduce's
+// (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). split_seqs:
+// 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
+// num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
+// whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
 // failure (-1 timed out, -2 a rank died).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
@@ -90,61 +230,14 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
                          int64_t block_size, float eps, float scale, int isa, int num_threads,
-                         int64_t* reduce) {
-  const auto rms_norm = entry<RmsNormFn>(kernels, K_RMS_NORM);
-  const auto gemm = entry<GemmFn>(kernels, K_GEMM);
-  const auto rotary = entry<RotaryFn>(kernels, K_ROTARY);
-  const auto write_kv = entry<WriteKvFn>(kernels, K_WRITE_KV);
-  const auto attention = entry<AttentionFn>(kernels, K_ATTENTION);
-  const auto silu = entry<SiluFn>(kernels, K_SILU);
-  const auto all_reduce = entry<AllReduceFn>(kernels, K_ALL_REDUCE);
-
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const int64_t qkv_width = q_size + 2 * kv_size;
-  uint16_t* normed = scratch;                        // [T, H]
-  uint16_t* qkv = normed + tokens * hidden_size;     // [T, q + 2 kv]
-  uint16_t* q_rows = qkv + tokens * qkv_width;       // [T, q]
-  uint16_t* attn = q_rows + tokens * q_size;         // [T, q]
-  uint16_t* gate_up = attn + tokens * q_size;        // [T, 2 I]
-  uint16_t* act = gate_up + tokens * 2 * intermediate;  // [T, I]
-  const int64_t half_cache = num_blocks * block_size * kv_size;  // K's (or V's) elements in one layer
-
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const int64_t* w = weights + layer * NUM_WEIGHTS;
-    uint16_t* k_cache = kv_caches + layer * 2 * half_cache;
-    uint16_t* v_cache = k_cache + half_cache;
-    if (layer == 0) rms_norm(residual, nullptr, weight(w, W_INPUT_NORM), normed, tokens, hidden_size, eps);
-    else rms_norm(hidden, residual, weight(w, W_INPUT_NORM), normed, tokens, hidden_size, eps);
-    if (gemm(normed, weight(w, W_QKV), weight(w, W_QKV_BIAS), qkv, tokens, qkv_width, hidden_size, isa,
-             num_threads) != 0)
-      return static_cast<int>(layer) + 1;
-    rotary(qkv, qkv_width, cos, sin, tokens, num_heads + num_kv_heads, head_dim);
-    write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, slots, tokens, k_cache, v_cache,
-             num_kv_heads, head_dim, block_size, num_threads);
-    for (int64_t t = 0; t < tokens; ++t)
-      std::memcpy(q_rows + t * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
-    attention(q_rows, attn, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start, query_lens, num_seqs,
-              num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, PAIRED_KERNEL);
-    if (gemm(attn, weight(w, W_O), weight(w, W_O_BIAS), hidden, tokens, hidden_size, q_size, isa, num_threads) != 0)
-      return static_cast<int>(layer) + 1;
-    if (reduce != nullptr) {
-      const int status = all_reduce(reduce, hidden, tokens * hidden_size);
-      if (status != 0) return status;
-    }
-    rms_norm(hidden, residual, weight(w, W_POST_NORM), normed, tokens, hidden_size, eps);
-    if (gemm(normed, weight(w, W_GATE_UP), weight(w, W_GATE_UP_BIAS), gate_up, tokens, 2 * intermediate,
-             hidden_size, isa, num_threads) != 0)
-      return static_cast<int>(layer) + 1;
-    silu(gate_up, act, tokens, intermediate);
-    if (gemm(act, weight(w, W_DOWN), weight(w, W_DOWN_BIAS), hidden, tokens, hidden_size, intermediate, isa,
-             num_threads) != 0)
-      return static_cast<int>(layer) + 1;
-    if (reduce != nullptr) {
-      const int status = all_reduce(reduce, hidden, tokens * hidden_size);
-      if (status != 0) return status;
-    }
-  }
-  return 0;
+                         int64_t* reduce, int64_t split_seqs) {
+  const Model model{kernels,   weights,     num_layers,   kv_caches,  num_blocks, max_blocks, hidden_size,
+                    num_heads, num_kv_heads, head_dim,    intermediate, block_size, eps,       scale,
+                    isa,       reduce};
+  const Rows rows{residual, hidden,     scratch,    cos,       sin,      slots,
+                  block_tables, seq_lens, query_start, query_lens, num_seqs, tokens};
+  if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);
+  return walk(model, rows, num_threads);
 }
 
 }  // extern "C"

@@ -29,7 +29,7 @@ _STACK = NativeFunction(
     "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
-    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce) -> int32")
+    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs) -> int32")
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -100,7 +100,8 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
 
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
-        scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None) -> torch.Tensor:
+        scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None,
+        split_seqs: int = 0) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. ``kv_caches``: the whole pool
@@ -109,7 +110,9 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     allocated). ``reduce``: under tensor parallel, the shared-memory all-reduce's
     context (kernels/shm_collectives.py ``CONTEXT_FIELDS``; the kernel table must hold
     its entry point): ``hidden`` is summed over the ranks after the o and down
-    projections."""
+    projections. ``split_seqs``: 0 for one walk; else two concurrent walks, the first
+    ``split_seqs`` sequences and the rest, on half the threads each (no reduce, an even
+    thread count; the result is the same bit for bit)."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (7,))
@@ -134,6 +137,10 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     _check("block_tables", rows.block_tables, torch.int32, (num_seqs, rows.block_tables.shape[1]))
     for name in ("seq_lens", "query_start", "query_lens"):
         _check(name, getattr(rows, name), torch.int32, (num_seqs,))
+    threads = torch.get_num_threads()
+    if split_seqs and not (0 < split_seqs < num_seqs and threads >= 2 and threads % 2 == 0 and reduce is None):
+        raise _fail("split_seqs", f"must be 0, or within (0, {num_seqs}) with an even thread count (have "
+                                  f"{threads}) and no reduce context, got {split_seqs}")
     needed = scratch_elements(shape, tokens)
     if scratch is None:
         scratch = torch.empty(needed, dtype=bf16)
@@ -147,7 +154,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
         rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
-        gemm.isa_code(shape.isa), torch.get_num_threads(), 0 if reduce is None else reduce.data_ptr())
+        gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs)
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:

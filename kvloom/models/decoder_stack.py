@@ -28,6 +28,36 @@ from kvloom.kernels import decoder_stack as kernels
 from kvloom.models.packed_linear import InvariantLinear
 
 
+# Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
+# the step is bound by reading the weights, which each walk reads for itself (decode,
+# context 300, AMD EPYC model 17: batch 16 17.6 -> 20.1 ms split, batch 32 32.7 ->
+# 31.4, batch 64 64.8 -> 60.7; docs/benchmarks.md).
+SPLIT_FROM_TOKENS = 32
+# A row's matmuls cost about what reading this many tokens of its KV costs (decode at
+# context 300 on AMD EPYC model 17: ~0.5 ms a row against ~0.86 us a context token),
+# the unit in which the two walks are balanced.
+ROW_COST_IN_CONTEXT_TOKENS = 600
+
+
+def split_point(query_lens: list[int], seq_lens: list[int], threads: int) -> int:
+    """Where the second of two walks should begin (its first sequence), or 0 for one walk.
+
+    Only decode steps split (every sequence one token): prompt steps ran 2-4% slower split,
+    as one walk's long prompt leaves the other waiting. The halves are balanced on each
+    sequence's estimated cost (its row's matmuls and its KV read), and only two threads
+    split: with more, each walk would still read the weights for itself, unmeasured."""
+    tokens = len(query_lens)
+    if threads != 2 or tokens < SPLIT_FROM_TOKENS or any(length != 1 for length in query_lens):
+        return 0
+    costs = [ROW_COST_IN_CONTEXT_TOKENS + length for length in seq_lens]
+    half, total = sum(costs) / 2, 0.0
+    for index, cost in enumerate(costs):
+        if total + cost / 2 >= half:  # sequence `index` lies mostly past the midpoint
+            return max(1, index)
+        total += cost
+    return tokens - 1
+
+
 class DecoderModel(Protocol):
     """What the walk reads of a model (LlamaForCausalLM is one): its config, its
     tensor-parallel group and its layers, each with input_layernorm, self_attn
@@ -116,7 +146,9 @@ class NativeDecoderStack:
         hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
-                             backend.scale, self._scratch, None if shm is None else shm.context)
+                             backend.scale, self._scratch, None if shm is None else shm.context,
+                             split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
+                             if shm is None else 0)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)

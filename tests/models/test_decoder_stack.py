@@ -6,6 +6,7 @@ the modules."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import torch
 
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
-from kvloom.kernels import decoder_stack, paged_attention
+from kvloom.kernels import decoder_stack, gemm, paged_attention
+from kvloom.models import decoder_stack as stack_model
+from kvloom.models.decoder_stack import split_point
 from kvloom.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +35,10 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE)
 
 
-def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None:
+def run_both_paths(model_dir: Path) -> list[list[int]]:
+    """A run mixing fresh prefills, chunked prefills, a prefix-cache hit and decodes, each
+    step computed by the walk and by the module path, which must agree bit for bit (the
+    hidden states and the KV cache); returns each step's query lengths."""
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", max_num_batched_tokens=40,
                                                 num_blocks=96, block_size=16, seed=0))
     model: Any = engine.model
@@ -68,6 +74,47 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
     assert engine.scheduler.num_cached_prompt_tokens >= 32
     assert any(len(lens) > 1 and max(lens) > 1 and min(lens) == 1 for lens in steps), "no mixed step"
     assert any(max(lens) == 1 for lens in steps), "no pure decode step"
+    return steps
+
+
+def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None:
+    run_both_paths(model_dir)
+
+
+def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Decode steps of two sequences on split (the default waits for 32), over two threads
+    # whatever this machine has; every split the walk is given is recorded.
+    monkeypatch.setattr(stack_model, "SPLIT_FROM_TOKENS", 2)
+    splits: list[int] = []
+
+    def recording(query_lens: list[int], seq_lens: list[int], threads: int) -> int:
+        splits.append(split_point(query_lens, seq_lens, threads))
+        return splits[-1]
+
+    monkeypatch.setattr(stack_model, "split_point", recording)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_both_paths(model_dir)
+    finally:
+        torch.set_num_threads(threads)
+    assert any(split > 0 for split in splits), "no step was split into two walks"
+
+
+def test_split_point_balances_decode_steps_and_leaves_the_rest_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stack_model, "ROW_COST_IN_CONTEXT_TOKENS", 600)
+    decode = [1] * 40
+    assert split_point(decode, [300] * 40, threads=2) == 20  # equal contexts: half the sequences each
+    # Costs 10 x (600 + 1,800) = 24,000, then 30 x (600 + 100) = 21,000; half of 45,000 is
+    # 22,500. The first 9 sequences cost 21,600 (the other walk 23,400), the first 10
+    # 24,000 (21,000): 9 is the closer, and sequence 9 lies mostly past the midpoint.
+    assert split_point(decode, [1800] * 10 + [100] * 30, threads=2) == 9
+    # One walk: below the threshold, a step with a prompt in it, other thread counts.
+    assert split_point([1] * (stack_model.SPLIT_FROM_TOKENS - 1), [300] * 31, threads=2) == 0
+    assert split_point([1] * 39 + [5], [300] * 40, threads=2) == 0
+    assert split_point(decode, [300] * 40, threads=1) == 0
+    assert split_point(decode, [300] * 40, threads=4) == 0
 
 
 def test_configurations_it_does_not_serve_run_the_modules(model_dir: Path) -> None:
@@ -103,3 +150,33 @@ def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> 
              "scratch must be a contiguous 1-D bf16 tensor of at least")):
         with pytest.raises(ValueError, match=f"kvloom decoder_stack: {message}"):
             decoder_stack.run(stack.kernels, stack.weights, stack.shape, scale=0.1, **{**good, name: bad})
+
+
+def test_split_walks_are_checked_and_a_refused_path_ends_both(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=32))
+    stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
+    tokens, caches = 2, engine.runner.kv_caches
+    rows = decoder_stack.StackRows(torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
+                                   torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32))
+    args: dict[str, Any] = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
+                                cos=torch.ones(tokens, 32), sin=torch.zeros(tokens, 32),
+                                slots=torch.tensor([2, 20]), rows=rows, scale=0.1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for bad in (2, -1):  # the second walk would have no sequence / a negative start
+            with pytest.raises(ValueError, match=rf"split_seqs must be 0, or within \(0, 2\) .* got {bad}"):
+                decoder_stack.run(stack.kernels, stack.weights, stack.shape, split_seqs=bad, **args)
+        torch.set_num_threads(3)
+        with pytest.raises(ValueError, match=r"even thread count \(have 3\)"):
+            decoder_stack.run(stack.kernels, stack.weights, stack.shape, split_seqs=1, **args)
+        torch.set_num_threads(2)
+        # A path this CPU lacks: both walks' first matmul refuses it, and the call returns
+        # (a walk that stopped early leaves the other nothing to wait on).
+        lacking = [isa for isa in gemm.ISAS if isa not in gemm.supported_isas()]
+        if lacking:
+            shape = dataclasses.replace(stack.shape, isa=lacking[-1])
+            with pytest.raises(RuntimeError, match=f"layer 0's matmul refused the '{lacking[-1]}' path"):
+                decoder_stack.run(stack.kernels, stack.weights, shape, split_seqs=1, **args)
+    finally:
+        torch.set_num_threads(threads)
