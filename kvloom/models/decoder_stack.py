@@ -27,7 +27,6 @@ from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
 from kvloom.models.packed_linear import InvariantLinear
 
-
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
 # the step is bound by reading the weights, which each walk reads for itself (decode,
 # context 300, AMD EPYC model 17: batch 16 17.6 -> 20.1 ms split, batch 32 32.7 ->
