@@ -30,19 +30,19 @@
 // down projections, as the module path's all-reduces do, with the same function.
 //
 // Two walks at once (split_seqs > 0): the batch's first split_seqs sequences and the
-// rest, each walked by half the threads, concurrently. Why: a large decode batch's step
-// crosses ~300 kernels, each ending in a barrier of its threads, and alternates between
-// matmuls that keep the vector units busy and attention that waits on memory (its KV is
-// read once a step). Two walks meet at no barrier and drift apart, so one core's
-// attention often runs beside the other's matmuls (decode at batch 32-128, AMD EPYC
-// model 17: 3-8% faster steps, docs/benchmarks.md). Making the walks take turns at
-// attention gained nothing more, so they do not. Each walk reads the weights for
-// itself, so small batches, bound by that read, keep one walk (batch 16: 15% slower
-// split); the caller decides (kvloom/models/decoder_stack.py). Every kernel's result for
-// a row is independent of which rows share its call and of its thread count (the GEMM
-// keeps one K order per output; attention computes each query vector alone; the norms,
-// rotary and silu work a row at a time), so the split changes no bit; and a sequence
-// lies in one walk, so neither reads what the other writes.
+// rest, each walked by half the threads, concurrently. Why: a decode step crosses ~300
+// kernels, each ending in a barrier where the thread that finished first waits for the
+// other; two walks never wait on each other. Decode at batch 32-128 and context 300 ran
+// 3-8% faster (AMD EPYC model 17, docs/benchmarks.md; 0-4% when first tried, before the
+// GEMM's threads shared their work). Making the walks take turns at attention, so that
+// one core's memory-bound attention would run beside the other's matmuls, gained nothing
+// more: one core reads its half of the KV at about the rate two read the whole. Each
+// walk reads all the weights, so small batches, bound by that read, keep one walk (batch
+// 16: 9-15% slower split); the caller decides (kvloom/models/decoder_stack.py). Every
+// kernel's result for a row is independent of which rows share its call and of its
+// thread count (the GEMM keeps one K order per output; attention computes each query
+// vector alone; the norms, rotary and silu work a row at a time), so the split changes
+// no bit; and a sequence lies in one walk, so neither reads what the other writes.
 #include <omp.h>
 
 #include <cstdint>

@@ -29,8 +29,9 @@ from kvloom.models.packed_linear import InvariantLinear
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
 # the step is bound by reading the weights, which each walk reads for itself (decode,
-# context 300, AMD EPYC model 17: batch 16 17.6 -> 20.1 ms split, batch 32 32.7 ->
-# 31.4, batch 64 64.8 -> 60.7; docs/benchmarks.md).
+# context 300, AMD EPYC model 17, one process alternating: batch 32 33.2 -> 31.9 ms
+# split, 64 63.7 -> 62.0, 128 126.8 -> 116.3; batch 16 17.6 -> 20.1, and 26.3 -> 28.8
+# at context 1,000; docs/results/issue17/genoa7/two_walks.txt).
 SPLIT_FROM_TOKENS = 32
 # A row's matmuls cost about what reading this many tokens of its KV costs (decode at
 # context 300 on AMD EPYC model 17: ~0.5 ms a row against ~0.86 us a context token),
