@@ -2,17 +2,21 @@
 and 3 kv heads of 64 dims, blocks of 16 scattered over the pool), on each path this CPU
 has: decode at batch 64 and context 300, prefill 8 x 256 and 1 x 512 at context 1,024,
 and 100 decodes at context 1,060 whose first 1,056 tokens are one shared prefix (the
-shared walk) or 100 different ones. Best of 5, ms.
+shared walk) or 100 different ones. Best of 5, ms. HUGE=1 puts the caches on 2 MiB pages,
+as the engine's pool is.
 
     .venv/bin/python docs/results/issue17/attention_paths.py
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 
 import torch
 
+from kvloom.kernels import huge_pages
 from kvloom.kernels import paged_attention as kernels
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -22,7 +26,12 @@ def case(batch: int, context: int, query_len: int, shared: int = 0):
     blocks = -(-context // BLOCK)
     shared_blocks = shared // BLOCK
     total = shared_blocks + batch * (blocks - shared_blocks)
-    caches = [torch.empty(2, total, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
+    shape = (2, total, BLOCK, KV_HEADS, DIM)
+    if os.environ.get("HUGE") == "1":  # as the engine's pool: on 2 MiB pages (kernels/huge_pages.py)
+        caches = [huge_pages.empty_on_huge_pages(math.prod(shape), torch.bfloat16).view(shape).normal_()
+                  for _ in range(LAYERS)]
+    else:
+        caches = [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
     order = torch.randperm(total).int()
     tables = torch.empty(batch, blocks, dtype=torch.int32)
     tables[:, :shared_blocks] = order[:shared_blocks]
