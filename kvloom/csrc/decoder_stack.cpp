@@ -231,10 +231,10 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
                          int64_t block_size, float eps, float scale, int isa, int num_threads,
                          int64_t* reduce, int64_t split_seqs) {
-  const Model model{kernels,   weights,     num_layers,   kv_caches,  num_blocks, max_blocks, hidden_size,
-                    num_heads, num_kv_heads, head_dim,    intermediate, block_size, eps,       scale,
-                    isa,       reduce};
-  const Rows rows{residual, hidden,     scratch,    cos,       sin,      slots,
+  const Model model{kernels,      weights,    num_layers, kv_caches, num_blocks, max_blocks,
+                    hidden_size,  num_heads,  num_kv_heads, head_dim, intermediate, block_size,
+                    eps,          scale,      isa,        reduce};
+  const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens};
   if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);
   return walk(model, rows, num_threads);
