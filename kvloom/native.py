@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvloom.paths import kvloom_home
@@ -161,6 +162,19 @@ def loaded_openmp() -> ctypes.CDLL | None:
 OMP_PAUSE_SOFT = 1  # omp.h's omp_pause_soft
 
 
+@functools.cache
+def _pause_resources() -> Callable[[int], int] | None:
+    """omp_pause_resource_all of the loaded runtime, typed, or None: looked up once (the
+    transfer threads release their team after every job)."""
+    library = loaded_openmp()
+    if library is None:
+        return None
+    function = library.omp_pause_resource_all
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
 def release_openmp_team() -> bool:
     """Release the calling thread's OpenMP team: libgomp's worker threads for it exit
     (joined before this returns), and a later parallel region on this thread starts a
@@ -170,9 +184,5 @@ def release_openmp_team() -> bool:
     region of the thread that computes sleeps and wakes on a futex (a decode step
     12-28% slower on two cores; docs/results/issue17/genoa6/forward_thread.txt).
     Returns whether a runtime was there to ask."""
-    library = loaded_openmp()
-    if library is None:
-        return False
-    library.omp_pause_resource_all.argtypes = [ctypes.c_int]
-    library.omp_pause_resource_all.restype = ctypes.c_int
-    return bool(library.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0)
+    pause = _pause_resources()
+    return pause is not None and bool(pause(OMP_PAUSE_SOFT) == 0)
