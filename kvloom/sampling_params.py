@@ -7,6 +7,7 @@ CLI and the HTTP server all report the same message for the same mistake.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import InitVar, dataclass, field
 
@@ -24,6 +25,16 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's limits on logit_bias: each bias in [-100, 100], at most this many tokens.
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request gets from ``LLMEngine.step`` (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # one per step it moved: everything so far, and the step's deltas
+    DELTA = 1  # one per step it moved: text, token_ids and logprobs hold the step's new part only
+    # One output, when it finishes. Nothing per step is built, and where no stop string
+    # needs the text per token, the output is detokenized once at the end (LLM.generate).
+    FINAL_ONLY = 2
 
 
 def seed_value(seed: int) -> int:
@@ -97,6 +108,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None) -> None:
@@ -161,9 +173,19 @@ class SamplingParams:
                     raise ValueError(f"{name} must be <= 20, got {value}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
+        if isinstance(self.output_kind, bool) or self.output_kind not in set(RequestOutputKind):
+            raise ValueError(f"output_kind must be one of {[kind.name for kind in RequestOutputKind]}, "
+                             f"got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(
                 f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+
+    @property
+    def defers_text(self) -> bool:
+        """Whether the output's text may wait until the request finishes: it is reported
+        only then, and no stop string needs it token by token."""
+        return self.output_kind is RequestOutputKind.FINAL_ONLY and not self.stop
 
     @property
     def is_greedy(self) -> bool:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from kvloom.bench.datasets import BenchRequest
 from kvloom.engine.engine import LLMEngine
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,10 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
     the first ``lead`` requests go first and the rest only once those have their first
     token (inside the timed run): a shared prompt is then cached before the others ask
     for it, as with OpenVINO GenAI's staggered submission in shared/peers."""
-    def submit(batch: list[BenchRequest]) -> None:
+    def submit(batch: list[BenchRequest], kind: RequestOutputKind) -> None:
         for item in batch:
             params = SamplingParams(max_tokens=item.expected_output_len, temperature=0.0,
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, output_kind=kind)
             engine.add_request(item.prompt_token_ids or item.prompt, params)
 
     scheduler = engine.scheduler
@@ -97,12 +97,17 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], label: str,
     steps, utilisation, finished, prompt_tokens, output_tokens, cached_tokens = 0, [], 0, 0, 0, 0
     waiting = requests[lead:] if lead > 0 else []
     started = 0  # requests that have produced a token, while the rest wait
-    submit(requests[:lead] if lead > 0 else requests)  # before the clock, as it always was
+    # Only finished outputs are counted, as LLM.generate returns them; the lead requests
+    # report their first token, for which the others wait.
+    if lead > 0:
+        submit(requests[:lead], RequestOutputKind.CUMULATIVE)  # before the clock, as it always was
+    else:
+        submit(requests, RequestOutputKind.FINAL_ONLY)
     start = time.perf_counter()
     with tqdm(total=len(requests), desc=label, unit="req", disable=not show_progress) as bar:
         while engine.has_unfinished_requests() or waiting:
             if waiting and (started >= lead or not engine.has_unfinished_requests()):
-                submit(waiting)
+                submit(waiting, RequestOutputKind.FINAL_ONLY)
                 waiting = []
             outputs = engine.step()
             steps += 1

@@ -334,8 +334,9 @@ class LLMEngine:
                 if chunk is not None:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
         updates = self.scheduler.commit(scheduled, result)
-        return [self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
-                for update in updates]
+        outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
+                   for update in updates)
+        return [output for output in outputs if output is not None]  # None: FINAL_ONLY, not finished
 
     def _propose(self) -> None:
         """Drafts for the next step's decodes, where the scheduler has room for them."""
@@ -348,10 +349,11 @@ class LLMEngine:
             self.scheduler.set_draft_tokens({request: self.runner.valid_drafts(request, tokens)
                                              for request, tokens in zip(requests, drafts, strict=True)})
 
-    def _output(self, request: Request, new_logprobs: list[LogprobsEntry | None]) -> RequestOutput:
-        """The request's output for this step, inside the boundary that makes a failure
-        here (detokenizing, logprobs) this request's alone: it finishes with an error
-        and the rest of the step goes on. A finished request's state is dropped."""
+    def _output(self, request: Request, new_logprobs: list[LogprobsEntry | None]) -> RequestOutput | None:
+        """The request's output for this step (None where its output_kind asks for none
+        yet), inside the boundary that makes a failure here (detokenizing, logprobs) this
+        request's alone: it finishes with an error and the rest of the step goes on. A
+        finished request's state is dropped."""
         try:
             output = self.output_processor.make_output(request, new_logprobs)
         except Exception as error:  # noqa: BLE001 - attributed to this request
@@ -362,6 +364,7 @@ class LLMEngine:
                                    [CompletionOutput(0, "", list(request.output_token_ids), "error")],
                                    finished=True, metrics=request.timeline, error=request.error)
         if request.is_finished:
+            assert output is not None, "a finished request always has its output"
             if isinstance(request.kv_transfer, KVExport):
                 staged = self.kv_transfer.take_staged(request.request_id)
                 output.kv_transfer_params = staged.as_dict() if staged is not None else None

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
-from kvloom.sampling_params import SamplingParams, fan_out
+from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 
 Prompt = str | list[int]
 Message = dict[str, Any]  # role, content, and tool_calls / tool_call_id / name as transformers takes them
@@ -45,7 +45,10 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or a list of token ids. ``n > 1`` runs n independent
-        samples of the prompt (seed, when given, becomes seed + i for sample i).
+        samples of the prompt (seed, when given, becomes seed + i for sample i). Only
+        the finished outputs are returned, so every request runs as ``FINAL_ONLY``
+        (vLLM's LLM does the same): no output is built per step, and the text is
+        detokenized once at the end unless a stop string needs it sooner.
         """
         prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
@@ -67,7 +70,8 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                for sample, sample_params in enumerate(fan_out(params)):
+                final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                for sample, sample_params in enumerate(fan_out(final_only)):
                     request_id = self.engine.new_request_id()
                     owners[request_id] = (index, sample)
                     self.engine.add_request(prompt, sample_params, request_id=request_id,

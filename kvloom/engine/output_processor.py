@@ -4,6 +4,10 @@ strings, logprobs, deltas.
 The scheduler's stop check calls ``add_token`` for every token it appends (this is
 the ``TokenText`` of engine/stop.py: the text is kept here, the decision is made
 there); the engine calls ``make_output`` once per step for each request that moved.
+A ``FINAL_ONLY`` request gets no output before it finishes, and where no stop string
+needs its text token by token (``SamplingParams.defers_text``) its tokens are
+detokenized once, at the end: the same text (IncrementalDetokenizer's invariant), none
+of the per-token work on the step.
 
 Invariant: the ``delta_text`` values a caller receives concatenate to exactly the
 final ``text``. Text that could still turn into a stop string is held back until it
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from kvloom.batch import LogprobsEntry, PromptLogprobs
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvloom.request import Request
+from kvloom.sampling_params import RequestOutputKind
 from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -83,6 +88,8 @@ class OutputProcessor:
         (the text is cut there, or after it with ``include_stop_str_in_output``)."""
         state = self._streams[request]
         params = request.sampling_params
+        if params.defers_text:  # detokenized when it finishes (make_output)
+            return None
         previous_len = len(state.text)
         state.text += state.detokenizer.add_tokens([token_id])
         for stop in params.stop:
@@ -112,13 +119,22 @@ class OutputProcessor:
                                                  for entry in state.prompt_logprobs)]
         return state.prompt_logprobs_out
 
-    def make_output(self, request: Request, new_logprobs: Sequence[LogprobsEntry | None] = ()) -> RequestOutput:
-        """The request's cumulative output and the delta since the previous call.
-        ``new_logprobs``: those of the tokens appended since then, where requested."""
+    def make_output(self, request: Request,
+                    new_logprobs: Sequence[LogprobsEntry | None] = ()) -> RequestOutput | None:
+        """The request's output for what it did since the previous call, as its
+        ``output_kind`` asks (CUMULATIVE: everything so far, with the deltas; DELTA: the
+        deltas only), or None for a ``FINAL_ONLY`` request that has not finished.
+        ``new_logprobs``: those of the tokens appended since then, where requested (kept
+        in every case)."""
         state = self._streams[request]
         if state.logprobs is not None:
             state.logprobs.extend(self._convert_logprobs(entry) for entry in new_logprobs if entry is not None)
         finished = request.is_finished
+        kind = request.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if finished and request.sampling_params.defers_text:  # no token was detokenized yet
+            state.text += state.detokenizer.add_tokens(request.output_token_ids)
         if finished and not isinstance(request.stop_reason, str):
             # Bytes of an unfinished character are released at the very end.
             state.text += state.detokenizer.finish()
@@ -135,13 +151,14 @@ class OutputProcessor:
             delta_logprobs = state.logprobs[state.num_sent_tokens:]
         state.num_sent_tokens = len(tokens)
         text = state.text if finished else state.text[:visible]
+        delta = kind is RequestOutputKind.DELTA
         completion = CompletionOutput(
             index=0,
-            text=text,
-            token_ids=list(tokens),
+            text=delta_text if delta else text,
+            token_ids=list(delta_tokens if delta else tokens),
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=(delta_logprobs if delta else list(state.logprobs)) if state.logprobs is not None else None,
             delta_text=delta_text,
             delta_token_ids=delta_tokens,
             delta_logprobs=delta_logprobs,
