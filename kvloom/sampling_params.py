@@ -173,10 +173,11 @@ class SamplingParams:
                     raise ValueError(f"{name} must be <= 20, got {value}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
-        if isinstance(self.output_kind, bool) or self.output_kind not in set(RequestOutputKind):
-            raise ValueError(f"output_kind must be one of {[kind.name for kind in RequestOutputKind]}, "
+        kinds = {kind.value: kind for kind in RequestOutputKind}
+        if type(self.output_kind) not in (int, RequestOutputKind) or self.output_kind not in kinds:
+            raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(kinds[v].name for v in kinds)}), "
                              f"got {self.output_kind!r}")
-        self.output_kind = RequestOutputKind(self.output_kind)
+        self.output_kind = kinds[self.output_kind]
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(
                 f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

@@ -100,7 +100,7 @@ def test_final_only_with_a_stop_string_cuts_where_cumulative_does(smol: Tokenize
 
 
 def test_bad_output_kinds_are_refused_by_name() -> None:
-    for bad in (3, -1, "FINAL_ONLY", True, None, 1.5):
+    for bad in (3, -1, "FINAL_ONLY", True, None, 1.5, 2.0, [2], {}):
         with pytest.raises(ValueError, match="output_kind"):
             SamplingParams(output_kind=bad)
     assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
