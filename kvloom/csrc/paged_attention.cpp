@@ -435,9 +435,16 @@ inline float running_max(float row_max, __m512 scores, __mmask16 live) {
   return std::max(row_max, _mm512_mask_reduce_max_ps(live, scores));
 }
 
-// The largest row group (query vectors sharing every K/V load) whose accumulators fit
-// the 32 vector registers: G x head_dim / 16 of them, plus G running sums and scores.
-constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : 4; }
+// The row group (query vectors sharing every K/V load): G x head_dim / 16 accumulators
+// plus 2G scores and G running sums. At head_dim 64, 6 rather than the 4 that fit the 32
+// vector registers outright: the compiler keeps a few in memory, and each K and V load
+// then serves half again as many vectors. Prompt attention, one process alternating with
+// the group of 4 on AMD EPYC model 17 (docs/results/issue17/attention_ab.py): 8 x 256
+// 1.075-1.095x and 2 x 1,000 1.030-1.037x faster on vdpbf16ps, 1.060x and 1.045x on
+// AVX-512 fma; 3 was 12% slower and 8 no faster than 4. Head_dim 32 keeps the group of 4
+// (not measured); decode, 3 vectors a kv head here, is unchanged. A vector's arithmetic
+// does not depend on G, so no result changes.
+constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : head_dim == 64 ? 6 : 4; }
 
 // G query vectors (same kv head; the same sequence, or sequences whose block tables
 // agree over the range) against the keys, flash-attention style with the whole state
@@ -565,6 +572,10 @@ void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* 
     case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<Pairs, D, 3>(src, q, limit, out, range);
       break;
     case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<Pairs, D, 4>(src, q, limit, out, range);
+      break;
+    case 5: if constexpr (max_group(D) >= 5) return attend_group_paired<Pairs, D, 5>(src, q, limit, out, range);
+      break;
+    case 6: if constexpr (max_group(D) >= 6) return attend_group_paired<Pairs, D, 6>(src, q, limit, out, range);
       break;
     default: break;
   }

@@ -71,7 +71,7 @@ def test_unknown_paths_are_refused() -> None:
 
 
 def _attention_cases():
-    """Groups of 1-4 query vectors per kv head, blocks of 16 and 32, fresh prefills, chunks,
+    """Groups of 1-6 query vectors per kv head, blocks of 16 and 32, fresh prefills, chunks,
     decodes and a walk over shared leading blocks, on random bytes read as the paired layout."""
     generator = torch.Generator().manual_seed(0)
     for heads, kv_heads, dim in [(9, 3, 64), (8, 2, 32), (4, 4, 64), (8, 1, 128)]:
