@@ -436,15 +436,19 @@ inline float running_max(float row_max, __m512 scores, __mmask16 live) {
 }
 
 // The row group (query vectors sharing every K/V load): G x head_dim / 16 accumulators
-// plus 2G scores and G running sums. At head_dim 64, 6 rather than the 4 that fit the 32
-// vector registers outright: the compiler keeps a few in memory, and each K and V load
-// then serves half again as many vectors. Prompt attention, one process alternating with
-// the group of 4 on AMD EPYC model 17 (docs/results/issue17/attention_ab.py): 8 x 256
-// 1.075-1.095x and 2 x 1,000 1.030-1.037x faster on vdpbf16ps, 1.060x and 1.045x on
-// AVX-512 fma; 3 was 12% slower and 8 no faster than 4. Head_dim 32 keeps the group of 4
-// (not measured); decode, 3 vectors a kv head here, is unchanged. A vector's arithmetic
-// does not depend on G, so no result changes.
-constexpr int max_group(int head_dim) { return head_dim == 128 ? 2 : head_dim == 64 ? 6 : 4; }
+// plus 2G scores and G running sums. Past what fits the 32 vector registers outright
+// (4, 4 and 2 at head_dim 32, 64 and 128) the compiler keeps a few in memory, and each K
+// and V load serves more vectors: prompt attention, one process alternating builds on AMD
+// EPYC model 17 (docs/results/issue17/attention_ab.py; docs/results/issue17/genoa8/
+// prompt_groups.txt), 8 x 256 and 2 x 1,000, on vdpbf16ps and on AVX-512 fma:
+//   head_dim 64:  6 against 4  1.075-1.095x, 1.030-1.037x; fma 1.060x, 1.045x (3: 12%
+//                 slower, 8: no faster than 4)
+//   head_dim 32:  8 against 4  1.185x, 1.168x (6: 1.137x, 1.101x); fma 1.117x, 1.050x
+//   head_dim 128: 4 against 2  1.281x, 1.352x (3: 1.198x, 1.298x; 6: no faster than 2);
+//                 fma 1.133x, 1.110x
+// Decode (a row's query heads of one kv head) changes only where they were more than
+// the old group. A vector's arithmetic does not depend on G, so no result changes.
+constexpr int max_group(int head_dim) { return head_dim == 128 ? 4 : head_dim == 64 ? 6 : 8; }
 
 // G query vectors (same kv head; the same sequence, or sequences whose block tables
 // agree over the range) against the keys, flash-attention style with the whole state
@@ -576,6 +580,10 @@ void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* 
     case 5: if constexpr (max_group(D) >= 5) return attend_group_paired<Pairs, D, 5>(src, q, limit, out, range);
       break;
     case 6: if constexpr (max_group(D) >= 6) return attend_group_paired<Pairs, D, 6>(src, q, limit, out, range);
+      break;
+    case 7: if constexpr (max_group(D) >= 7) return attend_group_paired<Pairs, D, 7>(src, q, limit, out, range);
+      break;
+    case 8: if constexpr (max_group(D) >= 8) return attend_group_paired<Pairs, D, 8>(src, q, limit, out, range);
       break;
     default: break;
   }

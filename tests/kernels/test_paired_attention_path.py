@@ -71,10 +71,10 @@ def test_unknown_paths_are_refused() -> None:
 
 
 def _attention_cases():
-    """Groups of 1-6 query vectors per kv head, blocks of 16 and 32, fresh prefills, chunks,
+    """Groups of 1-8 query vectors per kv head, blocks of 16 and 32, fresh prefills, chunks,
     decodes and a walk over shared leading blocks, on random bytes read as the paired layout."""
     generator = torch.Generator().manual_seed(0)
-    for heads, kv_heads, dim in [(9, 3, 64), (8, 2, 32), (4, 4, 64), (8, 1, 128)]:
+    for heads, kv_heads, dim in [(9, 3, 64), (8, 2, 32), (4, 4, 64), (8, 1, 128), (6, 6, 32), (3, 3, 128)]:
         for block in (16, 32):
             for seq_lens, query_lens, shared in [([37, 1, 200, 64, 129], [5, 1, 17, 64, 3], 0),
                                                  ([300] * 3, [1] * 3, 256)]:
