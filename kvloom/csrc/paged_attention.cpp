@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <type_traits>
 #include <atomic>
@@ -567,27 +568,20 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   }
 }
 
+// attend_group_paired<Pairs, D, G> for G = 1 .. max_group(D), indexed by G - 1.
+using GroupFn = void (*)(const KeySource&, const uint16_t* const*, const int64_t*, uint16_t* const*,
+                         const BlockRange&);
+template <class Pairs, int D, int... G>
+constexpr std::array<GroupFn, sizeof...(G)> group_table(std::integer_sequence<int, G...>) {
+  return {&attend_group_paired<Pairs, D, G + 1>...};
+}
+
 template <class Pairs, int D>
 void attend_group_dispatch(const KeySource& src, int64_t count, const uint16_t* const* q, const int64_t* limit,
                            uint16_t* const* out, const BlockRange& range) {
-  switch (count) {
-    case 1: return attend_group_paired<Pairs, D, 1>(src, q, limit, out, range);
-    case 2: return attend_group_paired<Pairs, D, 2>(src, q, limit, out, range);
-    case 3: if constexpr (max_group(D) >= 3) return attend_group_paired<Pairs, D, 3>(src, q, limit, out, range);
-      break;
-    case 4: if constexpr (max_group(D) >= 4) return attend_group_paired<Pairs, D, 4>(src, q, limit, out, range);
-      break;
-    case 5: if constexpr (max_group(D) >= 5) return attend_group_paired<Pairs, D, 5>(src, q, limit, out, range);
-      break;
-    case 6: if constexpr (max_group(D) >= 6) return attend_group_paired<Pairs, D, 6>(src, q, limit, out, range);
-      break;
-    case 7: if constexpr (max_group(D) >= 7) return attend_group_paired<Pairs, D, 7>(src, q, limit, out, range);
-      break;
-    case 8: if constexpr (max_group(D) >= 8) return attend_group_paired<Pairs, D, 8>(src, q, limit, out, range);
-      break;
-    default: break;
-  }
-  std::abort();  // callers never pass more than max_group(D)
+  static constexpr auto table = group_table<Pairs, D>(std::make_integer_sequence<int, max_group(D)>());
+  if (count < 1 || count > max_group(D)) std::abort();  // callers never pass more than max_group(D)
+  table[count - 1](src, q, limit, out, range);
 }
 
 
