@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any
 
 from tqdm import tqdm
 
@@ -150,5 +151,13 @@ def format_table(results: list[OfflineResult]) -> str:
 
 
 def save_results(path: str, results: list[OfflineResult], meta: dict) -> None:
+    """``meta`` may hold the engine's parsed options, some of them configs
+    (``--speculative-config``): those are written as their fields."""
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": [r.to_json() for r in results]}, f, indent=2)
+        json.dump({"meta": meta, "results": [r.to_json() for r in results]}, f, indent=2, default=_config_fields)
+
+
+def _config_fields(value: Any) -> dict[str, Any]:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -128,3 +128,20 @@ def test_bench_plot_names_a_missing_result_file(capsys) -> None:
 
     assert main(["bench", "plot", "/nonexistent.json", "--out", "/tmp/kvloom-plot-test"]) == 2
     assert "no such result file: /nonexistent.json" in capsys.readouterr().err
+
+
+def test_offline_json_records_a_speculative_config(tiny_llama: Path, tmp_path: Path) -> None:
+    """`--speculative-config` with `--output-json` ended the run with a TypeError (the
+    parsed SpeculativeConfig went into the file's engine arguments as an object)."""
+    from kvloom.cli import main
+
+    workload = _write(tmp_path / "w.jsonl", [{"prompt_token_ids": [5, 6, 7, 5, 6, 7], "max_tokens": 6},
+                                             {"prompt_token_ids": [9, 10], "max_tokens": 4}])
+    out = tmp_path / "r.json"
+    assert main(["bench", "offline", str(tiny_llama), "--dataset", "tokens", "--dataset-path", str(workload),
+                 "--num-blocks", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                 "--output-json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    spec = saved["meta"]["engine_args"]["speculative_config"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["prompt_lookup_max"]) == ("ngram", 3, 4)
+    assert [(r["num_requests"], r["output_tokens"]) for r in saved["results"]] == [(2, 10)]
