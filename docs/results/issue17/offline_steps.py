@@ -7,11 +7,14 @@ batch size.
     .venv/bin/python docs/results/issue17/offline_steps.py WORKLOAD.jsonl NUM_PROMPTS [LEAD] [MODEL_DIR]
 
 WORKLOAD is shared/peers/make_ov_workload.py's token-id JSONL (e.g.
-~/kvloom-peers/workloads/sharegpt200.jsonl 200, or prefix100.jsonl 100 1).
+~/kvloom-peers/workloads/sharegpt200.jsonl 200, or prefix100.jsonl 100 1). SPEC='{"method": "ngram", ...}'
+in the environment runs the engine with that speculative config.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +31,9 @@ def main() -> None:
     path, num_prompts = sys.argv[1], int(sys.argv[2])
     lead = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     model = sys.argv[4] if len(sys.argv) > 4 else str(Path.home() / "kvloom-peers/models/smollm2-135m-instruct")
-    engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", kv_cache_memory=4, max_num_seqs=256))
+    spec = json.loads(os.environ["SPEC"]) if os.environ.get("SPEC") else None
+    engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", kv_cache_memory=4, max_num_seqs=256,
+                                                speculative_config=spec))
     requests = datasets.load_token_workload(path, num_prompts)
     warm_up(engine)
     steps: list[tuple[float, int, int]] = []  # seconds, prompt tokens computed, decodes
