@@ -22,11 +22,11 @@ from kvloom.cache.radix_cache import RadixCache
 from kvloom.cache.state_pool import NoStatePool, StatePool
 from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.admission import AdmissionLimits
-from kvloom.engine.output import CompletionOutput, RequestOutput
+from kvloom.engine.output import CompletionOutput, RequestOutput, StepProgress
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.overlap import overlap_refusal
 from kvloom.engine.policy import make_policy
-from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler
+from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler, StepUpdate
 from kvloom.engine.speculation import SpeculationPolicy
 from kvloom.engine.state_space import num_state_checkpoints, num_state_slots, state_space_config
 from kvloom.engine.stop import StopChecker
@@ -204,6 +204,8 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # launched, committed by the next step()
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
+        # What the last step() committed (progress() reads it; nothing else keeps it).
+        self._step_updates: list[StepUpdate] = []
         # The thread whose OpenMP team runs the forward on a CPU: the one that built the
         # engine (loading it ran parallel regions) until step() is called from another;
         # None after hand_over(): the next thread to step takes over silently.
@@ -275,6 +277,7 @@ class LLMEngine:
         returns the outputs of the one launched before it."""
         if threading.get_ident() != self._compute_thread:
             self._moved_thread()
+        self._step_updates = []
         if self.proposer is not None:
             # Drafts for the tokens the last step appended: proposed here rather than at
             # the end of that step, so that its outputs (a first token) were not held
@@ -334,9 +337,21 @@ class LLMEngine:
                 if chunk is not None:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
         updates = self.scheduler.commit(scheduled, result)
+        self._step_updates.extend(updates)
         outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                    for update in updates)
         return [output for output in outputs if output is not None]  # None: FINAL_ONLY, not finished
+
+    def progress(self) -> list[StepProgress]:
+        """What the last ``step()`` did for each request that gained tokens or finished,
+        whatever its ``output_kind``: the server's metrics count from these, so that a
+        ``FINAL_ONLY`` request needs no per-step output. Built on demand (``LLM.generate``
+        never asks), from the requests as the step left them."""
+        return [StepProgress(update.request.request_id, update.num_new_tokens, update.request.num_output_tokens,
+                             update.request.num_prompt_tokens, update.request.num_cached_tokens,
+                             update.request.timeline,
+                             update.request.status.value if update.request.is_finished else None)
+                for update in self._step_updates]
 
     def _propose(self) -> None:
         """Drafts for the next step's decodes, where the scheduler has room for them."""

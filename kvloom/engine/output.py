@@ -51,3 +51,28 @@ class RequestOutput:
     # Prefill instance, on a KVExport request's final output: where its prompt's KV is
     # staged (kvloom/kv_spec.py StagedKV.as_dict()), for a decode instance to pull.
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    """What one step did for one request, whatever its ``output_kind``: the server's
+    metrics and dashboard count tokens and latencies from these, so a ``FINAL_ONLY``
+    request (no ``RequestOutput`` before it finishes) is counted as it goes. One for
+    every request that gained tokens or finished in the step (``LLMEngine.progress()``)."""
+
+    request_id: str
+    num_new_tokens: int  # appended by this step (0: it failed)
+    num_output_tokens: int  # generated so far, these included
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    timeline: RequestTimeline
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished, else None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_first_token(self) -> bool:
+        """This step brought the request's first generated tokens."""
+        return self.num_new_tokens > 0 and self.num_output_tokens == self.num_new_tokens

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Continuation:
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=self.start)
+        return SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=self.start,
+                              output_kind=RequestOutputKind.FINAL_ONLY)  # only the end is read
 
     def logprob(self, output: RequestOutput) -> float:
         """The sum of the choice's tokens' log-probabilities, from the request's output."""

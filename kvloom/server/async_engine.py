@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.engine import LLMEngine
-from kvloom.engine.output import RequestOutput
+from kvloom.engine.output import RequestOutput, StepProgress
 from kvloom.models.errors import ModelLoadError
 from kvloom.server.metrics import EngineMetrics
 from kvloom.server.stats_log import StatsLogger
@@ -85,11 +85,14 @@ class _Stop:
 
 class StepObserver(Protocol):
     """Sees the engine after each loop iteration, on the engine thread: the step's
-    outputs (empty when nothing ran), ``engine.stats()``, ``time.monotonic()``. It may
-    read the engine (its scheduler's trace, requests) but never change it, and must be
-    quick: it runs between two steps."""
+    outputs and its progress (``LLMEngine.progress()``; both empty when nothing ran),
+    ``engine.stats()``, ``time.monotonic()``. A non-streaming request has no output
+    before it finishes, but progress every step it moves. An observer may read the
+    engine (its scheduler's trace, requests) but never change it, and must be quick: it
+    runs between two steps."""
 
-    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None: ...
+    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], progress: Sequence[StepProgress],
+                stats: Any, now: float) -> None: ...
 
 
 class AsyncEngine:
@@ -274,6 +277,7 @@ class AsyncEngine:
                 self._abort_all(engine, RequestAborted("the server is shutting down"))
                 return
             outputs = engine.step() if engine.has_unfinished_requests() else None
+            progress = engine.progress() if outputs is not None else []
             now = time.monotonic()
             stats = engine.stats()
             with self._lock:
@@ -286,17 +290,18 @@ class AsyncEngine:
             if outputs is not None:
                 # Until the engine reports the step's scheduled tokens, the histogram
                 # stays empty rather than showing a guess.
-                self.metrics.record_step(outputs, now, getattr(stats, "num_batched_tokens", None))
+                self.metrics.record_step(progress, now, getattr(stats, "num_batched_tokens", None))
                 # Delivered after the state is published: a client that has seen a
                 # token also sees the admission counts of the step that produced it.
                 self._deliver_from_thread(outputs)
-            self._notify(engine, outputs or [], stats, now)
+            self._notify(engine, outputs or [], progress, stats, now)
 
-    def _notify(self, engine: LLMEngine, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None:
+    def _notify(self, engine: LLMEngine, outputs: Sequence[RequestOutput], progress: Sequence[StepProgress],
+                stats: Any, now: float) -> None:
         """The observers' turn; one that fails is logged and dropped, never an engine fault."""
         for observer in list(self.observers):
             try:
-                observer.on_step(engine, outputs, stats, now)
+                observer.on_step(engine, outputs, progress, stats, now)
             except Exception:  # noqa: BLE001 - observing must not stop serving
                 logger.exception("step observer %s failed; it is removed", type(observer).__name__)
                 self.observers.remove(observer)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.kv_spec import KVExport, KVImport, StagedKV
-from kvloom.sampling_params import SamplingParams, fan_out
+from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 from kvloom.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -107,9 +107,18 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
             logit_bias=body.logit_bias, prompt_logprobs=body.prompt_logprobs,
-            prompt_logprobs_start=body.prompt_logprobs_start or 0, **given)
+            prompt_logprobs_start=body.prompt_logprobs_start or 0, output_kind=output_kind(body.stream), **given)
     except ValueError as error:
         raise from_value_error(error) from None
+
+
+def output_kind(stream: bool) -> RequestOutputKind:
+    """What the engine hands back per step, as vLLM's server asks: a streamed response
+    sends each step's new text (DELTA: no cumulative copies of the output so far); a
+    full one waits for the end (FINAL_ONLY: no output, no event-loop wake-up and, with
+    no stop string, no detokenizing until the request finishes). The metrics count
+    tokens from the engine's progress, not from these outputs."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 def check_stream_options(body: SamplingRequest) -> None:
@@ -200,7 +209,7 @@ async def open_with_kv_transfer(serving: Serving, request: Request, requests: li
 
 async def _prefill_leg(serving: Serving, request: Request, requests: list[EngineRequest]) -> JSONResponse:
     for engine_request in requests:
-        engine_request.params = SamplingParams(max_tokens=1)
+        engine_request.params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         engine_request.kv_transfer = KVExport()
     finals = await collect(await serving.open(requests), request)
     transfers = [finals[index].kv_transfer_params for index in range(len(requests))]
@@ -279,7 +288,7 @@ def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int) ->
 
 
 class UsageCounter:
-    """Token counts of a streamed group, from the cumulative outputs it has seen."""
+    """Token counts of a streamed group, from the deltas it has seen."""
 
     def __init__(self, prompt_lens: list[int], n: int) -> None:
         self.prompt_lens = prompt_lens
@@ -288,7 +297,8 @@ class UsageCounter:
         self.cached_tokens: dict[int, int] = {}
 
     def update(self, index: int, output: RequestOutput) -> None:
-        self.completion_tokens[index] = len(output.outputs[0].token_ids)
+        self.completion_tokens[index] = (self.completion_tokens.get(index, 0)
+                                         + len(output.outputs[0].delta_token_ids))
         if index % self.n == 0:  # prompts count once: take sample 0's cache hit
             self.cached_tokens[index] = output.num_cached_tokens
 

@@ -1,5 +1,6 @@
 """What the dashboard shows, collected on the engine thread from the engine's own
-numbers: ``LLMEngine.stats()`` after every loop iteration, the step's outputs, and the
+numbers: ``LLMEngine.stats()`` after every loop iteration, each step's progress
+(``LLMEngine.progress()``, which covers non-streaming requests too), and the
 scheduler's trace ring buffer (engine/trace.py). Never from the Prometheus text.
 
 Two kinds of data, both bounded:
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvloom.engine.output import RequestOutput
+from kvloom.engine.output import RequestOutput, StepProgress
 
 SAMPLE_SECONDS = 0.5
 SAMPLES_KEPT = 1200  # ten minutes of samples
@@ -110,28 +111,28 @@ class LiveStats:
         self._last_token: dict[str, float] = {}  # request id -> its previous token's time
 
     # ---- engine thread ---------------------------------------------------------------
-    def on_step(self, engine: Any, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None:
+    def on_step(self, engine: Any, outputs: Sequence[RequestOutput], progress: Sequence[StepProgress],
+                stats: Any, now: float) -> None:
         with self._lock:
             self.model, self.num_blocks = engine.model_name, stats.num_blocks
-            self._take_latencies(outputs, now)
+            self._take_latencies(progress, now)
             self._take_trace(engine, now)
-            for output in outputs:
-                self._take_output(output)
+            for entry in progress:
+                self._take_progress(entry)
             self._maybe_sample(stats, now)
 
-    def _take_latencies(self, outputs: Sequence[RequestOutput], now: float) -> None:
-        for output in outputs:
-            if output.outputs[0].delta_token_ids:
-                previous = self._last_token.get(output.request_id)
+    def _take_latencies(self, progress: Sequence[StepProgress], now: float) -> None:
+        for entry in progress:
+            if entry.num_new_tokens:
+                previous = self._last_token.get(entry.request_id)
                 if previous is None:
-                    timeline = output.metrics
-                    if timeline is not None and timeline.ttft is not None:
-                        self._ttfts.append((now, timeline.ttft))
+                    if entry.timeline.ttft is not None:
+                        self._ttfts.append((now, entry.timeline.ttft))
                 else:
                     self._itls.append((now, now - previous))
-                self._last_token[output.request_id] = now
-            if output.finished:
-                self._last_token.pop(output.request_id, None)
+                self._last_token[entry.request_id] = now
+            if entry.finished:
+                self._last_token.pop(entry.request_id, None)
 
     def _row(self, request_id: str, engine: Any = None) -> RequestRow:
         """The request's row, made the most recent; a new one learns its arrival and
@@ -184,17 +185,15 @@ class LiveStats:
                 row.add(step, "finished", reason)
         self._last_step = records[-1].step
 
-    def _take_output(self, output: RequestOutput) -> None:
-        row = self._row(output.request_id)
-        row.prompt_tokens = len(output.prompt_token_ids)
-        row.output_tokens = len(output.outputs[0].token_ids)
-        row.cached_tokens = output.num_cached_tokens
-        timeline = output.metrics
-        if timeline is not None:
-            row.arrival = timeline.arrival_time + self._epoch_offset
-            row.ttft = timeline.ttft
-        if output.finished:
-            row.status = output.outputs[0].finish_reason or "finished"
+    def _take_progress(self, entry: StepProgress) -> None:
+        row = self._row(entry.request_id)
+        row.prompt_tokens = entry.num_prompt_tokens
+        row.output_tokens = entry.num_output_tokens
+        row.cached_tokens = entry.num_cached_tokens
+        row.arrival = entry.timeline.arrival_time + self._epoch_offset
+        row.ttft = entry.timeline.ttft
+        if entry.finish_reason is not None:
+            row.status = entry.finish_reason
 
     def _maybe_sample(self, stats: Any, now: float) -> None:
         totals = (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_preemptions,

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvloom.engine.output import RequestOutput
+from kvloom.engine.output import StepProgress
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -134,25 +134,24 @@ class EngineMetrics:
         self._last_token_time: dict[str, float] = {}
 
     # ---- engine thread ---------------------------------------------------------------
-    def record_step(self, outputs: Sequence[RequestOutput], now: float,
+    def record_step(self, progress: Sequence[StepProgress], now: float,
                     num_batched_tokens: int | None) -> None:
-        """After one ``LLMEngine.step()``: token and latency metrics from its outputs.
+        """After one ``LLMEngine.step()``: token and latency metrics from what it did for
+        each request (``LLMEngine.progress()``: every request, whatever its output_kind).
         ``now`` is ``time.monotonic()``, the clock of ``RequestTimeline``."""
         if num_batched_tokens is not None:
             self.iteration_tokens.observe(num_batched_tokens)
-        for output in outputs:
-            completion = output.outputs[0]
-            num_new = len(completion.delta_token_ids)
-            if num_new:
-                self.generation_tokens.inc(num_new)
-                previous = self._last_token_time.get(output.request_id)
+        for entry in progress:
+            if entry.num_new_tokens:
+                self.generation_tokens.inc(entry.num_new_tokens)
+                previous = self._last_token_time.get(entry.request_id)
                 if previous is None:
-                    self._on_first_token(output)
+                    self._on_first_token(entry)
                 else:
                     self.inter_token_latency.observe(now - previous)
-                self._last_token_time[output.request_id] = now
-            if output.finished:
-                self._on_finished(output)
+                self._last_token_time[entry.request_id] = now
+            if entry.finish_reason is not None:
+                self._on_finished(entry, entry.finish_reason)
 
     def record_state(self, stats: Any) -> None:
         """Gauges from ``LLMEngine.stats()``; called after every loop iteration."""
@@ -193,27 +192,23 @@ class EngineMetrics:
         self._last_token_time.pop(request_id, None)
         self.request_success.labels("abort").inc()
 
-    def _on_first_token(self, output: RequestOutput) -> None:
-        num_prompt = len(output.prompt_token_ids)
-        self.prompt_tokens.inc(num_prompt)
+    def _on_first_token(self, entry: StepProgress) -> None:
+        self.prompt_tokens.inc(entry.num_prompt_tokens)
         # In tokens, as vLLM counts them: the hit rate is hits / queries.
-        self.prefix_cache_queries.inc(num_prompt)
-        self.prefix_cache_hits.inc(output.num_cached_tokens)
-        timeline = output.metrics
-        if timeline is not None:
-            if timeline.ttft is not None:
-                self.time_to_first_token.observe(timeline.ttft)
-            if timeline.queue_time is not None:
-                self.request_queue_time.observe(timeline.queue_time)
+        self.prefix_cache_queries.inc(entry.num_prompt_tokens)
+        self.prefix_cache_hits.inc(entry.num_cached_tokens)
+        if entry.timeline.ttft is not None:
+            self.time_to_first_token.observe(entry.timeline.ttft)
+        if entry.timeline.queue_time is not None:
+            self.request_queue_time.observe(entry.timeline.queue_time)
 
-    def _on_finished(self, output: RequestOutput) -> None:
-        self._last_token_time.pop(output.request_id, None)
-        completion = output.outputs[0]
-        self.request_success.labels(completion.finish_reason or "unknown").inc()
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.observe(len(completion.token_ids))
-        timeline = output.metrics
-        if timeline is None or timeline.finished_time is None:
+    def _on_finished(self, entry: StepProgress, reason: str) -> None:
+        self._last_token_time.pop(entry.request_id, None)
+        self.request_success.labels(reason).inc()
+        self.request_prompt_tokens.observe(entry.num_prompt_tokens)
+        self.request_generation_tokens.observe(entry.num_output_tokens)
+        timeline = entry.timeline
+        if timeline.finished_time is None:
             return
         self.e2e_request_latency.observe(timeline.finished_time - timeline.arrival_time)
         scheduled, first_token = timeline.first_scheduled_time, timeline.first_token_time

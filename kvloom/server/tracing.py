@@ -57,7 +57,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from kvloom.engine.engine import LLMEngine
-from kvloom.engine.output import RequestOutput
+from kvloom.engine.output import RequestOutput, StepProgress
 from kvloom.request import Request, RequestTimeline
 
 SPAN_NAME = "llm_request"
@@ -102,7 +102,8 @@ class RequestTracer:
         self._live: dict[str, _Live] = {}
         self._num_preemptions_seen: int | None = None
 
-    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], stats: Any, now: float) -> None:
+    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], progress: Sequence[StepProgress],
+                stats: Any, now: float) -> None:
         requests = engine.scheduler.requests
         for request_id in requests.keys() - self._live.keys():
             self._live[request_id] = _Live(requests[request_id])

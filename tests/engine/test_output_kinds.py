@@ -184,3 +184,57 @@ def test_llm_generate_runs_final_only_and_keeps_its_results(tiny_llama) -> None:
             assert [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids, strict=True)] == \
                 pytest.approx([entry[t].logprob for entry, t in zip(alone.logprobs, alone.token_ids, strict=True)],
                               abs=1e-4)
+
+
+def test_progress_reports_every_request_every_step_whatever_its_kind(tiny_llama) -> None:
+    """LLMEngine.progress() after each step: one entry per request that gained a token,
+    FINAL_ONLY ones included (they have no output until the end): tokens 1, 2, ... n one
+    a step, the first flagged, the finish reason only on the last, prompt and cache
+    counts as the final output reports them."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=128)
+    engine = llm.engine
+    wanted = {"final": (RequestOutputKind.FINAL_ONLY, 5), "delta": (RequestOutputKind.DELTA, 3),
+              "cumulative": (RequestOutputKind.CUMULATIVE, 4)}
+    prompt = list(range(3, 40))
+    for rid, (kind, max_tokens) in wanted.items():
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind),
+                           request_id=rid)
+    seen: dict[str, list] = {rid: [] for rid in wanted}
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in wanted}
+    while engine.has_unfinished_requests():
+        step_outputs = engine.step()
+        for output in step_outputs:
+            outputs[output.request_id].append(output)
+        progress = engine.progress()
+        assert len({entry.request_id for entry in progress}) == len(progress)
+        for entry in progress:
+            seen[entry.request_id].append(entry)
+    for rid, (kind, max_tokens) in wanted.items():
+        entries = seen[rid]
+        assert [e.num_new_tokens for e in entries] == [1] * max_tokens
+        assert [e.num_output_tokens for e in entries] == list(range(1, max_tokens + 1))
+        assert [e.is_first_token for e in entries] == [True] + [False] * (max_tokens - 1)
+        assert [e.finish_reason for e in entries] == [None] * (max_tokens - 1) + ["length"]
+        assert all(e.num_prompt_tokens == len(prompt) for e in entries)
+        final = outputs[rid][-1]
+        assert final.finished and len(final.outputs[0].token_ids if kind is not RequestOutputKind.DELTA
+                                      else [t for o in outputs[rid] for t in o.outputs[0].token_ids]) == max_tokens
+        assert len(outputs[rid]) == (1 if kind is RequestOutputKind.FINAL_ONLY else max_tokens)
+        assert all(e.num_cached_tokens == final.num_cached_tokens for e in entries)
+        assert entries[0].timeline is final.metrics and final.metrics.first_token_time is not None
+    assert engine.kv_manager.num_available_blocks == engine.kv_manager.num_blocks
+
+
+def test_progress_is_empty_on_steps_that_only_compute_a_prompt(tiny_llama) -> None:
+    """A 90-token prompt in 32-token chunks: two steps move no request (no entry), the
+    third computes the rest and samples the only token."""
+    engine = LLM(str(tiny_llama), dtype="float32", num_blocks=128, max_num_batched_tokens=32,
+                 long_prefill_threshold=32).engine
+    engine.add_request(list(range(100, 190)), SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
+                       request_id="long")
+    reports = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        reports.append(([o.request_id for o in outputs], [(e.request_id, e.num_new_tokens, e.finish_reason)
+                                                          for e in engine.progress()]))
+    assert reports == [([], []), ([], []), (["long"], [("long", 1, "length")])]

@@ -3,9 +3,11 @@ the engine thread sleeps when idle."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 
 import httpx
@@ -112,6 +114,61 @@ def test_metrics_parse_and_move(live_server: LiveServer, http: httpx.Client) -> 
     assert moved("kvloom:inter_token_latency_seconds_count") == 3
     assert moved("kvloom:e2e_request_latency_seconds_count") == 1
     assert after[("kvloom:num_requests_running", ())] == 0
+
+
+class _Recorder:
+    """A step observer (engine thread) that keeps each engine request's outputs and the
+    tokens its progress reported."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list] = defaultdict(list)
+        self.progress_tokens: dict[str, int] = defaultdict(int)
+
+    def on_step(self, engine, outputs, progress, stats, now) -> None:
+        for output in outputs:
+            self.outputs[output.request_id].append(output)
+        for entry in progress:
+            self.progress_tokens[entry.request_id] += entry.num_new_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_outputs_per_step_only_where_streamed(live_server: LiveServer, http: httpx.Client, stream: bool) -> None:
+    """A full response gets one output per choice, at its end (FINAL_ONLY); a streamed
+    one an output per token that holds only that token (DELTA). Either way the metrics
+    count every token, from the engine's progress, and usage is right."""
+    recorder = _Recorder()
+    live_server.async_engine.observers.append(recorder)
+    try:
+        before = metric_samples(http)
+        body = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 6, "n": 2, "ignore_eos": True,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        if stream:
+            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: {")]
+            response_id, usage = json.loads(events[0])["id"], json.loads(events[-1])["usage"]
+        else:
+            response_id, usage = response.json()["id"], response.json()["usage"]
+        live_server.snapshot()  # a command the engine thread takes after the last step's observers ran
+    finally:
+        live_server.async_engine.observers.remove(recorder)
+    ids = [f"{response_id}-{choice}" for choice in range(2)]
+    assert sorted(recorder.outputs) == ids
+    for request_id in ids:
+        outputs = recorder.outputs[request_id]
+        assert recorder.progress_tokens[request_id] == 6
+        if stream:
+            assert len(outputs) == 6
+            assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].delta_token_ids for o in outputs]
+            assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+        else:
+            assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs[0].token_ids) == 6
+    assert usage["completion_tokens"] == 12
+    after = metric_samples(http)
+    assert after[("kvloom:generation_tokens_total", ())] - before[("kvloom:generation_tokens_total", ())] == 12
+    moved_itl = (after[("kvloom:inter_token_latency_seconds_count", ())]
+                 - before[("kvloom:inter_token_latency_seconds_count", ())])
+    assert moved_itl == 2 * 5
 
 
 def _thread_cpu_ticks(thread: threading.Thread) -> int:

@@ -294,7 +294,7 @@ def test_an_unfinished_output_emits_nothing(receiver: OtlpReceiver) -> None:
     request = Request("r", [5] * 20, SamplingParams(max_tokens=4), arrival_time=100.0)
     request.timeline.first_scheduled_time = request.timeline.first_token_time = 100.5
     request.append_output_token(7)
-    tracer.on_step(_engine({"r": request}), [_output(request, finished=False)],
+    tracer.on_step(_engine({"r": request}), [_output(request, finished=False)], [],
                    SimpleNamespace(num_preemptions=0), 100.5)
     tracer.close()  # exports whatever was batched, synchronously
     assert receiver.spans_of("unit-unfinished") == []
@@ -310,10 +310,10 @@ def test_spans_match_hand_computed_timelines(receiver: OtlpReceiver) -> None:
     requests = {"done": done, "dropped": dropped}
     engine, stats = _engine(requests), SimpleNamespace(num_preemptions=0)
 
-    tracer.on_step(engine, [], stats, 100.5)  # both seen alive; nothing finished
+    tracer.on_step(engine, [], [], stats, 100.5)  # both seen alive; nothing finished
     done.timeline.preempted_steps.append(7)  # preempted at step 7, noticed after it at 102.0
     stats.num_preemptions = 1
-    tracer.on_step(engine, [], stats, 102.0)
+    tracer.on_step(engine, [], [], stats, 102.0)
     # "failed" came and went within one iteration (never seen alive) with an error;
     # "done" finished; "dropped" was aborted: it leaves the scheduler with no output.
     failed.timeline.first_scheduled_time, failed.timeline.finished_time = 100.25, 100.75
@@ -327,7 +327,7 @@ def test_spans_match_hand_computed_timelines(receiver: OtlpReceiver) -> None:
     dropped.timeline.finished_time, dropped.status = 102.5, RequestStatus.FINISHED_ABORTED
     requests.clear()
     tracer.on_step(engine, [_output(done, True, "length", cached=16),
-                            _output(failed, True, "error", RequestError("boom"))], stats, 103.5)
+                            _output(failed, True, "error", RequestError("boom"))], [], stats, 103.5)
     tracer.close()
     spans = {span.attributes["gen_ai.request.id"]: span for span in receiver.wait_for("unit-timelines", 3)}
     assert set(spans) == {"done", "failed", "dropped"}
