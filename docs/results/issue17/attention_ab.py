@@ -7,11 +7,15 @@ within ~1.5% on the compute-bound prompt cases. The cases are attention_paths.py
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python docs/results/issue17/attention_ab.py /tmp/before/kvloom/csrc [ROUNDS]
+
+THREADS=1 runs both on one thread (default 2); SHAPES="64x600x1,16x300x1" (seqs x context x
+query rows) replaces the cases below.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import statistics
 import sys
@@ -25,7 +29,9 @@ from attention_paths import case  # noqa: E402
 from kvloom import native  # noqa: E402
 from kvloom.kernels import paged_attention as kernels  # noqa: E402
 
-SHAPES = [(8, 256, 256), (2, 1000, 1000), (64, 300, 1), (16, 300, 1)]  # (seqs, context, query rows)
+# (seqs, context, query rows)
+SHAPES = [tuple(int(n) for n in shape.split("x")) for shape in os.environ["SHAPES"].split(",")] \
+    if os.environ.get("SHAPES") else [(8, 256, 256), (2, 1000, 1000), (64, 300, 1), (16, 300, 1)]
 
 
 def build_b(csrc: pathlib.Path) -> ctypes.CDLL:
@@ -44,7 +50,7 @@ def build_b(csrc: pathlib.Path) -> ctypes.CDLL:
 
 def main() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     kernels.load()
     function = kernels.PAGED_ATTENTION.native
     calls = [case(*shape)[0] for shape in SHAPES]

@@ -4,8 +4,13 @@ core: vdpbf16ps_peak.cpp).
 
     .venv/bin/python docs/results/issue17/genoa10/gemm_shapes.py [M]
 """
-import time, torch, sys
+import sys
+import time
+
+import torch
+
 from kvloom.kernels import gemm
+
 isa = gemm.default_isa()
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 for threads in (1, 2):
@@ -16,5 +21,9 @@ for threads in (1, 2):
         gemm.gemm_bf16(x, w, None, n, isa)
         best = 1e9
         for _ in range(15):
-            s = time.perf_counter(); gemm.gemm_bf16(x, w, None, n, isa); best = min(best, time.perf_counter() - s)
-        print(f"{threads}t M={M} {name:8s} {2*M*k*n/best/1e9:6.1f} GFLOP/s ({100*2*M*k*n/best/1e9/(234*threads):.0f}% of peak) {best*1e3:.2f} ms", flush=True)
+            start = time.perf_counter()
+            gemm.gemm_bf16(x, w, None, n, isa)
+            best = min(best, time.perf_counter() - start)
+        rate = 2 * M * k * n / best / 1e9
+        print(f"{threads}t M={M} {name:8s} {rate:6.1f} GFLOP/s ({100 * rate / (234 * threads):.0f}% of peak) "
+              f"{best * 1e3:.2f} ms", flush=True)

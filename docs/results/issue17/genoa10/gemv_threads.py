@@ -42,8 +42,9 @@ def main() -> None:
                     lib.kvloom_gemm_bf16(xs[k].data_ptr(), p.data_ptr(), None, y.data_ptr(), m, n, k, isa, threads)
                 times[threads].append(time.perf_counter() - start)
         same = all(torch.equal(a, b) for a, b in zip(ys[1], ys[2], strict=True))
-        print(f"M={m:3d} " + "  ".join(f"{t} thread(s): med {statistics.median(v) * 1e3:6.2f} min {min(v) * 1e3:6.2f} ms"
-                                       for t, v in times.items()) + f"  bits {'same' if same else 'DIFF'}", flush=True)
+        cells = "  ".join(f"{t} thread(s): med {statistics.median(v) * 1e3:6.2f} min {min(v) * 1e3:6.2f} ms"
+                          for t, v in times.items())
+        print(f"M={m:3d} {cells}  bits {'same' if same else 'DIFF'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,20 +3,27 @@ prompts (max_tokens 1, no prefix caching), N steps; prints each step's ms.
 
     .venv/bin/python docs/results/issue17/genoa10/prefill_step.py [N] [LENGTH]
 """
-import random, time, sys, statistics
+import random
+import statistics
+import sys
+import time
 from pathlib import Path
+
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.sampling_params import SamplingParams
+
 model = str(Path.home() / "kvloom-peers/models/smollm2-135m-instruct")
-eng = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=256, kv_cache_memory=4))
+eng = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=256,
+                                         kv_cache_memory=4))
 rng = random.Random(0)
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 length = int(sys.argv[2]) if len(sys.argv) > 2 else 256
 times = []
-for i in range(n):
-    for j in range(2048 // length):
-        eng.add_request([rng.randrange(100, 40000) for _ in range(length)], SamplingParams(max_tokens=1, ignore_eos=True))
+for _i in range(n):
+    for _j in range(2048 // length):
+        eng.add_request([rng.randrange(100, 40000) for _ in range(length)],
+                        SamplingParams(max_tokens=1, ignore_eos=True))
     s = time.perf_counter()
     eng.step()
     times.append(time.perf_counter() - s)
