@@ -52,8 +52,9 @@ def main() -> None:
                 times[i].append(time.perf_counter() - start)
         same = all(torch.equal(a, b) for ys_i in ys[1:] for a, b in zip(ys[0], ys_i, strict=True))
         flops = sum(2 * m * n * k for n, k, _ in weights)
-        cells = "  ".join(f"{folder}: med {statistics.median(t) * 1e3:.1f} ms ({flops / statistics.median(t) / 1e9:.0f} "
-                          f"GFLOP/s)" for folder, t in zip(folders, times, strict=True))
+        medians = [statistics.median(t) for t in times]
+        cells = "  ".join(f"{folder}: med {s * 1e3:.1f} ms ({flops / s / 1e9:.0f} GFLOP/s)"
+                          for folder, s in zip(folders, medians, strict=True))
         print(f"M={m}: {cells} bits {'same' if same else 'DIFF'}", flush=True)
 
 
