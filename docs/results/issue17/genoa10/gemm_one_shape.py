@@ -17,7 +17,7 @@ for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
     p = gemm.pack_weight((torch.randn(n, k) / k ** 0.5).bfloat16())
     x = torch.randn(m, k).bfloat16()
     ts = []
-    for rep in range(7):
+    for _rep in range(7):
         s = time.perf_counter()
         for _ in range(30):
             gemm.gemm_bf16(x, p, None, n, isa)
