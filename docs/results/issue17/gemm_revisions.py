@@ -29,13 +29,14 @@ REPO = Path(__file__).parents[3]
 
 
 def build(revision: str, into: Path) -> ctypes.CDLL:
-    """That revision's gemm.cpp and headers (WORK: the working tree's), compiled and linked
-    as kvloom/native.py does."""
-    if revision == "WORK":
-        for path in (REPO / "kvloom/csrc").iterdir():
+    """That revision's gemm.cpp and headers (WORK: the working tree's; a folder's path: the
+    gemm.cpp and headers in it), compiled and linked as kvloom/native.py does."""
+    folder = REPO / "kvloom/csrc" if revision == "WORK" else Path(revision) if Path(revision).is_dir() else None
+    if folder is not None:
+        for path in folder.iterdir():
             if path.suffix == ".h" or path.name == "gemm.cpp":
                 (into / path.name).write_bytes(path.read_bytes())
-    names = [] if revision == "WORK" else subprocess.run(
+    names = [] if folder is not None else subprocess.run(
         ["git", "ls-tree", "--name-only", revision, "kvloom/csrc/"], cwd=REPO, check=True,
         capture_output=True, text=True).stdout.split()
     for name in names:

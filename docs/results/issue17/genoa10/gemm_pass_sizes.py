@@ -1,38 +1,31 @@
 """The 30 layers' matmuls (distinct weights, out of cache; no head) at M rows for gemm.cpp builds
 from folders, each a copy of kvloom/csrc's gemm.cpp and headers with X_BYTES_PER_PASS changed,
-alternating in one process: median ms of 9 and whether the bits match the first.
+alternating in one process (gemm_revisions.build takes a folder as a revision): median ms of 9
+and whether the bits match the first.
 
     .venv/bin/python docs/results/issue17/genoa10/gemm_pass_sizes.py 2048,512,256 /tmp/pass256 /tmp/pass512
 """
 
-import ctypes
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from kvloom import native
 from kvloom.kernels import gemm
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from gemm_revisions import build  # noqa: E402 (a folder's gemm.cpp, built as kvloom builds it)
+
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-
-
-def load(folder: Path) -> ctypes.CDLL:
-    native.compile_library(folder / "gemm.cpp", folder / "gemm.so", native.flags_for("gemm"))
-    lib = ctypes.CDLL(str(folder / "gemm.so"))
-    lib.kvloom_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.kvloom_gemm_packed_elements.restype = ctypes.c_int64
-    lib.kvloom_gemm_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.kvloom_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    return lib
 
 
 def main() -> None:
     isa = gemm.ISAS.index("avx512_bf16") + 1
     folders = sys.argv[2:]
-    libs = [load(Path(folder)) for folder in folders]
+    libs = [build(folder, Path(tempfile.mkdtemp())) for folder in folders]
     torch.manual_seed(0)
     weights = []
     for n, k in LAYER * 30:
