@@ -18,6 +18,7 @@
 #include <vector>
 #include <algorithm>
 #include <array>
+#include <utility>  // std::make_integer_sequence (the group table)
 #include <cstdlib>
 #include <type_traits>
 #include <atomic>
