@@ -43,18 +43,34 @@
 // thread count (the GEMM keeps one K order per output; attention computes each query
 // vector alone; the norms, rotary and silu work a row at a time), so the split changes
 // no bit; and a sequence lies in one walk, so neither reads what the other writes.
+//
+// KV fetched ahead (kv_prefetch_bytes > 0; the caller asks for it where the walks
+// split): each walk's down projection and the next layer's qkv projection fetch up to
+// that many bytes of the next layer's KV, the walk's sequences in order, into L2 as
+// they compute (side_stream.h), so that the attention after them reads it from cache.
+// A walk's matmuls on one core are bound by their arithmetic and leave memory
+// bandwidth spare, while its attention is bound by one core's misses in flight. Decode
+// at context 300 on AMD EPYC model 17, alternating in one process: batch 32 34.2 ->
+// 32.8 ms, 64 63.2 -> 60.4, 128 121.2 -> 118.7; from the o or gate_up projections too,
+// the lines waited longer in cache and gained less (61.4 at batch 64), and a single walk
+// on both cores (batch 16), whose matmuls already wait on memory, lost 2-6%
+// (docs/benchmarks.md, the eleventh session). A fetch changes no bit.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "side_stream.h"
 
 namespace {
 
 using RmsNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
                            int64_t rows, int64_t n, float eps);
+using kvloom_side::SideStream;
 using GemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
-                       int64_t n, int64_t k, int isa, int num_threads);
+                       int64_t n, int64_t k, int isa, int num_threads, const SideStream* side);  // gemm.cpp's _side
 using RotaryFn = void (*)(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                           int64_t num_heads, int64_t head_dim);
 using WriteKvFn = void (*)(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
@@ -98,6 +114,7 @@ struct Model {
   float eps, scale;
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
+  int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
@@ -122,6 +139,48 @@ struct Rows {
   int64_t num_seqs, tokens;
 };
 
+// One layer's KV blocks of a walk's sequences as a side stream (side_stream.h): a
+// block's K (then its V) for every kv head is one span, up to the byte budget. The
+// down projection of the layer before fetches the first part, the layer's own qkv
+// projection the rest, in proportion to their weights (their steps).
+class KvAhead {
+ public:
+  KvAhead(const Model& m, const Rows& r) : m_(m), r_(r) {}
+
+  // Plans the fetch of `layer`'s KV (none past the last layer or without a budget).
+  void plan(int64_t layer) {
+    down_ = qkv_ = SideStream{nullptr, 0, 0, 0};
+    if (m_.kv_prefetch_bytes <= 0 || layer >= m_.num_layers) return;
+    const int64_t block_bytes = m_.block_size * m_.kv_size() * 2, span_lines = block_bytes / 64;
+    const int64_t half_bytes = m_.num_blocks * block_bytes;  // K's (or V's) bytes in one layer
+    const char* k_cache = reinterpret_cast<const char*>(m_.kv_caches) + layer * 2 * half_bytes;
+    const int64_t budget_spans = (m_.kv_prefetch_bytes + block_bytes - 1) / block_bytes;
+    spans_.clear();
+    for (int64_t s = 0; s < r_.num_seqs && static_cast<int64_t>(spans_.size()) < budget_spans; ++s) {
+      const int32_t* table = r_.block_tables + s * m_.max_blocks;
+      for (int64_t b = 0; b < (r_.seq_lens[s] + m_.block_size - 1) / m_.block_size; ++b) {
+        spans_.push_back(k_cache + table[b] * block_bytes);
+        spans_.push_back(k_cache + half_bytes + table[b] * block_bytes);
+      }
+    }
+    if (spans_.empty()) return;
+    const int64_t lines = std::min<int64_t>(budget_spans, spans_.size()) * span_lines;
+    spans_.push_back(spans_.front());  // the extra entry side_stream.h asks for
+    const int64_t down = m_.intermediate * m_.hidden_size, qkv = (m_.q_size() + 2 * m_.kv_size()) * m_.hidden_size;
+    const int64_t split = lines * down / (down + qkv);
+    down_ = {spans_.data(), span_lines, 0, split};
+    qkv_ = {spans_.data(), span_lines, split, lines};
+  }
+  const SideStream* down() const { return down_.last > down_.first ? &down_ : nullptr; }
+  const SideStream* qkv() const { return qkv_.last > qkv_.first ? &qkv_ : nullptr; }
+
+ private:
+  const Model& m_;
+  const Rows& r_;
+  std::vector<const char*> spans_;
+  SideStream down_{nullptr, 0, 0, 0}, qkv_{nullptr, 0, 0, 0};
+};
+
 // The layers over one walk's rows with `num_threads` threads in each kernel.
 int walk(const Model& m, const Rows& r, int num_threads) {
   const auto rms_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
@@ -142,25 +201,29 @@ int walk(const Model& m, const Rows& r, int num_threads) {
   uint16_t* act = gate_up + T * 2 * I;         // [T, I]
   uint16_t* hidden = r.hidden;
   const int64_t half_cache = m.num_blocks * m.block_size * kv_size;  // K's (or V's) elements in one layer
+  KvAhead ahead(m, r);
+  ahead.plan(0);  // layer 0's own qkv projection fetches its share
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     const int64_t* w = m.weights + layer * NUM_WEIGHTS;
     uint16_t* k_cache = m.kv_caches + layer * 2 * half_cache;
     uint16_t* v_cache = k_cache + half_cache;
     // A GEMM that refuses the path ends the walk: 1 + the layer (nothing after it runs).
-    const auto matmul = [&](const uint16_t* x, Weight which, Weight bias, uint16_t* y, int64_t n, int64_t k) {
-      return gemm(x, weight(w, which), weight(w, bias), y, T, n, k, m.isa, num_threads) == 0;
+    const auto matmul = [&](const uint16_t* x, Weight which, Weight bias, uint16_t* y, int64_t n, int64_t k,
+                            const SideStream* side = nullptr) {
+      return gemm(x, weight(w, which), weight(w, bias), y, T, n, k, m.isa, num_threads, side) == 0;
     };
     const int refused = static_cast<int>(layer) + 1;
     if (layer == 0) rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
     else rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
-    if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H)) return refused;
+    if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
     for (int64_t t = 0; t < T; ++t) std::memcpy(q_rows + t * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
     attention(q_rows, attn, k_cache, v_cache, r.block_tables, m.max_blocks, r.seq_lens, r.query_start, r.query_lens,
               r.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale, num_threads, PAIRED_KERNEL);
+    ahead.plan(layer + 1);
     if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size)) return refused;
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
@@ -169,7 +232,7 @@ int walk(const Model& m, const Rows& r, int num_threads) {
     rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, m.eps);
     if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
     silu(gate_up, act, T, I);
-    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I)) return refused;
+    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down())) return refused;
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
@@ -222,7 +285,8 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
 // 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
 // num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
 // whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
-// failure (-1 timed out, -2 a rank died).
+// failure (-1 timed out, -2 a rank died). kv_prefetch_bytes: of each layer's KV a walk
+// fetches ahead during its matmuls (0: none; the result is the same bit for bit).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const int64_t* slots, const int32_t* block_tables,
@@ -230,10 +294,10 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
                          int64_t block_size, float eps, float scale, int isa, int num_threads,
-                         int64_t* reduce, int64_t split_seqs) {
-  const Model model{kernels,      weights,    num_layers, kv_caches, num_blocks, max_blocks,
-                    hidden_size,  num_heads,  num_kv_heads, head_dim, intermediate, block_size,
-                    eps,          scale,      isa,        reduce};
+                         int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes) {
+  const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks, max_blocks,
+                    hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
+                    eps,          scale,      isa,        reduce,       kv_prefetch_bytes};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens};
   if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);

@@ -23,6 +23,9 @@
 //   ISA_AVX2         the same on 8 lanes: x widened once per call; for passes of many
 //                    rows the weight too, a block at a time (6 rows x 16 columns);
 //                    else split where used (4 rows x 16 columns; 2 x 32 for the last rows)
+// kvloom_gemm_bf16_side (the decoder stack's entry point) also fetches a side stream of
+// the caller's lines into L2 as its tiles compute (side_stream.h), on the AVX512-BF16
+// path; a fetch changes no arithmetic.
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
@@ -35,6 +38,7 @@
 #include <omp.h>
 
 #include "amx.h"
+#include "side_stream.h"
 #include "simd.h"
 #include "work_shares.h"
 
@@ -98,6 +102,35 @@ struct Ahead {
       step(k);
     }
     for (; k < steps; ++k) step(k);
+  }
+};
+
+// A tile's part of a side stream (side_stream.h): `left` lines from `line` on, crossing
+// from span to span; fetched two a step (fetch() once per line) into L2 as the weights are.
+struct SideCursor {
+  const char* line = nullptr;
+  const char* span_end = nullptr;
+  const char* const* next_span = nullptr;
+  int64_t span_bytes = 0;
+  int64_t left = 0;
+  static SideCursor lines(const kvloom_side::SideStream& s, int64_t from, int64_t to) {
+    SideCursor c;
+    if (to <= from) return c;
+    const int64_t span = from / s.span_lines;
+    c.span_bytes = s.span_lines * 64;
+    c.line = s.spans[span] + from % s.span_lines * 64;
+    c.span_end = s.spans[span] + c.span_bytes;
+    c.next_span = s.spans + span + 1;
+    c.left = to - from;
+    return c;
+  }
+  __attribute__((always_inline)) inline void fetch() {
+    _mm_prefetch(line, _MM_HINT_T1);
+    line += 64;
+    if (line == span_end) {  // the stream's extra entry makes this safe past its last line
+      line = *next_span++;
+      span_end = line + span_bytes;
+    }
   }
 };
 
@@ -170,6 +203,20 @@ __attribute__((always_inline)) inline void fetch_steps(const uint16_t* x, int64_
     step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
   }
 }
+// fetch_steps whose steps also fetch two lines of a side stream each; returns where
+// the weight lines stopped.
+template <int LINES, class Step>
+__attribute__((always_inline)) inline const char* fetch_steps_side(const uint16_t* x, int64_t k, const char* line,
+                                                                   int64_t from, int64_t end, SideCursor& side,
+                                                                   Step& step) {
+  for (int64_t q = from; q < end; ++q, line += 64 * LINES) {
+    for (int i = 0; i < LINES; ++i) _mm_prefetch(line + 64 * i, _MM_HINT_T1);
+    side.fetch();
+    side.fetch();
+    step(q, [=](int r) { return load_pair(x + r * k + 2 * q); });
+  }
+  return line;
+}
 constexpr int64_t MAX_LINES_PER_STEP = 4;  // a tile that is a panel's only one fetches 4 a step
 
 template <class Step>
@@ -184,6 +231,35 @@ inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step
     default: fetch_steps<4>(x, k, ahead.next, 0, fetching, step); break;
   }
   fetch_steps<0>(x, k, nullptr, fetching, full, step);
+  if (k & 1) step(full, [=](int r) { return static_cast<uint32_t>(x[r * k + k - 1]); });
+}
+
+// for_each_pair with a side stream: the same steps in the same order, the first
+// ceil(side.left / 2) of them also fetching two side lines each (lines past two a step
+// are left unfetched). Three stretches: both kinds of fetch, then whichever kind has
+// steps left, then none.
+template <class Step>
+inline void for_each_pair_side(const uint16_t* x, int64_t k, Ahead ahead, SideCursor side, Step&& step) {
+  const int64_t full = k / 2;
+  const int64_t per_step = std::min(MAX_LINES_PER_STEP, ahead.per_step(full));
+  const int64_t fetching = std::min(full, ahead.lines() / per_step);
+  const int64_t side_steps = std::min(full, (side.left + 1) / 2);
+  const int64_t both = std::min(fetching, side_steps);
+  const char* line = ahead.next;
+  switch (per_step) {
+    case 1: line = fetch_steps_side<1>(x, k, line, 0, both, side, step); break;
+    case 2: line = fetch_steps_side<2>(x, k, line, 0, both, side, step); break;
+    case 3: line = fetch_steps_side<3>(x, k, line, 0, both, side, step); break;
+    default: line = fetch_steps_side<4>(x, k, line, 0, both, side, step); break;
+  }
+  switch (fetching > both ? per_step : 0) {
+    case 0: fetch_steps_side<0>(x, k, nullptr, both, side_steps, side, step); break;
+    case 1: fetch_steps<1>(x, k, line, both, fetching, step); break;
+    case 2: fetch_steps<2>(x, k, line, both, fetching, step); break;
+    case 3: fetch_steps<3>(x, k, line, both, fetching, step); break;
+    default: fetch_steps<4>(x, k, line, both, fetching, step); break;
+  }
+  fetch_steps<0>(x, k, nullptr, std::max(fetching, side_steps), full, step);
   if (k & 1) step(full, [=](int r) { return static_cast<uint32_t>(x[r * k + k - 1]); });
 }
 
@@ -253,13 +329,17 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 // Accumulator (r, b) is acc[r * B + b].
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
-  template <int R, int B>
-  KVLOOM_TARGET_AVX512_BF16 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead) {
+  static constexpr bool SIDE_STREAM = true;  // tiles that fetch a side stream too (tile<R, B, true>)
+  // flatten: the side tiles' extra loops otherwise leave the per-row lambdas out of
+  // line, and the accumulators in memory (3x slower).
+  template <int R, int B, bool SIDE>
+  KVLOOM_TARGET_AVX512_BF16 __attribute__((flatten)) static void tile(const Problem& p, int64_t m0, int64_t j0,
+                                                                      Ahead ahead, SideCursor side) {
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512_BF16 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
     for (int b = 0; b < B; ++b) w[b] = p.block(j0 + b);
-    for_each_pair(p.x + m0 * p.k, p.k, ahead, [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
+    const auto step = [&](int64_t q, auto pair_of_row) KVLOOM_TARGET_AVX512_BF16 {
       __m512bh weights[B];
       unrolled<B>([&](auto b) KVLOOM_TARGET_AVX512_BF16 {
         weights[b] = (__m512bh)_mm512_loadu_si512(w[b] + q * WORDS_PER_ROW);
@@ -270,15 +350,19 @@ struct PathAvx512Bf16 {
           acc[r * B + b] = _mm512_dpbf16_ps(acc[r * B + b], inputs, weights[b]);
         });
       });
-    });
+    };
+    if constexpr (SIDE) for_each_pair_side(p.x + m0 * p.k, p.k, ahead, side, step);
+    else for_each_pair(p.x + m0 * p.k, p.k, ahead, step);
     store_tile_512<R, B>(p, m0, j0, escape(acc));
   }
 };
 
 struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
-  template <int R, int B>
-  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead) {
+  static constexpr bool SIDE_STREAM = false;
+  template <int R, int B, bool SIDE>
+  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, SideCursor) {
+    static_assert(!SIDE, "this path fetches no side stream");
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
@@ -306,19 +390,24 @@ struct PathAvx512 {
 };
 
 // Tile functions of every (rows, blocks) up to the path's maximum, indexed [rows - 1][blocks - 1].
-using TileFn = void (*)(const Problem&, int64_t, int64_t, Ahead);
-template <class Path, int R, int B>
-TileFn tile_fn() { return &Path::template tile<R, B>; }
-template <class Path, int R, int... B>
-void fill_row(TileFn* row, std::integer_sequence<int, B...>) { ((row[B] = tile_fn<Path, R, B + 1>()), ...); }
-template <class Path, int... R>
+// side[][]: the same tiles fetching a side stream too, where the path has them (else null).
+using TileFn = void (*)(const Problem&, int64_t, int64_t, Ahead, SideCursor);
+template <class Path, bool SIDE, int R, int B>
+TileFn tile_fn() { return &Path::template tile<R, B, SIDE>; }
+template <class Path, bool SIDE, int R, int... B>
+void fill_row(TileFn* row, std::integer_sequence<int, B...>) { ((row[B] = tile_fn<Path, SIDE, R, B + 1>()), ...); }
+template <class Path, bool SIDE, int... R>
 void fill_table(TileFn (*table)[Path::BLOCKS], std::integer_sequence<int, R...>) {
-  (fill_row<Path, R + 1>(table[R], std::make_integer_sequence<int, Path::BLOCKS>()), ...);
+  (fill_row<Path, SIDE, R + 1>(table[R], std::make_integer_sequence<int, Path::BLOCKS>()), ...);
 }
 template <class Path>
 struct TileTable {
   TileFn at[Path::ROWS][Path::BLOCKS];
-  TileTable() { fill_table<Path>(at, std::make_integer_sequence<int, Path::ROWS>()); }
+  TileFn side[Path::ROWS][Path::BLOCKS] = {};
+  TileTable() {
+    fill_table<Path, false>(at, std::make_integer_sequence<int, Path::ROWS>());
+    if constexpr (Path::SIDE_STREAM) fill_table<Path, true>(side, std::make_integer_sequence<int, Path::ROWS>());
+  }
 };
 
 // Input rows per pass over the weight: as many as keep their part of x in L2
@@ -346,8 +435,12 @@ inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t cal
 // and a panel against 64 rows at K = 1536 is ~60 us of work.
 constexpr int64_t TILES_PER_UNIT = 2;
 
+// With a side stream (a path whose SIDE_STREAM is true), unit u of the call's U units
+// (numbered share by share) fetches its lines [first + L u / U, first + L (u + 1) / U),
+// whichever thread runs it, split evenly over its row tiles: every line once, spread
+// over the call's work.
 template <class Path>
-void run_vector(const Problem& p, int num_threads) {
+void run_vector(const Problem& p, int num_threads, const kvloom_side::SideStream* side = nullptr) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
@@ -359,6 +452,9 @@ void run_vector(const Problem& p, int num_threads) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
   const PanelShares layout{blocks, threads, Path::BLOCKS, passes, groups};
   kvloom_work::WorkShares shares(threads, [&](int s) { return layout.size(s); });
+  std::vector<int64_t> units_before(threads + 1, 0);  // units of the shares before share s
+  for (int s = 0; s < threads; ++s) units_before[s + 1] = units_before[s] + layout.size(s);
+  const int64_t side_lines = side != nullptr && Path::SIDE_STREAM ? side->last - side->first : 0;
 #pragma omp parallel num_threads(threads)
   {
     kvloom_work::Unit unit;
@@ -368,10 +464,20 @@ void run_vector(const Problem& p, int num_threads) {
       const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
       const AheadPlan plan{p, at.last};
       const auto next = layout.ahead(plan, at, unit.stolen);  // sliced over the panel's row tiles
-      for (int64_t i = at.group * TILES_PER_UNIT; i < std::min(calls, (at.group + 1) * TILES_PER_UNIT); ++i) {
+      const int64_t first = at.group * TILES_PER_UNIT, end = std::min(calls, (at.group + 1) * TILES_PER_UNIT);
+      const int64_t u = units_before[unit.share] + unit.index, units = units_before[threads];
+      const int64_t from = side_lines * u / units, to = side_lines * (u + 1) / units;  // this unit's side lines
+      for (int64_t i = first; i < end; ++i) {
         const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
         const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
-        table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls));
+        if (to > from) {
+          const int64_t t = i - first, n = end - first;
+          table.side[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls),
+                                             SideCursor::lines(*side, side->first + from + (to - from) * t / n,
+                                                               side->first + from + (to - from) * (t + 1) / n));
+        } else {
+          table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls), SideCursor{});
+        }
       }
     }
   }
@@ -710,6 +816,19 @@ int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* 
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
     default: run_avx2(p, num_threads); break;
   }
+  return 0;
+}
+
+// kvloom_gemm_bf16 that also fetches `side`'s lines (side_stream.h) into L2 while it
+// computes, on the AVX512-BF16 path; the other paths ignore it. The same result bit for bit.
+int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
+                          int64_t n, int64_t k, int isa, int num_threads, const kvloom_side::SideStream* side) {
+  if (side == nullptr || side->last <= side->first || isa != ISA_AVX512_BF16)
+    return kvloom_gemm_bf16(x, packed, bias, y, m, n, k, isa, num_threads);
+  if (isa > kvloom_gemm_best_isa()) return -1;
+  const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
+  if (m == 0 || n == 0) return 0;
+  run_vector<PathAvx512Bf16>(p, num_threads, side);
   return 0;
 }
 

@@ -29,7 +29,8 @@ _STACK = NativeFunction(
     "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
-    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs) -> int32")
+    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "int kv_prefetch_bytes) -> int32")
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -42,7 +43,7 @@ def available() -> bool:
             and paged_attention.available())
 
 
-def _address(op: NativeOp, variant: str = "") -> int:
+def _address(op: NativeOp | NativeFunction, variant: str = "") -> int:
     address = ctypes.cast(op.function(variant), ctypes.c_void_p).value
     assert address is not None, f"kvloom::{op.name} has no entry point"
     return address
@@ -52,7 +53,7 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
     """The entry points the walk calls, [7] int64, in decoder_stack.cpp's `Kernel` order;
     ``all_reduce``: with the shared-memory all-reduce (tensor parallel), else 0 there."""
     reduce = ctypes.cast(shm_collectives.ALL_REDUCE_STACK.function(), ctypes.c_void_p).value if all_reduce else 0
-    return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM), _address(cpu_ops.ROTARY, "bf16"),
+    return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM_SIDE), _address(cpu_ops.ROTARY, "bf16"),
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
                          _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0], dtype=torch.int64)
 
@@ -101,7 +102,7 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
         scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None,
-        split_seqs: int = 0) -> torch.Tensor:
+        split_seqs: int = 0, kv_prefetch_bytes: int = 0) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. ``kv_caches``: the whole pool
@@ -112,7 +113,9 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     its entry point): ``hidden`` is summed over the ranks after the o and down
     projections. ``split_seqs``: 0 for one walk; else two concurrent walks, the first
     ``split_seqs`` sequences and the rest, on half the threads each (no reduce, an even
-    thread count; the result is the same bit for bit)."""
+    thread count; the result is the same bit for bit). ``kv_prefetch_bytes``: how much of
+    each layer's KV a walk fetches into cache during the matmuls before its attention
+    (0: none; csrc/decoder_stack.cpp says where it pays; the same result bit for bit)."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (7,))
@@ -141,6 +144,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     if split_seqs and not (0 < split_seqs < num_seqs and threads >= 2 and threads % 2 == 0 and reduce is None):
         raise _fail("split_seqs", f"must be 0, or within (0, {num_seqs}) with an even thread count (have "
                                   f"{threads}) and no reduce context, got {split_seqs}")
+    if kv_prefetch_bytes < 0:
+        raise _fail("kv_prefetch_bytes", f"must be >= 0, got {kv_prefetch_bytes}")
     needed = scratch_elements(shape, tokens)
     if scratch is None:
         scratch = torch.empty(needed, dtype=bf16)
@@ -154,7 +159,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
         rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
-        gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs)
+        gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
+        kv_prefetch_bytes)
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:

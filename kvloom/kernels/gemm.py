@@ -35,6 +35,10 @@ ISA_ENV = "KVLOOM_CPU_ISA"
 logger = logging.getLogger(__name__)
 _BF16 = (torch.bfloat16,)
 _BEST_ISA = NativeFunction("gemm", "kvloom_gemm_best_isa() -> int32")
+# The same matmul, fetching a side stream of the caller's lines as it computes
+# (csrc/side_stream.h): the decoder stack's entry point for its matmuls.
+GEMM_SIDE = NativeFunction("gemm", "kvloom_gemm_bf16_side(Tensor x, Tensor packed, Tensor bias, Tensor y, int m, "
+                                   "int n, int k, int32 isa, int32 num_threads, Tensor side) -> int32")
 _PACKED_ELEMENTS = NativeFunction("gemm", "kvloom_gemm_packed_elements(int n, int k) -> int")
 
 

@@ -39,6 +39,14 @@ SPLIT_FROM_TOKENS = 32
 ROW_COST_IN_CONTEXT_TOKENS = 600
 
 
+# Of each layer's KV, what a walk fetches into cache during the matmuls before its
+# attention, where the step splits into two walks (each walk's matmuls then run on one
+# core and leave memory bandwidth spare; csrc/decoder_stack.cpp has the measurements).
+# Decode at batch 128 and context 300 (15 MB of a layer's KV a walk) gained as much
+# from 8 as from 16 MiB, and less from 4.
+KV_PREFETCH_BYTES = 8 << 20
+
+
 def split_point(query_lens: list[int], seq_lens: list[int], threads: int) -> int:
     """Where the second of two walks should begin (its first sequence), or 0 for one walk.
 
@@ -143,12 +151,13 @@ class NativeDecoderStack:
             self._scratch = torch.empty(needed, dtype=torch.bfloat16)
         shm = self.tp.shm if self.tp.size > 1 else None
         before = shm.native_counts() if shm is not None else (0, 0, 0.0)
+        split = (split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
+                 if shm is None else 0)
         hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
-                             backend.scale, self._scratch, None if shm is None else shm.context,
-                             split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
-                             if shm is None else 0)
+                             backend.scale, self._scratch, None if shm is None else shm.context, split,
+                             KV_PREFETCH_BYTES if split else 0)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)

@@ -81,11 +81,15 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
     run_both_paths(model_dir)
 
 
-def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+# Split walks fetch each layer's KV ahead during their matmuls: none of it, a block's K
+# and V of one layer (the budget cuts the stream short), and all of it.
+@pytest.mark.parametrize("kv_prefetch_bytes", [0, 2 * 16 * 2 * 32 * 2, 8 << 20])
+def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 kv_prefetch_bytes: int) -> None:
     # Decode steps of two sequences on split (the default waits for 32), over two threads
     # whatever this machine has; every split the walk is given is recorded.
     monkeypatch.setattr(stack_model, "SPLIT_FROM_TOKENS", 2)
+    monkeypatch.setattr(stack_model, "KV_PREFETCH_BYTES", kv_prefetch_bytes)
     splits: list[int] = []
 
     def recording(query_lens: list[int], seq_lens: list[int], threads: int) -> int:
@@ -164,6 +168,8 @@ def test_split_walks_are_checked_and_a_refused_path_ends_both(model_dir: Path) -
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        with pytest.raises(ValueError, match="kv_prefetch_bytes must be >= 0, got -1"):
+            decoder_stack.run(stack.kernels, stack.weights, stack.shape, split_seqs=1, kv_prefetch_bytes=-1, **args)
         for bad in (2, -1):  # the second walk would have no sequence / a negative start
             with pytest.raises(ValueError, match=rf"split_seqs must be 0, or within \(0, 2\) .* got {bad}"):
                 decoder_stack.run(stack.kernels, stack.weights, stack.shape, split_seqs=bad, **args)
