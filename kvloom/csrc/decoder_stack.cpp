@@ -50,11 +50,12 @@
 // they compute (side_stream.h), so that the attention after them reads it from cache.
 // A walk's matmuls on one core are bound by their arithmetic and leave memory
 // bandwidth spare, while its attention is bound by one core's misses in flight. Decode
-// at context 300 on AMD EPYC model 17, alternating in one process: batch 32 34.2 ->
-// 32.8 ms, 64 63.2 -> 60.4, 128 121.2 -> 118.7; from the o or gate_up projections too,
-// the lines waited longer in cache and gained less (61.4 at batch 64), and a single walk
-// on both cores (batch 16), whose matmuls already wait on memory, lost 2-6%
-// (docs/benchmarks.md, the eleventh session). A fetch changes no bit.
+// on AMD EPYC model 17, alternating in one process: batch 32 / 64 / 128 at context 300
+// 32.6 -> 31.5, 65.5 -> 63.4 and 125.2 -> 121.4 ms, batch 96 at context 600 107.7 ->
+// 104.7. Fetched from the o and gate_up projections as well, it gained less (batch 64
+// 63.2 -> 61.4 against 60.4), and a single walk on both cores (batch 16), whose matmuls
+// already wait on memory, lost 2-6% (docs/benchmarks.md, the eleventh session). A fetch
+// changes no bit.
 #include <omp.h>
 
 #include <algorithm>
