@@ -45,6 +45,7 @@
 namespace {
 
 using kvloom_simd::unrolled;  // accumulators indexed by constants: they stay in registers
+using kvloom_side::SideStream;
 
 enum Isa : int { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX = 4 };
 
@@ -113,7 +114,7 @@ struct SideCursor {
   const char* const* next_span = nullptr;
   int64_t span_bytes = 0;
   int64_t left = 0;
-  static SideCursor lines(const kvloom_side::SideStream& s, int64_t from, int64_t to) {
+  static SideCursor lines(const SideStream& s, int64_t from, int64_t to) {
     SideCursor c;
     if (to <= from) return c;
     const int64_t span = from / s.span_lines;
@@ -440,7 +441,7 @@ constexpr int64_t TILES_PER_UNIT = 2;
 // whichever thread runs it, split evenly over its row tiles: every line once, spread
 // over the call's work.
 template <class Path>
-void run_vector(const Problem& p, int num_threads, const kvloom_side::SideStream* side = nullptr) {
+void run_vector(const Problem& p, int num_threads, const SideStream* side = nullptr) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
   const int64_t blocks = (p.n + COLS - 1) / COLS;
   const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
@@ -822,7 +823,7 @@ int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* 
 // kvloom_gemm_bf16 that also fetches `side`'s lines (side_stream.h) into L2 while it
 // computes, on the AVX512-BF16 path; the other paths ignore it. The same result bit for bit.
 int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
-                          int64_t n, int64_t k, int isa, int num_threads, const kvloom_side::SideStream* side) {
+                          int64_t n, int64_t k, int isa, int num_threads, const SideStream* side) {
   if (side == nullptr || side->last <= side->first || isa != ISA_AVX512_BF16)
     return kvloom_gemm_bf16(x, packed, bias, y, m, n, k, isa, num_threads);
   if (isa > kvloom_gemm_best_isa()) return -1;
