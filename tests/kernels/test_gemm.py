@@ -179,21 +179,21 @@ def side_stream(lines: int, span_lines: int = 96) -> tuple[torch.Tensor, torch.T
     return torch.tensor([spans.data_ptr(), span_lines, 0, lines], dtype=torch.int64), spans, buffer
 
 
-@pytest.mark.skipif("avx512_bf16" not in ISAS_HERE, reason="only the AVX512-BF16 path fetches a side stream")
+@pytest.mark.parametrize("isa", ISAS_HERE)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (16, 3072, 576), (33, 576, 1536), (70, 100, 63),
                                            (5, 17, 33)])
 @pytest.mark.parametrize("lines", [1, 97, 5000, 400_000])  # one; a span and one; ~steps; far more than 2 a step
-def test_a_side_stream_changes_no_bit(m: int, n: int, k: int, lines: int) -> None:
-    # The tiles that also fetch a side stream run their k steps in three stretches of
-    # their own (csrc/gemm.cpp for_each_pair_side): a step skipped or repeated there would
-    # change the sums.
+def test_a_side_stream_changes_no_bit(isa: str, m: int, n: int, k: int, lines: int) -> None:
+    # On AVX512-BF16 the tiles that also fetch a side stream run their k steps in three
+    # stretches of their own (csrc/gemm.cpp for_each_pair_side): a step skipped or
+    # repeated there would change the sums. The other paths take the plain call.
     x, weight, b = random_problem(m, n, k, bias=True, seed=m + n + k)
     packed = gemm.pack_weight(weight)
-    want = gemm.gemm_bf16(x, packed, b, n, "avx512_bf16")
+    want = gemm.gemm_bf16(x, packed, b, n, isa)
     side, _spans, _buffer = side_stream(lines)
     for threads in (1, 2):
         got = torch.empty(m, n, dtype=torch.bfloat16)
         status = gemm.GEMM_SIDE.function()(x.data_ptr(), packed.data_ptr(), b.data_ptr(), got.data_ptr(), m, n, k,
-                                           gemm.isa_code("avx512_bf16"), threads, side.data_ptr())
+                                           gemm.isa_code(isa), threads, side.data_ptr())
         assert status == 0
-        assert torch.equal(got, want), f"{threads} thread(s): the side stream changed the result"
+        assert torch.equal(got, want), f"{isa}, {threads} thread(s): the side stream changed the result"
