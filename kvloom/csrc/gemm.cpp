@@ -453,9 +453,12 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
   const PanelShares layout{blocks, threads, Path::BLOCKS, passes, groups};
   kvloom_work::WorkShares shares(threads, [&](int s) { return layout.size(s); });
-  std::vector<int64_t> units_before(threads + 1, 0);  // units of the shares before share s
-  for (int s = 0; s < threads; ++s) units_before[s + 1] = units_before[s] + layout.size(s);
   const int64_t side_lines = side != nullptr && Path::SIDE_STREAM ? side->last - side->first : 0;
+  std::vector<int64_t> units_before;  // with a side stream: the units of the shares before share s
+  if (side_lines > 0) {
+    units_before.assign(threads + 1, 0);
+    for (int s = 0; s < threads; ++s) units_before[s + 1] = units_before[s] + layout.size(s);
+  }
 #pragma omp parallel num_threads(threads)
   {
     kvloom_work::Unit unit;
@@ -466,8 +469,11 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
       const AheadPlan plan{p, at.last};
       const auto next = layout.ahead(plan, at, unit.stolen);  // sliced over the panel's row tiles
       const int64_t first = at.group * TILES_PER_UNIT, end = std::min(calls, (at.group + 1) * TILES_PER_UNIT);
-      const int64_t u = units_before[unit.share] + unit.index, units = units_before[threads];
-      const int64_t from = side_lines * u / units, to = side_lines * (u + 1) / units;  // this unit's side lines
+      int64_t from = 0, to = 0;  // this unit's side lines
+      if (side_lines > 0) {
+        const int64_t u = units_before[unit.share] + unit.index, units = units_before[threads];
+        from = side_lines * u / units, to = side_lines * (u + 1) / units;
+      }
       for (int64_t i = first; i < end; ++i) {
         const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
         const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
