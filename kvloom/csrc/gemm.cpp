@@ -810,33 +810,28 @@ void kvloom_gemm_pack(const uint16_t* weight, int64_t n, int64_t k, uint16_t* pa
     }
 }
 
-// y[m, n] = x[m, k] @ W^T (+ bias) on `isa` (at most kvloom_gemm_best_isa()). Returns 0,
-// or -1 when isa is not one this CPU runs (nothing written).
-int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
-                     int64_t n, int64_t k, int isa, int num_threads) {
+// kvloom_gemm_bf16 that also fetches `side`'s lines (side_stream.h; nullptr: none) into
+// L2 while it computes, on the AVX512-BF16 path; the other paths ignore it. The same
+// result bit for bit.
+int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
+                          int64_t n, int64_t k, int isa, int num_threads, const SideStream* side) {
   if (isa <= ISA_NONE || isa > kvloom_gemm_best_isa()) return -1;
   const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
   if (m == 0 || n == 0) return 0;
   switch (isa) {
     case ISA_AMX: run_amx(p, num_threads); break;
-    case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads); break;
+    case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads, side); break;
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
     default: run_avx2(p, num_threads); break;
   }
   return 0;
 }
 
-// kvloom_gemm_bf16 that also fetches `side`'s lines (side_stream.h) into L2 while it
-// computes, on the AVX512-BF16 path; the other paths ignore it. The same result bit for bit.
-int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
-                          int64_t n, int64_t k, int isa, int num_threads, const SideStream* side) {
-  if (side == nullptr || side->last <= side->first || isa != ISA_AVX512_BF16)
-    return kvloom_gemm_bf16(x, packed, bias, y, m, n, k, isa, num_threads);
-  if (isa > kvloom_gemm_best_isa()) return -1;
-  const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
-  if (m == 0 || n == 0) return 0;
-  run_vector<PathAvx512Bf16>(p, num_threads, side);
-  return 0;
+// y[m, n] = x[m, k] @ W^T (+ bias) on `isa` (at most kvloom_gemm_best_isa()). Returns 0,
+// or -1 when isa is not one this CPU runs (nothing written).
+int kvloom_gemm_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
+                     int64_t n, int64_t k, int isa, int num_threads) {
+  return kvloom_gemm_bf16_side(x, packed, bias, y, m, n, k, isa, num_threads, nullptr);
 }
 
 }  // extern "C"
