@@ -94,6 +94,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     roofline.add_argument("model", nargs="?", default=None)
     roofline.add_argument("--batches", type=_positive_ints, default="1,16,64", help="decode batch sizes")
     roofline.add_argument("--context", type=positive_int, default=512, help="tokens of KV per sequence")
+    roofline.add_argument("--steps", type=positive_int, default=None,
+                          help="also time this many of the engine's decode steps per batch size, their "
+                               "prompts sized so that they read --context keys on average, against the bound")
 
     steps = _command(bench_sub, "steps", "time engine steps: decode at given batch sizes, prefill", _steps)
     steps.add_argument("--batches", type=_positive_ints, default="1,16,64,200", help="decode batch sizes")
@@ -468,7 +471,7 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _roofline(args: argparse.Namespace) -> int:
-    from kvloom.bench.roofline import run_roofline
+    from kvloom.bench.roofline import run_roofline, time_engine_steps
     from kvloom.config import DEFAULT_MODEL, ModelConfig
     from kvloom.models.loader import load_checkpoint
 
@@ -476,5 +479,8 @@ def _roofline(args: argparse.Namespace) -> int:
     config = ModelConfig.from_hf(checkpoint.hf_config)
     num_params = sum(t.numel() for _, t in checkpoint.weights())
     print(f"{checkpoint.name}: {num_params / 1e6:.1f}M parameters")
-    print(run_roofline(config, num_params, args.batches, args.context))
+    # The engine's steps first: it is shut down before the rates are measured.
+    steps = time_engine_steps(str(args.model or DEFAULT_MODEL), args.batches, args.context, args.steps) \
+        if args.steps else None
+    print(run_roofline(config, num_params, args.batches, args.context, steps))
     return 0

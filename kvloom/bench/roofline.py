@@ -5,16 +5,22 @@ kvloom's own bf16 GEMM on the path the engine takes) and memory bandwidth, then 
 the lower bound on one decode step of a model: every weight read once plus every
 running sequence's KV read once, or the FLOPs at the best measured bf16 rate (torch's or
 kvloom's: on a CPU without AVX512-BF16, torch's bf16 matmul is oneDNN's slow reference
-path, and a bound from it would be no bound), whichever is larger.
+path, and a bound from it would be no bound), whichever is larger. With ``--steps`` it
+also times this engine's own decode steps at those batch sizes (``bench steps``'s
+``time_decode``, bf16, the prompts sized so that the timed steps read the bound's context
+on average) and prints each against its bound.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from kvloom.bench.steps import StepTiming
 from kvloom.config import ModelConfig
 
 
@@ -82,7 +88,10 @@ def decode_step_bound(model: ModelConfig, num_params: int, batch: int, context: 
                        (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9), flops / (gflops * 1e9))
 
 
-def run_roofline(model: ModelConfig, num_params: int, batches: list[int], context: int) -> str:
+def run_roofline(model: ModelConfig, num_params: int, batches: list[int], context: int,
+                 decode_steps: Mapping[int, StepTiming] | None = None) -> str:
+    """The rates, the bandwidth and the bound per batch size; with ``decode_steps`` (timed
+    steps by batch size, as from :func:`time_engine_steps`), each against its bound."""
     lines = ["matmul throughput (GFLOP/s, best of 5):"]
     rates: dict[tuple[str, int], float] = {}
     h, i = model.hidden_size, model.intermediate_size
@@ -103,6 +112,7 @@ def run_roofline(model: ModelConfig, num_params: int, batches: list[int], contex
     lines.append(f"decode step lower bound (bf16 at the better of torch's and kvloom's rate, context {context}):")
     lines.append(f"  {'batch':>5} {'weights MB':>10} {'KV MB':>8} {'GFLOP':>7} {'mem ms':>7} "
                  f"{'compute ms':>10} {'bound ms':>9} {'tok/s':>8}")
+    bounds: dict[int, DecodeBound] = {}
     for m in batches:
         bound = decode_step_bound(model, num_params, m, context, torch.bfloat16, bandwidth,
                                   rates[("bf16", m)])
@@ -110,4 +120,30 @@ def run_roofline(model: ModelConfig, num_params: int, batches: list[int], contex
                      f"{bound.flops / 1e9:>7.2f} {bound.memory_seconds * 1e3:>7.2f} "
                      f"{bound.compute_seconds * 1e3:>10.2f} {bound.seconds * 1e3:>9.2f} "
                      f"{m / bound.seconds:>8.0f}")
+        bounds[m] = bound
+    if decode_steps:
+        lines.append("this engine's decode steps (LLMEngine.step(), median) against the bound:")
+        lines.append(f"  {'batch':>5} {'steps':>5} {'mean KV':>8} {'step ms':>8} {'bound ms':>9} {'step/bound':>10}")
+        for m, timing in decode_steps.items():
+            step = statistics.median(timing.milliseconds)
+            kv = statistics.fmean(timing.kv_tokens) if timing.kv_tokens else float("nan")
+            lines.append(f"  {m:>5} {len(timing.milliseconds):>5} {kv:>8.1f} {step:>8.2f} "
+                         f"{bounds[m].seconds * 1e3:>9.2f} {step / (bounds[m].seconds * 1e3):>9.2f}x")
     return "\n".join(lines)
+
+
+def time_engine_steps(model: str, batches: list[int], context: int, steps: int) -> dict[int, StepTiming]:
+    """``steps`` decode steps of this engine per batch size, bf16 (the bound's dtype),
+    their prompts sized so that the timed steps read ``context`` keys on average."""
+    from kvloom.bench.steps import time_decode
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    tokens = max(batches) * (context + steps + 16)
+    engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", enable_prefix_caching=False,
+                                                max_num_seqs=max(batches + [256]), num_blocks=tokens // 16 + 64))
+    try:
+        time_decode(engine, batches[0], context, min(steps, 3), seed=99, centred=True)  # warm-up
+        return {batch: time_decode(engine, batch, context, steps, seed=batch, centred=True) for batch in batches}
+    finally:
+        engine.shutdown()

@@ -34,6 +34,9 @@ class StepTiming:
     comm_calls: list[int] = field(default_factory=list)
     comm_bytes: list[int] = field(default_factory=list)
     comm_milliseconds: list[float] = field(default_factory=list)
+    # Decode only: per timed step, the mean number of keys its sequences' attention read
+    # (their cached tokens after the step, the new one included).
+    kv_tokens: list[float] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
@@ -69,9 +72,9 @@ class _StepClock:
             self.comm_milliseconds.append((self.stats.seconds - seconds) * 1e3)
         return outputs
 
-    def timing(self, shape: str, skip: int = 0) -> StepTiming:
+    def timing(self, shape: str, skip: int = 0, kv_tokens: list[float] | None = None) -> StepTiming:
         return StepTiming(shape, self.milliseconds[skip:], self.calls[skip:], self.bytes[skip:],
-                          self.comm_milliseconds[skip:])
+                          self.comm_milliseconds[skip:], kv_tokens or [])
 
 
 def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -85,23 +88,47 @@ def _drain(engine: LLMEngine, request_ids: list[str]) -> None:
         engine.step()
 
 
-def time_decode(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> StepTiming:
+def centred_prompt(context: int, steps: int, batch: int = 1, step_tokens: int = 2048) -> int:
+    """The prompt length whose timed decode steps read ``context`` keys on average.
+    Decode step j of a prompt of P tokens reads P + j keys (the prompt, the tokens
+    sampled before, and its own), so steps 1 .. ``steps`` read P + (steps + 1) / 2 on
+    average; and where ``batch`` prompts take several prefill steps of ``step_tokens``,
+    the sequences prefilled first decode during the later ones, about half of those
+    steps ahead on average."""
+    prompt = context - (steps + 1) // 2
+    prefill_steps = -(-batch * max(prompt, 1) // step_tokens)
+    prompt -= prefill_steps // 2
+    if prompt < 1:
+        raise ValueError(f"{steps} decode steps of {batch} sequences cannot centre on a context of {context} tokens")
+    return prompt
+
+
+def time_decode(engine: LLMEngine, batch: int, context: int, steps: int, seed: int,
+                centred: bool = False) -> StepTiming:
+    """``steps`` pure decode steps of ``batch`` sequences whose prompts are ``context``
+    tokens, or (``centred``) whose timed steps read ``context`` keys on average, as a
+    decode-step bound at that context assumes (the sequences that start decoding while
+    others still prefill read a few more)."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
+    budget = engine.config.scheduler.max_num_batched_tokens
+    prompt_len = centred_prompt(context, steps, batch, budget) if centred else context
     # Long enough that the first sequences, which decode while the last ones still
     # prefill, are all still running during the timed steps.
-    prefill_steps = -(-batch * context // engine.config.scheduler.max_num_batched_tokens)
+    prefill_steps = -(-batch * prompt_len // budget)
     params = SamplingParams(max_tokens=steps + prefill_steps + 8, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(_prompt(rng, context, vocab), params).request_id for _ in range(batch)]
+    requests = [engine.add_request(_prompt(rng, prompt_len, vocab), params) for _ in range(batch)]
     started: set[str] = set()
     while len(started) < batch:  # prefill everything first: the timed steps are pure decodes
         started.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
     clock = _StepClock(engine)
+    kv_tokens = []
     for _ in range(steps):
         outputs = clock.step(engine)
         assert len(outputs) == batch and not any(output.finished for output in outputs), "not a pure decode"
-    _drain(engine, ids)
-    return clock.timing(f"decode b{batch} x {context}")
+        kv_tokens.append(statistics.fmean(request.num_computed_tokens for request in requests))
+    _drain(engine, [request.request_id for request in requests])
+    return clock.timing(f"decode b{batch} x {context}", kv_tokens=kv_tokens)
 
 
 def time_prefill(engine: LLMEngine, count: int, length: int, repeats: int, seed: int) -> StepTiming:

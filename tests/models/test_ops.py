@@ -48,6 +48,33 @@ def test_rms_norm_and_fused_residual(dtype: torch.dtype, rows: int, n: int) -> N
     torch.testing.assert_close(ref, hf_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
 
 
+def bf16(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@needs_native
+def test_the_residual_add_rounds_every_class_of_value_as_torch() -> None:
+    # x + residual landing on each case of the rounding rule (csrc/simd.h: bf16_pack,
+    # whose one-instruction path flushes denormals and keeps NaN payloads), at lanes
+    # spread over a 576-wide row of ordinary values: ties to even both ways, denormal
+    # sums, NaN with payloads (quiet and signalling), infinities and an overflow to inf.
+    # (bits of x, bits of residual): 1.0 + 2^-8 (a tie, down to 1.0), 1.00390625 + 2^-8
+    # (a tie, up), two denormals, a normal minus a normal landing below the smallest
+    # normal, NaNs plus 1, inf plus 1, the largest bf16 plus itself (inf).
+    cases = [(0x3F80, 0x3B80), (0x3F81, 0x3B80), (0x0001, 0x0002), (0x0081, 0x8080), (0x7FC5, 0x3F80),
+             (0xFFA1, 0x3F80), (0x7F81, 0x3F80), (0x7F80, 0x3F80), (0xFF80, 0x3F80), (0x7F7F, 0x7F7F), (0x8000, 0x0000)]
+    x, residual = data((3, 576), torch.bfloat16, 4), data((3, 576), torch.bfloat16, 5)
+    for i, (xb, rb) in enumerate(cases):
+        row, column = i % 3, 37 * i + 5
+        x[row, column], residual[row, column] = bf16([xb]), bf16([rb])
+    expected = (residual.float() + x.float()).to(torch.bfloat16)  # torch: nearest even
+    # NaN: torch's vector conversion writes 0xffff, the kernels' rule (simd.h) 0x7fc0.
+    expected[expected.isnan()] = bf16([0x7FC0])
+    ours = residual.clone()
+    ops.rms_norm(x, torch.ones(576, dtype=torch.bfloat16), 1e-5, ours)
+    assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))  # bits, so NaN == NaN
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 17), (16, 1536), (70, 1024)])

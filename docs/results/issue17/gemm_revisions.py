@@ -75,7 +75,7 @@ def main() -> None:
     columns = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, revision in enumerate(revisions):
-            where = Path(tmp) / f"{i}-{revision}"
+            where = Path(tmp) / f"{i}-{Path(revision).name}"  # a folder: its last part
             where.mkdir()
             columns.append(measure(build(revision, where), code))
     print(f"GFLOP/s on the {isa} path, 2 threads; " + ", ".join(
