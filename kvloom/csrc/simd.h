@@ -81,9 +81,9 @@ inline __m512i bf16_bits(__m512 x) {
 // vcvtneps2bf16 rounds the same way (to nearest even) in one instruction, except that
 // it flushes a denormal to zero and keeps a NaN's payload; a vector holding either
 // (vfpclassps: QNaN, denormal, SNaN) takes bf16_bits, so the bits never depend on
-// which. The fused ops spend most of their time rounding: on AMD EPYC model 17,
-// rms_norm over 16 x 576 and silu_and_mul 22.2 -> 18.2 and 24.5 -> 20.5 cycles a
-// vector, bit-identical (docs/benchmarks.md, the twelfth session).
+// which. The fused ops spend much of their time rounding: on AMD EPYC model 17 rms_norm
+// over 16 x 576 and silu_and_mul take 22.2 -> 18.2 and 24.5 -> 20.5 cycles a vector, and
+// a prompt step of 8 x 256 ~1% less (docs/benchmarks.md, the twelfth session).
 inline __m256i bf16_pack(__m512 x) {
 #ifdef __AVX512BF16__
   constexpr int quiet_nan = 0x01, denormal = 0x20, signalling_nan = 0x80;  // vfpclassps classes
