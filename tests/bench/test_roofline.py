@@ -4,6 +4,7 @@ engine's decode steps timed at the bound's context."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_the_engines_centred_decode_steps_read_the_context_on_average(tiny_llama
     # one key to each sequence, and the ten steps read 60 keys on average, give or take
     # the prefill steps' lead.
     assert len(timing.milliseconds) == len(timing.kv_tokens) == 10
-    assert [b - a for a, b in zip(timing.kv_tokens, timing.kv_tokens[1:])] == [1.0] * 9
+    assert [b - a for a, b in itertools.pairwise(timing.kv_tokens)] == [1.0] * 9
     assert abs(statistics.fmean(timing.kv_tokens) - 60) <= 1.0
     plain = steps.time_decode(engine, batch=8, context=60, steps=10, seed=0)  # prompts of 60
     assert statistics.fmean(plain.kv_tokens) >= 60 + 5.5
