@@ -479,8 +479,8 @@ def _roofline(args: argparse.Namespace) -> int:
     config = ModelConfig.from_hf(checkpoint.hf_config)
     num_params = sum(t.numel() for _, t in checkpoint.weights())
     print(f"{checkpoint.name}: {num_params / 1e6:.1f}M parameters")
-    # The engine's steps first: it is shut down before the rates are measured.
-    steps = time_engine_steps(str(args.model or DEFAULT_MODEL), args.batches, args.context, args.steps) \
-        if args.steps else None
+    steps = None
+    if args.steps:  # the engine's steps first: it is shut down before the rates are measured
+        steps = time_engine_steps(str(args.model or DEFAULT_MODEL), args.batches, args.context, args.steps)
     print(run_roofline(config, num_params, args.batches, args.context, steps))
     return 0

@@ -17,11 +17,14 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvloom.bench.steps import StepTiming
 from kvloom.config import ModelConfig
+
+if TYPE_CHECKING:  # bench/steps.py imports the engine, which the bound alone does not need
+    from kvloom.bench.steps import StepTiming
 
 
 def _best_time(fn, repeats: int = 5, inner: int = 3) -> float:
