@@ -8,7 +8,8 @@ batch size.
 
 WORKLOAD is shared/peers/make_ov_workload.py's token-id JSONL (e.g.
 ~/kvloom-peers/workloads/sharegpt200.jsonl 200, or prefix100.jsonl 100 1). SPEC='{"method": "ngram", ...}'
-in the environment runs the engine with that speculative config.
+in the environment runs the engine with that speculative config; FINE=1 lists the decode steps
+of 1-24 sequences by batch size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     lead = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     model = sys.argv[4] if len(sys.argv) > 4 else str(Path.home() / "kvloom-peers/models/smollm2-135m-instruct")
     spec = json.loads(os.environ["SPEC"]) if os.environ.get("SPEC") else None
+    fine = os.environ.get("FINE") == "1"
     engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", kv_cache_memory=4, max_num_seqs=256,
                                                 speculative_config=spec))
     requests = datasets.load_token_workload(path, num_prompts)
@@ -62,6 +64,9 @@ def main() -> None:
         if prompt:
             kinds[(0, "with 2,048 prompt tokens" if prompt + decodes == 2048 else "with fewer")].append(seconds)
         else:
+            if fine and decodes < 25:  # the tail's batch sizes one by one
+                kinds[(1 + decodes, f"decode, batch {decodes}")].append(seconds)
+                continue
             low = min(decodes // 25 * 25, 150)
             kinds[(1 + low, f"decode, batch {max(low, 1)}-{low + 24 if low < 150 else 256}")].append(seconds)
     print(f"{'steps':<30}{'count':>7}{'seconds':>9}{'ms each':>9}")
