@@ -1,5 +1,5 @@
 """The offline ShareGPT run (as run_vs_openvino.sh runs kvloom) with the time of every garbage collection recorded."""
-import gc, sys, time
+import gc, time
 from pathlib import Path
 from kvloom.bench import datasets
 from kvloom.bench.offline import run_offline, warm_up

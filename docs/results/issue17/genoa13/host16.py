@@ -3,7 +3,6 @@ import sys, time, random, statistics, functools
 from collections import defaultdict
 import kvloom.batch as kb
 import kvloom.kernels.decoder_stack as kds
-import kvloom.runner.model_runner as mr
 import kvloom.runner.sampling_metadata as sm
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine

@@ -1,35 +1,32 @@
-"""Per-kernel time inside the native decoder stack for the ShareGPT run's first prompt steps
-(2,048 tokens each). usage: PYTHONPATH=/tmp/s13/wt python prompt_times.py STEPS"""
-import sys, time, statistics, ctypes
+"""Per-kernel time inside the native decoder stack (timers.py: the instrumented build) over the
+ShareGPT run's first prompt steps (2,048 tokens each; the first one untimed).
+    PYTHONPATH=/tmp/s13/wt .venv/bin/python docs/results/issue17/genoa13/prompt_times.py STEPS"""
+import statistics
+import sys
 from pathlib import Path
-import kvloom, kvloom.native as native
-assert "/tmp/s13/wt" in kvloom.__file__, kvloom.__file__
+
+from timers import StackTimers, timed_steps
+
+from kvloom.bench import datasets
+from kvloom.bench.offline import warm_up
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.sampling_params import SamplingParams
-from kvloom.bench import datasets
-from kvloom.bench.offline import warm_up
+
 steps = int(sys.argv[1])
+timers = StackTimers()
 model = str(Path.home() / "kvloom-peers/models/smollm2-135m-instruct")
-eng = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", kv_cache_memory=4, max_num_seqs=256,
-                                         enable_prefix_caching=False))
-reqs = datasets.load_token_workload(Path.home() / "kvloom-peers/workloads/sharegpt200.jsonl", 200)
-warm_up(eng)
-for r in reqs:
-    eng.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.expected_output_len, temperature=0.0, ignore_eos=True))
-lib = native.load("decoder_stack")
-buf = (ctypes.c_uint64 * 32)(); buf0 = (ctypes.c_uint64 * 32)()
-eng.step()  # one untimed
-lib.kvloom_stack_times(buf0)
-total = []
-for _ in range(steps):
-    t = time.perf_counter(); eng.step(); total.append(time.perf_counter() - t)
-lib.kvloom_stack_times(buf)
-names = ["rms_in", "qkv", "rotary", "write_kv", "attention", "o", "rms_post", "gate_up", "silu", "down"]
-tsc = 2.596e9
-print(f"step median {statistics.median(total)*1e3:.1f} ms, mean {statistics.mean(total)*1e3:.1f}")
-s = 0
-for i, nme in enumerate(names):
-    ms = (buf[i] - buf0[i]) / tsc / steps * 1e3; s += ms
-    print(f"  {nme:10s} {ms:8.2f} ms/step")
-print(f"  sum        {s:8.2f}")
+engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16", kv_cache_memory=4, max_num_seqs=256,
+                                            enable_prefix_caching=False))
+warm_up(engine)
+for request in datasets.load_token_workload(Path.home() / "kvloom-peers/workloads/sharegpt200.jsonl", 200):
+    engine.add_request(request.prompt_token_ids, SamplingParams(max_tokens=request.expected_output_len,
+                                                                temperature=0.0, ignore_eos=True))
+engine.step()
+timers.start()
+seconds = timed_steps(engine, steps)
+per_step = timers.stop(steps)
+print(f"step median {statistics.median(seconds) * 1e3:.1f} ms, mean {statistics.mean(seconds) * 1e3:.1f}")
+for name, (ms, _) in per_step.items():
+    print(f"  {name:10s} {ms:8.2f} ms/step")
+print(f"  sum        {sum(ms for ms, _ in per_step.values()):8.2f}")

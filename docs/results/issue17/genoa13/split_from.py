@@ -1,30 +1,21 @@
-"""Decode steps one walk vs two walks (SPLIT_FROM_TOKENS lowered), alternating in one process.
-usage: python split_from.py BATCH ROUNDS CTX"""
-import random, statistics, sys, time
+"""Decode steps as one walk and as two (SPLIT_FROM_TOKENS 32, the engine's, against 2),
+alternating in one process (alternate.py); the checkout's own build.
+    .venv/bin/python docs/results/issue17/genoa13/split_from.py BATCH ROUNDS CTX"""
+import sys
+
+from alternate import alternate, decoding_engine, report
+
 import kvloom.models.decoder_stack as stack
-from kvloom.config import EngineConfig
-from kvloom.engine.engine import LLMEngine
-from kvloom.models.default_model import resolve_default_model
-from kvloom.sampling_params import SamplingParams
+
 batch, rounds, ctx = (int(v) for v in sys.argv[1:4])
-settings = [32, 2]
-steps_per = 5
-engine = LLMEngine(EngineConfig.from_kwargs(str(resolve_default_model()), dtype="bfloat16", enable_prefix_caching=False,
-                                            max_num_seqs=256, num_blocks=batch * (ctx + 300) // 16 + 200))
-rng = random.Random(0)
-params = SamplingParams(max_tokens=rounds * len(settings) * (steps_per + 1) + 60, temperature=0.0, ignore_eos=True)
-for _ in range(batch):
-    engine.add_request([rng.randrange(10, 40000) for _ in range(ctx)], params)
-while not (outputs := engine.step()) or not (len(outputs) == batch and all(o.outputs[0].token_ids for o in outputs)):
-    pass
-for _ in range(3):
-    engine.step()
-times = {s: [] for s in settings}
-for r in range(rounds):
-    for s in settings if r % 2 == 0 else settings[::-1]:
-        stack.SPLIT_FROM_TOKENS = s
-        engine.step()
-        for _ in range(steps_per):
-            start = time.perf_counter(); engine.step(); times[s].append(time.perf_counter() - start)
-for s, values in times.items():
-    print(f"batch {batch} context {ctx} split from {s:3d}: median {statistics.median(values) * 1e3:7.2f} ms min {min(values) * 1e3:7.2f}")
+
+
+def split_from(tokens: int):  # type: ignore[no-untyped-def]
+    def apply() -> None:
+        stack.SPLIT_FROM_TOKENS = tokens
+    return apply
+
+
+settings = {"split from 32": split_from(32), "split from 2": split_from(2)}
+engine = decoding_engine([ctx] * batch, rounds, len(settings))
+report(f"batch {batch} context {ctx}", alternate(engine, settings, rounds))
