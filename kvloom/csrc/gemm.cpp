@@ -135,6 +135,8 @@ struct SideCursor {
   }
 };
 
+const SideCursor NO_SIDE{};  // a tile's side cursor where the call has no side stream
+
 // Where the tiles of one thread fetch ahead: its blocks are [first, last), walked in
 // panels, and the calls over one panel share the next panel's lines (call i of n
 // fetches slice i of them).
@@ -240,7 +242,8 @@ inline void for_each_pair(const uint16_t* x, int64_t k, Ahead ahead, Step&& step
 // are left unfetched). Three stretches: both kinds of fetch, then whichever kind has
 // steps left, then none.
 template <class Step>
-inline void for_each_pair_side(const uint16_t* x, int64_t k, Ahead ahead, SideCursor side, Step&& step) {
+inline void for_each_pair_side(const uint16_t* x, int64_t k, Ahead ahead, const SideCursor& from, Step&& step) {
+  SideCursor side = from;  // advanced by the fetching steps
   const int64_t full = k / 2;
   const int64_t per_step = std::min(MAX_LINES_PER_STEP, ahead.per_step(full));
   const int64_t fetching = std::min(full, ahead.lines() / per_step);
@@ -303,27 +306,48 @@ KVLOOM_TARGET_AVX512 inline Accumulators<N> escape(const __m512 (&acc)[N]) {
   return copy;
 }
 
-// store_row on 16 lanes at once: the same float32 bias add and the same rounding
-// (round to nearest even on the bits, NaN -> 0x7fc0), so no path rounds differently.
+// 16 float32 lanes rounded to bf16 as store_row rounds them (to nearest even on the bits,
+// NaN -> 0x7fc0), so no path rounds differently. The vector and AMX tiles run only on CPUs
+// with AVX-512, where this library is built with it (-march=native): there simd.h's
+// bf16_pack does it in one vcvtneps2bf16 where the CPU has AVX512-BF16 (NaN and denormal
+// lanes take the bit rule). The #else only keeps the file compiling for CPUs without AVX-512.
+KVLOOM_TARGET_AVX512 inline __m256i round_lanes_512(__m512 sum) {
+#ifdef KVLOOM_AVX512
+  return kvloom_simd::bf16_pack(sum);
+#else
+  const __m512i bits = _mm512_castps_si512(sum);
+  __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+  rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
+// The live columns of block j (those below n), and its bias as float32 (zeros without one).
+KVLOOM_TARGET_AVX512 inline __mmask16 live_columns(const Problem& p, int64_t col0) {
+  return static_cast<__mmask16>(p.n - col0 >= COLS ? 0xffff : (1u << (p.n - col0)) - 1);
+}
+KVLOOM_TARGET_AVX512 inline __m512 bias_lanes(const Problem& p, int64_t col0, __mmask16 live) {
+  if (!p.bias) return _mm512_setzero_ps();
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p.bias + col0)), 16));
+}
+// store_row on 16 lanes at once: the same float32 bias add (none without a bias: adding
+// zero would turn -0 into +0) and round_lanes_512's rounding.
+KVLOOM_TARGET_AVX512 inline void store_lanes(const Problem& p, int64_t row, int64_t col0, __m512 acc, __m512 bias,
+                                             __mmask16 live) {
+  const __m512 sum = p.bias ? _mm512_add_ps(acc, bias) : acc;
+  _mm256_mask_storeu_epi16(p.y + row * p.n + col0, live, round_lanes_512(sum));
+}
+
 template <int ROWS, int BLOCKS>
 KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, int64_t j0,
                                                 const Accumulators<ROWS * BLOCKS>& acc) {
-  const __m512i round_bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
   unrolled<BLOCKS>([&](auto b) KVLOOM_TARGET_AVX512 {
     const int64_t col0 = (j0 + b) * COLS;
-    const __mmask16 live = static_cast<__mmask16>(p.n - col0 >= COLS ? 0xffff : (1u << (p.n - col0)) - 1);
-    __m512 bias = _mm512_setzero_ps();
-    if (p.bias)
-      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p.bias + col0)), 16));
-    unrolled<ROWS>([&](auto r) KVLOOM_TARGET_AVX512 {
-      const __m512 sum = p.bias ? _mm512_add_ps(acc.v[r * BLOCKS + b], bias) : acc.v[r * BLOCKS + b];
-      const __m512i bits = _mm512_castps_si512(sum);
-      __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
-                                         _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
-      rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
-                                      _mm512_set1_epi32(0x7fc0));
-      _mm256_mask_storeu_epi16(p.y + (m0 + r) * p.n + col0, live, _mm512_cvtepi32_epi16(rounded));
-    });
+    const __mmask16 live = live_columns(p, col0);
+    const __m512 bias = bias_lanes(p, col0, live);
+    unrolled<ROWS>([&](auto r) KVLOOM_TARGET_AVX512 { store_lanes(p, m0 + r, col0, acc.v[r * BLOCKS + b], bias, live); });
   });
 }
 
@@ -335,7 +359,7 @@ struct PathAvx512Bf16 {
   // line, and the accumulators in memory (3x slower).
   template <int R, int B, bool SIDE>
   KVLOOM_TARGET_AVX512_BF16 __attribute__((flatten)) static void tile(const Problem& p, int64_t m0, int64_t j0,
-                                                                      Ahead ahead, SideCursor side) {
+                                                                      Ahead ahead, const SideCursor& side) {
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512_BF16 { acc[i] = _mm512_setzero_ps(); });
     const uint32_t* w[B];
@@ -362,7 +386,7 @@ struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
   static constexpr bool SIDE_STREAM = false;
   template <int R, int B, bool SIDE>
-  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, SideCursor) {
+  KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, const SideCursor&) {
     static_assert(!SIDE, "this path fetches no side stream");
     __m512 acc[R * B];
     unrolled<R * B>([&](auto i) KVLOOM_TARGET_AVX512 { acc[i] = _mm512_setzero_ps(); });
@@ -392,7 +416,9 @@ struct PathAvx512 {
 
 // Tile functions of every (rows, blocks) up to the path's maximum, indexed [rows - 1][blocks - 1].
 // side[][]: the same tiles fetching a side stream too, where the path has them (else null).
-using TileFn = void (*)(const Problem&, int64_t, int64_t, Ahead, SideCursor);
+// The side cursor by reference: built by value for each call it cost a store-forwarding
+// stall a tile (its 40 bytes written as two halves on the stack, read back whole).
+using TileFn = void (*)(const Problem&, int64_t, int64_t, Ahead, const SideCursor&);
 template <class Path, bool SIDE, int R, int B>
 TileFn tile_fn() { return &Path::template tile<R, B, SIDE>; }
 template <class Path, bool SIDE, int R, int... B>
@@ -483,7 +509,7 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
                                              SideCursor::lines(*side, side->first + from + (to - from) * t / n,
                                                                side->first + from + (to - from) * (t + 1) / n));
         } else {
-          table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls), SideCursor{});
+          table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls), NO_SIDE);
         }
       }
     }
@@ -681,11 +707,16 @@ KVLOOM_TARGET_AMX void amx_configure() {
   _tile_loadconfig(&config);
 }
 
-// The accumulator tile `t` of rows [m0, m0 + 16) and column block j: store it.
-KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, float* scratch, int64_t m0, int64_t j) {
-  const int64_t col0 = j * COLS, count = std::min<int64_t>(COLS, p.n - col0);
-  const int64_t rows = std::min<int64_t>(AMX_ROWS, p.m - m0);
-  for (int64_t r = 0; r < rows; ++r) store_row(p, m0 + r, col0, scratch + r * COLS, count);
+// An accumulator tile of rows [m0, m0 + 16) and column block j, stored to `scratch`:
+// round it into y, a row (16 float32 lanes) at a time, as the vector paths store theirs.
+// It was store_row's scalar loop: by instruction count more work than the tile's products
+// at K = 576 (256 roundings of ~8 instructions against 18 tdpbf16ps); not yet timed on an
+// AMX machine.
+KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, const float* scratch, int64_t m0, int64_t j) {
+  const int64_t col0 = j * COLS, rows = std::min<int64_t>(AMX_ROWS, p.m - m0);
+  const __mmask16 live = live_columns(p, col0);
+  const __m512 bias = bias_lanes(p, col0, live);
+  for (int64_t r = 0; r < rows; ++r) store_lanes(p, m0 + r, col0, _mm512_load_ps(scratch + r * COLS), bias, live);
 }
 
 template <int ROW_TILES, int COL_TILES>

@@ -75,6 +75,39 @@ def test_rows_are_bit_identical_alone_and_in_any_batch(isa: str, n: int, k: int)
         torch.set_num_threads(threads)
 
 
+def bf16_bits_rounded(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> the bf16 bit patterns store_row's rule gives (nearest, ties to even on
+    the bits; NaN -> 0x7fc0), as int32, computed here on the integers."""
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return torch.where(values.isnan(), torch.full_like(rounded, 0x7FC0), rounded).to(torch.int32)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_path_rounds_its_sums_by_one_rule(isa: str, bias: bool) -> None:
+    # K = 2 with the second pair zero: each output is one exact product a * b (+ bias, one
+    # float32 add), the same float32 on every path, so the bits out are the store's
+    # rounding alone (one vcvtneps2bf16 on AVX512-BF16 and AMX, the bit rule elsewhere).
+    # A 16-bit product rounded to 8 bits meets ties to even, and the operands below also
+    # overflow to +-inf and carry NaN through.
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(64, generator=generator) * 2.0 ** torch.randint(-20, 20, (64,), generator=generator)
+    b = torch.randn(48, generator=generator) * 2.0 ** torch.randint(-20, 20, (48,), generator=generator)
+    a[:4] = torch.tensor([3e38, -2e38, float("nan"), 0.0])
+    b[:3] = torch.tensor([2.0, 3.0, -0.0])
+    x = torch.stack([a, torch.zeros_like(a)], 1).bfloat16()
+    weight = torch.stack([b, torch.zeros_like(b)], 1).bfloat16()
+    bias_values = (torch.randn(48, generator=generator) * 4).bfloat16() if bias else None
+    # bf16 x bf16 is exact in float32; every path adds it to an accumulator that starts
+    # at +0 (so a -0 product sums to +0).
+    exact = x[:, :1].float() * weight[:, 0].float() + 0.0
+    if bias_values is not None:
+        exact = exact + bias_values.float()
+    got = gemm.gemm_bf16(x, gemm.pack_weight(weight), bias_values, 48, isa)
+    assert torch.equal(got.view(torch.int16).to(torch.int32) & 0xFFFF, bf16_bits_rounded(exact))
+
+
 def test_model_shapes_are_row_invariant_on_the_default_path() -> None:
     isa = gemm.default_isa()
     for n, k in [(960, 576), (3072, 576), (576, 1536)]:  # SmolLM2's qkv, gate/up, down
