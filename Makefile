@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: serve test test-fast test-avx512-emulated check install model bench clean
+.PHONY: serve test test-fast test-avx512-emulated test-amx-emulated check install model bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,11 @@ $(SIMDE_STAMP): $(VENV)/bin/python
 
 test-avx512-emulated: $(TEST_STAMP) $(SIMDE_STAMP)
 	$(PY) scripts/avx512_emulated/check.py
+
+# The AMX paths on emulated tiles, on a CPU with AVX512-BF16 and no AMX: every kernel and
+# attention test (`make test` runs their AMX cases: tests/kernels/test_amx_emulated.py).
+test-amx-emulated: $(TEST_STAMP)
+	$(PY) scripts/amx_emulated/check.py tests/kernels tests/attention tests/models/test_decoder_stack.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
