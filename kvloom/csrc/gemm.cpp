@@ -355,6 +355,9 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
   static constexpr bool SIDE_STREAM = true;  // tiles that fetch a side stream too (tile<R, B, true>)
+  static constexpr bool EVEN_ROWS = true;  // tile_start
+  static void begin_thread() {}  // what a thread sets up before its first tile of a call (AMX: the tiles)
+  static void end_thread() {}
   // flatten: the side tiles' extra loops otherwise leave the per-row lambdas out of
   // line, and the accumulators in memory (3x slower).
   template <int R, int B, bool SIDE>
@@ -385,6 +388,9 @@ struct PathAvx512Bf16 {
 struct PathAvx512 {
   static constexpr int ROWS = 4, BLOCKS = 4;  // 16 accumulators + 8 weight registers + 2
   static constexpr bool SIDE_STREAM = false;
+  static constexpr bool EVEN_ROWS = true;
+  static void begin_thread() {}
+  static void end_thread() {}
   template <int R, int B, bool SIDE>
   KVLOOM_TARGET_AVX512 static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, const SideCursor&) {
     static_assert(!SIDE, "this path fetches no side stream");
@@ -448,8 +454,10 @@ constexpr int64_t X_BYTES_PER_PASS = 256 * 1024;
 // rows (14, 20, 26, 32, 38) 2-13% faster over three runs, elsewhere within the noise
 // (docs/results/issue17/genoa/gemm_even_tiles.txt); two tiles keep the full one first
 // (7 rows: 6 + 1 ran 1 ms faster than 4 + 3). Which tile computes a row changes no bit.
-inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t calls, int64_t rows_max) {
-  if (calls < 3) return std::min(pass_end, pass + i * rows_max);
+// A path whose tiles have a fixed row count (AMX: 16 or 32 rows whatever the tile holds)
+// keeps full tiles and one short last one (even = false).
+inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t calls, int64_t rows_max, bool even) {
+  if (calls < 3 || !even) return std::min(pass_end, pass + i * rows_max);
   return pass + (pass_end - pass) * i / calls;
 }
 
@@ -487,6 +495,7 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
   }
 #pragma omp parallel num_threads(threads)
   {
+    Path::begin_thread();
     kvloom_work::Unit unit;
     while (shares.next(omp_get_thread_num(), unit)) {
       const PanelShares::Place at = layout.place(unit);
@@ -501,8 +510,8 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
         from = side_lines * u / units, to = side_lines * (u + 1) / units;
       }
       for (int64_t i = first; i < end; ++i) {
-        const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS);
-        const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS) - m0;
+        const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS, Path::EVEN_ROWS);
+        const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS, Path::EVEN_ROWS) - m0;
         if (to > from) {
           const int64_t t = i - first, n = end - first;
           table.side[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls),
@@ -513,6 +522,7 @@ void run_vector(const Problem& p, int num_threads, const SideStream* side = null
         }
       }
     }
+    Path::end_thread();
   }
 }
 
@@ -697,8 +707,7 @@ void run_avx2(const Problem& p, int num_threads) {
 // ---- AMX ------------------------------------------------------------------------
 // Tiles: 0-3 accumulators (16 rows x 16 float32), 4-5 inputs (16 rows x 32 bf16),
 // 6-7 weights (16 k pairs x 16 columns: 16 rows of a packed block). A step computes
-// up to 32 rows x 32 columns over the whole K. Rows past M and the K padding are read
-// from a zeroed copy of the inputs, never from past the end of x.
+// up to 32 rows x 32 columns over the whole K.
 constexpr int64_t AMX_ROWS = 16;
 
 KVLOOM_TARGET_AMX void amx_configure() {
@@ -707,23 +716,28 @@ KVLOOM_TARGET_AMX void amx_configure() {
   _tile_loadconfig(&config);
 }
 
-// An accumulator tile of rows [m0, m0 + 16) and column block j, stored to `scratch`:
-// round it into y, a row (16 float32 lanes) at a time, as the vector paths store theirs.
-// It was store_row's scalar loop: by instruction count more work than the tile's products
-// at K = 576 (256 roundings of ~8 instructions against 18 tdpbf16ps); not yet timed on an
-// AMX machine.
-KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, const float* scratch, int64_t m0, int64_t j) {
-  const int64_t col0 = j * COLS, rows = std::min<int64_t>(AMX_ROWS, p.m - m0);
+// Rows [row0, row0 + count) of an accumulator tile for column block j, stored to
+// `scratch`: rounded into y a row (16 float32 lanes) at a time, as the vector paths store
+// theirs. It was store_row's scalar loop: by instruction count more work than the tile's
+// products at K = 576 (256 roundings of ~8 instructions against 18 tdpbf16ps); not yet
+// timed on an AMX machine.
+KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, const float* scratch, int64_t row0, int64_t count,
+                                        int64_t j) {
+  const int64_t col0 = j * COLS;
   const __mmask16 live = live_columns(p, col0);
   const __m512 bias = bias_lanes(p, col0, live);
-  for (int64_t r = 0; r < rows; ++r) store_lanes(p, m0 + r, col0, _mm512_load_ps(scratch + r * COLS), bias, live);
+  for (int64_t r = 0; r < count; ++r) store_lanes(p, row0 + r, col0, _mm512_load_ps(scratch + r * COLS), bias, live);
 }
 
+// Rows [m0, m0 + rows) and blocks j0 .. j0 + COL_TILES of y from x's rows (x_stride apart;
+// the tiles read 16 or 32 of them, whatever rows holds), fetching `ahead`'s lines over its
+// K chunks as the vector tiles do over their k steps.
 template <int ROW_TILES, int COL_TILES>
-KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_stride, int64_t m0, int64_t j0,
-                                float* scratch) {
+KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_stride, int64_t m0, int64_t rows,
+                                int64_t j0, Ahead ahead) {
   const int64_t chunks = round_up(p.k, K_ALIGN) / K_ALIGN;
   const int64_t x_bytes = x_stride * 2;
+  const int64_t per_chunk = ahead.per_step(chunks);
   _tile_zero(0);
   if (COL_TILES > 1) _tile_zero(1);
   if (ROW_TILES > 1) _tile_zero(2);
@@ -731,6 +745,7 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
   const uint32_t* w0 = p.block(j0);
   const uint32_t* w1 = COL_TILES > 1 ? p.block(j0 + 1) : w0;
   for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t i = 0; i < per_chunk && ahead.lines() > 0; ++i) ahead.fetch();
     _tile_loadd(4, x + c * K_ALIGN, x_bytes);
     if (ROW_TILES > 1) _tile_loadd(5, x + AMX_ROWS * x_stride + c * K_ALIGN, x_bytes);
     _tile_loadd(6, w0 + c * AMX_ROWS * WORDS_PER_ROW, 64);
@@ -740,58 +755,45 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
     if (ROW_TILES > 1) _tile_dpbf16ps(2, 5, 6);
     if (ROW_TILES > 1 && COL_TILES > 1) _tile_dpbf16ps(3, 5, 7);
   }
+  alignas(64) float scratch[AMX_ROWS * COLS];
+  const int64_t first = std::min(rows, AMX_ROWS), second = rows - first;
   _tile_stored(0, scratch, 64);
-  amx_store(p, scratch, m0, j0);
-  if (COL_TILES > 1) { _tile_stored(1, scratch, 64); amx_store(p, scratch, m0, j0 + 1); }
-  if (ROW_TILES > 1) { _tile_stored(2, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, j0); }
-  if (ROW_TILES > 1 && COL_TILES > 1) { _tile_stored(3, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, j0 + 1); }
+  amx_store(p, scratch, m0, first, j0);
+  if (COL_TILES > 1) { _tile_stored(1, scratch, 64); amx_store(p, scratch, m0, first, j0 + 1); }
+  if (ROW_TILES > 1) { _tile_stored(2, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, second, j0); }
+  if (ROW_TILES > 1 && COL_TILES > 1) { _tile_stored(3, scratch, 64); amx_store(p, scratch, m0 + AMX_ROWS, second, j0 + 1); }
 }
 
-// Like run_vector: each thread owns a contiguous range of column blocks, and rows go in
-// passes of X_BYTES_PER_PASS, so that within a pass every weight panel is read once
-// (from memory, for a large weight such as the output head) and the pass's inputs stay
-// in L2 for all of them. Rows are padded (to K_ALIGN, and to whole 32-row steps) in a
-// per-thread copy only where x cannot be read as it is.
-KVLOOM_TARGET_AMX void run_amx(const Problem& p, int num_threads) {
-  const int64_t blocks = (p.n + COLS - 1) / COLS;
-  const int64_t k_pad = round_up(p.k, K_ALIGN);
-  const bool direct = p.k == k_pad;  // x's rows can be tile rows as they are
-  const int64_t step_rows = 2 * AMX_ROWS;
-  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * k_pad) / step_rows) * step_rows;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-#pragma omp parallel num_threads(threads)
-  {
-    amx_configure();
-    alignas(64) float scratch[AMX_ROWS * COLS];
-    std::vector<uint16_t> padded;  // the pass's rows (or its last partial step) zero-padded
-    const int t = omp_get_thread_num(), count = omp_get_num_threads();
-    const int64_t first = blocks * t / count, last = blocks * (t + 1) / count;
-    for (int64_t pass = 0; pass < p.m; pass += pass_rows) {
-      const int64_t pass_end = std::min(p.m, pass + pass_rows);
-      // Rows [pad_from, pass_end) are read from `padded`, the rest straight from x.
-      const int64_t pad_from = direct ? pass + (pass_end - pass) / step_rows * step_rows : pass;
-      if (pad_from < pass_end) {
-        padded.assign(round_up(pass_end - pad_from, step_rows) * k_pad, 0);
-        for (int64_t r = pad_from; r < pass_end; ++r)
-          std::memcpy(&padded[(r - pad_from) * k_pad], p.x + r * p.k, p.k * sizeof(uint16_t));
-      }
-      for (int64_t j = first; j < last; j += 2) {
-        const bool two_cols = j + 1 < last;
-        for (int64_t m0 = pass; m0 < pass_end; m0 += step_rows) {
-          const bool from_copy = m0 >= pad_from;
-          const uint16_t* x = from_copy ? padded.data() + (m0 - pad_from) * k_pad : p.x + m0 * p.k;
-          const int64_t stride = from_copy ? k_pad : p.k;
-          const bool two_rows = pass_end - m0 > AMX_ROWS;
-          if (two_rows && two_cols) amx_step<2, 2>(p, x, stride, m0, j, scratch);
-          else if (two_rows) amx_step<2, 1>(p, x, stride, m0, j, scratch);
-          else if (two_cols) amx_step<1, 2>(p, x, stride, m0, j, scratch);
-          else amx_step<1, 1>(p, x, stride, m0, j, scratch);
-        }
-      }
+// The AMX tiles as run_vector's path, so they share its work (each thread its own column
+// blocks, panels against a pass's row tiles while the panel sits in L2, the next panel
+// fetched ahead, units taken from the other thread's share at the end). A tile is up to 32
+// rows (two AMX row tiles) by one or two blocks. Its AMX tiles read 16 or 32 rows: those
+// past the tile's own come straight from x where they exist and K needs no padding
+// (computed, not stored); otherwise the tile's rows are copied, zero-padded, into the
+// thread's buffer, so nothing is read past x's end.
+struct PathAmx {
+  static constexpr int ROWS = 2 * AMX_ROWS, BLOCKS = 2;
+  static constexpr bool SIDE_STREAM = false;
+  static constexpr bool EVEN_ROWS = false;  // an AMX tile costs 16 or 32 rows whatever it holds
+  KVLOOM_TARGET_AMX static void begin_thread() { amx_configure(); }
+  KVLOOM_TARGET_AMX static void end_thread() { _tile_release(); }
+  template <int R, int B, bool SIDE>
+  KVLOOM_TARGET_AMX static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, const SideCursor&) {
+    static_assert(!SIDE, "this path fetches no side stream");
+    constexpr int ROW_TILES = R > AMX_ROWS ? 2 : 1;
+    const int64_t k_pad = round_up(p.k, K_ALIGN);
+    const uint16_t* x = p.x + m0 * p.k;
+    int64_t stride = p.k;
+    if (p.k != k_pad || m0 + ROW_TILES * AMX_ROWS > p.m) {
+      static thread_local std::vector<uint16_t> padded;  // reused across calls
+      padded.assign(ROW_TILES * AMX_ROWS * k_pad, 0);
+      for (int r = 0; r < R; ++r) std::memcpy(&padded[r * k_pad], p.x + (m0 + r) * p.k, p.k * sizeof(uint16_t));
+      x = padded.data();
+      stride = k_pad;
     }
-    _tile_release();
+    amx_step<ROW_TILES, B>(p, x, stride, m0, R, j0, ahead);
   }
-}
+};
 
 // ---- CPU features ---------------------------------------------------------------
 uint64_t xcr0() {
@@ -850,7 +852,7 @@ int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint1
   const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
   if (m == 0 || n == 0) return 0;
   switch (isa) {
-    case ISA_AMX: run_amx(p, num_threads); break;
+    case ISA_AMX: run_vector<PathAmx>(p, num_threads); break;
     case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads, side); break;
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
     default: run_avx2(p, num_threads); break;
