@@ -355,7 +355,7 @@ KVLOOM_TARGET_AVX512 inline void store_tile_512(const Problem& p, int64_t m0, in
 struct PathAvx512Bf16 {
   static constexpr int ROWS = 6, BLOCKS = 4;  // 24 accumulators + 4 weight registers + 1
   static constexpr bool SIDE_STREAM = true;  // tiles that fetch a side stream too (tile<R, B, true>)
-  static constexpr bool EVEN_ROWS = true;  // tile_start
+  static constexpr bool EVEN_ROWS = true;  // a pass's rows shared out evenly from three tiles on (tile_start)
   static void begin_thread() {}  // what a thread sets up before its first tile of a call (AMX: the tiles)
   static void end_thread() {}
   // flatten: the side tiles' extra loops otherwise leave the per-row lambdas out of
