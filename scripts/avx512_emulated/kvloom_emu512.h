@@ -135,6 +135,26 @@ inline simde__m256bh kv_mm512_cvtneps_pbh(simde__m512 a) {
   for (int j = 0; j < 16; ++j) r[j] = kv_emu::to_bf16_rne(x.v[j]);
   simde__m256bh o; std::memcpy(&o, r, 32); return o;
 }
+// vfpclassps: lane j's bit set where its class is one that imm names (Intel's imm8 bits:
+// 0 QNaN, 1 +0, 2 -0, 3 +inf, 4 -inf, 5 denormal, 6 negative finite but not -0, 7 SNaN;
+// checked against the instruction on an AVX-512 CPU over all 256 imm values).
+inline uint16_t kv_mm512_fpclass_ps_mask(simde__m512 a, int imm) {
+  const kv_emu::F16 x = kv_emu::f(a);
+  uint16_t mask = 0;
+  for (int j = 0; j < 16; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, &x.v[j], 4);
+    const uint32_t exponent = (bits >> 23) & 0xff, fraction = bits & 0x7fffff;
+    const bool negative = bits >> 31, nan = exponent == 0xff && fraction != 0;
+    const bool classes[8] = {nan && (fraction & 0x400000) != 0, bits == 0, bits == 0x80000000u,
+                             bits == 0x7f800000u, bits == 0xff800000u, exponent == 0 && fraction != 0,
+                             negative && exponent != 0xff && bits != 0x80000000u,  // not -0
+                             nan && (fraction & 0x400000) == 0};
+    for (int c = 0; c < 8; ++c)
+      if (((imm >> c) & 1) && classes[c]) mask |= static_cast<uint16_t>(1u << j);
+  }
+  return mask;
+}
 // vdpbf16ps: acc + hi * hi (rounded), then + lo * lo (rounded); products exact in float32.
 inline simde__m512 kv_mm512_dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) {
   kv_emu::F16 s = kv_emu::f(src);
@@ -151,6 +171,7 @@ inline simde__m512 kv_mm512_dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m
 #define _mm512_cvtepi32_epi16 kv_mm512_cvtepi32_epi16
 #define _mm512_cvtepu16_epi32 kv_mm512_cvtepu16_epi32
 #define _mm512_cvtneps_pbh kv_mm512_cvtneps_pbh
+#define _mm512_fpclass_ps_mask kv_mm512_fpclass_ps_mask
 #define _mm512_mask_cmp_ps_mask kv_mm512_mask_cmp_ps_mask
 #define _mm512_mask_reduce_max_ps kv_mm512_mask_reduce_max_ps
 #define _mm512_mask_reduce_min_epi32 kv_mm512_mask_reduce_min_epi32
