@@ -19,19 +19,17 @@ the tests' results and bit-identities, not the hardware's rounding of TDPBF16PS 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvloom import native
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+import emulated_kernels  # noqa: E402 (scripts/emulated_kernels.py)
+
 EMULATED = ("gemm", "paged_attention")
 FLAGS = "amx_tile amx_bf16"
 DEFAULT_TESTS = ["tests/kernels/test_gemm.py", "tests/kernels/test_paired_attention_path.py", "tests/attention"]
@@ -59,30 +57,9 @@ def emulated_source(cpp: Path) -> str:
 
 def build(home: Path) -> None:
     """gemm and paged_attention with emulated tiles into ``home``/kernels, under
-    kvloom.native's names (the other kernels build natively on first use), both at once."""
-    cxx = native.compiler()
-    if cxx is None:
-        raise SystemExit("no C++ compiler")
-    os.environ["KVLOOM_HOME"] = str(home)  # native.cache_dir() reads it
-    with tempfile.TemporaryDirectory() as tmp:
-        sources = Path(tmp) / "csrc"
-        shutil.copytree(native.SOURCES, sources)
-
-        def compile_one(name: str) -> None:
-            cpp = sources / f"{name}.cpp"
-            cpp.write_text(emulated_source(cpp))
-            target = native.cache_dir() / f"{name}-{native.build_key(name, cxx)}.so"
-            try:
-                native.compile_library(cpp, target, [*native.flags_for(name), "-I", str(HERE)])
-            except native.KernelUnavailable as error:
-                raise SystemExit(f"emulated: {error}") from None
-            disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
-            if re.search(r"\b(tdpbf16ps|ldtilecfg|tileloadd|tilestored)\b", disassembly):
-                raise SystemExit(f"{target.name} holds real AMX instructions")
-            print(f"built {name} (AMX emulated)", flush=True)
-
-        with ThreadPoolExecutor(len(EMULATED)) as pool:
-            list(pool.map(compile_one, EMULATED))
+    kvloom.native's names (the other kernels build natively on first use)."""
+    emulated_kernels.build(home, EMULATED, emulated_source, HERE, [],
+                           r"\b(tdpbf16ps|ldtilecfg|tileloadd|tilestored)\b", "AMX")
 
 
 def main() -> int:
@@ -99,9 +76,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="kvloom-emu-amx-") as home:
         build(Path(home))
-        env = dict(os.environ, KVLOOM_HOME=home, KVLOOM_TEST_EMULATED_CPU_FLAGS=FLAGS)
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                              cwd=ROOT, env=env).returncode
+        return emulated_kernels.run_tests(Path(home), FLAGS, pytest_args)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,7 @@ flushing (vdpbf16ps flushes, the emulation does not).
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +32,9 @@ from pathlib import Path
 from kvloom import native
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+import emulated_kernels  # noqa: E402 (scripts/emulated_kernels.py)
+
 SIMDE = Path("/usr/include/simde/x86/avx512.h")
 # Per emulated ISA: the flags it adds to /proc/cpuinfo's, gemm.cpp's enum for it, and the
 # defines that pick the header's part.
@@ -68,25 +67,7 @@ def emulated_source(cpp: Path, gemm_isa: str) -> str:
 
 def build(home: Path, gemm_isa: str, defines: list[str]) -> None:
     """Every kernel, emulated, into ``home``/kernels under kvloom.native's names."""
-    cxx = native.compiler()
-    if cxx is None:
-        raise SystemExit("no C++ compiler")
-    os.environ["KVLOOM_HOME"] = str(home)  # native.cache_dir() reads it
-    with tempfile.TemporaryDirectory() as tmp:
-        sources = Path(tmp) / "csrc"
-        shutil.copytree(native.SOURCES, sources)
-        for cpp in sorted(sources.glob("*.cpp")):
-            cpp.write_text(emulated_source(cpp, gemm_isa))
-            name = cpp.stem
-            target = native.cache_dir() / f"{name}-{native.build_key(name, cxx)}.so"
-            try:
-                native.compile_library(cpp, target, [*native.flags_for(name), *defines, "-I", str(HERE)])
-            except native.KernelUnavailable as error:
-                raise SystemExit(f"emulated: {error}") from None
-            disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
-            if "%zmm" in disassembly:  # the point of the exercise: nothing this CPU cannot run
-                raise SystemExit(f"{target.name} holds real AVX-512 instructions")
-            print(f"built {name} (emulated)", flush=True)
+    emulated_kernels.build(home, None, lambda cpp: emulated_source(cpp, gemm_isa), HERE, defines, "%zmm", "AVX-512")
 
 
 def main() -> int:
@@ -104,9 +85,7 @@ def main() -> int:
     flags, gemm_isa, defines = ISAS[args.isa]
     with tempfile.TemporaryDirectory(prefix="kvloom-emu512-") as home:
         build(Path(home), gemm_isa, defines)
-        env = dict(os.environ, KVLOOM_HOME=home, KVLOOM_TEST_EMULATED_CPU_FLAGS=flags)
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                              cwd=ROOT, env=env).returncode
+        return emulated_kernels.run_tests(Path(home), flags, pytest_args)
 
 
 if __name__ == "__main__":

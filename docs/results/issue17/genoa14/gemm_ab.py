@@ -2,22 +2,11 @@
 per shape, rounds alternate A and B, each a timed loop; prints medians and the per-round ratio
 median, and whether outputs are bit-identical.  usage: gemm_ab.py A_DIR B_DIR [ROUNDS]
 THREADS (default 2), SHAPES 'n x k x m,...' (default the default model's matmuls at several M)."""
-import ctypes, os, statistics, sys, tempfile, time
+import os, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
-from kvloom import native
-
-def build(folder: Path, into: Path) -> ctypes.CDLL:
-    for path in folder.iterdir():
-        if path.suffix == ".h" or path.name == "gemm.cpp":
-            (into / path.name).write_bytes(path.read_bytes())
-    native.compile_library(into / "gemm.cpp", into / "gemm.so", native.flags_for("gemm"))
-    lib = ctypes.CDLL(str(into / "gemm.so"))
-    lib.kvloom_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.kvloom_gemm_packed_elements.restype = ctypes.c_int64
-    lib.kvloom_gemm_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.kvloom_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    return lib
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from gemm_revisions import build  # noqa: E402 (a folder's gemm.cpp and headers, built as kvloom builds them)
 
 def main() -> None:
     a_dir, b_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -28,7 +17,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "a").mkdir(); (Path(tmp) / "b").mkdir()
-        libs = {"A": build(a_dir, Path(tmp) / "a"), "B": build(b_dir, Path(tmp) / "b")}
+        libs = {"A": build(str(a_dir), Path(tmp) / "a"), "B": build(str(b_dir), Path(tmp) / "b")}
         torch.manual_seed(0)
         for n, k, m in shapes:
             w = (torch.randn(n, k) / k ** 0.5).bfloat16()

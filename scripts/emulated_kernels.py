@@ -1,0 +1,58 @@
+"""What scripts/avx512_emulated and scripts/amx_emulated share: kernels built from an
+emulated copy of kvloom/csrc into a temporary ``$KVLOOM_HOME`` under the names
+``kvloom.native.load`` looks for (so the tests load them unchanged), each refused if its
+disassembly still holds instructions this CPU lacks, and the tests run against them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvloom import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(home: Path, names: Sequence[str] | None, emulated_source: Callable[[Path], str], include: Path,
+          defines: Sequence[str], forbidden: str, what: str) -> None:
+    """The kernels ``names`` (None: every kvloom/csrc/*.cpp), each source rewritten by
+    ``emulated_source``, into ``home``/kernels, compiled two at a time; SystemExit where one
+    does not build or its disassembly matches ``forbidden`` (real ``what`` instructions)."""
+    cxx = native.compiler()
+    if cxx is None:
+        raise SystemExit("no C++ compiler")
+    os.environ["KVLOOM_HOME"] = str(home)  # native.cache_dir() reads it
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = Path(tmp) / "csrc"
+        shutil.copytree(native.SOURCES, sources)
+        cpps = sorted(sources.glob("*.cpp")) if names is None else [sources / f"{name}.cpp" for name in names]
+
+        def compile_one(cpp: Path) -> None:
+            cpp.write_text(emulated_source(cpp))
+            target = native.cache_dir() / f"{cpp.stem}-{native.build_key(cpp.stem, cxx)}.so"
+            try:
+                native.compile_library(cpp, target, [*native.flags_for(cpp.stem), *defines, "-I", str(include)])
+            except native.KernelUnavailable as error:
+                raise SystemExit(f"emulated: {error}") from None
+            disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
+            if re.search(forbidden, disassembly):  # the point of the exercise: nothing this CPU cannot run
+                raise SystemExit(f"{target.name} holds real {what} instructions")
+            print(f"built {cpp.stem} ({what} emulated)", flush=True)
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(compile_one, cpps))
+
+
+def run_tests(home: Path, cpu_flags: str, pytest_args: Sequence[str]) -> int:
+    """pytest over ``pytest_args`` against the builds in ``home``, the tests told (through
+    tests/helpers_cpu.py's variable) that the build has ``cpu_flags`` too."""
+    env = dict(os.environ, KVLOOM_HOME=str(home), KVLOOM_TEST_EMULATED_CPU_FLAGS=cpu_flags)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                          cwd=ROOT, env=env).returncode
