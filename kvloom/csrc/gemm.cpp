@@ -25,7 +25,7 @@
 //                    else split where used (4 rows x 16 columns; 2 x 32 for the last rows)
 // kvloom_gemm_bf16_side (the decoder stack's entry point) also fetches a side stream of
 // the caller's lines into L2 as its tiles compute (side_stream.h), on the AVX512-BF16
-// path; a fetch changes no arithmetic.
+// and AMX paths; a fetch changes no arithmetic.
 // Plain C ABI, called through ctypes (kvloom/kernels/gemm.py registers it as a
 // PyTorch op with a schema).
 #include <algorithm>
@@ -729,15 +729,24 @@ KVLOOM_TARGET_AMX inline void amx_store(const Problem& p, const float* scratch, 
   for (int64_t r = 0; r < count; ++r) store_lanes(p, row0 + r, col0, _mm512_load_ps(scratch + r * COLS), bias, live);
 }
 
+// The side lines an AMX chunk (K_ALIGN / 2 k pairs) fetches at most: two a k pair, the
+// vector tiles' pace. Not timed on an AMX machine.
+constexpr int64_t MAX_SIDE_LINES_PER_CHUNK = K_ALIGN;
+
 // Rows [m0, m0 + rows) and blocks j0 .. j0 + COL_TILES of y from x's rows (x_stride apart;
 // the tiles read 16 or 32 of them, whatever rows holds), fetching `ahead`'s lines over its
-// K chunks as the vector tiles do over their k steps.
+// K chunks as the vector tiles do over their k steps, and `from`'s side lines spread
+// evenly over the chunks (lines past MAX_SIDE_LINES_PER_CHUNK a chunk are left unfetched,
+// as the vector tiles leave those past two a step).
 template <int ROW_TILES, int COL_TILES>
 KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_stride, int64_t m0, int64_t rows,
-                                int64_t j0, Ahead ahead) {
+                                int64_t j0, Ahead ahead, const SideCursor& from) {
   const int64_t chunks = round_up(p.k, K_ALIGN) / K_ALIGN;
   const int64_t x_bytes = x_stride * 2;
   const int64_t per_chunk = ahead.per_step(chunks);
+  SideCursor side = from;  // advanced by the chunks' fetches
+  const int64_t side_per_chunk = std::min(MAX_SIDE_LINES_PER_CHUNK, (side.left + chunks - 1) / chunks);
+  int64_t side_left = std::min(side.left, side_per_chunk * chunks);
   _tile_zero(0);
   if (COL_TILES > 1) _tile_zero(1);
   if (ROW_TILES > 1) _tile_zero(2);
@@ -746,6 +755,7 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
   const uint32_t* w1 = COL_TILES > 1 ? p.block(j0 + 1) : w0;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int64_t i = 0; i < per_chunk && ahead.lines() > 0; ++i) ahead.fetch();
+    for (int64_t i = 0; i < side_per_chunk && side_left > 0; ++i, --side_left) side.fetch();
     _tile_loadd(4, x + c * K_ALIGN, x_bytes);
     if (ROW_TILES > 1) _tile_loadd(5, x + AMX_ROWS * x_stride + c * K_ALIGN, x_bytes);
     _tile_loadd(6, w0 + c * AMX_ROWS * WORDS_PER_ROW, 64);
@@ -773,13 +783,12 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
 // thread's buffer, so nothing is read past x's end.
 struct PathAmx {
   static constexpr int ROWS = 2 * AMX_ROWS, BLOCKS = 2;
-  static constexpr bool SIDE_STREAM = false;
+  static constexpr bool SIDE_STREAM = true;
   static constexpr bool EVEN_ROWS = false;  // an AMX tile costs 16 or 32 rows whatever it holds
   KVLOOM_TARGET_AMX static void begin_thread() { amx_configure(); }
   KVLOOM_TARGET_AMX static void end_thread() { _tile_release(); }
   template <int R, int B, bool SIDE>
-  KVLOOM_TARGET_AMX static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, const SideCursor&) {
-    static_assert(!SIDE, "this path fetches no side stream");
+  KVLOOM_TARGET_AMX static void tile(const Problem& p, int64_t m0, int64_t j0, Ahead ahead, const SideCursor& side) {
     constexpr int ROW_TILES = R > AMX_ROWS ? 2 : 1;
     const int64_t k_pad = round_up(p.k, K_ALIGN);
     const uint16_t* x = p.x + m0 * p.k;
@@ -791,7 +800,7 @@ struct PathAmx {
       x = padded.data();
       stride = k_pad;
     }
-    amx_step<ROW_TILES, B>(p, x, stride, m0, R, j0, ahead);
+    amx_step<ROW_TILES, B>(p, x, stride, m0, R, j0, ahead, SIDE ? side : NO_SIDE);
   }
 };
 
@@ -852,7 +861,7 @@ int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint1
   const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
   if (m == 0 || n == 0) return 0;
   switch (isa) {
-    case ISA_AMX: run_vector<PathAmx>(p, num_threads); break;
+    case ISA_AMX: run_vector<PathAmx>(p, num_threads, side); break;
     case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads, side); break;
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
     default: run_avx2(p, num_threads); break;

@@ -219,7 +219,9 @@ def side_stream(lines: int, span_lines: int = 96) -> tuple[torch.Tensor, torch.T
 def test_a_side_stream_changes_no_bit(isa: str, m: int, n: int, k: int, lines: int) -> None:
     # On AVX512-BF16 the tiles that also fetch a side stream run their k steps in three
     # stretches of their own (csrc/gemm.cpp for_each_pair_side): a step skipped or
-    # repeated there would change the sums. The other paths take the plain call.
+    # repeated there would change the sums. The AMX tiles fetch theirs between their K
+    # chunks (run here on emulated tiles where the CPU lacks AMX); the other paths take
+    # the plain call.
     x, weight, b = random_problem(m, n, k, bias=True, seed=m + n + k)
     packed = gemm.pack_weight(weight)
     want = gemm.gemm_bf16(x, packed, b, n, isa)
