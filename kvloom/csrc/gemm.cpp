@@ -853,8 +853,8 @@ void kvloom_gemm_pack(const uint16_t* weight, int64_t n, int64_t k, uint16_t* pa
 }
 
 // kvloom_gemm_bf16 that also fetches `side`'s lines (side_stream.h; nullptr: none) into
-// L2 while it computes, on the AVX512-BF16 path; the other paths ignore it. The same
-// result bit for bit.
+// L2 while it computes, on the AVX512-BF16 and AMX paths; the others ignore it. The
+// same result bit for bit.
 int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
                           int64_t n, int64_t k, int isa, int num_threads, const SideStream* side) {
   if (isa <= ISA_NONE || isa > kvloom_gemm_best_isa()) return -1;

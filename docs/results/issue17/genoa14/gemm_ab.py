@@ -1,7 +1,8 @@
 """In-process alternating A/B of two gemm.cpp builds (folders holding gemm.cpp + headers):
 per shape, rounds alternate A and B, each a timed loop; prints medians and the per-round ratio
 median, and whether outputs are bit-identical.  usage: gemm_ab.py A_DIR B_DIR [ROUNDS]
-THREADS (default 2), SHAPES 'n x k x m,...' (default the default model's matmuls at several M)."""
+THREADS (default 2), SHAPES 'n x k x m,...' (default the default model's matmuls at several M), ISA (gemm.cpp's
+enum: 4 AMX, 3 AVX512-BF16; default 3) and ISA_B (B's path, default ISA: one build's two paths as A and B)."""
 import os, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
@@ -13,6 +14,7 @@ def main() -> None:
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     threads = int(os.environ.get("THREADS", "2"))
     isa = int(os.environ.get("ISA", "3"))
+    isas = {"A": isa, "B": int(os.environ.get("ISA_B", isa))}
     spec = os.environ.get("SHAPES", "3072x576x16,3072x576x64,3072x576x256,3072x576x2048,576x1536x64,960x576x32")
     shapes = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -30,10 +32,10 @@ def main() -> None:
             for r in range(rounds):
                 for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                     f, y = libs[name].kvloom_gemm_bf16, ys[name]
-                    f(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), m, n, k, isa, threads)
+                    assert f(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), m, n, k, isas[name], threads) == 0
                     t = time.perf_counter()
                     for _ in range(loops):
-                        f(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), m, n, k, isa, threads)
+                        f(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), m, n, k, isas[name], threads)
                     times[name].append((time.perf_counter() - t) / loops)
             ratios = sorted(a / b for a, b in zip(times["A"], times["B"]))
             ga, gb = (2 * m * n * k / statistics.median(times[nm]) / 1e9 for nm in "AB")
