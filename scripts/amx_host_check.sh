@@ -5,7 +5,7 @@
 # here while issue 17 is open. Run THERE, from the repository root, after
 # scripts/gpu_prepare.sh ran here (it also saves the GEMM sources compared below into
 # .gpu/), with .whl and .gpu carried:
-#   run(command="bash scripts/amx_host_check.sh", carry=[".whl", ".gpu"], timeout_s=480)
+#   run(command="bash scripts/amx_host_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
 # Everything runs on two physical cores (taskset), as on the issue's 2-core machines:
 #   1. the AMX paths' tests natively (the GEMM's and attention's AMX cases, the decoder
 #      stack), which elsewhere run only on emulated tiles;
@@ -13,7 +13,9 @@
 #      before 8addefc against after it, the AMX tiles under the shared driver (2afa006)
 #      against their static split, and HEAD's AMX path against its AVX512-BF16 path;
 #   3. `kvloom bench roofline` on a random-weight model of the default model's shape
-#      (the GGUF does not travel), with AMX and with it capped off.
+#      (the GGUF does not travel), with AMX and with it capped off;
+#   4. decode steps at batch 32 / 64 / 128 as one walk, two, and two fetching KV
+#      (genoa15/amx_walks.py): both rules were measured on AMD EPYC only.
 # Without AMX (or without Linux's permission for it) it records the CPU and stops.
 # Results: $OUT (the device tool's; one archive plus the log) or docs/results/amx_host/.
 # FORCE=1 PYTHON=.venv/bin/python bash scripts/amx_host_check.sh: the same stages, tiny,
@@ -97,5 +99,12 @@ for cap in $amx avx512_bf16; do
     --context 300 --steps $steps > "$out/roofline_$cap.txt" 2>&1
   echo "rc=$?" | tee -a "$out/log.txt"; cat "$out/roofline_$cap.txt" >> "$out/log.txt"
   [ "$force" = 1 ] && break
+done
+# Whether decode steps should split into two walks, and fetch KV as they do, on AMX too.
+for batch in $([ "$force" = 1 ] && echo 32 || echo 32 64 128); do
+  stage "one walk or two, batch $batch"
+  MODEL=/tmp/models/smollm2-135m timeout 100 "${pin[@]}" $py docs/results/issue17/genoa15/amx_walks.py $batch \
+    $([ "$force" = 1 ] && echo 1 || echo 4) 300 > "$out/walks_$batch.txt" 2>&1
+  echo "rc=$?" | tee -a "$out/log.txt"; cat "$out/walks_$batch.txt" >> "$out/log.txt"
 done
 finish

@@ -1,5 +1,5 @@
 """The harness of this session's A/B scripts (kv_order_steps.py, delay_steps.py, single_fetch.py,
-split_from.py): the default model in bf16 with a batch of sequences all decoding, then decode
+split_from.py, genoa15/amx_walks.py): the default model (or $MODEL) in bf16 with a batch of sequences all decoding, then decode
 steps under each setting in turn, the settings alternating (both orders, round by round) in one
 process, reported as median and min ms a step. A script that needs a patched build (a worktree
 with fetch_order_and_offset_tried.patch applied) runs with that worktree on PYTHONPATH and says
@@ -7,6 +7,7 @@ so through `worktree`."""
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -31,7 +32,8 @@ def decoding_engine(prompt_lengths: list[int], rounds: int, num_settings: int) -
     for `rounds` of every setting."""
     steps = rounds * num_settings * (STEPS_PER_SETTING + 1)
     blocks = sum(length + steps + 80 for length in prompt_lengths) // 16 + 200
-    engine = LLMEngine(EngineConfig.from_kwargs(str(resolve_default_model()), dtype="bfloat16",
+    model = os.environ.get("MODEL") or str(resolve_default_model())  # MODEL: another checkpoint's folder
+    engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="bfloat16",
                                                 enable_prefix_caching=False, max_num_seqs=256, num_blocks=blocks))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 60, temperature=0.0, ignore_eos=True)
