@@ -777,11 +777,11 @@ KVLOOM_TARGET_AMX void amx_step(const Problem& p, const uint16_t* x, int64_t x_s
 // The AMX tiles as run_vector's path, so they share its work (each thread its own column
 // blocks, panels against a pass's row tiles while the panel sits in L2, the next panel
 // fetched ahead, units taken from the other thread's share at the end, a side stream's
-// lines fetched over the units). A tile is up to 32
-// rows (two AMX row tiles) by one or two blocks. Its AMX tiles read 16 or 32 rows: those
-// past the tile's own come straight from x where they exist and K needs no padding
-// (computed, not stored); otherwise the tile's rows are copied, zero-padded, into the
-// thread's buffer, so nothing is read past x's end.
+// lines fetched over the units). A tile is up to 32 rows (two AMX row tiles) by one or
+// two blocks. Its AMX tiles read 16 or 32 rows: those past the tile's own come straight
+// from x where they exist and K needs no padding (computed, not stored); otherwise the
+// tile's rows are copied, zero-padded, into the thread's buffer, so nothing is read past
+// x's end.
 struct PathAmx {
   static constexpr int ROWS = 2 * AMX_ROWS, BLOCKS = 2;
   static constexpr bool SIDE_STREAM = true;
