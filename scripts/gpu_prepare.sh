@@ -10,7 +10,7 @@
 # tokenizer), with two older revisions' GEMM sources for scripts/amx_host_check.sh. Both
 # folders are git-ignored; the device call carries them:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
-#   run(command="bash scripts/amx_host_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
+#   run(command="PART=1 bash scripts/amx_host_check.sh", carry=[".whl", ".gpu"], timeout_s=420), then PART=2
 set -euo pipefail
 py=${PYTHON:-.venv/bin/python}
 rm -rf .whl && mkdir -p .whl .gpu
