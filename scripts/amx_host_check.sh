@@ -53,6 +53,7 @@ finish() {
 # Two logical CPUs on different physical cores (a VM's siblings would share one core's units).
 cpus=$(lscpu -p=CPU,CORE,SOCKET | grep -v '^#' | awk -F, '!seen[$2 "," $3]++ {print $1}' | head -2 | paste -sd,)
 pin=(taskset -c "$cpus")
+command -v taskset > /dev/null || { pin=(); cpus="none (no taskset here: 2 OpenMP threads, unpinned)"; }
 { lscpu; echo "pinned to CPUs $cpus"; command -v g++ && g++ --version | head -1
   "${pin[@]}" $py -c "import torch; from kvloom.kernels import gemm; print('torch', torch.__version__, 'threads', torch.get_num_threads(), 'GEMM paths', gemm.supported_isas())"
 } > "$out/cpu.txt" 2>&1
