@@ -861,6 +861,12 @@ int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint1
   if (isa <= ISA_NONE || isa > kvloom_gemm_best_isa()) return -1;
   const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
   if (m == 0 || n == 0) return 0;
+  if (k == 0) {  // empty sums (the paths' pacing divides by K's steps): each output is 0 + its bias
+    const float zeros[COLS] = {};
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; j += COLS) store_row(p, r, j, zeros, std::min<int64_t>(COLS, n - j));
+    return 0;
+  }
   switch (isa) {
     case ISA_AMX: run_vector<PathAmx>(p, num_threads, side); break;
     case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads, side); break;

@@ -108,6 +108,24 @@ def test_every_path_rounds_its_sums_by_one_rule(isa: str, bias: bool) -> None:
     assert torch.equal(got.view(torch.int16).to(torch.int32) & 0xFFFF, bf16_bits_rounded(exact))
 
 
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_an_empty_k_gives_each_output_its_bias(isa: str) -> None:
+    # K = 0: every sum is empty, so an output is its accumulator's +0 plus its bias, as
+    # for a row of zeros at any K (a -0 bias gives +0, where F.linear copies the -0; a NaN
+    # stays NaN). It used to stop the process (SIGFPE: the paths pace their fetches by
+    # K's steps).
+    x = torch.empty(3, 0, dtype=torch.bfloat16)
+    weight = torch.empty(40, 0, dtype=torch.bfloat16)
+    b = torch.randn(40, generator=torch.Generator().manual_seed(3)).bfloat16()
+    b[:2] = torch.tensor([-0.0, float("nan")])
+    packed = gemm.pack_weight(weight)
+    assert torch.equal(gemm.gemm_bf16(x, packed, None, 40, isa), torch.zeros(3, 40, dtype=torch.bfloat16))
+    got = gemm.gemm_bf16(x, packed, b, 40, isa)
+    want = (torch.nn.functional.linear(x.float(), weight.float(), b.float()) + 0.0).bfloat16()
+    assert torch.equal(got.isnan(), want.isnan()) and want[:, 1].isnan().all()
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+
+
 def test_model_shapes_are_row_invariant_on_the_default_path() -> None:
     isa = gemm.default_isa()
     for n, k in [(960, 576), (3072, 576), (576, 1536)]:  # SmolLM2's qkv, gate/up, down
