@@ -32,6 +32,8 @@ SAMPLE_ROWS = NativeOp(
 @SAMPLE_ROWS.check
 def _sample_rows_check(logits: torch.Tensor, inv_temp: torch.Tensor, uniforms: torch.Tensor) -> None:
     rows = logits.shape[0]
+    if logits.shape[1] == 0:  # nothing to sample (the kernel would return token 0, which is not there)
+        raise SAMPLE_ROWS.error("logits", "must have at least one column")
     for name, values in (("inv_temp", inv_temp), ("uniforms", uniforms)):
         if values.shape[0] != rows:
             raise SAMPLE_ROWS.error(name, f"must have one value per row of logits ({rows}), got {values.shape[0]}")

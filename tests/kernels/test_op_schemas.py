@@ -86,6 +86,8 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("write_kv_paired", "v", lambda a: a.__setitem__(1, a[1][:5]), "must have k's shape"),
     ("write_kv_paired", "slots", lambda a: a.__setitem__(2, a[2][:5]), "one slot per token"),
     ("sample_rows", "uniforms", lambda a: a.__setitem__(2, a[2][:3]), "one value per row of logits"),
+    ("sample_rows", "logits", lambda a: a.__setitem__(0, a[0][:, :0].contiguous()), "at least one column"),
+    ("argmax_rows", "logits", lambda a: a.__setitem__(0, a[0][:, :0].contiguous()), "at least one column"),
     ("gemm_bf16", "packed", lambda a: a.__setitem__(3, 40), "has .* elements"),
     ("gemm_bf16", "bias", lambda a: a.__setitem__(2, a[2][:10]), r"must be a contiguous \[20\] bf16"),
     ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
