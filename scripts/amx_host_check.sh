@@ -72,9 +72,8 @@ timeout 240 $py -c "from kvloom import native
 for name in ('gemm', 'paged_attention', 'cpu_ops', 'decoder_stack', 'sampling', 'shm_collectives'): native.load(name)" \
   >> "$out/log.txt" 2>&1; echo "rc=$?" | tee -a "$out/log.txt"
 
-write_model() {
-  stage "random-weight model"
-  timeout 120 $py - > "$out/model.txt" 2>&1 <<'PY'
+stage "random-weight model"
+timeout 120 $py - > "$out/model.txt" 2>&1 <<'PY'
 import json
 from pathlib import Path
 from kvloom.bench.families import FAMILIES, write_family
@@ -84,9 +83,7 @@ tokenizer = Tokenizer.from_file(saved / "tokenizer.json", json.loads((saved / "t
 write_family(FAMILIES["llama"], Path("/tmp/models/smollm2-135m"), tokenizer)
 print("written")
 PY
-  echo "model rc=$?" | tee -a "$out/log.txt"
-}
-write_model
+echo "model rc=$?" | tee -a "$out/log.txt"
 
 if [ "$part" = 2 ]; then
   # Whether decode steps should split into two walks, and fetch KV as they do, on AMX too.

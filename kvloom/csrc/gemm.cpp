@@ -801,7 +801,7 @@ struct PathAmx {
       x = padded.data();
       stride = k_pad;
     }
-    amx_step<ROW_TILES, B>(p, x, stride, m0, R, j0, ahead, SIDE ? side : NO_SIDE);
+    amx_step<ROW_TILES, B>(p, x, stride, m0, R, j0, ahead, side);  // NO_SIDE in the plain tiles
   }
 };
 
