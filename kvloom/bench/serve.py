@@ -5,7 +5,8 @@ It speaks only the OpenAI protocol (streamed /v1/completions or
 runs against kvloom, vLLM, SGLang or llama.cpp. Requests arrive by a seeded
 Poisson process (see ``arrivals``), optionally capped by a concurrency
 semaphore; multi-turn conversations arrive that way too, and each sends turn
-``i + 1`` once turn ``i`` completed. A failed request (HTTP error, broken or
+``i + 1`` once turn ``i`` completed, its history holding the dataset's replies or
+(``history="generated"``) the server's own, as a chat client sends them. A failed request (HTTP error, broken or
 malformed stream) is recorded with its error and never stops the run.
 
 Metric definitions are in ``kvloom.bench.metrics``. The results JSON holds the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -70,6 +72,10 @@ class ServeBenchConfig:
     label: str | None = None
     workload: dict[str, Any] = field(default_factory=dict)  # dataset parameters, for the record
     show_progress: bool = True
+    # Multi-turn history: each turn's earlier replies as the dataset has them (every
+    # engine gets the same prompts), or as this server generated them (what a chat client
+    # sends, so that the whole history can be a prefix-cache hit).
+    history: str = "dataset"
 
     def __post_init__(self) -> None:
         if self.endpoint not in (COMPLETIONS, CHAT):
@@ -78,13 +84,18 @@ class ServeBenchConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
+        if self.history not in HISTORIES:
+            raise ValueError(f"history must be one of {', '.join(HISTORIES)}, got {self.history!r}")
 
     def load_parameters(self) -> dict[str, Any]:
         """The parameters that, with the requests, define the workload (JSON-safe)."""
-        return {"endpoint": self.endpoint, "request_rate": _json_number(self.request_rate),
-                "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
-                "seed": self.seed, "ignore_eos": self.ignore_eos, "temperature": self.temperature,
-                "extra_body": self.extra_body, "workload": self.workload}
+        parameters = {"endpoint": self.endpoint, "request_rate": _json_number(self.request_rate),
+                      "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
+                      "seed": self.seed, "ignore_eos": self.ignore_eos, "temperature": self.temperature,
+                      "extra_body": self.extra_body, "workload": self.workload}
+        if self.history != "dataset":  # only then: earlier runs' fingerprints stay as they were
+            parameters["history"] = self.history
+        return parameters
 
 
 def _json_number(value: float) -> float | str:
@@ -141,9 +152,10 @@ def _chunk_text(choice: Mapping[str, Any]) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: Mapping[str, Any],
-                       record: RequestRecord) -> RequestRecord:
+                       record: RequestRecord, text: list[str] | None = None) -> RequestRecord:
     """POST ``payload`` and fill ``record`` from the SSE stream; never raises for
-    request failures (they land in ``record.error``)."""
+    request failures (they land in ``record.error``). ``text``, if given, receives the
+    generated text's pieces."""
     start = time.perf_counter()
     last_token_time: float | None = None
     text_chunks, finished, done = 0, False, False
@@ -169,7 +181,10 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: Mapping[str
                     return record
                 choices = data.get("choices") or []
                 if choices:
-                    if _chunk_text(choices[0]):
+                    piece = _chunk_text(choices[0])
+                    if piece and text is not None:
+                        text.append(piece)
+                    if piece:
                         # TTFT and ITL count chunks that carry text, not role-only or empty ones.
                         if last_token_time is None:
                             record.ttft = now - start
@@ -229,6 +244,23 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 # ---------------------------------------------------------------- the run
+HISTORIES = ("dataset", "generated")
+
+
+def with_replies(request: BenchRequest, replies: Sequence[str]) -> BenchRequest:
+    """``request`` (a multi-turn chat's turn ``len(replies)``) with its assistant
+    messages replaced by ``replies``, in order."""
+    if not isinstance(request.prompt, list):
+        raise ValueError("only chat-message prompts (multiturn) have replies to replace")
+    messages = [dict(message) for message in request.prompt]
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if len(answers) != len(replies):
+        raise ValueError(f"turn {request.turn} has {len(answers)} earlier replies, got {len(replies)}")
+    for index, reply in zip(answers, replies, strict=True):
+        messages[index]["content"] = reply
+    return dataclasses.replace(request, prompt=messages)
+
+
 def _units(requests: Sequence[BenchRequest]) -> list[list[int]]:
     """Arrival units as request indices: conversations (turns in order) when the
     requests carry turns, else one request each."""
@@ -274,18 +306,29 @@ async def _timed_run(client: httpx.AsyncClient, url: str, config: ServeBenchConf
     progress = tqdm(total=len(requests), disable=not config.show_progress, desc="requests")
     start = time.perf_counter()
 
-    async def send(index: int) -> None:
-        payload = build_payload(requests[index], config, model)
+    async def send(index: int, replies: list[str] | None) -> str:
+        """Send request ``index`` (with ``replies`` as its earlier turns' answers, when
+        given); returns the text it generated when ``replies`` is given, else ""."""
+        request = requests[index] if replies is None else with_replies(requests[index], replies)
+        payload = build_payload(request, config, model)
+        text: list[str] | None = None if replies is None else []
         async with semaphore or contextlib.nullcontext():
             # Latency starts once a slot is free: waiting in the client is not the server's.
             records[index].start_time = time.perf_counter() - start
-            await send_request(client, url, payload, records[index])
+            await send_request(client, url, payload, records[index], text)
+        if replies is not None:
+            # The dataset's count no longer describes the prompt sent; the server's does.
+            records[index].prompt_len = records[index].server_prompt_tokens or request.prompt_len
         finished.append(index)
         progress.update(1)
+        return "".join(text or ())
 
     async def unit(indices: list[int]) -> None:
+        replies = [] if config.history == "generated" and requests[indices[0]].turn is not None else None
         for index in indices:  # a conversation's next turn waits for the previous one
-            await send(index)
+            reply = await send(index, replies)
+            if replies is not None:
+                replies.append(reply)
 
     units = _units(requests)
     offsets = arrival_offsets(inter_arrival_gaps(len(units), config.request_rate, config.seed,

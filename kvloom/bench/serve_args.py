@@ -63,6 +63,10 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                            "interleaved, as many users of a few system prompts arrive) rather than "
                            "group by group")
     data.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
+    data.add_argument("--history", choices=["dataset", "generated"], default="dataset",
+                      help="multiturn: earlier turns' replies as the dataset has them (the same prompts "
+                           "for every engine) or as the server generated them (what a chat client sends; "
+                           "input tokens are then the server's count)")
     data.add_argument("--max-context-len", type=int, default=None,
                       help="multiturn: the whole replay must fit; sharegpt with sglang filters: "
                            "prompt + output must fit")
@@ -163,6 +167,8 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
     endpoint = args.endpoint or (CHAT if args.dataset == "multiturn" else COMPLETIONS)
     if args.dataset == "multiturn" and endpoint != CHAT:
         raise ValueError("--dataset multiturn sends message lists: use --endpoint /v1/chat/completions")
+    if args.history != "dataset" and args.dataset != "multiturn":
+        raise ValueError(f"--history {args.history} is for --dataset multiturn (its turns' replies)")
     if not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
     return ServeBenchConfig(
@@ -170,4 +176,5 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         ignore_eos=args.ignore_eos, temperature=args.temperature, num_warmups=args.num_warmups,
         slo=parse_slo(args.slo), extra_body=args.extra_body, request_timeout_s=args.request_timeout,
-        label=args.label, workload=_workload_parameters(args), show_progress=args.show_progress)
+        label=args.label, workload=_workload_parameters(args), show_progress=args.show_progress,
+        history=args.history)

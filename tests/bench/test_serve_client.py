@@ -25,6 +25,7 @@ from kvloom.bench.serve import (
     report,
     run_benchmark,
     send_request,
+    with_replies,
     workload_fingerprint,
 )
 
@@ -200,6 +201,44 @@ def test_multiturn_sends_turns_in_order_and_conversations_concurrently(fake: Fak
             assert following["start"] >= previous["end"]
     assert fake.state.max_in_flight == 2  # the two conversations overlap
     assert [r["turn"] for r in result["requests"]] == [0, 1, 2, 0, 1, 2]
+    # By default the history is the dataset's: every engine is sent the same prompts.
+    assert [m["content"] for m in seen["conv 1 turn 2"]["payload"]["messages"]] == [
+        "conv 1 turn 0", "reply", "conv 1 turn 1", "reply", "conv 1 turn 2"]
+
+
+def _conversations(turns: int, prompt_len: int) -> list[BenchRequest]:
+    requests = []
+    for group in range(2):
+        history: list[dict[str, str]] = []
+        for turn in range(turns):
+            history = history + [{"role": "user", "content": f"conv {group} turn {turn}"}]
+            requests.append(BenchRequest(list(history), prompt_len, 3, group=group, turn=turn))
+            history = history + [{"role": "assistant", "content": "the dataset's reply"}]
+    return requests
+
+
+def test_multiturn_with_generated_history_sends_the_servers_own_replies(fake: FakeServer) -> None:
+    result = _run(fake, _conversations(3, 99), endpoint=CHAT, history="generated")
+    assert result["metrics"]["completed"] == 6
+    seen = {r["payload"]["messages"][-1]["content"]: r["payload"]["messages"] for r in fake.state.requests}
+    for group in range(2):
+        # The fake streams "a", "b", "c" for each of them: a chat client's history.
+        assert [m["content"] for m in seen[f"conv {group} turn 2"]] == [
+            f"conv {group} turn 0", "abc", f"conv {group} turn 1", "abc", f"conv {group} turn 2"]
+        assert [m["role"] for m in seen[f"conv {group} turn 1"]] == ["user", "assistant", "user"]
+    # The prompt sent is not the dataset's: its length is the server's count (the fake's:
+    # the last message's words), not the 99 the dataset gave.
+    assert [r["prompt_len"] for r in result["requests"]] == [4] * 6
+    assert result["parameters"]["history"] == "generated"
+
+
+def test_history_must_be_dataset_or_generated() -> None:
+    with pytest.raises(ValueError, match="history must be one of dataset, generated"):
+        ServeBenchConfig("http://x", history="model")
+    with pytest.raises(ValueError, match="earlier replies"):
+        with_replies(_conversations(2, 4)[1], ["one", "two"])
+    with pytest.raises(ValueError, match="chat-message prompts"):
+        with_replies(BenchRequest("text", 1, 1), [])
 
 
 def test_fingerprint_tracks_requests_and_parameters() -> None:
@@ -212,6 +251,10 @@ def test_fingerprint_tracks_requests_and_parameters() -> None:
     assert same != workload_fingerprint(requests, {**params, "seed": 1})
     # The server is not part of the workload: other base URLs, same fingerprint.
     assert ServeBenchConfig("http://y").load_parameters() == ServeBenchConfig("http://x").load_parameters()
+    # Generated history sends other prompts; the default leaves earlier fingerprints as they were.
+    assert "history" not in params
+    generated = ServeBenchConfig("http://x", request_rate=math.inf, history="generated").load_parameters()
+    assert workload_fingerprint(requests, generated) != same
 
 
 def test_an_interrupted_run_reports_the_requests_that_finished(fake: FakeServer) -> None:

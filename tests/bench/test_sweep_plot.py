@@ -165,6 +165,11 @@ def test_serve_flags_map_to_the_config() -> None:
     assert config.endpoint == "/v1/chat/completions" and math.isinf(config.request_rate)
     assert config.slo == {"ttft": 100.0} and config.extra_body == {"top_k": 1}
     assert config.max_concurrency == 3 and config.workload["dataset"] == "multiturn"
+    assert config.history == "dataset"
+    assert serve_config(parser.parse_args(["bench", "serve", "--dataset", "multiturn", "--history",
+                                           "generated"])).history == "generated"
+    with pytest.raises(ValueError, match="--history generated is for --dataset multiturn"):
+        serve_config(parser.parse_args(["bench", "serve", "--history", "generated"]))
     args = parser.parse_args(["bench", "serve", "--dataset", "multiturn", "--endpoint", "/v1/completions"])
     with pytest.raises(ValueError, match="multiturn"):
         serve_config(args)
