@@ -43,7 +43,7 @@ done
 # Multi-turn chat: 16 conversations x 3 turns; a fresh server for every run.
 for history in generated dataset; do
   for cache in on off; do
-    for in_flight in 2 16; do
+    for in_flight in 1 2 16; do
       if [ $cache = on ]; then start_server; else start_server --no-prefix-cache; fi
       $B --dataset multiturn --num-prompts 16 --turns 3 --max-context-len 2048 --max-output-len 64 \
          --max-concurrency $in_flight --history $history --label "cache-$cache multiturn c$in_flight $history" \
