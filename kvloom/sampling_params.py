@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
 from kvloom.structured.constraint import StructuredOutput, StructuredOutputsParams
@@ -25,6 +26,8 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's limits on logit_bias: each bias in [-100, 100], at most this many tokens.
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+# bad_words: at most this many words, of stop strings' length (each checked every step).
+MAX_BAD_WORDS = 64
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -74,6 +77,15 @@ class SamplingParams:
     before min_tokens and the grammar mask, so -inf stays -inf; logprobs still come
     from the raw logits. The server's ``{"50256": -100}`` (string keys) is accepted too.
 
+    ``allowed_token_ids`` (vLLM's) restricts every sampled token to these ids: the others'
+    logits become -inf, after logit_bias. ``bad_words`` (vLLM's) are words the output may
+    not contain, as tokens: each word is tokenized as it is and, where that gives other
+    tokens of the same count, after a space (the form it takes mid-text); a word's last
+    token is forbidden wherever the output so far ends with the tokens before it (a
+    one-token word, always). ``LLMEngine.add_request`` fills ``bad_words_token_ids`` from
+    them with its tokenizer (``bad_words_token_ids``, the function); given directly, those
+    sequences are used as they are.
+
     ``structured`` constrains the output to a JSON schema, regex, grammar or choice.
     The grammar then owns where the output ends: EOS is allowed exactly when the
     structure is complete and always stops the request (``ignore_eos`` and
@@ -108,6 +120,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
@@ -173,6 +188,18 @@ class SamplingParams:
                     raise ValueError(f"{name} must be <= 20, got {value}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty: no token could be sampled")
+        self.bad_words = _checked_bad_words(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)):
+                raise ValueError(f"bad_words_token_ids must be a list of token-id lists, got "
+                                 f"{self.bad_words_token_ids!r}")
+            self.bad_words_token_ids = [_int_list("bad_words_token_ids", ids) for ids in self.bad_words_token_ids]
+            if any(not ids for ids in self.bad_words_token_ids):
+                raise ValueError("bad_words_token_ids must not hold an empty sequence")
         kinds = {kind.value: kind for kind in RequestOutputKind}
         if type(self.output_kind) not in (int, RequestOutputKind) or self.output_kind not in kinds:
             raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(kinds[v].name for v in kinds)}), "
@@ -198,7 +225,8 @@ class SamplingParams:
         penalties count the output, min_tokens counts it, a grammar advances on it.
         Overlap scheduling lets a step of such a request finish before the next is
         scheduled."""
-        return self.uses_penalties or self.min_tokens > 0 or self.structured is not None
+        return (self.uses_penalties or self.min_tokens > 0 or self.structured is not None
+                or bool(self.bad_words or self.bad_words_token_ids))
 
     @property
     def uses_penalties(self) -> bool:
@@ -226,6 +254,43 @@ def _checked_logit_bias(value: object) -> dict[int, float]:
         _check_number("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
         checked[token_id] = float(bias)  # type: ignore[arg-type]
     return checked
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """``value`` as a list of token ids (non-negative integers); ValueError naming ``name``."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    for token_id in value:
+        _check_int(name, token_id, minimum=0)
+    return list(value)
+
+
+def _checked_bad_words(value: object) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {value!r}")
+    if len(value) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(value)}")
+    for word in value:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
+        if len(word) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"bad_words may be at most {MAX_STOP_STRING_CHARS} characters each, "
+                             f"got one of {len(word)}")
+    return list(value)
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The token sequences ``bad_words`` forbid (vLLM's rule): each word as it is (its
+    leading spaces dropped), and after one space where that gives a different first token
+    and as many tokens, the form the word takes after another one."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        sequences.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return [ids for ids in sequences if ids]
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

@@ -109,6 +109,9 @@ class Scheduler:
         limits.check_token_ids(request.prompt_token_ids, "prompt")
         limits.check_token_ids(request.sampling_params.stop_token_ids, "stop_token_ids")
         limits.check_token_ids(request.sampling_params.logit_bias or (), "logit_bias")
+        limits.check_token_ids(request.sampling_params.allowed_token_ids or (), "allowed_token_ids")
+        for word in request.sampling_params.bad_words_token_ids or ():
+            limits.check_token_ids(word, "bad_words_token_ids")
         limits.check_fits_pool(request.num_prompt_tokens, request.max_tokens)
         request.arrival_index = self._arrivals
         request.timeline.arrival_step = self.step_count

@@ -4,7 +4,9 @@ Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 
 1. penalties (repetition, then frequency, then presence), on the penalty rows only;
 1b. logit_bias: each row's biases added to its logits (OpenAI: greedy rows too);
-2. min_tokens: stop tokens of rows still short of ``min_tokens`` become -inf;
+1c. allowed_token_ids: every other token of such a row becomes -inf;
+2. min_tokens and bad words: stop tokens of rows still short of ``min_tokens``, and the
+   tokens that would complete a bad word, become -inf;
 3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
 4. greedy rows take the argmax here and never consume randomness;
 5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> inverse-CDF draw (one uniform per row).
@@ -97,7 +99,8 @@ class Sampler:
         if logits.dim() != 2 or tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
         processing = (metadata.penalties is not None or metadata.bias_rows is not None
-                      or metadata.blocked_rows is not None or metadata.grammar is not None)
+                      or metadata.allowed_rows is not None or metadata.blocked_rows is not None
+                      or metadata.grammar is not None)
         if metadata.all_greedy and not processing and metadata.logprob_rows is None:
             token_ids = argmax(logits)  # straight from the model's logits, in their dtype
             return DeviceSample(token_ids, HostCopy([token_ids]), metadata)
@@ -109,7 +112,8 @@ class Sampler:
             if metadata.penalties is not None:
                 apply_penalties(processed, metadata.penalties)
             apply_logit_bias(processed, metadata)
-            apply_min_tokens(processed, metadata)
+            apply_allowed_tokens(processed, metadata)
+            apply_blocked_tokens(processed, metadata)
             if metadata.grammar is not None:
                 apply_token_bitmask(processed, metadata.grammar)
         token_ids = self._sample(processed, metadata)  # [B] int64
@@ -196,6 +200,14 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     return logits
 
 
+def apply_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: -inf for every token a row with allowed_token_ids may not take."""
+    if metadata.allowed_rows is not None and metadata.allowed_mask is not None:
+        rows = metadata.allowed_rows
+        logits[rows] = logits[rows].masked_fill(~metadata.allowed_mask, float("-inf"))
+    return logits
+
+
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """In place: add each (row, token) bias; (row, token) pairs are unique per step."""
     if metadata.bias_rows is not None:
@@ -205,8 +217,9 @@ def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     return logits
 
 
-def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """In place: forbid each row's stop tokens while it is short of ``min_tokens``."""
+def apply_blocked_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: forbid each row's blocked tokens, its stop tokens while it is short of
+    ``min_tokens`` and the tokens that would complete one of its bad words."""
     if metadata.blocked_rows is not None:
         logits[metadata.blocked_rows, metadata.blocked_token_ids] = float("-inf")
     return logits

@@ -78,10 +78,15 @@ class SamplingMetadata:
     seeded: list[tuple[int, torch.Generator]]
     unseeded: torch.Tensor | None  # [U] int64 positions among random rows; None when U == 0
     penalties: PenaltyTensors | None
-    # Tokens forced to -inf because a row has not reached min_tokens yet: pairs of
-    # (batch row, token id), N of them. None when no row is below its min_tokens.
+    # Tokens forced to -inf: stop tokens of a row that has not reached min_tokens yet, and
+    # the tokens that would complete one of a row's bad words. Pairs of (batch row, token
+    # id), N of them; None when no row blocks any.
     blocked_rows: torch.Tensor | None  # [N] int64
     blocked_token_ids: torch.Tensor | None  # [N] int64
+    # allowed_token_ids: the A rows that have them, and which tokens each may take (the
+    # others become -inf). None when no row restricts its tokens.
+    allowed_rows: torch.Tensor | None  # [A] int64
+    allowed_mask: torch.Tensor | None  # [A, V] bool
     # logit_bias as M (batch row, token id, bias) triples; None when no row has one.
     bias_rows: torch.Tensor | None  # [M] int64
     bias_token_ids: torch.Tensor | None  # [M] int64
@@ -133,6 +138,9 @@ class SamplingMetadata:
             return host_values_to(values, torch.float32, device)
 
         blocked_rows, blocked_token_ids = _min_tokens_blocks(rows, vocab_size)
+        bad_rows, bad_token_ids = _bad_word_blocks(rows, vocab_size)
+        blocked_rows, blocked_token_ids = blocked_rows + bad_rows, blocked_token_ids + bad_token_ids
+        allowed_rows = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
         bias_rows, bias_token_ids, bias_values = _logit_bias_triples(rows, vocab_size)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         num_logprobs = [rows[i].params.logprobs or 0 for i in logprob_rows]
@@ -158,6 +166,8 @@ class SamplingMetadata:
             penalties=_penalty_tensors(rows, vocab_size, device),
             blocked_rows=index_tensor(blocked_rows) if blocked_rows else None,
             blocked_token_ids=index_tensor(blocked_token_ids) if blocked_rows else None,
+            allowed_rows=index_tensor(allowed_rows) if allowed_rows else None,
+            allowed_mask=_allowed_mask(rows, allowed_rows, vocab_size, device) if allowed_rows else None,
             bias_rows=index_tensor(bias_rows) if bias_rows else None,
             bias_token_ids=index_tensor(bias_token_ids) if bias_rows else None,
             bias_values=float_tensor(bias_values) if bias_rows else None,
@@ -196,6 +206,36 @@ def _min_tokens_blocks(
             blocked_rows.append(i)
             blocked_token_ids.append(token_id)
     return blocked_rows, blocked_token_ids
+
+
+def _bad_word_blocks(rows: list[SamplingRequestState], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to forbid: the last token of each of a row's bad words whose
+    other tokens end its output so far (a one-token word's, always). vLLM's rule: only
+    the output counts, not the prompt."""
+    blocked_rows: list[int] = []
+    blocked_token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        output = row.output_token_ids
+        banned = {word[-1] for word in words
+                  if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]}
+        for token_id in sorted(t for t in banned if t < vocab_size):
+            blocked_rows.append(i)
+            blocked_token_ids.append(token_id)
+    return blocked_rows, blocked_token_ids
+
+
+def _allowed_mask(rows: list[SamplingRequestState], allowed_rows: list[int], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """[A, V] bool: True where allowed row a may take the token (ids past the logits'
+    vocabulary are left out, as logit_bias's)."""
+    mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+    for position, i in enumerate(allowed_rows):
+        ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab_size]
+        mask[position, ids] = True
+    return mask.to(device)
 
 
 def _logit_bias_triples(

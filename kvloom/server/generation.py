@@ -106,7 +106,9 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
             stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
-            logit_bias=body.logit_bias, prompt_logprobs=body.prompt_logprobs,
+            logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words or [], skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, prompt_logprobs=body.prompt_logprobs,
             prompt_logprobs_start=body.prompt_logprobs_start or 0, output_kind=output_kind(body.stream), **given)
     except ValueError as error:
         raise from_value_error(error) from None

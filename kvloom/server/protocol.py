@@ -76,7 +76,8 @@ class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
-    ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and ``priority`` are vLLM's
+    ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``, ``allowed_token_ids``,
+    ``bad_words``, ``skip_special_tokens`` and ``include_stop_str_in_output`` are vLLM's
     extensions (sent by the OpenAI SDK through ``extra_body``).
     """
 
@@ -100,6 +101,13 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     # {token id (a JSON string key): bias in [-100, 100]}, checked by SamplingParams.
     logit_bias: dict[str, Any] | None = None
+    # vLLM's: the only token ids that may be sampled; words the output may not contain.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's detokenization switches: drop special tokens from the text; keep the stop
+    # string that ended the output in its text.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
     # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.

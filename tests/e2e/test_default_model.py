@@ -4,6 +4,7 @@ same GGUF: greedy identity on 8 real prompts x 32 new tokens (fp32)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers_models import default_model_path, hf_greedy_with_cache
 
 from kvloom import LLM, SamplingParams
@@ -58,4 +59,49 @@ def test_prefix_cache_on_and_off_agree_on_default_model(llm) -> None:
     uncached_llm = LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256, enable_prefix_caching=False)
     uncached = uncached_llm.chat(conversations, params)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    llm.engine.check_integrity()
+
+
+def hf_greedy_restricted(model, prompt: list[int], max_new_tokens: int, *, allowed: list[int] | None = None,
+                         bad_words: list[list[int]] = ()) -> list[int]:
+    """transformers' KV-cached forward, argmax each step over the tokens the rules leave:
+    only ``allowed`` (when given), and no token that would complete a bad word (its other
+    tokens ending the output so far; a one-token word never)."""
+    tokens: list[int] = []
+    past, inputs = None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(inputs, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1].clone()
+            if allowed is not None:
+                keep = logits[allowed]
+                logits[:] = float("-inf")
+                logits[allowed] = keep
+            for word in bad_words:
+                if len(word) - 1 <= len(tokens) and tokens[len(tokens) - len(word) + 1:] == word[:-1]:
+                    logits[word[-1]] = float("-inf")
+            tokens.append(int(logits.argmax()))
+            inputs = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def test_bad_words_and_allowed_token_ids_match_transformers_restricted(llm, default_model_reference) -> None:
+    """vLLM's two restrictions against transformers' logits restricted by hand, greedy."""
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.encode("The capital of France is")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert "Paris" in plain.outputs[0].text  # so that banning it changes the output
+    words = ["Paris", "France"]
+    sequences = [tokenizer.encode(w, add_special_tokens=False) for w in words]
+    sequences += [tokenizer.encode(" " + w, add_special_tokens=False) for w in words]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=words)
+    banned = llm.generate([prompt], params)[0].outputs[0]
+    assert banned.token_ids == hf_greedy_restricted(default_model_reference, prompt, 12, bad_words=sequences)
+    assert "Paris" not in banned.text and "France" not in banned.text
+    allowed = sorted({t for w in (" a", " the", " city", " of", " big", ".", ",") for t in tokenizer.encode(
+        w, add_special_tokens=False)})
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    only = llm.generate([prompt], params)[0].outputs[0]
+    assert set(only.token_ids) <= set(allowed)
+    assert only.token_ids == hf_greedy_restricted(default_model_reference, prompt, 10, allowed=allowed)
     llm.engine.check_integrity()

@@ -19,7 +19,7 @@ from kvloom.runner.sampling_metadata import (
     SamplingRequestState,
     generator_for_seed,
 )
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, bad_words_token_ids
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -498,3 +498,83 @@ def test_native_argmax_takes_the_first_maximum_of_every_row(dtype: torch.dtype) 
     assert sampling.argmax_rows(special.to(dtype)).tolist() == [0, 21, 39]
     with pytest.raises(ValueError, match="logits must have at least one column"):
         sampling.argmax_rows(torch.empty(2, 0, dtype=dtype))
+
+
+# ---- allowed_token_ids and bad words (vLLM's) ----------------------------------------------
+
+
+def test_allowed_token_ids_greedy_is_the_argmax_over_the_allowed(device: torch.device) -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40)
+    allowed = [[3, 17, 29], [0], [39, 5, 6, 7]]
+    rows = [make_row(device, temperature=0.0, allowed_token_ids=allowed[0]),
+            make_row(device, temperature=0.0, allowed_token_ids=allowed[1], logit_bias={1: 100.0}),
+            make_row(device, temperature=0.0),  # unrestricted: the plain argmax
+            make_row(device, temperature=0.0, allowed_token_ids=allowed[2], logit_bias={6: 50.0})]
+    biased = logits.clone()
+    biased[1, 1] += 100.0
+    biased[3, 6] += 50.0
+    expected = [max(allowed[0], key=lambda t: biased[0, t].item()), 0, naive_argmax(logits[2].tolist()),
+                max(allowed[2], key=lambda t: biased[3, t].item())]
+    assert expected[3] == 6  # the bias applies among the allowed
+    assert sample(rows, logits, device) == expected
+
+
+def test_allowed_token_ids_draws_from_the_renormalised_allowed_softmax(device: torch.device) -> None:
+    logits = [1.0, -0.5, 2.0, 0.0, -3.0, 4.0]
+    allowed = [0, 1, 4]
+    weights = [math.exp(x) if i in allowed else 0.0 for i, x in enumerate(logits)]
+    expected = [w / sum(weights) for w in weights]  # float64 textbook softmax over the allowed
+    rows = [make_row(device, allowed_token_ids=allowed) for _ in range(8000)]
+    tokens = sample(rows, torch.tensor(logits).expand(len(rows), -1), device, seed=11)
+    assert set(tokens) <= set(allowed)
+    assert chi_square_p_value(Counter(tokens), expected) > 1e-4
+
+
+def test_bad_words_block_the_token_that_would_complete_them(device: torch.device) -> None:
+    # Output so far ends ..., 5, 6. Words [6, 9] and [5, 6, 7] would be completed by 9 and 7,
+    # the one-token word [8] is always blocked; [4, 6, 2] is not (its prefix is not the end of
+    # the output), nor [1, 2, 3, 4] (longer than the output + 1).
+    words = [[6, 9], [5, 6, 7], [8], [4, 6, 2], [1, 2, 3, 4]]
+    rows = [make_row(device, output=(1, 5, 6), temperature=0.0, bad_words_token_ids=words),
+            make_row(device, output=(), temperature=0.0, bad_words_token_ids=words)]
+    metadata = SamplingMetadata.build(rows, 12, device)
+    assert metadata.blocked_rows is not None and metadata.blocked_token_ids is not None
+    pairs = list(zip(metadata.blocked_rows.tolist(), metadata.blocked_token_ids.tolist(), strict=True))
+    assert pairs == [(0, 7), (0, 8), (0, 9), (1, 8)]
+    # Greedy then takes the best token that is not blocked.
+    logits = torch.tensor([[0.0] * 7 + [5.0, 6.0, 7.0, 4.0, 0.0]] * 2)
+    assert sample(rows, logits, device) == [10, 9]
+
+
+def test_allowed_and_bad_words_metadata_only_when_used(device: torch.device) -> None:
+    plain = SamplingMetadata.build([make_row(device)], 10, device)
+    assert plain.allowed_rows is None and plain.allowed_mask is None and plain.blocked_rows is None
+    rows = [make_row(device), make_row(device, allowed_token_ids=[2, 9, 14])]
+    metadata = SamplingMetadata.build(rows, 10, device)
+    assert metadata.allowed_rows is not None and metadata.allowed_rows.tolist() == [1]
+    assert metadata.allowed_mask is not None  # id 14 is past the logits: left out
+    assert metadata.allowed_mask.nonzero().tolist() == [[0, 2], [0, 9]]
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be >= 0"),
+    ({"allowed_token_ids": "12"}, "allowed_token_ids must be a list"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids must be an integer"),
+    ({"bad_words": "word"}, "bad_words must be a list of strings"),
+    ({"bad_words": ["ok", " "]}, "bad_words must be non-empty strings"),
+    ({"bad_words": ["w"] * 65}, "bad_words may hold at most 64"),
+    ({"bad_words_token_ids": [[1], []]}, "must not hold an empty sequence"),
+    ({"bad_words_token_ids": [[1, "2"]]}, "bad_words_token_ids must be an integer"),
+])
+def test_allowed_and_bad_words_validation_names_the_field(params: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**params)  # type: ignore[arg-type]
+
+
+def test_bad_words_take_vllms_two_forms() -> None:
+    # A word and, where a space before it gives another first token and as many tokens,
+    # its mid-text form; a form that splits otherwise is left out.
+    vocab = {"cat": [7], " cat": [8], "dog": [3, 4], " dog": [9], "bird": [5], " bird": [5]}
+    assert bad_words_token_ids(["cat", " dog", "bird"], vocab.__getitem__) == [[7], [8], [3, 4], [5]]

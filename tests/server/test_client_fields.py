@@ -234,3 +234,64 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(http: httpx.Client
         assert logprobs["token_logprobs"][-1] == pytest.approx(reference[-1].max().item(), abs=1e-4)
         assert out["usage"]["completion_tokens"] == 1
     live_server.assert_idle_and_clean()
+
+
+# ---- vLLM's sampling extensions: allowed_token_ids, bad_words, detokenization switches ----
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def test_allowed_token_ids_and_bad_words_restrict_greedy(http: httpx.Client, live_server: LiveServer) -> None:
+    # Two tokens whose text is a word (no space before it) that tokenizes back to them
+    # alone, so that a bad word names exactly one token.
+    texts = {t: http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in range(300, 400)}
+    first, second = [t for t, text in texts.items() if text.isalpha()
+                     and tokenize(http, prompt=text, add_special_tokens=False) == [t]][:2]
+    word = texts[first]
+    expected = {tokens: http.post("/detokenize", json={"tokens": list(tokens)}).json()["prompt"]
+                for tokens in ((first,) * 5, (second,) * 5)}
+    for path, body in ((COMPLETIONS, {"prompt": "hello"}), (CHAT, {"messages": USER})):
+        # Only `first` may be sampled: greedy emits it whatever the model prefers.
+        only = post(http, path, **body, max_tokens=5, temperature=0, ignore_eos=True, allowed_token_ids=[first])
+        assert _text(only["choices"][0]) == expected[(first,) * 5]
+        # ... and with `first` a bad word, only `second` is left.
+        pair = post(http, path, **body, max_tokens=5, temperature=0, ignore_eos=True,
+                    allowed_token_ids=[first, second], logit_bias={str(first): 50}, bad_words=[word])
+        assert _text(pair["choices"][0]) == expected[(second,) * 5]
+    live_server.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("allowed_token_ids", [5, 100000], "allowed_token_ids"),
+    ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+    ("bad_words", "word", "bad_words"),
+    ("bad_words", [""], "bad_words must be non-empty strings"),
+    ("skip_special_tokens", "no", "skip_special_tokens"),
+])
+def test_vllm_sampling_extensions_refuse_bad_values(http: httpx.Client, field: str, value: Any, match: str) -> None:
+    response = http.post(COMPLETIONS, json={"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert match in error["message"] and error["param"] == field
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(http: httpx.Client) -> None:
+    # Token 1 is <|im_start|>, a special token that is not EOS: forced by logit_bias.
+    forced = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}}
+    assert post(http, COMPLETIONS, **forced)["choices"][0]["text"] == ""
+    kept = post(http, COMPLETIONS, **forced, skip_special_tokens=False)["choices"][0]["text"]
+    assert kept == http.post("/detokenize", json={"tokens": [1, 1, 1]}).json()["prompt"] == "<|im_start|>" * 3
+
+
+def test_include_stop_str_in_output(http: httpx.Client) -> None:
+    plain = post(http, COMPLETIONS, prompt="hello", max_tokens=12, temperature=0, ignore_eos=True)
+    text = plain["choices"][0]["text"]
+    stop = text[3:5]
+    assert stop.strip() and text.index(stop) == 3  # a stop string that first occurs at 3
+    cut = post(http, COMPLETIONS, prompt="hello", max_tokens=12, temperature=0, ignore_eos=True, stop=stop)
+    kept = post(http, COMPLETIONS, prompt="hello", max_tokens=12, temperature=0, ignore_eos=True, stop=stop,
+                include_stop_str_in_output=True)
+    assert cut["choices"][0]["text"] == text[:3] and cut["choices"][0]["finish_reason"] == "stop"
+    assert kept["choices"][0]["text"] == text[:5] and kept["choices"][0]["finish_reason"] == "stop"
