@@ -77,7 +77,8 @@ class SamplingRequest(RequestModel):
 
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
     ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``, ``allowed_token_ids``,
-    ``bad_words``, ``skip_special_tokens`` and ``include_stop_str_in_output`` are vLLM's
+    ``bad_words``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
+    ``truncate_prompt_tokens`` are vLLM's
     extensions (sent by the OpenAI SDK through ``extra_body``).
     """
 
@@ -108,6 +109,8 @@ class SamplingRequest(RequestModel):
     # string that ended the output in its text.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
     # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.

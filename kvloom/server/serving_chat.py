@@ -23,6 +23,7 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
     sampled_entry,
     top_entries,
+    truncate_prompt,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
@@ -48,6 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
                              tools=tools.tools, template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, info)
     request_id = new_id("chatcmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, [prompt], params, body.effective_max_tokens, info, body.priority,

@@ -24,6 +24,7 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
     sampled_entry,
     top_entries,
+    truncate_prompt,
     usage,
 )
 from kvloom.server.protocol import CompletionRequest
@@ -45,6 +46,11 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     if scores_prompt:
         params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs or 0, params.prompt_logprobs or 0))
     prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
+    if body.truncate_prompt_tokens is not None:  # echo then sends back what was kept
+        kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
+        texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
+                 for text, ids, whole in zip(texts, kept, prompts, strict=True)]
+        prompts = kept
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt"),

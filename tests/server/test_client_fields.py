@@ -295,3 +295,20 @@ def test_include_stop_str_in_output(http: httpx.Client) -> None:
                 include_stop_str_in_output=True)
     assert cut["choices"][0]["text"] == text[:3] and cut["choices"][0]["finish_reason"] == "stop"
     assert kept["choices"][0]["text"] == text[:5] and kept["choices"][0]["finish_reason"] == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(http: httpx.Client) -> None:
+    ids = list(range(300, 320))
+    same = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = post(http, COMPLETIONS, prompt=ids, truncate_prompt_tokens=5, echo=True, **same)
+    alone = post(http, COMPLETIONS, prompt=ids[-5:], **same)
+    assert cut["usage"]["prompt_tokens"] == 5
+    kept_text = http.post("/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    assert cut["choices"][0]["text"] == kept_text + alone["choices"][0]["text"]  # echo: what was kept
+    whole = post(http, COMPLETIONS, prompt=ids, truncate_prompt_tokens=-1, **same)  # -1: the context
+    assert whole["usage"]["prompt_tokens"] == 20
+    chat = post(http, CHAT, messages=USER, truncate_prompt_tokens=3, **same)
+    assert chat["usage"]["prompt_tokens"] == 3
+    for bad in (0, -2, 10**6):
+        response = http.post(COMPLETIONS, json={"model": SERVED_NAME, "prompt": "hi", "truncate_prompt_tokens": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
