@@ -208,6 +208,10 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(
                 f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured is not None and self.allowed_token_ids is not None:
+            # The two could leave no token at all; the grammar already chooses the tokens.
+            raise ValueError("allowed_token_ids cannot be combined with structured output: the grammar "
+                             "decides which tokens may come, and the two together could allow none")
 
     @property
     def defers_text(self) -> bool:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
-from kvloom.server.errors import bad_request
+from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import (
     Serving,
     base_params,
@@ -45,7 +45,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         if params.structured is not None:
             raise bad_request("response_format and a forced tool call (tool_choice) cannot both "
                               "constrain the output", "tool_choice")
-        params = dataclasses.replace(params, structured=tools.constraint)
+        try:
+            params = dataclasses.replace(params, structured=tools.constraint)
+        except ValueError as error:  # allowed_token_ids with the forced call's grammar
+            raise from_value_error(error) from None
     prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
                              tools=tools.tools, template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)

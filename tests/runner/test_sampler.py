@@ -20,6 +20,7 @@ from kvloom.runner.sampling_metadata import (
     generator_for_seed,
 )
 from kvloom.sampling_params import SamplingParams, bad_words_token_ids
+from kvloom.structured.constraint import StructuredOutputsParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -567,6 +568,8 @@ def test_allowed_and_bad_words_metadata_only_when_used(device: torch.device) -> 
     ({"bad_words": ["w"] * 65}, "bad_words may hold at most 64"),
     ({"bad_words_token_ids": [[1], []]}, "must not hold an empty sequence"),
     ({"bad_words_token_ids": [[1, "2"]]}, "bad_words_token_ids must be an integer"),
+    ({"allowed_token_ids": [5], "structured_outputs": StructuredOutputsParams(choice=["yes", "no"])},
+     "allowed_token_ids cannot be combined with structured output"),
 ])
 def test_allowed_and_bad_words_validation_names_the_field(params: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -312,3 +312,12 @@ def test_truncate_prompt_tokens_keeps_the_last_k(http: httpx.Client) -> None:
     for bad in (0, -2, 10**6):
         response = http.post(COMPLETIONS, json={"model": SERVED_NAME, "prompt": "hi", "truncate_prompt_tokens": bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids_with_a_grammar_is_refused_by_name(http: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for body in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"}):
+        response = http.post(CHAT, json={"model": SERVED_NAME, "messages": USER, "allowed_token_ids": [5], **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "allowed_token_ids" and "structured output" in error["message"]
