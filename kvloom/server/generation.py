@@ -175,10 +175,10 @@ def truncate_prompt(token_ids: list[int], keep: int | None, info: ModelInfo) -> 
         return token_ids
     if isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1):
         raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1 (the context length), got {keep!r}",
-                          "truncate_prompt_tokens")
+                          "truncate_prompt_tokens", "invalid_value")
     if keep > info.limits.max_model_len:
         raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the context length "
-                          f"({info.limits.max_model_len})", "truncate_prompt_tokens")
+                          f"({info.limits.max_model_len})", "truncate_prompt_tokens", "invalid_value")
     keep = info.limits.max_model_len if keep == -1 else keep
     return token_ids[-keep:]
 

@@ -311,7 +311,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k(http: httpx.Client) -> None:
     assert chat["usage"]["prompt_tokens"] == 3
     for bad in (0, -2, 10**6):
         response = http.post(COMPLETIONS, json={"model": SERVED_NAME, "prompt": "hi", "truncate_prompt_tokens": bad})
-        assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "truncate_prompt_tokens"
+        assert error["code"] == "invalid_value"
 
 
 def test_allowed_token_ids_with_a_grammar_is_refused_by_name(http: httpx.Client) -> None:
