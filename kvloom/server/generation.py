@@ -330,6 +330,12 @@ def top_entries(entry: TokenLogprobs, num: int) -> list[tuple[int, Any]]:
     return [(token_id, lp) for token_id, lp in ranked if lp.rank <= num][:num]
 
 
+def token_name(token_id: int, text: str | None, as_id: bool) -> str:
+    """How logprobs name a token: its text, or with ``return_tokens_as_token_ids``
+    (vLLM's) ``"token_id:<id>"``."""
+    return f"token_id:{token_id}" if as_id else text or ""
+
+
 def sampled_entry(entry: TokenLogprobs) -> tuple[int, Any]:
     # The output processor puts the sampled token first.
     return next(iter(entry.items()))

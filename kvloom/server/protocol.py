@@ -77,8 +77,8 @@ class SamplingRequest(RequestModel):
 
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
     ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``, ``allowed_token_ids``,
-    ``bad_words``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
-    ``truncate_prompt_tokens`` are vLLM's
+    ``bad_words``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+    ``truncate_prompt_tokens`` and ``return_tokens_as_token_ids`` are vLLM's
     extensions (sent by the OpenAI SDK through ``extra_body``).
     """
 
@@ -111,6 +111,9 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: logprobs name each token "token_id:<id>" instead of its text (a token that
+    # is part of a UTF-8 character has no text of its own).
+    return_tokens_as_token_ids: bool = False
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
     # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.

@@ -22,6 +22,7 @@ from kvloom.server.generation import (
     new_id,
     open_with_kv_transfer,
     sampled_entry,
+    token_name,
     top_entries,
     truncate_prompt,
 )
@@ -59,7 +60,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         "messages"), body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
-    response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser)
+    response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
+                         body.return_tokens_as_token_ids)
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
@@ -144,9 +146,10 @@ class _Response(GenerationResponse):
     kind, full_object, chunk_object = "chat", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, tokens_as_ids: bool = False) -> None:
         super().__init__(request_id, model, created)
         self.top_logprobs = top_logprobs
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
         self.tool_parser = tool_parser  # parse the output into tool_calls (None: plain text)
         self._streamed_calls = StreamedCalls(tool_parser) if tool_parser is not None else None
 
@@ -185,13 +188,12 @@ class _Response(GenerationResponse):
             return None
         content = []
         for entry in entries:
-            _, sampled = sampled_entry(entry)
-            item = _token_logprob(sampled)
-            item["top_logprobs"] = [_token_logprob(lp) for _, lp in top_entries(entry, self.top_logprobs)]
+            item = self._token_logprob(*sampled_entry(entry))
+            item["top_logprobs"] = [self._token_logprob(token_id, lp)
+                                    for token_id, lp in top_entries(entry, self.top_logprobs)]
             content.append(item)
         return {"content": content, "refusal": None}
 
-
-def _token_logprob(logprob: Any) -> dict[str, Any]:
-    token = logprob.decoded_token or ""
-    return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode("utf-8"))}
+    def _token_logprob(self, token_id: int, logprob: Any) -> dict[str, Any]:
+        token = token_name(token_id, logprob.decoded_token, self.tokens_as_ids)
+        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode("utf-8"))}

@@ -23,6 +23,7 @@ from kvloom.server.generation import (
     new_id,
     open_with_kv_transfer,
     sampled_entry,
+    token_name,
     top_entries,
     truncate_prompt,
     usage,
@@ -147,21 +148,24 @@ class _Response(GenerationResponse):
         token_logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
+        as_ids = self.body.return_tokens_as_token_ids
         for position, entry in enumerate(entries):
             if entry is None:
                 assert token_ids is not None
-                text = self.tokenizer.decode([token_ids[position]], skip_special_tokens=False)
+                token_id = token_ids[position]
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
                 token_logprobs.append(None)
                 tops.append(None)
             else:
-                _, sampled = sampled_entry(entry)
+                token_id, sampled = sampled_entry(entry)
                 text = sampled.decoded_token or ""
                 token_logprobs.append(sampled.logprob)
-                top = {lp.decoded_token or "": lp.logprob for _, lp in top_entries(entry, self.body.logprobs)}
-                top.setdefault(text, sampled.logprob)
+                top = {token_name(alternative, lp.decoded_token, as_ids): lp.logprob
+                       for alternative, lp in top_entries(entry, self.body.logprobs)}
+                top.setdefault(token_name(token_id, text, as_ids), sampled.logprob)
                 tops.append(top)
-            tokens.append(text)
-            offsets.append(offset)
+            tokens.append(token_name(token_id, text, as_ids))
+            offsets.append(offset)  # the text's characters, whatever names the token
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}

@@ -323,3 +323,23 @@ def test_allowed_token_ids_with_a_grammar_is_refused_by_name(http: httpx.Client)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "allowed_token_ids" and "structured output" in error["message"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http: httpx.Client) -> None:
+    same = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    completion = post(http, COMPLETIONS, prompt="hello", logprobs=2, echo=True, **same)["choices"][0]
+    named = completion["logprobs"]
+    ids = [int(token.removeprefix("token_id:")) for token in named["tokens"]]
+    assert all(token.startswith("token_id:") for token in named["tokens"])
+    # Each id is the token whose text the choice holds there: the prompt's, then the output's.
+    texts = [http.post("/detokenize", json={"tokens": [i]}).json()["prompt"] for i in ids]
+    assert "".join(texts) == completion["text"]
+    assert named["text_offset"] == [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    for top, token in zip(named["top_logprobs"][1:], named["tokens"][1:], strict=True):
+        assert token in top and all(key.startswith("token_id:") for key in top)
+    chat = post(http, CHAT, messages=USER, logprobs=True, top_logprobs=2, **same)["choices"][0]
+    content = chat["logprobs"]["content"]
+    chat_ids = [int(item["token"].removeprefix("token_id:")) for item in content]
+    assert http.post("/detokenize", json={"tokens": chat_ids}).json()["prompt"] == chat["message"]["content"]
+    assert all(alt["token"].startswith("token_id:") for item in content for alt in item["top_logprobs"])
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
