@@ -107,6 +107,9 @@ class Request:
     # Prefill/decode disaggregation: stage this prompt's KV (prefill instance) or pull
     # it (decode instance); None: computed and decoded here (kvloom/kv_spec.py).
     kv_transfer: KVTransferSpec | None = None
+    # vLLM's cache_salt: the prefix cache serves this request only what requests of the
+    # same salt left there (one tenant's), and keeps its blocks apart from the others'.
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output; kept as one list so slicing the next chunk never concatenates.

@@ -14,9 +14,10 @@ from __future__ import annotations
 from kvloom.request import Request
 
 
-def _chain(tokens: list[int], block_size: int, num_blocks: int) -> list[int]:
-    """Hash of each of the first ``num_blocks`` blocks, chained through all before it."""
-    hashes, value = [], 0
+def _chain(tokens: list[int], block_size: int, num_blocks: int, salt: str | None) -> list[int]:
+    """Hash of each of the first ``num_blocks`` blocks, chained through all before it
+    and through the request's cache salt (another salt's blocks are no hit to wait for)."""
+    hashes, value = [], hash(salt)
     for index in range(num_blocks):
         value = hash((value, tuple(tokens[index * block_size:(index + 1) * block_size])))
         hashes.append(value)
@@ -54,7 +55,7 @@ class PrefixesInFlight(NoPrefixesInFlight):
         first = request.num_computed_tokens // self.block_size
         last = request.num_tokens // self.block_size
         if first < last:
-            self._blocks.update(_chain(request.all_token_ids, self.block_size, last)[first:])
+            self._blocks.update(_chain(request.all_token_ids, self.block_size, last, request.cache_salt)[first:])
 
     def covers_next_block(self, request: Request, num_cached_tokens: int) -> bool:
         for pending in self._pending:
@@ -66,4 +67,4 @@ class PrefixesInFlight(NoPrefixesInFlight):
         # Only a block that a match could use later (the last token is always computed).
         if (next_block + 1) * self.block_size > request.num_tokens - 1:
             return False
-        return _chain(request.all_token_ids, self.block_size, next_block + 1)[-1] in self._blocks
+        return _chain(request.all_token_ids, self.block_size, next_block + 1, request.cache_salt)[-1] in self._blocks

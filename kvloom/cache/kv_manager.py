@@ -90,7 +90,7 @@ class KVCacheManager:
         """Look up the request's cached prefix, of at most ``max_tokens``; the last token
         is always left to compute because its logits are needed."""
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens - 1)
-        return self.prefix_cache.match(request.all_token_ids[:limit])
+        return self.prefix_cache.match(request.all_token_ids[:limit], request.cache_salt)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix: PrefixMatch | None = None) -> bool:
@@ -184,7 +184,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full > state.num_inserted_blocks:
             handle = self.prefix_cache.insert(
-                request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full]
+                request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full], request.cache_salt
             )
             self.prefix_cache.lock(handle)
             self.prefix_cache.unlock(state.handle)
@@ -195,7 +195,8 @@ class KVCacheManager:
             # the node ending there (split off if need be; the path is locked) holds it.
             end, slot = state.saving
             state.saving = None
-            node = self.prefix_cache.insert(request.all_token_ids[:end], request.block_ids[: end // self.block_size])
+            node = self.prefix_cache.insert(request.all_token_ids[:end], request.block_ids[: end // self.block_size],
+                                            request.cache_salt)
             self.prefix_cache.attach_state(node, slot)
 
     def _copied(self, state: _CacheState) -> None:

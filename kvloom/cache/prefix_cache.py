@@ -67,10 +67,11 @@ class PrefixCache(ABC):
     keeps_states: bool = False
 
     @abstractmethod
-    def match(self, token_ids: list[int]) -> PrefixMatch:
+    def match(self, token_ids: list[int], salt: str | None = None) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole blocks, and a cached block
         whose first tokens continue it (``PrefixMatch.partial``) if the cache can tell;
-        refreshes the whole blocks' LRU time."""
+        refreshes the whole blocks' LRU time. Only what was inserted with the same
+        ``salt`` (vLLM's ``cache_salt``: one tenant's) can match."""
 
     @abstractmethod
     def lock(self, handle: object | None) -> None:
@@ -81,7 +82,7 @@ class PrefixCache(ABC):
         """Release one lock taken with ``lock``."""
 
     @abstractmethod
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> object | None:
+    def insert(self, token_ids: list[int], block_ids: list[int], salt: str | None = None) -> object | None:
         """Index the full blocks of ``token_ids`` (len(block_ids) blocks) and return
         the handle of the deepest node covering them. Blocks newly indexed gain a
         reference; blocks already indexed under the same tokens are left alone."""
@@ -104,7 +105,7 @@ class PrefixCache(ABC):
     def held_blocks(self) -> list[int]:
         """Every block the cache holds a reference on (for integrity checks)."""
 
-    def cached_prefix_length(self, token_ids: list[int]) -> int:
+    def cached_prefix_length(self, token_ids: list[int], salt: str | None = None) -> int:
         """Tokens of ``token_ids`` a match would serve (``num_hit_tokens``), without
         touching LRU or stats (for cache-aware scheduling)."""
         return 0
@@ -141,7 +142,7 @@ class NoPrefixCache(PrefixCache):
 
     shares_prefixes = False
 
-    def match(self, token_ids: list[int]) -> PrefixMatch:
+    def match(self, token_ids: list[int], salt: str | None = None) -> PrefixMatch:
         return PrefixMatch(miss_reason="prefix cache disabled")
 
     def lock(self, handle: object | None) -> None:
@@ -150,7 +151,7 @@ class NoPrefixCache(PrefixCache):
     def unlock(self, handle: object | None) -> None:
         pass
 
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> object | None:
+    def insert(self, token_ids: list[int], block_ids: list[int], salt: str | None = None) -> object | None:
         return None
 
     def evict(self, num_blocks: int) -> int:

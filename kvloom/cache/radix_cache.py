@@ -29,6 +29,12 @@ handle always means "the path down to this node's end", whatever splits happen
 later. A handle must be locked before anything can evict (the KVCacheManager locks
 right after ``match``); an unlocked handle may be evicted and is then refused.
 
+Salts (vLLM's ``cache_salt``): a request with a salt matches and fills the tree of
+its salt only, one root per salt beside the unsalted root; requests of different salts
+(tenants) share no block and cannot learn from a hit's timing what another has sent. A
+salted root goes when its last edge is evicted. Eviction, locks and statistics are
+shared by all the trees.
+
 State checkpoints (a state-space model's cache, ``state_slots`` given): KV alone does
 not let a request skip a prefix when its model also has Mamba2 mixers, whose state
 after the prefix must be there too. A node may then hold ``state_slot``, a state-pool
@@ -70,6 +76,7 @@ class RadixNode:
     last_access: int = 0
     detached: bool = False  # evicted: no longer in the tree
     state_slot: int | None = None  # the mixers' state after this node's last token
+    salt: str | None = None  # a root's: the cache_salt whose tree it starts (None: unsalted)
 
     @property
     def num_blocks(self) -> int:
@@ -86,7 +93,8 @@ class RadixCache(PrefixCache):
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.block_size = block_size
-        self.root = RadixNode(key=[], block_ids=[], parent=None)
+        self.root = RadixNode(key=[], block_ids=[], parent=None)  # the unsalted requests' tree
+        self._salted: dict[str, RadixNode] = {}  # the other trees' roots, by salt (none empty)
         self._clock = itertools.count(1)  # logical LRU time: strictly increasing per operation
         self._indexed: set[int] = set()  # every block in the tree, for O(1) duplicate checks
         self._num_evictable_blocks = 0  # blocks of nodes with lock_count == 0
@@ -103,13 +111,13 @@ class RadixCache(PrefixCache):
         self.num_evicted_blocks = 0
 
     # ---- queries -----------------------------------------------------------------------
-    def match(self, token_ids: list[int]) -> PrefixMatch:
-        """Longest cached block-aligned prefix of ``token_ids``.
+    def match(self, token_ids: list[int], salt: str | None = None) -> PrefixMatch:
+        """Longest cached block-aligned prefix of ``token_ids`` in ``salt``'s tree.
 
         The handle covers exactly the matched blocks (the node is split if the match
         ends inside its edge); the matched path becomes most recently used.
         """
-        node, in_edge, num_blocks, block_ids = self._walk(token_ids)
+        node, in_edge, num_blocks, block_ids = self._walk(token_ids, self._root(salt))
         branch_tokens = num_blocks * self.block_size
         partial = None
         if self.keeps_states:
@@ -126,16 +134,16 @@ class RadixCache(PrefixCache):
         self.num_queried_tokens += len(token_ids)
         self.num_matched_tokens += matched + (partial.num_tokens if partial is not None else 0)
         reason = self._miss_reason(token_ids, matched, in_edge, branch_tokens, partial)
-        if node is self.root:
+        if self._is_root(node):
             return PrefixMatch(miss_reason=reason, branch_tokens=branch_tokens, partial=partial)
         self._touch(node)
         return PrefixMatch(block_ids, matched, node, reason, state_slot=node.state_slot,
                            branch_tokens=branch_tokens, partial=partial)
 
-    def cached_prefix_length(self, token_ids: list[int]) -> int:
+    def cached_prefix_length(self, token_ids: list[int], salt: str | None = None) -> int:
         """Tokens of ``token_ids`` a ``match`` would return, without any side effect
         (no split, no LRU refresh, no statistics): for cache-aware scheduling."""
-        node, in_edge, num_blocks, _ = self._walk(token_ids)
+        node, in_edge, num_blocks, _ = self._walk(token_ids, self._root(salt))
         if self.keeps_states:
             return self._checkpointed(node, in_edge, num_blocks)[1] * self.block_size
         matched = num_blocks * self.block_size
@@ -173,7 +181,7 @@ class RadixCache(PrefixCache):
         if in_edge:
             assert node.parent is not None
             node, num_blocks = node.parent, num_blocks - in_edge
-        while node is not self.root and node.state_slot is None:
+        while not self._is_root(node) and node.state_slot is None:
             assert node.parent is not None
             node, num_blocks = node.parent, num_blocks - node.num_blocks
         return node, num_blocks
@@ -205,14 +213,30 @@ class RadixCache(PrefixCache):
         where = "diverges from the cached tokens" if in_edge else "has no cached continuation"
         return f"prefix hit of {matched} tokens; block {matched // self.block_size} {where}"
 
-    def _walk(self, token_ids: list[int]) -> tuple[RadixNode, int, int, list[int]]:
-        """Follow ``token_ids`` down the tree in whole blocks.
+    def _root(self, salt: str | None, create: bool = False) -> RadixNode:
+        """The root of ``salt``'s tree; a salt with none gets a new empty one, kept in the
+        cache only with ``create`` (an insertion), else thrown away after the walk."""
+        if salt is None:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None:
+            root = RadixNode(key=[], block_ids=[], parent=None, salt=salt)
+            if create:
+                self._salted[salt] = root
+        return root
+
+    @staticmethod
+    def _is_root(node: RadixNode) -> bool:
+        return node.parent is None and not node.detached
+
+    def _walk(self, token_ids: list[int], root: RadixNode) -> tuple[RadixNode, int, int, list[int]]:
+        """Follow ``token_ids`` down the tree from ``root`` in whole blocks.
 
         Returns (node, in_edge, num_blocks, block_ids): the match ends ``in_edge`` blocks
         into ``node``'s edge (0: at the node's end), after ``num_blocks`` blocks in all.
         """
         bs = self.block_size
-        node, pos, block_ids = self.root, 0, []
+        node, pos, block_ids = root, 0, []
         while pos + bs <= len(token_ids):
             child = node.children.get(tuple(token_ids[pos : pos + bs]))
             if child is None:
@@ -238,8 +262,9 @@ class RadixCache(PrefixCache):
         return count
 
     # ---- insertion ---------------------------------------------------------------------
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> RadixNode | None:
-        """Index ``token_ids`` (whole blocks) and return the deepest node covering them.
+    def insert(self, token_ids: list[int], block_ids: list[int], salt: str | None = None) -> RadixNode | None:
+        """Index ``token_ids`` (whole blocks) in ``salt``'s tree and return the deepest
+        node covering them.
 
         Blocks already indexed under the same tokens are kept, even when the caller
         computed its own copy (two requests filled the same prefix concurrently); only
@@ -251,13 +276,13 @@ class RadixCache(PrefixCache):
                 f"insert needs len(token_ids) == len(block_ids) * block_size, got "
                 f"{len(token_ids)} tokens for {len(block_ids)} blocks of {bs}"
             )
-        node, in_edge, num_blocks, _ = self._walk(token_ids)
+        if not block_ids:
+            return None
+        node, in_edge, num_blocks, _ = self._walk(token_ids, self._root(salt, create=True))
         if in_edge:
             node = self._split(node, in_edge)
         if num_blocks < len(block_ids):
             node = self._add_leaf(node, token_ids[num_blocks * bs :], block_ids[num_blocks:])
-        if node is self.root:
-            return None
         self._touch(node)
         return node
 
@@ -296,7 +321,7 @@ class RadixCache(PrefixCache):
 
     def _path(self, node: RadixNode | None) -> Iterator[RadixNode]:
         """``node`` and its ancestors up to, not including, the root."""
-        while node is not None and node is not self.root:
+        while node is not None and not self._is_root(node):
             yield node
             node = node.parent
 
@@ -326,7 +351,7 @@ class RadixCache(PrefixCache):
                 self._num_evictable_blocks += on_path.num_blocks
 
     def _node(self, handle: object | None, action: str) -> RadixNode | None:
-        if handle is None or handle is self.root:
+        if handle is None or (isinstance(handle, RadixNode) and self._is_root(handle)):
             return None
         if not isinstance(handle, RadixNode):
             raise TypeError(f"{action} expects a handle from this cache, got {type(handle).__name__}")
@@ -363,6 +388,8 @@ class RadixCache(PrefixCache):
                 assert parent is not None
                 del parent.children[tuple(leaf.key[: self.block_size])]
                 leaf.detached, leaf.parent = True, None
+                if parent.salt is not None and not parent.children:  # an emptied salt's tree
+                    del self._salted[parent.salt]
                 if self._is_evictable_leaf(parent):
                     heapq.heappush(heap, (parent.last_access, next(order), parent))
             evicted += take
@@ -371,7 +398,7 @@ class RadixCache(PrefixCache):
         return evicted
 
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        return node is not self.root and not node.children and node.lock_count == 0
+        return not self._is_root(node) and not node.children and node.lock_count == 0
 
     # ---- state checkpoints -------------------------------------------------------------
     def reserve_state_slot(self) -> int | None:
@@ -434,28 +461,36 @@ class RadixCache(PrefixCache):
         return [b for node in self._nodes() for b in node.block_ids]
 
     def _nodes(self) -> Iterator[RadixNode]:
-        """Every node except the root, parents before children."""
-        stack = list(self.root.children.values())
+        """Every node except the roots, parents before children."""
+        stack = [child for root in self._roots() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
+    def _roots(self) -> list[RadixNode]:
+        return [self.root, *self._salted.values()]
+
     def check_integrity(self) -> None:
         """Edges are whole blocks, links agree, lock counts add up, counters match,
         no block is indexed twice and every indexed block is live in the pool."""
-        bs, root = self.block_size, self.root
-        if root.key or root.block_ids or root.lock_count or root.handle_locks or root.parent:
-            raise RadixCacheError("the root must be empty and unlocked")
+        bs, roots = self.block_size, self._roots()
+        for root in roots:
+            if root.key or root.block_ids or root.lock_count or root.handle_locks or root.parent:
+                raise RadixCacheError("a root must be empty and unlocked")
+            if root is not self.root and (not root.children or self._salted.get(root.salt or "") is not root):
+                raise RadixCacheError(f"salted root {root.salt!r} is empty or filed under another salt")
+        if self.root.salt is not None:
+            raise RadixCacheError("the unsalted root has a salt")
         seen: set[int] = set()
         num_evictable = 0
-        for node in [root, *self._nodes()]:
+        for node in [*roots, *self._nodes()]:
             for first, child in node.children.items():
                 if child.parent is not node or child.detached:
                     raise RadixCacheError(f"child {first} is not linked back to its parent")
                 if first != tuple(child.key[:bs]) or len(first) != bs:
                     raise RadixCacheError(f"child keyed {first} starts with {child.key[:bs]}")
-            if node is root:
+            if node.parent is None:  # a root
                 continue
             if not node.block_ids or len(node.key) != node.num_blocks * bs:
                 raise RadixCacheError(f"edge of {len(node.key)} tokens holds {node.num_blocks} blocks")

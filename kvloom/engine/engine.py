@@ -214,14 +214,18 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None, kv_transfer: KVTransferSpec | None = None) -> Request:
+                    arrival_time: float | None = None, kv_transfer: KVTransferSpec | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Tokenize (if text) and queue a request. Raises ValueError for a request that
         can never be served: RequestRejected from the admission checks (empty, longer
         than the context, larger than the KV pool, token ids outside the vocabulary),
-        an invalid constraint, or a ``kv_transfer`` this instance's role cannot do."""
+        an invalid constraint, or a ``kv_transfer`` this instance's role cannot do.
+        ``cache_salt`` (vLLM's): prefix-cache hits only among requests of that salt."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):  # the policy compares them
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if params.n != 1:
             raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
         refusal = self.kv_transfer.refuse(kv_transfer)
@@ -250,6 +254,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
             kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         self.runner.add_request(request, grammar)

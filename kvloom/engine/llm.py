@@ -41,14 +41,16 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
-                 ) -> list[RequestOutput]:
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or a list of token ids. ``n > 1`` runs n independent
         samples of the prompt (seed, when given, becomes seed + i for sample i). Only
         the finished outputs are returned, so every request runs as ``FINAL_ONLY``
         (vLLM's LLM does the same): no output is built per step, and the text is
-        detokenized once at the end unless a stop string needs it sooner.
+        detokenized once at the end unless a stop string needs it sooner. ``cache_salt``
+        (vLLM's, for every prompt of the call): prefix-cache hits only among requests
+        with the same salt.
         """
         prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
@@ -75,7 +77,7 @@ class LLM:
                     request_id = self.engine.new_request_id()
                     owners[request_id] = (index, sample)
                     self.engine.add_request(prompt, sample_params, request_id=request_id,
-                                            priority=priorities[index])
+                                            priority=priorities[index], cache_salt=cache_salt)
             self._run(owners, finals, use_tqdm if use_tqdm is not None else len(owners) > 8)
         except BaseException:
             for request_id in owners.keys() - finals.keys():

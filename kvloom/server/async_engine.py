@@ -336,7 +336,8 @@ class AsyncEngine:
             for index, request in enumerate(command.requests):
                 engine.add_request(request.prompt_token_ids, request.params,
                                    request_id=request.request_id, priority=request.priority,
-                                   arrival_time=request.arrival_time, kv_transfer=request.kv_transfer)
+                                   arrival_time=request.arrival_time, kv_transfer=request.kv_transfer,
+                                   cache_salt=request.cache_salt)
                 added.append(request.request_id)
                 self._active[request.request_id] = (command.stream, index)
         except Exception as error:  # noqa: BLE001 - ValueError: unservable; delivered as such

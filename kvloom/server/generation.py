@@ -130,7 +130,7 @@ def check_stream_options(body: SamplingRequest) -> None:
 
 def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams,
                     max_tokens: int | None, info: ModelInfo, priority: int,
-                    prompt_param: str) -> list[EngineRequest]:
+                    prompt_param: str, cache_salt: str | None = None) -> list[EngineRequest]:
     """One engine request per (prompt, sample), after the context-length checks."""
     if max_tokens is None:
         max_tokens = info.generation_defaults.get("max_tokens")
@@ -140,7 +140,7 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
         fitted = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
         for sample, sample_params in enumerate(fan_out(fitted)):
             requests.append(EngineRequest(f"{request_id}-{prompt_index * params.n + sample}",
-                                          token_ids, sample_params, priority, arrival))
+                                          token_ids, sample_params, priority, arrival, cache_salt=cache_salt))
     return requests
 
 

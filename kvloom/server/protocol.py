@@ -78,7 +78,7 @@ class SamplingRequest(RequestModel):
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
     ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``, ``allowed_token_ids``,
     ``bad_words``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-    ``truncate_prompt_tokens`` and ``return_tokens_as_token_ids`` are vLLM's
+    ``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` and ``cache_salt`` are vLLM's
     extensions (sent by the OpenAI SDK through ``extra_body``).
     """
 
@@ -114,6 +114,9 @@ class SamplingRequest(RequestModel):
     # vLLM's: logprobs name each token "token_id:<id>" instead of its text (a token that
     # is part of a UTF-8 character has no text of its own).
     return_tokens_as_token_ids: bool = False
+    # vLLM's: prefix-cache hits only among requests that send the same salt (a tenant's),
+    # so that one cannot time another's prompts through the cache.
+    cache_salt: str | None = None
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
     # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.

@@ -54,7 +54,8 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
         prompts = kept
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
-        request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt"),
+        request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt",
+        body.cache_salt),
         body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream

@@ -63,6 +63,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     kv_transfer: KVTransferSpec | None = None  # prefill/decode disaggregation (kvloom/kv_spec.py)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only within the salt
 
 
 @dataclass(frozen=True)

@@ -20,39 +20,42 @@ from kvloom.request import Request
 from kvloom.sampling_params import SamplingParams
 
 Prefix = tuple[int, ...]
+Key = tuple[str | None, Prefix]  # (cache salt, prefix)
 
 
 class ReferenceCache:
-    """The cache's contents as plain data: what the tree must be equivalent to."""
+    """The cache's contents as plain data: what the tree must be equivalent to. A cached
+    prefix is keyed by its salt too (``Key``): the same tokens under two salts are two
+    entries, and nothing relates them but the shared LRU clock and pool."""
 
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
-        self.blocks: dict[Prefix, int] = {}  # block-aligned prefix -> block holding its last block
-        self.access: dict[Prefix, int] = {}
+        self.blocks: dict[Key, int] = {}  # (salt, block-aligned prefix) -> block holding its last block
+        self.access: dict[Key, int] = {}
         self.clock = 0
-        self.locks: list[Prefix] = []  # multiset of locked prefixes
+        self.locks: list[Key] = []  # multiset of locked prefixes
 
     def _prefixes(self, tokens: list[int] | Prefix) -> list[Prefix]:
         return [tuple(tokens[: (i + 1) * self.bs]) for i in range(len(tokens) // self.bs)]
 
-    def match(self, tokens: list[int]) -> tuple[Prefix, list[int]]:
+    def match(self, tokens: list[int], salt: str | None) -> tuple[Prefix, list[int]]:
         prefix: Prefix = ()
         blocks: list[int] = []
         for p in self._prefixes(tokens):
-            if p not in self.blocks:
+            if (salt, p) not in self.blocks:
                 break
             prefix = p
-            blocks.append(self.blocks[p])
+            blocks.append(self.blocks[salt, p])
         return prefix, blocks
 
-    def partial(self, tokens: list[int], prefix: Prefix) -> tuple[int, set[int]]:
+    def partial(self, tokens: list[int], prefix: Prefix, salt: str | None) -> tuple[int, set[int]]:
         """Past ``prefix`` (a match): the most leading tokens that a cached block after it
         shares with ``tokens``, and every block that shares that many (0 and none if no
         block shares a token)."""
         rest = tuple(tokens[len(prefix):])
         best, blocks = 0, set()
-        for q, block_id in self.blocks.items():
-            if len(q) != len(prefix) + self.bs or q[: len(prefix)] != prefix:
+        for (q_salt, q), block_id in self.blocks.items():
+            if q_salt != salt or len(q) != len(prefix) + self.bs or q[: len(prefix)] != prefix:
                 continue
             count = next((i for i, (a, b) in enumerate(zip(q[len(prefix):], rest, strict=False)) if a != b),
                          min(self.bs, len(rest)))
@@ -62,36 +65,37 @@ class ReferenceCache:
                 blocks.add(block_id)
         return best, blocks
 
-    def touch(self, prefix: Prefix) -> None:
+    def touch(self, prefix: Prefix, salt: str | None) -> None:
         if prefix:
             self.clock += 1
             for p in self._prefixes(prefix):
-                self.access[p] = self.clock
+                self.access[salt, p] = self.clock
 
-    def insert(self, tokens: list[int], block_ids: list[int]) -> None:
+    def insert(self, tokens: list[int], block_ids: list[int], salt: str | None) -> None:
         for p, block_id in zip(self._prefixes(tokens), block_ids, strict=False):
-            self.blocks.setdefault(p, block_id)
-        self.touch(tuple(tokens))
+            self.blocks.setdefault((salt, p), block_id)
+        self.touch(tuple(tokens), salt)
 
-    def locked(self, prefix: Prefix) -> bool:
-        return any(q[: len(prefix)] == prefix for q in self.locks)
+    def locked(self, key: Key) -> bool:
+        salt, prefix = key
+        return any(s == salt and q[: len(prefix)] == prefix for s, q in self.locks)
 
     def num_evictable(self) -> int:
-        return sum(not self.locked(p) for p in self.blocks)
+        return sum(not self.locked(k) for k in self.blocks)
 
     def evict(self, count: int) -> int:
         """Drop the least recently used unlocked prefix that nothing extends, ``count`` times."""
         done = 0
         while done < count:
             leaves = [
-                p for p in self.blocks
-                if not self.locked(p) and not any(len(q) == len(p) + self.bs and q[: len(p)] == p
-                                                   for q in self.blocks)
+                (salt, p) for salt, p in self.blocks
+                if not self.locked((salt, p)) and not any(
+                    s == salt and len(q) == len(p) + self.bs and q[: len(p)] == p for s, q in self.blocks)
             ]
             if not leaves:
                 break
-            oldest = min(leaves, key=lambda p: self.access[p])
-            assert sum(self.access[p] == self.access[oldest] for p in leaves) == 1, "LRU tie"
+            oldest = min(leaves, key=lambda k: self.access[k])
+            assert sum(self.access[k] == self.access[oldest] for k in leaves) == 1, "LRU tie"
             del self.blocks[oldest], self.access[oldest]
             done += 1
         return done
@@ -104,6 +108,7 @@ class SimRequest:
     block_ids: list[int]
     handle: object | None
     locked_prefix: Prefix
+    salt: str | None = None
 
 
 class Harness:
@@ -115,15 +120,15 @@ class Harness:
         self.cache = RadixCache(self.pool, block_size)
         self.ref = ReferenceCache(block_size)
         self.requests: list[SimRequest] = []
-        self.pins: list[tuple[object, Prefix]] = []
+        self.pins: list[tuple[object, Prefix, str | None]] = []
 
-    def match(self, tokens: list[int]) -> tuple[object | None, Prefix, list[int]]:
-        got = self.cache.match(tokens)
-        prefix, blocks = self.ref.match(tokens)
-        self.ref.touch(prefix)
+    def match(self, tokens: list[int], salt: str | None = None) -> tuple[object | None, Prefix, list[int]]:
+        got = self.cache.match(tokens, salt)
+        prefix, blocks = self.ref.match(tokens, salt)
+        self.ref.touch(prefix, salt)
         assert (got.num_tokens, got.block_ids) == (len(prefix), blocks)
         assert (got.handle is None) == (not prefix)
-        num_partial, partial_blocks = self.ref.partial(tokens, prefix)
+        num_partial, partial_blocks = self.ref.partial(tokens, prefix, salt)
         if num_partial:
             assert got.partial is not None and got.partial.num_tokens == num_partial, (got.partial, num_partial)
             assert got.partial.block_id in partial_blocks
@@ -143,44 +148,44 @@ class Harness:
         assert self.cache.evict(count) == expected
         assert self.ref.evict(count) == expected
 
-    def lock(self, handle: object | None, prefix: Prefix) -> None:
+    def lock(self, handle: object | None, prefix: Prefix, salt: str | None = None) -> None:
         self.cache.lock(handle)
         if prefix:
-            self.ref.locks.append(prefix)
+            self.ref.locks.append((salt, prefix))
 
-    def unlock(self, handle: object | None, prefix: Prefix) -> None:
+    def unlock(self, handle: object | None, prefix: Prefix, salt: str | None = None) -> None:
         self.cache.unlock(handle)
         if prefix:
-            self.ref.locks.remove(prefix)
+            self.ref.locks.remove((salt, prefix))
 
-    def run_request(self, tokens: list[int], use_match: bool, first_insert: int) -> None:
+    def run_request(self, tokens: list[int], use_match: bool, first_insert: int, salt: str | None = None) -> None:
         """Admit, compute and index a request the way the KVCacheManager does."""
         num_full = len(tokens) // self.bs
-        handle, prefix, blocks = self.match(tokens) if use_match else (None, (), [])
-        self.lock(handle, prefix)
+        handle, prefix, blocks = self.match(tokens, salt) if use_match else (None, (), [])
+        self.lock(handle, prefix, salt)
         needed = num_full - len(blocks)
         shortfall = needed - self.pool.num_free_blocks
         if shortfall > 0:
             if shortfall > self.cache.num_evictable_blocks:
-                self.unlock(handle, prefix)
+                self.unlock(handle, prefix, salt)
                 return
             self.evict(shortfall)
         self.pool.incref(blocks)
-        request = SimRequest(blocks + self.pool.allocate(needed), handle, prefix)
+        request = SimRequest(blocks + self.pool.allocate(needed), handle, prefix, salt)
         self.requests.append(request)
         # Index in two steps, as blocks fill: lock the new handle, then release the old.
         for num_blocks in sorted({min(first_insert, num_full), num_full}):
             done = tokens[: num_blocks * self.bs]
-            new_handle = self.cache.insert(done, request.block_ids[:num_blocks])
-            self.ref.insert(done, request.block_ids[:num_blocks])
+            new_handle = self.cache.insert(done, request.block_ids[:num_blocks], salt)
+            self.ref.insert(done, request.block_ids[:num_blocks], salt)
             assert (new_handle is None) == (num_blocks == 0)
-            self.lock(new_handle, tuple(done))
-            self.unlock(request.handle, request.locked_prefix)
+            self.lock(new_handle, tuple(done), salt)
+            self.unlock(request.handle, request.locked_prefix, salt)
             request.handle, request.locked_prefix = new_handle, tuple(done)
 
     def finish_request(self, index: int) -> None:
         request = self.requests.pop(index % len(self.requests))
-        self.unlock(request.handle, request.locked_prefix)
+        self.unlock(request.handle, request.locked_prefix, request.salt)
         self.pool.decref(request.block_ids)
 
     def check(self) -> None:
@@ -195,17 +200,18 @@ class Harness:
 
 
 TOKENS = st.lists(st.integers(0, 2), max_size=12)  # a tiny alphabet: prefixes collide often
+SALTS = st.sampled_from([None, None, "a", "b"])  # mostly unsalted; two tenants beside
 # Weighted towards finishing and evicting: the interesting cases need idle cached blocks
 # whose LRU order was changed by later hits, under a small pool's pressure.
 OPS = st.one_of(
-    st.tuples(st.just("request"), TOKENS, st.booleans(), st.integers(0, 4)),
+    st.tuples(st.just("request"), TOKENS, st.booleans(), st.integers(0, 4), SALTS),
     st.tuples(st.just("finish"), st.integers(0, 100)),
     st.tuples(st.just("finish"), st.integers(0, 100)),
-    st.tuples(st.just("match"), TOKENS, st.booleans()),
+    st.tuples(st.just("match"), TOKENS, st.booleans(), SALTS),
     st.tuples(st.just("unpin"), st.integers(0, 100)),
     st.tuples(st.just("evict"), st.integers(-1, 4)),
     st.tuples(st.just("evict"), st.integers(1, 12)),
-    st.tuples(st.just("peek"), TOKENS),
+    st.tuples(st.just("peek"), TOKENS, SALTS),
 )
 
 
@@ -216,21 +222,21 @@ def test_matches_reference_model(block_size: int, ops: list[tuple]) -> None:
     for op in ops:
         kind = op[0]
         if kind == "request":
-            h.run_request(op[1], use_match=op[2], first_insert=op[3])
+            h.run_request(op[1], use_match=op[2], first_insert=op[3], salt=op[4])
         elif kind == "finish" and h.requests:
             h.finish_request(op[1])
         elif kind == "match":
-            handle, prefix, _ = h.match(op[1])
+            handle, prefix, _ = h.match(op[1], op[3])
             if op[2] and handle is not None:  # pin it, as an admitted request would
-                h.lock(handle, prefix)
-                h.pins.append((handle, prefix))
+                h.lock(handle, prefix, op[3])
+                h.pins.append((handle, prefix, op[3]))
         elif kind == "unpin" and h.pins:
             h.unlock(*h.pins.pop(op[1] % len(h.pins)))
         elif kind == "evict":
             h.evict(op[1])
         elif kind == "peek":
-            prefix = h.ref.match(op[1])[0]
-            assert h.cache.cached_prefix_length(op[1]) == len(prefix) + h.ref.partial(op[1], prefix)[0]
+            prefix = h.ref.match(op[1], op[2])[0]
+            assert h.cache.cached_prefix_length(op[1], op[2]) == len(prefix) + h.ref.partial(op[1], prefix, op[2])[0]
         h.check()
     # Releasing everything leaves only the cache's references; evicting all empties the pool.
     while h.requests:

@@ -169,3 +169,38 @@ def test_a_partial_block_gives_way_when_locking_its_source_would_leave_no_room(t
     assert finals["follower"].num_cached_tokens == 0 and engine.stats().num_block_copies == 0
     assert finals["follower"].cache_miss_reason == ("prefix hit of 0 tokens; the 8 after them are computed: "
                                                     "the pool had no room to copy the cached block that holds them")
+
+
+def test_cache_salts_keep_tenants_apart_and_change_no_output(tiny_llama) -> None:
+    """vLLM's cache_salt: the same prompts under two salts each compute the shared prefix
+    once for their own salt (arriving together: the in-flight wait is per salt too), hit
+    only within it, and decode exactly what they decode without a cache."""
+    rng = random.Random(5)
+    system = [rng.randrange(3, 512) for _ in range(64)]  # four whole blocks
+    questions = [[rng.randrange(3, 512) for _ in range(8)] for _ in range(3)]
+    engine = make_engine(tiny_llama)
+    arrivals = [(f"{salt}{i}", system + q, GREEDY, salt) for salt in ("a", "b") for i, q in enumerate(questions)]
+    for request_id, prompt, params, salt in arrivals:
+        engine.add_request(prompt, params, request_id=request_id, cache_salt=salt)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    # Per salt: the first request computes the 72-token prompt, the others 8 each.
+    assert prefill_tokens_computed(engine) == 2 * (72 + 8 + 8)
+    assert {rid: o.num_cached_tokens for rid, o in finals.items()} == {
+        "a0": 0, "a1": 64, "a2": 64, "b0": 0, "b1": 64, "b2": 64}
+    # A third tenant, and the unsalted, find nothing of theirs.
+    for request_id, salt in (("c", "c"), ("none", None)):
+        engine.add_request(system + questions[0], GREEDY, request_id=request_id, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert finals[request_id].num_cached_tokens == 0
+    engine.check_integrity()
+    plain = run(make_engine(tiny_llama, enable_prefix_caching=False),
+                {f"p{i}": system + q for i, q in enumerate(questions)})
+    for salt in ("a", "b"):
+        assert [finals[f"{salt}{i}"].outputs[0].token_ids for i in range(3)] == [
+            plain[f"p{i}"].outputs[0].token_ids for i in range(3)]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        engine.add_request([5, 6, 7], GREEDY, cache_salt="")

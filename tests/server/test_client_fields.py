@@ -343,3 +343,19 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http: httpx.Clien
     assert http.post("/detokenize", json={"tokens": chat_ids}).json()["prompt"] == chat["message"]["content"]
     assert all(alt["token"].startswith("token_id:") for item in content for alt in item["top_logprobs"])
     assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+
+def test_cache_salt_shares_the_prefix_cache_within_a_salt_only(http: httpx.Client, live_server: LiveServer) -> None:
+    prompt = list(range(420, 500))  # five blocks of 16 no other test of this module sends
+    same = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(**extra: Any) -> int:
+        return post(http, COMPLETIONS, **same, **extra)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-x") == 0
+    assert cached(cache_salt="tenant-y") == 0  # the same tokens, another tenant
+    assert cached() == 0  # nor unsalted requests
+    assert cached(cache_salt="tenant-x") == 79  # the whole prompt but its last token
+    response = http.post(COMPLETIONS, json={"model": SERVED_NAME, **same, "cache_salt": ""})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
+    live_server.assert_idle_and_clean()
