@@ -187,7 +187,15 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 def routing_key(path: str, body: dict[str, Any]) -> str:
     """The text whose prefix decides where a request goes: a completion's prompt (the
     first of a batch; token ids as one character each), or a chat's message contents,
-    in order, each ended by a newline. A body the router cannot read has the key ""."""
+    in order, each ended by a newline. A body the router cannot read has the key "".
+    A ``cache_salt`` goes first, between NULs: the workers' caches serve a salt only
+    its own prefixes, so the router keeps each salt's prefixes apart as well."""
+    salt = body.get("cache_salt")
+    text = _prompt_text(path, body)
+    return f"\0{salt}\0{text}" if isinstance(salt, str) and salt and text else text
+
+
+def _prompt_text(path: str, body: dict[str, Any]) -> str:
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):

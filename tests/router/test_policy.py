@@ -37,6 +37,22 @@ def test_cache_aware_keeps_a_system_prompt_on_one_worker_and_spreads_new_ones() 
         assert (decision.worker, decision.reason) == (other.worker, CACHE_HIT)
 
 
+def test_cache_aware_routes_each_cache_salt_by_its_own_prefixes() -> None:
+    """The same system prompt under two salts is two prefixes (the workers cache them
+    apart): the second salt's first request is a miss, and each salt then stays put."""
+    policy = make_policy("cache_aware")
+
+    def key(salt: str, question: int) -> str:
+        return routing_key("/v1/completions", {"prompt": SYSTEM_1 + f"question {question}", "cache_salt": salt})
+
+    first = policy.route(key("t1", 0), loads())
+    other = policy.route(key("t2", 0), loads())
+    assert first.reason == other.reason == CACHE_MISS and other.worker != first.worker
+    for i in range(1, 5):
+        assert policy.route(key("t1", i), loads()) == first.__class__(first.worker, CACHE_HIT)
+        assert policy.route(key("t2", i), loads()) == other.__class__(other.worker, CACHE_HIT)
+
+
 def test_cache_aware_gives_way_to_the_least_loaded_beyond_both_thresholds() -> None:
     policy = make_policy("cache_aware", PolicyConfig(balance_abs_threshold=4, balance_rel_threshold=2.0))
     home = policy.route(SYSTEM_1 + "q", loads()).worker
@@ -106,6 +122,12 @@ def test_routing_keys() -> None:
     assert routing_key("/v1/completions", {"prompt": "hello"}) == "hello"
     assert routing_key("/v1/completions", {"prompt": ["first", "second"]}) == "first"
     assert routing_key("/v1/completions", {"prompt": [1, 2]}) == "\x01\x02"
+    # A salt's prompts are keyed apart from the same prompts unsalted or under another salt.
+    salted = routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t1"})
+    assert salted == "\x00t1\x00hello"
+    assert salted != routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t2"})
+    assert routing_key("/v1/completions", {"prompt": "hello", "cache_salt": ""}) == "hello"
+    assert routing_key("/v1/completions", {"prompt": 5, "cache_salt": "t1"}) == ""
     assert routing_key("/v1/completions", {"prompt": [[1, 2], [3]]}) == "\x01\x02"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
