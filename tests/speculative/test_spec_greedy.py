@@ -191,3 +191,31 @@ def test_abort_mid_speculation_leaves_the_rest_exact(tiny_llama, other_llama) ->
         assert finals[rid].outputs[0].token_ids == reference[rid].outputs[0].token_ids
     assert engine.kv_manager.pool.num_free_blocks == engine.num_blocks
     assert engine.proposer is not None and not engine.proposer._shadows  # the draft's KV freed too
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_same"])
+def test_bad_words_and_allowed_token_ids_match_speculation_off(tiny_llama, other_llama, name) -> None:
+    """A draft row sees the drafts before it as output: a bad word completed across a
+    draft is blocked there as it would be a step later without speculation."""
+    prompts = repetitive_prompts(4, seed=3)
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    unrestricted = run(make_engine(tiny_llama), prompts, plain)
+    # Bad words that the unrestricted outputs contain: each output's tokens 4-5 and 9.
+    words = [tokens[4:6] for tokens in (o.outputs[0].token_ids for o in unrestricted.values())]
+    words += [[o.outputs[0].token_ids[9]] for o in unrestricted.values()][:2]
+    allowed = sorted({t for o in unrestricted.values() for t in o.outputs[0].token_ids})[:40]
+    params = {rid: SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, bad_words_token_ids=words,
+                                  allowed_token_ids=allowed if i % 2 else None)
+              for i, rid in enumerate(prompts)}
+    reference = run(make_engine(tiny_llama), prompts, params)
+    engine = make_engine(tiny_llama, speculative_config=speculative(name, tiny_llama, other_llama))
+    speculated = run(engine, prompts, params)
+    assert summary(speculated) == summary(reference)
+    assert engine.stats().num_accepted_tokens > 0  # drafts ran, and some were kept
+    for rid, output in reference.items():
+        tokens = output.outputs[0].token_ids
+        assert tokens != unrestricted[rid].outputs[0].token_ids
+        for word in words:
+            assert not any(tokens[i:i + len(word)] == word for i in range(len(tokens)))
+        if params[rid].allowed_token_ids is not None:
+            assert set(tokens) <= set(allowed)
