@@ -124,10 +124,11 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, cache_salt: str | None = None,
              ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (chat template applied;
-        ``tools`` and ``chat_template_kwargs`` go to the template, as in vLLM's LLM.chat)."""
+        ``tools`` and ``chat_template_kwargs`` go to the template, as in vLLM's LLM.chat;
+        ``cache_salt`` as ``generate``'s)."""
         conversations: list[list[Message]] = (
             [messages] if messages and isinstance(messages[0], dict)
             else cast(list[list[Message]], messages))
@@ -135,7 +136,7 @@ class LLM:
             self.encode_chat(conversation, add_generation_prompt, continue_final_message=continue_final_message,
                              tools=tools, **(chat_template_kwargs or {}))
             for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without sampling params, as vLLM's: the model's

@@ -204,3 +204,16 @@ def test_cache_salts_keep_tenants_apart_and_change_no_output(tiny_llama) -> None
             plain[f"p{i}"].outputs[0].token_ids for i in range(3)]
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         engine.add_request([5, 6, 7], GREEDY, cache_salt="")
+
+
+def test_llm_generate_and_chat_take_a_cache_salt(tiny_llama) -> None:
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=128)
+    prompt = list(range(100, 148))  # three blocks
+    cached = [llm.generate([prompt], GREEDY, cache_salt=salt)[0].num_cached_tokens for salt in ("a", "b", "a", None)]
+    assert cached == [0, 0, 47, 0]
+    chat = [{"role": "user", "content": "a question long enough to fill a few blocks " * 3}]
+    assert [llm.chat(chat, GREEDY, cache_salt=salt)[0].num_cached_tokens > 0 for salt in ("c", "d", "c")] == [
+        False, False, True]
+    llm.engine.check_integrity()
