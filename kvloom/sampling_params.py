@@ -83,8 +83,8 @@ class SamplingParams:
     tokens of the same count, after a space (the form it takes mid-text); a word's last
     token is forbidden wherever the output so far ends with the tokens before it (a
     one-token word, always). ``LLMEngine.add_request`` fills ``bad_words_token_ids`` from
-    them with its tokenizer (``bad_words_token_ids``, the function); given directly, those
-    sequences are used as they are.
+    them with its tokenizer (``tokenize_bad_words``); given directly, those sequences are
+    used as they are.
 
     ``structured`` constrains the output to a JSON schema, regex, grammar or choice.
     The grammar then owns where the output ends: EOS is allowed exactly when the
@@ -283,7 +283,7 @@ def _checked_bad_words(value: object) -> list[str]:
     return list(value)
 
 
-def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+def tokenize_bad_words(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """The token sequences ``bad_words`` forbid (vLLM's rule): each word as it is (its
     leading spaces dropped), and after one space where that gives a different first token
     and as many tokens, the form the word takes after another one."""

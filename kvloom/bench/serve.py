@@ -182,9 +182,9 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: Mapping[str
                 choices = data.get("choices") or []
                 if choices:
                     piece = _chunk_text(choices[0])
-                    if piece and text is not None:
-                        text.append(piece)
                     if piece:
+                        if text is not None:
+                            text.append(piece)
                         # TTFT and ITL count chunks that carry text, not role-only or empty ones.
                         if last_token_time is None:
                             record.ttft = now - start

@@ -40,7 +40,7 @@ from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.model_runner import LaunchedStep, ModelRunner
 from kvloom.runner.tensor_parallel import load_first_rank, max_model_len_for
-from kvloom.sampling_params import SamplingParams, bad_words_token_ids
+from kvloom.sampling_params import SamplingParams, tokenize_bad_words
 from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class LLMEngine:
         if params.max_tokens is None:  # as the server: up to the context or the pool's size
             params = replace(params, max_tokens=self.limits.default_max_tokens(len(token_ids)))
         if params.bad_words and params.bad_words_token_ids is None:
-            params = replace(params, bad_words_token_ids=bad_words_token_ids(
+            params = replace(params, bad_words_token_ids=tokenize_bad_words(
                 params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)

@@ -19,7 +19,7 @@ from kvloom.runner.sampling_metadata import (
     SamplingRequestState,
     generator_for_seed,
 )
-from kvloom.sampling_params import SamplingParams, bad_words_token_ids
+from kvloom.sampling_params import SamplingParams, tokenize_bad_words
 from kvloom.structured.constraint import StructuredOutputsParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -580,4 +580,4 @@ def test_bad_words_take_vllms_two_forms() -> None:
     # A word and, where a space before it gives another first token and as many tokens,
     # its mid-text form; a form that splits otherwise is left out.
     vocab = {"cat": [7], " cat": [8], "dog": [3, 4], " dog": [9], "bird": [5], " bird": [5]}
-    assert bad_words_token_ids(["cat", " dog", "bird"], vocab.__getitem__) == [[7], [8], [3, 4], [5]]
+    assert tokenize_bad_words(["cat", " dog", "bird"], vocab.__getitem__) == [[7], [8], [3, 4], [5]]
