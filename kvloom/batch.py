@@ -136,6 +136,12 @@ class ForwardBatch:
     # [2, num_copies] int64: source blocks, then destination blocks, to be copied before
     # the forward (SchedulerOutput.block_copies); None when there are none.
     block_copies: torch.Tensor | None = None
+    # The rows whose final hidden states the step reads, when that is not all of them:
+    # the sampled rows (logits_indices), where some rows are not sampled (a prompt's
+    # chunk samples at its last row at most) and no chunk asks for prompt logprobs. The
+    # forward then returns these rows alone, and a model may skip the rest of its last
+    # layer for the others (every row's K and V are still written). None: every row.
+    output_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +163,7 @@ class ForwardBatch:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         tables: list[list[int]] = []
+        every_row = False  # some chunk's prompt logprobs read every row's final state
         state_slots: list[int] = []
         placeholders: list[int] = []
         placeholder_rows: list[int] = []
@@ -178,6 +185,7 @@ class ForwardBatch:
             seq_lens.append(end)
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
+            every_row = every_row or request.sampling_params.prompt_logprobs is not None
             tables.append(block_ids[: -(-end // block_size)])
             if request.state_slot is not None:
                 state_slots.append(request.state_slot)
@@ -209,7 +217,13 @@ class ForwardBatch:
             placeholder_positions=wide[5] if placeholders else None,
             placeholder_rows=wide[6] if placeholders else None,
             block_copies=wide[7].view(2, -1) if copies else None,
+            output_rows=None if every_row or len(logits_indices) == len(input_ids) else wide[3],
         )
+
+    def final_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A forward's result: ``hidden`` ([tokens, hidden], every row's final state)
+        narrowed to the rows the step reads (``output_rows``) where it names them."""
+        return hidden if self.output_rows is None else hidden[self.output_rows]
 
 
 def _to_device(fields: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -30,7 +30,8 @@ _STACK = NativeFunction(
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
     "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
-    "int kv_prefetch_bytes) -> int32")
+    "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
+    "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs) -> int32")
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -82,6 +83,17 @@ class StackRows:
     query_lens: torch.Tensor  # [num_seqs]
 
 
+@dataclass(frozen=True, slots=True)
+class StackOutputs:
+    """The rows whose final state the caller reads, and the only ones the last layer's
+    attention and MLP compute: ``rows`` ([n] int64, ascending token indices) are the last
+    ``sequences.query_lens[s]`` rows of each sequence in ``sequences`` (as the attention
+    reads them; ``query_start`` counts kept rows)."""
+
+    rows: torch.Tensor
+    sequences: StackRows
+
+
 def _fail(argument: str, message: str) -> ValueError:
     return ValueError(f"kvloom decoder_stack: {argument} {message}")
 
@@ -102,10 +114,13 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
         scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None,
-        split_seqs: int = 0, kv_prefetch_bytes: int = 0) -> torch.Tensor:
+        split_seqs: int = 0, kv_prefetch_bytes: int = 0, outputs: StackOutputs | None = None) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
-    [tokens, hidden]: the caller's final norm adds it. ``kv_caches``: the whole pool
+    [tokens, hidden]: the caller's final norm adds it. With ``outputs`` (one walk, no
+    reduce), the last layer's attention, o projection and MLP run over its n rows only:
+    the result is [n, hidden], and ``residual[:n]`` their stream (the rest of
+    ``residual`` is then undefined); each row's bits are what it gets without. ``kv_caches``: the whole pool
     [layers, 2, blocks, block_size, kv_heads, head_dim] in the paired layout.
     ``scratch``: a bf16 buffer of at least ``scratch_elements`` to reuse (else one is
     allocated). ``reduce``: under tensor parallel, the shared-memory all-reduce's
@@ -146,6 +161,24 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
                                   f"{threads}) and no reduce context, got {split_seqs}")
     if kv_prefetch_bytes < 0:
         raise _fail("kv_prefetch_bytes", f"must be >= 0, got {kv_prefetch_bytes}")
+    out_rows, out_seqs = -1, 0
+    if outputs is not None:
+        if split_seqs or reduce is not None:
+            raise _fail("outputs", "need one walk without a reduce context (split_seqs 0, reduce None)")
+        out_rows, out_seqs = outputs.rows.shape[0], outputs.sequences.block_tables.shape[0]
+        _check("outputs.rows", outputs.rows, torch.int64, (out_rows,))
+        _check("outputs.block_tables", outputs.sequences.block_tables, torch.int32,
+               (out_seqs, rows.block_tables.shape[1]))
+        for name in ("seq_lens", "query_start", "query_lens"):
+            _check(f"outputs.{name}", getattr(outputs.sequences, name), torch.int32, (out_seqs,))
+        # The kernel moves rows forward in place and reads the attention's indices as
+        # given: what it could not survive is refused here, once per step.
+        kept = outputs.rows.tolist()
+        ascending = all(a < b for a, b in zip(kept, kept[1:], strict=False))
+        if not ascending or (kept and not 0 <= kept[0] <= kept[-1] < tokens):
+            raise _fail("outputs.rows", f"must be ascending token indices in [0, {tokens}), got {kept}")
+        if int(outputs.sequences.query_lens.sum()) != out_rows:
+            raise _fail("outputs.query_lens", f"must sum to the {out_rows} rows")
     needed = scratch_elements(shape, tokens)
     if scratch is None:
         scratch = torch.empty(needed, dtype=bf16)
@@ -160,7 +193,9 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
         gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
-        kv_prefetch_bytes)
+        kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
+        *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
+                                           ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs)
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:
@@ -168,4 +203,4 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     if status != 0:
         raise RuntimeError(f"kvloom decoder_stack: layer {status - 1}'s matmul refused the {shape.isa!r} path "
                            f"(this CPU runs {gemm.supported_isas()})")
-    return hidden
+    return hidden if outputs is None else hidden[:out_rows]

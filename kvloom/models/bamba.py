@@ -46,7 +46,7 @@ def rotate_partial_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.T
 class BambaAttention(LlamaAttention):
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
         rotate_partial_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
@@ -54,8 +54,8 @@ class BambaAttention(LlamaAttention):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, batch, metadata)
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # [tokens, hidden]
+        out = backend.forward(q, k, v, kv_cache, batch, metadata).reshape(num_tokens, self.q_size)
+        projected: torch.Tensor = self.o_proj(out if rows is None else out[rows])  # [tokens or rows, hidden]
         return projected
 
 
@@ -105,7 +105,7 @@ class BambaForCausalLM(nn.Module):
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[self.kv_layer[index]], backend, metadata)
             hidden = layer.feed_forward(layer.pre_ff_layernorm(hidden, residual))
         out: torch.Tensor = self.final_layernorm(hidden, residual)
-        return out
+        return batch.final_states(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

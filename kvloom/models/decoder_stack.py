@@ -141,9 +141,13 @@ class NativeDecoderStack:
                 and backend.paired_layout(kv_caches[0]))
 
     def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                 kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata) -> torch.Tensor:
+                 kv_caches: torch.Tensor, backend: CPUPagedBackend,
+                 metadata: CPUPagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over ``residual`` (the embeddings, [tokens, hidden], updated in
-        place); returns the last layer's output, which the final norm adds in."""
+        place); returns the last layer's output and the stream it is to be added to (the
+        final norm adds it in), of the rows ``batch.output_rows`` names where it names
+        some. Those rows alone take the last layer's attention and MLP, where one walk
+        runs without tensor parallel (else every row does, and the rows are picked after)."""
         rows = metadata.every
         cos, sin = rotary
         needed = kernels.scratch_elements(self.shape, residual.shape[0])
@@ -153,12 +157,43 @@ class NativeDecoderStack:
         before = shm.native_counts() if shm is not None else (0, 0, 0.0)
         split = (split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
                  if shm is None else 0)
+        outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
+                   if batch.output_rows is not None and not split and shm is None else None)
         hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                              backend.scale, self._scratch, None if shm is None else shm.context, split,
-                             KV_PREFETCH_BYTES if split else 0)
+                             KV_PREFETCH_BYTES if split else 0, outputs)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)
-        return hidden
+        if outputs is not None:
+            return hidden, residual[:hidden.shape[0]]
+        return batch.final_states(hidden), batch.final_states(residual)
+
+
+def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],
+                   rows: kernels.StackRows) -> kernels.StackOutputs:
+    """The walk's view of the rows a step reads: each is one of the last rows of its
+    sequence's query (the sampled rows are the last known token and its drafts), so a
+    sequence asks the last layer's attention for its last ``count`` rows."""
+    counts: list[int] = []
+    kept = output_rows.tolist()
+    index, end = 0, 0
+    for length in query_lens:
+        end += length
+        count = 0
+        while index < len(kept) and kept[index] < end:
+            index, count = index + 1, count + 1
+        if kept[index - count:index] != list(range(end - count, end)):
+            raise ValueError(f"output rows {kept[index - count:index]} are not the last rows of their sequence's "
+                             f"query (tokens {end - length} to {end - 1})")
+        counts.append(count)
+    owners = torch.tensor([s for s, count in enumerate(counts) if count], dtype=torch.int64)
+    lens = [count for count in counts if count]
+    starts = [0]
+    for count in lens[:-1]:
+        starts.append(starts[-1] + count)
+    return kernels.StackOutputs(output_rows, kernels.StackRows(
+        rows.block_tables.index_select(0, owners), rows.seq_lens.index_select(0, owners),
+        torch.tensor(starts[:len(lens)], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)))

@@ -181,7 +181,7 @@ class DeepseekForCausalLM(nn.Module):
             hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
             hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
         out: torch.Tensor = self.norm(hidden, residual)
-        return out
+        return batch.final_states(out)
 
     @property
     def decoder_layers(self) -> list[DeepseekDecoderLayer]:

@@ -49,7 +49,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, hidden]; with ``rows``, the output of those rows
+        only (every row's K and V still go into the cache)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
@@ -58,8 +60,10 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, batch, metadata)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))  # [tokens, hidden]
+        out = backend.forward(q, k, v, kv_cache, batch, metadata).reshape(num_tokens, self.q_size)
+        if rows is not None:
+            out = out[rows]
+        return self.tp.all_reduce(self.o_proj(out))  # [tokens or rows, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,16 +108,26 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary.cos_sin(batch.positions)
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata):
-            return self.norm(stack(residual, rotary, batch, kv_caches, backend, metadata), residual)
+            hidden, residual = stack(residual, rotary, batch, kv_caches, backend, metadata)
+            return self.norm(hidden, residual)  # the rows batch.output_rows names, if it does
+        # The last layer's o projection and MLP run on the rows the step reads alone (one
+        # process: under tensor parallel every rank would have to agree on them).
+        rows = batch.output_rows if self.tp.size == 1 else None
+        last = len(self.layers) - 1
         hidden = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.layers):
             # Each norm first adds the previous block's output into the residual stream
             # (fused; same rounding as HF's `residual + hidden`); layer 0 has none to add.
             normed = (layer.input_layernorm(residual) if hidden is None
                       else layer.input_layernorm(hidden, residual))
-            hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
+            if index == last and rows is not None:
+                hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata, rows)
+                residual = residual[rows]
+            else:
+                hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
             hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
-        return self.norm(hidden, residual)
+        out: torch.Tensor = self.norm(hidden, residual)
+        return out if rows is not None else batch.final_states(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab]; under tensor parallel a collective (every rank

@@ -146,7 +146,7 @@ class Mamba2ForCausalLM(nn.Module):
         for layer in self.blocks:
             residual = residual + layer.mixer(layer.norm(residual.to(dtype)), spans)
         final: torch.Tensor = self.norm_f(residual)
-        return final.to(dtype)
+        return batch.final_states(final.to(dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

@@ -26,7 +26,8 @@ class CausalLM(Protocol):
 
     def __call__(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                  metadata: Any) -> torch.Tensor:
-        """The final hidden states of the batch's tokens, [tokens, hidden]."""
+        """The final hidden states of the batch's tokens, [tokens, hidden]; only the rows
+        ``batch.output_rows`` names where it names some (``batch.final_states``)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ class DecodeGraphs:
     def serves(self, batch: ForwardBatch, has_drafts: bool) -> bool:
         """Whether this step is a decode of at most ``max_batch`` requests without drafts."""
         return (not has_drafts and 0 < batch.num_seqs <= self.max_batch
-                and batch.num_tokens == batch.num_seqs and batch.state_slots is None)
+                and batch.num_tokens == batch.num_seqs and batch.state_slots is None
+                and batch.output_rows is None)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The forward's hidden states [b, hidden] for ``batch`` (b decodes), replayed in

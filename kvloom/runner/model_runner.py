@@ -138,7 +138,8 @@ class ModelRunner:
             return launched
         # In the model's dtype: a greedy batch's argmax reads bf16 as it is (the sampler
         # widens to float32 where it computes, the same values either way).
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # hidden holds the sampled rows alone where the batch named them (output_rows).
+        logits = self.model.compute_logits(hidden if batch.output_rows is not None else hidden[batch.logits_indices])
         # One sampling row per position sampled at: the last known token, then each
         # draft, whose row sees the drafts before it as output (penalties, min_tokens).
         rows = [

@@ -1,8 +1,9 @@
 """The native walk over the decoder layers (models/decoder_stack.py,
 csrc/decoder_stack.cpp) against the module path it replaces: the same hidden states
 and the same KV cache, bit for bit, on every step of a run that mixes fresh prefills,
-chunked prefills, prefix-cache hits and decodes; and the configurations it leaves to
-the modules."""
+chunked prefills, prefix-cache hits and decodes; each path's last layer for the sampled
+rows alone against the same path computing every row; and the configurations it
+leaves to the modules."""
 
 from __future__ import annotations
 
@@ -38,30 +39,46 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def run_both_paths(model_dir: Path) -> list[list[int]]:
     """A run mixing fresh prefills, chunked prefills, a prefix-cache hit and decodes, each
     step computed by the walk and by the module path, which must agree bit for bit (the
-    hidden states and the KV cache); returns each step's query lengths."""
+    hidden states and the KV cache); where the step reads some rows only (output_rows),
+    each path also computes every row (the last layer whole), and the rows read must be
+    those bits too. Returns each step's query lengths."""
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", max_num_batched_tokens=40,
                                                 num_blocks=96, block_size=16, seed=0))
     model: Any = engine.model
     assert model.native_stack is not None
-    forward, steps = model.forward, []
+    forward, steps, narrowed = model.forward, [], []
+
+    def modules(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
+        stack, model.native_stack = model.native_stack, None
+        try:
+            return forward(batch, kv_caches, backend, metadata)  # type: ignore[no-any-return]
+        finally:
+            model.native_stack = stack
 
     def both_paths(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
         assert model.native_stack.serves(kv_caches, backend, metadata)  # the walk runs below
         modules_cache = kv_caches.clone()
-        stack, model.native_stack = model.native_stack, None
-        try:
-            expected = forward(batch, modules_cache, backend, metadata)
-        finally:
-            model.native_stack = stack
+        expected = modules(batch, modules_cache, backend, metadata)
+        if batch.output_rows is not None:  # every row, then the rows read, on both paths
+            whole, whole_cache = dataclasses.replace(batch, output_rows=None), kv_caches.clone()
+            for path, cache in ((modules, whole_cache.clone()), (forward, whole_cache)):
+                every_row = path(whole, cache, backend, metadata)
+                assert every_row.shape[0] == batch.num_tokens
+                assert torch.equal(every_row[batch.output_rows], expected), f"rows read differ on step {len(steps)}"
+            narrowed.append(batch.output_rows.numel())
         got = forward(batch, kv_caches, backend, metadata)
+        assert got.shape[0] == (batch.num_tokens if batch.output_rows is None else batch.output_rows.numel())
         assert torch.equal(got, expected), f"hidden states differ on step {len(steps)}"
         assert torch.equal(kv_caches, modules_cache), f"the KV cache differs on step {len(steps)}"
+        if batch.output_rows is not None:
+            assert torch.equal(kv_caches, whole_cache), f"the KV cache differs from every row's on step {len(steps)}"
         steps.append(batch.query_lens_list)
         return got
 
     model.forward = both_paths
     shared = [(7 * i) % 200 + 3 for i in range(37)]  # two full blocks and a bit, shared
-    prompts = [shared + [11, 12, 13], shared + [21], list(range(5, 70)), [9, 8, 7]]
+    # The 65-token prompt first: its first chunk fills a step and samples nowhere.
+    prompts = [list(range(5, 70)), shared + [11, 12, 13], shared + [21], [9, 8, 7]]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True)]
     for index, prompt in enumerate(prompts):
@@ -74,6 +91,7 @@ def run_both_paths(model_dir: Path) -> list[list[int]]:
     assert engine.scheduler.num_cached_prompt_tokens >= 32
     assert any(len(lens) > 1 and max(lens) > 1 and min(lens) == 1 for lens in steps), "no mixed step"
     assert any(max(lens) == 1 for lens in steps), "no pure decode step"
+    assert 0 in narrowed and any(count > 0 for count in narrowed), narrowed  # chunks that sample nowhere, and some
     return steps
 
 
@@ -186,3 +204,44 @@ def test_split_walks_are_checked_and_a_refused_path_ends_both(model_dir: Path) -
                 decoder_stack.run(stack.kernels, stack.weights, shape, split_seqs=1, **args)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_last_layer_for_some_rows_gives_those_rows_bits(model_dir: Path) -> None:
+    """One call by hand, its sequences in an order no schedule above makes: a prompt chunk
+    that samples nowhere first, then a decode, then a chunk read at its last two rows
+    (a token and its draft), then another chunk read nowhere. The rows read, and their
+    stream, must be those of the call that computes every row; so must the cache."""
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=32, block_size=16))
+    stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(0)
+    caches = torch.randn(engine.runner.kv_caches.shape, generator=generator).to(torch.bfloat16)
+    query_lens, seq_lens = [5, 1, 4, 3], [5, 30, 20, 19]
+    tokens = sum(query_lens)
+    tables = torch.tensor([[0, 0], [1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    starts = [sum(query_lens[:s]) for s in range(4)]
+    slots = torch.tensor([int(tables[s, p // 16]) * 16 + p % 16 for s in range(4)
+                          for p in range(seq_lens[s] - query_lens[s], seq_lens[s])])
+    rows = decoder_stack.StackRows(tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                   torch.tensor(starts, dtype=torch.int32), torch.tensor(query_lens, dtype=torch.int32))
+    read = torch.tensor([5, 8, 9])  # the decode's row, and the third chunk's last two
+    outputs = stack_model._stack_outputs(read, query_lens, rows)
+    assert outputs.sequences.query_lens.tolist() == [1, 2] and outputs.sequences.seq_lens.tolist() == [30, 20]
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
+    cos, sin = (part.float().contiguous() for part in engine.model.rotary.cos_sin(positions))  # type: ignore[attr-defined]
+    embeddings = torch.randn(tokens, 128, generator=generator).to(torch.bfloat16)
+    results = []
+    for kept in (None, outputs):
+        residual, cache = embeddings.clone(), caches.clone()
+        hidden = decoder_stack.run(stack.kernels, stack.weights, stack.shape, residual, cache, cos, sin, slots, rows,
+                                   scale=0.1, outputs=kept)
+        results.append((hidden, residual, cache))
+    (every_hidden, every_residual, every_cache), (hidden, residual, cache) = results
+    assert hidden.shape == (3, 128)
+    assert torch.equal(hidden, every_hidden[read]) and torch.equal(residual[:3], every_residual[read])
+    assert torch.equal(cache, every_cache)
+    # Rows that are not the last of their sequence's query cannot be asked for alone.
+    with pytest.raises(ValueError, match=r"output rows \[6\] are not the last rows"):
+        stack_model._stack_outputs(torch.tensor([6]), query_lens, rows)
+    with pytest.raises(ValueError, match="outputs.rows must be ascending"):
+        decoder_stack.run(stack.kernels, stack.weights, stack.shape, embeddings.clone(), caches.clone(), cos, sin,
+                          slots, rows, scale=0.1, outputs=dataclasses.replace(outputs, rows=torch.tensor([8, 5, 9])))
