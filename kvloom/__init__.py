@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvloom.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from kvloom.engine.beam_search import BeamSearchParams
 from kvloom.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -14,8 +15,8 @@ if TYPE_CHECKING:
     from kvloom.engine.engine import LLMEngine
     from kvloom.engine.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "StructuredOutputsParams", "EngineConfig",
-           "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutput", "StructuredOutputsParams",
+           "EngineConfig", "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from kvloom.config import DEFAULT_MODEL, EngineConfig
+from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, candidates_from
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
@@ -120,6 +121,33 @@ class LLM:
         return [dataclasses.replace(firsts[index], outputs=[samples[index][s] for s in range(params.n)])
                 for index, params in enumerate(params_list)]
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False, cache_salt: str | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (engine/beam_search.py): for each prompt the
+        ``beam_width`` best beams, best first. Every prompt's live beams go to the engine
+        together, one round (one token a beam) per ``generate`` call."""
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in _as_prompt_list(prompts)]
+        for index, token_ids in enumerate(token_lists):
+            if len(token_ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"prompt {index}'s {len(token_ids)} tokens and max_tokens {params.max_tokens} "
+                                 f"exceed the model's context of {self.engine.max_model_len} tokens")
+        searches = [BeamSearch(token_ids, params, self.engine.eos_token_ids) for token_ids in token_lists]
+        round_params = params.round_params()
+        with tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=not use_tqdm) as bar:
+            while active := [search for search in searches if not search.done]:
+                outputs = iter(self.generate([p for search in active for p in search.prompts()], round_params,
+                                             use_tqdm=False, cache_salt=cache_salt))
+                for search in active:
+                    search.advance([candidates_from(next(outputs), 2 * params.beam_width) for _ in search.live])
+                bar.update(1)
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
+            results.append(BeamSearchOutput(search.prompt_token_ids, best))
+        return results
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True,
@@ -147,6 +175,16 @@ class LLM:
                     **template_options: Any) -> list[int]:
         """The prompt's token ids (``Tokenizer.encode_chat``, as the server encodes chat)."""
         return self.tokenizer.encode_chat(conversation, add_generation_prompt, **template_options)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamSearchOutput:
+    """One prompt's beam search: its ``beam_width`` best beams, best first (each beam's
+    ``token_ids`` are what it generated; vLLM's ``tokens`` hold the prompt too; ``text``
+    leaves out a final EOS)."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -242,7 +242,8 @@ class AsyncEngine:
             return
         self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer,
                               dict(getattr(engine, "generation_defaults", {})),
-                              engine.kv_transfer.info() if hasattr(engine, "kv_transfer") else {"role": "both"})
+                              engine.kv_transfer.info() if hasattr(engine, "kv_transfer") else {"role": "both"},
+                              tuple(getattr(engine, "eos_token_ids", ())))
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:

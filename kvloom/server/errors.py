@@ -64,7 +64,7 @@ _PARAM_NAMES = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
     "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
-    "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
+    "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "length_penalty",
     # structured output (kvloom/structured/openai.py): "response_format.json_schema.schema ..."
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_json_object", "structured_outputs",

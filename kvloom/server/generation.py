@@ -83,11 +83,9 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
                 info: ModelInfo | None = None) -> SamplingParams:
     """The request's sampling parameters; ``max_tokens`` is settled per prompt later.
     A field the request leaves unset takes the model's generation-config default."""
-    if isinstance(body.n, int) and body.n > settings.max_n:
-        raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
-    if body.store:
-        raise bad_request("store=true is not supported: this server keeps no completions "
-                          "(send false or leave it out)", "store", "unsupported_parameter")
+    check_n_and_store(body, settings)
+    if body.length_penalty != 1.0:
+        raise bad_request("length_penalty ranks beams: it needs use_beam_search", "length_penalty")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is only returned with stream false (as vLLM)", "prompt_logprobs")
     given = {name: getattr(body, name) for name in (
@@ -112,6 +110,15 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             prompt_logprobs_start=body.prompt_logprobs_start or 0, output_kind=output_kind(body.stream), **given)
     except ValueError as error:
         raise from_value_error(error) from None
+
+
+def check_n_and_store(body: SamplingRequest, settings: ServerSettings) -> None:
+    """What every generation checks first, beam search's included."""
+    if isinstance(body.n, int) and body.n > settings.max_n:
+        raise bad_request(f"n must be <= {settings.max_n}, got {body.n}", "n")
+    if body.store:
+        raise bad_request("store=true is not supported: this server keeps no completions "
+                          "(send false or leave it out)", "store", "unsupported_parameter")
 
 
 def output_kind(stream: bool) -> RequestOutputKind:
@@ -146,8 +153,17 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
 
 def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | None,
                     info: ModelInfo, prompt_param: str) -> SamplingParams:
+    """``params`` with the prompt's max_tokens (``check_context``)."""
+    try:
+        return dataclasses.replace(params, max_tokens=check_context(prompt_len, max_tokens, info, prompt_param))
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def check_context(prompt_len: int, max_tokens: int | None, info: ModelInfo, prompt_param: str) -> int:
     """The engine's admission checks on the prompt, then OpenAI's rule for max_tokens:
-    prompt + max_tokens must fit the context (the engine would cap it silently)."""
+    prompt + max_tokens must fit the context (the engine would cap it silently).
+    Returns max_tokens, or where the request gives none, what the context leaves."""
     limits = info.limits
     try:
         limits.check_prompt(prompt_len, prompt_param)
@@ -162,10 +178,7 @@ def _fit_to_context(params: SamplingParams, prompt_len: int, max_tokens: int | N
                 "max_tokens", "context_length_exceeded")
     else:
         max_tokens = limits.default_max_tokens(prompt_len)
-    try:
-        return dataclasses.replace(params, max_tokens=max_tokens)
-    except ValueError as error:
-        raise from_value_error(error) from None
+    return max_tokens
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, info: ModelInfo) -> list[int]:

@@ -117,6 +117,10 @@ class SamplingRequest(RequestModel):
     # vLLM's: prefix-cache hits only among requests that send the same salt (a tenant's),
     # so that one cannot time another's prompts through the cache.
     cache_salt: str | None = None
+    # vLLM's beam search (server/beam_search.py): n beams, ranked by their summed
+    # log-probability over length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # An end-user identifier for abuse monitoring at OpenAI; it changes nothing here.
     user: str | None = None
     # Bookkeeping for OpenAI's dashboard: accepted, no effect on generation.

@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
+from kvloom.server.beam_search import beam_search, check_beam_request
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import (
     Serving,
     base_params,
+    check_n_and_store,
     check_stream_options,
     collect,
     engine_requests,
@@ -39,6 +41,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = serving.check_model(body.model, info)
     check_stream_options(body)
     _check_max_tokens(body)
+    if body.use_beam_search:
+        return await _beam_search_chat(body, request, serving, info, model)
     top_logprobs = _top_logprobs(body)
     params = base_params(body, serving.settings, top_logprobs, info)
     tools = tool_use(body, serving.settings)
@@ -68,6 +72,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, [len(prompt)], params.n))
+
+
+async def _beam_search_chat(body: ChatCompletionRequest, request: Request, serving: Serving, info: ModelInfo,
+                            model: str) -> JSONResponse:
+    """The n best beams as n choices of one assistant message each (text only: tools,
+    like every field beam search would not honour, are refused)."""
+    check_beam_request(body)
+    check_n_and_store(body, serving.settings)
+    prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
+                             tools=None, template_kwargs=_template_kwargs(body),
+                             continue_final_message=body.continue_final_message)
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, info)
+    request_id = new_id("chatcmpl")
+    max_tokens = (body.effective_max_tokens if body.effective_max_tokens is not None
+                  else info.generation_defaults.get("max_tokens"))
+    finals = await beam_search(serving, request, request_id, [prompt], body, max_tokens, info, "messages")
+    response = _Response(request_id, model, int(time.time()), None)
+    return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
 # Template variables that the render sets itself.

@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
+from kvloom.server.beam_search import beam_search, check_beam_request
 from kvloom.server.errors import bad_request
 from kvloom.server.generation import (
     Serving,
     base_params,
+    check_n_and_store,
     check_stream_options,
     check_token_ids,
     collect,
@@ -36,6 +38,8 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     check_stream_options(body)
+    if body.use_beam_search:
+        return await _beam_search_completion(body, request, serving, info, model)
     # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests), and
     # with max_tokens 0 only the prompt, as vLLM's "echo without generation".
     scores_prompt = body.echo and body.logprobs is not None
@@ -67,6 +71,23 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, prompt_lens, params.n))
+
+
+async def _beam_search_completion(body: CompletionRequest, request: Request, serving: Serving, info: ModelInfo,
+                                  model: str) -> JSONResponse:
+    check_beam_request(body)
+    check_n_and_store(body, serving.settings)
+    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
+    if body.truncate_prompt_tokens is not None:
+        kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
+        texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
+                 for text, ids, whole in zip(texts, kept, prompts, strict=True)]
+        prompts = kept
+    request_id = new_id("cmpl")
+    max_tokens = body.max_tokens if body.max_tokens is not None else info.generation_defaults.get("max_tokens")
+    finals = await beam_search(serving, request, request_id, prompts, body, max_tokens, info, "prompt")
+    response = _Response(request_id, model, int(time.time()), body, texts, body.n, info)
+    return JSONResponse(response.full(finals, [len(p) for p in prompts], body.n))
 
 
 def _encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[list[int]], list[str]]:

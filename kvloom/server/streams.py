@@ -47,6 +47,7 @@ class ModelInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # The instance's role and KV layout (GET /kvloom/kv_transfer; the router's handshake)
     kv_transfer: dict[str, Any] = field(default_factory=lambda: {"role": "both"})
+    eos_token_ids: tuple[int, ...] = ()  # the engine's (what ends a beam, for beam search)
 
     @property
     def max_model_len(self) -> int:

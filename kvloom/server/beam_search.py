@@ -1,0 +1,87 @@
+"""``use_beam_search`` on /v1/completions and /v1/chat/completions (vLLM's): the search of
+engine/beam_search.py, each round's live beams sent to the engine as one group.
+
+``n`` is the beam width and the number of choices (each prompt's ``n`` best beams, best
+first), ``length_penalty`` ranks them, ``max_tokens`` and ``ignore_eos`` bound them.
+Beam search picks tokens by the model's log-probabilities alone, so a field that would
+sample, penalize, constrain or stop otherwise is a 400 naming it (as are ``stream``,
+``logprobs`` and tools: the answer comes once the search has ended), never ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+
+from kvloom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, candidates_from
+from kvloom.engine.output import CompletionOutput, RequestOutput
+from kvloom.server.async_engine import ModelInfo
+from kvloom.server.errors import bad_request, from_value_error
+from kvloom.server.generation import Serving, check_context, collect
+from kvloom.server.protocol import SamplingRequest
+from kvloom.server.streams import EngineRequest
+
+# What a beam-search request may set besides its prompt or messages.
+_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "ignore_eos", "priority",
+    "truncate_prompt_tokens", "cache_salt", "user", "metadata", "service_tier", "store", "use_beam_search",
+    "length_penalty", "echo", "add_special_tokens", "skip_special_tokens", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message"})
+
+
+def check_beam_request(body: SamplingRequest) -> None:
+    """400 for a field that beam search would not honour (a given value other than its
+    default or an empty list; ``temperature`` 0, greedy, is what it does anyway)."""
+    if body.n > MAX_BEAM_WIDTH:
+        raise bad_request(f"n is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH}, got {body.n}", "n")
+    fields = type(body).model_fields
+    for name in sorted(body.model_fields_set - _FIELDS):
+        value = getattr(body, name)
+        if value in (None, [], {}) or value == fields[name].default or (name == "temperature" and value == 0):
+            continue  # not given, in effect
+        raise bad_request(f"{name} cannot be used with use_beam_search: beam search keeps the n beams of the "
+                          "highest log-probability (ranked with length_penalty) and ends a beam at EOS or "
+                          "max_tokens", name)
+
+
+async def beam_search(serving: Serving, request: Request, request_id: str, prompts: list[list[int]],
+                      body: SamplingRequest, max_tokens: int | None, info: ModelInfo,
+                      prompt_param: str) -> dict[int, RequestOutput]:
+    """Each prompt's ``body.n`` best beams, as the final outputs of choices ``prompt *
+    n + rank`` (what the responses build their choices and usage from)."""
+    width = body.n
+    searches: list[BeamSearch] = []
+    for token_ids in prompts:
+        try:
+            params = BeamSearchParams(width, check_context(len(token_ids), max_tokens, info, prompt_param),
+                                      body.ignore_eos, body.length_penalty)
+        except ValueError as error:
+            raise from_value_error(error) from None
+        searches.append(BeamSearch(token_ids, params, info.eos_token_ids))
+    cached: dict[int, int] = {}  # per prompt: what the cache served its first round
+    rounds = 0
+    while active := [(index, search) for index, search in enumerate(searches) if not search.done]:
+        arrival = time.monotonic()
+        requests = [EngineRequest(f"{request_id}-{rounds}-{index}-{beam}", prompt, search.params.round_params(),
+                                  body.priority, arrival, cache_salt=body.cache_salt)
+                    for index, search in active for beam, prompt in enumerate(search.prompts())]
+        finals = await collect(await serving.open(requests), request)
+        at = 0
+        for index, search in active:
+            outputs = [finals[at + beam] for beam in range(len(search.live))]
+            at += len(outputs)
+            cached.setdefault(index, outputs[0].num_cached_tokens)
+            search.advance([candidates_from(output, 2 * width) for output in outputs])
+        rounds += 1
+    results: dict[int, RequestOutput] = {}
+    for index, search in enumerate(searches):
+        for rank, beam in enumerate(search.best()):
+            text = info.tokenizer.decode(beam.output_token_ids, skip_special_tokens=body.skip_special_tokens)
+            stop_reason: Any = beam.token_ids[-1] if beam.finish_reason == "stop" else None
+            completion = CompletionOutput(rank, text, beam.token_ids, beam.finish_reason, stop_reason)
+            results[index * width + rank] = RequestOutput(
+                f"{request_id}-{index * width + rank}", None, search.prompt_token_ids, [completion], True,
+                num_cached_tokens=cached.get(index, 0) if rank == 0 else 0)
+    return results
