@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvloom.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
-from kvloom.engine.beam_search import BeamSearchParams
 from kvloom.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from kvloom.engine.beam_search import BeamSearchParams
     from kvloom.engine.engine import LLMEngine
     from kvloom.engine.llm import LLM
 
@@ -27,6 +27,9 @@ def __getattr__(name: str) -> Any:
     if name in ("StructuredOutput", "StructuredOutputsParams"):
         from kvloom import structured
         return getattr(structured, name)
+    if name == "BeamSearchParams":  # lazy too: the engine package sits above the kernels
+        from kvloom.engine.beam_search import BeamSearchParams
+        return BeamSearchParams
     if name == "LLMEngine":
         from kvloom.engine.engine import LLMEngine
         return LLMEngine
