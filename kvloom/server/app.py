@@ -27,10 +27,12 @@ from kvloom.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from kvloom.server.serving_chat import create_chat_completion, encode_messages
 from kvloom.server.serving_completions import create_completion
+from kvloom.server.serving_responses import create_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
 
@@ -107,6 +109,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, serving)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(body, request, serving)
 
     @app.post("/kvloom/score")
     async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:

@@ -344,3 +344,38 @@ class DetokenizeRequest(RequestModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(RequestModel):
+    """POST /v1/responses (OpenAI's Responses API; server/serving_responses.py reads it as
+    the chat request it amounts to). Stateless: nothing is stored, so ``store: true``,
+    ``previous_response_id`` and ``background`` are refused there. ``input`` items are
+    checked item by item there, so that an error names ``input[i]``."""
+
+    model: str | None = None
+    input: str | list[Any] = Field(description="Text, or a list of input items (messages, function calls "
+                                                "and their outputs); never empty.")
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    # Function tools in the Responses shape ({"type": "function", "name", "parameters", ...}).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # {"format": {"type": "text" | "json_object" | "json_schema", ...}}: structured output.
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    # Accepted, no effect here: bookkeeping, and a cache hint (the radix cache matches
+    # prefixes whatever the key).
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None

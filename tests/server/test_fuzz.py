@@ -28,12 +28,16 @@ FIELDS = {
                              "response_format", "guided_choice", "guided_regex", "min_tokens", "stop_token_ids",
                              "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "cache_salt",
                              "use_beam_search", "length_penalty"],
+    "/v1/responses": ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
+                      "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "background",
+                      "include", "truncation", "reasoning", "metadata", "user", "prompt_cache_key"],
     "/tokenize": ["model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"],
     "/detokenize": ["model", "tokens"],
 }
 # Counts that make a valid request expensive are kept small when they are valid; invalid
 # values (negative, huge, wrong type) go through as generated.
-SMALL = {"max_tokens": 8, "max_completion_tokens": 8, "n": 3, "min_tokens": 4, "logprobs": 5, "top_logprobs": 5}
+SMALL = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 3, "min_tokens": 4, "logprobs": 5,
+         "top_logprobs": 5}
 
 scalars = st.one_of(
     st.none(), st.booleans(),
@@ -50,8 +54,8 @@ ints = st.one_of(st.integers(-3, 40), st.integers(-(2 ** 70), 2 ** 70), st.sampl
 plausible = {
     **{name: floats for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                                  "repetition_penalty", "length_penalty")},
-    **{name: ints for name in ("max_tokens", "max_completion_tokens", "top_k", "n", "seed", "min_tokens",
-                               "priority", "logprobs", "top_logprobs")},
+    **{name: ints for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "top_k", "n", "seed",
+                               "min_tokens", "priority", "logprobs", "top_logprobs")},
     **{name: st.booleans() for name in ("ignore_eos", "stream", "echo", "add_generation_prompt",
                                         "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output",
                                         "return_tokens_as_token_ids", "use_beam_search")},
@@ -70,6 +74,16 @@ plausible = {
         {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
          "content": st.one_of(st.text(max_size=30), json_values)}), max_size=3),
     "tokens": st.lists(st.integers(-3, 600), max_size=6),
+    "input": st.one_of(st.text(max_size=30), st.lists(st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "x"]),
+                               "content": st.one_of(st.text(max_size=20), json_values)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning"]),
+                               "call_id": st.text(max_size=5), "name": st.text(max_size=5),
+                               "arguments": st.text(max_size=10), "output": json_values}),
+        json_values), max_size=4)),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"]), "schema": json_values})}),
+        json_values),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3)),
     "guided_choice": st.lists(st.text(min_size=0, max_size=6), max_size=4),
     "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text", "x"])}),
@@ -81,6 +95,7 @@ BASES = {  # a valid body per route; each case changes a few of its fields or ad
     "/v1/completions": {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4},
     "/v1/chat/completions": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}],
                              "max_tokens": 4},
+    "/v1/responses": {"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 4},
     "/tokenize": {"model": SERVED_NAME, "prompt": "Hello"},
     "/detokenize": {"model": SERVED_NAME, "tokens": [5, 6, 7]},
 }

@@ -1,0 +1,339 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, for text and function tools.
+
+A request is read as the chat request it amounts to (``to_chat_request``: ``instructions``
+a system message, ``input`` the messages, function calls and their outputs the assistant
+tool calls and tool messages they are in chat, ``text.format`` the response_format,
+``max_output_tokens`` max_completion_tokens), which the chat path's own pieces encode
+and sample. The answer is a Response object: a ``message`` item of ``output_text``, and
+``function_call`` items where the tool parser finds calls. Streamed, it is the Responses
+events (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``,
+numbered by ``sequence_number``); with tools the output is parsed whole, so its items'
+events come once the generation has ended. Nothing is stored: ``store: true``,
+``previous_response_id`` and ``background`` are 400s, as are items and tools that only
+OpenAI's hosted tools or stored state could serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvloom.engine.output import RequestOutput
+from kvloom.server.async_engine import EngineFailed, RequestAborted, ResultStream
+from kvloom.server.errors import APIError, bad_request, from_value_error
+from kvloom.server.generation import (
+    Serving,
+    abort_on_disconnect,
+    base_params,
+    check_finished_cleanly,
+    collect,
+    engine_requests,
+)
+from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
+from kvloom.server.responses import SSE_HEADERS
+from kvloom.server.serving_chat import encode_messages
+from kvloom.server.tool_calling import ToolUse, message_with_calls, tool_use
+
+logger = logging.getLogger(__name__)
+
+# Chat's names for what the Responses request calls otherwise, for errors' `param`.
+_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "messages": "input", "response_format": "text.format"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _item_error(where: str, message: str) -> APIError:
+    return bad_request(f"{where}: {message}", where)
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as one string: text, or its text parts concatenated."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _item_error(where, "content must be a string or a list of text parts")
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _item_error(f"{where}[{index}]", f"only text parts ({', '.join(_TEXT_PARTS)}) are supported, "
+                                                  f"got {kind!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input`` (consecutive function calls
+    become one assistant turn's tool_calls, as chat holds them)."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if not items:
+        raise bad_request("input must not be empty", "input")
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _item_error(where, "an input item must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _item_error(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            fields = [item.get(name) for name in ("call_id", "name", "arguments")]
+            if not all(isinstance(value, str) for value in fields):
+                raise _item_error(where, "a function_call needs string call_id, name and arguments")
+            call = {"id": fields[0], "type": "function", "function": {"name": fields[1], "arguments": fields[2]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise _item_error(where, "a function_call_output needs a string call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
+        else:
+            raise _item_error(where, f"input items of type {kind!r} are not supported here (messages, function_call "
+                                     "and function_call_output are)")
+    return messages
+
+
+def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The function tools and tool_choice in chat's shape."""
+    tools = None
+    if body.tools:
+        tools = []
+        for index, tool in enumerate(body.tools):
+            if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                raise _item_error(f"tools[{index}]", "only function tools ({\"type\": \"function\", \"name\", "
+                                                     "\"parameters\"}) are supported: hosted tools are OpenAI's")
+            function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+            tools.append({"type": "function", "function": function})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                              "\"name\": ...}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's response_format (``text``: none)."""
+    if text is None:
+        return None
+    fmt = text.get("format")
+    if fmt is None or not isinstance(fmt, dict):
+        raise bad_request("text must be {\"format\": {\"type\": ...}}", "text")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")
+
+
+def _refuse_stateful(body: ResponsesRequest) -> None:
+    for name, given in (("store", body.store is True), ("previous_response_id", body.previous_response_id is not None),
+                        ("background", body.background is True)):
+        if given:
+            raise bad_request(f"{name} is not supported: this server stores no responses (it answers each request "
+                              "on its own; send the conversation in input)", name, "unsupported_parameter")
+    if body.include:
+        raise bad_request(f"include {body.include} is not supported (no hosted tools, no reasoning items)", "include",
+                          "unsupported_parameter")
+    if body.truncation not in (None, "disabled"):
+        raise bad_request("truncation must be \"disabled\": an input longer than the context is a 400", "truncation")
+    if body.reasoning:
+        raise bad_request("reasoning is not supported by this model server", "reasoning", "unsupported_parameter")
+
+
+def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request the Responses request amounts to (400s name the Responses field)."""
+    _refuse_stateful(body)
+    tools, tool_choice = _chat_tools(body)
+    fields: dict[str, Any] = {
+        "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
+        "tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _response_format(body.text)}
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        where = _PARAMS.get(loc[0], loc[0]) if loc else None
+        raise bad_request(f"{where}: {first['msg']}", where) from None
+
+
+def _renamed(error: APIError) -> APIError:
+    """A chat-path error with the Responses request's name for its field."""
+    if error.param is not None:
+        head, dot, rest = error.param.partition(".")
+        head, bracket, tail = head.partition("[")
+        if head in _PARAMS:
+            error.param = _PARAMS[head] + bracket + tail + dot + rest
+    return error
+
+
+async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
+    info = serving.model_info()
+    model = serving.check_model(body.model, info)
+    try:
+        chat = to_chat_request(body)
+        params = base_params(chat, serving.settings, None, info)
+        tools = tool_use(chat, serving.settings)
+        if tools.constraint is not None:
+            if params.structured is not None:
+                raise bad_request("text.format and a forced tool call (tool_choice) cannot both constrain the "
+                                  "output", "tool_choice")
+            params = dataclasses.replace(params, structured=tools.constraint)
+        prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        stream = await serving.open(engine_requests(response_id, [prompt], params, chat.effective_max_tokens, info,
+                                                    0, "input"))
+    except APIError as error:
+        raise _renamed(error) from None
+    except ValueError as error:
+        raise _renamed(from_value_error(error)) from None
+    shape = _Shape(body, response_id, model, tools, len(prompt))
+    if body.stream:
+        return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
+    finals = await collect(stream, request)
+    return JSONResponse(shape.response("completed", finals[0]))
+
+
+class _Shape:
+    """The Response object of one request, whole or as its stream of events."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolUse, prompt_len: int) -> None:
+        self.body, self.id, self.model, self.tools, self.prompt_len = body, response_id, model, tools, prompt_len
+        self.created_at = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.sequence = 0
+
+    # ---- the whole response ----------------------------------------------------------
+    def response(self, status: str, final: RequestOutput | None, output: list[dict[str, Any]] | None = None,
+                 num_tokens: int | None = None) -> dict[str, Any]:
+        """The Response object: ``final``'s output items and usage once it has ended
+        (``status`` then says how), an in-progress shell before. A streamed output's
+        ``output`` items and ``num_tokens`` are given (its final output is a delta)."""
+        body = self.body
+        data: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+            "status": status, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "tools": body.tools or [], "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": body.text if body.text is not None else {"format": {"type": "text"}},
+            "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
+            "metadata": body.metadata or {}, "user": body.user, "output": output or [], "usage": None}
+        if final is not None:
+            completion = final.outputs[0]
+            data["output"] = output if output is not None else self.items(completion.text, completion.finish_reason)
+            if completion.finish_reason == "length":
+                data["status"], data["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            generated = len(completion.token_ids) if num_tokens is None else num_tokens
+            data["usage"] = {
+                "input_tokens": self.prompt_len, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_len + generated}
+        return data
+
+    def items(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        """The output items of a whole output: its text as a message (where there is
+        text, or no call), then each function call the tool parser finds."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        calls: list[dict[str, Any]] = []
+        if self.tools.parser is not None:
+            message, _ = message_with_calls(self.tools.parser, text, finish_reason)
+            text, calls = message.get("content") or "", message.get("tool_calls") or []
+        items = [self.message_item(text, status)] if text or not calls else []
+        for call in calls:
+            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                          "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                          "status": "completed"})
+        return items
+
+    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [self.text_part(text)]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    # ---- the stream of events --------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def events(self, stream: ResultStream, request: Request) -> AsyncIterator[str]:
+        """created, in_progress, the output's items (text deltas as they come where no
+        tool parser reads the output; else every item once it has ended), completed."""
+        async with abort_on_disconnect(stream, request):
+            try:
+                shell = self.response("in_progress", None)
+                yield self.event("response.created", response=shell)
+                yield self.event("response.in_progress", response=shell)
+                streaming_text = self.tools.parser is None
+                if streaming_text:
+                    yield self.event("response.output_item.added", output_index=0,
+                                     item=self.message_item(None, "in_progress"))
+                    yield self.event("response.content_part.added", item_id=self.message_id, output_index=0,
+                                     content_index=0, part=self.text_part(""))
+                text, num_tokens, final = "", 0, None
+                async for _, output in stream:
+                    completion = output.outputs[0]
+                    if output.finished:
+                        check_finished_cleanly(output)
+                        final = output
+                    text += completion.delta_text
+                    num_tokens += len(completion.delta_token_ids)
+                    if streaming_text and completion.delta_text:
+                        yield self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                         content_index=0, delta=completion.delta_text, logprobs=[])
+                if stream.aborted or final is None:
+                    return  # the client is gone
+                finish = final.outputs[0].finish_reason
+                items = self.items(text, finish)
+                if streaming_text:
+                    yield self.event("response.output_text.done", item_id=self.message_id, output_index=0,
+                                     content_index=0, text=text, logprobs=[])
+                    yield self.event("response.content_part.done", item_id=self.message_id, output_index=0,
+                                     content_index=0, part=self.text_part(text))
+                    yield self.event("response.output_item.done", output_index=0, item=items[0])
+                else:
+                    for index, item in enumerate(items):
+                        yield self.event("response.output_item.added", output_index=index, item=item)
+                        yield self.event("response.output_item.done", output_index=index, item=item)
+                whole = self.response("completed", final, items, num_tokens)
+                yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
+                                 response=whole)
+            except (RequestAborted, APIError) as error:
+                if isinstance(error, APIError):
+                    yield self.event("error", code=error.code, message=error.message, param=error.param)
+                else:
+                    code = "engine_failed" if isinstance(error, EngineFailed) else "request_aborted"
+                    yield self.event("error", code=code, message=str(error), param=None)
+            except Exception:  # noqa: BLE001 - a bug must end the stream, not hang it
+                logger.exception("responses stream failed")
+                yield self.event("error", code="internal_error", message="internal server error", param=None)
+

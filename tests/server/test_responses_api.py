@@ -1,0 +1,160 @@
+"""POST /v1/responses (server/serving_responses.py) through the official OpenAI client on
+the tiny model (fp32): the output text is transformers' greedy continuation of the chat
+the request amounts to, streamed events assemble the same response, input items (text
+parts, function calls and their outputs) become that chat, forced function calls and
+json_schema formats hold, and what a stateless server cannot honour is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from helpers_models import hf_greedy_tokens
+from server_harness import SERVED_NAME, LiveServer
+
+from kvloom.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> torch.nn.Module:
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> Tokenizer:
+    """The engine's tokenizer (its eos_token_ids are the engine's too)."""
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=8)).tokenizer
+
+
+def expected_text(http: httpx.Client, reference: torch.nn.Module, tokenizer: Tokenizer,
+                  messages: list[dict[str, Any]], max_tokens: int) -> tuple[str, int, int]:
+    """transformers' greedy reply to the chat (up to an EOS): its text, the prompt's
+    length, and its number of tokens."""
+    prompt = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    tokens = hf_greedy_tokens(reference, prompt, max_tokens)
+    eos = set(tokenizer.eos_token_ids)
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokenizer.decode(tokens[:cut], skip_special_tokens=True), len(prompt), cut
+
+
+def test_text_is_transformers_greedy_reply(client: Any, http: httpx.Client, live_server: LiveServer,
+                                           reference: torch.nn.Module, tokenizer: Tokenizer) -> None:
+    response = client.responses.create(model=SERVED_NAME, instructions="Be brief.", input="hello there",
+                                       max_output_tokens=8, temperature=0)
+    text, prompt_len, count = expected_text(http, reference, tokenizer, [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}], 8)
+    assert response.output_text == text
+    assert response.status == ("incomplete" if count == 8 else "completed")
+    assert response.usage.input_tokens == prompt_len and response.usage.output_tokens == min(count + 1, 8)
+    assert response.output[0].type == "message" and response.output[0].role == "assistant"
+    assert response.instructions == "Be brief." and response.max_output_tokens == 8
+    live_server.assert_idle_and_clean()
+
+
+def test_streamed_events_assemble_the_same_response(client: Any, live_server: LiveServer) -> None:
+    kwargs = dict(model=SERVED_NAME, input="tell me something", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done",
+                                       "response.incomplete" if whole.status == "incomplete" else "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in deltas) == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    live_server.assert_idle_and_clean()
+
+
+def test_input_items_become_the_chat_they_stand_for(client: Any, http: httpx.Client, reference: torch.nn.Module,
+                                                    tokenizer: Tokenizer) -> None:
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in "},
+                                                        {"type": "input_text", "text": "Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+        {"role": "user", "content": "thanks"},
+    ]
+    chat = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "thanks"}]
+    response = client.responses.create(model=SERVED_NAME, input=items, max_output_tokens=6, temperature=0)
+    text, prompt_len, _ = expected_text(http, reference, tokenizer, chat, 6)
+    assert response.usage.input_tokens == prompt_len and response.output_text == text
+
+
+def final_items(events: list[Any]) -> list[Any]:
+    return list(events[-1].response.output)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_forced_function_call_is_a_function_call_item(client: Any, live_server: LiveServer) -> None:
+    forced: dict[str, Any] = dict(model=SERVED_NAME, input="weather?", tools=[WEATHER], max_output_tokens=96,
+                                  tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False,
+                                  temperature=0)
+    response = client.responses.create(**forced)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather", response.output
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 12
+        assert call.call_id and call.id.startswith("fc_")
+    streamed = list(client.responses.create(stream=True, **forced))
+    assert [e.type for e in streamed] == ["response.created", "response.in_progress"] + [
+        "response.output_item.added", "response.output_item.done"] * len(final_items(streamed)) + [
+        "response.completed"]
+    final = streamed[-1].response
+    assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
+    live_server.assert_idle_and_clean()
+
+
+def test_a_json_schema_format_holds(client: Any) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}},
+              "required": ["answer"], "additionalProperties": False}
+    response = client.responses.create(model=SERVED_NAME, input="answer in JSON", max_output_tokens=40, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    data = json.loads(response.output_text)
+    assert set(data) == {"answer"} and len(data["answer"]) <= 8
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 10_000}, "max_output_tokens"),  # the context is 256
+    ({"temperature": -1.0}, "temperature"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+])
+def test_what_a_stateless_server_cannot_honour_is_a_400(http: httpx.Client, live_server: LiveServer,
+                                                        body: dict[str, Any], param: str) -> None:
+    response = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi", "max_output_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    live_server.assert_idle_and_clean()
