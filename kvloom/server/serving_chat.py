@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, TokenLogprobs
+from kvloom.sampling_params import SamplingParams
 from kvloom.server.async_engine import ModelInfo
 from kvloom.server.beam_search import beam_search, check_beam_request
 from kvloom.server.errors import bad_request, from_value_error
@@ -30,7 +31,8 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
-from kvloom.server.tool_calling import StreamedCalls, message_with_calls, tool_use
+from kvloom.server.settings import ServerSettings
+from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_calls, tool_use
 from kvloom.server.tool_parsers import ToolParser
 
 MAX_TOP_LOGPROBS = 20
@@ -44,16 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.use_beam_search:
         return await _beam_search_chat(body, request, serving, info, model)
     top_logprobs = _top_logprobs(body)
-    params = base_params(body, serving.settings, top_logprobs, info)
-    tools = tool_use(body, serving.settings)
-    if tools.constraint is not None:
-        if params.structured is not None:
-            raise bad_request("response_format and a forced tool call (tool_choice) cannot both "
-                              "constrain the output", "tool_choice")
-        try:
-            params = dataclasses.replace(params, structured=tools.constraint)
-        except ValueError as error:  # allowed_token_ids with the forced call's grammar
-            raise from_value_error(error) from None
+    params, tools = params_and_tools(body, serving.settings, top_logprobs, info)
     prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
                              tools=tools.tools, template_kwargs=_template_kwargs(body),
                              continue_final_message=body.continue_final_message)
@@ -72,6 +65,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, [len(prompt)], params.n))
+
+
+def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_logprobs: int | None,
+                     info: ModelInfo, format_param: str = "response_format") -> tuple[SamplingParams, ToolUse]:
+    """The request's sampling parameters and tool use: a forced call's grammar becomes
+    the output's constraint (with another format as well: a 400; ``format_param`` is
+    that field's name in the request, chat's or the Responses API's)."""
+    params = base_params(body, settings, top_logprobs, info)
+    tools = tool_use(body, settings)
+    if tools.constraint is not None:
+        if params.structured is not None:
+            raise bad_request(f"{format_param} and a forced tool call (tool_choice) cannot both constrain the "
+                              "output", "tool_choice")
+        try:
+            params = dataclasses.replace(params, structured=tools.constraint)
+        except ValueError as error:  # allowed_token_ids with the forced call's grammar
+            raise from_value_error(error) from None
+    return params, tools
 
 
 async def _beam_search_chat(body: ChatCompletionRequest, request: Request, serving: Serving, info: ModelInfo,

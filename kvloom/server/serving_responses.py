@@ -15,7 +15,6 @@ OpenAI's hosted tools or stored state could serve.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -33,15 +32,14 @@ from kvloom.server.errors import APIError, bad_request, from_value_error
 from kvloom.server.generation import (
     Serving,
     abort_on_disconnect,
-    base_params,
     check_finished_cleanly,
     collect,
     engine_requests,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import encode_messages
-from kvloom.server.tool_calling import ToolUse, message_with_calls, tool_use
+from kvloom.server.serving_chat import encode_messages, params_and_tools
+from kvloom.server.tool_calling import ToolUse, message_with_calls
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +195,7 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     model = serving.check_model(body.model, info)
     try:
         chat = to_chat_request(body)
-        params = base_params(chat, serving.settings, None, info)
-        tools = tool_use(chat, serving.settings)
-        if tools.constraint is not None:
-            if params.structured is not None:
-                raise bad_request("text.format and a forced tool call (tool_choice) cannot both constrain the "
-                                  "output", "tool_choice")
-            params = dataclasses.replace(params, structured=tools.constraint)
+        params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
         prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await serving.open(engine_requests(response_id, [prompt], params, chat.effective_max_tokens, info,
