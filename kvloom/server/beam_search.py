@@ -18,7 +18,7 @@ from fastapi import Request
 from kvloom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, candidates_from
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.server.async_engine import ModelInfo
-from kvloom.server.errors import bad_request, from_value_error
+from kvloom.server.errors import APIError, bad_request, from_value_error
 from kvloom.server.generation import Serving, check_context, collect
 from kvloom.server.protocol import SamplingRequest
 from kvloom.server.streams import EngineRequest
@@ -67,7 +67,10 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
         requests = [EngineRequest(f"{request_id}-{rounds}-{index}-{beam}", prompt, search.params.round_params(),
                                   body.priority, arrival, cache_salt=body.cache_salt)
                     for index, search in active for beam, prompt in enumerate(search.prompts())]
-        finals = await collect(await serving.open(requests), request)
+        stream = await serving.open(requests)
+        finals = await collect(stream, request)
+        if stream.aborted:  # the client went away: no more rounds (its requests are aborted)
+            raise APIError(499, "the client closed the connection during the beam search", code="client_disconnected")
         at = 0
         for index, search in active:
             outputs = [finals[at + beam] for beam in range(len(search.live))]

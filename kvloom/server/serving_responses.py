@@ -208,6 +208,8 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
+    if stream.aborted:  # the client went away; nobody reads an answer
+        raise APIError(499, "the client closed the connection", code="client_disconnected")
     return JSONResponse(shape.response("completed", finals[0]))
 
 

@@ -86,6 +86,25 @@ def test_disconnect_while_waiting_for_full_response_aborts(slow_server: LiveServ
     assert aborted_count(slow_http) == before + 1
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 100, "n": 2,
+                         "use_beam_search": True}),
+    ("/v1/responses", {"model": SERVED_NAME, "input": "hello", "max_output_tokens": 200}),
+], ids=["beam_search", "responses"])
+def test_disconnect_while_waiting_ends_it_without_an_error(slow_server: LiveServer, slow_http: httpx.Client,
+                                                           caplog: pytest.LogCaptureFixture, path: str,
+                                                           body: dict) -> None:
+    """A beam search's rounds stop (no next round is sent) and a response's request is
+    aborted; nothing is logged as an error, and the next request is served."""
+    with httpx.Client(base_url=slow_server.base_url, timeout=httpx.Timeout(60, read=0.5)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post(path, json=body)
+    assert_aborted_promptly(slow_server)
+    assert not [record for record in caplog.records if record.levelname in ("ERROR", "CRITICAL")]
+    short = {**body, "max_tokens": 2} if "prompt" in body else {**body, "max_output_tokens": 2}
+    assert slow_http.post(path, json=short).status_code == 200
+
+
 def test_metrics_parse_and_move(live_server: LiveServer, http: httpx.Client) -> None:
     before = metric_samples(http)
     required = ["kvloom:num_requests_running", "kvloom:num_requests_waiting",
