@@ -7,8 +7,8 @@ tool calls and tool messages they are in chat, ``text.format`` the response_form
 and sample. The answer is a Response object: a ``message`` item of ``output_text``, and
 ``function_call`` items where the tool parser finds calls. Streamed, it is the Responses
 events (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``,
-numbered by ``sequence_number``); with tools the output is parsed whole, so its items'
-events come once the generation has ended. Nothing is stored: ``store: true``,
+numbered by ``sequence_number``); with a tool parser the output is parsed as it streams,
+each item opening when the output starts it (``_ItemWriter``). Nothing is stored: ``store: true``,
 ``previous_response_id`` and ``background`` are 400s, as are items and tools that only
 OpenAI's hosted tools or stored state could serve.
 """
@@ -280,45 +280,34 @@ class _Shape:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     async def events(self, stream: ResultStream, request: Request) -> AsyncIterator[str]:
-        """created, in_progress, the output's items (text deltas as they come where no
-        tool parser reads the output; else every item once it has ended), completed."""
+        """created, in_progress, each output item as it is written (a message's text
+        deltas; a function call's argument deltas, where the tool parser finds calls),
+        then completed (or incomplete)."""
         async with abort_on_disconnect(stream, request):
             try:
                 shell = self.response("in_progress", None)
                 yield self.event("response.created", response=shell)
                 yield self.event("response.in_progress", response=shell)
-                streaming_text = self.tools.parser is None
-                if streaming_text:
-                    yield self.event("response.output_item.added", output_index=0,
-                                     item=self.message_item(None, "in_progress"))
-                    yield self.event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                     content_index=0, part=self.text_part(""))
-                text, num_tokens, final = "", 0, None
+                writer = _ItemWriter(self)
+                parser = self.tools.parser.stream() if self.tools.parser is not None else None
+                num_tokens, final = 0, None
                 async for _, output in stream:
                     completion = output.outputs[0]
                     if output.finished:
                         check_finished_cleanly(output)
                         final = output
-                    text += completion.delta_text
                     num_tokens += len(completion.delta_token_ids)
-                    if streaming_text and completion.delta_text:
-                        yield self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                         content_index=0, delta=completion.delta_text, logprobs=[])
+                    pieces = [parser.feed(completion.delta_text)] if parser is not None else []
+                    if parser is not None and output.finished:
+                        pieces.append(parser.finish())
+                    for event in (writer.text(completion.delta_text) if parser is None else
+                                  [e for piece in pieces for e in writer.piece(piece.content, piece.tool_calls)]):
+                        yield event
                 if stream.aborted or final is None:
                     return  # the client is gone
-                finish = final.outputs[0].finish_reason
-                items = self.items(text, finish)
-                if streaming_text:
-                    yield self.event("response.output_text.done", item_id=self.message_id, output_index=0,
-                                     content_index=0, text=text, logprobs=[])
-                    yield self.event("response.content_part.done", item_id=self.message_id, output_index=0,
-                                     content_index=0, part=self.text_part(text))
-                    yield self.event("response.output_item.done", output_index=0, item=items[0])
-                else:
-                    for index, item in enumerate(items):
-                        yield self.event("response.output_item.added", output_index=index, item=item)
-                        yield self.event("response.output_item.done", output_index=index, item=item)
-                whole = self.response("completed", final, items, num_tokens)
+                for event in writer.close(final.outputs[0].finish_reason):
+                    yield event
+                whole = self.response("completed", final, writer.items, num_tokens)
                 yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                                  response=whole)
             except (RequestAborted, APIError) as error:
@@ -331,3 +320,77 @@ class _Shape:
                 logger.exception("responses stream failed")
                 yield self.event("error", code="internal_error", message="internal server error", param=None)
 
+
+class _ItemWriter:
+    """A streamed output's items and their events, one item open at a time: text opens a
+    message (or continues the open one), a call's first delta opens a function_call,
+    and whatever opens next closes the one before. ``items`` are the closed ones, in
+    order: what the final Response holds (the same as the whole text parsed at once)."""
+
+    def __init__(self, shape: _Shape) -> None:
+        self.shape = shape
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+
+    def text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events += self._close("completed")
+            self.open = self.shape.message_item("", "in_progress")
+            self.open["id"] = f"msg_{uuid.uuid4().hex}" if self.items else self.shape.message_id
+            events.append(self._event("response.output_item.added", item={**self.open, "content": []}))
+            events.append(self._event("response.content_part.added", item_id=self.open["id"], content_index=0,
+                                      part=_Shape.text_part("")))
+        self.open["content"][0]["text"] += text
+        events.append(self._event("response.output_text.delta", item_id=self.open["id"], content_index=0,
+                                  delta=text, logprobs=[]))
+        return events
+
+    def piece(self, content: str, calls: list[Any]) -> list[str]:
+        """What the tool parser made of a delta: content text, then call deltas."""
+        events = self.text(content)
+        for call in calls:
+            if call.id is not None:  # a new call: its first delta names it
+                events += self._close("completed")
+                self.open = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+                             "name": call.name, "arguments": "", "status": "in_progress"}
+                events.append(self._event("response.output_item.added", item=dict(self.open)))
+            assert self.open is not None and self.open["type"] == "function_call", "call arguments before the call"
+            if call.arguments:
+                self.open["arguments"] += call.arguments
+                events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                          delta=call.arguments))
+        return events
+
+    def close(self, finish_reason: str | None) -> list[str]:
+        """The end: the open item closes (a message cut by max_output_tokens as
+        incomplete); an output with no item at all is one empty message."""
+        if self.open is None and not self.items:
+            self.open = self.shape.message_item("", "in_progress")
+            events = [self._event("response.output_item.added", item={**self.open, "content": []}),
+                      self._event("response.content_part.added", item_id=self.open["id"], content_index=0,
+                                  part=_Shape.text_part(""))]
+            return events + self._close("incomplete" if finish_reason == "length" else "completed")
+        return self._close("incomplete" if finish_reason == "length" else "completed")
+
+    def _close(self, status: str) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = status if item["type"] == "message" else "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"],
+                                  logprobs=[]),
+                      self._event("response.content_part.done", item_id=item["id"], content_index=0, part=part)]
+        else:
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  arguments=item["arguments"])]
+        self.items.append(item)
+        return events + [self._event("response.output_item.done", item=item, index=len(self.items) - 1)]
+
+    def _event(self, kind: str, index: int | None = None, **fields: Any) -> str:
+        """An event of the open item (``index``: a closed one's) at its output_index."""
+        return self.shape.event(kind, output_index=len(self.items) if index is None else index, **fields)

@@ -98,10 +98,6 @@ def test_input_items_become_the_chat_they_stand_for(client: Any, http: httpx.Cli
     assert response.usage.input_tokens == prompt_len and response.output_text == text
 
 
-def final_items(events: list[Any]) -> list[Any]:
-    return list(events[-1].response.output)
-
-
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                           "required": ["city"], "additionalProperties": False}}
@@ -118,13 +114,22 @@ def test_a_forced_function_call_is_a_function_call_item(client: Any, live_server
         arguments = json.loads(call.arguments)
         assert set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 12
         assert call.call_id and call.id.startswith("fc_")
+    # Streamed: the call's item opens, its arguments come as deltas, then it closes.
     streamed = list(client.responses.create(stream=True, **forced))
-    assert [e.type for e in streamed] == ["response.created", "response.in_progress"] + [
-        "response.output_item.added", "response.output_item.done"] * len(final_items(streamed)) + [
-        "response.completed"]
+    kinds = [e.type for e in streamed]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
     final = streamed[-1].response
     assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == \
         [(c.name, c.arguments) for c in calls]
+    for index, item in enumerate(final.output):
+        mine = [e for e in streamed if getattr(e, "output_index", None) == index]
+        assert mine[0].type == "response.output_item.added" and mine[-1].type == "response.output_item.done"
+        assert mine[-1].item.id == item.id
+        if item.type == "function_call":
+            deltas = [e.delta for e in mine if e.type == "response.function_call_arguments.delta"]
+            assert deltas and "".join(deltas) == item.arguments
+            assert mine[-2].type == "response.function_call_arguments.done" and mine[-2].arguments == item.arguments
     live_server.assert_idle_and_clean()
 
 
@@ -158,3 +163,34 @@ def test_what_a_stateless_server_cannot_honour_is_a_400(http: httpx.Client, live
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
     live_server.assert_idle_and_clean()
+
+
+def test_items_open_and_close_in_the_order_the_output_writes_them() -> None:
+    """The event writer on pieces given by hand: text, a call in three deltas, more text,
+    then the end at max_output_tokens. Three items at output_index 0, 1, 2."""
+    from kvloom.server.protocol import ResponsesRequest
+    from kvloom.server.serving_responses import _ItemWriter, _Shape
+    from kvloom.server.tool_call_stream import ToolCallDelta
+    from kvloom.server.tool_calling import ToolUse
+
+    shape = _Shape(ResponsesRequest(input="x"), "resp_1", "m", ToolUse(None, None), 3)
+    writer = _ItemWriter(shape)
+    raw = (writer.piece("Let me ", []) + writer.piece("check.", [ToolCallDelta(0, "", "call_a", "f")])
+           + writer.piece("", [ToolCallDelta(0, '{"a": '), ToolCallDelta(0, "1}")]) + writer.piece("Done", [])
+           + writer.close("length"))
+    events = [json.loads(chunk.split("data: ", 1)[1]) for chunk in raw]
+    assert [(e["type"], e["output_index"]) for e in events] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.output_text.delta", 0), ("response.output_text.delta", 0),
+        ("response.output_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.content_part.added", 2), ("response.output_text.delta", 2),
+        ("response.output_text.done", 2), ("response.content_part.done", 2), ("response.output_item.done", 2)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    first, call, last = writer.items
+    assert (first["content"][0]["text"], first["status"]) == ("Let me check.", "completed")
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_a", "f", '{"a": 1}')
+    assert (last["content"][0]["text"], last["status"]) == ("Done", "incomplete")  # cut by max_output_tokens
+    assert len({first["id"], call["id"], last["id"]}) == 3
