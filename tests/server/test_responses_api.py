@@ -194,3 +194,27 @@ def test_items_open_and_close_in_the_order_the_output_writes_them() -> None:
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_a", "f", '{"a": 1}')
     assert (last["content"][0]["text"], last["status"]) == ("Done", "incomplete")  # cut by max_output_tokens
     assert len({first["id"], call["id"], last["id"]}) == 3
+
+
+def test_a_responses_output_sent_back_as_input_continues_the_conversation(
+        client: Any, live_server: LiveServer, tokenizer: Tokenizer) -> None:
+    """The SDK's multi-turn pattern on a stateless server: the first response's output
+    items (a function call) go back in the next input with the call's output; the
+    prompt is the chat those items stand for."""
+    first = client.responses.create(model=SERVED_NAME, input="weather?", tools=[WEATHER], max_output_tokens=96,
+                                    tool_choice="required", parallel_tool_calls=False, temperature=0)
+    call = next(item for item in first.output if item.type == "function_call")
+    items = [{"role": "user", "content": "weather?"}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    second = client.responses.create(model=SERVED_NAME, input=items, tools=[WEATHER], max_output_tokens=4,
+                                     temperature=0)
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    from kvloom.server.protocol import ChatMessage
+    tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    prompt = tokenizer.encode_chat([ChatMessage.model_validate(m).to_template() for m in chat], True, tools=tools)
+    assert second.usage.input_tokens == len(prompt)
+    live_server.assert_idle_and_clean()
