@@ -1,7 +1,7 @@
 """The router's FastAPI app: an OpenAI-compatible front over the workers.
 
-Generation requests go to the worker the policy picks from the request's routing key
-(``routing_key``); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
+Generation requests (completions, chat, responses) go to the worker the policy picks
+from the request's routing key (``routing_key``); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
 loaded worker. The router validates nothing a worker validates: a bad body is passed
 to a worker, whose 400 comes back as is. ``/health``, ``/metrics`` and ``/version``
 are the router's own. A disaggregated router (``--prefill``/``--decode``) sends each
@@ -107,6 +107,7 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    app.add_api_route("/v1/responses", generate, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
     app.add_api_route("/v1/models", any_worker, methods=["GET"])
@@ -187,7 +188,8 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 def routing_key(path: str, body: dict[str, Any]) -> str:
     """The text whose prefix decides where a request goes: a completion's prompt (the
     first of a batch; token ids as one character each), or a chat's message contents,
-    in order, each ended by a newline. A body the router cannot read has the key "".
+    in order, each ended by a newline (a Responses request's instructions, then its
+    input's messages, as the chat it amounts to). A body the router cannot read has the key "".
     A ``cache_salt`` goes first, between NULs: the workers' caches serve a salt only
     its own prefixes, so the router keeps each salt's prefixes apart as well."""
     salt = body.get("cache_salt")
@@ -196,6 +198,15 @@ def routing_key(path: str, body: dict[str, Any]) -> str:
 
 
 def _prompt_text(path: str, body: dict[str, Any]) -> str:
+    if path.endswith("/responses"):
+        instructions, items = body.get("instructions"), body.get("input")
+        head = f"{instructions}\n" if isinstance(instructions, str) else ""
+        if isinstance(items, str):
+            return f"{head}{items}\n"
+        if not isinstance(items, list):
+            return ""
+        return head + "".join(f"{_content_text(item.get('content'))}\n" for item in items
+                              if isinstance(item, dict) and "role" in item)
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -216,5 +227,6 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: the text ones
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
     return ""

@@ -379,3 +379,5 @@ class ResponsesRequest(RequestModel):
     safety_identifier: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    # Prefill/decode disaggregation, set by kvloom's router (as chat's field of that name).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -35,6 +35,7 @@ from kvloom.server.generation import (
     check_finished_cleanly,
     collect,
     engine_requests,
+    open_with_kv_transfer,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.responses import SSE_HEADERS
@@ -198,12 +199,14 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
         prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
-        stream = await serving.open(engine_requests(response_id, [prompt], params, chat.effective_max_tokens, info,
-                                                    0, "input"))
+        stream = await open_with_kv_transfer(serving, request, engine_requests(
+            response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input"), body.kv_transfer_params, 1)
     except APIError as error:
         raise _renamed(error) from None
     except ValueError as error:
         raise _renamed(from_value_error(error)) from None
+    if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
+        return stream
     shape = _Shape(body, response_id, model, tools, len(prompt))
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -74,3 +74,20 @@ def test_the_pair_answers_what_one_instance_answers(instances: dict[str, Backgro
     assert staged[("kvloom:kv_transfer_staged_total", ())] == 4
     for name in ("prefill", "decode"):
         instances[name].assert_idle_and_clean()
+
+
+def test_a_responses_request_goes_through_both_legs(instances: dict[str, BackgroundServer],
+                                                    router: BackgroundRouter) -> None:
+    body = {"input": "Tell me about the fox and the quiet river.", "max_output_tokens": 10, "temperature": 0.0}
+    imports = ("kvloom:kv_transfer_imports_total", ())
+    before = samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports]
+    with httpx.Client(base_url=instances["single"].base_url, timeout=60) as single, \
+            httpx.Client(base_url=router.base_url, timeout=60) as pair:
+        want = single.post("/v1/responses", json=body).json()
+        got = pair.post("/v1/responses", json=body)
+        assert got.status_code == 200, got.text
+        assert got.headers["x-kvloom-worker"] == instances["decode"].base_url
+        assert got.json()["output"][0]["content"] == want["output"][0]["content"]
+    assert samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports] == before + 1
+    for name in ("prefill", "decode"):
+        instances[name].assert_idle_and_clean()

@@ -134,3 +134,10 @@ def test_routing_keys() -> None:
     assert routing_key("/v1/chat/completions", chat) == "be brief\nhi\n"
     assert routing_key("/v1/chat/completions", {"messages": "nope"}) == ""
     assert routing_key("/v1/completions", {}) == ""
+    # A Responses request is keyed as the chat it amounts to (so both reach the same cache).
+    assert routing_key("/v1/responses", {"instructions": "be brief", "input": "hi"}) == "be brief\nhi\n"
+    items = [{"role": "system", "content": "be brief"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+             {"type": "function_call_output", "call_id": "c", "output": "x"}]
+    assert routing_key("/v1/responses", {"input": items}) == "be brief\nhi\n"
+    assert routing_key("/v1/responses", {"input": 5}) == ""
