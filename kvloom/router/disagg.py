@@ -16,7 +16,8 @@ is up (or all failed before answering), or one answered a 5xx, a broken body, or
 without ``kv_transfer_params``, the client's body goes to a decode instance without them,
 and that instance prefills it itself: a fallback, counted by reason and logged. Requests
 for prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``) go straight to a
-decode instance, which must compute the whole prompt to score it.
+decode instance, which must compute the whole prompt to score it, and so do beam searches
+(``use_beam_search``: the search's rounds are many one-token requests on that instance).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Disaggregation:
         stream = parsed.get("stream") is True
         if wants_prompt_logprobs(parsed):
             self.metrics.skipped.labels("prompt_logprobs").inc()
+            return await self._decode(path, _without_kv_transfer(body, parsed), headers, stream)
+        if parsed.get("use_beam_search") is True:  # a round's requests each prefill their own tail
+            self.metrics.skipped.labels("beam_search").inc()
             return await self._decode(path, _without_kv_transfer(body, parsed), headers, stream)
         self.metrics.requests.labels("prefill").inc()
         start = time.monotonic()

@@ -70,8 +70,9 @@ class DisaggMetrics:
             ["reason"], registry=registry)
         self.skipped = Counter(
             "kvloom_router_disagg_prefill_skipped", "Requests sent straight to a decode instance "
-            "(prompt_logprobs: they need the whole prompt computed there; unreadable_body: not a "
-            "JSON object, for the decode instance to refuse).", ["reason"], registry=registry)
+            "(prompt_logprobs: they need the whole prompt computed there; beam_search: its rounds run "
+            "there; unreadable_body: not a JSON object, for the decode instance to refuse).", ["reason"],
+            registry=registry)
         self.prefill_seconds = Histogram(
             "kvloom_router_prefill_seconds", "Seconds from sending a request to a prefill instance to "
             "its whole answer, for prefill legs that answered 200.", buckets=PREFILL_BUCKETS,

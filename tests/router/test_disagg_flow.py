@@ -160,6 +160,16 @@ def test_prompt_logprobs_skip_the_prefill_instance(run_disagg: DisaggRouters, fi
     assert metric(router, "kvloom_router_disagg_fallbacks_total", reason="no_prefill_worker") == 0
 
 
+def test_a_beam_search_skips_the_prefill_instance(run_disagg: DisaggRouters) -> None:
+    instances = FakeInstances(ROLES)
+    router = run_disagg(instances)
+    fields = {"use_beam_search": True, "n": 2}
+    response = post(router, prompt="search me", **fields)
+    assert response.status_code == 200 and worker_of(response) == DECODE_A
+    assert instances.at(PREFILL_A) == [] and instances.at(DECODE_A) == [{"prompt": "search me", **fields}]
+    assert metric(router, "kvloom_router_disagg_prefill_skipped_total", reason="beam_search") == 1
+
+
 def test_what_asks_for_prompt_logprobs() -> None:
     assert wants_prompt_logprobs({"prompt_logprobs": 0})
     assert wants_prompt_logprobs({"echo": True, "logprobs": 0})
