@@ -15,6 +15,8 @@ from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 
 Prompt = str | list[int]
+# vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}.
+PromptDict = dict[str, Any]
 Message = dict[str, Any]  # role, content, and tool_calls / tool_call_id / name as transformers takes them
 
 
@@ -39,13 +41,14 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        A prompt is a string or a list of token ids. ``n > 1`` runs n independent
+        A prompt is a string or a list of token ids (or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``). ``n > 1`` runs n independent
         samples of the prompt (seed, when given, becomes seed + i for sample i). Only
         the finished outputs are returned, so every request runs as ``FINAL_ONLY``
         (vLLM's LLM does the same): no output is built per step, and the text is
@@ -121,7 +124,7 @@ class LLM:
         return [dataclasses.replace(firsts[index], outputs=[samples[index][s] for s in range(params.n)])
                 for index, params in enumerate(params_list)]
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+    def beam_search(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], params: BeamSearchParams,
                     use_tqdm: bool = False, cache_salt: str | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search`` (engine/beam_search.py): for each prompt the
         ``beam_width`` best beams, best first. Every prompt's live beams go to the engine
@@ -187,10 +190,24 @@ class BeamSearchOutput:
     sequences: list[BeamSequence]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (a string or a list of token ids) or a sequence of them -> a list."""
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
+    """One prompt (a string, a list of token ids, or vLLM's prompt dict) or a sequence of
+    them -> a list of strings and token-id lists."""
+    if isinstance(prompts, (str, dict)):
+        return [_plain(prompts, 0)]
     if prompts and isinstance(prompts[0], int):
         return [cast(list[int], list(prompts))]
-    return [cast(Prompt, prompt) for prompt in prompts]
+    return [_plain(cast(Prompt | PromptDict, prompt), index) for index, prompt in enumerate(prompts)]
+
+
+def _plain(prompt: Prompt | PromptDict, index: int) -> Prompt:
+    """vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` as the text or the ids;
+    a dict with any other key (multimodal data, an encoder prompt) is refused, named."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return cast(list[int], prompt["prompt_token_ids"])
+    raise ValueError(f"prompt {index} must be a string, a list of token ids, {{\"prompt\": str}} or "
+                     f"{{\"prompt_token_ids\": [int]}}; got a dict with keys {sorted(prompt)}")

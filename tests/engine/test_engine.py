@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from helpers_engine import run_arrivals, token_ids
 
-from kvloom import LLM, SamplingParams
+from kvloom import LLM, BeamSearchParams, SamplingParams
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 
@@ -187,3 +188,26 @@ def test_a_context_longer_than_the_model_allows_is_refused(tiny_llama, tmp_path)
     with pytest.raises(ModelLoadError, match="its sliding window of 128 tokens"):
         LLMEngine(EngineConfig.from_kwargs(str(windowed), dtype="float32", num_blocks=8, max_model_len=129))
     assert LLMEngine(EngineConfig.from_kwargs(str(windowed), dtype="float32", num_blocks=8)).max_model_len == 128
+
+
+def test_vllms_prompt_dicts_are_prompts(tiny_llama) -> None:
+    """{"prompt": text} and {"prompt_token_ids": ids}, as vLLM's LLM takes them: the same
+    requests as the text and the ids, held to transformers' greedy tokens; another dict
+    is refused, named, before anything runs."""
+    import transformers
+    from helpers_models import hf_greedy_tokens
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    text_ids = llm.tokenizer.encode("hello there")
+    outputs = llm.generate([{"prompt": "hello there"}, {"prompt_token_ids": [4, 5, 6]}], params)
+    assert [o.prompt_token_ids for o in outputs] == [text_ids, [4, 5, 6]]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy_tokens(reference, ids, 6)
+                                                         for ids in (text_ids, [4, 5, 6])]
+    beams = llm.beam_search({"prompt_token_ids": [4, 5, 6]}, BeamSearchParams(beam_width=2, max_tokens=3,
+                                                                               ignore_eos=True))
+    assert beams[0].prompt_token_ids == [4, 5, 6] and len(beams[0].sequences) == 2
+    with pytest.raises(ValueError, match=r"prompt 1 must be .* got a dict with keys \['multi_modal_data', 'prompt'\]"):
+        llm.generate([{"prompt": "a"}, {"prompt": "b", "multi_modal_data": {}}], params)
+    assert not llm.engine.has_unfinished_requests()
