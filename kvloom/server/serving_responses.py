@@ -70,12 +70,15 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     """The chat messages of ``instructions`` and ``input`` (consecutive function calls
-    become one assistant turn's tool_calls, as chat holds them)."""
+    become one assistant turn's tool_calls, as chat holds them), and where each came
+    from (``instructions`` or ``input[i]``, its first item), for errors to name."""
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
+        origins.append("instructions")
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     if not items:
         raise bad_request("input must not be empty", "input")
@@ -89,6 +92,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise _item_error(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
             messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            origins.append(where)
         elif kind == "function_call":
             fields = [item.get(name) for name in ("call_id", "name", "arguments")]
             if not all(isinstance(value, str) for value in fields):
@@ -99,15 +103,17 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(where)
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise _item_error(where, "a function_call_output needs a string call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
+            origins.append(where)
         else:
             raise _item_error(where, f"input items of type {kind!r} are not supported here (messages, function_call "
                                      "and function_call_output are)")
-    return messages
+    return messages, origins
 
 
 def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
@@ -163,48 +169,56 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
         raise bad_request("reasoning is not supported by this model server", "reasoning", "unsupported_parameter")
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request the Responses request amounts to (400s name the Responses field)."""
+def to_chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request the Responses request amounts to (400s name the Responses field),
+    and where each of its messages came from (``_messages``)."""
     _refuse_stateful(body)
     tools, tool_choice = _chat_tools(body)
+    messages, origins = _messages(body)
     fields: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
+        "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text)}
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        return ChatCompletionRequest.model_validate(fields), origins
     except ValidationError as error:
         first = error.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        where = _PARAMS.get(loc[0], loc[0]) if loc else None
+        loc = first["loc"]
+        where = (origins[loc[1]] if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int)
+                 else _PARAMS.get(str(loc[0]), str(loc[0])) if loc else None)
         raise bad_request(f"{where}: {first['msg']}", where) from None
 
 
-def _renamed(error: APIError) -> APIError:
-    """A chat-path error with the Responses request's name for its field."""
+def renamed(error: APIError, origins: list[str]) -> APIError:
+    """A chat-path error with the Responses request's name for its field: ``messages[k]``
+    becomes the item message k came from (``origins``), the rest by ``_PARAMS``."""
     if error.param is not None:
         head, dot, rest = error.param.partition(".")
-        head, bracket, tail = head.partition("[")
-        if head in _PARAMS:
-            error.param = _PARAMS[head] + bracket + tail + dot + rest
+        field, bracket, tail = head.partition("[")
+        if field == "messages" and bracket and tail[:-1].isdigit() and int(tail[:-1]) < len(origins):
+            error.message = error.message.replace(head, origins[int(tail[:-1])])
+            error.param = origins[int(tail[:-1])] + dot + rest
+        elif field in _PARAMS:
+            error.param = _PARAMS[field] + bracket + tail + dot + rest
     return error
 
 
 async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
     info = serving.model_info()
     model = serving.check_model(body.model, info)
+    origins: list[str] = []
     try:
-        chat = to_chat_request(body)
+        chat, origins = to_chat_request(body)
         params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
         prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
             response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input"), body.kv_transfer_params, 1)
     except APIError as error:
-        raise _renamed(error) from None
+        raise renamed(error, origins) from None
     except ValueError as error:
-        raise _renamed(from_value_error(error)) from None
+        raise renamed(from_value_error(error), origins) from None
     if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
         return stream
     shape = _Shape(body, response_id, model, tools, len(prompt))

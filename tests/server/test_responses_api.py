@@ -218,3 +218,25 @@ def test_a_responses_output_sent_back_as_input_continues_the_conversation(
     prompt = tokenizer.encode_chat([ChatMessage.model_validate(m).to_template() for m in chat], True, tools=tools)
     assert second.usage.input_tokens == len(prompt)
     live_server.assert_idle_and_clean()
+
+
+def test_chat_path_errors_name_the_responses_fields() -> None:
+    """An error the chat path raises about messages[k] names the item message k came
+    from (instructions come first; consecutive function calls are one message)."""
+    from kvloom.server.errors import APIError
+    from kvloom.server.protocol import ResponsesRequest
+    from kvloom.server.serving_responses import renamed, to_chat_request
+
+    body = ResponsesRequest(instructions="be brief", input=[
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "1"}])
+    chat, origins = to_chat_request(body)
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert origins == ["instructions", "input[0]", "input[1]", "input[3]"]
+    error = renamed(APIError(400, "the chat template cannot render messages[3]: no", param="messages[3]"), origins)
+    assert (error.param, error.message) == ("input[3]", "the chat template cannot render input[3]: no")
+    assert renamed(APIError(400, "m", param="max_tokens"), origins).param == "max_output_tokens"
+    assert renamed(APIError(400, "m", param="response_format.json_schema"), origins).param == "text.format.json_schema"
+    assert renamed(APIError(400, "m", param="temperature"), origins).param == "temperature"
