@@ -40,7 +40,7 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import encode_messages, params_and_tools
-from kvloom.server.tool_calling import ToolUse, message_with_calls
+from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,12 @@ class _Shape:
             "metadata": body.metadata or {}, "user": body.user, "output": output or [], "usage": None}
         if final is not None:
             completion = final.outputs[0]
-            data["output"] = output if output is not None else self.items(completion.text, completion.finish_reason)
+            if output is None:  # the whole text: its items as the stream would have written them
+                writer = _ItemWriter(self)
+                writer.feed(completion.text, finished=True)
+                writer.close(completion.finish_reason)
+                output = writer.items
+            data["output"] = output
             if completion.finish_reason == "length":
                 data["status"], data["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
             generated = len(completion.token_ids) if num_tokens is None else num_tokens
@@ -266,21 +271,6 @@ class _Shape:
                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_len + generated}
         return data
-
-    def items(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        """The output items of a whole output: its text as a message (where there is
-        text, or no call), then each function call the tool parser finds."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        calls: list[dict[str, Any]] = []
-        if self.tools.parser is not None:
-            message, _ = message_with_calls(self.tools.parser, text, finish_reason)
-            text, calls = message.get("content") or "", message.get("tool_calls") or []
-        items = [self.message_item(text, status)] if text or not calls else []
-        for call in calls:
-            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                          "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                          "status": "completed"})
-        return items
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [self.text_part(text)]
@@ -306,7 +296,6 @@ class _Shape:
                 yield self.event("response.created", response=shell)
                 yield self.event("response.in_progress", response=shell)
                 writer = _ItemWriter(self)
-                parser = self.tools.parser.stream() if self.tools.parser is not None else None
                 num_tokens, final = 0, None
                 async for _, output in stream:
                     completion = output.outputs[0]
@@ -314,11 +303,7 @@ class _Shape:
                         check_finished_cleanly(output)
                         final = output
                     num_tokens += len(completion.delta_token_ids)
-                    pieces = [parser.feed(completion.delta_text)] if parser is not None else []
-                    if parser is not None and output.finished:
-                        pieces.append(parser.finish())
-                    for event in (writer.text(completion.delta_text) if parser is None else
-                                  [e for piece in pieces for e in writer.piece(piece.content, piece.tool_calls)]):
+                    for event in writer.feed(completion.delta_text, output.finished):
                         yield event
                 if stream.aborted or final is None:
                     return  # the client is gone
@@ -339,15 +324,24 @@ class _Shape:
 
 
 class _ItemWriter:
-    """A streamed output's items and their events, one item open at a time: text opens a
-    message (or continues the open one), a call's first delta opens a function_call,
-    and whatever opens next closes the one before. ``items`` are the closed ones, in
-    order: what the final Response holds (the same as the whole text parsed at once)."""
+    """An output's items and their events, one item open at a time: text opens a message
+    (or continues the open one), a call's first delta (from the tool parser, where the
+    request has one) opens a function_call, and whatever opens next closes the one
+    before. ``items`` are the closed ones, in order: what the Response holds, streamed
+    or not (a whole output is fed as one piece, its events unsent)."""
 
     def __init__(self, shape: _Shape) -> None:
         self.shape = shape
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
+        self.parser = shape.tools.parser.stream() if shape.tools.parser is not None else None
+
+    def feed(self, text: str, finished: bool) -> list[str]:
+        """The events of the output's next text (``finished``: its last)."""
+        if self.parser is None:
+            return self.text(text)
+        pieces = ([self.parser.feed(text)] if text else []) + ([self.parser.finish()] if finished else [])
+        return [event for piece in pieces for event in self.piece(piece.content, piece.tool_calls)]
 
     def text(self, text: str) -> list[str]:
         if not text:
