@@ -138,6 +138,18 @@ class BeamSearch:
         return beam.score(len(self.prompt_token_ids), self.params.length_penalty)
 
 
+def advance_round(searches: Sequence[BeamSearch], outputs: Sequence[RequestOutput]) -> None:
+    """One round of every search in ``searches`` (none done): ``outputs`` are the final
+    outputs of the round's requests, in the order of ``prompts()``, search after search."""
+    if len(outputs) != sum(len(search.live) for search in searches):
+        raise ValueError(f"got {len(outputs)} outputs for {sum(len(s.live) for s in searches)} live beams")
+    at = 0
+    for search in searches:
+        count = len(search.live)
+        search.advance([candidates_from(output, 2 * search.params.beam_width) for output in outputs[at:at + count]])
+        at += count
+
+
 def candidates_from(output: RequestOutput, count: int) -> list[tuple[int, float]]:
     """A round's answer for one beam (its request's final output, with the
     ``round_params``' logprobs): its next tokens by log-probability, best first."""

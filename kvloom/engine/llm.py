@@ -9,7 +9,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from kvloom.config import DEFAULT_MODEL, EngineConfig
-from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, candidates_from
+from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, advance_round
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
@@ -138,10 +138,8 @@ class LLM:
         round_params = params.round_params()
         with tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=not use_tqdm) as bar:
             while active := [search for search in searches if not search.done]:
-                outputs = iter(self.generate([p for search in active for p in search.prompts()], round_params,
-                                             use_tqdm=False, cache_salt=cache_salt))
-                for search in active:
-                    search.advance([candidates_from(next(outputs), 2 * params.beam_width) for _ in search.live])
+                advance_round(active, self.generate([p for search in active for p in search.prompts()],
+                                                    round_params, use_tqdm=False, cache_salt=cache_salt))
                 bar.update(1)
         results = []
         for search in searches:

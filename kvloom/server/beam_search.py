@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvloom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, candidates_from
+from kvloom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_round
 from kvloom.engine.output import CompletionOutput, RequestOutput
 from kvloom.server.async_engine import ModelInfo
 from kvloom.server.errors import APIError, bad_request, from_value_error
@@ -50,8 +50,11 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
                       body: SamplingRequest, max_tokens: int | None, info: ModelInfo,
                       prompt_param: str) -> dict[int, RequestOutput]:
     """Each prompt's ``body.n`` best beams, as the final outputs of choices ``prompt *
-    n + rank`` (what the responses build their choices and usage from)."""
+    n + rank`` (what the responses build their choices and usage from). ``max_tokens``:
+    the request's, or None for the generation config's default (as ``engine_requests``)."""
     width = body.n
+    if max_tokens is None:
+        max_tokens = info.generation_defaults.get("max_tokens")
     searches: list[BeamSearch] = []
     for token_ids in prompts:
         try:
@@ -60,7 +63,7 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
         except ValueError as error:
             raise from_value_error(error) from None
         searches.append(BeamSearch(token_ids, params, info.eos_token_ids))
-    cached: dict[int, int] = {}  # per prompt: what the cache served its first round
+    cached: list[int] = []  # per prompt: what the cache served its first round (one beam a prompt)
     rounds = 0
     while active := [(index, search) for index, search in enumerate(searches) if not search.done]:
         arrival = time.monotonic()
@@ -71,12 +74,10 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
         finals = await collect(stream, request)
         if stream.aborted:  # the client went away: no more rounds (its requests are aborted)
             raise APIError(499, "the client closed the connection during the beam search", code="client_disconnected")
-        at = 0
-        for index, search in active:
-            outputs = [finals[at + beam] for beam in range(len(search.live))]
-            at += len(outputs)
-            cached.setdefault(index, outputs[0].num_cached_tokens)
-            search.advance([candidates_from(output, 2 * width) for output in outputs])
+        outputs = [finals[position] for position in range(len(requests))]
+        if rounds == 0:
+            cached = [output.num_cached_tokens for output in outputs]
+        advance_round([search for _, search in active], outputs)
         rounds += 1
     results: dict[int, RequestOutput] = {}
     for index, search in enumerate(searches):
@@ -86,5 +87,5 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
             completion = CompletionOutput(rank, text, beam.token_ids, beam.finish_reason, stop_reason)
             results[index * width + rank] = RequestOutput(
                 f"{request_id}-{index * width + rank}", None, search.prompt_token_ids, [completion], True,
-                num_cached_tokens=cached.get(index, 0) if rank == 0 else 0)
+                num_cached_tokens=cached[index] if rank == 0 else 0)
     return results

@@ -96,9 +96,8 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
                              continue_final_message=body.continue_final_message)
     prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, info)
     request_id = new_id("chatcmpl")
-    max_tokens = (body.effective_max_tokens if body.effective_max_tokens is not None
-                  else info.generation_defaults.get("max_tokens"))
-    finals = await beam_search(serving, request, request_id, [prompt], body, max_tokens, info, "messages")
+    finals = await beam_search(serving, request, request_id, [prompt], body, body.effective_max_tokens, info,
+                               "messages")
     response = _Response(request_id, model, int(time.time()), None)
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 

@@ -50,12 +50,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     params = base_params(body, serving.settings, body.logprobs, info)
     if scores_prompt:
         params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs or 0, params.prompt_logprobs or 0))
-    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
-    if body.truncate_prompt_tokens is not None:  # echo then sends back what was kept
-        kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
-        texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
-                 for text, ids, whole in zip(texts, kept, prompts, strict=True)]
-        prompts = kept
+    prompts, texts = _prompts(body, info)
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt",
@@ -77,17 +72,23 @@ async def _beam_search_completion(body: CompletionRequest, request: Request, ser
                                   model: str) -> JSONResponse:
     check_beam_request(body)
     check_n_and_store(body, serving.settings)
-    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
-    if body.truncate_prompt_tokens is not None:
-        kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
-        texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
-                 for text, ids, whole in zip(texts, kept, prompts, strict=True)]
-        prompts = kept
+    prompts, texts = _prompts(body, info)
     request_id = new_id("cmpl")
-    max_tokens = body.max_tokens if body.max_tokens is not None else info.generation_defaults.get("max_tokens")
-    finals = await beam_search(serving, request, request_id, prompts, body, max_tokens, info, "prompt")
+    finals = await beam_search(serving, request, request_id, prompts, body, body.max_tokens, info, "prompt")
     response = _Response(request_id, model, int(time.time()), body, texts, body.n, info)
     return JSONResponse(response.full(finals, [len(p) for p in prompts], body.n))
+
+
+def _prompts(body: CompletionRequest, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
+    """The request's prompts as token ids and text, after ``truncate_prompt_tokens``
+    (``echo`` then sends back the part kept)."""
+    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
+    if body.truncate_prompt_tokens is None:
+        return prompts, texts
+    kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
+    texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
+             for text, ids, whole in zip(texts, kept, prompts, strict=True)]
+    return kept, texts
 
 
 def _encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[list[int]], list[str]]:
