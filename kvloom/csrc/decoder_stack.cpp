@@ -151,9 +151,10 @@ struct Rows {
 };
 
 // The rows whose final state the caller reads (their last-layer work is all that is
-// done; count < 0: every row). rows: ascending token indices; the sequences that own
-// them, as the attention reads them: the kept rows are the last query_lens[s] rows of
-// each such sequence (query_start relative to the kept rows).
+// done; count < 0: every row). rows: ascending token indices (nullptr: rows 0 to
+// count - 1); the sequences that own them, as the attention reads them: the kept rows
+// are the last query_lens[s] rows of each such sequence (query_start relative to the
+// kept rows).
 struct Outputs {
   const int64_t* rows;
   int64_t count;
@@ -232,6 +233,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const int64_t half_cache = m.num_blocks * m.block_size * kv_size;  // K's (or V's) elements in one layer
   KvAhead ahead(m, r);
   ahead.plan(0);  // layer 0's own qkv projection fetches its share
+  const Outputs all_rows{nullptr, T, r.block_tables, r.seq_lens, r.query_start, r.query_lens, r.num_seqs};
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     const int64_t* w = m.weights + layer * NUM_WEIGHTS;
@@ -249,25 +251,20 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
-    if (layer + 1 == m.num_layers && out.count >= 0) {  // the rows read from here on
-      for (int64_t i = 0; i < out.count; ++i) {
-        const int64_t t = out.rows[i];  // >= i (ascending), so row i is moved no later than read
-        std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
-        // The input norm has added the layer before's output in: `residual` is the stream.
-        if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
-      }
-      T = out.count;
-      if (T == 0) return 0;
-      attention(q_rows, attn, k_cache, v_cache, out.block_tables, m.max_blocks, out.seq_lens, out.query_start,
-                out.query_lens, out.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
-                num_threads, PAIRED_KERNEL);
-    } else {
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(q_rows + t * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
-      attention(q_rows, attn, k_cache, v_cache, r.block_tables, m.max_blocks, r.seq_lens, r.query_start,
-                r.query_lens, r.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
-                num_threads, PAIRED_KERNEL);
+    // From the attention on, the rows computed: every row, or in the last layer the rows
+    // read (`out`), moved to the front of q_rows and of the residual.
+    const Outputs& rows = layer + 1 == m.num_layers && out.count >= 0 ? out : all_rows;
+    for (int64_t i = 0; i < rows.count; ++i) {
+      const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;  // >= i (ascending): moved no later than read
+      std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
+      // The input norm has added the layer before's output in: `residual` is the stream.
+      if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
     }
+    T = rows.count;
+    if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
+    attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
+              rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
+              num_threads, PAIRED_KERNEL);
     ahead.plan(layer + 1);
     if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size)) return refused;
     if (m.reduce != nullptr) {
