@@ -4,11 +4,11 @@ A request is read as the chat request it amounts to (``to_chat_request``: ``inst
 a system message, ``input`` the messages, function calls and their outputs the assistant
 tool calls and tool messages they are in chat, ``text.format`` the response_format,
 ``max_output_tokens`` max_completion_tokens), which the chat path's own pieces encode
-and sample. The answer is a Response object: a ``message`` item of ``output_text``, and
-``function_call`` items where the tool parser finds calls. Streamed, it is the Responses
-events (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``,
-numbered by ``sequence_number``); with a tool parser the output is parsed as it streams,
-each item opening when the output starts it (``_ItemWriter``). Nothing is stored: ``store: true``,
+and sample. The answer is a Response object whose items (``message`` items of
+``output_text``, and ``function_call`` items where the tool parser finds calls) are
+written by one ``_ItemWriter``, each opening when the output starts it. Streamed, that is
+the Responses events (``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``, numbered by ``sequence_number``). Nothing is stored: ``store: true``,
 ``previous_response_id`` and ``background`` are 400s, as are items and tools that only
 OpenAI's hosted tools or stored state could serve.
 """
