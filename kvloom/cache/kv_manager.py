@@ -199,6 +199,16 @@ class KVCacheManager:
                                             request.cache_salt)
             self.prefix_cache.attach_state(node, slot)
 
+    def _offer_tail(self, request: Request) -> None:
+        """Offer the block after the request's last whole computed block, if computed
+        tokens are in it, while the request's path is still locked (the cache hangs the
+        tail from that path's end, and takes its own reference if it keeps it)."""
+        num_computed = request.num_computed_tokens
+        num_full = num_computed // self.block_size
+        if num_computed % self.block_size and num_full < len(request.block_ids):
+            self.prefix_cache.insert_tail(request.all_token_ids[:num_computed], request.block_ids[num_full],
+                                          request.cache_salt)
+
     def _copied(self, state: _CacheState) -> None:
         self.prefix_cache.unlock(state.copy_handle)
         state.copy, state.copy_handle = None, None
@@ -206,7 +216,8 @@ class KVCacheManager:
     def release_uncomputed(self, request: Request) -> int:
         """Return the blocks past the request's computed tokens (speculative decoding:
         they held only rejected drafts); returns how many. They are private to the
-        request: the prefix cache only ever holds full blocks of computed tokens."""
+        request: the prefix cache holds only blocks of computed tokens (a request's
+        partly filled one only once the request is freed)."""
         keep = cdiv(request.num_computed_tokens, self.block_size)
         surplus = request.block_ids[keep:]
         if surplus:
@@ -215,7 +226,9 @@ class KVCacheManager:
         return len(surplus)
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks; its computed full blocks stay in the prefix cache."""
+        """Return the request's blocks; its computed full blocks stay in the prefix cache,
+        and so does its last, partly filled one (a tail: the next chat turn, or the next
+        round of a beam search, copies those tokens rather than computing them)."""
         self.cache_computed_blocks(request)
         state = self._cache_state.pop(request, None)
         if state is not None:
@@ -223,6 +236,8 @@ class KVCacheManager:
                 self.prefix_cache.release_state_slot(state.saving[1])
             if state.copy is not None:  # admitted, but its first step never launched
                 self._copied(state)
+            else:  # every computed token's KV is in its blocks (or its launched steps write it)
+                self._offer_tail(request)
             self.prefix_cache.unlock(state.handle)
         self.pool.decref(request.block_ids)
         request.block_ids = []

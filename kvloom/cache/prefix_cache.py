@@ -87,6 +87,13 @@ class PrefixCache(ABC):
         the handle of the deepest node covering them. Blocks newly indexed gain a
         reference; blocks already indexed under the same tokens are left alone."""
 
+    def insert_tail(self, token_ids: list[int], block_id: int, salt: str | None = None) -> bool:
+        """Offer the partly filled block ``block_id``, which holds the last
+        ``len(token_ids) % block_size`` tokens of ``token_ids`` (the whole blocks before
+        them inserted), as a source for later partial hits. Returns whether the cache took
+        a reference on it; a cache that cannot use it declines."""
+        return False
+
     @abstractmethod
     def evict(self, num_blocks: int) -> int:
         """Drop up to ``num_blocks`` unlocked least-recently-used blocks; returns how many."""

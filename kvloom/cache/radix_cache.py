@@ -2,7 +2,8 @@
 
 Every edge holds a multiple of ``block_size`` tokens and exactly one block id per
 ``block_size`` tokens, so a path from the root spells a block-aligned token prefix
-and lists the blocks that hold its KV. Nodes split only at block boundaries: a block
+and lists the blocks that hold its KV (tails, below, are the one partly filled
+kind). Nodes split only at block boundaries: a block
 whose tokens differ anywhere is a different block, never a shared one.
 
 Ownership: the tree holds one pool reference on every block it indexes; a block
@@ -23,6 +24,18 @@ block (a 1,000-token system prompt in blocks of 16) is reused to its last token,
 to its last whole block. The tree itself stays block-granular: a partial hit splits
 nothing and refreshes no LRU time. Not for a state-space model's cache: its hits end
 at checkpoints, and a checkpoint is at a node's end.
+
+Tails: a request that ends (finished, aborted or preempted) leaves its last, partly
+filled block to the tree as a *tail* (``insert_tail``): a one-block leaf whose key is
+the 1..block_size-1 computed tokens in it, hung in ``tails`` of the node that ends at
+its last whole block. A tail is only ever a partial block's source (it is never
+walked into: the walk compares whole blocks), so the next turn of a chat, or a beam
+search's next round, copies the previous request's last tokens instead of computing
+them. A tail's block is never written again (its request is gone), and a node's end
+never moves while it has tails (a split keeps the end with the lower half, and only a
+leaf is trimmed, and a node with tails is not a leaf), so a tail stays valid until it
+is evicted. A tail that another serves (a child block or a tail starting with its
+tokens) is not kept, and unlocked tails that the new one serves are dropped for it.
 
 Handles are nodes. A split keeps the existing node object as the lower half, so a
 handle always means "the path down to this node's end", whatever splits happen
@@ -71,6 +84,8 @@ class RadixNode:
     block_ids: list[int]
     parent: RadixNode | None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first block
+    tails: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by their whole key
+    is_tail: bool = False  # a partly filled block under ``parent``'s end (key shorter than a block)
     lock_count: int = 0  # handle_locks + sum of the children's lock counts
     handle_locks: int = 0  # locks taken with this node as the handle
     last_access: int = 0
@@ -107,7 +122,8 @@ class RadixCache(PrefixCache):
         self.num_match_queries = 0
         self.num_queried_tokens = 0
         self.num_matched_tokens = 0
-        self.num_inserted_blocks = 0
+        self.num_inserted_blocks = 0  # tails included
+        self.num_inserted_tails = 0
         self.num_evicted_blocks = 0
 
     # ---- queries -----------------------------------------------------------------------
@@ -154,7 +170,7 @@ class RadixCache(PrefixCache):
         """The cached block whose first tokens agree longest with ``rest``, the tokens
         after a walk's whole blocks (None if none agrees on the first). Candidates: the
         walk stopped ``in_edge`` blocks into ``node``'s edge, so its next block there;
-        or at ``node``'s end, so its children's first blocks. That scan passes over every
+        or at ``node``'s end, so its children's first blocks and its tails. That scan passes over every
         child once (a first-token check each; a node after a shared system prompt has one
         child per distinct question) and compares a block only for those that agree."""
         if not rest:
@@ -164,6 +180,7 @@ class RadixCache(PrefixCache):
             candidates = [(node, in_edge)]
         else:
             candidates = [(child, 0) for key, child in node.children.items() if key[0] == first]
+            candidates += [(tail, 0) for key, tail in node.tails.items() if key[0] == first]
         best: PartialBlock | None = None
         for candidate, index in candidates:
             # commonprefix compares in C (as the router's prefix tree does), on lists too.
@@ -286,6 +303,53 @@ class RadixCache(PrefixCache):
         self._touch(node)
         return node
 
+    def insert_tail(self, token_ids: list[int], block_id: int, salt: str | None = None) -> bool:
+        """Keep ``block_id``, which holds the KV of the last ``len(token_ids) % block_size``
+        tokens of ``token_ids``, as a tail of the node that ends at their last whole block.
+
+        Returns whether the tree took it (and a reference on it). It does not where the
+        whole blocks before it are not all cached (nothing to hang it from), for a cache
+        that keeps states (a tail serves no checkpoint), or where a cached block already
+        starts with its tokens. Unlocked tails whose tokens are a prefix of its own serve
+        nothing it does not, and are dropped for it.
+        """
+        bs = self.block_size
+        whole = len(token_ids) // bs * bs
+        rest = token_ids[whole:]
+        if not rest:
+            raise ValueError(f"insert_tail needs a partly filled last block, got {len(token_ids)} tokens "
+                             f"in blocks of {bs}")
+        if self.keeps_states:
+            return False
+        node, in_edge, num_blocks, _ = self._walk(token_ids[:whole], self._root(salt))
+        if num_blocks * bs < whole or self._serves(node, in_edge, rest):
+            return False
+        if block_id in self._indexed:
+            raise RadixCacheError(f"block {block_id} is already indexed under other tokens")
+        if in_edge:
+            node = self._split(node, in_edge)
+        elif whole == 0:
+            node = self._root(salt, create=True)  # a salt's first tail starts its tree
+        for dominated in [t for t in node.tails.values() if t.lock_count == 0 and rest[: len(t.key)] == t.key]:
+            self._forget(dominated)
+            self._num_evictable_blocks -= 1
+        self.pool.incref([block_id])
+        tail = RadixNode(key=list(rest), block_ids=[block_id], parent=node, is_tail=True)
+        node.tails[tuple(rest)] = tail
+        self._indexed.add(block_id)
+        self._num_evictable_blocks += 1  # a new tail is unlocked
+        self.num_inserted_blocks += 1
+        self.num_inserted_tails += 1
+        self._touch(tail)
+        return True
+
+    def _serves(self, node: RadixNode, in_edge: int, rest: list[int]) -> bool:
+        """Whether a cached block after a walk's end already starts with ``rest``."""
+        if in_edge:
+            start = in_edge * self.block_size
+            return node.key[start : start + len(rest)] == rest
+        return any(other.key[: len(rest)] == rest for other in (*node.children.values(), *node.tails.values()))
+
     def _add_leaf(self, parent: RadixNode, key: list[int], block_ids: list[int]) -> RadixNode:
         reused = [b for b in block_ids if b in self._indexed]
         if reused:
@@ -376,29 +440,41 @@ class RadixCache(PrefixCache):
         while evicted < num_blocks and heap:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_blocks - evicted, leaf.num_blocks)
-            dropped = leaf.block_ids[-take:]
-            self._indexed.difference_update(dropped)
-            self.pool.decref(dropped)
-            self._drop_state(leaf)  # its end moves (trimmed) or goes: the state was after it
-            if take < leaf.num_blocks:
+            if take < leaf.num_blocks:  # never a tail: it is one block
+                dropped = leaf.block_ids[-take:]
+                self._indexed.difference_update(dropped)
+                self.pool.decref(dropped)
+                self._drop_state(leaf)  # its end moves: the state was after it
                 del leaf.block_ids[-take:]
                 del leaf.key[-take * self.block_size :]
             else:
                 parent = leaf.parent
-                assert parent is not None
-                del parent.children[tuple(leaf.key[: self.block_size])]
-                leaf.detached, leaf.parent = True, None
-                if parent.salt is not None and not parent.children:  # an emptied salt's tree
-                    del self._salted[parent.salt]
-                if self._is_evictable_leaf(parent):
+                self._forget(leaf)
+                if parent is not None and self._is_evictable_leaf(parent):
                     heapq.heappush(heap, (parent.last_access, next(order), parent))
             evicted += take
         self._num_evictable_blocks -= evicted
         self.num_evicted_blocks += evicted
         return evicted
 
+    def _forget(self, leaf: RadixNode) -> None:
+        """Take an unlocked leaf (a tail or a childless edge) out of the tree and give
+        back its blocks and checkpoint; the caller keeps the evictable count."""
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and not leaf.tails and leaf.lock_count == 0
+        self._indexed.difference_update(leaf.block_ids)
+        self.pool.decref(leaf.block_ids)
+        self._drop_state(leaf)
+        if leaf.is_tail:
+            del parent.tails[tuple(leaf.key)]
+        else:
+            del parent.children[tuple(leaf.key[: self.block_size])]
+        leaf.detached, leaf.parent = True, None
+        if parent.salt is not None and not parent.children and not parent.tails:  # an emptied salt's tree
+            del self._salted[parent.salt]
+
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        return not self._is_root(node) and not node.children and node.lock_count == 0
+        return not self._is_root(node) and not node.children and not node.tails and node.lock_count == 0
 
     # ---- state checkpoints -------------------------------------------------------------
     def reserve_state_slot(self) -> int | None:
@@ -462,11 +538,12 @@ class RadixCache(PrefixCache):
 
     def _nodes(self) -> Iterator[RadixNode]:
         """Every node except the roots, parents before children."""
-        stack = [child for root in self._roots() for child in root.children.values()]
+        stack = [child for root in self._roots() for child in (*root.children.values(), *root.tails.values())]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+            stack.extend(node.tails.values())
 
     def _roots(self) -> list[RadixNode]:
         return [self.root, *self._salted.values()]
@@ -478,7 +555,8 @@ class RadixCache(PrefixCache):
         for root in roots:
             if root.key or root.block_ids or root.lock_count or root.handle_locks or root.parent:
                 raise RadixCacheError("a root must be empty and unlocked")
-            if root is not self.root and (not root.children or self._salted.get(root.salt or "") is not root):
+            if root is not self.root and ((not root.children and not root.tails)
+                                          or self._salted.get(root.salt or "") is not root):
                 raise RadixCacheError(f"salted root {root.salt!r} is empty or filed under another salt")
         if self.root.salt is not None:
             raise RadixCacheError("the unsalted root has a salt")
@@ -486,15 +564,23 @@ class RadixCache(PrefixCache):
         num_evictable = 0
         for node in [*roots, *self._nodes()]:
             for first, child in node.children.items():
-                if child.parent is not node or child.detached:
+                if child.parent is not node or child.detached or child.is_tail:
                     raise RadixCacheError(f"child {first} is not linked back to its parent")
                 if first != tuple(child.key[:bs]) or len(first) != bs:
                     raise RadixCacheError(f"child keyed {first} starts with {child.key[:bs]}")
+            for key, tail in node.tails.items():
+                if tail.parent is not node or tail.detached or not tail.is_tail or key != tuple(tail.key):
+                    raise RadixCacheError(f"tail {key} is not linked back to its parent under its tokens")
             if node.parent is None:  # a root
                 continue
-            if not node.block_ids or len(node.key) != node.num_blocks * bs:
+            if node.is_tail:
+                if not 0 < len(node.key) < bs or node.num_blocks != 1 or node.children or node.tails \
+                        or node.state_slot is not None:
+                    raise RadixCacheError(f"tail of {len(node.key)} tokens in {node.num_blocks} blocks "
+                                          f"is not one partly filled leaf block")
+            elif not node.block_ids or len(node.key) != node.num_blocks * bs:
                 raise RadixCacheError(f"edge of {len(node.key)} tokens holds {node.num_blocks} blocks")
-            below = sum(child.lock_count for child in node.children.values())
+            below = sum(child.lock_count for child in (*node.children.values(), *node.tails.values()))
             if node.handle_locks < 0 or node.lock_count != node.handle_locks + below:
                 raise RadixCacheError(
                     f"lock count {node.lock_count} != {node.handle_locks} own + {below} below"

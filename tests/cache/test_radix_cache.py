@@ -1,8 +1,9 @@
 """RadixCache against a naive reference model, plus focused unit tests.
 
 The reference model stores the cache as a prefix-closed set of block-aligned token
-prefixes (prefix -> block id of its last block), each with a logical access time and
-a lock test by brute force. It shares no code with the tree.
+prefixes (prefix -> block id of its last block) and a set of tails (a cached prefix
+plus 1..block_size-1 tokens -> the block holding those), each with a logical access
+time and a lock test by brute force. It shares no code with the tree.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ReferenceCache:
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
         self.blocks: dict[Key, int] = {}  # (salt, block-aligned prefix) -> block holding its last block
+        self.tails: dict[Key, int] = {}  # (salt, prefix + a partly filled block's tokens) -> that block
         self.access: dict[Key, int] = {}
         self.clock = 0
         self.locks: list[Key] = []  # multiset of locked prefixes
@@ -54,22 +56,51 @@ class ReferenceCache:
         block shares a token)."""
         rest = tuple(tokens[len(prefix):])
         best, blocks = 0, set()
-        for (q_salt, q), block_id in self.blocks.items():
-            if q_salt != salt or len(q) != len(prefix) + self.bs or q[: len(prefix)] != prefix:
+        after = [(key, block_id) for key, block_id in self.blocks.items() if len(key[1]) == len(prefix) + self.bs]
+        after += [(key, block_id) for key, block_id in self.tails.items() if self._whole(key[1]) == len(prefix)]
+        for (q_salt, q), block_id in after:
+            if q_salt != salt or q[: len(prefix)] != prefix:
                 continue
             count = next((i for i, (a, b) in enumerate(zip(q[len(prefix):], rest, strict=False)) if a != b),
-                         min(self.bs, len(rest)))
+                         min(len(q) - len(prefix), len(rest)))
             if count > best:
                 best, blocks = count, set()
             if count == best and count:
                 blocks.add(block_id)
         return best, blocks
 
+    def _whole(self, tokens: Prefix) -> int:
+        return len(tokens) // self.bs * self.bs
+
     def touch(self, prefix: Prefix, salt: str | None) -> None:
         if prefix:
             self.clock += 1
             for p in self._prefixes(prefix):
                 self.access[salt, p] = self.clock
+            if len(prefix) % self.bs:  # a tail
+                self.access[salt, prefix] = self.clock
+
+    def tails_under(self, salt: str | None, prefix: Prefix) -> list[Key]:
+        return [(s, q) for s, q in self.tails
+                if s == salt and self._whole(q) == len(prefix) and q[: len(prefix)] == prefix]
+
+    def insert_tail(self, tokens: list[int], block_id: int, salt: str | None) -> bool:
+        """Kept unless its whole blocks are not all cached or a cached block after them
+        starts with its tokens; unlocked tails that are prefixes of it go."""
+        whole = self._whole(tuple(tokens))
+        prefix, rest = tuple(tokens[:whole]), tuple(tokens[whole:])
+        if prefix and (salt, prefix) not in self.blocks:
+            return False
+        after = [q for s, q in self.blocks if s == salt and len(q) == whole + self.bs and q[:whole] == prefix]
+        after += [q for _, q in self.tails_under(salt, prefix)]
+        if any(q[whole : whole + len(rest)] == rest for q in after):
+            return False
+        for key in self.tails_under(salt, prefix):
+            if not self.locked(key) and rest[: len(key[1]) - whole] == key[1][whole:]:
+                del self.tails[key], self.access[key]
+        self.tails[salt, tuple(tokens)] = block_id
+        self.touch(tuple(tokens), salt)
+        return True
 
     def insert(self, tokens: list[int], block_ids: list[int], salt: str | None) -> None:
         for p, block_id in zip(self._prefixes(tokens), block_ids, strict=False):
@@ -78,10 +109,12 @@ class ReferenceCache:
 
     def locked(self, key: Key) -> bool:
         salt, prefix = key
+        if len(prefix) % self.bs:  # a tail is locked only as itself
+            return key in self.locks
         return any(s == salt and q[: len(prefix)] == prefix for s, q in self.locks)
 
     def num_evictable(self) -> int:
-        return sum(not self.locked(k) for k in self.blocks)
+        return sum(not self.locked(k) for k in [*self.blocks, *self.tails])
 
     def evict(self, count: int) -> int:
         """Drop the least recently used unlocked prefix that nothing extends, ``count`` times."""
@@ -89,14 +122,15 @@ class ReferenceCache:
         while done < count:
             leaves = [
                 (salt, p) for salt, p in self.blocks
-                if not self.locked((salt, p)) and not any(
+                if not self.locked((salt, p)) and not self.tails_under(salt, p) and not any(
                     s == salt and len(q) == len(p) + self.bs and q[: len(p)] == p for s, q in self.blocks)
-            ]
+            ] + [key for key in self.tails if not self.locked(key)]
             if not leaves:
                 break
             oldest = min(leaves, key=lambda k: self.access[k])
             assert sum(self.access[k] == self.access[oldest] for k in leaves) == 1, "LRU tie"
-            del self.blocks[oldest], self.access[oldest]
+            (self.tails if oldest in self.tails else self.blocks).pop(oldest)
+            del self.access[oldest]
             done += 1
         return done
 
@@ -109,6 +143,7 @@ class SimRequest:
     handle: object | None
     locked_prefix: Prefix
     salt: str | None = None
+    tokens: tuple[int, ...] = ()  # all computed: its partly filled last block is offered as a tail
 
 
 class Harness:
@@ -135,13 +170,16 @@ class Harness:
             assert got.num_hit_tokens == len(prefix) + num_partial
         else:
             assert got.partial is None
+        if got.partial is not None and got.partial.handle.is_tail:
+            assert tuple(tokens[: len(prefix)]) + tuple(got.partial.handle.key) in \
+                {q for _, q in self.ref.tails_under(salt, prefix)}
         # A reason for every miss and every hit shorter than the prompt's full blocks, or
         # with a partial block, than the prompt.
         if got.partial is None:
             assert (got.miss_reason is None) == (bool(prefix) and len(prefix) == len(tokens) // self.bs * self.bs)
         else:
             assert (got.miss_reason is None) == (got.num_hit_tokens == len(tokens))
-        return got.handle, prefix, blocks
+        return got, prefix, blocks
 
     def evict(self, count: int) -> None:
         expected = min(max(count, 0), self.ref.num_evictable())
@@ -161,9 +199,10 @@ class Harness:
     def run_request(self, tokens: list[int], use_match: bool, first_insert: int, salt: str | None = None) -> None:
         """Admit, compute and index a request the way the KVCacheManager does."""
         num_full = len(tokens) // self.bs
-        handle, prefix, blocks = self.match(tokens, salt) if use_match else (None, (), [])
+        got, prefix, blocks = self.match(tokens, salt) if use_match else (None, (), [])
+        handle = got.handle if got is not None else None
         self.lock(handle, prefix, salt)
-        needed = num_full - len(blocks)
+        needed = -(-len(tokens) // self.bs) - len(blocks)  # its last, partly filled block too
         shortfall = needed - self.pool.num_free_blocks
         if shortfall > 0:
             if shortfall > self.cache.num_evictable_blocks:
@@ -171,7 +210,7 @@ class Harness:
                 return
             self.evict(shortfall)
         self.pool.incref(blocks)
-        request = SimRequest(blocks + self.pool.allocate(needed), handle, prefix, salt)
+        request = SimRequest(blocks + self.pool.allocate(needed), handle, prefix, salt, tuple(tokens))
         self.requests.append(request)
         # Index in two steps, as blocks fill: lock the new handle, then release the old.
         for num_blocks in sorted({min(first_insert, num_full), num_full}):
@@ -185,17 +224,22 @@ class Harness:
 
     def finish_request(self, index: int) -> None:
         request = self.requests.pop(index % len(self.requests))
+        tokens, num_full = list(request.tokens), len(request.tokens) // self.bs
+        if len(tokens) % self.bs:  # offered while its path is locked, as the KV manager does
+            took = self.cache.insert_tail(tokens, request.block_ids[num_full], request.salt)
+            assert took == self.ref.insert_tail(tokens, request.block_ids[num_full], request.salt)
         self.unlock(request.handle, request.locked_prefix, request.salt)
         self.pool.decref(request.block_ids)
 
     def check(self) -> None:
         self.cache.check_integrity()
         holders: dict[int, int] = {}
-        for block_id in [*self.ref.blocks.values(), *(b for r in self.requests for b in r.block_ids)]:
+        cached = [*self.ref.blocks.values(), *self.ref.tails.values()]
+        for block_id in [*cached, *(b for r in self.requests for b in r.block_ids)]:
             holders[block_id] = holders.get(block_id, 0) + 1
         self.pool.check_integrity(holders)
-        assert sorted(self.cache.held_blocks()) == sorted(self.ref.blocks.values())
-        assert self.cache.num_cached_blocks == len(self.ref.blocks)
+        assert sorted(self.cache.held_blocks()) == sorted(cached)
+        assert self.cache.num_cached_blocks == len(cached)
         assert self.cache.num_evictable_blocks == self.ref.num_evictable()
 
 
@@ -226,10 +270,15 @@ def test_matches_reference_model(block_size: int, ops: list[tuple]) -> None:
         elif kind == "finish" and h.requests:
             h.finish_request(op[1])
         elif kind == "match":
-            handle, prefix, _ = h.match(op[1], op[3])
-            if op[2] and handle is not None:  # pin it, as an admitted request would
-                h.lock(handle, prefix, op[3])
-                h.pins.append((handle, prefix, op[3]))
+            got, prefix, _ = h.match(op[1], op[3])
+            if op[2] and got.handle is not None:  # pin it, as an admitted request would
+                h.lock(got.handle, prefix, op[3])
+                h.pins.append((got.handle, prefix, op[3]))
+            tail = got.partial.handle if got.partial is not None else None
+            if op[2] and tail is not None and tail.is_tail:  # and its copy's source
+                key = prefix + tuple(tail.key)
+                h.lock(tail, key, op[3])
+                h.pins.append((tail, key, op[3]))
         elif kind == "unpin" and h.pins:
             h.unlock(*h.pins.pop(op[1] % len(h.pins)))
         elif kind == "evict":
@@ -397,7 +446,7 @@ def test_kv_manager_shares_prefix_and_evicts_under_pressure() -> None:
     kv.free(second)
     kv.check_integrity([])
     third = admit([7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7])  # needs all 6 blocks: evicts the rest
-    assert kv.num_evicted_blocks == 2
+    assert kv.num_evicted_blocks == 4  # the two shared blocks and the tails [5] and [6]
     kv.check_integrity([third])
 
 
@@ -454,8 +503,8 @@ def test_kv_manager_copies_the_partial_block_and_pins_it_until_the_step_runs() -
     assert kv.block_copy(request) is None
     kv.free(request)
     kv.check_integrity([])
-    # Cached: the 3 blocks indexed first and the request's own third block.
-    assert cache.evict(8) == 4 and pool.num_free_blocks == 8  # the source went with the rest
+    # Cached: the 3 blocks indexed first, the request's own third block and its tail [79].
+    assert cache.evict(8) == 5 and pool.num_free_blocks == 8  # the source went with the rest
 
 
 def test_kv_manager_releases_the_copy_source_of_a_request_freed_before_its_step() -> None:
@@ -467,6 +516,92 @@ def test_kv_manager_releases_the_copy_source_of_a_request_freed_before_its_step(
     hit = kv.match_prefix(request)
     assert (hit.num_tokens, hit.num_hit_tokens, hit.handle) == (0, 3, None)
     assert kv.allocate_slots(request, 2, hit) and kv.block_copy(request) is not None
-    kv.free(request)  # aborted before its first step
+    request.num_computed_tokens = hit.num_hit_tokens  # as admission counts them
+    kv.free(request)  # aborted before its first step: its block never got the copy
     kv.check_integrity([])
-    assert cache.num_evictable_blocks == 2
+    assert cache.num_evictable_blocks == 2 and cache.num_inserted_tails == 0
+
+
+# ---- tails: a freed request's partly filled last block ---------------------------------------
+def test_a_freed_requests_last_tokens_serve_the_next_turn_as_a_copied_tail() -> None:
+    pool = BlockPool(8)
+    cache = RadixCache(pool, 4)
+    kv = KVCacheManager(pool, 4, cache)
+    first = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
+    assert kv.allocate_slots(first, 5, kv.match_prefix(first))
+    first.append_output_token(6)  # computed [1..5] and sampled 6; 6's KV is not computed
+    first.num_computed_tokens = 5
+    own = first.block_ids[1]
+    kv.free(first)
+    kv.check_integrity([])
+    (node,) = cache.root.children.values()
+    assert list(node.tails) == [(5,)] and node.tails[5,].block_ids == [own] and pool.ref_count(own) == 1
+    # The next turn: the whole history and a new message.
+    second = Request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+    hit = kv.match_prefix(second)
+    assert (hit.num_tokens, hit.num_hit_tokens) == (4, 5) and hit.partial is not None
+    assert (hit.partial.block_id, hit.partial.handle) == (own, node.tails[5,])
+    assert kv.allocate_slots(second, second.num_tokens - hit.num_hit_tokens, hit)
+    assert kv.block_copy(second).src == own
+    assert cache.evict(8) == 0  # the tail is locked until the copying step is launched
+    second.num_computed_tokens = second.num_tokens
+    kv.cache_computed_blocks(second)
+    kv.free(second)
+    kv.check_integrity([])
+    # The full [5 6 7 8] block now serves what the tail did: a new tail [5] would be
+    # declined; the old one stays until evicted, before the node it hangs from.
+    declined = pool.allocate(1)
+    assert cache.insert_tail([1, 2, 3, 4, 5], declined[0]) is False
+    pool.decref(declined)
+    assert cache.num_cached_blocks == 4  # [1..4], [5..8], the tails [5] and [9]
+    assert cache.evict(2) == 2 and list(node.tails) == [] and cache.num_cached_blocks == 2
+    kv.check_integrity([])
+
+
+def test_a_tail_is_kept_only_where_nothing_serves_it_and_replaces_those_it_serves() -> None:
+    pool, cache = make(block_size=4)
+    index(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    short, longer, again, other, served, orphan = pool.allocate(6)
+    assert cache.insert_tail([1, 2, 3, 4, 9], short)
+    (top,) = cache.root.children.values()  # [1..4], split off for the tail to hang from
+    assert top.key == [1, 2, 3, 4] and list(top.tails) == [(9,)]
+    assert cache.insert_tail([1, 2, 3, 4, 9, 9], longer)  # serves all that [9] did
+    assert list(top.tails) == [(9, 9)] and pool.ref_count(short) == 1  # only the caller's reference left
+    assert not cache.insert_tail([1, 2, 3, 4, 9], again)  # a prefix of a kept tail
+    assert not cache.insert_tail([1, 2, 3, 4, 5, 6], served)  # the cached block [5 6 7 8] starts so
+    assert not cache.insert_tail([1, 2, 3, 9, 9], orphan)  # its whole block is not cached
+    hit = cache.match([1, 2, 3, 4, 9, 9, 9, 3])
+    assert hit.partial is not None and (hit.partial.block_id, hit.partial.num_tokens) == (longer, 2)
+    cache.lock(hit.partial.handle)  # a copy's source is never dropped for a longer tail
+    assert cache.insert_tail([1, 2, 3, 4, 9, 9, 9], other)
+    assert set(top.tails) == {(9, 9), (9, 9, 9)}
+    with pytest.raises(RadixCacheError):
+        cache.insert_tail([1, 2, 3, 4, 6], other)  # one block cannot be two tails
+    with pytest.raises(ValueError):
+        cache.insert_tail([1, 2, 3, 4], other)  # a whole block is not a tail
+    cache.check_integrity()
+    assert cache.num_evictable_blocks == 2  # [5..8] and the tail [9 9 9]; the lock pins [1..4] too
+    cache.unlock(hit.partial.handle)
+    pool.decref([short, longer, again, other, served, orphan])
+    assert cache.evict(16) == 4 and pool.num_free_blocks == 16
+    cache.check_integrity()
+
+
+def test_tails_under_a_root_start_a_salts_tree_and_go_with_it() -> None:
+    pool, cache = make(block_size=4)
+    block = pool.allocate(1)[0]
+    assert cache.insert_tail([1, 2], block, salt="tenant")
+    assert cache.match([1, 2, 3]).partial is None  # the unsalted tree has nothing
+    hit = cache.match([1, 2, 3], salt="tenant")
+    assert hit.partial is not None and (hit.partial.block_id, hit.num_hit_tokens) == (block, 2)
+    cache.check_integrity()
+    pool.decref([block])
+    assert cache.evict(1) == 1 and pool.num_free_blocks == 16
+    cache.check_integrity()  # the emptied salt's root went
+
+
+def test_a_cache_that_keeps_states_declines_tails() -> None:
+    pool = BlockPool(4)
+    cache = RadixCache(pool, 2, state_slots=range(2))
+    assert not cache.insert_tail([1, 2, 3], pool.allocate(1)[0])
+    assert cache.num_cached_blocks == 0

@@ -27,7 +27,12 @@ def test_beams_match_transformers_num_beams(llm: LLM, default_model_reference: t
     them by their summed log-probabilities: the same beams in the same order."""
     width, new = 3, 8
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    computed = llm.engine.scheduler.num_prefill_tokens
     outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True))
+    # The first round computes the prompts; after it each beam computes its newest token
+    # alone: the radix cache serves the rest, whole blocks and the previous round's tails.
+    computed = llm.engine.scheduler.num_prefill_tokens - computed
+    assert computed == sum(map(len, prompts)) + (new - 1) * width * len(prompts)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.prompt_token_ids == prompt
         beams = output.sequences

@@ -67,18 +67,26 @@ def test_shared_system_prompt_is_computed_once(tiny_long_context) -> None:
     assert stats.prefix_cache_hit_rate > 0.9
 
 
-def test_multi_turn_reuses_previous_prompt_and_answer(tiny_llama) -> None:
-    engine = make_engine(tiny_llama)
+@pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "float32"), ("tiny_paired", "bfloat16")])
+def test_multi_turn_reuses_previous_prompt_and_answer(model: str, dtype: str, request) -> None:
+    path = request.getfixturevalue(model)
+    engine = make_engine(path, dtype=dtype)
     rng = random.Random(4)
     turn1 = [rng.randrange(3, 512) for _ in range(50)]
     first = run(engine, {"t1": turn1}, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))["t1"]
     turn2 = turn1 + first.outputs[0].token_ids + [rng.randrange(3, 512) for _ in range(10)]
-    second = run(engine, {"t2": turn2})["t2"]
-    # Everything but the unfinished last block of turn 1 (+ answer) is served from the cache.
-    reusable = (len(turn1) + 30 - 1) // 16 * 16
-    assert second.num_cached_tokens == reusable
-    off = run(make_engine(tiny_llama, enable_prefix_caching=False), {"t2": turn2})["t2"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    second = run(engine, {"t2": turn2}, params)["t2"]
+    # Every token of turn 1 whose KV was computed is served: its whole blocks shared, the
+    # last 79 % 16 = 15 copied from its tail; only the answer's last token (sampled, never
+    # fed back) and the new message are computed.
+    assert second.num_cached_tokens == len(turn1) + 30 - 1 == 79
+    assert second.cache_miss_reason == ("prefix hit of 79 tokens, 15 of them copied from a cached block: "
+                                        "token 79 differs from every cached continuation")
+    assert engine.stats().num_block_copies == 1
+    off = run(make_engine(path, dtype=dtype, enable_prefix_caching=False), {"t2": turn2}, params)["t2"]
     assert second.outputs[0].token_ids == off.outputs[0].token_ids
+    assert second.outputs[0].logprobs == off.outputs[0].logprobs  # bit for bit
 
 
 def test_eviction_under_pressure(tiny_llama) -> None:
