@@ -142,6 +142,9 @@ class ForwardBatch:
     # forward then returns these rows alone, and a model may skip the rest of its last
     # layer for the others (every row's K and V are still written). None: every row.
     output_rows: torch.Tensor | None = None
+    # LoRA (kvloom/lora): each sequence's adapter slot, -1 for the base model; None when
+    # no sequence runs an adapter. Such a step reads every row (no output_rows).
+    lora_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -153,9 +156,11 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
-              pending_rows: Mapping[str, int] | None = None) -> ForwardBatch:
+              pending_rows: Mapping[str, int] | None = None,
+              lora_slots: Mapping[str, int] | None = None) -> ForwardBatch:
         """``pending_rows``: for each request with a pending token (overlap scheduling),
-        its row among the previous step's sampled tokens."""
+        its row among the previous step's sampled tokens; ``lora_slots``: the LoRA slot
+        of each request that runs an adapter."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -167,6 +172,8 @@ class ForwardBatch:
         state_slots: list[int] = []
         placeholders: list[int] = []
         placeholder_rows: list[int] = []
+        seq_lora = [lora_slots.get(item.request.request_id, -1) for item in output.scheduled] if lora_slots else []
+        with_lora = any(slot >= 0 for slot in seq_lora)
         for item in output.scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             end = start + count
@@ -217,7 +224,8 @@ class ForwardBatch:
             placeholder_positions=wide[5] if placeholders else None,
             placeholder_rows=wide[6] if placeholders else None,
             block_copies=wide[7].view(2, -1) if copies else None,
-            output_rows=None if every_row or len(logits_indices) == len(input_ids) else wide[3],
+            output_rows=None if every_row or with_lora or len(logits_indices) == len(input_ids) else wide[3],
+            lora_slots=seq_lora if with_lora else None,
         )
 
     def final_states(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -292,6 +292,24 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters beside the base model (kvloom/lora; vLLM's flags): requests name an
+    adapter (``LoRARequest``; the server's ``model`` field), loaded on first use into
+    one of ``max_loras`` slots of rank at most ``max_lora_rank``."""
+
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT directories) beside the base model"})
+    max_loras: int = field(default=4, metadata={"help": "adapters loaded at once (with requests in flight or idle)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest adapter rank that can be loaded"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits and the scheduling policy. The scheduler thinks in tokens."""
 
@@ -493,6 +511,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -533,6 +552,14 @@ class EngineConfig:
                                  "layers, which tensor_parallel_size > 1 shards across ranks: use "
                                  "'ngram' or 'draft' with tensor parallel")
 
+        if self.lora.enable_lora:
+            if self.parallel.tensor_parallel_size > 1:
+                raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
+            if self.speculative_config is not None:
+                raise ValueError("enable_lora with speculative_config is not supported: the draft "
+                                 "would propose for the base model")
+            if self.kv_transfer.role != "both":
+                raise ValueError(f"enable_lora with role {self.kv_transfer.role!r} is not supported")
         if self.kv_transfer.role == "disaggregated":
             raise ValueError("role 'disaggregated' starts several processes: it is `kvloom serve --role "
                              "disaggregated`; one engine is 'both', 'prefill' or 'decode'")

@@ -55,7 +55,7 @@ class PrefixesInFlight(NoPrefixesInFlight):
         first = request.num_computed_tokens // self.block_size
         last = request.num_tokens // self.block_size
         if first < last:
-            self._blocks.update(_chain(request.all_token_ids, self.block_size, last, request.cache_salt)[first:])
+            self._blocks.update(_chain(request.all_token_ids, self.block_size, last, request.cache_key)[first:])
 
     def covers_next_block(self, request: Request, num_cached_tokens: int) -> bool:
         for pending in self._pending:
@@ -67,4 +67,4 @@ class PrefixesInFlight(NoPrefixesInFlight):
         # Only a block that a match could use later (the last token is always computed).
         if (next_block + 1) * self.block_size > request.num_tokens - 1:
             return False
-        return _chain(request.all_token_ids, self.block_size, next_block + 1, request.cache_salt)[-1] in self._blocks
+        return _chain(request.all_token_ids, self.block_size, next_block + 1, request.cache_key)[-1] in self._blocks

@@ -90,7 +90,7 @@ class KVCacheManager:
         """Look up the request's cached prefix, of at most ``max_tokens``; the last token
         is always left to compute because its logits are needed."""
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens - 1)
-        return self.prefix_cache.match(request.all_token_ids[:limit], request.cache_salt)
+        return self.prefix_cache.match(request.all_token_ids[:limit], request.cache_key)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix: PrefixMatch | None = None) -> bool:
@@ -184,7 +184,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full > state.num_inserted_blocks:
             handle = self.prefix_cache.insert(
-                request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full], request.cache_salt
+                request.all_token_ids[: num_full * self.block_size], request.block_ids[:num_full], request.cache_key
             )
             self.prefix_cache.lock(handle)
             self.prefix_cache.unlock(state.handle)
@@ -196,7 +196,7 @@ class KVCacheManager:
             end, slot = state.saving
             state.saving = None
             node = self.prefix_cache.insert(request.all_token_ids[:end], request.block_ids[: end // self.block_size],
-                                            request.cache_salt)
+                                            request.cache_key)
             self.prefix_cache.attach_state(node, slot)
 
     def _offer_tail(self, request: Request) -> None:
@@ -207,7 +207,7 @@ class KVCacheManager:
         num_full = num_computed // self.block_size
         if num_computed % self.block_size and num_full < len(request.block_ids):
             self.prefix_cache.insert_tail(request.all_token_ids[:num_computed], request.block_ids[num_full],
-                                          request.cache_salt)
+                                          request.cache_key)
 
     def _copied(self, state: _CacheState) -> None:
         self.prefix_cache.unlock(state.copy_handle)

@@ -33,6 +33,8 @@ from kvloom.engine.stop import StopChecker
 from kvloom.generation_config import generation_defaults
 from kvloom.kv_spec import KVExport, KVTransferSpec
 from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
+from kvloom.lora.manager import LoRAManager
+from kvloom.lora.request import LoRARequest
 from kvloom.models.loader import load_checkpoint
 from kvloom.native import release_openmp_team
 from kvloom.request import Request, RequestError, RequestStatus
@@ -145,6 +147,8 @@ class LLMEngine:
         eager_reason = cuda_graphs.graph_refusal(mc.architecture, self.device.type == "cuda", backend,
                                                  self.first_rank.group.size, config.enforce_eager)
         scratch_block = None
+        if eager_reason is None and config.lora.enable_lora:
+            eager_reason = "LoRA adapters run the model as modules"
         if eager_reason is None:
             self.num_blocks -= 1
             scratch_block = self.num_blocks
@@ -182,8 +186,12 @@ class LLMEngine:
                                          make_policy(config.scheduler), self.limits,
                                          StopChecker(self.output_processor), speculation, self.kv_transfer,
                                          self.state_pool)
+        lora = None
+        if config.lora.enable_lora:
+            lora = LoRAManager(self.model, mc, config.lora.max_loras, config.lora.max_lora_rank)
+            logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
-                                  mc.vocab_size, config.seed)
+                                  mc.vocab_size, config.seed, lora)
         if scratch_block is not None:
             captured = time.monotonic()
             self.runner.graphs = cuda_graphs.DecodeGraphs(
@@ -215,17 +223,20 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, kv_transfer: KVTransferSpec | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Tokenize (if text) and queue a request. Raises ValueError for a request that
         can never be served: RequestRejected from the admission checks (empty, longer
         than the context, larger than the KV pool, token ids outside the vocabulary),
         an invalid constraint, or a ``kv_transfer`` this instance's role cannot do.
-        ``cache_salt`` (vLLM's): prefix-cache hits only among requests of that salt."""
+        ``cache_salt`` (vLLM's): prefix-cache hits only among requests of that salt.
+        ``lora_request``: the LoRA adapter to run it with (an engine with enable_lora)."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):  # the policy compares them
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or "\0" in cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string without NUL, got {cache_salt!r}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a kvloom.LoRARequest, got {type(lora_request).__name__}")
         if params.n != 1:
             raise ValueError("n > 1 is handled by LLM.generate / the server, not by one engine request")
         refusal = self.kv_transfer.refuse(kv_transfer)
@@ -255,8 +266,16 @@ class LLMEngine:
             prompt=text,
             kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
             cache_salt=cache_salt,
+            lora_name=lora_request.lora_name if lora_request is not None else None,
         )
-        self.scheduler.add_request(request)
+        if lora_request is not None:  # before the request is queued: a refusal leaves nothing
+            self.runner.acquire_lora(rid, lora_request)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if lora_request is not None:
+                self.runner.release(rid)
+            raise
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
@@ -425,5 +444,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.runner.lora is not None:
+            self.runner.lora.check_integrity(set(self.scheduler.requests))
         if self.proposer is not None:
             self.proposer.check_integrity()

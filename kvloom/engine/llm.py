@@ -12,6 +12,7 @@ from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, advance_round
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, RequestOutput
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 
 Prompt = str | list[int]
@@ -44,7 +45,8 @@ class LLM:
     def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or a list of token ids (or vLLM's ``{"prompt": text}`` /
@@ -54,7 +56,8 @@ class LLM:
         (vLLM's LLM does the same): no output is built per step, and the text is
         detokenized once at the end unless a stop string needs it sooner. ``cache_salt``
         (vLLM's, for every prompt of the call): prefix-cache hits only among requests
-        with the same salt.
+        with the same salt. ``lora_request`` (vLLM's): the LoRA adapter for every prompt,
+        or one per prompt (None: the base model); the engine needs ``enable_lora``.
         """
         prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
@@ -66,6 +69,10 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
 
         # One engine request per sample; `owners` maps it back to (prompt index, sample index).
         # An id is owned before its request is added, and whatever ends this call early
@@ -81,7 +88,8 @@ class LLM:
                     request_id = self.engine.new_request_id()
                     owners[request_id] = (index, sample)
                     self.engine.add_request(prompt, sample_params, request_id=request_id,
-                                            priority=priorities[index], cache_salt=cache_salt)
+                                            priority=priorities[index], cache_salt=cache_salt,
+                                            lora_request=loras[index])
             self._run(owners, finals, use_tqdm if use_tqdm is not None else len(owners) > 8)
         except BaseException:
             for request_id in owners.keys() - finals.keys():
@@ -154,10 +162,10 @@ class LLM:
              use_tqdm: bool | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, cache_salt: str | None = None,
-             ) -> list[RequestOutput]:
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (chat template applied;
         ``tools`` and ``chat_template_kwargs`` go to the template, as in vLLM's LLM.chat;
-        ``cache_salt`` as ``generate``'s)."""
+        ``cache_salt`` and ``lora_request`` as ``generate``'s)."""
         conversations: list[list[Message]] = (
             [messages] if messages and isinstance(messages[0], dict)
             else cast(list[list[Message]], messages))
@@ -165,7 +173,8 @@ class LLM:
             self.encode_chat(conversation, add_generation_prompt, continue_final_message=continue_final_message,
                              tools=tools, **(chat_template_kwargs or {}))
             for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt,
+                             lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without sampling params, as vLLM's: the model's

@@ -126,7 +126,7 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
             self.num_fcfs_fallbacks += 1
             return waiting
         cache = kv.prefix_cache
-        scores = {r: cache.cached_prefix_length(r.all_token_ids[: r.num_tokens - 1], r.cache_salt) for r in waiting}
+        scores = {r: cache.cached_prefix_length(r.all_token_ids[: r.num_tokens - 1], r.cache_key) for r in waiting}
         return sorted(waiting, key=lambda r: -scores[r])  # stable: FCFS among equals
 
 

@@ -21,6 +21,8 @@ import torch
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch, LogprobsEntry, PromptLogprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvloom.lora.manager import LoRAManager
+from kvloom.lora.request import LoRARequest
 from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
@@ -61,8 +63,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int,
                  backend: AttentionBackend[Any], device: torch.device, vocab_size: int,
-                 seed: int) -> None:
+                 seed: int, lora: LoRAManager | None = None) -> None:
         self.model = model
+        self.lora = lora  # the adapters' slots (kvloom/lora); None: LoRA is off
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.backend = backend
@@ -89,6 +92,13 @@ class ModelRunner:
         """Set up a queued request's per-request state (its grammar matcher, if any)."""
         self.structured.add_request(request, grammar)
 
+    def acquire_lora(self, request_id: str, lora: LoRARequest) -> None:
+        """Hold ``lora``'s adapter slot for a request about to be queued (loading it if
+        need be); ValueError naming what is wrong if it cannot be served."""
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora (--enable-lora)")
+        self.lora.acquire(request_id, lora)
+
     def valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
         """The prefix of a proposer's drafts that the request's grammar (if any) allows."""
         return self.structured.valid_drafts(request, draft_token_ids)
@@ -97,6 +107,8 @@ class ModelRunner:
         """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
         self.structured.release(request_id)
+        if self.lora is not None:
+            self.lora.release(request_id)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -117,7 +129,8 @@ class ModelRunner:
         waiting for them (on the CPU they run here). Input tokens that are the previous
         launch's pending samples are read from its device tensor, so that step need not
         have finished."""
-        batch = ForwardBatch.build(output, self.block_size, self.device, self._pending_rows)
+        batch = ForwardBatch.build(output, self.block_size, self.device, self._pending_rows,
+                                   self.lora.slots() if self.lora is not None else None)
         if batch.placeholder_positions is not None:
             assert self._pending_tokens is not None and batch.placeholder_rows is not None
             batch.input_ids[batch.placeholder_positions] = self._pending_tokens[batch.placeholder_rows]
@@ -127,6 +140,13 @@ class ModelRunner:
             copy_state(self.model, output.state_restores)
         if self.graphs is not None and self.graphs.serves(batch, any(i.draft_token_ids for i in output.scheduled)):
             hidden = self.graphs.run(batch)
+        elif batch.lora_slots is not None:
+            assert self.lora is not None
+            self.lora.step.begin(batch.lora_slots, batch.query_lens_list, self.device)
+            try:
+                hidden = self.model(batch, self.kv_caches, self.backend, self.backend.prepare(batch))
+            finally:
+                self.lora.step.end()
         else:
             hidden = self.model(batch, self.kv_caches, self.backend, self.backend.prepare(batch))
         if output.state_saves:  # ... and chunks that end at a checkpoint save theirs

@@ -89,12 +89,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = serving.model_info()
+        served = serving.served_name(info)
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "kvloom", "root": path,
+                     "parent": served, "max_model_len": info.max_model_len, "block_size": info.limits.block_size}
+                    for name, path in serving.settings.lora_modules]
         return {"object": "list", "data": [{
-            "id": serving.served_name(info), "object": "model", "created": created,
+            "id": served, "object": "model", "created": created,
             "owned_by": "kvloom", "root": info.model_name, "parent": None,
             "max_model_len": info.max_model_len,
             # kvloom's: the KV block size, which `kvloom router` checks workers agree on
-            "block_size": info.limits.block_size}]}
+            "block_size": info.limits.block_size}, *adapters]}
 
     @app.get("/kvloom/kv_transfer")
     async def kv_transfer() -> dict[str, Any]:

@@ -338,7 +338,7 @@ class AsyncEngine:
                 engine.add_request(request.prompt_token_ids, request.params,
                                    request_id=request.request_id, priority=request.priority,
                                    arrival_time=request.arrival_time, kv_transfer=request.kv_transfer,
-                                   cache_salt=request.cache_salt)
+                                   cache_salt=request.cache_salt, lora_request=request.lora_request)
                 added.append(request.request_id)
                 self._active[request.request_id] = (command.stream, index)
         except Exception as error:  # noqa: BLE001 - ValueError: unservable; delivered as such

@@ -68,7 +68,8 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
     while active := [(index, search) for index, search in enumerate(searches) if not search.done]:
         arrival = time.monotonic()
         requests = [EngineRequest(f"{request_id}-{rounds}-{index}-{beam}", prompt, search.params.round_params(),
-                                  body.priority, arrival, cache_salt=body.cache_salt)
+                                  body.priority, arrival, cache_salt=body.cache_salt,
+                                  lora_request=serving.lora_for(body.model, info))
                     for index, search in active for beam, prompt in enumerate(search.prompts())]
         stream = await serving.open(requests)
         finals = await collect(stream, request)

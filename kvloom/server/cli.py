@@ -47,6 +47,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="send an OpenTelemetry span per request (queued, scheduled, first token, "
                             "preemptions, finish; token counts) to this OTLP/HTTP traces URL, "
                             "e.g. http://localhost:4318/v1/traces (default: no tracing)")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
+                       help="LoRA adapters to serve beside the model (needs --enable-lora): a request's "
+                            "\"model\" names one; PATH is a PEFT adapter directory")
     tools = serve.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="with tool_choice \"auto\" (the default when a request has tools), parse "
@@ -69,6 +72,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return serve
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from kvloom.server.main import run_server
 
@@ -81,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
                       enable_dashboard=not args.disable_dashboard,
-                      otlp_traces_endpoint=args.otlp_traces_endpoint,
+                      otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

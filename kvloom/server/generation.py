@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.output import RequestOutput, TokenLogprobs
 from kvloom.kv_spec import KVExport, KVImport, StagedKV
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 from kvloom.server.async_engine import (
     AsyncEngine,
@@ -61,12 +62,23 @@ class Serving:
         return self.settings.model_ids(info.model_name)[0]
 
     def check_model(self, requested: str | None, info: ModelInfo) -> str:
-        """The name to report: the served name; 404 for a model we do not serve."""
+        """The name to report: the served name, or the LoRA adapter's the request names;
+        404 for a model we do not serve."""
         names = self.settings.model_ids(info.model_name)
+        adapters = [name for name, _ in self.settings.lora_modules]
+        if requested is not None and requested in adapters and requested not in names:
+            return requested
         if requested is not None and requested not in names:
-            raise APIError(404, f"The model {requested!r} does not exist; this server serves "
-                           f"{names[0]!r}", param="model", code="model_not_found")
+            served = ", ".join(repr(n) for n in (names[0], *adapters))
+            raise APIError(404, f"The model {requested!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
         return names[0]
+
+    def lora_for(self, requested: str | None, info: ModelInfo) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (after ``check_model``); None: the base."""
+        if requested in self.settings.model_ids(info.model_name):
+            return None
+        return self.settings.lora_request(requested)
 
     async def open(self, requests: list[EngineRequest]) -> ResultStream:
         try:
@@ -137,7 +149,8 @@ def check_stream_options(body: SamplingRequest) -> None:
 
 def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams,
                     max_tokens: int | None, info: ModelInfo, priority: int,
-                    prompt_param: str, cache_salt: str | None = None) -> list[EngineRequest]:
+                    prompt_param: str, cache_salt: str | None = None,
+                    lora: LoRARequest | None = None) -> list[EngineRequest]:
     """One engine request per (prompt, sample), after the context-length checks."""
     if max_tokens is None:
         max_tokens = info.generation_defaults.get("max_tokens")
@@ -147,7 +160,8 @@ def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingP
         fitted = _fit_to_context(params, len(token_ids), max_tokens, info, prompt_param)
         for sample, sample_params in enumerate(fan_out(fitted)):
             requests.append(EngineRequest(f"{request_id}-{prompt_index * params.n + sample}",
-                                          token_ids, sample_params, priority, arrival, cache_salt=cache_salt))
+                                          token_ids, sample_params, priority, arrival, cache_salt=cache_salt,
+                                          lora_request=lora))
     return requests
 
 

@@ -54,7 +54,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     request_id = new_id("chatcmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, [prompt], params, body.effective_max_tokens, info, body.priority,
-        "messages", body.cache_salt), body.kv_transfer_params, params.n)
+        "messages", body.cache_salt, serving.lora_for(body.model, info)), body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,

@@ -54,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     request_id = new_id("cmpl")
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt",
-        body.cache_salt),
+        body.cache_salt, serving.lora_for(body.model, info)),
         body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream

@@ -214,7 +214,8 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
-            response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input"), body.kv_transfer_params, 1)
+            response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input",
+            lora=serving.lora_for(body.model, info)), body.kv_transfer_params, 1)
     except APIError as error:
         raise renamed(error, origins) from None
     except ValueError as error:

@@ -46,7 +46,9 @@ async def create_score(body: ScoreRequest, request: Request, serving: Serving) -
     except ValueError as error:
         raise from_value_error(error) from None
     request_id = new_id("score")
-    finals = await collect(await serving.open([EngineRequest(f"{request_id}-{i}", c.token_ids, c.params)
+    lora = serving.lora_for(body.model, info)
+    finals = await collect(await serving.open([EngineRequest(f"{request_id}-{i}", c.token_ids, c.params,
+                                                             lora_request=lora)
                                                for i, c in enumerate(wanted)]), request)
     outputs = [finals[i] for i in range(len(wanted))]
     return {"object": "kvloom.score", "logprobs": [c.logprob(o) for c, o in zip(wanted, outputs, strict=True)],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvloom.lora.request import LoRARequest
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING = 1024
 STATS_LOG_INTERVAL = 5.0  # seconds between two stats lines while the engine is busy
@@ -30,6 +32,9 @@ class ServerSettings:
     # OpenTelemetry: an OTLP/HTTP collector's traces URL (e.g. http://host:4318/v1/traces)
     # that receives a span per request (server/tracing.py); None: no tracing.
     otlp_traces_endpoint: str | None = None
+    # LoRA adapters served beside the model (vLLM's --lora-modules): (name, PEFT directory)
+    # each; a request names one in its ``model`` field. The engine needs enable_lora.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         from kvloom.server.tool_parsers import get_tool_parser
@@ -43,6 +48,18 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be unique, got {names}")
+        for index, (name, path) in enumerate(self.lora_modules, start=1):
+            LoRARequest(name, index, path)  # ValueError naming a bad name or path
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, None for the base model."""
+        for index, (name, path) in enumerate(self.lora_modules, start=1):
+            if name == model:
+                return LoRARequest(name, index, path)
+        return None
 
     def model_ids(self, engine_model_name: str) -> tuple[str, ...]:
         """Accepted ``model`` values, the served name first."""

@@ -15,6 +15,7 @@ from typing import Any
 from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import RequestOutput
 from kvloom.kv_spec import KVTransferSpec
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import SamplingParams
 
 
@@ -65,6 +66,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     kv_transfer: KVTransferSpec | None = None  # prefill/decode disaggregation (kvloom/kv_spec.py)
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only within the salt
+    lora_request: LoRARequest | None = None  # the LoRA adapter the request's model names
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""LoRAManager: which adapter sits in which of the model's ``max_loras`` slots.
+
+An adapter is loaded into a slot when a request first names it and stays there while
+requests of it are in flight (a reference each); an idle adapter stays loaded until
+its slot is needed, least recently used first. A request that would need a slot when
+every slot holds an adapter of requests in flight is refused, naming ``max_loras``,
+rather than queued behind them. Integrity: every slot's references equal the requests
+in flight that hold it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+
+from kvloom.config import ModelConfig
+from kvloom.lora.adapter import LoRAAdapter, LoRAError
+from kvloom.lora.layers import LoRALinear, LoRAStep
+from kvloom.lora.request import LoRARequest
+
+
+def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
+                      step: LoRAStep) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+    """Wrap each decoder layer's projections of a dense Llama-family model (after
+    packing) in ``LoRALinear``; returns (layer, projection) -> (its layer, its part)."""
+    from kvloom.models.layers import GatedMLP
+    from kvloom.models.llama import LlamaForCausalLM
+    if not isinstance(model, LlamaForCausalLM) or config.moe is not None:
+        raise ValueError(f"LoRA serves the dense Llama family (Llama, Qwen2, Mistral), not {config.architecture}")
+    if model.tp.size > 1:
+        raise ValueError("LoRA with tensor_parallel_size > 1 is not supported")
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    hidden = config.hidden_size
+    targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+
+    def wrap(owner: torch.nn.Module, attribute: str, layer: int, parts: list[tuple[str, int, int]],
+             in_features: int) -> None:
+        wrapped = LoRALinear(getattr(owner, attribute), parts, in_features, max_loras, max_rank, step, dtype, device)
+        setattr(owner, attribute, wrapped)
+        for index, (name, _, _) in enumerate(parts):
+            targets[layer, name] = (wrapped, index)
+
+    for index, layer in enumerate(model.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, GatedMLP)
+        wrap(attention, "qkv_proj", index, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden)
+        wrap(attention, "o_proj", index, [("o_proj", 0, hidden)], q)
+        wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
+        wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
+    return targets
+
+
+class LoRAManager:
+    def __init__(self, model: object, config: ModelConfig, max_loras: int, max_rank: int) -> None:
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.step = LoRAStep()
+        self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step)
+        self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self._paths: dict[str, str] = {}  # every name ever loaded -> its path (one name, one path)
+        self._refs = [0] * max_loras
+        self._used = [0] * max_loras  # LRU clock of each slot's last acquire
+        self._clock = itertools.count(1)
+        self._slot_of: dict[str, int] = {}  # request id -> slot
+
+    def acquire(self, request_id: str, lora: LoRARequest) -> None:
+        """Hold ``lora``'s slot for ``request_id``, loading the adapter if it is not in one.
+        Raises ValueError (LoRAError) for an adapter that cannot be loaded or a full set
+        of busy slots; nothing is held then."""
+        known = self._paths.get(lora.lora_name)
+        if known is not None and known != lora.lora_path:
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r} was loaded from {known}, not {lora.lora_path}: "
+                            "one name, one adapter")
+        slot = self._names.index(lora.lora_name) if lora.lora_name in self._names else self._load(lora)
+        self._refs[slot] += 1
+        self._used[slot] = next(self._clock)
+        self._slot_of[request_id] = slot
+
+    def _load(self, lora: LoRARequest) -> int:
+        idle = [slot for slot in range(self.max_loras) if self._refs[slot] == 0]
+        if not idle:
+            raise LoRAError(f"all {self.max_loras} LoRA slots hold adapters of requests in flight "
+                            f"({', '.join(str(n) for n in self._names)}); raise max_loras to serve {lora.lora_name!r} "
+                            "beside them")
+        adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+        slot = min(idle, key=lambda s: (self._names[s] is not None, self._used[s]))  # empty, then LRU
+        for layer, _ in self._targets.values():
+            layer.clear(slot)
+        for (layer_index, module), (a, b) in adapter.weights.items():
+            layer, part = self._targets[layer_index, module]
+            layer.load(slot, part, a, b, adapter.scale)
+        self._names[slot] = lora.lora_name
+        self._paths[lora.lora_name] = lora.lora_path
+        return slot
+
+    def release(self, request_id: str) -> None:
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._refs[slot] -= 1
+
+    def slots(self) -> Mapping[str, int]:
+        """Request id -> slot, for the requests in flight that run an adapter."""
+        return self._slot_of
+
+    def loaded(self) -> list[str]:
+        return [name for name in self._names if name is not None]
+
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        counts = [0] * self.max_loras
+        for request_id, slot in self._slot_of.items():
+            counts[slot] += 1
+            if request_id not in live_request_ids:
+                raise LoRAError(f"request {request_id} holds LoRA slot {slot} but is not in flight")
+        if counts != self._refs:
+            raise LoRAError(f"LoRA slot references {self._refs} != the requests holding them {counts}")

@@ -1,0 +1,182 @@
+"""LoRA adapters against PEFT's own forward: adapters written by PEFT (``get_peft_model``
++ ``save_pretrained``) on a tiny random Llama, served by kvloom beside the base model,
+each request's tokens and logprobs held to PEFT's model with that adapter (teacher-forced
+on kvloom's tokens), in one batch that mixes adapters and the base model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, LoRARequest, SamplingParams
+from kvloom.config import EngineConfig
+
+peft = pytest.importorskip("peft")  # in the test extras: never skipped by `make test`
+transformers = pytest.importorskip("transformers")
+
+TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str], **config) -> Path:
+    """A PEFT LoRA adapter with random A and B (B scaled down: the tiny model's replies
+    stay varied), saved as PEFT saves it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+                           init_lora_weights=False, **config)
+    adapted = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(0.2)
+    adapted.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = write_tiny_hf_model(root / "base", arch="llama")
+    return {"base": base,
+            "a": write_adapter(base, root / "a", 1, 4, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+            "b": write_adapter(base, root / "b", 2, 8, TARGETS_ALL, use_rslora=True)}
+
+
+def peft_model(models: dict[str, Path], name: str | None) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["base"], dtype=torch.float32).eval()
+    return model if name is None else peft.PeftModel.from_pretrained(model, models[name]).eval()
+
+
+def check_against_peft(reference: torch.nn.Module, prompt: list[int], output) -> None:
+    """Teacher-forced on kvloom's tokens: each is PEFT's argmax there, at its logprob."""
+    tokens = output.outputs[0].token_ids
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    for position, (token, entry) in enumerate(zip(tokens, output.outputs[0].logprobs, strict=True)):
+        assert entry[token].logprob == pytest.approx(logprobs[position, token].item(), abs=1e-4)
+
+
+def test_a_batch_of_two_adapters_and_the_base_model_is_peft_each(models) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    loras = [LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), None] * 2
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    references = {name: peft_model(models, name) for name in ("a", "b", None)}
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        check_against_peft(references[lora.lora_name if lora else None], prompt, output)
+    # The adapters do change the replies (else the test could not tell them apart).
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs[:3]}) == 3
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(models) -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 500) for _ in range(70)]  # four whole blocks of 16
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    a = LoRARequest("a", 1, str(models["a"]))
+    base_first = llm.generate([prompt], params)[0]
+    adapted = llm.generate([prompt], params, lora_request=a)[0]
+    assert adapted.num_cached_tokens == 0  # the base model's KV is not the adapter's
+    again = llm.generate([prompt], params, lora_request=a)[0]
+    assert again.num_cached_tokens == 69  # its own: whole blocks and the tail
+    assert again.outputs[0].token_ids == adapted.outputs[0].token_ids
+    check_against_peft(peft_model(models, "a"), prompt, again)
+    salted = llm.generate([prompt], params, lora_request=a, cache_salt="tenant")[0]
+    assert salted.num_cached_tokens == 0  # a salt keeps its own tree, per adapter too
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 69
+    assert base_first.outputs[0].token_ids != adapted.outputs[0].token_ids
+    llm.engine.check_integrity()
+
+
+def test_in_bf16_a_base_request_is_bit_identical_beside_adapters(models) -> None:
+    """A step with adapter rows runs the module path, the native walk's reference: the
+    base model's rows in it get the bits they get alone (in bf16, kvloom's row-invariant
+    GEMM)."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, 500) for _ in range(30)]
+    others = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(3)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    llm = LLM(str(models["base"]), dtype="bfloat16", num_blocks=128, enable_lora=True,
+              enable_prefix_caching=False)
+    alone = llm.generate([prompt], params)[0]
+    a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    mixed = llm.generate([others[0], prompt, others[1], others[2]], params, lora_request=[a, None, b, a])[1]
+    assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed.outputs[0].logprobs == alone.outputs[0].logprobs
+
+
+def test_slots_are_reused_least_recently_used_and_a_full_set_refuses(models) -> None:
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_loras=1)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    engine.add_request(prompt, params, request_id="with-a", lora_request=a)
+    with pytest.raises(ValueError, match=r"all 1 LoRA slots hold adapters of requests in flight \(a\); "
+                                         r"raise max_loras to serve 'b'"):
+        engine.add_request(prompt, params, request_id="with-b", lora_request=b)
+    assert set(engine.scheduler.requests) == {"with-a"}  # the refusal left nothing behind
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    # a is idle now: b takes its slot, and its replies are b's.
+    check_against_peft(peft_model(models, "b"), prompt, llm.generate([prompt], params, lora_request=b)[0])
+    check_against_peft(peft_model(models, "a"), prompt, llm.generate([prompt], params, lora_request=a)[0])
+    with pytest.raises(ValueError, match=r"'a' was loaded from .*, not /elsewhere: one name, one adapter"):
+        llm.generate([prompt], params, lora_request=LoRARequest("a", 3, "/elsewhere"))
+    engine.check_integrity()
+
+
+def rewrite_config(source: Path, target: Path, **changes) -> Path:
+    target.mkdir()
+    (target / "adapter_model.safetensors").write_bytes((source / "adapter_model.safetensors").read_bytes())
+    settings = json.loads((source / "adapter_config.json").read_text())
+    settings.update(changes)
+    (target / "adapter_config.json").write_text(json.dumps(settings))
+    return target
+
+
+def test_adapters_that_cannot_be_served_are_refused_by_name(models, tmp_path) -> None:
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=64, enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    other = write_tiny_hf_model(tmp_path / "wider", arch="llama", hidden_size=96, intermediate_size=160)
+    cases = {
+        str(tmp_path / "missing"): "no adapter_config.json",
+        str(models["b"]): "rank 8 exceeds max_lora_rank 4",
+        str(rewrite_config(models["a"], tmp_path / "dora", use_dora=True)): "use_dora=True is not supported",
+        str(rewrite_config(models["a"], tmp_path / "embed", target_modules=["embed_tokens"])):
+            "target_modules must be a list of",
+        str(write_adapter(other, tmp_path / "wrong-shape", 3, 4, ["q_proj"])):
+            r"layer 0's q_proj has A \(4, 96\) and B \(96, 4\); the model needs A \(4, 64\) and B \(64, 4\)",
+    }
+    for index, (path, message) in enumerate(cases.items(), start=1):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6, 7]], params, lora_request=LoRARequest(f"bad{index}", index, path))
+        llm.engine.check_integrity()
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3  # still serving
+
+
+def test_lora_needs_enable_lora_and_refuses_what_it_does_not_combine_with(models) -> None:
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=64)
+    with pytest.raises(ValueError, match="lora_request needs an engine started with enable_lora"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(models["a"])))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="enable_lora with speculative_config is not supported"):
+        EngineConfig.from_kwargs(str(models["base"]), enable_lora=True,
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size > 1 is not supported"):
+        EngineConfig.from_kwargs(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("a", 0, "x")
