@@ -11,32 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
 from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, LoRARequest, SamplingParams
 from kvloom.config import EngineConfig
-
-peft = pytest.importorskip("peft")  # in the test extras: never skipped by `make test`
-transformers = pytest.importorskip("transformers")
-
-TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str], **config) -> Path:
-    """A PEFT LoRA adapter with random A and B (B scaled down: the tiny model's replies
-    stay varied), saved as PEFT saves it."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(seed)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
-                           init_lora_weights=False, **config)
-    adapted = peft.get_peft_model(model, lora)
-    with torch.no_grad():
-        for name, parameter in adapted.named_parameters():
-            if "lora_B" in name:
-                parameter.mul_(0.2)
-    adapted.save_pretrained(out)
-    return out
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -48,19 +27,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def peft_model(models: dict[str, Path], name: str | None) -> torch.nn.Module:
-    model = transformers.AutoModelForCausalLM.from_pretrained(models["base"], dtype=torch.float32).eval()
-    return model if name is None else peft.PeftModel.from_pretrained(model, models[name]).eval()
-
-
-def check_against_peft(reference: torch.nn.Module, prompt: list[int], output) -> None:
-    """Teacher-forced on kvloom's tokens: each is PEFT's argmax there, at its logprob."""
-    tokens = output.outputs[0].token_ids
-    with torch.no_grad():
-        logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    assert tokens == logits.argmax(dim=-1).tolist()
-    for position, (token, entry) in enumerate(zip(tokens, output.outputs[0].logprobs, strict=True)):
-        assert entry[token].logprob == pytest.approx(logprobs[position, token].item(), abs=1e-4)
+    return reference_model(models["base"], None if name is None else models[name])
 
 
 def test_a_batch_of_two_adapters_and_the_base_model_is_peft_each(models) -> None:
@@ -72,7 +39,7 @@ def test_a_batch_of_two_adapters_and_the_base_model_is_peft_each(models) -> None
     outputs = llm.generate(prompts, params, lora_request=loras)
     references = {name: peft_model(models, name) for name in ("a", "b", None)}
     for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
-        check_against_peft(references[lora.lora_name if lora else None], prompt, output)
+        check_against_peft(references[lora.lora_name if lora else None], prompt, output.outputs[0])
     # The adapters do change the replies (else the test could not tell them apart).
     assert len({tuple(o.outputs[0].token_ids) for o in outputs[:3]}) == 3
     llm.engine.check_integrity()
@@ -91,7 +58,7 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(models) -> None:
     again = llm.generate([prompt], params, lora_request=a)[0]
     assert again.num_cached_tokens == 69  # its own: whole blocks and the tail
     assert again.outputs[0].token_ids == adapted.outputs[0].token_ids
-    check_against_peft(peft_model(models, "a"), prompt, again)
+    check_against_peft(peft_model(models, "a"), prompt, again.outputs[0])
     salted = llm.generate([prompt], params, lora_request=a, cache_salt="tenant")[0]
     assert salted.num_cached_tokens == 0  # a salt keeps its own tree, per adapter too
     assert llm.generate([prompt], params)[0].num_cached_tokens == 69
@@ -132,8 +99,8 @@ def test_slots_are_reused_least_recently_used_and_a_full_set_refuses(models) -> 
         engine.step()
         engine.check_integrity()
     # a is idle now: b takes its slot, and its replies are b's.
-    check_against_peft(peft_model(models, "b"), prompt, llm.generate([prompt], params, lora_request=b)[0])
-    check_against_peft(peft_model(models, "a"), prompt, llm.generate([prompt], params, lora_request=a)[0])
+    check_against_peft(peft_model(models, "b"), prompt, llm.generate([prompt], params, lora_request=b)[0].outputs[0])
+    check_against_peft(peft_model(models, "a"), prompt, llm.generate([prompt], params, lora_request=a)[0].outputs[0])
     with pytest.raises(ValueError, match=r"'a' was loaded from .*, not /elsewhere: one name, one adapter"):
         llm.generate([prompt], params, lora_request=LoRARequest("a", 3, "/elsewhere"))
     engine.check_integrity()

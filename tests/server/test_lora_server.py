@@ -1,0 +1,71 @@
+"""LoRA over HTTP (vLLM's --enable-lora --lora-modules name=path): a request's "model"
+names an adapter; replies are PEFT's greedy tokens with that adapter, the base model's
+without; /v1/models lists the adapters under the served model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers_lora import greedy_tokens, reference_model, write_adapter
+from server_harness import SERVED_NAME, LiveServer, start_live_server
+
+from kvloom.server.settings import ServerSettings
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora-server")
+    return {"sql": write_adapter(tiny_llama, root / "sql", 5, 4, ["q_proj", "v_proj", "down_proj"]),
+            "poet": write_adapter(tiny_llama, root / "poet", 6, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"])}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, adapters: dict[str, Path]) -> Iterator[LiveServer]:
+    settings = ServerSettings(served_model_name=SERVED_NAME,
+                              lora_modules=tuple((name, str(path)) for name, path in adapters.items()))
+    live = start_live_server(tiny_llama, settings, enable_lora=True, max_loras=2)
+    yield live
+    live.stop()
+
+
+def test_each_model_name_serves_its_adapter(server: LiveServer, tiny_llama: Path, adapters: dict[str, Path]) -> None:
+    prompt = [11, 45, 230, 7, 99, 12, 3, 64, 18]
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        models = http.get("/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [(SERVED_NAME, None), ("sql", SERVED_NAME),
+                                                             ("poet", SERVED_NAME)]
+        assert models[1]["root"] == str(adapters["sql"])
+        texts = {}
+        for name in (SERVED_NAME, "sql", "poet"):
+            body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            response = http.post("/v1/completions", json=body).json()
+            assert response["model"] == name
+            reference = reference_model(tiny_llama, None if name == SERVED_NAME else adapters[name])
+            expected = http.post("/detokenize", json={"tokens": greedy_tokens(reference, prompt, 8)}).json()["prompt"]
+            assert response["choices"][0]["text"] == expected
+            texts[name] = expected
+        assert len(set(texts.values())) == 3
+        # Chat: the prompt the template makes, under the adapter.
+        messages = [{"role": "user", "content": "hello there"}]
+        chat = http.post("/v1/chat/completions", json={"model": "poet", "messages": messages, "max_tokens": 6,
+                                                        "temperature": 0, "ignore_eos": True}).json()
+        tokens = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+        expected = greedy_tokens(reference_model(tiny_llama, adapters["poet"]), tokens, 6)
+        assert chat["model"] == "poet"
+        assert chat["choices"][0]["message"]["content"] == \
+            http.post("/detokenize", json={"tokens": expected}).json()["prompt"]
+        missing = http.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == (f"The model 'nope' does not exist; this server serves "
+                                                      f"'{SERVED_NAME}', 'sql', 'poet'")
+    server.assert_idle_and_clean()
+
+
+def test_lora_module_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"lora_modules names must be unique, got \['a', 'a'\]"):
+        ServerSettings(lora_modules=(("a", "/x"), ("a", "/y")))
+    with pytest.raises(ValueError, match="lora_path must be a non-empty string"):
+        ServerSettings(lora_modules=(("a", ""),))
