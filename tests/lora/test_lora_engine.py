@@ -17,6 +17,7 @@ from helpers_models import write_tiny_hf_model
 from kvloom import LLM, LoRARequest, SamplingParams
 from kvloom.config import EngineConfig
 
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
