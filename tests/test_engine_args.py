@@ -25,6 +25,7 @@ from kvloom.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -81,12 +82,15 @@ NON_DEFAULTS = [
     (["--kv-buffer-gib", "0.5"], "kv_transfer", "kv_buffer_gib", 0.5),
     (["--kv-transfer-timeout", "30"], "kv_transfer", "kv_transfer_timeout", 30.0),
     (["--kv-shm-dir", "/tmp/kv"], "kv_transfer", "kv_shm_dir", "/tmp/kv"),
+    (["--enable-lora"], "lora", "enable_lora", True),
+    (["--max-loras", "2"], "lora", "max_loras", 2),
+    (["--max-lora-rank", "64"], "lora", "max_lora_rank", 64),
 ]
 
 
 def _config_fields() -> set[tuple[str | None, str]]:
     sections = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig),
-                ("kv_transfer", KVTransferConfig))
+                ("kv_transfer", KVTransferConfig), ("lora", LoRAConfig))
     own = {(None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in dict(sections)}
     return own | {(section, f.name) for section, cls in sections for f in dataclasses.fields(cls)}
 
@@ -118,8 +122,8 @@ ALIASES = [
     (["-tp", "2"], "parallel", "tensor_parallel_size", 2),
 ]
 # Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
-# And a role other than both is refused with the tensor-parallel size set above.
-EXCLUSIVE = {"gpu_memory_utilization", "role"}
+# And a role other than both, or LoRA, is refused with the tensor-parallel size set above.
+EXCLUSIVE = {"gpu_memory_utilization", "role", "enable_lora"}
 
 
 def test_the_table_covers_every_config_field() -> None:
@@ -311,7 +315,7 @@ def test_every_command_with_engine_flags_parses_them_alike(command: list[str]) -
     argv = [token for argv, *_ in rows for token in argv if argv != ["some/model"]]
     args = build_parser().parse_args([*command, "some/model", *argv])
     expected = {name: value for _, _, name, value in rows if name != "model"}
-    defaults = {"gpu_memory_utilization": None, "role": "both"}  # left at their defaults
+    defaults = {"gpu_memory_utilization": None, "role": "both", "enable_lora": False}  # left at their defaults
     expected.update({name: defaults[name] for name in EXCLUSIVE})
     assert args.model == "some/model" and engine_kwargs(args) == expected
 
