@@ -188,7 +188,7 @@ class LLMEngine:
                                          self.state_pool)
         lora = None
         if config.lora.enable_lora:
-            lora = LoRAManager(self.model, mc, config.lora.max_loras, config.lora.max_lora_rank)
+            lora = LoRAManager(self.model, mc, config.lora.max_loras, config.lora.max_lora_rank, config.matmul)
             logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed, lora)

@@ -7,7 +7,9 @@ The weights of every adapter slot sit in stacked tensors (``max_loras`` slots of
 ``max_lora_rank``; a smaller rank is zero-padded, which adds exact zeros); which rows
 run which slot is the step's ``LoRAStep``, shared by every LoRA layer and set by the
 runner around each forward. Pure PyTorch, in the model's dtype (as vLLM's): on any
-device, and the reference for a fused kernel should one come.
+device. On a CPU in bf16 a slot's two matmuls run on the model's own kernel
+(``matmul``: kvloom's batch-invariant GEMM by default, packed once per load), so an
+adapter's rows are as batch-invariant as the base model's; elsewhere ``F.linear``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,25 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvloom.models.packed_linear import packed_linear
+
+
+@dataclass(slots=True)
+class LoRAGroup:
+    """The rows of one adapter slot in a forward: ``rows`` (int64 on the device), or,
+    where they are one contiguous run (the common case: a request's rows are), that
+    run as ``span`` too, which the layers then read and write as views."""
+
+    slot: int
+    rows: torch.Tensor
+    span: tuple[int, int] | None
+
 
 @dataclass(slots=True)
 class LoRAStep:
     """The forward in progress: for each adapter slot in it, the rows that run it."""
 
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    groups: list[LoRAGroup] = field(default_factory=list)
 
     def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device) -> None:
         """``seq_slots[i]``: the slot of the batch's sequence i (-1: the base model),
@@ -33,7 +48,9 @@ class LoRAStep:
             if slot >= 0:
                 rows.setdefault(slot, []).extend(range(start, start + count))
             start += count
-        self.groups = [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in rows.items()]
+        self.groups = [LoRAGroup(slot, torch.tensor(r, dtype=torch.int64, device=device),
+                                 (r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else None)
+                       for slot, r in rows.items()]
 
     def end(self) -> None:
         self.groups = []
@@ -41,40 +58,69 @@ class LoRAStep:
 
 class LoRALinear(nn.Module):
     """A projection (packed or plain) with LoRA deltas for its ``parts``: (name, first
-    output column, columns) each, one per unfused projection an adapter may target."""
+    output column, columns) each, one per unfused projection an adapter may target.
+
+    Per slot, the parts' A matrices are stacked (``a``: [parts * rank, in]) and their B
+    matrices, scale folded in, form a block-diagonal ``b`` ([out, parts * rank]), so a
+    slot's delta for every part is two matmuls: ``(x a^T) b^T``. A part the adapter
+    does not target has zero blocks, which add exact zeros; a slot that targets none of
+    the parts is skipped."""
 
     def __init__(self, base: nn.Module, parts: list[tuple[str, int, int]], in_features: int, max_loras: int,
-                 max_rank: int, step: LoRAStep, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, step: LoRAStep, dtype: torch.dtype, device: torch.device,
+                 matmul: str = "invariant") -> None:
         super().__init__()
         self.base = base
         self.parts = parts
         self.step = step
-        self.a = [torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device) for _ in parts]
-        self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for _, _, size in parts]
-        self.scale = [0.0] * max_loras
-        self.targets: list[set[int]] = [set() for _ in range(max_loras)]  # the parts each slot adapts
+        self.max_rank = max_rank
+        self.matmul = matmul
+        out_features = sum(size for _, _, size in parts)
+        self.a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_features, len(parts) * max_rank, dtype=dtype, device=device)
+        self.active = [False] * max_loras  # whether the slot targets any part
+        # Each slot's (shrink, expand) kernels once loaded (``finish``): x -> x a^T -> (x a^T) b^T.
+        self.kernels: list[tuple[nn.Module, nn.Module] | None] = [None] * max_loras
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        rank = a.shape[0]
-        self.a[part][slot].zero_()
-        self.b[part][slot].zero_()
-        self.a[part][slot, :rank].copy_(a)
-        self.b[part][slot, :, :rank].copy_(b)
-        self.scale[slot] = scale
-        self.targets[slot].add(part)
+        """Part ``part`` of slot ``slot`` becomes ``scale * b a`` (a: [rank, in], b: [out, rank])."""
+        rank, (_, start, size) = a.shape[0], self.parts[part]
+        first = part * self.max_rank
+        self.a[slot, first:first + self.max_rank].zero_()
+        self.b[slot, start:start + size, first:first + self.max_rank].zero_()
+        self.a[slot, first:first + rank].copy_(a)
+        self.b[slot, start:start + size, first:first + rank].copy_(b * scale)
+        self.active[slot] = True
 
     def clear(self, slot: int) -> None:
-        self.targets[slot] = set()
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.active[slot] = False
+        self.kernels[slot] = None
+
+    def finish(self, slot: int) -> None:
+        """After a slot's parts are loaded: its two matmuls' kernels (weights packed)."""
+        if self.active[slot]:
+            self.kernels[slot] = (self._kernel(self.a[slot]), self._kernel(self.b[slot]))
+
+    def _kernel(self, weight: torch.Tensor) -> nn.Module:
+        packed = packed_linear(weight, None, self.matmul)
+        if packed is not None:
+            return packed
+        plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        plain.weight.data = weight
+        return plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        for slot, rows in self.step.groups:
-            parts = self.targets[slot]
-            if not parts:
+        for group in self.step.groups:
+            kernels = self.kernels[group.slot]
+            if kernels is None:  # the adapter targets none of this projection's parts
                 continue
-            xs = x[rows]
-            for part in parts:
-                _, start, size = self.parts[part]
-                delta = (xs @ self.a[part][slot].T) @ self.b[part][slot].T
-                y[rows, start:start + size] += delta * self.scale[slot]
+            shrink, expand = kernels
+            if group.span is not None:
+                lo, hi = group.span
+                y[lo:hi] += expand(shrink(x[lo:hi]))
+            else:
+                y.index_add_(0, group.rows, expand(shrink(x[group.rows])))
         return y

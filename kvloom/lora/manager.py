@@ -22,7 +22,7 @@ from kvloom.lora.request import LoRARequest
 
 
 def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
-                      step: LoRAStep) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+                      step: LoRAStep, matmul: str = "invariant") -> dict[tuple[int, str], tuple[LoRALinear, int]]:
     """Wrap each decoder layer's projections of a dense Llama-family model (after
     packing) in ``LoRALinear``; returns (layer, projection) -> (its layer, its part)."""
     from kvloom.models.layers import GatedMLP
@@ -38,7 +38,8 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
     def wrap(owner: torch.nn.Module, attribute: str, layer: int, parts: list[tuple[str, int, int]],
              in_features: int) -> None:
-        wrapped = LoRALinear(getattr(owner, attribute), parts, in_features, max_loras, max_rank, step, dtype, device)
+        wrapped = LoRALinear(getattr(owner, attribute), parts, in_features, max_loras, max_rank, step, dtype, device,
+                             matmul)
         setattr(owner, attribute, wrapped)
         for index, (name, _, _) in enumerate(parts):
             targets[layer, name] = (wrapped, index)
@@ -54,12 +55,15 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
 
 class LoRAManager:
-    def __init__(self, model: object, config: ModelConfig, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: object, config: ModelConfig, max_loras: int, max_rank: int,
+                 matmul: str = "invariant") -> None:
+        """``matmul``: the model's matmul kernel (EngineConfig.matmul), the adapters' too."""
         self.config = config
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.step = LoRAStep()
-        self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step)
+        self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step, matmul)
+        self._layers = list({id(layer): layer for layer, _ in self._targets.values()}.values())
         self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
         self._paths: dict[str, str] = {}  # every name ever loaded -> its path (one name, one path)
         self._refs = [0] * max_loras
@@ -88,11 +92,13 @@ class LoRAManager:
                             "beside them")
         adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
         slot = min(idle, key=lambda s: (self._names[s] is not None, self._used[s]))  # empty, then LRU
-        for layer, _ in self._targets.values():
+        for layer in self._layers:
             layer.clear(slot)
         for (layer_index, module), (a, b) in adapter.weights.items():
             layer, part = self._targets[layer_index, module]
             layer.load(slot, part, a, b, adapter.scale)
+        for layer in self._layers:
+            layer.finish(slot)
         self._names[slot] = lora.lora_name
         self._paths[lora.lora_name] = lora.lora_path
         return slot

@@ -67,10 +67,10 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(models) -> None:
     llm.engine.check_integrity()
 
 
-def test_in_bf16_a_base_request_is_bit_identical_beside_adapters(models) -> None:
+def test_in_bf16_every_request_is_bit_identical_alone_and_beside_others(models) -> None:
     """A step with adapter rows runs the module path, the native walk's reference: the
     base model's rows in it get the bits they get alone (in bf16, kvloom's row-invariant
-    GEMM)."""
+    GEMM), and so do an adapter's rows, whose two matmuls run on that GEMM too."""
     rng = random.Random(2)
     prompt = [rng.randrange(3, 500) for _ in range(30)]
     others = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(3)]
@@ -79,9 +79,12 @@ def test_in_bf16_a_base_request_is_bit_identical_beside_adapters(models) -> None
               enable_prefix_caching=False)
     alone = llm.generate([prompt], params)[0]
     a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
-    mixed = llm.generate([others[0], prompt, others[1], others[2]], params, lora_request=[a, None, b, a])[1]
-    assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert mixed.outputs[0].logprobs == alone.outputs[0].logprobs
+    mixed = llm.generate([others[0], prompt, others[1], others[2]], params, lora_request=[a, None, b, a])
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed[1].outputs[0].logprobs == alone.outputs[0].logprobs
+    for index, lora, batched in ((0, a, mixed[0]), (1, b, mixed[2]), (2, a, mixed[3])):  # alone, then as above
+        solo = llm.generate([others[index]], params, lora_request=lora)[0].outputs[0]
+        assert (solo.token_ids, solo.logprobs) == (batched.outputs[0].token_ids, batched.outputs[0].logprobs)
 
 
 def test_slots_are_reused_least_recently_used_and_a_full_set_refuses(models) -> None:
