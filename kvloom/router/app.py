@@ -191,10 +191,14 @@ def routing_key(path: str, body: dict[str, Any]) -> str:
     in order, each ended by a newline (a Responses request's instructions, then its
     input's messages, as the chat it amounts to). A body the router cannot read has the key "".
     A ``cache_salt`` goes first, between NULs: the workers' caches serve a salt only
-    its own prefixes, so the router keeps each salt's prefixes apart as well."""
-    salt = body.get("cache_salt")
+    its own prefixes, so the router keeps each salt's prefixes apart as well. So does
+    the ``model`` named, before it: a LoRA adapter's KV is its own (and the base model
+    named in two ways splits its prefixes, the price of not asking workers which is which)."""
+    salt, model = body.get("cache_salt"), body.get("model")
     text = _prompt_text(path, body)
-    return f"\0{salt}\0{text}" if isinstance(salt, str) and salt and text else text
+    if isinstance(salt, str) and salt and text:
+        text = f"\0{salt}\0{text}"
+    return f"\1{model}\1{text}" if isinstance(model, str) and model and text else text
 
 
 def _prompt_text(path: str, body: dict[str, Any]) -> str:

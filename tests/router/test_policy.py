@@ -128,6 +128,10 @@ def test_routing_keys() -> None:
     assert salted != routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t2"})
     assert routing_key("/v1/completions", {"prompt": "hello", "cache_salt": ""}) == "hello"
     assert routing_key("/v1/completions", {"prompt": 5, "cache_salt": "t1"}) == ""
+    # The model named (a LoRA adapter's KV is its own) keys apart too, before the salt.
+    adapter = routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t1", "model": "sql"})
+    assert adapter == "\x01sql\x01" + salted
+    assert adapter != routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t1", "model": "base"})
     assert routing_key("/v1/completions", {"prompt": [[1, 2], [3]]}) == "\x01\x02"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
