@@ -110,8 +110,9 @@ class Request:
     # vLLM's cache_salt: the prefix cache serves this request only what requests of the
     # same salt left there (one tenant's), and keeps its blocks apart from the others'.
     cache_salt: str | None = None
-    # The LoRA adapter it runs with (kvloom/lora); None: the base model.
-    lora_name: str | None = None
+    # The LoRA adapter it runs with, as the prefix cache tells adapters apart (its name
+    # and the load that bound it: kvloom/lora/manager.py); None: the base model.
+    lora_key: str | None = None
     # The prefix cache's namespace for it: its salt's, and an adapter's own (its KV is
     # not the base model's). Salts and adapter names hold no NUL, so no two collide.
     cache_key: str | None = field(init=False, default=None)
@@ -142,8 +143,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.cache_key = (self.cache_salt if self.lora_name is None
-                          else f"{self.cache_salt or ''}\0lora\0{self.lora_name}")
+        self.cache_key = (self.cache_salt if self.lora_key is None
+                          else f"{self.cache_salt or ''}\0lora\0{self.lora_key}")
         self.timeline = RequestTimeline(arrival_time=self.arrival_time)
 
     @property

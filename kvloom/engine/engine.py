@@ -255,6 +255,8 @@ class LLMEngine:
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         rid = request_id if request_id is not None else self.new_request_id()
+        # The adapter's slot is held before the request is queued: a refusal leaves nothing.
+        lora_key = self.runner.acquire_lora(rid, lora_request) if lora_request is not None else None
         request = Request(
             request_id=rid,
             prompt_token_ids=token_ids,
@@ -266,10 +268,8 @@ class LLMEngine:
             prompt=text,
             kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
             cache_salt=cache_salt,
-            lora_name=lora_request.lora_name if lora_request is not None else None,
+            lora_key=lora_key,
         )
-        if lora_request is not None:  # before the request is queued: a refusal leaves nothing
-            self.runner.acquire_lora(rid, lora_request)
         try:
             self.scheduler.add_request(request)
         except BaseException:
@@ -279,6 +279,18 @@ class LLMEngine:
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: check an adapter against the model and bind its name (ValueError naming
+        what is wrong); requests naming it load it into a slot."""
+        if self.runner.lora is None:
+            raise ValueError("adding a LoRA adapter needs an engine started with enable_lora (--enable-lora)")
+        self.runner.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unbind an adapter's name (requests in flight on it finish); False if unknown."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_name)
 
     def new_request_id(self) -> str:
         """A fresh id for a request added without one: the counter's next value that no

@@ -65,24 +65,53 @@ class LoRAManager:
         self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step, matmul)
         self._layers = list({id(layer): layer for layer, _ in self._targets.values()}.values())
         self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
-        self._paths: dict[str, str] = {}  # every name ever loaded -> its path (one name, one path)
+        # Each bound name -> (its path, the binding's number): one name, one path, until it
+        # is removed; a name bound again is a new adapter (its KV is not the old one's).
+        self._bound: dict[str, tuple[str, int]] = {}
+        self._bindings = itertools.count(1)
         self._refs = [0] * max_loras
         self._used = [0] * max_loras  # LRU clock of each slot's last acquire
         self._clock = itertools.count(1)
         self._slot_of: dict[str, int] = {}  # request id -> slot
 
-    def acquire(self, request_id: str, lora: LoRARequest) -> None:
+    def acquire(self, request_id: str, lora: LoRARequest) -> str:
         """Hold ``lora``'s slot for ``request_id``, loading the adapter if it is not in one.
+        Returns the adapter's identity for the prefix cache (its name and binding).
         Raises ValueError (LoRAError) for an adapter that cannot be loaded or a full set
         of busy slots; nothing is held then."""
-        known = self._paths.get(lora.lora_name)
-        if known is not None and known != lora.lora_path:
-            raise LoRAError(f"LoRA adapter {lora.lora_name!r} was loaded from {known}, not {lora.lora_path}: "
-                            "one name, one adapter")
+        binding = self._binding(lora)
         slot = self._names.index(lora.lora_name) if lora.lora_name in self._names else self._load(lora)
+        if binding is None:
+            binding = self._bound[lora.lora_name] = (lora.lora_path, next(self._bindings))
         self._refs[slot] += 1
         self._used[slot] = next(self._clock)
         self._slot_of[request_id] = slot
+        return f"{lora.lora_name}\0{binding[1]}"
+
+    def _binding(self, lora: LoRARequest) -> tuple[str, int] | None:
+        """The name's binding, None if unbound; LoRAError if bound to another path."""
+        binding = self._bound.get(lora.lora_name)
+        if binding is not None and binding[0] != lora.lora_path:
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r} was loaded from {binding[0]}, not "
+                            f"{lora.lora_path}: one name, one adapter")
+        return binding
+
+    def add(self, lora: LoRARequest) -> None:
+        """Check ``lora``'s adapter against the model and bind its name to its path (vLLM's
+        ``add_lora``); a slot is filled when a request first names it. LoRAError if the
+        adapter could not be served or the name is bound to another path."""
+        if self._binding(lora) is None:
+            LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+            self._bound[lora.lora_name] = (lora.lora_path, next(self._bindings))
+
+    def remove(self, name: str) -> bool:
+        """Unbind ``name`` (it may then name another adapter); its slot goes back to the
+        free ones once the requests in flight on it are done. False if it was not bound."""
+        if self._bound.pop(name, None) is None:
+            return False
+        if name in self._names:
+            self._names[self._names.index(name)] = None
+        return True
 
     def _load(self, lora: LoRARequest) -> int:
         idle = [slot for slot in range(self.max_loras) if self._refs[slot] == 0]
@@ -100,7 +129,6 @@ class LoRAManager:
         for layer in self._layers:
             layer.finish(slot)
         self._names[slot] = lora.lora_name
-        self._paths[lora.lora_name] = lora.lora_path
         return slot
 
     def release(self, request_id: str) -> None:

@@ -92,12 +92,13 @@ class ModelRunner:
         """Set up a queued request's per-request state (its grammar matcher, if any)."""
         self.structured.add_request(request, grammar)
 
-    def acquire_lora(self, request_id: str, lora: LoRARequest) -> None:
+    def acquire_lora(self, request_id: str, lora: LoRARequest) -> str:
         """Hold ``lora``'s adapter slot for a request about to be queued (loading it if
-        need be); ValueError naming what is wrong if it cannot be served."""
+        need be) and return the adapter's prefix-cache identity; ValueError naming what
+        is wrong if it cannot be served."""
         if self.lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora (--enable-lora)")
-        self.lora.acquire(request_id, lora)
+        return self.lora.acquire(request_id, lora)
 
     def valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
         """The prefix of a proposer's drafts that the request's grammar (if any) allows."""

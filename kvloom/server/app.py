@@ -32,6 +32,7 @@ from kvloom.server.protocol import (
 )
 from kvloom.server.serving_chat import create_chat_completion, encode_messages
 from kvloom.server.serving_completions import create_completion
+from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_responses import create_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
@@ -92,7 +93,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         served = serving.served_name(info)
         adapters = [{"id": name, "object": "model", "created": created, "owned_by": "kvloom", "root": path,
                      "parent": served, "max_model_len": info.max_model_len, "block_size": info.limits.block_size}
-                    for name, path in serving.settings.lora_modules]
+                    for name, path in serving.loras.items()]
         return {"object": "list", "data": [{
             "id": served, "object": "model", "created": created,
             "owned_by": "kvloom", "root": info.model_name, "parent": None,
@@ -136,6 +137,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             assert body.prompt is not None
             tokens = info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+
+    if settings.allow_runtime_lora_updating:
+        install_lora_updating(app, serving)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

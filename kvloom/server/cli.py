@@ -50,6 +50,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
                        help="LoRA adapters to serve beside the model (needs --enable-lora): a request's "
                             "\"model\" names one; PATH is a PEFT adapter directory")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; "
+                            "default: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     tools = serve.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="with tool_choice \"auto\" (the default when a request has tools), parse "
@@ -92,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -37,6 +37,7 @@ from kvloom.server.async_engine import (
     ResultStream,
 )
 from kvloom.server.errors import SERVER_ERROR, APIError, bad_request, from_value_error, overloaded
+from kvloom.server.lora_modules import LoRAModules
 from kvloom.server.protocol import SamplingRequest
 from kvloom.server.settings import ServerSettings
 from kvloom.structured import structured_output_from_openai
@@ -48,6 +49,10 @@ class Serving:
 
     engine: AsyncEngine
     settings: ServerSettings
+    loras: LoRAModules = field(init=False)  # the adapters served by name (server/lora_modules.py)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loras", LoRAModules(self.settings.lora_modules))
 
     def model_info(self) -> ModelInfo:
         """The loaded model's facts, or a 503 while it loads / after it failed."""
@@ -65,7 +70,7 @@ class Serving:
         """The name to report: the served name, or the LoRA adapter's the request names;
         404 for a model we do not serve."""
         names = self.settings.model_ids(info.model_name)
-        adapters = [name for name, _ in self.settings.lora_modules]
+        adapters = self.loras.names()
         if requested is not None and requested in adapters and requested not in names:
             return requested
         if requested is not None and requested not in names:
@@ -78,7 +83,7 @@ class Serving:
         """The adapter a request's ``model`` names (after ``check_model``); None: the base."""
         if requested in self.settings.model_ids(info.model_name):
             return None
-        return self.settings.lora_request(requested)
+        return self.loras.request(requested)
 
     async def open(self, requests: list[EngineRequest]) -> ResultStream:
         try:

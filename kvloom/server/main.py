@@ -46,7 +46,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
                limits: ConnectionLimits | None = None, tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False, enable_dashboard: bool = True,
-               otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = ()) -> int:
+               otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
+               allow_runtime_lora_updating: bool = False) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
     supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
@@ -62,9 +63,11 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                               api_key=api_key, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
                               enable_auto_tool_choice=enable_auto_tool_choice,
                               enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint,
-                              lora_modules=tuple(lora_modules))
-    if lora_modules and not config.lora.enable_lora:
-        raise ValueError("lora_modules (--lora-modules) needs enable_lora (--enable-lora)")
+                              lora_modules=tuple(lora_modules),
+                              allow_runtime_lora_updating=allow_runtime_lora_updating)
+    if (lora_modules or allow_runtime_lora_updating) and not config.lora.enable_lora:
+        raise ValueError("lora_modules (--lora-modules) and allow_runtime_lora_updating need enable_lora "
+                         "(--enable-lora)")
     if enable_dashboard:
         config = dashboard.with_trace(config)  # its timeline reads the scheduler's trace
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting,

@@ -339,6 +339,20 @@ class TokenizeRequest(RequestModel):
         return self
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter directory under a new name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's; ``lora_int_id`` is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(RequestModel):
     """POST /detokenize: ``{"tokens": [...]}`` -> ``{"prompt": ...}``."""
 

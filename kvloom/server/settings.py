@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvloom.lora.request import LoRARequest
+from kvloom.lora.request import LoRARequest  # checks --lora-modules' names and paths
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING = 1024
@@ -35,6 +35,9 @@ class ServerSettings:
     # LoRA adapters served beside the model (vLLM's --lora-modules): (name, PEFT directory)
     # each; a request names one in its ``model`` field. The engine needs enable_lora.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter add and remove adapters while serving.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         from kvloom.server.tool_parsers import get_tool_parser
@@ -53,13 +56,6 @@ class ServerSettings:
             raise ValueError(f"lora_modules names must be unique, got {names}")
         for index, (name, path) in enumerate(self.lora_modules, start=1):
             LoRARequest(name, index, path)  # ValueError naming a bad name or path
-
-    def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names, None for the base model."""
-        for index, (name, path) in enumerate(self.lora_modules, start=1):
-            if name == model:
-                return LoRARequest(name, index, path)
-        return None
 
     def model_ids(self, engine_model_name: str) -> tuple[str, ...]:
         """Accepted ``model`` values, the served name first."""

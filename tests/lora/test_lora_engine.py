@@ -108,6 +108,18 @@ def test_slots_are_reused_least_recently_used_and_a_full_set_refuses(models) -> 
     with pytest.raises(ValueError, match=r"'a' was loaded from .*, not /elsewhere: one name, one adapter"):
         llm.generate([prompt], params, lora_request=LoRARequest("a", 3, "/elsewhere"))
     engine.check_integrity()
+    # Removed, the name may name another adapter, whose KV is its own: the prompt that
+    # "a" has cached is not a hit for the new "a".
+    assert engine.remove_lora("a") and not engine.remove_lora("a")
+    renamed = llm.generate([prompt], params, lora_request=LoRARequest("a", 4, str(models["b"])))[0]
+    assert renamed.num_cached_tokens == 0
+    check_against_peft(peft_model(models, "b"), prompt, renamed.outputs[0])
+    assert engine.add_lora(LoRARequest("c", 5, str(models["a"])))  # checked and bound, loaded on first use
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        engine.add_lora(LoRARequest("d", 6, "/no/such/adapter"))
+    check_against_peft(peft_model(models, "a"), prompt,
+                       llm.generate([prompt], params, lora_request=LoRARequest("c", 5, str(models["a"])))[0].outputs[0])
+    engine.check_integrity()
 
 
 def rewrite_config(source: Path, target: Path, **changes) -> Path:

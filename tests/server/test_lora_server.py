@@ -69,3 +69,57 @@ def test_lora_module_settings_are_checked() -> None:
         ServerSettings(lora_modules=(("a", "/x"), ("a", "/y")))
     with pytest.raises(ValueError, match="lora_path must be a non-empty string"):
         ServerSettings(lora_modules=(("a", ""),))
+
+
+@pytest.fixture(scope="module")
+def updating_server(tiny_llama: Path, adapters: dict[str, Path]) -> Iterator[LiveServer]:
+    settings = ServerSettings(served_model_name=SERVED_NAME, allow_runtime_lora_updating=True)
+    live = start_live_server(tiny_llama, settings, enable_lora=True, max_loras=1)
+    yield live
+    live.stop()
+
+
+def test_adapters_load_and_unload_at_run_time(updating_server: LiveServer, tiny_llama: Path,
+                                              adapters: dict[str, Path]) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (behind its runtime-updating
+    switch): a loaded name serves its adapter, an unloaded one is a 404, and a name can
+    be loaded again from another path."""
+    prompt = [11, 45, 230, 7, 99, 12, 3, 64, 18]
+
+    def completion(http: httpx.Client, model: str) -> httpx.Response:
+        return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                  "temperature": 0, "ignore_eos": True})
+
+    def expected(http: httpx.Client, adapter: Path) -> str:
+        tokens = greedy_tokens(reference_model(tiny_llama, adapter), prompt, 6)
+        return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    with httpx.Client(base_url=updating_server.base_url, timeout=60) as http:
+        assert completion(http, "poet").status_code == 404
+        load = http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(adapters["poet"])})
+        assert load.status_code == 200, load.text
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [SERVED_NAME, "poet"]
+        assert completion(http, "poet").json()["choices"][0]["text"] == expected(http, adapters["poet"])
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(adapters["sql"])})
+        assert again.status_code == 400
+        assert again.json()["error"]["message"] == "The LoRA adapter 'poet' has already been loaded."
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/no/such/adapter"})
+        assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+        base = http.post("/v1/load_lora_adapter", json={"lora_name": SERVED_NAME, "lora_path": str(adapters["sql"])})
+        assert base.status_code == 400 and "is the served model's name" in base.json()["error"]["message"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "poet"}).status_code == 200
+        assert completion(http, "poet").status_code == 404
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "poet"})
+        assert gone.status_code == 404
+        assert gone.json()["error"]["message"] == "The LoRA adapter 'poet' cannot be found."
+        # The name again, now for the other adapter (and the one slot reused).
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "poet",
+                                                        "lora_path": str(adapters["sql"])}).status_code == 200
+        assert completion(http, "poet").json()["choices"][0]["text"] == expected(http, adapters["sql"])
+    updating_server.assert_idle_and_clean()
+
+
+def test_run_time_updating_is_off_unless_allowed(server: LiveServer, adapters: dict[str, Path]) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["sql"])})
+        assert response.status_code == 404
