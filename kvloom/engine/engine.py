@@ -97,6 +97,11 @@ class EngineStats:
     # Prefix hits that ended inside a cached block, each copied into its request's first
     # private block (cumulative; their tokens count in prefix_cache_hit_tokens).
     num_block_copies: int = 0
+    # LoRA (0 and empty without enable_lora): the slots, and the adapters of the running
+    # and of the waiting requests, by name (sorted).
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -445,7 +450,13 @@ class LLMEngine:
                            imports.imports, imports.failures, imports.bytes, imports.seconds,
                            staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
                            len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots,
-                           kv.prefix_cache.num_cached_states, s.num_block_copies)
+                           kv.prefix_cache.num_cached_states, s.num_block_copies, *self._lora_stats())
+
+    def _lora_stats(self) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+        lora = self.runner.lora
+        if lora is None:
+            return 0, (), ()
+        return lora.max_loras, lora.adapters_of(self.scheduler.running), lora.adapters_of(self.scheduler.waiting)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's other ranks and leave its process group (a

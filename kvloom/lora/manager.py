@@ -11,7 +11,7 @@ in flight that hold it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -19,6 +19,7 @@ from kvloom.config import ModelConfig
 from kvloom.lora.adapter import LoRAAdapter, LoRAError
 from kvloom.lora.layers import LoRALinear, LoRAStep
 from kvloom.lora.request import LoRARequest
+from kvloom.request import Request
 
 
 def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
@@ -142,6 +143,12 @@ class LoRAManager:
 
     def loaded(self) -> list[str]:
         return [name for name in self._names if name is not None]
+
+    def adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:
+        """The names of the adapters ``requests`` run with (sorted; an adapter removed
+        while its requests finish is left out)."""
+        names = {self._names[slot] for r in requests if (slot := self._slot_of.get(r.request_id)) is not None}
+        return tuple(sorted(name for name in names if name is not None))
 
     def check_integrity(self, live_request_ids: set[str]) -> None:
         counts = [0] * self.max_loras

@@ -125,6 +125,13 @@ class EngineMetrics:
         self.num_cached_states = gauge(
             "kvloom:num_cached_states",
             "State-space models: state checkpoints the prefix cache holds (a hit needs one).")
+        # vLLM's vllm:lora_requests_info: one sample whose labels name the adapters of the
+        # running and of the waiting requests (comma-separated), its value the time of the
+        # last change (what LoRA-aware gateways read).
+        self.lora_requests_info = gauge(
+            "kvloom:lora_requests_info", "Running and waiting LoRA adapters (labels); value: when they last changed.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        self._lora_seen: tuple[str, str, str] | None = None
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
         self._cache_seen = (0, 0)  # evicted blocks, block copies
@@ -178,6 +185,13 @@ class EngineMetrics:
             _advance((self.tp_collectives, self.tp_collective_bytes, self.tp_collective_seconds), tp, self._tp_seen)
             self._tp_seen = tp
         self.num_requests_receiving.set(stats.num_receiving)
+        if stats.max_loras:
+            lora = (str(stats.max_loras), ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters))
+            if lora != self._lora_seen:
+                if self._lora_seen is not None:
+                    self.lora_requests_info.remove(*self._lora_seen)
+                self.lora_requests_info.labels(*lora).set_to_current_time()
+                self._lora_seen = lora
         if stats.num_state_slots:
             self.state_slots_usage.set(1 - stats.num_free_state_slots / stats.num_state_slots)
             self.num_cached_states.set(stats.num_cached_states)

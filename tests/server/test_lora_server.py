@@ -123,3 +123,29 @@ def test_run_time_updating_is_off_unless_allowed(server: LiveServer, adapters: d
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         response = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["sql"])})
         assert response.status_code == 404
+
+
+def test_metrics_name_the_running_adapters(tiny_llama: Path, adapters: dict[str, Path]) -> None:
+    """vLLM's lora_requests_info: while a request on "sql" streams, the running adapters
+    are "sql"; once it ends, none. (A slow engine: 100 tokens take >= 2 s.)"""
+    settings = ServerSettings(served_model_name=SERVED_NAME, lora_modules=(("sql", str(adapters["sql"])),))
+    live = start_live_server(tiny_llama, settings, step_delay=0.02, enable_lora=True, max_loras=3)
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            body = {"model": "sql", "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                events = stream.iter_lines()
+                next(events)  # the request is running
+                metrics = http.get("/metrics").text
+                assert ('kvloom:lora_requests_info{max_lora="3",running_lora_adapters="sql",'
+                        'waiting_lora_adapters=""}') in metrics
+                for _ in events:
+                    pass
+            live.assert_idle_and_clean()
+            metrics = http.get("/metrics").text
+            lines = [line for line in metrics.splitlines() if line.startswith("kvloom:lora_requests_info{")]
+            assert len(lines) == 1
+            assert lines[0].startswith('kvloom:lora_requests_info{max_lora="3",running_lora_adapters="",'
+                                       'waiting_lora_adapters=""}')
+    finally:
+        live.stop()
