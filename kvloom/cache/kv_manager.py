@@ -165,6 +165,13 @@ class KVCacheManager:
             state.saving = (end, slot)
         return slot
 
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no request holds (vLLM's ``reset_prefix_cache``).
+        Returns whether the cache is empty now: False while requests hold cached blocks
+        (theirs stay, and every later request may still hit them)."""
+        self.num_evicted_blocks += self.prefix_cache.evict(self.prefix_cache.num_evictable_blocks)
+        return self.prefix_cache.num_cached_blocks == 0
+
     def _reserve(self, needed: int) -> bool:
         """Ensure ``needed`` free blocks exist, evicting idle cached blocks if that suffices."""
         shortfall = needed - self.pool.num_free_blocks

@@ -285,6 +285,11 @@ class LLMEngine:
         self.output_processor.add(request)
         return request
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: drop every prefix-cache block no request holds (e.g. between benchmark
+        runs); False if requests hold some, which stay."""
+        return self.kv_manager.reset_prefix_cache()
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: check an adapter against the model and bind its name (ValueError naming
         what is wrong); requests naming it load it into a slot."""

@@ -176,6 +176,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt,
                              lora_request=lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache (nothing runs between two calls of this API, so
+        no request holds a cached block); returns whether it is empty."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without sampling params, as vLLM's: the model's
         generation-config defaults (``generation_config``; none: ``SamplingParams()``)."""

@@ -141,6 +141,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     if settings.allow_runtime_lora_updating:
         install_lora_updating(app, serving)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """vLLM's: drop the prefix cache's blocks that no request holds (e.g. between
+        benchmark runs); ``reset`` is false while requests hold some."""
+        serving.model_info()
+        return {"reset": await async_engine.call(lambda engine: engine.reset_prefix_cache())}
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         info = serving.model_info()

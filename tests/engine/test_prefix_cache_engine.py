@@ -89,6 +89,30 @@ def test_multi_turn_reuses_previous_prompt_and_answer(model: str, dtype: str, re
     assert second.outputs[0].logprobs == off.outputs[0].logprobs  # bit for bit
 
 
+def test_reset_prefix_cache_drops_what_no_request_holds(tiny_llama) -> None:
+    """vLLM's reset_prefix_cache: the next run of a prompt hits nothing; blocks a running
+    request holds stay (False), and that request finishes as without the reset."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 512) for _ in range(40)]
+    engine = make_engine(tiny_llama)
+    first = run(engine, {"a": prompt})["a"]
+    assert run(engine, {"b": prompt})["b"].num_cached_tokens == 39
+    assert engine.reset_prefix_cache()
+    assert engine.kv_manager.pool.num_free_blocks == engine.num_blocks
+    again = run(engine, {"c": prompt})["c"]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    engine.add_request(prompt + [7] * 20, GREEDY, request_id="held")
+    engine.step()  # its prompt's whole blocks are cached and held by it
+    assert not engine.reset_prefix_cache()
+    assert engine.kv_manager.prefix_cache.num_cached_blocks == 3  # the held request's 60 // 16 blocks
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    off = run(make_engine(tiny_llama, enable_prefix_caching=False), {"held": prompt + [7] * 20})["held"]
+    assert finals["held"].outputs[0].token_ids == off.outputs[0].token_ids
+
+
 def test_eviction_under_pressure(tiny_llama) -> None:
     rng = random.Random(5)
     prompts = {f"r{i}": [rng.randrange(3, 512) for _ in range(rng.randrange(30, 70))] for i in range(24)}

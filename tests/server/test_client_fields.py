@@ -368,3 +368,19 @@ def test_cache_salt_shares_the_prefix_cache_within_a_salt_only(http: httpx.Clien
     response = http.post(COMPLETIONS, json={"model": SERVED_NAME, **same, "cache_salt": ""})
     assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
     live_server.assert_idle_and_clean()
+
+
+def test_reset_prefix_cache_over_http(http: httpx.Client, live_server: LiveServer) -> None:
+    """vLLM's POST /reset_prefix_cache: the same prompt hits before it and not after."""
+    prompt = list(range(40, 80))
+
+    def cached() -> int:
+        return post(http, COMPLETIONS, prompt=prompt, max_tokens=2, temperature=0)["usage"][
+            "prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() == 39
+    response = http.post("/reset_prefix_cache")
+    assert response.status_code == 200 and response.json() == {"reset": True}
+    assert cached() == 0
+    live_server.assert_idle_and_clean()
