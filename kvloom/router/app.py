@@ -132,6 +132,14 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """vLLM's, on every worker that is up: ``reset`` where each one's is (a worker that
+        does not answer counts as not reset); ``workers``: each one's answer."""
+        urls = [w.url for w in router.pool.up()]
+        answers = await asyncio.gather(*(_worker_reset(router, url) for url in urls))
+        return JSONResponse({"reset": bool(urls) and all(answers), "workers": dict(zip(urls, answers, strict=True))})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         texts = await asyncio.gather(*(_worker_metrics(router, w.url) for w in router.pool.up()))
@@ -174,6 +182,16 @@ async def _worker_metrics(router: Router, url: str) -> str | None:
     except httpx.HTTPError:
         return None  # left out of the sums; the health check decides whether it is down
     return response.text if response.status_code == 200 else None
+
+
+async def _worker_reset(router: Router, url: str) -> bool:
+    headers = {"Authorization": f"Bearer {router.config.api_key}"} if router.config.api_key else {}
+    try:
+        response = await router.client.post(f"{url}/reset_prefix_cache", headers=headers,
+                                            timeout=router.config.health_timeout)
+        return response.status_code == 200 and response.json().get("reset") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -132,3 +132,13 @@ def test_metrics_sum_the_workers(http: httpx.Client, workers: list[LiveServer]) 
     for worker in workers:
         assert routed[("kvloom_router_worker_up", (("worker", worker.base_url),))] == 1
         assert routed[("kvloom_router_requests_in_flight", (("worker", worker.base_url),))] == 0
+
+
+def test_reset_prefix_cache_reaches_every_worker(http: httpx.Client, workers: list[LiveServer]) -> None:
+    prompt = f"{SYSTEM_PIRATE}Question 99: how deep is the sea?"
+    assert completion(http, prompt).status_code == 200
+    assert completion(http, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    response = http.post("/reset_prefix_cache")
+    assert response.status_code == 200
+    assert response.json() == {"reset": True, "workers": {w.base_url: True for w in workers}}
+    assert completion(http, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
