@@ -124,6 +124,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # An embedding request (LLM.embed, /v1/embeddings): the final hidden state of the
+    # prompt's last token, L2-normalized (vLLM's last-token pooling for decoder models),
+    # comes back as RequestOutput.embedding; it samples one token, which is dropped.
+    embed: bool = False
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None) -> None:
@@ -186,6 +190,8 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > 20:
                     raise ValueError(f"{name} must be <= 20, got {value}")
+        if not isinstance(self.embed, bool):
+            raise ValueError(f"embed must be true or false, got {self.embed!r}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
         if self.allowed_token_ids is not None:

@@ -385,6 +385,10 @@ class LLMEngine:
                 chunk = result.prompt_logprobs.get(item.request.request_id)
                 if chunk is not None:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
+        if result.embeddings:  # embedding requests' vectors
+            for item in scheduled.scheduled:
+                if (vector := result.embeddings.get(item.request.request_id)) is not None:
+                    self.output_processor.add_embedding(item.request, vector)
         updates = self.scheduler.commit(scheduled, result)
         self._step_updates.extend(updates)
         outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])

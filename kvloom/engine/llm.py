@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, advance_round
 from kvloom.engine.engine import LLMEngine
-from kvloom.engine.output import CompletionOutput, RequestOutput
+from kvloom.engine.output import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 
@@ -175,6 +175,19 @@ class LLM:
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt,
                              lora_request=lora_request)
+
+    def embed(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], use_tqdm: bool | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed`` for a decoder model: each prompt's embedding, the final
+        hidden state of its last token, L2-normalized (last-token pooling, as vLLM pools
+        decoder models; e5-mistral and gte-Qwen2 are such embedding models). Prompts as
+        ``generate``'s; batched, cached and exact as generation is."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+        return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
+                                       EmbeddingOutput(output.embedding or []), output.finished,
+                                       output.num_cached_tokens)
+                for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache (nothing runs between two calls of this API, so

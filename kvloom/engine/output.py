@@ -51,6 +51,24 @@ class RequestOutput:
     # Prefill instance, on a KVExport request's final output: where its prompt's KV is
     # staged (kvloom/kv_spec.py StagedKV.as_dict()), for a decode instance to pull.
     kv_transfer_params: dict[str, Any] | None = None
+    # An embedding request's (SamplingParams.embed) vector, on its final output.
+    embedding: list[float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized, the model's hidden size
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer per prompt, as vLLM's: ``outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

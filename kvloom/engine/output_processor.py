@@ -37,6 +37,7 @@ class _StreamState:
     # prefix-cache hit served them)
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
+    embedding: list[float] | None = None  # an embedding request's, once computed
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -63,6 +64,11 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+
+    def add_embedding(self, request: Request, vector: list[float]) -> None:
+        state = self._streams.get(request)
+        if state is not None:
+            state.embedding = vector
 
     def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a prompt recomputed
@@ -176,4 +182,5 @@ class OutputProcessor:
             metrics=request.timeline,
             error=request.error,
             prompt_logprobs=self._prompt_logprobs(state, request),
+            embedding=state.embedding,
         )

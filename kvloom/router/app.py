@@ -108,6 +108,15 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
     app.add_api_route("/v1/responses", generate, methods=["POST"])
+
+    async def embeddings(request: Request) -> Response:
+        """Cache-aware like a completion; a disaggregated router sends it to a decode
+        instance (it has no decode to hand over: one step computes it)."""
+        if router.disagg is not None:
+            return await any_worker(request)
+        return await generate(request)
+
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
     app.add_api_route("/v1/models", any_worker, methods=["GET"])
@@ -234,7 +243,7 @@ def _prompt_text(path: str, body: dict[str, Any]) -> str:
         if not isinstance(messages, list):
             return ""
         return "".join(f"{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
-    prompt = body.get("prompt")
+    prompt = body.get("input" if path.endswith("/embeddings") else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):

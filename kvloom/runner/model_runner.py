@@ -50,6 +50,9 @@ class LaunchedStep:
     failed: dict[str, RequestError] = field(default_factory=dict)  # requests whose grammar failed
     # Seeded random requests with drafts: their generators' state before the draws.
     rewinds: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+    # Embedding requests' vectors, [n, hidden] float32 on the device, in this order.
+    embedded: list[str] = field(default_factory=list)
+    embeddings: torch.Tensor | None = None
 
     @property
     def overlappable(self) -> bool:
@@ -80,6 +83,7 @@ class ModelRunner:
         # them: the inputs of the next step's pending tokens (overlap scheduling).
         self._pending_tokens: torch.Tensor | None = None
         self._pending_rows: dict[str, int] = {}
+        self._embedding_requests: set[str] = set()  # in flight with SamplingParams.embed
 
     # ---- per-request state -----------------------------------------------------------
     def compile_constraint(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -91,6 +95,8 @@ class ModelRunner:
     def add_request(self, request: Request, grammar: CompiledGrammar | None) -> None:
         """Set up a queued request's per-request state (its grammar matcher, if any)."""
         self.structured.add_request(request, grammar)
+        if request.sampling_params.embed:
+            self._embedding_requests.add(request.request_id)
 
     def acquire_lora(self, request_id: str, lora: LoRARequest) -> str:
         """Hold ``lora``'s adapter slot for a request about to be queued (loading it if
@@ -107,6 +113,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
+        self._embedding_requests.discard(request_id)
         self.structured.release(request_id)
         if self.lora is not None:
             self.lora.release(request_id)
@@ -160,7 +167,10 @@ class ModelRunner:
         # In the model's dtype: a greedy batch's argmax reads bf16 as it is (the sampler
         # widens to float32 where it computes, the same values either way).
         # hidden holds the sampled rows alone where the batch named them (output_rows).
-        logits = self.model.compute_logits(hidden if batch.output_rows is not None else hidden[batch.logits_indices])
+        final = hidden if batch.output_rows is not None else hidden[batch.logits_indices]  # [sampled rows, hidden]
+        if self._embedding_requests:
+            self._embed(launched, final)
+        logits = self.model.compute_logits(final)
         # One sampling row per position sampled at: the last known token, then each
         # draft, whose row sees the drafts before it as output (penalties, min_tokens).
         rows = [
@@ -211,7 +221,23 @@ class ModelRunner:
             aligned.accepted = self._aligned_rows(output, accepted, [])
             aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
         aligned.prompt_logprobs = launched.prompt_logprobs
+        if launched.embeddings is not None:
+            aligned.embeddings = dict(zip(launched.embedded, launched.embeddings.tolist(), strict=True))
         return aligned
+
+    @staticmethod
+    def _embed(launched: LaunchedStep, final: torch.Tensor) -> None:
+        """Last-token pooling: an embedding request samples at its prompt's last token,
+        whose final hidden state (row ``r`` of ``final``, one row per sampling row) is its
+        embedding, L2-normalized in float32."""
+        rows, row = [], 0
+        for item in launched.sampling:
+            if item.request.sampling_params.embed:
+                launched.embedded.append(item.request.request_id)
+                rows.append(row)
+            row += item.num_sampled_rows
+        if rows:
+            launched.embeddings = torch.nn.functional.normalize(final[rows].float(), dim=-1)
 
     def _seeded_rewinds(self, sampling: list[ScheduledRequest]) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
         """The generator state, before this step's draws, of each seeded random request

@@ -32,6 +32,7 @@ from kvloom.server.protocol import (
 )
 from kvloom.server.serving_chat import create_chat_completion, encode_messages
 from kvloom.server.serving_completions import create_completion
+from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_responses import create_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
@@ -110,6 +111,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, serving)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        return await create_embedding(body, request, serving)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -200,6 +200,20 @@ def check_context(prompt_len: int, max_tokens: int | None, info: ModelInfo, prom
     return max_tokens
 
 
+def encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (text is what ``echo`` sends back); ``special``:
+    text is tokenized with the special tokens (a BOS)."""
+    tokenizer = info.tokenizer
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=special)], [prompt]
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(p, add_special_tokens=special) for p in prompt], list(prompt)
+    batch = [prompt] if isinstance(prompt[0], int) else prompt
+    for token_ids in batch:
+        check_token_ids(token_ids, info, "prompt")
+    return batch, [tokenizer.decode(ids, skip_special_tokens=False) for ids in batch]
+
+
 def truncate_prompt(token_ids: list[int], keep: int | None, info: ModelInfo) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the last
     ``max_model_len``); None leaves it whole."""

@@ -19,8 +19,8 @@ from kvloom.server.generation import (
     base_params,
     check_n_and_store,
     check_stream_options,
-    check_token_ids,
     collect,
+    encode_prompts,
     engine_requests,
     new_id,
     open_with_kv_transfer,
@@ -82,27 +82,13 @@ async def _beam_search_completion(body: CompletionRequest, request: Request, ser
 def _prompts(body: CompletionRequest, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
     """The request's prompts as token ids and text, after ``truncate_prompt_tokens``
     (``echo`` then sends back the part kept)."""
-    prompts, texts = _encode_prompts(body.prompt, info, body.add_special_tokens)
+    prompts, texts = encode_prompts(body.prompt, info, body.add_special_tokens)
     if body.truncate_prompt_tokens is None:
         return prompts, texts
     kept = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
     texts = [text if len(ids) == len(whole) else info.tokenizer.decode(ids, skip_special_tokens=False)
              for text, ids, whole in zip(texts, kept, prompts, strict=True)]
     return kept, texts
-
-
-def _encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt (text is what ``echo`` sends back); ``special``:
-    text is tokenized with the special tokens (a BOS)."""
-    tokenizer = info.tokenizer
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=special)], [prompt]
-    if isinstance(prompt[0], str):
-        return [tokenizer.encode(p, add_special_tokens=special) for p in prompt], list(prompt)
-    batch = [prompt] if isinstance(prompt[0], int) else prompt
-    for token_ids in batch:
-        check_token_ids(token_ids, info, "prompt")
-    return batch, [tokenizer.decode(ids, skip_special_tokens=False) for ids in batch]
 
 
 class _Response(GenerationResponse):

@@ -105,3 +105,17 @@ def test_bad_words_and_allowed_token_ids_match_transformers_restricted(llm, defa
     assert set(only.token_ids) <= set(allowed)
     assert only.token_ids == hf_greedy_restricted(default_model_reference, prompt, 10, allowed=allowed)
     llm.engine.check_integrity()
+
+
+def test_embeddings_are_transformers_last_hidden_state(llm, default_model_reference) -> None:
+    """LLM.embed (last-token pooling): transformers' final hidden state of each prompt's
+    last token (after the final norm), L2-normalized."""
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outputs = llm.embed(prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            hidden = default_model_reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]
+        expected = torch.nn.functional.normalize(hidden[0, -1].float(), dim=-1)
+        assert torch.allclose(torch.tensor(output.outputs.embedding), expected, atol=1e-5)
+        assert output.prompt_token_ids == prompt
+    llm.engine.check_integrity()

@@ -133,6 +133,7 @@ def test_routing_keys() -> None:
     assert adapter == "\x01sql\x01" + salted
     assert adapter != routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t1", "model": "base"})
     assert routing_key("/v1/completions", {"prompt": [[1, 2], [3]]}) == "\x01\x02"
+    assert routing_key("/v1/embeddings", {"input": ["first", "second"]}) == "first"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert routing_key("/v1/chat/completions", chat) == "be brief\nhi\n"

@@ -142,3 +142,9 @@ def test_reset_prefix_cache_reaches_every_worker(http: httpx.Client, workers: li
     assert response.status_code == 200
     assert response.json() == {"reset": True, "workers": {w.base_url: True for w in workers}}
     assert completion(http, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_embeddings_pass_through(http: httpx.Client) -> None:
+    response = http.post("/v1/embeddings", json={"input": ["a b c", "d e"], "encoding_format": "float"})
+    assert response.status_code == 200, response.text
+    assert [len(d["embedding"]) for d in response.json()["data"]] == [64, 64]
