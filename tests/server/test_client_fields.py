@@ -92,7 +92,7 @@ def test_tool_messages_with_content_render_in_a_plain_template(http: httpx.Clien
 def test_add_special_tokens_false_leaves_the_bos_out(http: httpx.Client, tmp_path: Path) -> None:
     import transformers
 
-    from kvloom.server.serving_completions import _encode_prompts
+    from kvloom.server.generation import encode_prompts
     model = write_tiny_hf_model(tmp_path / "bos")
     config = {**json.loads((model / "tokenizer_config.json").read_text()), "add_bos_token": True}
     (model / "tokenizer_config.json").write_text(json.dumps(config))
@@ -101,8 +101,8 @@ def test_add_special_tokens_false_leaves_the_bos_out(http: httpx.Client, tmp_pat
     with_bos = [reference.convert_tokens_to_ids(config["bos_token"]), *bare]  # what add_bos_token asks for
     info = SimpleNamespace(tokenizer=Tokenizer.from_file(model / "tokenizer.json", config))
     for special, expected in ((True, with_bos), (False, bare)):
-        assert _encode_prompts("hello there", info, special)[0] == [expected]  # type: ignore[arg-type]
-        assert _encode_prompts(["hello there"] * 2, info, special)[0] == [expected] * 2  # type: ignore[arg-type]
+        assert encode_prompts("hello there", info, special)[0] == [expected]  # type: ignore[arg-type]
+        assert encode_prompts(["hello there"] * 2, info, special)[0] == [expected] * 2  # type: ignore[arg-type]
     # Over HTTP the field reaches the tokenizer (this server's has no BOS: the same ids).
     plain = post(http, COMPLETIONS, prompt="hello there", max_tokens=4, temperature=0, add_special_tokens=False)
     assert plain["usage"]["prompt_tokens"] == len(tokenize(http, prompt="hello there", add_special_tokens=False))

@@ -31,6 +31,8 @@ FIELDS = {
     "/v1/responses": ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
                       "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "background",
                       "include", "truncation", "reasoning", "metadata", "user", "prompt_cache_key"],
+    "/v1/embeddings": ["model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+                       "add_special_tokens", "cache_salt"],
     "/tokenize": ["model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"],
     "/detokenize": ["model", "tokens"],
 }
@@ -74,6 +76,8 @@ plausible = {
         {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
          "content": st.one_of(st.text(max_size=30), json_values)}), max_size=3),
     "tokens": st.lists(st.integers(-3, 600), max_size=6),
+    "encoding_format": st.sampled_from(["float", "base64", "binary", ""]),
+    "dimensions": ints,
     "input": st.one_of(st.text(max_size=30), st.lists(st.one_of(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "x"]),
                                "content": st.one_of(st.text(max_size=20), json_values)}),
@@ -96,6 +100,7 @@ BASES = {  # a valid body per route; each case changes a few of its fields or ad
     "/v1/chat/completions": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}],
                              "max_tokens": 4},
     "/v1/responses": {"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 4},
+    "/v1/embeddings": {"model": SERVED_NAME, "input": ["Hello", "there"]},
     "/tokenize": {"model": SERVED_NAME, "prompt": "Hello"},
     "/detokenize": {"model": SERVED_NAME, "tokens": [5, 6, 7]},
 }
