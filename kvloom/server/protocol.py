@@ -114,6 +114,9 @@ class SamplingRequest(RequestModel):
     # vLLM's: logprobs name each token "token_id:<id>" instead of its text (a token that
     # is part of a UTF-8 character has no text of its own).
     return_tokens_as_token_ids: bool = False
+    # vLLM's (0.10.2 on): the prompt's and each choice's token ids in the response (RL
+    # frameworks train on exactly the tokens sampled); streamed, each chunk's new ids.
+    return_token_ids: bool = False
     # vLLM's: prefix-cache hits only among requests that send the same salt (a tenant's),
     # so that one cannot time another's prompts through the cache.
     cache_salt: str | None = None

@@ -49,10 +49,11 @@ class GenerationResponse(ABC):
     full_object: str  # the "object" of a full response
     chunk_object: str  # the "object" of a streamed chunk
 
-    def __init__(self, request_id: str, model: str, created: int) -> None:
+    def __init__(self, request_id: str, model: str, created: int, return_token_ids: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
+        self.return_token_ids = return_token_ids  # vLLM's field: ids of prompts and outputs
 
     # ---- what a subclass says ----------------------------------------------------------
     @abstractmethod
@@ -88,6 +89,11 @@ class GenerationResponse(ABC):
         if any(f.prompt_logprobs is not None for f in finals.values()):
             self.attach_prompt_logprobs(data, {index: prompt_logprobs_json(f.prompt_logprobs)
                                                for index, f in finals.items()})
+        if self.return_token_ids:
+            for choice in data["choices"]:
+                final = finals[choice["index"]]
+                choice["token_ids"] = list(final.outputs[0].token_ids)
+                self.attach_prompt_token_ids(data, choice, final.prompt_token_ids)
         return data
 
     def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
@@ -95,10 +101,19 @@ class GenerationResponse(ABC):
         for choice in data["choices"]:
             choice["prompt_logprobs"] = by_choice.get(choice["index"])
 
+    def attach_prompt_token_ids(self, data: dict[str, Any], choice: dict[str, Any], token_ids: list[int]) -> None:
+        """vLLM's place for them (``return_token_ids``): on each choice (completions; chat
+        puts them on the response, or its stream's first chunk of each choice)."""
+        choice["prompt_token_ids"] = list(token_ids)
+
     async def stream(self, stream: ResultStream, request: Request, prompt_lens: list[int], n: int,
                      include_usage: bool) -> AsyncIterator[str]:
         """The SSE events of the response, ending with ``[DONE]`` or an error event."""
         counter = UsageCounter(prompt_lens, n)
+        # return_token_ids: each choice's ids not sent yet (a delta with no visible text
+        # sends no chunk), and whether its prompt's ids went out.
+        unsent: dict[int, list[int]] = {}
+        prompt_sent: set[int] = set()
         async with abort_on_disconnect(stream, request):
             try:
                 for choice in self.opening_choices(len(stream.request_ids)):
@@ -108,14 +123,23 @@ class GenerationResponse(ABC):
                     completion = output.outputs[0]
                     if output.finished:
                         check_finished_cleanly(output)
+                    if self.return_token_ids:
+                        unsent.setdefault(index, []).extend(completion.delta_token_ids)
                     logprobs = (self.delta_logprobs(index, completion.delta_logprobs)
                                 if completion.delta_logprobs else None)
                     if not completion.delta_text and logprobs is None and not output.finished:
                         continue  # nothing visible yet (an incomplete character or stop string)
                     choice = self.delta_choice(index, completion.delta_text, logprobs,
                                                completion.finish_reason if output.finished else None)
-                    if choice is not None:
-                        yield self._chunk(choice, include_usage)
+                    if choice is None:
+                        continue
+                    data = self.envelope(self.chunk_object, [choice])
+                    if self.return_token_ids:
+                        choice["token_ids"] = unsent.pop(index, [])
+                        if index not in prompt_sent:
+                            prompt_sent.add(index)
+                            self.attach_prompt_token_ids(data, choice, output.prompt_token_ids)
+                    yield self._sse_chunk(data, include_usage)
                 if stream.aborted:
                     return  # the client is gone; nobody reads a [DONE]
                 if include_usage:
@@ -132,7 +156,10 @@ class GenerationResponse(ABC):
                 yield sse(error_body("internal server error", SERVER_ERROR, None, "internal_error"))
 
     def _chunk(self, choice: dict[str, Any], include_usage: bool) -> str:
-        data = self.envelope(self.chunk_object, [choice])
+        return self._sse_chunk(self.envelope(self.chunk_object, [choice]), include_usage)
+
+    @staticmethod
+    def _sse_chunk(data: dict[str, Any], include_usage: bool) -> str:
         if include_usage:
             data["usage"] = None
         return sse(data)

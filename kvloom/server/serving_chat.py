@@ -58,7 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
-                         body.return_tokens_as_token_ids)
+                         body.return_tokens_as_token_ids, body.return_token_ids)
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
@@ -98,7 +98,7 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     request_id = new_id("chatcmpl")
     finals = await beam_search(serving, request, request_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
-    response = _Response(request_id, model, int(time.time()), None)
+    response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids)
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
@@ -178,8 +178,9 @@ class _Response(GenerationResponse):
     kind, full_object, chunk_object = "chat", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
-                 tool_parser: ToolParser | None = None, tokens_as_ids: bool = False) -> None:
-        super().__init__(request_id, model, created)
+                 tool_parser: ToolParser | None = None, tokens_as_ids: bool = False,
+                 return_token_ids: bool = False) -> None:
+        super().__init__(request_id, model, created, return_token_ids)
         self.top_logprobs = top_logprobs
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
         self.tool_parser = tool_parser  # parse the output into tool_calls (None: plain text)
@@ -195,6 +196,9 @@ class _Response(GenerationResponse):
 
     def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
         data["prompt_logprobs"] = by_choice.get(0)  # one prompt: every choice's is the same
+
+    def attach_prompt_token_ids(self, data: dict[str, Any], choice: dict[str, Any], token_ids: list[int]) -> None:
+        data["prompt_token_ids"] = list(token_ids)  # one prompt: on the response
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # The first chunk of every choice names the role.

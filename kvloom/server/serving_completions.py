@@ -98,7 +98,7 @@ class _Response(GenerationResponse):
 
     def __init__(self, request_id: str, model: str, created: int, body: CompletionRequest,
                  prompt_texts: list[str], n: int, info: ModelInfo, prompt_only: bool = False) -> None:
-        super().__init__(request_id, model, created)
+        super().__init__(request_id, model, created, body.return_token_ids)
         self.body, self.prompt_texts, self.n = body, prompt_texts, n
         self.tokenizer = info.tokenizer
         self.prompt_only = prompt_only  # echo with max_tokens 0: the one generated token is dropped
@@ -116,6 +116,9 @@ class _Response(GenerationResponse):
         data = super().full(finals, prompt_lens, n)
         if self.prompt_only:
             data["usage"] = usage(prompt_lens, 0, data["usage"]["prompt_tokens_details"]["cached_tokens"])
+            for choice in data["choices"]:
+                if "token_ids" in choice:
+                    choice["token_ids"] = []  # the one token generated is dropped
         if self.body.echo and self.body.logprobs is not None:
             for choice in data["choices"]:  # the prompt's tokens first, the first one unscored
                 final = finals[choice["index"]]

@@ -384,3 +384,43 @@ def test_reset_prefix_cache_over_http(http: httpx.Client, live_server: LiveServe
     assert response.status_code == 200 and response.json() == {"reset": True}
     assert cached() == 0
     live_server.assert_idle_and_clean()
+
+
+def _stream_events(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
+    with http.stream("POST", path, json={"model": SERVED_NAME, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        return [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_return_token_ids_are_the_prompt_and_transformers_greedy_tokens(http: httpx.Client, live_server: LiveServer,
+                                                                       tiny_llama: Path) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's, whole or streamed."""
+    import torch
+    import transformers
+    from helpers_models import hf_greedy_with_cache
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompt = tokenize(http, prompt="the river runs")
+    greedy = hf_greedy_with_cache(reference, prompt, 6)
+    full = post(http, COMPLETIONS, prompt="the river runs", max_tokens=6, temperature=0, ignore_eos=True, n=2,
+                return_token_ids=True)
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in full["choices"]] == [(prompt, greedy)] * 2
+    events = _stream_events(http, COMPLETIONS, prompt="the river runs", max_tokens=6, temperature=0,
+                            ignore_eos=True, return_token_ids=True)
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == greedy
+    assert "token_ids" not in post(http, COMPLETIONS, prompt="x", max_tokens=2)["choices"][0]
+    # Chat: the prompt's ids on the response (the first chunk of a stream), each choice's own.
+    messages = [{"role": "user", "content": "where does the river run"}]
+    chat_prompt = tokenize(http, messages=messages, add_generation_prompt=True)
+    chat_greedy = hf_greedy_with_cache(reference, chat_prompt, 5)
+    chat = post(http, CHAT, messages=messages, max_tokens=5, temperature=0, ignore_eos=True, return_token_ids=True)
+    assert (chat["prompt_token_ids"], chat["choices"][0]["token_ids"]) == (chat_prompt, chat_greedy)
+    events = _stream_events(http, CHAT, messages=messages, max_tokens=5, temperature=0, ignore_eos=True,
+                            return_token_ids=True)
+    with_ids = [e for e in events if e["choices"] and "token_ids" in e["choices"][0]]
+    assert with_ids[0]["prompt_token_ids"] == chat_prompt
+    assert [t for e in with_ids for t in e["choices"][0]["token_ids"]] == chat_greedy
+    live_server.assert_idle_and_clean()
