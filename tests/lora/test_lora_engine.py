@@ -43,6 +43,14 @@ def test_a_batch_of_two_adapters_and_the_base_model_is_peft_each(models) -> None
         check_against_peft(references[lora.lora_name if lora else None], prompt, output.outputs[0])
     # The adapters do change the replies (else the test could not tell them apart).
     assert len({tuple(o.outputs[0].token_ids) for o in outputs[:3]}) == 3
+    # Embeddings through an adapter: PEFT's final hidden state of the last token.
+    for prompt, lora, embedded in zip(prompts[:3], loras[:3], llm.embed(prompts[:3], lora_request=loras[:3]),
+                                      strict=True):
+        with torch.no_grad():
+            hidden = references[lora.lora_name if lora else None](
+                torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = torch.nn.functional.normalize(hidden.float(), dim=-1)
+        assert torch.allclose(torch.tensor(embedded.outputs.embedding), expected, atol=1e-5)
     llm.engine.check_integrity()
     assert not llm.engine.has_unfinished_requests()
 
