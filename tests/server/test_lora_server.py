@@ -127,12 +127,12 @@ def test_run_time_updating_is_off_unless_allowed(server: LiveServer, adapters: d
 
 def test_metrics_name_the_running_adapters(tiny_llama: Path, adapters: dict[str, Path]) -> None:
     """vLLM's lora_requests_info: while a request on "sql" streams, the running adapters
-    are "sql"; once it ends, none. (A slow engine: 100 tokens take >= 2 s.)"""
+    are "sql"; once it ends, none. (A slow engine: 50 tokens take >= 1 s.)"""
     settings = ServerSettings(served_model_name=SERVED_NAME, lora_modules=(("sql", str(adapters["sql"])),))
     live = start_live_server(tiny_llama, settings, step_delay=0.02, enable_lora=True, max_loras=3)
     try:
         with httpx.Client(base_url=live.base_url, timeout=60) as http:
-            body = {"model": "sql", "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True}
+            body = {"model": "sql", "prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True}
             with http.stream("POST", "/v1/completions", json=body) as stream:
                 events = stream.iter_lines()
                 next(events)  # the request is running
