@@ -28,7 +28,7 @@ _FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "ignore_eos", "priority",
     "truncate_prompt_tokens", "cache_salt", "user", "metadata", "service_tier", "store", "use_beam_search",
     "length_penalty", "echo", "add_special_tokens", "skip_special_tokens", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message"})
+    "add_generation_prompt", "continue_final_message", "return_token_ids"})
 
 
 def check_beam_request(body: SamplingRequest) -> None:

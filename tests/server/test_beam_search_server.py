@@ -48,13 +48,16 @@ def test_completion_choices_are_the_reference_beams(http: httpx.Client, live_ser
     prompts = [[5, 17, 42, 9], [100, 3, 77]]
     # Special tokens kept in the text, as /detokenize keeps them (random weights pick them).
     out = post(http, COMPLETIONS, prompt=prompts, n=3, max_tokens=6, use_beam_search=True,
-               length_penalty=length_penalty, temperature=0, skip_special_tokens=False)
+               length_penalty=length_penalty, temperature=0, skip_special_tokens=False, return_token_ids=True)
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert [c["index"] for c in choices] == list(range(6))
     for index, prompt in enumerate(prompts):
-        expected = texts_of(http, naive_beam_search(reference, prompt, 3, 6, eos, length_penalty))
+        beams = naive_beam_search(reference, prompt, 3, 6, eos, length_penalty)
         got = [(c["text"], c["finish_reason"]) for c in choices[3 * index:3 * index + 3]]
-        assert got == expected
+        assert got == texts_of(http, beams)
+        # return_token_ids: each beam's tokens (a final EOS included) and its prompt's.
+        assert [(c["prompt_token_ids"], c["token_ids"]) for c in choices[3 * index:3 * index + 3]] == \
+            [(prompt, tokens) for tokens, _, _ in beams]
     assert out["usage"]["prompt_tokens"] == 7 and out["usage"]["completion_tokens"] > 0
     live_server.assert_idle_and_clean()
 
