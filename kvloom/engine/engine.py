@@ -260,22 +260,22 @@ class LLMEngine:
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         rid = request_id if request_id is not None else self.new_request_id()
-        # The adapter's slot is held before the request is queued: a refusal leaves nothing.
+        # The adapter's slot is held before the request is queued, and let go if it is not.
         lora_key = self.runner.acquire_lora(rid, lora_request) if lora_request is not None else None
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            priority=priority,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            prompt=text,
-            kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
-            cache_salt=cache_salt,
-            lora_key=lora_key,
-        )
         try:
+            request = Request(
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                priority=priority,
+                arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                prompt=text,
+                kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
+                cache_salt=cache_salt,
+                lora_key=lora_key,
+            )
             self.scheduler.add_request(request)
         except BaseException:
             if lora_request is not None:

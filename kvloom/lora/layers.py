@@ -83,11 +83,10 @@ class LoRALinear(nn.Module):
         self.kernels: list[tuple[nn.Module, nn.Module] | None] = [None] * max_loras
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """Part ``part`` of slot ``slot`` becomes ``scale * b a`` (a: [rank, in], b: [out, rank])."""
+        """Part ``part`` of slot ``slot`` becomes ``scale * b a`` (a: [rank, in], b: [out, rank]);
+        after ``clear(slot)``, so the rank's padding and the off-diagonal blocks are zeros."""
         rank, (_, start, size) = a.shape[0], self.parts[part]
         first = part * self.max_rank
-        self.a[slot, first:first + self.max_rank].zero_()
-        self.b[slot, start:start + size, first:first + self.max_rank].zero_()
         self.a[slot, first:first + rank].copy_(a)
         self.b[slot, start:start + size, first:first + rank].copy_(b * scale)
         self.active[slot] = True

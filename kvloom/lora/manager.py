@@ -141,9 +141,6 @@ class LoRAManager:
         """Request id -> slot, for the requests in flight that run an adapter."""
         return self._slot_of
 
-    def loaded(self) -> list[str]:
-        return [name for name in self._names if name is not None]
-
     def adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:
         """The names of the adapters ``requests`` run with (sorted; an adapter removed
         while its requests finish is left out)."""
