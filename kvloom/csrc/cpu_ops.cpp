@@ -183,6 +183,31 @@ void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_
   }
 }
 
+
+// y[rows[i]] <- round(y[rows[i]] + delta[i]) for i < count (rows nullptr: row i), rows of
+// n elements: torch's `y += delta` and `y.index_add_(0, rows, delta)`, the float sum
+// rounded once (LoRA's deltas, kvloom/lora/layers.py). The rows must be distinct.
+template <typename T>
+void add_rows(T* y, const T* delta, const int64_t* rows, int64_t count, int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(count, count * n))
+  for (int64_t i = 0; i < count; ++i) {
+    T* yr = y + (rows != nullptr ? rows[i] : i) * n;
+    const T* d = delta + i * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    for (int64_t j = 0; j < n; j += 16) store16(yr + j, _mm512_add_ps(load16(yr + j, n - j), load16(d + j, n - j)), n - j);
+    continue;
+#endif
+    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    for (int64_t j = 0; j < vec; j += 8) store8(yr + j, _mm256_add_ps(to_float8(yr + j), to_float8(d + j)));
+#endif
+    for (int64_t j = vec; j < n; ++j) from_float(to_float(yr[j]) + to_float(d[j]), yr + j);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -208,6 +233,13 @@ void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const flo
 void kvloom_rotary_bf16(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                         int64_t num_heads, int64_t head_dim) {
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim);
+}
+
+void kvloom_add_rows_f32(float* y, const float* delta, const int64_t* rows, int64_t count, int64_t n) {
+  add_rows(y, delta, rows, count, n);
+}
+void kvloom_add_rows_bf16(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n) {
+  add_rows(y, delta, rows, count, n);
 }
 
 }

@@ -54,6 +54,13 @@
 // vector alone; the norms, rotary and silu work a row at a time), so the split changes
 // no bit; and a sequence lies in one walk, so neither reads what the other writes.
 //
+// LoRA adapters (lora_weights non-null; kvloom/lora/layers.py is the module path): after
+// each of a layer's four matmuls, the rows of each adapter slot in the walk get that
+// slot's delta, (x A^T) B^T with A and B packed for the GEMM, added in by cpu_ops.cpp's
+// add_rows: the rows gathered where they are not one run, the same GEMM calls on the
+// same rows and the same rounding as LoRALinear's, so bit-identical to it as well. Such
+// a step computes every row (no Outputs list).
+//
 // KV fetched ahead (kv_prefetch_bytes > 0; the caller asks for it where the walks
 // split): each walk's down projection and the next layer's qkv projection fetch up to
 // that many bytes of the next layer's KV, the walk's sequences in order, into L2 as
@@ -94,12 +101,15 @@ using AttentionFn = void (*)(const void* q, void* out, const void* k_cache, cons
                              float scale, int num_threads, int kernel);
 using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);
 using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
+using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n);
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
-enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, NUM_KERNELS };
+enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS, NUM_KERNELS };
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, NUM_WEIGHTS };
+// A layer's four matmuls, in the order of the LoRA table's projections.
+enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
 
 // Scratch elements (bf16) of a walk of `tokens` rows: normed, qkv, q rows, attention
@@ -107,6 +117,15 @@ constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache
 inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
                                 int64_t intermediate) {
   return tokens * (hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate);
+}
+
+// Scratch elements (bf16) of LoRA's buffers for `tokens` rows: the gathered inputs, the
+// shrunk rows (the widest shrink) and the deltas.
+inline int64_t lora_scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
+                                     int64_t intermediate, int64_t max_width) {
+  const int64_t widest_in = std::max({hidden_size, q_size, intermediate});
+  const int64_t widest_out = std::max({q_size + 2 * kv_size, hidden_size, 2 * intermediate});
+  return tokens * (widest_in + max_width + widest_out);
 }
 
 template <class T>
@@ -126,11 +145,22 @@ struct Model {
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
+  // LoRA (nullptr: none): [num_layers, NUM_PROJECTIONS, lora_slots, 2] packed shrink and
+  // expand weights (0, 0 where the slot's adapter leaves that projection alone), and each
+  // projection's shrink width (its parts x the largest rank).
+  const int64_t* lora_weights;
+  int64_t lora_slots;
+  const int64_t* lora_widths;
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
   int64_t scratch(int64_t tokens) const {
     return scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate);
+  }
+  int64_t lora_scratch(int64_t tokens) const {
+    if (lora_weights == nullptr) return 0;
+    const int64_t widest = *std::max_element(lora_widths, lora_widths + NUM_PROJECTIONS);
+    return lora_scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate, widest);
   }
 };
 
@@ -148,6 +178,8 @@ struct Rows {
   const int32_t* query_start;
   const int32_t* query_lens;
   int64_t num_seqs, tokens;
+  const int32_t* lora_slots;  // each row's adapter slot, -1 the base model (with Model::lora_weights)
+  uint16_t* lora_scratch;     // Model::lora_scratch(tokens) elements
 };
 
 // The rows whose final state the caller reads (their last-layer work is all that is
@@ -219,6 +251,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto attention = entry<AttentionFn>(m.kernels, K_ATTENTION);
   const auto silu = entry<SiluFn>(m.kernels, K_SILU);
   const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);
+  const auto add_rows = entry<AddRowsFn>(m.kernels, K_ADD_ROWS);
 
   int64_t T = r.tokens;  // the rows each kernel computes: the kept ones in the last layer
   const int64_t H = m.hidden_size, I = m.intermediate;
@@ -234,6 +267,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   KvAhead ahead(m, r);
   ahead.plan(0);  // layer 0's own qkv projection fetches its share
   const Outputs all_rows{nullptr, T, r.block_tables, r.seq_lens, r.query_start, r.query_lens, r.num_seqs};
+  // LoRA: each slot's rows, ascending (every row is computed in every layer: no Outputs).
+  std::vector<std::vector<int64_t>> adapter_rows(m.lora_weights != nullptr ? m.lora_slots : 0);
+  for (int64_t t = 0; t < T && m.lora_weights != nullptr; ++t)
+    if (r.lora_slots[t] >= 0) adapter_rows[r.lora_slots[t]].push_back(t);
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     const int64_t* w = m.weights + layer * NUM_WEIGHTS;
@@ -244,10 +281,38 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
                             const SideStream* side = nullptr) {
       return gemm(x, weight(w, which), weight(w, bias), y, T, n, k, m.isa, num_threads, side) == 0;
     };
+    // LoRA: y[rows of slot s] += ((x A_s^T) B_s^T)[those rows], each slot in turn, as
+    // LoRALinear.forward: a run of rows read and written in place, other rows gathered.
+    const auto adapt = [&](Projection which, const uint16_t* x, int64_t k, uint16_t* y, int64_t n) {
+      for (int64_t slot = 0; slot < static_cast<int64_t>(adapter_rows.size()); ++slot) {
+        const std::vector<int64_t>& rows = adapter_rows[slot];
+        const int64_t* pair = m.lora_weights + ((layer * NUM_PROJECTIONS + which) * m.lora_slots + slot) * 2;
+        if (rows.empty() || pair[0] == 0) continue;
+        const int64_t count = static_cast<int64_t>(rows.size()), width = m.lora_widths[which];
+        const bool run = rows.back() - rows.front() + 1 == count;
+        uint16_t* gathered = r.lora_scratch;
+        uint16_t* shrunk = gathered + count * k;
+        uint16_t* delta = shrunk + count * width;
+        const uint16_t* in = x + rows.front() * k;
+        if (!run) {
+          for (int64_t i = 0; i < count; ++i) std::memcpy(gathered + i * k, x + rows[i] * k, k * sizeof(uint16_t));
+          in = gathered;
+        }
+        if (gemm(in, reinterpret_cast<const uint16_t*>(pair[0]), nullptr, shrunk, count, width, k, m.isa,
+                 num_threads, nullptr) != 0 ||
+            gemm(shrunk, reinterpret_cast<const uint16_t*>(pair[1]), nullptr, delta, count, n, width, m.isa,
+                 num_threads, nullptr) != 0)
+          return false;
+        if (run) add_rows(y + rows.front() * n, delta, nullptr, count, n);
+        else add_rows(y, delta, rows.data(), count, n);
+      }
+      return true;
+    };
     const int refused = static_cast<int>(layer) + 1;
     if (layer == 0) rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
     else rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
     if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
+    if (!adapt(P_QKV, normed, H, qkv, qkv_width)) return refused;
     rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
@@ -266,15 +331,17 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
               rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
               num_threads, PAIRED_KERNEL);
     ahead.plan(layer + 1);
-    if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size)) return refused;
+    if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size) || !adapt(P_O, attn, q_size, hidden, H)) return refused;
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
     }
     rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, m.eps);
-    if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
+    if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, normed, H, gate_up, 2 * I))
+      return refused;
     silu(gate_up, act, T, I);
-    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down())) return refused;
+    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down()) || !adapt(P_DOWN, act, I, hidden, H))
+      return refused;
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
@@ -290,11 +357,13 @@ int split_walks(const Model& m, const Rows& all, int64_t split, int num_threads)
   for (int32_t& start : second_start) start -= static_cast<int32_t>(first_tokens);
   const Rows halves[2] = {
       {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.slots, all.block_tables, all.seq_lens,
-       all.query_start, all.query_lens, split, first_tokens},
+       all.query_start, all.query_lens, split, first_tokens, all.lora_slots, all.lora_scratch},
       {all.residual + first_tokens * m.hidden_size, all.hidden + first_tokens * m.hidden_size,
        all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.head_dim, all.sin + first_tokens * m.head_dim,
        all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
-       second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens}};
+       second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens,
+       all.lora_slots == nullptr ? nullptr : all.lora_slots + first_tokens,
+       all.lora_scratch == nullptr ? nullptr : all.lora_scratch + m.lora_scratch(first_tokens)}};
   int status[2] = {0, 0};
 #pragma omp parallel num_threads(2)
   {
@@ -318,6 +387,12 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
   return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate);
 }
 
+// LoRA's scratch elements (bf16) for `tokens` rows whose widest shrink is `max_width`.
+int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
+                                          int64_t intermediate, int64_t max_width) {
+  return lora_scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, max_width);
+}
+
 // kernels: [NUM_KERNELS] entry points; weights: [num_layers, NUM_WEIGHTS] data pointers
 // (packed GEMM weights, bf16 norm weights and biases, 0 for no bias). residual: [tokens,
 // hidden_size] (the embeddings in; the stream before the last `hidden` out); hidden:
@@ -334,6 +409,11 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
 // `hidden`, the rest of both undefined. out_block_tables [num_out_seqs, max_blocks],
 // out_seq_lens, out_query_start, out_query_lens [num_out_seqs]: their sequences, each
 // asking for its last out_query_lens[s] rows. num_out_rows < 0: every row.
+// lora_weights: nullptr, or [num_layers, 4, lora_slots, 2] packed shrink and expand
+// weights of each layer's projections (qkv, o, gate_up, down) and adapter slot (0, 0: none),
+// lora_widths [4] the projections' shrink widths, lora_rows [tokens] each row's slot (-1:
+// none), lora_scratch kvloom_decoder_stack_lora_scratch(tokens, ...) elements; every row
+// computed then (num_out_rows < 0).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const int64_t* slots, const int32_t* block_tables,
@@ -343,12 +423,16 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          int64_t block_size, float eps, float scale, int isa, int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
-                         const int32_t* out_query_start, const int32_t* out_query_lens, int64_t num_out_seqs) {
-  const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks, max_blocks,
+                         const int32_t* out_query_start, const int32_t* out_query_lens, int64_t num_out_seqs,
+                         const int64_t* lora_weights, int64_t lora_slots, const int64_t* lora_widths,
+                         const int32_t* lora_rows, uint16_t* lora_scratch) {
+  const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
-                    eps,          scale,      isa,        reduce,       kv_prefetch_bytes};
+                    eps,          scale,      isa,        reduce,       kv_prefetch_bytes,
+                    lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
-                  block_tables, seq_lens, query_start, query_lens, num_seqs, tokens};
+                  block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
+                  lora_rows,    lora_scratch};
   if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);
   const Outputs out{out_rows, num_out_rows, out_block_tables, out_seq_lens, out_query_start, out_query_lens,
                     num_out_seqs};

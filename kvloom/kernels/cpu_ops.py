@@ -1,7 +1,8 @@
 """The fused elementwise ops of a decoder layer (kvloom/csrc/cpu_ops.cpp), float32 and
-bf16: ``kvloom::rms_norm``, ``kvloom::silu_and_mul`` and ``kvloom::rotary_``.
+bf16: ``kvloom::rms_norm``, ``kvloom::silu_and_mul``, ``kvloom::rotary_`` and
+``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add).
 
-models/ops.py calls them on CPU and keeps the pure-PyTorch references (the oracle in
+models/ops.py calls the first three on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
 """
 
@@ -130,3 +131,46 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, s
     """Rotate, in place, the first ``num_heads`` head vectors of each row of x: [tokens,
     width]; cos/sin: [tokens, head_dim] float32."""
     ROTARY.call(x, num_heads, head_dim, cos, sin)
+
+
+# ---- rows added into, in place (LoRA's deltas) ---------------------------------------
+ADD_ROWS = NativeOp(
+    "add_rows_(Tensor(a!) y, Tensor delta, Tensor? rows) -> ()",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_add_rows_{variant}(y, delta, rows, int count, int n) -> ()",
+    tensors={"y": TensorSpec(2, ACTIVATIONS), "delta": TensorSpec(2, like="y"), "rows": TensorSpec(1, (torch.int64,))},
+)
+
+
+@ADD_ROWS.check
+def _add_rows_check(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
+    if delta.shape[1] != y.shape[1]:
+        raise ADD_ROWS.error("delta", f"must have y's row width {y.shape[1]}, got {delta.shape[1]}")
+    if rows is None:
+        if delta.shape[0] != y.shape[0]:
+            raise ADD_ROWS.error("delta", f"must have y's {y.shape[0]} rows (no rows given), got {delta.shape[0]}")
+        return
+    if rows.shape[0] != delta.shape[0]:
+        raise ADD_ROWS.error("rows", f"must name one row of y for each of delta's {delta.shape[0]}, got "
+                                     f"{rows.shape[0]}")
+
+
+@ADD_ROWS.implementation
+def _add_rows_cpu(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
+    # The rows' values are data, which a fake tensor does not have: checked here, where they are.
+    if rows is not None and rows.shape[0] and not (0 <= int(rows.min()) and int(rows.max()) < y.shape[0]):
+        raise ADD_ROWS.error("rows", f"must lie in [0, {y.shape[0]}), got {rows.tolist()}")
+    ADD_ROWS.function(_VARIANT[y.dtype])(y.data_ptr(), delta.data_ptr(), 0 if rows is None else rows.data_ptr(),
+                                         delta.shape[0], y.shape[1])
+
+
+@ADD_ROWS.fake
+def _add_rows_fake(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
+    return None
+
+
+def add_rows_(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """``y[rows] += delta`` in place (every row of y where ``rows`` is None; the rows
+    distinct), each sum rounded once to y's dtype: torch's ``y += delta`` and
+    ``y.index_add_(0, rows, delta)``, the reference (tests/kernels/test_add_rows.py)."""
+    ADD_ROWS.call(y, delta, rows)

@@ -1,9 +1,9 @@
 """Every decoder layer of a Llama-family model in one native call
 (kvloom/csrc/decoder_stack.cpp): the same kernels as the module path, walked in C.
 
-``DecoderStackKernels`` holds the entry points of those kernels (``rms_norm``,
-``gemm_bf16``, ``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``),
-which the C walk calls in the module path's order; :func:`run` checks what the walk
+The kernel table holds the entry points of those kernels (``rms_norm``, ``gemm_bf16``,
+``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce
+and ``add_rows_``, LoRA's), which the C walk calls in the module path's order; :func:`run` checks what the walk
 will read and write (dtypes, shapes, contiguity of every tensor, once per forward
 instead of once per kernel) and calls it. The weight table is built by
 kvloom/models/decoder_stack.py from the model's checked, packed tensors, which it keeps
@@ -31,11 +31,17 @@ _STACK = NativeFunction(
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
     "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
-    "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs) -> int32")
+    "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
+    "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
+_LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scratch(int tokens, int hidden_size, "
+                                                "int q_size, int kv_size, int intermediate, int max_width) -> int")
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                   "down", "down_bias")
+# A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+NUM_KERNELS = 8
 
 
 def available() -> bool:
@@ -51,12 +57,13 @@ def _address(op: NativeOp | NativeFunction, variant: str = "") -> int:
 
 
 def kernel_table(all_reduce: bool = False) -> torch.Tensor:
-    """The entry points the walk calls, [7] int64, in decoder_stack.cpp's `Kernel` order;
+    """The entry points the walk calls, [NUM_KERNELS] int64, in decoder_stack.cpp's `Kernel` order;
     ``all_reduce``: with the shared-memory all-reduce (tensor parallel), else 0 there."""
     reduce = ctypes.cast(shm_collectives.ALL_REDUCE_STACK.function(), ctypes.c_void_p).value if all_reduce else 0
     return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM_SIDE), _address(cpu_ops.ROTARY, "bf16"),
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
-                         _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0], dtype=torch.int64)
+                         _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16")],
+                        dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,27 @@ class StackOutputs:
     sequences: StackRows
 
 
+@dataclass(frozen=True, slots=True)
+class StackLoRA:
+    """LoRA adapters in the walk (kvloom/lora/native.py builds it on each load).
+    ``weights``: [layers, 4, slots, 2] int64 data pointers of the packed shrink (A,
+    [width, in]) and expand (B, [out, width]) weights of each layer's projection
+    (LORA_PROJECTIONS order) and adapter slot, 0 and 0 where the slot's adapter leaves
+    that projection alone; ``widths``: [4] int64, each projection's shrink width;
+    ``owners``: the tensors behind the pointers, alive as long as the table."""
+
+    weights: torch.Tensor
+    widths: torch.Tensor
+    owners: tuple[torch.Tensor, ...]
+
+
+def lora_scratch_elements(shape: StackShape, tokens: int, lora: StackLoRA) -> int:
+    """bf16 elements of LoRA's scratch in a walk of ``tokens`` rows."""
+    return int(_LORA_SCRATCH.function()(tokens, shape.hidden_size, shape.num_heads * shape.head_dim,
+                                        shape.num_kv_heads * shape.head_dim, shape.intermediate,
+                                        int(lora.widths.max())))
+
+
 def _fail(argument: str, message: str) -> ValueError:
     return ValueError(f"kvloom decoder_stack: {argument} {message}")
 
@@ -114,7 +142,9 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
         kv_caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: StackRows,
         scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None,
-        split_seqs: int = 0, kv_prefetch_bytes: int = 0, outputs: StackOutputs | None = None) -> torch.Tensor:
+        split_seqs: int = 0, kv_prefetch_bytes: int = 0, outputs: StackOutputs | None = None,
+        lora: StackLoRA | None = None, lora_rows: torch.Tensor | None = None,
+        lora_scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. With ``outputs`` (one walk, no
@@ -130,10 +160,14 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     ``split_seqs`` sequences and the rest, on half the threads each (no reduce, an even
     thread count; the result is the same bit for bit). ``kv_prefetch_bytes``: how much of
     each layer's KV a walk fetches into cache during the matmuls before its attention
-    (0: none; csrc/decoder_stack.cpp says where it pays; the same result bit for bit)."""
+    (0: none; csrc/decoder_stack.cpp says where it pays; the same result bit for bit).
+    ``lora`` with ``lora_rows`` ([tokens] int32, each row's adapter slot, -1 the base
+    model): each slot's delta added to its rows after each matmul, as LoRALinear's
+    (every row computed: no ``outputs``); ``lora_scratch``: a bf16 buffer of at least
+    ``lora_scratch_elements`` to reuse."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
-    _check("kernels", kernels, torch.int64, (7,))
+    _check("kernels", kernels, torch.int64, (NUM_KERNELS,))
     if reduce is not None:
         _check("reduce", reduce, torch.int64, (len(shm_collectives.CONTEXT_FIELDS),))
         if int(kernels[6]) == 0:
@@ -179,6 +213,27 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             raise _fail("outputs.rows", f"must be ascending token indices in [0, {tokens}), got {kept}")
         if int(outputs.sequences.query_lens.sum()) != out_rows:
             raise _fail("outputs.query_lens", f"must sum to the {out_rows} rows")
+    lora_args = [0, 0, 0, 0, 0]
+    if lora is not None:
+        adapter_slots = lora.weights.shape[2] if lora.weights.dim() == 4 else 0
+        _check("lora.weights", lora.weights, torch.int64, (shape.num_layers, len(LORA_PROJECTIONS), adapter_slots, 2))
+        _check("lora.widths", lora.widths, torch.int64, (len(LORA_PROJECTIONS),))
+        if lora_rows is None:
+            raise _fail("lora_rows", "must be given with lora")
+        _check("lora_rows", lora_rows, torch.int32, (tokens,))
+        if tokens and not (-1 <= int(lora_rows.min()) and int(lora_rows.max()) < adapter_slots):
+            raise _fail("lora_rows", f"must be slots in [-1, {adapter_slots}), got {lora_rows.tolist()}")
+        if outputs is not None:
+            raise _fail("outputs", "must be None with lora (such a step computes every row)")
+        lora_needed = lora_scratch_elements(shape, tokens, lora)
+        if lora_scratch is None:
+            lora_scratch = torch.empty(lora_needed, dtype=bf16)
+        elif (lora_scratch.dtype != bf16 or lora_scratch.dim() != 1 or lora_scratch.numel() < lora_needed
+              or not lora_scratch.is_contiguous()):
+            raise _fail("lora_scratch", f"must be a contiguous 1-D bf16 tensor of at least {lora_needed} elements, "
+                                        f"got {list(lora_scratch.shape)} {lora_scratch.dtype}")
+        lora_args = [lora.weights.data_ptr(), adapter_slots, lora.widths.data_ptr(), lora_rows.data_ptr(),
+                     lora_scratch.data_ptr()]
     needed = scratch_elements(shape, tokens)
     if scratch is None:
         scratch = torch.empty(needed, dtype=bf16)
@@ -195,7 +250,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
         kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
         *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
-                                           ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs)
+                                           ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
+        *lora_args)
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:

@@ -6,10 +6,12 @@ to its own columns). Rows of the base model get nothing added.
 The weights of every adapter slot sit in stacked tensors (``max_loras`` slots of rank
 ``max_lora_rank``; a smaller rank is zero-padded, which adds exact zeros); which rows
 run which slot is the step's ``LoRAStep``, shared by every LoRA layer and set by the
-runner around each forward. Pure PyTorch, in the model's dtype (as vLLM's): on any
-device. On a CPU in bf16 a slot's two matmuls run on the model's own kernel
-(``matmul``: kvloom's batch-invariant GEMM by default, packed once per load), so an
-adapter's rows are as batch-invariant as the base model's; elsewhere ``F.linear``.
+runner around each forward. In the model's dtype (as vLLM's), on any device. On a CPU
+in bf16 a slot's two matmuls run on the model's own kernel (``matmul``: kvloom's
+batch-invariant GEMM by default, packed once per load), so an adapter's rows are as
+batch-invariant as the base model's; elsewhere ``F.linear``. On a CPU the delta is added
+by ``cpu_ops.add_rows_`` (torch's add, rounded the same), the kernel the native walk
+adds it with (kvloom/lora/native.py hands the walk the slots' weights).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvloom.kernels import cpu_ops
 from kvloom.models.packed_linear import packed_linear
 
 
@@ -119,7 +122,20 @@ class LoRALinear(nn.Module):
             shrink, expand = kernels
             if group.span is not None:
                 lo, hi = group.span
-                y[lo:hi] += expand(shrink(x[lo:hi]))
+                _add_rows(y[lo:hi], expand(shrink(x[lo:hi])), None)
             else:
-                y.index_add_(0, group.rows, expand(shrink(x[group.rows])))
+                _add_rows(y, expand(shrink(x[group.rows])), group.rows)
         return y
+
+
+def _add_rows(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """``y[rows] += delta`` (every row of y where ``rows`` is None). On a CPU, the native
+    walk's own kernel (``cpu_ops.add_rows_``: torch's add, rounded the same), so that the
+    walk's adapter rows are this path's bit for bit by construction; elsewhere torch's."""
+    if (y.device.type == "cpu" and y.dtype in cpu_ops.ACTIVATIONS and y.is_contiguous() and delta.is_contiguous()
+            and cpu_ops.available()):
+        cpu_ops.add_rows_(y, delta, rows)
+    elif rows is None:
+        y += delta
+    else:
+        y.index_add_(0, rows, delta)

@@ -18,6 +18,7 @@ import torch
 from kvloom.config import ModelConfig
 from kvloom.lora.adapter import LoRAAdapter, LoRAError
 from kvloom.lora.layers import LoRALinear, LoRAStep
+from kvloom.lora.native import stack_table
 from kvloom.lora.request import LoRARequest
 from kvloom.request import Request
 
@@ -65,6 +66,11 @@ class LoRAManager:
         self.step = LoRAStep()
         self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step, matmul)
         self._layers = list({id(layer): layer for layer, _ in self._targets.values()}.values())
+        # The native walk (if the model has one) and each layer's LoRA projections in its
+        # table's order: the walk gets a new table after every load (_publish).
+        self._stack = getattr(model, "native_stack", None)
+        firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")  # a part of each projection
+        self._by_layer = [tuple(self._targets[index, name][0] for name in firsts) for index in range(config.num_layers)]
         self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
         # Each bound name -> (its path, the binding's number): one name, one path, until it
         # is removed; a name bound again is a new adapter (its KV is not the old one's).
@@ -130,7 +136,14 @@ class LoRAManager:
         for layer in self._layers:
             layer.finish(slot)
         self._names[slot] = lora.lora_name
+        self._publish()
         return slot
+
+    def _publish(self) -> None:
+        """Hand the native walk the table of the slots as they are now (None, and so the
+        module path for steps with adapter rows, where the slots' kernels are not its GEMM's)."""
+        if self._stack is not None:
+            self._stack.set_lora(stack_table(self._by_layer, self.max_loras, self._stack.shape.isa))
 
     def release(self, request_id: str) -> None:
         slot = self._slot_of.pop(request_id, None)

@@ -8,7 +8,8 @@ walk serves (not bf16 on CPU with kvloom's GEMM in every layer). Per forward,
 CPU paged backend with its paired layout); otherwise the module path runs. Both paths
 call the same kernels in the same order, so their results are bit-identical
 (tests/models/test_decoder_stack.py); the module path stays the readable reference
-and what every other configuration runs. A profiler sees the walk as one call:
+and what every other configuration runs. LoRA adapters run in the walk too once their
+table is set (``set_lora``, by kvloom/lora on each load). A profiler sees the walk as one call:
 ``--decoder-stack modules`` shows the kernels one by one.
 """
 
@@ -91,6 +92,15 @@ class NativeDecoderStack:
         # prefill needs 30 MB for the default model, which a fresh allocation would
         # fault in page by page on every step.
         self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        # LoRA adapters' weights (kvloom/lora/native.py), None where none are loaded or they
+        # cannot run here; LoRA's own scratch, grown as _scratch is.
+        self.lora: kernels.StackLoRA | None = None
+        self._lora_scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    def set_lora(self, lora: kernels.StackLoRA | None) -> None:
+        """The adapters' table the walk reads from now on (None: steps with adapter rows
+        take the module path)."""
+        self.lora = lora
 
     @classmethod
     def build(cls, model: DecoderModel) -> tuple[NativeDecoderStack | None, str]:
@@ -133,10 +143,13 @@ class NativeDecoderStack:
                                    config.rms_norm_eps, isas.pop())
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
-    def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> bool:
+    def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+               with_lora: bool = False) -> bool:
         """Whether this forward's cache and attention are the walk's (never while
-        torch.compile traces: the walk is opaque to it, the modules' ops are not)."""
-        return (not torch.compiler.is_compiling() and isinstance(backend, CPUPagedBackend)
+        torch.compile traces: the walk is opaque to it, the modules' ops are not), and
+        with adapter rows (``with_lora``) whether it holds the adapters' table."""
+        return (not torch.compiler.is_compiling() and (not with_lora or self.lora is not None)
+                and isinstance(backend, CPUPagedBackend)
                 and isinstance(metadata, CPUPagedMetadata) and kv_caches.dtype == torch.bfloat16
                 and backend.paired_layout(kv_caches[0]))
 
@@ -159,11 +172,19 @@ class NativeDecoderStack:
                  if shm is None else 0)
         outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
                    if batch.output_rows is not None and not split and shm is None else None)
+        lora, lora_rows = (self.lora, None) if batch.lora_slots is not None else (None, None)
+        if lora is not None:  # each row's adapter slot (-1: the base model)
+            assert batch.lora_slots is not None
+            lora_rows = torch.repeat_interleave(torch.tensor(batch.lora_slots, dtype=torch.int32),
+                                                torch.tensor(batch.query_lens_list))
+            lora_needed = kernels.lora_scratch_elements(self.shape, residual.shape[0], lora)
+            if self._lora_scratch.numel() < lora_needed:
+                self._lora_scratch = torch.empty(lora_needed, dtype=torch.bfloat16)
         hidden = kernels.run(self.kernels, self.weights, self.shape, residual, kv_caches, cos, sin,
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                              backend.scale, self._scratch, None if shm is None else shm.context, split,
-                             KV_PREFETCH_BYTES if split else 0, outputs)
+                             KV_PREFETCH_BYTES if split else 0, outputs, lora, lora_rows, self._lora_scratch)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)

@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         rotary = self.rotary.cos_sin(batch.positions)
         stack = self.native_stack
-        if stack is not None and batch.lora_slots is None and stack.serves(kv_caches, backend, metadata):
+        if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
             hidden, residual = stack(residual, rotary, batch, kv_caches, backend, metadata)
             return self.norm(hidden, residual)  # the rows batch.output_rows names, if it does
         # The last layer's o projection and MLP run on the rows the step reads alone (one

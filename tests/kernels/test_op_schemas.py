@@ -68,6 +68,9 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "argmax_rows": [lambda: (randn(4, 50),), lambda: (randn(3, 70, dtype=torch.bfloat16),)],
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
+    "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
+                           torch.tensor([4, 1])),
+                  lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
 }
 
 # (op, argument, a change to valid arguments that breaks a relation between them, message)
@@ -91,6 +94,8 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("gemm_bf16", "packed", lambda a: a.__setitem__(3, 40), "has .* elements"),
     ("gemm_bf16", "bias", lambda a: a.__setitem__(2, a[2][:10]), r"must be a contiguous \[20\] bf16"),
     ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
+    ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
 ]
 
 needs_native = pytest.mark.skipif(not all(op.available() for op in OPS.values()), reason="a C++ source did not build")

@@ -76,9 +76,11 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(models) -> None:
 
 
 def test_in_bf16_every_request_is_bit_identical_alone_and_beside_others(models) -> None:
-    """A step with adapter rows runs the module path, the native walk's reference: the
-    base model's rows in it get the bits they get alone (in bf16, kvloom's row-invariant
-    GEMM), and so do an adapter's rows, whose two matmuls run on that GEMM too."""
+    """A step with adapter rows (here on the module path: the native walk, which
+    tests/models/test_decoder_stack.py holds to it bit for bit, needs a head size this
+    tiny model lacks): the base model's rows in it get the bits they get alone (in bf16,
+    kvloom's row-invariant GEMM), and so do an adapter's rows, whose two matmuls run on
+    that GEMM too."""
     rng = random.Random(2)
     prompt = [rng.randrange(3, 500) for _ in range(30)]
     others = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(3)]

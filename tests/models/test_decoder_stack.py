@@ -3,7 +3,7 @@ csrc/decoder_stack.cpp) against the module path it replaces: the same hidden sta
 and the same KV cache, bit for bit, on every step of a run that mixes fresh prefills,
 chunked prefills, prefix-cache hits and decodes; each path's last layer for the sampled
 rows alone against the same path computing every row; and the configurations it
-leaves to the modules."""
+leaves to the modules; and steps with LoRA adapter rows, which the walk runs too."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.kernels import decoder_stack, gemm, paged_attention
+from kvloom.lora.request import LoRARequest
 from kvloom.models import decoder_stack as stack_model
 from kvloom.models.decoder_stack import split_point
 from kvloom.sampling_params import SamplingParams
@@ -36,17 +37,32 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE)
 
 
-def run_both_paths(model_dir: Path) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest | None]:
+    """Two PEFT adapters of the model (every projection at rank 8; attention and down at
+    rank 4), each request's in the run_both_paths order, None for the base model."""
+    from helpers_lora import TARGETS_ALL, write_adapter
+    root = tmp_path_factory.mktemp("adapters")
+    a = LoRARequest("a", 1, str(write_adapter(model_dir, root / "a", 1, 8, TARGETS_ALL)))
+    b = LoRARequest("b", 2, str(write_adapter(model_dir, root / "b", 2, 4, ["q_proj", "v_proj", "o_proj",
+                                                                              "down_proj"])))
+    # a's rows apart in some steps (gathered, not one run); the last request hits a's prefix.
+    return [a, None, a, b, a]
+
+
+def run_both_paths(model_dir: Path, loras: list[LoRARequest | None] | None = None) -> list[list[int]]:
     """A run mixing fresh prefills, chunked prefills, a prefix-cache hit and decodes, each
     step computed by the walk and by the module path, which must agree bit for bit (the
     hidden states and the KV cache); where the step reads some rows only (output_rows),
     each path also computes every row (the last layer whole), and the rows read must be
-    those bits too. Returns each step's query lengths."""
+    those bits too. ``loras``: each request's adapter (the walk then runs the steps with
+    adapter rows too). Returns each step's query lengths."""
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", max_num_batched_tokens=40,
-                                                num_blocks=96, block_size=16, seed=0))
+                                                num_blocks=96, block_size=16, seed=0, enable_lora=loras is not None,
+                                                max_loras=2, max_lora_rank=8))
     model: Any = engine.model
     assert model.native_stack is not None
-    forward, steps, narrowed = model.forward, [], []
+    forward, steps, narrowed, adapted = model.forward, [], [], []
 
     def modules(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
         stack, model.native_stack = model.native_stack, None
@@ -56,7 +72,9 @@ def run_both_paths(model_dir: Path) -> list[list[int]]:
             model.native_stack = stack
 
     def both_paths(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
-        assert model.native_stack.serves(kv_caches, backend, metadata)  # the walk runs below
+        assert model.native_stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None)  # it runs below
+        if batch.lora_slots is not None:
+            adapted.append(batch.lora_slots)
         modules_cache = kv_caches.clone()
         expected = modules(batch, modules_cache, backend, metadata)
         if batch.output_rows is not None:  # every row, then the rows read, on both paths
@@ -81,17 +99,24 @@ def run_both_paths(model_dir: Path) -> list[list[int]]:
     prompts = [list(range(5, 70)), shared + [11, 12, 13], shared + [21], [9, 8, 7]]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True)]
+    loras = loras or [None] * 5
     for index, prompt in enumerate(prompts):
-        engine.add_request(prompt, params[index % 2])
+        engine.add_request(prompt, params[index % 2], lora_request=loras[index])
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request(shared + [31, 32], params[0])  # a prefix-cache hit after the others
+    engine.add_request(shared + [31, 32], params[0], lora_request=loras[4])  # a prefix-cache hit after the others
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.num_cached_prompt_tokens >= 32
     assert any(len(lens) > 1 and max(lens) > 1 and min(lens) == 1 for lens in steps), "no mixed step"
     assert any(max(lens) == 1 for lens in steps), "no pure decode step"
-    assert 0 in narrowed and any(count > 0 for count in narrowed), narrowed  # chunks that sample nowhere, and some
+    if any(lora is not None for lora in loras):
+        # Some step holds one adapter's sequences apart (their rows gathered), and most hold adapter rows.
+        assert any(slot >= 0 and slot in slots[i + 1:] and slots[i + 1] != slot
+                   for slots in adapted for i, slot in enumerate(slots[:-1])), adapted
+        assert len(adapted) >= len(steps) // 2, (len(adapted), len(steps))
+    else:  # (steps with adapter rows read every row)
+        assert 0 in narrowed and any(count > 0 for count in narrowed), narrowed  # chunks that sample nowhere, and some
     return steps
 
 
@@ -99,13 +124,15 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
     run_both_paths(model_dir)
 
 
-# Split walks fetch each layer's KV ahead during their matmuls: none of it, a block's K
-# and V of one layer (the budget cuts the stream short), and all of it.
-@pytest.mark.parametrize("kv_prefetch_bytes", [0, 2 * 16 * 2 * 32 * 2, 8 << 20])
-def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 kv_prefetch_bytes: int) -> None:
-    # Decode steps of two sequences on split (the default waits for 32), over two threads
-    # whatever this machine has; every split the walk is given is recorded.
+def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
+                                                                    adapters: list[LoRARequest | None]) -> None:
+    run_both_paths(model_dir, adapters)
+
+
+def run_split(model_dir: Path, monkeypatch: pytest.MonkeyPatch, kv_prefetch_bytes: int,
+              loras: list[LoRARequest | None] | None = None) -> None:
+    """run_both_paths with decode steps of two sequences on split (the default waits for
+    32), over two threads whatever this machine has; some step must have been split."""
     monkeypatch.setattr(stack_model, "SPLIT_FROM_TOKENS", 2)
     monkeypatch.setattr(stack_model, "KV_PREFETCH_BYTES", kv_prefetch_bytes)
     splits: list[int] = []
@@ -118,10 +145,23 @@ def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path,
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        run_both_paths(model_dir)
+        run_both_paths(model_dir, loras)
     finally:
         torch.set_num_threads(threads)
     assert any(split > 0 for split in splits), "no step was split into two walks"
+
+
+# Split walks fetch each layer's KV ahead during their matmuls: none of it, a block's K
+# and V of one layer (the budget cuts the stream short), and all of it.
+@pytest.mark.parametrize("kv_prefetch_bytes", [0, 2 * 16 * 2 * 32 * 2, 8 << 20])
+def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 kv_prefetch_bytes: int) -> None:
+    run_split(model_dir, monkeypatch, kv_prefetch_bytes)
+
+
+def test_two_concurrent_walks_with_lora_adapters_match_the_module_path(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       adapters: list[LoRARequest | None]) -> None:
+    run_split(model_dir, monkeypatch, 8 << 20, adapters)  # each walk its own adapter rows and scratch
 
 
 def test_split_point_balances_decode_steps_and_leaves_the_rest_whole(monkeypatch: pytest.MonkeyPatch) -> None:
