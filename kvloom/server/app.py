@@ -30,6 +30,7 @@ from kvloom.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from kvloom.server.reasoning_parsers import check_vocabulary, get_reasoning_parser
 from kvloom.server.serving_chat import create_chat_completion, encode_messages
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
@@ -44,6 +45,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     settings = settings or ServerSettings()
     serving = Serving(async_engine, settings)
     created = int(time.time())
+    if settings.reasoning_parser is not None:  # its markers must be the model's tokens
+        reasoning = get_reasoning_parser(settings.reasoning_parser)
+        async_engine.load_checks.append(lambda engine: check_vocabulary(reasoning, engine.tokenizer))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -123,6 +123,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_load_failed: Callable[[BaseException], None] | None = None
+        # What the server asks of the loaded model before serving it (a reasoning parser's
+        # markers in its vocabulary): each raises ValueError naming what is missing, which
+        # fails the load.
+        self.load_checks: list[Callable[[LLMEngine], None]] = []
         # Called on the engine thread after an engine fault has failed every request.
         self.on_engine_failed: Callable[[BaseException], None] | None = None
         # Admission accounting, shared by both threads under the lock: requests sent
@@ -231,6 +235,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = self._factory()
+            for check in self.load_checks:
+                try:
+                    check(engine)
+                except ValueError as error:  # the user's flags, not the model's fault: one line
+                    raise ModelLoadError(str(error)) from None
         except BaseException as error:  # noqa: BLE001 - any load failure is reported, not raised
             if isinstance(error, ModelLoadError):  # a one-line, user-facing message
                 logger.error("model failed to load: %s", error)

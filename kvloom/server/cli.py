@@ -6,6 +6,7 @@ import argparse
 import os
 
 from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, port_number
+from kvloom.server.reasoning_parsers import REASONING_PARSERS
 from kvloom.server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
@@ -62,6 +63,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="the model's tool-call format: hermes (SmolLM2, Qwen), llama3_json, mistral; "
                             f"forced calls (tool_choice \"required\" or a named function) are written in "
                             f"it too (default for those: {DEFAULT_FORCED_FORMAT})")
+    tools.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="a thinking model's format (<think>...</think>): chat completions carry the "
+                            "reasoning as \"reasoning\" beside the content (the model must have both markers "
+                            "as tokens)")
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -94,6 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       log_stats=not args.disable_log_stats, log_level=args.log_level,
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                      reasoning_parser=args.reasoning_parser,
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,

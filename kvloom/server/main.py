@@ -45,7 +45,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                served_model_name: str | None = None, model_aliases: Sequence[str] = (),
                log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
                limits: ConnectionLimits | None = None, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False, enable_dashboard: bool = True,
+               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+               enable_dashboard: bool = True,
                otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
                allow_runtime_lora_updating: bool = False) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
@@ -62,6 +63,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
     settings = ServerSettings(served_model_name=served_model_name, model_aliases=tuple(model_aliases),
                               api_key=api_key, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
                               enable_auto_tool_choice=enable_auto_tool_choice,
+                              reasoning_parser=reasoning_parser,
                               enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint,
                               lora_modules=tuple(lora_modules),
                               allow_runtime_lora_updating=allow_runtime_lora_updating)

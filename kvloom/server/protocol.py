@@ -201,7 +201,10 @@ class ChatMessage(StrictModel):
     """One message, in the shapes OpenAI's clients send: ``developer`` (read as system),
     assistant turns with ``tool_calls`` (``content`` may then be null) and ``tool``
     results answering a ``tool_call_id``. ``refusal`` and ``annotations`` are what the
-    SDK echoes back from an earlier assistant message; they are not rendered."""
+    SDK echoes back from an earlier assistant message; they are not rendered. An
+    assistant message's ``reasoning`` (vLLM's name; ``reasoning_content``, SGLang's and
+    vLLM's older one, is read the same) reaches the template as ``reasoning_content``,
+    the name thinking models' templates read."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -210,6 +213,8 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -267,6 +272,10 @@ class ChatMessage(StrictModel):
             raise ValueError("a tool message needs the tool_call_id it answers")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id is only allowed on tool messages, not {self.role}")
+        if (self.reasoning is not None or self.reasoning_content is not None) and self.role != "assistant":
+            raise ValueError(f"reasoning is only allowed on assistant messages, not {self.role}")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ; give one of them")
         return self
 
     def text(self) -> str | None:
@@ -290,6 +299,9 @@ class ChatMessage(StrictModel):
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -311,6 +323,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: with --reasoning-parser, whether the response carries the reasoning (else
+    # only the content after it).
+    include_reasoning: bool = True
 
     @field_validator("messages")
     @classmethod

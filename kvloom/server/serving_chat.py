@@ -30,6 +30,7 @@ from kvloom.server.generation import (
     truncate_prompt,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
+from kvloom.server.reasoning_parsers import ReasoningFormat, ReasoningStream, get_reasoning_parser, split_reasoning
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
 from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_calls, tool_use
@@ -58,7 +59,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
-                         body.return_tokens_as_token_ids, body.return_token_ids)
+                         body.return_tokens_as_token_ids, body.return_token_ids,
+                         _reasoning(body, serving.settings, params.structured is None))
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
@@ -98,8 +100,29 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     request_id = new_id("chatcmpl")
     finals = await beam_search(serving, request, request_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
-    response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids)
+    response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
+                         reasoning=_reasoning(body, serving.settings, free=True))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reasoning:
+    """How a response splits its outputs (--reasoning-parser): the format, whether the
+    output opens in its reasoning, and whether the reasoning is sent (include_reasoning)."""
+
+    format: ReasoningFormat
+    thinking: bool
+    included: bool
+
+
+def _reasoning(body: ChatCompletionRequest, settings: ServerSettings, free: bool) -> _Reasoning | None:
+    """None without a reasoning parser. An output constrained from its first token
+    (``free`` false: response_format, a forced tool call) has no room to think: all of it
+    is content, as is a Qwen3 output whose template was told ``enable_thinking: false``."""
+    if settings.reasoning_parser is None:
+        return None
+    reasoning = get_reasoning_parser(settings.reasoning_parser)
+    return _Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning)
 
 
 # Template variables that the render sets itself.
@@ -179,18 +202,28 @@ class _Response(GenerationResponse):
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
                  tool_parser: ToolParser | None = None, tokens_as_ids: bool = False,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, reasoning: _Reasoning | None = None) -> None:
         super().__init__(request_id, model, created, return_token_ids)
         self.top_logprobs = top_logprobs
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
         self.tool_parser = tool_parser  # parse the output into tool_calls (None: plain text)
         self._streamed_calls = StreamedCalls(tool_parser) if tool_parser is not None else None
+        # --reasoning-parser: the split, and each streamed choice's machine (the reasoning
+        # goes first; the tool-call parser reads the content after it).
+        self.reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        content: str | None = completion.text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning is not None:
+            thought, content = split_reasoning(self.reasoning.format, completion.text, self.reasoning.thinking)
+            message = {"role": "assistant", "content": content,
+                       "reasoning": thought if self.reasoning.included else None}
         finish_reason = completion.finish_reason
-        if self.tool_parser is not None:
-            message, finish_reason = message_with_calls(self.tool_parser, completion.text, finish_reason)
+        if self.tool_parser is not None and content is not None:
+            calls, finish_reason = message_with_calls(self.tool_parser, content, finish_reason)
+            message.update(calls)
         return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
                 "finish_reason": finish_reason}
 
@@ -210,12 +243,26 @@ class _Response(GenerationResponse):
 
     def delta_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None) -> dict[str, Any] | None:
+        thought = ""
+        if self.reasoning is not None:
+            stream = self._reasoning_streams.get(index)
+            if stream is None:
+                stream = self._reasoning_streams[index] = ReasoningStream(self.reasoning.format,
+                                                                          self.reasoning.thinking)
+            thought, text = stream.feed(text)
+            if finish_reason is not None:
+                rest = stream.finish()
+                thought, text = thought + rest[0], text + rest[1]
+            if not self.reasoning.included:
+                thought = ""
         if self._streamed_calls is None:
             delta: dict[str, Any] = {"content": text} if text else {}
         else:
             delta, finish_reason = self._streamed_calls.delta(index, text, finish_reason)
-            if not delta and logprobs is None and finish_reason is None:
-                return None  # held back: it may be the start of a call
+        if thought:
+            delta = {"reasoning": thought, **delta}
+        if not delta and logprobs is None and finish_reason is None:
+            return None  # held back: it may be the start of a marker or a call
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:

@@ -27,6 +27,9 @@ class ServerSettings:
     # and whether tool_choice "auto" parses the output with it.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's --reasoning-parser: a thinking model's output split into reasoning and
+    # content in chat completions (server/reasoning_parsers.py).
+    reasoning_parser: str | None = None
     # The live dashboard at /dashboard (server/dashboard.py), on unless disabled.
     enable_dashboard: bool = True
     # OpenTelemetry: an OTLP/HTTP collector's traces URL (e.g. http://host:4318/v1/traces)
@@ -40,10 +43,13 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
+        from kvloom.server.reasoning_parsers import get_reasoning_parser
         from kvloom.server.tool_parsers import get_tool_parser
 
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (the format to parse "
                              "the model's calls in)")

@@ -1,0 +1,119 @@
+"""Reasoning parsers: a thinking model's output split into its reasoning and its answer
+(vLLM's ``--reasoning-parser``; the chat response's ``reasoning`` beside ``content``).
+
+Both formats here are DeepSeek R1's and Qwen3's: the reasoning ends at ``</think>``,
+and the chat template has opened it (R1's always, Qwen3's unless the request sets
+``chat_template_kwargs.enable_thinking`` false), so the output begins inside it; a
+``<think>`` the model writes first anyway is dropped. An output without ``</think>``
+(cut by ``max_tokens``, say) is reasoning only, as vLLM's. The text after ``</think>`` is
+the content, which a tool-call parser then reads.
+
+``ReasoningStream`` is one incremental machine, and splitting a whole output is that
+machine fed the whole text: streamed in any pieces, the reasoning and the content
+concatenate to the whole output's split. A piece that may be the start of a marker is
+held back until the next piece (or the end) shows whether it is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvloom.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """The markers around a model's reasoning, and whether the request can turn the
+    thinking off through the template (``enable_thinking``, Qwen3's switch)."""
+
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    template_switch: str | None = None
+
+    def thinks(self, template_kwargs: dict[str, object]) -> bool:
+        """Whether an output of a request rendered with ``template_kwargs`` opens in its reasoning."""
+        return self.template_switch is None or template_kwargs.get(self.template_switch, True) is not False
+
+
+REASONING_PARSERS = {
+    "deepseek_r1": ReasoningFormat("deepseek_r1"),
+    "qwen3": ReasoningFormat("qwen3", template_switch="enable_thinking"),
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningFormat:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {name!r}")
+    return REASONING_PARSERS[name]
+
+
+def check_vocabulary(reasoning: ReasoningFormat, tokenizer: Tokenizer) -> None:
+    """ValueError unless each marker is one token of the model that its decoded text
+    keeps (not a special token, which the text leaves out): as vLLM, a model without
+    them is refused when it loads rather than answered with reasoning it cannot mark."""
+    for marker in (reasoning.start, reasoning.end):
+        token_id = tokenizer.token_to_id(marker)
+        if token_id is None:
+            raise ValueError(f"--reasoning-parser {reasoning.name} needs {marker!r} as a token of the model's "
+                             "vocabulary, which has none: this is not a thinking model of that format")
+        if tokenizer.is_special(token_id):
+            raise ValueError(f"--reasoning-parser {reasoning.name}: {marker!r} (token {token_id}) is a special "
+                             "token, which the decoded text leaves out")
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``marker``."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class ReasoningStream:
+    """One output's text, piece by piece, into (reasoning, content) pieces.
+
+    States: ``opening`` (nothing emitted yet: a leading start marker is dropped),
+    ``reasoning`` (until the end marker), ``content`` (the rest), entered at
+    ``content`` for an output that does not think. ``held`` is text that may be the
+    start of the marker the state looks for."""
+
+    def __init__(self, reasoning: ReasoningFormat, thinking: bool) -> None:
+        self.format = reasoning
+        self.state = "opening" if thinking else "content"
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text = self.held + text
+        self.held = ""
+        if self.state == "opening":
+            start = self.format.start
+            if text.startswith(start):
+                text = text[len(start):]
+            elif start.startswith(text):  # all of it may still be the marker
+                self.held = text
+                return "", ""
+            self.state = "reasoning"
+        if self.state == "reasoning":
+            end = text.find(self.format.end)
+            if end < 0:
+                keep = _held_prefix(text, self.format.end)
+                self.held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            self.state = "content"
+            return text[:end], text[end + len(self.format.end):]
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the end of the output: reasoning (an unfinished marker is text)."""
+        held, self.held = self.held, ""
+        return ("", held) if self.state == "content" else (held, "")
+
+
+def split_reasoning(reasoning: ReasoningFormat, text: str, thinking: bool) -> tuple[str | None, str | None]:
+    """A whole output's (reasoning, content), each None where empty (as vLLM's)."""
+    stream = ReasoningStream(reasoning, thinking)
+    first, second = stream.feed(text), stream.finish()
+    return first[0] + second[0] or None, first[1] + second[1] or None

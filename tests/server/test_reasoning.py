@@ -1,0 +1,162 @@
+"""--reasoning-parser: a thinking model's output split into ``reasoning`` and ``content``
+in chat completions. The split against hand-worked cases and DeepSeek R1's rule as vLLM
+states it (a leading ``<think>`` dropped, the reasoning up to the first ``</think>``, all
+reasoning without one), streamed in every pair of cut points; a live server on a tiny
+model whose vocabulary has the markers, its sampled outputs (tokens restricted to the
+markers and two words) held to that rule applied to the tokens decoded by Hugging Face
+``tokenizers``, whole and streamed; and the refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers_models import write_tiny_hf_model
+from server_harness import ENGINE_KWARGS, start_live_server
+
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+from kvloom.server.background import start_background_server
+from kvloom.server.protocol import ChatMessage
+from kvloom.server.reasoning_parsers import REASONING_PARSERS, ReasoningStream, split_reasoning
+from kvloom.server.settings import ServerSettings
+
+R1 = REASONING_PARSERS["deepseek_r1"]
+
+# (output, thinking) -> (reasoning, content), worked by hand.
+CASES = {
+    ("I think so.</think>Yes.", True): ("I think so.", "Yes."),
+    ("<think>I think so.</think>Yes.", True): ("I think so.", "Yes."),
+    ("still thinking", True): ("still thinking", None),  # cut before the end marker
+    ("</think>Yes.", True): (None, "Yes."),
+    ("a</think>b</think>c", True): ("a", "b</think>c"),  # only the first marker ends it
+    ("x<think>y</think>z", True): ("x<think>y", "z"),  # a start marker later on is text
+    ("<thi", True): ("<thi", None),  # the output ends inside what could have been a marker
+    ("abc</thin", True): ("abc</thin", None),
+    ("<think>", True): (None, None),
+    ("<think>a</think>b", False): (None, "<think>a</think>b"),  # not thinking: all content
+}
+
+
+def r1_rule(text: str) -> tuple[str | None, str | None]:
+    """vLLM's DeepSeek R1 rule, written out: drop a leading <think>, split at the first </think>."""
+    text = text.removeprefix("<think>")
+    reasoning, found, content = text.partition("</think>")
+    return reasoning or None, (content or None) if found else None
+
+
+@pytest.mark.parametrize(("case", "expected"), list(CASES.items()), ids=[repr(text) for text, _ in CASES])
+def test_the_split_is_the_hand_worked_one(case: tuple[str, bool], expected: tuple[str | None, str | None]) -> None:
+    text, thinking = case
+    assert split_reasoning(R1, text, thinking) == expected
+    if thinking:
+        assert r1_rule(text) == expected
+
+
+@pytest.mark.parametrize(("text", "thinking"), list(CASES))
+def test_streamed_in_any_three_pieces_it_is_the_whole_split(text: str, thinking: bool) -> None:
+    whole = tuple(part or "" for part in split_reasoning(R1, text, thinking))
+    for first, second in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+        stream = ReasoningStream(R1, thinking)
+        pieces = [stream.feed(text[:first]), stream.feed(text[first:second]), stream.feed(text[second:]),
+                  stream.finish()]
+        assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == whole, (first, second)
+
+
+def test_a_prior_turns_reasoning_reaches_the_template_as_reasoning_content() -> None:
+    for field in ("reasoning", "reasoning_content"):
+        message = ChatMessage.model_validate({"role": "assistant", "content": "Yes.", field: "I think so."})
+        assert message.to_template() == {"role": "assistant", "content": "Yes.", "reasoning_content": "I think so."}
+    with pytest.raises(ValueError, match="only allowed on assistant messages"):
+        ChatMessage.model_validate({"role": "user", "content": "Hi", "reasoning": "x"})
+    with pytest.raises(ValueError, match="differ"):
+        ChatMessage.model_validate({"role": "assistant", "content": "Hi", "reasoning": "x", "reasoning_content": "y"})
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, two of its padding tokens renamed <think> and </think> (not special:
+    the decoded text keeps them, as DeepSeek R1's and Qwen3's tokenizers do)."""
+    path = write_tiny_hf_model(tmp_path_factory.mktemp("thinking"), arch="llama")
+    names = {"<|extra_0|>": "<think>", "<|extra_1|>": "</think>"}
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        text = (path / file).read_text()
+        for old, new in names.items():
+            text = text.replace(old, new)
+        data = json.loads(text)
+        for token in data.get("added_tokens", []) + list(data.get("added_tokens_decoder", {}).values()):
+            if token["content"] in names.values():
+                token["special"] = False
+        (path / file).write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(thinking_model: Path) -> Iterator[Any]:
+    live = start_live_server(thinking_model, ServerSettings(served_model_name="thinker", reasoning_parser="qwen3"))
+    yield live
+    live.stop()
+
+
+def chat(base_url: str, seed: int, stream: bool, **extra: Any) -> tuple[dict[str, Any], list[int]]:
+    """(the message, whole or reassembled from its deltas, and the output's token ids)."""
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "Think, then answer."}],
+            "max_tokens": 12, "temperature": 1.0, "seed": seed, "stream": stream, "return_token_ids": True,
+            "allowed_token_ids": extra.pop("allowed"), **extra}
+    if not stream:
+        reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return choice["message"], choice["token_ids"]
+    parts: dict[str, str] = {"reasoning": "", "content": ""}
+    tokens: list[int] = []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            delta = chunk["choices"][0]["delta"]
+            for key in parts:
+                parts[key] += delta.get(key) or ""
+            tokens += chunk["choices"][0].get("token_ids") or []
+    return {key: value or None for key, value in parts.items()}, tokens
+
+
+def test_sampled_outputs_split_as_the_rule_says_whole_and_streamed(server: Any, thinking_model: Path) -> None:
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(thinking_model / "tokenizer.json"))
+    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    allowed = [think, end, tokenizer.token_to_id("Ġquick"), tokenizer.token_to_id("Ġfox")]
+    assert None not in allowed
+    seen_content = False
+    for seed in range(8):
+        message, tokens = chat(server.base_url, seed, stream=False, allowed=allowed)
+        expected = r1_rule(tokenizer.decode(tokens, skip_special_tokens=True))
+        assert (message["reasoning"], message["content"]) == expected, tokens
+        streamed, streamed_tokens = chat(server.base_url, seed, stream=True, allowed=allowed)
+        assert streamed_tokens == tokens  # the same seed: the same output
+        assert (streamed["reasoning"], streamed["content"]) == expected
+        seen_content |= expected[1] is not None
+        # Without the reasoning, the same content; told not to think (Qwen3's switch), all content.
+        message, _ = chat(server.base_url, seed, stream=False, allowed=allowed, include_reasoning=False)
+        assert (message["reasoning"], message["content"]) == (None, expected[1])
+        message, tokens = chat(server.base_url, seed, stream=False, allowed=allowed,
+                               chat_template_kwargs={"enable_thinking": False})
+        assert (message.get("reasoning"), message["content"]) == (None, tokenizer.decode(tokens) or None)
+    assert seen_content  # some outputs ended their reasoning and answered
+
+
+def test_a_model_without_the_markers_is_refused_when_it_loads(tiny_llama: Path) -> None:
+    config = EngineConfig.from_kwargs(str(tiny_llama), **ENGINE_KWARGS)
+    with pytest.raises(RuntimeError, match="reasoning-parser deepseek_r1 needs '<think>' as a token"):
+        start_background_server(lambda: LLMEngine(config), ServerSettings(reasoning_parser="deepseek_r1"))
+
+
+def test_an_unknown_parser_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServerSettings(reasoning_parser="nope")
