@@ -60,7 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
                          body.return_tokens_as_token_ids, body.return_token_ids,
-                         _reasoning(body, serving.settings, params.structured is None))
+                         reasoning_of(body, serving.settings, params.structured is None))
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
@@ -101,12 +101,12 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     finals = await beam_search(serving, request, request_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
-                         reasoning=_reasoning(body, serving.settings, free=True))
+                         reasoning=reasoning_of(body, serving.settings, free=True))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Reasoning:
+class Reasoning:
     """How a response splits its outputs (--reasoning-parser): the format, whether the
     output opens in its reasoning, and whether the reasoning is sent (include_reasoning)."""
 
@@ -115,14 +115,14 @@ class _Reasoning:
     included: bool
 
 
-def _reasoning(body: ChatCompletionRequest, settings: ServerSettings, free: bool) -> _Reasoning | None:
+def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, free: bool) -> Reasoning | None:
     """None without a reasoning parser. An output constrained from its first token
     (``free`` false: response_format, a forced tool call) has no room to think: all of it
     is content, as is a Qwen3 output whose template was told ``enable_thinking: false``."""
     if settings.reasoning_parser is None:
         return None
     reasoning = get_reasoning_parser(settings.reasoning_parser)
-    return _Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning)
+    return Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning)
 
 
 # Template variables that the render sets itself.
@@ -202,7 +202,7 @@ class _Response(GenerationResponse):
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
                  tool_parser: ToolParser | None = None, tokens_as_ids: bool = False,
-                 return_token_ids: bool = False, reasoning: _Reasoning | None = None) -> None:
+                 return_token_ids: bool = False, reasoning: Reasoning | None = None) -> None:
         super().__init__(request_id, model, created, return_token_ids)
         self.top_logprobs = top_logprobs
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids

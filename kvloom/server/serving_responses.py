@@ -4,7 +4,8 @@ A request is read as the chat request it amounts to (``to_chat_request``: ``inst
 a system message, ``input`` the messages, function calls and their outputs the assistant
 tool calls and tool messages they are in chat, ``text.format`` the response_format,
 ``max_output_tokens`` max_completion_tokens), which the chat path's own pieces encode
-and sample. The answer is a Response object whose items (``message`` items of
+and sample. The answer is a Response object whose items (a ``reasoning`` item of
+``reasoning_text`` first with ``--reasoning-parser``, ``message`` items of
 ``output_text``, and ``function_call`` items where the tool parser finds calls) are
 written by one ``_ItemWriter``, each opening when the output starts it. Streamed, that is
 the Responses events (``response.created`` ... ``response.output_text.delta`` ...
@@ -38,8 +39,9 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
+from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import encode_messages, params_and_tools
+from kvloom.server.serving_chat import Reasoning, encode_messages, params_and_tools, reasoning_of
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,17 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     if not items:
         raise bad_request("input must not be empty", "input")
+    # A reasoning item's text (an earlier output's, sent back), for the assistant turn it
+    # led to: the next assistant message or calls, else an assistant turn of it alone.
+    thought: tuple[str, str] | None = None  # (its text, where)
+
+    def flush() -> None:
+        nonlocal thought
+        if thought is not None:
+            messages.append({"role": "assistant", "content": "", "reasoning": thought[0]})
+            origins.append(thought[1])
+            thought = None
+
     for index, item in enumerate(items):
         where = f"input[{index}]"
         if not isinstance(item, dict):
@@ -91,29 +104,50 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _item_error(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            message = {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+            if role == "assistant" and thought is not None:
+                message["reasoning"], thought = thought[0], None
+            flush()
+            messages.append(message)
             origins.append(where)
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            thought = (text, where) if thought is None else (thought[0] + text, thought[1])
         elif kind == "function_call":
             fields = [item.get(name) for name in ("call_id", "name", "arguments")]
             if not all(isinstance(value, str) for value in fields):
                 raise _item_error(where, "a function_call needs string call_id, name and arguments")
             call = {"id": fields[0], "type": "function", "function": {"name": fields[1], "arguments": fields[2]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            if thought is None and last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if thought is not None:
+                    message["reasoning"], thought = thought[0], None
+                messages.append(message)
                 origins.append(where)
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise _item_error(where, "a function_call_output needs a string call_id")
+            flush()
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
             origins.append(where)
         else:
-            raise _item_error(where, f"input items of type {kind!r} are not supported here (messages, function_call "
-                                     "and function_call_output are)")
+            raise _item_error(where, f"input items of type {kind!r} are not supported here (messages, reasoning, "
+                                     "function_call and function_call_output are)")
+    flush()
     return messages, origins
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's texts)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(part, dict) and isinstance(part.get("text"), str)
+                                              for part in parts):
+        raise _item_error(where, "a reasoning item's content (or summary) must be a list of parts with text")
+    return "".join(part["text"] for part in parts)
 
 
 def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
@@ -222,7 +256,9 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         raise renamed(from_value_error(error), origins) from None
     if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
         return stream
-    shape = _Shape(body, response_id, model, tools, len(prompt))
+    reasoning = reasoning_of(chat, serving.settings, params.structured is None)
+    end_id = info.tokenizer.token_to_id(reasoning.format.end) if reasoning is not None else None
+    shape = _Shape(body, response_id, model, tools, len(prompt), reasoning, end_id)
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
@@ -234,18 +270,22 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
 class _Shape:
     """The Response object of one request, whole or as its stream of events."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolUse, prompt_len: int) -> None:
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolUse, prompt_len: int,
+                 reasoning: Reasoning | None = None, end_token_id: int | None = None) -> None:
         self.body, self.id, self.model, self.tools, self.prompt_len = body, response_id, model, tools, prompt_len
+        # --reasoning-parser: the output's reasoning becomes a reasoning item, and the tokens
+        # before the end marker's are counted as reasoning_tokens.
+        self.reasoning, self.end_token_id = reasoning, end_token_id
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
 
     # ---- the whole response ----------------------------------------------------------
     def response(self, status: str, final: RequestOutput | None, output: list[dict[str, Any]] | None = None,
-                 num_tokens: int | None = None) -> dict[str, Any]:
+                 token_ids: list[int] | None = None) -> dict[str, Any]:
         """The Response object: ``final``'s output items and usage once it has ended
         (``status`` then says how), an in-progress shell before. A streamed output's
-        ``output`` items and ``num_tokens`` are given (its final output is a delta)."""
+        ``output`` items and ``token_ids`` are given (its final output is a delta)."""
         body = self.body
         data: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
@@ -266,12 +306,21 @@ class _Shape:
             data["output"] = output
             if completion.finish_reason == "length":
                 data["status"], data["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
-            generated = len(completion.token_ids) if num_tokens is None else num_tokens
+            token_ids = list(completion.token_ids) if token_ids is None else token_ids
+            generated = len(token_ids)
             data["usage"] = {
                 "input_tokens": self.prompt_len, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": generated,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(token_ids)},
                 "total_tokens": self.prompt_len + generated}
         return data
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """The output's tokens before its end-of-reasoning marker's (all of them where it
+        has none), for an output that opens thinking; else 0."""
+        if self.reasoning is None or not self.reasoning.thinking:
+            return 0
+        return token_ids.index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [self.text_part(text)]
@@ -297,20 +346,21 @@ class _Shape:
                 yield self.event("response.created", response=shell)
                 yield self.event("response.in_progress", response=shell)
                 writer = _ItemWriter(self)
-                num_tokens, final = 0, None
+                token_ids: list[int] = []
+                final = None
                 async for _, output in stream:
                     completion = output.outputs[0]
                     if output.finished:
                         check_finished_cleanly(output)
                         final = output
-                    num_tokens += len(completion.delta_token_ids)
+                    token_ids += completion.delta_token_ids
                     for event in writer.feed(completion.delta_text, output.finished):
                         yield event
                 if stream.aborted or final is None:
                     return  # the client is gone
                 for event in writer.close(final.outputs[0].finish_reason):
                     yield event
-                whole = self.response("completed", final, writer.items, num_tokens)
+                whole = self.response("completed", final, writer.items, token_ids)
                 yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                                  response=whole)
             except (RequestAborted, APIError) as error:
@@ -336,9 +386,40 @@ class _ItemWriter:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.parser = shape.tools.parser.stream() if shape.tools.parser is not None else None
+        reasoning = shape.reasoning
+        self.thinking = (ReasoningStream(reasoning.format, reasoning.thinking)
+                         if reasoning is not None and reasoning.thinking else None)
 
     def feed(self, text: str, finished: bool) -> list[str]:
-        """The events of the output's next text (``finished``: its last)."""
+        """The events of the output's next text (``finished``: its last): the reasoning
+        first (a reasoning item), then the content after it, as the tool parser reads it."""
+        events: list[str] = []
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if finished:
+                rest = self.thinking.finish()
+                thought, text = thought + rest[0], text + rest[1]
+            events = self.reason(thought)
+        return events + self.content(text, finished)
+
+    def reason(self, text: str) -> list[str]:
+        """A reasoning item's next text (the first item: the reasoning comes first)."""
+        if not text:
+            return []
+        events = []
+        if self.open is None:
+            self.open = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            events.append(self._event("response.output_item.added", item={**self.open, "content": []}))
+            events.append(self._event("response.content_part.added", item_id=self.open["id"], content_index=0,
+                                      part={"type": "reasoning_text", "text": ""}))
+        assert self.open["type"] == "reasoning", "reasoning after the answer began"
+        self.open["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"], content_index=0,
+                                  delta=text))
+        return events
+
+    def content(self, text: str, finished: bool) -> list[str]:
         if self.parser is None:
             return self.text(text)
         pieces = ([self.parser.feed(text)] if text else []) + ([self.parser.finish()] if finished else [])
@@ -391,8 +472,13 @@ class _ItemWriter:
         item, self.open = self.open, None
         if item is None:
             return []
-        item["status"] = status if item["type"] == "message" else "completed"
-        if item["type"] == "message":
+        item["status"] = status if item["type"] in ("message", "reasoning") else "completed"
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], content_index=0,
+                                  text=part["text"]),
+                      self._event("response.content_part.done", item_id=item["id"], content_index=0, part=part)]
+        elif item["type"] == "message":
             part = item["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"],
                                   logprobs=[]),

@@ -160,3 +160,72 @@ def test_a_model_without_the_markers_is_refused_when_it_loads(tiny_llama: Path) 
 def test_an_unknown_parser_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerSettings(reasoning_parser="nope")
+
+
+def test_the_responses_api_writes_the_reasoning_as_its_first_item() -> None:
+    """A streamed output with the end marker split across pieces: a reasoning item of
+    its reasoning, then a message of the rest, as events and as the Response's items;
+    reasoning_tokens counts the tokens before the end marker's (token 7 here)."""
+    from kvloom.server.protocol import ResponsesRequest
+    from kvloom.server.serving_chat import Reasoning
+    from kvloom.server.serving_responses import _ItemWriter, _Shape
+    from kvloom.server.tool_calling import ToolUse
+
+    body = ResponsesRequest(model="thinker", input="Think.")
+    shape = _Shape(body, "resp_1", "thinker", ToolUse(None), 3, Reasoning(R1, True, True), end_token_id=7)
+    writer = _ItemWriter(shape)
+    events = (writer.feed("<think>I think", False) + writer.feed(" so.</thi", False) + writer.feed("nk>Yes.", True)
+              + writer.close("stop"))
+    parsed = [json.loads(event.split("data: ", 1)[1]) for event in events]
+    assert [event["type"] for event in parsed] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(e["delta"] for e in parsed if e["type"] == "response.reasoning_text.delta") == "I think so."
+    assert [e["output_index"] for e in parsed] == [0] * 7 + [1] * 6
+    reasoning, message = writer.items
+    assert (reasoning["type"], reasoning["content"], reasoning["status"]) == (
+        "reasoning", [{"type": "reasoning_text", "text": "I think so."}], "completed")
+    assert (message["type"], message["content"][0]["text"]) == ("message", "Yes.")
+    assert shape.reasoning_tokens([4, 5, 6, 7, 8]) == 3 and shape.reasoning_tokens([4, 5]) == 2
+
+
+def test_reasoning_items_sent_back_join_the_assistant_turn_they_led_to() -> None:
+    from kvloom.server.protocol import ResponsesRequest
+    from kvloom.server.serving_responses import _messages
+
+    def think(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    body = ResponsesRequest(input=[
+        {"role": "user", "content": "Hi"}, think("a"), {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Call f"}, think("b"), call,
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}, think("c")])
+    messages, origins = _messages(body)
+    assert messages == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning": "a"},
+        {"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None, "reasoning": "b",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": "", "reasoning": "c"}]  # it led to nothing: a turn of its own
+    assert origins == ["input[0]", "input[2]", "input[3]", "input[5]", "input[6]", "input[7]"]
+
+
+def test_the_responses_api_and_chat_split_the_same_output_alike(server: Any) -> None:
+    ask = "Think about foxes."
+    chat_reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "thinker", "messages": [{"role": "user", "content": ask}], "max_tokens": 10, "temperature": 0.0})
+    message = chat_reply.json()["choices"][0]["message"]
+    reply = httpx.post(f"{server.base_url}/v1/responses", timeout=60, json={
+        "model": "thinker", "input": ask, "max_output_tokens": 10, "temperature": 0.0})
+    assert reply.status_code == 200, reply.text
+    items = {item["type"]: item for item in reply.json()["output"]}
+    assert message["reasoning"] is not None  # the template opened the reasoning
+    assert items["reasoning"]["content"] == [{"type": "reasoning_text", "text": message["reasoning"]}]
+    assert (items["message"]["content"][0]["text"] if "message" in items else None) == message["content"]
+    usage = reply.json()["usage"]
+    assert 0 < usage["output_tokens_details"]["reasoning_tokens"] <= usage["output_tokens"] == 10

@@ -147,7 +147,7 @@ def test_a_json_schema_format_holds(client: Any) -> None:
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "content": "thinking"}]}, "input[0]"),  # parts, not a string
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
