@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, port_number
@@ -67,6 +68,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="a thinking model's format (<think>...</think>): chat completions carry the "
                             "reasoning as \"reasoning\" beside the content (the model must have both markers "
                             "as tokens)")
+    cors = serve.add_argument_group("CORS (vLLM's flags: JSON lists)")
+    cors.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                      help='origins browsers may call the API from (default: ["*"])')
+    cors.add_argument("--allowed-methods", type=_json_list, default=["*"], help='default: ["*"]')
+    cors.add_argument("--allowed-headers", type=_json_list, default=["*"], help='default: ["*"]')
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let browsers send cookies and credentials cross-origin")
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -79,6 +87,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="open connections served at once; beyond it new requests get 503")
     serve.set_defaults(run=run_serve)
     return serve
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError:
+        values = None
+    if not isinstance(values, list) or not all(isinstance(value, str) for value in values):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return values
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -103,6 +121,10 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                      cors={"allowed_origins": tuple(args.allowed_origins),
+                            "allowed_methods": tuple(args.allowed_methods),
+                            "allowed_headers": tuple(args.allowed_headers),
+                            "allow_credentials": args.allow_credentials},
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

@@ -55,6 +55,8 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (else null).
+    continuous_usage_stats: bool = False
 
 
 class RequestModel(StrictModel):
@@ -155,6 +157,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.include_usage_in_stream and self.stream_options is not None and \
+            self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -107,8 +107,10 @@ class GenerationResponse(ABC):
         choice["prompt_token_ids"] = list(token_ids)
 
     async def stream(self, stream: ResultStream, request: Request, prompt_lens: list[int], n: int,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of the response, ending with ``[DONE]`` or an error event."""
+                     include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+        """The SSE events of the response, ending with ``[DONE]`` or an error event.
+        ``include_usage``: a last chunk with the usage, and ``"usage": null`` on the others;
+        ``continuous_usage`` (vLLM's ``continuous_usage_stats``): the usage so far on each."""
         counter = UsageCounter(prompt_lens, n)
         # return_token_ids: each choice's ids not sent yet (a delta with no visible text
         # sends no chunk), and whether its prompt's ids went out.
@@ -117,7 +119,7 @@ class GenerationResponse(ABC):
         async with abort_on_disconnect(stream, request):
             try:
                 for choice in self.opening_choices(len(stream.request_ids)):
-                    yield self._chunk(choice, include_usage)
+                    yield self._chunk(choice, include_usage, counter.as_dict() if continuous_usage else None)
                 async for index, output in stream:
                     counter.update(index, output)
                     completion = output.outputs[0]
@@ -139,7 +141,7 @@ class GenerationResponse(ABC):
                         if index not in prompt_sent:
                             prompt_sent.add(index)
                             self.attach_prompt_token_ids(data, choice, output.prompt_token_ids)
-                    yield self._sse_chunk(data, include_usage)
+                    yield self._sse_chunk(data, include_usage, counter.as_dict() if continuous_usage else None)
                 if stream.aborted:
                     return  # the client is gone; nobody reads a [DONE]
                 if include_usage:
@@ -155,11 +157,11 @@ class GenerationResponse(ABC):
                 logger.exception("%s stream failed", self.kind)
                 yield sse(error_body("internal server error", SERVER_ERROR, None, "internal_error"))
 
-    def _chunk(self, choice: dict[str, Any], include_usage: bool) -> str:
-        return self._sse_chunk(self.envelope(self.chunk_object, [choice]), include_usage)
+    def _chunk(self, choice: dict[str, Any], include_usage: bool, usage_so_far: dict[str, Any] | None) -> str:
+        return self._sse_chunk(self.envelope(self.chunk_object, [choice]), include_usage, usage_so_far)
 
     @staticmethod
-    def _sse_chunk(data: dict[str, Any], include_usage: bool) -> str:
+    def _sse_chunk(data: dict[str, Any], include_usage: bool, usage_so_far: dict[str, Any] | None) -> str:
         if include_usage:
-            data["usage"] = None
+            data["usage"] = usage_so_far
         return sse(data)

@@ -63,7 +63,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                          reasoning_of(body, serving.settings, params.structured is None))
     if body.stream:
         return StreamingResponse(
-            response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream),
+            response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream,
+                            body.continuous_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, [len(prompt)], params.n))

@@ -62,7 +62,8 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     prompt_lens = [len(p) for p in prompts]
     if body.stream:
         return StreamingResponse(
-            response.stream(stream, request, prompt_lens, params.n, body.include_usage_in_stream),
+            response.stream(stream, request, prompt_lens, params.n, body.include_usage_in_stream,
+                            body.continuous_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     return JSONResponse(response.full(finals, prompt_lens, params.n))

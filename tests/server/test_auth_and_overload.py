@@ -94,3 +94,40 @@ def test_a_group_larger_than_the_queue_is_400_not_503(http: httpx.Client) -> Non
     assert "2 sequences" in error["message"] and "--max-waiting 1" in error["message"]
     assert "retry-after" not in response.headers
     assert http.post("/v1/completions", json=BODY, headers=GOOD).status_code == 200
+
+
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_browsers_may_call_from_any_origin_by_default(http: httpx.Client) -> None:
+    """vLLM's CORS defaults: a preflight is answered without the key, and a reply (a 401
+    too) names the origin as allowed, so that a browser app can read it."""
+    preflight = http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    for headers, status in ((GOOD, 200), ({}, 401)):
+        reply = http.post("/v1/completions", json=BODY, headers={**headers, "Origin": "https://app.example"})
+        assert (reply.status_code, reply.headers.get("access-control-allow-origin")) == (status, "*")
+
+
+def test_allowed_origins_narrow_who_may_call(tiny_llama: Path) -> None:
+    settings = ServerSettings(served_model_name=SERVED_NAME, allowed_origins=("https://app.example",),
+                              allow_credentials=True)
+    live = start_live_server(tiny_llama, settings)
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as client:
+            allowed = client.options("/v1/completions", headers=PREFLIGHT)
+            assert allowed.status_code == 200
+            assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+            assert allowed.headers["access-control-allow-credentials"] == "true"
+            other = client.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+            assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+            reply = client.post("/v1/completions", json=BODY, headers={"Origin": "https://evil.example"})
+            assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+    finally:
+        live.stop()
+    with pytest.raises(ValueError, match="allowed_origins must be a list of non-empty strings"):
+        ServerSettings(allowed_origins=("",))

@@ -66,7 +66,7 @@ plausible = {
     "truncate_prompt_tokens": ints,
     "cache_salt": st.sampled_from(["", "t1", "t2", "😀"]),
     "stop_token_ids": st.lists(ints, max_size=3),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}),
     "guided_regex": st.sampled_from(["[a-z]+", "(a{1000}){1000}", "(", "a*b?", ".{0,5}"]),
     "guided_grammar": st.sampled_from(["start: \"yes\" | \"no\"", "root ::= [a-z]+", "start: x", "::="]),
     "guided_json": st.sampled_from([{"type": "object"}, {"type": "integer"}, {"type": "bogus"}, "{}"]),

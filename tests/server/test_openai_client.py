@@ -119,6 +119,25 @@ def test_stream_usage_in_final_chunk(client) -> None:
     assert final.usage.total_tokens == final.usage.prompt_tokens + 5
 
 
+def test_continuous_usage_counts_every_chunk_so_far(client, http: httpx.Client) -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage is the tokens sent up to it, counted
+    here from the chunks' own token ids (return_token_ids), on chat and completions."""
+    prompt_tokens = http.post("/tokenize", json={"messages": CHAT}).json()["count"]
+    for create, extra in ((client.chat.completions.create, {"messages": CHAT}),
+                          (client.completions.create, {"prompt": PROMPT})):
+        chunks = list(create(model=SERVED_NAME, max_tokens=6, stream=True, **extra,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True},
+                             extra_body={"ignore_eos": True, "return_token_ids": True}))
+        sent = 0
+        for chunk in chunks[:-1]:
+            sent += len(getattr(chunk.choices[0], "token_ids", None) or [])
+            assert chunk.usage.completion_tokens == sent
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + sent
+        assert sent == chunks[-1].usage.completion_tokens == 6
+        if "messages" in extra:
+            assert chunks[0].usage.prompt_tokens == prompt_tokens
+
+
 def test_multi_turn_chat_and_text_parts(client, http: httpx.Client) -> None:
     messages = [
         {"role": "system", "content": "You are terse."},
