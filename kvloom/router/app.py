@@ -32,7 +32,7 @@ from kvloom.router.policy import Decision, RoutingPolicy, WorkerLoad, make_polic
 from kvloom.router.proxy import Forward, Proxy
 from kvloom.router.workers import WorkerPool
 from kvloom.server.errors import install_error_handlers, overloaded
-from kvloom.server.middleware import BodySizeLimitMiddleware
+from kvloom.server.middleware import BodySizeLimitMiddleware, install_cors
 
 # Below the workers' keep-alive timeout (5 s by default), so that the router does not
 # send a request on a connection the worker is closing.
@@ -87,6 +87,7 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app = FastAPI(title="kvloom router", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    install_cors(app, config.cors)  # last: outermost (preflights answered here, not forwarded)
     app.state.router = router
 
     async def generate(request: Request) -> Response:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvloom.engine_args import port_number
+from kvloom.server.cli import add_cors_args, cors_settings
 
 if TYPE_CHECKING:
     from kvloom.router.config import RouterConfig
@@ -144,6 +145,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="log level (default: %(default)s)")
     add_policy_args(group)
+    add_cors_args(router)
     router.set_defaults(run=run_router_command)
 
 
@@ -157,7 +159,8 @@ def router_config(args: argparse.Namespace, workers: Sequence[str], prefill: Seq
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_chars=args.max_tree_chars)
     return RouterConfig(tuple(workers), policy=args.router_policy, policy_config=policy,
                         health_interval=args.health_interval, startup_timeout=args.startup_timeout,
-                        api_key=args.api_key, prefill=tuple(prefill), decode=tuple(decode))
+                        api_key=args.api_key, prefill=tuple(prefill), decode=tuple(decode),
+                        cors=cors_settings(args))
 
 
 def run_router_command(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvloom.router.policy import POLICIES, PolicyConfig
-from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES
+from kvloom.server.settings import DEFAULT_MAX_BODY_BYTES, CorsSettings
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class RouterConfig:
     the instances started with ``--role prefill`` and ``--role decode``, given instead of
     ``workers``, which then holds both pools (prefill first).
     ``api_key``: sent to workers on the router's own calls (the startup check, health);
-    clients' ``Authorization`` headers are passed through, so workers keep checking them."""
+    clients' ``Authorization`` headers are passed through, so workers keep checking them.
+    ``cors``: who may call the router from a browser (the server's flags and defaults)."""
 
     workers: tuple[str, ...] = ()
     policy: str = "cache_aware"
@@ -31,6 +32,7 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    cors: CorsSettings = field(default_factory=CorsSettings)
 
     @property
     def disaggregated(self) -> bool:

@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,7 +22,7 @@ from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.errors import install_error_handlers
 from kvloom.server.generation import Serving, check_token_ids
-from kvloom.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from kvloom.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, install_cors
 from kvloom.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,11 +68,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    # CORS outermost: a preflight is answered before the key is asked for, and a 401 or
-    # 413 carries the headers a browser needs to read it.
-    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                       allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
-                       allow_credentials=settings.allow_credentials)
+    install_cors(app, settings.cors)  # last: outermost
     app.state.async_engine = async_engine
     app.state.settings = settings
     if settings.enable_dashboard:

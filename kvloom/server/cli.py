@@ -13,6 +13,7 @@ from kvloom.server.settings import (
     DEFAULT_MAX_WAITING,
     STATS_LOG_INTERVAL,
     ConnectionLimits,
+    CorsSettings,
 )
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
 
@@ -68,13 +69,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="a thinking model's format (<think>...</think>): chat completions carry the "
                             "reasoning as \"reasoning\" beside the content (the model must have both markers "
                             "as tokens)")
-    cors = serve.add_argument_group("CORS (vLLM's flags: JSON lists)")
-    cors.add_argument("--allowed-origins", type=_json_list, default=["*"],
-                      help='origins browsers may call the API from (default: ["*"])')
-    cors.add_argument("--allowed-methods", type=_json_list, default=["*"], help='default: ["*"]')
-    cors.add_argument("--allowed-headers", type=_json_list, default=["*"], help='default: ["*"]')
-    cors.add_argument("--allow-credentials", action="store_true",
-                      help="let browsers send cookies and credentials cross-origin")
+    add_cors_args(serve)
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -87,6 +82,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="open connections served at once; beyond it new requests get 503")
     serve.set_defaults(run=run_serve)
     return serve
+
+
+def add_cors_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags (``kvloom serve`` and ``kvloom router``); ``cors_settings`` reads them."""
+    cors = parser.add_argument_group("CORS (vLLM's flags: JSON lists)")
+    cors.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                      help='origins browsers may call the API from (default: ["*"])')
+    cors.add_argument("--allowed-methods", type=_json_list, default=["*"], help='default: ["*"]')
+    cors.add_argument("--allowed-headers", type=_json_list, default=["*"], help='default: ["*"]')
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let browsers send cookies and credentials cross-origin")
+
+
+def cors_settings(args: argparse.Namespace) -> CorsSettings:
+    return CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                        args.allow_credentials)
 
 
 def _json_list(text: str) -> list[str]:
@@ -121,10 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                      cors={"allowed_origins": tuple(args.allowed_origins),
-                            "allowed_methods": tuple(args.allowed_methods),
-                            "allowed_headers": tuple(args.allowed_headers),
-                            "allow_credentials": args.allow_credentials},
+                      cors=cors_settings(args),
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

@@ -21,6 +21,7 @@ from kvloom.server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
     STATS_LOG_INTERVAL,
+    CorsSettings,
     ServerSettings,
 )
 
@@ -48,12 +49,12 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
                enable_dashboard: bool = True,
                otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-               allow_runtime_lora_updating: bool = False, cors: dict[str, Any] | None = None) -> int:
+               allow_runtime_lora_updating: bool = False, cors: CorsSettings | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
     supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
     stats line every ``STATS_LOG_INTERVAL`` seconds while busy (server/stats_log.py).
-    ``cors``: ServerSettings' CORS fields (allowed_origins, ...), vLLM's defaults without."""
+    ``cors``: who may call from a browser (vLLM's defaults without: anyone)."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.server.app import build_app
@@ -67,7 +68,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                               reasoning_parser=reasoning_parser,
                               enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint,
                               lora_modules=tuple(lora_modules),
-                              allow_runtime_lora_updating=allow_runtime_lora_updating, **(cors or {}))
+                              allow_runtime_lora_updating=allow_runtime_lora_updating, cors=cors or CorsSettings())
     if (lora_modules or allow_runtime_lora_updating) and not config.lora.enable_lora:
         raise ValueError("lora_modules (--lora-modules) and allow_runtime_lora_updating need enable_lora "
                          "(--enable-lora)")

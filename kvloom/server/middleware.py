@@ -1,4 +1,5 @@
-"""Pure ASGI middleware that runs before a body is read: API-key check and body limit.
+"""Pure ASGI middleware that runs before a body is read: API-key check and body limit;
+and CORS (Starlette's), outside both.
 
 They are ASGI (not FastAPI dependencies) so that a request without a valid key is
 refused before its body is parsed (a malformed body from an unauthenticated client
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import HTTPException
+from fastapi import FastAPI, HTTPException
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvloom.server.errors import APIError
+from kvloom.server.settings import CorsSettings
 
 # Liveness, version and metrics stay open so that probes and scrapers need no key; the
 # dashboard (a view of the same numbers) follows the rule of /metrics.
@@ -23,6 +26,15 @@ PUBLIC_PREFIXES = ("/dashboard/",)
 
 def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def install_cors(app: FastAPI, cors: CorsSettings) -> None:
+    """Starlette's CORSMiddleware with ``cors``; added after every other middleware, so
+    that it runs first: a preflight is answered before an API key is asked for, and a
+    401 or 413 carries the headers a browser needs to read it."""
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials)
 
 
 class ApiKeyMiddleware:

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvloom.lora.request import LoRARequest  # checks --lora-modules' names and paths
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING = 1024
 STATS_LOG_INTERVAL = 5.0  # seconds between two stats lines while the engine is busy
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """CORS, as vLLM's flags and defaults: browsers may call the API from any origin
+    unless ``allowed_origins`` narrows it (Starlette's CORSMiddleware answers the
+    preflights; server/middleware.py ``install_cors``). The server's and the router's."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not all(isinstance(value, str) and value for value in values):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {values!r}")
 
 
 @dataclass(frozen=True)
@@ -41,12 +59,7 @@ class ServerSettings:
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and
     # /v1/unload_lora_adapter add and remove adapters while serving.
     allow_runtime_lora_updating: bool = False
-    # CORS, as vLLM's flags and defaults: browsers may call the API from any origin
-    # unless these narrow it (Starlette's CORSMiddleware answers the preflights).
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
+    cors: CorsSettings = field(default_factory=CorsSettings)
 
     def __post_init__(self) -> None:
         from kvloom.server.reasoning_parsers import get_reasoning_parser
@@ -68,10 +81,6 @@ class ServerSettings:
             raise ValueError(f"lora_modules names must be unique, got {names}")
         for index, (name, path) in enumerate(self.lora_modules, start=1):
             LoRARequest(name, index, path)  # ValueError naming a bad name or path
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-            values = getattr(self, name)
-            if not isinstance(values, tuple) or not all(isinstance(value, str) and value for value in values):
-                raise ValueError(f"{name} must be a list of non-empty strings, got {values!r}")
 
     def model_ids(self, engine_model_name: str) -> tuple[str, ...]:
         """Accepted ``model`` values, the served name first."""

@@ -18,6 +18,7 @@ from kvloom.router.config import RouterConfig
 from kvloom.router.main import BackgroundRouter, bind_socket, start_background_router
 from kvloom.router.policy import PolicyConfig
 from kvloom.router.workers import RouterStartupError, check_workers
+from kvloom.server.settings import CorsSettings
 
 A, B = "http://worker-a:1", "http://worker-b:1"
 Handler = Callable[[httpx.Request], Any]
@@ -254,3 +255,23 @@ def test_a_port_in_use_is_named() -> None:
             bind_socket("127.0.0.1", port)
     finally:
         taken.close()
+
+
+def test_browsers_may_call_the_router_as_they_may_a_server(run_router: Any) -> None:
+    """CORS at the router, with the server's flags and defaults: a preflight is answered
+    there (no worker sees it), replies name the origin as allowed; narrowed, other origins
+    are refused their preflight and get no allow header."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    workers = ScriptedWorkers({A: ok("a"), B: ok("b")})
+    router = run_router(workers)
+    answered = httpx.options(f"{router.base_url}/v1/completions", headers=preflight, timeout=30)
+    assert (answered.status_code, answered.headers["access-control-allow-origin"]) == (200, "*")
+    assert workers.seen == []  # no worker was asked
+    reply = httpx.post(f"{router.base_url}/v1/completions", json={"prompt": "hi"},
+                       headers={"Origin": "https://app.example"}, timeout=30)
+    assert (reply.status_code, reply.headers["access-control-allow-origin"]) == (200, "*")
+    narrowed = run_router(ScriptedWorkers({A: ok("a"), B: ok("b")}),
+                          cors=CorsSettings(allowed_origins=("https://app.example",)))
+    other = httpx.options(f"{narrowed.base_url}/v1/completions",
+                          headers={**preflight, "Origin": "https://evil.example"}, timeout=30)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers

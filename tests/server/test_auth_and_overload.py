@@ -10,7 +10,7 @@ import httpx
 import pytest
 from server_harness import SERVED_NAME, LiveServer, start_live_server
 
-from kvloom.server.settings import ServerSettings
+from kvloom.server.settings import CorsSettings, ServerSettings
 
 KEY = "s3cret-key"
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -114,8 +114,8 @@ def test_browsers_may_call_from_any_origin_by_default(http: httpx.Client) -> Non
 
 
 def test_allowed_origins_narrow_who_may_call(tiny_llama: Path) -> None:
-    settings = ServerSettings(served_model_name=SERVED_NAME, allowed_origins=("https://app.example",),
-                              allow_credentials=True)
+    settings = ServerSettings(served_model_name=SERVED_NAME,
+                              cors=CorsSettings(allowed_origins=("https://app.example",), allow_credentials=True))
     live = start_live_server(tiny_llama, settings)
     try:
         with httpx.Client(base_url=live.base_url, timeout=60) as client:
@@ -130,4 +130,4 @@ def test_allowed_origins_narrow_who_may_call(tiny_llama: Path) -> None:
     finally:
         live.stop()
     with pytest.raises(ValueError, match="allowed_origins must be a list of non-empty strings"):
-        ServerSettings(allowed_origins=("",))
+        CorsSettings(allowed_origins=("",))
