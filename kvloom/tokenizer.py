@@ -8,6 +8,7 @@ while the ``tokenizer.json`` next to it is byte-level BPE, and the JSON is the t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -209,21 +210,29 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """Render ``messages`` with the model's Jinja chat template, as transformers
-        does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``; extra
+                            continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render ``messages`` with the model's Jinja chat template (or ``chat_template``,
+        one given for this call), as transformers does (sandboxed,
+        ``trim_blocks``/``lstrip_blocks``, ``raise_exception``; ``documents`` and extra
         ``kwargs`` are template variables). ``continue_final_message`` cuts the text
         right after the last message's content, so generation continues that message
         (transformers' rule: its last occurrence, stripped if not found as is)."""
-        if not self.chat_template:
+        if chat_template is not None:
+            try:
+                template = _compile_template(chat_template)
+            except jinja2.TemplateError as error:
+                raise ValueError(f"chat_template is not a valid Jinja template: {error}") from None
+        elif not self.chat_template:
             raise ValueError("this model has no chat template; use a plain completion "
                              "prompt instead of chat messages")
+        else:
+            template = _compile_template(self.chat_template)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         context = {**self.special_tokens, **kwargs}
-        text: str = _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            tools=tools, documents=None, **context)
+        text: str = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, documents=documents, **context)
         if not continue_final_message:
             return text
         final = messages[-1].get("content") if messages else None
@@ -236,10 +245,11 @@ class Tokenizer:
                          "message's content")
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
-        """Render then tokenize a chat without adding a second BOS."""
+                    add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        """Render then tokenize a chat, by default without adding a second BOS (the
+        template writes its own; ``add_special_tokens``: the tokenizer's on top, vLLM's)."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def _template_turn_end_ids(self) -> list[int]:
         """Ids of the special token that the template writes after an assistant turn
@@ -332,7 +342,6 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys)
 
 
-_TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
 
 
 def resolve_chat_template(value: str) -> str:
@@ -350,17 +359,15 @@ def resolve_chat_template(value: str) -> str:
     raise ValueError(f"chat_template: {value!r} is neither an existing file nor a Jinja template")
 
 
+@functools.lru_cache(maxsize=64)  # models' templates, and those requests bring (--trust-request-chat-template)
 def _compile_template(source: str) -> jinja2.Template:
-    template = _TEMPLATE_CACHE.get(source)
-    if template is None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True,
-            extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = _TEMPLATE_CACHE[source] = env.from_string(source)
-    return template
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 # ------------------------------------------------------------ GGUF vocabularies

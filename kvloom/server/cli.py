@@ -69,6 +69,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="a thinking model's format (<think>...</think>): chat completions carry the "
                             "reasoning as \"reasoning\" beside the content (the model must have both markers "
                             "as tokens)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request bring its own chat_template (sandboxed Jinja; off by default, "
+                            "as vLLM's)")
     add_cors_args(serve)
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
@@ -129,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
                       reasoning_parser=args.reasoning_parser,
+                      trust_request_chat_template=args.trust_request_chat_template,
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,

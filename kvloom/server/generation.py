@@ -288,6 +288,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_ids(prefix: str, body: SamplingRequest) -> tuple[str, str]:
+    """The response's id and its engine requests' base id: for a client's ``request_id``
+    (vLLM's field) "<prefix>-<request_id>", the engine's with a suffix of its own (two
+    clients' equal ids never clash in the engine); else one fresh id for both."""
+    if body.request_id is None:
+        fresh = new_id(prefix)
+        return fresh, fresh
+    public = f"{prefix}-{body.request_id}"
+    return public, new_id(public)
+
+
 # ---- running a group ---------------------------------------------------------------------
 @asynccontextmanager
 async def abort_on_disconnect(stream: ResultStream, request: Request) -> AsyncIterator[None]:

@@ -47,6 +47,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
                limits: ConnectionLimits | None = None, tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+               trust_request_chat_template: bool = False,
                enable_dashboard: bool = True,
                otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
                allow_runtime_lora_updating: bool = False, cors: CorsSettings | None = None) -> int:
@@ -66,6 +67,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                               api_key=api_key, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
                               enable_auto_tool_choice=enable_auto_tool_choice,
                               reasoning_parser=reasoning_parser,
+                              trust_request_chat_template=trust_request_chat_template,
                               enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint,
                               lora_modules=tuple(lora_modules),
                               allow_runtime_lora_updating=allow_runtime_lora_updating, cors=cors or CorsSettings())

@@ -80,11 +80,14 @@ class SamplingRequest(RequestModel):
     OpenAI's names and meanings; ``top_k``, ``min_p``, ``repetition_penalty``,
     ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``, ``allowed_token_ids``,
     ``bad_words``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-    ``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` and ``cache_salt`` are vLLM's
-    extensions (sent by the OpenAI SDK through ``extra_body``).
+    ``truncate_prompt_tokens``, ``return_tokens_as_token_ids``, ``cache_salt`` and
+    ``request_id`` are vLLM's extensions (sent by the OpenAI SDK through ``extra_body``).
     """
 
     model: str | None = None
+    # vLLM's: the response's id is "<kind>-<request_id>" (the engine's requests get a
+    # suffix of their own, so that two clients' equal ids never clash).
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -333,6 +336,17 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: with --reasoning-parser, whether the response carries the reasoning (else
     # only the content after it).
     include_reasoning: bool = True
+    # vLLM's template inputs: RAG documents (the template's `documents`), the effort a
+    # reasoning model's template may read (`reasoning_effort`), and a whole template for
+    # this request (only with --trust-request-chat-template).
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    chat_template: str | None = None
+    # vLLM's: special tokens (a BOS) added on top of what the template writes; and echo,
+    # the last message's content before the answer where it is the assistant's (with
+    # continue_final_message: the whole message, continued).
+    add_special_tokens: bool = False
+    echo: bool = False
 
     @field_validator("messages")
     @classmethod

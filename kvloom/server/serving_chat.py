@@ -22,8 +22,8 @@ from kvloom.server.generation import (
     check_stream_options,
     collect,
     engine_requests,
-    new_id,
     open_with_kv_transfer,
+    response_ids,
     sampled_entry,
     token_name,
     top_entries,
@@ -48,19 +48,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return await _beam_search_chat(body, request, serving, info, model)
     top_logprobs = _top_logprobs(body)
     params, tools = params_and_tools(body, serving.settings, top_logprobs, info)
-    prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
-                             tools=tools.tools, template_kwargs=_template_kwargs(body),
-                             continue_final_message=body.continue_final_message)
-    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, info)
-    request_id = new_id("chatcmpl")
+    prompt = truncate_prompt(_encode(body, info, serving.settings, tools.tools), body.truncate_prompt_tokens, info)
+    request_id, engine_id = response_ids("chatcmpl", body)
     stream = await open_with_kv_transfer(serving, request, engine_requests(
-        request_id, [prompt], params, body.effective_max_tokens, info, body.priority,
+        engine_id, [prompt], params, body.effective_max_tokens, info, body.priority,
         "messages", body.cache_salt, serving.lora_for(body.model, info)), body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
                          body.return_tokens_as_token_ids, body.return_token_ids,
-                         reasoning_of(body, serving.settings, params.structured is None))
+                         reasoning_of(body, serving.settings, params.structured is None), _echo(body))
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream,
@@ -94,15 +91,12 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     like every field beam search would not honour, are refused)."""
     check_beam_request(body)
     check_n_and_store(body, serving.settings)
-    prompt = encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt,
-                             tools=None, template_kwargs=_template_kwargs(body),
-                             continue_final_message=body.continue_final_message)
-    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, info)
-    request_id = new_id("chatcmpl")
-    finals = await beam_search(serving, request, request_id, [prompt], body, body.effective_max_tokens, info,
+    prompt = truncate_prompt(_encode(body, info, serving.settings, None), body.truncate_prompt_tokens, info)
+    request_id, engine_id = response_ids("chatcmpl", body)
+    finals = await beam_search(serving, request, engine_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
-                         reasoning=reasoning_of(body, serving.settings, free=True))
+                         reasoning=reasoning_of(body, serving.settings, free=True), echo=_echo(body))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
@@ -132,12 +126,35 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's extra variables: ``reasoning_effort`` where given (as vLLM passes
+    it), then ``chat_template_kwargs``."""
     kwargs = body.chat_template_kwargs or {}
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (they are "
                           "request fields of their own)", "chat_template_kwargs")
-    return kwargs
+    effort = {} if body.reasoning_effort is None else {"reasoning_effort": body.reasoning_effort}
+    return {**effort, **kwargs}
+
+
+def _encode(body: ChatCompletionRequest, info: ModelInfo, settings: ServerSettings,
+            tools: list[dict[str, Any]] | None) -> list[int]:
+    """The request's prompt: its messages through the model's template (or its own,
+    where the server trusts requests' templates), with its documents and variables."""
+    if body.chat_template is not None and not settings.trust_request_chat_template:
+        raise bad_request("chat_template in a request needs the server started with "
+                          "--trust-request-chat-template (a template is code the server runs)", "chat_template")
+    return encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                           template_kwargs=_template_kwargs(body), continue_final_message=body.continue_final_message,
+                           documents=body.documents, chat_template=body.chat_template,
+                           add_special_tokens=body.add_special_tokens)
+
+
+def _echo(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text, where it is the assistant's (the role
+    the answer is in), goes before the answer; else nothing."""
+    last = body.messages[-1]
+    return (last.text() or "") if body.echo and last.role == "assistant" else ""
 
 
 def _check_max_tokens(body: ChatCompletionRequest) -> None:
@@ -166,19 +183,23 @@ def _top_logprobs(body: ChatCompletionRequest) -> int | None:
 def encode_messages(messages: list[ChatMessage], info: ModelInfo, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+                    chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids (``Tokenizer.encode_chat``, as ``LLM.chat`` encodes); a
     template's refusal is a 400 naming the first message it cannot render."""
     conversation = [message.to_template() for message in messages]
-    options = dict(tools=tools, continue_final_message=continue_final_message, **(template_kwargs or {}))
+    options = dict(tools=tools, continue_final_message=continue_final_message, documents=documents,
+                   chat_template=chat_template, **(template_kwargs or {}))
     try:
-        return info.tokenizer.encode_chat(conversation, add_generation_prompt, **options)
+        return info.tokenizer.encode_chat(conversation, add_generation_prompt, add_special_tokens=add_special_tokens,
+                                          **options)
     except ValueError as error:  # no chat template, continue_final_message
         raise bad_request(str(error), "messages") from None
     except (jinja2.TemplateError, TypeError) as error:
         # The template's own raise_exception (role order, ...) or a message it cannot
         # handle (None + str for a tool call's null content).
-        index = _first_unrenderable(conversation, info, tools, template_kwargs or {})
+        index = _first_unrenderable(conversation, info, tools, {**(template_kwargs or {}), "documents": documents,
+                                                                "chat_template": chat_template})
         where = "messages" if index is None else f"messages[{index}]"
         raise bad_request(f"the chat template cannot render {where}: {error}", where) from None
 
@@ -203,7 +224,7 @@ class _Response(GenerationResponse):
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
                  tool_parser: ToolParser | None = None, tokens_as_ids: bool = False,
-                 return_token_ids: bool = False, reasoning: Reasoning | None = None) -> None:
+                 return_token_ids: bool = False, reasoning: Reasoning | None = None, echo: str = "") -> None:
         super().__init__(request_id, model, created, return_token_ids)
         self.top_logprobs = top_logprobs
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
@@ -213,6 +234,7 @@ class _Response(GenerationResponse):
         # goes first; the tool-call parser reads the content after it).
         self.reasoning = reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}
+        self.echo = echo  # vLLM's echo: the last (assistant) message's text before each answer
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
         content: str | None = completion.text
@@ -225,6 +247,8 @@ class _Response(GenerationResponse):
         if self.tool_parser is not None and content is not None:
             calls, finish_reason = message_with_calls(self.tool_parser, content, finish_reason)
             message.update(calls)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
                 "finish_reason": finish_reason}
 
@@ -236,7 +260,7 @@ class _Response(GenerationResponse):
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # The first chunk of every choice names the role.
-        return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                  "finish_reason": None} for index in range(num_choices)]
 
     def delta_logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:

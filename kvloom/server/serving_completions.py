@@ -22,8 +22,8 @@ from kvloom.server.generation import (
     collect,
     encode_prompts,
     engine_requests,
-    new_id,
     open_with_kv_transfer,
+    response_ids,
     sampled_entry,
     token_name,
     top_entries,
@@ -51,9 +51,9 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     if scores_prompt:
         params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs or 0, params.prompt_logprobs or 0))
     prompts, texts = _prompts(body, info)
-    request_id = new_id("cmpl")
+    request_id, engine_id = response_ids("cmpl", body)
     stream = await open_with_kv_transfer(serving, request, engine_requests(
-        request_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt",
+        engine_id, prompts, params, 1 if prompt_only else body.max_tokens, info, body.priority, "prompt",
         body.cache_salt, serving.lora_for(body.model, info)),
         body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
@@ -74,8 +74,8 @@ async def _beam_search_completion(body: CompletionRequest, request: Request, ser
     check_beam_request(body)
     check_n_and_store(body, serving.settings)
     prompts, texts = _prompts(body, info)
-    request_id = new_id("cmpl")
-    finals = await beam_search(serving, request, request_id, prompts, body, body.max_tokens, info, "prompt")
+    request_id, engine_id = response_ids("cmpl", body)
+    finals = await beam_search(serving, request, engine_id, prompts, body, body.max_tokens, info, "prompt")
     response = _Response(request_id, model, int(time.time()), body, texts, body.n, info)
     return JSONResponse(response.full(finals, [len(p) for p in prompts], body.n))
 

@@ -48,6 +48,9 @@ class ServerSettings:
     # vLLM's --reasoning-parser: a thinking model's output split into reasoning and
     # content in chat completions (server/reasoning_parsers.py).
     reasoning_parser: str | None = None
+    # vLLM's --trust-request-chat-template: a request may bring its own chat template
+    # (sandboxed Jinja, but code the server runs: off unless asked for).
+    trust_request_chat_template: bool = False
     # The live dashboard at /dashboard (server/dashboard.py), on unless disabled.
     enable_dashboard: bool = True
     # OpenTelemetry: an OTLP/HTTP collector's traces URL (e.g. http://host:4318/v1/traces)

@@ -69,7 +69,7 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("prompt_logprobs streamed", COMPLETIONS, completion(prompt_logprobs=1, stream=True), 400, BAD,
      "prompt_logprobs"),
     ("prompt_logprobs above 20", COMPLETIONS, completion(prompt_logprobs=21), 400, BAD, "prompt_logprobs"),
-    ("reasoning_effort", CHAT, chat(reasoning_effort="low"), 400, BAD, "reasoning_effort"),
+    ("reasoning_effort not an effort", CHAT, chat(reasoning_effort="huge"), 400, BAD, "reasoning_effort"),
     ("null content without tool_calls", CHAT, chat(messages=[{"role": "user", "content": None}]),
      400, BAD, "messages[0]"),
     ("tool_calls on a user message", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [
