@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 
 from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, port_number
 from kvloom.server.reasoning_parsers import REASONING_PARSERS
@@ -73,6 +74,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="let a chat request bring its own chat_template (sandboxed Jinja; off by default, "
                             "as vLLM's)")
     add_cors_args(serve)
+    http = serve.add_argument_group("HTTP server (vLLM's uvicorn flags)")
+    http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM)")
+    http.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file (PEM)")
+    http.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates with")
+    http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                      help="whether clients must present a certificate (Python's ssl.CERT_*: 0 none, 1 optional, "
+                           "2 required; default 0)")
+    http.add_argument("--root-path", default=None,
+                      help="the path prefix a reverse proxy serves the API under (its OpenAPI page names it)")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    http.add_argument("--uvicorn-log-level", default=None,
+                      choices=["critical", "error", "warning", "info", "debug", "trace"],
+                      help="uvicorn's own log level (default: --log-level)")
+    http.add_argument("--trust-remote-code", action="store_true",
+                      help="accepted for vLLM command lines; changes nothing: kvloom runs its own model code, "
+                           "never a checkpoint's")
     limits = ConnectionLimits()
     group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
                        help="seconds a connection has to send complete request headers; then it is closed")
@@ -101,6 +118,21 @@ def add_cors_args(parser: argparse.ArgumentParser) -> None:
 def cors_settings(args: argparse.Namespace) -> CorsSettings:
     return CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials)
+
+
+def http_options(args: argparse.Namespace) -> dict[str, object]:
+    """uvicorn's options of the HTTP flags: TLS (both files or neither), the root path,
+    the access log and uvicorn's log level."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("kvloom serve: error: --ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    options: dict[str, object] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+                                  "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs,
+                                  "access_log": not args.disable_uvicorn_access_log}
+    if args.root_path is not None:
+        options["root_path"] = args.root_path
+    if args.uvicorn_log_level is not None:
+        options["log_level"] = args.uvicorn_log_level
+    return options
 
 
 def _json_list(text: str) -> list[str]:
@@ -136,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_dashboard=not args.disable_dashboard,
                       otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                      cors=cors_settings(args),
+                      cors=cors_settings(args), http_options=http_options(args),
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

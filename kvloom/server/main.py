@@ -50,12 +50,15 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                trust_request_chat_template: bool = False,
                enable_dashboard: bool = True,
                otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-               allow_runtime_lora_updating: bool = False, cors: CorsSettings | None = None) -> int:
+               allow_runtime_lora_updating: bool = False, cors: CorsSettings | None = None,
+               http_options: dict[str, Any] | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
     supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
     stats line every ``STATS_LOG_INTERVAL`` seconds while busy (server/stats_log.py).
-    ``cors``: who may call from a browser (vLLM's defaults without: anyone)."""
+    ``cors``: who may call from a browser (vLLM's defaults without: anyone).
+    ``http_options``: uvicorn's own (TLS files, ``root_path``, ``access_log``, its
+    ``log_level``), as ``kvloom serve``'s HTTP flags give them."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.server.app import build_app
@@ -80,8 +83,9 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
                                stats_log_interval=STATS_LOG_INTERVAL if log_stats else None)
     app = build_app(async_engine, settings)
     _configure_logging(log_level)
-    server = _Server(uvicorn_config(app, limits, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=graceful_timeout), async_engine)
+    options = {"log_level": log_level, **(http_options or {})}
+    server = _Server(uvicorn_config(app, limits, host=host, port=port, timeout_graceful_shutdown=graceful_timeout,
+                                    **options), async_engine)
     load_errors: list[BaseException] = []
 
     def on_load_failed(error: BaseException) -> None:  # called on the engine thread
@@ -95,7 +99,9 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
     engine_errors: list[BaseException] = []
     async_engine.on_load_failed = on_load_failed
     async_engine.on_engine_failed = on_engine_failed
-    logger.info("kvloom serving %s on http://%s:%d (loading the model...)", model, host, port)
+    scheme = "https" if options.get("ssl_certfile") else "http"
+    logger.info("kvloom serving %s on %s://%s:%d%s (loading the model...)", model, scheme, host, port,
+                options.get("root_path") or "")
     with signals_end_quietly():
         server.run()
     if engine_errors:
