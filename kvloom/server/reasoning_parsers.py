@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvloom.server.tool_call_stream import held_marker_prefix
+
 if TYPE_CHECKING:
     from kvloom.tokenizer import Tokenizer
 
@@ -64,14 +66,6 @@ def check_vocabulary(reasoning: ReasoningFormat, tokenizer: Tokenizer) -> None:
                              "token, which the decoded text leaves out")
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that is a proper start of ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
 class ReasoningStream:
     """One output's text, piece by piece, into (reasoning, content) pieces.
 
@@ -99,7 +93,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = text.find(self.format.end)
             if end < 0:
-                keep = _held_prefix(text, self.format.end)
+                keep = held_marker_prefix(text, self.format.end)
                 self.held = text[len(text) - keep:]
                 return text[:len(text) - keep], ""
             self.state = "content"
