@@ -31,7 +31,7 @@ from kvloom.server.protocol import (
     TokenizeRequest,
 )
 from kvloom.server.reasoning_parsers import check_vocabulary, get_reasoning_parser
-from kvloom.server.serving_chat import create_chat_completion, encode_messages
+from kvloom.server.serving_chat import create_chat_completion, encode_chat_request
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
@@ -142,11 +142,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         info = serving.model_info()
         serving.check_model(body.model, info)
         if body.messages is not None:
-            tokens = encode_messages(body.messages, info, body.add_generation_prompt)
+            tokens = encode_chat_request(body, info, settings, body.tools)
         else:
             assert body.prompt is not None
-            tokens = info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = info.tokenizer.encode(body.prompt, add_special_tokens=special)
+        reply: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+        if body.return_token_strs:
+            reply["token_strs"] = [info.tokenizer.id_to_token(token) or "" for token in tokens]
+        return reply
 
     if settings.allow_runtime_lora_updating:
         install_lora_updating(app, serving)

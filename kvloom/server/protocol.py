@@ -361,13 +361,24 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
-    """POST /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` (vLLM's shape)."""
+    """POST /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` (vLLM's shape). A
+    chat is encoded as /v1/chat/completions encodes it, with the same template fields, so
+    its count is the prompt tokens a chat request with them would have."""
 
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool = True
+    # The tokenizer's special tokens: on a prompt by default, on a chat (whose template
+    # writes its own) not, as vLLM's.
+    add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: each token's string too ("token_strs").
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:

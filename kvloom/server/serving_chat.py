@@ -29,7 +29,7 @@ from kvloom.server.generation import (
     top_entries,
     truncate_prompt,
 )
-from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
+from kvloom.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from kvloom.server.reasoning_parsers import ReasoningFormat, ReasoningStream, get_reasoning_parser, split_reasoning
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
 from kvloom.server.settings import ServerSettings
@@ -48,7 +48,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return await _beam_search_chat(body, request, serving, info, model)
     top_logprobs = _top_logprobs(body)
     params, tools = params_and_tools(body, serving.settings, top_logprobs, info)
-    prompt = truncate_prompt(_encode(body, info, serving.settings, tools.tools), body.truncate_prompt_tokens, info)
+    prompt = truncate_prompt(encode_chat_request(body, info, serving.settings, tools.tools),
+                             body.truncate_prompt_tokens, info)
     request_id, engine_id = response_ids("chatcmpl", body)
     stream = await open_with_kv_transfer(serving, request, engine_requests(
         engine_id, [prompt], params, body.effective_max_tokens, info, body.priority,
@@ -91,7 +92,8 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     like every field beam search would not honour, are refused)."""
     check_beam_request(body)
     check_n_and_store(body, serving.settings)
-    prompt = truncate_prompt(_encode(body, info, serving.settings, None), body.truncate_prompt_tokens, info)
+    prompt = truncate_prompt(encode_chat_request(body, info, serving.settings, None), body.truncate_prompt_tokens,
+                             info)
     request_id, engine_id = response_ids("chatcmpl", body)
     finals = await beam_search(serving, request, engine_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
@@ -125,7 +127,7 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add
                                           "continue_final_message"})
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+def _template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The template's extra variables: ``reasoning_effort`` where given (as vLLM passes
     it), then ``chat_template_kwargs``."""
     kwargs = body.chat_template_kwargs or {}
@@ -133,21 +135,24 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (they are "
                           "request fields of their own)", "chat_template_kwargs")
-    effort = {} if body.reasoning_effort is None else {"reasoning_effort": body.reasoning_effort}
+    reasoning_effort = getattr(body, "reasoning_effort", None)  # chat's; /tokenize has none
+    effort = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
     return {**effort, **kwargs}
 
 
-def _encode(body: ChatCompletionRequest, info: ModelInfo, settings: ServerSettings,
-            tools: list[dict[str, Any]] | None) -> list[int]:
+def encode_chat_request(body: ChatCompletionRequest | TokenizeRequest, info: ModelInfo, settings: ServerSettings,
+                        tools: list[dict[str, Any]] | None) -> list[int]:
     """The request's prompt: its messages through the model's template (or its own,
-    where the server trusts requests' templates), with its documents and variables."""
+    where the server trusts requests' templates), with its documents and variables
+    (chat's, and /tokenize's for the same count)."""
+    assert body.messages is not None
     if body.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request("chat_template in a request needs the server started with "
                           "--trust-request-chat-template (a template is code the server runs)", "chat_template")
     return encode_messages(body.messages, info, add_generation_prompt=body.add_generation_prompt, tools=tools,
                            template_kwargs=_template_kwargs(body), continue_final_message=body.continue_final_message,
                            documents=body.documents, chat_template=body.chat_template,
-                           add_special_tokens=body.add_special_tokens)
+                           add_special_tokens=bool(body.add_special_tokens))
 
 
 def _echo(body: ChatCompletionRequest) -> str:

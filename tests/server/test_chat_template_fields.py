@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import jinja2
 import pytest
+from helpers_models import TOOL_CHAT_TEMPLATE
 from server_harness import SERVED_NAME, LiveServer, start_live_server
 
 from kvloom.server.settings import ServerSettings
@@ -28,8 +29,8 @@ HI = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def trusting(tiny_llama: Path) -> Iterator[LiveServer]:
-    live = start_live_server(tiny_llama, ServerSettings(served_model_name=SERVED_NAME,
-                                                        trust_request_chat_template=True))
+    live = start_live_server(tiny_llama, ServerSettings(served_model_name=SERVED_NAME,  # room for a tools prompt
+                                                        trust_request_chat_template=True), max_model_len=512)
     yield live
     live.stop()
 
@@ -99,3 +100,29 @@ def test_a_clients_request_id_names_the_response_and_never_clashes(live_server: 
     assert [reply.status_code for reply in replies] == [200] * 4
     assert [reply.json()["id"] for reply in replies] == ["chatcmpl-trace-42"] * 2 + ["cmpl-trace-42"] * 2
     assert post(live_server, messages=HI, request_id="").status_code == 400
+
+
+def test_tokenize_counts_a_chat_as_the_chat_request_would(trusting: LiveServer, tiny_llama: Path) -> None:
+    """/tokenize takes the chat's template fields (tools, documents, a trusted template,
+    continue_final_message): its count is the chat request's usage.prompt_tokens, and
+    ``return_token_strs`` names each token as Hugging Face ``tokenizers`` does."""
+    from tokenizers import Tokenizer
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    cases = [dict(messages=HI, tools=[weather], chat_template=TOOL_CHAT_TEMPLATE),  # Qwen2.5's: renders tools
+             dict(messages=HI, chat_template=TEMPLATE, documents=[{"title": "A", "text": "B"}]),
+             dict(messages=[*HI, {"role": "assistant", "content": "Once"}], continue_final_message=True,
+                  add_generation_prompt=False)]
+    counts = []
+    for fields in cases:
+        chat = post(trusting, **fields).json()["usage"]["prompt_tokens"]
+        counted = httpx.post(f"{trusting.base_url}/tokenize", json={"return_token_strs": True, **fields}, timeout=60)
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["count"] == len(counted.json()["tokens"]) == chat, fields
+        counts.append(chat)
+    without_tools = httpx.post(f"{trusting.base_url}/tokenize", timeout=60,
+                               json={"messages": HI, "chat_template": TOOL_CHAT_TEMPLATE}).json()["count"]
+    assert counts[0] > without_tools  # the tools were rendered
+    tokenizer = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    reply = httpx.post(f"{trusting.base_url}/tokenize", json={"prompt": "Hello there", "return_token_strs": True},
+                       timeout=60).json()
+    assert reply["token_strs"] == [tokenizer.id_to_token(token) for token in reply["tokens"]]
