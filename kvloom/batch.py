@@ -143,7 +143,8 @@ class ForwardBatch:
     # layer for the others (every row's K and V are still written). None: every row.
     output_rows: torch.Tensor | None = None
     # LoRA (kvloom/lora): each sequence's adapter slot, -1 for the base model; None when
-    # no sequence runs an adapter. Such a step reads every row (no output_rows).
+    # no sequence runs an adapter. The rows it reads (output_rows) are
+    # the step's as for any other.
     lora_slots: list[int] | None = None
 
     @property
@@ -224,7 +225,7 @@ class ForwardBatch:
             placeholder_positions=wide[5] if placeholders else None,
             placeholder_rows=wide[6] if placeholders else None,
             block_copies=wide[7].view(2, -1) if copies else None,
-            output_rows=None if every_row or with_lora or len(logits_indices) == len(input_ids) else wide[3],
+            output_rows=None if every_row or len(logits_indices) == len(input_ids) else wide[3],
             lora_slots=seq_lora if with_lora else None,
         )
 

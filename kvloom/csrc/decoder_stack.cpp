@@ -58,8 +58,8 @@
 // each of a layer's four matmuls, the rows of each adapter slot in the walk get that
 // slot's delta, (x A^T) B^T with A and B packed for the GEMM, added in by cpu_ops.cpp's
 // add_rows: the rows gathered where they are not one run, the same GEMM calls on the
-// same rows and the same rounding as LoRALinear's, so bit-identical to it as well. Such
-// a step computes every row (no Outputs list).
+// same rows and the same rounding as LoRALinear's, so bit-identical to it as well. In the
+// last layer of an Outputs list, the kept rows' slots, as they are moved to the front.
 //
 // KV fetched ahead (kv_prefetch_bytes > 0; the caller asks for it where the walks
 // split): each walk's down projection and the next layer's qkv projection fetch up to
@@ -267,10 +267,17 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   KvAhead ahead(m, r);
   ahead.plan(0);  // layer 0's own qkv projection fetches its share
   const Outputs all_rows{nullptr, T, r.block_tables, r.seq_lens, r.query_start, r.query_lens, r.num_seqs};
-  // LoRA: each slot's rows, ascending (every row is computed in every layer: no Outputs).
+  // LoRA: each slot's rows, ascending; after the last layer's rows are narrowed to
+  // `out`'s, each slot's kept rows at their new places.
   std::vector<std::vector<int64_t>> adapter_rows(m.lora_weights != nullptr ? m.lora_slots : 0);
-  for (int64_t t = 0; t < T && m.lora_weights != nullptr; ++t)
-    if (r.lora_slots[t] >= 0) adapter_rows[r.lora_slots[t]].push_back(t);
+  const auto group_rows = [&](const Outputs& kept) {
+    for (std::vector<int64_t>& rows : adapter_rows) rows.clear();
+    for (int64_t i = 0; i < kept.count && m.lora_weights != nullptr; ++i) {
+      const int32_t slot = r.lora_slots[kept.rows != nullptr ? kept.rows[i] : i];
+      if (slot >= 0) adapter_rows[slot].push_back(i);
+    }
+  };
+  group_rows(all_rows);
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     const int64_t* w = m.weights + layer * NUM_WEIGHTS;
@@ -325,6 +332,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       // The input norm has added the layer before's output in: `residual` is the stream.
       if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
     }
+    if (&rows != &all_rows) group_rows(rows);
     T = rows.count;
     if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
     attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,

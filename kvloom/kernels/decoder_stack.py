@@ -162,9 +162,9 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     each layer's KV a walk fetches into cache during the matmuls before its attention
     (0: none; csrc/decoder_stack.cpp says where it pays; the same result bit for bit).
     ``lora`` with ``lora_rows`` ([tokens] int32, each row's adapter slot, -1 the base
-    model): each slot's delta added to its rows after each matmul, as LoRALinear's
-    (every row computed: no ``outputs``); ``lora_scratch``: a bf16 buffer of at least
-    ``lora_scratch_elements`` to reuse."""
+    model): each slot's delta added to its rows after each matmul, as LoRALinear's (the
+    last layer's kept rows' only, with ``outputs``); ``lora_scratch``: a bf16 buffer of
+    at least ``lora_scratch_elements`` to reuse."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (NUM_KERNELS,))
@@ -223,8 +223,6 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         _check("lora_rows", lora_rows, torch.int32, (tokens,))
         if tokens and not (-1 <= int(lora_rows.min()) and int(lora_rows.max()) < adapter_slots):
             raise _fail("lora_rows", f"must be slots in [-1, {adapter_slots}), got {lora_rows.tolist()}")
-        if outputs is not None:
-            raise _fail("outputs", "must be None with lora (such a step computes every row)")
         lora_needed = lora_scratch_elements(shape, tokens, lora)
         if lora_scratch is None:
             lora_scratch = torch.empty(lora_needed, dtype=bf16)

@@ -38,25 +38,49 @@ class LoRAGroup:
 
 @dataclass(slots=True)
 class LoRAStep:
-    """The forward in progress: for each adapter slot in it, the rows that run it."""
+    """The forward in progress: for each adapter slot in it, the rows that run it; and
+    where the step reads some rows only (``ForwardBatch.output_rows``: the last layer's
+    o projection and MLP run on those alone), the same for those rows."""
 
     groups: list[LoRAGroup] = field(default_factory=list)
+    read_groups: list[LoRAGroup] = field(default_factory=list)
+    num_tokens: int = 0
+    num_read: int = 0  # rows the step reads (num_tokens where it reads every row)
 
-    def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device) -> None:
+    def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device,
+              output_rows: torch.Tensor | None = None) -> None:
         """``seq_slots[i]``: the slot of the batch's sequence i (-1: the base model),
-        whose ``query_lens[i]`` rows follow the sequences before it."""
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for slot, count in zip(seq_slots, query_lens, strict=True):
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(start, start + count))
-            start += count
-        self.groups = [LoRAGroup(slot, torch.tensor(r, dtype=torch.int64, device=device),
-                                 (r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else None)
-                       for slot, r in rows.items()]
+        whose ``query_lens[i]`` rows follow the sequences before it; ``output_rows``: the
+        rows the step reads, if not every one."""
+        token_slots = [slot for slot, count in zip(seq_slots, query_lens, strict=True) for _ in range(count)]
+        read = list(range(len(token_slots))) if output_rows is None else output_rows.tolist()
+        self.num_tokens, self.num_read = len(token_slots), len(read)
+        self.groups = _groups(token_slots, device)
+        self.read_groups = self.groups if output_rows is None else _groups([token_slots[t] for t in read], device)
+
+    def groups_for(self, rows: int) -> list[LoRAGroup]:
+        """The groups of a projection that runs on ``rows`` rows: every row of the step,
+        or (the last layer's o projection and MLP) the rows it reads. None outside a step
+        with adapter rows (``begin`` not called: the base model alone)."""
+        if not self.groups or rows == self.num_tokens:
+            return self.groups
+        assert rows == self.num_read, f"a LoRA layer ran on {rows} rows; the step has {self.num_tokens} and reads " \
+                                      f"{self.num_read}"
+        return self.read_groups
 
     def end(self) -> None:
-        self.groups = []
+        self.groups, self.read_groups, self.num_tokens, self.num_read = [], [], 0, 0
+
+
+def _groups(row_slots: list[int], device: torch.device) -> list[LoRAGroup]:
+    """Each slot's rows of ``row_slots`` (each row's slot, -1: the base model)."""
+    rows: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            rows.setdefault(slot, []).append(row)
+    return [LoRAGroup(slot, torch.tensor(r, dtype=torch.int64, device=device),
+                      (r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else None)
+            for slot, r in rows.items()]
 
 
 class LoRALinear(nn.Module):
@@ -115,7 +139,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        for group in self.step.groups:
+        for group in self.step.groups_for(x.shape[0]):
             kernels = self.kernels[group.slot]
             if kernels is None:  # the adapter targets none of this projection's parts
                 continue

@@ -150,7 +150,7 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         elif batch.lora_slots is not None:
             assert self.lora is not None
-            self.lora.step.begin(batch.lora_slots, batch.query_lens_list, self.device)
+            self.lora.step.begin(batch.lora_slots, batch.query_lens_list, self.device, batch.output_rows)
             try:
                 hidden = self.model(batch, self.kv_caches, self.backend, self.backend.prepare(batch))
             finally:
