@@ -459,6 +459,10 @@ class EngineConfig:
                 f"downloaded there when missing), or {DEFAULT_MODEL!r} (default); as MODEL or --model"})
     revision: str | None = field(default=None, metadata={
         "help": "revision of a Hugging Face model id: a branch, tag or commit hash (default: main)"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "a Hugging Face directory whose tokenizer (tokenizer.json, tokenizer_config.json, "
+                "chat_template.jinja) replaces the model's, as vLLM's --tokenizer: e.g. the base model's "
+                "for a .gguf (default: the model's own)"})
     dtype: str = field(default="auto", metadata={
         "choices": SUPPORTED_DTYPES, "help": "weight and activation dtype; auto means bfloat16"})
     device: str = field(default="auto", metadata={
@@ -519,6 +523,8 @@ class EngineConfig:
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
             raise ValueError(f"revision must be a non-empty string (a branch, tag or commit hash), "
                              f"got {self.revision!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
+            raise ValueError(f"tokenizer must be a directory's path, got {self.tokenizer!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.decoder_stack not in DECODER_STACKS:

@@ -37,6 +37,7 @@ from kvloom.engine_args import add_engine_args, engine_kwargs
 NON_DEFAULTS = [
     (["some/model"], None, "model", "some/model"),
     (["--revision", "v2"], None, "revision", "v2"),
+    (["--tokenizer", "some/tokenizer"], None, "tokenizer", "some/tokenizer"),
     (["--dtype", "float32"], None, "dtype", "float32"),
     (["--device", "cpu"], None, "device", "cpu"),
     (["--seed", "7"], None, "seed", 7),

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,7 @@ from kvloom.kv_spec import KVExport, KVTransferSpec
 from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
-from kvloom.models.loader import load_checkpoint
+from kvloom.models.loader import load_checkpoint, replacement_tokenizer
 from kvloom.native import release_openmp_team
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner import cuda_graphs
@@ -127,6 +128,8 @@ class LLMEngine:
         started = time.monotonic()
         logger.info("loading %s", config.model if config.revision is None else f"{config.model}@{config.revision}")
         checkpoint = load_checkpoint(config.model, revision=config.revision)
+        if config.tokenizer is not None:  # --tokenizer: another directory's, e.g. the base model's for a .gguf
+            checkpoint.tokenizer = replacement_tokenizer(Path(config.tokenizer), checkpoint)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         if config.chat_template is not None:

@@ -14,6 +14,7 @@ from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
+from kvloom.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 # vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}.
@@ -198,6 +199,10 @@ class LLM:
         """What ``generate`` uses without sampling params, as vLLM's: the model's
         generation-config defaults (``generation_config``; none: ``SamplingParams()``)."""
         return SamplingParams(**self.engine.generation_defaults)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
 
     def encode_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     **template_options: Any) -> list[int]:

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,40 @@ def load_checkpoint(model: str, home: str | Path | None = None,
                          "model directory or a .gguf file")
 
 
+def load_tokenizer(path: Path, extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """The tokenizer of a Hugging Face directory: ``tokenizer.json`` with its
+    ``tokenizer_config.json`` and ``chat_template.jinja``, if any; ``extra_eos_token_ids``
+    (the model's config's) stop generation too."""
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ModelLoadError(f"missing tokenizer: {path} has no tokenizer.json")
+    tokenizer_config = _read_json(path / "tokenizer_config.json", default={})
+    template_file = path / "chat_template.jinja"
+    if template_file.is_file():
+        tokenizer_config["chat_template"] = template_file.read_text(encoding="utf-8")
+    try:
+        return Tokenizer.from_file(tokenizer_file, tokenizer_config, extra_eos_token_ids=extra_eos_token_ids)
+    except Exception as exc:  # tokenizers raises its own Exception subclass
+        raise ModelLoadError(f"cannot load tokenizer {tokenizer_file}: {exc}") from None
+
+
+def replacement_tokenizer(path: Path, checkpoint: Checkpoint) -> Tokenizer:
+    """``path``'s tokenizer for ``checkpoint``'s model (vLLM's ``--tokenizer``), stopping
+    on the model's end-of-sequence ids as well as its own; ModelLoadError where its ids
+    run past the model's vocabulary (they would index no embedding row). The checkpoint's
+    config takes its stop and BOS ids, as from the model's own tokenizer."""
+    hf_config = checkpoint.hf_config
+    tokenizer = load_tokenizer(path, _as_id_list(hf_config.get("eos_token_id")))
+    size, vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True), int(hf_config["vocab_size"])
+    if size > vocab:
+        raise ModelLoadError(f"tokenizer {path} has {size} token ids, more than the model's vocabulary of {vocab}: "
+                             f"it is not this model's tokenizer")
+    hf_config["eos_token_id"] = list(tokenizer.eos_token_ids)
+    if tokenizer.bos_token_id is not None:
+        hf_config["bos_token_id"] = tokenizer.bos_token_id
+    return tokenizer
+
+
 def _refuse_revision(model: str, revision: str | None) -> None:
     if revision is not None:
         raise ModelLoadError(f"revision={revision!r} names a revision of a Hugging Face model id "
@@ -113,21 +147,10 @@ def _load_hf_dir(path: Path, name: str) -> Checkpoint:
     shards = _safetensors_shards(path)
     for shard in shards:
         _check_safetensors(shard)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ModelLoadError(f"missing tokenizer: {path} has no tokenizer.json")
-    tokenizer_config = _read_json(path / "tokenizer_config.json", default={})
-    template_file = path / "chat_template.jinja"
-    if template_file.is_file():
-        tokenizer_config["chat_template"] = template_file.read_text(encoding="utf-8")
     generation_config = _read_json(path / "generation_config.json", default={})
     eos_ids = _as_id_list(hf_config.get("eos_token_id")) + _as_id_list(
         generation_config.get("eos_token_id"))
-    try:
-        tokenizer = Tokenizer.from_file(tokenizer_file, tokenizer_config,
-                                        extra_eos_token_ids=eos_ids)
-    except Exception as exc:  # tokenizers raises its own Exception subclass
-        raise ModelLoadError(f"cannot load tokenizer {tokenizer_file}: {exc}") from None
+    tokenizer = load_tokenizer(path, eos_ids)
     # One source of truth for stop ids: config, generation config and chat template.
     hf_config["eos_token_id"] = list(tokenizer.eos_token_ids)
     if hf_config.get("bos_token_id") is None and tokenizer.bos_token_id is not None:
