@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -86,6 +86,9 @@ class GenerationResponse(ABC):
         cached = sum(finals[i].num_cached_tokens for i in finals if i % n == 0)
         data["usage"] = usage(prompt_lens, sum(len(f.outputs[0].token_ids) for f in finals.values()),
                               cached)
+        details = self.completion_details([finals[index].outputs[0].token_ids for index in sorted(finals)])
+        if details is not None:
+            data["usage"]["completion_tokens_details"] = details
         if any(f.prompt_logprobs is not None for f in finals.values()):
             self.attach_prompt_logprobs(data, {index: prompt_logprobs_json(f.prompt_logprobs)
                                                for index, f in finals.items()})
@@ -95,6 +98,10 @@ class GenerationResponse(ABC):
                 choice["token_ids"] = list(final.outputs[0].token_ids)
                 self.attach_prompt_token_ids(data, choice, final.prompt_token_ids)
         return data
+
+    def completion_details(self, token_ids: list[Sequence[int]]) -> dict[str, Any] | None:
+        """``usage.completion_tokens_details`` of outputs of ``token_ids`` (None: none)."""
+        return None
 
     def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
         """vLLM's place for them: on each choice (completions; chat puts them on the response)."""
@@ -116,6 +123,7 @@ class GenerationResponse(ABC):
         # sends no chunk), and whether its prompt's ids went out.
         unsent: dict[int, list[int]] = {}
         prompt_sent: set[int] = set()
+        generated: dict[int, list[int]] = {}  # each choice's tokens, for completion_details
         async with abort_on_disconnect(stream, request):
             try:
                 for choice in self.opening_choices(len(stream.request_ids)):
@@ -123,6 +131,7 @@ class GenerationResponse(ABC):
                 async for index, output in stream:
                     counter.update(index, output)
                     completion = output.outputs[0]
+                    generated.setdefault(index, []).extend(completion.delta_token_ids)
                     if output.finished:
                         check_finished_cleanly(output)
                     if self.return_token_ids:
@@ -145,7 +154,11 @@ class GenerationResponse(ABC):
                 if stream.aborted:
                     return  # the client is gone; nobody reads a [DONE]
                 if include_usage:
-                    yield sse({**self.envelope(self.chunk_object, []), "usage": counter.as_dict()})
+                    final_usage = counter.as_dict()
+                    details = self.completion_details([generated[index] for index in sorted(generated)])
+                    if details is not None:
+                        final_usage["completion_tokens_details"] = details
+                    yield sse({**self.envelope(self.chunk_object, []), "usage": final_usage})
                 yield SSE_DONE
             except (RequestAborted, APIError) as error:
                 if isinstance(error, APIError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
@@ -58,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
                          body.return_tokens_as_token_ids, body.return_token_ids,
-                         reasoning_of(body, serving.settings, params.structured is None), _echo(body))
+                         reasoning_of(body, serving.settings, params.structured is None, info), _echo(body))
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream,
@@ -98,28 +99,39 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     finals = await beam_search(serving, request, engine_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
-                         reasoning=reasoning_of(body, serving.settings, free=True), echo=_echo(body))
+                         reasoning=reasoning_of(body, serving.settings, True, info), echo=_echo(body))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reasoning:
     """How a response splits its outputs (--reasoning-parser): the format, whether the
-    output opens in its reasoning, and whether the reasoning is sent (include_reasoning)."""
+    output opens in its reasoning, whether the reasoning is sent (include_reasoning), and
+    the end marker's token id (its reasoning tokens are counted up to it)."""
 
     format: ReasoningFormat
     thinking: bool
     included: bool
+    end_token_id: int | None
+
+    def tokens(self, token_ids: Sequence[int]) -> int:
+        """An output's reasoning tokens: those before the end marker's (all where it has
+        none) in an output that opens thinking, else none (usage's reasoning_tokens)."""
+        if not self.thinking:
+            return 0
+        return list(token_ids).index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
 
 
-def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, free: bool) -> Reasoning | None:
+def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, free: bool, info: ModelInfo
+                 ) -> Reasoning | None:
     """None without a reasoning parser. An output constrained from its first token
     (``free`` false: response_format, a forced tool call) has no room to think: all of it
     is content, as is a Qwen3 output whose template was told ``enable_thinking: false``."""
     if settings.reasoning_parser is None:
         return None
     reasoning = get_reasoning_parser(settings.reasoning_parser)
-    return Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning)
+    return Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
+                     info.tokenizer.token_to_id(reasoning.end))
 
 
 # Template variables that the render sets itself.
@@ -259,6 +271,12 @@ class _Response(GenerationResponse):
 
     def attach_prompt_logprobs(self, data: dict[str, Any], by_choice: dict[int, list[Any] | None]) -> None:
         data["prompt_logprobs"] = by_choice.get(0)  # one prompt: every choice's is the same
+
+    def completion_details(self, token_ids: list[Sequence[int]]) -> dict[str, Any] | None:
+        """With --reasoning-parser, vLLM's ``completion_tokens_details.reasoning_tokens``."""
+        if self.reasoning is None:
+            return None
+        return {"reasoning_tokens": sum(self.reasoning.tokens(ids) for ids in token_ids)}
 
     def attach_prompt_token_ids(self, data: dict[str, Any], choice: dict[str, Any], token_ids: list[int]) -> None:
         data["prompt_token_ids"] = list(token_ids)  # one prompt: on the response

@@ -256,9 +256,8 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         raise renamed(from_value_error(error), origins) from None
     if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
         return stream
-    reasoning = reasoning_of(chat, serving.settings, params.structured is None)
-    end_id = info.tokenizer.token_to_id(reasoning.format.end) if reasoning is not None else None
-    shape = _Shape(body, response_id, model, tools, len(prompt), reasoning, end_id)
+    shape = _Shape(body, response_id, model, tools, len(prompt),
+                   reasoning_of(chat, serving.settings, params.structured is None, info))
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
@@ -271,11 +270,11 @@ class _Shape:
     """The Response object of one request, whole or as its stream of events."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolUse, prompt_len: int,
-                 reasoning: Reasoning | None = None, end_token_id: int | None = None) -> None:
+                 reasoning: Reasoning | None = None) -> None:
         self.body, self.id, self.model, self.tools, self.prompt_len = body, response_id, model, tools, prompt_len
         # --reasoning-parser: the output's reasoning becomes a reasoning item, and the tokens
         # before the end marker's are counted as reasoning_tokens.
-        self.reasoning, self.end_token_id = reasoning, end_token_id
+        self.reasoning = reasoning
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
@@ -316,11 +315,7 @@ class _Shape:
         return data
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
-        """The output's tokens before its end-of-reasoning marker's (all of them where it
-        has none), for an output that opens thinking; else 0."""
-        if self.reasoning is None or not self.reasoning.thinking:
-            return 0
-        return token_ids.index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
+        return 0 if self.reasoning is None else self.reasoning.tokens(token_ids)
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [self.text_part(text)]

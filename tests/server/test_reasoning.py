@@ -104,7 +104,8 @@ def server(thinking_model: Path) -> Iterator[Any]:
 
 
 def chat(base_url: str, seed: int, stream: bool, **extra: Any) -> tuple[dict[str, Any], list[int]]:
-    """(the message, whole or reassembled from its deltas, and the output's token ids)."""
+    """(the message, whole or reassembled from its deltas, with the usage's
+    completion_tokens_details as "details"; and the output's token ids)."""
     body = {"model": "thinker", "messages": [{"role": "user", "content": "Think, then answer."}],
             "max_tokens": 12, "temperature": 1.0, "seed": seed, "stream": stream, "return_token_ids": True,
             "allowed_token_ids": extra.pop("allowed"), **extra}
@@ -112,19 +113,25 @@ def chat(base_url: str, seed: int, stream: bool, **extra: Any) -> tuple[dict[str
         reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         choice = reply.json()["choices"][0]
-        return choice["message"], choice["token_ids"]
+        return {**choice["message"], "details": reply.json()["usage"].get("completion_tokens_details")}, \
+            choice["token_ids"]
     parts: dict[str, str] = {"reasoning": "", "content": ""}
     tokens: list[int] = []
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as reply:
+    details = None
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", timeout=60,
+                      json={**body, "stream_options": {"include_usage": True}}) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            if not chunk["choices"]:  # the usage chunk
+                details = chunk["usage"].get("completion_tokens_details")
+                continue
             delta = chunk["choices"][0]["delta"]
             for key in parts:
                 parts[key] += delta.get(key) or ""
             tokens += chunk["choices"][0].get("token_ids") or []
-    return {key: value or None for key, value in parts.items()}, tokens
+    return {**{key: value or None for key, value in parts.items()}, "details": details}, tokens
 
 
 def test_sampled_outputs_split_as_the_rule_says_whole_and_streamed(server: Any, thinking_model: Path) -> None:
@@ -138,9 +145,11 @@ def test_sampled_outputs_split_as_the_rule_says_whole_and_streamed(server: Any, 
         message, tokens = chat(server.base_url, seed, stream=False, allowed=allowed)
         expected = r1_rule(tokenizer.decode(tokens, skip_special_tokens=True))
         assert (message["reasoning"], message["content"]) == expected, tokens
+        thought = tokens.index(end) if end in tokens else len(tokens)  # the tokens before </think>
+        assert message["details"] == {"reasoning_tokens": thought}
         streamed, streamed_tokens = chat(server.base_url, seed, stream=True, allowed=allowed)
         assert streamed_tokens == tokens  # the same seed: the same output
-        assert (streamed["reasoning"], streamed["content"]) == expected
+        assert (streamed["reasoning"], streamed["content"], streamed["details"]) == (*expected, message["details"])
         seen_content |= expected[1] is not None
         # Without the reasoning, the same content; told not to think (Qwen3's switch), all content.
         message, _ = chat(server.base_url, seed, stream=False, allowed=allowed, include_reasoning=False)
@@ -148,6 +157,7 @@ def test_sampled_outputs_split_as_the_rule_says_whole_and_streamed(server: Any, 
         message, tokens = chat(server.base_url, seed, stream=False, allowed=allowed,
                                chat_template_kwargs={"enable_thinking": False})
         assert (message.get("reasoning"), message["content"]) == (None, tokenizer.decode(tokens) or None)
+        assert message["details"] == {"reasoning_tokens": 0}
     assert seen_content  # some outputs ended their reasoning and answered
 
 
@@ -172,7 +182,7 @@ def test_the_responses_api_writes_the_reasoning_as_its_first_item() -> None:
     from kvloom.server.tool_calling import ToolUse
 
     body = ResponsesRequest(model="thinker", input="Think.")
-    shape = _Shape(body, "resp_1", "thinker", ToolUse(None), 3, Reasoning(R1, True, True), end_token_id=7)
+    shape = _Shape(body, "resp_1", "thinker", ToolUse(None), 3, Reasoning(R1, True, True, end_token_id=7))
     writer = _ItemWriter(shape)
     events = (writer.feed("<think>I think", False) + writer.feed(" so.</thi", False) + writer.feed("nk>Yes.", True)
               + writer.close("stop"))
