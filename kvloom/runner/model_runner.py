@@ -213,7 +213,7 @@ class ModelRunner:
             for index, (generator, state) in launched.rewinds.items():
                 self._advance_to(generator, state, len(accepted[index]) + 1)
         forced = None
-        if launched.grammar is not None:
+        if launched.grammar is not None or self.structured.num_waiting:
             forced = self.structured.advance([item.request for item in sampling], token_ids, launched.failed,
                                              accepted)
         aligned = self._align(output, token_ids, logprobs, forced, launched.failed)

@@ -6,7 +6,8 @@ and the chat template has opened it (R1's always, Qwen3's unless the request set
 ``chat_template_kwargs.enable_thinking`` false), so the output begins inside it; a
 ``<think>`` the model writes first anyway is dropped. An output without ``</think>``
 (cut by ``max_tokens``, say) is reasoning only, as vLLM's. The text after ``</think>`` is
-the content, which a tool-call parser then reads.
+the content, which a tool-call parser then reads; a constraint (response_format, a
+forced tool call) applies to it alone (serving_chat.after_reasoning).
 
 ``ReasoningStream`` is one incremental machine, and splitting a whole output is that
 machine fed the whole text: streamed in any pieces, the reasoning and the content

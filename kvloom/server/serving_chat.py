@@ -49,6 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return await _beam_search_chat(body, request, serving, info, model)
     top_logprobs = _top_logprobs(body)
     params, tools = params_and_tools(body, serving.settings, top_logprobs, info)
+    reasoning = reasoning_of(body, serving.settings, info)
+    params = after_reasoning(params, reasoning)
     prompt = truncate_prompt(encode_chat_request(body, info, serving.settings, tools.tools),
                              body.truncate_prompt_tokens, info)
     request_id, engine_id = response_ids("chatcmpl", body)
@@ -59,7 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
                          body.return_tokens_as_token_ids, body.return_token_ids,
-                         reasoning_of(body, serving.settings, params.structured is None, info), _echo(body))
+                         reasoning, _echo(body))
     if body.stream:
         return StreamingResponse(
             response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream,
@@ -99,7 +101,7 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     finals = await beam_search(serving, request, engine_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
-                         reasoning=reasoning_of(body, serving.settings, True, info), echo=_echo(body))
+                         reasoning=reasoning_of(body, serving.settings, info), echo=_echo(body))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
@@ -122,16 +124,24 @@ class Reasoning:
         return list(token_ids).index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
 
 
-def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, free: bool, info: ModelInfo
-                 ) -> Reasoning | None:
-    """None without a reasoning parser. An output constrained from its first token
-    (``free`` false: response_format, a forced tool call) has no room to think: all of it
-    is content, as is a Qwen3 output whose template was told ``enable_thinking: false``."""
+def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: ModelInfo) -> Reasoning | None:
+    """None without a reasoning parser. A Qwen3 output whose template was told
+    ``enable_thinking: false`` does not think: all of it is content."""
     if settings.reasoning_parser is None:
         return None
     reasoning = get_reasoning_parser(settings.reasoning_parser)
-    return Reasoning(reasoning, free and reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
+    return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
                      info.tokenizer.token_to_id(reasoning.end))
+
+
+def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> SamplingParams:
+    """An output that thinks is constrained (response_format, a forced tool call) from
+    after its reasoning's end marker, as vLLM's: the reasoning is free, the answer is the
+    grammar's (``StructuredOutput.after_token_id``)."""
+    if params.structured is None or reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
+        return params
+    return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                      after_token_id=reasoning.end_token_id))
 
 
 # Template variables that the render sets itself.

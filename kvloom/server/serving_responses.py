@@ -41,7 +41,7 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import Reasoning, encode_messages, params_and_tools, reasoning_of
+from kvloom.server.serving_chat import Reasoning, after_reasoning, encode_messages, params_and_tools, reasoning_of
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
@@ -245,6 +245,8 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     try:
         chat, origins = to_chat_request(body)
         params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
+        reasoning = reasoning_of(chat, serving.settings, info)
+        params = after_reasoning(params, reasoning)
         prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
@@ -256,8 +258,7 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         raise renamed(from_value_error(error), origins) from None
     if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
         return stream
-    shape = _Shape(body, response_id, model, tools, len(prompt),
-                   reasoning_of(chat, serving.settings, params.structured is None, info))
+    shape = _Shape(body, response_id, model, tools, len(prompt), reasoning)
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)

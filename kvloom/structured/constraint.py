@@ -31,6 +31,9 @@ class StructuredOutput:
     choice: the output is exactly one of these strings.
     jump_forward: append the tokens the grammar forces without a model step each
         (and end the request as soon as the grammar is complete). Off only to measure it.
+    after_token_id: the constraint starts after the output's first token of this id (a
+        reasoning model's ``</think>``: the reasoning is free, the answer constrained);
+        None: from the first token. Not part of the grammar (``cache_key``).
     """
 
     json_schema: Mapping[str, Any] | str | None = None
@@ -39,6 +42,7 @@ class StructuredOutput:
     grammar: str | None = None
     choice: Sequence[str] | None = None
     jump_forward: bool = True
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in CONSTRAINT_KINDS if self._is_set(kind)]
@@ -50,6 +54,9 @@ class StructuredOutput:
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be a bool, got {self.jump_forward!r}")
+        if self.after_token_id is not None and (isinstance(self.after_token_id, bool)
+                                                or not isinstance(self.after_token_id, int) or self.after_token_id < 0):
+            raise ValueError(f"after_token_id must be a token id (an int >= 0) or None, got {self.after_token_id!r}")
         kind = given[0]
         if kind == "json_schema":
             # Normalised to compact text once: it is both the cache key and the compiler input.

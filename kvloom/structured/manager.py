@@ -3,6 +3,12 @@
 The ``ModelRunner`` owns one ``StructuredOutputManager``. Requests without a
 constraint never reach it, and a step whose sampling rows are all unconstrained
 costs one dict lookup per row: no bitmask is allocated, filled or applied.
+
+A constraint with ``after_token_id`` (a reasoning model's answer after its reasoning)
+waits in ``_waiting`` with its matcher unstarted: its rows are free, its drafts are cut
+before that token (so it is only ever sampled, never verified as a draft), and the
+step that samples it starts the matcher, which from then on counts the output tokens
+before it as consumed.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, GrammarMatcher] = {}
+        # Requests whose constraint starts after a token not yet sampled: that token's id
+        # and the matcher it will start.
+        self._waiting: dict[str, tuple[int, GrammarMatcher]] = {}
 
     # ---- requests --------------------------------------------------------------------
     def compile(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -60,16 +69,25 @@ class StructuredOutputManager:
         constraint = request.sampling_params.structured
         assert constraint is not None and constraint.cache_key == grammar.key
         assert self._compiler is not None  # it compiled `grammar`
-        self._matchers[request.request_id] = GrammarMatcher(
-            request.request_id, grammar.new_matcher(), self._compiler.eos_token_ids,
-            constraint.jump_forward)
+        matcher = GrammarMatcher(request.request_id, grammar.new_matcher(), self._compiler.eos_token_ids,
+                                 constraint.jump_forward)
+        if constraint.after_token_id is None:
+            self._matchers[request.request_id] = matcher
+        else:
+            self._waiting[request.request_id] = (constraint.after_token_id, matcher)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     @property
     def num_active(self) -> int:
-        return len(self._matchers)
+        return len(self._matchers) + len(self._waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose constraint has not started: ``advance`` must see their tokens."""
+        return len(self._waiting)
 
     # ---- one step --------------------------------------------------------------------
     def _constrained(self, requests: Sequence[Request]) -> list[tuple[int, GrammarMatcher]]:
@@ -88,6 +106,10 @@ class StructuredOutputManager:
         """The longest prefix of a proposer's drafts that the request's grammar accepts
         (all of them for an unconstrained request): speculative decoding verifies only
         tokens the grammar allows, so a rejected draft never reaches the model."""
+        waiting = self._waiting.get(request.request_id)
+        if waiting is not None:  # the constraint's start is sampled, never a draft
+            start = waiting[0]
+            return draft_token_ids[:draft_token_ids.index(start)] if start in draft_token_ids else draft_token_ids
         matcher = self._matchers.get(request.request_id)
         if matcher is None or not draft_token_ids:
             return draft_token_ids
@@ -162,6 +184,14 @@ class StructuredOutputManager:
         ``max_tokens``, so the scheduler appends all of them unless it stops first.
         A row whose matcher fails is recorded in ``failures`` (its request alone fails)."""
         forced: list[list[int]] | None = None
+        started: list[GrammarMatcher] = []
+        for row, request in enumerate(requests) if self._waiting else ():
+            waiting = self._waiting.get(request.request_id)
+            if waiting is not None and token_ids[row] == waiting[0]:  # the constraint starts after this token
+                del self._waiting[request.request_id]
+                drafts = accepted[row] if accepted else []
+                waiting[1].num_consumed = request.num_output_tokens + len(drafts) + 1
+                started.append(waiting[1])
         for row, matcher in self._constrained(requests):
             request = requests[row]
             if request.request_id in failures:
@@ -178,4 +208,6 @@ class StructuredOutputManager:
                 if forced is None:
                     forced = [[] for _ in requests]
                 forced[row] = tokens
+        for matcher in started:  # from the next step on, as any other
+            self._matchers[matcher.request_id] = matcher
         return forced

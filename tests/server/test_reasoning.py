@@ -239,3 +239,28 @@ def test_the_responses_api_and_chat_split_the_same_output_alike(server: Any) -> 
     assert (items["message"]["content"][0]["text"] if "message" in items else None) == message["content"]
     usage = reply.json()["usage"]
     assert 0 < usage["output_tokens_details"]["reasoning_tokens"] <= usage["output_tokens"] == 10
+
+
+def test_a_constrained_answer_follows_free_reasoning(server: Any, thinking_model: Path) -> None:
+    """guided_choice on a thinking request constrains the answer after </think> (vLLM's
+    rule), not the reasoning: sampled with </think> made likely, each output's content is
+    one of the choices and its reasoning what came before, some of it free text."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(thinking_model / "tokenizer.json"))
+    end = tokenizer.token_to_id("</think>")
+    answered = reasoned = 0
+    for seed in range(8):
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "thinker", "messages": [{"role": "user", "content": "Yes or no?"}], "max_tokens": 16,
+            "temperature": 1.0, "seed": seed, "logit_bias": {str(end): 6.0}, "guided_choice": ["yes", "no"],
+            "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        tokens, message = choice["token_ids"], choice["message"]
+        expected = r1_rule(tokenizer.decode(tokens, skip_special_tokens=True))
+        assert (message["reasoning"], message["content"]) == expected
+        if end in tokens:
+            assert message["content"] in ("yes", "no"), tokens
+            answered += 1
+        reasoned += message["reasoning"] is not None
+    assert answered >= 4 and reasoned >= 1  # answers came, after reasoning the grammar did not constrain

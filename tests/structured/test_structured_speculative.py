@@ -79,3 +79,30 @@ def test_default_model_json_and_free_text_match_speculation_off() -> None:
         assert outputs(run(engine, requests)) == outputs(reference)
         assert engine.stats().num_accepted_tokens > 0
     jsonschema.validate(json.loads(reference["json"].outputs[0].text), PERSON)
+
+
+def test_a_constraint_after_a_token_is_free_before_it_and_exact_under_speculation(tiny_llama) -> None:
+    """StructuredOutput(after_token_id=T) (a reasoning model's answer after </think>):
+    greedy, the output is the unconstrained one up to T's first appearance, then the
+    regex's (Python's re holds the rest to it); the same with drafts, which are cut before
+    T so that T is only ever sampled, and with speculation off."""
+    import re
+    prompt = [5, 9, 14, 27, 5, 9, 14, 27]
+    free = run(tiny_engine(tiny_llama), {"f": (prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                     ignore_eos=True))})["f"].outputs[0].token_ids
+    start = free[2]
+    first = free.index(start)  # where the constraint starts: after T's first appearance
+    pattern = r"(ab|cd|[0-9]{2}){2,6}"
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(regex=pattern,
+                                                                                       after_token_id=start))
+    reference = run(tiny_engine(tiny_llama), {"c": (prompt, params)})["c"].outputs[0]
+    assert reference.token_ids[:first + 1] == free[:first + 1]
+    engine = tiny_engine(tiny_llama)
+    answer = engine.tokenizer.decode(reference.token_ids[first + 1:])
+    assert re.fullmatch(pattern, answer), answer
+    for speculative in ({"method": "draft", "model": str(tiny_llama), "num_speculative_tokens": 4,
+                         "adaptive": False},
+                        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}):
+        engine = tiny_engine(tiny_llama, speculative_config=speculative)
+        assert run(engine, {"c": (prompt, params)})["c"].outputs[0].token_ids == reference.token_ids
+        assert engine.stats().num_draft_tokens > 0
