@@ -65,6 +65,11 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture-of-experts FFN (model_families.py)
     mla: MLAConfig | None = None  # DeepSeek's latent attention: the pool holds latents
     ssm: SSMConfig | None = None  # Mamba2 mixers: a state per request (cache/state_pool.py)
+    # Matryoshka embeddings (config.json's is_matryoshka / matryoshka_dimensions, as vLLM
+    # reads them): an embedding's first k dimensions are an embedding too, for the listed
+    # k (None: any k up to hidden_size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -150,6 +155,9 @@ class ModelConfig:
             moe=MoEConfig.from_hf(hf),
             mla=MLAConfig.from_hf(hf),
             ssm=ssm,
+            is_matryoshka=bool(hf.get("is_matryoshka")) or hf.get("matryoshka_dimensions") is not None,
+            matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None
+                                   else tuple(int(d) for d in hf["matryoshka_dimensions"])),
         )
 
 

@@ -252,7 +252,7 @@ class AsyncEngine:
         self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer,
                               dict(getattr(engine, "generation_defaults", {})),
                               engine.kv_transfer.info() if hasattr(engine, "kv_transfer") else {"role": "both"},
-                              tuple(getattr(engine, "eos_token_ids", ())))
+                              tuple(getattr(engine, "eos_token_ids", ())), *_embedding_sizes(engine))
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:
@@ -419,3 +419,13 @@ def _set_future(future: asyncio.Future[Any], value: Any, error: BaseException | 
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+def _embedding_sizes(engine: LLMEngine) -> tuple[int, tuple[int, ...] | None]:
+    """ModelInfo's (hidden_size, matryoshka_dimensions) of the loaded model (a stand-in
+    engine in tests may have no model_config: no embeddings sizes then)."""
+    config = getattr(engine, "model_config", None)
+    if config is None:
+        return 0, None
+    sizes = (config.matryoshka_dimensions or ()) if config.is_matryoshka else None
+    return config.hidden_size, sizes

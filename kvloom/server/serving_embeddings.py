@@ -9,6 +9,7 @@ import base64
 import struct
 from typing import Any, Literal
 
+import torch
 from fastapi import Request
 from pydantic import Field
 
@@ -16,7 +17,7 @@ from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import Serving, collect, encode_prompts, new_id, truncate_prompt
 from kvloom.server.protocol import PromptInput, RequestModel
-from kvloom.server.streams import EngineRequest
+from kvloom.server.streams import EngineRequest, ModelInfo
 
 EMBED = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True,
                        output_kind=RequestOutputKind.FINAL_ONLY)
@@ -27,7 +28,7 @@ class EmbeddingRequest(RequestModel):
     input: PromptInput = Field(description="Text, a list of texts, a list of token ids, or a list of "
                                            "token-id lists; never empty.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # OpenAI's shortening: refused (the model's size only)
+    dimensions: int | None = None  # OpenAI's shortening: matryoshka models only (``_check_dimensions``)
     user: str | None = None
     # vLLM's: keep only the input's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = None
@@ -38,8 +39,7 @@ class EmbeddingRequest(RequestModel):
 async def create_embedding(body: EmbeddingRequest, request: Request, serving: Serving) -> dict[str, Any]:
     info = serving.model_info()
     model = serving.check_model(body.model, info)
-    if body.dimensions is not None:
-        raise bad_request("dimensions is not supported: an embedding has the model's hidden size", "dimensions")
+    _check_dimensions(body.dimensions, info)
     if not body.input or (isinstance(body.input, list) and any(not item for item in body.input)):
         raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
     try:
@@ -55,7 +55,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
         EngineRequest(f"{request_id}-{i}", ids, EMBED, cache_salt=body.cache_salt, lora_request=lora)
         for i, ids in enumerate(prompts)]), request)
     data = [{"object": "embedding", "index": index,
-             "embedding": _encoded(finals[index].embedding or [], body.encoding_format)}
+             "embedding": _encoded(_shortened(finals[index].embedding or [], body.dimensions), body.encoding_format)}
             for index in range(len(prompts))]
     tokens = sum(map(len, prompts))
     return {"object": "list", "data": data, "model": model,
@@ -66,3 +66,28 @@ def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def _check_dimensions(dimensions: int | None, info: ModelInfo) -> None:
+    """OpenAI's ``dimensions``, as vLLM serves it: only for a matryoshka model (whose first
+    k dimensions are an embedding), and one of its listed sizes where it lists them."""
+    if dimensions is None:
+        return
+    if info.matryoshka_dimensions is None:
+        raise bad_request("dimensions is not supported: this model does not support matryoshka representation "
+                          "(its config.json sets neither is_matryoshka nor matryoshka_dimensions), and a shortened "
+                          "embedding of it would be a poor one", "dimensions")
+    if not 0 < dimensions <= info.hidden_size:
+        raise bad_request(f"dimensions must be in [1, {info.hidden_size}], got {dimensions}", "dimensions")
+    if info.matryoshka_dimensions and dimensions not in info.matryoshka_dimensions:
+        raise bad_request(f"dimensions must be one of the model's matryoshka sizes "
+                          f"{list(info.matryoshka_dimensions)}, got {dimensions}", "dimensions")
+
+
+def _shortened(embedding: list[float], dimensions: int | None) -> list[float]:
+    """A normalized embedding's first ``dimensions`` values, normalized again (all of it
+    for None): what normalizing the hidden state's first ``dimensions`` values gives."""
+    if dimensions is None:
+        return embedding
+    head = torch.tensor(embedding[:dimensions], dtype=torch.float64)
+    return torch.nn.functional.normalize(head, dim=0).tolist()

@@ -49,6 +49,10 @@ class ModelInfo:
     # The instance's role and KV layout (GET /kvloom/kv_transfer; the router's handshake)
     kv_transfer: dict[str, Any] = field(default_factory=lambda: {"role": "both"})
     eos_token_ids: tuple[int, ...] = ()  # the engine's (what ends a beam, for beam search)
+    # Embeddings' sizes: the hidden size, and the matryoshka sizes a request's `dimensions`
+    # may ask for (None: not a matryoshka model; (): any size up to hidden_size).
+    hidden_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -3,6 +3,7 @@ base64) and plain HTTP: transformers' normalized last hidden state of each input
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,37 @@ def test_bad_embedding_requests_are_named(http: httpx.Client, live_server: LiveS
     if param is not None:
         assert error["param"] == param and message in error["message"]
     live_server.assert_idle_and_clean()
+
+
+def test_a_matryoshka_model_shortens_its_embeddings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """OpenAI's dimensions on a model whose config.json lists matryoshka sizes (vLLM's
+    keys): the first k values of transformers' last hidden state, normalized; a size it
+    does not list, or past the hidden size, is a 400 naming what it may be."""
+    import json
+
+    from helpers_models import write_tiny_hf_model
+    from server_harness import start_live_server
+
+    from kvloom.server.settings import ServerSettings
+    model = write_tiny_hf_model(tmp_path_factory.mktemp("matryoshka"), arch="llama")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32, 64]}))
+    live = start_live_server(model, ServerSettings(served_model_name=SERVED_NAME))
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            ids = [5, 6, 7, 8, 9]
+            transformers_model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+            with torch.no_grad():
+                hidden = transformers_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+            for size in (16, 32, None):
+                body = {"input": ids, "encoding_format": "float", **({"dimensions": size} if size else {})}
+                got = torch.tensor(http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"])
+                expected = torch.nn.functional.normalize(hidden[:size], dim=-1)
+                assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), size
+            for size, message in ((24, r"one of the model's matryoshka sizes \[16, 32, 64\]"),
+                                  (0, r"must be in \[1, 64\]"), (65, r"must be in \[1, 64\]")):
+                reply = http.post("/v1/embeddings", json={"input": ids, "dimensions": size})
+                assert reply.status_code == 400 and reply.json()["error"]["param"] == "dimensions"
+                assert re.search(message, reply.json()["error"]["message"]), reply.text
+    finally:
+        live.stop()
