@@ -40,36 +40,46 @@ class LoRAGroup:
 class LoRAStep:
     """The forward in progress: for each adapter slot in it, the rows that run it; and
     where the step reads some rows only (``ForwardBatch.output_rows``: the last layer's
-    o projection and MLP run on those alone), the same for those rows."""
+    o projection and MLP run on those alone), the same for those rows. ``begin`` only
+    notes the step; the groups are worked out when a ``LoRALinear`` first asks (the
+    native walk, which takes each row's slot instead, never does)."""
 
-    groups: list[LoRAGroup] = field(default_factory=list)
-    read_groups: list[LoRAGroup] = field(default_factory=list)
-    num_tokens: int = 0
-    num_read: int = 0  # rows the step reads (num_tokens where it reads every row)
+    seq_slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    output_rows: torch.Tensor | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _groups: tuple[list[LoRAGroup], list[LoRAGroup]] | None = None  # (every row's, the read rows')
 
     def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device,
               output_rows: torch.Tensor | None = None) -> None:
         """``seq_slots[i]``: the slot of the batch's sequence i (-1: the base model),
         whose ``query_lens[i]`` rows follow the sequences before it; ``output_rows``: the
         rows the step reads, if not every one."""
-        token_slots = [slot for slot, count in zip(seq_slots, query_lens, strict=True) for _ in range(count)]
-        read = list(range(len(token_slots))) if output_rows is None else output_rows.tolist()
-        self.num_tokens, self.num_read = len(token_slots), len(read)
-        self.groups = _groups(token_slots, device)
-        self.read_groups = self.groups if output_rows is None else _groups([token_slots[t] for t in read], device)
+        self.seq_slots, self.query_lens, self.device, self.output_rows = seq_slots, query_lens, device, output_rows
+        self._groups = None
 
     def groups_for(self, rows: int) -> list[LoRAGroup]:
         """The groups of a projection that runs on ``rows`` rows: every row of the step,
         or (the last layer's o projection and MLP) the rows it reads. None outside a step
         with adapter rows (``begin`` not called: the base model alone)."""
-        if not self.groups or rows == self.num_tokens:
-            return self.groups
-        assert rows == self.num_read, f"a LoRA layer ran on {rows} rows; the step has {self.num_tokens} and reads " \
-                                      f"{self.num_read}"
-        return self.read_groups
+        if not self.seq_slots:
+            return []
+        if self._groups is None:
+            token_slots = [slot for slot, count in zip(self.seq_slots, self.query_lens, strict=True)
+                           for _ in range(count)]
+            every = _groups(token_slots, self.device)
+            read = every if self.output_rows is None else _groups([token_slots[t] for t in self.output_rows.tolist()],
+                                                                 self.device)
+            self._groups = every, read
+        num_tokens = sum(self.query_lens)
+        if rows == num_tokens:
+            return self._groups[0]
+        num_read = num_tokens if self.output_rows is None else self.output_rows.numel()
+        assert rows == num_read, f"a LoRA layer ran on {rows} rows; the step has {num_tokens} and reads {num_read}"
+        return self._groups[1]
 
     def end(self) -> None:
-        self.groups, self.read_groups, self.num_tokens, self.num_read = [], [], 0, 0
+        self.seq_slots, self.query_lens, self.output_rows, self._groups = [], [], None, None
 
 
 def _groups(row_slots: list[int], device: torch.device) -> list[LoRAGroup]:

@@ -172,7 +172,8 @@ class NativeDecoderStack:
                  if shm is None else 0)
         outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
                    if batch.output_rows is not None and not split and shm is None else None)
-        lora, lora_rows = (self.lora, None) if batch.lora_slots is not None else (None, None)
+        lora = self.lora if batch.lora_slots is not None else None
+        lora_rows = None
         if lora is not None:  # each row's adapter slot (-1: the base model)
             assert batch.lora_slots is not None
             lora_rows = torch.repeat_interleave(torch.tensor(batch.lora_slots, dtype=torch.int32),
