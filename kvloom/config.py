@@ -479,6 +479,10 @@ class EngineConfig:
         "help": "random seed: seeds the sampler of requests that bring no seed of their own"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length, prompt + output (default and cap: the model's)"})
+    max_logprobs: int = field(default=20, metadata={
+        "help": "the most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+                "beam search's rounds ask for twice the beam width); -1: the whole vocabulary (default 20, "
+                "vLLM's)"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "auto: the C++ paged kernel (cpu_paged) on CPU when it builds, the Triton kernels "
@@ -556,6 +560,9 @@ class EngineConfig:
                 or (Path(self.generation_config).expanduser() / "generation_config.json").is_file()):
             raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a directory "
                              f"holding generation_config.json, got {self.generation_config!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, "
+                             f"got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.speculative_config is not None:

@@ -187,9 +187,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, minimum=0)
-                if value > 20:
-                    raise ValueError(f"{name} must be <= 20, got {value}")
+                _check_int(name, value, minimum=0)  # the ceiling is the engine's max_logprobs
         if not isinstance(self.embed, bool):
             raise ValueError(f"embed must be true or false, got {self.embed!r}")
         if self.logit_bias is not None:

@@ -42,6 +42,7 @@ NON_DEFAULTS = [
     (["--device", "cpu"], None, "device", "cpu"),
     (["--seed", "7"], None, "seed", 7),
     (["--max-model-len", "512"], None, "max_model_len", 512),
+    (["--max-logprobs", "-1"], None, "max_logprobs", -1),
     (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),
@@ -359,6 +360,7 @@ def test_devices_and_backends_this_machine_cannot_run_are_refused_up_front(monke
     ({"num_threads": -3}, "num_threads must be a positive integer, got -3"),
     ({"seed": 2**70}, "seed must be an integer in [-2**63, 2**64)"),
     ({"seed": "x"}, "seed must be an integer"),
+    ({"max_logprobs": -2}, "max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got -2"),
     # An OverflowError in timedelta and "cannot convert float NaN to integer", before.
     ({"distributed_timeout": 1e300}, "distributed_timeout must be > 0 and at most a year (seconds), got 1e+300"),
     ({"distributed_timeout": float("nan")}, "distributed_timeout must be > 0 and at most a year (seconds), got nan"),

@@ -32,6 +32,7 @@ class AdmissionLimits:
     vocab_size: int
     num_blocks: int
     block_size: int
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (the config's, -1 resolved)
 
     def check_prompt(self, num_prompt_tokens: int, param: str = "prompt") -> None:
         if num_prompt_tokens == 0:
@@ -63,3 +64,10 @@ class AdmissionLimits:
         if bad:
             raise RequestRejected(f"{param} must be token ids in [0, {self.vocab_size}), got {bad[:3]}",
                                   param, "invalid_token_id")
+
+    def check_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        """A request's ``logprobs`` or ``prompt_logprobs`` within the server's max_logprobs."""
+        if num_logprobs is not None and num_logprobs > self.max_logprobs:
+            raise RequestRejected(f"{param} asks for {num_logprobs} log-probabilities a token, more than this "
+                                  f"server's max_logprobs ({self.max_logprobs}; --max-logprobs raises it)",
+                                  param, "invalid_value")

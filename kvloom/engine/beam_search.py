@@ -57,6 +57,14 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
                              f"got {self.length_penalty!r}")
 
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """A round's ``2 * beam_width`` log-probabilities are a request's like any other:
+        within the engine's max_logprobs (vLLM's rule), refused up front rather than mid-search."""
+        if 2 * self.beam_width > max_logprobs:
+            raise ValueError(f"beam_width {self.beam_width} asks for {2 * self.beam_width} log-probabilities a "
+                             f"token each round, more than the engine's max_logprobs ({max_logprobs}); "
+                             f"--max-logprobs {2 * self.beam_width} (LLM(max_logprobs=...)) serves it")
+
     def round_params(self) -> SamplingParams:
         """What each live beam asks the engine for in a round: its next token's
         ``2 * beam_width`` best log-probabilities (the greedy token is the best of them)."""

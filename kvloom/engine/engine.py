@@ -186,7 +186,8 @@ class LLMEngine:
             logger.info("speculative decoding: %s", config.speculative_config)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
-        self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size)
+        self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size,
+                                      mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs)
         # What this instance does with prompts' KV (--role; kvloom/kv_transfer/).
         self.kv_layout = layout_of(self.model_name, mc, shard.kv_caches, backend)
         self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)

@@ -138,6 +138,7 @@ class LLM:
         """vLLM's ``LLM.beam_search`` (engine/beam_search.py): for each prompt the
         ``beam_width`` best beams, best first. Every prompt's live beams go to the engine
         together, one round (one token a beam) per ``generate`` call."""
+        params.check_max_logprobs(self.engine.limits.max_logprobs)
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in _as_prompt_list(prompts)]
         for index, token_ids in enumerate(token_lists):
             if len(token_ids) + params.max_tokens > self.engine.max_model_len:

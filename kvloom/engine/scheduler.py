@@ -108,6 +108,8 @@ class Scheduler:
         limits.check_prompt(request.num_prompt_tokens)
         limits.check_token_ids(request.prompt_token_ids, "prompt")
         limits.check_token_ids(request.sampling_params.stop_token_ids, "stop_token_ids")
+        limits.check_logprobs(request.sampling_params.logprobs, "logprobs")
+        limits.check_logprobs(request.sampling_params.prompt_logprobs, "prompt_logprobs")
         limits.check_token_ids(request.sampling_params.logit_bias or (), "logit_bias")
         limits.check_token_ids(request.sampling_params.allowed_token_ids or (), "allowed_token_ids")
         for word in request.sampling_params.bad_words_token_ids or ():

@@ -62,6 +62,10 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
                                       body.ignore_eos, body.length_penalty)
         except ValueError as error:
             raise from_value_error(error) from None
+        try:
+            params.check_max_logprobs(info.limits.max_logprobs)
+        except ValueError as error:
+            raise from_value_error(error, "n") from None  # the request's beam width
         searches.append(BeamSearch(token_ids, params, info.eos_token_ids))
     cached: list[int] = []  # per prompt: what the cache served its first round (one beam a prompt)
     rounds = 0

@@ -117,7 +117,7 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             body.response_format, guided_json=body.guided_json, guided_regex=body.guided_regex,
             guided_choice=body.guided_choice, guided_grammar=body.guided_grammar,
             guided_json_object=body.guided_json_object, structured_outputs=body.structured_outputs)
-        return SamplingParams(
+        params = SamplingParams(
             n=body.n, seed=body.seed, max_tokens=None, min_tokens=body.min_tokens,
             stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, structured=structured,
@@ -126,6 +126,19 @@ def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int |
             include_stop_str_in_output=body.include_stop_str_in_output, prompt_logprobs=body.prompt_logprobs,
             prompt_logprobs_start=body.prompt_logprobs_start or 0, output_kind=output_kind(body.stream), **given)
     except ValueError as error:
+        raise from_value_error(error) from None
+    check_logprobs(params, info)  # chat's top_logprobs has had its own check, naming that field
+    return params
+
+
+def check_logprobs(params: SamplingParams, info: ModelInfo | None) -> None:
+    """The engine's max_logprobs check, as a 400 before anything is queued."""
+    if info is None:
+        return
+    try:
+        info.limits.check_logprobs(params.logprobs, "logprobs")
+        info.limits.check_logprobs(params.prompt_logprobs, "prompt_logprobs")
+    except RequestRejected as error:
         raise from_value_error(error) from None
 
 

@@ -37,7 +37,6 @@ from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_calls, tool_use
 from kvloom.server.tool_parsers import ToolParser
 
-MAX_TOP_LOGPROBS = 20
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving):
@@ -47,7 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     _check_max_tokens(body)
     if body.use_beam_search:
         return await _beam_search_chat(body, request, serving, info, model)
-    top_logprobs = _top_logprobs(body)
+    top_logprobs = _top_logprobs(body, info)
     params, tools = params_and_tools(body, serving.settings, top_logprobs, info)
     reasoning = reasoning_of(body, serving.settings, info)
     params = after_reasoning(params, reasoning)
@@ -194,14 +193,14 @@ def _check_max_tokens(body: ChatCompletionRequest) -> None:
                           f"({body.max_tokens}) disagree; give one of them", "max_completion_tokens")
 
 
-def _top_logprobs(body: ChatCompletionRequest) -> int | None:
+def _top_logprobs(body: ChatCompletionRequest, info: ModelInfo) -> int | None:
     """The SamplingParams.logprobs value: None when logprobs are off."""
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
-                              f"{body.top_logprobs}", "top_logprobs")
+        if not 0 <= body.top_logprobs <= info.limits.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {info.limits.max_logprobs}] (the server's "
+                              f"--max-logprobs), got {body.top_logprobs}", "top_logprobs")
     if not body.logprobs:
         return None
     return body.top_logprobs or 0
