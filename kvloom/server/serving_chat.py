@@ -38,7 +38,6 @@ from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_call
 from kvloom.server.tool_parsers import ToolParser
 
 
-
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving):
     info = serving.model_info()
     model = serving.check_model(body.model, info)
