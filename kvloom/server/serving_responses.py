@@ -41,14 +41,14 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import Reasoning, after_reasoning, encode_messages, params_and_tools, reasoning_of
+from kvloom.server.serving_chat import Reasoning, after_reasoning, encode_chat_request, params_and_tools, reasoning_of
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
 
 # Chat's names for what the Responses request calls otherwise, for errors' `param`.
 _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "messages": "input", "response_format": "text.format"}
+           "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -195,12 +195,27 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
             raise bad_request(f"{name} is not supported: this server stores no responses (it answers each request "
                               "on its own; send the conversation in input)", name, "unsupported_parameter")
     if body.include:
-        raise bad_request(f"include {body.include} is not supported (no hosted tools, no reasoning items)", "include",
-                          "unsupported_parameter")
+        raise bad_request(f"include {body.include} is not supported (no hosted tools, no encrypted reasoning)",
+                          "include", "unsupported_parameter")
     if body.truncation not in (None, "disabled"):
         raise bad_request("truncation must be \"disabled\": an input longer than the context is a 400", "truncation")
-    if body.reasoning:
-        raise bad_request("reasoning is not supported by this model server", "reasoning", "unsupported_parameter")
+
+
+def _reasoning_effort(body: ResponsesRequest) -> str | None:
+    """``reasoning.effort``, which becomes chat's ``reasoning_effort`` (the template's
+    variable, as vLLM passes it). ``summary`` has no summarizer behind it here: the
+    reasoning item carries the reasoning text itself, so only null is accepted."""
+    if body.reasoning is None:
+        return None
+    for key, value in body.reasoning.items():
+        if key in ("summary", "generate_summary") and value is not None:
+            raise bad_request(f"reasoning.{key} is not supported: no summaries are written here (with "
+                              "--reasoning-parser the reasoning item carries the reasoning text itself)",
+                              f"reasoning.{key}", "unsupported_parameter")
+        if key not in ("effort", "summary", "generate_summary"):
+            raise bad_request(f"reasoning.{key} is not a reasoning field (effort, summary)", f"reasoning.{key}",
+                              "unsupported_parameter")
+    return body.reasoning.get("effort")
 
 
 def to_chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
@@ -213,7 +228,7 @@ def to_chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": _response_format(body.text)}
+        "response_format": _response_format(body.text), "reasoning_effort": _reasoning_effort(body)}
     try:
         return ChatCompletionRequest.model_validate(fields), origins
     except ValidationError as error:
@@ -247,7 +262,7 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
         reasoning = reasoning_of(chat, serving.settings, info)
         params = after_reasoning(params, reasoning)
-        prompt = encode_messages(chat.messages, info, add_generation_prompt=True, tools=tools.tools)
+        prompt = encode_chat_request(chat, info, serving.settings, tools.tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
             response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input",
@@ -294,7 +309,8 @@ class _Shape:
             "tools": body.tools or [], "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text if body.text is not None else {"format": {"type": "text"}},
-            "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
+            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "reasoning": {"effort": body.reasoning.get("effort"), "summary": None} if body.reasoning else None,
             "metadata": body.metadata or {}, "user": body.user, "output": output or [], "usage": None}
         if final is not None:
             completion = final.outputs[0]

@@ -29,8 +29,10 @@ HI = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def trusting(tiny_llama: Path) -> Iterator[LiveServer]:
+    # TEMPLATE is also its own (--chat-template), for the Responses API, which takes no template.
     live = start_live_server(tiny_llama, ServerSettings(served_model_name=SERVED_NAME,  # room for a tools prompt
-                                                        trust_request_chat_template=True), max_model_len=512)
+                                                        trust_request_chat_template=True), max_model_len=512,
+                             chat_template=TEMPLATE)
     yield live
     live.stop()
 
@@ -60,6 +62,27 @@ def test_documents_and_reasoning_effort_reach_a_requests_own_template(trusting: 
                  chat_template_kwargs={"reasoning_effort": "a much longer effort text"})
     assert reply.json()["usage"]["prompt_tokens"] == reference_prompt_tokens(
         tiny_llama, messages=HI, reasoning_effort="a much longer effort text")
+
+
+def test_the_responses_apis_reasoning_effort_reaches_the_template(trusting: LiveServer, tiny_llama: Path) -> None:
+    """vLLM's mapping: ``reasoning.effort`` is the template's ``reasoning_effort``, as
+    chat's field is; the response echoes it. A summary has no summarizer here: a 400."""
+    def respond(**fields: Any) -> httpx.Response:
+        return httpx.post(f"{trusting.base_url}/v1/responses", timeout=60,
+                          json={"model": SERVED_NAME, "input": "Hello there", "max_output_tokens": 3, **fields})
+
+    for reasoning in (None, {"effort": "low"}, {"effort": "high", "summary": None}):
+        reply = respond(reasoning=reasoning)
+        assert reply.status_code == 200, reply.text
+        effort = {} if reasoning is None else {"reasoning_effort": reasoning["effort"]}
+        assert reply.json()["usage"]["input_tokens"] == reference_prompt_tokens(tiny_llama, messages=HI, **effort)
+        assert reply.json()["reasoning"] == (None if reasoning is None else {"effort": effort["reasoning_effort"],
+                                                                             "summary": None})
+    for reasoning, param in (({"effort": "huge"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning.summary"),
+                             ({"effort": "low", "budget": 3}, "reasoning.budget")):
+        refused = respond(reasoning=reasoning)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    trusting.assert_idle_and_clean()
 
 
 def test_a_requests_template_needs_the_servers_trust(live_server: LiveServer, trusting: LiveServer) -> None:

@@ -155,7 +155,7 @@ def test_a_json_schema_format_holds(client: Any) -> None:
     ({"temperature": -1.0}, "temperature"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),  # effort: test_chat_template_fields.py
 ])
 def test_what_a_stateless_server_cannot_honour_is_a_400(http: httpx.Client, live_server: LiveServer,
                                                         body: dict[str, Any], param: str) -> None:
