@@ -576,9 +576,6 @@ class EngineConfig:
         if self.lora.enable_lora:
             if self.parallel.tensor_parallel_size > 1:
                 raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
-            if self.speculative_config is not None:
-                raise ValueError("enable_lora with speculative_config is not supported: the draft "
-                                 "would propose for the base model")
             if self.kv_transfer.role != "both":
                 raise ValueError(f"enable_lora with role {self.kv_transfer.role!r} is not supported")
         if self.kv_transfer.role == "disaggregated":

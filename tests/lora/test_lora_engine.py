@@ -166,9 +166,6 @@ def test_lora_needs_enable_lora_and_refuses_what_it_does_not_combine_with(models
     with pytest.raises(ValueError, match="lora_request needs an engine started with enable_lora"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(models["a"])))
     assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="enable_lora with speculative_config is not supported"):
-        EngineConfig.from_kwargs(str(models["base"]), enable_lora=True,
-                                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size > 1 is not supported"):
         EngineConfig.from_kwargs(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
