@@ -199,6 +199,8 @@ class LLMEngine:
         if config.lora.enable_lora:
             lora = LoRAManager(self.model, mc, config.lora.max_loras, config.lora.max_lora_rank, config.matmul)
             logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
+            if self.proposer is not None:  # built first: a layer_skip walk is built over unwrapped layers
+                self.proposer.use_adapters(lora)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed, lora)
         if scratch_block is not None:

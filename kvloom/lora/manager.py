@@ -20,6 +20,7 @@ from kvloom.lora.adapter import LoRAAdapter, LoRAError
 from kvloom.lora.layers import LoRALinear, LoRAStep
 from kvloom.lora.native import stack_table
 from kvloom.lora.request import LoRARequest
+from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.request import Request
 
 
@@ -68,7 +69,9 @@ class LoRAManager:
         self._layers = list({id(layer): layer for layer, _ in self._targets.values()}.values())
         # The native walk (if the model has one) and each layer's LoRA projections in its
         # table's order: the walk gets a new table after every load (_publish).
-        self._stack = getattr(model, "native_stack", None)
+        # A layer_skip draft's walk over the first layers joins them (add_stack).
+        stack = getattr(model, "native_stack", None)
+        self._stacks: list[NativeDecoderStack] = [] if stack is None else [stack]
         firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")  # a part of each projection
         self._by_layer = [tuple(self._targets[index, name][0] for name in firsts) for index in range(config.num_layers)]
         self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
@@ -142,8 +145,14 @@ class LoRAManager:
     def _publish(self) -> None:
         """Hand the native walk the table of the slots as they are now (None, and so the
         module path for steps with adapter rows, where the slots' kernels are not its GEMM's)."""
-        if self._stack is not None:
-            self._stack.set_lora(stack_table(self._by_layer, self.max_loras, self._stack.shape.isa))
+        for stack in self._stacks:
+            stack.set_lora(stack_table(self._by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))
+
+    def add_stack(self, stack: NativeDecoderStack) -> None:
+        """Another walk over the model's first layers (a layer_skip draft's, which shares
+        them) gets the adapters' table too, its layers' rows of it."""
+        self._stacks.append(stack)
+        self._publish()
 
     def release(self, request_id: str) -> None:
         slot = self._slot_of.pop(request_id, None)

@@ -29,6 +29,7 @@ from kvloom.cache.block_pool import BlockPool
 from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache
 from kvloom.config import ModelConfig
+from kvloom.lora.manager import LoRAManager
 from kvloom.models.loader import load_checkpoint
 from kvloom.models.registry import CausalLM, load_model
 from kvloom.request import Request
@@ -42,9 +43,10 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 class DraftModelProposer:
     def __init__(self, name: str, model: CausalLM, model_config: ModelConfig, target: TargetModel,
-                 draft_cost: float) -> None:
+                 draft_cost: float, shares_layers: bool = False) -> None:
         self.name = name
         self.draft_cost = draft_cost
+        self.shares_layers = shares_layers  # the target's own layers (layer_skip), not a model of its own
         block_size = target.config.cache.block_size
         self.kv = KVCacheManager(BlockPool(target.num_blocks), block_size, NoPrefixCache())
         kv_caches = allocate_kv_pool(model_config, target.num_blocks, block_size, target.dtype, target.device)
@@ -67,6 +69,17 @@ class DraftModelProposer:
     def check_integrity(self) -> None:
         """Every block of the draft's pool is held by exactly the live shadows."""
         self.kv.check_integrity(list(self._shadows.values()))
+
+    def use_adapters(self, lora: LoRAManager) -> None:
+        """A layer_skip draft runs the target's own first layers, their LoRA wrappers
+        included: its forwards take each request's adapter slot (a shadow has its
+        request's id), in the walk too. A separate draft model has no adapters."""
+        if not self.shares_layers:
+            return
+        self.runner.lora = lora
+        stack = getattr(self.runner.model, "native_stack", None)
+        if stack is not None:
+            lora.add_stack(stack)
 
     def _synced(self, request: Request) -> Request:
         """The request's shadow, rolled back to where it agrees with the target."""
@@ -172,7 +185,7 @@ def build_layer_skip(target: TargetModel) -> DraftModelProposer:
         model.use_native_stack()  # over the shared, already packed layers
     config = dataclasses.replace(target.model_config, num_layers=spec.num_layers)
     return DraftModelProposer("layer_skip", model, config, target,
-                              spec.num_layers / target.model_config.num_layers)
+                              spec.num_layers / target.model_config.num_layers, shares_layers=True)
 
 
 def _weights_read(config: ModelConfig) -> int:

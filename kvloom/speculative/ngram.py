@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvloom.lora.manager import LoRAManager
 from kvloom.request import Request
 from kvloom.speculative.proposer import TargetModel
 
@@ -91,6 +92,9 @@ class NgramProposer:
 
     def check_integrity(self) -> None:
         pass  # no blocks: a buffer per request, dropped by release
+
+    def use_adapters(self, lora: LoRAManager) -> None:
+        pass  # the request's own tokens are the guesses, adapter or not
 
 
 def build(target: TargetModel) -> NgramProposer:

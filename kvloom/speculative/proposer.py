@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from kvloom.config import EngineConfig, ModelConfig
+from kvloom.lora.manager import LoRAManager
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request
 
@@ -38,6 +39,11 @@ class Proposer(Protocol):
 
     def check_integrity(self) -> None:
         """Check the books of whatever the proposer allocates (a draft model's pool)."""
+        ...
+
+    def use_adapters(self, lora: LoRAManager) -> None:
+        """Guess through each request's LoRA adapter where the proposer runs the target's
+        own layers (layer_skip); the others guess as for the base model."""
         ...
 
 

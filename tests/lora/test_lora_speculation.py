@@ -1,9 +1,10 @@
 """LoRA adapters with speculative decoding. Drafts are verified in the target's forward,
 each request's rows through its own adapter, so the output is what it is without
 speculation: in bf16 (the native walk: a head size the paired layout serves) bit for bit,
-tokens and logprobs, greedy and seeded; in float32 each request's tokens are PEFT's. The
-proposers guess for the base model (n-gram: from the request's own tokens; draft and
-layer_skip models run without adapters), which only moves how many drafts are accepted."""
+tokens and logprobs, greedy and seeded; in float32 each request's tokens are PEFT's.
+A layer_skip draft runs the target's first layers with the request's adapter: its
+guesses are PEFT's greedy tokens on those layers. n-gram guesses from the request's own
+tokens, a separate draft model as for the base model (which only moves acceptance)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
 from helpers_models import write_tiny_hf_model
 
@@ -53,17 +55,18 @@ def workload(models: dict[str, Path]) -> tuple[list[list[int]], list[LoRARequest
 @pytest.mark.parametrize("name", ["ngram", "layer_skip", "draft"])
 def test_in_bf16_every_request_is_speculation_offs_bit_for_bit(models, name: str, monkeypatch) -> None:
     prompts, loras, params = workload(models)
-    walked: list[tuple[list[int], list[int]]] = []  # the native walk's steps: adapter slots, query lengths
+    walked: list[tuple[int, list[int], list[int]]] = []  # the walks' steps: which walk, adapter slots, query lengths
     walk = NativeDecoderStack.__call__
 
     def recorded(self, residual, rotary, batch, *rest):
         if batch.lora_slots is not None:
-            walked.append((batch.lora_slots, batch.query_lens_list))
+            walked.append((id(self), batch.lora_slots, batch.query_lens_list))
         return walk(self, residual, rotary, batch, *rest)
 
     monkeypatch.setattr(NativeDecoderStack, "__call__", recorded)
     plain = LLM(str(models["base"]), dtype="bfloat16", num_blocks=128, enable_lora=True, max_lora_rank=8)
     expected = plain.generate(prompts, params, lora_request=loras)
+    walked.clear()  # the speculating engine's walks only
     llm = LLM(str(models["base"]), dtype="bfloat16", num_blocks=128, enable_lora=True, max_lora_rank=8,
               speculative_config=proposer(name, models["base"]))
     got = llm.generate(prompts, params, lora_request=loras)
@@ -71,8 +74,12 @@ def test_in_bf16_every_request_is_speculation_offs_bit_for_bit(models, name: str
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, index
         assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs, index
     assert len({tuple(o.outputs[0].token_ids) for o in got[:3]}) == 3  # the adapters change the replies
-    # The walk verified adapter requests' drafts (2-5 rows of one sequence: prompts are 27 long).
-    assert any(slot >= 0 and 2 <= rows <= 5 for slots, lens in walked for slot, rows in zip(slots, lens, strict=True))
+    # The target's walk verified adapter requests' drafts (2-5 rows of one sequence: prompts are 27 long) ...
+    target = id(llm.engine.model.native_stack)
+    assert any(walk == target and slot >= 0 and 2 <= rows <= 5
+               for walk, slots, lens in walked for slot, rows in zip(slots, lens, strict=True))
+    if name == "layer_skip":  # ... and a layer_skip draft's walk ran adapter rows too
+        assert any(walk != target and max(slots) >= 0 for walk, slots, _ in walked)
     speculation = llm.engine.scheduler.speculation
     assert speculation is not None and speculation.num_draft_tokens > 0
     if name != "layer_skip":  # one random layer of three guesses nothing right; the others do
@@ -92,4 +99,44 @@ def test_in_float32_each_adapters_tokens_are_pefts(models) -> None:
     for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
         check_against_peft(references[lora.lora_name if lora else None], prompt, output.outputs[0])
     assert llm.engine.scheduler.speculation.num_accepted_tokens > 0
+    llm.engine.check_integrity()
+
+
+def test_layer_skip_guesses_are_pefts_greedy_tokens_on_the_first_layers(models) -> None:
+    """Every proposal, for an adapter's request and the base model's, is the greedy
+    continuation of the request's tokens by transformers' first two layers (then the
+    final norm and head) with PEFT's adapter on them, or without one."""
+    import transformers
+    from helpers_lora import greedy_tokens, peft
+
+    prompts, loras, params = workload(models)
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_lora_rank=8,
+              speculative_config={"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    proposals: list[tuple[str, list[int], list[int]]] = []
+    propose = llm.engine.proposer.propose
+
+    def recorded(requests, num_tokens):
+        before = [(request.request_id, list(request.all_token_ids)) for request in requests]
+        drafts = propose(requests, num_tokens)
+        proposals.extend((rid, tokens, draft) for (rid, tokens), draft in zip(before, drafts, strict=True))
+        return drafts
+
+    llm.engine.proposer.propose = recorded
+    outputs = llm.generate(prompts, [params[0]] * len(prompts), lora_request=loras)
+    adapter_of = {output.request_id: lora for output, lora in zip(outputs, loras, strict=True)}
+
+    def first_layers(adapter: Path | None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(models["base"], dtype=torch.float32,
+                                                                  num_hidden_layers=2).eval()
+        return model if adapter is None else peft.PeftModel.from_pretrained(model, adapter).eval()
+
+    references = {name: first_layers(None if name is None else models[name]) for name in ("a", "b", None)}
+    checked = {name: 0 for name in references}
+    for request_id, tokens, draft in proposals:
+        lora = adapter_of[request_id]
+        name = lora.lora_name if lora else None
+        assert draft == greedy_tokens(references[name], tokens, len(draft)), (request_id, len(tokens))
+        checked[name] += len(draft)
+    assert all(count >= 10 for count in checked.values()), checked
     llm.engine.check_integrity()
