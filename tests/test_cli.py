@@ -78,23 +78,22 @@ def _serve_call(monkeypatch, argv: list[str]) -> dict:
     import kvloom.server.main as server_main
     calls: list[dict] = []
     monkeypatch.setattr(server_main, "run_server",
-                        lambda model, kwargs, **rest: calls.append({"model": model, **rest}) or 0)
+                        lambda model, kwargs, settings, **rest: calls.append(
+                            {"model": model, "settings": settings, **rest}) or 0)
     assert main(["serve", *argv]) == 0
     return calls[0]
 
 
 def test_serve_takes_the_model_either_way_and_several_served_names(monkeypatch) -> None:
-    from kvloom.server.settings import ServerSettings
     call = _serve_call(monkeypatch, ["--model", "some/dir", "--served-model-name", "a", "b", "c"])
     assert call["model"] == "some/dir"
-    assert (call["served_model_name"], tuple(call["model_aliases"])) == ("a", ("b", "c"))
+    settings = call["settings"]
+    assert (settings.served_model_name, settings.model_aliases) == ("a", ("b", "c"))
     assert call["log_stats"] is True
-    settings = ServerSettings(served_model_name=call["served_model_name"],
-                              model_aliases=tuple(call["model_aliases"]))
     # The first name is the one reported; every name (and the model path) is accepted.
     assert settings.model_ids("some/dir") == ("a", "some/dir", "b", "c")
     call = _serve_call(monkeypatch, ["some/dir", "--disable-log-stats"])
-    assert (call["model"], call["served_model_name"], call["log_stats"]) == ("some/dir", None, False)
+    assert (call["model"], call["settings"].served_model_name, call["log_stats"]) == ("some/dir", None, False)
 
 
 def test_gpu_memory_utilization_and_kv_cache_memory_conflict_in_one_line(capsys) -> None:

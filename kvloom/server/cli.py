@@ -15,6 +15,7 @@ from kvloom.server.settings import (
     STATS_LOG_INTERVAL,
     ConnectionLimits,
     CorsSettings,
+    ServerSettings,
 )
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
 
@@ -152,23 +153,25 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP layer's settings from ``kvloom serve``'s flags."""
+    names = args.served_model_name or [None]
+    return ServerSettings(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
+                          max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          enable_dashboard=not args.disable_dashboard,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=tuple(args.lora_modules),
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating, cors=cors_settings(args))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from kvloom.server.main import run_server
 
-    names = args.served_model_name or [None]
-    return run_server(args.model, engine_kwargs(args), host=args.host, port=args.port,
-                      api_key=args.api_key, max_waiting=args.max_waiting,
-                      max_body_bytes=args.max_body_bytes,
-                      served_model_name=names[0], model_aliases=names[1:],
-                      log_stats=not args.disable_log_stats, log_level=args.log_level,
-                      tool_call_parser=args.tool_call_parser,
-                      enable_auto_tool_choice=args.enable_auto_tool_choice,
-                      reasoning_parser=args.reasoning_parser,
-                      trust_request_chat_template=args.trust_request_chat_template,
-                      enable_dashboard=not args.disable_dashboard,
-                      otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=args.lora_modules,
-                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                      cors=cors_settings(args), http_options=http_options(args),
+    return run_server(args.model, engine_kwargs(args), server_settings(args), host=args.host, port=args.port,
+                      max_waiting=args.max_waiting, log_stats=not args.disable_log_stats, log_level=args.log_level,
+                      http_options=http_options(args),
                       limits=ConnectionLimits(header_timeout=args.header_timeout,
                                               body_timeout=args.body_timeout,
                                               max_header_bytes=args.max_header_bytes,

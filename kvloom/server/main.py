@@ -9,7 +9,6 @@ generations to the end; then the app's lifespan joins the engine thread. Exit st
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -18,10 +17,8 @@ from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.http_protocol import ConnectionLimits, signals_end_quietly, uvicorn_config
 from kvloom.server.settings import (
-    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
     STATS_LOG_INTERVAL,
-    CorsSettings,
     ServerSettings,
 )
 
@@ -40,25 +37,18 @@ class _Server(uvicorn.Server):
         self.async_engine.request_shutdown()
 
 
-def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
-               port: int = 8000, api_key: str | None = None,
-               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               served_model_name: str | None = None, model_aliases: Sequence[str] = (),
+def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, settings: ServerSettings | None = None,
+               host: str = "127.0.0.1", port: int = 8000, max_waiting: int = DEFAULT_MAX_WAITING,
                log_stats: bool = True, log_level: str = "info", graceful_timeout: float = 10.0,
-               limits: ConnectionLimits | None = None, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-               trust_request_chat_template: bool = False,
-               enable_dashboard: bool = True,
-               otlp_traces_endpoint: str | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-               allow_runtime_lora_updating: bool = False, cors: CorsSettings | None = None,
-               http_options: dict[str, Any] | None = None) -> int:
+               limits: ConnectionLimits | None = None, http_options: dict[str, Any] | None = None) -> int:
     """Serve ``model`` over HTTP until SIGINT/SIGTERM. Returns the exit status: 0 after
     a signal, 1 when the model failed to load or the engine failed while serving (so a
-    supervisor restarts it). Bad engine flags raise ValueError first. ``log_stats``: a
-    stats line every ``STATS_LOG_INTERVAL`` seconds while busy (server/stats_log.py).
-    ``cors``: who may call from a browser (vLLM's defaults without: anyone).
-    ``http_options``: uvicorn's own (TLS files, ``root_path``, ``access_log``, its
-    ``log_level``), as ``kvloom serve``'s HTTP flags give them."""
+    supervisor restarts it). Bad engine flags raise ValueError first. ``settings``: the
+    HTTP layer's (served names, API key, parsers, CORS, ...; ``ServerSettings()``
+    without). ``log_stats``: a stats line every ``STATS_LOG_INTERVAL`` seconds while
+    busy (server/stats_log.py). ``http_options``: uvicorn's own (TLS files,
+    ``root_path``, ``access_log``, its ``log_level``), as ``kvloom serve``'s HTTP flags
+    give them."""
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine
     from kvloom.server.app import build_app
@@ -66,18 +56,11 @@ def run_server(model: str, engine_kwargs: dict[str, Any] | None = None, host: st
     config = EngineConfig.from_kwargs(model, **(engine_kwargs or {}))  # validate flags up front
     if max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
-    settings = ServerSettings(served_model_name=served_model_name, model_aliases=tuple(model_aliases),
-                              api_key=api_key, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-                              enable_auto_tool_choice=enable_auto_tool_choice,
-                              reasoning_parser=reasoning_parser,
-                              trust_request_chat_template=trust_request_chat_template,
-                              enable_dashboard=enable_dashboard, otlp_traces_endpoint=otlp_traces_endpoint,
-                              lora_modules=tuple(lora_modules),
-                              allow_runtime_lora_updating=allow_runtime_lora_updating, cors=cors or CorsSettings())
-    if (lora_modules or allow_runtime_lora_updating) and not config.lora.enable_lora:
+    settings = settings or ServerSettings()
+    if (settings.lora_modules or settings.allow_runtime_lora_updating) and not config.lora.enable_lora:
         raise ValueError("lora_modules (--lora-modules) and allow_runtime_lora_updating need enable_lora "
                          "(--enable-lora)")
-    if enable_dashboard:
+    if settings.enable_dashboard:
         config = dashboard.with_trace(config)  # its timeline reads the scheduler's trace
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=max_waiting,
                                stats_log_interval=STATS_LOG_INTERVAL if log_stats else None)

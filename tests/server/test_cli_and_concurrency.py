@@ -12,6 +12,7 @@ from server_harness import SERVED_NAME, LiveServer
 from kvloom.engine_args import engine_kwargs
 from kvloom.server.cli import add_serve_parser
 from kvloom.server.main import run_server
+from kvloom.server.settings import ServerSettings
 
 
 def test_serve_parser_wiring() -> None:
@@ -28,11 +29,12 @@ def test_serve_parser_wiring() -> None:
     ({"engine_kwargs": {"dtype": "int3"}}, "dtype"),
     ({"engine_kwargs": {"num_blocks": 0}}, "num_blocks"),
     ({"max_waiting": -1}, "max_waiting"),
-    ({"max_body_bytes": 0}, "max_body_bytes"),
+    ({"settings_kwargs": {"max_body_bytes": 0}}, "max_body_bytes"),
 ])
 def test_run_server_rejects_bad_settings_before_serving(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        run_server("some/model", **kwargs)
+        settings = kwargs.pop("settings_kwargs", None)
+        run_server("some/model", settings=None if settings is None else ServerSettings(**settings), **kwargs)
 
 
 def test_concurrent_requests_all_complete(live_server: LiveServer) -> None:

@@ -76,13 +76,14 @@ ENGINE_FAULT_SERVER = textwrap.dedent("""
     import sys
     from kvloom.runner.model_runner import ModelRunner
     from kvloom.server.main import run_server
+    from kvloom.server.settings import ServerSettings
 
     def broken_launch(self, output):
         raise RuntimeError("injected kernel fault")
 
     ModelRunner.launch = broken_launch
-    sys.exit(run_server(sys.argv[1], dict(dtype="float32", num_blocks=32), port=int(sys.argv[2]),
-                        served_model_name="tiny-llama", log_level="warning"))
+    sys.exit(run_server(sys.argv[1], dict(dtype="float32", num_blocks=32),
+                        ServerSettings(served_model_name="tiny-llama"), port=int(sys.argv[2]), log_level="warning"))
 """)
 
 
