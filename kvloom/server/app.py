@@ -22,7 +22,12 @@ from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
 from kvloom.server.errors import install_error_handlers
 from kvloom.server.generation import Serving, check_token_ids
-from kvloom.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, install_cors
+from kvloom.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdHeaderMiddleware,
+    install_cors,
+)
 from kvloom.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,6 +73,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.enable_request_id_headers:  # on every answer, a 401 or 413 included
+        app.add_middleware(RequestIdHeaderMiddleware)
     install_cors(app, settings.cors)  # last: outermost
     app.state.async_engine = async_engine
     app.state.settings = settings

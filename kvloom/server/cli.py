@@ -74,6 +74,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (sandboxed Jinja; off by default, "
                             "as vLLM's)")
+    responses = serve.add_argument_group("what responses carry and what is logged (vLLM's flags)")
+    responses.add_argument("--enable-force-include-usage", action="store_true",
+                           help="end every stream with its usage chunk, whether or not the request asked "
+                                "(stream_options.include_usage)")
+    responses.add_argument("--return-tokens-as-token-ids", action="store_true",
+                           help="logprobs name every token \"token_id:<id>\" (a request can ask for it itself)")
+    responses.add_argument("--response-role", default="assistant",
+                           help="the role of a chat reply where the prompt opens a new turn (default: %(default)s)")
+    responses.add_argument("--enable-request-id-headers", action="store_true",
+                           help="every response carries X-Request-Id: the request's own header's, else a fresh id")
+    responses.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
+                           help="log every generation request: its ids, prompt token ids and parameters")
+    responses.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
+                           help="do not log them (the default; vLLM's older flag)")
+    responses.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                           help="log at most N prompt token ids a request (default: all)")
+    responses.add_argument("--enable-prompt-tokens-details", action="store_true",
+                           help="accepted for vLLM command lines; changes nothing: usage always carries "
+                                "prompt_tokens_details.cached_tokens here")
     add_cors_args(serve)
     http = serve.add_argument_group("HTTP server (vLLM's uvicorn flags)")
     http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM)")
@@ -163,7 +182,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_dashboard=not args.disable_dashboard,
                           otlp_traces_endpoint=args.otlp_traces_endpoint, lora_modules=tuple(args.lora_modules),
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating, cors=cors_settings(args))
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating, cors=cors_settings(args),
+                          force_include_usage=args.enable_force_include_usage,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          response_role=args.response_role, enable_request_id_headers=args.enable_request_id_headers,
+                          log_requests=args.log_requests, max_log_len=args.max_log_len)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,8 @@ from kvloom.server.lora_modules import LoRAModules
 from kvloom.server.protocol import SamplingRequest
 from kvloom.server.settings import ServerSettings
 from kvloom.structured import structured_output_from_openai
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Serving:
         return self.loras.request(requested)
 
     async def open(self, requests: list[EngineRequest]) -> ResultStream:
+        if self.settings.log_requests:
+            log_requests(requests, self.settings.max_log_len)
         try:
             return await self.engine.generate(requests)
         except EngineOverloaded as error:
@@ -94,6 +99,16 @@ class Serving:
             raise overloaded(str(error), code="model_not_ready") from None
         except ValueError as error:  # the engine's verdict: this request can never run
             raise from_value_error(error) from None
+
+
+def log_requests(requests: list[EngineRequest], max_log_len: int | None) -> None:
+    """vLLM's request log (--enable-log-requests, --max-log-len): a line per engine
+    request, its prompt token ids cut to ``max_log_len``."""
+    for request in requests:
+        ids = request.prompt_token_ids
+        shown = ids if max_log_len is None or len(ids) <= max_log_len else [*ids[:max_log_len], "..."]
+        logger.info("Received request %s: prompt_token_ids: %s (%d), params: %s, lora_request: %s",
+                    request.request_id, shown, len(ids), request.params, request.lora_request)
 
 
 def base_params(body: SamplingRequest, settings: ServerSettings, logprobs: int | None,

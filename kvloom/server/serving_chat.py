@@ -58,11 +58,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
     response = _Response(request_id, model, int(time.time()), top_logprobs, tools.parser,
-                         body.return_tokens_as_token_ids, body.return_token_ids,
-                         reasoning, _echo(body))
+                         body.return_tokens_as_token_ids or serving.settings.return_tokens_as_token_ids,
+                         body.return_token_ids, reasoning, _echo(body), _role(body, serving.settings))
     if body.stream:
         return StreamingResponse(
-            response.stream(stream, request, [len(prompt)], params.n, body.include_usage_in_stream,
+            response.stream(stream, request, [len(prompt)], params.n,
+                            body.include_usage_in_stream or serving.settings.force_include_usage,
                             body.continuous_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
@@ -99,7 +100,8 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     finals = await beam_search(serving, request, engine_id, [prompt], body, body.effective_max_tokens, info,
                                "messages")
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
-                         reasoning=reasoning_of(body, serving.settings, info), echo=_echo(body))
+                         reasoning=reasoning_of(body, serving.settings, info), echo=_echo(body),
+                         role=_role(body, serving.settings))
     return JSONResponse(response.full(finals, [len(prompt)], body.n))
 
 
@@ -192,6 +194,12 @@ def _check_max_tokens(body: ChatCompletionRequest) -> None:
                           f"({body.max_tokens}) disagree; give one of them", "max_completion_tokens")
 
 
+def _role(body: ChatCompletionRequest, settings: ServerSettings) -> str:
+    """The reply's role, as vLLM names it: --response-role where the prompt opens a new
+    turn (add_generation_prompt), else the continued last message's own."""
+    return settings.response_role if body.add_generation_prompt else body.messages[-1].role
+
+
 def _top_logprobs(body: ChatCompletionRequest, info: ModelInfo) -> int | None:
     """The SamplingParams.logprobs value: None when logprobs are off."""
     if body.top_logprobs is not None:
@@ -249,7 +257,8 @@ class _Response(GenerationResponse):
 
     def __init__(self, request_id: str, model: str, created: int, top_logprobs: int | None,
                  tool_parser: ToolParser | None = None, tokens_as_ids: bool = False,
-                 return_token_ids: bool = False, reasoning: Reasoning | None = None, echo: str = "") -> None:
+                 return_token_ids: bool = False, reasoning: Reasoning | None = None, echo: str = "",
+                 role: str = "assistant") -> None:
         super().__init__(request_id, model, created, return_token_ids)
         self.top_logprobs = top_logprobs
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
@@ -260,18 +269,19 @@ class _Response(GenerationResponse):
         self.reasoning = reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}
         self.echo = echo  # vLLM's echo: the last (assistant) message's text before each answer
+        self.role = role  # the reply's role (_role)
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
         content: str | None = completion.text
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:
             thought, content = split_reasoning(self.reasoning.format, completion.text, self.reasoning.thinking)
-            message = {"role": "assistant", "content": content,
+            message = {"role": self.role, "content": content,
                        "reasoning": thought if self.reasoning.included else None}
         finish_reason = completion.finish_reason
         if self.tool_parser is not None and content is not None:
             calls, finish_reason = message_with_calls(self.tool_parser, content, finish_reason)
-            message.update(calls)
+            message.update(calls, role=self.role)
         if self.echo:
             message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
@@ -291,7 +301,7 @@ class _Response(GenerationResponse):
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # The first chunk of every choice names the role.
-        return [{"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
+        return [{"index": index, "delta": {"role": self.role, "content": self.echo}, "logprobs": None,
                  "finish_reason": None} for index in range(num_choices)]
 
     def delta_logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:

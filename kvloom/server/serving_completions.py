@@ -58,11 +58,13 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
         body.kv_transfer_params, params.n)
     if isinstance(stream, JSONResponse):  # the prefill leg, answered
         return stream
-    response = _Response(request_id, model, int(time.time()), body, texts, params.n, info, prompt_only)
+    response = _Response(request_id, model, int(time.time()), body, texts, params.n, info, prompt_only,
+                         body.return_tokens_as_token_ids or serving.settings.return_tokens_as_token_ids)
     prompt_lens = [len(p) for p in prompts]
     if body.stream:
         return StreamingResponse(
-            response.stream(stream, request, prompt_lens, params.n, body.include_usage_in_stream,
+            response.stream(stream, request, prompt_lens, params.n,
+                            body.include_usage_in_stream or serving.settings.force_include_usage,
                             body.continuous_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
@@ -98,9 +100,11 @@ class _Response(GenerationResponse):
     kind, full_object, chunk_object = "completion", "text_completion", "text_completion"
 
     def __init__(self, request_id: str, model: str, created: int, body: CompletionRequest,
-                 prompt_texts: list[str], n: int, info: ModelInfo, prompt_only: bool = False) -> None:
+                 prompt_texts: list[str], n: int, info: ModelInfo, prompt_only: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         super().__init__(request_id, model, created, body.return_token_ids)
         self.body, self.prompt_texts, self.n = body, prompt_texts, n
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids, the request's or the server's
         self.tokenizer = info.tokenizer
         self.prompt_only = prompt_only  # echo with max_tokens 0: the one generated token is dropped
         self.sent: dict[int, int] = {}  # per streamed choice: characters sent, for text_offset
@@ -161,7 +165,7 @@ class _Response(GenerationResponse):
         token_logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        as_ids = self.body.return_tokens_as_token_ids
+        as_ids = self.tokens_as_ids
         for position, entry in enumerate(entries):
             if entry is None:
                 assert token_ids is not None

@@ -63,6 +63,21 @@ class ServerSettings:
     # /v1/unload_lora_adapter add and remove adapters while serving.
     allow_runtime_lora_updating: bool = False
     cors: CorsSettings = field(default_factory=CorsSettings)
+    # vLLM's switches for what responses carry and what is logged:
+    # --enable-force-include-usage: every stream ends with its usage chunk, asked for or not;
+    force_include_usage: bool = False
+    # --return-tokens-as-token-ids: every request's logprobs name tokens "token_id:<id>";
+    return_tokens_as_token_ids: bool = False
+    # --response-role: the role of a chat reply's message where a new turn is opened
+    # (add_generation_prompt; a continued message keeps its own role);
+    response_role: str = "assistant"
+    # --enable-request-id-headers: every response carries X-Request-Id (the request's own
+    # header's value, else a fresh id);
+    enable_request_id_headers: bool = False
+    # --enable-log-requests: a log line per generation request (its engine requests' ids,
+    # prompt token ids, at most max_log_len of them, and parameters).
+    log_requests: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         from kvloom.server.reasoning_parsers import get_reasoning_parser
@@ -77,6 +92,11 @@ class ServerSettings:
                              "the model's calls in)")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role must be a non-empty string, got {self.response_role!r}")
+        if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
+                                             or self.max_log_len < 0):
+            raise ValueError(f"max_log_len must be an integer >= 0, got {self.max_log_len!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")
         names = [name for name, _ in self.lora_modules]
