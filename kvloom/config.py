@@ -449,6 +449,11 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def _parse_override(value: Any) -> dict[str, Any]:
+    from kvloom.generation_config import parse_override
+    return parse_override(value)
+
+
 def parse_speculative_config(text: str) -> SpeculativeConfig:
     """The flag's value: JSON text that must make a valid SpeculativeConfig (checked
     before any model loads)."""
@@ -518,6 +523,12 @@ class EngineConfig:
         "help": "sampling defaults for requests that set none: 'auto' reads the model "
                 "directory's generation_config.json if any, 'vllm' or 'none' ignores it, a "
                 "directory reads that one's"})
+    # hash=False: a dict (the config stays hashable).
+    override_generation_config: dict[str, Any] | None = field(default=None, hash=False, metadata={
+        "parse": _parse_override, "flag_type": str,
+        "help": "sampling defaults over --generation-config's, as JSON with generation_config.json's keys, "
+                "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}' (vLLM's; with --generation-config "
+                "vllm, these alone)"})
     speculative_config: SpeculativeConfig | None = field(default=None, metadata={
         "parse": parse_speculative_config, "flag_type": str,
         "help": "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
@@ -565,6 +576,8 @@ class EngineConfig:
                              f"got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.override_generation_config is not None:
+            object.__setattr__(self, "override_generation_config", _parse_override(self.override_generation_config))
         if self.speculative_config is not None:
             # A dict (LLM keyword) or JSON text (the flag) becomes the frozen config.
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -22,9 +22,40 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 FILE_NAME = "generation_config.json"
 
 
-def generation_defaults(setting: str, model_path: str | Path | None) -> dict[str, Any]:
+def generation_defaults(setting: str, model_path: str | Path | None,
+                        override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sampling defaults ``setting`` asks for (``model_path``: the loaded model's
-    directory or file); ``{}`` when there are none."""
+    directory or file), with ``override``'s keys (``--override-generation-config``,
+    checked by ``parse_override``) over them; ``{}`` when there are none."""
+    over = {SAMPLING_KEYS[key]: value for key, value in (override or {}).items()}
+    return {**_file_defaults(setting, model_path), **over}
+
+
+def parse_override(value: Any) -> dict[str, Any]:
+    """``--override-generation-config`` (vLLM's): JSON text or a dict of
+    generation_config.json's sampling keys, each value checked as SamplingParams checks
+    it. A key that is not a sampling default is refused, naming it (vLLM would ignore it)."""
+    from kvloom.sampling_params import SamplingParams
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"override_generation_config must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config has keys {unknown} that are not sampling defaults; "
+                         f"known: {list(SAMPLING_KEYS)}")
+    try:
+        SamplingParams(**{SAMPLING_KEYS[key]: item for key, item in value.items()})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"override_generation_config: {error}") from None
+    return dict(value)
+
+
+def _file_defaults(setting: str, model_path: str | Path | None) -> dict[str, Any]:
     if setting in ("vllm", "none"):
         return {}
     if setting == "auto":

@@ -43,6 +43,8 @@ NON_DEFAULTS = [
     (["--seed", "7"], None, "seed", 7),
     (["--max-model-len", "512"], None, "max_model_len", 512),
     (["--max-logprobs", "-1"], None, "max_logprobs", -1),
+    (["--override-generation-config", '{"temperature": 0.5}'], None, "override_generation_config",
+     {"temperature": 0.5}),
     (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),

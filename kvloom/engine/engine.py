@@ -135,7 +135,8 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.override_chat_template(config.chat_template)
         # Sampling defaults for the fields a request leaves unset (--generation-config).
-        self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path)
+        self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path,
+                                                       config.override_generation_config)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)

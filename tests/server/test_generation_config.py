@@ -104,3 +104,26 @@ def test_llm_generate_without_params_uses_the_defaults(tiny_llama, tmp_path) -> 
     [output] = llm.generate([1, 2, 3])
     assert (len(output.outputs[0].token_ids), output.outputs[0].finish_reason) == (3, "length")
     assert LLM(str(tiny_llama), dtype="float32", num_blocks=8).get_default_sampling_params() == SamplingParams()
+
+
+def test_an_override_sets_its_keys_over_the_files(tiny_llama, tmp_path) -> None:
+    """vLLM's --override-generation-config: its keys over the file's ('auto'), alone with
+    'vllm'; a key that is not a sampling default, or a value SamplingParams refuses, is
+    refused before loading, naming it."""
+    from kvloom.engine.llm import LLM
+    from kvloom.sampling_params import SamplingParams
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    _with_file(model)
+    override = {"temperature": 0.0, "max_new_tokens": 4}
+    llm = LLM(str(model), dtype="float32", num_blocks=8, override_generation_config=json.dumps(override))
+    assert llm.engine.generation_defaults == {**TAKEN, "temperature": 0.0, "max_tokens": 4}
+    [output] = llm.generate([1, 2, 3])
+    assert (len(output.outputs[0].token_ids), output.outputs[0].finish_reason) == (4, "length")
+    alone = LLM(str(model), dtype="float32", num_blocks=8, generation_config="vllm", override_generation_config=override)
+    assert alone.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=4)
+    for bad, message in (({"do_sample": True}, r"keys \['do_sample'\] that are not sampling defaults"),
+                         ({"top_p": 0}, "override_generation_config: top_p must be in"),
+                         ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_kwargs(str(model), override_generation_config=bad)
