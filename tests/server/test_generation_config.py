@@ -120,7 +120,8 @@ def test_an_override_sets_its_keys_over_the_files(tiny_llama, tmp_path) -> None:
     assert llm.engine.generation_defaults == {**TAKEN, "temperature": 0.0, "max_tokens": 4}
     [output] = llm.generate([1, 2, 3])
     assert (len(output.outputs[0].token_ids), output.outputs[0].finish_reason) == (4, "length")
-    alone = LLM(str(model), dtype="float32", num_blocks=8, generation_config="vllm", override_generation_config=override)
+    alone = LLM(str(model), dtype="float32", num_blocks=8, generation_config="vllm",
+                override_generation_config=override)
     assert alone.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=4)
     for bad, message in (({"do_sample": True}, r"keys \['do_sample'\] that are not sampling defaults"),
                          ({"top_p": 0}, "override_generation_config: top_p must be in"),
