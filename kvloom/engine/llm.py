@@ -11,7 +11,15 @@ from tqdm import tqdm
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, advance_round
 from kvloom.engine.engine import LLMEngine
-from kvloom.engine.output import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvloom.engine.output import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kvloom.engine.similarity import cosine_scores, pair_up
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
 from kvloom.tokenizer import Tokenizer
@@ -190,6 +198,22 @@ class LLM:
                                        EmbeddingOutput(output.embedding or []), output.finished,
                                        output.num_cached_tokens)
                 for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
+
+    def score(self, data_1: Prompt | PromptDict | Sequence[Prompt | PromptDict],
+              data_2: Prompt | PromptDict | Sequence[Prompt | PromptDict], /, *, use_tqdm: bool | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for an embedding model (a bi-encoder): each pair's cosine
+        similarity of the two texts' embeddings (``embed``'s), the texts paired 1:1, 1:N
+        or N:N (engine/similarity.py). One answer per pair, in ``data_2``'s order."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = pair_up(len(first), len(second))
+        embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request)
+        queries, documents = embedded[:len(first)], embedded[len(first):]
+        scores = cosine_scores([q.outputs.embedding for q in queries], [d.outputs.embedding for d in documents],
+                               pairs)
+        return [ScoringRequestOutput(f"{queries[i].request_id}_{documents[j].request_id}",
+                                     queries[i].prompt_token_ids + documents[j].prompt_token_ids, ScoringOutput(score))
+                for (i, j), score in zip(pairs, scores, strict=True)]
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache (nothing runs between two calls of this API, so

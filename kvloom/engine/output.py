@@ -72,6 +72,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoringOutput:
+    score: float  # the cosine of the pair's two embeddings
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringRequestOutput:
+    """``LLM.score``'s answer per pair, as vLLM's: ``outputs.score``; ``prompt_token_ids``
+    are the pair's two prompts' ids, one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class StepProgress:
     """What one step did for one request, whatever its ``output_kind``: the server's
     metrics and dashboard count tokens and latencies from these, so a ``FINAL_ONLY``

@@ -118,6 +118,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return await generate(request)
 
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):  # embeddings too, paired
+        app.add_api_route(path, embeddings, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
     app.add_api_route("/v1/models", any_worker, methods=["GET"])

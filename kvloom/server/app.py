@@ -40,6 +40,7 @@ from kvloom.server.serving_chat import create_chat_completion, encode_chat_reque
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
+from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
 from kvloom.server.serving_responses import create_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
@@ -135,6 +136,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(body, request, serving)
+
+    # vLLM's Score and Rerank APIs, the model as a bi-encoder (server/serving_rerank.py).
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def similarity_score(body: SimilarityScoreRequest, request: Request) -> dict[str, Any]:
+        return await create_similarity_score(body, request, serving)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
+        return await create_rerank(body, request, serving)
 
     @app.post("/kvloom/score")
     async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:

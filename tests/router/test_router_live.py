@@ -148,3 +148,11 @@ def test_embeddings_pass_through(http: httpx.Client) -> None:
     response = http.post("/v1/embeddings", json={"input": ["a b c", "d e"], "encoding_format": "float"})
     assert response.status_code == 200, response.text
     assert [len(d["embedding"]) for d in response.json()["data"]] == [64, 64]
+
+
+def test_score_and_rerank_pass_through(http: httpx.Client) -> None:
+    scored = http.post("/score", json={"text_1": "a b c", "text_2": ["a b c", "d e"]})
+    assert scored.status_code == 200, scored.text
+    assert scored.json()["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text against itself
+    ranked = http.post("/v1/rerank", json={"query": "a b c", "documents": ["d e", "a b c"]})
+    assert ranked.status_code == 200 and ranked.json()["results"][0]["index"] == 1

@@ -1,0 +1,190 @@
+"""vLLM's Score API (``POST /score``, ``/v1/score``) and Rerank API (``POST /rerank``,
+``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape) for the served model as an
+embedding model, a bi-encoder: each text is embedded on its own (the final hidden state
+of its last token, as ``/v1/embeddings``) and a pair's score is the cosine of the two
+embeddings (engine/similarity.py). A text embedded twice in one request (a query scored
+against many documents) is computed once.
+
+Text only: vLLM's multimodal content parts, and the fields only a cross-encoder's
+template reads (``instruction``, ``chat_template_kwargs``), are refused by name."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import Request
+from pydantic import Field
+
+from kvloom.engine.similarity import cosine_scores, pair_up
+from kvloom.server.errors import bad_request, from_value_error
+from kvloom.server.generation import Serving, collect, new_id
+from kvloom.server.protocol import RequestModel
+from kvloom.server.serving_embeddings import EMBED
+from kvloom.server.streams import EngineRequest, ModelInfo
+
+Texts = str | list[str]
+
+
+class _SimilarityRequest(RequestModel):
+    """The fields Score and Rerank share (vLLM's pooling and scoring request mixins)."""
+
+    model: str | None = None
+    user: str | None = None
+    request_id: str | None = None
+    priority: int = 0
+    # Each text's prompt cut to k tokens (-1: max_model_len): its last k (truncation_side
+    # "left", the default here as for /v1/embeddings) or its first k ("right").
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Each query's / document's text cut to its first k tokens before it is encoded (0: whole).
+    max_tokens_per_query: int = Field(default=0, ge=0)
+    max_tokens_per_doc: int = Field(default=0, ge=0)
+    # A classifier's activation: a cosine is the same with or without the normalization,
+    # so it changes nothing for this model (accepted as vLLM accepts it).
+    use_activation: bool | None = None
+    # Read only by a cross-encoder's score template: refused here (_check_bi_encoder).
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    padding: str | None = None
+
+
+class SimilarityScoreRequest(_SimilarityRequest):
+    """One pair of sides, under any of vLLM's names for them (exactly one pair)."""
+
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+
+
+class RerankRequest(_SimilarityRequest):
+    query: str
+    documents: Texts
+    top_n: int = Field(default=0, ge=0)  # the best n results (0: every document)
+
+
+_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+def _score_sides(body: SimilarityScoreRequest) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+    """The request's two sides: each one's field name and texts."""
+    given = [(first, second) for first, second in _SIDES
+             if getattr(body, first) is not None and getattr(body, second) is not None]
+    named = {name for pair in _SIDES for name in pair if getattr(body, name) is not None}
+    if len(given) != 1 or named != set(given[0]):
+        raise bad_request("give the two sides as one pair of fields: text_1 and text_2, queries and documents, "
+                          f"queries and items, or data_1 and data_2 (got {sorted(named) or 'none'})", None)
+    first, second = given[0]
+    return (first, _as_texts(getattr(body, first), first)), (second, _as_texts(getattr(body, second), second))
+
+
+def _as_texts(value: Texts, param: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if any(text == "" for text in texts):
+        raise bad_request(f"{param} must not hold an empty text (it has no token to embed)", param)
+    return texts
+
+
+def _check_bi_encoder(body: _SimilarityRequest) -> None:
+    for name in ("instruction", "chat_template_kwargs", "padding"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is read by a cross-encoder's score template; this model is scored as a "
+                              "bi-encoder (the cosine of two embeddings), which has none", name,
+                              "unsupported_parameter")
+
+
+def _response_id(prefix: str, body: _SimilarityRequest) -> str:
+    """vLLM's ``request_id`` names the response; a fresh id otherwise."""
+    return new_id(prefix) if body.request_id is None else f"{prefix}-{body.request_id}"
+
+
+async def _scores(body: _SimilarityRequest, response_id: str, first: tuple[str, list[str]],
+                  second: tuple[str, list[str]], serving: Serving, info: ModelInfo,
+                  request: Request) -> tuple[list[float], int]:
+    """Each pair's score, in the second side's order, and the prompt tokens computed.
+    ``first`` and ``second``: each side's field name and texts."""
+    _check_bi_encoder(body)
+    try:
+        pairs = pair_up(len(first[1]), len(second[1]))
+    except ValueError as error:
+        raise bad_request(str(error), second[0]) from None
+    prompts = ([_prompt(text, body.max_tokens_per_query, "max_tokens_per_query", body, info, first[0])
+                for text in first[1]]
+               + [_prompt(text, body.max_tokens_per_doc, "max_tokens_per_doc", body, info, second[0])
+                  for text in second[1]])
+    engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
+    lora = serving.lora_for(body.model, info)
+    finals = await collect(await serving.open([
+        EngineRequest(f"{engine_id}-{index}", ids, EMBED, body.priority, lora_request=lora)
+        for index, ids in enumerate(prompts)]), request)
+    embeddings = [finals[index].embedding or [] for index in range(len(prompts))]
+    return cosine_scores(embeddings[:len(first[1])], embeddings[len(first[1]):], pairs), sum(map(len, prompts))
+
+
+def _prompt(text: str, max_tokens: int, max_param: str, body: _SimilarityRequest, info: ModelInfo,
+            param: str) -> list[int]:
+    """A text's prompt: cut to its first ``max_tokens`` tokens as text (vLLM's rule, at a
+    token's character boundary), encoded with the special tokens, then cut to
+    ``truncate_prompt_tokens``."""
+    limit = info.limits.max_model_len
+    if max_tokens >= limit:
+        raise bad_request(f"{max_param} ({max_tokens}) must be less than max_model_len ({limit})", max_param)
+    if max_tokens:
+        text = truncated_text(info.tokenizer, text, max_tokens)
+    ids: list[int] = info.tokenizer.encode(text, add_special_tokens=True)
+    keep = body.truncate_prompt_tokens
+    if keep is not None:
+        if isinstance(keep, bool) or (keep < 1 and keep != -1) or keep > limit:
+            raise bad_request(f"truncate_prompt_tokens must be in [1, {limit}] or -1, got {keep!r}",
+                              "truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        ids = ids[:keep] if body.truncation_side == "right" else ids[-keep:]
+    try:
+        info.limits.check_prompt(len(ids), param)
+    except ValueError as error:
+        raise from_value_error(error) from None
+    return ids
+
+
+def truncated_text(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """``text`` up to the end of its ``max_tokens``-th token (without special tokens),
+    cut where that token's characters end; again while the cut text still encodes to
+    more (a merge can change at the cut)."""
+    while text:
+        encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+        if len(encoding.ids) <= max_tokens:
+            break
+        end = min(encoding.offsets[max_tokens - 1][1], encoding.offsets[max_tokens][0])
+        text = text[:min(end, len(text) - 1)]
+    return text
+
+
+async def create_similarity_score(body: SimilarityScoreRequest, request: Request, serving: Serving) -> dict[str, Any]:
+    info = serving.model_info()
+    model = serving.check_model(body.model, info)
+    first, second = _score_sides(body)
+    response_id = _response_id("score", body)
+    scores, tokens = await _scores(body, response_id, first, second, serving, info, request)
+    return {"id": response_id, "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
+
+
+async def create_rerank(body: RerankRequest, request: Request, serving: Serving) -> dict[str, Any]:
+    info = serving.model_info()
+    model = serving.check_model(body.model, info)
+    documents = _as_texts(body.documents, "documents")
+    response_id = _response_id("rerank", body)
+    scores, tokens = await _scores(body, response_id, ("query", _as_texts(body.query, "query")),
+                                   ("documents", documents), serving, info, request)
+    ranked = sorted(range(len(documents)), key=lambda index: scores[index], reverse=True)  # stable: ties by index
+    if body.top_n:
+        ranked = ranked[:body.top_n]
+    return {"id": response_id, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "results": [{"index": index, "document": {"text": documents[index], "multi_modal": None},
+                         "relevance_score": scores[index]} for index in ranked]}
