@@ -449,6 +449,30 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def parse_hf_overrides(value: Any) -> dict[str, Any]:
+    """``--hf-overrides``: JSON text or a dict, keyed by config.json's names."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"hf_overrides must be a JSON object: {error}") from None
+    if not isinstance(value, dict) or not all(isinstance(key, str) and key for key in value):
+        raise ValueError(f"hf_overrides must be a JSON object keyed by config.json's names, got {value!r}")
+    return dict(value)
+
+
+def with_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``hf`` (a config.json) with ``overrides`` set over it; a dict value merges into the
+    dict it replaces (``rope_scaling``, a sub-config), key by key, as vLLM merges them."""
+    merged = dict(hf)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = with_hf_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _parse_override(value: Any) -> dict[str, Any]:
     from kvloom.generation_config import parse_override
     return parse_override(value)
@@ -524,6 +548,11 @@ class EngineConfig:
                 "directory's generation_config.json if any, 'vllm' or 'none' ignores it, a "
                 "directory reads that one's"})
     # hash=False: a dict (the config stays hashable).
+    hf_overrides: dict[str, Any] | None = field(default=None, hash=False, metadata={
+        "parse": parse_hf_overrides, "flag_type": str,
+        "help": "keys of the model's Hugging Face config.json set over its own, as JSON (vLLM's), e.g. "
+                "'{\"is_matryoshka\": true}' or '{\"max_position_embeddings\": 4096}'; a dict value is "
+                "merged into the config's dict of that key"})
     override_generation_config: dict[str, Any] | None = field(default=None, hash=False, metadata={
         "parse": _parse_override, "flag_type": str,
         "help": "sampling defaults over --generation-config's, as JSON with generation_config.json's keys, "
@@ -576,6 +605,8 @@ class EngineConfig:
                              f"got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.hf_overrides is not None:
+            object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.override_generation_config is not None:
             object.__setattr__(self, "override_generation_config", _parse_override(self.override_generation_config))
         if self.speculative_config is not None:

@@ -21,7 +21,7 @@ from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import NoPrefixCache, PrefixCache
 from kvloom.cache.radix_cache import RadixCache
 from kvloom.cache.state_pool import NoStatePool, StatePool
-from kvloom.config import EngineConfig, ModelConfig
+from kvloom.config import EngineConfig, ModelConfig, with_hf_overrides
 from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import CompletionOutput, RequestOutput, StepProgress
 from kvloom.engine.output_processor import OutputProcessor
@@ -137,6 +137,7 @@ class LLMEngine:
         # Sampling defaults for the fields a request leaves unset (--generation-config).
         self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path,
                                                        config.override_generation_config)
+        checkpoint.hf_config = with_hf_overrides(checkpoint.hf_config, config.hf_overrides)  # --hf-overrides
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)

@@ -33,7 +33,7 @@ import torch
 from kvloom.attention.base import AttentionBackend
 from kvloom.attention.registry import backend_for
 from kvloom.batch import ForwardBatch
-from kvloom.config import EngineConfig, ModelConfig
+from kvloom.config import EngineConfig, ModelConfig, with_hf_overrides
 from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_group, rank_device
@@ -274,6 +274,7 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
 
     def load() -> tuple[ModelConfig, CausalLM]:
         checkpoint = load_checkpoint(config.model, revision=config.revision)
+        checkpoint.hf_config = with_hf_overrides(checkpoint.hf_config, config.hf_overrides)  # as rank 0's
         model_config = ModelConfig.from_hf(checkpoint.hf_config)
         return model_config, load_model(model_config, max_model_len_for(config, model_config), checkpoint,
                                         device, dtype, config.matmul, config.decoder_stack == "native", group)
