@@ -620,8 +620,6 @@ class EngineConfig:
         if self.lora.enable_lora:
             if self.parallel.tensor_parallel_size > 1:
                 raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
-            if self.kv_transfer.role != "both":
-                raise ValueError(f"enable_lora with role {self.kv_transfer.role!r} is not supported")
         if self.kv_transfer.role == "disaggregated":
             raise ValueError("role 'disaggregated' starts several processes: it is `kvloom serve --role "
                              "disaggregated`; one engine is 'both', 'prefill' or 'decode'")

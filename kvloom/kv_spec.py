@@ -72,7 +72,9 @@ class StagedKV:
     ``layout``; ``token_hash`` is ``token_hash(prompt_token_ids)``, so a decode
     instance that tokenized the request differently refuses the blocks. ``path``: the
     shared-memory file (same host); ``endpoint``: ``host:port`` of the prefill
-    instance's torch.distributed server; ``index`` is the transfer's number there."""
+    instance's torch.distributed server; ``index`` is the transfer's number there.
+    ``adapter``: the LoRA adapter's name the KV was computed with (None: the base
+    model); a decode instance refuses it for a request on another."""
 
     key: str
     instance_id: str
@@ -83,6 +85,7 @@ class StagedKV:
     path: str
     endpoint: str | None
     layout: KVLayout
+    adapter: str | None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

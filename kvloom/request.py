@@ -141,6 +141,12 @@ class Request:
     draft_acceptance: float = 1.0
     timeline: RequestTimeline = field(init=False)
 
+    @property
+    def adapter_name(self) -> str | None:
+        """The LoRA adapter's name (``lora_key`` is "<name>\\0<binding>": LoRAManager.acquire;
+        names hold no NUL); None: the base model."""
+        return None if self.lora_key is None else self.lora_key.partition("\0")[0]
+
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.cache_key = (self.cache_salt if self.lora_key is None

@@ -280,7 +280,8 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                 prompt=text,
-                kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid),
+                kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid,
+                                                    None if lora_request is None else lora_request.lora_name),
                 cache_salt=cache_salt,
                 lora_key=lora_key,
             )

@@ -123,8 +123,10 @@ class KVTransfer:
     def take_staged(self, request_id: str) -> StagedKV | None:
         return None
 
-    def accept(self, spec: KVTransferSpec | None, token_ids: list[int], request_id: str) -> KVTransferSpec | None:
-        """The spec a new request keeps: None where staged KV cannot serve it here."""
+    def accept(self, spec: KVTransferSpec | None, token_ids: list[int], request_id: str,
+               adapter: str | None = None) -> KVTransferSpec | None:
+        """The spec a new request keeps: None where staged KV cannot serve it here
+        (``adapter``: the LoRA adapter the request runs)."""
         return spec
 
     def importable(self, request: Request, first_token: int) -> int:
@@ -177,7 +179,8 @@ class PrefillTransfer(KVTransfer):
     def export(self, request: Request) -> None:
         """The prompt is computed: stage its blocks (raises StagingError)."""
         num_blocks = -(-request.num_prompt_tokens // self.staging.layout.block_size)
-        self.staging.stage(request.request_id, request.prompt_token_ids, request.block_ids[:num_blocks])
+        self.staging.stage(request.request_id, request.prompt_token_ids, request.block_ids[:num_blocks],
+                           request.adapter_name)
 
     def finish(self, request: Request) -> None:
         self.staging.release(request.request_id)
@@ -222,9 +225,11 @@ class DecodeTransfer(KVTransfer):
     def refuse(self, spec: KVTransferSpec | None) -> str | None:
         return super().refuse(spec) if isinstance(spec, KVExport) else None
 
-    def accept(self, spec: KVTransferSpec | None, token_ids: list[int], request_id: str) -> KVTransferSpec | None:
-        """Staged KV of another layout, or of other tokens, is refused here (once, when the
-        request arrives): the request then computes its prompt itself."""
+    def accept(self, spec: KVTransferSpec | None, token_ids: list[int], request_id: str,
+               adapter: str | None = None) -> KVTransferSpec | None:
+        """Staged KV of another layout, of other tokens or of another LoRA adapter
+        (``adapter``: the request's) is refused here (once, when the request arrives):
+        the request then computes its prompt itself."""
         if not isinstance(spec, KVImport):
             return spec
         staged = spec.staged
@@ -232,6 +237,9 @@ class DecodeTransfer(KVTransfer):
         problem = self.layout.mismatch(staged.layout)
         if problem is None and (staged.num_tokens != len(token_ids) or staged.token_hash != token_hash(token_ids)):
             problem = f"it holds {staged.num_tokens} tokens that are not this request's {len(token_ids)} prompt tokens"
+        if problem is None and staged.adapter != adapter:
+            problem = (f"it was computed with {_model_of(staged.adapter)}, and this request runs "
+                       f"{_model_of(adapter)}")
         if problem is None:
             problem = self.transport.refusal(staged)
         if problem is None:
@@ -369,3 +377,7 @@ def make_kv_transfer(config: EngineConfig, layout: KVLayout, pool: torch.Tensor)
         logger.info("decode instance %s: pulling KV over %s", instance_id, transport.name)
         return DecodeTransfer(layout, instance_id, pool, transport)
     return KVTransfer(layout, instance_id)
+
+
+def _model_of(adapter: str | None) -> str:
+    return "the base model" if adapter is None else f"LoRA adapter {adapter!r}"

@@ -99,8 +99,10 @@ class KVStaging:
         with self._lock:
             self._reserved.pop(request_id, None)
 
-    def stage(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> StagedKV:
-        """Copy the prompt's blocks out of the pool into a new shared-memory file."""
+    def stage(self, request_id: str, token_ids: list[int], block_ids: list[int],
+              adapter: str | None = None) -> StagedKV:
+        """Copy the prompt's blocks out of the pool into a new shared-memory file
+        (``adapter``: the LoRA adapter they were computed with)."""
         started = time.perf_counter()
         num_blocks = len(block_ids)
         index = next(self._numbers)
@@ -119,7 +121,7 @@ class KVStaging:
             remove_file(path)
             raise StagingError(f"staging {num_blocks} KV blocks in {self.directory} failed: {error}") from error
         staged = StagedKV(f"{self.instance_id}-{index}", self.instance_id, index, len(token_ids), num_blocks,
-                          token_hash(token_ids), path, self.endpoint, self.layout)
+                          token_hash(token_ids), path, self.endpoint, self.layout, adapter)
         with self._lock:
             self._reserved.pop(request_id, None)
             self._entries[index] = _Entry(staged, nbytes, time.monotonic() + self.timeout_s, data)
