@@ -109,6 +109,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
     app.add_api_route("/v1/responses", generate, methods=["POST"])
+    app.add_api_route("/v1/messages", generate, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", any_worker, methods=["POST"])
 
     async def embeddings(request: Request) -> Response:
         """Cache-aware like a completion; a disaggregated router sends it to a decode
@@ -219,7 +221,8 @@ def routing_key(path: str, body: dict[str, Any]) -> str:
     """The text whose prefix decides where a request goes: a completion's prompt (the
     first of a batch; token ids as one character each), or a chat's message contents,
     in order, each ended by a newline (a Responses request's instructions, then its
-    input's messages, as the chat it amounts to). A body the router cannot read has the key "".
+    input's messages, as the chat it amounts to; an Anthropic Messages request's system
+    prompt, then its messages). A body the router cannot read has the key "".
     A ``cache_salt`` goes first, between NULs: the workers' caches serve a salt only
     its own prefixes, so the router keeps each salt's prefixes apart as well. So does
     the ``model`` named, before it: a LoRA adapter's KV is its own (and the base model
@@ -241,6 +244,12 @@ def _prompt_text(path: str, body: dict[str, Any]) -> str:
             return ""
         return head + "".join(f"{_content_text(item.get('content'))}\n" for item in items
                               if isinstance(item, dict) and "role" in item)
+    if path.endswith("/messages"):  # Anthropic's: the system prompt first, then the messages
+        system, messages = body.get("system"), body.get("messages")
+        head = f"{_content_text(system)}\n" if system is not None else ""
+        if not isinstance(messages, list):
+            return ""
+        return head + "".join(f"{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):

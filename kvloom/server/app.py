@@ -40,6 +40,7 @@ from kvloom.server.serving_chat import create_chat_completion, encode_chat_reque
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
+from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
 from kvloom.server.serving_responses import create_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
@@ -132,6 +133,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, serving)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(body, request, serving)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await count_tokens(body, serving)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

@@ -1,6 +1,8 @@
 """Errors in OpenAI's JSON shape, and the handlers that guarantee every failure uses it.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``. Clients (the
+Every error body is ``{"error": {"message", "type", "param", "code"}}``, except on
+Anthropic's Messages API (``/v1/messages``), whose clients read Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` (``anthropic_body``). Clients (the
 official SDKs included) dispatch on the HTTP status, so statuses are chosen with care:
 400 bad input, 401 bad key, 404 unknown model or route, 413 body too large, 503
 overloaded / loading / shutting down, 500 only for our own bugs (never with a traceback).
@@ -40,8 +42,30 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response to a request for ``path`` (its shape: Anthropic's there)."""
+        return error_response(path, self.status, self.body(), self.headers)
+
+
+# Anthropic's Messages API answers in Anthropic's error shape, its types by status.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(path: str, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    """``body`` (OpenAI's shape) as the response to a request for ``path``: in Anthropic's
+    shape on its Messages API (under any root path)."""
+    if path.rstrip("/").endswith(ANTHROPIC_PATHS):
+        body = anthropic_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
@@ -135,11 +159,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_error(error.errors()).response()
+        return validation_error(error.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -154,12 +178,12 @@ def install_error_handlers(app: FastAPI) -> None:
             # errors are RequestValidationErrors, with their position, above).
             detail = ("request body could not be read as JSON: it must be UTF-8 text, not "
                       "compressed (no Content-Encoding), nested fewer than about 1,000 levels deep")
-        return JSONResponse(error_body(detail, kind, None, code), status_code=error.status_code,
-                            headers=getattr(error, "headers", None))
+        return error_response(request.url.path, error.status_code, error_body(detail, kind, None, code),
+                              getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, error: Exception) -> JSONResponse:
         # A bug of ours: log the traceback here, send the client a plain message.
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error", SERVER_ERROR, None, "internal_error"),
-                            status_code=500)
+        return error_response(request.url.path, 500, error_body("internal server error", SERVER_ERROR, None,
+                                                                "internal_error"))

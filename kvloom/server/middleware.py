@@ -39,23 +39,27 @@ def install_cors(app: FastAPI, cors: CorsSettings) -> None:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <api_key>`` on every path but the public ones."""
+    """Requires ``Authorization: Bearer <api_key>`` on every path but the public ones, or
+    ``x-api-key: <api_key>``, the header Anthropic's clients send."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._expected_x = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or is_public(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given, given_x = headers.get(b"authorization", b""), headers.get(b"x-api-key")
         # compare_digest: the time taken does not reveal how much of the key matched.
-        if not hmac.compare_digest(given, self._expected):
-            reason = "missing" if not given else "incorrect"
-            error = APIError(401, f"{reason} API key: send 'Authorization: Bearer <key>'",
+        if not (hmac.compare_digest(given, self._expected)
+                or (given_x is not None and hmac.compare_digest(given_x, self._expected_x))):
+            reason = "missing" if not (given or given_x) else "incorrect"
+            error = APIError(401, f"{reason} API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -77,7 +81,7 @@ class BodySizeLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
+            await self._too_large().response(scope["path"])(scope, receive, send)
             return
         received = 0
 

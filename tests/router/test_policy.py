@@ -146,3 +146,10 @@ def test_routing_keys() -> None:
              {"type": "function_call_output", "call_id": "c", "output": "x"}]
     assert routing_key("/v1/responses", {"input": items}) == "be brief\nhi\n"
     assert routing_key("/v1/responses", {"input": 5}) == ""
+    # An Anthropic Messages request too: its system prompt (a string or text blocks), then its messages.
+    assert routing_key("/v1/messages", {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]}) \
+        == "be brief\nhi\n"
+    blocks = {"system": [{"type": "text", "text": "be brief"}],
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert routing_key("/v1/messages", blocks) == "be brief\nhi\n"
+    assert routing_key("/v1/messages", {"messages": 5}) == ""

@@ -156,3 +156,13 @@ def test_score_and_rerank_pass_through(http: httpx.Client) -> None:
     assert scored.json()["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text against itself
     ranked = http.post("/v1/rerank", json={"query": "a b c", "documents": ["d e", "a b c"]})
     assert ranked.status_code == 200 and ranked.json()["results"][0]["index"] == 1
+
+
+def test_anthropic_messages_pass_through(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    reply = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 3, "messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["type"] == "message" and 1 <= reply.json()["usage"]["output_tokens"] <= 3
+    counted = http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": messages})
+    usage = reply.json()["usage"]
+    assert counted.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]

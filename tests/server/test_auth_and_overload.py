@@ -64,6 +64,24 @@ def test_openai_client_with_key(guarded: LiveServer) -> None:
             client.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=1)
 
 
+def test_anthropic_client_sends_its_key_as_x_api_key(guarded: LiveServer) -> None:
+    """Anthropic's clients send x-api-key, not a bearer token; a bad key is a 401 in
+    Anthropic's error shape (the SDK's AuthenticationError)."""
+    import anthropic
+
+    ask = dict(model=SERVED_NAME, max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+    with anthropic.Anthropic(base_url=guarded.base_url, api_key=KEY, max_retries=0) as client:
+        assert client.messages.create(**ask).content is not None
+    with anthropic.Anthropic(base_url=guarded.base_url, api_key="nope", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError):
+            client.messages.create(**ask)
+    refused = httpx.post(f"{guarded.base_url}/v1/messages", json=ask, headers={"x-api-key": "nope"})
+    assert refused.status_code == 401
+    assert refused.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                         "message": refused.json()["error"]["message"]}}
+    assert httpx.post(f"{guarded.base_url}/v1/completions", json=BODY, headers={"x-api-key": KEY}).status_code == 200
+
+
 def test_full_waiting_queue_is_503(http: httpx.Client, guarded: LiveServer) -> None:
     long = {**BODY, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=guarded.base_url, timeout=60, headers=GOOD) as a, \

@@ -241,6 +241,36 @@ def test_the_responses_api_and_chat_split_the_same_output_alike(server: Any) -> 
     assert 0 < usage["output_tokens_details"]["reasoning_tokens"] <= usage["output_tokens"] == 10
 
 
+def test_the_messages_api_writes_the_reasoning_as_a_thinking_block(server: Any) -> None:
+    """Anthropic's Messages API splits the same output as chat: a thinking block (the
+    reasoning), then the text, whole and streamed."""
+    ask = "Think about foxes."
+    chat_reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "thinker", "messages": [{"role": "user", "content": ask}], "max_tokens": 10, "temperature": 0.0})
+    message = chat_reply.json()["choices"][0]["message"]
+    assert message["reasoning"] is not None
+    body = {"model": "thinker", "messages": [{"role": "user", "content": ask}], "max_tokens": 10, "temperature": 0}
+    reply = httpx.post(f"{server.base_url}/v1/messages", timeout=60, json=body)
+    assert reply.status_code == 200, reply.text
+    expected = [{"type": "thinking", "thinking": message["reasoning"], "signature": ""}]
+    if message["content"]:
+        expected.append({"type": "text", "text": message["content"]})
+    assert reply.json()["content"] == expected
+    blocks: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", timeout=60, json={**body, "stream": True}) as events:
+        for line in events.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["type"] == "content_block_start":
+                blocks.append(dict(event["content_block"]))
+            elif event["type"] == "content_block_delta":
+                delta = event["delta"]
+                key = "thinking" if delta["type"] == "thinking_delta" else "text"
+                blocks[event["index"]][key] += delta[key]
+    assert blocks == expected
+
+
 def test_a_constrained_answer_follows_free_reasoning(server: Any, thinking_model: Path) -> None:
     """guided_choice on a thinking request constrains the answer after </think> (vLLM's
     rule), not the reasoning: sampled with </think> made likely, each output's content is
