@@ -57,7 +57,8 @@ def emulated_source(cpp: Path) -> str:
 
 def build(home: Path) -> None:
     """gemm and paged_attention with emulated tiles into ``home``/kernels, under
-    kvloom.native's names (the other kernels build natively on first use)."""
+    kvloom.native's names (the other kernels: this machine's native builds, linked in
+    where made already, else built on first use)."""
     emulated_kernels.build(home, EMULATED, emulated_source, HERE, [],
                            r"\b(tdpbf16ps|ldtilecfg|tileloadd|tilestored)\b", "AMX")
 
