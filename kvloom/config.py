@@ -433,13 +433,7 @@ class SpeculativeConfig:
         """From a dict (``LLM(speculative_config={...})``) or its JSON text (the flag)."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config must be a JSON object: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
@@ -449,14 +443,23 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def parse_hf_overrides(value: Any) -> dict[str, Any]:
-    """``--hf-overrides``: JSON text or a dict, keyed by config.json's names."""
+def json_object(value: Any, name: str) -> dict[str, Any]:
+    """An option given as a dict (an ``LLM`` keyword) or as its JSON text (the flag):
+    the dict; ValueError naming ``name`` unless it is a JSON object."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:
-            raise ValueError(f"hf_overrides must be a JSON object: {error}") from None
-    if not isinstance(value, dict) or not all(isinstance(key, str) and key for key in value):
+            raise ValueError(f"{name} must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
+def parse_hf_overrides(value: Any) -> dict[str, Any]:
+    """``--hf-overrides``: JSON text or a dict, keyed by config.json's names."""
+    value = json_object(value, "hf_overrides")
+    if not all(isinstance(key, str) and key for key in value):
         raise ValueError(f"hf_overrides must be a JSON object keyed by config.json's names, got {value!r}")
     return dict(value)
 

@@ -35,15 +35,10 @@ def parse_override(value: Any) -> dict[str, Any]:
     """``--override-generation-config`` (vLLM's): JSON text or a dict of
     generation_config.json's sampling keys, each value checked as SamplingParams checks
     it. A key that is not a sampling default is refused, naming it (vLLM would ignore it)."""
+    from kvloom.config import json_object
     from kvloom.sampling_params import SamplingParams
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"override_generation_config must be a JSON object: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+    value = json_object(value, "override_generation_config")
     unknown = sorted(set(value) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config has keys {unknown} that are not sampling defaults; "

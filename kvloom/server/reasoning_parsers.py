@@ -101,6 +101,15 @@ class ReasoningStream:
             return text[:end], text[end + len(self.format.end):]
         return "", text
 
+    def split(self, text: str, last: bool) -> tuple[str, str]:
+        """``feed(text)``, and where ``text`` is the output's last piece, ``finish()``
+        after it: this piece's (reasoning, content)."""
+        thought, content = self.feed(text)
+        if last:
+            rest = self.finish()
+            thought, content = thought + rest[0], content + rest[1]
+        return thought, content
+
     def finish(self) -> tuple[str, str]:
         """What is held at the end of the output: reasoning (an unfinished marker is text)."""
         held, self.held = self.held, ""

@@ -315,10 +315,7 @@ class _Response(GenerationResponse):
             if stream is None:
                 stream = self._reasoning_streams[index] = ReasoningStream(self.reasoning.format,
                                                                           self.reasoning.thinking)
-            thought, text = stream.feed(text)
-            if finish_reason is not None:
-                rest = stream.finish()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = stream.split(text, finish_reason is not None)
             if not self.reasoning.included:
                 thought = ""
         if self._streamed_calls is None:

@@ -374,10 +374,7 @@ class _BlockWriter:
     def feed(self, text: str, finished: bool) -> list[str]:
         events: list[str] = []
         if self.thinking is not None:
-            thought, text = self.thinking.feed(text)
-            if finished:
-                rest = self.thinking.finish()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = self.thinking.split(text, finished)
             if thought and self.send_thinking:
                 events += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                       {"type": "thinking_delta", "thinking": thought}, "thinking", thought)

@@ -407,10 +407,7 @@ class _ItemWriter:
         first (a reasoning item), then the content after it, as the tool parser reads it."""
         events: list[str] = []
         if self.thinking is not None:
-            thought, text = self.thinking.feed(text)
-            if finished:
-                rest = self.thinking.finish()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = self.thinking.split(text, finished)
             events = self.reason(thought)
         return events + self.content(text, finished)
 
