@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,10 +48,12 @@ def engine(model_dir: Path, role: str, tmp_path: Path, dtype: str = "bfloat16", 
                                               **kwargs))
 
 
-def run(engine_: LLMEngine, jobs: list[Job]) -> dict[str, RequestOutput]:
+def run(engine_: LLMEngine, jobs: list[Job], loras: dict[str, Any] | None = None) -> dict[str, RequestOutput]:
+    """Every job to its end (``loras``: a request id's LoRA adapter, if any)."""
     finals: dict[str, RequestOutput] = {}
     for request_id, prompt, params, spec in jobs:
-        engine_.add_request(prompt, params, request_id=request_id, kv_transfer=spec)
+        engine_.add_request(prompt, params, request_id=request_id, kv_transfer=spec,
+                            lora_request=(loras or {}).get(request_id))
     while engine_.has_unfinished_requests():
         for output in engine_.step():
             if output.finished:
@@ -444,43 +447,30 @@ def test_lora_adapters_decode_across_the_pair_and_keep_their_kv_apart(model_dir:
     b = LoRARequest("b", 2, str(write_adapter(model_dir, root / "b", 2, 4, ["q_proj", "v_proj", "down_proj"])))
     prompts = prompts_of([5, 17, 33, 40], seed=3)
     loras = dict(zip(prompts, [a, b, None, a], strict=True))
-
-    def run_with(engine_: LLMEngine, jobs: list[tuple[str, list[int], SamplingParams, KVTransferSpec | None,
-                                                      LoRARequest | None]]) -> dict[str, RequestOutput]:
-        finals: dict[str, RequestOutput] = {}
-        for request_id, prompt, params, spec, lora in jobs:
-            engine_.add_request(prompt, params, request_id=request_id, kv_transfer=spec, lora_request=lora)
-        while engine_.has_unfinished_requests():
-            for output in engine_.step():
-                if output.finished:
-                    finals[output.request_id] = output
-            engine_.check_integrity()
-        return finals
-
     lora_kwargs = dict(enable_lora=True, max_lora_rank=8)
-    single = run_with(engine(model_dir, "both", tmp_path, **lora_kwargs),
-                      [(rid, p, GREEDY, None, loras[rid]) for rid, p in prompts.items()])
+    single = run(engine(model_dir, "both", tmp_path, **lora_kwargs),
+                 [(rid, p, GREEDY, None) for rid, p in prompts.items()], loras)
     assert len({tuple(o.outputs[0].token_ids) for rid, o in single.items() if rid != "r3"}) == 3  # adapters differ
     producer = engine(model_dir, "prefill", tmp_path, **lora_kwargs)
     consumer = engine(model_dir, "decode", tmp_path, **lora_kwargs)
     try:
-        staged = {rid: StagedKV.from_dict(out.kv_transfer_params) for rid, out in run_with(
-            producer, [(rid, p, SamplingParams(max_tokens=1), KVExport(), loras[rid])
-                       for rid, p in prompts.items()]).items()}
+        staged = {rid: StagedKV.from_dict(out.kv_transfer_params) for rid, out in run(
+            producer, [(rid, p, SamplingParams(max_tokens=1), KVExport()) for rid, p in prompts.items()],
+            loras).items()}
         assert [staged[rid].adapter for rid in prompts] == ["a", "b", None, "a"]
-        pair = run_with(consumer, [(rid, p, GREEDY, KVImport(staged[rid]), loras[rid]) for rid, p in prompts.items()])
+        pair = run(consumer, [(rid, p, GREEDY, KVImport(staged[rid])) for rid, p in prompts.items()], loras)
         assert tokens(pair) == tokens(single)
         assert (consumer.stats().kv_imports, consumer.stats().kv_import_failures) == (4, 0)
         # r1's prompt staged again with b, r2's with the base model (the first ones are
         # dropped once pulled), offered to a request on a and to one on b.
-        again = {rid: StagedKV.from_dict(out.kv_transfer_params) for rid, out in run_with(
-            producer, [("x", prompts["r1"], SamplingParams(max_tokens=1), KVExport(), b),
-                       ("y", prompts["r2"], SamplingParams(max_tokens=1), KVExport(), None)]).items()}
-        crossed = run_with(consumer, [("x", prompts["r1"], GREEDY, KVImport(again["x"]), a),
-                                      ("y", prompts["r2"], GREEDY, KVImport(again["y"]), b)])
+        again = {rid: StagedKV.from_dict(out.kv_transfer_params) for rid, out in run(
+            producer, [("x", prompts["r1"], SamplingParams(max_tokens=1), KVExport()),
+                       ("y", prompts["r2"], SamplingParams(max_tokens=1), KVExport())], {"x": b}).items()}
+        crossed = run(consumer, [("x", prompts["r1"], GREEDY, KVImport(again["x"])),
+                                 ("y", prompts["r2"], GREEDY, KVImport(again["y"]))], {"x": a, "y": b})
         assert consumer.stats().kv_import_failures == 2
-        alone = run_with(engine(model_dir, "both", tmp_path, **lora_kwargs),
-                         [("x", prompts["r1"], GREEDY, None, a), ("y", prompts["r2"], GREEDY, None, b)])
+        alone = run(engine(model_dir, "both", tmp_path, **lora_kwargs),
+                    [("x", prompts["r1"], GREEDY, None), ("y", prompts["r2"], GREEDY, None)], {"x": a, "y": b})
         assert tokens(crossed) == tokens(alone)
     finally:
         producer.shutdown()
