@@ -37,10 +37,18 @@ FIELDS = {
     "/tokenize": ["model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs",
                   "continue_final_message", "documents", "chat_template"],
     "/detokenize": ["model", "tokens"],
+    "/v1/messages": ["model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                     "top_k", "tools", "tool_choice", "thinking", "output_config", "cache_control", "metadata"],
+    "/v1/messages/count_tokens": ["model", "messages", "system", "tools", "tool_choice", "thinking"],
+    "/score": ["model", "text_1", "text_2", "queries", "documents", "items", "data_1", "data_2",
+               "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "max_tokens_per_doc",
+               "request_id", "priority", "use_activation", "instruction"],
+    "/rerank": ["model", "query", "documents", "top_n", "truncate_prompt_tokens", "max_tokens_per_doc", "request_id"],
 }
 # Counts that make a valid request expensive are kept small when they are valid; invalid
 # values (negative, huge, wrong type) go through as generated.
-SMALL = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 3, "min_tokens": 4, "logprobs": 5,
+SMALL = {"top_n": 3, "max_tokens_per_query": 8, "max_tokens_per_doc": 8,
+         "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 3, "min_tokens": 4, "logprobs": 5,
          "top_logprobs": 5}
 
 scalars = st.one_of(
@@ -81,8 +89,29 @@ plausible = {
                         st.lists(st.text(max_size=10), max_size=3)),
     "messages": st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
-         "content": st.one_of(st.text(max_size=30), json_values)}), max_size=3),
+         "content": st.one_of(st.text(max_size=30), json_values, st.lists(st.fixed_dictionaries(  # Anthropic's blocks
+             {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"]),
+              "text": st.text(max_size=8), "id": st.text(max_size=4), "name": st.text(max_size=4),
+              "input": json_values, "tool_use_id": st.text(max_size=4), "content": json_values,
+              "thinking": st.text(max_size=8)}), max_size=3))}), max_size=3),
     "tokens": st.lists(st.integers(-3, 600), max_size=6),
+    # Anthropic's Messages API: blocks of every kind, tools and choices, right and wrong.
+    "system": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=10)}), max_size=2)),
+    "stop_sequences": st.lists(st.text(max_size=5), max_size=3),
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"]),
+                                       "budget_tokens": ints}),
+    "output_config": st.one_of(st.fixed_dictionaries({"effort": st.sampled_from(["low", "max", "x"])}),
+                               st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                                   {"type": st.sampled_from(["json_schema", "x"]), "schema": json_values})})),
+    "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"]),
+                                                    "name": st.sampled_from(["get", "other"])}),
+                             st.sampled_from(["auto", "required", "none"]), json_values),
+    # Score and Rerank: texts, lists of texts, and what they are not.
+    **{name: st.one_of(st.text(max_size=12), st.lists(st.text(max_size=8), max_size=3), json_values)
+       for name in ("text_1", "text_2", "queries", "items", "data_1", "data_2", "query")},
+    "truncation_side": st.sampled_from(["left", "right", "x"]),
+    **{name: ints for name in ("max_tokens_per_query", "max_tokens_per_doc", "top_n")},
     "encoding_format": st.sampled_from(["float", "base64", "binary", ""]),
     "dimensions": ints,
     "input": st.one_of(st.text(max_size=30), st.lists(st.one_of(
@@ -110,6 +139,10 @@ BASES = {  # a valid body per route; each case changes a few of its fields or ad
     "/v1/embeddings": {"model": SERVED_NAME, "input": ["Hello", "there"]},
     "/tokenize": {"model": SERVED_NAME, "prompt": "Hello"},
     "/detokenize": {"model": SERVED_NAME, "tokens": [5, 6, 7]},
+    "/v1/messages": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}]},
+    "/score": {"model": SERVED_NAME, "text_1": "Hi", "text_2": ["Hello", "there"]},
+    "/rerank": {"model": SERVED_NAME, "query": "Hi", "documents": ["Hello", "there"]},
 }
 
 
