@@ -1,10 +1,12 @@
 """Reasoning parsers: a thinking model's output split into its reasoning and its answer
 (vLLM's ``--reasoning-parser``; the chat response's ``reasoning`` beside ``content``).
 
-Both formats here are DeepSeek R1's and Qwen3's: the reasoning ends at ``</think>``,
-and the chat template has opened it (R1's always, Qwen3's unless the request sets
-``chat_template_kwargs.enable_thinking`` false), so the output begins inside it; a
-``<think>`` the model writes first anyway is dropped. An output without ``</think>``
+Every format here is DeepSeek R1's: the reasoning ends at ``</think>``, and the chat
+template has opened it, so the output begins inside it; a ``<think>`` the model writes
+first anyway is dropped. They differ in when the template opens it: R1's and MiniMax
+M2's always, Qwen3's unless the request sets ``chat_template_kwargs.enable_thinking``
+false, DeepSeek V3.1's only where it sets ``thinking`` (or ``enable_thinking``) true; an
+output of a request that does not think is all content. An output without ``</think>``
 (cut by ``max_tokens``, say) is reasoning only, as vLLM's. The text after ``</think>`` is
 the content, which a tool-call parser then reads; a constraint (response_format, a
 forced tool call) applies to it alone (serving_chat.after_reasoning).
@@ -28,22 +30,34 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
-    """The markers around a model's reasoning, and whether the request can turn the
-    thinking off through the template (``enable_thinking``, Qwen3's switch)."""
+    """The markers around a model's reasoning, and how a request turns the thinking on
+    or off through the template: the ``template_switches`` it may set, and whether it
+    thinks where it sets none (``thinks_by_default``)."""
 
     name: str
     start: str = "<think>"
     end: str = "</think>"
-    template_switch: str | None = None
+    template_switches: tuple[str, ...] = ()
+    thinks_by_default: bool = True
 
     def thinks(self, template_kwargs: dict[str, object]) -> bool:
-        """Whether an output of a request rendered with ``template_kwargs`` opens in its reasoning."""
-        return self.template_switch is None or template_kwargs.get(self.template_switch, True) is not False
+        """Whether an output of a request rendered with ``template_kwargs`` opens in its
+        reasoning: a switch set to false turns a thinking-by-default format off (Qwen3's
+        ``enable_thinking``), one set to true turns the others on (V3.1's ``thinking``)."""
+        given = [template_kwargs[switch] for switch in self.template_switches if switch in template_kwargs]
+        if not given:
+            return self.thinks_by_default
+        if self.thinks_by_default:
+            return all(value is not False for value in given)
+        return any(bool(value) for value in given)
 
 
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningFormat("deepseek_r1"),
-    "qwen3": ReasoningFormat("qwen3", template_switch="enable_thinking"),
+    "deepseek_v3": ReasoningFormat("deepseek_v3", template_switches=("thinking", "enable_thinking"),
+                                   thinks_by_default=False),
+    "minimax_m2": ReasoningFormat("minimax_m2"),
+    "qwen3": ReasoningFormat("qwen3", template_switches=("enable_thinking",)),
 }
 
 

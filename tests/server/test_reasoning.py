@@ -68,6 +68,37 @@ def test_streamed_in_any_three_pieces_it_is_the_whole_split(text: str, thinking:
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == whole, (first, second)
 
 
+@pytest.mark.parametrize(("name", "kwargs", "thinks"), [
+    ("deepseek_r1", {}, True), ("deepseek_r1", {"enable_thinking": False}, True),  # R1 always thinks
+    ("minimax_m2", {}, True),
+    ("qwen3", {}, True), ("qwen3", {"enable_thinking": True}, True), ("qwen3", {"enable_thinking": False}, False),
+    ("deepseek_v3", {}, False), ("deepseek_v3", {"thinking": True}, True),
+    ("deepseek_v3", {"enable_thinking": True}, True), ("deepseek_v3", {"thinking": False}, False),
+    ("deepseek_v3", {"thinking": False, "enable_thinking": True}, True),
+])
+def test_which_requests_think_is_vllms_rule(name: str, kwargs: dict[str, Any], thinks: bool) -> None:
+    """vLLM's parsers, written out: R1's and MiniMax M2's always open in the reasoning,
+    Qwen3's unless enable_thinking is false, DeepSeek V3.1's only where thinking or
+    enable_thinking is true."""
+    assert REASONING_PARSERS[name].thinks(kwargs) is thinks
+
+
+def test_deepseek_v3_splits_only_a_request_that_asks_to_think(thinking_model: Path) -> None:
+    live = start_live_server(thinking_model, ServerSettings(served_model_name="v3", reasoning_parser="deepseek_v3"))
+    try:
+        body = {"model": "v3", "messages": [{"role": "user", "content": "Think about foxes."}], "max_tokens": 10,
+                "temperature": 0.0, "return_token_ids": True, "skip_special_tokens": False}
+        plain = httpx.post(f"{live.base_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        text = httpx.post(f"{live.base_url}/detokenize", json={"tokens": plain["token_ids"]}, timeout=60).json()
+        assert plain["message"]["reasoning"] is None and plain["message"]["content"] == text["prompt"]
+        asked = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60,
+                           json={**body, "chat_template_kwargs": {"thinking": True}}).json()["choices"][0]
+        assert asked["token_ids"] == plain["token_ids"]  # this template ignores the switch: the same output
+        assert (asked["message"]["reasoning"], asked["message"]["content"]) == r1_rule(text["prompt"])
+    finally:
+        live.stop()
+
+
 def test_a_prior_turns_reasoning_reaches_the_template_as_reasoning_content() -> None:
     for field in ("reasoning", "reasoning_content"):
         message = ChatMessage.model_validate({"role": "assistant", "content": "Yes.", field: "I think so."})
