@@ -108,6 +108,9 @@ class LoRAAdapter:
             layer = int(match[1])
             if layer >= config.num_layers:
                 raise LoRAError(f"{where}: tensor {key!r} is for layer {layer}; the model has {config.num_layers}")
+            if match[2] == "mlp" and config.moe is not None and config.moe.is_sparse(layer):
+                raise LoRAError(f"{where}: layer {layer}'s {match[3]} is in a mixture-of-experts FFN, whose experts "
+                                "take no LoRA adapters here (an adapter on the attention projections serves)")
             halves.setdefault((layer, match[3]), {})[match[4]] = tensor
         weights = {}
         for (layer, module), pair in sorted(halves.items()):

@@ -26,12 +26,15 @@ from kvloom.request import Request
 
 def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
                       step: LoRAStep, matmul: str = "invariant") -> dict[tuple[int, str], tuple[LoRALinear, int]]:
-    """Wrap each decoder layer's projections of a dense Llama-family model (after
-    packing) in ``LoRALinear``; returns (layer, projection) -> (its layer, its part)."""
+    """Wrap each decoder layer's projections of a Llama-family model (after packing) in
+    ``LoRALinear``: the attention's everywhere, the MLP's where the layer is dense (a
+    mixture-of-experts layer's experts take none: adapter.py refuses adapters on them).
+    Returns (layer, projection) -> (its layer, its part)."""
     from kvloom.models.layers import GatedMLP
     from kvloom.models.llama import LlamaForCausalLM
-    if not isinstance(model, LlamaForCausalLM) or config.moe is not None:
-        raise ValueError(f"LoRA serves the dense Llama family (Llama, Qwen2, Mistral), not {config.architecture}")
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"LoRA serves the Llama family (Llama, Qwen2, Mistral, and the attention of Mixtral and "
+                         f"Qwen2-MoE), not {config.architecture}")
     if model.tp.size > 1:
         raise ValueError("LoRA with tensor_parallel_size > 1 is not supported")
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
@@ -49,11 +52,11 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
     for index, layer in enumerate(model.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        assert isinstance(mlp, GatedMLP)
         wrap(attention, "qkv_proj", index, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden)
         wrap(attention, "o_proj", index, [("o_proj", 0, hidden)], q)
-        wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
-        wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
+        if isinstance(mlp, GatedMLP):
+            wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
+            wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
     return targets
 
 
@@ -72,8 +75,6 @@ class LoRAManager:
         # A layer_skip draft's walk over the first layers joins them (add_stack).
         stack = getattr(model, "native_stack", None)
         self._stacks: list[NativeDecoderStack] = [] if stack is None else [stack]
-        firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")  # a part of each projection
-        self._by_layer = [tuple(self._targets[index, name][0] for name in firsts) for index in range(config.num_layers)]
         self._names: list[str | None] = [None] * max_loras  # the adapter in each slot
         # Each bound name -> (its path, the binding's number): one name, one path, until it
         # is removed; a name bound again is a new adapter (its KV is not the old one's).
@@ -145,8 +146,14 @@ class LoRAManager:
     def _publish(self) -> None:
         """Hand the native walk the table of the slots as they are now (None, and so the
         module path for steps with adapter rows, where the slots' kernels are not its GEMM's)."""
+        if not self._stacks:
+            return
+        # Each layer's four LoRA projections in the table's order (a part of each names it);
+        # only dense models have walks, so every layer has all four.
+        firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")
+        by_layer = [tuple(self._targets[index, name][0] for name in firsts) for index in range(self.config.num_layers)]
         for stack in self._stacks:
-            stack.set_lora(stack_table(self._by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))
+            stack.set_lora(stack_table(by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))
 
     def add_stack(self, stack: NativeDecoderStack) -> None:
         """Another walk over the model's first layers (a layer_skip draft's, which shares
