@@ -35,7 +35,14 @@ from pydantic import Field, ValidationError
 from kvloom.engine.output import RequestOutput
 from kvloom.server.async_engine import EngineFailed, RequestAborted, ResultStream
 from kvloom.server.errors import APIError, bad_request, from_value_error
-from kvloom.server.generation import Serving, abort_on_disconnect, check_finished_cleanly, collect, engine_requests
+from kvloom.server.generation import (
+    Serving,
+    abort_on_disconnect,
+    check_finished_cleanly,
+    collect,
+    engine_requests,
+    open_with_kv_transfer,
+)
 from kvloom.server.protocol import ChatCompletionRequest, RequestModel
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
@@ -74,6 +81,8 @@ class MessagesRequest(RequestModel):
     cache_control: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # Prefill/decode disaggregation, set by kvloom's router (as chat's field of that name).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CountTokensRequest(RequestModel):
@@ -266,10 +275,13 @@ async def create_message(body: MessagesRequest, request: Request, serving: Servi
         params = after_reasoning(params, reasoning)
         prompt = encode_chat_request(chat, info, serving.settings, tools.tools)
         message_id = f"msg_{uuid.uuid4().hex}"
-        stream = await serving.open(engine_requests(message_id, [prompt], params, body.max_tokens, info, 0,
-                                                    "messages", lora=serving.lora_for(body.model, info)))
+        stream = await open_with_kv_transfer(serving, request, engine_requests(
+            message_id, [prompt], params, body.max_tokens, info, 0, "messages",
+            lora=serving.lora_for(body.model, info)), body.kv_transfer_params, 1)
     except ValueError as error:
         raise from_value_error(error) from None
+    if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
+        return stream
     shape = _Shape(message_id, model, tools, len(prompt), reasoning)
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -91,3 +91,21 @@ def test_a_responses_request_goes_through_both_legs(instances: dict[str, Backgro
     assert samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports] == before + 1
     for name in ("prefill", "decode"):
         instances[name].assert_idle_and_clean()
+
+
+def test_an_anthropic_messages_request_goes_through_both_legs(instances: dict[str, BackgroundServer],
+                                                              router: BackgroundRouter) -> None:
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about the fox and the quiet river."}]}
+    imports = ("kvloom:kv_transfer_imports_total", ())
+    before = samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports]
+    with httpx.Client(base_url=instances["single"].base_url, timeout=60) as single, \
+            httpx.Client(base_url=router.base_url, timeout=60) as pair:
+        want = single.post("/v1/messages", json=body).json()
+        got = pair.post("/v1/messages", json=body)
+        assert got.status_code == 200, got.text
+        assert got.headers["x-kvloom-worker"] == instances["decode"].base_url
+        assert got.json()["content"] == want["content"] and got.json()["stop_reason"] == want["stop_reason"]
+    assert samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports] == before + 1
+    for name in ("prefill", "decode"):
+        instances[name].assert_idle_and_clean()
