@@ -125,6 +125,7 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
     app.add_api_route("/v1/models", any_worker, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", any_worker, methods=["GET"])
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvloom import __version__
 from kvloom.server import dashboard
 from kvloom.server.async_engine import AsyncEngine
-from kvloom.server.errors import install_error_handlers
+from kvloom.server.errors import APIError, install_error_handlers
 from kvloom.server.generation import Serving, check_token_ids
 from kvloom.server.middleware import (
     ApiKeyMiddleware,
@@ -115,6 +115,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             "max_model_len": info.max_model_len,
             # kvloom's: the KV block size, which `kvloom router` checks workers agree on
             "block_size": info.limits.block_size}, *adapters]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """OpenAI's model retrieval (``client.models.retrieve``): the served model's card
+        under any name the server accepts for it, or an adapter's; else a 404."""
+        info = serving.model_info()
+        cards = (await models())["data"]
+        accepted = serving.settings.model_ids(info.model_name)
+        for card in cards:
+            if card["id"] == model_id or (card["parent"] is None and model_id in accepted):
+                return dict(card)
+        raise APIError(404, f"The model {model_id!r} does not exist; this server serves "
+                            f"{', '.join(repr(card['id']) for card in cards)}", param="model", code="model_not_found")
 
     @app.get("/kvloom/kv_transfer")
     async def kv_transfer() -> dict[str, Any]:

@@ -158,6 +158,11 @@ def test_score_and_rerank_pass_through(http: httpx.Client) -> None:
     assert ranked.status_code == 200 and ranked.json()["results"][0]["index"] == 1
 
 
+def test_a_model_card_passes_through(http: httpx.Client) -> None:
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert http.get("/v1/models/gpt-9").status_code == 404
+
+
 def test_anthropic_messages_pass_through(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": "hello"}]
     reply = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 3, "messages": messages})

@@ -22,6 +22,13 @@ def test_models_health_version(client, live_server: LiveServer) -> None:
     assert [m.id for m in models.data] == [SERVED_NAME]
     assert httpx.get(f"{live_server.base_url}/health").json() == {"status": "ok"}
     assert "version" in httpx.get(f"{live_server.base_url}/version").json()
+    # OpenAI's retrieval: the served model's card under the served name and an alias, else a 404.
+    for name in (SERVED_NAME, "tiny-alias"):
+        card = client.models.retrieve(name)
+        assert card.id == SERVED_NAME and card.model_dump() == models.data[0].model_dump()
+    import openai
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 def test_completion(client) -> None:
