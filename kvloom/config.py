@@ -169,6 +169,7 @@ class CacheConfig:
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block, the page of the paged cache"})
     num_blocks: int | None = field(default=None, metadata={
+        "aliases": ("--num-gpu-blocks-override",),  # vLLM's name (on every device here)
         "help": "KV blocks in the pool (wins over --kv-cache-memory)"})
     kv_cache_memory: float | None = field(default=None, metadata={
         "help": f"GiB for the KV pool (default: {DEFAULT_KV_CACHE_MEMORY:g} unless "
@@ -329,11 +330,13 @@ class SchedulerConfig:
         "help": "'continuous': requests join and leave the batch at every step; 'static': a "
                 "batch runs until all of it has finished (for comparison)"})
     policy: str = field(default="fcfs", metadata={
-        "choices": POLICY_NAMES, "help": "scheduling policy (engine/policy.py)"})
+        "choices": POLICY_NAMES, "aliases": ("--scheduling-policy",),  # vLLM's name (fcfs, priority)
+        "help": "scheduling policy (engine/policy.py)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "negatives": ("--no-enable-chunked-prefill", "--no-chunked-prefill"),
         "help": "prefill prompts in budget-sized chunks (default: on; off: each prompt in one step)"})
     long_prefill_threshold: int = field(default=0, metadata={
+        "aliases": ("--long-prefill-token-threshold",),  # vLLM's name
         "help": "largest prefill chunk one request may take in a step (0: the whole budget)"})
     max_wait_steps: int = field(default=0, metadata={
         "help": "starvation bound: admit a request first after this many steps waiting (0: off)"})

@@ -125,6 +125,9 @@ ALIASES = [
     (["--no-enable-prefix-caching"], "cache", "enable_prefix_caching", False),
     (["--no-enable-chunked-prefill"], "scheduler", "enable_chunked_prefill", False),
     (["-tp", "2"], "parallel", "tensor_parallel_size", 2),
+    (["--scheduling-policy", "priority"], "scheduler", "policy", "priority"),
+    (["--long-prefill-token-threshold", "64"], "scheduler", "long_prefill_threshold", 64),
+    (["--num-gpu-blocks-override", "99"], "cache", "num_blocks", 99),
 ]
 # Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
 # And a role other than both, or LoRA, is refused with the tensor-parallel size set above.
@@ -248,7 +251,7 @@ def test_the_choices_are_the_registries_names() -> None:
 
 
 BAD_VALUES = [  # (argv, what the one-line error must say)
-    (["--policy", "bogus"], "argument --policy: invalid choice: 'bogus' (choose from 'fcfs', "
+    (["--policy", "bogus"], "argument --policy/--scheduling-policy: invalid choice: 'bogus' (choose from 'fcfs', "
                             "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
                                        "(choose from 'auto', 'cpu_paged', 'triton', 'flashinfer', 'flash_attn', "
