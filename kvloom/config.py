@@ -623,9 +623,6 @@ class EngineConfig:
                                  "layers, which tensor_parallel_size > 1 shards across ranks: use "
                                  "'ngram' or 'draft' with tensor parallel")
 
-        if self.lora.enable_lora:
-            if self.parallel.tensor_parallel_size > 1:
-                raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
         if self.kv_transfer.role == "disaggregated":
             raise ValueError("role 'disaggregated' starts several processes: it is `kvloom serve --role "
                              "disaggregated`; one engine is 'both', 'prefill' or 'decode'")

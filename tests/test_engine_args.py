@@ -130,8 +130,8 @@ ALIASES = [
     (["--num-gpu-blocks-override", "99"], "cache", "num_blocks", 99),
 ]
 # Two flags that size the KV pool and exclude each other: the all-at-once test drops one.
-# And a role other than both, or LoRA, is refused with the tensor-parallel size set above.
-EXCLUSIVE = {"gpu_memory_utilization", "role", "enable_lora"}
+# And a role other than both is refused with the tensor-parallel size set above.
+EXCLUSIVE = {"gpu_memory_utilization", "role"}
 
 
 def test_the_table_covers_every_config_field() -> None:

@@ -42,7 +42,7 @@ from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.model_runner import LaunchedStep, ModelRunner
-from kvloom.runner.tensor_parallel import load_first_rank, max_model_len_for
+from kvloom.runner.tensor_parallel import TensorParallelModel, load_first_rank, max_model_len_for
 from kvloom.sampling_params import SamplingParams, tokenize_bad_words
 from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
 
@@ -199,7 +199,11 @@ class LLMEngine:
                                          self.state_pool)
         lora = None
         if config.lora.enable_lora:
-            lora = LoRAManager(self.model, mc, config.lora.max_loras, config.lora.max_lora_rank, config.matmul)
+            # Under tensor parallel: this rank's shard, and the other ranks told of each load.
+            parallel = self.model if isinstance(self.model, TensorParallelModel) else None
+            lora = LoRAManager(self.model if parallel is None else parallel.model, mc, config.lora.max_loras,
+                               config.lora.max_lora_rank, config.matmul,
+                               None if parallel is None else parallel.load_lora)
             logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
             if self.proposer is not None:  # built first: a layer_skip walk is built over unwrapped layers
                 self.proposer.use_adapters(lora)

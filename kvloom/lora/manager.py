@@ -6,21 +6,28 @@ its slot is needed, least recently used first. A request that would need a slot 
 every slot holds an adapter of requests in flight is refused, naming ``max_loras``,
 rather than queued behind them. Integrity: every slot's references equal the requests
 in flight that hold it.
+
+Under tensor parallel each rank holds its part of every adapter, cut as the model's own
+weights are (models/sharding.py): a column-parallel projection's B by its output rows,
+a row-parallel one's A by its input columns, so that each rank's delta to o and down is
+a partial sum the layer's all-reduce completes. Rank 0's manager picks the slots and
+tells the other ranks' (``on_load``; their ``mirror``) before any step uses them.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from kvloom.config import ModelConfig
-from kvloom.lora.adapter import LoRAAdapter, LoRAError
+from kvloom.lora.adapter import TARGETS, LoRAAdapter, LoRAError
 from kvloom.lora.layers import LoRALinear, LoRAStep
 from kvloom.lora.native import stack_table
 from kvloom.lora.request import LoRARequest
 from kvloom.models.decoder_stack import NativeDecoderStack
+from kvloom.models.sharding import llama_weight_slice
 from kvloom.request import Request
 
 
@@ -35,10 +42,7 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"LoRA serves the Llama family (Llama, Qwen2, Mistral, and the attention of Mixtral and "
                          f"Qwen2-MoE), not {config.architecture}")
-    if model.tp.size > 1:
-        raise ValueError("LoRA with tensor_parallel_size > 1 is not supported")
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
     hidden = config.hidden_size
     targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
 
@@ -52,9 +56,11 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
     for index, layer in enumerate(model.layers):
         attention, mlp = layer.self_attn, layer.mlp
+        q, kv = attention.q_size, attention.kv_size  # this rank's heads (all of them without TP)
         wrap(attention, "qkv_proj", index, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden)
         wrap(attention, "o_proj", index, [("o_proj", 0, hidden)], q)
         if isinstance(mlp, GatedMLP):
+            inter = mlp.intermediate_size  # this rank's features
             wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
             wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
     return targets
@@ -62,9 +68,15 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
 class LoRAManager:
     def __init__(self, model: object, config: ModelConfig, max_loras: int, max_rank: int,
-                 matmul: str = "invariant") -> None:
-        """``matmul``: the model's matmul kernel (EngineConfig.matmul), the adapters' too."""
+                 matmul: str = "invariant", on_load: Callable[[int, LoRARequest], None] | None = None) -> None:
+        """``model``: this rank's shard (the Llama model itself, not a tensor-parallel
+        wrapper); ``matmul``: the model's matmul kernel (EngineConfig.matmul), the
+        adapters' too; ``on_load``: told each adapter loaded and its slot (rank 0 under
+        tensor parallel: the other ranks mirror it)."""
         self.config = config
+        self.on_load = on_load
+        tp = getattr(model, "tp", None)
+        self._rank, self._size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.step = LoRAStep()
@@ -132,16 +144,39 @@ class LoRAManager:
                             "beside them")
         adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
         slot = min(idle, key=lambda s: (self._names[s] is not None, self._used[s]))  # empty, then LRU
+        self._fill(slot, lora.lora_name, adapter)
+        if self.on_load is not None:
+            self.on_load(slot, lora)
+        return slot
+
+    def mirror(self, slot: int, lora: LoRARequest) -> None:
+        """Another rank's manager: load ``lora`` into ``slot``, as rank 0 did (its part of
+        the adapter). Rank 0 holds the references; this rank only follows its loads."""
+        self._fill(slot, lora.lora_name, LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config,
+                                                          self.max_rank))
+
+    def _fill(self, slot: int, name: str, adapter: LoRAAdapter) -> None:
         for layer in self._layers:
             layer.clear(slot)
         for (layer_index, module), (a, b) in adapter.weights.items():
             layer, part = self._targets[layer_index, module]
-            layer.load(slot, part, a, b, adapter.scale)
+            layer.load(slot, part, *self._rank_part(layer_index, module, a, b), adapter.scale)
         for layer in self._layers:
             layer.finish(slot)
-        self._names[slot] = lora.lora_name
+        self._names[slot] = name
         self._publish()
-        return slot
+
+    def _rank_part(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a projection's A and B: the rows of B where the weight's
+        output rows are cut (q/k/v, gate/up), the columns of A where its input is (o, down)."""
+        cut = llama_weight_slice(self.config, f"model.layers.{layer}.{TARGETS[module]}.{module}.weight",
+                                 self._rank, self._size)
+        if cut is None:
+            return a, b
+        if cut.dim == 0:
+            return a, b[cut.start:cut.end]
+        return a[:, cut.start:cut.end], b
 
     def _publish(self) -> None:
         """Hand the native walk the table of the slots as they are now (None, and so the

@@ -9,9 +9,12 @@ on the control group (which may wait indefinitely: an idle engine sends nothing)
 then its payload on the step's group:
 
     FORWARD  header (sizes)  -> payload: the packed batch     every rank copies the step's
-                                                              blocks, runs the model
+                                                              blocks, runs the model (its
+                                                              LoRA slots' rows with them)
     LOGITS   header (rows)   -> payload: the rows' hidden     every rank computes its vocab
                                                               columns, gathered on rank 0
+    LORA     header (slot)   -> payload: the adapter, JSON    every rank loads its part of
+                                                              it into that slot
     STOP     header                                           the ranks leave
 
 ``TensorParallelModel`` is rank 0's model: it sends the message, then runs its own
@@ -23,6 +26,7 @@ torchrun-started rank's whole life.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -37,6 +41,8 @@ from kvloom.config import EngineConfig, ModelConfig, with_hf_overrides
 from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.distributed.launch import RankPlacement, agree, join_group, leave_group, rank_device
+from kvloom.lora.manager import LoRAManager
+from kvloom.lora.request import LoRARequest
 from kvloom.models.errors import ModelLoadError
 from kvloom.models.registry import CausalLM, load_model
 from kvloom.models.sharding import rank_view
@@ -45,28 +51,31 @@ from kvloom.runner.kv_pool import allocate_kv_pool, copy_blocks, device_memory, 
 
 logger = logging.getLogger(__name__)
 
-FORWARD, LOGITS, STOP = 1, 2, 3
-_HEADER = 6  # command, then up to five sizes
+FORWARD, LOGITS, STOP, LORA = 1, 2, 3, 4
+_HEADER = 7  # command, then up to six sizes
 
 
 # ---- the step's wire format ---------------------------------------------------------
 def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
-    """The sizes (tokens, sequences, table width, logit rows, block copies) and one flat
-    int64 tensor: input ids, positions, slots, block tables, sequence lengths, query
-    starts, logit rows, block copies, in that order."""
-    copies = batch.block_copies if batch.block_copies is not None else \
-        torch.empty(2, 0, dtype=torch.int64, device=batch.input_ids.device)
+    """The sizes (tokens, sequences, table width, logit rows, block copies, LoRA slots)
+    and one flat int64 tensor: input ids, positions, slots, block tables, sequence
+    lengths, query starts, logit rows, block copies, each sequence's LoRA slot (where
+    the step has adapter rows), in that order."""
+    device = batch.input_ids.device
+    copies = batch.block_copies if batch.block_copies is not None else torch.empty(2, 0, dtype=torch.int64,
+                                                                                   device=device)
+    lora = torch.tensor(batch.lora_slots or [], dtype=torch.int64, device=device)
     parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables.flatten(),
-             batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten()]
+             batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten(), lora]
     sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel(),
-             copies.shape[1]]
+             copies.shape[1], lora.numel()]
     return sizes, torch.cat([part.to(torch.int64) for part in parts])
 
 
 def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> ForwardBatch:
     """``pack_batch``'s inverse: the same tensors (dtypes included) and host lists."""
     seqs, width, num_copies = sizes[1], sizes[2], sizes[4]
-    input_ids, positions, slots, tables, seq_lens, starts, logits, copies = torch.split(
+    input_ids, positions, slots, tables, seq_lens, starts, logits, copies, lora = torch.split(
         flat, _payload_lengths(sizes))
     starts_list = starts.tolist()
     return ForwardBatch(
@@ -75,7 +84,8 @@ def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> Forwa
         query_start_loc=starts.to(torch.int32), logits_indices=logits,
         query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:], strict=False)],
         seq_lens_list=seq_lens.tolist(), block_size=block_size,
-        block_copies=copies.view(2, num_copies) if num_copies else None)
+        block_copies=copies.view(2, num_copies) if num_copies else None,
+        lora_slots=lora.tolist() if lora.numel() else None)
 
 
 def _header(command: int, sizes: Iterable[int] = ()) -> torch.Tensor:
@@ -102,6 +112,14 @@ class TensorParallelModel:
             self.group.broadcast(_header(FORWARD, sizes), control=True)
             self.group.broadcast(flat.to(self.group.device))
             return self.model(batch, kv_caches, backend, metadata)
+
+    def load_lora(self, slot: int, lora: LoRARequest) -> None:
+        """Tell the other ranks to load their part of ``lora`` into ``slot`` (rank 0's
+        LoRAManager has loaded its own; ``LoRAManager.on_load``)."""
+        with self._collectives():
+            text = json.dumps({"name": lora.lora_name, "id": lora.lora_int_id, "path": lora.lora_path}).encode()
+            self.group.broadcast(_header(LORA, [slot, len(text)]), control=True)
+            self.group.broadcast(torch.tensor(list(text), dtype=torch.int64, device=self.group.device))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._collectives():
@@ -232,9 +250,10 @@ def startup_report(config: EngineConfig, model: ModelConfig | None, num_blocks: 
 
 
 def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, dtype: torch.dtype,
-               block_size: int) -> None:
+               block_size: int, lora: LoRAManager | None = None) -> None:
     """A rank other than 0: run what rank 0 sends until STOP. Returns after STOP; a
-    failed collective (rank 0 died) raises."""
+    failed collective (rank 0 died) raises. ``lora``: this rank's adapter slots
+    (enable_lora), which follow rank 0's loads."""
     with torch.inference_mode():
         while True:
             header = group.broadcast(_header(0), control=True).tolist()
@@ -243,20 +262,33 @@ def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, d
                 return
             if command == FORWARD:
                 flat = torch.empty(sum(_payload_lengths(sizes)), dtype=torch.int64, device=group.device)
-                batch = unpack_batch(sizes[:5], group.broadcast(flat), block_size)
+                batch = unpack_batch(sizes[:6], group.broadcast(flat), block_size)
                 if batch.block_copies is not None:  # as rank 0's runner did before its forward
                     copy_blocks(shard.kv_caches, batch.block_copies)
-                shard.model(batch, shard.kv_caches, shard.backend, shard.backend.prepare(batch))
+                if batch.lora_slots is not None:
+                    assert lora is not None, "rank 0 sent adapter rows to a rank without LoRA"
+                    lora.step.begin(batch.lora_slots, batch.query_lens_list, group.device)
+                try:
+                    shard.model(batch, shard.kv_caches, shard.backend, shard.backend.prepare(batch))
+                finally:
+                    if lora is not None:
+                        lora.step.end()
             elif command == LOGITS:
                 hidden = torch.empty(sizes[0], hidden_size, dtype=dtype, device=group.device)
                 shard.model.compute_logits(group.broadcast(hidden))
+            elif command == LORA:
+                text = group.broadcast(torch.empty(sizes[1], dtype=torch.int64, device=group.device))
+                spec = json.loads(bytes(text.tolist()).decode())
+                assert lora is not None, "rank 0 sent an adapter to a rank without LoRA"
+                with torch.inference_mode(False):  # as rank 0 loads it: its weights are ordinary tensors
+                    lora.mirror(sizes[0], LoRARequest(spec["name"], spec["id"], spec["path"]))
             else:
                 raise RuntimeError(f"tensor-parallel rank {group.rank}: unknown command {command}")
 
 
 def _payload_lengths(sizes: list[int]) -> list[int]:
-    tokens, seqs, width, rows, copies = sizes[:5]
-    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 2 * copies]
+    tokens, seqs, width, rows, copies, lora = sizes[:6]
+    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 2 * copies, lora]
 
 
 def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
@@ -281,7 +313,9 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
 
     try:
         model_config, shard = load_shard(config, group, device, dtype, load)
-        serve_rank(group, shard, model_config.hidden_size, dtype, config.cache.block_size)
+        lora = (LoRAManager(shard.model, model_config, config.lora.max_loras, config.lora.max_lora_rank,
+                            config.matmul) if config.lora.enable_lora else None)
+        serve_rank(group, shard, model_config.hidden_size, dtype, config.cache.block_size, lora)
     finally:
         leave_group(group, [])
 

@@ -15,7 +15,6 @@ from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write
 from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, LoRARequest, SamplingParams
-from kvloom.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +160,10 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(models, tmp_path) ->
     assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3  # still serving
 
 
-def test_lora_needs_enable_lora_and_refuses_what_it_does_not_combine_with(models) -> None:
+def test_lora_needs_enable_lora_and_a_valid_request(models) -> None:
     llm = LLM(str(models["base"]), dtype="float32", num_blocks=64)
     with pytest.raises(ValueError, match="lora_request needs an engine started with enable_lora"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(models["a"])))
     assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size > 1 is not supported"):
-        EngineConfig.from_kwargs(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("a", 0, "x")

@@ -1,0 +1,64 @@
+"""LoRA adapters under tensor parallel (two ranks on CPU): each rank holds its part of
+every adapter, cut as the weights are, and its o and down deltas are partial sums the
+all-reduce completes. In float32 each request's tokens are PEFT's (teacher-forced, the
+logprobs within 1e-4), beside the base model's in one batch, with an adapter loaded while
+the engine runs; in bf16 the native walk's steps are the module path's bit for bit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, LoRARequest, SamplingParams
+
+ENGINE = dict(device="cpu", num_blocks=48, block_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+              enable_lora=True, max_lora_rank=8, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-lora")
+    # head_dim 32 (the native walk's paired layout in bf16); 4 heads, 2 KV heads: 2 ranks split them.
+    base = write_tiny_hf_model(root / "base", seed=5, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2)
+    return {"base": base, "a": write_adapter(base, root / "a", 1, 8, TARGETS_ALL),
+            "b": write_adapter(base, root / "b", 2, 4, ["q_proj", "v_proj", "o_proj", "down_proj"])}
+
+
+def workload() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
+
+
+def test_two_ranks_serve_each_adapter_as_peft_computes_it(models: dict[str, Path]) -> None:
+    prompts = workload()
+    a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    loras = [a, None, b, a, None, b]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(str(models["base"]), dtype="float32", **ENGINE) as llm:
+        first = llm.generate(prompts[:2], params, lora_request=loras[:2])  # a loads on both ranks
+        outputs = first + llm.generate(prompts[2:], params, lora_request=loras[2:])  # then b, while a stays
+        llm.engine.check_integrity()
+    references = {name: reference_model(models["base"], None if name is None else models[name])
+                  for name in ("a", "b", None)}
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        check_against_peft(references[lora.lora_name if lora else None], prompt, output.outputs[0])
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs[:3]}) == 3  # the adapters change the replies
+
+
+def test_in_bf16_the_native_walk_is_the_module_path_bit_for_bit(models: dict[str, Path]) -> None:
+    prompts = workload()
+    loras = [LoRARequest("a", 1, str(models["a"])), None, LoRARequest("b", 2, str(models["b"]))] * 2
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for stack in ("native", "modules"):
+        with LLM(str(models["base"]), dtype="bfloat16", decoder_stack=stack, **ENGINE) as llm:
+            outputs = llm.generate(prompts, params, lora_request=loras)
+            walk = llm.engine.model.model.native_stack
+            assert (walk is not None and walk.lora is not None) == (stack == "native")  # rank 0's walk has the table
+            runs[stack] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    assert runs["native"] == runs["modules"]
