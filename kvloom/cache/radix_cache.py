@@ -330,14 +330,18 @@ class RadixCache(PrefixCache):
             node = self._split(node, in_edge)
         elif whole == 0:
             node = self._root(salt, create=True)  # a salt's first tail starts its tree
-        for dominated in [t for t in node.tails.values() if t.lock_count == 0 and rest[: len(t.key)] == t.key]:
-            self._forget(dominated)
-            self._num_evictable_blocks -= 1
+        # Unlocked tails whose tokens are a prefix of this one's give way to it. They go
+        # after it joins: a salt's root that held only them would be let go, emptied,
+        # and the new tail left under a root the cache no longer holds.
+        dominated = [t for t in node.tails.values() if t.lock_count == 0 and rest[: len(t.key)] == t.key]
         self.pool.incref([block_id])
         tail = RadixNode(key=list(rest), block_ids=[block_id], parent=node, is_tail=True)
         node.tails[tuple(rest)] = tail
         self._indexed.add(block_id)
         self._num_evictable_blocks += 1  # a new tail is unlocked
+        for victim in dominated:
+            self._forget(victim)
+            self._num_evictable_blocks -= 1
         self.num_inserted_blocks += 1
         self.num_inserted_tails += 1
         self._touch(tail)

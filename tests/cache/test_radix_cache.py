@@ -605,3 +605,18 @@ def test_a_cache_that_keeps_states_declines_tails() -> None:
     cache = RadixCache(pool, 2, state_slots=range(2))
     assert not cache.insert_tail([1, 2, 3], pool.allocate(1)[0])
     assert cache.num_cached_blocks == 0
+
+
+def test_a_salted_tail_that_replaces_the_salts_only_tail_stays_in_the_tree() -> None:
+    """Found by the model test: under a salt whose tree holds one tail alone, a longer
+    tail that extends it replaced it and emptied the salt's root, which the cache then let
+    go with the new tail under it (indexed, but in no tree)."""
+    harness = Harness(block_size=4)
+    for op in [("request", [0], False, 0, "a"), ("finish", 0), ("request", [0, 0], False, 0, "a"), ("finish", 0)]:
+        if op[0] == "request":
+            harness.run_request(op[1], op[2], op[3], op[4])
+        else:
+            harness.finish_request(op[1])
+        harness.check()
+    got = harness.cache.match([0, 0, 1], "a")
+    assert got.partial is not None and got.partial.num_tokens == 2  # the longer tail serves
