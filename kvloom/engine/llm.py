@@ -187,27 +187,40 @@ class LLM:
                              lora_request=lora_request)
 
     def embed(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], use_tqdm: bool | None = None,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-              ) -> list[EmbeddingRequestOutput]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed`` for a decoder model: each prompt's embedding, the final
         hidden state of its last token, L2-normalized (last-token pooling, as vLLM pools
         decoder models; e5-mistral and gte-Qwen2 are such embedding models). Prompts as
-        ``generate``'s; batched, cached and exact as generation is."""
+        ``generate``'s; batched, cached and exact as generation is.
+        ``truncate_prompt_tokens``: each prompt's last k tokens only (-1: the context's)."""
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+        if truncate_prompt_tokens is not None:
+            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
                                        EmbeddingOutput(output.embedding or []), output.finished,
                                        output.num_cached_tokens)
                 for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
 
+    def _truncated(self, prompt: Prompt, keep: int) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens."""
+        limit = self.engine.max_model_len
+        if isinstance(keep, bool) or not isinstance(keep, int) or not (1 <= keep <= limit or keep == -1):
+            raise ValueError(f"truncate_prompt_tokens must be in [1, {limit}] or -1 (the context), got {keep!r}")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return token_ids[-(limit if keep == -1 else keep):]
+
     def score(self, data_1: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               data_2: Prompt | PromptDict | Sequence[Prompt | PromptDict], /, *, use_tqdm: bool | None = None,
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score`` for an embedding model (a bi-encoder): each pair's cosine
         similarity of the two texts' embeddings (``embed``'s), the texts paired 1:1, 1:N
         or N:N (engine/similarity.py). One answer per pair, in ``data_2``'s order."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = pair_up(len(first), len(second))
-        embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request)
+        embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request,
+                              truncate_prompt_tokens=truncate_prompt_tokens)
         queries, documents = embedded[:len(first)], embedded[len(first):]
         scores = cosine_scores([q.outputs.embedding for q in queries], [d.outputs.embedding for d in documents],
                                pairs)

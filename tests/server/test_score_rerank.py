@@ -124,4 +124,12 @@ def test_llm_score_pairs_as_the_server_does(tiny_llama: Path, reference: torch.n
         assert output.prompt_token_ids == query_ids + doc_ids
     with pytest.raises(ValueError, match="pair 1:1, 1:N or N:N; got 2 and 3"):
         llm.score(["a", "b"], ["c", "d", "e"])
+    # vLLM's truncate_prompt_tokens: each text's last k tokens, as transformers embeds them.
+    [cut] = llm.score(DOCS[0], DOCS[2], truncate_prompt_tokens=3)
+    first, second = (llm.tokenizer.encode(text)[-3:] for text in (DOCS[0], DOCS[2]))
+    assert cut.prompt_token_ids == first + second
+    assert cut.outputs.score == pytest.approx(float(torch.nn.functional.cosine_similarity(
+        embedding(reference, first), embedding(reference, second), dim=0)), abs=1e-5)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be in"):
+        llm.embed(["a"], truncate_prompt_tokens=0)
     llm.engine.check_integrity()
