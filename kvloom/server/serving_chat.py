@@ -70,6 +70,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return JSONResponse(response.full(finals, [len(prompt)], params.n))
 
 
+def prepared_chat(chat: ChatCompletionRequest, settings: ServerSettings, info: ModelInfo,
+                  format_param: str = "response_format") -> tuple[SamplingParams, ToolUse, Reasoning | None, list[int]]:
+    """What an API read as a chat request (the Responses and Messages APIs) samples with:
+    its parameters (after the reasoning, where a constraint applies), tool use, the
+    reasoning split, and the prompt its template renders."""
+    params, tools = params_and_tools(chat, settings, None, info, format_param)
+    reasoning = reasoning_of(chat, settings, info)
+    return after_reasoning(params, reasoning), tools, reasoning, encode_chat_request(chat, info, settings,
+                                                                                    tools.tools)
+
+
 def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_logprobs: int | None,
                      info: ModelInfo, format_param: str = "response_format") -> tuple[SamplingParams, ToolUse]:
     """The request's sampling parameters and tool use: a forced call's grammar becomes

@@ -46,7 +46,7 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, RequestModel
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import Reasoning, after_reasoning, encode_chat_request, params_and_tools, reasoning_of
+from kvloom.server.serving_chat import Reasoning, encode_chat_request, params_and_tools, prepared_chat
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
@@ -270,10 +270,7 @@ async def create_message(body: MessagesRequest, request: Request, serving: Servi
     model = serving.check_model(body.model, info)
     chat = to_chat_request(body)
     try:
-        params, tools = params_and_tools(chat, serving.settings, None, info)
-        reasoning = reasoning_of(chat, serving.settings, info)
-        params = after_reasoning(params, reasoning)
-        prompt = encode_chat_request(chat, info, serving.settings, tools.tools)
+        params, tools, reasoning, prompt = prepared_chat(chat, serving.settings, info, "output_config.format")
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
             message_id, [prompt], params, body.max_tokens, info, 0, "messages",

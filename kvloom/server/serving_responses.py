@@ -41,7 +41,7 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import Reasoning, after_reasoning, encode_chat_request, params_and_tools, reasoning_of
+from kvloom.server.serving_chat import Reasoning, prepared_chat
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
@@ -259,10 +259,7 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     origins: list[str] = []
     try:
         chat, origins = to_chat_request(body)
-        params, tools = params_and_tools(chat, serving.settings, None, info, "text.format")
-        reasoning = reasoning_of(chat, serving.settings, info)
-        params = after_reasoning(params, reasoning)
-        prompt = encode_chat_request(chat, info, serving.settings, tools.tools)
+        params, tools, reasoning, prompt = prepared_chat(chat, serving.settings, info, "text.format")
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
             response_id, [prompt], params, chat.effective_max_tokens, info, 0, "input",
