@@ -59,6 +59,17 @@ class AdmissionLimits:
                 f"blocks, but the whole pool has {self.num_blocks} blocks of {self.block_size} tokens",
                 "max_tokens", "kv_pool_too_small")
 
+    def truncate(self, token_ids: list[int], keep: int | None, keep_first: bool = False) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (its first
+        with ``keep_first``; -1: ``max_model_len`` of them); None leaves it whole."""
+        if keep is None:
+            return token_ids
+        if isinstance(keep, bool) or not isinstance(keep, int) or not (1 <= keep <= self.max_model_len or keep == -1):
+            raise RequestRejected(f"truncate_prompt_tokens must be in [1, {self.max_model_len}] or -1 (the context "
+                                  f"length), got {keep!r}", "truncate_prompt_tokens", "invalid_value")
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[:keep] if keep_first else token_ids[-keep:]
+
     def check_token_ids(self, token_ids: Iterable[object], param: str) -> None:
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:

@@ -203,12 +203,10 @@ class LLM:
                 for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
 
     def _truncated(self, prompt: Prompt, keep: int) -> list[int]:
-        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens."""
-        limit = self.engine.max_model_len
-        if isinstance(keep, bool) or not isinstance(keep, int) or not (1 <= keep <= limit or keep == -1):
-            raise ValueError(f"truncate_prompt_tokens must be in [1, {limit}] or -1 (the context), got {keep!r}")
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (the
+        engine's ``AdmissionLimits.truncate``, whose RequestRejected is a ValueError)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return token_ids[-(limit if keep == -1 else keep):]
+        return self.engine.limits.truncate(token_ids, keep)
 
     def score(self, data_1: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               data_2: Prompt | PromptDict | Sequence[Prompt | PromptDict], /, *, use_tqdm: bool | None = None,

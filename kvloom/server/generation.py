@@ -243,18 +243,11 @@ def encode_prompts(prompt: Any, info: ModelInfo, special: bool) -> tuple[list[li
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, info: ModelInfo) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the last
-    ``max_model_len``); None leaves it whole."""
-    if keep is None:
-        return token_ids
-    if isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1):
-        raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1 (the context length), got {keep!r}",
-                          "truncate_prompt_tokens", "invalid_value")
-    if keep > info.limits.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the context length "
-                          f"({info.limits.max_model_len})", "truncate_prompt_tokens", "invalid_value")
-    keep = info.limits.max_model_len if keep == -1 else keep
-    return token_ids[-keep:]
+    """The engine's ``AdmissionLimits.truncate``, as a 400 naming the field."""
+    try:
+        return info.limits.truncate(token_ids, keep)
+    except RequestRejected as error:
+        raise from_value_error(error) from None
 
 
 def check_token_ids(token_ids: list[int], info: ModelInfo, param: str) -> None:

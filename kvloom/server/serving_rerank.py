@@ -136,14 +136,8 @@ def _prompt(text: str, max_tokens: int, max_param: str, body: _SimilarityRequest
     if max_tokens:
         text = truncated_text(info.tokenizer, text, max_tokens)
     ids: list[int] = info.tokenizer.encode(text, add_special_tokens=True)
-    keep = body.truncate_prompt_tokens
-    if keep is not None:
-        if isinstance(keep, bool) or (keep < 1 and keep != -1) or keep > limit:
-            raise bad_request(f"truncate_prompt_tokens must be in [1, {limit}] or -1, got {keep!r}",
-                              "truncate_prompt_tokens")
-        keep = limit if keep == -1 else keep
-        ids = ids[:keep] if body.truncation_side == "right" else ids[-keep:]
     try:
+        ids = info.limits.truncate(ids, body.truncate_prompt_tokens, keep_first=body.truncation_side == "right")
         info.limits.check_prompt(len(ids), param)
     except ValueError as error:
         raise from_value_error(error) from None
