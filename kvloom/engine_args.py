@@ -149,6 +149,14 @@ def save_trace(engine: Any, args: argparse.Namespace) -> None:
         print(f"trace written to {args.trace_file}", file=sys.stderr)
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """An argparse ``type``: vLLM's ``--lora-modules`` entry, ``NAME=PATH``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type``: an integer >= 1 (a usage error naming the flag otherwise)."""
     try:

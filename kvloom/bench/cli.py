@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvloom.bench.serve_args import add_serve_bench_args
-from kvloom.engine_args import add_engine_args, engine_kwargs, positive_int, save_trace
+from kvloom.engine_args import add_engine_args, engine_kwargs, lora_module, positive_int, save_trace
 
 
 def _number(text: str, low: float, low_included: bool) -> float:
@@ -116,6 +116,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="the KV pool is this many times too small")
     soak.add_argument("--soak-max-tokens", type=positive_int, default=48, help="largest max_tokens of a request")
     soak.add_argument("--soak-seed", type=int, default=0, help="draws the requests")
+    soak.add_argument("--soak-lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
+                      help="LoRA adapters served beside the model (needs --enable-lora); half the "
+                           "requests name one")
 
     placement = _command(bench_sub, "placement", "engine loop in a thread vs a process", _placement,
                          output_json=False)
@@ -457,11 +460,12 @@ def _steps(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     from kvloom.bench.soak import SoakConfig, format_soak, run_soak
 
-    # The pool is the soak's to size (pool_factor); the scheduler's flags pass through.
-    engine = _engine_flags(args, ("block_size", "max_num_seqs", "max_num_batched_tokens", "policy",
-                                  "enable_prefix_caching"))
+    # The pool is the soak's to size (pool_factor), and the context its to cap where not
+    # given; every other engine flag (speculation, LoRA, the scheduler's) passes through.
+    pool = ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+    engine = {key: value for key, value in engine_kwargs(args).items() if key not in pool and value is not None}
     config = SoakConfig(args.model, engine, args.num_requests, args.concurrency, args.max_seconds,
-                        args.soak_seed, args.pool_factor, args.soak_max_tokens)
+                        args.soak_seed, args.pool_factor, args.soak_max_tokens, tuple(args.soak_lora_modules))
     result = run_soak(config)
     print(format_soak(result))
     _save_json(args.output_json, result)

@@ -13,6 +13,10 @@ a seed:
 - 5% hostile: payloads that once killed the engine or must be refused (seeds past
   64 bits, an explosive regex, infinite temperature, lone surrogates, ...).
 
+With ``lora_modules`` (the engine needs ``enable_lora``), half of the non-hostile
+requests name one of the adapters, drawn evenly: with more adapters than the engine's
+``max_loras`` slots, loads and evictions run under preemption and aborts too.
+
 Reported: requests lost (an ordinary request without a complete answer: must be 0),
 requests failed and why (only hostile ones should), KV blocks leaked after the run
 (``check_integrity()`` on the engine thread; must be 0), engine faults (must be 0),
@@ -55,6 +59,7 @@ class SoakConfig:
     seed: int = 0
     pool_factor: float = 5.0
     max_tokens: int = 48
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT directory) each
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.concurrency < 1 or self.max_seconds <= 0 or self.pool_factor < 1:
@@ -102,6 +107,8 @@ def _draw(rng: random.Random, config: SoakConfig) -> tuple[str, dict[str, Any] |
             return kind, rng.choice(RAW_HOSTILE), False
         return kind, {"prompt": "Hi", "max_tokens": 2, **rng.choice(HOSTILE)}, False
     payload, greedy = _ordinary(rng, config.max_tokens)
+    if config.lora_modules and rng.random() < 0.5:
+        payload["model"] = rng.choice(config.lora_modules)[0]  # over the served model's name
     return kind, payload, greedy and kind == "ordinary"
 
 
@@ -225,7 +232,8 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     num_blocks = pool_blocks(config, counts)
     engine_config = EngineConfig.from_kwargs(config.model, **{"num_blocks": num_blocks, "max_model_len": max_model_len,
                                                                **config.engine_kwargs})
-    server = start_background_server(lambda: LLMEngine(engine_config), ServerSettings(served_model_name="soak"))
+    settings = ServerSettings(served_model_name="soak", lora_modules=config.lora_modules)
+    server = start_background_server(lambda: LLMEngine(engine_config), settings)
     try:
         started = time.monotonic()
         records = asyncio.run(_load(server.base_url, "soak", config))

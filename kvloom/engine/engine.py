@@ -193,10 +193,6 @@ class LLMEngine:
         # What this instance does with prompts' KV (--role; kvloom/kv_transfer/).
         self.kv_layout = layout_of(self.model_name, mc, shard.kv_caches, backend)
         self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)
-        self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
-                                         make_policy(config.scheduler), self.limits,
-                                         StopChecker(self.output_processor), speculation, self.kv_transfer,
-                                         self.state_pool)
         lora = None
         if config.lora.enable_lora:
             # Under tensor parallel: this rank's shard, and the other ranks told of each load.
@@ -207,6 +203,10 @@ class LLMEngine:
             logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
             if self.proposer is not None:  # built first: a layer_skip walk is built over unwrapped layers
                 self.proposer.use_adapters(lora)
+        self.scheduler = scheduler_class(config.scheduler, self.kv_manager,
+                                         make_policy(config.scheduler), self.limits,
+                                         StopChecker(self.output_processor), speculation, self.kv_transfer,
+                                         self.state_pool, lora)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
                                   mc.vocab_size, config.seed, lora)
         if scratch_block is not None:
@@ -272,28 +272,23 @@ class LLMEngine:
         # Compiled before the request exists anywhere: a bad constraint leaves nothing behind.
         grammar = self.runner.compile_constraint(params.structured, self.tokenizer, self.eos_token_ids)
         rid = request_id if request_id is not None else self.new_request_id()
-        # The adapter's slot is held before the request is queued, and let go if it is not.
-        lora_key = self.runner.acquire_lora(rid, lora_request) if lora_request is not None else None
-        try:
-            request = Request(
-                request_id=rid,
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                eos_token_ids=self.eos_token_ids,
-                max_model_len=self.max_model_len,
-                priority=priority,
-                arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                prompt=text,
-                kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid,
-                                                    None if lora_request is None else lora_request.lora_name),
-                cache_salt=cache_salt,
-                lora_key=lora_key,
-            )
-            self.scheduler.add_request(request)
-        except BaseException:
-            if lora_request is not None:
-                self.runner.release(rid)
-            raise
+        # The adapter is checked now; its slot is taken when the scheduler admits the request.
+        lora_key = self.runner.bind_lora(lora_request) if lora_request is not None else None
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
+            kv_transfer=self.kv_transfer.accept(kv_transfer, token_ids, rid,
+                                                None if lora_request is None else lora_request.lora_name),
+            cache_salt=cache_salt,
+            lora_key=lora_key,
+        )
+        self.scheduler.add_request(request)
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
@@ -347,10 +342,12 @@ class LLMEngine:
             self._propose()
         scheduled = self.scheduler.schedule()
         self._last_num_batched_tokens = scheduled.num_batched_tokens
+        outputs = self._ended_while_scheduling()
         # An exception from the forward itself is an engine fault and propagates.
         launched = None if scheduled.is_empty else self.runner.launch(scheduled)
         previous, self._in_flight = self._in_flight, None
-        outputs = self._commit(previous) if previous is not None else []
+        if previous is not None:
+            outputs += self._commit(previous)
         if launched is None:
             if not outputs and self.scheduler.receiving:  # nothing to run until a pull arrives
                 self.kv_transfer.wait(0.005)
@@ -407,6 +404,14 @@ class LLMEngine:
         outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])
                    for update in updates)
         return [output for output in outputs if output is not None]  # None: FINAL_ONLY, not finished
+
+    def _ended_while_scheduling(self) -> list[RequestOutput]:
+        """The outputs of requests the scheduler ended with an error while admitting them
+        (an adapter unloaded while the request waited)."""
+        ended = self.scheduler.take_ended()
+        self._step_updates.extend(StepUpdate(request, -1, 0) for request in ended)
+        outputs = (self._output(request, []) for request in ended)
+        return [output for output in outputs if output is not None]
 
     def progress(self) -> list[StepProgress]:
         """What the last ``step()`` did for each request that gained tokens or finished,
@@ -490,6 +495,6 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if self.runner.lora is not None:
-            self.runner.lora.check_integrity(set(self.scheduler.requests))
+            self.runner.lora.check_integrity({r.request_id for r in self.scheduler.running + self.scheduler.receiving})
         if self.proposer is not None:
             self.proposer.check_integrity()

@@ -8,7 +8,10 @@ Each step: running requests first (in policy order); when one cannot get a block
 the policy picks a victim among those not yet scheduled and it is preempted (blocks
 freed, back to the head of the waiting queue). Then waiting requests are admitted in
 policy order while budget, ``max_num_seqs``, blocks and (for a state-space model)
-state slots last.
+state slots last. A request on a LoRA adapter also needs the adapter's slot: where every
+slot holds an adapter of running requests it waits (as vLLM's), others go on past it,
+and later requests on adapters queue behind it, so that a busy slot drains rather than
+being held forever by newcomers.
 
 A prefix hit that ends inside a cached block has that block copied into the request's
 first private block before the step's forward (``SchedulerOutput.block_copies``).
@@ -35,6 +38,7 @@ from kvloom.cache.kv_manager import KVCacheManager
 from kvloom.cache.prefix_cache import PrefixMatch
 from kvloom.cache.state_pool import NoStatePool, StatePool
 from kvloom.config import SchedulerConfig
+from kvloom.engine.adapter_slots import AdapterSlots, NoAdapterSlots
 from kvloom.engine.admission import AdmissionLimits, RequestRejected
 from kvloom.engine.policy import SchedulingPolicy
 from kvloom.engine.speculation import SpeculationPolicy, updated_acceptance
@@ -62,11 +66,13 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
                  limits: AdmissionLimits, stops: StopChecker | None = None,
                  speculation: SpeculationPolicy | None = None, kv_transfer: KVTransfer | None = None,
-                 state: StatePool | None = None) -> None:
+                 state: StatePool | None = None, adapters: AdapterSlots | None = None) -> None:
         self.config = config
         self.kv = kv
         # A state-space model's state slots, one per running request (the null pool otherwise).
         self.state = state if state is not None else NoStatePool()
+        # The LoRA adapters' slots, one held by each running request on an adapter.
+        self.adapters = adapters if adapters is not None else NoAdapterSlots()
         self.policy = policy
         self.limits = limits
         self.stops = stops if stops is not None else StopChecker()
@@ -88,10 +94,12 @@ class Scheduler:
         self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.num_block_copies = 0  # hits that ended inside a cached block (its copies)
-        self._deferred: list[Request] = []  # waiting on a shared prefix in flight, this step
+        # Passed over this step, and why (a shared prefix in flight, a busy adapter slot).
+        self._deferred: dict[Request, WaitReason] = {}
         self._state_restores: list[StateCopy] = []  # this step's (SchedulerOutput.state_restores)
         self._state_saves: list[StateCopy] = []
         self._block_copies: list[BlockCopy] = []  # this step's (SchedulerOutput.block_copies)
+        self._ended: list[Request] = []  # ended with an error while scheduling, not yet reported (take_ended)
         self.trace: NullTrace = SchedulerTrace(config.trace_capacity) if config.trace else NullTrace()
         self._arrivals = 0
         # A chunk cap of 0 means "the whole budget".
@@ -141,6 +149,12 @@ class Scheduler:
         request.timeline.finished_step = self.step_count
         del self.requests[request.request_id]
         self.trace.record_finish(self.step_count, request)
+
+    def take_ended(self) -> list[Request]:
+        """The requests that ``schedule`` ended with an error since the last call (their
+        outputs are the engine's to make)."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -201,7 +215,7 @@ class Scheduler:
                 budget -= num_new
 
         # Admitting right after a preemption would only thrash: the pool is full.
-        self._deferred = []
+        self._deferred = {}
         blocked, reason = (None, WaitReason.POOL_FULL) if preempted else \
             self._admit_waiting(budget, scheduled)
         if self.speculation is not None:
@@ -285,24 +299,31 @@ class Scheduler:
         if not self.waiting:
             return None, None
         in_flight = self.kv.prefixes_in_flight(self.running)
+        adapters_busy = False  # a request waits for an adapter slot: later ones on adapters queue behind it
         for request in list(self._admission_order()):  # a copy: admission edits the queue
             if budget <= 0:
                 return None, WaitReason.TOKEN_BUDGET
             if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
                 return None, WaitReason.MAX_NUM_SEQS
+            if request.lora_key is not None and not self._holds_adapter(request, adapters_busy):
+                adapters_busy = adapters_busy or not request.is_finished
+                continue
+            # From here on the request holds its adapter's slot: let go where it is not admitted.
             prefix = self._cached_prefix(request)
             num_imported = self.kv_transfer.importable(request, prefix.num_tokens)
             if num_imported:
                 prefix = dataclasses.replace(prefix, partial=None)  # a pull fills whole blocks
                 # Like a hit: blocks for the whole prompt now, its KV pulled while others run.
                 if not self.kv.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix):
+                    self.adapters.free(request)
                     return request, WaitReason.NO_FREE_BLOCKS
                 self._start_receiving(request, prefix, num_imported)
                 continue
             if prefix.shareable and in_flight.covers_next_block(request, prefix.num_tokens):
                 # A running request is computing this request's next blocks right now:
                 # waiting for them turns recomputation into a cache hit.
-                self._deferred.append(request)
+                self.adapters.free(request)
+                self._deferred[request] = WaitReason.PREFIX_IN_FLIGHT
                 continue
             num_new = self._num_new_tokens(request.num_tokens - prefix.num_hit_tokens, budget,
                                            first=not scheduled)
@@ -319,6 +340,7 @@ class Scheduler:
                 else:
                     prefix = attached
             if refusal is not None:
+                self.adapters.free(request)
                 return request, refusal
             request.num_computed_tokens = prefix.num_hit_tokens  # the hit counts as computed
             copy = self.kv.block_copy(request)
@@ -337,6 +359,24 @@ class Scheduler:
             scheduled.append(ScheduledRequest.of(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return None, None
+
+    def _holds_adapter(self, request: Request, queue_behind: bool) -> bool:
+        """Whether ``request`` holds its LoRA adapter's slot, taking it now if there is
+        one to be had and no earlier request waits for a slot (``queue_behind``: a
+        reference taken on a busy slot could keep it from ever draining). Passed over
+        otherwise; a request whose adapter was unloaded while it waited ends with that error."""
+        if not queue_behind:
+            try:
+                if self.adapters.hold(request):
+                    return True
+            except ValueError as error:
+                logger.error("request %s: %s", request.request_id, error)
+                self.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                    error=RequestError(str(error), caused_by_request=True))
+                self._ended.append(request)
+                return False
+        self._deferred[request] = WaitReason.LORA_SLOT_BUSY
+        return False
 
     def _allocate_hit(self, request: Request, num_new: int, prefix: PrefixMatch) -> PrefixMatch | None:
         """Blocks for ``num_new`` tokens past the hit, and the hit attached; returns the hit
@@ -432,6 +472,7 @@ class Scheduler:
         nothing is computed."""
         self.kv.free(request)
         self.state.free(request)
+        self.adapters.free(request)
         request.num_computed_tokens = 0
 
     # ---- once the step is launched, and after the forward pass ----------------------
@@ -567,9 +608,14 @@ class StaticBatchScheduler(Scheduler):
                 return None, WaitReason.MAX_NUM_SEQS
             if not self.state.has_free_slot:
                 return request, WaitReason.NO_FREE_STATE_SLOT
+            if request.lora_key is not None and not self._holds_adapter(request, False):
+                if request.is_finished:
+                    continue
+                return request, WaitReason.LORA_SLOT_BUSY
             # Max-length preallocation: what a system without paging must reserve.
             reserve = min(self.limits.max_model_len, self.kv.num_blocks * self.kv.block_size)
             if not self.kv.allocate_slots(request, reserve):
+                self.adapters.free(request)
                 return request, WaitReason.NO_FREE_BLOCKS
             self.state.allocate(request)
             self.waiting.remove(request)

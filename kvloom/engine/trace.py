@@ -31,6 +31,7 @@ class WaitReason(str, enum.Enum):
     PREFIX_IN_FLIGHT = "shared prefix in flight"  # its next blocks are being computed by another
     KV_STAGING_FULL = "KV staging full"  # prefill instance: decode instances have not pulled enough yet
     NO_FREE_STATE_SLOT = "no free state slot"  # a state-space model's slots are all held by running requests
+    LORA_SLOT_BUSY = "LoRA slots busy"  # every adapter slot holds an adapter of running requests
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ class NullTrace:
     def record_step(self, output: SchedulerOutput, waiting: list[Request],
                     blocked: Request | None, reason: WaitReason | None,
                     preempt_reasons: dict[str, str], num_free_blocks: int,
-                    deferred: list[Request]) -> None:
+                    deferred: dict[Request, WaitReason]) -> None:
         pass
 
     def record_finish(self, step: int, request: Request) -> None:
@@ -81,7 +82,7 @@ class SchedulerTrace(NullTrace):
     def record_step(self, output: SchedulerOutput, waiting: list[Request],
                     blocked: Request | None, reason: WaitReason | None,
                     preempt_reasons: dict[str, str], num_free_blocks: int,
-                    deferred: list[Request]) -> None:
+                    deferred: dict[Request, WaitReason]) -> None:
         scheduled = [
             ScheduledEntry(item.request.request_id, "prefill" if item.is_prefill else "decode",
                            item.num_new_tokens, len(item.request.block_ids), len(item.draft_token_ids))
@@ -93,8 +94,8 @@ class SchedulerTrace(NullTrace):
                             WaitReason.POOL_FULL, WaitReason.STATIC_BATCH)
         waits = []
         for request in waiting:
-            if request in deferred:
-                waits.append((request.request_id, WaitReason.PREFIX_IN_FLIGHT.value))
+            if request in deferred:  # passed over: a shared prefix in flight, a busy adapter slot
+                waits.append((request.request_id, deferred[request].value))
             elif request is blocked or shared:
                 waits.append((request.request_id, (reason or WaitReason.POLICY_ORDER).value))
             else:

@@ -1,11 +1,12 @@
 """LoRAManager: which adapter sits in which of the model's ``max_loras`` slots.
 
-An adapter is loaded into a slot when a request first names it and stays there while
-requests of it are in flight (a reference each); an idle adapter stays loaded until
-its slot is needed, least recently used first. A request that would need a slot when
-every slot holds an adapter of requests in flight is refused, naming ``max_loras``,
-rather than queued behind them. Integrity: every slot's references equal the requests
-in flight that hold it.
+A request's adapter is checked and its name bound to its path when the request is
+queued (``bind``); the adapter is loaded into a slot when the scheduler admits the
+request (``hold``) and stays there while requests of it run (a reference each); an idle
+adapter stays loaded until its slot is needed, least recently used first. A request
+whose adapter would need a slot when every slot holds an adapter of running requests
+waits in the queue, as vLLM's, until one drains (engine/scheduler.py). Integrity: every
+slot's references equal the running requests that hold it.
 
 Under tensor parallel each rank holds its part of every adapter, cut as the model's own
 weights are (models/sharding.py): a column-parallel projection's B by its output rows,
@@ -97,19 +98,38 @@ class LoRAManager:
         self._clock = itertools.count(1)
         self._slot_of: dict[str, int] = {}  # request id -> slot
 
-    def acquire(self, request_id: str, lora: LoRARequest) -> str:
-        """Hold ``lora``'s slot for ``request_id``, loading the adapter if it is not in one.
-        Returns the adapter's identity for the prefix cache (its name and binding).
-        Raises ValueError (LoRAError) for an adapter that cannot be loaded or a full set
-        of busy slots; nothing is held then."""
-        binding = self._binding(lora)
-        slot = self._names.index(lora.lora_name) if lora.lora_name in self._names else self._load(lora)
-        if binding is None:
-            binding = self._bound[lora.lora_name] = (lora.lora_path, next(self._bindings))
+    def bind(self, lora: LoRARequest) -> str:
+        """Check ``lora``'s adapter against the model (loading it to do so if its name is
+        not bound yet) and return its identity for the prefix cache and the scheduler's
+        ``hold``: its name and the binding's number. LoRAError (a ValueError) naming what
+        is wrong if it cannot be served; nothing is bound then."""
+        self.add(lora)
+        return f"{lora.lora_name}\0{self._bound[lora.lora_name][1]}"
+
+    def hold(self, request: Request) -> bool:
+        """Hold the slot of ``request``'s adapter (``request.lora_key``, from ``bind``),
+        loading the adapter if it is in none: True if held (or the request needs none),
+        False if every slot holds an adapter of other running requests. LoRAError if the
+        adapter's name was unloaded or bound to another adapter since the request was
+        queued."""
+        if request.lora_key is None or request.request_id in self._slot_of:
+            return True
+        name, _, number = request.lora_key.partition("\0")
+        binding = self._bound.get(name)
+        if binding is None or str(binding[1]) != number:
+            raise LoRAError(f"LoRA adapter {name!r} was unloaded while the request waited")
+        if name in self._names:
+            slot = self._names.index(name)
+        else:
+            idle = [slot for slot in range(self.max_loras) if self._refs[slot] == 0]
+            if not idle:
+                return False
+            slot = min(idle, key=lambda s: (self._names[s] is not None, self._used[s]))  # empty, then LRU
+            self._load(slot, LoRARequest(name, binding[1], binding[0]))
         self._refs[slot] += 1
         self._used[slot] = next(self._clock)
-        self._slot_of[request_id] = slot
-        return f"{lora.lora_name}\0{binding[1]}"
+        self._slot_of[request.request_id] = slot
+        return True
 
     def _binding(self, lora: LoRARequest) -> tuple[str, int] | None:
         """The name's binding, None if unbound; LoRAError if bound to another path."""
@@ -136,18 +156,11 @@ class LoRAManager:
             self._names[self._names.index(name)] = None
         return True
 
-    def _load(self, lora: LoRARequest) -> int:
-        idle = [slot for slot in range(self.max_loras) if self._refs[slot] == 0]
-        if not idle:
-            raise LoRAError(f"all {self.max_loras} LoRA slots hold adapters of requests in flight "
-                            f"({', '.join(str(n) for n in self._names)}); raise max_loras to serve {lora.lora_name!r} "
-                            "beside them")
+    def _load(self, slot: int, lora: LoRARequest) -> None:
         adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
-        slot = min(idle, key=lambda s: (self._names[s] is not None, self._used[s]))  # empty, then LRU
         self._fill(slot, lora.lora_name, adapter)
         if self.on_load is not None:
             self.on_load(slot, lora)
-        return slot
 
     def mirror(self, slot: int, lora: LoRARequest) -> None:
         """Another rank's manager: load ``lora`` into ``slot``, as rank 0 did (its part of
@@ -196,26 +209,29 @@ class LoRAManager:
         self._stacks.append(stack)
         self._publish()
 
-    def release(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id, None)
+    def free(self, request: Request) -> None:
+        """Let go of the request's slot (finished or preempted); nothing if it holds none."""
+        slot = self._slot_of.pop(request.request_id, None)
         if slot is not None:
             self._refs[slot] -= 1
 
     def slots(self) -> Mapping[str, int]:
-        """Request id -> slot, for the requests in flight that run an adapter."""
+        """Request id -> slot, for the running requests that run an adapter."""
         return self._slot_of
 
     def adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:
-        """The names of the adapters ``requests`` run with (sorted; an adapter removed
+        """The names of the adapters ``requests`` run with (sorted; an adapter unloaded
         while its requests finish is left out)."""
-        names = {self._names[slot] for r in requests if (slot := self._slot_of.get(r.request_id)) is not None}
-        return tuple(sorted(name for name in names if name is not None))
+        names = {r.adapter_name for r in requests}
+        return tuple(sorted(name for name in names if name is not None and name in self._bound))
 
-    def check_integrity(self, live_request_ids: set[str]) -> None:
+    def check_integrity(self, running_request_ids: set[str]) -> None:
+        """Raise unless the holders of slots are running requests, as many as each slot's
+        references."""
         counts = [0] * self.max_loras
         for request_id, slot in self._slot_of.items():
             counts[slot] += 1
-            if request_id not in live_request_ids:
-                raise LoRAError(f"request {request_id} holds LoRA slot {slot} but is not in flight")
+            if request_id not in running_request_ids:
+                raise LoRAError(f"request {request_id} holds LoRA slot {slot} but is not running")
         if counts != self._refs:
             raise LoRAError(f"LoRA slot references {self._refs} != the requests holding them {counts}")

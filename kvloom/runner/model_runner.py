@@ -98,13 +98,13 @@ class ModelRunner:
         if request.sampling_params.embed:
             self._embedding_requests.add(request.request_id)
 
-    def acquire_lora(self, request_id: str, lora: LoRARequest) -> str:
-        """Hold ``lora``'s adapter slot for a request about to be queued (loading it if
-        need be) and return the adapter's prefix-cache identity; ValueError naming what
-        is wrong if it cannot be served."""
+    def bind_lora(self, lora: LoRARequest) -> str:
+        """Check ``lora``'s adapter for a request about to be queued and return its
+        identity (prefix cache, slots); ValueError naming what is wrong if it cannot be
+        served. Its slot is the scheduler's to take, at admission."""
         if self.lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora (--enable-lora)")
-        return self.lora.acquire(request_id, lora)
+        return self.lora.bind(lora)
 
     def valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
         """The prefix of a proposer's drafts that the request's grammar (if any) allows."""
@@ -115,8 +115,6 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self._embedding_requests.discard(request_id)
         self.structured.release(request_id)
-        if self.lora is not None:
-            self.lora.release(request_id)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

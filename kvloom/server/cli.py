@@ -7,7 +7,7 @@ import json
 import os
 import ssl
 
-from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, port_number
+from kvloom.engine_args import add_engine_args, add_version_flag, engine_kwargs, lora_module, port_number
 from kvloom.server.reasoning_parsers import REASONING_PARSERS
 from kvloom.server.settings import (
     DEFAULT_MAX_BODY_BYTES,
@@ -52,7 +52,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="send an OpenTelemetry span per request (queued, scheduled, first token, "
                             "preemptions, finish; token counts) to this OTLP/HTTP traces URL, "
                             "e.g. http://localhost:4318/v1/traces (default: no tracing)")
-    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
                        help="LoRA adapters to serve beside the model (needs --enable-lora): a request's "
                             "\"model\" names one; PATH is a PEFT adapter directory")
     group.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -164,12 +164,6 @@ def _json_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
     return values
 
-
-def _lora_module(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
-    return name, path
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -5,9 +5,10 @@ hostile requests refused, and every greedy output equal to the request run alone
 from __future__ import annotations
 
 import pytest
+from helpers_lora import TARGETS_ALL, write_adapter
 from helpers_models import write_tiny_hf_model
 
-from kvloom.bench.soak import SoakConfig, format_soak, run_soak
+from kvloom.bench.soak import SoakConfig, format_soak, plan_requests, run_soak
 
 
 @pytest.fixture(scope="module")
@@ -27,4 +28,22 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_bf16) -> None:
     assert set(by_kind["ordinary"]) == {"ok"}, report
     assert by_kind["stream_disconnect"].get("disconnected", 0) > 0, report
     assert result["preemptions"] > 0, report  # the pool really was too small
+    assert result["greedy_compared"] > 10 and result["greedy_equal_alone"] == result["greedy_compared"], report
+
+
+def test_soak_with_adapters_and_speculation(tiny_bf16, tmp_path) -> None:
+    """Three LoRA adapters on two slots, with n-gram speculation: half the requests name an
+    adapter, so some wait for a slot (none is refused), under preemption, disconnects and
+    aborts; each greedy output is the same request's run alone, on its adapter."""
+    adapters = tuple((f"a{i}", str(write_adapter(tiny_bf16, tmp_path / f"a{i}", i, 4, TARGETS_ALL)))
+                     for i in range(3))
+    engine = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 4,
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    config = SoakConfig(str(tiny_bf16), engine, num_requests=120, concurrency=16, seed=5, lora_modules=adapters)
+    assert sum(isinstance(p, dict) and p.get("model", "").startswith("a") for _, p, _ in plan_requests(config)) > 40
+    result = run_soak(config)
+    report = format_soak(result)
+    assert result["lost"] == 0 and result["kv_blocks_leaked"] == 0 and result["engine_faults"] == 0, report
+    assert set(result["by_kind"]["ordinary"]) == {"ok"}, report
+    assert result["preemptions"] > 0, report
     assert result["greedy_compared"] > 10 and result["greedy_equal_alone"] == result["greedy_compared"], report

@@ -96,21 +96,45 @@ def test_in_bf16_every_request_is_bit_identical_alone_and_beside_others(models) 
         assert (solo.token_ids, solo.logprobs) == (batched.outputs[0].token_ids, batched.outputs[0].logprobs)
 
 
-def test_slots_are_reused_least_recently_used_and_a_full_set_refuses(models) -> None:
-    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_loras=1)
+def test_a_request_waits_for_a_slot_and_slots_are_reused_least_recently_used(models) -> None:
+    """One slot: a request on "b" while "a" runs waits in the queue (vLLM's behaviour) as
+    base-model requests go past it, and a later request on "a" queues behind it rather
+    than keep a's slot busy; each reply is its own adapter's (PEFT's)."""
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_loras=1, trace=True)
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
     prompt = [5, 6, 7, 8, 9, 10, 11]
     engine.add_request(prompt, params, request_id="with-a", lora_request=a)
-    with pytest.raises(ValueError, match=r"all 1 LoRA slots hold adapters of requests in flight \(a\); "
-                                         r"raise max_loras to serve 'b'"):
-        engine.add_request(prompt, params, request_id="with-b", lora_request=b)
-    assert set(engine.scheduler.requests) == {"with-a"}  # the refusal left nothing behind
-    engine.check_integrity()
+    engine.step()  # with-a runs, holding the slot
+    for request_id, lora in (("with-b", b), ("base", None), ("a-again", a)):
+        engine.add_request(prompt, params, request_id=request_id, lora_request=lora)
+    finished, admitted = {}, {}
     while engine.has_unfinished_requests():
-        engine.step()
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = (engine.scheduler.step_count, output)
+        for request in engine.scheduler.running:
+            admitted.setdefault(request.request_id, engine.scheduler.step_count)
         engine.check_integrity()
+    waits = {request_id: reason for record in engine.scheduler.trace.records for request_id, reason in record.waiting}
+    assert waits["with-b"] == waits["a-again"] == "LoRA slots busy"
+    assert admitted["base"] == 2 and admitted["with-b"] > finished["with-a"][0] - 1
+    assert admitted["a-again"] > finished["with-b"][0] - 1  # behind with-b, not beside with-a
+    for request_id, name in (("with-a", "a"), ("with-b", "b"), ("base", None), ("a-again", "a")):
+        check_against_peft(peft_model(models, name), prompt, finished[request_id][1].outputs[0])
+    # A request whose adapter is unloaded while it waits ends with that error; the others go on.
+    engine.add_request(prompt, params, request_id="runs", lora_request=b)
+    engine.step()
+    engine.add_request(prompt, params, request_id="orphan", lora_request=a)
+    assert engine.remove_lora("a")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.check_integrity()
+    assert outputs["orphan"].error.message == "LoRA adapter 'a' was unloaded while the request waited"
+    check_against_peft(peft_model(models, "b"), prompt, outputs["runs"].outputs[0])
+    a = LoRARequest("a", 1, str(models["a"]))
     # a is idle now: b takes its slot, and its replies are b's.
     check_against_peft(peft_model(models, "b"), prompt, llm.generate([prompt], params, lora_request=b)[0].outputs[0])
     check_against_peft(peft_model(models, "a"), prompt, llm.generate([prompt], params, lora_request=a)[0].outputs[0])
