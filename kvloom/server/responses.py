@@ -73,6 +73,12 @@ class GenerationResponse(ABC):
                      finish_reason: str | None) -> dict[str, Any] | None:
         """A streamed chunk's choice for a visible delta (None: nothing to send yet)."""
 
+    def seen(self, index: int, output: RequestOutput) -> RequestOutput:
+        """Each streamed output of choice ``index`` as it arrives, before anything is
+        counted or sent: what the stream takes from it (completions' echo reads the
+        prompt's logprobs here). The output itself by default."""
+        return output
+
     # ---- shared --------------------------------------------------------------------------
     def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -129,6 +135,7 @@ class GenerationResponse(ABC):
                 for choice in self.opening_choices(len(stream.request_ids)):
                     yield self._chunk(choice, include_usage, counter.as_dict() if continuous_usage else None)
                 async for index, output in stream:
+                    output = self.seen(index, output)
                     counter.update(index, output)
                     completion = output.outputs[0]
                     generated.setdefault(index, []).extend(completion.delta_token_ids)

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvloom.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
 from kvloom.server.beam_search import beam_search, check_beam_request
-from kvloom.server.errors import bad_request
 from kvloom.server.generation import (
     Serving,
     base_params,
@@ -44,9 +43,6 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     # with max_tokens 0 only the prompt, as vLLM's "echo without generation".
     scores_prompt = body.echo and body.logprobs is not None
     prompt_only = body.echo and body.max_tokens == 0
-    if (scores_prompt or prompt_only) and body.stream:
-        raise bad_request("echo with logprobs or with max_tokens 0 is only returned with stream false "
-                          "(the prompt's logprobs come once the whole prompt is computed)", "stream")
     params = base_params(body, serving.settings, body.logprobs, info)
     if scores_prompt:
         params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs or 0, params.prompt_logprobs or 0))
@@ -108,6 +104,11 @@ class _Response(GenerationResponse):
         self.tokenizer = info.tokenizer
         self.prompt_only = prompt_only  # echo with max_tokens 0: the one generated token is dropped
         self.sent: dict[int, int] = {}  # per streamed choice: characters sent, for text_offset
+        # Streamed with echo and logprobs (or max_tokens 0), as vLLM's: each choice's prompt
+        # goes out with its first delta, scored, once the prompt is computed (``seen``).
+        self.echo_with_first_delta = body.echo and (body.logprobs is not None or prompt_only)
+        self.echoing: dict[int, tuple[str, dict[str, Any] | None]] = {}  # prompt text and logprobs, to send
+        self.echoed: set[int] = set()
 
     def choice(self, index: int, completion: CompletionOutput) -> dict[str, Any]:
         prefix = self.prompt_texts[index // self.n] if self.body.echo else ""
@@ -141,10 +142,31 @@ class _Response(GenerationResponse):
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         self.sent = dict.fromkeys(range(num_choices), 0)
-        if not self.body.echo:
+        if not self.body.echo or self.echo_with_first_delta:
             return []
         return [self.delta_choice(index, self.prompt_texts[index // self.n], None, None)
                 for index in range(num_choices)]
+
+    def seen(self, index: int, output: RequestOutput) -> RequestOutput:
+        if not self.echo_with_first_delta:
+            return output
+        if index not in self.echoed:  # its first output: the prompt is computed, its logprobs known
+            self.echoed.add(index)
+            text = self.prompt_texts[index // self.n]
+            scored = None
+            if self.body.logprobs is not None:
+                known = output.prompt_logprobs or []
+                entries = [known[i] if i < len(known) else None for i in range(len(output.prompt_token_ids))]
+                scored = self._logprobs(entries, 0, output.prompt_token_ids)
+            self.echoing[index] = (text, scored)
+            self.sent[index] = len(text)  # the generated tokens' offsets follow the prompt
+        if self.prompt_only:  # the one token generated is dropped: the choice ends at its prompt
+            completion = output.outputs[0]
+            ended = "length" if completion.finish_reason in ("stop", "length") else completion.finish_reason
+            completion = dataclasses.replace(completion, delta_text="", delta_token_ids=[], delta_logprobs=None,
+                                             finish_reason=ended)
+            output = dataclasses.replace(output, outputs=[completion])
+        return output
 
     def delta_logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
         return self._logprobs(entries, self.sent[index])
@@ -152,6 +174,13 @@ class _Response(GenerationResponse):
     def delta_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None) -> dict[str, Any]:
         self.sent[index] += len(text)
+        if index in self.echoing:  # the prompt first, and its logprobs before the delta's
+            prompt, scored = self.echoing.pop(index)
+            text = prompt + text
+            if scored is not None and logprobs is not None:
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    scored[key] += logprobs[key]
+            logprobs = scored if scored is not None else logprobs
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, entries: Sequence[TokenLogprobs | None] | None, offset: int,

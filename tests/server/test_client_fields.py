@@ -211,12 +211,37 @@ def test_prompt_logprobs_over_http_equal_the_offline_api(http: httpx.Client, liv
     live_server.assert_idle_and_clean()
 
 
+def streamed_completion(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    """A streamed completion of one choice folded into the full response's shape: the
+    chunks' text and legacy logprobs lists concatenated, the last finish_reason, the usage."""
+    text, finish, usage_ = "", None, None
+    logprobs: dict[str, list[Any]] | None = None
+    with http.stream("POST", COMPLETIONS, json={"model": SERVED_NAME, **body, "stream": True,
+                                                "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage_ = chunk.get("usage") or usage_
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                if choice["logprobs"] is not None:
+                    logprobs = logprobs or {key: [] for key in choice["logprobs"]}
+                    for key, values in choice["logprobs"].items():
+                        logprobs[key] += values
+    return {"choices": [{"text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage_}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
 @pytest.mark.parametrize("max_tokens", [0, 1], ids=["prompt only", "one token"])
 def test_echo_with_logprobs_scores_the_prompt_as_transformers(http: httpx.Client, live_server: LiveServer,
-                                                              tiny_llama: Path, max_tokens: int) -> None:
+                                                              tiny_llama: Path, max_tokens: int, stream: bool) -> None:
     """lm-eval's loglikelihood request (``echo``, ``logprobs``, ``max_tokens`` 0 or 1): the
     legacy logprobs list the prompt's tokens first (the first unscored), each the
-    log-probability transformers gives it after the tokens before it."""
+    log-probability transformers gives it after the tokens before it. Streamed (vLLM's),
+    the prompt and its logprobs come with the first token's chunk."""
     import torch
     import transformers
 
@@ -224,7 +249,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(http: httpx.Client
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    out = post(http, COMPLETIONS, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1}
+    out = streamed_completion(http, **body) if stream else post(http, COMPLETIONS, **body)
     choice = out["choices"][0]
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(prompt) + max_tokens

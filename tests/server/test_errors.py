@@ -107,8 +107,6 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("prompt + max_tokens over context", COMPLETIONS, completion(prompt=[5] * 200, max_tokens=100), 400,
      BAD, "max_tokens"),
     ("logprobs > 20", COMPLETIONS, completion(logprobs=21), 400, BAD, "logprobs"),
-    ("echo with logprobs streamed", COMPLETIONS, completion(echo=True, logprobs=1, stream=True), 400, BAD,
-     "stream"),
     ("max_tokens 0 without echo", COMPLETIONS, completion(max_tokens=0), 400, BAD, "max_tokens"),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, BAD, "top_logprobs"),
     ("top_logprobs past --max-logprobs", CHAT, chat(logprobs=True, top_logprobs=21), 400, BAD, "top_logprobs"),
