@@ -4,16 +4,19 @@ engine/beam_search.py, each round's live beams sent to the engine as one group.
 ``n`` is the beam width and the number of choices (each prompt's ``n`` best beams, best
 first), ``length_penalty`` ranks them, ``max_tokens`` and ``ignore_eos`` bound them.
 Beam search picks tokens by the model's log-probabilities alone, so a field that would
-sample, penalize, constrain or stop otherwise is a 400 naming it (as are ``stream``,
-``logprobs`` and tools: the answer comes once the search has ended), never ignored.
+sample, penalize, constrain or stop otherwise is a 400 naming it (as are ``logprobs``
+and tools), never ignored. Streamed (vLLM's), the answer comes once the search has ended:
+each choice's whole text in one chunk (``answer``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_round
 from kvloom.engine.output import CompletionOutput, RequestOutput
@@ -21,14 +24,16 @@ from kvloom.server.async_engine import ModelInfo
 from kvloom.server.errors import APIError, bad_request, from_value_error
 from kvloom.server.generation import Serving, check_context, collect
 from kvloom.server.protocol import SamplingRequest
-from kvloom.server.streams import EngineRequest
+from kvloom.server.responses import SSE_HEADERS, GenerationResponse
+from kvloom.server.settings import ServerSettings
+from kvloom.server.streams import EngineRequest, ResultStream
 
 # What a beam-search request may set besides its prompt or messages.
 _FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "ignore_eos", "priority",
     "truncate_prompt_tokens", "cache_salt", "user", "metadata", "service_tier", "store", "use_beam_search",
     "length_penalty", "echo", "add_special_tokens", "skip_special_tokens", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message", "return_token_ids"})
+    "add_generation_prompt", "continue_final_message", "return_token_ids", "stream", "stream_options"})
 
 
 def check_beam_request(body: SamplingRequest) -> None:
@@ -94,3 +99,20 @@ async def beam_search(serving: Serving, request: Request, request_id: str, promp
                 f"{request_id}-{index * width + rank}", None, search.prompt_token_ids, [completion], True,
                 num_cached_tokens=cached[index] if rank == 0 else 0)
     return results
+
+
+def answer(response: GenerationResponse, finals: dict[int, RequestOutput], prompt_lens: list[int],
+           body: SamplingRequest, request: Request, settings: ServerSettings) -> JSONResponse | StreamingResponse:
+    """The search's beams as the response: whole, or streamed through the one SSE loop,
+    each choice's whole output as its one delta (the usage chunk and ``[DONE]`` after)."""
+    if not body.stream:
+        return JSONResponse(response.full(finals, prompt_lens, body.n))
+    stream = ResultStream([finals[index].request_id for index in sorted(finals)], lambda _: None)
+    for index in sorted(finals):
+        whole = finals[index].outputs[0]
+        whole = dataclasses.replace(whole, delta_text=whole.text, delta_token_ids=list(whole.token_ids))
+        stream.put((index, dataclasses.replace(finals[index], outputs=[whole])))
+    include_usage = body.include_usage_in_stream or settings.force_include_usage
+    return StreamingResponse(response.stream(stream, request, prompt_lens, body.n, include_usage,
+                                             body.continuous_usage_in_stream),
+                             media_type="text/event-stream", headers=SSE_HEADERS)

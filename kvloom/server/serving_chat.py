@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvloom.engine.output import CompletionOutput, TokenLogprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.server.async_engine import ModelInfo
-from kvloom.server.beam_search import beam_search, check_beam_request
+from kvloom.server.beam_search import answer, beam_search, check_beam_request
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import (
     Serving,
@@ -100,7 +100,7 @@ def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_
 
 
 async def _beam_search_chat(body: ChatCompletionRequest, request: Request, serving: Serving, info: ModelInfo,
-                            model: str) -> JSONResponse:
+                            model: str) -> JSONResponse | StreamingResponse:
     """The n best beams as n choices of one assistant message each (text only: tools,
     like every field beam search would not honour, are refused)."""
     check_beam_request(body)
@@ -113,7 +113,7 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
     response = _Response(request_id, model, int(time.time()), None, return_token_ids=body.return_token_ids,
                          reasoning=reasoning_of(body, serving.settings, info), echo=_echo(body),
                          role=_role(body, serving.settings))
-    return JSONResponse(response.full(finals, [len(prompt)], body.n))
+    return answer(response, finals, [len(prompt)], body, request, serving.settings)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

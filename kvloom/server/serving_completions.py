@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
 from kvloom.server.async_engine import ModelInfo
-from kvloom.server.beam_search import beam_search, check_beam_request
+from kvloom.server.beam_search import answer, beam_search, check_beam_request
 from kvloom.server.generation import (
     Serving,
     base_params,
@@ -68,14 +68,14 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
 
 
 async def _beam_search_completion(body: CompletionRequest, request: Request, serving: Serving, info: ModelInfo,
-                                  model: str) -> JSONResponse:
+                                  model: str) -> JSONResponse | StreamingResponse:
     check_beam_request(body)
     check_n_and_store(body, serving.settings)
     prompts, texts = _prompts(body, info)
     request_id, engine_id = response_ids("cmpl", body)
     finals = await beam_search(serving, request, engine_id, prompts, body, body.max_tokens, info, "prompt")
     response = _Response(request_id, model, int(time.time()), body, texts, body.n, info)
-    return JSONResponse(response.full(finals, [len(p) for p in prompts], body.n))
+    return answer(response, finals, [len(p) for p in prompts], body, request, serving.settings)
 
 
 def _prompts(body: CompletionRequest, info: ModelInfo) -> tuple[list[list[int]], list[str]]:

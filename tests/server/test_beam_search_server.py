@@ -4,6 +4,7 @@ on both endpoints; the fields beam search would not honour are 400s naming them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,47 @@ def test_chat_choices_are_the_reference_beams(http: httpx.Client, live_server: L
     live_server.assert_idle_and_clean()
 
 
+def streamed(http: httpx.Client, path: str, **body: Any) -> tuple[dict[int, str], dict[int, str], dict[str, Any]]:
+    """A streamed response's text and finish reason per choice, and its usage chunk's usage."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage: dict[str, Any] = {}
+    with http.stream("POST", path, json={"model": SERVED_NAME, **body, "stream": True,
+                                         "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    delta = choice.get("text") if path == COMPLETIONS else choice["delta"].get("content")
+                    texts[choice["index"]] = texts.get(choice["index"], "") + (delta or "")
+                    if choice["finish_reason"]:
+                        reasons[choice["index"]] = choice["finish_reason"]
+    return texts, reasons, usage
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_streamed_search_sends_the_reference_beams(http: httpx.Client, live_server: LiveServer,
+                                                     reference: torch.nn.Module, eos: set[int], path: str) -> None:
+    """vLLM's: with stream, each beam's whole text in one chunk once the search has ended."""
+    if path == COMPLETIONS:
+        body: dict[str, Any] = {"prompt": [5, 17, 42, 9]}
+        prompt = body["prompt"]
+    else:
+        body = {"messages": [{"role": "user", "content": "hello there"}]}
+        prompt = http.post("/tokenize", json=body).json()["tokens"]
+    texts, reasons, usage = streamed(http, path, **body, n=3, max_tokens=6, use_beam_search=True,
+                                     skip_special_tokens=False)
+    expected = texts_of(http, naive_beam_search(reference, prompt, 3, 6, eos, 1.0))
+    assert [(texts[i], reasons[i]) for i in range(3)] == expected
+    full = post(http, path, **body, n=3, max_tokens=6, use_beam_search=True, skip_special_tokens=False)
+    assert usage == full["usage"]
+    live_server.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("path, body, param", [
     (COMPLETIONS, {"temperature": 0.7}, "temperature"),
-    (COMPLETIONS, {"stream": True}, "stream"),
     (COMPLETIONS, {"logprobs": 2}, "logprobs"),
     (COMPLETIONS, {"stop": ["x"]}, "stop"),
     (COMPLETIONS, {"n": 65}, "n"),
