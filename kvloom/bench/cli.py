@@ -119,6 +119,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     soak.add_argument("--soak-lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
                       help="LoRA adapters served beside the model (needs --enable-lora); half the "
                            "requests name one")
+    soak.add_argument("--soak-endpoints", choices=["completions", "all"], default="completions",
+                      help="all: chat (tools, JSON schemas, n, beam search), Messages and Responses requests "
+                           "beside the completions")
 
     placement = _command(bench_sub, "placement", "engine loop in a thread vs a process", _placement,
                          output_json=False)
@@ -460,12 +463,13 @@ def _steps(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     from kvloom.bench.soak import SoakConfig, format_soak, run_soak
 
-    # The pool is the soak's to size (pool_factor), and the context its to cap where not
+    # The pool is the soak's to size (pool_factor), and the context its own to cap where not
     # given; every other engine flag (speculation, LoRA, the scheduler's) passes through.
     pool = ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
     engine = {key: value for key, value in engine_kwargs(args).items() if key not in pool and value is not None}
     config = SoakConfig(args.model, engine, args.num_requests, args.concurrency, args.max_seconds,
-                        args.soak_seed, args.pool_factor, args.soak_max_tokens, tuple(args.soak_lora_modules))
+                        args.soak_seed, args.pool_factor, args.soak_max_tokens, tuple(args.soak_lora_modules),
+                        args.soak_endpoints)
     result = run_soak(config)
     print(format_soak(result))
     _save_json(args.output_json, result)

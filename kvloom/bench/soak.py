@@ -13,6 +13,11 @@ a seed:
 - 5% hostile: payloads that once killed the engine or must be refused (seeds past
   64 bits, an explosive regex, infinite temperature, lone surrogates, ...).
 
+With ``endpoints="all"`` the non-hostile requests spread over the chat completions
+(tools with every ``tool_choice``, JSON schemas, ``n``, logprobs, beam search), Anthropic's
+Messages and the Responses APIs as well as the legacy completions, each answer compared
+without its ids and timestamps.
+
 With ``lora_modules`` (the engine needs ``enable_lora``), half of the non-hostile
 requests name one of the adapters, drawn evenly: with more adapters than the engine's
 ``max_loras`` slots, loads and evictions run under preemption and aborts too.
@@ -60,10 +65,21 @@ class SoakConfig:
     pool_factor: float = 5.0
     max_tokens: int = 48
     lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT directory) each
+    endpoints: str = "completions"  # or "all": chat, messages and responses too
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.concurrency < 1 or self.max_seconds <= 0 or self.pool_factor < 1:
             raise ValueError("num_requests and concurrency must be >= 1, max_seconds > 0, pool_factor >= 1")
+        if self.endpoints not in ENDPOINT_MIXES:
+            raise ValueError(f"endpoints must be one of {sorted(ENDPOINT_MIXES)}, got {self.endpoints!r}")
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    kind: str  # one of KINDS
+    path: str  # the endpoint
+    payload: dict[str, Any] | str  # str: raw hostile text
+    greedy: bool  # an ordinary request whose answer is deterministic: compared with it sent alone
 
 
 @dataclass
@@ -74,8 +90,7 @@ class SoakRecord:
     attempted: bool = False  # sent before the time bound ran out
     status: int | None = None
     reason: str | None = None  # the error code or message of a non-200 answer
-    text: str | None = None
-    greedy_payload: dict[str, Any] | None = None  # set for greedy ordinary requests
+    answer: Any = None  # the answer without ids and timestamps (``_answer``)
 
 
 def _ordinary(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
@@ -100,25 +115,95 @@ def _ordinary(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool
     return payload, greedy and "stop" not in payload
 
 
-def _draw(rng: random.Random, config: SoakConfig) -> tuple[str, dict[str, Any] | str, bool]:
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+          "required": ["n"]}
+
+
+def _words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(low, high)))
+
+
+def _chat(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    """A chat completion: one to three turns, maybe tools (every tool_choice), a JSON
+    schema or object, n, logprobs, beam search."""
+    messages = [{"role": "user", "content": _words(rng, 2, 60)}]
+    if rng.random() < 0.2:
+        messages += [{"role": "assistant", "content": _words(rng, 2, 30)},
+                     {"role": "user", "content": _words(rng, 2, 30)}]
+    if rng.random() < 0.3:
+        messages.insert(0, {"role": "system", "content": _words(rng, 3, 10)})
+    payload: dict[str, Any] = {"messages": messages, "max_tokens": rng.randrange(1, max_tokens + 1)}
+    if rng.random() < 0.1:  # beam search: deterministic, and nothing else may be set
+        return {**payload, "use_beam_search": True, "n": rng.randrange(1, 3), "temperature": 0.0}, True
+    roll = rng.random()
+    if roll < 0.2:
+        payload.update(tools=TOOLS, tool_choice=rng.choice(["auto", "required", "none",
+                                                            {"type": "function", "function": {"name": "add"}}]))
+    elif roll < 0.3:
+        payload["response_format"] = {"type": "json_object"}
+    elif roll < 0.4:
+        payload["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    if rng.random() < 0.3:
+        payload["n"] = rng.randrange(1, 4)
+    if rng.random() < 0.3:
+        payload.update(logprobs=True, top_logprobs=rng.randrange(0, 5))
+    greedy = rng.random() < 0.5
+    if greedy:
+        payload["temperature"] = 0.0
+    else:
+        payload.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2 ** 31), top_p=rng.choice([1.0, 0.9]))
+    return payload, greedy
+
+
+def _messages(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    payload: dict[str, Any] = {"messages": [{"role": "user", "content": _words(rng, 2, 60)}],
+                               "max_tokens": rng.randrange(1, max_tokens + 1), "temperature": 0.0}
+    if rng.random() < 0.3:
+        payload["system"] = _words(rng, 3, 10)
+    if rng.random() < 0.3:
+        payload["tools"] = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    return payload, True
+
+
+def _responses(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    return {"input": _words(rng, 2, 60), "max_output_tokens": rng.randrange(1, max_tokens + 1),
+            "temperature": 0.0}, True
+
+
+# Each mix: (path, weight, draw) for the non-hostile requests.
+ENDPOINT_MIXES = {
+    "completions": (("/v1/completions", 1.0, _ordinary),),
+    "all": (("/v1/completions", 0.3, _ordinary), ("/v1/chat/completions", 0.4, _chat),
+            ("/v1/messages", 0.15, _messages), ("/v1/responses", 0.15, _responses)),
+}
+
+
+def _draw(rng: random.Random, config: SoakConfig) -> SoakRequest:
     kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
     if kind == "hostile":
         if rng.random() < 0.3:
-            return kind, rng.choice(RAW_HOSTILE), False
-        return kind, {"prompt": "Hi", "max_tokens": 2, **rng.choice(HOSTILE)}, False
-    payload, greedy = _ordinary(rng, config.max_tokens)
+            return SoakRequest(kind, "/v1/completions", rng.choice(RAW_HOSTILE), False)
+        return SoakRequest(kind, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **rng.choice(HOSTILE)}, False)
+    mix = ENDPOINT_MIXES[config.endpoints]
+    # One endpoint draws nothing here: a seed plans the runs it planned before the mixes.
+    path, _, draw = mix[0] if len(mix) == 1 else rng.choices(mix, weights=[weight for _, weight, _ in mix])[0]
+    payload, greedy = draw(rng, config.max_tokens)
     if config.lora_modules and rng.random() < 0.5:
         payload["model"] = rng.choice(config.lora_modules)[0]  # over the served model's name
-    return kind, payload, greedy and kind == "ordinary"
+    return SoakRequest(kind, path, payload, greedy and kind == "ordinary")
 
 
-async def _send(client: httpx.AsyncClient, model: str, record: SoakRecord, payload: dict[str, Any] | str,
-                rng: random.Random) -> None:
-    url = "/v1/completions"
+async def _send(client: httpx.AsyncClient, model: str, record: SoakRecord, url: str,
+                payload: dict[str, Any] | str, rng: random.Random) -> None:
     if isinstance(payload, str):  # raw hostile text: not even JSON, or JSON with bad escapes
         response = await client.post(url, content=payload.encode("utf-8", "surrogatepass"),
                                      headers={"Content-Type": "application/json"})
-        _finish(record, response.status_code, response.text)
+        _finish(record, url, response.status_code, response.text)
         return
     body = {"model": model, **payload}
     if record.kind == "stream_disconnect":
@@ -137,18 +222,40 @@ async def _send(client: httpx.AsyncClient, model: str, record: SoakRecord, paylo
         except asyncio.TimeoutError:
             record.outcome = "aborted"
             return
-        _finish(record, response.status_code, response.text)
+        _finish(record, url, response.status_code, response.text)
         return
     response = await client.post(url, json=body)
-    _finish(record, response.status_code, response.text)
+    _finish(record, url, response.status_code, response.text)
 
 
-def _finish(record: SoakRecord, status: int, text: str) -> None:
+FINISHED = {"stop", "length", "tool_calls", "end_turn", "max_tokens", "tool_use", "stop_sequence",
+            "completed", "incomplete"}  # the endings of a complete answer, per API
+VOLATILE = {"id", "created", "created_at", "completed_at", "call_id", "system_fingerprint"}  # differ per answer
+
+
+def _answer(path: str, data: dict[str, Any]) -> tuple[bool, Any]:
+    """Whether an answer of ``path`` is complete, and its content without ids and timestamps."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in VOLATILE and not k.endswith("_id")}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    if path == "/v1/messages":
+        return data.get("stop_reason") in FINISHED, strip(data["content"])
+    if path == "/v1/responses":
+        return data.get("status") in FINISHED, strip(data["output"])
+    choices = data["choices"]
+    complete = all(choice.get("finish_reason") in FINISHED for choice in choices)
+    if path == "/v1/completions":
+        return complete, choices[0].get("text")
+    return complete, strip([choice["message"] for choice in choices])
+
+
+def _finish(record: SoakRecord, path: str, status: int, text: str) -> None:
     record.status = status
     if status == 200:
-        choice = json.loads(text)["choices"][0]
-        record.outcome = "ok" if choice.get("finish_reason") in ("stop", "length") else "failed"
-        record.text = choice.get("text")
+        complete, record.answer = _answer(path, json.loads(text))
+        record.outcome = "ok" if complete else "failed"
         return
     try:
         error = json.loads(text)["error"]
@@ -160,7 +267,7 @@ def _finish(record: SoakRecord, status: int, text: str) -> None:
 
 async def _load(base_url: str, model: str, config: SoakConfig) -> list[SoakRecord]:
     plan = plan_requests(config)
-    records = [SoakRecord(index, kind) for index, (kind, _, _) in enumerate(plan)]
+    records = [SoakRecord(index, item.kind) for index, item in enumerate(plan)]
     deadline = time.monotonic() + config.max_seconds
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(len(plan)):
@@ -169,13 +276,11 @@ async def _load(base_url: str, model: str, config: SoakConfig) -> list[SoakRecor
     async def worker(client: httpx.AsyncClient, worker_rng: random.Random) -> None:
         while not queue.empty() and time.monotonic() < deadline:
             index = queue.get_nowait()
-            kind, payload, greedy = plan[index]
+            item = plan[index]
             record = records[index]
             record.attempted = True
-            if greedy:
-                record.greedy_payload = payload  # type: ignore[assignment]
             try:
-                await _send(client, model, record, payload, worker_rng)
+                await _send(client, model, record, item.path, item.payload, worker_rng)
             except (httpx.HTTPError, ValueError) as error:  # a broken answer: the request is lost
                 record.outcome, record.reason = "lost", f"{type(error).__name__}: {error}"[:120]
 
@@ -186,22 +291,36 @@ async def _load(base_url: str, model: str, config: SoakConfig) -> list[SoakRecor
     return [r for r in records if r.attempted]
 
 
-async def _alone(base_url: str, model: str, records: list[SoakRecord]) -> tuple[int, int, list[int]]:
+async def _alone(base_url: str, model: str, plan: list[SoakRequest],
+                 records: list[SoakRecord]) -> tuple[int, int, list[int]]:
     """Send each completed greedy request again, one at a time: (equal, compared, differing indices)."""
-    greedy = [r for r in records if r.greedy_payload is not None and r.outcome == "ok"]
+    greedy = [r for r in records if plan[r.index].greedy and r.outcome == "ok"]
     differing = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         for record in greedy:
-            response = await client.post("/v1/completions", json={"model": model, **record.greedy_payload})
-            if response.status_code != 200 or response.json()["choices"][0]["text"] != record.text:
+            item = plan[record.index]
+            assert isinstance(item.payload, dict)
+            response = await client.post(item.path, json={"model": model, **item.payload})
+            if response.status_code != 200 or _answer(item.path, response.json())[1] != record.answer:
                 differing.append(record.index)
     return len(greedy) - len(differing), len(greedy), differing
 
 
-def plan_requests(config: SoakConfig) -> list[tuple[str, dict[str, Any] | str, bool]]:
-    """(kind, payload, is greedy ordinary) for every request of the run, from the seed."""
+def plan_requests(config: SoakConfig) -> list[SoakRequest]:
+    """Every request of the run, from the seed."""
     rng = random.Random(config.seed)
     return [_draw(rng, config) for _ in range(config.num_requests)]
+
+
+def _size(tokenizer: Any, payload: dict[str, Any] | str) -> int:
+    """A non-hostile request's tokens at its longest: its texts, what a chat template adds
+    (40 bounds the default model's) and a tool list (300), and its output."""
+    assert isinstance(payload, dict)
+    if "prompt" in payload:
+        return len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
+    texts = [payload.get("input", ""), payload.get("system", "")] + [m["content"] for m in payload.get("messages", [])]
+    outputs = payload.get("max_tokens") or payload.get("max_output_tokens")
+    return sum(len(tokenizer.encode(text)) for text in texts) + 40 + 300 * ("tools" in payload) + outputs
 
 
 def pool_blocks(config: SoakConfig, token_counts: list[int], block_size: int = 16) -> int:
@@ -225,21 +344,20 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     tokenizer = checkpoint.tokenizer
     # 2,048 tokens of context at most (the pool is sized for the plan, not the context).
     max_model_len = min(2048, ModelConfig.from_hf(checkpoint.hf_config).max_position_embeddings)
-    counts = [len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
-              for _, payload, _ in plan_requests(config) if isinstance(payload, dict) and "max_tokens" in payload
-              and isinstance(payload.get("prompt"), str) and isinstance(payload["max_tokens"], int)
-              and payload["max_tokens"] > 0]
+    plan = plan_requests(config)
+    counts = [_size(tokenizer, item.payload) for item in plan if item.kind != "hostile"]
     num_blocks = pool_blocks(config, counts)
     engine_config = EngineConfig.from_kwargs(config.model, **{"num_blocks": num_blocks, "max_model_len": max_model_len,
                                                                **config.engine_kwargs})
-    settings = ServerSettings(served_model_name="soak", lora_modules=config.lora_modules)
+    settings = ServerSettings(served_model_name="soak", lora_modules=config.lora_modules,
+                              enable_auto_tool_choice=True, tool_call_parser="hermes")
     server = start_background_server(lambda: LLMEngine(engine_config), settings)
     try:
         started = time.monotonic()
         records = asyncio.run(_load(server.base_url, "soak", config))
         load_seconds = time.monotonic() - started
         snapshot = server.wait_until_idle(timeout=120)  # check_integrity() ran on the engine thread
-        equal, compared, differing = asyncio.run(_alone(server.base_url, "soak", records))
+        equal, compared, differing = asyncio.run(_alone(server.base_url, "soak", plan, records))
         metrics = httpx.get(f"{server.base_url}/metrics").text
         preemptions = next((float(line.split()[-1]) for line in metrics.splitlines()
                             if line.startswith("kvloom:num_preemptions_total ")), None)
