@@ -310,12 +310,22 @@ class LoRAConfig:
         "help": "serve LoRA adapters (PEFT directories) beside the base model"})
     max_loras: int = field(default=4, metadata={"help": "adapters loaded at once (with requests in flight or idle)"})
     max_lora_rank: int = field(default=16, metadata={"help": "the largest adapter rank that can be loaded"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept read in memory, so that one loaded into a slot again is not read from disk "
+                "again (least recently used dropped first; at least max_loras; default: max_loras)"})
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
 @dataclass(frozen=True)

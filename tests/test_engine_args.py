@@ -89,6 +89,7 @@ NON_DEFAULTS = [
     (["--kv-shm-dir", "/tmp/kv"], "kv_transfer", "kv_shm_dir", "/tmp/kv"),
     (["--enable-lora"], "lora", "enable_lora", True),
     (["--max-loras", "2"], "lora", "max_loras", 2),
+    (["--max-cpu-loras", "6"], "lora", "max_cpu_loras", 6),
     (["--max-lora-rank", "64"], "lora", "max_lora_rank", 64),
 ]
 

@@ -199,7 +199,7 @@ class LLMEngine:
             parallel = self.model if isinstance(self.model, TensorParallelModel) else None
             lora = LoRAManager(self.model if parallel is None else parallel.model, mc, config.lora.max_loras,
                                config.lora.max_lora_rank, config.matmul,
-                               None if parallel is None else parallel.load_lora)
+                               None if parallel is None else parallel.load_lora, config.lora.num_cpu_loras)
             logger.info("LoRA: %d adapter slots of rank <= %d", config.lora.max_loras, config.lora.max_lora_rank)
             if self.proposer is not None:  # built first: a layer_skip walk is built over unwrapped layers
                 self.proposer.use_adapters(lora)

@@ -18,6 +18,7 @@ tells the other ranks' (``on_load``; their ``mirror``) before any step uses them
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -69,12 +70,18 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
 
 class LoRAManager:
     def __init__(self, model: object, config: ModelConfig, max_loras: int, max_rank: int,
-                 matmul: str = "invariant", on_load: Callable[[int, LoRARequest], None] | None = None) -> None:
+                 matmul: str = "invariant", on_load: Callable[[int, LoRARequest], None] | None = None,
+                 max_cpu_loras: int | None = None) -> None:
         """``model``: this rank's shard (the Llama model itself, not a tensor-parallel
         wrapper); ``matmul``: the model's matmul kernel (EngineConfig.matmul), the
         adapters' too; ``on_load``: told each adapter loaded and its slot (rank 0 under
-        tensor parallel: the other ranks mirror it)."""
+        tensor parallel: the other ranks mirror it); ``max_cpu_loras``: adapters kept
+        read (default ``max_loras``)."""
         self.config = config
+        # Adapters as read from disk, by (name, binding), least recently used first: a
+        # slot filled again with one of them reads nothing (vLLM's --max-cpu-loras).
+        self._read: OrderedDict[tuple[str, int], LoRAAdapter] = OrderedDict()
+        self.max_cpu_loras = max_cpu_loras if max_cpu_loras is not None else max_loras
         self.on_load = on_load
         tp = getattr(model, "tp", None)
         self._rank, self._size = (tp.rank, tp.size) if tp is not None else (0, 1)
@@ -144,29 +151,47 @@ class LoRAManager:
         ``add_lora``); a slot is filled when a request first names it. LoRAError if the
         adapter could not be served or the name is bound to another path."""
         if self._binding(lora) is None:
-            LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
-            self._bound[lora.lora_name] = (lora.lora_path, next(self._bindings))
+            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+            number = next(self._bindings)
+            self._bound[lora.lora_name] = (lora.lora_path, number)
+            self._keep_read((lora.lora_name, number), adapter)
+
+    def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        """``lora``'s adapter, read from disk unless it is kept read (``lora_int_id``
+        names the binding: rank 0's number, which other ranks are told)."""
+        key = (lora.lora_name, lora.lora_int_id)
+        adapter = self._read.get(key)
+        if adapter is None:
+            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+        self._keep_read(key, adapter)
+        return adapter
+
+    def _keep_read(self, key: tuple[str, int], adapter: LoRAAdapter) -> None:
+        self._read[key] = adapter
+        self._read.move_to_end(key)
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)
 
     def remove(self, name: str) -> bool:
         """Unbind ``name`` (it may then name another adapter); its slot goes back to the
         free ones once the requests in flight on it are done. False if it was not bound."""
         if self._bound.pop(name, None) is None:
             return False
+        for key in [key for key in self._read if key[0] == name]:
+            del self._read[key]
         if name in self._names:
             self._names[self._names.index(name)] = None
         return True
 
     def _load(self, slot: int, lora: LoRARequest) -> None:
-        adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
-        self._fill(slot, lora.lora_name, adapter)
+        self._fill(slot, lora.lora_name, self._adapter(lora))
         if self.on_load is not None:
             self.on_load(slot, lora)
 
     def mirror(self, slot: int, lora: LoRARequest) -> None:
         """Another rank's manager: load ``lora`` into ``slot``, as rank 0 did (its part of
         the adapter). Rank 0 holds the references; this rank only follows its loads."""
-        self._fill(slot, lora.lora_name, LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config,
-                                                          self.max_rank))
+        self._fill(slot, lora.lora_name, self._adapter(lora))
 
     def _fill(self, slot: int, name: str, adapter: LoRAAdapter) -> None:
         for layer in self._layers:

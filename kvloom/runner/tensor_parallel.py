@@ -314,7 +314,8 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
     try:
         model_config, shard = load_shard(config, group, device, dtype, load)
         lora = (LoRAManager(shard.model, model_config, config.lora.max_loras, config.lora.max_lora_rank,
-                            config.matmul) if config.lora.enable_lora else None)
+                            config.matmul, max_cpu_loras=config.lora.num_cpu_loras)
+                if config.lora.enable_lora else None)
         serve_rank(group, shard, model_config.hidden_size, dtype, config.cache.block_size, lora)
     finally:
         leave_group(group, [])

@@ -191,3 +191,33 @@ def test_lora_needs_enable_lora_and_a_valid_request(models) -> None:
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("a", 0, "x")
+
+
+@pytest.mark.parametrize("max_cpu_loras, reads", [(None, 3), (2, 2)])
+def test_adapters_kept_read_are_not_read_again(models, monkeypatch, max_cpu_loras, reads) -> None:
+    """vLLM's --max-cpu-loras: one slot serving a, b, a in turn reads a from disk again
+    only when fewer than two adapters are kept read; the replies are PEFT's either way."""
+    from kvloom.lora.adapter import LoRAAdapter
+
+    real_load = LoRAAdapter.load
+    paths: list[str] = []
+
+    def counting_load(name, path, *args, **kwargs):
+        paths.append(path)
+        return real_load(name, path, *args, **kwargs)
+
+    monkeypatch.setattr(LoRAAdapter, "load", counting_load)
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_loras=1,
+              max_cpu_loras=max_cpu_loras)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    a, b = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    prompt = [9, 8, 7, 6, 5]
+    for lora in (a, b, a):
+        output = llm.generate([prompt], params, lora_request=lora)[0].outputs[0]
+        check_against_peft(peft_model(models, lora.lora_name), prompt, output)
+    assert len(paths) == reads
+    assert llm.engine.remove_lora("a")  # unloaded, a name is read again when bound again
+    llm.generate([prompt], params, lora_request=a)
+    assert len(paths) == reads + 1
+    with pytest.raises(ValueError, match=r"max_cpu_loras must be an integer >= max_loras \(2\), got 1"):
+        LLM(str(models["base"]), enable_lora=True, max_loras=2, max_cpu_loras=1)
