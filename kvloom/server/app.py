@@ -26,6 +26,8 @@ from kvloom.server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestIdHeaderMiddleware,
+    ServerLoad,
+    ServerLoadMiddleware,
     install_cors,
 )
 from kvloom.server.protocol import (
@@ -71,7 +73,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app = FastAPI(title="kvloom", version=__version__, lifespan=lifespan)
     app.openapi = lambda: openapi_with_openai_errors(app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    # Starlette runs the last-added middleware first: the key is checked before the size.
+    # Starlette runs the last-added middleware first: the key is checked before the size,
+    # and a request refused by either is not counted in the load.
+    in_flight = ServerLoad()
+    app.add_middleware(ServerLoadMiddleware, load=in_flight)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -97,6 +102,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        """vLLM's: the requests on the engine's routes being answered now (always
+        tracked here; vLLM's --enable-server-load-tracking is accepted)."""
+        return {"server_load": in_flight.in_flight}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -90,6 +90,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                            help="do not log them (the default; vLLM's older flag)")
     responses.add_argument("--max-log-len", type=int, default=None, metavar="N",
                            help="log at most N prompt token ids a request (default: all)")
+    responses.add_argument("--enable-server-load-tracking", action="store_true",
+                           help="accepted for vLLM command lines; changes nothing: GET /load always counts the "
+                                "requests being answered here")
     responses.add_argument("--enable-prompt-tokens-details", action="store_true",
                            help="accepted for vLLM command lines; changes nothing: usage always carries "
                                 "prompt_tokens_details.cached_tokens here")

@@ -1,5 +1,5 @@
 """Pure ASGI middleware that runs before a body is read: API-key check and body limit;
-and CORS (Starlette's), outside both.
+and CORS (Starlette's), outside both; and the count of requests in flight (``/load``).
 
 They are ASGI (not FastAPI dependencies) so that a request without a valid key is
 refused before its body is parsed (a malformed body from an unauthenticated client
@@ -21,7 +21,7 @@ from kvloom.server.settings import CorsSettings
 
 # Liveness, version and metrics stay open so that probes and scrapers need no key; the
 # dashboard (a view of the same numbers) follows the rule of /metrics.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping", "/dashboard"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping", "/dashboard", "/load"})
 PUBLIC_PREFIXES = ("/dashboard/",)
 
 
@@ -62,6 +62,37 @@ class ApiKeyMiddleware:
             await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+# The routes whose requests run on the engine (vLLM's /load counts the same).
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                        "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+
+
+class ServerLoad:
+    """Requests on the engine's routes being answered now: from their arrival until the
+    last byte of the answer is sent (a stream to its end) or the client is gone."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class ServerLoadMiddleware:
+    """Counts each request of ``LOAD_PATHS`` in ``load`` while it is served."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in LOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)  # returns once the answer is sent, a stream's included
+        finally:
+            self.load.in_flight -= 1
 
 
 class BodySizeLimitMiddleware:

@@ -106,7 +106,8 @@ def test_the_flags_set_the_settings() -> None:
     add_serve_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "m", "--enable-force-include-usage", "--return-tokens-as-token-ids",
                               "--response-role", "bot", "--enable-request-id-headers", "--enable-log-requests",
-                              "--max-log-len", "7", "--enable-prompt-tokens-details"])
+                              "--max-log-len", "7", "--enable-prompt-tokens-details",
+                              "--enable-server-load-tracking"])
     settings = server_settings(args)
     assert (settings.force_include_usage, settings.return_tokens_as_token_ids, settings.response_role,
             settings.enable_request_id_headers, settings.log_requests, settings.max_log_len) == \
