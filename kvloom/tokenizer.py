@@ -119,8 +119,18 @@ class Tokenizer:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``:
         what ``from_file`` reads back."""
         self.backend.save(str(directory / "tokenizer.json"))
-        config = {**self.special_tokens, "chat_template": self.chat_template, "add_bos_token": self.add_bos_token}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        (directory / "tokenizer_config.json").write_text(json.dumps(self.config(), indent=1))
+
+    def config(self) -> dict[str, Any]:
+        """What ``tokenizer_config.json`` says of this tokenizer, as transformers writes
+        it: the special tokens, ``add_bos_token``, the added tokens by id and the chat
+        template (the class is transformers' for a ``tokenizer.json``)."""
+        added = {str(token_id): {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+                                 "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
+                 for token_id, token in sorted(self.backend.get_added_tokens_decoder().items())}
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens,
+                "add_bos_token": self.add_bos_token, "added_tokens_decoder": added,
+                "chat_template": self.chat_template}
 
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> Tokenizer:

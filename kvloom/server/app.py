@@ -190,6 +190,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     async def roles() -> dict[str, list[str]]:
         return chat_roles(serving)
 
+    if settings.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            """vLLM's: the tokenizer's tokenizer_config.json, with the context length as
+            ``model_max_length``."""
+            info = serving.model_info()
+            return {**info.tokenizer.config(), "model_max_length": info.max_model_len}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         info = serving.model_info()

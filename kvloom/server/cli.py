@@ -84,6 +84,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                            help="the role of a chat reply where the prompt opens a new turn (default: %(default)s)")
     responses.add_argument("--enable-request-id-headers", action="store_true",
                            help="every response carries X-Request-Id: the request's own header's, else a fresh id")
+    responses.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                           help="serve GET /tokenizer_info: the tokenizer's tokenizer_config.json (special tokens, "
+                                "added tokens, chat template), as vLLM's")
     responses.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                            help="log every generation request: its ids, prompt token ids and parameters")
     responses.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
@@ -183,7 +186,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           force_include_usage=args.enable_force_include_usage,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           response_role=args.response_role, enable_request_id_headers=args.enable_request_id_headers,
-                          log_requests=args.log_requests, max_log_len=args.max_log_len)
+                          log_requests=args.log_requests, max_log_len=args.max_log_len,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -74,6 +74,8 @@ class ServerSettings:
     # --enable-request-id-headers: every response carries X-Request-Id (the request's own
     # header's value, else a fresh id);
     enable_request_id_headers: bool = False
+    # --enable-tokenizer-info-endpoint: GET /tokenizer_info serves the tokenizer's config.
+    enable_tokenizer_info_endpoint: bool = False
     # --enable-log-requests: a log line per generation request (its engine requests' ids,
     # prompt token ids, at most max_log_len of them, and parameters).
     log_requests: bool = False

@@ -107,11 +107,11 @@ def test_the_flags_set_the_settings() -> None:
     args = parser.parse_args(["serve", "m", "--enable-force-include-usage", "--return-tokens-as-token-ids",
                               "--response-role", "bot", "--enable-request-id-headers", "--enable-log-requests",
                               "--max-log-len", "7", "--enable-prompt-tokens-details",
-                              "--enable-server-load-tracking"])
+                              "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"])
     settings = server_settings(args)
     assert (settings.force_include_usage, settings.return_tokens_as_token_ids, settings.response_role,
-            settings.enable_request_id_headers, settings.log_requests, settings.max_log_len) == \
-        (True, True, "bot", True, True, 7)
+            settings.enable_request_id_headers, settings.log_requests, settings.max_log_len,
+            settings.enable_tokenizer_info_endpoint) == (True, True, "bot", True, True, 7, True)
     assert server_settings(parser.parse_args(["serve", "m", "--disable-log-requests"])).log_requests is False
     with pytest.raises(ValueError, match="response_role must be a non-empty string"):
         ServerSettings(response_role="")

@@ -1,4 +1,5 @@
-"""GET /load (vLLM's): the requests on the engine's routes being answered now."""
+"""vLLM's GET /load (the requests on the engine's routes being answered now) and
+GET /tokenizer_info (the tokenizer's config, held to transformers' tokenizer)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,25 @@ def test_load_counts_a_stream_until_it_ends_and_needs_no_key(tiny_llama: Path) -
             live.assert_idle_and_clean()
     finally:
         live.stop()
+
+
+def test_tokenizer_info_is_transformers_tokenizer_config(tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_llama)
+    settings = ServerSettings(served_model_name=SERVED_NAME, enable_tokenizer_info_endpoint=True)
+    live = start_live_server(tiny_llama, settings)
+    try:
+        info = httpx.get(f"{live.base_url}/tokenizer_info").json()
+    finally:
+        live.stop()
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (info["bos_token"], info["eos_token"]) == (reference.bos_token, reference.eos_token)
+    assert info["chat_template"] == reference.chat_template
+    assert info["model_max_length"] == 256  # the harness's context
+    assert {int(i): (t["content"], t["special"]) for i, t in info["added_tokens_decoder"].items()} == \
+        {i: (t.content, t.special) for i, t in reference.added_tokens_decoder.items()}
+
+
+def test_tokenizer_info_is_off_unless_asked_for(http: httpx.Client) -> None:
+    assert http.get("/tokenizer_info").status_code == 404
