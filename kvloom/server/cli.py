@@ -87,6 +87,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     responses.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                            help="serve GET /tokenizer_info: the tokenizer's tokenizer_config.json (special tokens, "
                                 "added tokens, chat template), as vLLM's")
+    responses.add_argument("--enable-responses-store", action="store_true",
+                           default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").lower() in ("1", "true"),
+                           help="the Responses API stores responses (store, true by default as OpenAI's): GET and "
+                                "DELETE /v1/responses/{id}, previous_response_id; in memory, the last 10,000 "
+                                "(default: vLLM's VLLM_ENABLE_RESPONSES_API_STORE)")
     responses.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                            help="log every generation request: its ids, prompt token ids and parameters")
     responses.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
@@ -187,7 +192,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           response_role=args.response_role, enable_request_id_headers=args.enable_request_id_headers,
                           log_requests=args.log_requests, max_log_len=args.max_log_len,
-                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          enable_responses_store=args.enable_responses_store)
 
 
 def run_serve(args: argparse.Namespace) -> int:

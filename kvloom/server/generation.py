@@ -40,6 +40,7 @@ from kvloom.server.async_engine import (
 from kvloom.server.errors import SERVER_ERROR, APIError, bad_request, from_value_error, overloaded
 from kvloom.server.lora_modules import LoRAModules
 from kvloom.server.protocol import SamplingRequest
+from kvloom.server.response_store import ResponseStore
 from kvloom.server.settings import ServerSettings
 from kvloom.structured import structured_output_from_openai
 
@@ -53,9 +54,12 @@ class Serving:
     engine: AsyncEngine
     settings: ServerSettings
     loras: LoRAModules = field(init=False)  # the adapters served by name (server/lora_modules.py)
+    # The Responses API's stored responses (server/response_store.py); None: nothing is stored.
+    responses: ResponseStore | None = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loras", LoRAModules(self.settings.lora_modules))
+        object.__setattr__(self, "responses", ResponseStore() if self.settings.enable_responses_store else None)
 
     def model_info(self) -> ModelInfo:
         """The loaded model's facts, or a 503 while it loads / after it failed."""

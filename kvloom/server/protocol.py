@@ -412,9 +412,9 @@ class DetokenizeRequest(RequestModel):
 
 class ResponsesRequest(RequestModel):
     """POST /v1/responses (OpenAI's Responses API; server/serving_responses.py reads it as
-    the chat request it amounts to). Stateless: nothing is stored, so ``store: true``,
-    ``previous_response_id`` and ``background`` are refused there. ``input`` items are
-    checked item by item there, so that an error names ``input[i]``."""
+    the chat request it amounts to). ``store`` and ``previous_response_id`` need a server
+    that stores responses (--enable-responses-store); ``background`` is refused. ``input``
+    items are checked item by item there, so that an error names ``input[i]``."""
 
     model: str | None = None
     input: str | list[Any] = Field(description="Text, or a list of input items (messages, function calls "

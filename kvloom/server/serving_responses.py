@@ -9,9 +9,11 @@ and sample. The answer is a Response object whose items (a ``reasoning`` item of
 ``output_text``, and ``function_call`` items where the tool parser finds calls) are
 written by one ``_ItemWriter``, each opening when the output starts it. Streamed, that is
 the Responses events (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``, numbered by ``sequence_number``). Nothing is stored: ``store: true``,
-``previous_response_id`` and ``background`` are 400s, as are items and tools that only
-OpenAI's hosted tools or stored state could serve.
+``response.completed``, numbered by ``sequence_number``). With ``--enable-responses-store``
+a finished response is stored (``store``, true by default there, as OpenAI's) with its
+conversation, which ``previous_response_id`` continues (server/response_store.py);
+without it ``store: true`` and ``previous_response_id`` are 400s. ``background`` is a 400,
+as are items and tools that only OpenAI's hosted tools could serve.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -40,6 +42,7 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
+from kvloom.server.response_store import ResponseStore
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, prepared_chat
 from kvloom.server.tool_calling import ToolUse
@@ -188,12 +191,19 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")
 
 
-def _refuse_stateful(body: ResponsesRequest) -> None:
-    for name, given in (("store", body.store is True), ("previous_response_id", body.previous_response_id is not None),
-                        ("background", body.background is True)):
+def _refuse_stateful(body: ResponsesRequest, stores: bool) -> None:
+    """400 for what needs stored responses where none are stored (``stores`` false), and
+    for ``background``, ``include`` and truncation, which nothing here serves."""
+    stateful = () if stores else (("store", body.store is True),
+                                  ("previous_response_id", body.previous_response_id is not None))
+    for name, given in stateful:
         if given:
             raise bad_request(f"{name} is not supported: this server stores no responses (it answers each request "
-                              "on its own; send the conversation in input)", name, "unsupported_parameter")
+                              "on its own; send the conversation in input, or start it with "
+                              "--enable-responses-store)", name, "unsupported_parameter")
+    if body.background is True:
+        raise bad_request("background is not supported: a response is answered while the request waits",
+                          "background", "unsupported_parameter")
     if body.include:
         raise bad_request(f"include {body.include} is not supported (no hosted tools, no encrypted reasoning)",
                           "include", "unsupported_parameter")
@@ -218,10 +228,11 @@ def _reasoning_effort(body: ResponsesRequest) -> str | None:
     return body.reasoning.get("effort")
 
 
-def to_chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+def to_chat_request(body: ResponsesRequest, stores: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request the Responses request amounts to (400s name the Responses field),
-    and where each of its messages came from (``_messages``)."""
-    _refuse_stateful(body)
+    and where each of its messages came from (``_messages``); ``stores``: the server
+    keeps responses."""
+    _refuse_stateful(body, stores)
     tools, tool_choice = _chat_tools(body)
     messages, origins = _messages(body)
     fields: dict[str, Any] = {
@@ -253,12 +264,29 @@ def renamed(error: APIError, origins: list[str]) -> APIError:
     return error
 
 
+def _continued(body: ResponsesRequest, store: ResponseStore | None) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
+    """The request with its ``previous_response_id``'s conversation before its own input
+    (404 for an id not stored), and its input as items (what a stored response keeps)."""
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else list(body.input)
+    if store is None or body.previous_response_id is None:
+        return body, items
+    previous = store.get(body.previous_response_id)
+    if previous is None:
+        raise APIError(404, f"Response with id '{body.previous_response_id}' not found.", param="previous_response_id",
+                       code="response_not_found")
+    items = [*previous.conversation, *items]
+    return body.model_copy(update={"input": items}), items
+
+
 async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     origins: list[str] = []
+    store = serving.responses
     try:
-        chat, origins = to_chat_request(body)
+        body, input_items = _continued(body, store)
+        chat, origins = to_chat_request(body, store is not None)
         params, tools, reasoning, prompt = prepared_chat(chat, serving.settings, info, "text.format")
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = await open_with_kv_transfer(serving, request, engine_requests(
@@ -270,21 +298,39 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         raise renamed(from_value_error(error), origins) from None
     if isinstance(stream, JSONResponse):  # the prefill leg of a disaggregated request, answered
         return stream
-    shape = _Shape(body, response_id, model, tools, len(prompt), reasoning)
+    kept = store is not None and body.store is not False  # stored unless the request says not
+    shape = _Shape(body, response_id, model, tools, len(prompt), reasoning,
+                   (lambda whole: store.put(whole, input_items)) if kept and store is not None else None)
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
     finals = await collect(stream, request)
     if stream.aborted:  # the client went away; nobody reads an answer
         raise APIError(499, "the client closed the connection", code="client_disconnected")
-    return JSONResponse(shape.response("completed", finals[0]))
+    return JSONResponse(shape.finished(shape.response("completed", finals[0])))
+
+
+def stored_response(response_id: str, serving: Serving, delete: bool = False) -> dict[str, Any]:
+    """GET /v1/responses/{id}: the stored Response object; DELETE: it is forgotten (OpenAI's
+    deletion object). 404 for an id not stored (or none stored at all)."""
+    store = serving.responses
+    stored = store.get(response_id) if store is not None else None
+    if stored is None or store is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                       code="response_not_found")
+    if delete:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+    return stored.response
 
 
 class _Shape:
     """The Response object of one request, whole or as its stream of events."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolUse, prompt_len: int,
-                 reasoning: Reasoning | None = None) -> None:
+                 reasoning: Reasoning | None = None,
+                 store: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.body, self.id, self.model, self.tools, self.prompt_len = body, response_id, model, tools, prompt_len
+        self.store = store  # keeps the finished response (--enable-responses-store), if it is to be kept
         # --reasoning-parser: the output's reasoning becomes a reasoning item, and the tokens
         # before the end marker's are counted as reasoning_tokens.
         self.reasoning = reasoning
@@ -306,7 +352,8 @@ class _Shape:
             "tools": body.tools or [], "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text if body.text is not None else {"format": {"type": "text"}},
-            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "previous_response_id": body.previous_response_id, "store": self.store is not None,
+            "truncation": "disabled",
             "reasoning": {"effort": body.reasoning.get("effort"), "summary": None} if body.reasoning else None,
             "metadata": body.metadata or {}, "user": body.user, "output": output or [], "usage": None}
         if final is not None:
@@ -327,6 +374,12 @@ class _Shape:
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(token_ids)},
                 "total_tokens": self.prompt_len + generated}
         return data
+
+    def finished(self, whole: dict[str, Any]) -> dict[str, Any]:
+        """The finished Response object, stored where it is to be."""
+        if self.store is not None:
+            self.store(whole)
+        return whole
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         return 0 if self.reasoning is None else self.reasoning.tokens(token_ids)
@@ -369,7 +422,7 @@ class _Shape:
                     return  # the client is gone
                 for event in writer.close(final.outputs[0].finish_reason):
                     yield event
-                whole = self.response("completed", final, writer.items, token_ids)
+                whole = self.finished(self.response("completed", final, writer.items, token_ids))
                 yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                                  response=whole)
             except (RequestAborted, APIError) as error:

@@ -76,6 +76,10 @@ class ServerSettings:
     enable_request_id_headers: bool = False
     # --enable-tokenizer-info-endpoint: GET /tokenizer_info serves the tokenizer's config.
     enable_tokenizer_info_endpoint: bool = False
+    # --enable-responses-store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): the Responses API
+    # keeps stored responses (server/response_store.py): GET /v1/responses/{id},
+    # previous_response_id.
+    enable_responses_store: bool = False
     # --enable-log-requests: a log line per generation request (its engine requests' ids,
     # prompt token ids, at most max_log_len of them, and parameters).
     log_requests: bool = False

@@ -1,0 +1,86 @@
+"""--enable-responses-store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): stored responses are
+returned by GET /v1/responses/{id} and deleted by DELETE, and a request naming one as
+``previous_response_id`` answers the whole conversation: transformers' greedy reply to the
+chat of the first turn, its answer and the new input (instructions do not carry over)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from server_harness import SERVED_NAME, LiveServer, start_live_server
+from test_responses_api import expected_text
+
+from kvloom.server.settings import ServerSettings
+from kvloom.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def storing(tiny_llama: Path) -> Iterator[LiveServer]:
+    live = start_live_server(tiny_llama, ServerSettings(served_model_name=SERVED_NAME, enable_responses_store=True))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> torch.nn.Module:
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> Tokenizer:
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=8)).tokenizer
+
+
+@pytest.fixture
+def openai_client(storing: LiveServer) -> Iterator[Any]:
+    import openai
+    with openai.OpenAI(base_url=f"{storing.base_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_a_continued_response_answers_the_whole_conversation(openai_client: Any, storing: LiveServer,
+                                                             reference: torch.nn.Module,
+                                                             tokenizer: Tokenizer) -> None:
+    first = openai_client.responses.create(model=SERVED_NAME, instructions="Be brief.", input="hello there",
+                                           max_output_tokens=6, temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    with httpx.Client(base_url=storing.base_url, timeout=60) as http:
+        assert http.get(f"/v1/responses/{first.id}").json() == first.model_dump(mode="json", exclude_unset=True)
+        second = openai_client.responses.create(model=SERVED_NAME, previous_response_id=first.id,
+                                                input="and then?", max_output_tokens=6, temperature=0)
+        conversation = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "and then?"}]
+        text, prompt_len, _ = expected_text(http, reference, tokenizer, conversation, 6)
+        assert second.output_text == text and second.usage.input_tokens == prompt_len
+        assert second.previous_response_id == first.id
+        # A third turn, streamed, continues the second (the chain, not just one link).
+        events = list(openai_client.responses.create(model=SERVED_NAME, previous_response_id=second.id,
+                                                     input="why?", max_output_tokens=6, temperature=0, stream=True))
+        third = events[-1].response
+        text, prompt_len, _ = expected_text(http, reference, tokenizer, [
+            *conversation, {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "why?"}], 6)
+        assert third.output_text == text and third.usage.input_tokens == prompt_len
+        assert http.get(f"/v1/responses/{third.id}").json() == third.model_dump(mode="json", exclude_unset=True)
+        # Deleted, it is gone; a response with store false is never kept.
+        assert http.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response",
+                                                                   "deleted": True}
+        assert http.get(f"/v1/responses/{first.id}").status_code == 404
+        unstored = openai_client.responses.create(model=SERVED_NAME, input="hi", max_output_tokens=2, store=False)
+        assert unstored.store is False and http.get(f"/v1/responses/{unstored.id}").status_code == 404
+        missing = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi",
+                                                   "previous_response_id": first.id})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
+    storing.assert_idle_and_clean()
+
+
+def test_without_the_store_nothing_is_kept(http: httpx.Client) -> None:
+    assert http.get("/v1/responses/resp_x").status_code == 404
