@@ -84,3 +84,19 @@ def test_a_continued_response_answers_the_whole_conversation(openai_client: Any,
 
 def test_without_the_store_nothing_is_kept(http: httpx.Client) -> None:
     assert http.get("/v1/responses/resp_x").status_code == 404
+
+
+def test_the_store_keeps_the_most_recent_and_each_conversation() -> None:
+    from kvloom.server.response_store import ResponseStore
+
+    store = ResponseStore(capacity=2)
+    for index in range(3):
+        store.put({"id": f"r{index}", "output": [{"type": "message", "content": f"out{index}"}]},
+                  [{"role": "user", "content": f"in{index}"}])
+    assert store.get("r0") is None and len(store) == 2  # the least recent went
+    kept = store.get("r2")
+    assert kept is not None and kept.conversation == [{"role": "user", "content": "in2"},
+                                                      {"type": "message", "content": "out2"}]
+    assert store.delete("r1") and not store.delete("r1") and store.get("r1") is None
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        ResponseStore(capacity=0)
