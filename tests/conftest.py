@@ -31,11 +31,18 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_reference() -> torch.nn.Module:
-    """transformers' own float32 model from the default model's GGUF (loading it takes
-    ~17 s on 2 cores: once per session, for every test that compares with it)."""
+    """transformers' own float32 model of the default model: its configuration as
+    transformers reads it from the GGUF, its weights the dequantized copy kvloom's loader
+    caches, which tests/models/test_loader.py holds tensor for tensor to gguf-py's
+    dequantization under transformers' own GGUF tensor processing (what transformers'
+    GGUF load gives; ~7 s here, where that load takes ~17 s on 2 cores)."""
     import transformers
     from helpers_models import default_model_path
 
+    from kvloom.models import loader
+
     gguf = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+    config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loader.load_checkpoint(str(gguf))  # writes the dequantized copy if it is not there yet
+    return transformers.AutoModelForCausalLM.from_pretrained(loader._gguf_cache_dir(gguf, None), config=config,
                                                              dtype=torch.float32).eval()
