@@ -44,7 +44,7 @@ from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
-from kvloom.server.serving_responses import create_response, stored_response
+from kvloom.server.serving_responses import cancel_response, create_response, stored_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
 
@@ -177,6 +177,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         return stored_response(response_id, serving, delete=True)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_stored(response_id: str) -> dict[str, Any]:
+        return await cancel_response(response_id, serving)
 
     # vLLM's Score and Rerank APIs, the model as a bi-encoder (server/serving_rerank.py).
     @app.post("/score")

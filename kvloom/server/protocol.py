@@ -412,8 +412,8 @@ class DetokenizeRequest(RequestModel):
 
 class ResponsesRequest(RequestModel):
     """POST /v1/responses (OpenAI's Responses API; server/serving_responses.py reads it as
-    the chat request it amounts to). ``store`` and ``previous_response_id`` need a server
-    that stores responses (--enable-responses-store); ``background`` is refused. ``input``
+    the chat request it amounts to). ``store``, ``previous_response_id`` and ``background``
+    need a server that stores responses (--enable-responses-store). ``input``
     items are checked item by item there, so that an error names ``input[i]``."""
 
     model: str | None = None

@@ -6,6 +6,7 @@ a request naming it as ``previous_response_id`` continues from it. In memory, th
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ class ResponseStore:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        # Background responses still running (``background: true``): their tasks, which
+        # ``cancel`` stops; each removes itself when it ends.
+        self.running: dict[str, asyncio.Task[None]] = {}
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         self._responses[response["id"]] = StoredResponse(response, [*input_items, *response["output"]])

@@ -5,6 +5,7 @@ chat of the first turn, its answer and the new input (instructions do not carry 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,41 @@ def test_the_store_keeps_the_most_recent_and_each_conversation() -> None:
     assert store.delete("r1") and not store.delete("r1") and store.get("r1") is None
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         ResponseStore(capacity=0)
+
+
+def test_a_background_response_is_fetched_when_done(openai_client: Any, storing: LiveServer) -> None:
+    kwargs = dict(model=SERVED_NAME, input="hello there", max_output_tokens=6, temperature=0)
+    queued = openai_client.responses.create(background=True, **kwargs)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    deadline = time.monotonic() + 30
+    while (fetched := openai_client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never ended"
+    assert fetched.output_text == openai_client.responses.create(**kwargs).output_text
+    assert fetched.status in ("completed", "incomplete") and fetched.usage.output_tokens > 0
+    # Cancelling one that has ended returns it as it is; a response that was not a
+    # background one cannot be cancelled.
+    assert openai_client.responses.cancel(queued.id).status == fetched.status
+    with httpx.Client(base_url=storing.base_url, timeout=60) as http:
+        plain = openai_client.responses.create(**kwargs)
+        refused = http.post(f"/v1/responses/{plain.id}/cancel")
+        assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
+        for body in ({"background": True, "store": False}, {"background": True, "stream": True}):
+            response = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi", **body})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "background"
+    storing.assert_idle_and_clean()
+
+
+def test_a_cancelled_background_response_stops_its_request(tiny_llama: Path) -> None:
+    """A slow engine (each step >= 0.2 s): the cancel arrives while the request runs."""
+    settings = ServerSettings(served_model_name=SERVED_NAME, enable_responses_store=True)
+    live = start_live_server(tiny_llama, settings, step_delay=0.2)
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            queued = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hello", "background": True,
+                                                      "max_output_tokens": 200}).json()
+            cancelled = http.post(f"/v1/responses/{queued['id']}/cancel").json()
+            assert cancelled["status"] == "cancelled" and cancelled["id"] == queued["id"]
+            assert http.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+            live.assert_idle_and_clean()  # its engine request was aborted, its blocks freed
+    finally:
+        live.stop()
