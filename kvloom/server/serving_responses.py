@@ -431,7 +431,8 @@ class _Shape:
         return data
 
     def finished(self, whole: dict[str, Any]) -> dict[str, Any]:
-        """The finished Response object, stored where it is to be."""
+        """The Response object as it stands (finished, or a background one's state so far),
+        stored where it is to be."""
         if self.store is not None:
             self.store(whole)
         return whole
