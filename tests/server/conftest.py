@@ -9,9 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from server_harness import SERVED_NAME, LiveServer, start_live_server
 
 from kvloom.server.settings import ServerSettings
+from kvloom.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +38,18 @@ def client(live_server: LiveServer) -> Iterator[Any]:
 def http(live_server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live_server.base_url, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> torch.nn.Module:
+    """transformers' own float32 model of the tiny checkpoint: what replies are held to."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> Tokenizer:
+    """The engine's tokenizer of the tiny checkpoint (its eos_token_ids are the engine's too)."""
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=8)).tokenizer

@@ -18,12 +18,6 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> torch.nn.Module:
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def eos(tiny_llama: Path) -> set[int]:
     from kvloom.config import EngineConfig
     from kvloom.engine.engine import LLMEngine

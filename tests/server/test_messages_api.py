@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,12 +28,6 @@ TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_
 GREEDY = {"temperature": 0}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                 "parameters": WEATHER}}]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> torch.nn.Module:
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

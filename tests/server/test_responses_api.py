@@ -7,7 +7,6 @@ json_schema formats hold, and what a stateless server cannot honour is a 400 nam
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,20 +16,6 @@ from helpers_models import hf_greedy_tokens
 from server_harness import SERVED_NAME, LiveServer
 
 from kvloom.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> torch.nn.Module:
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    """The engine's tokenizer (its eos_token_ids are the engine's too)."""
-    from kvloom.config import EngineConfig
-    from kvloom.engine.engine import LLMEngine
-    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=8)).tokenizer
 
 
 def expected_text(http: httpx.Client, reference: torch.nn.Module, tokenizer: Tokenizer,

@@ -27,19 +27,6 @@ def storing(tiny_llama: Path) -> Iterator[LiveServer]:
     live.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> torch.nn.Module:
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    from kvloom.config import EngineConfig
-    from kvloom.engine.engine import LLMEngine
-    return LLMEngine(EngineConfig.from_kwargs(str(tiny_llama), num_blocks=8)).tokenizer
-
-
 @pytest.fixture
 def openai_client(storing: LiveServer) -> Iterator[Any]:
     import openai
