@@ -4,7 +4,6 @@ message names the field, so a bad CLI flag and a bad ``LLM(...)`` keyword read a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import typing
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloom.generation_config import json_object, parse_override
 from kvloom.model_families import MLAConfig, MoEConfig, SSMConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -456,19 +456,6 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def json_object(value: Any, name: str) -> dict[str, Any]:
-    """An option given as a dict (an ``LLM`` keyword) or as its JSON text (the flag):
-    the dict; ValueError naming ``name`` unless it is a JSON object."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{name} must be a JSON object: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return value
-
-
 def parse_hf_overrides(value: Any) -> dict[str, Any]:
     """``--hf-overrides``: JSON text or a dict, keyed by config.json's names."""
     value = json_object(value, "hf_overrides")
@@ -487,11 +474,6 @@ def with_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> d
         else:
             merged[key] = value
     return merged
-
-
-def _parse_override(value: Any) -> dict[str, Any]:
-    from kvloom.generation_config import parse_override
-    return parse_override(value)
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -570,7 +552,7 @@ class EngineConfig:
                 "'{\"is_matryoshka\": true}' or '{\"max_position_embeddings\": 4096}'; a dict value is "
                 "merged into the config's dict of that key"})
     override_generation_config: dict[str, Any] | None = field(default=None, hash=False, metadata={
-        "parse": _parse_override, "flag_type": str,
+        "parse": parse_override, "flag_type": str,
         "help": "sampling defaults over --generation-config's, as JSON with generation_config.json's keys, "
                 "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}' (vLLM's; with --generation-config "
                 "vllm, these alone)"})
@@ -624,7 +606,7 @@ class EngineConfig:
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.override_generation_config is not None:
-            object.__setattr__(self, "override_generation_config", _parse_override(self.override_generation_config))
+            object.__setattr__(self, "override_generation_config", parse_override(self.override_generation_config))
         if self.speculative_config is not None:
             # A dict (LLM keyword) or JSON text (the flag) becomes the frozen config.
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -31,11 +31,24 @@ def generation_defaults(setting: str, model_path: str | Path | None,
     return {**_file_defaults(setting, model_path), **over}
 
 
+def json_object(value: Any, name: str) -> dict[str, Any]:
+    """An option given as a dict (an ``LLM`` keyword) or as its JSON text (the flag):
+    the dict; ValueError naming ``name`` unless it is a JSON object. (Here, below
+    config.py, which parses its JSON options with it too.)"""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
 def parse_override(value: Any) -> dict[str, Any]:
     """``--override-generation-config`` (vLLM's): JSON text or a dict of
     generation_config.json's sampling keys, each value checked as SamplingParams checks
     it. A key that is not a sampling default is refused, naming it (vLLM would ignore it)."""
-    from kvloom.config import json_object
     from kvloom.sampling_params import SamplingParams
 
     value = json_object(value, "override_generation_config")
