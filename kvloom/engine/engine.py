@@ -409,6 +409,8 @@ class LLMEngine:
         """The outputs of requests the scheduler ended with an error while admitting them
         (an adapter unloaded while the request waited)."""
         ended = self.scheduler.take_ended()
+        if not ended:  # nearly every step
+            return []
         self._step_updates.extend(StepUpdate(request, -1, 0) for request in ended)
         outputs = (self._output(request, []) for request in ended)
         return [output for output in outputs if output is not None]

@@ -337,13 +337,28 @@ async def _in_background(shape: _Shape, stream: ResultStream, store: ResponseSto
         stream.abort()  # its engine request stops too
         shape.finished(shape.response("cancelled", None))
     except (APIError, RequestAborted) as error:
-        failed = shape.response("failed", None)
-        failed["error"] = {"code": error.code if isinstance(error, APIError) else
-                           "engine_failed" if isinstance(error, EngineFailed) else "request_aborted",
-                           "message": error.message if isinstance(error, APIError) else str(error)}
-        shape.finished(failed)
+        shape.finished(_failed(shape, _error_fields(error)))
+    except Exception:  # noqa: BLE001 - a bug must end the response as failed, not leave it in progress
+        logger.exception("background response %s failed", shape.id)
+        shape.finished(_failed(shape, {"code": "internal_error", "message": "internal server error"}))
     finally:
         store.running.pop(shape.id, None)
+
+
+def _error_fields(error: APIError | RequestAborted) -> dict[str, Any]:
+    """How a response reports what ended it (a stream's error event, a background one's
+    ``error``): the API error's code, message and field, or the engine's failure."""
+    if isinstance(error, APIError):
+        return {"code": error.code, "message": error.message, "param": error.param}
+    code = "engine_failed" if isinstance(error, EngineFailed) else "request_aborted"
+    return {"code": code, "message": str(error), "param": None}
+
+
+def _failed(shape: _Shape, fields: dict[str, Any]) -> dict[str, Any]:
+    """A background response that ended in ``fields``' error (``_error_fields``)."""
+    failed = shape.response("failed", None)
+    failed["error"] = {"code": fields["code"], "message": fields["message"]}
+    return failed
 
 
 async def cancel_response(response_id: str, serving: Serving) -> dict[str, Any]:
@@ -482,11 +497,7 @@ class _Shape:
                 yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                                  response=whole)
             except (RequestAborted, APIError) as error:
-                if isinstance(error, APIError):
-                    yield self.event("error", code=error.code, message=error.message, param=error.param)
-                else:
-                    code = "engine_failed" if isinstance(error, EngineFailed) else "request_aborted"
-                    yield self.event("error", code=code, message=str(error), param=None)
+                yield self.event("error", **_error_fields(error))
             except Exception:  # noqa: BLE001 - a bug must end the stream, not hang it
                 logger.exception("responses stream failed")
                 yield self.event("error", code="internal_error", message="internal server error", param=None)

@@ -76,36 +76,35 @@ def test_the_pair_answers_what_one_instance_answers(instances: dict[str, Backgro
         instances[name].assert_idle_and_clean()
 
 
-def test_a_responses_request_goes_through_both_legs(instances: dict[str, BackgroundServer],
-                                                    router: BackgroundRouter) -> None:
-    body = {"input": "Tell me about the fox and the quiet river.", "max_output_tokens": 10, "temperature": 0.0}
+def through_both_legs(instances: dict[str, BackgroundServer], router: BackgroundRouter, path: str,
+                      body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``body`` to ``path`` on the single instance and through the router's pair: both
+    answers, after checking that the decode instance answered and imported the prompt's
+    KV once, and that neither instance holds a block afterwards."""
     imports = ("kvloom:kv_transfer_imports_total", ())
     before = samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports]
     with httpx.Client(base_url=instances["single"].base_url, timeout=60) as single, \
             httpx.Client(base_url=router.base_url, timeout=60) as pair:
-        want = single.post("/v1/responses", json=body).json()
-        got = pair.post("/v1/responses", json=body)
+        want = single.post(path, json=body).json()
+        got = pair.post(path, json=body)
         assert got.status_code == 200, got.text
         assert got.headers["x-kvloom-worker"] == instances["decode"].base_url
-        assert got.json()["output"][0]["content"] == want["output"][0]["content"]
     assert samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports] == before + 1
     for name in ("prefill", "decode"):
         instances[name].assert_idle_and_clean()
+    return want, got.json()
+
+
+def test_a_responses_request_goes_through_both_legs(instances: dict[str, BackgroundServer],
+                                                    router: BackgroundRouter) -> None:
+    body = {"input": "Tell me about the fox and the quiet river.", "max_output_tokens": 10, "temperature": 0.0}
+    want, got = through_both_legs(instances, router, "/v1/responses", body)
+    assert got["output"][0]["content"] == want["output"][0]["content"]
 
 
 def test_an_anthropic_messages_request_goes_through_both_legs(instances: dict[str, BackgroundServer],
                                                               router: BackgroundRouter) -> None:
     body = {"model": "tiny", "max_tokens": 10, "temperature": 0,
             "messages": [{"role": "user", "content": "Tell me about the fox and the quiet river."}]}
-    imports = ("kvloom:kv_transfer_imports_total", ())
-    before = samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports]
-    with httpx.Client(base_url=instances["single"].base_url, timeout=60) as single, \
-            httpx.Client(base_url=router.base_url, timeout=60) as pair:
-        want = single.post("/v1/messages", json=body).json()
-        got = pair.post("/v1/messages", json=body)
-        assert got.status_code == 200, got.text
-        assert got.headers["x-kvloom-worker"] == instances["decode"].base_url
-        assert got.json()["content"] == want["content"] and got.json()["stop_reason"] == want["stop_reason"]
-    assert samples(httpx.get(f"{instances['decode'].base_url}/metrics").text)[imports] == before + 1
-    for name in ("prefill", "decode"):
-        instances[name].assert_idle_and_clean()
+    want, got = through_both_legs(instances, router, "/v1/messages", body)
+    assert got["content"] == want["content"] and got["stop_reason"] == want["stop_reason"]

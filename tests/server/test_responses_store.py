@@ -126,3 +126,26 @@ def test_a_cancelled_background_response_stops_its_request(tiny_llama: Path) -> 
             live.assert_idle_and_clean()  # its engine request was aborted, its blocks freed
     finally:
         live.stop()
+
+
+def test_a_background_response_that_hits_a_bug_ends_failed(storing: LiveServer, monkeypatch) -> None:
+    """A bug while a background response is generated ends it as failed, not in progress
+    for ever; the server goes on."""
+    import kvloom.server.serving_responses as serving_responses
+
+    def broken(output: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(serving_responses, "check_finished_cleanly", broken)
+    with httpx.Client(base_url=storing.base_url, timeout=60) as http:
+        queued = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi", "background": True,
+                                                  "max_output_tokens": 3}).json()
+        deadline = time.monotonic() + 30
+        while (fetched := http.get(f"/v1/responses/{queued['id']}").json())["status"] in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, "the background response never ended"
+        assert fetched["status"] == "failed"
+        assert fetched["error"] == {"code": "internal_error", "message": "internal server error"}
+        monkeypatch.undo()
+        assert http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi",
+                                                "max_output_tokens": 2}).status_code == 200
+    storing.assert_idle_and_clean()
