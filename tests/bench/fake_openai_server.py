@@ -113,12 +113,20 @@ class Handler(BaseHTTPRequestHandler):
         if meet is not None:
             meet.wait(timeout=30)
         self._record = record
+        self._left = False
         try:
             self._respond(payload)
         finally:
             record.setdefault("end", time.perf_counter())
-            with state.lock:
-                state.in_flight -= 1
+            self._leave()
+
+    def _leave(self) -> None:
+        """The request no longer counts as in flight (once; before a stream's end reaches
+        the client, which may send its next request as soon as it sees it)."""
+        if not self._left:
+            self._left = True
+            with self.server.state.lock:
+                self.server.state.in_flight -= 1
 
     def _respond(self, payload: dict[str, Any]) -> None:
         state = self.server.state
@@ -175,6 +183,7 @@ class Handler(BaseHTTPRequestHandler):
                                                   "completion_tokens": completion,
                                                   "total_tokens": len(prompt.split()) + completion}})
         self._record["end"] = time.perf_counter()  # before the client can see the end
+        self._leave()
         self._event("[DONE]")
         self._chunk("")
 
