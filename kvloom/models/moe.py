@@ -97,17 +97,14 @@ class MoERouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
         if self.moe.router_float32:
-            logits = F.linear(x.float(), self.weight.float())
-        elif self.packed is not None:
-            logits = self.packed(x)
-        else:
-            logits = F.linear(x, self.weight)  # [tokens, experts]
+            x = x.float()  # the weight stays float32 (_apply)
+        logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight)  # [tokens, experts]
         return route(logits, self.moe, self.score_correction_bias)
 
     def pack(self, matmul: str) -> int:
-        """The weight packed for ``matmul`` where it applies (a float32 router stays)."""
-        if not self.moe.router_float32:
-            self.packed = packed_linear(self.weight, None, matmul)
+        """The weight as ``matmul``'s layer where it applies (a float32 router's too: for
+        ``invariant`` its rows padded as every float32 matmul's on CPU)."""
+        self.packed = packed_linear(self.weight, None, matmul)
         return int(self.packed is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:

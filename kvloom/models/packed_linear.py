@@ -13,8 +13,10 @@
   order, by the number of rows: outputs then change with what else is in the step.
 - ``torch``: plain ``F.linear`` (oneDNN repacks the weight on every call).
 
-Only bf16 weights on CPU are packed. Float32 stays on ``F.linear`` (MKL): it is the
-reference dtype, and other devices keep their own libraries.
+Only bf16 weights on CPU are packed. Float32 on CPU stays on ``F.linear`` (MKL, the
+reference dtype's library); under ``invariant`` through :class:`Float32Linear`, which
+pads each call to a row count where MKL gives a row the same bits whatever the count.
+Other devices keep their own libraries.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvloom.config import MATMULS
@@ -98,6 +101,49 @@ class InvariantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=kvloom/{self.isa}"
 
 
+# MKL's float32 GEMM (torch 2.13's, 2024.2) takes another kernel for 1-11 rows unless
+# the count is a multiple of 4, and a row's bits then depend on how many rows share the
+# call: on AMD EPYC Milan (AVX2) a prefix hit's 11 computed tokens rounded differently
+# from the same tokens inside the whole prompt. From 12 rows, and at 4 and 8, each row
+# gets the same bits as in any larger call (every M from 1 to 200, at any offset, for
+# the shapes of tests/models/test_packed_linear.py); AVX-512 CPUs showed no such kernel.
+FLOAT32_ROWS_ANY = 12
+FLOAT32_ROWS_MULTIPLE = 4
+
+
+def float32_rows(rows: int) -> int:
+    """The row count a float32 call of ``rows`` rows is padded to (see above)."""
+    if rows >= FLOAT32_ROWS_ANY or rows % FLOAT32_ROWS_MULTIPLE == 0:
+        return rows
+    return -(-rows // FLOAT32_ROWS_MULTIPLE) * FLOAT32_ROWS_MULTIPLE
+
+
+class Float32Linear(nn.Module):
+    """y = x @ W.T + b for float32 on CPU through ``F.linear`` (MKL), each call padded
+    with zero rows to :func:`float32_rows`, so that a row's result does not depend on how
+    many rows share the call: a request's tokens then do not depend on the batch,
+    chunking or prefix hits in float32 either. The weight is held, not copied (a tied
+    head shares the embedding table)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        padded = float32_rows(count)
+        if padded != count:
+            rows = torch.cat((rows, rows.new_zeros(padded - count, self.in_features)))
+        y = F.linear(rows, self.weight, self.bias)[:count]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float32 rows padded"
+
+
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, matmul: str) -> nn.Module | None:
     """The packed layer ``matmul`` asks for, or None where it does not apply (dtype,
     device, CPU): the caller keeps its ``nn.Linear``."""
@@ -105,6 +151,8 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, matmul: str) 
         raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
     if matmul == "invariant" and can_pack_invariant(weight):
         return InvariantLinear(weight, bias)
+    if matmul == "invariant" and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return Float32Linear(weight, bias)
     if matmul == "onednn" and can_pack(weight):
         return PackedLinear(weight, bias)
     return None
@@ -126,7 +174,7 @@ def packed_linears(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], m
         return [packed_linear(weight, bias, matmul) for weight, bias in layers]
     served = [can_pack_invariant(weight) for weight, _ in layers]
     packed = iter(gemm.pack_weights([weight for (weight, _), ok in zip(layers, served, strict=True) if ok]))
-    return [InvariantLinear(weight, bias, packed=next(packed)) if ok else None
+    return [InvariantLinear(weight, bias, packed=next(packed)) if ok else packed_linear(weight, bias, matmul)
             for (weight, bias), ok in zip(layers, served, strict=True)]
 
 

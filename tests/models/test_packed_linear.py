@@ -1,7 +1,8 @@
 """Packed linear layers: oneDNN's equal F.linear bit for bit where the CPU has native
 bf16, to one rounding where oneDNN emulates it (and an engine on them generates exactly
 what one on F.linear does); the invariant one equals the float32
-reference; the matmul choice swaps exactly the layers it can serve."""
+reference; float32 rows do not depend on the call; the matmul choice swaps exactly the
+layers it can serve."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from torch import nn
 
 from kvloom import LLM, SamplingParams
 from kvloom.kernels import gemm
-from kvloom.models.packed_linear import InvariantLinear, PackedLinear, can_pack, pack_linear_layers
+from kvloom.models.packed_linear import (
+    Float32Linear,
+    InvariantLinear,
+    PackedLinear,
+    can_pack,
+    float32_rows,
+    pack_linear_layers,
+)
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
                                 reason="oneDNN bf16 matmul not supported by this CPU")
@@ -51,8 +59,13 @@ def test_invariant_linear_equals_the_reference(in_features: int, out_features: i
 @pytest.mark.parametrize(("matmul", "layer"), [("invariant", InvariantLinear), ("onednn", PackedLinear)])
 def test_only_cpu_bf16_is_packed(matmul: str, layer: type) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
-    assert pack_linear_layers(model, matmul) == 0  # float32 stays on F.linear
-    assert all(isinstance(m, nn.Linear) for m in (model[0], model[1][0]))
+    if matmul == "invariant":  # float32: F.linear with its rows padded
+        assert pack_linear_layers(model, matmul) == 2
+        assert all(isinstance(m, Float32Linear) for m in (model[0], model[1][0]))
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    else:
+        assert pack_linear_layers(model, matmul) == 0  # float32 stays on F.linear
+        assert all(isinstance(m, nn.Linear) for m in (model[0], model[1][0]))
     model = model.bfloat16()
     if matmul == "onednn" and not can_pack(model[0].weight):
         return
@@ -61,6 +74,28 @@ def test_only_cpu_bf16_is_packed(matmul: str, layer: type) -> None:
     assert pack_linear_layers(nn.Sequential(nn.Linear(8, 8)).bfloat16(), "torch") == 0
     with pytest.raises(ValueError, match="matmul must be one of"):
         pack_linear_layers(nn.Sequential(nn.Linear(8, 8)), "mkl")
+
+
+@pytest.mark.parametrize(("in_features", "out_features", "bias"),
+                         [(64, 192, False), (576, 1536, True), (100, 37, True), (576, 49152, False)])
+def test_float32_linear_rows_do_not_depend_on_the_call(in_features: int, out_features: int, bias: bool) -> None:
+    """Every row count from 1 to 40, at three offsets, against the rows of one 300-row
+    F.linear call (MKL's large-M kernel), bit for bit; and the values against a float64
+    product. Plain F.linear fails this on AMD EPYC Milan (1-11 rows not a multiple of 4)."""
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(300, in_features, generator=generator)
+    whole = F.linear(x, weight, b)
+    want = x.double() @ weight.double().T + (0 if b is None else b.double())
+    torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-4)
+    layer = Float32Linear(weight, b)
+    for rows in range(1, 41):
+        for start in (0, 7, 300 - rows):
+            got = layer(x[start:start + rows].view(1, rows, in_features))  # leading dims kept
+            assert got.shape == (1, rows, out_features)
+            assert torch.equal(got[0], whole[start:start + rows]), (rows, start)
+    assert [float32_rows(m) for m in (0, 1, 3, 4, 5, 9, 11, 12, 13)] == [0, 4, 4, 4, 8, 12, 12, 12, 13]
 
 
 @needs_bf16
