@@ -15,12 +15,14 @@
 
 Only bf16 weights on CPU are packed. Float32 on CPU stays on ``F.linear`` (MKL, the
 reference dtype's library); under ``invariant`` through :class:`Float32Linear`, which
-pads each call to a row count where MKL gives a row the same bits whatever the count.
+pads each call, where MKL needs it, to a row count where MKL gives a row the same bits
+whatever the count.
 Other devices keep their own libraries.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -101,47 +103,64 @@ class InvariantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=kvloom/{self.isa}"
 
 
-# MKL's float32 GEMM (torch 2.13's, 2024.2) takes another kernel for 1-11 rows unless
-# the count is a multiple of 4, and a row's bits then depend on how many rows share the
-# call: on AMD EPYC Milan (AVX2) a prefix hit's 11 computed tokens rounded differently
-# from the same tokens inside the whole prompt. From 12 rows, and at 4 and 8, each row
-# gets the same bits as in any larger call (every M from 1 to 200, at any offset, for
-# the shapes of tests/models/test_packed_linear.py); AVX-512 CPUs showed no such kernel.
+# MKL's float32 GEMM (torch 2.13's, 2024.2) on AMD EPYC Milan (AVX2) takes other kernels
+# for 1-11 rows unless the count is a multiple of 4, and a row's bits then depend on how
+# many rows share the call: a prefix hit's 11 computed tokens rounded differently from the
+# same tokens inside the whole prompt. From 12 rows, and at 4 and 8, each row gets the
+# same bits as in any larger call (every M from 1 to 200, at any offset, nine shapes with
+# and without a bias). The AVX-512 CPUs' MKL showed no such kernel, and padding costs
+# there: one row takes MKL's matrix-vector kernel, which reads the weight once, where 4
+# rows pack it first (float32 decode at batch 1 on Milan: 48 -> 88 ms a step, the price
+# of its exactness there; docs/benchmarks.md). So padding is on only where a probe finds it
+# needed.
 FLOAT32_ROWS_ANY = 12
 FLOAT32_ROWS_MULTIPLE = 4
 
 
 def float32_rows(rows: int) -> int:
-    """The row count a float32 call of ``rows`` rows is padded to (see above)."""
+    """The row count a float32 call of ``rows`` rows is padded to where padding is on."""
     if rows >= FLOAT32_ROWS_ANY or rows % FLOAT32_ROWS_MULTIPLE == 0:
         return rows
     return -(-rows // FLOAT32_ROWS_MULTIPLE) * FLOAT32_ROWS_MULTIPLE
 
 
-class Float32Linear(nn.Module):
-    """y = x @ W.T + b for float32 on CPU through ``F.linear`` (MKL), each call padded
-    with zero rows to :func:`float32_rows`, so that a row's result does not depend on how
-    many rows share the call: a request's tokens then do not depend on the batch,
-    chunking or prefix hits in float32 either. The weight is held, not copied (a tied
-    head shares the embedding table)."""
+@functools.cache
+def float32_rows_need_padding() -> bool:
+    """Whether MKL's float32 GEMM here gives some of rows 1-11 other bits than the same
+    rows in a larger call (one probe a process, with the thread count it then has)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 96, generator=generator)
+    x = torch.randn(2 * FLOAT32_ROWS_ANY, 96, generator=generator)
+    whole = F.linear(x, weight)
+    return any(not torch.equal(F.linear(x[:rows], weight), whole[:rows]) for rows in range(1, FLOAT32_ROWS_ANY))
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class Float32Linear(nn.Module):
+    """y = x @ W.T + b for float32 on CPU through ``F.linear`` (MKL), where MKL needs it
+    (:func:`float32_rows_need_padding`) each call padded with zero rows to
+    :func:`float32_rows`, so that a row's result does not depend on how many rows share
+    the call: a request's tokens then do not depend on the batch, chunking or prefix hits
+    in float32 either. The weight is held, not copied (a tied head shares the embedding
+    table). ``pad``: None asks the probe."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
+        self.pad = float32_rows_need_padding() if pad is None else pad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        padded = float32_rows(count)
+        padded = float32_rows(count) if self.pad else count
         if padded != count:
             rows = torch.cat((rows, rows.new_zeros(padded - count, self.in_features)))
         y = F.linear(rows, self.weight, self.bias)[:count]
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, float32 rows padded"
+        return f"in_features={self.in_features}, out_features={self.out_features}, float32, rows padded={self.pad}"
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, matmul: str) -> nn.Module | None:

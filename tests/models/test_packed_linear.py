@@ -81,7 +81,8 @@ def test_only_cpu_bf16_is_packed(matmul: str, layer: type) -> None:
 def test_float32_linear_rows_do_not_depend_on_the_call(in_features: int, out_features: int, bias: bool) -> None:
     """Every row count from 1 to 40, at three offsets, against the rows of one 300-row
     F.linear call (MKL's large-M kernel), bit for bit; and the values against a float64
-    product. Plain F.linear fails this on AMD EPYC Milan (1-11 rows not a multiple of 4)."""
+    product. Plain F.linear fails this on AMD EPYC Milan (1-11 rows not a multiple of 4),
+    where the probe turns padding on."""
     generator = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     b = torch.randn(out_features, generator=generator) if bias else None
@@ -89,12 +90,14 @@ def test_float32_linear_rows_do_not_depend_on_the_call(in_features: int, out_fea
     whole = F.linear(x, weight, b)
     want = x.double() @ weight.double().T + (0 if b is None else b.double())
     torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-4)
-    layer = Float32Linear(weight, b)
-    for rows in range(1, 41):
-        for start in (0, 7, 300 - rows):
-            got = layer(x[start:start + rows].view(1, rows, in_features))  # leading dims kept
-            assert got.shape == (1, rows, out_features)
-            assert torch.equal(got[0], whole[start:start + rows]), (rows, start)
+    # The probe's choice, and padding always: both must hold (padding is on where the
+    # probe finds plain F.linear fails this; elsewhere it must not change a bit).
+    for layer in (Float32Linear(weight, b), Float32Linear(weight, b, pad=True)):
+        for rows in range(1, 41):
+            for start in (0, 7, 300 - rows):
+                got = layer(x[start:start + rows].view(1, rows, in_features))  # leading dims kept
+                assert got.shape == (1, rows, out_features)
+                assert torch.equal(got[0], whole[start:start + rows]), (layer.pad, rows, start)
     assert [float32_rows(m) for m in (0, 1, 3, 4, 5, 9, 11, 12, 13)] == [0, 4, 4, 4, 8, 12, 12, 12, 13]
 
 
