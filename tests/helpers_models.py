@@ -332,6 +332,32 @@ def hf_greedy_with_cache(model: Any, prompt: list[int], max_new_tokens: int) -> 
     return tokens
 
 
+def hf_greedy_batched(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """:func:`hf_greedy_with_cache` for several prompts in one batch of transformers'
+    forwards: left-padded, the padding masked out and each row's positions counted from
+    its first real token (as transformers' generate does). One forward a step for all the
+    prompts instead of one each: the default model's 8 x 32 tokens take ~4 s instead of
+    ~17 s on 2 cores. A row's values round as a batch of that size does, not as one prompt
+    alone; the tokens compared are the same wherever no two logits are within a rounding."""
+    longest = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in prompts])
+    mask = torch.tensor([[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            chosen = out.logits[:, -1].argmax(-1)
+            for row, token in enumerate(chosen.tolist()):
+                tokens[row].append(int(token))
+            ids = chosen[:, None]
+            mask = torch.cat((mask, torch.ones(len(prompts), 1, dtype=mask.dtype)), dim=1)
+            positions = positions[:, -1:] + 1
+    return tokens
+
+
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
 _GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
                      "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid"}

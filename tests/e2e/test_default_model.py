@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import default_model_path, hf_greedy_with_cache
+from helpers_models import default_model_path, hf_greedy_batched, hf_greedy_with_cache
 
 from kvloom import LLM, SamplingParams
 
@@ -36,9 +36,9 @@ def test_greedy_matches_transformers_on_default_model(gguf_path, llm, default_mo
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs, strict=False):
-        expected = hf_greedy_with_cache(reference, prompt, 32)
-        assert output.outputs[0].token_ids == expected
+    expected = hf_greedy_batched(reference, prompts, 32)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert expected[0] == hf_greedy_with_cache(reference, prompts[0], 32)  # the batch is one prompt's greedy
     llm.engine.check_integrity()
 
 
