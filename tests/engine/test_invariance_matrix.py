@@ -94,9 +94,13 @@ def matrix_setup(request, model_paths):
         args.update(kwargs)
         return LLMEngine(EngineConfig.from_kwargs(model_paths[model], **args))
 
+    # Each target alone: one at a time in one engine that keeps nothing between them (no
+    # prefix cache, every block free again; a fresh engine each cost ~1 s on the default model).
     alone: dict[str, list[int]] = {}
+    solo = engine(enable_prefix_caching=False)
     for target in targets:
-        alone.update(run(engine(enable_prefix_caching=False), all_at_once([target])))
+        alone.update(run(solo, all_at_once([target])))
+        assert solo.kv_manager.num_available_blocks == solo.num_blocks
     return engine, targets, others, alone
 
 
