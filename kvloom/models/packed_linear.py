@@ -110,7 +110,7 @@ class InvariantLinear(nn.Module):
 # same bits as in any larger call (every M from 1 to 200, at any offset, nine shapes with
 # and without a bias). The AVX-512 CPUs' MKL showed no such kernel, and padding costs
 # there: one row takes MKL's matrix-vector kernel, which reads the weight once, where 4
-# rows pack it first (float32 decode at batch 1 on Milan: 48 -> 88 ms a step, the price
+# rows pack it first (float32 decode at batch 1 on Milan: 50 -> 90 ms a step, the price
 # of its exactness there; docs/benchmarks.md). So padding is on only where a probe finds it
 # needed.
 FLOAT32_ROWS_ANY = 12
