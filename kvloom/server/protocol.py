@@ -11,10 +11,11 @@ same message for the same mistake. Responses are plain dicts built in ``serving_
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvloom.generation_config import json_object
 
 # A prompt: text, a batch of texts, token ids, or a batch of token-id lists.
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -259,15 +260,7 @@ class ChatMessage(StrictModel):
                     or not isinstance(function.get("arguments", ""), str | dict)):
                 raise ValueError("each tool call must be {\"id\": ..., \"type\": \"function\", "
                                  "\"function\": {\"name\": <string>, \"arguments\": <JSON string>}}")
-            arguments = function.get("arguments") or "{}"
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"call {index}'s function.arguments is not valid JSON: {error}") from None
-                if not isinstance(arguments, dict):
-                    raise ValueError(f"call {index}'s function.arguments must be a JSON object, "
-                                     f"got {type(arguments).__name__}")
+            arguments = json_object(function.get("arguments") or "{}", f"call {index}'s function.arguments")
             calls.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
         return calls
 

@@ -280,8 +280,7 @@ def _continued(body: ResponsesRequest, store: ResponseStore | None) -> tuple[Res
         return body, items
     previous = store.get(body.previous_response_id)
     if previous is None:
-        raise APIError(404, f"Response with id '{body.previous_response_id}' not found.", param="previous_response_id",
-                       code="response_not_found")
+        raise _not_found(body.previous_response_id, "previous_response_id")
     items = [*previous.conversation, *items]
     return body.model_copy(update={"input": items}), items
 
@@ -378,14 +377,18 @@ async def cancel_response(response_id: str, serving: Serving) -> dict[str, Any]:
     return stored_response(response_id, serving)
 
 
+def _not_found(response_id: str, param: str) -> APIError:
+    """404 for a response id not stored (never, deleted, or past the store's capacity)."""
+    return APIError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
 def stored_response(response_id: str, serving: Serving, delete: bool = False) -> dict[str, Any]:
     """GET /v1/responses/{id}: the stored Response object; DELETE: it is forgotten (OpenAI's
     deletion object). 404 for an id not stored (or none stored at all)."""
     store = serving.responses
     stored = store.get(response_id) if store is not None else None
     if stored is None or store is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                       code="response_not_found")
+        raise _not_found(response_id, "response_id")
     if delete:
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
