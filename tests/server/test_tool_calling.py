@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
@@ -53,11 +54,15 @@ def assert_valid_calls(calls: list[Any]) -> None:
 
 
 def test_required_tool_choice_always_calls_with_valid_arguments(client) -> None:
-    """Sampled, one call each: every response is a call whose arguments validate."""
-    for seed in range(4):
-        response = client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
-                                                  parallel_tool_calls=False, max_tokens=96, temperature=0.8,
-                                                  seed=seed)
+    """Sampled, one call each: every response is a call whose arguments validate. The four
+    are sent at once (the server batches them; each seed's sample is its own)."""
+    def ask(seed: int) -> Any:
+        return client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=96, temperature=0.8, seed=seed)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        responses = list(pool.map(ask, range(4)))
+    for response in responses:
         choice = response.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert_valid_calls(choice.message.tool_calls)
