@@ -1,7 +1,9 @@
 """The router's FastAPI app: an OpenAI-compatible front over the workers.
 
 Generation requests (completions, chat, responses) go to the worker the policy picks
-from the request's routing key (``routing_key``); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
+from the request's routing key (``routing_key``), and requests about a stored response
+(one by id, or one that continues from it) to the worker that stored it
+(kvloom/router/stored_responses.py); ``/tokenize``, ``/detokenize`` and ``/v1/models`` go to the least
 loaded worker. The router validates nothing a worker validates: a bad body is passed
 to a worker, whose 400 comes back as is. ``/health``, ``/metrics`` and ``/version``
 are the router's own. A disaggregated router (``--prefill``/``--decode``) sends each
@@ -30,6 +32,7 @@ from kvloom.router.disagg import Disaggregation
 from kvloom.router.metrics import DisaggMetrics, RouterMetrics, sum_metrics
 from kvloom.router.policy import Decision, RoutingPolicy, WorkerLoad, make_policy
 from kvloom.router.proxy import Forward, Proxy
+from kvloom.router.stored_responses import StoredResponses, to_owner
 from kvloom.router.workers import WorkerPool
 from kvloom.server.errors import install_error_handlers, overloaded
 from kvloom.server.middleware import BodySizeLimitMiddleware, install_cors
@@ -49,6 +52,7 @@ class Router:
     client: httpx.AsyncClient
     pool: WorkerPool
     proxy: Proxy
+    stored: StoredResponses  # where a stored response lives (the Responses API's store)
     disagg: Disaggregation | None = None  # with prefill and decode pools
     # The workers that answer /tokenize, /detokenize, /v1/models: all, or the decode pool.
     any_worker: frozenset[str] | None = None
@@ -63,10 +67,11 @@ def build_router(config: RouterConfig, transport: httpx.AsyncBaseTransport | Non
                                                    keepalive_expiry=KEEPALIVE_EXPIRY))
     pool = WorkerPool(config, client, metrics, on_down=policy.forget_worker)
     proxy = Proxy(pool, client, metrics)
+    stored = StoredResponses(pool, client, config.api_key, config.health_timeout)
     if not config.disaggregated:
-        return Router(config, policy, metrics, client, pool, proxy)
-    disagg = Disaggregation(config, proxy, policy, DisaggMetrics(metrics.registry))
-    return Router(config, policy, metrics, client, pool, proxy, disagg, frozenset(config.decode))
+        return Router(config, policy, metrics, client, pool, proxy, stored)
+    disagg = Disaggregation(config, proxy, policy, DisaggMetrics(metrics.registry), stored)
+    return Router(config, policy, metrics, client, pool, proxy, stored, disagg, frozenset(config.decode))
 
 
 def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -97,9 +102,20 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         if router.disagg is not None:
             return await until_disconnect(request, router.disagg.generate(
                 request.url.path, body, parsed, request.headers, key))
+        previous = (parsed or {}).get("previous_response_id") if request.url.path == "/v1/responses" else None
+        owner = await router.stored.owner(previous) if isinstance(previous, str) else None
         return await until_disconnect(request, router.proxy.forward(Forward(
             "POST", request.url.path, body, request.headers, (parsed or {}).get("stream") is True,
-            lambda candidates: router.policy.route(key, candidates))))
+            to_owner(owner, lambda candidates: router.policy.route(key, candidates)))))
+
+    async def stored_response(request: Request) -> Response:
+        """GET, DELETE and cancel of a stored response: to the worker that holds it
+        (kvloom/router/stored_responses.py); when none does, any worker's 404 names it."""
+        body = await request.body()
+        owner = await router.stored.owner(request.path_params["response_id"], router.any_worker)
+        path = f"{request.url.path}?{request.url.query}" if request.url.query else request.url.path
+        return await until_disconnect(request, router.proxy.forward(Forward(
+            request.method, path, body, request.headers, False, to_owner(owner, least_loaded), router.any_worker)))
 
     async def any_worker(request: Request) -> Response:
         body = await request.body()
@@ -109,6 +125,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
     app.add_api_route("/v1/responses", generate, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"])
     app.add_api_route("/v1/messages", generate, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", any_worker, methods=["POST"])
 

@@ -17,7 +17,10 @@ without ``kv_transfer_params``, the client's body goes to a decode instance with
 and that instance prefills it itself: a fallback, counted by reason and logged. Requests
 for prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``) go straight to a
 decode instance, which must compute the whole prompt to score it, and so do beam searches
-(``use_beam_search``: the search's rounds are many one-token requests on that instance).
+(``use_beam_search``: the search's rounds are many one-token requests on that instance)
+and Responses requests that continue from a ``previous_response_id``: its conversation is
+stored on the decode instance that answered it, which alone can prefill the continuation,
+so the request goes there (kvloom/router/stored_responses.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kvloom.router.config import RouterConfig
 from kvloom.router.metrics import DisaggMetrics
 from kvloom.router.policy import RoutingPolicy, make_policy
 from kvloom.router.proxy import WORKER_HEADER, Forward, Proxy
+from kvloom.router.stored_responses import StoredResponses, to_owner
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +50,14 @@ class Disaggregation:
     (or the decode leg alone). ``policy`` routes over the prefill pool."""
 
     def __init__(self, config: RouterConfig, proxy: Proxy, policy: RoutingPolicy,
-                 metrics: DisaggMetrics) -> None:
+                 metrics: DisaggMetrics, stored: StoredResponses) -> None:
         self.prefill = frozenset(config.prefill)
         self.decode = frozenset(config.decode)
         self.proxy = proxy
         self.policy = policy
         self.decode_policy = make_policy("least_loaded")  # decode has no prefix to follow
         self.metrics = metrics
+        self.stored = stored
 
     async def generate(self, path: str, body: bytes, parsed: dict[str, Any] | None,
                        headers: Mapping[str, str], key: str) -> Response:
@@ -67,6 +72,11 @@ class Disaggregation:
         if parsed.get("use_beam_search") is True:  # a round's requests each prefill their own tail
             self.metrics.skipped.labels("beam_search").inc()
             return await self._decode(path, _without_kv_transfer(body, parsed), headers, stream)
+        previous = parsed.get("previous_response_id") if path == "/v1/responses" else None
+        if isinstance(previous, str):
+            self.metrics.skipped.labels("previous_response").inc()
+            return await self._decode(path, _without_kv_transfer(body, parsed), headers, stream,
+                                      await self.stored.owner(previous, self.decode))
         self.metrics.requests.labels("prefill").inc()
         start = time.monotonic()
         answer = await self.proxy.try_forward(Forward(
@@ -95,11 +105,14 @@ class Disaggregation:
                        reason, detail)
         return await self._decode(path, _without_kv_transfer(body, parsed), headers, stream)
 
-    async def _decode(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool) -> Response:
+    async def _decode(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool,
+                      owner: str | None = None) -> Response:
+        """The decode leg: to the least loaded decode instance, or to ``owner`` (the one
+        that stored the response a Responses request continues from)."""
         self.metrics.requests.labels("decode").inc()
         return await self.proxy.forward(Forward(
             "POST", path, body, headers, stream,
-            lambda candidates: self.decode_policy.route("", candidates), self.decode))
+            to_owner(owner, lambda candidates: self.decode_policy.route("", candidates)), self.decode))
 
 
 def wants_prompt_logprobs(body: Mapping[str, Any]) -> bool:

@@ -71,7 +71,8 @@ class DisaggMetrics:
         self.skipped = Counter(
             "kvloom_router_disagg_prefill_skipped", "Requests sent straight to a decode instance "
             "(prompt_logprobs: they need the whole prompt computed there; beam_search: its rounds run "
-            "there; unreadable_body: not a JSON object, for the decode instance to refuse).", ["reason"],
+            "there; previous_response: a Responses continuation, to the instance that stored what it "
+            "continues; unreadable_body: not a JSON object, for the decode instance to refuse).", ["reason"],
             registry=registry)
         self.prefill_seconds = Histogram(
             "kvloom_router_prefill_seconds", "Seconds from sending a request to a prefill instance to "

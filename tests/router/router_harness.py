@@ -30,7 +30,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def start_worker(model: Path, served_name: str = "tiny", step_delay: float = 0.0,
-                 **engine_kwargs: Any) -> BackgroundServer:
+                 enable_responses_store: bool = False, **engine_kwargs: Any) -> BackgroundServer:
     """A kvloom server on the tiny model in a thread; ``step_delay`` makes each engine
     step last at least that long, so that requests are still running when a test acts."""
     config = EngineConfig.from_kwargs(str(model), **{**ENGINE_KWARGS, **engine_kwargs})
@@ -46,8 +46,8 @@ def start_worker(model: Path, served_name: str = "tiny", step_delay: float = 0.0
             engine.step = slow_step  # type: ignore[method-assign]
         return engine
 
-    return start_background_server(make_engine, ServerSettings(served_model_name=served_name), 1024, None,
-                                   60.0)
+    settings = ServerSettings(served_model_name=served_name, enable_responses_store=enable_responses_store)
+    return start_background_server(make_engine, settings, 1024, None, 60.0)
 
 
 def start_router(worker_urls: list[str], policy: str = "cache_aware", health_interval: float = 0.2,

@@ -170,6 +170,32 @@ def test_a_beam_search_skips_the_prefill_instance(run_disagg: DisaggRouters) -> 
     assert metric(router, "kvloom_router_disagg_prefill_skipped_total", reason="beam_search") == 1
 
 
+def test_a_responses_continuation_goes_to_the_decode_instance_that_stored_it(run_disagg: DisaggRouters) -> None:
+    """Only decode-b holds resp_b (GET answers 200 there, 404 elsewhere): the request that
+    continues it skips the prefill leg (the prefill instance has no conversation to
+    prefill) and goes to decode-b, though decode-a is as little loaded."""
+    def holds(url: str) -> Any:
+        def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET":
+                found = url == DECODE_B and request.url.path == "/v1/responses/resp_b"
+                return httpx.Response(200 if found else 404, json={"id": "resp_b"} if found else {})
+            return httpx.Response(200, json={"id": "resp_c", "object": "response", "output": []})
+        return handle
+
+    instances = FakeInstances({PREFILL_A: "prefill", DECODE_A: "decode", DECODE_B: "decode"},
+                              {DECODE_A: holds(DECODE_A), DECODE_B: holds(DECODE_B)})
+    router = run_disagg(instances)
+    for _ in range(2):
+        response = post(router, "/v1/responses", input="and then?", previous_response_id="resp_b")
+        assert response.status_code == 200 and worker_of(response) == DECODE_B
+    assert instances.at(PREFILL_A) == []
+    continued = [p.body for p in instances.posts if p.path == "/v1/responses"]
+    assert continued == [{"input": "and then?", "previous_response_id": "resp_b"}] * 2
+    assert metric(router, "kvloom_router_disagg_prefill_skipped_total", reason="previous_response") == 2
+    fetched = httpx.get(f"{router.base_url}/v1/responses/resp_b", timeout=30)
+    assert fetched.status_code == 200 and worker_of(fetched) == DECODE_B
+
+
 def test_what_asks_for_prompt_logprobs() -> None:
     assert wants_prompt_logprobs({"prompt_logprobs": 0})
     assert wants_prompt_logprobs({"echo": True, "logprobs": 0})
