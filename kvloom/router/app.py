@@ -109,13 +109,15 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
             to_owner(owner, lambda candidates: router.policy.route(key, candidates)))))
 
     async def stored_response(request: Request) -> Response:
-        """GET, DELETE and cancel of a stored response: to the worker that holds it
+        """GET (with ``stream=true``: its events again, passed on as they come), DELETE and
+        cancel of a stored response: to the worker that holds it
         (kvloom/router/stored_responses.py); when none does, any worker's 404 names it."""
         body = await request.body()
         owner = await router.stored.owner(request.path_params["response_id"], router.any_worker)
         path = f"{request.url.path}?{request.url.query}" if request.url.query else request.url.path
+        stream = request.query_params.get("stream", "").lower() in ("1", "true", "yes", "on")  # FastAPI's true
         return await until_disconnect(request, router.proxy.forward(Forward(
-            request.method, path, body, request.headers, False, to_owner(owner, least_loaded), router.any_worker)))
+            request.method, path, body, request.headers, stream, to_owner(owner, least_loaded), router.any_worker)))
 
     async def any_worker(request: Request) -> Response:
         body = await request.body()

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvloom import __version__
@@ -44,7 +44,7 @@ from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
-from kvloom.server.serving_responses import cancel_response, create_response, stored_response
+from kvloom.server.serving_responses import cancel_response, create_response, retrieve_response, stored_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
 from kvloom.server.settings import ServerSettings
 
@@ -170,9 +170,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(body, request, serving)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return stored_response(response_id, serving)
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def get_response(response_id: str, stream: bool = False,
+                           starting_after: int | None = None) -> dict[str, Any] | StreamingResponse:
+        return retrieve_response(response_id, serving, stream, starting_after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
-from kvloom.server.response_store import ResponseStore
+from kvloom.server.response_store import DEFAULT_LOG_CAPACITY, EventLog, ResponseStore
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, prepared_chat
 from kvloom.server.tool_calling import ToolUse
@@ -208,9 +208,9 @@ def _refuse_stateful(body: ResponsesRequest, stores: bool) -> None:
         if not stores:
             raise bad_request("background is not supported: this server stores no responses to fetch later "
                               "(start it with --enable-responses-store)", "background", "unsupported_parameter")
-        if body.store is False or body.stream:
-            raise bad_request("background needs store (a background response is fetched later from the store) "
-                              "and is not streamed here", "background")
+        if body.store is False:
+            raise bad_request("background needs store (a background response is fetched later from the store)",
+                              "background")
     if body.include:
         raise bad_request(f"include {body.include} is not supported (no hosted tools, no encrypted reasoning)",
                           "include", "unsupported_parameter")
@@ -309,7 +309,10 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
                    (lambda whole: store.put(whole, input_items)) if kept and store is not None else None)
     if body.background and store is not None:  # answered now; GET fetches it, cancel stops it
         queued = shape.finished(shape.response("queued", None))
-        store.running[response_id] = asyncio.create_task(_in_background(shape, stream, store))
+        log = store.new_log(response_id) if body.stream else None
+        store.running[response_id] = asyncio.create_task(_in_background(shape, stream, store, log))
+        if log is not None:  # its events as they come; a client that leaves stops reading, not generating
+            return StreamingResponse(log.follow(), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(queued)
     if body.stream:
         return StreamingResponse(shape.events(stream, request), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -319,29 +322,21 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     return JSONResponse(shape.finished(shape.response("completed", finals[0])))
 
 
-async def _in_background(shape: _Shape, stream: ResultStream, store: ResponseStore) -> None:
-    """A background response's generation, its state stored as it goes: in_progress, then
-    completed (or incomplete), failed with the error, or cancelled (``cancel_response``)."""
+async def _in_background(shape: _Shape, stream: ResultStream, store: ResponseStore, log: EventLog | None) -> None:
+    """A background response's generation: the stream's events (kept in ``log`` where the
+    request streams them), its state stored as it goes: in_progress, then completed (or
+    incomplete), failed with the error, or cancelled (``cancel_response``)."""
     try:
-        shape.finished(shape.response("in_progress", None))
-        final = None
-        async for _, output in stream:
-            if output.finished:
-                final = output
-        if final is None:
-            raise RequestAborted("the request was aborted")
-        check_finished_cleanly(final)
-        shape.finished(shape.response("completed", final))
+        async for event in shape.event_stream(stream):
+            if log is not None:
+                log.append(event)
     except asyncio.CancelledError:
         stream.abort()  # its engine request stops too
         shape.finished(shape.response("cancelled", None))
-    except (APIError, RequestAborted) as error:
-        shape.finished(_failed(shape, _error_fields(error)))
-    except Exception:  # noqa: BLE001 - a bug must end the response as failed, not leave it in progress
-        logger.exception("background response %s failed", shape.id)
-        shape.finished(_failed(shape, {"code": "internal_error", "message": "internal server error"}))
     finally:
-        store.running.pop(shape.id, None)
+        if log is not None:
+            log.end()
+        store.ended(shape.id)
 
 
 def _error_fields(error: APIError | RequestAborted) -> dict[str, Any]:
@@ -380,6 +375,29 @@ async def cancel_response(response_id: str, serving: Serving) -> dict[str, Any]:
 def _not_found(response_id: str, param: str) -> APIError:
     """404 for a response id not stored (never, deleted, or past the store's capacity)."""
     return APIError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
+def retrieve_response(response_id: str, serving: Serving, stream: bool,
+                      starting_after: int | None) -> dict[str, Any] | StreamingResponse:
+    """GET /v1/responses/{id}: the stored Response object (``stored_response``), or with
+    ``stream``, a streamed background response's events: those after ``starting_after``
+    (a ``sequence_number``; all without it), then the rest as they come until it ends.
+    404 for an id not stored; 400 where its events are not kept."""
+    stored = stored_response(response_id, serving)
+    if not stream:
+        if starting_after is not None:
+            raise bad_request("starting_after is for a stream: send it with stream=true", "starting_after")
+        return stored
+    store = serving.responses
+    log = store.log(response_id) if store is not None else None
+    if log is None or store is None:
+        raise bad_request(f"response {response_id} has no events to stream: only those of a response created with "
+                          f"background and stream are kept, while it runs and for the last {DEFAULT_LOG_CAPACITY} "
+                          "that ended (GET it without stream for the Response object)", "stream")
+    if starting_after is not None and starting_after < 0:
+        raise bad_request(f"starting_after must be a sequence_number (>= 0), got {starting_after}", "starting_after")
+    start = 0 if starting_after is None else starting_after + 1
+    return StreamingResponse(log.follow(start), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def stored_response(response_id: str, serving: Serving, delete: bool = False) -> dict[str, Any]:
@@ -473,37 +491,56 @@ class _Shape:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     async def events(self, stream: ResultStream, request: Request) -> AsyncIterator[str]:
+        """``event_stream``, for a client that streams it: its leaving aborts the request."""
+        async with abort_on_disconnect(stream, request):
+            async for event in self.event_stream(stream):
+                yield event
+
+    async def event_stream(self, stream: ResultStream) -> AsyncIterator[str]:
         """created, in_progress, each output item as it is written (a message's text
         deltas; a function call's argument deltas, where the tool parser finds calls),
-        then completed (or incomplete)."""
-        async with abort_on_disconnect(stream, request):
-            try:
-                shell = self.response("in_progress", None)
-                yield self.event("response.created", response=shell)
-                yield self.event("response.in_progress", response=shell)
-                writer = _ItemWriter(self)
-                token_ids: list[int] = []
-                final = None
-                async for _, output in stream:
-                    completion = output.outputs[0]
-                    if output.finished:
-                        check_finished_cleanly(output)
-                        final = output
-                    token_ids += completion.delta_token_ids
-                    for event in writer.feed(completion.delta_text, output.finished):
-                        yield event
-                if stream.aborted or final is None:
-                    return  # the client is gone
-                for event in writer.close(final.outputs[0].finish_reason):
+        then completed (or incomplete); an ``error`` event for what ended it otherwise.
+        A background response is stored at each state (in_progress, then as it ended,
+        failed with its error included)."""
+        background = self.body.background is True
+        try:
+            shell = self.response("queued" if background else "in_progress", None)
+            yield self.event("response.created", response=shell)
+            shell = self.response("in_progress", None)
+            if background:
+                self.finished(shell)
+            yield self.event("response.in_progress", response=shell)
+            writer = _ItemWriter(self)
+            token_ids: list[int] = []
+            final = None
+            async for _, output in stream:
+                completion = output.outputs[0]
+                if output.finished:
+                    check_finished_cleanly(output)
+                    final = output
+                token_ids += completion.delta_token_ids
+                for event in writer.feed(completion.delta_text, output.finished):
                     yield event
-                whole = self.finished(self.response("completed", final, writer.items, token_ids))
-                yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
-                                 response=whole)
-            except (RequestAborted, APIError) as error:
-                yield self.event("error", **_error_fields(error))
-            except Exception:  # noqa: BLE001 - a bug must end the stream, not hang it
-                logger.exception("responses stream failed")
-                yield self.event("error", code="internal_error", message="internal server error", param=None)
+            if final is None:
+                if stream.aborted and not background:
+                    return  # the client is gone
+                raise RequestAborted("the request was aborted")
+            for event in writer.close(final.outputs[0].finish_reason):
+                yield event
+            whole = self.finished(self.response("completed", final, writer.items, token_ids))
+            yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
+                             response=whole)
+        except (RequestAborted, APIError) as error:
+            yield self._error(_error_fields(error))
+        except Exception:  # noqa: BLE001 - a bug must end the stream (and a background response), not hang it
+            logger.exception("response %s failed", self.id)
+            yield self._error({"code": "internal_error", "message": "internal server error", "param": None})
+
+    def _error(self, fields: dict[str, Any]) -> str:
+        """The ``error`` event that ends a stream; a background response is stored failed."""
+        if self.body.background is True:
+            self.finished(_failed(self, fields))
+        return self.event("error", **fields)
 
 
 class _ItemWriter:

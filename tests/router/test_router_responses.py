@@ -5,6 +5,7 @@ the router did not send them to the one that stored it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,15 @@ def test_a_background_response_is_polled_and_cancelled_on_its_worker(http: httpx
     assert {worker_of(p) for p in polled} == {owner} and polled[-1].json()["output"]
     cancelled = http.post(f"/v1/responses/{response_id}/cancel")  # ended: returned as it is
     assert worker_of(cancelled) == owner and cancelled.json() == polled[-1].json()
+
+
+def test_a_streamed_background_response_streams_again_through_the_router(http: httpx.Client) -> None:
+    body = {**GREEDY, "input": "hello there", "background": True, "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as first:
+        owner = worker_of(first)
+        events = [line for line in first.iter_lines() if line.startswith("data: ")]
+    response_id = json.loads(events[0].removeprefix("data: "))["response"]["id"]
+    with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 1}) as again:
+        assert again.status_code == 200 and worker_of(again) == owner
+        assert again.headers["content-type"].startswith("text/event-stream")
+        assert [line for line in again.iter_lines() if line.startswith("data: ")] == events[2:]

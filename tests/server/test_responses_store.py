@@ -5,8 +5,10 @@ chat of the first turn, its answer and the new input (instructions do not carry 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,26 +108,110 @@ def test_a_background_response_is_fetched_when_done(openai_client: Any, storing:
         plain = openai_client.responses.create(**kwargs)
         refused = http.post(f"/v1/responses/{plain.id}/cancel")
         assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
-        for body in ({"background": True, "store": False}, {"background": True, "stream": True}):
-            response = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi", **body})
-            assert response.status_code == 400 and response.json()["error"]["param"] == "background"
+        response = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hi", "background": True,
+                                                    "store": False})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "background"
     storing.assert_idle_and_clean()
 
 
-def test_a_cancelled_background_response_stops_its_request(tiny_llama: Path) -> None:
-    """A slow engine (each step >= 0.2 s): the cancel arrives while the request runs."""
+@pytest.fixture(scope="module")
+def slow(tiny_llama: Path) -> Iterator[LiveServer]:
+    """A slow engine (each step >= 0.15 s): what a test does after a request's first
+    events happens while the request still runs."""
     settings = ServerSettings(served_model_name=SERVED_NAME, enable_responses_store=True)
-    live = start_live_server(tiny_llama, settings, step_delay=0.2)
-    try:
-        with httpx.Client(base_url=live.base_url, timeout=60) as http:
-            queued = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hello", "background": True,
-                                                      "max_output_tokens": 200}).json()
-            cancelled = http.post(f"/v1/responses/{queued['id']}/cancel").json()
-            assert cancelled["status"] == "cancelled" and cancelled["id"] == queued["id"]
-            assert http.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
-            live.assert_idle_and_clean()  # its engine request was aborted, its blocks freed
-    finally:
-        live.stop()
+    live = start_live_server(tiny_llama, settings, step_delay=0.15)
+    yield live
+    live.stop()
+
+
+def test_a_cancelled_background_response_stops_its_request(slow: LiveServer) -> None:
+    with httpx.Client(base_url=slow.base_url, timeout=60) as http:
+        queued = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hello", "background": True,
+                                                  "max_output_tokens": 200}).json()
+        cancelled = http.post(f"/v1/responses/{queued['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled" and cancelled["id"] == queued["id"]
+        assert http.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+        slow.assert_idle_and_clean()  # its engine request was aborted, its blocks freed
+        # Deleted while it runs, it stops too, and nothing of it is stored again.
+        queued = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "hello", "background": True,
+                                                  "max_output_tokens": 200}).json()
+        assert http.delete(f"/v1/responses/{queued['id']}").json()["deleted"] is True
+        slow.assert_idle_and_clean()
+        assert http.get(f"/v1/responses/{queued['id']}").status_code == 404
+
+
+def sse_events(lines: Iterator[str]) -> list[dict[str, Any]]:
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_goes_on_without_its_client_and_streams_again(slow: LiveServer) -> None:
+    """The client reads the first three events and leaves; the response is generated to
+    its end all the same, and a GET with stream=true gives the events after any
+    sequence_number, the same each time, ending as the stored response does."""
+    body = {"model": SERVED_NAME, "input": "hello there", "max_output_tokens": 12, "temperature": 0.0}
+    with httpx.Client(base_url=slow.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json={**body, "background": True, "stream": True}) as first:
+            lines = first.iter_lines()
+            head: list[dict[str, Any]] = []
+            while len(head) < 3:
+                head += sse_events(iter([next(lines)]))
+        response_id = head[0]["response"]["id"]
+        assert [e["type"] for e in head] == ["response.created", "response.in_progress",
+                                             "response.output_item.added"]
+        assert head[0]["response"]["status"] == "queued" and head[1]["response"]["status"] == "in_progress"
+        assert http.get(f"/v1/responses/{response_id}").json()["status"] == "in_progress"  # 1.5 s of steps to go
+        with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 2}) as rest:
+            tail = sse_events(rest.iter_lines())
+        assert [e["sequence_number"] for e in tail] == list(range(3, 3 + len(tail)))
+        assert tail[-1]["type"] == "response.incomplete"  # its 12 tokens, all generated
+        stored = http.get(f"/v1/responses/{response_id}").json()
+        assert tail[-1]["response"] == stored and stored["usage"]["output_tokens"] == 12
+        plain = http.post("/v1/responses", json=body).json()
+        assert stored["output"][0]["content"] == plain["output"][0]["content"]
+        with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as again:
+            whole = sse_events(again.iter_lines())
+        assert whole[:3] == head and whole[3:] == tail
+        with http.stream("GET", f"/v1/responses/{response_id}",
+                         params={"stream": "true", "starting_after": whole[-1]["sequence_number"]}) as none:
+            assert sse_events(none.iter_lines()) == []
+        # What cannot be streamed again is a 400 naming the field; an unknown id a 404.
+        for params, param in (({"stream": "true", "starting_after": -1}, "starting_after"),
+                              ({"starting_after": 2}, "starting_after")):
+            refused = http.get(f"/v1/responses/{response_id}", params=params)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        refused = http.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+        assert http.get("/v1/responses/resp_unknown", params={"stream": "true"}).status_code == 404
+    slow.assert_idle_and_clean()
+
+
+def test_event_logs_are_followed_from_any_point_and_only_ended_ones_are_forgotten() -> None:
+    from kvloom.server.response_store import ResponseStore
+
+    async def scenario() -> None:
+        store = ResponseStore(capacity=4, log_capacity=2)
+        running = store.new_log("r0")
+        late = asyncio.ensure_future(_read(running.follow(1)))
+        for event in ("e0", "e1", "e2"):
+            running.append(event)
+            await asyncio.sleep(0)  # the reader's turn: it must not miss an event appended while it waits
+        assert not late.done()
+        running.end()
+        assert await late == ["e1", "e2"] and await _read(running.follow(0)) == ["e0", "e1", "e2"]
+        unended = store.new_log("r1")
+        for rid in ("r2", "r3"):
+            store.new_log(rid).end()
+        # Over capacity: the oldest ended ones go (r0, then r2), never the running r1.
+        assert store.log("r0") is None and store.log("r1") is unended and store.log("r2") is None
+        assert store.log("r3") is not None
+        store.put({"id": "r3", "output": []}, [])
+        assert store.delete("r3") and store.log("r3") is None
+
+    asyncio.run(scenario())
+
+
+async def _read(events: AsyncIterator[str]) -> list[str]:
+    return [event async for event in events]
 
 
 def test_a_background_response_that_hits_a_bug_ends_failed(storing: LiveServer, monkeypatch) -> None:
