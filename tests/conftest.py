@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +33,41 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model_reference() -> torch.nn.Module:
+def transformers_gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF parse of the default model (gguf-py's reader: ~6 s here, most of
+    it in numpy views of the 49k-token vocabulary) done once for the session: the
+    tokenizer and the config fixtures each parse the same file, and get the same dicts
+    (copies, as a caller may change its own)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parse = gguf_utils.load_gguf_checkpoint
+    parsed: dict[str, Any] = {}
+
+    def once(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return parse(path, return_tensors, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    gguf_utils.load_gguf_checkpoint = once
+    yield
+    gguf_utils.load_gguf_checkpoint = parse
+
+
+@pytest.fixture(scope="session")
+def default_gguf_reader() -> Any:
+    """gguf-py's reader of the default model's GGUF, parsed once for the session (its
+    tensors stay memory-mapped; read-only)."""
+    from helpers_models import default_model_path
+
+    from kvloom.models import gguf_loader
+    return gguf_loader.open_gguf(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def default_model_reference(transformers_gguf_parsed_once: None) -> torch.nn.Module:
     """transformers' own float32 model of the default model: its configuration as
     transformers reads it from the GGUF, its weights the dequantized copy kvloom's loader
     caches, which tests/models/test_loader.py holds tensor for tensor to gguf-py's

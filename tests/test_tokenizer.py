@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -40,12 +41,12 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol(smol_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_loader.open_gguf(smol_path))
+def smol(default_gguf_reader: Any) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(default_gguf_reader)
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol_path: Path, tmp_path_factory: pytest.TempPathFactory):
+def hf_smol(smol_path: Path, tmp_path_factory: pytest.TempPathFactory, transformers_gguf_parsed_once: None):
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp("smol")

@@ -9,6 +9,7 @@ import subprocess
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,7 +179,7 @@ def smol_home(smol_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     shutil.rmtree(home / "gguf-cache")  # 0.5 GB that pytest would otherwise keep
 
 
-def test_smollm2_gguf_matches_transformers(smol_home: Path, smol_gguf: Path) -> None:
+def test_smollm2_gguf_matches_transformers(smol_home: Path, default_gguf_reader: Any) -> None:
     """Our dequantized, unpermuted tensors (here read back from the cache) equal what
     transformers' GGUF loader produces: the same dequantize, its own Q/K reverse
     permutation and gguf's name map."""
@@ -189,7 +190,7 @@ def test_smollm2_gguf_matches_transformers(smol_home: Path, smol_gguf: Path) -> 
     for key, value in SMOLLM2_CONFIG.items():
         assert checkpoint.hf_config[key] == value, key
     ours = _weights(checkpoint)
-    reader = gguf_loader.open_gguf(smol_gguf)
+    reader = default_gguf_reader
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
     hf_names = {f"{name_map.get_name(name.rsplit('.', 1)[0])}.{name.rsplit('.', 1)[1]}": name
