@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvloom.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from kvloom.lora.request import LoRARequest
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, ThinkingBudget
 
 __version__ = "0.1.0"
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from kvloom.engine.engine import LLMEngine
     from kvloom.engine.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "LoRARequest", "StructuredOutput",
-           "StructuredOutputsParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "ThinkingBudget", "BeamSearchParams", "LoRARequest",
+           "StructuredOutput", "StructuredOutputsParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

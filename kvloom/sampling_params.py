@@ -61,6 +61,31 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
             for sample in range(params.n)]
 
 
+@dataclass(frozen=True, slots=True)
+class ThinkingBudget:
+    """At most ``tokens`` tokens of reasoning (vLLM's ``thinking_token_budget``): an output
+    that opens inside its reasoning (the chat template opened it) and has generated
+    ``tokens`` tokens without its end marker, ``end_token_id``, takes that marker as its
+    next token, whatever the model or the sampling would choose there, and goes on with
+    its answer. Every output token before the marker counts; 0 closes the reasoning
+    at once. The server builds it from ``--reasoning-parser``'s end marker."""
+
+    tokens: int
+    end_token_id: int
+
+    def __post_init__(self) -> None:
+        _check_int("thinking_budget.tokens", self.tokens, minimum=0)
+        _check_int("thinking_budget.end_token_id", self.end_token_id, minimum=0)
+
+    def forced(self, output_token_ids: list[int]) -> int | None:
+        """The token the next position must take: the end marker where the output has
+        reached the budget without it; else None. (Past the budget the marker is always
+        there: it was forced at position ``tokens`` if it had not come before.)"""
+        if len(output_token_ids) == self.tokens and self.end_token_id not in output_token_ids:
+            return self.end_token_id
+        return None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request (vLLM-compatible names and meanings).
@@ -85,6 +110,9 @@ class SamplingParams:
     one-token word, always). ``LLMEngine.add_request`` fills ``bad_words_token_ids`` from
     them with its tokenizer (``tokenize_bad_words``); given directly, those sequences are
     used as they are.
+
+    ``thinking_budget`` caps a thinking model's reasoning (``ThinkingBudget``): the end
+    marker is forced where the budget runs out, after every other stage of the sampling.
 
     ``structured`` constrains the output to a JSON schema, regex, grammar or choice.
     The grammar then owns where the output ends: EOS is allowed exactly when the
@@ -123,6 +151,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    thinking_budget: ThinkingBudget | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # An embedding request (LLM.embed, /v1/embeddings): the final hidden state of the
     # prompt's last token, L2-normalized (vLLM's last-token pooling for decoder models),
@@ -204,6 +233,8 @@ class SamplingParams:
             self.bad_words_token_ids = [_int_list("bad_words_token_ids", ids) for ids in self.bad_words_token_ids]
             if any(not ids for ids in self.bad_words_token_ids):
                 raise ValueError("bad_words_token_ids must not hold an empty sequence")
+        if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
+            raise ValueError(f"thinking_budget must be a ThinkingBudget, got {type(self.thinking_budget).__name__}")
         kinds = {kind.value: kind for kind in RequestOutputKind}
         if type(self.output_kind) not in (int, RequestOutputKind) or self.output_kind not in kinds:
             raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(kinds[v].name for v in kinds)}), "
@@ -230,11 +261,11 @@ class SamplingParams:
     @property
     def reads_previous_tokens(self) -> bool:
         """Whether sampling the next token needs the value of the last one on the host:
-        penalties count the output, min_tokens counts it, a grammar advances on it.
-        Overlap scheduling lets a step of such a request finish before the next is
-        scheduled."""
+        penalties count the output, min_tokens and a thinking budget count it, a grammar
+        advances on it. Overlap scheduling lets a step of such a request finish before
+        the next is scheduled."""
         return (self.uses_penalties or self.min_tokens > 0 or self.structured is not None
-                or bool(self.bad_words or self.bad_words_token_ids))
+                or bool(self.bad_words or self.bad_words_token_ids) or self.thinking_budget is not None)
 
     @property
     def uses_penalties(self) -> bool:

@@ -8,6 +8,8 @@ Pipeline, vLLM-compatible, each stage skipped when no row needs it:
 2. min_tokens and bad words: stop tokens of rows still short of ``min_tokens``, and the
    tokens that would complete a bad word, become -inf;
 3. grammar: tokens a constrained row's grammar forbids become -inf (structured output);
+3b. thinking budget: a row whose reasoning has run out of tokens takes its end marker
+   (every other token -inf), whatever the stages before left;
 4. greedy rows take the argmax here and never consume randomness;
 5. random rows: temperature -> top-k -> top-p -> min-p -> softmax -> inverse-CDF draw (one uniform per row).
    On CPU the softmax and the draw are one C++ pass per row (``kvloom/csrc/sampling.cpp``,
@@ -100,7 +102,7 @@ class Sampler:
             raise ValueError(f"logits must have shape {expected}, got {tuple(logits.shape)}")
         processing = (metadata.penalties is not None or metadata.bias_rows is not None
                       or metadata.allowed_rows is not None or metadata.blocked_rows is not None
-                      or metadata.grammar is not None)
+                      or metadata.grammar is not None or metadata.forced_rows is not None)
         if metadata.all_greedy and not processing and metadata.logprob_rows is None:
             token_ids = argmax(logits)  # straight from the model's logits, in their dtype
             return DeviceSample(token_ids, HostCopy([token_ids]), metadata)
@@ -116,6 +118,7 @@ class Sampler:
             apply_blocked_tokens(processed, metadata)
             if metadata.grammar is not None:
                 apply_token_bitmask(processed, metadata.grammar)
+            apply_forced_tokens(processed, metadata)
         token_ids = self._sample(processed, metadata)  # [B] int64
         logprobs = logprob_tensors(raw_logits, token_ids, metadata)
         return DeviceSample(token_ids, HostCopy([token_ids, *logprobs]), metadata)
@@ -205,6 +208,16 @@ def apply_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> to
     if metadata.allowed_rows is not None and metadata.allowed_mask is not None:
         rows = metadata.allowed_rows
         logits[rows] = logits[rows].masked_fill(~metadata.allowed_mask, float("-inf"))
+    return logits
+
+
+def apply_forced_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: a forced row's token gets 0, every other token of the row -inf (so a
+    greedy row's argmax and a random row's draw both give it)."""
+    if metadata.forced_rows is not None:
+        assert metadata.forced_token_ids is not None
+        logits[metadata.forced_rows] = float("-inf")
+        logits[metadata.forced_rows, metadata.forced_token_ids] = 0.0
     return logits
 
 

@@ -95,6 +95,10 @@ class SamplingMetadata:
     num_logprobs: list[int]  # [L] top-n size per logprob row
     max_num_logprobs: int
     grammar: GrammarMask | None = None  # None when no row is constrained
+    # Thinking budgets run out: F rows that must take one token (their reasoning's end
+    # marker), every other token -inf, after all the stages above. None when none must.
+    forced_rows: torch.Tensor | None = None  # [F] int64
+    forced_token_ids: torch.Tensor | None = None  # [F] int64
 
     @classmethod
     def build(
@@ -144,6 +148,9 @@ class SamplingMetadata:
         bias_rows, bias_token_ids, bias_values = _logit_bias_triples(rows, vocab_size)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         num_logprobs = [rows[i].params.logprobs or 0 for i in logprob_rows]
+        forced = [(i, token) for i, row in enumerate(rows) if row.params.thinking_budget is not None
+                  and (token := row.params.thinking_budget.forced(row.output_token_ids)) is not None
+                  and token < vocab_size]
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
@@ -175,6 +182,8 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             max_num_logprobs=min(max(num_logprobs, default=0), vocab_size),
             grammar=grammar,
+            forced_rows=index_tensor([i for i, _ in forced]) if forced else None,
+            forced_token_ids=index_tensor([token for _, token in forced]) if forced else None,
         )
 
 
