@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from kvloom.engine.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "ThinkingBudget", "BeamSearchParams", "LoRARequest",
-           "StructuredOutput", "StructuredOutputsParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "DEFAULT_MODEL", "__version__"]
+           "StructuredOutput", "StructuredOutputsParams", "EngineConfig", "CacheConfig", "SchedulerConfig",
+           "DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
