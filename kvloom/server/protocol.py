@@ -329,6 +329,9 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: with --reasoning-parser, whether the response carries the reasoning (else
     # only the content after it).
     include_reasoning: bool = True
+    # vLLM's: with --reasoning-parser, at most this many tokens of reasoning: where they run
+    # out, the reasoning's end marker is the next token (sampling_params.ThinkingBudget).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # vLLM's template inputs: RAG documents (the template's `documents`), the effort a
     # reasoning model's template may read (`reasoning_effort`), and a whole template for
     # this request (only with --trust-request-chat-template).

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvloom.engine.output import CompletionOutput, TokenLogprobs
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, ThinkingBudget
 from kvloom.server.async_engine import ModelInfo
 from kvloom.server.beam_search import answer, beam_search, check_beam_request
 from kvloom.server.errors import bad_request, from_value_error
@@ -126,6 +126,7 @@ class Reasoning:
     thinking: bool
     included: bool
     end_token_id: int | None
+    budget: int | None = None  # thinking_token_budget: the most tokens its reasoning may take
 
     def tokens(self, token_ids: Sequence[int]) -> int:
         """An output's reasoning tokens: those before the end marker's (all where it has
@@ -136,20 +137,29 @@ class Reasoning:
 
 
 def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: ModelInfo) -> Reasoning | None:
-    """None without a reasoning parser. A Qwen3 output whose template was told
+    """None without a reasoning parser (then a ``thinking_token_budget`` is a 400: nothing
+    marks where a reasoning ends). A Qwen3 output whose template was told
     ``enable_thinking: false`` does not think: all of it is content."""
     if settings.reasoning_parser is None:
+        if body.thinking_token_budget is not None:
+            raise bad_request("thinking_token_budget needs a reasoning model's end marker: start the server with "
+                              "--reasoning-parser", "thinking_token_budget")
         return None
     reasoning = get_reasoning_parser(settings.reasoning_parser)
     return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
-                     info.tokenizer.token_to_id(reasoning.end))
+                     info.tokenizer.token_to_id(reasoning.end), body.thinking_token_budget)
 
 
 def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> SamplingParams:
     """An output that thinks is constrained (response_format, a forced tool call) from
     after its reasoning's end marker, as vLLM's: the reasoning is free, the answer is the
-    grammar's (``StructuredOutput.after_token_id``)."""
-    if params.structured is None or reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
+    grammar's (``StructuredOutput.after_token_id``); and its reasoning is capped at the
+    request's ``thinking_token_budget`` (``ThinkingBudget``)."""
+    if reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
+        return params
+    if reasoning.budget is not None:
+        params = dataclasses.replace(params, thinking_budget=ThinkingBudget(reasoning.budget, reasoning.end_token_id))
+    if params.structured is None:
         return params
     return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
                                                                       after_token_id=reasoning.end_token_id))

@@ -7,7 +7,8 @@ system message; a user message's ``tool_result`` blocks the tool messages they a
 ``thinking`` blocks its reasoning; ``tools`` function tools, ``tool_choice`` auto / any
 / tool / none as chat's auto / required / a named function / none
 (``disable_parallel_tool_use``: parallel_tool_calls false); ``stop_sequences`` stop;
-``thinking`` the template's ``enable_thinking``. The chat path's own pieces encode and
+``thinking`` the template's ``enable_thinking`` (an enabled one's ``budget_tokens``, with
+``--reasoning-parser``, chat's ``thinking_token_budget``). The chat path's own pieces encode and
 sample it. The answer's content blocks (a ``thinking`` block first with
 ``--reasoning-parser``, ``text``, and ``tool_use`` blocks where the tool parser finds
 calls) are written by one ``_BlockWriter``, each opening when the output starts it;
@@ -16,8 +17,8 @@ streamed, that is Anthropic's events (``message_start``, ``content_block_start``
 
 Errors have Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``,
 errors.py ``anthropic_body``). ``cache_control`` hints are accepted and change nothing:
-the radix cache keeps every prefix it can; a thinking budget is not enforced (max_tokens
-bounds the whole output). Images, documents and server tools are refused by name.
+the radix cache keeps every prefix it can. Images, documents and server tools are refused
+by name.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kvloom.server.protocol import ChatCompletionRequest, RequestModel
 from kvloom.server.reasoning_parsers import ReasoningStream
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, encode_chat_request, params_and_tools, prepared_chat
+from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import ToolUse
 
 logger = logging.getLogger(__name__)
@@ -220,6 +222,19 @@ def _template_kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, An
     return {"enable_thinking": kind != "disabled"}
 
 
+def thinking_budget(body: MessagesRequest | CountTokensRequest, settings: ServerSettings) -> int | None:
+    """An enabled ``thinking``'s ``budget_tokens``, chat's ``thinking_token_budget``. None
+    without a reasoning parser: Anthropic's clients send a budget with every enabled
+    thinking, and where nothing marks a reasoning there is none to cap."""
+    thinking = body.thinking or {}
+    budget = thinking.get("budget_tokens")
+    if budget is None or thinking.get("type") != "enabled":
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise bad_request(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}", "thinking.budget_tokens")
+    return budget if settings.reasoning_parser is not None else None
+
+
 def _output_config(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """``output_config``: its ``format`` as chat's json_schema response_format, its
     ``effort`` as chat's reasoning_effort (the template's variable)."""
@@ -238,11 +253,14 @@ def _output_config(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]
     return fields
 
 
-def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(body: MessagesRequest | CountTokensRequest, budget: int | None = None) -> ChatCompletionRequest:
+    """The chat request ``body`` amounts to; ``budget``: its thinking budget
+    (``thinking_budget``)."""
     tools, tool_choice, parallel = _chat_tools(body)
     fields: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body), "tools": tools,
                               "tool_choice": tool_choice, "parallel_tool_calls": parallel,
-                              "chat_template_kwargs": _template_kwargs(body), **_output_config(body)}
+                              "chat_template_kwargs": _template_kwargs(body), "thinking_token_budget": budget,
+                              **_output_config(body)}
     if isinstance(body, MessagesRequest):
         fields |= {"max_completion_tokens": body.max_tokens, "stream": body.stream, "temperature": body.temperature,
                    "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
@@ -268,7 +286,7 @@ async def count_tokens(body: CountTokensRequest, serving: Serving) -> dict[str, 
 async def create_message(body: MessagesRequest, request: Request, serving: Serving) -> Response:
     info = serving.model_info()
     model = serving.check_model(body.model, info)
-    chat = to_chat_request(body)
+    chat = to_chat_request(body, thinking_budget(body, serving.settings))
     try:
         params, tools, reasoning, prompt = prepared_chat(chat, serving.settings, info, "output_config.format")
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -325,3 +325,48 @@ def test_a_constrained_answer_follows_free_reasoning(server: Any, thinking_model
             answered += 1
         reasoned += message["reasoning"] is not None
     assert answered >= 4 and reasoned >= 1  # answers came, after reasoning the grammar did not constrain
+
+
+def test_a_thinking_budget_closes_the_reasoning_where_it_runs_out(server: Any, thinking_model: Path) -> None:
+    """thinking_token_budget (vLLM's): the greedy output keeps its first B tokens, takes
+    </think> there (this random model never writes it itself within 12 tokens), and goes
+    on as a prompt of those tokens would; the split and reasoning_tokens follow; the
+    Messages API's budget_tokens is the same budget."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(thinking_model / "tokenizer.json"))
+    end = tokenizer.token_to_id("</think>")
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "Think about foxes."}], "max_tokens": 12,
+            "temperature": 0.0, "return_token_ids": True}
+    free = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    free_tokens, prompt = free["choices"][0]["token_ids"], free["prompt_token_ids"]
+    assert end not in free_tokens
+    for budget in (0, 2, 5):
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "thinking_token_budget": budget},
+                           timeout=60).json()
+        tokens, message = reply["choices"][0]["token_ids"], reply["choices"][0]["message"]
+        assert tokens[:budget + 1] == [*free_tokens[:budget], end]
+        on = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            "model": "thinker", "prompt": prompt + tokens[:budget + 1], "max_tokens": 12 - budget - 1,
+            "temperature": 0.0, "return_token_ids": True}).json()
+        assert tokens[budget + 1:] == on["choices"][0]["token_ids"]
+        assert (message["reasoning"], message["content"]) == r1_rule(tokenizer.decode(tokens, skip_special_tokens=True))
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": budget}
+    messages = httpx.post(f"{server.base_url}/v1/messages", timeout=60, json={
+        "model": "thinker", "messages": body["messages"], "max_tokens": 12, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 2}}).json()
+    thought = tokenizer.decode(free_tokens[:2], skip_special_tokens=True)
+    assert messages["content"][0] == {"type": "thinking", "thinking": thought, "signature": ""}
+    for path, extra, param in (("/v1/chat/completions", {"thinking_token_budget": -1}, "thinking_token_budget"),
+                               ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": "a lot"}},
+                                "thinking.budget_tokens")):
+        refused = httpx.post(f"{server.base_url}{path}", timeout=60,
+                             json={"model": "thinker", "messages": body["messages"], "max_tokens": 4, **extra})
+        assert refused.status_code == 400 and param in refused.text
+    server.assert_idle_and_clean()
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(http: httpx.Client) -> None:
+    refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "thinking_token_budget": 4})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+    assert "--reasoning-parser" in refused.json()["error"]["message"]
