@@ -27,6 +27,7 @@ from kvloom.engine.output import CompletionOutput, RequestOutput, StepProgress
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.overlap import overlap_refusal
 from kvloom.engine.policy import make_policy
+from kvloom.engine.profiler import StepProfiler, write_trace
 from kvloom.engine.scheduler import Scheduler, StaticBatchScheduler, StepUpdate
 from kvloom.engine.speculation import SpeculationPolicy
 from kvloom.engine.state_space import num_state_checkpoints, num_state_slots, state_space_config
@@ -227,6 +228,7 @@ class LLMEngine:
         self.overlap = overlap_reason is None
         logger.debug("overlap scheduling %s", "on" if self.overlap else f"off: {overlap_reason}")
         self._in_flight: LaunchedStep | None = None  # launched, committed by the next step()
+        self.profiler = StepProfiler(self.device)  # start_profile / stop_profile
         self._request_counter = itertools.count()
         self._last_num_batched_tokens = 0
         # What the last step() committed (progress() reads it; nothing else keeps it).
@@ -298,6 +300,16 @@ class LLMEngine:
         runs); False if requests hold some, which stay."""
         return self.kv_manager.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's: record the ops of the steps from now on (engine/profiler.py);
+        ValueError if a profile runs already."""
+        self.profiler.start()
+
+    def stop_profile(self, directory: str | Path) -> Path:
+        """End the profile; its Chrome trace is written into ``directory``: the file's
+        path. ValueError if none runs."""
+        return write_trace(self.profiler.stop(), directory)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: check an adapter against the model and bind its name (ValueError naming
         what is wrong); requests naming it load it into a slot."""
@@ -335,6 +347,7 @@ class LLMEngine:
         if threading.get_ident() != self._compute_thread:
             self._moved_thread()
         self._step_updates = []
+        self.profiler.step()  # a span per step while a profile runs
         if self.proposer is not None:
             # Drafts for the tokens the last step appended: proposed here rather than at
             # the end of that step, so that its outputs (a first token) were not held

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from tqdm import tqdm
@@ -230,6 +231,16 @@ class LLM:
         """vLLM's: empty the prefix cache (nothing runs between two calls of this API, so
         no request holds a cached block); returns whether it is empty."""
         return self.engine.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """vLLM's: the torch profiler records what the engine computes from now on
+        (engine/profiler.py)."""
+        self.engine.start_profile()
+
+    def stop_profile(self, directory: str | Path) -> Path:
+        """End the profile: its Chrome trace (gzipped, for Perfetto or chrome://tracing)
+        is written into ``directory``; returns the file's path."""
+        return self.engine.stop_profile(directory)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without sampling params, as vLLM's: the model's

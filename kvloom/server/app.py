@@ -43,6 +43,7 @@ from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from kvloom.server.serving_profile import install_profiling
 from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
 from kvloom.server.serving_responses import cancel_response, create_response, retrieve_response, stored_response
 from kvloom.server.serving_score import ScoreRequest, chat_roles, create_score
@@ -228,6 +229,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
     if settings.allow_runtime_lora_updating:
         install_lora_updating(app, serving)
+
+    if settings.profiler_dir is not None:
+        install_profiling(app, serving, settings.profiler_dir)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:

@@ -48,6 +48,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live dashboard at /dashboard (and its data at /dashboard/data, "
                             "/dashboard/events); it follows the same API-key rule as /metrics")
+    group.add_argument("--profiler-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR") or None, metavar="DIR",
+                       help="serve POST /start_profile and /stop_profile: the torch profiler records the engine's "
+                            "steps between them, written to DIR as a Chrome trace for Perfetto (default: "
+                            "$VLLM_TORCH_PROFILER_DIR; none: no profiling endpoints)")
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="send an OpenTelemetry span per request (queued, scheduled, first token, "
                             "preemptions, finish; token counts) to this OTLP/HTTP traces URL, "
@@ -193,7 +197,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           response_role=args.response_role, enable_request_id_headers=args.enable_request_id_headers,
                           log_requests=args.log_requests, max_log_len=args.max_log_len,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                          enable_responses_store=args.enable_responses_store)
+                          enable_responses_store=args.enable_responses_store, profiler_dir=args.profiler_dir)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -84,6 +84,9 @@ class ServerSettings:
     # prompt token ids, at most max_log_len of them, and parameters).
     log_requests: bool = False
     max_log_len: int | None = None
+    # --profiler-dir (vLLM's VLLM_TORCH_PROFILER_DIR): POST /start_profile and /stop_profile
+    # run the torch profiler over the engine's steps, its traces written here.
+    profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         from kvloom.server.reasoning_parsers import get_reasoning_parser
