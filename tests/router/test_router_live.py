@@ -39,12 +39,6 @@ def router(workers: list[LiveServer]) -> Iterator[BackgroundRouter]:
     live.stop()
 
 
-@pytest.fixture
-def http(router: BackgroundRouter) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=router.base_url, timeout=60) as client:
-        yield client
-
-
 def test_shared_system_prompts_land_on_one_worker_each(http: httpx.Client, workers: list[LiveServer]) -> None:
     pirate = [completion(http, f"{SYSTEM_PIRATE}Question {i}: where is the gold?") for i in range(6)]
     lawyer = [completion(http, f"{SYSTEM_LAWYER}Question {i}: may I keep it?") for i in range(6)]

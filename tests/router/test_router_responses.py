@@ -35,12 +35,6 @@ def router(workers: list[LiveServer]) -> Iterator[BackgroundRouter]:
     live.stop()
 
 
-@pytest.fixture
-def http(router: BackgroundRouter) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=router.base_url, timeout=60) as client:
-        yield client
-
-
 def stored_decisions(http: httpx.Client) -> float:
     return sum(value for (name, labels), value in samples(http.get("/metrics").text).items()
                if name == "kvloom_router_requests_total" and ("decision", "stored_response") in labels)
