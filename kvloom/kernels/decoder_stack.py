@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.kernels import cpu_ops, gemm, paged_attention, shm_collectives
-from kvloom.kernels.native_op import NativeFunction, NativeOp
+from kvloom.kernels.native_op import NativeFunction, NativeOp, profiled
 
 _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tokens, int hidden_size, int q_size, "
                                            "int kv_size, int intermediate) -> int")
@@ -239,17 +239,18 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         raise _fail("scratch", f"must be a contiguous 1-D bf16 tensor of at least {needed} elements, got "
                                f"{list(scratch.shape)} {scratch.dtype}")
     hidden = torch.empty_like(residual)
-    status = _STACK.function()(
-        kernels.data_ptr(), weights.data_ptr(), shape.num_layers, residual.data_ptr(), hidden.data_ptr(),
-        scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-        rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
-        rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
-        shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
-        gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
-        kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
-        *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
-                                           ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
-        *lora_args)
+    with profiled("kvloom::decoder_stack"):
+        status = _STACK.function()(
+            kernels.data_ptr(), weights.data_ptr(), shape.num_layers, residual.data_ptr(), hidden.data_ptr(),
+            scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
+            rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
+            gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
+            kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
+            *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
+                                               ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
+            *lora_args)
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:

@@ -32,3 +32,17 @@ def test_a_profile_records_each_step_and_changes_no_token(tiny_llama, tmp_path) 
     assert names["kvloom::paged_attention"] > 0 and names["kvloom::rms_norm"] > 0
     with pytest.raises(ValueError, match="no profile is running"):
         llm.stop_profile(tmp_path)
+
+
+def test_the_native_decoder_walk_is_a_span_of_its_own(tmp_path) -> None:
+    """The walk over every layer (models/decoder_stack.py) is one native call, not a torch
+    op: it shows as a kvloom::decoder_stack span in each step that runs it."""
+    from helpers_models import write_tiny_hf_model
+    model = write_tiny_hf_model(tmp_path / "model", arch="llama", hidden_size=128, intermediate_size=256,
+                                num_attention_heads=4, num_key_value_heads=2)
+    llm = LLM(str(model), dtype="bfloat16", num_blocks=64, block_size=16)
+    assert llm.engine.model.native_stack is not None  # bf16 on a CPU, kvloom's GEMM: the walk serves it
+    llm.start_profile()
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    names = Counter(event.get("name", "") for event in json.load(gzip.open(llm.stop_profile(tmp_path)))["traceEvents"])
+    assert names["kvloom::decoder_stack"] == 3  # the prompt's step and two decodes
