@@ -67,6 +67,15 @@ def default_gguf_reader() -> Any:
 
 
 @pytest.fixture(scope="session")
+def default_llm_float32() -> Any:
+    """The default model in float32 (the dtype of transformers' reference), one for the
+    session: the tests against transformers share it (the prefix cache it keeps between
+    them changes no token: that is the engine's exactness)."""
+    from kvloom import LLM
+    return LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256)
+
+
+@pytest.fixture(scope="session")
 def default_model_reference(transformers_gguf_parsed_once: None) -> torch.nn.Module:
     """transformers' own float32 model of the default model: its configuration as
     transformers reads it from the GGUF, its weights the dequantized copy kvloom's loader

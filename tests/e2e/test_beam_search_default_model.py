@@ -17,8 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary c
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256)
+def llm(default_llm_float32: LLM) -> LLM:
+    return default_llm_float32
 
 
 def test_beams_match_transformers_num_beams(llm: LLM, default_model_reference: torch.nn.Module) -> None:

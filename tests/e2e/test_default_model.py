@@ -27,8 +27,8 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def llm(gguf_path):
-    return LLM("smollm2-135m-instruct", dtype="float32", num_blocks=256)
+def llm(default_llm_float32: LLM) -> LLM:
+    return default_llm_float32
 
 
 def test_greedy_matches_transformers_on_default_model(gguf_path, llm, default_model_reference) -> None:

@@ -5,14 +5,14 @@ result is checked against the tokenizer's own decode and against the CUMULATIVE 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from helpers_engine import run_arrivals
-from helpers_models import default_model_path
 
 from kvloom import LLM, SamplingParams
 from kvloom.engine.output import RequestOutput
 from kvloom.engine.output_processor import OutputProcessor
-from kvloom.models import gguf_loader
 from kvloom.request import Request, RequestStatus
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.tokenizer import Tokenizer
@@ -25,8 +25,8 @@ TEXTS = ["Hello world, and a longer tail of words.",
 
 
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_loader.open_gguf(default_model_path()))
+def smol(default_gguf_reader: Any) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(default_gguf_reader)
 
 
 def stream(tokenizer: Tokenizer, output: list[int], kind: RequestOutputKind,
