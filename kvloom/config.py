@@ -37,6 +37,9 @@ def parse_device(value: str) -> str:
     return value
 
 
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the engine needs, normalised from any HF config.json."""
@@ -58,6 +61,8 @@ class ModelConfig:
     attention_bias: bool = False  # q, k and v
     attention_output_bias: bool = False  # the output projection (Llama's attention_bias)
     mlp_bias: bool = False
+    # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
+    qk_norm: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -148,6 +153,7 @@ class ModelConfig:
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -82,7 +82,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        """The MoE of a Mixtral, Qwen2-MoE or DeepSeek-V2/V3 ``config.json`` (HF's
+        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 ``config.json`` (HF's
         defaults where a key is absent); None for any other architecture, or one
         without a sparse layer."""
         arch = (hf.get("architectures") or [""])[0]
@@ -93,18 +93,23 @@ class MoEConfig:
             config = cls(num_experts=int(hf.get("num_local_experts", 8)), top_k=int(hf.get("num_experts_per_tok", 2)),
                          intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
                          norm_topk_prob=True, hidden_act=act)
-        elif arch == "Qwen2MoeForCausalLM":
-            num_experts = int(hf.get("num_experts", 60))
+        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            # Qwen3-MoE routes as Qwen2-MoE (transformers' routers are the same code) and
+            # has no shared expert; the defaults are each config class's.
+            qwen3 = arch == "Qwen3MoeForCausalLM"
+            # The hub's config.json says num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
+            num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 128 if qwen3 else 60)))
             dense = set(hf.get("mlp_only_layers") or ())
             step = int(hf.get("decoder_sparse_step", 1))
             sparse = tuple(i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0)
             if not sparse:
                 return None
-            config = cls(num_experts=num_experts, top_k=int(hf.get("num_experts_per_tok", 4)),
-                         intermediate_size=int(hf.get("moe_intermediate_size", 1408)), sparse_layers=sparse,
-                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), round_routing_weights=True,
-                         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)),
-                         shared_expert_gate=True, hidden_act=act)
+            shared = 0 if qwen3 else int(hf.get("shared_expert_intermediate_size", 5632))
+            config = cls(num_experts=num_experts, top_k=int(hf.get("num_experts_per_tok", 8 if qwen3 else 4)),
+                         intermediate_size=int(hf.get("moe_intermediate_size", 768 if qwen3 else 1408)),
+                         sparse_layers=sparse, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                         round_routing_weights=True, shared_expert_intermediate_size=shared,
+                         shared_expert_gate=not qwen3, hidden_act=act)
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
         else:

@@ -111,6 +111,8 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.qk_norm:
+            return None, "the layers norm each query and key head (Qwen3), which the native walk does not do"
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")

@@ -1,7 +1,8 @@
-"""Llama-family decoder: Llama (SmolLM2, TinyLlama, Llama-3), Qwen2/2.5, Mistral, and
-the mixture-of-experts Mixtral and Qwen2-MoE.
+"""Llama-family decoder: Llama (SmolLM2, TinyLlama, Llama-3), Qwen2/2.5, Qwen3, Mistral,
+and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-The differences are flags on ModelConfig (q/k/v bias, tied embeddings, rope scaling);
+The differences are flags on ModelConfig (q/k/v bias, Qwen3's q/k norms, tied
+embeddings, rope scaling);
 where ``config.moe`` makes a layer sparse, its FFN is models/moe.py's SparseMoE.
 Q/K/V and gate/up are fused into single matmuls at load time; ``load_weights``
 accepts Hugging Face parameter names and routes each shard into the fused tensors.
@@ -46,6 +47,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
+        # Qwen3: every query and key head RMS-normed over head_dim before the rotary.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
@@ -54,6 +58,11 @@ class LlamaAttention(nn.Module):
         only (every row's K and V still go into the cache)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+            qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
         ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -65,6 +65,8 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

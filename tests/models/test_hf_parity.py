@@ -1,5 +1,5 @@
 """Greedy token-for-token identity and prefill log-prob closeness with Hugging Face
-transformers (fp32) on tiny random-weight Llama, Qwen2 and Mistral checkpoints."""
+transformers (fp32) on tiny random-weight Llama, Qwen2, Qwen3 and Mistral checkpoints."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ SHAPES = {
                                                         "original_max_position_embeddings": 32})),
     "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral": ("mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    # Qwen3: each query and key head RMS-normed before the rotary; head_dim not hidden / heads.
+    "qwen3-qk-norm": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
 }
 
 

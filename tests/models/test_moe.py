@@ -33,6 +33,8 @@ BLOCKS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "qwen2_moe-norm": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe.modeling_qwen2_moe:Qwen2MoeSparseMoeBlock",
                        dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
                             shared_expert_intermediate_size=24, norm_topk_prob=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock",
+                  dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True)),
     "deepseek_v2-greedy": ("DeepseekV2Config", "DeepseekV2ForCausalLM", V2,
                            dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
                                 n_shared_experts=2, topk_method="greedy")),
@@ -273,13 +275,22 @@ def qwen2_moe_no_bias(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                shared_expert_intermediate_size=48, qkv_bias=False)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE: Qwen2-MoE's routing without a shared expert, Qwen3's q/k norms, and one
+    dense layer (mlp_only_layers)."""
+    return write_tiny_hf_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe", seed=4,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                               mlp_only_layers=[1])
+
+
 # A 14-block pool for prompts of up to 5 blocks with 12 tokens out, 24-token steps:
 # prefills are chunked, requests batch together and some are preempted.
 PROMPTS = [[(11 * i + 7 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([1, 7, 20, 33, 41, 64])]
 ENGINE = dict(dtype="float32", block_size=16, num_blocks=14, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen2_moe_no_bias"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen2_moe_no_bias", "qwen3_moe"])
 def test_greedy_tokens_are_transformers(arch: str, request: pytest.FixtureRequest) -> None:
     import transformers
 
