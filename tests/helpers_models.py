@@ -234,7 +234,7 @@ _GGUF_BLOCK = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -268,6 +268,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     writer.add_rope_freq_base(float(config.get("rope_theta")
                                     or config.get("rope_parameters", {}).get("rope_theta", 1e4)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim"):  # as llama.cpp's converter: a head_dim the config states is written
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     _add_gguf_tokenizer(writer, hf_dir)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, tensor in state.items():

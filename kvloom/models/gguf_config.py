@@ -1,7 +1,7 @@
 """GGUF metadata -> an HF ``config.json`` dict (``gguf_hf_config``), per family.
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
-mistral (Mixtral where the file has experts), qwen2, qwen2moe, deepseek2 (DeepSeek-V3
+mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba);
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
@@ -38,13 +38,14 @@ from kvloom.models.errors import ModelLoadError
 # file with experts is Mixtral; a deepseek2 file with sigmoid gating DeepSeek-V3).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
-    "granitehybrid": "BambaForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
+    "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM",
 }
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+    "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
 }
 

@@ -32,13 +32,13 @@ SMOLLM2_CONFIG = {  # published SmolLM2-135M-Instruct architecture
     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": [2],
 }
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "mistral": "MistralForCausalLM"}
+                    "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: write_tiny_hf_model(root / arch, arch) for arch in ("llama", "qwen2", "mistral")}
+    return {arch: write_tiny_hf_model(root / arch, arch) for arch in ("llama", "qwen2", "mistral", "qwen3")}
 
 
 def _weights(checkpoint) -> dict[str, torch.Tensor]:
@@ -87,10 +87,11 @@ def test_hf_dir_config_tokenizer_and_eos(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- GGUF (tiny)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_gguf_roundtrip_matches_hf(tiny_dirs: dict[str, Path], tmp_path: Path, arch: str) -> None:
     """write_tiny_gguf permutes Q/K as llama.cpp does; the loader must undo it
-    (llama, mistral) and must not touch qwen2."""
+    (llama, mistral) and must not touch qwen2 and qwen3 (whose per-head q/k norms come
+    back under their HF names)."""
     gguf_file = write_tiny_gguf(tiny_dirs[arch], tmp_path / f"{arch}.gguf")
     checkpoint = load_checkpoint(str(gguf_file), home=tmp_path / "home", cache_gguf=False)
     _assert_same(_weights(checkpoint), tiny_state_dict(tiny_dirs[arch]))

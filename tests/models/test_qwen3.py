@@ -65,3 +65,18 @@ def test_two_ranks_give_transformers_greedy_tokens(qwen3: Path) -> None:
     with LLM(str(qwen3), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as llm:
         outputs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens(qwen3: Path, tmp_path: Path) -> None:
+    """llama.cpp's qwen3 files: Q/K rows as HF has them (not permuted), the norms as
+    attn_q_norm / attn_k_norm, head_dim as attention.key_length."""
+    import torch
+    import transformers
+    from helpers_models import write_tiny_gguf
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32).eval()
+    llm = LLM(str(write_tiny_gguf(qwen3, tmp_path / "qwen3.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    assert llm.engine.model_config.architecture == "Qwen3ForCausalLM"
+    outputs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_with_cache(reference, p, 8)
+                                                               for p in PROMPTS[:3]]
