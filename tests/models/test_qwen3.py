@@ -80,3 +80,19 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(qwen3: Path, tmp_path: Pat
     outputs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_with_cache(reference, p, 8)
                                                                for p in PROMPTS[:3]]
+
+
+def test_a_lora_adapter_is_peft_on_qwen3(qwen3: Path, tmp_path: Path) -> None:
+    """PEFT adds q_proj's and k_proj's deltas before the per-head norms; so does kvloom
+    (the delta is added to the fused QKV output, which the norms then read)."""
+    from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
+
+    from kvloom import LoRARequest
+
+    adapter = write_adapter(qwen3, tmp_path / "adapter", 1, 4, TARGETS_ALL)
+    llm = LLM(str(qwen3), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(PROMPTS[3:], params, lora_request=LoRARequest("a", 1, str(adapter)))
+    reference = reference_model(qwen3, adapter)
+    for prompt, output in zip(PROMPTS[3:], outputs, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
