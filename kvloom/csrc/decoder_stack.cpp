@@ -15,6 +15,7 @@
 // Per layer, with T tokens:
 //   normed  = rms_norm(layer 0: residual; else residual += hidden)
 //   qkv     = normed @ Wqkv (+ b)              [T, q + 2 kv]
+//   Qwen3: each q head rms_norm(Wq_norm), each k head rms_norm(Wk_norm), in qkv
 //   rotary(q and k heads of qkv), in place
 //   write k, v into the layer's cache (paired layout)
 //   q_rows  = q of qkv, contiguous              [T, q]
@@ -106,8 +107,9 @@ using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* ro
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS, NUM_KERNELS };
+// W_Q_NORM, W_K_NORM: Qwen3's per-head norms (0: the model has none).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
-              W_DOWN_BIAS, NUM_WEIGHTS };
+              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, NUM_WEIGHTS };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -278,6 +280,17 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     }
   };
   group_rows(all_rows);
+  // Each of `heads` heads from column `offset` of every qkv row RMS-normed over head_dim
+  // with `norm`: the heads gathered into one [T * heads, head_dim] block (attn's room,
+  // free until the attention), normed into q_rows' room (free until the q rows are
+  // copied there), scattered back; rms_norm computes a row on its own, so each head's
+  // bits are the module path's, which norms the same rows gathered by reshape.
+  const auto norm_heads = [&](uint16_t* rows, int64_t offset, int64_t heads, const uint16_t* norm) {
+    const int64_t width = heads * m.head_dim;
+    for (int64_t t = 0; t < T; ++t) std::memcpy(attn + t * width, rows + t * qkv_width + offset, width * 2);
+    rms_norm(attn, nullptr, norm, q_rows, T * heads, m.head_dim, m.eps);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(rows + t * qkv_width + offset, q_rows + t * width, width * 2);
+  };
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     const int64_t* w = m.weights + layer * NUM_WEIGHTS;
@@ -320,6 +333,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     else rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
     if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     if (!adapt(P_QKV, normed, H, qkv, qkv_width)) return refused;
+    if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3: the module path's q_norm and k_norm, before the rotary
+      norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
+      norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
+    }
     rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);

@@ -111,8 +111,6 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
-        if config.qk_norm:
-            return None, "the layers norm each query and key head (Qwen3), which the native walk does not do"
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")
@@ -124,13 +122,16 @@ class NativeDecoderStack:
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
+            head_norms = (attention.q_norm, attention.k_norm) if config.qk_norm else ()  # Qwen3's
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
+            if any(norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
                    or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
             isas.update(linear.isa for linear in linears)
             row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
-                                   "post_norm": norms[1].weight.data_ptr()}
+                                   "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0}
+            if head_norms:
+                row["q_norm"], row["k_norm"] = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
             owners += [norm.weight for norm in norms]
             for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
                 row[name] = linear.packed_weight.data_ptr()

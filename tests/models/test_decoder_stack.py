@@ -31,10 +31,11 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
              num_hidden_layers=3)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
-    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE)
+    head_dim = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE, **head_dim)
 
 
 @pytest.fixture(scope="module")
