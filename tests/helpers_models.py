@@ -364,7 +364,7 @@ def hf_greedy_batched(model: Any, prompts: list[list[int]], max_new_tokens: int)
 
 
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
-_GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
+_GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
                      "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid"}
 # HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
 _GGUF_FAMILY_BLOCK = {
@@ -386,7 +386,7 @@ _GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate"
 
 def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True,
                            stack_experts: bool = True) -> Path:
-    """Convert a tiny Mixtral, Qwen2-MoE, DeepSeek-V2/V3, Mamba2 or Bamba HF directory to an
+    """Convert a tiny Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, Mamba2 or Bamba HF directory to an
     F32 GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
     into ``ffn_*_exps`` [experts, out, in], Mixtral's and Bamba's Q/K rows permuted; DeepSeek's
     kv_b_proj split per head into k_b (transposed) and v_b with head_count_kv 1 and the
@@ -458,6 +458,10 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     elif model_type == "qwen2_moe":
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    elif model_type == "qwen3_moe":  # Qwen3MoeModel: the expert width and the stated head_dim
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     elif deepseek:
         rank, rope, nope, v_dim = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                                         "v_head_dim"))

@@ -1,7 +1,7 @@
 """GGUF metadata -> an HF ``config.json`` dict (``gguf_hf_config``), per family.
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
-mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, deepseek2 (DeepSeek-V3
+mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba);
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
@@ -19,7 +19,7 @@ which kvloom serves, its attention layers those with a nonzero per-layer
 expert, embedding / residual / attention / logit multipliers, mostly no rope), which is
 refused. A file that contradicts its family is refused with a ModelLoadError naming what
 is missing, and so is every architecture gguf knows that kvloom does not serve (deepseek,
-mamba, qwen3moe, ...).
+mamba, qwen3next, ...).
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ from kvloom.models.errors import ModelLoadError
 # file with experts is Mixtral; a deepseek2 file with sigmoid gating DeepSeek-V3).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
     "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM",
 }
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
 }
@@ -124,6 +126,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config.update(_deepseek_fields(meta, shapes, config, sparse, path))
     elif arch == "qwen2moe":
         config.update(_qwen2_moe_fields(meta, shapes, config, sparse, path))
+    elif arch == "qwen3moe":
+        config.update(_qwen3_moe_fields(meta, shapes, config, sparse))
     elif sparse:
         config.update(_mixtral_fields(meta, config, sparse, path))
     return config
@@ -159,6 +163,20 @@ def _qwen2_moe_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str
             "moe_intermediate_size": int(meta("expert_feed_forward_length", shapes[f"{first}.ffn_up_exps.weight"][1])),
             "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length",
                                                         shapes[f"{first}.ffn_up_shexp.weight"][1]))}
+
+
+def _qwen3_moe_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any],
+                      sparse: list[int]) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen2-MoE's routing without a shared expert; llama.cpp's qwen3moe graph
+    always renormalises the top-k weights (every published Qwen3-MoE has norm_topk_prob),
+    and its dense layers (mlp_only_layers) are those without a router."""
+    fields: dict[str, Any] = {"decoder_sparse_step": 1, "norm_topk_prob": True,
+                              "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in sparse]}
+    if not sparse:
+        return {**fields, "num_experts": 0}
+    first = f"blk.{sparse[0]}"
+    return {**fields, "num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length", shapes[f"{first}.ffn_up_exps.weight"][1]))}
 
 
 def _deepseek_fields(meta: Meta, shapes: dict[str, list[int]], config: dict[str, Any], sparse: list[int],

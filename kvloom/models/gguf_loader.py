@@ -2,7 +2,7 @@
 
 Every tensor is dequantized to float32 with ``gguf.quants``; the engine never runs
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
-the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3,
+the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2 and
 granitehybrid (Bamba; IBM Granite 4.0's files, the same architecture name, are refused).
 
@@ -97,9 +97,12 @@ def _shared(prefix: str) -> dict[str, str]:
             "ffn_down_shexp": f"{prefix}.down_proj"}
 
 
+_QWEN3_BLOCK = {**_ATTENTION_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _BLOCK_NAMES: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": _ATTENTION_BLOCK, "MistralForCausalLM": _ATTENTION_BLOCK, "Qwen2ForCausalLM": _ATTENTION_BLOCK,
-    "Qwen3ForCausalLM": {**_ATTENTION_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "Qwen3ForCausalLM": _QWEN3_BLOCK,
+    "Qwen3MoeForCausalLM": {**_QWEN3_BLOCK, "ffn_gate_inp": "mlp.gate",
+                            **_experts("mlp.experts", "gate_proj", "up_proj", "down_proj")},
     "MixtralForCausalLM": {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.gate",
                            **_experts("block_sparse_moe.experts", "w1", "w3", "w2")},
     "Qwen2MoeForCausalLM": {**_ATTENTION_BLOCK, "ffn_gate_inp": "mlp.gate",

@@ -2,7 +2,7 @@
 checkpoints the way llama.cpp's converter writes them (helpers_models.write_tiny_gguf_family):
 DeepSeek-V2 (dense only; MoE with q-LoRA, group-limited routing and an older converter's
 whole kv_b), DeepSeek-V3, Mixtral (experts stacked, and one tensor per expert as files from
-before April 2024 have them), Qwen2-MoE (a dense layer among sparse ones), Mamba2 and
+before April 2024 have them), Qwen2-MoE and Qwen3-MoE (a dense layer among sparse ones), Mamba2 and
 Bamba (granitehybrid: mixers and attention layers interleaved).
 Each loads with every HF tensor back under its hub name (Mamba2's and Bamba's A, stored
 as -exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
@@ -50,6 +50,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = 
     "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, mlp_only_layers=[1]), {},
                   ("blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
+    # llama.cpp's qwen3moe always renormalises the top-k weights: so does this model.
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                    mlp_only_layers=[1], norm_topk_prob=True), {},
+                  ("blk.0.attn_q_norm.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
     # The SSD chunk size is not in GGUF: the loader takes HF's default, so the model has it too.
     "mamba2": ("mamba2", dict(chunk_size=256), {}, ("blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.1.ssm_conv1d.weight")),
     # Mixers in layers 0 and 2, attention in 1 and 3 (the last layer attends).
