@@ -22,6 +22,7 @@ PROMPTS = [[(13 * i + 5 * j) % 500 + 5 for j in range(n)] for i, n in enumerate(
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
     ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, norm_topk_prob=True)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
 ])
 def test_tp2_greedy_tokens_are_one_processs(arch: str, overrides: dict[str, object], tmp_path) -> None:
     path = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=5, **overrides)
