@@ -144,11 +144,13 @@ def sse_events(lines: Iterator[str]) -> list[dict[str, Any]]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
 
 
-def test_a_streamed_background_response_goes_on_without_its_client_and_streams_again(slow: LiveServer) -> None:
+def test_a_streamed_background_response_goes_on_without_its_client_and_streams_again(
+        slow: LiveServer, storing: LiveServer) -> None:
     """The client reads the first three events and leaves; the response is generated to
     its end all the same, and a GET with stream=true gives the events after any
-    sequence_number, the same each time, ending as the stored response does."""
-    body = {"model": SERVED_NAME, "input": "hello there", "max_output_tokens": 12, "temperature": 0.0}
+    sequence_number, the same each time, ending as the stored response does (the same
+    model's answer without background, from the server without a step delay)."""
+    body = {"model": SERVED_NAME, "input": "hello there", "max_output_tokens": 20, "temperature": 0.0}
     with httpx.Client(base_url=slow.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/responses", json={**body, "background": True, "stream": True}) as first:
             lines = first.iter_lines()
@@ -159,14 +161,14 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_streams_a
         assert [e["type"] for e in head] == ["response.created", "response.in_progress",
                                              "response.output_item.added"]
         assert head[0]["response"]["status"] == "queued" and head[1]["response"]["status"] == "in_progress"
-        assert http.get(f"/v1/responses/{response_id}").json()["status"] == "in_progress"  # 1.5 s of steps to go
+        assert http.get(f"/v1/responses/{response_id}").json()["status"] == "in_progress"  # ~2.8 s of steps to go
         with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 2}) as rest:
             tail = sse_events(rest.iter_lines())
         assert [e["sequence_number"] for e in tail] == list(range(3, 3 + len(tail)))
-        assert tail[-1]["type"] == "response.incomplete"  # its 12 tokens, all generated
+        assert tail[-1]["type"] == "response.incomplete"  # its 20 tokens, all generated
         stored = http.get(f"/v1/responses/{response_id}").json()
-        assert tail[-1]["response"] == stored and stored["usage"]["output_tokens"] == 12
-        plain = http.post("/v1/responses", json=body).json()
+        assert tail[-1]["response"] == stored and stored["usage"]["output_tokens"] == 20
+        plain = httpx.post(f"{storing.base_url}/v1/responses", json=body, timeout=60).json()
         assert stored["output"][0]["content"] == plain["output"][0]["content"]
         with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as again:
             whole = sse_events(again.iter_lines())
@@ -179,7 +181,7 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_streams_a
                               ({"starting_after": 2}, "starting_after")):
             refused = http.get(f"/v1/responses/{response_id}", params=params)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param
-        refused = http.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+        refused = httpx.get(f"{storing.base_url}/v1/responses/{plain['id']}", params={"stream": "true"}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
         assert http.get("/v1/responses/resp_unknown", params={"stream": "true"}).status_code == 404
     slow.assert_idle_and_clean()
