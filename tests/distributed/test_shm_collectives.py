@@ -54,7 +54,10 @@ def _rank_main(path: str, rank: int, size: int, results: Any, behaviour: str, re
 
 def run_ranks(tmp_path: Path, size: int, behaviour: str = "") -> dict[int, Any]:
     path = shm.create_region(size, SLOT_BYTES)
-    context = multiprocessing.get_context("spawn")
+    # As the engine's ranks start (distributed/launch.py): forked from a server that has
+    # imported torch once, not each rank importing it anew.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "kvloom.distributed.shm"])
     results, release = context.Queue(), context.Event()
     processes = [context.Process(target=_rank_main, args=(path, rank, size, results, behaviour, release))
                  for rank in range(size)]
