@@ -26,10 +26,6 @@ class StepProfiler:
         self.device = device
         self._profile: Any = None  # a torch.profiler.profile while one runs
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self) -> None:
         """ValueError if a profile runs already."""
         if self._profile is not None:

@@ -67,7 +67,7 @@ def build_router(config: RouterConfig, transport: httpx.AsyncBaseTransport | Non
                                                    keepalive_expiry=KEEPALIVE_EXPIRY))
     pool = WorkerPool(config, client, metrics, on_down=policy.forget_worker)
     proxy = Proxy(pool, client, metrics)
-    stored = StoredResponses(pool, client, config.api_key, config.health_timeout)
+    stored = StoredResponses(pool, client, config.worker_headers, config.health_timeout)
     if not config.disaggregated:
         return Router(config, policy, metrics, client, pool, proxy, stored)
     disagg = Disaggregation(config, proxy, policy, DisaggMetrics(metrics.registry), stored)
@@ -220,9 +220,8 @@ async def _worker_metrics(router: Router, url: str) -> str | None:
 
 
 async def _worker_reset(router: Router, url: str) -> bool:
-    headers = {"Authorization": f"Bearer {router.config.api_key}"} if router.config.api_key else {}
     try:
-        response = await router.client.post(f"{url}/reset_prefix_cache", headers=headers,
+        response = await router.client.post(f"{url}/reset_prefix_cache", headers=router.config.worker_headers,
                                             timeout=router.config.health_timeout)
         return response.status_code == 200 and response.json().get("reset") is True
     except (httpx.HTTPError, ValueError, AttributeError):

@@ -35,6 +35,11 @@ class RouterConfig:
     cors: CorsSettings = field(default_factory=CorsSettings)
 
     @property
+    def worker_headers(self) -> dict[str, str]:
+        """The headers of the router's own calls to workers: ``api_key`` as a bearer token."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
     def disaggregated(self) -> bool:
         """Prefill and decode pools (``prefill``/``decode``) instead of one pool of workers."""
         return bool(self.decode)

@@ -5,7 +5,7 @@ own memory (kvloom/server/response_store.py). Behind the router, ``GET`` and ``D
 /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and a ``POST /v1/responses``
 that continues from a ``previous_response_id`` must therefore reach that worker; any
 other would answer 404. The router keeps no map of ids: it asks the workers that are up
-(``GET /v1/responses/{id}``, all at once) and the one that answers 200 is the owner. So
+(``GET /v1/responses/{id}``, all at once, with its ``--api-key``) and the one that answers 200 is the owner. So
 a restarted router still finds every response, and a response deleted, evicted or lost
 with its worker is found nowhere: the request then goes where it would have gone, and
 that worker's own 404 names the id. A continuation is stored by the owner too, so a
@@ -28,10 +28,11 @@ STORED_RESPONSE = "stored_response"  # the routing decision's reason (a metric l
 
 
 class StoredResponses:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, api_key: str | None, timeout: float) -> None:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, headers: dict[str, str],
+                 timeout: float) -> None:
         self.pool = pool
         self.client = client
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = headers  # the router's own calls' (RouterConfig.worker_headers)
         self.timeout = timeout
 
     async def owner(self, response_id: str, among: Collection[str] | None = None) -> str | None:

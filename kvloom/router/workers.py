@@ -211,7 +211,7 @@ async def check_workers(config: RouterConfig, transport: httpx.AsyncBaseTranspor
     """Every worker's ``/v1/models``, concurrently, within ``startup_timeout``; then the
     consistency check; for a disaggregated router, then every instance's role and KV
     layout (``check_kv_transfer``). RouterStartupError on the first problem."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    headers = config.worker_headers
     async with httpx.AsyncClient(transport=transport) as client:
         deadline = asyncio.get_running_loop().time() + config.startup_timeout
         infos = await _gather(config.workers, (fetch_worker_info(client, url, deadline, headers)

@@ -107,9 +107,12 @@ class ResponseStore:
         return self._responses.pop(response_id, None) is not None
 
     def ended(self, response_id: str) -> None:
-        """A background response's task has ended."""
+        """A background response's task has ended (its log, if any, too): one deleted
+        while it ran leaves nothing behind."""
         self.running.pop(response_id, None)
-        self._deleted.discard(response_id)
+        if response_id in self._deleted:
+            self._deleted.discard(response_id)
+            self._drop_log(response_id)
 
     def new_log(self, response_id: str) -> EventLog:
         """A log for ``response_id``'s events; the oldest ended logs beyond

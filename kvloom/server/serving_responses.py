@@ -45,7 +45,7 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from kvloom.server.reasoning_parsers import ReasoningStream
-from kvloom.server.response_store import DEFAULT_LOG_CAPACITY, EventLog, ResponseStore
+from kvloom.server.response_store import EventLog, ResponseStore
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, prepared_chat
 from kvloom.server.tool_calling import ToolUse
@@ -392,7 +392,7 @@ def retrieve_response(response_id: str, serving: Serving, stream: bool,
     log = store.log(response_id) if store is not None else None
     if log is None or store is None:
         raise bad_request(f"response {response_id} has no events to stream: only those of a response created with "
-                          f"background and stream are kept, while it runs and for the last {DEFAULT_LOG_CAPACITY} "
+                          f"background and stream are kept, while it runs and for the last {store.log_capacity} "
                           "that ended (GET it without stream for the Response object)", "stream")
     if starting_after is not None and starting_after < 0:
         raise bad_request(f"starting_after must be a sequence_number (>= 0), got {starting_after}", "starting_after")
