@@ -281,9 +281,10 @@ class RunnerOutput:
     # ``sampled``, and their logprobs; None when no entry had drafts.
     accepted: list[list[int]] | None = None
     accepted_logprobs: list[list[LogprobsEntry | None]] | None = None
-    # By request id, for embedding requests (SamplingParams.embed) that sampled this step:
-    # the normalized final hidden state of their prompt's last token.
-    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # By request id, for pooling requests (SamplingParams.pooling) that sampled this step:
+    # what they read at their prompt's last token (the normalized final hidden state, or
+    # a classifier's class logits).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def num_accepted(self, index: int) -> int:
         return len(self.accepted[index]) if self.accepted else 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.generation_config import json_object, parse_override
-from kvloom.model_families import MLAConfig, MoEConfig, SSMConfig
+from kvloom.model_families import ClassifierConfig, MLAConfig, MoEConfig, SSMConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -70,6 +70,9 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture-of-experts FFN (model_families.py)
     mla: MLAConfig | None = None  # DeepSeek's latent attention: the pool holds latents
     ssm: SSMConfig | None = None  # Mamba2 mixers: a state per request (cache/state_pool.py)
+    # A sequence classifier's head in place of the vocabulary's (``architecture`` is then
+    # the causal model it is built on): it classifies and scores, it does not generate.
+    classifier: ClassifierConfig | None = None
     # Matryoshka embeddings (config.json's is_matryoshka / matryoshka_dimensions, as vLLM
     # reads them): an embedding's first k dimensions are an embedding too, for the listed
     # k (None: any k up to hidden_size).
@@ -113,6 +116,10 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("model config: config.json has no 'architectures' entry")
+        classifier = ClassifierConfig.from_hf(hf)
+        if classifier is not None:  # the causal model's decoder: read as that model's config
+            hf = {**hf, "architectures": [ClassifierConfig.causal_architecture(archs[0])]}
+            archs = hf["architectures"]
         ssm = SSMConfig.from_hf(hf)
         if ssm is not None:  # a pure state-space model has no attention fields
             hf = ssm.attention_fields(hf)
@@ -148,7 +155,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # A classifier's score head is its own (transformers ties no head of one).
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) and classifier is None,
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
@@ -161,6 +169,7 @@ class ModelConfig:
             moe=MoEConfig.from_hf(hf),
             mla=MLAConfig.from_hf(hf),
             ssm=ssm,
+            classifier=classifier,
             is_matryoshka=bool(hf.get("is_matryoshka")) or hf.get("matryoshka_dimensions") is not None,
             matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None
                                    else tuple(int(d) for d in hf["matryoshka_dimensions"])),

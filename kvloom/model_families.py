@@ -1,7 +1,8 @@
 """What a model family adds to ``ModelConfig``: the mixture-of-experts FFN (Mixtral,
-Qwen2-MoE, DeepSeek) and DeepSeek's multi-head latent attention. Each is a frozen
-dataclass read from the HF ``config.json`` by its ``from_hf``, None where the family
-does not apply; ModelConfig holds them (``moe``, ``mla``)."""
+Qwen2-MoE, DeepSeek), DeepSeek's multi-head latent attention, Mamba2's state-space
+mixers, and a sequence classifier's head. Each is a frozen dataclass read from the HF
+``config.json`` by its ``from_hf``, None where the family does not apply; ModelConfig
+holds them (``moe``, ``mla``, ``ssm``, ``classifier``)."""
 
 from __future__ import annotations
 
@@ -294,3 +295,58 @@ class SSMConfig:
             return hf
         return {"num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": self.intermediate_size,
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """A sequence classifier (transformers' ``LlamaForSequenceClassification``,
+    ``Qwen2ForSequenceClassification`` and the like): the causal model's decoder with a
+    ``score`` head (hidden -> ``num_labels``, no bias) in place of the vocabulary head,
+    read at the input's last token (vLLM's last-token pooling; transformers reads the
+    last token that is not padding, the same token for an unpadded input). With one
+    label the model is a cross-encoder: a pair's score is that logit."""
+
+    num_labels: int
+    labels: tuple[str, ...]  # config.json's id2label, by class index
+    # problem_type "multi_label_classification": each class its own sigmoid.
+    multi_label: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_labels, int) or self.num_labels <= 0:
+            raise ValueError(f"model config: num_labels must be a positive integer, got {self.num_labels!r}")
+        if len(self.labels) != self.num_labels:
+            raise ValueError(f"model config: id2label names {len(self.labels)} classes, num_labels is "
+                             f"{self.num_labels}")
+
+    @property
+    def activation(self) -> str:
+        """What turns the logits into probabilities, as transformers' problem types and
+        vLLM's classify do: ``sigmoid`` for one label or several independent ones,
+        ``softmax`` over the classes otherwise."""
+        return "sigmoid" if self.num_labels == 1 or self.multi_label else "softmax"
+
+    @staticmethod
+    def causal_architecture(architecture: str) -> str:
+        """``XForSequenceClassification`` -> ``XForCausalLM``: the decoder it is built on."""
+        return architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ClassifierConfig | None:
+        """None unless config.json's architecture is a ``*ForSequenceClassification``.
+        transformers writes ``id2label`` for every classifier (``LABEL_i`` by default)
+        and derives ``num_labels`` from it; either may be missing in a hand-written one."""
+        architecture = (hf.get("architectures") or [""])[0]
+        if not architecture.endswith(CLASSIFIER_SUFFIX):
+            return None
+        id2label = hf.get("id2label") or {}
+        num_labels = hf.get("num_labels", len(id2label) or 2)
+        try:
+            by_index = {int(index): str(label) for index, label in id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"model config: id2label must map class indices to names, got {id2label!r}") from None
+        labels = tuple(by_index.get(index, f"LABEL_{index}") for index in range(num_labels))
+        return cls(num_labels=num_labels, labels=labels,
+                   multi_label=hf.get("problem_type") == "multi_label_classification")

@@ -28,6 +28,8 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
 # bad_words: at most this many words, of stop strings' length (each checked every step).
 MAX_BAD_WORDS = 64
+# SamplingParams.pooling: what a pooling request reads at its prompt's last token.
+POOLING_TASKS = ("embed", "classify")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -153,10 +155,12 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     thinking_budget: ThinkingBudget | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # An embedding request (LLM.embed, /v1/embeddings): the final hidden state of the
-    # prompt's last token, L2-normalized (vLLM's last-token pooling for decoder models),
-    # comes back as RequestOutput.embedding; it samples one token, which is dropped.
-    embed: bool = False
+    # A pooling request reads the final hidden state of its prompt's last token (vLLM's
+    # last-token pooling for decoder models) into RequestOutput.pooled: "embed" (LLM.embed,
+    # /v1/embeddings) that state L2-normalized; "classify" (LLM.classify, /classify, a
+    # sequence-classification model only) the score head's class logits. It samples one
+    # token at that position, which is dropped from the answer.
+    pooling: str | None = None
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None) -> None:
@@ -217,8 +221,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, minimum=0)  # the ceiling is the engine's max_logprobs
-        if not isinstance(self.embed, bool):
-            raise ValueError(f"embed must be true or false, got {self.embed!r}")
+        if self.pooling is not None and self.pooling not in POOLING_TASKS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TASKS)} (or None), got {self.pooling!r}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias) or None
         if self.allowed_token_ids is not None:

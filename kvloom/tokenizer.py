@@ -189,6 +189,15 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of two texts as one input, as transformers' ``tokenizer(text, pair)``
+        makes them (a cross-encoder's query and document): the tokenizer's pair template
+        where it has one, else each text as ``encode`` makes it (a BOS each where it
+        adds one, as transformers' Llama tokenizers do), one after the other."""
+        if self.add_bos_token is None:
+            return self.backend.encode(text, pair, add_special_tokens=True).ids
+        return self.encode(text) + self.encode(pair)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

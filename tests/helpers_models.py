@@ -107,6 +107,10 @@ _ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
+    "llama_classifier": ("LlamaConfig", "LlamaForSequenceClassification"),
+    "qwen2_classifier": ("Qwen2Config", "Qwen2ForSequenceClassification"),
+    "qwen3_classifier": ("Qwen3Config", "Qwen3ForSequenceClassification"),
 }
 
 

@@ -266,6 +266,7 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
+        self._check_pooling(params)
         if params.max_tokens is None:  # as the server: up to the context or the pool's size
             params = replace(params, max_tokens=self.limits.default_max_tokens(len(token_ids)))
         if params.bad_words and params.bad_words_token_ids is None:
@@ -294,6 +295,27 @@ class LLMEngine:
         self.runner.add_request(request, grammar)
         self.output_processor.add(request)
         return request
+
+    def _check_pooling(self, params: SamplingParams) -> None:
+        """A sequence classifier has no vocabulary head: it serves pooling requests alone,
+        one position each (the token sampled there, over its classes, is dropped), with
+        nothing that reads a vocabulary; "classify" needs such a model."""
+        classifier = self.model_config.classifier
+        if classifier is None:
+            if params.pooling == "classify":
+                raise ValueError("pooling 'classify' needs a sequence-classification model (a "
+                                 "*ForSequenceClassification checkpoint); this model is a causal LM")
+            return
+        if params.pooling is None:
+            raise ValueError(f"this model is a sequence classifier ({classifier.num_labels} classes, no vocabulary "
+                             "head): it classifies, scores and embeds, it does not generate text")
+        if params.max_tokens not in (None, 1):
+            raise ValueError(f"max_tokens must be 1 for a sequence classifier's request (it reads the prompt's last "
+                             f"position), got {params.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+                     "structured", "thinking_budget"):
+            if getattr(params, name) not in (None, []):
+                raise ValueError(f"{name} is not supported by a sequence classifier: it has no vocabulary head")
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: drop every prefix-cache block no request holds (e.g. between benchmark
@@ -408,10 +430,10 @@ class LLMEngine:
                 chunk = result.prompt_logprobs.get(item.request.request_id)
                 if chunk is not None:
                     self.output_processor.add_prompt_logprobs(item.request, chunk)
-        if result.embeddings:  # embedding requests' vectors
+        if result.pooled:  # pooling requests' vectors
             for item in scheduled.scheduled:
-                if (vector := result.embeddings.get(item.request.request_id)) is not None:
-                    self.output_processor.add_embedding(item.request, vector)
+                if (vector := result.pooled.get(item.request.request_id)) is not None:
+                    self.output_processor.add_pooled(item.request, vector)
         updates = self.scheduler.commit(scheduled, result)
         self._step_updates.extend(updates)
         outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])

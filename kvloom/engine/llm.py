@@ -11,8 +11,11 @@ from tqdm import tqdm
 
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence, advance_round
+from kvloom.engine.classification import class_probabilities, cross_encoder_check
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -195,29 +198,52 @@ class LLM:
         decoder models; e5-mistral and gte-Qwen2 are such embedding models). Prompts as
         ``generate``'s; batched, cached and exact as generation is.
         ``truncate_prompt_tokens``: each prompt's last k tokens only (-1: the context's)."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="embed")
         if truncate_prompt_tokens is not None:
             prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
-                                       EmbeddingOutput(output.embedding or []), output.finished,
+                                       EmbeddingOutput(output.pooled or []), output.finished,
                                        output.num_cached_tokens)
+                for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
+
+    def classify(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` for a sequence-classification model: each prompt's class
+        probabilities, its score head at its last token through the model's activation
+        (engine/classification.py). Prompts and ``truncate_prompt_tokens`` as ``embed``'s."""
+        classifier = self.engine.model_config.classifier
+        if classifier is None:
+            raise ValueError("classify needs a sequence-classification model (a *ForSequenceClassification "
+                             "checkpoint); this model is a causal LM")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify")
+        if truncate_prompt_tokens is not None:
+            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
+        return [ClassificationRequestOutput(output.request_id, output.prompt_token_ids,
+                                            ClassificationOutput(class_probabilities(output.pooled or [], classifier)),
+                                            output.finished, output.num_cached_tokens)
                 for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
 
     def _truncated(self, prompt: Prompt, keep: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (the
         engine's ``AdmissionLimits.truncate``, whose RequestRejected is a ValueError)."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.engine.limits.truncate(token_ids, keep)
+        return self.engine.limits.truncate(self._ids(prompt), keep)
 
     def score(self, data_1: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               data_2: Prompt | PromptDict | Sequence[Prompt | PromptDict], /, *, use_tqdm: bool | None = None,
               lora_request: LoRARequest | None = None,
               truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` for an embedding model (a bi-encoder): each pair's cosine
-        similarity of the two texts' embeddings (``embed``'s), the texts paired 1:1, 1:N
-        or N:N (engine/similarity.py). One answer per pair, in ``data_2``'s order."""
+        """vLLM's ``LLM.score``: for an embedding model (a bi-encoder) each pair's cosine
+        similarity of the two texts' embeddings (``embed``'s); for a cross-encoder (a
+        sequence classifier of one label) the sigmoid of its logit for the pair read as
+        one input (``Tokenizer.encode_pair``). The texts pair 1:1, 1:N or N:N
+        (engine/similarity.py); one answer per pair, in ``data_2``'s order."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = pair_up(len(first), len(second))
+        classifier = self.engine.model_config.classifier
+        cross_encoder_check(classifier)
+        if classifier is not None:
+            return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request, truncate_prompt_tokens)
         embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request,
                               truncate_prompt_tokens=truncate_prompt_tokens)
         queries, documents = embedded[:len(first)], embedded[len(first):]
@@ -226,6 +252,25 @@ class LLM:
         return [ScoringRequestOutput(f"{queries[i].request_id}_{documents[j].request_id}",
                                      queries[i].prompt_token_ids + documents[j].prompt_token_ids, ScoringOutput(score))
                 for (i, j), score in zip(pairs, scores, strict=True)]
+
+    def _cross_encoder_scores(self, first: list[Prompt], second: list[Prompt], pairs: list[tuple[int, int]],
+                              use_tqdm: bool | None, lora_request: LoRARequest | None,
+                              truncate_prompt_tokens: int | None) -> list[ScoringRequestOutput]:
+        """``score`` for a cross-encoder: each pair one input (its two texts by the
+        tokenizer's pair template; token-id prompts one after the other), classified."""
+        inputs: list[Prompt] = []
+        for i, j in pairs:
+            query, document = first[i], second[j]
+            inputs.append(self.tokenizer.encode_pair(query, document)
+                          if isinstance(query, str) and isinstance(document, str)
+                          else self._ids(query) + self._ids(document))
+        classified = self.classify(inputs, use_tqdm=use_tqdm, lora_request=lora_request,
+                                   truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ScoringRequestOutput(output.request_id, output.prompt_token_ids, ScoringOutput(output.outputs.probs[0]))
+                for output in classified]
+
+    def _ids(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache (nothing runs between two calls of this API, so

@@ -51,8 +51,9 @@ class RequestOutput:
     # Prefill instance, on a KVExport request's final output: where its prompt's KV is
     # staged (kvloom/kv_spec.py StagedKV.as_dict()), for a decode instance to pull.
     kv_transfer_params: dict[str, Any] | None = None
-    # An embedding request's (SamplingParams.embed) vector, on its final output.
-    embedding: list[float] | None = None
+    # A pooling request's (SamplingParams.pooling) vector, on its final output: its
+    # embedding ("embed") or its class logits ("classify").
+    pooled: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +73,30 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassificationOutput:
+    probs: list[float]  # by class index: softmax over the classes, or each one's sigmoid
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationRequestOutput:
+    """``LLM.classify``'s answer per prompt, as vLLM's: ``outputs.probs``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ScoringOutput:
-    score: float  # the cosine of the pair's two embeddings
+    # A bi-encoder's: the cosine of the pair's two embeddings; a cross-encoder's: the
+    # sigmoid of its one logit for the pair read as one input.
+    score: float
 
 
 @dataclass(frozen=True, slots=True)

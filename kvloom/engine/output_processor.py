@@ -37,7 +37,7 @@ class _StreamState:
     # prefix-cache hit served them)
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
-    embedding: list[float] | None = None  # an embedding request's, once computed
+    pooled: list[float] | None = None  # a pooling request's vector, once computed
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -65,10 +65,10 @@ class OutputProcessor:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
-    def add_embedding(self, request: Request, vector: list[float]) -> None:
+    def add_pooled(self, request: Request, vector: list[float]) -> None:
         state = self._streams.get(request)
         if state is not None:
-            state.embedding = vector
+            state.pooled = vector
 
     def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a prompt recomputed
@@ -182,5 +182,5 @@ class OutputProcessor:
             metrics=request.timeline,
             error=request.error,
             prompt_logprobs=self._prompt_logprobs(state, request),
-            embedding=state.embedding,
+            pooled=state.pooled,
         )

@@ -1,5 +1,5 @@
 """Bi-encoder similarity, vLLM's Score and Rerank for embedding models: each text is
-embedded on its own (last-token pooling, ``SamplingParams.embed``) and a pair's score
+embedded on its own (last-token pooling, ``SamplingParams.pooling`` "embed") and a pair's score
 is the cosine of its two embeddings. The server's ``/score`` and ``/rerank``
 (server/serving_rerank.py) and ``LLM.score`` pair texts by the same rule."""
 

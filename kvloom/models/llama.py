@@ -88,6 +88,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Also a sequence classifier (``config.classifier``): the head is then the score layer.
+    has_score_head = True
+
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
@@ -101,7 +104,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
-        if config.tie_word_embeddings:
+        if config.classifier is not None:  # the checkpoint's `score`, whole on every rank
+            self.lm_head = nn.Linear(config.hidden_size, config.classifier.num_labels, bias=False)
+        elif config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
@@ -140,7 +145,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab]; under tensor parallel a collective (every rank
-        calls it with the same rows), whose full result is rank 0's."""
+        calls it with the same rows), whose full result is rank 0's. A classifier's rows
+        are its class logits, [rows, num_labels], computed whole on every rank."""
+        if self.config.classifier is not None:
+            assert self.lm_head is not None
+            return self.lm_head(hidden)
         if self.lm_head is None:  # tied: the embedding table is the output head
             local = torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, shard]
         else:
@@ -203,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
         }
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            if name == "score.weight" and self.config.classifier is not None:
+                name = "lm_head.weight"  # the classifier's head (a model of vocabulary rows)
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             block = moe_block_name(name)
@@ -216,11 +227,11 @@ class LlamaForCausalLM(nn.Module):
                 if f".{fragment}." in name:
                     target, rows = name.replace(fragment, ours), slice(start, start + length)
                     break
-            if target in ("embed_tokens.weight", "lm_head.weight"):
+            if target == "embed_tokens.weight" or (target == "lm_head.weight" and self.config.classifier is None):
                 rows = slice(0, self.embed_tokens.num_real_rows)  # the padding rows stay zero
             filler.copy(target, tensor, hf_name, rows)
         padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
-        for name in ("embed_tokens.weight", "lm_head.weight"):
+        for name in ("embed_tokens.weight",) if self.config.classifier else ("embed_tokens.weight", "lm_head.weight"):
             if name in filler.filled:
                 filler.count(name, padding)
         if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0

@@ -89,7 +89,13 @@ def model_class(architecture: str) -> Any:
 
 def build_model(config: ModelConfig, max_positions: int,
                 tp: TensorParallelGroup = SINGLE_PROCESS) -> CausalLM:
-    model: CausalLM = model_class(config.architecture)(config, max_positions, tp)
+    cls = model_class(config.architecture)
+    if config.classifier is not None and not getattr(cls, "has_score_head", False):
+        served = sorted(name for name in ARCHITECTURES if getattr(model_class(name), "has_score_head", False))
+        raise UnsupportedArchitecture(
+            f"{config.architecture.removesuffix('ForCausalLM')}ForSequenceClassification is not supported: "
+            f"sequence classifiers are served for the families of {', '.join(served)}")
+    model: CausalLM = cls(config, max_positions, tp)
     return model
 
 

@@ -140,7 +140,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return await generate(request)
 
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
-    for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):  # embeddings too, paired
+    # Pooling routes alike: a classification, scores (embeddings paired, or a cross-encoder's pairs).
+    for path in ("/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
         app.add_api_route(path, embeddings, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
@@ -275,7 +276,7 @@ def _prompt_text(path: str, body: dict[str, Any]) -> str:
         if not isinstance(messages, list):
             return ""
         return "".join(f"{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
-    prompt = body.get("input" if path.endswith("/embeddings") else "prompt")
+    prompt = body.get("input" if path.endswith(("/embeddings", "/classify")) else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):

@@ -50,9 +50,8 @@ class LaunchedStep:
     failed: dict[str, RequestError] = field(default_factory=dict)  # requests whose grammar failed
     # Seeded random requests with drafts: their generators' state before the draws.
     rewinds: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
-    # Embedding requests' vectors, [n, hidden] float32 on the device, in this order.
-    embedded: list[str] = field(default_factory=list)
-    embeddings: torch.Tensor | None = None
+    # Pooling requests' vectors (SamplingParams.pooling), float32 on the device, by id.
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def overlappable(self) -> bool:
@@ -83,7 +82,7 @@ class ModelRunner:
         # them: the inputs of the next step's pending tokens (overlap scheduling).
         self._pending_tokens: torch.Tensor | None = None
         self._pending_rows: dict[str, int] = {}
-        self._embedding_requests: set[str] = set()  # in flight with SamplingParams.embed
+        self._pooling_requests: set[str] = set()  # in flight with SamplingParams.pooling
 
     # ---- per-request state -----------------------------------------------------------
     def compile_constraint(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -95,8 +94,8 @@ class ModelRunner:
     def add_request(self, request: Request, grammar: CompiledGrammar | None) -> None:
         """Set up a queued request's per-request state (its grammar matcher, if any)."""
         self.structured.add_request(request, grammar)
-        if request.sampling_params.embed:
-            self._embedding_requests.add(request.request_id)
+        if request.sampling_params.pooling is not None:
+            self._pooling_requests.add(request.request_id)
 
     def bind_lora(self, lora: LoRARequest) -> str:
         """Check ``lora``'s adapter for a request about to be queued and return its
@@ -113,7 +112,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
-        self._embedding_requests.discard(request_id)
+        self._pooling_requests.discard(request_id)
         self.structured.release(request_id)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
@@ -166,9 +165,9 @@ class ModelRunner:
         # widens to float32 where it computes, the same values either way).
         # hidden holds the sampled rows alone where the batch named them (output_rows).
         final = hidden if batch.output_rows is not None else hidden[batch.logits_indices]  # [sampled rows, hidden]
-        if self._embedding_requests:
-            self._embed(launched, final)
         logits = self.model.compute_logits(final)
+        if self._pooling_requests:
+            self._pool(launched, final, logits)
         # One sampling row per position sampled at: the last known token, then each
         # draft, whose row sees the drafts before it as output (penalties, min_tokens).
         rows = [
@@ -219,23 +218,30 @@ class ModelRunner:
             aligned.accepted = self._aligned_rows(output, accepted, [])
             aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
         aligned.prompt_logprobs = launched.prompt_logprobs
-        if launched.embeddings is not None:
-            aligned.embeddings = dict(zip(launched.embedded, launched.embeddings.tolist(), strict=True))
+        aligned.pooled = {request_id: vector.tolist() for request_id, vector in launched.pooled.items()}
         return aligned
 
     @staticmethod
-    def _embed(launched: LaunchedStep, final: torch.Tensor) -> None:
-        """Last-token pooling: an embedding request samples at its prompt's last token,
-        whose final hidden state (row ``r`` of ``final``, one row per sampling row) is its
-        embedding, L2-normalized in float32."""
-        rows, row = [], 0
+    def _pool(launched: LaunchedStep, final: torch.Tensor, logits: torch.Tensor) -> None:
+        """Last-token pooling: a pooling request samples at its prompt's last token, whose
+        final hidden state is row ``r`` of ``final`` (one row per sampling row) and whose
+        head output is row ``r`` of ``logits``. "embed" keeps the hidden state,
+        L2-normalized in float32 (each task's rows in one call, as a request alone
+        computes them: a row's values do not depend on the rows beside it); "classify"
+        the head's row, a sequence classifier's class logits."""
+        rows: dict[str, list[tuple[str, int]]] = {"embed": [], "classify": []}
+        row = 0
         for item in launched.sampling:
-            if item.request.sampling_params.embed:
-                launched.embedded.append(item.request.request_id)
-                rows.append(row)
+            task = item.request.sampling_params.pooling
+            if task is not None:
+                rows[task].append((item.request.request_id, row))
             row += item.num_sampled_rows
-        if rows:
-            launched.embeddings = torch.nn.functional.normalize(final[rows].float(), dim=-1)
+        if rows["embed"]:
+            vectors = torch.nn.functional.normalize(final[[r for _, r in rows["embed"]]].float(), dim=-1)
+            launched.pooled.update(zip([i for i, _ in rows["embed"]], vectors, strict=True))
+        if rows["classify"]:
+            vectors = logits[[r for _, r in rows["classify"]]].float()
+            launched.pooled.update(zip([i for i, _ in rows["classify"]], vectors, strict=True))
 
     def _seeded_rewinds(self, sampling: list[ScheduledRequest]) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
         """The generator state, before this step's draws, of each seeded random request

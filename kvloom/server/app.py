@@ -39,6 +39,7 @@ from kvloom.server.protocol import (
 )
 from kvloom.server.reasoning_parsers import check_vocabulary, get_reasoning_parser
 from kvloom.server.serving_chat import create_chat_completion, encode_chat_request
+from kvloom.server.serving_classify import ClassificationRequest, create_classification
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_lora import install_lora_updating
@@ -184,7 +185,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     async def cancel_stored(response_id: str) -> dict[str, Any]:
         return await cancel_response(response_id, serving)
 
-    # vLLM's Score and Rerank APIs, the model as a bi-encoder (server/serving_rerank.py).
+    # vLLM's Classification API, for a sequence classifier (server/serving_classify.py).
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> dict[str, Any]:
+        return await create_classification(body, request, serving)
+
+    # vLLM's Score and Rerank APIs: a bi-encoder, or a classifier of one label as a
+    # cross-encoder (server/serving_rerank.py).
     @app.post("/score")
     @app.post("/v1/score")
     async def similarity_score(body: SimilarityScoreRequest, request: Request) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from kvloom.engine.admission import RequestRejected
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput, StepProgress
+from kvloom.model_families import ClassifierConfig
 from kvloom.models.errors import ModelLoadError
 from kvloom.server.metrics import EngineMetrics
 from kvloom.server.stats_log import StatsLogger
@@ -252,7 +253,7 @@ class AsyncEngine:
         self.info = ModelInfo(engine.model_name, engine.limits, engine.tokenizer,
                               dict(getattr(engine, "generation_defaults", {})),
                               engine.kv_transfer.info() if hasattr(engine, "kv_transfer") else {"role": "both"},
-                              tuple(getattr(engine, "eos_token_ids", ())), *_embedding_sizes(engine))
+                              tuple(getattr(engine, "eos_token_ids", ())), *_pooling_facts(engine))
         logger.info("engine ready: %s (context %d, %d KV blocks)", engine.model_name,
                     engine.max_model_len, engine.num_blocks)
         try:
@@ -421,11 +422,11 @@ def _set_future(future: asyncio.Future[Any], value: Any, error: BaseException | 
         future.set_result(value)
 
 
-def _embedding_sizes(engine: LLMEngine) -> tuple[int, tuple[int, ...] | None]:
-    """ModelInfo's (hidden_size, matryoshka_dimensions) of the loaded model (a stand-in
-    engine in tests may have no model_config: no embeddings sizes then)."""
+def _pooling_facts(engine: LLMEngine) -> tuple[int, tuple[int, ...] | None, ClassifierConfig | None]:
+    """ModelInfo's (hidden_size, matryoshka_dimensions, classifier) of the loaded model (a
+    stand-in engine in tests may have no model_config: no pooling facts then)."""
     config = getattr(engine, "model_config", None)
     if config is None:
-        return 0, None
+        return 0, None, None
     sizes = (config.matryoshka_dimensions or ()) if config.is_matryoshka else None
-    return config.hidden_size, sizes
+    return config.hidden_size, sizes, config.classifier

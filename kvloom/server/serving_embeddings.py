@@ -1,6 +1,6 @@
 """POST /v1/embeddings (OpenAI's): each input's embedding from the served decoder model,
 the final hidden state of its last token, L2-normalized (vLLM's last-token pooling for
-decoder models; SamplingParams.embed). ``encoding_format`` "base64" (the OpenAI SDK's
+decoder models; SamplingParams.pooling "embed"). ``encoding_format`` "base64" (the OpenAI SDK's
 default) sends each vector as little-endian float32 bytes in base64."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvloom.server.generation import Serving, collect, encode_prompts, new_id, t
 from kvloom.server.protocol import PromptInput, RequestModel
 from kvloom.server.streams import EngineRequest, ModelInfo
 
-EMBED = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True,
+EMBED = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="embed",
                        output_kind=RequestOutputKind.FINAL_ONLY)
 
 
@@ -55,7 +55,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
         EngineRequest(f"{request_id}-{i}", ids, EMBED, cache_salt=body.cache_salt, lora_request=lora)
         for i, ids in enumerate(prompts)]), request)
     data = [{"object": "embedding", "index": index,
-             "embedding": _encoded(_shortened(finals[index].embedding or [], body.dimensions), body.encoding_format)}
+             "embedding": _encoded(_shortened(finals[index].pooled or [], body.dimensions), body.encoding_format)}
             for index in range(len(prompts))]
     tokens = sum(map(len, prompts))
     return {"object": "list", "data": data, "model": model,

@@ -1,12 +1,16 @@
 """vLLM's Score API (``POST /score``, ``/v1/score``) and Rerank API (``POST /rerank``,
-``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape) for the served model as an
+``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape). A causal LM is scored as an
 embedding model, a bi-encoder: each text is embedded on its own (the final hidden state
 of its last token, as ``/v1/embeddings``) and a pair's score is the cosine of the two
-embeddings (engine/similarity.py). A text embedded twice in one request (a query scored
-against many documents) is computed once.
+embeddings (engine/similarity.py); a text embedded twice in one request (a query scored
+against many documents) is computed once. A sequence classifier of one label is a
+cross-encoder: each pair is one input (the tokenizer's pair template,
+``Tokenizer.encode_pair``) and its score the sigmoid of the classifier's logit
+(engine/classification.py).
 
-Text only: vLLM's multimodal content parts, and the fields only a cross-encoder's
-template reads (``instruction``, ``chat_template_kwargs``), are refused by name."""
+Text only: vLLM's multimodal content parts, and the fields only a score template reads
+(``instruction``, ``chat_template_kwargs``; no model served here has one), are refused
+by name."""
 
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import Field
 
+from kvloom.engine.classification import class_probabilities, cross_encoder_check
 from kvloom.engine.similarity import cosine_scores, pair_up
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import Serving, collect, new_id
 from kvloom.server.protocol import RequestModel
+from kvloom.server.serving_classify import CLASSIFY
 from kvloom.server.serving_embeddings import EMBED
 from kvloom.server.streams import EngineRequest, ModelInfo
 
@@ -40,10 +46,11 @@ class _SimilarityRequest(RequestModel):
     # Each query's / document's text cut to its first k tokens before it is encoded (0: whole).
     max_tokens_per_query: int = Field(default=0, ge=0)
     max_tokens_per_doc: int = Field(default=0, ge=0)
-    # A classifier's activation: a cosine is the same with or without the normalization,
-    # so it changes nothing for this model (accepted as vLLM accepts it).
+    # A cross-encoder's activation (None: on): False scores a pair by the classifier's raw
+    # logit. A cosine is the same with or without the normalization: for a bi-encoder it
+    # changes nothing (accepted as vLLM accepts it).
     use_activation: bool | None = None
-    # Read only by a cross-encoder's score template: refused here (_check_bi_encoder).
+    # Read only by a score template, which no model served here has: refused (_check_no_template).
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     padding: str | None = None
@@ -89,12 +96,13 @@ def _as_texts(value: Texts, param: str) -> list[str]:
     return texts
 
 
-def _check_bi_encoder(body: _SimilarityRequest) -> None:
+def _check_no_template(body: _SimilarityRequest, info: ModelInfo) -> None:
+    how = ("a cross-encoder, each pair as the tokenizer's pair of texts" if info.classifier is not None
+           else "a bi-encoder (the cosine of two embeddings)")
     for name in ("instruction", "chat_template_kwargs", "padding"):
         if getattr(body, name) is not None:
-            raise bad_request(f"{name} is read by a cross-encoder's score template; this model is scored as a "
-                              "bi-encoder (the cosine of two embeddings), which has none", name,
-                              "unsupported_parameter")
+            raise bad_request(f"{name} is read by a model's score template; this model is scored as {how}, "
+                              "with none", name, "unsupported_parameter")
 
 
 def _response_id(prefix: str, body: _SimilarityRequest) -> str:
@@ -107,35 +115,51 @@ async def _scores(body: _SimilarityRequest, response_id: str, first: tuple[str, 
                   request: Request) -> tuple[list[float], int]:
     """Each pair's score, in the second side's order, and the prompt tokens computed.
     ``first`` and ``second``: each side's field name and texts."""
-    _check_bi_encoder(body)
+    _check_no_template(body, info)
     try:
         pairs = pair_up(len(first[1]), len(second[1]))
     except ValueError as error:
         raise bad_request(str(error), second[0]) from None
-    prompts = ([_prompt(text, body.max_tokens_per_query, "max_tokens_per_query", body, info, first[0])
-                for text in first[1]]
-               + [_prompt(text, body.max_tokens_per_doc, "max_tokens_per_doc", body, info, second[0])
-                  for text in second[1]])
+    try:
+        cross_encoder_check(info.classifier)
+    except ValueError as error:
+        raise bad_request(str(error), "model", "model_not_supported") from None
+    queries = [_cut(text, body.max_tokens_per_query, "max_tokens_per_query", info) for text in first[1]]
+    documents = [_cut(text, body.max_tokens_per_doc, "max_tokens_per_doc", info) for text in second[1]]
+    if info.classifier is not None:  # a cross-encoder: one input per pair
+        prompts = [_fitted(info.tokenizer.encode_pair(queries[i], documents[j]), body, info, second[0])
+                   for i, j in pairs]
+        params = CLASSIFY
+    else:  # a bi-encoder: one input per text
+        prompts = ([_fitted(info.tokenizer.encode(text), body, info, first[0]) for text in queries]
+                   + [_fitted(info.tokenizer.encode(text), body, info, second[0]) for text in documents])
+        params = EMBED
     engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
     lora = serving.lora_for(body.model, info)
     finals = await collect(await serving.open([
-        EngineRequest(f"{engine_id}-{index}", ids, EMBED, body.priority, lora_request=lora)
+        EngineRequest(f"{engine_id}-{index}", ids, params, body.priority, lora_request=lora)
         for index, ids in enumerate(prompts)]), request)
-    embeddings = [finals[index].embedding or [] for index in range(len(prompts))]
-    return cosine_scores(embeddings[:len(first[1])], embeddings[len(first[1]):], pairs), sum(map(len, prompts))
+    pooled = [finals[index].pooled or [] for index in range(len(prompts))]
+    if info.classifier is not None:
+        scores = [class_probabilities(logits, info.classifier, body.use_activation is not False)[0]
+                  for logits in pooled]
+    else:
+        scores = cosine_scores(pooled[:len(first[1])], pooled[len(first[1]):], pairs)
+    return scores, sum(map(len, prompts))
 
 
-def _prompt(text: str, max_tokens: int, max_param: str, body: _SimilarityRequest, info: ModelInfo,
-            param: str) -> list[int]:
-    """A text's prompt: cut to its first ``max_tokens`` tokens as text (vLLM's rule, at a
-    token's character boundary), encoded with the special tokens, then cut to
-    ``truncate_prompt_tokens``."""
+def _cut(text: str, max_tokens: int, max_param: str, info: ModelInfo) -> str:
+    """A text cut to its first ``max_tokens`` tokens as text (vLLM's rule, at a token's
+    character boundary; 0: whole)."""
     limit = info.limits.max_model_len
     if max_tokens >= limit:
         raise bad_request(f"{max_param} ({max_tokens}) must be less than max_model_len ({limit})", max_param)
-    if max_tokens:
-        text = truncated_text(info.tokenizer, text, max_tokens)
-    ids: list[int] = info.tokenizer.encode(text, add_special_tokens=True)
+    return truncated_text(info.tokenizer, text, max_tokens) if max_tokens else text
+
+
+def _fitted(ids: list[int], body: _SimilarityRequest, info: ModelInfo, param: str) -> list[int]:
+    """An input's ids (encoded with the special tokens) cut to ``truncate_prompt_tokens``
+    and checked against the context."""
     try:
         ids = info.limits.truncate(ids, body.truncate_prompt_tokens, keep_first=body.truncation_side == "right")
         info.limits.check_prompt(len(ids), param)

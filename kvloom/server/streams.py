@@ -16,6 +16,7 @@ from kvloom.engine.admission import AdmissionLimits
 from kvloom.engine.output import RequestOutput
 from kvloom.kv_spec import KVTransferSpec
 from kvloom.lora.request import LoRARequest
+from kvloom.model_families import ClassifierConfig
 from kvloom.sampling_params import SamplingParams
 
 
@@ -53,6 +54,9 @@ class ModelInfo:
     # may ask for (None: not a matryoshka model; (): any size up to hidden_size).
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A sequence classifier's labels and activation (/classify; /score and /rerank as a
+    # cross-encoder when it has one label); None for a causal LM.
+    classifier: ClassifierConfig | None = None
 
     @property
     def max_model_len(self) -> int:

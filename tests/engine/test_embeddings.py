@@ -46,7 +46,7 @@ def test_in_bf16_an_embedding_is_bit_identical_alone_and_beside_generation(tiny_
     llm = LLM(str(tiny_llama), dtype="bfloat16", num_blocks=128, enable_prefix_caching=False)
     alone = llm.embed([prompt])[0].outputs.embedding
     generate = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    embed = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+    embed = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="embed")
     mixed = llm.generate([others[0], prompt, *others[1:]], [generate, embed] + [generate] * 4)
-    assert mixed[1].embedding == alone
-    assert all(o.embedding is None for i, o in enumerate(mixed) if i != 1)
+    assert mixed[1].pooled == alone
+    assert all(o.pooled is None for i, o in enumerate(mixed) if i != 1)

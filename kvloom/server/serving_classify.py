@@ -1,0 +1,73 @@
+"""vLLM's Classification API (``POST /classify``; SGLang's ``/v1/classify``) for a
+sequence-classification model: each input's class probabilities, its score head read at
+its last token (``SamplingParams.pooling`` "classify") through the model's activation
+(engine/classification.py), and the most probable class's label."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from pydantic import Field
+
+from kvloom.engine.classification import class_probabilities
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from kvloom.server.errors import bad_request, from_value_error
+from kvloom.server.generation import Serving, collect, encode_prompts, new_id, truncate_prompt
+from kvloom.server.protocol import PromptInput, RequestModel
+from kvloom.server.streams import EngineRequest
+
+CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify",
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+class ClassificationRequest(RequestModel):
+    model: str | None = None
+    input: PromptInput = Field(description="Text, a list of texts, a list of token ids, or a list of "
+                                           "token-id lists; never empty.")
+    user: str | None = None
+    request_id: str | None = None  # vLLM's: names the response (``classify-<request_id>``)
+    priority: int = 0
+    # vLLM's: keep only the input's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    # False: the raw logits in ``probs`` (vLLM's field), not the activation's values.
+    use_activation: bool = True
+    cache_salt: str | None = None
+
+
+async def create_classification(body: ClassificationRequest, request: Request, serving: Serving) -> dict[str, Any]:
+    info = serving.model_info()
+    model = serving.check_model(body.model, info)
+    classifier = info.classifier
+    if classifier is None:
+        raise bad_request("classification needs a sequence-classification model (a *ForSequenceClassification "
+                          "checkpoint); the served model is a causal LM", "model", "model_not_supported")
+    if not body.input or (isinstance(body.input, list) and any(not item for item in body.input)):
+        raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
+    try:
+        prompts, _ = encode_prompts(body.input, info, body.add_special_tokens)
+        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
+        for index, ids in enumerate(prompts):
+            info.limits.check_prompt(len(ids), f"input[{index}]" if len(prompts) > 1 else "input")
+    except ValueError as error:
+        raise from_value_error(error) from None
+    response_id = new_id("classify") if body.request_id is None else f"classify-{body.request_id}"
+    engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
+    lora = serving.lora_for(body.model, info)
+    finals = await collect(await serving.open([
+        EngineRequest(f"{engine_id}-{index}", ids, CLASSIFY, body.priority, cache_salt=body.cache_salt,
+                      lora_request=lora)
+        for index, ids in enumerate(prompts)]), request)
+    data = []
+    for index in range(len(prompts)):
+        logits = finals[index].pooled or []
+        probs = class_probabilities(logits, classifier, body.use_activation)
+        best = max(range(len(logits)), key=logits.__getitem__)  # the first of equal ones
+        data.append({"index": index, "label": classifier.labels[best], "probs": probs,
+                     "num_classes": classifier.num_labels})
+    tokens = sum(map(len, prompts))
+    return {"id": response_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
