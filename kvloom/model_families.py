@@ -7,8 +7,12 @@ holds them (``moe``, ``mla``, ``ssm``, ``classifier``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -307,12 +311,24 @@ class ClassifierConfig:
     ``score`` head (hidden -> ``num_labels``, no bias) in place of the vocabulary head,
     read at the input's last token (vLLM's last-token pooling; transformers reads the
     last token that is not padding, the same token for an unpadded input). With one
-    label the model is a cross-encoder: a pair's score is that logit."""
+    label the model is a cross-encoder: a pair's score is that logit.
+
+    vLLM's ``classifier_from_token`` makes a causal LM such a classifier through
+    ``--hf-overrides`` (the original Qwen3-Reranker's way): the head is the vocabulary
+    head's rows of those tokens, so class i's logit is token i's. With two tokens and
+    ``two_way`` (vLLM's ``from_2_way_softmax``, which ``is_original_qwen3_reranker``
+    implies), the head is one row, the second token's minus the first's: a pair's
+    sigmoid is then the softmax of the two tokens' logits, p("yes") of ["no", "yes"]."""
 
     num_labels: int
     labels: tuple[str, ...]  # config.json's id2label, by class index
     # problem_type "multi_label_classification": each class its own sigmoid.
     multi_label: bool = False
+    source_tokens: tuple[str, ...] = ()  # classifier_from_token: the head from these tokens' rows
+    two_way: bool = False
+    # The source tokens' ids, which the tokenizer gives (``with_token_ids``) before the
+    # weights are read; empty until then.
+    source_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_labels, int) or self.num_labels <= 0:
@@ -320,6 +336,9 @@ class ClassifierConfig:
         if len(self.labels) != self.num_labels:
             raise ValueError(f"model config: id2label names {len(self.labels)} classes, num_labels is "
                              f"{self.num_labels}")
+        if self.two_way and len(self.source_tokens) != 2:
+            raise ValueError(f"model config: a two-way classifier (from_2_way_softmax) takes two classifier_from_token "
+                             f"entries, the negative one first; got {list(self.source_tokens)}")
 
     @property
     def activation(self) -> str:
@@ -327,6 +346,25 @@ class ClassifierConfig:
         vLLM's classify do: ``sigmoid`` for one label or several independent ones,
         ``softmax`` over the classes otherwise."""
         return "sigmoid" if self.num_labels == 1 or self.multi_label else "softmax"
+
+    def with_token_ids(self, token_to_id: Callable[[str], int | None]) -> ClassifierConfig:
+        """This config with its source tokens' ids (ValueError naming a token the
+        vocabulary does not hold as one token)."""
+        ids = []
+        for token in self.source_tokens:
+            token_id = token_to_id(token)
+            if token_id is None:
+                raise ValueError(f"classifier_from_token: {token!r} is not one token of this model's vocabulary")
+            ids.append(token_id)
+        return replace(self, source_token_ids=tuple(ids))
+
+    def head_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The score head from the vocabulary head's rows of the source tokens, in their
+        order: those rows, or for a two-way classifier the second minus the first
+        (subtracted in float32)."""
+        if not self.two_way:
+            return rows
+        return (rows[1:2].float() - rows[0:1].float()).to(rows.dtype)
 
     @staticmethod
     def causal_architecture(architecture: str) -> str:
@@ -341,6 +379,13 @@ class ClassifierConfig:
         architecture = (hf.get("architectures") or [""])[0]
         if not architecture.endswith(CLASSIFIER_SUFFIX):
             return None
+        tokens = hf.get("classifier_from_token")
+        if tokens is not None:
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+                raise ValueError(f"model config: classifier_from_token must be a list of token strings, got {tokens!r}")
+            two_way = bool(hf.get("is_original_qwen3_reranker")) or hf.get("method") == "from_2_way_softmax"
+            labels = (tokens[-1],) if two_way else tuple(tokens)
+            return cls(num_labels=len(labels), labels=labels, source_tokens=tuple(tokens), two_way=two_way)
         id2label = hf.get("id2label") or {}
         num_labels = hf.get("num_labels", len(id2label) or 2)
         try:

@@ -199,6 +199,10 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any
         parameter is left unset or a name is unknown."""
         filler = WeightFiller(self)
+        # classifier_from_token: the head is the vocabulary head's rows of a few tokens
+        # (the embedding's where the checkpoint ties its head and has no lm_head).
+        source = self.config.classifier.source_token_ids if self.config.classifier is not None else ()
+        embedding_rows: torch.Tensor | None = None
         # HF name fragment -> (our fused parameter fragment, offset, size), in this rank's shard
         attention = self.layers[0].self_attn
         q, kv = attention.q_size, attention.kv_size
@@ -212,6 +216,13 @@ class LlamaForCausalLM(nn.Module):
         }
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            if source and name in ("lm_head.weight", "embed_tokens.weight"):
+                assert self.config.classifier is not None
+                head = self.config.classifier.head_from_rows(tensor[list(source)])
+                if name == "lm_head.weight":
+                    filler.copy("lm_head.weight", head, hf_name)
+                    continue
+                embedding_rows = head  # and the embedding itself is read below
             if name == "score.weight" and self.config.classifier is not None:
                 name = "lm_head.weight"  # the classifier's head (a model of vocabulary rows)
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
@@ -238,4 +249,6 @@ class LlamaForCausalLM(nn.Module):
             for name, param in filler.params.items():
                 if name.endswith(("o_proj.bias", "down_proj.bias")):
                     param.data.zero_()
+        if source and "lm_head.weight" not in filler.filled and embedding_rows is not None:
+            filler.copy("lm_head.weight", embedding_rows, "model.embed_tokens.weight")
         filler.check_complete()

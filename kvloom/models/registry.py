@@ -3,6 +3,7 @@ engine and the runner need of any model class."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Iterable
@@ -105,6 +106,9 @@ def load_model(config: ModelConfig, max_positions: int, checkpoint: Checkpoint,
     """Build, fill, move and pack a model as the engine runs it (the target and a
     draft model alike); ``native_stack`` asks for the one-call decoder walk on CPU.
     Under tensor parallel (``tp``) this rank's shard, reading only its slices."""
+    if config.classifier is not None and config.classifier.source_tokens:  # the head's rows, by token id
+        classifier = config.classifier.with_token_ids(checkpoint.tokenizer.token_to_id)
+        config = dataclasses.replace(config, classifier=classifier)
     model = build_model(config, max_positions, tp)
     model.load_weights(checkpoint.weights(model.weight_slice if tp.size > 1 else None))
     model.to(device=device, dtype=dtype)  # in place, as nn.Module.to is

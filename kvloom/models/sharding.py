@@ -40,6 +40,9 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     evenly (the vocabulary is padded instead)."""
     if size == 1:
         return None
+    if config.classifier is not None and config.classifier.source_tokens:
+        return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
+                "rows of a few tokens, which one rank's shard may not hold; run it in one process")
     sizes = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
     moe = config.moe
     if moe is None or len(moe.sparse_layers) < config.num_layers:  # some layer has the dense MLP

@@ -157,3 +157,51 @@ def test_a_classifier_of_another_family_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedArchitecture, match=r"Mamba2ForSequenceClassification is not supported.*"
                                                       r"LlamaForCausalLM"):
         build_model(mamba, 64)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_head", "own_head"])
+def test_a_causal_lm_made_a_reranker_from_two_tokens_scores_their_two_way_softmax(tmp_path: Path, tied: bool) -> None:
+    """vLLM's ``--hf-overrides`` for the original Qwen3-Reranker: a causal LM read as a
+    classifier whose head is the second token's vocabulary row minus the first's, so a
+    pair's score is p(second) of the softmax over the two tokens' logits at the pair's
+    last token, as transformers' causal LM gives them; with three tokens and no two-way
+    rule, the classes are the three tokens and their probabilities a softmax over theirs."""
+    path = write_tiny_hf_model(tmp_path, arch="qwen3", tie_word_embeddings=tied, seed=8, hidden_size=128,
+                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    negative, positive, third = (tokenizer.convert_tokens_to_ids(t) for t in ("Hello", "ques", "io"))
+    query, documents = "where does the fox sleep", ["the fox sleeps in its den", "tea", "a lazy dog"]
+    pairs = [tokenizer(query, document)["input_ids"] for document in documents]
+    with torch.no_grad():
+        last = [reference(torch.tensor([ids])).logits[0, -1] for ids in pairs]
+    reranker = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Hello", "ques"],
+        "is_original_qwen3_reranker": True})
+    scores = [output.outputs.score for output in reranker.score(query, documents)]
+    assert scores == pytest.approx([logits[[negative, positive]].softmax(-1)[1].item() for logits in last], abs=1e-6)
+    three = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Hello", "ques", "io"]})
+    assert three.engine.model_config.classifier.labels == ("Hello", "ques", "io")
+    for output, logits in zip(three.classify(pairs), last, strict=True):
+        assert torch.allclose(torch.tensor(output.outputs.probs), logits[[negative, positive, third]].softmax(-1),
+                              atol=1e-6)
+
+
+def test_classifier_tokens_the_vocabulary_lacks_or_tensor_parallel_are_refused_by_name(tmp_path: Path) -> None:
+    from kvloom.models.sharding import tensor_parallel_problem
+
+    path = write_tiny_hf_model(tmp_path, arch="llama")
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["Hello", "yes no"]}
+    with pytest.raises(ValueError, match="classifier_from_token: 'yes no' is not one token"):
+        LLM(str(path), dtype="float32", block_size=16, num_blocks=16, hf_overrides=overrides)
+    config = ModelConfig.from_hf({"architectures": ["LlamaForSequenceClassification"], "vocab_size": 64,
+                                  "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "classifier_from_token": ["a", "b"],
+                                  "method": "from_2_way_softmax"})
+    assert config.classifier is not None and config.classifier.num_labels == 1
+    assert "not served under tensor parallel" in (tensor_parallel_problem(config, 2) or "")
+    with pytest.raises(ValueError, match="two classifier_from_token entries"):
+        ModelConfig.from_hf({"architectures": ["LlamaForSequenceClassification"], "vocab_size": 64, "hidden_size": 16,
+                             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "classifier_from_token": ["a", "b", "c"], "is_original_qwen3_reranker": True})
