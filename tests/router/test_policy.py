@@ -134,6 +134,8 @@ def test_routing_keys() -> None:
     assert adapter != routing_key("/v1/completions", {"prompt": "hello", "cache_salt": "t1", "model": "base"})
     assert routing_key("/v1/completions", {"prompt": [[1, 2], [3]]}) == "\x01\x02"
     assert routing_key("/v1/embeddings", {"input": ["first", "second"]}) == "first"
+    assert routing_key("/classify", {"input": ["first", "second"]}) == "first"
+    assert routing_key("/v1/classify", {"input": [7, 8]}) == "\x07\x08"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert routing_key("/v1/chat/completions", chat) == "be brief\nhi\n"
