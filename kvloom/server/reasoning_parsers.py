@@ -1,15 +1,20 @@
 """Reasoning parsers: a thinking model's output split into its reasoning and its answer
 (vLLM's ``--reasoning-parser``; the chat response's ``reasoning`` beside ``content``).
 
-Every format here is DeepSeek R1's: the reasoning ends at ``</think>``, and the chat
-template has opened it, so the output begins inside it; a ``<think>`` the model writes
-first anyway is dropped. They differ in when the template opens it: R1's and MiniMax
-M2's always, Qwen3's unless the request sets ``chat_template_kwargs.enable_thinking``
-false, DeepSeek V3.1's only where it sets ``thinking`` (or ``enable_thinking``) true; an
-output of a request that does not think is all content. An output without ``</think>``
-(cut by ``max_tokens``, say) is reasoning only, as vLLM's. The text after ``</think>`` is
-the content, which a tool-call parser then reads; a constraint (response_format, a
-forced tool call) applies to it alone (serving_chat.after_reasoning).
+Two shapes. DeepSeek R1's (and MiniMax M2's, Qwen3's, DeepSeek V3.1's): the reasoning
+ends at ``</think>``, and the chat template has opened it, so the output begins inside
+it; a ``<think>`` the model writes first anyway is dropped. They differ in when the
+template opens it: R1's and MiniMax M2's always, Qwen3's unless the request sets
+``chat_template_kwargs.enable_thinking`` false, DeepSeek V3.1's only where it sets
+``thinking`` (or ``enable_thinking``) true; an output of a request that does not think is
+all content. Mistral's (Magistral) and IBM Granite's: the model opens its reasoning
+itself, with ``[THINK]`` (a special token, kept in the text for this) or the phrase
+"Here is my thought process:", and ends it with ``[/THINK]`` or "Here is my response:"
+("Here's" too, as vLLM matches); an output that does not begin with the opening marker
+is all content. In both shapes an output without the end marker (cut by ``max_tokens``,
+say) is reasoning only, as vLLM's. The text after the end marker is the content, which a
+tool-call parser then reads; a constraint (response_format, a forced tool call) applies to
+it alone (serving_chat.after_reasoning), where the end marker is one token.
 
 ``ReasoningStream`` is one incremental machine, and splitting a whole output is that
 machine fed the whole text: streamed in any pieces, the reasoning and the content
@@ -28,17 +33,38 @@ if TYPE_CHECKING:
     from kvloom.tokenizer import Tokenizer
 
 
+MARKER_KINDS = ("token", "special", "text")
+
+
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
-    """The markers around a model's reasoning, and how a request turns the thinking on
-    or off through the template: the ``template_switches`` it may set, and whether it
-    thinks where it sets none (``thinks_by_default``)."""
+    """The markers around a model's reasoning (each of ``starts`` opens it, each of
+    ``ends`` closes it; the first of each is the one a model writes), who opens it, and
+    how a request turns the thinking on or off through the template: the
+    ``template_switches`` it may set, and whether it thinks where it sets none
+    (``thinks_by_default``).
+
+    ``opened_by_template``: the output begins inside the reasoning (a start marker it
+    writes first is dropped); otherwise the output must open it with a start marker and
+    is all content without one. ``markers``: ``token``, each marker one token the
+    decoded text keeps; ``special``, one special token each, which the text must be
+    decoded with (``skip_special_tokens`` false); ``text``, a phrase of several tokens."""
 
     name: str
-    start: str = "<think>"
-    end: str = "</think>"
+    starts: tuple[str, ...] = ("<think>",)
+    ends: tuple[str, ...] = ("</think>",)
     template_switches: tuple[str, ...] = ()
     thinks_by_default: bool = True
+    opened_by_template: bool = True
+    markers: str = "token"
+
+    @property
+    def start(self) -> str:
+        return self.starts[0]
+
+    @property
+    def end(self) -> str:
+        return self.ends[0]
 
     def thinks(self, template_kwargs: dict[str, object]) -> bool:
         """Whether an output of a request rendered with ``template_kwargs`` opens in its
@@ -58,6 +84,11 @@ REASONING_PARSERS = {
                                    thinks_by_default=False),
     "minimax_m2": ReasoningFormat("minimax_m2"),
     "qwen3": ReasoningFormat("qwen3", template_switches=("enable_thinking",)),
+    "mistral": ReasoningFormat("mistral", starts=("[THINK]",), ends=("[/THINK]",), opened_by_template=False,
+                               markers="special"),
+    "granite": ReasoningFormat("granite", starts=("Here is my thought process:", "Here's my thought process:"),
+                               ends=("Here is my response:", "Here's my response:"), opened_by_template=False,
+                               markers="text"),
 }
 
 
@@ -68,26 +99,31 @@ def get_reasoning_parser(name: str) -> ReasoningFormat:
 
 
 def check_vocabulary(reasoning: ReasoningFormat, tokenizer: Tokenizer) -> None:
-    """ValueError unless each marker is one token of the model that its decoded text
-    keeps (not a special token, which the text leaves out): as vLLM, a model without
-    them is refused when it loads rather than answered with reasoning it cannot mark."""
+    """ValueError unless each marker is one token of the model (a phrase marker is
+    text: nothing to check), special exactly where the format says so (a special
+    marker is kept in the text by decoding with the special tokens; another special
+    token would be left out of it): as vLLM, a model without them is refused when it
+    loads rather than answered with reasoning it cannot mark."""
+    if reasoning.markers == "text":
+        return
     for marker in (reasoning.start, reasoning.end):
         token_id = tokenizer.token_to_id(marker)
         if token_id is None:
             raise ValueError(f"--reasoning-parser {reasoning.name} needs {marker!r} as a token of the model's "
                              "vocabulary, which has none: this is not a thinking model of that format")
-        if tokenizer.is_special(token_id):
-            raise ValueError(f"--reasoning-parser {reasoning.name}: {marker!r} (token {token_id}) is a special "
-                             "token, which the decoded text leaves out")
+        if tokenizer.is_special(token_id) != (reasoning.markers == "special"):
+            raise ValueError(f"--reasoning-parser {reasoning.name}: {marker!r} (token {token_id}) is "
+                             + ("not a special token, as this format's marker is" if reasoning.markers == "special"
+                                else "a special token, which the decoded text leaves out"))
 
 
 class ReasoningStream:
     """One output's text, piece by piece, into (reasoning, content) pieces.
 
-    States: ``opening`` (nothing emitted yet: a leading start marker is dropped),
-    ``reasoning`` (until the end marker), ``content`` (the rest), entered at
-    ``content`` for an output that does not think. ``held`` is text that may be the
-    start of the marker the state looks for."""
+    States: ``opening`` (nothing emitted yet: a leading start marker is dropped; without
+    one, an output the model must open itself is all content), ``reasoning`` (until an
+    end marker), ``content`` (the rest), entered at ``content`` for an output that does
+    not think. ``held`` is text that may be the start of a marker the state looks for."""
 
     def __init__(self, reasoning: ReasoningFormat, thinking: bool) -> None:
         self.format = reasoning
@@ -98,21 +134,24 @@ class ReasoningStream:
         text = self.held + text
         self.held = ""
         if self.state == "opening":
-            start = self.format.start
-            if text.startswith(start):
+            start = next((marker for marker in self.format.starts if text.startswith(marker)), None)
+            if start is not None:
                 text = text[len(start):]
-            elif start.startswith(text):  # all of it may still be the marker
+                self.state = "reasoning"
+            elif any(marker.startswith(text) for marker in self.format.starts):  # all of it may still be one
                 self.held = text
                 return "", ""
-            self.state = "reasoning"
+            else:  # no opening marker: inside the reasoning if the template opened it, else all content
+                self.state = "reasoning" if self.format.opened_by_template else "content"
         if self.state == "reasoning":
-            end = text.find(self.format.end)
-            if end < 0:
-                keep = held_marker_prefix(text, self.format.end)
+            found = [(index, marker) for marker in self.format.ends if (index := text.find(marker)) >= 0]
+            if not found:
+                keep = max(held_marker_prefix(text, marker) for marker in self.format.ends)
                 self.held = text[len(text) - keep:]
                 return text[:len(text) - keep], ""
             self.state = "content"
-            return text[:end], text[end + len(self.format.end):]
+            end, marker = min(found)
+            return text[:end], text[end + len(marker):]
         return "", text
 
     def split(self, text: str, last: bool) -> tuple[str, str]:
@@ -125,9 +164,12 @@ class ReasoningStream:
         return thought, content
 
     def finish(self) -> tuple[str, str]:
-        """What is held at the end of the output: reasoning (an unfinished marker is text)."""
+        """What is held at the end of the output, as text of the state it was held in (an
+        unfinished marker is text): an output that ends before it could open its own
+        reasoning is content."""
         held, self.held = self.held, ""
-        return ("", held) if self.state == "content" else (held, "")
+        as_content = self.state == "content" or (self.state == "opening" and not self.format.opened_by_template)
+        return ("", held) if as_content else (held, "")
 
 
 def split_reasoning(reasoning: ReasoningFormat, text: str, thinking: bool) -> tuple[str | None, str | None]:

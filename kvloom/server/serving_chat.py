@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jinja2
@@ -119,43 +119,97 @@ async def _beam_search_chat(body: ChatCompletionRequest, request: Request, servi
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reasoning:
     """How a response splits its outputs (--reasoning-parser): the format, whether the
-    output opens in its reasoning, whether the reasoning is sent (include_reasoning), and
-    the end marker's token id (its reasoning tokens are counted up to it)."""
+    output may think (the template's switches), whether the reasoning is sent
+    (include_reasoning), and the markers' token ids where each is one token (its
+    reasoning tokens are counted up to the end marker's); ``decode`` reads a phrase
+    marker's outputs (Granite's), whose tokens are counted by their text."""
 
     format: ReasoningFormat
     thinking: bool
     included: bool
     end_token_id: int | None
     budget: int | None = None  # thinking_token_budget: the most tokens its reasoning may take
+    start_token_id: int | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
 
     def tokens(self, token_ids: Sequence[int]) -> int:
-        """An output's reasoning tokens: those before the end marker's (all where it has
-        none) in an output that opens thinking, else none (usage's reasoning_tokens)."""
-        if not self.thinking:
+        """An output's reasoning tokens (usage's reasoning_tokens): those before the end
+        marker's (all where it has none) in an output that thinks, else none. An output
+        that must open its reasoning itself thinks only where it begins with the start
+        marker; with phrase markers, the leading tokens whose text lies within the start
+        marker and the reasoning."""
+        ids = list(token_ids)
+        if not self.thinking or not ids:
             return 0
-        return list(token_ids).index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
+        if self.format.markers == "text":
+            assert self.decode is not None
+            return _tokens_within(ids, self.decode, self.format)
+        if not self.format.opened_by_template and ids[0] != self.start_token_id:
+            return 0
+        return ids.index(self.end_token_id) if self.end_token_id in ids else len(ids)
+
+
+def _tokens_within(ids: list[int], decode: Callable[[Sequence[int]], str], reasoning: ReasoningFormat) -> int:
+    """The most leading tokens whose decoded text is a prefix of the output's opening
+    marker and reasoning (found by bisection: a longer prefix of tokens decodes to a
+    longer text)."""
+    text = decode(ids)
+    thought, _ = split_reasoning(reasoning, text, True)
+    if thought is None and not any(text.startswith(marker) for marker in reasoning.starts):
+        return 0  # an output that did not open its reasoning
+    opening = next((marker for marker in reasoning.starts if text.startswith(marker)), "")
+    limit = len(opening) + len(thought or "")
+    low, high = 0, len(ids)  # decode(ids[:low]) fits; the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(decode(ids[:middle])) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: ModelInfo) -> Reasoning | None:
     """None without a reasoning parser (then a ``thinking_token_budget`` is a 400: nothing
     marks where a reasoning ends). A Qwen3 output whose template was told
-    ``enable_thinking: false`` does not think: all of it is content."""
+    ``enable_thinking: false`` does not think: all of it is content. A budget needs a
+    format whose template opens the reasoning and whose end marker is one token: one that
+    the model may or may not open itself would be capped where it never thought."""
     if settings.reasoning_parser is None:
         if body.thinking_token_budget is not None:
             raise bad_request("thinking_token_budget needs a reasoning model's end marker: start the server with "
                               "--reasoning-parser", "thinking_token_budget")
         return None
     reasoning = get_reasoning_parser(settings.reasoning_parser)
+    if body.thinking_token_budget is not None and not can_cap(reasoning):
+        raise bad_request(f"thinking_token_budget is not supported with --reasoning-parser {reasoning.name}: its "
+                          "model opens its reasoning itself (or not), so a budget cannot tell where a reasoning "
+                          "runs", "thinking_token_budget")
+    tokenizer = info.tokenizer
     return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
-                     info.tokenizer.token_to_id(reasoning.end), body.thinking_token_budget)
+                     tokenizer.token_to_id(reasoning.end), body.thinking_token_budget,
+                     tokenizer.token_to_id(reasoning.start),
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens))
+
+
+def can_cap(reasoning: ReasoningFormat) -> bool:
+    """Whether a thinking budget can end this format's reasoning: the template opens it
+    and its end marker is a token (the Messages API ignores a budget where not)."""
+    return reasoning.opened_by_template and reasoning.markers != "text"
 
 
 def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> SamplingParams:
     """An output that thinks is constrained (response_format, a forced tool call) from
     after its reasoning's end marker, as vLLM's: the reasoning is free, the answer is the
     grammar's (``StructuredOutput.after_token_id``); and its reasoning is capped at the
-    request's ``thinking_token_budget`` (``ThinkingBudget``)."""
-    if reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
+    request's ``thinking_token_budget`` (``ThinkingBudget``). Where the model opens its
+    reasoning itself (Mistral's, Granite's), whether it will is not known, so a
+    constraint holds from the first token (the output answers without reasoning); special
+    markers are decoded into the text (skip_special_tokens false) for the split."""
+    if reasoning is not None and reasoning.format.markers == "special":
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if (reasoning is None or not reasoning.thinking or reasoning.end_token_id is None
+            or not reasoning.format.opened_by_template):
         return params
     if reasoning.budget is not None:
         params = dataclasses.replace(params, thinking_budget=ThinkingBudget(reasoning.budget, reasoning.end_token_id))

@@ -45,9 +45,9 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
 )
 from kvloom.server.protocol import ChatCompletionRequest, RequestModel
-from kvloom.server.reasoning_parsers import ReasoningStream
+from kvloom.server.reasoning_parsers import ReasoningStream, get_reasoning_parser
 from kvloom.server.responses import SSE_HEADERS
-from kvloom.server.serving_chat import Reasoning, encode_chat_request, params_and_tools, prepared_chat
+from kvloom.server.serving_chat import Reasoning, can_cap, encode_chat_request, params_and_tools, prepared_chat
 from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import ToolUse
 
@@ -224,15 +224,18 @@ def _template_kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, An
 
 def thinking_budget(body: MessagesRequest | CountTokensRequest, settings: ServerSettings) -> int | None:
     """An enabled ``thinking``'s ``budget_tokens``, chat's ``thinking_token_budget``. None
-    without a reasoning parser: Anthropic's clients send a budget with every enabled
-    thinking, and where nothing marks a reasoning there is none to cap."""
+    without a reasoning parser, or with one whose reasoning a budget cannot end
+    (``can_cap``): Anthropic's clients send a budget with every enabled thinking, and where
+    nothing marks a reasoning there is none to cap."""
     thinking = body.thinking or {}
     budget = thinking.get("budget_tokens")
     if budget is None or thinking.get("type") != "enabled":
         return None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise bad_request(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}", "thinking.budget_tokens")
-    return budget if settings.reasoning_parser is not None else None
+    if settings.reasoning_parser is None or not can_cap(get_reasoning_parser(settings.reasoning_parser)):
+        return None
+    return budget
 
 
 def _output_config(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:

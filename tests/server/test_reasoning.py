@@ -68,6 +68,58 @@ def test_streamed_in_any_three_pieces_it_is_the_whole_split(text: str, thinking:
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == whole, (first, second)
 
 
+GRANITE = REASONING_PARSERS["granite"]
+MISTRAL = REASONING_PARSERS["mistral"]
+
+# Formats whose model opens its reasoning itself: (format, output) -> (reasoning, content), by hand.
+OPENED_BY_OUTPUT_CASES = {
+    ("granite", "Here is my thought process: a b Here is my response: c"): (" a b ", " c"),
+    ("granite", "Here's my thought process:x Here's my response:y"): ("x ", "y"),
+    ("granite", "Here is my thought process:x Here's my response:y"): ("x ", "y"),  # either spelling of each
+    ("granite", "Here is my thought process: a Here is my response: b Here is my response: c"):
+        (" a ", " b Here is my response: c"),  # the first response marker ends it
+    ("granite", "Here is my thought process: still"): (" still", None),  # cut before the response
+    ("granite", "Here is my thought process:"): (None, None),
+    ("granite", "Plain answer."): (None, "Plain answer."),  # never opened: all content
+    ("granite", "Sure. Here is my thought process: x"): (None, "Sure. Here is my thought process: x"),
+    ("granite", "Here is my"): (None, "Here is my"),  # the output ends before its marker does
+    ("mistral", "[THINK]a[/THINK]b"): ("a", "b"),
+    ("mistral", "[THINK]a[/THINK]b[/THINK]c"): ("a", "b[/THINK]c"),
+    ("mistral", "[THINK]a"): ("a", None),
+    ("mistral", "b"): (None, "b"),
+    ("mistral", "x[THINK]a[/THINK]b"): (None, "x[THINK]a[/THINK]b"),
+    ("mistral", "[THI"): (None, "[THI"),
+}
+
+
+def opened_by_output_rule(name: str, text: str) -> tuple[str | None, str | None]:
+    """vLLM's Granite and Mistral rules for an output that begins with its opening
+    marker, written out: the reasoning up to the first closing marker; an output that
+    does not begin with one is all content."""
+    import re
+    opening, closing = {"granite": (r"(?:Here's|Here is) my thought process:", r"(?:Here's|Here is) my response:"),
+                        "mistral": (r"\[THINK\]", r"\[/THINK\]")}[name]
+    match = re.match(rf"{opening}(.*?)(?:{closing}(.*))?\Z", text, re.DOTALL)
+    if match is None:
+        return None, text or None
+    return match.group(1) or None, match.group(2) or None
+
+
+@pytest.mark.parametrize(("case", "expected"), list(OPENED_BY_OUTPUT_CASES.items()),
+                         ids=[f"{name}:{text!r}" for name, text in OPENED_BY_OUTPUT_CASES])
+def test_a_format_the_model_opens_splits_as_the_hand_worked_case(case: tuple[str, str],
+                                                                 expected: tuple[str | None, str | None]) -> None:
+    name, text = case
+    assert split_reasoning(REASONING_PARSERS[name], text, True) == expected
+    assert opened_by_output_rule(name, text) == expected
+    whole = tuple(part or "" for part in expected)
+    for first, second in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+        stream = ReasoningStream(REASONING_PARSERS[name], True)
+        pieces = [stream.feed(text[:first]), stream.feed(text[first:second]), stream.feed(text[second:]),
+                  stream.finish()]
+        assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == whole, (first, second)
+
+
 @pytest.mark.parametrize(("name", "kwargs", "thinks"), [
     ("deepseek_r1", {}, True), ("deepseek_r1", {"enable_thinking": False}, True),  # R1 always thinks
     ("minimax_m2", {}, True),
@@ -109,12 +161,9 @@ def test_a_prior_turns_reasoning_reaches_the_template_as_reasoning_content() -> 
         ChatMessage.model_validate({"role": "assistant", "content": "Hi", "reasoning": "x", "reasoning_content": "y"})
 
 
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, two of its padding tokens renamed <think> and </think> (not special:
-    the decoded text keeps them, as DeepSeek R1's and Qwen3's tokenizers do)."""
-    path = write_tiny_hf_model(tmp_path_factory.mktemp("thinking"), arch="llama")
-    names = {"<|extra_0|>": "<think>", "<|extra_1|>": "</think>"}
+def with_markers(path: Path, start: str, end: str, special: bool) -> Path:
+    """The tiny model at ``path``, two of its padding tokens renamed ``start`` and ``end``."""
+    names = {"<|extra_0|>": start, "<|extra_1|>": end}
     for file in ("tokenizer.json", "tokenizer_config.json"):
         text = (path / file).read_text()
         for old, new in names.items():
@@ -122,9 +171,107 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         data = json.loads(text)
         for token in data.get("added_tokens", []) + list(data.get("added_tokens_decoder", {}).values()):
             if token["content"] in names.values():
-                token["special"] = False
+                token["special"] = special
         (path / file).write_text(json.dumps(data))
     return path
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, two of its padding tokens renamed <think> and </think> (not special:
+    the decoded text keeps them, as DeepSeek R1's and Qwen3's tokenizers do)."""
+    return with_markers(write_tiny_hf_model(tmp_path_factory.mktemp("thinking"), arch="llama"), "<think>", "</think>",
+                        special=False)
+
+
+@pytest.fixture(scope="module")
+def magistral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with [THINK] and [/THINK] as special tokens, as Mistral's tokenizers have them."""
+    return with_markers(write_tiny_hf_model(tmp_path_factory.mktemp("magistral"), arch="llama"), "[THINK]",
+                        "[/THINK]", special=True)
+
+
+def test_mistral_outputs_that_open_their_reasoning_split_at_its_special_markers(magistral_model: Path,
+                                                                                thinking_model: Path) -> None:
+    """--reasoning-parser mistral: sampled outputs (tokens restricted to the two special
+    markers and two words) split as the rule says on their text decoded with the special
+    tokens, whole and streamed; an output that does not begin with [THINK] is all
+    content with no reasoning tokens. A model whose markers are not special tokens (or
+    missing) is refused when it loads."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(magistral_model / "tokenizer.json"))
+    think, end = tokenizer.token_to_id("[THINK]"), tokenizer.token_to_id("[/THINK]")
+    allowed = [think, end, tokenizer.token_to_id("Ġquick"), tokenizer.token_to_id("Ġfox")]
+    live = start_live_server(magistral_model, ServerSettings(served_model_name="thinker", reasoning_parser="mistral"))
+    opened = closed = 0
+    try:
+        for seed in range(10):
+            message, tokens = chat(live.base_url, seed, stream=False, allowed=allowed)
+            expected = opened_by_output_rule("mistral", tokenizer.decode(tokens, skip_special_tokens=False))
+            assert (message["reasoning"], message["content"]) == expected, tokens
+            thought = 0 if tokens[0] != think else tokens.index(end) if end in tokens else len(tokens)
+            assert message["details"] == {"reasoning_tokens": thought}
+            streamed, streamed_tokens = chat(live.base_url, seed, stream=True, allowed=allowed)
+            assert streamed_tokens == tokens
+            assert (streamed["reasoning"], streamed["content"], streamed["details"]) == (*expected, message["details"])
+            opened += tokens[0] == think
+            closed += tokens[0] == think and end in tokens
+        assert opened and closed and opened < 10  # outputs that reasoned, answered, and never opened
+        budget = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "thinker", "messages": [{"role": "user", "content": "Hi"}], "thinking_token_budget": 4})
+        assert budget.status_code == 400 and "opens its reasoning itself" in budget.json()["error"]["message"]
+        live.assert_idle_and_clean()
+    finally:
+        live.stop()
+    config = EngineConfig.from_kwargs(str(thinking_model), **ENGINE_KWARGS)
+    with pytest.raises(RuntimeError, match=r"reasoning-parser mistral needs '\[THINK\]' as a token"):
+        start_background_server(lambda: LLMEngine(config), ServerSettings(reasoning_parser="mistral"))
+    from kvloom.server.reasoning_parsers import ReasoningFormat, check_vocabulary
+    from kvloom.tokenizer import Tokenizer as EngineTokenizer
+    plain = EngineTokenizer.from_file(thinking_model / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"'<think>' \(token \d+\) is not a special token"):
+        check_vocabulary(ReasoningFormat("special_think", markers="special"), plain)
+
+
+def test_granite_outputs_split_at_its_phrases_and_count_the_tokens_before_the_answer(thinking_model: Path) -> None:
+    """--reasoning-parser granite: the model writes "Here is my thought process:" and
+    "Here's my response:" as text. A constraint holds from the first token for a format
+    the model opens itself, so a guided_regex writes both phrases: each sampled output's
+    split is the rule's on its text, whole and streamed, and reasoning_tokens the most
+    leading tokens whose text lies within the opening phrase and the reasoning (counted
+    here one prefix at a time)."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(thinking_model / "tokenizer.json"))
+    live = start_live_server(thinking_model, ServerSettings(served_model_name="thinker", reasoning_parser="granite"))
+    regex = "(Here is|Here's) my thought process:( quick| fox){0,3}(Here is|Here's) my response:( fox| quick){1,2}"
+    try:
+        for seed in range(3):
+            body = {"model": "thinker", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 120,
+                    "temperature": 1.0, "seed": seed, "guided_regex": regex, "return_token_ids": True}
+            reply = httpx.post(f"{live.base_url}/v1/chat/completions", json=body, timeout=60).json()
+            tokens, message = reply["choices"][0]["token_ids"], reply["choices"][0]["message"]
+            text = tokenizer.decode(tokens)
+            expected = opened_by_output_rule("granite", text)
+            assert expected[1] is not None and (message["reasoning"], message["content"]) == expected
+            within = len(text) - len(expected[1]) - len("Here is my response:" if "Here is my response:" in text
+                                                          else "Here's my response:")
+            thought = max(k for k in range(len(tokens) + 1) if len(tokenizer.decode(tokens[:k])) <= within)
+            assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+            parts = {"reasoning": "", "content": ""}
+            with httpx.stream("POST", f"{live.base_url}/v1/chat/completions", timeout=60,
+                              json={**body, "stream": True}) as events:
+                for line in events.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for choice in json.loads(line[len("data: "):])["choices"]:
+                            for key in parts:
+                                parts[key] += choice["delta"].get(key) or ""
+            assert (parts["reasoning"] or None, parts["content"] or None) == expected
+        budget = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "thinker", "messages": [{"role": "user", "content": "Hi"}], "thinking_token_budget": 4})
+        assert budget.status_code == 400 and budget.json()["error"]["param"] == "thinking_token_budget"
+        live.assert_idle_and_clean()
+    finally:
+        live.stop()
 
 
 @pytest.fixture(scope="module")
