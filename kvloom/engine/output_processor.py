@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvloom.batch import LogprobsEntry, PromptLogprobs
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
-from kvloom.request import Request
+from kvloom.request import Request, RequestStatus
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -38,6 +38,12 @@ class _StreamState:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
     pooled: list[float] | None = None  # a pooling request's vector, once computed
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """Whether a finished request ended at a token that stops it by itself (EOS, a stop
+    token id), not at a stop string or a length."""
+    return request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -140,7 +146,10 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if finished and request.sampling_params.defers_text:  # no token was detokenized yet
-            state.text += state.detokenizer.add_tokens(request.output_token_ids)
+            tokens = request.output_token_ids
+            if _stopped_by_token(request) and not request.sampling_params.include_stop_str_in_output:
+                tokens = tokens[:-1]  # as StopChecker.check: the stop token's text is not output
+            state.text += state.detokenizer.add_tokens(tokens)
         if finished and not isinstance(request.stop_reason, str):
             # Bytes of an unfinished character are released at the very end.
             state.text += state.detokenizer.finish()

@@ -46,9 +46,26 @@ class StopChecker:
         self.text: TokenText = text if text is not None else NoText()
 
     def check(self, request: Request, token_id: int) -> Stop | None:
-        """Called once per appended output token, in order: does the request stop here?"""
-        # Every appended token is detokenized, a stopping one too: its text is output.
+        """Called once per appended output token, in order: does the request stop here?
+        Every appended token is detokenized except one that stops the request by itself
+        (EOS, a stop token id): as vLLM's, its id is output and its text is not, unless
+        ``include_stop_str_in_output`` (what shows with ``skip_special_tokens`` false, or a
+        stop token id of an ordinary token)."""
+        params = request.sampling_params
+        stop = self._token_stop(request, token_id)
+        if stop is not None:
+            if params.include_stop_str_in_output:
+                self.text.add_token(request, token_id)
+            return stop
         stop_string = self.text.add_token(request, token_id)
+        if stop_string is not None:
+            return Stop(RequestStatus.FINISHED_STOPPED, stop_string)
+        if request.num_output_tokens >= request.max_tokens:
+            return Stop(RequestStatus.FINISHED_LENGTH)
+        return None
+
+    @staticmethod
+    def _token_stop(request: Request, token_id: int) -> Stop | None:
         params = request.sampling_params
         if params.structured is not None and token_id in request.eos_token_ids:
             # A grammar admits EOS only once its structure is complete: that always ends
@@ -59,8 +76,4 @@ class StopChecker:
                 return Stop(RequestStatus.FINISHED_STOPPED, token_id)
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return Stop(RequestStatus.FINISHED_STOPPED)
-        if stop_string is not None:
-            return Stop(RequestStatus.FINISHED_STOPPED, stop_string)
-        if request.num_output_tokens >= request.max_tokens:
-            return Stop(RequestStatus.FINISHED_LENGTH)
         return None

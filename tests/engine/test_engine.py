@@ -12,6 +12,7 @@ from helpers_engine import run_arrivals, token_ids
 from kvloom import LLM, BeamSearchParams, SamplingParams
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
+from kvloom.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,29 @@ def test_max_tokens_min_tokens_and_stop_token_ids(tiny_llama) -> None:
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))[0]
     assert out.outputs[0].token_ids == tokens[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+def test_a_stop_tokens_text_is_not_output_unless_asked(tiny_llama, kind) -> None:
+    """vLLM's rule: a request that stops at a token (a stop token id, EOS) keeps that
+    token's id but not its text, unless include_stop_str_in_output; the same text
+    whether it was detokenized token by token or once at the end (FINAL_ONLY)."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=64)
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    for include in (False, True):
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id],
+                                                       include_stop_str_in_output=include, output_kind=kind))[0]
+        assert out.outputs[0].token_ids == tokens[:first + 1]
+        assert out.outputs[0].text == llm.tokenizer.decode(tokens[:first + include])
+    eos = llm.engine.eos_token_ids[0]  # EOS, a special token, shown by skip_special_tokens=False
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=[eos],
+                                                   skip_special_tokens=False, output_kind=kind))[0]
+    assert out.outputs[0].token_ids == [eos] and out.outputs[0].text == "" and out.outputs[0].finish_reason == "stop"
+    assert llm.tokenizer.decode([eos], skip_special_tokens=False) != ""
     llm.engine.check_integrity()
 
 
