@@ -88,6 +88,8 @@ def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_
     that field's name in the request, chat's or the Responses API's)."""
     params = base_params(body, settings, top_logprobs, info)
     tools = tool_use(body, settings)
+    if tools.parser is not None and tools.parser.special_marker:  # Mistral's [TOOL_CALLS] kept in the text
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if tools.constraint is not None:
         if params.structured is not None:
             raise bad_request(f"{format_param} and a forced tool call (tool_choice) cannot both constrain the "

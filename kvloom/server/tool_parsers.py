@@ -224,6 +224,9 @@ class ToolParser:
     name: str
     stream_class: type[StreamingToolParser]
     make_id: Callable[[], str] = openai_call_id
+    # Its marker is a special token in the model's tokenizer (Mistral's [TOOL_CALLS]): an
+    # output it reads is decoded with the special tokens, as vLLM's parser asks.
+    special_marker: bool = False
 
     def stream(self, make_id: Callable[[], str] | None = None) -> StreamingToolParser:
         return self.stream_class(make_id or self.make_id)
@@ -239,7 +242,7 @@ class ToolParser:
 TOOL_PARSERS: dict[str, ToolParser] = {
     "hermes": ToolParser("hermes", _HermesStream),
     "llama3_json": ToolParser("llama3_json", _Llama3JsonStream),
-    "mistral": ToolParser("mistral", _MistralStream, make_id=mistral_call_id),
+    "mistral": ToolParser("mistral", _MistralStream, make_id=mistral_call_id, special_marker=True),
 }
 
 

@@ -164,3 +164,34 @@ def test_auto_streamed_deltas_hold_back_a_call_and_end_with_it(cut: int) -> None
     calls = first.get("tool_calls", []) + last.get("tool_calls", [])
     assert calls[0]["function"]["name"] == "get_time" and calls[0]["id"]
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Oslo"}
+
+
+def test_mistrals_special_tool_calls_token_is_read_as_the_call_marker(tmp_path) -> None:
+    """In Mistral's tokenizers [TOOL_CALLS] is a special token, which a decode without the
+    special tokens leaves out: a request read by the mistral parser is decoded with them
+    (as vLLM's parser asks), so a call the model opens with that token is a call. The
+    output is written by a grammar naming the token by id."""
+    import httpx
+    from helpers_models import write_tiny_hf_model
+    from tokenizers import Tokenizer
+
+    path = write_tiny_hf_model(tmp_path, arch="llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_text((path / name).read_text().replace("<|extra_0|>", "[TOOL_CALLS]"))
+    marker = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id("[TOOL_CALLS]")
+    settings = ServerSettings(served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="mistral")
+    live = start_live_server(path, settings)
+    try:
+        reply = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Call f."}], "max_tokens": 40,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "guided_grammar": f'start: <[{marker}]> "[{{\\"name\\": \\"f\\", \\"arguments\\": {{}}}}]"',
+            "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["token_ids"][0] == marker
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+                choice["message"]["tool_calls"]] == [("f", {})]
+    finally:
+        live.stop()
