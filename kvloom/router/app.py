@@ -140,8 +140,10 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return await generate(request)
 
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
-    # Pooling routes alike: a classification, scores (embeddings paired, or a cross-encoder's pairs).
-    for path in ("/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+    # Pooling routes alike: a classification, scores (embeddings paired, or a cross-encoder's pairs),
+    # and SageMaker's one route for every task (keyed by whichever prompt field its body has).
+    for path in ("/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                 "/invocations"):
         app.add_api_route(path, embeddings, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
@@ -256,6 +258,9 @@ def routing_key(path: str, body: dict[str, Any]) -> str:
 
 
 def _prompt_text(path: str, body: dict[str, Any]) -> str:
+    if path == "/invocations":  # the route its fields name (server/serving_invocations.py)
+        path = ("/chat/completions" if "messages" in body else "/embeddings" if "input" in body
+                else "/completions")
     if path.endswith("/responses"):
         instructions, items = body.get("instructions"), body.get("input")
         head = f"{instructions}\n" if isinstance(instructions, str) else ""

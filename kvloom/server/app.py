@@ -42,6 +42,7 @@ from kvloom.server.serving_chat import create_chat_completion, encode_chat_reque
 from kvloom.server.serving_classify import ClassificationRequest, create_classification
 from kvloom.server.serving_completions import create_completion
 from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
+from kvloom.server.serving_invocations import invoke
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from kvloom.server.serving_profile import install_profiling
@@ -100,6 +101,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         shutting down."""
         serving.model_info()  # raises the 503
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:
+        """SageMaker's health check (vLLM's): ``/health``."""
+        return await health()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -184,6 +190,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_stored(response_id: str) -> dict[str, Any]:
         return await cancel_response(response_id, serving)
+
+    # SageMaker's one route for every task (server/serving_invocations.py).
+    @app.post("/invocations", response_model=None)
+    async def invocations(request: Request) -> Any:
+        return await invoke(request, serving)
 
     # vLLM's Classification API, for a sequence classifier (server/serving_classify.py).
     @app.post("/classify")

@@ -136,6 +136,9 @@ def test_routing_keys() -> None:
     assert routing_key("/v1/embeddings", {"input": ["first", "second"]}) == "first"
     assert routing_key("/classify", {"input": ["first", "second"]}) == "first"
     assert routing_key("/v1/classify", {"input": [7, 8]}) == "\x07\x08"
+    assert routing_key("/invocations", {"input": ["first"]}) == "first"
+    assert routing_key("/invocations", {"prompt": "hello"}) == "hello"
+    assert routing_key("/invocations", {"messages": [{"role": "user", "content": "hi"}]}) == "hi\n"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert routing_key("/v1/chat/completions", chat) == "be brief\nhi\n"

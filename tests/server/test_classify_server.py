@@ -76,6 +76,9 @@ def test_classify_answers_transformers_probabilities_and_labels(classifier_http:
             assert item["index"] == index and item["num_classes"] == 3
             assert torch.allclose(torch.tensor(item["probs"]), logits.softmax(-1), atol=1e-6)
             assert item["label"] == LABELS[int(logits.argmax())]
+    invoked = classifier_http.post("/invocations", json={"input": TEXTS}).json()  # SageMaker's route: a classify
+    direct = classifier_http.post("/classify", json={"input": TEXTS}).json()
+    assert invoked["object"] == "list" and invoked["data"] == direct["data"]
     raw = classifier_http.post("/classify", json={"input": TEXTS[0], "use_activation": False,
                                                   "request_id": "r1"}).json()
     assert raw["id"] == "classify-r1"
