@@ -44,6 +44,10 @@ FIELDS = {
                "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "max_tokens_per_doc",
                "request_id", "priority", "use_activation", "instruction"],
     "/rerank": ["model", "query", "documents", "top_n", "truncate_prompt_tokens", "max_tokens_per_doc", "request_id"],
+    # SageMaker's one route: a field of each route it dispatches to (and classify, a 400 on this model).
+    "/invocations": ["model", "prompt", "messages", "input", "query", "documents", "text_1", "text_2", "max_tokens",
+                     "temperature", "stream", "encoding_format", "top_n"],
+    "/classify": ["model", "input", "truncate_prompt_tokens", "use_activation", "request_id", "priority"],
 }
 # Counts that make a valid request expensive are kept small when they are valid; invalid
 # values (negative, huge, wrong type) go through as generated.
@@ -143,6 +147,8 @@ BASES = {  # a valid body per route; each case changes a few of its fields or ad
     "/v1/messages/count_tokens": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}]},
     "/score": {"model": SERVED_NAME, "text_1": "Hi", "text_2": ["Hello", "there"]},
     "/rerank": {"model": SERVED_NAME, "query": "Hi", "documents": ["Hello", "there"]},
+    "/invocations": {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4},
+    "/classify": {"model": SERVED_NAME, "input": "Hello"},
 }
 
 
