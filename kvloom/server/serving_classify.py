@@ -13,9 +13,10 @@ from pydantic import Field
 
 from kvloom.engine.classification import class_probabilities
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
-from kvloom.server.errors import bad_request, from_value_error
-from kvloom.server.generation import Serving, collect, encode_prompts, new_id, truncate_prompt
+from kvloom.server.errors import bad_request
+from kvloom.server.generation import Serving, collect, new_id
 from kvloom.server.protocol import PromptInput, RequestModel
+from kvloom.server.serving_embeddings import input_prompts
 from kvloom.server.streams import EngineRequest
 
 CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify",
@@ -44,15 +45,7 @@ async def create_classification(body: ClassificationRequest, request: Request, s
     if classifier is None:
         raise bad_request("classification needs a sequence-classification model (a *ForSequenceClassification "
                           "checkpoint); the served model is a causal LM", "model", "model_not_supported")
-    if not body.input or (isinstance(body.input, list) and any(not item for item in body.input)):
-        raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
-    try:
-        prompts, _ = encode_prompts(body.input, info, body.add_special_tokens)
-        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
-        for index, ids in enumerate(prompts):
-            info.limits.check_prompt(len(ids), f"input[{index}]" if len(prompts) > 1 else "input")
-    except ValueError as error:
-        raise from_value_error(error) from None
+    prompts = input_prompts(body.input, body.add_special_tokens, body.truncate_prompt_tokens, info)
     response_id = new_id("classify") if body.request_id is None else f"classify-{body.request_id}"
     engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
     lora = serving.lora_for(body.model, info)

@@ -40,15 +40,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     _check_dimensions(body.dimensions, info)
-    if not body.input or (isinstance(body.input, list) and any(not item for item in body.input)):
-        raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
-    try:
-        prompts, _ = encode_prompts(body.input, info, body.add_special_tokens)
-        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
-        for index, ids in enumerate(prompts):
-            info.limits.check_prompt(len(ids), f"input[{index}]" if len(prompts) > 1 else "input")
-    except ValueError as error:
-        raise from_value_error(error) from None
+    prompts = input_prompts(body.input, body.add_special_tokens, body.truncate_prompt_tokens, info)
     request_id = new_id("embd")
     lora = serving.lora_for(body.model, info)
     finals = await collect(await serving.open([
@@ -60,6 +52,23 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
     tokens = sum(map(len, prompts))
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def input_prompts(given: PromptInput, add_special_tokens: bool, truncate_prompt_tokens: int | None,
+                  info: ModelInfo) -> list[list[int]]:
+    """A pooling request's ``input`` (a text, texts, token ids or lists of them) as its
+    prompts' token ids, each cut to ``truncate_prompt_tokens`` and checked against the
+    context: a 400 naming the input (``input[i]`` of several) otherwise."""
+    if not given or (isinstance(given, list) and any(not item for item in given)):
+        raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
+    try:
+        prompts, _ = encode_prompts(given, info, add_special_tokens)
+        prompts = [truncate_prompt(ids, truncate_prompt_tokens, info) for ids in prompts]
+        for index, ids in enumerate(prompts):
+            info.limits.check_prompt(len(ids), f"input[{index}]" if len(prompts) > 1 else "input")
+    except ValueError as error:
+        raise from_value_error(error) from None
+    return prompts
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
