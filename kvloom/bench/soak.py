@@ -15,7 +15,8 @@ a seed:
 
 With ``endpoints="all"`` the non-hostile requests spread over the chat completions
 (tools with every ``tool_choice``, JSON schemas, ``n``, logprobs, beam search), Anthropic's
-Messages and the Responses APIs as well as the legacy completions, each answer compared
+Messages and the Responses APIs as well as the legacy completions, embeddings (pooling
+requests beside the generating ones) and SageMaker's ``/invocations``, each answer compared
 without its ids and timestamps.
 
 With ``lora_modules`` (the engine needs ``enable_lora``), half of the non-hostile
@@ -175,11 +176,23 @@ def _responses(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], boo
             "temperature": 0.0}, True
 
 
+def _embeddings(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    """One to four texts to embed: pooling requests among the generating ones."""
+    texts = [_words(rng, 1, 60) for _ in range(rng.randrange(1, 5))]
+    return {"input": texts if len(texts) > 1 else texts[0], "encoding_format": "float"}, True
+
+
+def _invocations(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    """SageMaker's route: a completion's or a chat's body, answered as on its own route."""
+    return (_ordinary if rng.random() < 0.5 else _chat)(rng, max_tokens)
+
+
 # Each mix: (path, weight, draw) for the non-hostile requests.
 ENDPOINT_MIXES = {
     "completions": (("/v1/completions", 1.0, _ordinary),),
     "all": (("/v1/completions", 0.3, _ordinary), ("/v1/chat/completions", 0.4, _chat),
-            ("/v1/messages", 0.15, _messages), ("/v1/responses", 0.15, _responses)),
+            ("/v1/messages", 0.15, _messages), ("/v1/responses", 0.15, _responses),
+            ("/v1/embeddings", 0.05, _embeddings), ("/invocations", 0.05, _invocations)),
 }
 
 
@@ -240,13 +253,15 @@ def _answer(path: str, data: dict[str, Any]) -> tuple[bool, Any]:
             return {k: strip(v) for k, v in value.items() if k not in VOLATILE and not k.endswith("_id")}
         return [strip(v) for v in value] if isinstance(value, list) else value
 
+    if path == "/v1/embeddings":
+        return True, data["data"]
     if path == "/v1/messages":
         return data.get("stop_reason") in FINISHED, strip(data["content"])
     if path == "/v1/responses":
         return data.get("status") in FINISHED, strip(data["output"])
     choices = data["choices"]
     complete = all(choice.get("finish_reason") in FINISHED for choice in choices)
-    if path == "/v1/completions":
+    if path == "/v1/completions" or (path == "/invocations" and "text" in choices[0]):
         return complete, choices[0].get("text")
     return complete, strip([choice["message"] for choice in choices])
 
@@ -318,8 +333,10 @@ def _size(tokenizer: Any, payload: dict[str, Any] | str) -> int:
     assert isinstance(payload, dict)
     if "prompt" in payload:
         return len(tokenizer.encode(payload["prompt"])) + payload["max_tokens"]
-    texts = [payload.get("input", ""), payload.get("system", "")] + [m["content"] for m in payload.get("messages", [])]
-    outputs = payload.get("max_tokens") or payload.get("max_output_tokens")
+    given = payload.get("input", "")
+    texts = ([given] if isinstance(given, str) else given) + [payload.get("system", "")]
+    texts += [m["content"] for m in payload.get("messages", [])]
+    outputs = payload.get("max_tokens") or payload.get("max_output_tokens") or 1  # an embedding: its one token
     return sum(len(tokenizer.encode(text)) for text in texts) + 40 + 300 * ("tools" in payload) + outputs
 
 
