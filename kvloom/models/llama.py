@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 embedding_rows = head  # and the embedding itself is read below
             if name == "score.weight" and self.config.classifier is not None:
-                name = "lm_head.weight"  # the classifier's head (a model of vocabulary rows)
+                name = "lm_head.weight"  # held where a causal model holds its vocabulary head
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             block = moe_block_name(name)
