@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from fastapi import Request
@@ -30,7 +30,7 @@ from kvloom.server.generation import (
     top_entries,
     truncate_prompt,
 )
-from kvloom.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.reasoning_parsers import ReasoningFormat, ReasoningStream, get_reasoning_parser, split_reasoning
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
 from kvloom.server.settings import ServerSettings
@@ -226,7 +226,27 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add
                                           "continue_final_message"})
 
 
-def _template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+class TemplatedChat(Protocol):
+    """What a request renders through the chat template with: chat's, /tokenize's and the
+    pooling routes' fields of these names."""
+
+    @property
+    def messages(self) -> list[ChatMessage] | None: ...
+    @property
+    def add_generation_prompt(self) -> bool: ...
+    @property
+    def continue_final_message(self) -> bool: ...
+    @property
+    def documents(self) -> list[dict[str, str]] | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def add_special_tokens(self) -> bool | None: ...
+
+
+def _template_kwargs(body: TemplatedChat) -> dict[str, Any]:
     """The template's extra variables: ``reasoning_effort`` where given (as vLLM passes
     it), then ``chat_template_kwargs``."""
     kwargs = body.chat_template_kwargs or {}
@@ -239,7 +259,7 @@ def _template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str,
     return {**effort, **kwargs}
 
 
-def encode_chat_request(body: ChatCompletionRequest | TokenizeRequest, info: ModelInfo, settings: ServerSettings,
+def encode_chat_request(body: TemplatedChat, info: ModelInfo, settings: ServerSettings,
                         tools: list[dict[str, Any]] | None) -> list[int]:
     """The request's prompt: its messages through the model's template (or its own,
     where the server trusts requests' templates), with its documents and variables

@@ -9,33 +9,23 @@ import time
 from typing import Any
 
 from fastapi import Request
-from pydantic import Field
 
 from kvloom.engine.classification import class_probabilities
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request
 from kvloom.server.generation import Serving, collect, new_id
-from kvloom.server.protocol import PromptInput, RequestModel
-from kvloom.server.serving_embeddings import input_prompts
+from kvloom.server.serving_embeddings import PoolingRequest, pooling_prompts
 from kvloom.server.streams import EngineRequest
 
 CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify",
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-class ClassificationRequest(RequestModel):
-    model: str | None = None
-    input: PromptInput = Field(description="Text, a list of texts, a list of token ids, or a list of "
-                                           "token-id lists; never empty.")
-    user: str | None = None
+class ClassificationRequest(PoolingRequest):
     request_id: str | None = None  # vLLM's: names the response (``classify-<request_id>``)
     priority: int = 0
-    # vLLM's: keep only the input's last k tokens (-1: the last max_model_len).
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
     # False: the raw logits in ``probs`` (vLLM's field), not the activation's values.
     use_activation: bool = True
-    cache_salt: str | None = None
 
 
 async def create_classification(body: ClassificationRequest, request: Request, serving: Serving) -> dict[str, Any]:
@@ -45,7 +35,7 @@ async def create_classification(body: ClassificationRequest, request: Request, s
     if classifier is None:
         raise bad_request("classification needs a sequence-classification model (a *ForSequenceClassification "
                           "checkpoint); the served model is a causal LM", "model", "model_not_supported")
-    prompts = input_prompts(body.input, body.add_special_tokens, body.truncate_prompt_tokens, info)
+    prompts = pooling_prompts(body, info, serving.settings)
     response_id = new_id("classify") if body.request_id is None else f"classify-{body.request_id}"
     engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
     lora = serving.lora_for(body.model, info)

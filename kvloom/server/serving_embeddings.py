@@ -1,7 +1,12 @@
 """POST /v1/embeddings (OpenAI's): each input's embedding from the served decoder model,
 the final hidden state of its last token, L2-normalized (vLLM's last-token pooling for
 decoder models; SamplingParams.pooling "embed"). ``encoding_format`` "base64" (the OpenAI SDK's
-default) sends each vector as little-endian float32 bytes in base64."""
+default) sends each vector as little-endian float32 bytes in base64.
+
+``PoolingRequest`` is what every pooling route reads its prompts from (``/classify`` too):
+``input`` (texts or token ids), or, as vLLM's chat-shaped embedding and classification
+requests, ``messages`` rendered by the chat template into one prompt (no generation prompt
+by default: the conversation itself is what is pooled)."""
 
 from __future__ import annotations
 
@@ -11,36 +16,60 @@ from typing import Any, Literal
 
 import torch
 from fastapi import Request
-from pydantic import Field
+from pydantic import model_validator
 
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import Serving, collect, encode_prompts, new_id, truncate_prompt
-from kvloom.server.protocol import PromptInput, RequestModel
+from kvloom.server.protocol import ChatMessage, PromptInput, RequestModel
+from kvloom.server.serving_chat import encode_chat_request
+from kvloom.server.settings import ServerSettings
 from kvloom.server.streams import EngineRequest, ModelInfo
 
 EMBED = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="embed",
                        output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-class EmbeddingRequest(RequestModel):
+class PoolingRequest(RequestModel):
+    """The prompts of a pooling request: exactly one of ``input`` (text, a list of texts, a
+    list of token ids, or a list of token-id lists; never empty) and ``messages`` (a chat,
+    one prompt through the template, with chat's template fields)."""
+
     model: str | None = None
-    input: PromptInput = Field(description="Text, a list of texts, a list of token ids, or a list of "
-                                           "token-id lists; never empty.")
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = None
+    user: str | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
+    # The tokenizer's special tokens: on an input by default, on a chat (whose template
+    # writes its own) not, as vLLM's.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> PoolingRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must contain at least one message")
+        return self
+
+
+class EmbeddingRequest(PoolingRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # OpenAI's shortening: matryoshka models only (``_check_dimensions``)
-    user: str | None = None
-    # vLLM's: keep only the input's last k tokens (-1: the last max_model_len).
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
-    cache_salt: str | None = None
 
 
 async def create_embedding(body: EmbeddingRequest, request: Request, serving: Serving) -> dict[str, Any]:
     info = serving.model_info()
     model = serving.check_model(body.model, info)
     _check_dimensions(body.dimensions, info)
-    prompts = input_prompts(body.input, body.add_special_tokens, body.truncate_prompt_tokens, info)
+    prompts = pooling_prompts(body, info, serving.settings)
     request_id = new_id("embd")
     lora = serving.lora_for(body.model, info)
     finals = await collect(await serving.open([
@@ -54,16 +83,22 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def input_prompts(given: PromptInput, add_special_tokens: bool, truncate_prompt_tokens: int | None,
-                  info: ModelInfo) -> list[list[int]]:
-    """A pooling request's ``input`` (a text, texts, token ids or lists of them) as its
-    prompts' token ids, each cut to ``truncate_prompt_tokens`` and checked against the
-    context: a 400 naming the input (``input[i]`` of several) otherwise."""
-    if not given or (isinstance(given, list) and any(not item for item in given)):
+def pooling_prompts(body: PoolingRequest, info: ModelInfo, settings: ServerSettings) -> list[list[int]]:
+    """A pooling request's prompts as token ids: its ``input`` (a text, texts, token ids
+    or lists of them), or its ``messages`` through the chat template (as chat encodes
+    them), each cut to ``truncate_prompt_tokens`` and checked against the context: a 400
+    naming the input (``input[i]`` of several) otherwise."""
+    given = body.input
+    if body.messages is None and (not given or (isinstance(given, list) and any(not item for item in given))):
         raise bad_request("input must not be empty, nor hold an empty text or token list", "input")
     try:
-        prompts, _ = encode_prompts(given, info, add_special_tokens)
-        prompts = [truncate_prompt(ids, truncate_prompt_tokens, info) for ids in prompts]
+        if body.messages is not None:
+            prompts = [encode_chat_request(body, info, settings, None)]
+        else:
+            assert given is not None
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            prompts, _ = encode_prompts(given, info, special)
+        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, info) for ids in prompts]
         for index, ids in enumerate(prompts):
             info.limits.check_prompt(len(ids), f"input[{index}]" if len(prompts) > 1 else "input")
     except ValueError as error:

@@ -1,6 +1,7 @@
 """SageMaker's ``POST /invocations`` (vLLM's): one route for every task the model serves.
 The body's own fields tell which request it is, and it is answered exactly as on that
-route: ``messages`` a chat completion, ``prompt`` a completion, ``query`` a rerank,
+route: ``messages`` a chat completion (a classification on a sequence classifier), ``prompt``
+a completion, ``query`` a rerank,
 ``text_1`` / ``queries`` / ``data_1`` a score, ``input`` a classification for a sequence
 classifier and an embedding otherwise. A body it cannot tell is a 400 naming the fields
 it looks for; a body it can is validated as that route's (the same 400s)."""
@@ -53,6 +54,8 @@ async def invoke(request: Request, serving: Serving) -> Any:
 
 
 def _route(body: dict[str, Any], serving: Serving) -> tuple[type[BaseModel], Handler]:
+    if "messages" in body and serving.model_info().classifier is not None:  # a classifier's chat: classified
+        return ClassificationRequest, create_classification
     for field, model, handler in _BY_FIELD:
         if field in body:
             return model, handler

@@ -79,6 +79,14 @@ def test_classify_answers_transformers_probabilities_and_labels(classifier_http:
     invoked = classifier_http.post("/invocations", json={"input": TEXTS}).json()  # SageMaker's route: a classify
     direct = classifier_http.post("/classify", json={"input": TEXTS}).json()
     assert invoked["object"] == "list" and invoked["data"] == direct["data"]
+    messages = [{"role": "user", "content": TEXTS[1]}]  # a chat: classified as its template renders it
+    chat_ids = transformers.AutoTokenizer.from_pretrained(classifier).apply_chat_template(
+        messages, tokenize=True, return_dict=True)["input_ids"]
+    for path in ("/classify", "/invocations"):
+        chat = classifier_http.post(path, json={"messages": messages}).json()
+        assert chat["usage"]["prompt_tokens"] == len(chat_ids), chat
+        assert torch.allclose(torch.tensor(chat["data"][0]["probs"]), logits_of(classifier, [chat_ids])[0].softmax(-1),
+                              atol=1e-6)
     raw = classifier_http.post("/classify", json={"input": TEXTS[0], "use_activation": False,
                                                   "request_id": "r1"}).json()
     assert raw["id"] == "classify-r1"

@@ -87,3 +87,25 @@ def test_a_matryoshka_model_shortens_its_embeddings(tmp_path_factory: pytest.Tem
                 assert re.search(message, reply.json()["error"]["message"]), reply.text
     finally:
         live.stop()
+
+
+def test_a_chat_is_embedded_as_its_template_renders_it(http: httpx.Client, live_server: LiveServer,
+                                                       tiny_llama: Path) -> None:
+    """vLLM's chat-shaped embedding request: ``messages`` through the chat template (no
+    generation prompt unless asked), one embedding: transformers' tokenizer renders the
+    same ids and its model gives the same vector."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox"}]
+    for opening in (False, True):
+        body = {"messages": messages, "encoding_format": "float", "add_generation_prompt": opening}
+        reply = http.post("/v1/embeddings", json=body)
+        assert reply.status_code == 200, reply.text
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=opening, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+        assert torch.allclose(torch.tensor(reply.json()["data"][0]["embedding"]), reference(tiny_llama, ids), atol=1e-5)
+    for body, message in (({"input": "a", "messages": messages}, "exactly one of input or messages"),
+                          ({}, "exactly one of input or messages"), ({"messages": []}, "at least one message")):
+        reply = http.post("/v1/embeddings", json=body)
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+    live_server.assert_idle_and_clean()

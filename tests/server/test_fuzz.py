@@ -33,7 +33,8 @@ FIELDS = {
                       "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "background",
                       "include", "truncation", "reasoning", "metadata", "user", "prompt_cache_key"],
     "/v1/embeddings": ["model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
-                       "add_special_tokens", "cache_salt"],
+                       "add_special_tokens", "cache_salt", "messages", "add_generation_prompt",
+                       "continue_final_message", "chat_template_kwargs"],
     "/tokenize": ["model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs",
                   "continue_final_message", "documents", "chat_template"],
     "/detokenize": ["model", "tokens"],
@@ -47,7 +48,7 @@ FIELDS = {
     # SageMaker's one route: a field of each route it dispatches to (and classify, a 400 on this model).
     "/invocations": ["model", "prompt", "messages", "input", "query", "documents", "text_1", "text_2", "max_tokens",
                      "temperature", "stream", "encoding_format", "top_n"],
-    "/classify": ["model", "input", "truncate_prompt_tokens", "use_activation", "request_id", "priority"],
+    "/classify": ["model", "input", "messages", "truncate_prompt_tokens", "use_activation", "request_id", "priority"],
 }
 # Counts that make a valid request expensive are kept small when they are valid; invalid
 # values (negative, huge, wrong type) go through as generated.
