@@ -9,10 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -357,14 +354,6 @@ class ClassifierConfig:
                 raise ValueError(f"classifier_from_token: {token!r} is not one token of this model's vocabulary")
             ids.append(token_id)
         return replace(self, source_token_ids=tuple(ids))
-
-    def head_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The score head from the vocabulary head's rows of the source tokens, in their
-        order: those rows, or for a two-way classifier the second minus the first
-        (subtracted in float32)."""
-        if not self.two_way:
-            return rows
-        return (rows[1:2].float() - rows[0:1].float()).to(rows.dtype)
 
     @staticmethod
     def causal_architecture(architecture: str) -> str:

@@ -198,13 +198,10 @@ class LLM:
         decoder models; e5-mistral and gte-Qwen2 are such embedding models). Prompts as
         ``generate``'s; batched, cached and exact as generation is.
         ``truncate_prompt_tokens``: each prompt's last k tokens only (-1: the context's)."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="embed")
-        if truncate_prompt_tokens is not None:
-            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
                                        EmbeddingOutput(output.pooled or []), output.finished,
                                        output.num_cached_tokens)
-                for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
+                for output in self._pooled(prompts, "embed", use_tqdm, lora_request, truncate_prompt_tokens)]
 
     def classify(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], use_tqdm: bool | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -216,13 +213,20 @@ class LLM:
         if classifier is None:
             raise ValueError("classify needs a sequence-classification model (a *ForSequenceClassification "
                              "checkpoint); this model is a causal LM")
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify")
-        if truncate_prompt_tokens is not None:
-            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
         return [ClassificationRequestOutput(output.request_id, output.prompt_token_ids,
                                             ClassificationOutput(class_probabilities(output.pooled or [], classifier)),
                                             output.finished, output.num_cached_tokens)
-                for output in self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)]
+                for output in self._pooled(prompts, "classify", use_tqdm, lora_request, truncate_prompt_tokens)]
+
+    def _pooled(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], task: str,
+                use_tqdm: bool | None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                truncate_prompt_tokens: int | None) -> list[RequestOutput]:
+        """Each prompt as a pooling request of ``task`` (``SamplingParams.pooling``): one
+        position computed past the prompt, its pooled vector in ``RequestOutput.pooled``."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=task)
+        if truncate_prompt_tokens is not None:
+            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in _as_prompt_list(prompts)]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _truncated(self, prompt: Prompt, keep: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (the

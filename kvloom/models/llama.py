@@ -218,7 +218,9 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if source and name in ("lm_head.weight", "embed_tokens.weight"):
                 assert self.config.classifier is not None
-                head = self.config.classifier.head_from_rows(tensor[list(source)])
+                head = tensor[list(source)]  # the source tokens' rows, in their order
+                if self.config.classifier.two_way:  # one row: the second minus the first, in float32
+                    head = (head[1:2].float() - head[0:1].float()).to(head.dtype)
                 if name == "lm_head.weight":
                     filler.copy("lm_head.weight", head, hf_name)
                     continue

@@ -50,8 +50,9 @@ class LaunchedStep:
     failed: dict[str, RequestError] = field(default_factory=dict)  # requests whose grammar failed
     # Seeded random requests with drafts: their generators' state before the draws.
     rewinds: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
-    # Pooling requests' vectors (SamplingParams.pooling), float32 on the device, by id.
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Pooling requests' vectors (SamplingParams.pooling): per task, the requests' ids and
+    # their rows, [n, width] float32 on the device (read back in one copy each).
+    pooled: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
 
     @property
     def overlappable(self) -> bool:
@@ -218,7 +219,8 @@ class ModelRunner:
             aligned.accepted = self._aligned_rows(output, accepted, [])
             aligned.accepted_logprobs = self._aligned_rows(output, accepted_logprobs, [])
         aligned.prompt_logprobs = launched.prompt_logprobs
-        aligned.pooled = {request_id: vector.tolist() for request_id, vector in launched.pooled.items()}
+        aligned.pooled = {request_id: vector for ids, vectors in launched.pooled
+                          for request_id, vector in zip(ids, vectors.tolist(), strict=True)}
         return aligned
 
     @staticmethod
@@ -238,10 +240,9 @@ class ModelRunner:
             row += item.num_sampled_rows
         if rows["embed"]:
             vectors = torch.nn.functional.normalize(final[[r for _, r in rows["embed"]]].float(), dim=-1)
-            launched.pooled.update(zip([i for i, _ in rows["embed"]], vectors, strict=True))
+            launched.pooled.append(([i for i, _ in rows["embed"]], vectors))
         if rows["classify"]:
-            vectors = logits[[r for _, r in rows["classify"]]].float()
-            launched.pooled.update(zip([i for i, _ in rows["classify"]], vectors, strict=True))
+            launched.pooled.append(([i for i, _ in rows["classify"]], logits[[r for _, r in rows["classify"]]].float()))
 
     def _seeded_rewinds(self, sampling: list[ScheduledRequest]) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
         """The generator state, before this step's draws, of each seeded random request

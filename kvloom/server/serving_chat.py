@@ -156,10 +156,10 @@ def _tokens_within(ids: list[int], decode: Callable[[Sequence[int]], str], reaso
     marker and reasoning (found by bisection: a longer prefix of tokens decodes to a
     longer text)."""
     text = decode(ids)
-    thought, _ = split_reasoning(reasoning, text, True)
-    if thought is None and not any(text.startswith(marker) for marker in reasoning.starts):
+    opening = next((marker for marker in reasoning.starts if text.startswith(marker)), None)
+    if opening is None:
         return 0  # an output that did not open its reasoning
-    opening = next((marker for marker in reasoning.starts if text.startswith(marker)), "")
+    thought, _ = split_reasoning(reasoning, text, True)
     limit = len(opening) + len(thought or "")
     low, high = 0, len(ids)  # decode(ids[:low]) fits; the answer is in [low, high]
     while low < high:
