@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import llguidance
 
 from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.structural_tag import structural_tag_grammar
 from kvloom.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class GrammarCompiler:
 
     def _compile(self, constraint: StructuredOutput) -> CompiledGrammar:
         kind, text = constraint.cache_key
-        grammar = _to_llguidance(kind, text)
+        grammar = (structural_tag_grammar(text, self.tokenizer.token_to_id, self.vocab_size)
+                   if kind == "structural_tag" else _to_llguidance(kind, text))
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.ll_tokenizer, limits=self.limits)
         if is_error:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The kinds, in the order error messages list them.
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 # "Any JSON object": what OpenAI's response_format={"type": "json_object"} promises.
 ANY_JSON_OBJECT_SCHEMA = '{"type":"object"}'
@@ -21,7 +21,7 @@ ANY_JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
-    """A constraint on one request's output; set exactly one of the first five fields.
+    """A constraint on one request's output; set exactly one of the first six fields.
 
     json_schema: a JSON Schema (a dict, or its JSON text); the output is a JSON value
         valid under it. Key order in ``properties`` is the order keys are generated in.
@@ -29,6 +29,10 @@ class StructuredOutput:
     regex: the whole output matches this regular expression (Rust ``regex`` syntax).
     grammar: a Lark grammar (llguidance dialect) or a GBNF grammar (llama.cpp, ``::=``).
     choice: the output is exactly one of these strings.
+    structural_tag: vLLM's structural tag (a dict, or its JSON text): free text with
+        structured regions opened by trigger strings, in its legacy spelling
+        (``structures`` and ``triggers``) or xgrammar's (``format``); see
+        ``kvloom.structured.structural_tag``.
     jump_forward: append the tokens the grammar forces without a model step each
         (and end the request as soon as the grammar is complete). Off only to measure it.
     after_token_id: the constraint starts after the output's first token of this id (a
@@ -41,6 +45,7 @@ class StructuredOutput:
     regex: str | None = None
     grammar: str | None = None
     choice: Sequence[str] | None = None
+    structural_tag: Mapping[str, Any] | str | None = None
     jump_forward: bool = True
     after_token_id: int | None = None
 
@@ -67,6 +72,8 @@ class StructuredOutput:
                 raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
         elif kind == "choice":
             object.__setattr__(self, "choice", _choices(self.choice))
+        elif kind == "structural_tag":
+            object.__setattr__(self, "structural_tag", _structural_tag_text(self.structural_tag))
 
     def _is_set(self, kind: str) -> bool:
         value = getattr(self, kind)
@@ -99,18 +106,20 @@ class StructuredOutput:
 class StructuredOutputsParams:
     """vLLM's spelling of a constraint, so that vLLM code ports unchanged:
     ``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``. Set one of
-    ``json`` (a JSON Schema), ``regex``, ``choice``, ``grammar``, ``json_object``; it
-    becomes the request's :class:`StructuredOutput`."""
+    ``json`` (a JSON Schema), ``regex``, ``choice``, ``grammar``, ``json_object``,
+    ``structural_tag`` (its JSON text, as vLLM takes it, or a dict); it becomes the
+    request's :class:`StructuredOutput`."""
 
     json: Mapping[str, Any] | str | None = None
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: Mapping[str, Any] | str | None = None
 
     def to_structured_output(self) -> StructuredOutput:
         return StructuredOutput(json_schema=self.json, json_object=bool(self.json_object), regex=self.regex,
-                                grammar=self.grammar, choice=self.choice)
+                                grammar=self.grammar, choice=self.choice, structural_tag=self.structural_tag)
 
 
 def _schema_text(schema: object) -> str:
@@ -150,3 +159,29 @@ def _choices(choice: object) -> tuple[str, ...]:
         if len(value) > MAX_CHOICE_CHARS:
             raise ValueError(f"choice options may be at most {MAX_CHOICE_CHARS} characters, got one of {len(value)}")
     return values
+
+
+def _structural_tag_text(value: object) -> str:
+    """The spec as compact JSON text (the constraint's cache key), checked for its
+    outer shape; the formats inside are checked when the grammar is written."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"structural_tag is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"structural_tag must be a JSON object, got {type(value).__name__}")
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"structural_tag.type must be 'structural_tag', got {value.get('type')!r}")
+    has_format = "format" in value
+    has_legacy = "structures" in value or "triggers" in value
+    if has_format == has_legacy:
+        raise ValueError("structural_tag needs either 'format' (xgrammar's spelling) or 'structures' "
+                         "with 'triggers' (the legacy one)")
+    extra = set(value) - ({"type", "format"} if has_format else {"type", "structures", "triggers"})
+    if extra:
+        raise ValueError(f"structural_tag has unknown field(s) {', '.join(sorted(extra))}")
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"structural_tag must be JSON-serialisable: {error}") from None

@@ -3,11 +3,13 @@
 Accepted, at most one at a time:
 
 * ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
-  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``,
+  vLLM's ``{"type": "structural_tag", "structures": [...], "triggers": [...]}`` or
+  ``{"type": "structural_tag", "format": {...}}``;
 * vLLM's extra fields ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar`` / ``guided_json_object``;
 * vLLM's newer ``structured_outputs`` object with keys ``json`` / ``regex`` /
-  ``choice`` / ``grammar`` / ``json_object``.
+  ``choice`` / ``grammar`` / ``json_object`` / ``structural_tag`` (its JSON text).
 
 Every problem is a ``ValueError`` whose message names the offending field, ready to
 be returned as a 400 ``invalid_request_error``.
@@ -22,7 +24,7 @@ from kvloom.structured.constraint import StructuredOutput
 
 # vLLM's `structured_outputs` keys -> StructuredOutput fields.
 _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex",
-                            "choice": "choice", "grammar": "grammar"}
+                            "choice": "choice", "grammar": "grammar", "structural_tag": "structural_tag"}
 
 
 def structured_output_from_openai(
@@ -103,6 +105,8 @@ def _from_response_format(response_format: Mapping[str, Any] | None) -> dict[str
             raise ValueError("response_format.json_schema.schema is false: no value satisfies it, "
                              "so there is nothing to generate")
         return {"json_schema": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": response_format}
     raise ValueError(
-        f"response_format.type must be one of 'text', 'json_object', 'json_schema', got {kind!r}"
+        f"response_format.type must be one of 'text', 'json_object', 'json_schema', 'structural_tag', got {kind!r}"
     )

@@ -202,3 +202,38 @@ def test_structured_outputs_through_the_api(client) -> None:
     picked = client.completions.create(model=SERVED_NAME, prompt="Pick:", max_tokens=10,
                                        extra_body={"guided_choice": ["red", "green", "blue"]})
     assert picked.choices[0].text in {"red", "green", "blue"}
+
+
+def test_structural_tag_through_the_api(client) -> None:
+    """vLLM's structural_tag: as response_format (xgrammar's spelling) on chat, as
+    structured_outputs.structural_tag (JSON text, the legacy spelling) on completions;
+    a format kvloom does not write is a 400 that names it."""
+    import json
+    import re
+
+    import openai
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
+            "required": ["city"], "additionalProperties": False}
+    call = {"type": "tag", "begin": "<f=city>", "content": {"type": "json_schema", "json_schema": city},
+            "end": "</f>"}
+    forced = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": [call],
+                                                   "separator": "\n", "at_least_one": True}}
+    reply = client.chat.completions.create(model=SERVED_NAME, messages=CHAT, max_tokens=40,
+                                           temperature=0, response_format=forced)
+    content = reply.choices[0].message.content
+    calls = re.findall(r'<f=city>\{"city":"(Oslo|Lima)"\}</f>', content)
+    assert calls and content.startswith("<f=city>")
+    if reply.choices[0].finish_reason == "stop":
+        assert content == "\n".join(f'<f=city>{{"city":"{c}"}}</f>' for c in calls)
+    legacy = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{"begin": "<f=city>", "schema": city, "end": "</f>"}]}
+    text = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                     extra_body={"structured_outputs": {"structural_tag": json.dumps(legacy)}}
+                                     ).choices[0].text
+    whole = [f'city>{{"city":"{c}"}}</f>' for c in ("Oslo", "Lima")]
+    for opened in text.split("<f=")[1:]:  # every trigger opens a whole call (or the output ran out)
+        assert any(opened.startswith(call) or call.startswith(opened) for call in whole), text
+    with pytest.raises(openai.BadRequestError, match="'dispatch' is not supported"):
+        client.chat.completions.create(model=SERVED_NAME, messages=CHAT, max_tokens=4, response_format={
+            "type": "structural_tag", "format": {"type": "dispatch", "rules": []}})
