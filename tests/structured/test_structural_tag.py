@@ -12,6 +12,8 @@ import re
 import jsonschema
 import pytest
 import xgrammar
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structured_helpers import chat_prompt, default_engine, default_llm
 from transformers import PreTrainedTokenizerFast
 
@@ -200,6 +202,7 @@ def test_bad_outer_shapes_are_named_at_construction(spec, message) -> None:
     (fmt({"type": "repeat", "min": 3, "max": 1, "content": const("a")}), "repeat needs 0 <= min <= max"),
     (fmt(tag({"type": "token", "token": "<|no such token|>"}, ANY, "x")), "must be a token id or a token"),
     (fmt({"type": "sequence", "elements": []}), r"structural_tag.format.elements must be a non-empty list"),
+    (fmt(tag("<|python|>", ANY, "")), r"structural_tag.format.content: any_text must end the output or be followed"),
     (fmt(const("a") | {"values": 1}), "unknown field"),
     (fmt({"type": "regex", "pattern": "("}), "invalid structural_tag"),
 ])
@@ -264,3 +267,47 @@ def test_generation_follows_the_tags(model_reference) -> None:
                 jsonschema.validate(arguments, schemas[name])
     for completion in finals["greedy"].outputs + finals["sampled"].outputs:
         assert completion.finish_reason == "stop" and len(_calls(completion.text)) == 1
+
+
+# -- any spec: compiled, or refused with a ValueError ----------------------------------
+
+_texts = st.text(alphabet=st.sampled_from("ab<>=/{}\"\\\n é"), max_size=6)
+_leaves = st.one_of(
+    st.fixed_dictionaries({"type": st.just("const_string"), "value": _texts}),
+    st.fixed_dictionaries({"type": st.just("any_text")}, optional={"excludes": st.lists(_texts, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.sampled_from(
+        [CITY, EMPTY, {}, True, False, {"type": "integer", "maximum": 9}, {"type": "nope"}])}),
+    st.fixed_dictionaries({"type": st.just("regex"), "pattern": st.sampled_from(["[0-9]+", "a|b", "(", "", "x*"])}),
+    st.fixed_dictionaries({"type": st.just("token"), "token": st.one_of(st.integers(-1, 600), _texts)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["dispatch", "qwen_xml_parameter", 3])}),
+)
+
+
+def _extend(children):
+    lists = st.lists(children, max_size=3)
+    tags = st.lists(st.fixed_dictionaries({"type": st.just("tag"), "begin": _texts, "content": children,
+                                           "end": st.one_of(_texts, st.lists(_texts, max_size=2))}), max_size=3)
+    flags = {"at_least_one": st.booleans(), "stop_after_first": st.booleans()}
+    return st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["sequence", "or"]), "elements": lists}),
+        st.fixed_dictionaries({"type": st.just("tag"), "begin": _texts, "content": children,
+                               "end": st.one_of(_texts, st.lists(_texts, max_size=2))}),
+        st.fixed_dictionaries({"type": st.just("triggered_tags"), "triggers": st.lists(_texts, max_size=2),
+                               "tags": tags}, optional=flags),
+        st.fixed_dictionaries({"type": st.just("tags_with_separator"), "tags": tags, "separator": _texts},
+                              optional=flags),
+        st.fixed_dictionaries({"type": st.sampled_from(["optional", "plus", "star"]), "content": children}),
+        st.fixed_dictionaries({"type": st.just("repeat"), "content": children, "min": st.integers(-1, 3),
+                               "max": st.integers(-2, 3)}),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.recursive(_leaves, _extend, max_leaves=8))
+def test_any_format_compiles_or_is_refused_by_name(compiler, format_) -> None:
+    """Whatever the tree, compiling it gives a grammar or a ValueError naming a field
+    (the server's 400), never another exception (a 500)."""
+    try:
+        compiler.compile(StructuredOutput(structural_tag=fmt(format_)))
+    except ValueError as error:
+        assert "structural_tag" in str(error), error
