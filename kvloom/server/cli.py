@@ -18,6 +18,7 @@ from kvloom.server.settings import (
     ServerSettings,
 )
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, TOOL_PARSERS
+from kvloom.structured.tool_grammar import TOOL_STRICT_LEVELS
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -71,6 +72,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="the model's tool-call format: hermes (SmolLM2, Qwen), llama3_json, mistral; "
                             f"forced calls (tool_choice \"required\" or a named function) are written in "
                             f"it too (default for those: {DEFAULT_FORCED_FORMAT})")
+    tools.add_argument("--tool-strict-level", choices=TOOL_STRICT_LEVELS, default="auto",
+                       help="what tool_choice \"auto\" holds to the format (vLLM's): auto, calls of a request "
+                            "with a \"strict\" tool (their envelope; a strict tool's arguments to its schema); "
+                            "function, every request's calls' envelope; parameter, also every tool's arguments")
     tools.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="a thinking model's format (<think>...</think>): chat completions carry the "
                             "reasoning as \"reasoning\" beside the content (the model must have both markers "
@@ -187,6 +192,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
                           max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_strict_level=args.tool_strict_level,
                           reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_dashboard=not args.disable_dashboard,

@@ -85,12 +85,15 @@ def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_
                      info: ModelInfo, format_param: str = "response_format") -> tuple[SamplingParams, ToolUse]:
     """The request's sampling parameters and tool use: a forced call's grammar becomes
     the output's constraint (with another format as well: a 400; ``format_param`` is
-    that field's name in the request, chat's or the Responses API's)."""
+    that field's name in the request, chat's or the Responses API's); strict tools'
+    grammar under tool_choice auto does where the request constrains nothing else."""
     params = base_params(body, settings, top_logprobs, info)
     tools = tool_use(body, settings)
     if tools.parser is not None and tools.parser.special_marker:  # Mistral's [TOOL_CALLS] kept in the text
         params = dataclasses.replace(params, skip_special_tokens=False)
-    if tools.constraint is not None:
+    # A strict tool's grammar (tool_choice auto) yields to the request's own constraint.
+    yields = not tools.forced and (params.structured is not None or params.allowed_token_ids is not None)
+    if tools.constraint is not None and not yields:
         if params.structured is not None:
             raise bad_request(f"{format_param} and a forced tool call (tool_choice) cannot both constrain the "
                               "output", "tool_choice")

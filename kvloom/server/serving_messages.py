@@ -193,8 +193,9 @@ def _chat_tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[s
                 raise bad_request(f"{where}: only client tools ({{\"name\", \"description\", \"input_schema\"}}) are "
                                   "supported: server tools are Anthropic's", where)
             function = {"name": tool["name"], "parameters": tool["input_schema"]}
-            if "description" in tool:
-                function["description"] = tool["description"]
+            for key in ("description", "strict"):
+                if key in tool:
+                    function[key] = tool[key]
             tools.append({"type": "function", "function": function})
     choice, parallel = body.tool_choice, None
     if choice is None:

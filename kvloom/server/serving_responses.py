@@ -165,7 +165,7 @@ def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, st
             if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
                 raise _item_error(f"tools[{index}]", "only function tools ({\"type\": \"function\", \"name\", "
                                                      "\"parameters\"}) are supported: hosted tools are OpenAI's")
-            function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+            function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
             tools.append({"type": "function", "function": function})
     choice = body.tool_choice
     if isinstance(choice, dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvloom.lora.request import LoRARequest  # checks --lora-modules' names and paths
+from kvloom.structured.tool_grammar import TOOL_STRICT_LEVELS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING = 1024
@@ -45,6 +46,9 @@ class ServerSettings:
     # and whether tool_choice "auto" parses the output with it.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's --tool-strict-level: what tool_choice "auto" holds to the format
+    # (structured/tool_grammar.py TOOL_STRICT_LEVELS): "auto", the tools' own "strict".
+    tool_strict_level: str = "auto"
     # vLLM's --reasoning-parser: a thinking model's output split into reasoning and
     # content in chat completions (server/reasoning_parsers.py).
     reasoning_parser: str | None = None
@@ -96,6 +100,9 @@ class ServerSettings:
             get_tool_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
+        if self.tool_strict_level not in TOOL_STRICT_LEVELS:
+            raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, "
+                             f"got {self.tool_strict_level!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (the format to parse "
                              "the model's calls in)")

@@ -5,7 +5,10 @@ ask of the engine, and the model's output turned back into ``tool_calls``.
 - ``"auto"`` (the default when there are tools): the model chooses; with
   ``--enable-auto-tool-choice`` its output is parsed by ``--tool-call-parser`` into
   ``tool_calls`` (text that is no call stays ``content``); without it the answer is
-  plain text.
+  plain text. Where a tool is ``strict`` (or ``--tool-strict-level`` says so), every
+  call the model opens is held to the format, and a strict tool's arguments to its
+  schema (structured/tool_grammar.py ``auto_tool_call_constraint``), unless the request
+  constrains its output itself (``response_format``, ``allowed_token_ids``).
 - ``"required"`` or a named function: the grammar engine forces one call (or, with
   ``parallel_tool_calls``, one or more) in the parser's format, each call's arguments
   valid under the function's JSON schema (structured/tool_grammar.py), and the output
@@ -26,7 +29,12 @@ from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_call_stream import StreamDelta, StreamingToolParser
 from kvloom.server.tool_parsers import DEFAULT_FORCED_FORMAT, ToolParser, get_tool_parser
 from kvloom.structured.constraint import StructuredOutput
-from kvloom.structured.tool_grammar import InvalidTools, tool_call_constraint, tool_functions
+from kvloom.structured.tool_grammar import (
+    InvalidTools,
+    auto_tool_call_constraint,
+    tool_call_constraint,
+    tool_functions,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +43,11 @@ class ToolUse:
 
     tools: list[dict[str, Any]] | None  # rendered into the chat template
     parser: ToolParser | None = None  # parses the output into tool_calls (None: plain text)
-    constraint: StructuredOutput | None = None  # forces a call (tool_choice required / named)
+    constraint: StructuredOutput | None = None  # the calls' grammar (see ``forced``)
+    # True: the constraint forces a call (tool_choice required / named), and another
+    # constraint on the output is an error; False: it holds the calls the model chooses
+    # to make to their format (tool_choice auto with strict tools), and yields to one.
+    forced: bool = False
 
 
 def tool_use(body: ChatCompletionRequest, settings: ServerSettings) -> ToolUse:
@@ -48,18 +60,22 @@ def tool_use(body: ChatCompletionRequest, settings: ServerSettings) -> ToolUse:
         except InvalidTools as error:
             raise from_value_error(error) from None
     choice = body.tool_choice
+    parallel = body.parallel_tool_calls is not False
     if choice is None or choice in ("none", "auto"):
         auto = tools is not None and choice != "none" and settings.enable_auto_tool_choice
-        return ToolUse(tools, get_tool_parser(settings.tool_call_parser) if auto and settings.tool_call_parser
-                       else None)
+        if not auto or settings.tool_call_parser is None:
+            return ToolUse(tools)
+        assert tools is not None
+        constraint = auto_tool_call_constraint(tools, settings.tool_call_parser, settings.tool_strict_level, parallel)
+        return ToolUse(tools, get_tool_parser(settings.tool_call_parser), constraint)
     if tools is None:
         raise bad_request(f"tool_choice {choice!r} needs tools to call", "tool_choice")
     parser_name = settings.tool_call_parser or DEFAULT_FORCED_FORMAT
     try:
-        constraint = tool_call_constraint(tools, choice, parser_name, parallel=body.parallel_tool_calls is not False)
+        constraint = tool_call_constraint(tools, choice, parser_name, parallel=parallel)
     except ValueError as error:
         raise bad_request(str(error), "tool_choice") from None
-    return ToolUse(tools, get_tool_parser(parser_name), constraint)
+    return ToolUse(tools, get_tool_parser(parser_name), constraint, forced=True)
 
 
 def tool_finish_reason(finish_reason: str | None, num_calls: int) -> str | None:

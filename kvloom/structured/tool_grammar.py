@@ -1,10 +1,15 @@
-"""The grammar of an enforced tool call (``tool_choice`` "required" or a named function).
+"""The grammar of tool calls: forced ones, and strict ones the model chooses to make.
 
-``tool_call_constraint`` builds a Lark grammar (llguidance dialect) that forces the
-output into a tool-call parser's format, with each function's arguments generated
-under its JSON schema (``%json{...}``), so the parser of the same name
-(``kvloom.server.tool_parsers``) always finds valid calls in it. Pure Python: the
-schemas are checked by llguidance when the engine compiles the constraint.
+``tool_call_constraint`` (``tool_choice`` "required" or a named function) builds a
+Lark grammar (llguidance dialect) that forces the output into a tool-call parser's
+format, with each function's arguments generated under its JSON schema
+(``%json{...}``), so the parser of the same name (``kvloom.server.tool_parsers``)
+always finds valid calls in it. ``auto_tool_call_constraint`` (``tool_choice`` "auto"
+with a ``strict`` tool, or a server strict level: vLLM's) leaves the output free text
+but makes every call the model opens a whole call in that format (a structural tag:
+the parser's marker is its trigger), with the arguments of strict tools under their
+schemas. Pure Python: the schemas are checked by llguidance when the engine compiles
+the constraint.
 """
 
 from __future__ import annotations
@@ -87,6 +92,67 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | 
     return StructuredOutput(grammar=_grammar(allowed, output_format, parallel))
 
 
+# vLLM's --tool-strict-level: what tool_choice "auto" constrains. "auto": nothing, unless
+# a tool sets "strict": true (then every call's envelope, and the arguments of the strict
+# tools); "function": every call's envelope, whatever the tools say; "parameter": the
+# envelope and every tool's arguments (each tool as if strict).
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
+# Any JSON object: the arguments of a tool that is not strict.
+ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
+
+
+def auto_tool_call_constraint(tools: Sequence[Mapping[str, Any]], parser_name: str, strict_level: str = "auto",
+                              parallel: bool = True) -> StructuredOutput | None:
+    """The constraint of tool_choice "auto", or None where nothing is constrained (no
+    tool is strict and the level is "auto"). The output stays free text; each call
+    the model opens is a whole call of one of ``tools`` in ``parser_name``'s format
+    (one at most without ``parallel``). Raises ValueError as ``tool_call_constraint``."""
+    if strict_level not in TOOL_STRICT_LEVELS:
+        raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, got {strict_level!r}")
+    output_format = TOOL_CALL_FORMATS.get(parser_name)
+    if output_format is None:
+        known = ", ".join(sorted(TOOL_CALL_FORMATS))
+        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
+    functions = tool_functions(tools)
+    strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
+    if strict_level == "auto" and not strict:
+        return None
+    schemas = {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
+               for name, schema in functions.items()}
+    calls = [_call_tag(name, schema, output_format) for name, schema in schemas.items()]
+    return StructuredOutput(structural_tag={"type": "structural_tag",
+                                            "format": _auto_format(calls, output_format, parallel)})
+
+
+def _call_tag(name: str, schema: Mapping[str, Any], output_format: _Format) -> dict[str, Any]:
+    """One call as a structural tag: the envelope up to the arguments, then them."""
+    head = json.dumps({"name": name, output_format.arguments_key: 0}, ensure_ascii=False)[:-2]
+    return {"type": "tag", "begin": output_format.call_open + head,
+            "content": {"type": "json_schema", "json_schema": dict(schema)}, "end": "}" + output_format.call_close}
+
+
+def _auto_format(calls: list[dict[str, Any]], output_format: _Format, parallel: bool) -> dict[str, Any]:
+    """Free text, and calls where the parser would read them."""
+    if output_format.call_open:  # hermes: a call anywhere, each opened by its marker
+        return {"type": "triggered_tags", "triggers": [output_format.call_open.rstrip()], "tags": calls,
+                "stop_after_first": not parallel}
+    listed = {"type": "tags_with_separator", "tags": calls, "separator": output_format.separator,
+              "at_least_one": True, "stop_after_first": not parallel}
+    if output_format.prefix:  # mistral: a list of calls anywhere, opened by its marker
+        marker = output_format.prefix.rstrip("[")
+        return {"type": "triggered_tags", "triggers": [marker], "stop_after_first": not parallel,
+                "tags": [{"type": "tag", "begin": output_format.prefix, "content": listed,
+                          "end": output_format.suffix}]}
+    # llama3_json: calls only at the start of the output; text otherwise, which must not
+    # start as a call would (whitespace, "{" or "<" first: the parser could read a call
+    # there, one the grammar would not have checked).
+    return {"type": "or", "elements": [listed, {"type": "regex", "pattern": r"([^\s{<][\s\S]*)?"}]}
+
+
+def _is_strict(tool: Mapping[str, Any]) -> bool:
+    return tool["function"].get("strict") is True  # tool_functions checked it is a bool
+
+
 def _grammar(functions: Mapping[str, Mapping[str, Any]], output_format: _Format, parallel: bool) -> str:
     rules = []
     for number, (name, schema) in enumerate(functions.items()):
@@ -133,6 +199,9 @@ def tool_functions(tools: object) -> dict[str, Mapping[str, Any]]:
             parameters = NO_PARAMETERS
         if not isinstance(parameters, Mapping):
             raise InvalidTools(f"{where}.function.parameters must be a JSON schema object", where)
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidTools(f"{where}.function.strict must be a bool, got {strict!r}", where)
         functions[name] = parameters
     return functions
 

@@ -115,3 +115,8 @@ def test_the_flags_set_the_settings() -> None:
     assert server_settings(parser.parse_args(["serve", "m", "--disable-log-requests"])).log_requests is False
     with pytest.raises(ValueError, match="response_role must be a non-empty string"):
         ServerSettings(response_role="")
+    strict = parser.parse_args(["serve", "m", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter"])
+    assert server_settings(strict).tool_strict_level == "parameter"
+    assert server_settings(parser.parse_args(["serve", "m"])).tool_strict_level == "auto"
+    with pytest.raises(ValueError, match="tool_strict_level must be one of auto, function, parameter"):
+        ServerSettings(tool_strict_level="always")

@@ -225,3 +225,20 @@ def test_chat_path_errors_name_the_responses_fields() -> None:
     assert renamed(APIError(400, "m", param="max_tokens"), origins).param == "max_output_tokens"
     assert renamed(APIError(400, "m", param="response_format.json_schema"), origins).param == "text.format.json_schema"
     assert renamed(APIError(400, "m", param="temperature"), origins).param == "temperature"
+
+
+def test_a_tools_strict_flag_reaches_the_chat_request() -> None:
+    """OpenAI's "strict" on a Responses function tool (the SDK always sends it) and on an
+    Anthropic tool carries to the chat tool, where tool_choice auto then holds the calls
+    to the schema (tests/server/test_tool_calling.py)."""
+    from kvloom.server.protocol import ResponsesRequest
+    from kvloom.server.serving_messages import MessagesRequest
+    from kvloom.server.serving_messages import to_chat_request as messages_to_chat
+    from kvloom.server.serving_responses import to_chat_request
+
+    chat, _ = to_chat_request(ResponsesRequest(model=SERVED_NAME, input="hi", tools=[{**WEATHER, "strict": True}]))
+    assert chat.tools is not None and chat.tools[0]["function"]["strict"] is True
+    anthropic = MessagesRequest(model=SERVED_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                tools=[{"name": "get_weather", "input_schema": WEATHER["parameters"], "strict": True}])
+    assert messages_to_chat(anthropic).tools[0]["function"] == {
+        "name": "get_weather", "parameters": WEATHER["parameters"], "strict": True}

@@ -136,6 +136,59 @@ def test_a_round_trip_call_result_answer(client) -> None:
     assert not choice.message.tool_calls
 
 
+# ---- "auto" with a strict tool: the calls the model chooses to make are held to the schema ----
+STRICT_WEATHER = {**WEATHER, "additionalProperties": False}
+STRICT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                                  "parameters": STRICT_WEATHER, "strict": True}}]
+FEW_SHOT = [  # SmolLM2 answers this with calls of its own, valid or not
+    {"role": "system", "content": 'You call tools. To call one, answer <tool_call>\n{"name": ..., "arguments": {...}}'
+                                  "\n</tool_call>"},
+    {"role": "user", "content": "What is the weather in Oslo?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+                                     '"unit": "celsius"}}\n</tool_call>'},
+    {"role": "user", "content": "What is the weather in Paris, in fahrenheit?"}]
+
+
+def _auto_choices(client, strict: bool) -> list[Any]:
+    tools = STRICT_TOOLS if strict else [{"type": "function", "function": {
+        **STRICT_TOOLS[0]["function"], "strict": False}}]
+    return client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=tools, max_tokens=64,
+                                          temperature=0.8, seed=1, n=8).choices
+
+
+def _valid(call: Any) -> bool:
+    try:
+        jsonschema.validate(json.loads(call.function.arguments), STRICT_WEATHER)
+    except jsonschema.ValidationError:
+        return False
+    return call.function.name == "get_weather"
+
+
+def test_auto_with_a_strict_tool_makes_only_valid_calls(client) -> None:
+    """Eight samples of a prompt that SmolLM2 answers with calls: without strict some are
+    malformed (no name, an unknown function, arguments off the schema: left as text or
+    parsed as invalid); with "strict": true every call it opens is a valid one, read
+    back as tool_calls, and text is still allowed."""
+    loose = _auto_choices(client, strict=False)
+    assert any("<tool_call>" in (c.message.content or "") or not all(map(_valid, c.message.tool_calls or ()))
+               for c in loose)
+    strict = _auto_choices(client, strict=True)
+    assert sum(bool(c.message.tool_calls) for c in strict) >= 6
+    for choice in strict:
+        assert all(map(_valid, choice.message.tool_calls or ())), choice
+        if choice.finish_reason != "length":
+            assert "<tool_call>" not in (choice.message.content or ""), choice
+
+
+def test_strict_auto_yields_to_the_requests_own_format(client) -> None:
+    """A response_format with tool_choice auto constrains the output; the strict tools'
+    calls do not (vLLM's, where it cannot join the two): no 400."""
+    reply = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=STRICT_TOOLS, max_tokens=24,
+                                           temperature=0.0, response_format={"type": "json_object"})
+    assert reply.choices[0].message.content.startswith("{")
+    assert not reply.choices[0].message.tool_calls
+
+
 # ---- "auto": the model's own output parsed (no model needed) -----------------------------
 CALL_TEXT = 'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
 

@@ -16,7 +16,7 @@ from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.server.tool_parsers import get_tool_parser
 from kvloom.structured.compiler import GrammarCompiler
-from kvloom.structured.tool_grammar import tool_call_constraint
+from kvloom.structured.tool_grammar import auto_tool_call_constraint, tool_call_constraint
 from kvloom.tokenizer import Tokenizer
 
 WEATHER = {  # bounded, so even a random-weight model finishes it
@@ -148,6 +148,57 @@ def test_invalid_parameters_schema_fails_at_compile(compiler) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
     with pytest.raises(ValueError, match="invalid grammar: .*strin"):
         compiler.compile(tool_call_constraint(tools, "required", "hermes"))
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, *TOOLS[1:]]
+BAD_WEATHER_CALL = ("get_weather", '{"city":"Rome","days":3}')  # not in the enum
+ANY_LOOKUP_CALL = ("lookup", '{"anything":[1]}')  # any object: lookup is not strict
+
+
+def _in_text(parser_name: str, calls: list[tuple[str, str]]) -> str:
+    """Calls where a parser reads them in free output: after text (at the start for llama3_json)."""
+    return written(parser_name, calls) if parser_name == "llama3_json" else \
+        "Let me look. " + written(parser_name, calls)
+
+
+@pytest.mark.parametrize("parser_name", PARSERS)
+def test_auto_with_a_strict_tool_holds_every_call_the_model_opens(compiler, parser_name) -> None:
+    """tool_choice auto with a strict tool: free text, and whole calls where the parser
+    reads them, a strict tool's arguments under its schema, another tool's any object;
+    what it accepts the parser reads back as those calls."""
+    parallel = auto_tool_call_constraint(STRICT_TOOLS, parser_name)
+    single = auto_tool_call_constraint(STRICT_TOOLS, parser_name, parallel=False)
+    for constraint in (parallel, single):
+        for text in ("It is sunny in Oslo.", "", _in_text(parser_name, [WEATHER_CALL]),
+                     _in_text(parser_name, [ANY_LOOKUP_CALL])):
+            assert accepts(compiler, constraint, text), text
+        for text in (_in_text(parser_name, [BAD_WEATHER_CALL]), _in_text(parser_name, [("get_wether", "{}")]),
+                     _in_text(parser_name, [WEATHER_CALL])[:-1] if parser_name != "hermes" else "x <tool_call>{}"):
+            assert not accepts(compiler, constraint, text), text
+    two = _in_text(parser_name, [WEATHER_CALL, LOOKUP_CALL])
+    assert accepts(compiler, parallel, two) and not accepts(compiler, single, two)
+    content, calls = get_tool_parser(parser_name).parse(two)
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 3}), ("lookup", {"id": 42, "exact": False})]
+
+
+def test_auto_constrains_by_the_tools_strict_flags_and_the_level(compiler) -> None:
+    """vLLM's levels: "auto" constrains nothing without a strict tool; "function" every
+    call's envelope (any arguments); "parameter" every tool's arguments too."""
+    assert auto_tool_call_constraint(TOOLS, "hermes") is None
+    function_level = auto_tool_call_constraint(TOOLS, "hermes", strict_level="function")
+    parameter_level = auto_tool_call_constraint(TOOLS, "hermes", strict_level="parameter")
+    bad = _in_text("hermes", [BAD_WEATHER_CALL])
+    assert accepts(compiler, function_level, bad) and not accepts(compiler, parameter_level, bad)
+    unknown = _in_text("hermes", [("get_wether", "{}")])
+    assert not accepts(compiler, function_level, unknown)
+    # llama3_json reads a call at the start, so text may not start as one would.
+    llama = auto_tool_call_constraint(TOOLS, "llama3_json", strict_level="function")
+    assert not accepts(compiler, llama, ' {"name": "lookup"}') and not accepts(compiler, llama, "{x")
+    with pytest.raises(ValueError, match="tool_strict_level must be one of auto, function, parameter"):
+        auto_tool_call_constraint(TOOLS, "hermes", strict_level="always")
+    with pytest.raises(ValueError, match=r"tools\[0\].function.strict must be a bool"):
+        auto_tool_call_constraint([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "hermes")
 
 
 @pytest.mark.parametrize("parser_name", PARSERS)
