@@ -198,6 +198,19 @@ class Tokenizer:
             return self.backend.encode(text, pair, add_special_tokens=True).ids
         return self.encode(text) + self.encode(pair)
 
+    def encode_score_pair(self, query: str, document: str, template: str, **kwargs: Any) -> list[int]:
+        """Token ids of a cross-encoder's pair through a score template (vLLM's): the
+        template renders the messages ``[{"role": "query", ...}, {"role": "document",
+        ...}]`` (no generation prompt; ``kwargs`` are its variables, e.g. ``instruction``),
+        and the text is encoded with the special tokens, as vLLM encodes it. A template
+        that fails to render raises ValueError with the template's reason."""
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt=False, chat_template=template, **kwargs)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the score template failed to render the pair: {error}") from None
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -26,7 +26,7 @@ from kvloom.engine.output import (
 from kvloom.engine.similarity import cosine_scores, pair_up
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams, fan_out
-from kvloom.tokenizer import Tokenizer
+from kvloom.tokenizer import Tokenizer, resolve_chat_template
 
 Prompt = str | list[int]
 # vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int]}.
@@ -235,19 +235,31 @@ class LLM:
 
     def score(self, data_1: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               data_2: Prompt | PromptDict | Sequence[Prompt | PromptDict], /, *, use_tqdm: bool | None = None,
-              lora_request: LoRARequest | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None, truncate_prompt_tokens: int | None = None,
+              chat_template: str | None = None,
+              chat_template_kwargs: dict[str, Any] | None = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: for an embedding model (a bi-encoder) each pair's cosine
         similarity of the two texts' embeddings (``embed``'s); for a cross-encoder (a
         sequence classifier of one label) the sigmoid of its logit for the pair read as
-        one input (``Tokenizer.encode_pair``). The texts pair 1:1, 1:N or N:N
-        (engine/similarity.py); one answer per pair, in ``data_2``'s order."""
+        one input: through a score template where one is given (``chat_template``, a file
+        or inline Jinja, else the engine's ``chat_template``; ``chat_template_kwargs`` its
+        variables, e.g. ``instruction``: ``Tokenizer.encode_score_pair``), else by the
+        tokenizer's pair template (``Tokenizer.encode_pair``). The texts pair 1:1, 1:N or
+        N:N (engine/similarity.py); one answer per pair, in ``data_2``'s order."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = pair_up(len(first), len(second))
         classifier = self.engine.model_config.classifier
         cross_encoder_check(classifier)
+        if chat_template is not None:
+            chat_template = resolve_chat_template(chat_template)
+        elif self.engine.config.chat_template is not None:
+            chat_template = self.tokenizer.chat_template
+        if chat_template_kwargs and (classifier is None or chat_template is None):
+            raise ValueError("chat_template_kwargs are a score template's variables: give a cross-encoder a "
+                             "chat_template to read them")
         if classifier is not None:
-            return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request, truncate_prompt_tokens)
+            return self._cross_encoder_scores(first, second, pairs, use_tqdm, lora_request, truncate_prompt_tokens,
+                                              chat_template, chat_template_kwargs or {})
         embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request,
                               truncate_prompt_tokens=truncate_prompt_tokens)
         queries, documents = embedded[:len(first)], embedded[len(first):]
@@ -259,15 +271,20 @@ class LLM:
 
     def _cross_encoder_scores(self, first: list[Prompt], second: list[Prompt], pairs: list[tuple[int, int]],
                               use_tqdm: bool | None, lora_request: LoRARequest | None,
-                              truncate_prompt_tokens: int | None) -> list[ScoringRequestOutput]:
-        """``score`` for a cross-encoder: each pair one input (its two texts by the
-        tokenizer's pair template; token-id prompts one after the other), classified."""
+                              truncate_prompt_tokens: int | None, template: str | None,
+                              variables: dict[str, Any]) -> list[ScoringRequestOutput]:
+        """``score`` for a cross-encoder: each pair one input (its two texts through the
+        score template, or by the tokenizer's pair template; token-id prompts one after
+        the other), classified."""
         inputs: list[Prompt] = []
         for i, j in pairs:
             query, document = first[i], second[j]
-            inputs.append(self.tokenizer.encode_pair(query, document)
-                          if isinstance(query, str) and isinstance(document, str)
-                          else self._ids(query) + self._ids(document))
+            if not (isinstance(query, str) and isinstance(document, str)):
+                inputs.append(self._ids(query) + self._ids(document))
+            elif template is not None:
+                inputs.append(self.tokenizer.encode_score_pair(query, document, template, **variables))
+            else:
+                inputs.append(self.tokenizer.encode_pair(query, document))
         classified = self.classify(inputs, use_tqdm=use_tqdm, lora_request=lora_request,
                                    truncate_prompt_tokens=truncate_prompt_tokens)
         return [ScoringRequestOutput(output.request_id, output.prompt_token_ids, ScoringOutput(output.outputs.probs[0]))

@@ -422,11 +422,14 @@ def _set_future(future: asyncio.Future[Any], value: Any, error: BaseException | 
         future.set_result(value)
 
 
-def _pooling_facts(engine: LLMEngine) -> tuple[int, tuple[int, ...] | None, ClassifierConfig | None]:
-    """ModelInfo's (hidden_size, matryoshka_dimensions, classifier) of the loaded model (a
-    stand-in engine in tests may have no model_config: no pooling facts then)."""
+def _pooling_facts(engine: LLMEngine) -> tuple[int, tuple[int, ...] | None, ClassifierConfig | None, str | None]:
+    """ModelInfo's (hidden_size, matryoshka_dimensions, classifier, score_template) of the
+    loaded model (a stand-in engine in tests may have no model_config: no pooling facts
+    then). The score template is the one given explicitly (``--chat-template``), as vLLM
+    applies one: a model's own chat template is often its base model's, no score template."""
     config = getattr(engine, "model_config", None)
     if config is None:
-        return 0, None, None
+        return 0, None, None, None
     sizes = (config.matryoshka_dimensions or ()) if config.is_matryoshka else None
-    return config.hidden_size, sizes, config.classifier
+    explicit = engine.config.chat_template is not None
+    return config.hidden_size, sizes, config.classifier, engine.tokenizer.chat_template if explicit else None

@@ -8,9 +8,11 @@ cross-encoder: each pair is one input (the tokenizer's pair template,
 ``Tokenizer.encode_pair``) and its score the sigmoid of the classifier's logit
 (engine/classification.py).
 
-Text only: vLLM's multimodal content parts, and the fields only a score template reads
-(``instruction``, ``chat_template_kwargs``; no model served here has one), are refused
-by name."""
+A cross-encoder served with ``--chat-template`` scores each pair through it as vLLM's
+score template: the template renders ``[{"role": "query"}, {"role": "document"}]`` with
+``chat_template_kwargs`` (and ``instruction``) as its variables (Qwen3-Reranker's
+prompt, say). Text only: vLLM's multimodal content parts, and a score template's fields
+where there is none, are refused by name."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class _SimilarityRequest(RequestModel):
     # logit. A cosine is the same with or without the normalization: for a bi-encoder it
     # changes nothing (accepted as vLLM accepts it).
     use_activation: bool | None = None
-    # Read only by a score template, which no model served here has: refused (_check_no_template).
+    # A score template's variables (_score_template): instruction is chat_template_kwargs'
+    # "instruction" (an explicit key there wins, as vLLM merges them).
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     padding: str | None = None
@@ -96,13 +99,33 @@ def _as_texts(value: Texts, param: str) -> list[str]:
     return texts
 
 
-def _check_no_template(body: _SimilarityRequest, info: ModelInfo) -> None:
-    how = ("a cross-encoder, each pair as the tokenizer's pair of texts" if info.classifier is not None
-           else "a bi-encoder (the cosine of two embeddings)")
-    for name in ("instruction", "chat_template_kwargs", "padding"):
-        if getattr(body, name) is not None:
-            raise bad_request(f"{name} is read by a model's score template; this model is scored as {how}, "
-                              "with none", name, "unsupported_parameter")
+# Variables a score template does not take from the request: the renderer sets them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message",
+                                          "chat_template", "tools", "documents", "tokenize"})
+
+
+def _score_template(body: _SimilarityRequest, info: ModelInfo) -> tuple[str, dict[str, Any]] | None:
+    """The score template and its variables for each pair, or None where pairs are read
+    without one (a 400 naming a template's field then)."""
+    if body.padding is not None:
+        raise bad_request("padding is not supported: each pair is one input, padded by nothing", "padding",
+                          "unsupported_parameter")
+    if info.score_template is None or info.classifier is None:
+        how = ("a cross-encoder, each pair as the tokenizer's pair of texts (serve it with --chat-template for "
+               "a score template)" if info.classifier is not None else "a bi-encoder (the cosine of two embeddings)")
+        for name in ("instruction", "chat_template_kwargs"):
+            if getattr(body, name) is not None:
+                raise bad_request(f"{name} is read by a score template; this model is scored as {how}, with none",
+                                  name, "unsupported_parameter")
+        return None
+    variables = dict(body.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & variables.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the score template's "
+                          "renderer sets them", "chat_template_kwargs")
+    if body.instruction is not None:
+        variables.setdefault("instruction", body.instruction)
+    return info.score_template, variables
 
 
 def _response_id(prefix: str, body: _SimilarityRequest) -> str:
@@ -115,7 +138,7 @@ async def _scores(body: _SimilarityRequest, response_id: str, first: tuple[str, 
                   request: Request) -> tuple[list[float], int]:
     """Each pair's score, in the second side's order, and the prompt tokens computed.
     ``first`` and ``second``: each side's field name and texts."""
-    _check_no_template(body, info)
+    template = _score_template(body, info)
     try:
         pairs = pair_up(len(first[1]), len(second[1]))
     except ValueError as error:
@@ -127,8 +150,13 @@ async def _scores(body: _SimilarityRequest, response_id: str, first: tuple[str, 
     queries = [_cut(text, body.max_tokens_per_query, "max_tokens_per_query", info) for text in first[1]]
     documents = [_cut(text, body.max_tokens_per_doc, "max_tokens_per_doc", info) for text in second[1]]
     if info.classifier is not None:  # a cross-encoder: one input per pair
-        prompts = [_fitted(info.tokenizer.encode_pair(queries[i], documents[j]), body, info, second[0])
-                   for i, j in pairs]
+        try:
+            encoded = [info.tokenizer.encode_pair(queries[i], documents[j]) if template is None
+                       else info.tokenizer.encode_score_pair(queries[i], documents[j], template[0], **template[1])
+                       for i, j in pairs]
+        except ValueError as error:  # the template's own refusal (raise_exception) or failure
+            raise bad_request(str(error), "chat_template_kwargs" if template and template[1] else None) from None
+        prompts = [_fitted(ids, body, info, second[0]) for ids in encoded]
         params = CLASSIFY
     else:  # a bi-encoder: one input per text
         prompts = ([_fitted(info.tokenizer.encode(text), body, info, first[0]) for text in queries]

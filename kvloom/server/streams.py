@@ -57,6 +57,9 @@ class ModelInfo:
     # A sequence classifier's labels and activation (/classify; /score and /rerank as a
     # cross-encoder when it has one label); None for a causal LM.
     classifier: ClassifierConfig | None = None
+    # vLLM's score template: the template given with --chat-template (the source), with
+    # which a cross-encoder's /score and /rerank render each pair (None: the pair template).
+    score_template: str | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -205,3 +205,50 @@ def test_classifier_tokens_the_vocabulary_lacks_or_tensor_parallel_are_refused_b
         ModelConfig.from_hf({"architectures": ["LlamaForSequenceClassification"], "vocab_size": 64, "hidden_size": 16,
                              "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                              "classifier_from_token": ["a", "b", "c"], "is_original_qwen3_reranker": True})
+
+
+# A score template in the shape of Qwen3-Reranker's (its own words here): the pair as one
+# chat turn, with the task's instruction; the reranker reads p("yes") at its end.
+SCORE_TEMPLATE = (
+    "<|im_start|>system\nSay yes if the document answers the query, else no.<|im_end|>\n<|im_start|>user\n"
+    "{%- for message in messages %}{% if message.role == 'query' %}\nTask: {{ instruction or 'find answers' }}"
+    "\nQuery: {{ message.content }}{% else %}\nDocument: {{ message.content }}{% endif %}{% endfor %}"
+    "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_score_template_renders_each_pair_as_transformers_renders_it(tmp_path: Path) -> None:
+    """vLLM's score template, the original Qwen3-Reranker's way: each pair rendered by the
+    template as the messages [query, document] (with ``instruction``), encoded, and
+    scored by the two-way head: transformers' apply_chat_template of the same messages
+    and its causal LM's softmax over the two tokens give the same ids and scores."""
+    path = write_tiny_hf_model(tmp_path, arch="qwen3", seed=9, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    no, yes = (tokenizer.convert_tokens_to_ids(t) for t in ("Hello", "ques"))
+    query, documents = "where does the fox sleep", ["the fox sleeps in its den", "tea"]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Hello", "ques"],
+                 "is_original_qwen3_reranker": True}
+    reranker = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, hf_overrides=overrides)
+    for variables in ({}, {"instruction": "judge relevance"}):
+        texts = [tokenizer.apply_chat_template([{"role": "query", "content": query},
+                                                {"role": "document", "content": document}],
+                                               chat_template=SCORE_TEMPLATE, tokenize=False, **variables)
+                 for document in documents]
+        pairs = [tokenizer(text)["input_ids"] for text in texts]
+        with torch.no_grad():
+            expected = [reference(torch.tensor([ids])).logits[0, -1][[no, yes]].softmax(-1)[1].item()
+                        for ids in pairs]
+        scored = reranker.score(query, documents, chat_template=SCORE_TEMPLATE, chat_template_kwargs=variables)
+        assert [output.prompt_token_ids for output in scored] == pairs
+        assert [output.outputs.score for output in scored] == pytest.approx(expected, abs=1e-6)
+    # An engine started with the template scores through it unasked (vLLM's --chat-template).
+    served = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, hf_overrides=overrides,
+                 chat_template=SCORE_TEMPLATE)
+    assert [o.prompt_token_ids for o in served.score(query, documents)] == [
+        tokenizer(tokenizer.apply_chat_template([{"role": "query", "content": query},
+                                                 {"role": "document", "content": d}],
+                                                chat_template=SCORE_TEMPLATE, tokenize=False))["input_ids"]
+        for d in documents]
+    with pytest.raises(ValueError, match="chat_template_kwargs are a score template's variables"):
+        reranker.score(query, documents, chat_template_kwargs={"instruction": "x"})

@@ -140,3 +140,44 @@ def test_classify_on_a_causal_lm_is_a_400(http: httpx.Client, live_server: LiveS
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
     assert "sequence-classification model" in reply.json()["error"]["message"]
     live_server.assert_idle_and_clean()
+
+
+def test_a_cross_encoder_served_with_a_score_template_reads_each_pair_through_it(cross_encoder: Path) -> None:
+    """vLLM's score template: a cross-encoder served with --chat-template renders each
+    /score and /rerank pair as the messages [query, document] with chat_template_kwargs
+    (``instruction`` folded in, an explicit key winning), as transformers'
+    apply_chat_template renders them, and scores them as transformers' classifier; a
+    template that refuses the pair, or a reserved variable, is a 400."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if instruction %}({{ instruction }}){% endif %}"
+                "{% if instruction == 'refuse' %}{{ raise_exception('no pairs today') }}{% endif %}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cross_encoder)
+    query, documents = "where does the fox sleep", ["a lazy dog", "the fox sleeps in its den"]
+
+    def expected(**variables: str) -> list[float]:
+        pairs = [tokenizer(tokenizer.apply_chat_template(
+            [{"role": "query", "content": query}, {"role": "document", "content": document}],
+            chat_template=template, tokenize=False, **variables))["input_ids"] for document in documents]
+        return torch.cat(logits_of(cross_encoder, pairs)).sigmoid().tolist()
+
+    live = start_live_server(cross_encoder, ServerSettings(served_model_name=SERVED_NAME), chat_template=template)
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            plain = http.post("/score", json={"text_1": query, "text_2": documents}).json()
+            assert [item["score"] for item in plain["data"]] == pytest.approx(expected(), abs=1e-6)
+            ranked = http.post("/rerank", json={"query": query, "documents": documents, "instruction": "judge",
+                                                "chat_template_kwargs": {"instruction": "rank"}}).json()
+            scores = expected(instruction="rank")
+            by_index = {item["index"]: item["relevance_score"] for item in ranked["results"]}
+            assert [by_index[index] for index in range(len(documents))] == pytest.approx(scores, abs=1e-6)
+            for body, param, message in (
+                    ({"instruction": "refuse"}, "chat_template_kwargs", "no pairs today"),
+                    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set messages"),
+                    ({"padding": "max_length"}, "padding", "not supported")):
+                reply = http.post("/score", json={"text_1": query, "text_2": documents, **body})
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["param"] == param and message in error["message"], error
+            live.assert_idle_and_clean()
+    finally:
+        live.stop()
