@@ -66,24 +66,34 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
 @dataclass(frozen=True, slots=True)
 class ThinkingBudget:
     """At most ``tokens`` tokens of reasoning (vLLM's ``thinking_token_budget``): an output
-    that opens inside its reasoning (the chat template opened it) and has generated
-    ``tokens`` tokens without its end marker, ``end_token_id``, takes that marker as its
-    next token, whatever the model or the sampling would choose there, and goes on with
-    its answer. Every output token before the marker counts; 0 closes the reasoning
-    at once. The server builds it from ``--reasoning-parser``'s end marker."""
+    whose reasoning has run ``tokens`` tokens without its end marker, ``end_token_id``,
+    takes that marker as its next token, whatever the model or the sampling would choose
+    there, and goes on with its answer; 0 closes the reasoning at once. Where the chat
+    template opened the reasoning, every output token before the marker counts. Where
+    the model opens it itself (``start_token_id``, Mistral's ``[THINK]``), only an output
+    that begins with that marker reasons, and the tokens after it count. The server
+    builds it from ``--reasoning-parser``'s markers."""
 
     tokens: int
     end_token_id: int
+    start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("thinking_budget.tokens", self.tokens, minimum=0)
         _check_int("thinking_budget.end_token_id", self.end_token_id, minimum=0)
+        if self.start_token_id is not None:
+            _check_int("thinking_budget.start_token_id", self.start_token_id, minimum=0)
 
     def forced(self, output_token_ids: list[int]) -> int | None:
-        """The token the next position must take: the end marker where the output has
+        """The token the next position must take: the end marker where the reasoning has
         reached the budget without it; else None. (Past the budget the marker is always
-        there: it was forced at position ``tokens`` if it had not come before.)"""
-        if len(output_token_ids) == self.tokens and self.end_token_id not in output_token_ids:
+        there: it was forced where the budget ran out if it had not come before.)"""
+        opened = 0
+        if self.start_token_id is not None:
+            if not output_token_ids or output_token_ids[0] != self.start_token_id:
+                return None  # no reasoning (yet): nothing to cap
+            opened = 1
+        if len(output_token_ids) == opened + self.tokens and self.end_token_id not in output_token_ids:
             return self.end_token_id
         return None
 

@@ -124,6 +124,8 @@ class Scheduler:
             limits.check_token_ids(word, "bad_words_token_ids")
         budget = request.sampling_params.thinking_budget
         limits.check_token_ids([budget.end_token_id] if budget is not None else (), "thinking_budget.end_token_id")
+        if budget is not None and budget.start_token_id is not None:
+            limits.check_token_ids([budget.start_token_id], "thinking_budget.start_token_id")
         limits.check_fits_pool(request.num_prompt_tokens, request.max_tokens)
         request.arrival_index = self._arrivals
         request.timeline.arrival_step = self.step_count

@@ -178,8 +178,8 @@ def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: Mo
     """None without a reasoning parser (then a ``thinking_token_budget`` is a 400: nothing
     marks where a reasoning ends). A Qwen3 output whose template was told
     ``enable_thinking: false`` does not think: all of it is content. A budget needs a
-    format whose template opens the reasoning and whose end marker is one token: one that
-    the model may or may not open itself would be capped where it never thought."""
+    format whose markers are tokens: phrases (Granite's) cannot be forced or counted by
+    the token."""
     if settings.reasoning_parser is None:
         if body.thinking_token_budget is not None:
             raise bad_request("thinking_token_budget needs a reasoning model's end marker: start the server with "
@@ -188,8 +188,8 @@ def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: Mo
     reasoning = get_reasoning_parser(settings.reasoning_parser)
     if body.thinking_token_budget is not None and not can_cap(reasoning):
         raise bad_request(f"thinking_token_budget is not supported with --reasoning-parser {reasoning.name}: its "
-                          "model opens its reasoning itself (or not), so a budget cannot tell where a reasoning "
-                          "runs", "thinking_token_budget")
+                          "reasoning is marked by phrases, not tokens, so a budget cannot count it or end it",
+                          "thinking_token_budget")
     tokenizer = info.tokenizer
     return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
                      tokenizer.token_to_id(reasoning.end), body.thinking_token_budget,
@@ -198,27 +198,32 @@ def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: Mo
 
 
 def can_cap(reasoning: ReasoningFormat) -> bool:
-    """Whether a thinking budget can end this format's reasoning: the template opens it
-    and its end marker is a token (the Messages API ignores a budget where not)."""
-    return reasoning.opened_by_template and reasoning.markers != "text"
+    """Whether a thinking budget can end this format's reasoning: its markers are tokens
+    (the end marker to force; where the model opens its reasoning itself, the start
+    marker that says it did). The Messages API ignores a budget where not."""
+    return reasoning.markers != "text"
 
 
 def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> SamplingParams:
     """An output that thinks is constrained (response_format, a forced tool call) from
     after its reasoning's end marker, as vLLM's: the reasoning is free, the answer is the
     grammar's (``StructuredOutput.after_token_id``); and its reasoning is capped at the
-    request's ``thinking_token_budget`` (``ThinkingBudget``). Where the model opens its
+    request's ``thinking_token_budget`` (``ThinkingBudget``; where the model opens its
+    reasoning itself, counted after its start marker). Where the model opens its
     reasoning itself (Mistral's, Granite's), whether it will is not known, so a
     constraint holds from the first token (the output answers without reasoning); special
     markers are decoded into the text (skip_special_tokens false) for the split."""
     if reasoning is not None and reasoning.format.markers == "special":
         params = dataclasses.replace(params, skip_special_tokens=False)
-    if (reasoning is None or not reasoning.thinking or reasoning.end_token_id is None
-            or not reasoning.format.opened_by_template):
+    if reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
         return params
+    opened_by_template = reasoning.format.opened_by_template
     if reasoning.budget is not None:
-        params = dataclasses.replace(params, thinking_budget=ThinkingBudget(reasoning.budget, reasoning.end_token_id))
-    if params.structured is None:
+        start = None if opened_by_template else reasoning.start_token_id
+        assert opened_by_template or start is not None  # can_cap: the markers are tokens
+        params = dataclasses.replace(params, thinking_budget=ThinkingBudget(reasoning.budget, reasoning.end_token_id,
+                                                                            start))
+    if params.structured is None or not opened_by_template:
         return params
     return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
                                                                       after_token_id=reasoning.end_token_id))
