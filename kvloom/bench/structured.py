@@ -1,5 +1,8 @@
 """Structured-output throughput: a JSON-schema workload against the same prompts
-unconstrained, with jump-forward on and off, offline through ``LLMEngine``.
+unconstrained, with jump-forward on and off, offline through ``LLMEngine``; and free
+text under a structural tag (``tagged``: a strict tool under tool_choice auto, the
+review as a call the model may open), whose greedy outputs are the free ones wherever
+the model opens no call: what its mask costs a step.
 
 ``kvloom bench structured [MODEL] [engine flags] --num-prompts N --max-tokens N``
 runs it (kvloom/bench/cli.py); from Python: ``run_structured_bench(engine, ...)`` and
@@ -35,7 +38,18 @@ _PRODUCTS = ["a coffee grinder", "running shoes", "a mechanical keyboard", "a te
              "noise-cancelling headphones", "a desk lamp", "a backpack", "an e-reader", "a kettle",
              "a yoga mat", "a drone", "a rice cooker", "a office chair", "a smartwatch", "a toaster"]
 
-MODES = ("free", "json", "json+jump-forward")
+MODES = ("free", "json", "json+jump-forward", "tagged")
+
+
+def tagged_constraint(schema: dict[str, Any]) -> StructuredOutput:
+    """Free text in which ``<tool_call>`` opens a call whose arguments follow ``schema``
+    (hermes's format, as ``auto_tool_call_constraint`` writes a strict tool's)."""
+    from kvloom.structured.tool_grammar import auto_tool_call_constraint
+
+    tool = {"type": "function", "function": {"name": "review", "parameters": schema, "strict": True}}
+    constraint = auto_tool_call_constraint([tool], "hermes")
+    assert constraint is not None
+    return constraint
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,9 @@ class StructuredBenchResult:
     output_tokens: int
     elapsed_s: float
     steps: int
-    num_valid: int | None  # outputs that parse and have every required key; None for "free"
+    # json modes: outputs that parse and have every required key; tagged: outputs equal to
+    # the free mode's (greedy: where the model opened no call); None for "free".
+    num_valid: int | None
 
     @property
     def output_throughput(self) -> float:
@@ -88,9 +104,11 @@ def run_structured_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: i
     prompts = review_prompts(engine, num_prompts)
     run_batch(engine, prompts, SamplingParams(max_tokens=1))
     run_batch(engine, prompts[:1], SamplingParams(max_tokens=4, structured=StructuredOutput(json_schema=schema)))
-    results = []
+    run_batch(engine, prompts[:1], SamplingParams(max_tokens=4, structured=tagged_constraint(schema)))
+    results: list[StructuredBenchResult] = []
+    free_texts: list[str] = []
     for mode in MODES:
-        structured = None if mode == "free" else StructuredOutput(
+        structured = None if mode == "free" else tagged_constraint(schema) if mode == "tagged" else StructuredOutput(
             json_schema=schema, jump_forward=mode == "json+jump-forward")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                 structured=structured)
@@ -98,7 +116,12 @@ def run_structured_bench(engine: LLMEngine, num_prompts: int = 16, max_tokens: i
         start = time.perf_counter()
         texts, output_tokens = run_batch(engine, prompts, params)
         elapsed = time.perf_counter() - start
-        valid = None if structured is None else sum(_is_valid(text, schema) for text in texts)
+        if mode == "free":
+            free_texts, valid = sorted(texts), None
+        elif mode == "tagged":
+            valid = sum(a == b for a, b in zip(sorted(texts), free_texts, strict=True))
+        else:
+            valid = sum(_is_valid(text, schema) for text in texts)
         results.append(StructuredBenchResult(mode, len(prompts), output_tokens, elapsed,
                                              engine.scheduler.step_count - steps_before, valid))
     return results
@@ -127,7 +150,7 @@ def _is_valid(text: str, schema: dict[str, Any]) -> bool:
 
 def format_table(results: list[StructuredBenchResult]) -> str:
     header = (f"{'mode':<20}{'reqs':>6}{'out tok':>9}{'steps':>7}{'tok/step':>10}{'time s':>9}"
-              f"{'out tok/s':>11}{'req/s':>8}{'valid':>8}")
+              f"{'out tok/s':>11}{'req/s':>8}{'valid':>8}")  # tagged: "valid" counts outputs equal to free
     lines = [header, "-" * len(header)]
     for r in results:
         valid = "-" if r.num_valid is None else f"{r.num_valid}/{r.num_requests}"

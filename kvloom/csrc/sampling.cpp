@@ -179,6 +179,33 @@ void kvloom_argmax_rows(const void* logits, int dtype, int64_t rows, int64_t voc
 }
 
 
+// Structured output's mask, in place: row rows[c] of logits ([batch, vocab] float32 or
+// bf16, contiguous) gets -inf at every token whose bit in bitmask[c] ([count, width]
+// int32, bit b of word w for token 32 * w + b) is clear. A word of all ones (a free-text
+// grammar allows nearly every token) is skipped whole, so the pass costs a read of the
+// bitmask and a write of each forbidden token alone. Bits past vocab are ignored.
+void kvloom_apply_token_bitmask(void* logits, int dtype, int64_t vocab, const int64_t* rows,
+                                const int32_t* bitmask, int64_t count, int64_t width, int num_threads) {
+  const uint16_t bf16_minus_inf = 0xFF80;
+#pragma omp parallel for schedule(static) num_threads(count > 1 ? num_threads : 1)
+  for (int64_t c = 0; c < count; ++c) {
+    const int32_t* words = bitmask + c * width;
+    float* f32 = static_cast<float*>(logits) + rows[c] * vocab;
+    uint16_t* bf16 = static_cast<uint16_t*>(logits) + rows[c] * vocab;
+    for (int64_t w = 0; w < width; ++w) {
+      const uint32_t allowed = static_cast<uint32_t>(words[w]);
+      if (allowed == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, vocab - 32 * w);
+      for (int64_t b = 0; b < end; ++b) {
+        if (allowed >> b & 1u) continue;
+        if (dtype == 0) f32[32 * w + b] = -INFINITY;
+        else bf16[32 * w + b] = bf16_minus_inf;
+      }
+    }
+  }
+}
+
+
 // logits: [rows, vocab] float32, contiguous; inv_temp, uniforms: [rows]; out: [rows].
 void kvloom_sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* inv_temp,
                         const float* uniforms, int64_t* out, int num_threads) {

@@ -1,4 +1,6 @@
-"""The one-pass random draw (kvloom/csrc/sampling.cpp) as ``kvloom::sample_rows``.
+"""The sampler's kernels (kvloom/csrc/sampling.cpp): the one-pass random draw
+``kvloom::sample_rows``, the greedy ``argmax_rows`` and structured output's
+``apply_token_bitmask_``.
 
 Row r draws the first token whose running sum of exp((logits - max) * inv_temperature[r])
 exceeds uniforms[r] times the total: the inverse-CDF rule of runner/sampler.py's
@@ -93,3 +95,47 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     read once as they are: no float32 copy, and several times faster than torch's
     argmax on these CPUs. Returns [rows] int64; ties and NaN as torch.argmax."""
     return ARGMAX_ROWS.call(logits)
+
+
+# ---- structured output: forbid what each constrained row's grammar does not allow -------
+APPLY_TOKEN_BITMASK = NativeOp(
+    "apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
+    library="sampling",
+    native="kvloom_apply_token_bitmask(logits, int32 dtype, int vocab, rows, bitmask, int count, int width, "
+           "int32 num_threads) -> ()",
+    tensors={"logits": TensorSpec(2, (torch.float32, torch.bfloat16)), "rows": TensorSpec(1, (torch.int64,)),
+             "bitmask": TensorSpec(2, (torch.int32,))},
+)
+
+
+@APPLY_TOKEN_BITMASK.check
+def _apply_token_bitmask_check(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    if bitmask.shape[0] != rows.shape[0]:
+        raise APPLY_TOKEN_BITMASK.error("rows", f"must name one row of logits per bitmask row ({bitmask.shape[0]}), "
+                                                f"got {rows.shape[0]}")
+    if bitmask.shape[1] * 32 < logits.shape[1]:
+        raise APPLY_TOKEN_BITMASK.error("bitmask", f"must hold a bit per token ({logits.shape[1]}), got "
+                                                   f"{bitmask.shape[1]} words")
+
+
+@APPLY_TOKEN_BITMASK.implementation
+def _apply_token_bitmask_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    # The rows' values are data, which a fake tensor does not have: checked here, where they are.
+    if rows.shape[0] and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
+        raise APPLY_TOKEN_BITMASK.error("rows", f"must lie in [0, {logits.shape[0]}), got {rows.tolist()}")
+    APPLY_TOKEN_BITMASK.function()(logits.data_ptr(), 0 if logits.dtype == torch.float32 else 1, logits.shape[1],
+                                   rows.data_ptr(), bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1],
+                                   torch.get_num_threads())
+
+
+@APPLY_TOKEN_BITMASK.fake
+def _apply_token_bitmask_fake(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    return None
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf at every token of row ``rows[c]`` of ``logits`` ([batch, vocab]
+    float32 or bf16) whose bit in ``bitmask[c]`` ([count, ceil(vocab / 32)] int32; bit b
+    of word w for token 32 * w + b) is clear. The reference is runner/sampler.py's
+    PyTorch ``apply_token_bitmask`` (tests/kernels/test_sampling_kernels.py)."""
+    APPLY_TOKEN_BITMASK.call(logits, rows, bitmask)

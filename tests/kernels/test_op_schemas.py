@@ -71,6 +71,10 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
+    "apply_token_bitmask_": [lambda: (randn(4, 50), torch.tensor([3, 0]), torch.tensor([[-1, 5], [7, -2]],
+                                                                                       dtype=torch.int32)),
+                             lambda: (randn(2, 64, dtype=torch.bfloat16), torch.tensor([1]),
+                                      torch.tensor([[1, -1]], dtype=torch.int32))],
 }
 
 # (op, argument, a change to valid arguments that breaks a relation between them, message)
@@ -96,6 +100,8 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
     ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
     ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
+    ("apply_token_bitmask_", "rows", lambda a: a.__setitem__(1, a[1][:1]), "one row of logits per bitmask row"),
+    ("apply_token_bitmask_", "bitmask", lambda a: a.__setitem__(2, a[2][:, :1].contiguous()), "a bit per token"),
 ]
 
 needs_native = pytest.mark.skipif(not all(op.available() for op in OPS.values()), reason="a C++ source did not build")

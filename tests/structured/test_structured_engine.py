@@ -186,4 +186,6 @@ def test_bench_function_reports_every_mode(tiny_llama) -> None:
     assert [r.mode for r in results] == list(MODES)
     assert all(r.output_tokens > 0 and r.steps > 0 for r in results)
     assert results[0].num_valid is None and results[1].num_valid is not None
-    assert "json+jump-forward" in format_table(results)
+    assert "json+jump-forward" in format_table(results) and "tagged" in format_table(results)
+    tagged = results[MODES.index("tagged")]
+    assert tagged.num_valid is not None and 0 <= tagged.num_valid <= tagged.num_requests
