@@ -129,7 +129,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     placement.add_argument("--prompt-len", type=positive_int, default=128)
     placement.add_argument("--max-tokens", type=positive_int, default=128)
 
-    structured = _command(bench_sub, "structured", "JSON-schema workload vs unconstrained, jump-forward on/off, free text under a structural tag",
+    structured = _command(bench_sub, "structured", "JSON-schema workload vs unconstrained, jump-forward on/off, "
+                          "free text under a structural tag",
                           _structured)
     structured.add_argument("--num-prompts", type=positive_int, default=16)
     structured.add_argument("--max-tokens", type=positive_int, default=128, help="per request")
