@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.request import Request, RequestError
+from kvloom.sampling_params import TOKEN_POOLING_TASKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,8 @@ class ForwardBatch:
             seq_lens.append(end)
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
-            every_row = every_row or request.sampling_params.prompt_logprobs is not None
+            every_row = every_row or request.sampling_params.prompt_logprobs is not None \
+                or request.sampling_params.pooling in TOKEN_POOLING_TASKS
             tables.append(block_ids[: -(-end // block_size)])
             if request.state_slot is not None:
                 state_slots.append(request.state_slot)
@@ -263,6 +265,16 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class TokenPooled:
+    """The vectors of prompt positions ``[first, first + len(vectors))`` that one step's
+    chunk computed for a token-pooling request (SamplingParams.pooling "token_embed" or
+    "token_classify"): vector i is position ``first + i``'s."""
+
+    first: int
+    vectors: list[list[float]]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     """What one forward pass produced, aligned with ``SchedulerOutput.scheduled``."""
 
@@ -285,6 +297,8 @@ class RunnerOutput:
     # what they read at their prompt's last token (the normalized final hidden state, or
     # a classifier's class logits).
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # By request id, for token-pooling requests whose chunk this was.
+    token_pooled: dict[str, TokenPooled] = field(default_factory=dict)
 
     def num_accepted(self, index: int) -> int:
         return len(self.accepted[index]) if self.accepted else 0

@@ -299,6 +299,7 @@ class SSMConfig:
 
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
+TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,12 @@ class ClassifierConfig:
     head's rows of those tokens, so class i's logit is token i's. With two tokens and
     ``two_way`` (vLLM's ``from_2_way_softmax``, which ``is_original_qwen3_reranker``
     implies), the head is one row, the second token's minus the first's: a pair's
-    sigmoid is then the softmax of the two tokens' logits, p("yes") of ["no", "yes"]."""
+    sigmoid is then the softmax of the two tokens' logits, p("yes") of ["no", "yes"].
+
+    A token classifier (``LlamaForTokenClassification`` and the like, ``per_token``) has
+    the same decoder and a ``score`` head with a bias (unless config.json's
+    ``token_classification_bias`` is false), read at every token (vLLM's
+    ``token_classify``)."""
 
     num_labels: int
     labels: tuple[str, ...]  # config.json's id2label, by class index
@@ -326,6 +332,8 @@ class ClassifierConfig:
     # The source tokens' ids, which the tokenizer gives (``with_token_ids``) before the
     # weights are read; empty until then.
     source_token_ids: tuple[int, ...] = ()
+    per_token: bool = False  # a token classifier: each token classified
+    bias: bool = False  # the score head's bias (a token classifier's, by default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_labels, int) or self.num_labels <= 0:
@@ -355,20 +363,28 @@ class ClassifierConfig:
             ids.append(token_id)
         return replace(self, source_token_ids=tuple(ids))
 
+    @property
+    def kind(self) -> str:
+        """How the model names itself in messages."""
+        return "token classifier" if self.per_token else "sequence classifier"
+
     @staticmethod
     def causal_architecture(architecture: str) -> str:
-        """``XForSequenceClassification`` -> ``XForCausalLM``: the decoder it is built on."""
-        return architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+        """``XForSequenceClassification`` / ``XForTokenClassification`` -> ``XForCausalLM``:
+        the decoder it is built on."""
+        return architecture.removesuffix(CLASSIFIER_SUFFIX).removesuffix(TOKEN_CLASSIFIER_SUFFIX) + "ForCausalLM"
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ClassifierConfig | None:
-        """None unless config.json's architecture is a ``*ForSequenceClassification``.
-        transformers writes ``id2label`` for every classifier (``LABEL_i`` by default)
-        and derives ``num_labels`` from it; either may be missing in a hand-written one."""
+        """None unless config.json's architecture is a ``*ForSequenceClassification`` or a
+        ``*ForTokenClassification``. transformers writes ``id2label`` for every classifier
+        (``LABEL_i`` by default) and derives ``num_labels`` from it; either may be missing
+        in a hand-written one."""
         architecture = (hf.get("architectures") or [""])[0]
-        if not architecture.endswith(CLASSIFIER_SUFFIX):
+        per_token = architecture.endswith(TOKEN_CLASSIFIER_SUFFIX)
+        if not architecture.endswith(CLASSIFIER_SUFFIX) and not per_token:
             return None
-        tokens = hf.get("classifier_from_token")
+        tokens = None if per_token else hf.get("classifier_from_token")
         if tokens is not None:
             if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
                 raise ValueError(f"model config: classifier_from_token must be a list of token strings, got {tokens!r}")
@@ -383,4 +399,5 @@ class ClassifierConfig:
             raise ValueError(f"model config: id2label must map class indices to names, got {id2label!r}") from None
         labels = tuple(by_index.get(index, f"LABEL_{index}") for index in range(num_labels))
         return cls(num_labels=num_labels, labels=labels,
-                   multi_label=hf.get("problem_type") == "multi_label_classification")
+                   multi_label=hf.get("problem_type") == "multi_label_classification", per_token=per_token,
+                   bias=per_token and bool(hf.get("token_classification_bias", True)))

@@ -28,8 +28,10 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
 # bad_words: at most this many words, of stop strings' length (each checked every step).
 MAX_BAD_WORDS = 64
-# SamplingParams.pooling: what a pooling request reads at its prompt's last token.
-POOLING_TASKS = ("embed", "classify")
+# SamplingParams.pooling: what a pooling request reads (vLLM's pooling tasks): at its
+# prompt's last token, or at every token of its prompt (the TOKEN_POOLING_TASKS).
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+TOKEN_POOLING_TASKS = ("token_embed", "token_classify")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -169,7 +171,9 @@ class SamplingParams:
     # last-token pooling for decoder models) into RequestOutput.pooled: "embed" (LLM.embed,
     # /v1/embeddings) that state L2-normalized; "classify" (LLM.classify, /classify, a
     # sequence-classification model only) the score head's class logits. It samples one
-    # token at that position, which is dropped from the answer.
+    # token at that position, which is dropped from the answer. "token_embed" and
+    # "token_classify" (LLM.encode, /pooling) read every prompt token's state the same
+    # way, one vector per token (the whole prompt computed: no prefix-cache hit).
     pooling: str | None = None
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
 

@@ -111,6 +111,9 @@ _ARCH_CONFIGS = {
     "llama_classifier": ("LlamaConfig", "LlamaForSequenceClassification"),
     "qwen2_classifier": ("Qwen2Config", "Qwen2ForSequenceClassification"),
     "qwen3_classifier": ("Qwen3Config", "Qwen3ForSequenceClassification"),
+    # Token classifiers: a score head (with a bias) read at every token.
+    "llama_token_classifier": ("LlamaConfig", "LlamaForTokenClassification"),
+    "qwen3_token_classifier": ("Qwen3Config", "Qwen3ForTokenClassification"),
 }
 
 

@@ -44,7 +44,7 @@ from kvloom.runner import cuda_graphs
 from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.model_runner import LaunchedStep, ModelRunner
 from kvloom.runner.tensor_parallel import TensorParallelModel, load_first_rank, max_model_len_for
-from kvloom.sampling_params import SamplingParams, tokenize_bad_words
+from kvloom.sampling_params import TOKEN_POOLING_TASKS, SamplingParams, tokenize_bad_words
 from kvloom.speculative.proposer import Proposer, TargetModel, make_proposer
 
 logger = logging.getLogger(__name__)
@@ -297,25 +297,34 @@ class LLMEngine:
         return request
 
     def _check_pooling(self, params: SamplingParams) -> None:
-        """A sequence classifier has no vocabulary head: it serves pooling requests alone,
-        one position each (the token sampled there, over its classes, is dropped), with
-        nothing that reads a vocabulary; "classify" needs such a model."""
+        """A classifier has no vocabulary head: it serves pooling requests alone, one
+        position each past the prompt (the token sampled there, over its classes, is
+        dropped), with nothing that reads a vocabulary; the classify tasks need such a
+        model, and a token classifier classifies each token (token_classify), not the
+        whole input. A token task reads the prompt alone: one position past it."""
         classifier = self.model_config.classifier
+        if params.pooling in TOKEN_POOLING_TASKS and params.max_tokens not in (None, 1):
+            raise ValueError(f"max_tokens must be 1 for pooling {params.pooling!r} (it reads the prompt), got "
+                             f"{params.max_tokens}")
         if classifier is None:
-            if params.pooling == "classify":
-                raise ValueError("pooling 'classify' needs a sequence-classification model (a "
-                                 "*ForSequenceClassification checkpoint); this model is a causal LM")
+            if params.pooling in ("classify", "token_classify"):
+                raise ValueError(f"pooling {params.pooling!r} needs a classification model (a "
+                                 "*ForSequenceClassification or *ForTokenClassification checkpoint); this model is "
+                                 "a causal LM")
             return
         if params.pooling is None:
-            raise ValueError(f"this model is a sequence classifier ({classifier.num_labels} classes, no vocabulary "
-                             "head): it classifies, scores and embeds, it does not generate text")
+            raise ValueError(f"this model is a {classifier.kind} ({classifier.num_labels} classes, no vocabulary "
+                             "head): it classifies and embeds, it does not generate text")
+        if params.pooling == "classify" and classifier.per_token:
+            raise ValueError("this model is a token classifier: it classifies each token (pooling 'token_classify'), "
+                             "not the whole input")
         if params.max_tokens not in (None, 1):
-            raise ValueError(f"max_tokens must be 1 for a sequence classifier's request (it reads the prompt's last "
-                             f"position), got {params.max_tokens}")
+            raise ValueError(f"max_tokens must be 1 for a {classifier.kind}'s request (it reads the prompt), got "
+                             f"{params.max_tokens}")
         for name in ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
                      "structured", "thinking_budget"):
             if getattr(params, name) not in (None, []):
-                raise ValueError(f"{name} is not supported by a sequence classifier: it has no vocabulary head")
+                raise ValueError(f"{name} is not supported by a {classifier.kind}: it has no vocabulary head")
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: drop every prefix-cache block no request holds (e.g. between benchmark
@@ -434,6 +443,10 @@ class LLMEngine:
             for item in scheduled.scheduled:
                 if (vector := result.pooled.get(item.request.request_id)) is not None:
                     self.output_processor.add_pooled(item.request, vector)
+        if result.token_pooled:  # token-pooling requests' chunks
+            for item in scheduled.scheduled:
+                if (vectors := result.token_pooled.get(item.request.request_id)) is not None:
+                    self.output_processor.add_token_pooled(item.request, vectors)
         updates = self.scheduler.commit(scheduled, result)
         self._step_updates.extend(updates)
         outputs = (self._output(update.request, result.new_logprobs(update.index)[:update.num_new_tokens])

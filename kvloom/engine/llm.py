@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from tqdm import tqdm
 
 from kvloom.config import DEFAULT_MODEL, EngineConfig
@@ -19,6 +20,8 @@ from kvloom.engine.output import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -199,7 +202,7 @@ class LLM:
         ``generate``'s; batched, cached and exact as generation is.
         ``truncate_prompt_tokens``: each prompt's last k tokens only (-1: the context's)."""
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
-                                       EmbeddingOutput(output.pooled or []), output.finished,
+                                       EmbeddingOutput(cast(list[float], output.pooled or [])), output.finished,
                                        output.num_cached_tokens)
                 for output in self._pooled(prompts, "embed", use_tqdm, lora_request, truncate_prompt_tokens)]
 
@@ -214,9 +217,36 @@ class LLM:
             raise ValueError("classify needs a sequence-classification model (a *ForSequenceClassification "
                              "checkpoint); this model is a causal LM")
         return [ClassificationRequestOutput(output.request_id, output.prompt_token_ids,
-                                            ClassificationOutput(class_probabilities(output.pooled or [], classifier)),
+                                            ClassificationOutput(class_probabilities(
+                                                cast(list[float], output.pooled or []), classifier)),
                                             output.finished, output.num_cached_tokens)
                 for output in self._pooled(prompts, "classify", use_tqdm, lora_request, truncate_prompt_tokens)]
+
+    def encode(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], pooling_task: str | None = None,
+               use_tqdm: bool | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               truncate_prompt_tokens: int | None = None, use_activation: bool = True) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: each prompt's pooled output for ``pooling_task``, as a
+        float32 tensor in ``outputs.data``: "token_embed" every prompt token's final hidden
+        state, L2-normalized ([tokens, hidden]); "token_classify" a classifier's class
+        probabilities at every token ([tokens, classes]; ``use_activation`` False: its
+        logits); "embed" and "classify" as ``embed`` and ``classify`` ([width]). The
+        default is the model's: "token_classify" for a token classifier, else
+        "token_embed". A token task computes its whole prompt (no prefix-cache hit)."""
+        classifier = self.engine.model_config.classifier
+        if pooling_task is None:
+            pooling_task = "token_classify" if classifier is not None and classifier.per_token else "token_embed"
+        outputs = self._pooled(prompts, pooling_task, use_tqdm, lora_request, truncate_prompt_tokens)
+        answers = []
+        for output in outputs:
+            data = torch.tensor(output.pooled or [], dtype=torch.float32)
+            if pooling_task in ("classify", "token_classify") and use_activation:
+                assert classifier is not None  # the engine refused the task otherwise
+                rows = data if pooling_task == "token_classify" else data.unsqueeze(0)
+                data = torch.tensor([class_probabilities(row.tolist(), classifier) for row in rows])
+                data = data if pooling_task == "token_classify" else data[0]
+            answers.append(PoolingRequestOutput(output.request_id, output.prompt_token_ids, PoolingOutput(data),
+                                                output.finished, output.num_cached_tokens))
+        return answers
 
     def _pooled(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], task: str,
                 use_tqdm: bool | None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -52,8 +52,9 @@ class RequestOutput:
     # staged (kvloom/kv_spec.py StagedKV.as_dict()), for a decode instance to pull.
     kv_transfer_params: dict[str, Any] | None = None
     # A pooling request's (SamplingParams.pooling) vector, on its final output: its
-    # embedding ("embed") or its class logits ("classify").
-    pooled: list[float] | None = None
+    # embedding ("embed") or its class logits ("classify"); a token task's, one such
+    # vector per prompt token ("token_embed", "token_classify").
+    pooled: list[float] | list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,26 @@ class ClassificationRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingOutput:
+    """``LLM.encode``'s vector(s), as vLLM's ``PoolingOutput``: ``data`` is float32,
+    [width] for an input's task ("embed", "classify"), [prompt tokens, width] for a
+    token task ("token_embed", "token_classify")."""
+
+    data: Any  # torch.Tensor (this module imports no torch)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingRequestOutput:
+    """``LLM.encode``'s answer per prompt, as vLLM's: ``outputs.data``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True
     num_cached_tokens: int = 0
 

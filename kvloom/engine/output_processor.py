@@ -17,9 +17,9 @@ either completes the stop string (and is dropped) or is ruled out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvloom.batch import LogprobsEntry, PromptLogprobs
+from kvloom.batch import LogprobsEntry, PromptLogprobs, TokenPooled
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvloom.request import Request, RequestStatus
 from kvloom.sampling_params import RequestOutputKind
@@ -37,7 +37,10 @@ class _StreamState:
     # prefix-cache hit served them)
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
-    pooled: list[float] | None = None  # a pooling request's vector, once computed
+    # A pooling request's vector once computed (a token-pooling request's: one per
+    # prompt token, gathered chunk by chunk in token_vectors until complete).
+    pooled: list[float] | list[list[float]] | None = None
+    token_vectors: list[list[float]] = field(default_factory=list)
 
 
 def _stopped_by_token(request: Request) -> bool:
@@ -75,6 +78,20 @@ class OutputProcessor:
         state = self._streams.get(request)
         if state is not None:
             state.pooled = vector
+
+    def add_token_pooled(self, request: Request, chunk: TokenPooled) -> None:
+        """Keep a step's vectors of a token-pooling request; positions already kept (a
+        prompt recomputed after preemption) are skipped. Complete at the prompt's end."""
+        state = self._streams.get(request)
+        if state is None:
+            return
+        have = len(state.token_vectors)
+        if chunk.first > have:
+            raise AssertionError(f"token vectors of {request.request_id} from position {chunk.first}, "
+                                 f"but only {have} are known")
+        state.token_vectors.extend(chunk.vectors[have - chunk.first:])
+        if len(state.token_vectors) == request.num_prompt_tokens:
+            state.pooled = state.token_vectors
 
     def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a prompt recomputed

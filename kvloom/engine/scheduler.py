@@ -48,6 +48,7 @@ from kvloom.kv_spec import KVExport
 from kvloom.kv_transfer.connector import KVTransfer
 from kvloom.kv_transfer.staging import StagingError
 from kvloom.request import Request, RequestError, RequestStatus
+from kvloom.sampling_params import TOKEN_POOLING_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -438,8 +439,11 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         """The request's prefix-cache hit; none for a request that wants its prompt's
-        logprobs (every prompt position must be computed)."""
+        logprobs or a vector per prompt token (every prompt position must be computed)."""
         params = request.sampling_params
+        if params.pooling in TOKEN_POOLING_TASKS:
+            return PrefixMatch(miss_reason=f"pooling {params.pooling} needs the whole prompt computed",
+                               shareable=False)
         if params.prompt_logprobs is not None:
             if not params.prompt_logprobs_start:
                 return PrefixMatch(miss_reason="prompt_logprobs needs the whole prompt computed", shareable=False)

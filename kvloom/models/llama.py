@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
         if config.classifier is not None:  # the checkpoint's `score`, whole on every rank
-            self.lm_head = nn.Linear(config.hidden_size, config.classifier.num_labels, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.classifier.num_labels, bias=config.classifier.bias)
         elif config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -225,8 +225,8 @@ class LlamaForCausalLM(nn.Module):
                     filler.copy("lm_head.weight", head, hf_name)
                     continue
                 embedding_rows = head  # and the embedding itself is read below
-            if name == "score.weight" and self.config.classifier is not None:
-                name = "lm_head.weight"  # held where a causal model holds its vocabulary head
+            if name in ("score.weight", "score.bias") and self.config.classifier is not None:
+                name = "lm_head." + name.split(".")[1]  # held where a causal model holds its vocabulary head
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             block = moe_block_name(name)

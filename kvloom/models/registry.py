@@ -93,9 +93,10 @@ def build_model(config: ModelConfig, max_positions: int,
     cls = model_class(config.architecture)
     if config.classifier is not None and not getattr(cls, "has_score_head", False):
         served = sorted(name for name in ARCHITECTURES if getattr(model_class(name), "has_score_head", False))
+        suffix = "ForTokenClassification" if config.classifier.per_token else "ForSequenceClassification"
         raise UnsupportedArchitecture(
-            f"{config.architecture.removesuffix('ForCausalLM')}ForSequenceClassification is not supported: "
-            f"sequence classifiers are served for the families of {', '.join(served)}")
+            f"{config.architecture.removesuffix('ForCausalLM')}{suffix} is not supported: "
+            f"classifiers are served for the families of {', '.join(served)}")
     model: CausalLM = cls(config, max_positions, tp)
     return model
 

@@ -142,8 +142,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     # Pooling routes alike: a classification, scores (embeddings paired, or a cross-encoder's pairs),
     # and SageMaker's one route for every task (keyed by whichever prompt field its body has).
-    for path in ("/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-                 "/invocations"):
+    for path in ("/classify", "/v1/classify", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                 "/v2/rerank", "/invocations"):
         app.add_api_route(path, embeddings, methods=["POST"])
     app.add_api_route("/tokenize", any_worker, methods=["POST"])
     app.add_api_route("/detokenize", any_worker, methods=["POST"])
@@ -281,7 +281,7 @@ def _prompt_text(path: str, body: dict[str, Any]) -> str:
         if not isinstance(messages, list):
             return ""
         return "".join(f"{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
-    prompt = body.get("input" if path.endswith(("/embeddings", "/classify")) else "prompt")
+    prompt = body.get("input" if path.endswith(("/embeddings", "/classify", "/pooling")) else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):

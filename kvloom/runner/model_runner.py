@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch, LogprobsEntry, PromptLogprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvloom.batch import (
+    ForwardBatch,
+    LogprobsEntry,
+    PromptLogprobs,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenPooled,
+)
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.models.mamba2 import copy_state
@@ -31,6 +39,7 @@ from kvloom.runner.kv_pool import copy_blocks
 from kvloom.runner.prompt_logprobs import prompt_logprobs
 from kvloom.runner.sampler import DeviceSample, Sampler
 from kvloom.runner.sampling_metadata import SamplingMetadata, SamplingRequestState, generator_for_seed
+from kvloom.runner.token_pooling import token_pooling
 from kvloom.structured.compiler import CompiledGrammar
 from kvloom.structured.constraint import StructuredOutput
 from kvloom.structured.manager import StructuredOutputManager
@@ -53,6 +62,8 @@ class LaunchedStep:
     # Pooling requests' vectors (SamplingParams.pooling): per task, the requests' ids and
     # their rows, [n, width] float32 on the device (read back in one copy each).
     pooled: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    # Token-pooling requests' chunks (runner/token_pooling.py): (id, first position, rows).
+    token_pooled: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def overlappable(self) -> bool:
@@ -158,6 +169,8 @@ class ModelRunner:
         if output.state_saves:  # ... and chunks that end at a checkpoint save theirs
             copy_state(self.model, output.state_saves)
         launched = LaunchedStep(output, prompt_logprobs(self.model, hidden, output))
+        if self._pooling_requests:
+            launched.token_pooled = token_pooling(self.model, hidden, output)
         launched.sampling = [item for item in output.scheduled if item.samples]
         self._pending_tokens, self._pending_rows = None, {}
         if not launched.sampling:
@@ -200,9 +213,11 @@ class ModelRunner:
         """Wait for a launched step's samples (that step only, not those launched after
         it) and turn them into its RunnerOutput: drafts verified, grammars advanced."""
         output, sampling = launched.scheduled, launched.sampling
+        token_pooled = {request_id: TokenPooled(first, vectors.tolist())
+                        for request_id, first, vectors in launched.token_pooled}
         if launched.sample is None:
             return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),
-                                prompt_logprobs=launched.prompt_logprobs)
+                                prompt_logprobs=launched.prompt_logprobs, token_pooled=token_pooled)
         result = launched.sample.result()
         token_ids, logprobs = result.token_ids, result.logprobs
         accepted: list[list[int]] | None = None
@@ -221,6 +236,7 @@ class ModelRunner:
         aligned.prompt_logprobs = launched.prompt_logprobs
         aligned.pooled = {request_id: vector for ids, vectors in launched.pooled
                           for request_id, vector in zip(ids, vectors.tolist(), strict=True)}
+        aligned.token_pooled = token_pooled
         return aligned
 
     @staticmethod
@@ -235,7 +251,7 @@ class ModelRunner:
         row = 0
         for item in launched.sampling:
             task = item.request.sampling_params.pooling
-            if task is not None:
+            if task in rows:  # the token tasks' vectors come from every row (token_pooling)
                 rows[task].append((item.request.request_id, row))
             row += item.num_sampled_rows
         if rows["embed"]:

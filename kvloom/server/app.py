@@ -45,6 +45,7 @@ from kvloom.server.serving_embeddings import EmbeddingRequest, create_embedding
 from kvloom.server.serving_invocations import invoke
 from kvloom.server.serving_lora import install_lora_updating
 from kvloom.server.serving_messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from kvloom.server.serving_pooling import PoolingApiRequest, create_pooling
 from kvloom.server.serving_profile import install_profiling
 from kvloom.server.serving_rerank import RerankRequest, SimilarityScoreRequest, create_rerank, create_similarity_score
 from kvloom.server.serving_responses import cancel_response, create_response, retrieve_response, stored_response
@@ -195,6 +196,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.post("/invocations", response_model=None)
     async def invocations(request: Request) -> Any:
         return await invoke(request, serving)
+
+    # vLLM's generic Pooling API: any pooling task, per input or per token (server/serving_pooling.py).
+    @app.post("/pooling")
+    async def pooling(body: PoolingApiRequest, request: Request) -> dict[str, Any]:
+        return await create_pooling(body, request, serving)
 
     # vLLM's Classification API, for a sequence classifier (server/serving_classify.py).
     @app.post("/classify")

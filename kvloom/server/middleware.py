@@ -66,8 +66,8 @@ class ApiKeyMiddleware:
 
 # The routes whose requests run on the engine (vLLM's /load counts the same).
 LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                        "/v1/embeddings", "/classify", "/v1/classify", "/score", "/v1/score", "/rerank",
-                        "/v1/rerank", "/v2/rerank", "/invocations"})
+                        "/v1/embeddings", "/classify", "/v1/classify", "/pooling", "/score", "/v1/score",
+                        "/rerank", "/v1/rerank", "/v2/rerank", "/invocations"})
 
 
 class ServerLoad:

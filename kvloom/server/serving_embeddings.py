@@ -76,7 +76,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
         EngineRequest(f"{request_id}-{i}", ids, EMBED, cache_salt=body.cache_salt, lora_request=lora)
         for i, ids in enumerate(prompts)]), request)
     data = [{"object": "embedding", "index": index,
-             "embedding": _encoded(_shortened(finals[index].pooled or [], body.dimensions), body.encoding_format)}
+             "embedding": encoded(_shortened(finals[index].pooled or [], body.dimensions), body.encoding_format)}
             for index in range(len(prompts))]
     tokens = sum(map(len, prompts))
     return {"object": "list", "data": data, "model": model,
@@ -106,7 +106,8 @@ def pooling_prompts(body: PoolingRequest, info: ModelInfo, settings: ServerSetti
     return prompts
 
 
-def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+def encoded(vector: list[float], encoding: str) -> list[float] | str:
+    """A vector as the response sends it: floats, or little-endian float32 in base64."""
     if encoding == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

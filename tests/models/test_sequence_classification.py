@@ -137,7 +137,7 @@ def test_what_a_classifier_refuses_is_named_and_nothing_is_lost(llama_classifier
     causal = LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=32)
     with pytest.raises(ValueError, match="classify needs a sequence-classification model"):
         causal.classify(PROMPTS[:1])
-    with pytest.raises(ValueError, match="pooling 'classify' needs a sequence-classification model"):
+    with pytest.raises(ValueError, match="pooling 'classify' needs a classification model"):
         causal.generate(PROMPTS[:1], SamplingParams(max_tokens=1, pooling="classify"))
     with pytest.raises(ValueError, match="pooling must be one of embed, classify"):
         SamplingParams(pooling="reward")

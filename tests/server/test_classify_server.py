@@ -139,6 +139,12 @@ def test_classify_on_a_causal_lm_is_a_400(http: httpx.Client, live_server: LiveS
     reply = http.post("/classify", json={"input": "hello"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
     assert "sequence-classification model" in reply.json()["error"]["message"]
+    # /pooling on a causal LM: every token's normalized state by default; no classify tasks.
+    ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    vectors = http.post("/pooling", json={"input": "hello there"}).json()["data"][0]["data"]
+    assert len(vectors) == len(ids) and all(abs(sum(v * v for v in row) - 1) < 1e-4 for row in vectors)
+    refused = http.post("/pooling", json={"input": "hello", "task": "token_classify"})
+    assert refused.status_code == 400 and "needs a classification model" in refused.json()["error"]["message"]
     live_server.assert_idle_and_clean()
 
 
@@ -178,6 +184,46 @@ def test_a_cross_encoder_served_with_a_score_template_reads_each_pair_through_it
                 assert reply.status_code == 400, reply.text
                 error = reply.json()["error"]
                 assert error["param"] == param and message in error["message"], error
+            live.assert_idle_and_clean()
+    finally:
+        live.stop()
+
+
+def test_the_pooling_route_answers_every_task_as_transformers(tmp_path: Path) -> None:
+    """vLLM's POST /pooling on a token classifier: by default each token's class
+    probabilities (transformers' ``logits.softmax(-1)``), "token_embed" each token's
+    normalized state, "embed" the last token's (base64 as /v1/embeddings sends it); a
+    task the model cannot do is a 400 naming ``task``, and nothing is held after."""
+    import base64
+    import struct
+
+    labels = {0: "O", 1: "B-LOC", 2: "I-LOC"}
+    model = write_tiny_hf_model(tmp_path, arch="llama_token_classifier", id2label=labels, seed=12)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    reference = transformers.AutoModelForTokenClassification.from_pretrained(model, dtype=torch.float32).eval()
+    texts = ["the fox sleeps in Oslo", "tea"]
+    with torch.no_grad():
+        runs = [reference(torch.tensor([tokenizer(text)["input_ids"]]), output_hidden_states=True) for text in texts]
+    live = start_live_server(model, ServerSettings(served_model_name=SERVED_NAME))
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            reply = http.post("/pooling", json={"input": texts}).json()
+            assert reply["object"] == "list" and [item["object"] for item in reply["data"]] == ["pooling"] * 2
+            for item, run in zip(reply["data"], runs, strict=True):
+                assert torch.allclose(torch.tensor(item["data"]), run.logits[0].softmax(-1), atol=1e-6)
+            states = [torch.nn.functional.normalize(run.hidden_states[-1][0], dim=-1) for run in runs]
+            token_embed = http.post("/pooling", json={"input": texts, "task": "token_embed"}).json()
+            for item, want in zip(token_embed["data"], states, strict=True):
+                assert torch.allclose(torch.tensor(item["data"]), want, atol=1e-5)
+            embed = http.post("/pooling", json={"input": texts[0], "task": "embed", "encoding_format": "base64"})
+            raw = base64.b64decode(embed.json()["data"][0]["data"])
+            assert torch.allclose(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)), states[0][-1], atol=1e-5)
+            assert embed.json()["usage"]["prompt_tokens"] == len(tokenizer(texts[0])["input_ids"])
+            for body, message in (({"input": "x", "task": "classify"}, "token classifier"),
+                                  ({"input": "x", "task": "reward"}, "task must be one of")):
+                refused = http.post("/pooling", json=body)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "task", refused.text
+                assert message in refused.json()["error"]["message"]
             live.assert_idle_and_clean()
     finally:
         live.stop()
