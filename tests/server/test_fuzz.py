@@ -49,6 +49,8 @@ FIELDS = {
     "/invocations": ["model", "prompt", "messages", "input", "query", "documents", "text_1", "text_2", "max_tokens",
                      "temperature", "stream", "encoding_format", "top_n"],
     "/classify": ["model", "input", "messages", "truncate_prompt_tokens", "use_activation", "request_id", "priority"],
+    "/pooling": ["model", "input", "messages", "task", "encoding_format", "use_activation", "truncate_prompt_tokens",
+                 "request_id", "priority"],
 }
 # Counts that make a valid request expensive are kept small when they are valid; invalid
 # values (negative, huge, wrong type) go through as generated.
@@ -131,7 +133,21 @@ plausible = {
         json_values),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3)),
     "guided_choice": st.lists(st.text(min_size=0, max_size=6), max_size=4),
+    "task": st.sampled_from(["embed", "classify", "token_embed", "token_classify", "encode", ""]),
+    # vLLM's structural tags, well-formed and not: a format tree of a few nodes.
     "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text", "x"])}),
+                                 st.fixed_dictionaries({"type": st.just("structural_tag"), "format": st.recursive(
+                                     st.fixed_dictionaries({"type": st.sampled_from(["const_string", "any_text",
+                                                                                     "regex", "x"]),
+                                                            "value": st.text(max_size=4),
+                                                            "pattern": st.sampled_from(["a+", "("])}),
+                                     lambda inner: st.fixed_dictionaries({
+                                         "type": st.sampled_from(["sequence", "or", "triggered_tags"]),
+                                         "elements": st.lists(inner, max_size=3), "triggers": st.lists(
+                                             st.text(max_size=3), max_size=2),
+                                         "tags": st.lists(st.fixed_dictionaries({
+                                             "type": st.just("tag"), "begin": st.text(max_size=4), "content": inner,
+                                             "end": st.text(max_size=3)}), max_size=2)}), max_leaves=4)}),
                                  json_values),
 }
 
@@ -150,6 +166,7 @@ BASES = {  # a valid body per route; each case changes a few of its fields or ad
     "/rerank": {"model": SERVED_NAME, "query": "Hi", "documents": ["Hello", "there"]},
     "/invocations": {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4},
     "/classify": {"model": SERVED_NAME, "input": "Hello"},
+    "/pooling": {"model": SERVED_NAME, "input": ["Hello", "there"]},
 }
 
 
