@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.request import Request, RequestError
-from kvloom.sampling_params import TOKEN_POOLING_TASKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +193,7 @@ class ForwardBatch:
             seq_lens.append(end)
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
-            every_row = every_row or request.sampling_params.prompt_logprobs is not None \
-                or request.sampling_params.pooling in TOKEN_POOLING_TASKS
+            every_row = every_row or request.sampling_params.prompt_logprobs is not None or request.pools_every_token
             tables.append(block_ids[: -(-end // block_size)])
             if request.state_slot is not None:
                 state_slots.append(request.state_slot)

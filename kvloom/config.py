@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.generation_config import json_object, parse_override
-from kvloom.model_families import ClassifierConfig, MLAConfig, MoEConfig, SSMConfig
+from kvloom.model_families import ClassifierConfig, MLAConfig, MoEConfig, PoolerConfig, SSMConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -78,6 +78,8 @@ class ModelConfig:
     # k (None: any k up to hidden_size).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # How embeddings are pooled (LAST / MEAN / CLS, normalized or not): vLLM's pooler config.
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -173,6 +175,7 @@ class ModelConfig:
             is_matryoshka=bool(hf.get("is_matryoshka")) or hf.get("matryoshka_dimensions") is not None,
             matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None
                                    else tuple(int(d) for d in hf["matryoshka_dimensions"])),
+            pooler=PoolerConfig.from_hf(hf),
         )
 
 
@@ -479,6 +482,14 @@ def parse_hf_overrides(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def parse_pooler_config(value: Any) -> dict[str, Any]:
+    """``--pooler-config``: JSON text or a dict with vLLM's PoolerConfig keys, checked now
+    (a bad key or value is refused before the model loads)."""
+    value = dict(json_object(value, "pooler_config"))
+    PoolerConfig.from_hf({"pooler_config": value})
+    return value
+
+
 def with_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """``hf`` (a config.json) with ``overrides`` set over it; a dict value merges into the
     dict it replaces (``rope_scaling``, a sub-config), key by key, as vLLM merges them."""
@@ -566,6 +577,11 @@ class EngineConfig:
         "help": "keys of the model's Hugging Face config.json set over its own, as JSON (vLLM's), e.g. "
                 "'{\"is_matryoshka\": true}' or '{\"max_position_embeddings\": 4096}'; a dict value is "
                 "merged into the config's dict of that key"})
+    pooler_config: dict[str, Any] | None = field(default=None, hash=False, metadata={
+        "parse": parse_pooler_config, "flag_type": str,
+        "help": "how embeddings are pooled, as JSON with vLLM's PoolerConfig keys: pooling_type (LAST, the "
+                "default for decoders; MEAN; CLS), use_activation (false: not normalized), e.g. "
+                "'{\"pooling_type\": \"MEAN\"}'; over a sentence-transformers model's own (modules.json)"})
     override_generation_config: dict[str, Any] | None = field(default=None, hash=False, metadata={
         "parse": parse_override, "flag_type": str,
         "help": "sampling defaults over --generation-config's, as JSON with generation_config.json's keys, "
@@ -620,6 +636,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
+        if self.pooler_config is not None:
+            object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
         if self.override_generation_config is not None:
             object.__setattr__(self, "override_generation_config", parse_override(self.override_generation_config))
         if self.speculative_config is not None:

@@ -298,6 +298,51 @@ class SSMConfig:
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
 
 
+# vLLM's pooling types for a whole input (its SequencePoolingType), and the one per token.
+SEQ_POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How an embedding is pooled from the final hidden states (vLLM's ``PoolerConfig``):
+    ``seq_pooling`` "LAST" (the last token's state: vLLM's default for decoder models),
+    "MEAN" (the mean over the prompt's tokens) or "CLS" (the first token's), and whether
+    the vector (and each of "token_embed"'s) is L2-normalized (vLLM's ``use_activation``).
+    Read from config.json's ``pooler_config``, which the engine fills from
+    ``--pooler-config`` over a sentence-transformers model's own (modules.json)."""
+
+    seq_pooling: str = "LAST"
+    normalize: bool = True
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> PoolerConfig:
+        """vLLM's spellings: ``pooling_type`` (one of SEQ_POOLING_TYPES, or "ALL", every
+        token's, which is no whole-input choice), or ``seq_pooling_type`` /
+        ``tok_pooling_type`` ("ALL"), and ``use_activation``; any other key is refused."""
+        spec = hf.get("pooler_config") or {}
+        if not isinstance(spec, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {spec!r}")
+        unknown = set(spec) - {"pooling_type", "seq_pooling_type", "tok_pooling_type", "use_activation"}
+        if unknown:
+            raise ValueError(f"pooler_config: {', '.join(sorted(unknown))} not supported (the keys are pooling_type, "
+                             "seq_pooling_type, tok_pooling_type, use_activation)")
+        if spec.get("pooling_type") is not None and spec.get("seq_pooling_type") is not None:
+            raise ValueError("pooler_config: give pooling_type or seq_pooling_type, not both")
+        kind = spec.get("seq_pooling_type") or spec.get("pooling_type") or "LAST"
+        token_kind = spec.get("tok_pooling_type") or ("ALL" if kind == "ALL" else None)
+        if token_kind not in (None, "ALL"):
+            raise ValueError(f"pooler_config: tok_pooling_type must be 'ALL' (every token's state), got {token_kind!r}")
+        if kind == "ALL":
+            kind = "LAST"
+        if not isinstance(kind, str) or kind.upper() not in SEQ_POOLING_TYPES:
+            raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(SEQ_POOLING_TYPES)} or ALL, "
+                             f"got {kind!r}")
+        normalize = spec.get("use_activation", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config: use_activation must be a bool, got {normalize!r}")
+        return cls(kind.upper(), normalize)
+
+
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"
 

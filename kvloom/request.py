@@ -113,6 +113,10 @@ class Request:
     # The LoRA adapter it runs with, as the prefix cache tells adapters apart (its name
     # and the load that bound it: kvloom/lora/manager.py); None: the base model.
     lora_key: str | None = None
+    # A pooling request that reads every prompt position's final state (a token task,
+    # or an embedding pooled by the mean or the first token: runner/token_pooling.py):
+    # its whole prompt is computed (no prefix-cache hit) and every row kept.
+    pools_every_token: bool = False
     # The prefix cache's namespace for it: its salt's, and an adapter's own (its KV is
     # not the base model's). Salts and adapter names hold no NUL, so no two collide.
     cache_key: str | None = field(init=False, default=None)

@@ -38,6 +38,7 @@ from kvloom.kv_transfer.connector import layout_of, make_kv_transfer
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.models.loader import load_checkpoint, replacement_tokenizer
+from kvloom.models.sentence_transformers import with_pooler_config
 from kvloom.native import release_openmp_team
 from kvloom.request import Request, RequestError, RequestStatus
 from kvloom.runner import cuda_graphs
@@ -139,6 +140,7 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config.generation_config, checkpoint.path,
                                                        config.override_generation_config)
         checkpoint.hf_config = with_hf_overrides(checkpoint.hf_config, config.hf_overrides)  # --hf-overrides
+        checkpoint.hf_config = with_pooler_config(checkpoint.hf_config, checkpoint.path, config.pooler_config)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)
@@ -178,7 +180,7 @@ class LLMEngine:
         prefix_cache: PrefixCache = (RadixCache(pool, block_size, checkpoint_slots)
                                      if config.cache.enable_prefix_caching else NoPrefixCache())
         self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, mc.pooler)
         # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None
         speculation = None
@@ -209,7 +211,7 @@ class LLMEngine:
                                          StopChecker(self.output_processor), speculation, self.kv_transfer,
                                          self.state_pool, lora)
         self.runner = ModelRunner(self.model, shard.kv_caches, block_size, backend, self.device,
-                                  mc.vocab_size, config.seed, lora)
+                                  mc.vocab_size, config.seed, lora, mc.pooler)
         if scratch_block is not None:
             captured = time.monotonic()
             self.runner.graphs = cuda_graphs.DecodeGraphs(
@@ -290,6 +292,8 @@ class LLMEngine:
                                                 None if lora_request is None else lora_request.lora_name),
             cache_salt=cache_salt,
             lora_key=lora_key,
+            pools_every_token=params.pooling in TOKEN_POOLING_TASKS
+            or (params.pooling == "embed" and self.model_config.pooler.seq_pooling != "LAST"),
         )
         self.scheduler.add_request(request)
         self.runner.add_request(request, grammar)

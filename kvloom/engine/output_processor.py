@@ -19,8 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvloom.batch import LogprobsEntry, PromptLogprobs, TokenPooled
 from kvloom.engine.output import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvloom.model_families import PoolerConfig
 from kvloom.request import Request, RequestStatus
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -61,8 +64,9 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, pooler: PoolerConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler or PoolerConfig()  # how an "embed" request of every token reduces them
         self._streams: dict[Request, _StreamState] = {}
 
     def add(self, request: Request) -> None:
@@ -91,7 +95,19 @@ class OutputProcessor:
                                  f"but only {have} are known")
         state.token_vectors.extend(chunk.vectors[have - chunk.first:])
         if len(state.token_vectors) == request.num_prompt_tokens:
-            state.pooled = state.token_vectors
+            state.pooled = (self._sequence_vector(state.token_vectors)
+                            if request.sampling_params.pooling == "embed" else state.token_vectors)
+
+    def _sequence_vector(self, rows: list[list[float]]) -> list[float]:
+        """An embedding pooled by the mean of the prompt's states or by its first token's
+        (PoolerConfig), in float32, L2-normalized unless the pooler says not: one
+        reduction over every row in position order, so the bits do not depend on how the
+        prompt was chunked."""
+        states = torch.tensor(rows, dtype=torch.float32)
+        vector = states.mean(dim=0) if self.pooler.seq_pooling == "MEAN" else states[0]
+        if self.pooler.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
     def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a prompt recomputed

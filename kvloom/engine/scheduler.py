@@ -48,7 +48,6 @@ from kvloom.kv_spec import KVExport
 from kvloom.kv_transfer.connector import KVTransfer
 from kvloom.kv_transfer.staging import StagingError
 from kvloom.request import Request, RequestError, RequestStatus
-from kvloom.sampling_params import TOKEN_POOLING_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -441,9 +440,8 @@ class Scheduler:
         """The request's prefix-cache hit; none for a request that wants its prompt's
         logprobs or a vector per prompt token (every prompt position must be computed)."""
         params = request.sampling_params
-        if params.pooling in TOKEN_POOLING_TASKS:
-            return PrefixMatch(miss_reason=f"pooling {params.pooling} needs the whole prompt computed",
-                               shareable=False)
+        if request.pools_every_token:
+            return PrefixMatch(miss_reason=f"pooling {params.pooling} reads every prompt position", shareable=False)
         if params.prompt_logprobs is not None:
             if not params.prompt_logprobs_start:
                 return PrefixMatch(miss_reason="prompt_logprobs needs the whole prompt computed", shareable=False)

@@ -31,6 +31,7 @@ from kvloom.batch import (
 )
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
+from kvloom.model_families import PoolerConfig
 from kvloom.models.mamba2 import copy_state
 from kvloom.models.registry import CausalLM
 from kvloom.request import Request, RequestError
@@ -77,8 +78,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int,
                  backend: AttentionBackend[Any], device: torch.device, vocab_size: int,
-                 seed: int, lora: LoRAManager | None = None) -> None:
+                 seed: int, lora: LoRAManager | None = None, pooler: PoolerConfig | None = None) -> None:
         self.model = model
+        self.pooler = pooler or PoolerConfig()  # how "embed" pools (the last token, or every one)
         self.lora = lora  # the adapters' slots (kvloom/lora); None: LoRA is off
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -170,7 +172,7 @@ class ModelRunner:
             copy_state(self.model, output.state_saves)
         launched = LaunchedStep(output, prompt_logprobs(self.model, hidden, output))
         if self._pooling_requests:
-            launched.token_pooled = token_pooling(self.model, hidden, output)
+            launched.token_pooled = token_pooling(self.model, hidden, output, self.pooler.normalize)
         launched.sampling = [item for item in output.scheduled if item.samples]
         self._pending_tokens, self._pending_rows = None, {}
         if not launched.sampling:
@@ -239,23 +241,25 @@ class ModelRunner:
         aligned.token_pooled = token_pooled
         return aligned
 
-    @staticmethod
-    def _pool(launched: LaunchedStep, final: torch.Tensor, logits: torch.Tensor) -> None:
+    def _pool(self, launched: LaunchedStep, final: torch.Tensor, logits: torch.Tensor) -> None:
         """Last-token pooling: a pooling request samples at its prompt's last token, whose
         final hidden state is row ``r`` of ``final`` (one row per sampling row) and whose
-        head output is row ``r`` of ``logits``. "embed" keeps the hidden state,
-        L2-normalized in float32 (each task's rows in one call, as a request alone
-        computes them: a row's values do not depend on the rows beside it); "classify"
-        the head's row, a sequence classifier's class logits."""
+        head output is row ``r`` of ``logits``. "embed" keeps the hidden state in float32,
+        L2-normalized unless the pooler says not (each task's rows in one call, as a
+        request alone computes them: a row's values do not depend on the rows beside it);
+        "classify" the head's row, a sequence classifier's class logits. A request that
+        pools every token has its vectors from ``token_pooling``."""
         rows: dict[str, list[tuple[str, int]]] = {"embed": [], "classify": []}
         row = 0
         for item in launched.sampling:
             task = item.request.sampling_params.pooling
-            if task in rows:  # the token tasks' vectors come from every row (token_pooling)
+            if task in rows and not item.request.pools_every_token:
                 rows[task].append((item.request.request_id, row))
             row += item.num_sampled_rows
         if rows["embed"]:
-            vectors = torch.nn.functional.normalize(final[[r for _, r in rows["embed"]]].float(), dim=-1)
+            vectors = final[[r for _, r in rows["embed"]]].float()
+            if self.pooler.normalize:
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)
             launched.pooled.append(([i for i, _ in rows["embed"]], vectors))
         if rows["classify"]:
             launched.pooled.append(([i for i, _ in rows["classify"]], logits[[r for _, r in rows["classify"]]].float()))

@@ -45,6 +45,7 @@ from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.models.errors import ModelLoadError
 from kvloom.models.registry import CausalLM, load_model
+from kvloom.models.sentence_transformers import with_pooler_config
 from kvloom.models.sharding import rank_view
 from kvloom.runner.device import resolve_device, resolve_dtype
 from kvloom.runner.kv_pool import allocate_kv_pool, copy_blocks, device_memory, num_blocks_for
@@ -307,6 +308,7 @@ def run_worker(config: EngineConfig, placement: RankPlacement) -> None:
     def load() -> tuple[ModelConfig, CausalLM]:
         checkpoint = load_checkpoint(config.model, revision=config.revision)
         checkpoint.hf_config = with_hf_overrides(checkpoint.hf_config, config.hf_overrides)  # as rank 0's
+        checkpoint.hf_config = with_pooler_config(checkpoint.hf_config, checkpoint.path, config.pooler_config)
         model_config = ModelConfig.from_hf(checkpoint.hf_config)
         return model_config, load_model(model_config, max_model_len_for(config, model_config), checkpoint,
                                         device, dtype, config.matmul, config.decoder_stack == "native", group)

@@ -1,6 +1,7 @@
 """Token pooling: for pooling requests that read every prompt token
-(``SamplingParams.pooling`` "token_embed" or "token_classify", vLLM's ``ALL`` pooling),
-each prompt position's vector from the step that computed it.
+(``SamplingParams.pooling`` "token_embed" or "token_classify", vLLM's ``ALL`` pooling; an
+"embed" request of a model that pools by the mean or the first token), each prompt
+position's vector from the step that computed it.
 
 A step's chunk ``[start, end)`` of a request's prompt holds positions ``start .. end - 1``'s
 final hidden states; each chunk adds its slice, and a prompt computed in several chunks
@@ -15,25 +16,30 @@ import torch
 
 from kvloom.batch import SchedulerOutput
 from kvloom.models.registry import CausalLM
-from kvloom.sampling_params import TOKEN_POOLING_TASKS
 
 
-def token_pooling(model: CausalLM, hidden: torch.Tensor,
-                  output: SchedulerOutput) -> list[tuple[str, int, torch.Tensor]]:
+def token_pooling(model: CausalLM, hidden: torch.Tensor, output: SchedulerOutput,
+                  normalize: bool = True) -> list[tuple[str, int, torch.Tensor]]:
     """(request id, first prompt position, [count, width] float32 vectors) of every chunk
-    this step computed for a token-pooling request (hidden: the step's [tokens, hidden]
-    final states, every row, in schedule order). "token_embed": each position's state,
-    L2-normalized; "token_classify": the score head's class logits at each position."""
+    this step computed for a request that pools every token (``Request.pools_every_token``;
+    hidden: the step's [tokens, hidden] final states, every row, in schedule order).
+    "token_embed": each position's state, L2-normalized where the pooler ``normalize``s;
+    "token_classify": the score head's class logits at each position; "embed" (pooled by
+    the mean or the first token, which the output processor takes): the states as they are."""
     found: list[tuple[str, int, torch.Tensor]] = []
     offset = 0
     for item in output.scheduled:
         request = item.request
         task = request.sampling_params.pooling
         end = min(item.start + item.num_new_tokens, request.num_prompt_tokens)  # prompt positions only
-        if task in TOKEN_POOLING_TASKS and item.start < end:
+        if request.pools_every_token and item.start < end:
             rows = hidden[offset:offset + end - item.start]
-            vectors = (torch.nn.functional.normalize(rows.float(), dim=-1) if task == "token_embed"
-                       else model.compute_logits(rows).float())
+            if task == "token_classify":
+                vectors = model.compute_logits(rows).float()
+            elif task == "token_embed" and normalize:
+                vectors = torch.nn.functional.normalize(rows.float(), dim=-1)
+            else:
+                vectors = rows.float()
             found.append((request.request_id, item.start, vectors))
         offset += item.num_new_tokens
     return found
