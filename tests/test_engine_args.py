@@ -46,6 +46,7 @@ NON_DEFAULTS = [
     (["--override-generation-config", '{"temperature": 0.5}'], None, "override_generation_config",
      {"temperature": 0.5}),
     (["--hf-overrides", '{"is_matryoshka": true}'], None, "hf_overrides", {"is_matryoshka": True}),
+    (["--pooler-config", '{"pooling_type": "MEAN"}'], None, "pooler_config", {"pooling_type": "MEAN"}),
     (["--attention-backend", "torch_ref"], None, "attention_backend", "torch_ref"),
     (["--num-threads", "2"], None, "num_threads", 2),
     (["--matmul", "onednn"], None, "matmul", "onednn"),
