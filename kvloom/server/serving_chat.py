@@ -36,6 +36,7 @@ from kvloom.server.responses import SSE_HEADERS, GenerationResponse
 from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_calls, tool_use
 from kvloom.server.tool_parsers import ToolParser
+from kvloom.structured.tool_grammar import calls_or_output
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving):
@@ -91,8 +92,16 @@ def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_
     tools = tool_use(body, settings)
     if tools.parser is not None and tools.parser.special_marker:  # Mistral's [TOOL_CALLS] kept in the text
         params = dataclasses.replace(params, skip_special_tokens=False)
-    # A strict tool's grammar (tool_choice auto) yields to the request's own constraint.
-    yields = not tools.forced and (params.structured is not None or params.allowed_token_ids is not None)
+    if tools.constraint is not None and not tools.forced and params.structured is not None:
+        # Strict tools (tool_choice auto) and the request's own format: calls or that answer.
+        assert tools.tools is not None and tools.parser is not None
+        either = calls_or_output(tools.tools, tools.parser.name, settings.tool_strict_level,
+                                 body.parallel_tool_calls is not False, params.structured)
+        if either is not None:
+            tools = dataclasses.replace(tools, constraint=either, forced=True)
+            params = dataclasses.replace(params, structured=None)
+    # A strict tool's grammar (tool_choice auto) yields to the request's allowed tokens.
+    yields = not tools.forced and params.allowed_token_ids is not None
     if tools.constraint is not None and not yields:
         if params.structured is not None:
             raise bad_request(f"{format_param} and a forced tool call (tool_choice) cannot both constrain the "

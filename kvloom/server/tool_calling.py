@@ -44,9 +44,10 @@ class ToolUse:
     tools: list[dict[str, Any]] | None  # rendered into the chat template
     parser: ToolParser | None = None  # parses the output into tool_calls (None: plain text)
     constraint: StructuredOutput | None = None  # the calls' grammar (see ``forced``)
-    # True: the constraint forces a call (tool_choice required / named), and another
-    # constraint on the output is an error; False: it holds the calls the model chooses
-    # to make to their format (tool_choice auto with strict tools), and yields to one.
+    # True: the constraint is the output's whole grammar (a forced call, tool_choice
+    # required / named; or, with strict tools and response_format, calls or that answer),
+    # and another constraint on the output is an error; False: it holds the calls the
+    # model chooses to make to their format (tool_choice auto with strict tools).
     forced: bool = False
 
 

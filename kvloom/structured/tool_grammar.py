@@ -124,6 +124,61 @@ def auto_tool_call_constraint(tools: Sequence[Mapping[str, Any]], parser_name: s
                                             "format": _auto_format(calls, output_format, parallel)})
 
 
+def calls_or_output(tools: Sequence[Mapping[str, Any]], parser_name: str, strict_level: str, parallel: bool,
+                    output: StructuredOutput) -> StructuredOutput | None:
+    """tool_choice "auto" with strict tools and a constraint of the request's own
+    (``response_format``, vLLM's rule): the output is either calls (one or more, in
+    ``parser_name``'s format, only calls) or the constrained answer. None where nothing is
+    strict (``output`` alone applies)."""
+    if auto_tool_call_constraint(tools, parser_name, strict_level, parallel) is None:
+        return None
+    output_format = TOOL_CALL_FORMATS[parser_name]
+    functions = tool_functions(tools)
+    strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
+    schemas = {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
+               for name, schema in functions.items()}
+    # A call that is a bare JSON object (llama3_json) is written as one JSON schema: an
+    # answer that is JSON too starts with the same "{", and llguidance's lexer cannot
+    # hold a literal call head and a JSON value open side by side (it takes the longer).
+    calls = ([_json_call(name, schema, output_format) for name, schema in schemas.items()]
+             if not output_format.call_open and not output_format.prefix
+             else [_call_tag(name, schema, output_format) for name, schema in schemas.items()])
+    listed = {"type": "tags_with_separator", "tags": calls, "separator": output_format.separator,
+              "at_least_one": True, "stop_after_first": not parallel}
+    around = [{"type": "const_string", "value": text} for text in (output_format.prefix,) if text]
+    after = [{"type": "const_string", "value": text} for text in (output_format.suffix,) if text]
+    only_calls = {"type": "sequence", "elements": [*around, listed, *after]} if around or after else listed
+    return StructuredOutput(structural_tag={"type": "structural_tag", "format": {
+        "type": "or", "elements": [only_calls, _as_format(output)]}}, jump_forward=output.jump_forward)
+
+
+def _as_format(output: StructuredOutput) -> dict[str, Any]:
+    """A constraint as a structural tag's format (xgrammar's spelling)."""
+    kind = output.kind
+    if kind in ("json_schema", "json_object"):
+        return {"type": "json_schema", "json_schema": json.loads(output.text)}
+    if kind == "regex":
+        return {"type": "regex", "pattern": output.text}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": output.text}
+    if kind == "choice":
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(output.text)]}
+    spec = json.loads(output.text)  # a structural tag: its format, the legacy spelling as what it means
+    if "format" in spec:
+        return spec["format"]
+    return {"type": "triggered_tags", "triggers": spec["triggers"], "tags": [
+        {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s.get("schema") or {}},
+         "end": s["end"]} for s in spec["structures"]]}
+
+
+def _json_call(name: str, schema: Mapping[str, Any], output_format: _Format) -> dict[str, Any]:
+    """One call as a tag around nothing but its JSON object, ``{"name": ..., <key>: ...}``."""
+    key = output_format.arguments_key
+    call = {"type": "object", "properties": {"name": {"const": name}, key: dict(schema)},
+            "required": ["name", key], "additionalProperties": False}
+    return {"type": "tag", "begin": "", "content": {"type": "json_schema", "json_schema": call}, "end": ""}
+
+
 def _call_tag(name: str, schema: Mapping[str, Any], output_format: _Format) -> dict[str, Any]:
     """One call as a structural tag: the envelope up to the arguments, then them."""
     head = json.dumps({"name": name, output_format.arguments_key: 0}, ensure_ascii=False)[:-2]

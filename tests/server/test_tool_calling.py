@@ -180,13 +180,30 @@ def test_auto_with_a_strict_tool_makes_only_valid_calls(client) -> None:
             assert "<tool_call>" not in (choice.message.content or ""), choice
 
 
-def test_strict_auto_yields_to_the_requests_own_format(client) -> None:
-    """A response_format with tool_choice auto constrains the output; the strict tools'
-    calls do not (vLLM's, where it cannot join the two): no 400."""
-    reply = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=STRICT_TOOLS, max_tokens=24,
+def test_strict_auto_with_a_response_format_is_calls_or_that_answer(client) -> None:
+    """A response_format with tool_choice auto and a strict tool (vLLM's rule): the output
+    is calls only, or the format's answer. The few-shot prompt gets calls, valid ones; a
+    prompt without tools' context, the JSON; a non-strict tool leaves the format alone."""
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
+        "additionalProperties": False}}}
+    calls = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=STRICT_TOOLS, max_tokens=64,
+                                           temperature=0.8, seed=1, n=4, response_format=answer).choices
+    assert any(choice.message.tool_calls for choice in calls)
+    for choice in calls:
+        if choice.message.tool_calls:
+            assert all(map(_valid, choice.message.tool_calls)) and not choice.message.content
+        elif choice.finish_reason == "stop":
+            assert set(json.loads(choice.message.content)) == {"sunny"}
+    plain = [{"role": "user", "content": "Is it sunny in Paris? Answer in JSON."}]
+    reply = client.chat.completions.create(model="smol", messages=plain, tools=STRICT_TOOLS, max_tokens=24,
                                            temperature=0.0, response_format={"type": "json_object"})
-    assert reply.choices[0].message.content.startswith("{")
-    assert not reply.choices[0].message.tool_calls
+    message = reply.choices[0].message
+    assert (message.content or "").startswith("{") or all(map(_valid, message.tool_calls or ()))
+    loose = [{"type": "function", "function": {**STRICT_TOOLS[0]["function"], "strict": False}}]
+    free = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=loose, max_tokens=24,
+                                          temperature=0.0, response_format={"type": "json_object"})
+    assert free.choices[0].message.content.startswith("{")  # the format alone: no call possible
 
 
 # ---- "auto": the model's own output parsed (no model needed) -----------------------------

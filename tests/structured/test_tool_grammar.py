@@ -16,7 +16,8 @@ from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.server.tool_parsers import get_tool_parser
 from kvloom.structured.compiler import GrammarCompiler
-from kvloom.structured.tool_grammar import auto_tool_call_constraint, tool_call_constraint
+from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.tool_grammar import auto_tool_call_constraint, calls_or_output, tool_call_constraint
 from kvloom.tokenizer import Tokenizer
 
 WEATHER = {  # bounded, so even a random-weight model finishes it
@@ -41,8 +42,11 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER, "lookup": LOOKUP, "ping": {"type": "object", "maxProperties": 0}}
 
 
-def written(parser_name: str, calls: list[tuple[str, str]]) -> str:
-    """Calls (name, compact arguments JSON) written the way the grammar writes them."""
+def written(parser_name: str, calls: list[tuple[str, str]], compact: bool = False) -> str:
+    """Calls (name, compact arguments JSON) written the way the grammar writes them
+    (``compact``: llama3_json's whole call as compact JSON, as a JSON schema writes it)."""
+    if compact:
+        return "; ".join(f'{{"name":"{name}","parameters":{arguments}}}' for name, arguments in calls)
     if parser_name == "hermes":
         return "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
                          for name, arguments in calls)
@@ -199,6 +203,32 @@ def test_auto_constrains_by_the_tools_strict_flags_and_the_level(compiler) -> No
         auto_tool_call_constraint(TOOLS, "hermes", strict_level="always")
     with pytest.raises(ValueError, match=r"tools\[0\].function.strict must be a bool"):
         auto_tool_call_constraint([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "hermes")
+
+
+@pytest.mark.parametrize("parser_name", PARSERS)
+def test_strict_calls_with_a_response_format_are_calls_or_that_answer(compiler, parser_name) -> None:
+    """vLLM's rule for tool_choice auto with strict tools and a response_format: the
+    output is only calls (as "required" writes them) or the format's answer, nothing
+    else; without a strict tool the format alone applies (None)."""
+    answer = StructuredOutput(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                           "required": ["ok"], "additionalProperties": False})
+    either = calls_or_output(STRICT_TOOLS, parser_name, "auto", True, answer)
+    assert either is not None
+    compact = parser_name == "llama3_json"  # its calls are JSON objects, written compact
+    for text in (written(parser_name, [WEATHER_CALL], compact), written(parser_name, [WEATHER_CALL, ANY_LOOKUP_CALL],
+                                                                          compact), '{"ok":true}'):
+        assert accepts(compiler, either, text), text
+    for text in ("It is sunny.", "Sure. " + written(parser_name, [WEATHER_CALL], compact),
+                 written(parser_name, [BAD_WEATHER_CALL], compact), '{"ok":1}',
+                 written(parser_name, [WEATHER_CALL], compact) + " ok"):
+        assert not accepts(compiler, either, text), text
+    single = calls_or_output(STRICT_TOOLS, parser_name, "auto", False, StructuredOutput(choice=["yes", "no"]))
+    assert accepts(compiler, single, "no") and accepts(compiler, single, written(parser_name, [LOOKUP_CALL], compact))
+    assert not accepts(compiler, single, written(parser_name, [LOOKUP_CALL, LOOKUP_CALL], compact))
+    for text in (written(parser_name, [WEATHER_CALL, LOOKUP_CALL], compact),):  # the parser reads them back
+        _, calls = get_tool_parser(parser_name).parse(text)
+        assert [call.name for call in calls] == ["get_weather", "lookup"]
+    assert calls_or_output(TOOLS, parser_name, "auto", True, answer) is None
 
 
 @pytest.mark.parametrize("parser_name", PARSERS)
