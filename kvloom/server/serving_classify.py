@@ -13,17 +13,14 @@ from fastapi import Request
 from kvloom.engine.classification import class_probabilities
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request
-from kvloom.server.generation import Serving, collect, new_id
-from kvloom.server.serving_embeddings import PoolingRequest, pooling_prompts
-from kvloom.server.streams import EngineRequest
+from kvloom.server.generation import Serving
+from kvloom.server.serving_embeddings import PoolingRequest, pool, pooling_prompts
 
 CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling="classify",
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class ClassificationRequest(PoolingRequest):
-    request_id: str | None = None  # vLLM's: names the response (``classify-<request_id>``)
-    priority: int = 0
     # False: the raw logits in ``probs`` (vLLM's field), not the activation's values.
     use_activation: bool = True
 
@@ -36,13 +33,7 @@ async def create_classification(body: ClassificationRequest, request: Request, s
         raise bad_request("classification needs a sequence-classification model (a *ForSequenceClassification "
                           "checkpoint); the served model is a causal LM", "model", "model_not_supported")
     prompts = pooling_prompts(body, info, serving.settings)
-    response_id = new_id("classify") if body.request_id is None else f"classify-{body.request_id}"
-    engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
-    lora = serving.lora_for(body.model, info)
-    finals = await collect(await serving.open([
-        EngineRequest(f"{engine_id}-{index}", ids, CLASSIFY, body.priority, cache_salt=body.cache_salt,
-                      lora_request=lora)
-        for index, ids in enumerate(prompts)]), request)
+    response_id, finals = await pool(body, prompts, CLASSIFY, "classify", request, serving, info)
     data = []
     for index in range(len(prompts)):
         logits = finals[index].pooled or []

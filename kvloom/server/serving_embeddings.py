@@ -18,6 +18,7 @@ import torch
 from fastapi import Request
 from pydantic import model_validator
 
+from kvloom.engine.output import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request, from_value_error
 from kvloom.server.generation import Serving, collect, encode_prompts, new_id, truncate_prompt
@@ -50,6 +51,8 @@ class PoolingRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    request_id: str | None = None  # vLLM's: names the response (``<kind>-<request_id>``)
+    priority: int = 0
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> PoolingRequest:
@@ -70,17 +73,28 @@ async def create_embedding(body: EmbeddingRequest, request: Request, serving: Se
     model = serving.check_model(body.model, info)
     _check_dimensions(body.dimensions, info)
     prompts = pooling_prompts(body, info, serving.settings)
-    request_id = new_id("embd")
-    lora = serving.lora_for(body.model, info)
-    finals = await collect(await serving.open([
-        EngineRequest(f"{request_id}-{i}", ids, EMBED, cache_salt=body.cache_salt, lora_request=lora)
-        for i, ids in enumerate(prompts)]), request)
+    _, finals = await pool(body, prompts, EMBED, "embd", request, serving, info)
     data = [{"object": "embedding", "index": index,
              "embedding": encoded(_shortened(finals[index].pooled or [], body.dimensions), body.encoding_format)}
             for index in range(len(prompts))]
     tokens = sum(map(len, prompts))
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def pool(body: PoolingRequest, prompts: list[list[int]], params: SamplingParams, prefix: str,
+               request: Request, serving: Serving, info: ModelInfo) -> tuple[str, dict[int, RequestOutput]]:
+    """Run each prompt as one pooling request of ``params``: the response's id (vLLM's
+    ``request_id`` names it, ``<prefix>-<request_id>``, where the body has one) and the
+    final outputs by prompt index."""
+    response_id = new_id(prefix) if body.request_id is None else f"{prefix}-{body.request_id}"
+    engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
+    lora = serving.lora_for(body.model, info)
+    finals = await collect(await serving.open([
+        EngineRequest(f"{engine_id}-{index}", ids, params, body.priority, cache_salt=body.cache_salt,
+                      lora_request=lora)
+        for index, ids in enumerate(prompts)]), request)
+    return response_id, finals
 
 
 def pooling_prompts(body: PoolingRequest, info: ModelInfo, settings: ServerSettings) -> list[list[int]]:

@@ -17,9 +17,9 @@ from fastapi import Request
 from kvloom.engine.classification import class_probabilities
 from kvloom.sampling_params import POOLING_TASKS, RequestOutputKind, SamplingParams
 from kvloom.server.errors import bad_request
-from kvloom.server.generation import Serving, collect, new_id
-from kvloom.server.serving_embeddings import PoolingRequest, encoded, pooling_prompts
-from kvloom.server.streams import EngineRequest, ModelInfo
+from kvloom.server.generation import Serving
+from kvloom.server.serving_embeddings import PoolingRequest, encoded, pool, pooling_prompts
+from kvloom.server.streams import ModelInfo
 
 
 class PoolingApiRequest(PoolingRequest):
@@ -28,8 +28,6 @@ class PoolingApiRequest(PoolingRequest):
     # The classify tasks' activation (softmax over the classes, or each one's sigmoid);
     # False: the logits themselves (vLLM's field).
     use_activation: bool = True
-    request_id: str | None = None  # vLLM's: names the response (``pool-<request_id>``)
-    priority: int = 0
 
 
 def default_task(info: ModelInfo) -> str:
@@ -54,13 +52,7 @@ async def create_pooling(body: PoolingApiRequest, request: Request, serving: Ser
     prompts = pooling_prompts(body, info, serving.settings)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=task,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    response_id = new_id("pool") if body.request_id is None else f"pool-{body.request_id}"
-    engine_id = new_id(response_id)  # two clients' equal request_ids never clash in the engine
-    lora = serving.lora_for(body.model, info)
-    finals = await collect(await serving.open([
-        EngineRequest(f"{engine_id}-{index}", ids, params, body.priority, cache_salt=body.cache_salt,
-                      lora_request=lora)
-        for index, ids in enumerate(prompts)]), request)
+    response_id, finals = await pool(body, prompts, params, "pool", request, serving, info)
     data = []
     for index in range(len(prompts)):
         pooled: Any = finals[index].pooled or []
