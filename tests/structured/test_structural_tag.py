@@ -179,7 +179,8 @@ def test_token_formats_take_the_token_itself(compiler) -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("{not json", "structural_tag is not valid JSON"),
+    ("{not json", "structural_tag must be a JSON object: Expecting property name"),
+    ("[1]", r"structural_tag must be a JSON object, got \[1\]"),
     ({"type": "structural_tag"}, "needs either 'format'"),
     ({"type": "structural_tag", "format": ANY, "triggers": ["a"]}, "needs either 'format'"),
     ({"type": "structural_tag", "format": ANY, "extra": 1}, "unknown field"),
