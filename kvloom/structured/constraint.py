@@ -12,8 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvloom.generation_config import json_object
-
 # The kinds, in the order error messages list them.
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
@@ -166,7 +164,13 @@ def _choices(choice: object) -> tuple[str, ...]:
 def _structural_tag_text(value: object) -> str:
     """The spec as compact JSON text (the constraint's cache key), checked for its
     outer shape; the formats inside are checked when the grammar is written."""
-    value = json_object(dict(value) if isinstance(value, Mapping) else value, "structural_tag")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"structural_tag is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"structural_tag must be a JSON object, got {type(value).__name__}")
     if value.get("type", "structural_tag") != "structural_tag":
         raise ValueError(f"structural_tag.type must be 'structural_tag', got {value.get('type')!r}")
     has_format = "format" in value

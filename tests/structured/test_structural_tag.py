@@ -179,8 +179,7 @@ def test_token_formats_take_the_token_itself(compiler) -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("{not json", "structural_tag must be a JSON object: Expecting property name"),
-    ("[1]", r"structural_tag must be a JSON object, got \[1\]"),
+    ("{not json", "structural_tag is not valid JSON"),
     ({"type": "structural_tag"}, "needs either 'format'"),
     ({"type": "structural_tag", "format": ANY, "triggers": ["a"]}, "needs either 'format'"),
     ({"type": "structural_tag", "format": ANY, "extra": 1}, "unknown field"),
