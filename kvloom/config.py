@@ -135,6 +135,17 @@ class ModelConfig:
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        partial = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"model config: partial_rotary_factor {partial} (rotary on part of each head, Phi-4's) "
+                             "is not supported: kvloom rotates whole heads")
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "longrope":
+            # Phi-3's: the factor and the context it scales live beside rope_scaling in config.json.
+            original = rope_scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+            if original is None:
+                raise ValueError("model config: longrope rope_scaling needs original_max_position_embeddings")
+            rope_scaling = {"max_position_embeddings": hf.get("max_position_embeddings", 2048), **rope_scaling,
+                            "original_max_position_embeddings": original}
         if rope_scaling is not None:
             rope_scaling = tuple(sorted(
                 (k, tuple(v) if isinstance(v, list) else v) for k, v in rope_scaling.items()

@@ -105,6 +105,7 @@ _ARCH_CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

@@ -30,15 +30,29 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Per-pair rotation frequencies, with Llama-3 or linear scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                             max_positions: int | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies, with Llama-3, linear, YaRN or LongRoPE scaling
+    applied (LongRoPE's factors by the context served, ``max_positions``)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
+    if kind == "longrope":
+        # Phi-3's: each pair's wavelength stretched by its own factor, the long ones where
+        # the context served runs past the original (transformers picks them by the
+        # forward's length, the same for any context within the original: kvloom's table
+        # holds one choice for every position, so a request's rotation never depends on
+        # what else is in the batch).
+        long = max_positions is not None and max_positions > int(scaling["original_max_position_embeddings"])
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope factors must hold head_dim / 2 = {inv_freq.shape[0]} values, "
+                             f"got {factors.shape[0]}")
+        return 1.0 / (factors * theta ** exponents)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
@@ -54,7 +68,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
         return torch.where(is_medium, blended, scaled)
     if kind == "yarn":
         return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn, longrope)")
 
 
 def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
@@ -83,10 +97,18 @@ def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: floa
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (1 for every other rope type): the given
-    ``attention_factor``, else 0.1 ln(factor) + 1, or with ``mscale`` and
-    ``mscale_all_dim`` (DeepSeek) their ratio."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (1 for every other rope type): the
+    given ``attention_factor``; else YaRN's 0.1 ln(factor) + 1, or with ``mscale`` and
+    ``mscale_all_dim`` (DeepSeek) their ratio; LongRoPE's sqrt(1 + ln(factor) / ln(the
+    original context)), the factor being the context over the original one."""
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if scaling and kind == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or float(scaling["max_position_embeddings"]) / original)
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if not scaling or kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -109,7 +131,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]

@@ -40,6 +40,9 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     evenly (the vocabulary is padded instead)."""
     if size == 1:
         return None
+    if config.architecture == "Phi3ForCausalLM":
+        return ("Phi3ForCausalLM is not served under tensor parallel: its checkpoint fuses q/k/v and gate/up into "
+                "one tensor each, which kvloom does not cut into ranks' shards yet; run it in one process")
     if config.classifier is not None and config.classifier.source_tokens:
         return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
                 "rows of a few tokens, which one rank's shard may not hold; run it in one process")

@@ -1,0 +1,96 @@
+"""Phi-3 (``Phi3ForCausalLM``): Llama's layers with its checkpoint's q/k/v and gate/up
+already fused, and LongRoPE (per-pair rescaled rotary frequencies, the short factors within
+the original context and the long ones past it, cos and sin scaled by the attention
+factor). Greedy tokens and the first log-probs held to transformers in float32 (chunked),
+LongRoPE both ways; the default dtype's exactness in the native walk; what is not served
+(part-head rotary, tensor parallel) refused by name."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_engine import run_arrivals, token_ids
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+from kvloom.config import EngineConfig
+from kvloom.engine.engine import LLMEngine
+
+transformers = pytest.importorskip("transformers")
+
+RNG = random.Random(13)
+PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (1, 6, 17, 33, 47)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def longrope(head_dim: int, original: int) -> dict:
+    rng = random.Random(4)
+    return {"rope_type": "longrope", "short_factor": [1 + rng.random() for _ in range(head_dim // 2)],
+            "long_factor": [2 + 6 * rng.random() for _ in range(head_dim // 2)],
+            "original_max_position_embeddings": original}
+
+
+def reference_run(path: Path, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens, recomputing the whole sequence each step (so its
+    LongRoPE factors follow the sequence's length), and its first log-probs."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, first = list(prompt), None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            first = torch.log_softmax(logits, -1) if first is None else first
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], first
+
+
+@pytest.mark.parametrize("rope", ["default", "longrope-short", "longrope-long"])
+def test_greedy_tokens_and_logprobs_are_transformers(tmp_path: Path, rope: str) -> None:
+    overrides: dict = dict(SHAPE)
+    llm_kwargs: dict = {}
+    prompts = PROMPTS
+    if rope != "default":
+        overrides.update(max_position_embeddings=256, original_max_position_embeddings=32,
+                         rope_scaling=longrope(32, 32))
+        if rope == "longrope-short":  # served within the original context: the short factors
+            llm_kwargs["max_model_len"] = 32
+            prompts = [p for p in PROMPTS if len(p) + 8 <= 32]
+        else:  # served past it: the long factors, which transformers takes past 32 tokens
+            prompts = [p for p in PROMPTS if len(p) > 32]
+    path = write_tiny_hf_model(tmp_path / rope, arch="phi3", seed=6, **overrides)
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16, **llm_kwargs)
+    assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
+    for output, prompt in zip(llm.generate(prompts, GREEDY), prompts, strict=True):
+        tokens, first = reference_run(path, prompt, 8)
+        assert list(output.outputs[0].token_ids) == tokens
+        ours = output.outputs[0].logprobs[0][tokens[0]].logprob
+        assert ours == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+
+
+def test_bf16_tokens_alone_equal_batched_and_chunked_in_the_native_walk(tmp_path: Path) -> None:
+    path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=2, head_dim=64, **SHAPE)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def engine(**kwargs) -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", block_size=16, num_blocks=128,
+                                                  **kwargs))
+
+    alone = {}
+    for index, prompt in enumerate(PROMPTS):
+        alone[f"r{index}"] = token_ids(run_arrivals(engine(), {0: [(f"r{index}", prompt, params)]}))[f"r{index}"]
+    together = engine(max_num_batched_tokens=24)
+    arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(PROMPTS)}
+    assert token_ids(run_arrivals(together, arrivals)) == alone
+    assert together.model.native_stack is not None
+
+
+def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
+    partial = write_tiny_hf_model(tmp_path / "partial", arch="phi3", partial_rotary_factor=0.75, **SHAPE)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
+        LLM(str(partial), dtype="float32", block_size=16, num_blocks=16)
+    plain = write_tiny_hf_model(tmp_path / "plain", arch="phi3", **SHAPE)
+    with pytest.raises(Exception, match="Phi3ForCausalLM is not served under tensor parallel"):
+        LLM(str(plain), dtype="float32", block_size=16, num_blocks=16, tensor_parallel_size=2)
