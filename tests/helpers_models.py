@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,7 @@ _GGUF_BLOCK = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
 }
 
 
@@ -280,6 +282,18 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     _add_gguf_tokenizer(writer, hf_dir)
+    if model_type == "phi3":  # as llama.cpp's Phi3MiniModel: rotary dims, and LongRoPE's factors as tensors
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(head_dim)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_orig_ctx_len(original)
+            writer.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) /
+                                                                                   math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, tensor in state.items():
         array = tensor.float().numpy()

@@ -40,7 +40,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
-    "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM", "phi3": "Phi3ForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -49,6 +49,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
+    "Phi3ForCausalLM": "phi3",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -118,6 +119,9 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     }
     if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = True
+    if arch == "phi3":  # the fused q/k/v: its row count is q's plus two kv heads' worth
+        rope_dims = int(meta("rope.dimension_count", config["head_dim"]))
+        config["partial_rotary_factor"] = rope_dims / config["head_dim"]
     window = meta("attention.sliding_window", None)
     if window:
         config["sliding_window"] = int(window)
@@ -342,7 +346,29 @@ def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], path: Path
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         return _llama3_scaling(dequantize(rope_freqs), config, path)
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if arch == "phi3" and factors:
+        return _longrope_scaling(reader, factors, config, path)
     return None
+
+
+def _longrope_scaling(reader: Any, factors: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the short and long factors
+    as tensors, the original context and the attention factor as metadata."""
+    if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ModelLoadError(f"GGUF file {path}: LongRoPE needs rope_factors_long and rope_factors_short, got "
+                             f"{sorted(factors)}")
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF file {path} lacks required metadata (phi3.rope.scaling.original_context_length)")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope", "original_max_position_embeddings": int(original),
+        "long_factor": [float(v) for v in dequantize(factors["rope_factors_long.weight"]).reshape(-1)],
+        "short_factor": [float(v) for v in dequantize(factors["rope_factors_short.weight"]).reshape(-1)]}
+    attention = _field(reader, "phi3.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
 
 
 def _llama3_scaling(freq_factors: np.ndarray, config: dict[str, Any], path: Path

@@ -120,10 +120,12 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down": "feed_forward.down_proj", "ffn_norm": "pre_ff_layernorm", **_mixer("mamba")},
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
+# Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
+_BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
-# Consumed into the config (llama3 rope scaling), not a parameter.
-_METADATA_TENSORS = {"rope_freqs.weight"}
+# Consumed into the config (llama3's and Phi-3's rope scaling), not a parameter.
+_METADATA_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def open_gguf(path: Path) -> Any:

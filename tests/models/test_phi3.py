@@ -87,6 +87,25 @@ def test_bf16_tokens_alone_equal_batched_and_chunked_in_the_native_walk(tmp_path
     assert together.model.native_stack is not None
 
 
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_a_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path, rope: str) -> None:
+    """llama.cpp's phi3 files: attn_qkv and ffn_up fused as HF holds them (no row
+    permutation), LongRoPE's factors as the rope_factors_long / _short tensors with the
+    original context and the attention factor as metadata."""
+    from helpers_models import write_tiny_gguf
+
+    overrides: dict = dict(SHAPE)
+    if rope == "longrope":
+        overrides.update(max_position_embeddings=256, original_max_position_embeddings=32,
+                         rope_scaling=longrope(32, 32))
+    path = write_tiny_hf_model(tmp_path / rope, arch="phi3", seed=7, **overrides)
+    llm = LLM(str(write_tiny_gguf(path, tmp_path / f"{rope}.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
+    prompts = [p for p in PROMPTS if len(p) > 32] if rope == "longrope" else PROMPTS[:3]  # the long factors
+    for output, prompt in zip(llm.generate(prompts, GREEDY), prompts, strict=True):
+        assert list(output.outputs[0].token_ids) == reference_run(path, prompt, 8)[0]
+
+
 def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
     partial = write_tiny_hf_model(tmp_path / "partial", arch="phi3", partial_rotary_factor=0.75, **SHAPE)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
