@@ -136,7 +136,7 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         partial = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
+        if partial != 1.0 and archs[0] != "BambaForCausalLM":  # Bamba's half-head rotary is its own (bamba.py)
             raise ValueError(f"model config: partial_rotary_factor {partial} (rotary on part of each head, Phi-4's) "
                              "is not supported: kvloom rotates whole heads")
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "longrope":
