@@ -63,6 +63,9 @@ class ModelConfig:
     mlp_bias: bool = False
     # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
     qk_norm: bool = False
+    # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
+    # None: the whole head. (Bamba's half-head rotary is set in models/bamba.py.)
+    rotary_dim: int | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -136,9 +139,11 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         partial = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if partial != 1.0 and archs[0] != "BambaForCausalLM":  # Bamba's half-head rotary is its own (bamba.py)
-            raise ValueError(f"model config: partial_rotary_factor {partial} (rotary on part of each head, Phi-4's) "
-                             "is not supported: kvloom rotates whole heads")
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rotary_dim = None if partial == 1.0 or archs[0] == "BambaForCausalLM" else int(head_dim * partial)
+        if rotary_dim is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
+            raise ValueError(f"model config: partial_rotary_factor {partial} gives {rotary_dim} rotary dimensions of "
+                             f"a {head_dim}-dimension head: they must be even and at most the head's")
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "longrope":
             # Phi-3's: the factor and the context it scales live beside rope_scaling in config.json.
             original = rope_scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
@@ -175,6 +180,7 @@ class ModelConfig:
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            rotary_dim=rotary_dim,
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -284,8 +284,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     _add_gguf_tokenizer(writer, hf_dir)
     if model_type == "phi3":  # as llama.cpp's Phi3MiniModel: rotary dims, and LongRoPE's factors as tensors
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        writer.add_rope_dimension_count(head_dim)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+        writer.add_rope_dimension_count(int(head_dim * partial))
         if rope.get("rope_type", rope.get("type")) == "longrope":
             original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
             scale = config["max_position_embeddings"] / original

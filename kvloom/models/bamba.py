@@ -23,24 +23,13 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ssm_ops
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rotate_partial_
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it
-
-
-def rotate_partial_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate, in place, the first ``cos.shape[-1]`` dimensions of the first ``num_heads``
-    head vectors of each row of x [tokens, width] ("rotate half" within that part)."""
-    rotary = cos.shape[-1]
-    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)[..., :rotary]  # a view
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # [tokens, 1, rotary]
-    half = rotary // 2
-    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-    heads.copy_(heads * c + rotated * s)
 
 
 class BambaAttention(LlamaAttention):

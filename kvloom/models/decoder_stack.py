@@ -111,6 +111,9 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.rotary_dim is not None and config.rotary_dim != config.head_dim:
+            return None, (f"the rotary turns {config.rotary_dim} of each head's {config.head_dim} dimensions "
+                          "(partial_rotary_factor), which the walk's rotary kernel does not")
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")

@@ -25,7 +25,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rotate_partial_
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.sharding import TensorSlice, llama_weight_slice, moe_block_name, tensor_parallel_problem
@@ -64,7 +64,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
-        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        if rotary[0].shape[-1] == self.head_dim:
+            ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        else:  # a partial rotary (Phi-4's): the first rotary dims of each head
+            rotate_partial_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
@@ -102,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+        self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
         if config.classifier is not None:  # the checkpoint's `score`, whole on every rank
             self.lm_head = nn.Linear(config.hidden_size, config.classifier.num_labels, bias=config.classifier.bias)

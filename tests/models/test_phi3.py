@@ -2,8 +2,8 @@
 already fused, and LongRoPE (per-pair rescaled rotary frequencies, the short factors within
 the original context and the long ones past it, cos and sin scaled by the attention
 factor). Greedy tokens and the first log-probs held to transformers in float32 (chunked),
-LongRoPE both ways; the default dtype's exactness in the native walk; what is not served
-(part-head rotary, tensor parallel) refused by name."""
+LongRoPE both ways and over part of each head (Phi-4-mini's); the default dtype's
+exactness in the native walk; what is not served refused by name."""
 
 from __future__ import annotations
 
@@ -47,14 +47,20 @@ def reference_run(path: Path, prompt: list[int], steps: int) -> tuple[list[int],
     return ids[len(prompt):], first
 
 
-@pytest.mark.parametrize("rope", ["default", "longrope-short", "longrope-long"])
+@pytest.mark.parametrize("rope", ["default", "longrope-short", "longrope-long", "partial-longrope"])
 def test_greedy_tokens_and_logprobs_are_transformers(tmp_path: Path, rope: str) -> None:
+    """Phi-4-mini's shape included: three quarters of each head rotated (its first 24 of
+    32 dimensions, the rest passed), with LongRoPE over those."""
     overrides: dict = dict(SHAPE)
+    if rope == "partial-longrope":
+        overrides["partial_rotary_factor"] = 0.75
+        rope = "longrope-long"
     llm_kwargs: dict = {}
     prompts = PROMPTS
     if rope != "default":
+        rotary = int(32 * overrides.get("partial_rotary_factor", 1.0))
         overrides.update(max_position_embeddings=256, original_max_position_embeddings=32,
-                         rope_scaling=longrope(32, 32))
+                         rope_scaling=longrope(rotary, 32))
         if rope == "longrope-short":  # served within the original context: the short factors
             llm_kwargs["max_model_len"] = 32
             prompts = [p for p in PROMPTS if len(p) + 8 <= 32]
@@ -87,7 +93,7 @@ def test_bf16_tokens_alone_equal_batched_and_chunked_in_the_native_walk(tmp_path
     assert together.model.native_stack is not None
 
 
-@pytest.mark.parametrize("rope", ["default", "longrope"])
+@pytest.mark.parametrize("rope", ["default", "longrope", "partial-longrope"])
 def test_a_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path, rope: str) -> None:
     """llama.cpp's phi3 files: attn_qkv and ffn_up fused as HF holds them (no row
     permutation), LongRoPE's factors as the rope_factors_long / _short tensors with the
@@ -95,21 +101,25 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path, rope: str)
     from helpers_models import write_tiny_gguf
 
     overrides: dict = dict(SHAPE)
-    if rope == "longrope":
+    if rope != "default":
+        rotary = 24 if rope == "partial-longrope" else 32  # rope.dimension_count: Phi-4-mini's part of a head
         overrides.update(max_position_embeddings=256, original_max_position_embeddings=32,
-                         rope_scaling=longrope(32, 32))
+                         rope_scaling=longrope(rotary, 32), partial_rotary_factor=rotary / 32)
     path = write_tiny_hf_model(tmp_path / rope, arch="phi3", seed=7, **overrides)
     llm = LLM(str(write_tiny_gguf(path, tmp_path / f"{rope}.gguf")), dtype="float32", block_size=16, num_blocks=64)
     assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
-    prompts = [p for p in PROMPTS if len(p) > 32] if rope == "longrope" else PROMPTS[:3]  # the long factors
+    prompts = [p for p in PROMPTS if len(p) > 32] if rope != "default" else PROMPTS[:3]  # the long factors
     for output, prompt in zip(llm.generate(prompts, GREEDY), prompts, strict=True):
         assert list(output.outputs[0].token_ids) == reference_run(path, prompt, 8)[0]
 
 
 def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
-    partial = write_tiny_hf_model(tmp_path / "partial", arch="phi3", partial_rotary_factor=0.75, **SHAPE)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
+    partial = write_tiny_hf_model(tmp_path / "partial", arch="phi3", partial_rotary_factor=0.3, **SHAPE)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.3 gives 9 rotary dimensions"):
         LLM(str(partial), dtype="float32", block_size=16, num_blocks=16)
+    quarter = write_tiny_hf_model(tmp_path / "quarter", arch="phi3", partial_rotary_factor=0.75, head_dim=64, **SHAPE)
+    bf16 = LLM(str(quarter), dtype="bfloat16", block_size=16, num_blocks=16)
+    assert bf16.engine.model.native_stack is None  # the modules rotate part of each head; the walk declines
     plain = write_tiny_hf_model(tmp_path / "plain", arch="phi3", **SHAPE)
     with pytest.raises(Exception, match="Phi3ForCausalLM is not served under tensor parallel"):
         LLM(str(plain), dtype="float32", block_size=16, num_blocks=16, tensor_parallel_size=2)
