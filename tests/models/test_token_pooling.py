@@ -111,3 +111,12 @@ def test_a_prompt_recomputed_after_preemption_keeps_each_position_once(tiny_llam
     assert processor._streams[request].pooled == rows
     with pytest.raises(AssertionError, match="from position 7, but only 5 are known"):
         processor.add_token_pooled(request, TokenPooled(7, rows[:1]))
+
+
+def test_two_ranks_give_the_same_token_vectors(tiny_llama: Path) -> None:
+    """Under tensor parallel rank 0 reads the gathered states: the vectors of one process."""
+    single = LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=64)
+    expected = [o.outputs.data for o in single.encode(PROMPTS[1:3], pooling_task="token_embed")]
+    with LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as ranks:
+        got = [o.outputs.data for o in ranks.encode(PROMPTS[1:3], pooling_task="token_embed")]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expected, strict=True))
