@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.generation_config import json_object, parse_override
-from kvloom.model_families import ClassifierConfig, MLAConfig, MoEConfig, PoolerConfig, SSMConfig
+from kvloom.model_families import (
+    ClassifierConfig,
+    GraniteScales,
+    MLAConfig,
+    MoEConfig,
+    PoolerConfig,
+    SSMConfig,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -81,6 +88,7 @@ class ModelConfig:
     # k (None: any k up to hidden_size).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    scales: GraniteScales | None = None  # Granite's multipliers (model_families.py)
     # How embeddings are pooled (LAST / MEAN / CLS, normalized or not): vLLM's pooler config.
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
@@ -193,6 +201,7 @@ class ModelConfig:
             matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None
                                    else tuple(int(d) for d in hf["matryoshka_dimensions"])),
             pooler=PoolerConfig.from_hf(hf),
+            scales=GraniteScales.from_hf(hf),
         )
 
 

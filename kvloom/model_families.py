@@ -298,6 +298,27 @@ class SSMConfig:
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
 
 
+@dataclass(frozen=True)
+class GraniteScales:
+    """IBM Granite's multipliers on Llama's layers (``GraniteForCausalLM``): the embedding
+    times ``embedding``, each block's output times ``residual`` before it joins the
+    residual stream, attention scores times ``attention`` (instead of 1/sqrt(head_dim)),
+    the logits divided by ``logits``."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    attention: float | None = None
+    logits: float = 1.0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> GraniteScales | None:
+        if (hf.get("architectures") or [""])[0] != "GraniteForCausalLM":
+            return None
+        attention = hf.get("attention_multiplier")
+        return cls(float(hf.get("embedding_multiplier", 1.0)), float(hf.get("residual_multiplier", 1.0)),
+                   None if attention is None else float(attention), float(hf.get("logits_scaling", 1.0)))
+
+
 # vLLM's pooling types for a whole input (its SequencePoolingType), and the one per token.
 SEQ_POOLING_TYPES = ("LAST", "MEAN", "CLS")
 

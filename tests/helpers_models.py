@@ -107,6 +107,7 @@ _ARCH_CONFIGS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -263,7 +264,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     model_type = config["model_type"]
     arch = arch or model_type
     if permute_qk is None:
-        permute_qk = model_type in ("llama", "mistral")
+        permute_qk = model_type in ("llama", "mistral", "granite")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(str(shard)))
@@ -282,6 +283,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     _add_gguf_tokenizer(writer, hf_dir)
+    if model_type == "granite":  # as llama.cpp's GraniteModel: the multipliers as metadata
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     if model_type == "phi3":  # as llama.cpp's Phi3MiniModel: rotary dims, and LongRoPE's factors as tensors
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

@@ -77,7 +77,10 @@ def backend_for(model: ModelConfig, name: str, device: torch.device) -> Attentio
         if name in MLA_BACKENDS:
             raise ValueError(f"attention_backend {name!r} serves latent attention (DeepSeek) only, not "
                              f"{model.architecture}; use one of {sorted(BACKENDS) + ['auto']}")
-        return make_backend(name, device, model.num_heads, model.num_kv_heads, model.head_dim)
+        backend = make_backend(name, device, model.num_heads, model.num_kv_heads, model.head_dim)
+        if model.scales is not None and model.scales.attention is not None:
+            backend.scale = model.scales.attention  # Granite's attention_multiplier
+        return backend
     if name == "auto":
         name = next(iter(MLA_BACKENDS))
     if name not in MLA_BACKENDS:
@@ -85,5 +88,5 @@ def backend_for(model: ModelConfig, name: str, device: torch.device) -> Attentio
                          f"use one of {sorted(MLA_BACKENDS) + ['auto']}")
     module_name, class_name = MLA_BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    backend: AttentionBackend[Any] = cls(model.num_heads, mla.latent_dim, mla.kv_lora_rank, mla.softmax_scale)
-    return backend
+    latent: AttentionBackend[Any] = cls(model.num_heads, mla.latent_dim, mla.kv_lora_rank, mla.softmax_scale)
+    return latent

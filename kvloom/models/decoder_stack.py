@@ -111,6 +111,9 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.scales is not None and config.scales.residual != 1.0:
+            return None, ("Granite's residual multiplier scales each block's output before the residual add, "
+                          "which the walk's fused add does not")
         if config.rotary_dim is not None and config.rotary_dim != config.head_dim:
             return None, (f"the rotary turns {config.rotary_dim} of each head's {config.head_dim} dimensions "
                           "(partial_rotary_factor), which the walk's rotary kernel does not")

@@ -41,6 +41,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
     "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM", "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -49,7 +50,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
-    "Phi3ForCausalLM": "phi3",
+    "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -119,6 +120,12 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     }
     if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = True
+    if arch == "granite":  # its multipliers, where the converter wrote them
+        for key, field in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                           ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
+            value = meta(key, None)
+            if value is not None:
+                config[field] = float(value)
     if arch == "phi3":  # the fused q/k/v: its row count is q's plus two kv heads' worth
         rope_dims = int(meta("rope.dimension_count", config["head_dim"]))
         config["partial_rotary_factor"] = rope_dims / config["head_dim"]

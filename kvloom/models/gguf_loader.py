@@ -53,7 +53,8 @@ from kvloom.tokenizer import Tokenizer
 __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_config", "gguf_tokenizer", "gguf_weights",
            "num_weights", "open_gguf", "permute_rows"]
 
-_PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM"}
+_PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
+                "GraniteForCausalLM"}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -120,6 +121,7 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down": "feed_forward.down_proj", "ffn_norm": "pre_ff_layernorm", **_mixer("mamba")},
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
+_BLOCK_NAMES["GraniteForCausalLM"] = _ATTENTION_BLOCK
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]

@@ -122,6 +122,9 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states, [tokens, hidden]; kv_caches is the whole pool
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
+        scales = self.config.scales
+        if scales is not None and scales.embedding != 1.0:  # Granite's, in the model's dtype as HF's
+            residual = residual * scales.embedding
         rotary = self.rotary.cos_sin(batch.positions)
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
@@ -142,9 +145,16 @@ class LlamaForCausalLM(nn.Module):
                 residual = residual[rows]
             else:
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata)
-            hidden = layer.mlp(layer.post_attention_layernorm(hidden, residual))
+            hidden = layer.mlp(layer.post_attention_layernorm(self._into_residual(hidden), residual))
+            hidden = self._into_residual(hidden)
         out: torch.Tensor = self.norm(hidden, residual)
         return out if rows is not None else batch.final_states(out)
+
+    def _into_residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream: Granite's times its
+        residual multiplier (in the model's dtype, as HF's), everyone else's as it is."""
+        scales = self.config.scales
+        return hidden if scales is None or scales.residual == 1.0 else hidden * scales.residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab]; under tensor parallel a collective (every rank
@@ -157,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
             local = torch.nn.functional.linear(hidden, self.embed_tokens.weight)  # [rows, shard]
         else:
             local = self.lm_head(hidden)
-        return self.embed_tokens.gather_logits(local)
+        logits = self.embed_tokens.gather_logits(local)
+        scales = self.config.scales
+        return logits if scales is None or scales.logits == 1.0 else logits / scales.logits
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Pack the matmul weights once for the ``matmul`` kernel (models/packed_linear.py:

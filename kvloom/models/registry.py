@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up already fused as kvloom's.
     "Phi3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    # Granite (dense): Llama's layers with four multipliers (model_families.GraniteScales).
+    "GraniteForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
