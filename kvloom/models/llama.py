@@ -28,7 +28,13 @@ from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rotate_partial_
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
-from kvloom.models.sharding import TensorSlice, llama_weight_slice, moe_block_name, tensor_parallel_problem
+from kvloom.models.sharding import (
+    TensorSlice,
+    fused_rows,
+    llama_weight_slice,
+    moe_block_name,
+    tensor_parallel_problem,
+)
 from kvloom.models.weights import WeightFiller
 
 
@@ -240,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                     filler.copy("lm_head.weight", head, hf_name)
                     continue
                 embedding_rows = head  # and the embedding itself is read below
+            if self.tp.size > 1 and (".self_attn.qkv_proj." in name or ".mlp.gate_up_proj." in name):
+                tensor = fused_rows(self.config, name, tensor, self.tp.rank, self.tp.size)  # Phi-3's, whole
             if name in ("score.weight", "score.bias") and self.config.classifier is not None:
                 name = "lm_head." + name.split(".")[1]  # held where a causal model holds its vocabulary head
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):

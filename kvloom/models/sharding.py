@@ -21,6 +21,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+import torch
+
 from kvloom.config import ModelConfig
 from kvloom.model_families import MoEConfig
 
@@ -40,9 +42,6 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     evenly (the vocabulary is padded instead)."""
     if size == 1:
         return None
-    if config.architecture == "Phi3ForCausalLM":
-        return ("Phi3ForCausalLM is not served under tensor parallel: its checkpoint fuses q/k/v and gate/up into "
-                "one tensor each, which kvloom does not cut into ranks' shards yet; run it in one process")
     if config.classifier is not None and config.classifier.source_tokens:
         return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
                 "rows of a few tokens, which one rank's shard may not hold; run it in one process")
@@ -110,6 +109,19 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) 
         start, end, _ = vocab_split(config.vocab_size, rank, size)
         return TensorSlice(0, start, end)
     return None
+
+
+def fused_rows(config: ModelConfig, name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A rank's rows of a checkpoint tensor that fuses q/k/v (``self_attn.qkv_proj``) or
+    gate/up (``mlp.gate_up_proj``), Phi-3's: each part's share, the parts in order, as
+    the rank's own fused layer holds them (read whole, since the shares are not one range)."""
+    if ".self_attn.qkv_proj." in name:
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        parts = [(0, q), (q, kv), (q + kv, kv)]
+    else:
+        parts = [(0, config.intermediate_size), (config.intermediate_size, config.intermediate_size)]
+    return torch.cat([tensor[offset + start:offset + end]
+                      for offset, total in parts for start, end in [column_split(total, rank, size)]])
 
 
 # ---- mixture of experts: checkpoint names ----------------------------------------------

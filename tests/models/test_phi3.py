@@ -3,7 +3,7 @@ already fused, and LongRoPE (per-pair rescaled rotary frequencies, the short fac
 the original context and the long ones past it, cos and sin scaled by the attention
 factor). Greedy tokens and the first log-probs held to transformers in float32 (chunked),
 LongRoPE both ways and over part of each head (Phi-4-mini's); the default dtype's
-exactness in the native walk; what is not served refused by name."""
+exactness in the native walk; two ranks; what is not served refused by name."""
 
 from __future__ import annotations
 
@@ -113,6 +113,15 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path, rope: str)
         assert list(output.outputs[0].token_ids) == reference_run(path, prompt, 8)[0]
 
 
+def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """Each rank reads the fused tensors whole and keeps its share of q, k and v (of gate
+    and up), in order, as its own fused layer holds them."""
+    path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=5, **SHAPE)
+    with LLM(str(path), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(PROMPTS[:3], GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, 8)[0] for p in PROMPTS[:3]]
+
+
 def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
     partial = write_tiny_hf_model(tmp_path / "partial", arch="phi3", partial_rotary_factor=0.3, **SHAPE)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.3 gives 9 rotary dimensions"):
@@ -120,6 +129,3 @@ def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
     quarter = write_tiny_hf_model(tmp_path / "quarter", arch="phi3", partial_rotary_factor=0.75, head_dim=64, **SHAPE)
     bf16 = LLM(str(quarter), dtype="bfloat16", block_size=16, num_blocks=16)
     assert bf16.engine.model.native_stack is None  # the modules rotate part of each head; the walk declines
-    plain = write_tiny_hf_model(tmp_path / "plain", arch="phi3", **SHAPE)
-    with pytest.raises(Exception, match="Phi3ForCausalLM is not served under tensor parallel"):
-        LLM(str(plain), dtype="float32", block_size=16, num_blocks=16, tensor_parallel_size=2)
