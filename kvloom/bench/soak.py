@@ -15,7 +15,7 @@ a seed:
 
 With ``endpoints="all"`` the non-hostile requests spread over the chat completions
 (tools with every ``tool_choice``, JSON schemas, ``n``, logprobs, beam search), Anthropic's
-Messages and the Responses APIs as well as the legacy completions, embeddings (pooling
+Messages and the Responses APIs as well as the legacy completions, embeddings and /pooling (pooling
 requests beside the generating ones) and SageMaker's ``/invocations``, each answer compared
 without its ids and timestamps.
 
@@ -182,6 +182,12 @@ def _embeddings(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bo
     return {"input": texts if len(texts) > 1 else texts[0], "encoding_format": "float"}, True
 
 
+def _pooling(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    """A text's vector per token (vLLM's /pooling, token_embed): every prompt position
+    computed, across chunks and preemptions, beside the generating requests."""
+    return {"input": _words(rng, 1, 60), "task": rng.choice(["token_embed", "embed"])}, True
+
+
 def _invocations(rng: random.Random, max_tokens: int) -> tuple[dict[str, Any], bool]:
     """SageMaker's route: a completion's or a chat's body, answered as on its own route."""
     return (_ordinary if rng.random() < 0.5 else _chat)(rng, max_tokens)
@@ -192,7 +198,8 @@ ENDPOINT_MIXES = {
     "completions": (("/v1/completions", 1.0, _ordinary),),
     "all": (("/v1/completions", 0.3, _ordinary), ("/v1/chat/completions", 0.4, _chat),
             ("/v1/messages", 0.15, _messages), ("/v1/responses", 0.15, _responses),
-            ("/v1/embeddings", 0.05, _embeddings), ("/invocations", 0.05, _invocations)),
+            ("/v1/embeddings", 0.05, _embeddings), ("/invocations", 0.05, _invocations),
+            ("/pooling", 0.05, _pooling)),
 }
 
 
@@ -253,7 +260,7 @@ def _answer(path: str, data: dict[str, Any]) -> tuple[bool, Any]:
             return {k: strip(v) for k, v in value.items() if k not in VOLATILE and not k.endswith("_id")}
         return [strip(v) for v in value] if isinstance(value, list) else value
 
-    if path == "/v1/embeddings":
+    if path in ("/v1/embeddings", "/pooling"):
         return True, data["data"]
     if path == "/v1/messages":
         return data.get("stop_reason") in FINISHED, strip(data["content"])

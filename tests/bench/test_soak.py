@@ -33,7 +33,8 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_bf16) -> None:
 
 def test_soak_with_adapters_and_speculation_on_every_endpoint(tiny_bf16, tmp_path) -> None:
     """Three LoRA adapters on two slots, with n-gram speculation, over completions, chat
-    (tools, schemas, n, beam search), Messages, Responses, embeddings and /invocations: half
+    (tools, schemas, n, beam search), Messages, Responses, embeddings, /pooling (a vector per
+    token, every position computed through chunks and preemptions) and /invocations: half
     the requests name an adapter, so some wait for a slot (none is refused), under
     preemption, disconnects and aborts; each greedy answer (an embedding too) is the same
     request's sent alone, on its adapter."""
@@ -46,7 +47,7 @@ def test_soak_with_adapters_and_speculation_on_every_endpoint(tiny_bf16, tmp_pat
     plan = plan_requests(config)
     assert sum(isinstance(r.payload, dict) and r.payload.get("model", "").startswith("a") for r in plan) > 50
     assert {r.path for r in plan} == {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
-                                      "/v1/embeddings", "/invocations"}
+                                      "/v1/embeddings", "/invocations", "/pooling"}
     result = run_soak(config)
     report = format_soak(result)
     assert result["lost"] == 0 and result["kv_blocks_leaked"] == 0 and result["engine_faults"] == 0, report
