@@ -36,8 +36,8 @@ def build(home: Path, names: Sequence[str] | None, emulated_source: Callable[[Pa
     # on an unchanged tree links them instead of compiling them again (~18 s for AMX's).
     kept = built.parent / "kernels-emulated"
     os.environ["KVLOOM_HOME"] = str(home)  # native.cache_dir() reads it
+    native.cache_dir().mkdir(parents=True, exist_ok=True)  # a kept build is linked into it before any is built
     if names is not None:  # the kernels left native: their current builds, where made already
-        native.cache_dir().mkdir(parents=True, exist_ok=True)
         for source in sorted(native.SOURCES.glob("*.cpp")):
             library = f"{source.stem}-{native.build_key(source.stem, cxx)}.so"
             if source.stem not in names and (built / library).exists():

@@ -25,6 +25,9 @@
 //   gate_up = normed @ Wgu (+ b)                [T, 2 I]
 //   act     = silu(gate) * up                   [T, I]
 //   hidden  = act @ Wdown (+ b)                 [T, H]
+// Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
+// is added into `residual`, every product rounded to bf16 as the module path's
+// `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
 // The caller adds the last `hidden` into `residual` with the final norm. Under tensor
 // parallel (a non-null `reduce`: the shared-memory all-reduce's context) each rank holds
 // its heads and MLP features, and `hidden` is summed over the ranks after the o and the
@@ -82,6 +85,7 @@
 #include <vector>
 
 #include "side_stream.h"
+#include "simd.h"
 
 namespace {
 
@@ -143,7 +147,7 @@ struct Model {
   int64_t num_layers;
   uint16_t* kv_caches;
   int64_t num_blocks, max_blocks, hidden_size, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-  float eps, scale;
+  float eps, scale, residual_scale;
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -165,6 +169,13 @@ struct Model {
     return lora_scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate, widest);
   }
 };
+
+// Granite's residual multiplier on `count` bf16 values, in place (nothing to do at 1).
+void scale_hidden(uint16_t* x, int64_t count, float s, int num_threads) {
+  if (s == 1.0f) return;
+#pragma omp parallel for schedule(static) num_threads(count > 65536 ? num_threads : 1)
+  for (int64_t i = 0; i < count; ++i) kvloom_simd::from_float(kvloom_simd::to_float(x[i]) * s, x + i);
+}
 
 // One walk's rows: consecutive tokens of the batch and the sequences they belong to.
 // query_start is relative to the walk's first token.
@@ -329,8 +340,12 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       return true;
     };
     const int refused = static_cast<int>(layer) + 1;
-    if (layer == 0) rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
-    else rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+    if (layer == 0) {
+      rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+    } else {
+      scale_hidden(hidden, T * H, m.residual_scale, num_threads);
+      rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+    }
     if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     if (!adapt(P_QKV, normed, H, qkv, qkv_width)) return refused;
     if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3: the module path's q_norm and k_norm, before the rotary
@@ -361,6 +376,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
     }
+    scale_hidden(hidden, T * H, m.residual_scale, num_threads);
     rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, m.eps);
     if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, normed, H, gate_up, 2 * I))
       return refused;
@@ -445,7 +461,8 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         int64_t block_size, float eps, float scale, int isa, int num_threads,
+                         int64_t block_size, float eps, float scale, float residual_scale, int isa,
+                         int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
                          const int32_t* out_query_start, const int32_t* out_query_lens, int64_t num_out_seqs,
@@ -453,7 +470,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* lora_rows, uint16_t* lora_scratch) {
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
-                    eps,          scale,      isa,        reduce,       kv_prefetch_bytes,
+                    eps,          scale,      residual_scale, isa,      reduce,       kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,

@@ -29,7 +29,7 @@ _STACK = NativeFunction(
     "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
-    "float eps, float scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "float eps, float scale, float residual_scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
@@ -78,6 +78,7 @@ class StackShape:
     intermediate: int
     eps: float
     isa: str  # the GEMM path of every matmul (kernels/gemm.py)
+    residual_scale: float = 1.0  # Granite's: each block's output times it before the residual add
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +247,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
             rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
+            shape.residual_scale,
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
             hidden, residual = stack(residual, rotary, batch, kv_caches, backend, metadata)
-            return self.norm(hidden, residual)  # the rows batch.output_rows names, if it does
+            return self.norm(self._into_residual(hidden), residual)  # the rows batch.output_rows names, if any
         # The last layer's o projection and MLP run on the rows the step reads alone (one
         # process: under tensor parallel every rank would have to agree on them).
         rows = batch.output_rows if self.tp.size == 1 else None

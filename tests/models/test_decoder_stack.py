@@ -31,11 +31,15 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
              num_hidden_layers=3)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
+# qwen2: q/k/v biases; qwen3: q/k norms; granite: its multipliers (the residual one in the walk)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
-    head_dim = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
-    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE, **head_dim)
+    extra: dict = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
+    if request.param == "granite":
+        extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                     logits_scaling=8.0)
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **SHAPE, **extra)
 
 
 @pytest.fixture(scope="module")

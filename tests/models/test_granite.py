@@ -2,8 +2,8 @@
 embedding's, each block's output before the residual add, the attention scores' in place
 of 1/sqrt(head_dim), the logits' divisor). Greedy tokens and the first log-probs held to
 transformers in float32 (chunked; both attention backends), llama.cpp's granite GGUF
-files too; bf16 alone equals batched and chunked (the modules: the native walk declines
-the residual multiplier by name)."""
+files too, two ranks; bf16 alone equals batched and chunked in the native walk (its steps
+equal the modules' bit for bit: test_decoder_stack.py)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(granite: Path) -> None:
     together = engine(max_num_batched_tokens=24)
     arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(PROMPTS)}
     assert token_ids(run_arrivals(together, arrivals)) == alone
-    assert together.model.native_stack is None  # the residual multiplier: the modules run it
+    assert together.model.native_stack is not None  # the walk scales each block's output too
 
 
 def test_two_ranks_give_transformers_greedy_tokens(granite: Path) -> None:
