@@ -129,18 +129,19 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
 }
 
 // Rotate-half rotary embedding, in place, on `heads` consecutive head vectors of each
-// token row (q's heads then k's heads: they are adjacent in the fused qkv output).
-// cos/sin: [tokens, head_dim] float32, the two halves equal. Per element, as the
+// token row (q's heads then k's heads: they are adjacent in the fused qkv output), over
+// the first `rotary_dim` dimensions of each head (all of them, or Phi-4's part; the rest
+// pass). cos/sin: [tokens, rotary_dim] float32, the two halves equal. Per element, as the
 // reference: x1' = round(round(x1 c) + round(-x2 s)), x2' = round(round(x2 c) + round(x1 s)),
 // with c and s rounded to the activation type first.
 template <typename T>
 void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-            int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-#pragma omp parallel for if (parallel_worth_it(tokens, tokens * heads * head_dim))
+            int64_t heads, int64_t head_dim, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+#pragma omp parallel for if (parallel_worth_it(tokens, tokens * heads * rotary_dim))
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* c = cos + t * head_dim;
-    const float* s = sin + t * head_dim;
+    const float* c = cos + t * rotary_dim;
+    const float* s = sin + t * rotary_dim;
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + t * row_stride + h * head_dim;
 #ifdef KVLOOM_AVX512
@@ -227,12 +228,12 @@ void kvloom_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t ro
   silu_and_mul(gate_up, out, rows, n);
 }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-                       int64_t num_heads, int64_t head_dim) {
-  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim);
+                       int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
+  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);
 }
 void kvloom_rotary_bf16(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-                        int64_t num_heads, int64_t head_dim) {
-  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim);
+                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
+  rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);
 }
 
 void kvloom_add_rows_f32(float* y, const float* delta, const int64_t* rows, int64_t count, int64_t n) {

@@ -95,7 +95,7 @@ using kvloom_side::SideStream;
 using GemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t m,
                        int64_t n, int64_t k, int isa, int num_threads, const SideStream* side);  // gemm.cpp's _side
 using RotaryFn = void (*)(uint16_t* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
-                          int64_t num_heads, int64_t head_dim);
+                          int64_t num_heads, int64_t head_dim, int64_t rotary_dim);
 using WriteKvFn = void (*)(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
                            const int64_t* slots, int64_t tokens, uint16_t* k_cache, uint16_t* v_cache,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int num_threads);
@@ -147,6 +147,7 @@ struct Model {
   int64_t num_layers;
   uint16_t* kv_caches;
   int64_t num_blocks, max_blocks, hidden_size, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+  int64_t rotary_dim;  // each head's dimensions the rotary turns (head_dim, or Phi-4's part): cos/sin's width
   float eps, scale, residual_scale;
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
@@ -352,7 +353,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
       norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
     }
-    rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim);
+    rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
     // From the attention on, the rows computed: every row, or in the last layer the rows
@@ -400,7 +401,7 @@ int split_walks(const Model& m, const Rows& all, int64_t split, int num_threads)
       {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.slots, all.block_tables, all.seq_lens,
        all.query_start, all.query_lens, split, first_tokens, all.lora_slots, all.lora_scratch},
       {all.residual + first_tokens * m.hidden_size, all.hidden + first_tokens * m.hidden_size,
-       all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.head_dim, all.sin + first_tokens * m.head_dim,
+       all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.rotary_dim, all.sin + first_tokens * m.rotary_dim,
        all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
        second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens,
        all.lora_slots == nullptr ? nullptr : all.lora_slots + first_tokens,
@@ -460,8 +461,8 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const float* cos, const float* sin, const int64_t* slots, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         int64_t block_size, float eps, float scale, float residual_scale, int isa,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+                         int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale, int isa,
                          int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
@@ -470,7 +471,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* lora_rows, uint16_t* lora_scratch) {
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
-                    eps,          scale,      residual_scale, isa,      reduce,       kv_prefetch_bytes,
+                    rotary_dim,   eps,        scale,      residual_scale, isa,      reduce,       kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,

@@ -95,7 +95,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 ROTARY = NativeOp(
     "rotary_(Tensor(a!) x, int num_heads, int head_dim, Tensor cos, Tensor sin) -> ()",
     library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_rotary_{variant}(x, int row_stride, cos, sin, int tokens, num_heads, head_dim) -> ()",
+    native="kvloom_rotary_{variant}(x, int row_stride, cos, sin, int tokens, num_heads, head_dim, "
+           "int rotary_dim) -> ()",
     tensors={"x": TensorSpec(2, ACTIVATIONS, rows=True), "cos": TensorSpec(2, (torch.float32,)),
              "sin": TensorSpec(2, (torch.float32,))},
 )
@@ -109,17 +110,21 @@ def _rotary_check(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Ten
     if num_heads * head_dim > x.shape[1]:
         raise ROTARY.error("x", f"has rows of {x.shape[1]} values, fewer than num_heads * head_dim = "
                                 f"{num_heads * head_dim}")
-    tables = (x.shape[0], head_dim)
+    rotary_dim = cos.shape[1]  # the head's first rotary_dim dimensions turn (Phi-4's part; else all)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ROTARY.error("cos", f"must be [tokens, rotary_dim] with rotary_dim even and at most head_dim "
+                                  f"{head_dim}, got {list(cos.shape)}")
+    tables = (x.shape[0], rotary_dim)
     if cos.shape != tables or sin.shape != tables:
         name = "cos" if cos.shape != tables else "sin"
-        raise ROTARY.error(name, f"must be [tokens, head_dim] = {list(tables)}, got "
+        raise ROTARY.error(name, f"must be [tokens, rotary_dim] = {list(tables)}, got "
                                  f"{list((cos if name == 'cos' else sin).shape)}")
 
 
 @ROTARY.implementation
 def _rotary_cpu(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     ROTARY.function(_VARIANT[x.dtype])(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim, cos.shape[1])
 
 
 @ROTARY.fake

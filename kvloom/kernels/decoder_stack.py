@@ -28,7 +28,8 @@ _STACK = NativeFunction(
     "kvloom_decoder_stack(Tensor kernels, Tensor weights, int num_layers, Tensor residual, Tensor hidden, "
     "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
-    "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int intermediate, int block_size, "
+    "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int intermediate, "
+    "int block_size, "
     "float eps, float scale, float residual_scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
@@ -79,6 +80,7 @@ class StackShape:
     eps: float
     isa: str  # the GEMM path of every matmul (kernels/gemm.py)
     residual_scale: float = 1.0  # Granite's: each block's output times it before the residual add
+    rotary_dim: int | None = None  # the rotary's dims of each head (Phi-4's part); None: head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +185,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim))
     if not paged_attention.paired_layout(shape.head_dim, block_size):
         raise _fail("kv_caches", f"of block size {block_size} and head_dim {shape.head_dim} has no paired layout here")
-    _check("cos", cos, torch.float32, (tokens, shape.head_dim))
-    _check("sin", sin, torch.float32, (tokens, shape.head_dim))
+    _check("cos", cos, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
+    _check("sin", sin, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
     _check("slots", slots, torch.int64, (tokens,))
     num_seqs = rows.block_tables.shape[0]
     _check("block_tables", rows.block_tables, torch.int32, (num_seqs, rows.block_tables.shape[1]))
@@ -246,8 +248,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
             rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
-            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, block_size, shape.eps, scale,
-            shape.residual_scale,
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
+            shape.intermediate, block_size, shape.eps, scale, shape.residual_scale,
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

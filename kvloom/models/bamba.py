@@ -22,8 +22,8 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models import ssm_ops
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rotate_partial_
+from kvloom.models import ops, ssm_ops
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
 from kvloom.models.packed_linear import pack_with_tied_head
@@ -38,7 +38,7 @@ class BambaAttention(LlamaAttention):
                 metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
-        rotate_partial_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # half of each head
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]

@@ -111,9 +111,6 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
-        if config.rotary_dim is not None and config.rotary_dim != config.head_dim:
-            return None, (f"the rotary turns {config.rotary_dim} of each head's {config.head_dim} dimensions "
-                          "(partial_rotary_factor), which the walk's rotary kernel does not")
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")
@@ -147,7 +144,7 @@ class NativeDecoderStack:
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim, first.mlp.intermediate_size,
-                                   config.rms_norm_eps, isas.pop(), residual_scale)
+                                   config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,

@@ -125,19 +125,6 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 
-def rotate_partial_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate, in place, the first ``cos.shape[-1]`` dimensions of the first ``num_heads``
-    head vectors of each row of x [tokens, width] ("rotate half" within that part, in x's
-    dtype as transformers computes it; the rest of each head passes). Bamba's half heads,
-    Phi-4's partial_rotary_factor."""
-    rotary = cos.shape[-1]
-    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)[..., :rotary]  # a view
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # [tokens, 1, rotary]
-    half = rotary // 2
-    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-    heads.copy_(heads * c + rotated * s)
-
-
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") rotary embedding over a precomputed cos/sin table."""
 

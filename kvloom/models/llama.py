@@ -25,7 +25,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rotate_partial_
+from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.sharding import (
@@ -70,10 +70,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
-        if rotary[0].shape[-1] == self.head_dim:
-            ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
-        else:  # a partial rotary (Phi-4's): the first rotary dims of each head
-            rotate_partial_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # Phi-4's: a part of each
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]

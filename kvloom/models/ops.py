@@ -88,11 +88,13 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, s
     """Rotate, in place, the first ``num_heads`` head vectors of each row of ``x``.
 
     x: [tokens, width] whose rows start with the heads to rotate (the fused qkv output:
-    q's heads then k's, so one call rotates both). cos/sin: [tokens, head_dim] float32.
+    q's heads then k's, so one call rotates both). cos/sin: [tokens, rotary_dim] float32:
+    each head's first rotary_dim dimensions turn (head_dim; Phi-4's and Bamba's a part),
+    the rest pass.
     """
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise TypeError(f"rotary tables must be float32, got {cos.dtype} and {sin.dtype}")
-    if _triton(x) and cos.is_contiguous() and sin.is_contiguous():
+    if _triton(x) and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == head_dim:
         from kvloom.kernels import triton_ops
         triton_ops.rotary_(x, num_heads, head_dim, cos, sin)
         return
@@ -104,8 +106,10 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, s
 
 def rotary_reference_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor) -> None:
-    heads = x[:, :num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    """``rotary_`` in PyTorch, in x's dtype as transformers computes it."""
+    rotary = cos.shape[-1]
+    heads = x[:, :num_heads * head_dim].unflatten(-1, (num_heads, head_dim))[..., :rotary]  # a view
     c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    half = head_dim // 2
+    half = rotary // 2
     rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
     heads.copy_(heads * c + rotated * s)

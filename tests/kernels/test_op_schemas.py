@@ -84,7 +84,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("silu_and_mul", "gate_up", lambda a: a.__setitem__(0, a[0][:, :31].contiguous()), "must have an even width"),
     ("rotary_", "head_dim", lambda a: a.__setitem__(2, 15), "must be even"),
     ("rotary_", "x", lambda a: a.__setitem__(1, 9), "fewer than num_heads"),
-    ("rotary_", "cos", lambda a: a.__setitem__(3, a[3][:4]), r"must be \[tokens, head_dim\]"),
+    ("rotary_", "cos", lambda a: a.__setitem__(3, a[3][:4]), r"must be \[tokens, rotary_dim\]"),
     ("paged_attention", "kv_cache", lambda a: a.__setitem__(0, a[0][:, :, :32].contiguous()),
      r"must be \[2, num_blocks, block_size, 2, 32\]"),
     ("paged_attention", "q", lambda a: a.__setitem__(0, a[0][:, :3].contiguous()), "multiple of kv_cache's 2"),

@@ -31,11 +31,14 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
              num_hidden_layers=3)
 
 
-# qwen2: q/k/v biases; qwen3: q/k norms; granite: its multipliers (the residual one in the walk)
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite"])
+# qwen2: q/k/v biases; qwen3: q/k norms; granite: its multipliers (the residual one in the walk);
+# phi3: Phi-4-mini's partial rotary (the first 3/4 of each head)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
+    if request.param == "phi3":
+        extra = dict(partial_rotary_factor=0.75)
     if request.param == "granite":
         extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0)
@@ -208,11 +211,12 @@ def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> 
     tokens, caches = 3, engine.runner.kv_caches
     rows = decoder_stack.StackRows(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                                    torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    width = stack.shape.rotary_dim or stack.shape.head_dim  # the rotary tables' (Phi-4's part of a head)
     good: dict[str, Any] = dict(scratch=None, residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
-                cos=torch.ones(tokens, 32), sin=torch.zeros(tokens, 32), slots=torch.arange(tokens), rows=rows)
+                cos=torch.ones(tokens, width), sin=torch.zeros(tokens, width), slots=torch.arange(tokens), rows=rows)
     for name, bad, message in (
             ("residual", torch.zeros(tokens, 128), r"residual must be a contiguous \[3, 128\] torch.bfloat16"),
-            ("cos", torch.ones(tokens, 16), r"cos must be a contiguous \[3, 32\] torch.float32"),
+            ("cos", torch.ones(tokens, 16), rf"cos must be a contiguous \[3, {width}\] torch.float32"),
             ("slots", torch.arange(tokens, dtype=torch.int32), "slots must be"),
             ("kv_caches", caches[:, :, :, :8], "kv_caches must be a contiguous"),
             ("scratch", torch.empty(decoder_stack.scratch_elements(stack.shape, tokens) - 1, dtype=torch.bfloat16),
@@ -227,8 +231,9 @@ def test_split_walks_are_checked_and_a_refused_path_ends_both(model_dir: Path) -
     tokens, caches = 2, engine.runner.kv_caches
     rows = decoder_stack.StackRows(torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
                                    torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32))
+    width = stack.shape.rotary_dim or stack.shape.head_dim
     args: dict[str, Any] = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
-                                cos=torch.ones(tokens, 32), sin=torch.zeros(tokens, 32),
+                                cos=torch.ones(tokens, width), sin=torch.zeros(tokens, width),
                                 slots=torch.tensor([2, 20]), rows=rows, scale=0.1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

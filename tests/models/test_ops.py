@@ -115,6 +115,32 @@ def test_rotary_rotates_q_and_k_in_place(dtype: torch.dtype, tokens: int, heads:
         assert torch.equal(v2, v_before)  # v is never touched
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 96), (32, 24), (64, 32), (24, 8)])
+def test_a_partial_rotary_turns_the_first_dims_of_each_head_as_transformers(dtype: torch.dtype, head_dim: int,
+                                                                             rotary_dim: int) -> None:
+    """Phi-4's (and Bamba's) partial rotary: the native kernel and the reference turn each
+    head's first rotary_dim dimensions as transformers does (its q_rot / q_pass split) and
+    leave the rest; in bf16 bit for bit each other (each product rounded, as in float32,
+    where the compiler may fuse the kernel's multiply and add)."""
+    from kvloom.models.layers import RotaryEmbedding
+    tokens, heads, kv_heads = 11, 6, 2
+    rope = RotaryEmbedding(rotary_dim, 512, 10000.0, None)
+    cos, sin = rope.cos_sin(torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(8)))
+    qkv = data((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 9)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].unflatten(-1, (heads + kv_heads, head_dim))
+    expected = torch.cat((hf_rotary(qk[..., :rotary_dim], cos, sin), qk[..., rotary_dim:]), dim=-1)
+    native, reference = qkv.clone(), qkv.clone()
+    ops.rotary_(native, heads + kv_heads, head_dim, cos, sin)
+    ops.rotary_reference_(reference, heads + kv_heads, head_dim, cos, sin)
+    assert torch.equal(native, reference) or dtype == torch.float32
+    for out in (native, reference):
+        rotated = out[:, :(heads + kv_heads) * head_dim].unflatten(-1, (heads + kv_heads, head_dim))
+        torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
+    assert torch.equal(native[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+
+
 def test_non_cpu_or_odd_dtype_uses_the_reference() -> None:
     x = data((3, 8), torch.float64, 7)
     weight = torch.ones(8, dtype=torch.float64)
