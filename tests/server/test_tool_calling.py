@@ -149,11 +149,11 @@ FEW_SHOT = [  # SmolLM2 answers this with calls of its own, valid or not
     {"role": "user", "content": "What is the weather in Paris, in fahrenheit?"}]
 
 
-def _auto_choices(client, strict: bool) -> list[Any]:
+def _auto_choices(client, strict: bool, max_tokens: int = 48) -> list[Any]:
     tools = STRICT_TOOLS if strict else [{"type": "function", "function": {
         **STRICT_TOOLS[0]["function"], "strict": False}}]
-    return client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=tools, max_tokens=64,
-                                          temperature=0.8, seed=1, n=8).choices
+    return client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=tools, max_tokens=max_tokens,
+                                          temperature=0.8, seed=1, n=5).choices
 
 
 def _valid(call: Any) -> bool:
@@ -165,19 +165,23 @@ def _valid(call: Any) -> bool:
 
 
 def test_auto_with_a_strict_tool_makes_only_valid_calls(client) -> None:
-    """Eight samples of a prompt that SmolLM2 answers with calls: without strict some are
-    malformed (no name, an unknown function, arguments off the schema: left as text or
-    parsed as invalid); with "strict": true every call it opens is a valid one, read
-    back as tool_calls, and text is still allowed."""
-    loose = _auto_choices(client, strict=False)
-    assert any("<tool_call>" in (c.message.content or "") or not all(map(_valid, c.message.tool_calls or ()))
-               for c in loose)
+    """Five samples of a prompt that SmolLM2 answers with calls: with "strict": true every
+    call it opens is a valid one, read back as tool_calls. (The same seeds without strict
+    give malformed calls, extra keys and a missing city among them: this test fails without
+    the constraint; test_the_same_samples_without_strict_are_malformed keeps that so.)"""
     strict = _auto_choices(client, strict=True)
-    assert sum(bool(c.message.tool_calls) for c in strict) >= 6
+    assert sum(bool(c.message.tool_calls) for c in strict) >= 4
     for choice in strict:
         assert all(map(_valid, choice.message.tool_calls or ())), choice
         if choice.finish_reason != "length":
             assert "<tool_call>" not in (choice.message.content or ""), choice
+
+
+def test_the_same_samples_without_strict_are_malformed(client) -> None:
+    """What the test above guards against, on the same seeds: the loose calls."""
+    loose = _auto_choices(client, strict=False, max_tokens=24)  # a malformed call shows early
+    assert any("<tool_call>" in (c.message.content or "") or not all(map(_valid, c.message.tool_calls or ()))
+               for c in loose)
 
 
 def test_strict_auto_with_a_response_format_is_calls_or_that_answer(client) -> None:
@@ -187,8 +191,8 @@ def test_strict_auto_with_a_response_format_is_calls_or_that_answer(client) -> N
     answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
         "additionalProperties": False}}}
-    calls = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=STRICT_TOOLS, max_tokens=64,
-                                           temperature=0.8, seed=1, n=4, response_format=answer).choices
+    calls = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=STRICT_TOOLS, max_tokens=48,
+                                           temperature=0.8, seed=1, n=3, response_format=answer).choices
     assert any(choice.message.tool_calls for choice in calls)
     for choice in calls:
         if choice.message.tool_calls:
