@@ -75,6 +75,10 @@ def _legacy_as_format(spec: Mapping[str, Any]) -> dict[str, Any]:
         where = f"structural_tag.structures[{number}]"
         if not isinstance(structure, Mapping) or set(structure) - {"begin", "schema", "end"}:
             raise ValueError(f"{where} must be an object with 'begin', 'schema' and 'end'")
+        begin = structure.get("begin")
+        if isinstance(triggers, list) and not any(isinstance(t, str) and t and isinstance(begin, str)
+                                                  and begin.startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin must start with one of the triggers {triggers}, got {begin!r}")
         schema = structure.get("schema")
         tags.append({"type": "tag", "begin": structure.get("begin"), "end": structure.get("end"),
                      "content": {"type": "json_schema", "json_schema": {} if schema is None else schema}})

@@ -198,7 +198,7 @@ def test_bad_outer_shapes_are_named_at_construction(spec, message) -> None:
     (fmt({"type": "triggered_tags", "triggers": ["<g="], "tags": [CALL_CITY]}),
      r"structural_tag.format.tags\[0\].begin must start with exactly one of the triggers"),
     ({"type": "structural_tag", "triggers": ["<x"], "structures": [{"begin": "<f=a>", "schema": {}, "end": ""}]},
-     r"structural_tag.tags\[0\].begin must start with exactly one of the triggers \['<x'\]"),
+     r"structural_tag.structures\[0\].begin must start with one of the triggers \['<x'\]"),
     (fmt({"type": "repeat", "min": 3, "max": 1, "content": const("a")}), "repeat needs 0 <= min <= max"),
     (fmt(tag({"type": "token", "token": "<|no such token|>"}, ANY, "x")), "must be a token id or a token"),
     (fmt({"type": "sequence", "elements": []}), r"structural_tag.format.elements must be a non-empty list"),
