@@ -84,7 +84,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 ``config.json`` (HF's
+        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoe or DeepSeek-V2/V3 ``config.json`` (HF's
         defaults where a key is absent); None for any other architecture, or one
         without a sparse layer."""
         arch = (hf.get("architectures") or [""])[0]
@@ -112,6 +112,12 @@ class MoEConfig:
                          sparse_layers=sparse, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                          round_routing_weights=True, shared_expert_intermediate_size=shared,
                          shared_expert_gate=not qwen3, hidden_act=act)
+        elif arch == "GraniteMoeForCausalLM":
+            # Its router's softmax over the top-k logits is Mixtral's renormalised top-k of the
+            # softmax over all of them; the weights rounded to the activation dtype, as HF's.
+            config = cls(num_experts=int(hf.get("num_local_experts", 8)), top_k=int(hf.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
+                         norm_topk_prob=True, round_routing_weights=True, hidden_act=act)
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
         else:
@@ -312,7 +318,7 @@ class GraniteScales:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> GraniteScales | None:
-        if (hf.get("architectures") or [""])[0] != "GraniteForCausalLM":
+        if (hf.get("architectures") or [""])[0] not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
             return None
         attention = hf.get("attention_multiplier")
         return cls(float(hf.get("embedding_multiplier", 1.0)), float(hf.get("residual_multiplier", 1.0)),

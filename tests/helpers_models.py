@@ -108,6 +108,7 @@ _ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

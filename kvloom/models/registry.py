@@ -72,6 +72,7 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Granite (dense): Llama's layers with four multipliers (model_families.GraniteScales).
     "GraniteForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "GraniteMoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # and a Mixtral-routed MoE
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

@@ -133,7 +133,9 @@ _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.w
 _SHARED = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _WHOLE = {"gate.weight": "router", "gate.e_score_correction_bias": "score_correction_bias",
-          "experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "shared_expert_gate.weight": "shared_gate"}
+          "experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "shared_expert_gate.weight": "shared_gate",
+          # GraniteMoe's hub names: the router, and every expert's gate|up and down in one tensor each
+          "router.layer.weight": "router", "input_linear.weight": "gate_up", "output_linear.weight": "down"}
 
 
 @dataclass(frozen=True)

@@ -89,3 +89,21 @@ def test_two_ranks_give_transformers_greedy_tokens(granite: Path) -> None:
         outputs = llm.generate(PROMPTS[:2], GREEDY)
         assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(granite, p, 8)[0]
                                                                    for p in PROMPTS[:2]]
+
+
+def test_granite_moe_gives_transformers_greedy_tokens_and_logprobs(tmp_path: Path) -> None:
+    """GraniteMoe (``GraniteMoeForCausalLM``): Granite's multipliers over a Mixtral-routed
+    MoE (a softmax over the top-k router logits), its hub tensors (``input_linear``,
+    ``output_linear``, ``router.layer``) read into kvloom's experts; float32 and two ranks."""
+    path = write_tiny_hf_model(tmp_path / "granite_moe", arch="granite_moe", seed=4, hidden_size=128,
+                               intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               num_local_experts=6, num_experts_per_tok=2, **SCALES)
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.model_config.moe is not None and llm.engine.model_config.scales is not None
+    for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
+        tokens, first = reference_run(path, prompt, 8)
+        assert list(output.outputs[0].token_ids) == tokens
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+    with LLM(str(path), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as ranks:
+        outputs = ranks.generate(PROMPTS[:2], GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, 8)[0] for p in PROMPTS[:2]]
