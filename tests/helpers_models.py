@@ -395,7 +395,8 @@ def hf_greedy_batched(model: Any, prompts: list[list[int]], max_new_tokens: int)
 
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
 _GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
-                     "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid"}
+                     "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid",
+                     "granitemoe": "granitemoe"}
 # HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
 _GGUF_FAMILY_BLOCK = {
     **_GGUF_BLOCK, "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
@@ -472,9 +473,14 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         if experts:
             writer.add_expert_count(experts)
             writer.add_expert_used_count(config["num_experts_per_tok"])
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    if model_type == "granitemoe":  # GraniteMoeModel: Granite's multipliers
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     elif bamba:
         # LlamaModel's rope dimension (GraniteModel drops head_dim), unless attn_rotary_emb.
         writer.add_vocab_size(config["vocab_size"])
@@ -534,6 +540,18 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
                 writer.add_tensor(top[name], np.ascontiguousarray(array))
             continue
         layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        if rest in ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight"):
+            # GraniteMoe's fused experts, split and stacked as its converter writes them
+            if rest.endswith("input_linear.weight"):
+                gate, up = np.split(array, 2, axis=1)
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            else:
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(array))
+            continue
+        if rest == "block_sparse_moe.router.layer.weight":
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", np.ascontiguousarray(array))
+            continue
         expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
         if expert:
             stacked.setdefault((layer, _GGUF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = array
@@ -559,7 +577,7 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
             writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(k_b.transpose(0, 2, 1)))
             writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(v_b))
             continue
-        elif model_type in ("mixtral", "bamba") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        elif model_type in ("mixtral", "bamba", "granitemoe") and module in ("self_attn.q_proj", "self_attn.k_proj"):
             array = permute_rows(array, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_FAMILY_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
     for (layer, proj), by_expert in stacked.items():

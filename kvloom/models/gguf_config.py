@@ -41,7 +41,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
     "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM", "phi3": "Phi3ForCausalLM",
-    "granite": "GraniteForCausalLM",
+    "granite": "GraniteForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -50,7 +50,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
-    "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -120,7 +120,7 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     }
     if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = True
-    if arch == "granite":  # its multipliers, where the converter wrote them
+    if arch in ("granite", "granitemoe"):  # its multipliers, where the converter wrote them
         for key, field in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
                            ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
             value = meta(key, None)
@@ -139,6 +139,10 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config.update(_qwen2_moe_fields(meta, shapes, config, sparse, path))
     elif arch == "qwen3moe":
         config.update(_qwen3_moe_fields(meta, shapes, config, sparse))
+    elif arch == "granitemoe":  # Mixtral's routing in every layer; the experts' width from their tensors
+        config.update({"num_local_experts": int(meta("expert_count")),
+                       "num_experts_per_tok": int(meta("expert_used_count")),
+                       "intermediate_size": shapes["blk.0.ffn_gate_exps.weight"][1]})
     elif sparse:
         config.update(_mixtral_fields(meta, config, sparse, path))
     return config

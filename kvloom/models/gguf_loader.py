@@ -54,7 +54,7 @@ __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_con
            "num_weights", "open_gguf", "permute_rows"]
 
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
-                "GraniteForCausalLM"}
+                "GraniteForCausalLM", "GraniteMoeForCausalLM"}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -122,6 +122,9 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
 _BLOCK_NAMES["GraniteForCausalLM"] = _ATTENTION_BLOCK
+# GraniteMoe's experts as Mixtral's per-expert names (kvloom's MoE reads either).
+_BLOCK_NAMES["GraniteMoeForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.router.layer",
+                                         **_experts("block_sparse_moe.experts", "w1", "w3", "w2")}
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]

@@ -94,7 +94,8 @@ def test_two_ranks_give_transformers_greedy_tokens(granite: Path) -> None:
 def test_granite_moe_gives_transformers_greedy_tokens_and_logprobs(tmp_path: Path) -> None:
     """GraniteMoe (``GraniteMoeForCausalLM``): Granite's multipliers over a Mixtral-routed
     MoE (a softmax over the top-k router logits), its hub tensors (``input_linear``,
-    ``output_linear``, ``router.layer``) read into kvloom's experts; float32 and two ranks."""
+    ``output_linear``, ``router.layer``) read into kvloom's experts; float32, two ranks and
+    llama.cpp's GGUF file."""
     path = write_tiny_hf_model(tmp_path / "granite_moe", arch="granite_moe", seed=4, hidden_size=128,
                                intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                num_local_experts=6, num_experts_per_tok=2, **SCALES)
@@ -107,3 +108,10 @@ def test_granite_moe_gives_transformers_greedy_tokens_and_logprobs(tmp_path: Pat
     with LLM(str(path), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as ranks:
         outputs = ranks.generate(PROMPTS[:2], GREEDY)
         assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, 8)[0] for p in PROMPTS[:2]]
+    # llama.cpp's granitemoe files: the experts split into ffn_gate_exps / ffn_up_exps, stacked.
+    from helpers_models import write_tiny_gguf_family
+    gguf = LLM(str(write_tiny_gguf_family(path, tmp_path / "granite_moe.gguf")), dtype="float32", block_size=16,
+               num_blocks=64)
+    assert gguf.engine.model_config.architecture == "GraniteMoeForCausalLM"
+    outputs = gguf.generate(PROMPTS[:2], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, 8)[0] for p in PROMPTS[:2]]
