@@ -86,8 +86,9 @@ def params_and_tools(body: ChatCompletionRequest, settings: ServerSettings, top_
                      info: ModelInfo, format_param: str = "response_format") -> tuple[SamplingParams, ToolUse]:
     """The request's sampling parameters and tool use: a forced call's grammar becomes
     the output's constraint (with another format as well: a 400; ``format_param`` is
-    that field's name in the request, chat's or the Responses API's); strict tools'
-    grammar under tool_choice auto does where the request constrains nothing else."""
+    that field's name in the request, chat's or the Responses API's). Strict tools under
+    tool_choice auto hold the calls the model opens; with the request's own format as well,
+    the output is calls only or that format's answer (vLLM's rule)."""
     params = base_params(body, settings, top_logprobs, info)
     tools = tool_use(body, settings)
     if tools.parser is not None and tools.parser.special_marker:  # Mistral's [TOOL_CALLS] kept in the text
