@@ -3,6 +3,9 @@ after every step."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
 from kvloom.sampling_params import SamplingParams
@@ -44,3 +47,19 @@ def fail_output_of(engine: LLMEngine, monkeypatch, request_id: str, at_token: in
         return add_token(request, token_id)
 
     monkeypatch.setattr(engine.output_processor, "add_token", flaky)
+
+
+def bf16_alone_equals_batched(path: str, prompts: list[list[int]], params: SamplingParams) -> LLMEngine:
+    """Each prompt's bf16 tokens run alone equal them in one engine with the prompts
+    arriving two steps apart and prefills chunked at 24 tokens (the kernels are
+    batch-invariant); returns that engine, for what the caller asks of it after."""
+    def engine(**kwargs: Any) -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=16, num_blocks=128, **kwargs))
+
+    alone = {}
+    for index, prompt in enumerate(prompts):
+        alone[f"r{index}"] = token_ids(run_arrivals(engine(), {0: [(f"r{index}", prompt, params)]}))[f"r{index}"]
+    together = engine(max_num_batched_tokens=24)
+    arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(prompts)}
+    assert token_ids(run_arrivals(together, arrivals)) == alone
+    return together

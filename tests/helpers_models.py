@@ -602,3 +602,21 @@ def hf_greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
         for _ in range(max_new_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def hf_greedy_and_first_logprobs(path: str | Path, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """The model directory's transformers greedy tokens, recomputing the whole sequence
+    each step (so that what depends on the sequence's length, LongRoPE's factors, follows
+    it), and its log-probs at the prompt's last position."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids: list[int] = list(prompt)
+    first: torch.Tensor | None = None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            first = torch.log_softmax(logits, -1) if first is None else first
+            ids.append(int(logits.argmax()))
+    assert first is not None
+    return ids[len(prompt):], first

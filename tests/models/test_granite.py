@@ -11,13 +11,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from helpers_engine import run_arrivals, token_ids
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import hf_greedy_and_first_logprobs as reference_run
 from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
-from kvloom.config import EngineConfig
-from kvloom.engine.engine import LLMEngine
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,17 +31,6 @@ SCALES = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_mul
 def granite(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hf_model(tmp_path_factory.mktemp("granite"), arch="granite", seed=3, hidden_size=128,
                                intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, **SCALES)
-
-
-def reference_run(path: Path, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids, first = list(prompt), None
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            first = torch.log_softmax(logits, -1) if first is None else first
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first
 
 
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
@@ -69,18 +56,8 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(granite: Path, tmp_path: P
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(granite: Path) -> None:
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-    def engine(**kwargs) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(str(granite), dtype="bfloat16", block_size=16, num_blocks=128,
-                                                  **kwargs))
-
-    alone = {}
-    for index, prompt in enumerate(PROMPTS):
-        alone[f"r{index}"] = token_ids(run_arrivals(engine(), {0: [(f"r{index}", prompt, params)]}))[f"r{index}"]
-    together = engine(max_num_batched_tokens=24)
-    arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(PROMPTS)}
-    assert token_ids(run_arrivals(together, arrivals)) == alone
+    together = bf16_alone_equals_batched(str(granite), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              ignore_eos=True))
     assert together.model.native_stack is not None  # the walk scales each block's output too
 
 

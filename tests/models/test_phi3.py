@@ -11,13 +11,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from helpers_engine import run_arrivals, token_ids
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import hf_greedy_and_first_logprobs as reference_run
 from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
-from kvloom.config import EngineConfig
-from kvloom.engine.engine import LLMEngine
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,19 +30,6 @@ def longrope(head_dim: int, original: int) -> dict:
     return {"rope_type": "longrope", "short_factor": [1 + rng.random() for _ in range(head_dim // 2)],
             "long_factor": [2 + 6 * rng.random() for _ in range(head_dim // 2)],
             "original_max_position_embeddings": original}
-
-
-def reference_run(path: Path, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens, recomputing the whole sequence each step (so its
-    LongRoPE factors follow the sequence's length), and its first log-probs."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids, first = list(prompt), None
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            first = torch.log_softmax(logits, -1) if first is None else first
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first
 
 
 @pytest.mark.parametrize("rope", ["default", "longrope-short", "longrope-long", "partial-longrope"])
@@ -78,18 +63,8 @@ def test_greedy_tokens_and_logprobs_are_transformers(tmp_path: Path, rope: str) 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked_in_the_native_walk(tmp_path: Path) -> None:
     path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=2, head_dim=64, **SHAPE)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-    def engine(**kwargs) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", block_size=16, num_blocks=128,
-                                                  **kwargs))
-
-    alone = {}
-    for index, prompt in enumerate(PROMPTS):
-        alone[f"r{index}"] = token_ids(run_arrivals(engine(), {0: [(f"r{index}", prompt, params)]}))[f"r{index}"]
-    together = engine(max_num_batched_tokens=24)
-    arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(PROMPTS)}
-    assert token_ids(run_arrivals(together, arrivals)) == alone
+    together = bf16_alone_equals_batched(str(path), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              ignore_eos=True))
     assert together.model.native_stack is not None
 
 
