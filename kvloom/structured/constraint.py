@@ -185,3 +185,27 @@ def _structural_tag_text(value: object) -> str:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"structural_tag must be JSON-serialisable: {error}") from None
+
+
+def structural_tag_format(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A structural tag's format tree (xgrammar's spelling): its ``format``, or the legacy
+    ``structures`` and ``triggers`` as the triggered_tags format they mean (ValueError
+    naming a malformed structure)."""
+    if "format" in spec:
+        return spec["format"]
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list")
+    tags = []
+    for number, structure in enumerate(structures):
+        where = f"structural_tag.structures[{number}]"
+        if not isinstance(structure, Mapping) or set(structure) - {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object with 'begin', 'schema' and 'end'")
+        begin = structure.get("begin")
+        if isinstance(triggers, list) and not any(isinstance(t, str) and t and isinstance(begin, str)
+                                                  and begin.startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin must start with one of the triggers {triggers}, got {begin!r}")
+        schema = structure.get("schema")
+        tags.append({"type": "tag", "begin": structure.get("begin"), "end": structure.get("end"),
+                     "content": {"type": "json_schema", "json_schema": {} if schema is None else schema}})
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags}

@@ -37,6 +37,8 @@ from typing import Any
 
 import llguidance
 
+from kvloom.structured.constraint import structural_tag_format
+
 # The end of the output: what may follow the top-level format.
 END = "END"
 # What follows a format: END, the strings one of which comes next, or None (a format
@@ -55,34 +57,12 @@ def structural_tag_grammar(text: str, token_id: Callable[[str], int | None], voc
     format's string. Raises ValueError naming the field at fault."""
     spec = json.loads(text)
     writer = _LarkWriter(token_id, vocab_size)
-    if "format" in spec:
-        root = writer.format(spec["format"], END, "structural_tag.format")
-    else:
-        root = writer.format(_legacy_as_format(spec), END, "structural_tag")
+    root = writer.format(structural_tag_format(spec), END,
+                         "structural_tag.format" if "format" in spec else "structural_tag")
     lark = "\n".join([f"start: {root.expr}", *writer.rules])
     if not writer.side_grammars:
         return lark
     return json.dumps({"grammars": [{"name": "structural_tag", "lark_grammar": lark}, *writer.side_grammars]})
-
-
-def _legacy_as_format(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The legacy spelling as the triggered_tags format it means."""
-    structures, triggers = spec.get("structures"), spec.get("triggers")
-    if not isinstance(structures, list) or not structures:
-        raise ValueError("structural_tag.structures must be a non-empty list")
-    tags = []
-    for number, structure in enumerate(structures):
-        where = f"structural_tag.structures[{number}]"
-        if not isinstance(structure, Mapping) or set(structure) - {"begin", "schema", "end"}:
-            raise ValueError(f"{where} must be an object with 'begin', 'schema' and 'end'")
-        begin = structure.get("begin")
-        if isinstance(triggers, list) and not any(isinstance(t, str) and t and isinstance(begin, str)
-                                                  and begin.startswith(t) for t in triggers):
-            raise ValueError(f"{where}.begin must start with one of the triggers {triggers}, got {begin!r}")
-        schema = structure.get("schema")
-        tags.append({"type": "tag", "begin": structure.get("begin"), "end": structure.get("end"),
-                     "content": {"type": "json_schema", "json_schema": {} if schema is None else schema}})
-    return {"type": "triggered_tags", "triggers": triggers, "tags": tags}
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvloom.structured.constraint import StructuredOutput
+from kvloom.structured.constraint import StructuredOutput, structural_tag_format
 
 # OpenAI's rule for function names.
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -107,18 +107,10 @@ def auto_tool_call_constraint(tools: Sequence[Mapping[str, Any]], parser_name: s
     tool is strict and the level is "auto"). The output stays free text; each call
     the model opens is a whole call of one of ``tools`` in ``parser_name``'s format
     (one at most without ``parallel``). Raises ValueError as ``tool_call_constraint``."""
-    if strict_level not in TOOL_STRICT_LEVELS:
-        raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, got {strict_level!r}")
-    output_format = TOOL_CALL_FORMATS.get(parser_name)
-    if output_format is None:
-        known = ", ".join(sorted(TOOL_CALL_FORMATS))
-        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
-    functions = tool_functions(tools)
-    strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
-    if strict_level == "auto" and not strict:
+    held = _held_calls(tools, parser_name, strict_level)
+    if held is None:
         return None
-    schemas = {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
-               for name, schema in functions.items()}
+    output_format, schemas = held
     calls = [_call_tag(name, schema, output_format) for name, schema in schemas.items()]
     return StructuredOutput(structural_tag={"type": "structural_tag",
                                             "format": _auto_format(calls, output_format, parallel)})
@@ -130,13 +122,10 @@ def calls_or_output(tools: Sequence[Mapping[str, Any]], parser_name: str, strict
     (``response_format``, vLLM's rule): the output is either calls (one or more, in
     ``parser_name``'s format, only calls) or the constrained answer. None where nothing is
     strict (``output`` alone applies)."""
-    if auto_tool_call_constraint(tools, parser_name, strict_level, parallel) is None:
+    held = _held_calls(tools, parser_name, strict_level)
+    if held is None:
         return None
-    output_format = TOOL_CALL_FORMATS[parser_name]
-    functions = tool_functions(tools)
-    strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
-    schemas = {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
-               for name, schema in functions.items()}
+    output_format, schemas = held
     # A call that is a bare JSON object (llama3_json) is written as one JSON schema: an
     # answer that is JSON too starts with the same "{", and llguidance's lexer cannot
     # hold a literal call head and a JSON value open side by side (it takes the longer).
@@ -152,6 +141,26 @@ def calls_or_output(tools: Sequence[Mapping[str, Any]], parser_name: str, strict
         "type": "or", "elements": [only_calls, _as_format(output)]}}, jump_forward=output.jump_forward)
 
 
+def _held_calls(tools: Sequence[Mapping[str, Any]], parser_name: str, strict_level: str
+                ) -> tuple[_Format, dict[str, Mapping[str, Any]]] | None:
+    """The parser's format and each function's arguments schema (a strict tool's own, or
+    every tool's at the "parameter" level; any object otherwise) where tool_choice "auto"
+    holds calls to the format; None where it holds nothing (the "auto" level, no strict
+    tool). Raises ValueError naming a bad level, parser or tool."""
+    if strict_level not in TOOL_STRICT_LEVELS:
+        raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, got {strict_level!r}")
+    output_format = TOOL_CALL_FORMATS.get(parser_name)
+    if output_format is None:
+        known = ", ".join(sorted(TOOL_CALL_FORMATS))
+        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
+    functions = tool_functions(tools)
+    strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
+    if strict_level == "auto" and not strict:
+        return None
+    return output_format, {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
+                           for name, schema in functions.items()}
+
+
 def _as_format(output: StructuredOutput) -> dict[str, Any]:
     """A constraint as a structural tag's format (xgrammar's spelling)."""
     kind = output.kind
@@ -163,12 +172,7 @@ def _as_format(output: StructuredOutput) -> dict[str, Any]:
         return {"type": "grammar", "grammar": output.text}
     if kind == "choice":
         return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(output.text)]}
-    spec = json.loads(output.text)  # a structural tag: its format, the legacy spelling as what it means
-    if "format" in spec:
-        return spec["format"]
-    return {"type": "triggered_tags", "triggers": spec["triggers"], "tags": [
-        {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s.get("schema") or {}},
-         "end": s["end"]} for s in spec["structures"]]}
+    return structural_tag_format(json.loads(output.text))
 
 
 def _json_call(name: str, schema: Mapping[str, Any], output_format: _Format) -> dict[str, Any]:
