@@ -266,10 +266,11 @@ class PromptLogprobs:
 class TokenPooled:
     """The vectors of prompt positions ``[first, first + len(vectors))`` that one step's
     chunk computed for a token-pooling request (SamplingParams.pooling "token_embed" or
-    "token_classify"): vector i is position ``first + i``'s."""
+    "token_classify"): row i is position ``first + i``'s. Kept as one host tensor, so a
+    mean embedding reduces its rows without a round trip through Python lists."""
 
     first: int
-    vectors: list[list[float]]
+    vectors: torch.Tensor  # [count, width] float32, on the host
 
 
 @dataclass(slots=True)

@@ -41,9 +41,11 @@ class _StreamState:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_out: list[TokenLogprobs | None] | None = None  # converted once complete
     # A pooling request's vector once computed (a token-pooling request's: one per
-    # prompt token, gathered chunk by chunk in token_vectors until complete).
+    # prompt token, gathered chunk by chunk in token_chunks, num_token_vectors rows, until
+    # complete).
     pooled: list[float] | list[list[float]] | None = None
-    token_vectors: list[list[float]] = field(default_factory=list)
+    token_chunks: list[torch.Tensor] = field(default_factory=list)
+    num_token_vectors: int = 0
 
 
 def _stopped_by_token(request: Request) -> bool:
@@ -89,21 +91,25 @@ class OutputProcessor:
         state = self._streams.get(request)
         if state is None:
             return
-        have = len(state.token_vectors)
+        have = state.num_token_vectors
         if chunk.first > have:
             raise AssertionError(f"token vectors of {request.request_id} from position {chunk.first}, "
                                  f"but only {have} are known")
-        state.token_vectors.extend(chunk.vectors[have - chunk.first:])
-        if len(state.token_vectors) == request.num_prompt_tokens:
-            state.pooled = (self._sequence_vector(state.token_vectors)
-                            if request.sampling_params.pooling == "embed" else state.token_vectors)
+        new_rows = chunk.vectors[have - chunk.first:]
+        if len(new_rows):
+            state.token_chunks.append(new_rows)
+            state.num_token_vectors += len(new_rows)
+        if state.num_token_vectors == request.num_prompt_tokens:
+            rows = torch.cat(state.token_chunks)
+            state.token_chunks = []
+            state.pooled = (self._sequence_vector(rows) if request.sampling_params.pooling == "embed"
+                            else rows.tolist())
 
-    def _sequence_vector(self, rows: list[list[float]]) -> list[float]:
-        """An embedding pooled by the mean of the prompt's states or by its first token's
-        (PoolerConfig), in float32, L2-normalized unless the pooler says not: one
-        reduction over every row in position order, so the bits do not depend on how the
-        prompt was chunked."""
-        states = torch.tensor(rows, dtype=torch.float32)
+    def _sequence_vector(self, states: torch.Tensor) -> list[float]:
+        """An embedding pooled by the mean of the prompt's states ([tokens, hidden] float32)
+        or by its first token's (PoolerConfig), L2-normalized unless the pooler says not:
+        one reduction over every row in position order, so the bits do not depend on how
+        the prompt was chunked."""
         vector = states.mean(dim=0) if self.pooler.seq_pooling == "MEAN" else states[0]
         if self.pooler.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)

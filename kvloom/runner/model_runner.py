@@ -215,7 +215,7 @@ class ModelRunner:
         """Wait for a launched step's samples (that step only, not those launched after
         it) and turn them into its RunnerOutput: drafts verified, grammars advanced."""
         output, sampling = launched.scheduled, launched.sampling
-        token_pooled = {request_id: TokenPooled(first, vectors.tolist())
+        token_pooled = {request_id: TokenPooled(first, vectors.cpu())
                         for request_id, first, vectors in launched.token_pooled}
         if launched.sample is None:
             return RunnerOutput([None] * len(output.scheduled), [None] * len(output.scheduled),

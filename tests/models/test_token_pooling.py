@@ -105,12 +105,12 @@ def test_a_prompt_recomputed_after_preemption_keeps_each_position_once(tiny_llam
     request = Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, pooling="token_embed"), (2,), 64)
     processor.add(request)
     rows = [[float(i)] for i in range(5)]
-    processor.add_token_pooled(request, TokenPooled(0, rows[:3]))
-    processor.add_token_pooled(request, TokenPooled(0, rows[:2]))  # recomputed after preemption
-    processor.add_token_pooled(request, TokenPooled(2, rows[2:5]))
+    processor.add_token_pooled(request, TokenPooled(0, torch.tensor(rows[:3])))
+    processor.add_token_pooled(request, TokenPooled(0, torch.tensor(rows[:2])))  # recomputed after preemption
+    processor.add_token_pooled(request, TokenPooled(2, torch.tensor(rows[2:5])))
     assert processor._streams[request].pooled == rows
     with pytest.raises(AssertionError, match="from position 7, but only 5 are known"):
-        processor.add_token_pooled(request, TokenPooled(7, rows[:1]))
+        processor.add_token_pooled(request, TokenPooled(7, torch.tensor(rows[:1])))
 
 
 def test_two_ranks_give_the_same_token_vectors(tiny_llama: Path) -> None:
