@@ -8,19 +8,20 @@ server/serving_rerank.py) and ``LLM.classify`` / ``LLM.score`` share these rules
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvloom.model_families import ClassifierConfig
 
 
-def class_probabilities(logits: Sequence[float], classifier: ClassifierConfig,
-                        use_activation: bool = True) -> list[float]:
-    """The classes' probabilities from one input's logits, in float32: a softmax over
-    the classes, or each class's sigmoid for one label or a multi-label model
-    (``ClassifierConfig.activation``). ``use_activation`` False: the logits as they are
-    (vLLM's field of that name)."""
-    values = torch.tensor(list(logits), dtype=torch.float32)
+def class_probabilities(logits: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor,
+                        classifier: ClassifierConfig, use_activation: bool = True) -> Any:
+    """The classes' probabilities from one input's logits (or from each token's, a list
+    of them: the same shape back), in float32: a softmax over the classes, or each
+    class's sigmoid for one label or a multi-label model (``ClassifierConfig.activation``).
+    ``use_activation`` False: the logits as they are (vLLM's field of that name)."""
+    values = torch.as_tensor(logits, dtype=torch.float32)
     if not use_activation:
         return values.tolist()
     return (values.sigmoid() if classifier.activation == "sigmoid" else values.softmax(-1)).tolist()

@@ -241,9 +241,7 @@ class LLM:
             data = torch.tensor(output.pooled or [], dtype=torch.float32)
             if pooling_task in ("classify", "token_classify") and use_activation:
                 assert classifier is not None  # the engine refused the task otherwise
-                rows = data if pooling_task == "token_classify" else data.unsqueeze(0)
-                data = torch.tensor([class_probabilities(row.tolist(), classifier) for row in rows])
-                data = data if pooling_task == "token_classify" else data[0]
+                data = torch.tensor(class_probabilities(data, classifier))  # each row's (token's) own
             answers.append(PoolingRequestOutput(output.request_id, output.prompt_token_ids, PoolingOutput(data),
                                                 output.finished, output.num_cached_tokens))
         return answers

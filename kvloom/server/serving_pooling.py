@@ -58,9 +58,7 @@ async def create_pooling(body: PoolingApiRequest, request: Request, serving: Ser
         pooled: Any = finals[index].pooled or []
         if task in ("classify", "token_classify"):
             assert classifier is not None
-            rows = pooled if task == "token_classify" else [pooled]
-            probs = [class_probabilities(row, classifier, body.use_activation) for row in rows]
-            pooled = probs if task == "token_classify" else probs[0]
+            pooled = class_probabilities(pooled, classifier, body.use_activation)  # each row's (token's) own
         value: Any = ([encoded(row, body.encoding_format) for row in pooled] if task.startswith("token_")
                       else encoded(pooled, body.encoding_format))
         data.append({"index": index, "object": "pooling", "data": value})
