@@ -73,7 +73,11 @@ class ModelConfig:
     # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
     # None: the whole head. (Bamba's half-head rotary is set in models/bamba.py.)
     rotary_dim: int | None = None
+    # A sliding window (Mistral, Phi-3, Qwen2's use_sliding_window): a query attends to its
+    # last `sliding_window` keys, itself included; layers in full_attention_layers (Qwen2's
+    # first max_window_layers, config.json's layer_types) attend to the whole context.
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -103,6 +107,14 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def attention_window(self, layer: int, max_positions: int) -> int:
+        """The keys layer ``layer`` attends back to when contexts reach ``max_positions``
+        tokens: its sliding window, or 0 for the whole context (no window, a full-attention
+        layer, or a window no context served can pass, which then masks nothing)."""
+        if self.sliding_window is None or layer in self.full_attention_layers or max_positions <= self.sliding_window:
+            return 0
+        return self.sliding_window
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -167,7 +179,13 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
         # (Qwen2-MoE names the same flag qkv_bias.)
         attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", arch.startswith("Qwen2"))))
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("max_window_layers") is not None:  # Qwen2's: the first ones full
+            layer_types = ["full_attention" if i < hf["max_window_layers"] else "sliding_attention"
+                           for i in range(hf["num_hidden_layers"])]
+        full_layers = tuple(i for i, kind in enumerate(layer_types or ()) if kind != "sliding_attention")
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -190,6 +208,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             rotary_dim=rotary_dim,
             sliding_window=sliding,
+            full_attention_layers=full_layers if sliding else (),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),

@@ -49,12 +49,13 @@ class AttentionBackend(ABC, Generic[MetadataT]):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT, window: int = 0) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (v None for
         latent attention, whose value is part of its key: attention/mla_ref.py);
         kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim] (the
-        arrangement inside a block is this backend's, see ``write_kv``).
-        Returns [tokens, heads, head_dim]."""
+        arrangement inside a block is this backend's, see ``write_kv``). ``window`` > 0:
+        the layer's sliding window, the query at position p attending to keys
+        (p - window, p]; 0: every key up to p. Returns [tokens, heads, head_dim]."""
 
 
 def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -120,7 +120,8 @@ class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
         return CPUPagedMetadata(every=KernelRows.of(batch, list(range(len(starts))), starts))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: CPUPagedMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: CPUPagedMetadata,
+                window: int = 0) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         # Every sequence goes through the kernel, fresh prefills too: a query's result is
         # then the same whether its sequence is prefilled whole, in chunks or token by
@@ -128,4 +129,5 @@ class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
         # The op checks q against the cache (a bf16 cache needs bf16 queries, ...).
         rows = metadata.every
         return kernels.paged_attention(q.contiguous(), kv_cache, rows.block_tables, rows.seq_lens,
-                                       rows.query_start, rows.query_lens, self.scale, self.paired_layout(kv_cache))
+                                       rows.query_start, rows.query_lens, self.scale, self.paired_layout(kv_cache),
+                                       window)

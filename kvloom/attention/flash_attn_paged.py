@@ -54,11 +54,13 @@ class FlashAttnBackend(AttentionBackend[FlashAttnMetadata]):
                                  max(batch.seq_lens_list))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashAttnMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashAttnMetadata,
+                window: int = 0) -> torch.Tensor:
         assert v is not None
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         out: torch.Tensor = self.library.flash_attn_varlen_func(
             q.contiguous(), kv_cache[0], kv_cache[1], batch.query_start_loc, metadata.cu_seqlens_k,
             metadata.max_seqlen_q, metadata.max_seqlen_k, softmax_scale=self.scale, causal=True,
+            window_size=(window - 1, 0) if window > 0 else (-1, -1),  # keys back from the query, its own not counted
             block_table=batch.block_tables)
         return out

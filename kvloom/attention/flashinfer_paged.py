@@ -17,7 +17,7 @@ tokens. The first layer plans the wrapper (it knows the dtypes), the rest reuse 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ class FlashInferPlan:
     page_ids: torch.Tensor  # [total pages] int32, device
     last_page_len: torch.Tensor  # [num_seqs] int32, host: tokens in each request's last page
     block_size: int
-    planned: bool = False
+    planned: set[int] = field(default_factory=set)  # the windows whose wrapper holds this step's plan
 
 
 class FlashInferBackend(AttentionBackend[FlashInferPlan]):
@@ -47,13 +47,12 @@ class FlashInferBackend(AttentionBackend[FlashInferPlan]):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.library = import_library("flashinfer", "pip install flashinfer-python", self.name)
-        self._wrapper: Any = None  # made on the first step's device, with its workspace
+        # One wrapper per sliding window the layers use (0: none), each planned once a step
+        # by the first layer with that window; made on the first step's device.
+        self._wrappers: dict[int, Any] = {}
 
     def prepare(self, batch: ForwardBatch) -> FlashInferPlan:
         device = batch.block_tables.device
-        if self._wrapper is None:
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._wrapper = self.library.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         block_size, max_blocks = batch.block_size, batch.block_tables.shape[1]
         pages = [-(-seq_len // block_size) for seq_len in batch.seq_lens_list]
         qo_indptr, kv_indptr = [0], [0]
@@ -72,13 +71,20 @@ class FlashInferBackend(AttentionBackend[FlashInferPlan]):
                               torch.tensor(last_page_len, dtype=torch.int32, pin_memory=pinned), block_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashInferPlan) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashInferPlan,
+                window: int = 0) -> torch.Tensor:
         assert v is not None
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
-        if not metadata.planned:
-            self._wrapper.plan(metadata.qo_indptr, metadata.kv_indptr, metadata.page_ids, metadata.last_page_len,
-                               self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size,
-                               causal=True, sm_scale=self.scale, q_data_type=q.dtype, kv_data_type=kv_cache.dtype)
-            metadata.planned = True
-        out: torch.Tensor = self._wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))
+        wrapper = self._wrappers.get(window)
+        if wrapper is None:
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+            wrapper = self._wrappers[window] = self.library.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        if window not in metadata.planned:
+            # window_left: keys back from the query, its own not counted (-1: all).
+            wrapper.plan(metadata.qo_indptr, metadata.kv_indptr, metadata.page_ids, metadata.last_page_len,
+                         self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size, causal=True,
+                         sm_scale=self.scale, window_left=window - 1 if window > 0 else -1, q_data_type=q.dtype,
+                         kv_data_type=kv_cache.dtype)
+            metadata.planned.add(window)
+        out: torch.Tensor = wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))
         return out

@@ -48,9 +48,10 @@ class MLAReferenceBackend(AttentionBackend[None]):
         return latent, latent[..., :self.value_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0) -> torch.Tensor:
         """q: [tokens, heads, latent_dim] (absorbed); k: the step's latents [tokens, 1,
         latent_dim]; v: unused. Returns [tokens, heads, value_dim], in latent space."""
+        _no_window(window)
         self.write_kv(kv_cache, k, None, batch.slot_mapping)
         block_size = batch.block_size
         out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
@@ -118,10 +119,17 @@ class MLABatchedBackend(AttentionBackend[DecodeStep | None]):
         return self.reference.read_kv(kv_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: DecodeStep | None) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: DecodeStep | None,
+                window: int = 0) -> torch.Tensor:
+        _no_window(window)
         if metadata is None:
             return self.reference.forward(q, k, v, kv_cache, batch, None)
         self.write_kv(kv_cache, k, None, batch.slot_mapping)
         # [requests, longest, latent]: this layer's latents of every request, padded
         latent = kv_cache[0][metadata.blocks].flatten(1, 2)[:, :metadata.longest, 0].to(q.dtype)
         return self.reference.attend(q, latent, metadata.visible)  # [requests, heads, value_dim]
+
+
+def _no_window(window: int) -> None:
+    if window:
+        raise ValueError(f"latent attention attends to whole contexts: no sliding window ({window} asked)")

@@ -20,7 +20,7 @@ class TorchReferenceBackend(AttentionBackend[None]):
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         block_size = batch.block_size
         out = torch.empty_like(q)
@@ -34,12 +34,15 @@ class TorchReferenceBackend(AttentionBackend[None]):
             q_i = q[start:start + query_len].transpose(0, 1).unsqueeze(0)
             k_i = kv[0].transpose(0, 1).unsqueeze(0).to(q.dtype)
             v_i = kv[1].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            # Query j sits at absolute position seq_len - query_len + j and sees keys <= it.
+            # Query j sits at absolute position seq_len - query_len + j and sees keys <= it,
+            # under a window only the last `window` of them.
             mask = None
-            if query_len > 1:
-                key_pos = torch.arange(seq_len, device=q.device)
-                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-                mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [query_len, seq_len]
+            if query_len > 1 or 0 < window < seq_len:
+                key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+                mask = key_pos <= query_pos  # [query_len, seq_len]
+                if window > 0:
+                    mask &= key_pos > query_pos - window
             o = F.scaled_dot_product_attention(
                 q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,

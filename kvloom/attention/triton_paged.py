@@ -79,7 +79,8 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
         triton_attention.write_kv(kv_cache, _unit_last(k), _unit_last(v), slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: TritonMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: TritonMetadata,
+                window: int = 0) -> torch.Tensor:
         if v is None:
             raise ValueError("the triton backend serves K/V attention; latent attention has its own backends")
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
@@ -87,7 +88,7 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
         out = torch.empty_like(q)
         triton_attention.paged_attention(
             q, kv_cache, out, metadata.tiles, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split)
+            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split, window)
         return out
 
 

@@ -290,7 +290,7 @@ template <typename T>
 void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
             const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs, int64_t num_heads,
-            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
             int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
@@ -312,9 +312,13 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       const int64_t rows = std::min<int64_t>(TILE, q_len - r0);
       const int64_t heads = heads_per_item * group;  // query heads of this item
       const int64_t vecs = rows * heads;             // vector m = row m / heads, head m % heads
-      // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it.
+      // Query row r sits at absolute position seq_len - q_len + r and sees keys <= it
+      // (under a sliding window, only the last `window` of them).
       const int64_t first_pos = seq_len - q_len + r0;
       const int64_t last_key = first_pos + rows;  // exclusive bound on keys any row sees
+      const auto first_key = [&](int64_t r) {
+        return window > 0 ? std::max<int64_t>(0, first_pos + r + 1 - window) : 0;
+      };
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
           const T* src = q + ((query_start[s] + r0 + r) * num_heads + kv0 * group + h) * head_dim;
@@ -327,7 +331,8 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
       std::fill(row_sum.begin(), row_sum.begin() + vecs, 0.0f);
       const int32_t* table = block_tables + s * max_blocks;
       const int64_t num_blocks = (last_key + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      // Blocks wholly before row 0's first key are seen by no row (row 0's is the earliest).
+      for (int64_t b = first_key(0) / block_size; b < num_blocks; ++b) {
         const int64_t base_pos = b * block_size;
         const int64_t slots = std::min<int64_t>(block_size, last_key - base_pos);
         const T* kb = k_cache + table[b] * block_stride + kv0 * head_dim;
@@ -352,12 +357,15 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             load_row(vb + t * slot_stride + kh * head_dim, &vbuf[t * head_dim], head_dim);
           }
           for (int64_t r = 0; r < rows; ++r) {
+            // The row's keys in this block: slots [skip, visible), the same whatever step
+            // the row is computed in (blocks sit at absolute positions).
             const int64_t visible = std::min<int64_t>(slots, first_pos + r + 1 - base_pos);
-            if (visible <= 0) continue;
+            const int64_t skip = std::max<int64_t>(0, first_key(r) - base_pos);
+            if (visible <= skip) continue;
             for (int64_t g = 0; g < group; ++g) {
               const int64_t m = r * heads + kh * group + g;
-              block_update(head_dim, &qbuf[m * head_dim], kbuf.data(), vbuf.data(), head_dim, visible,
-                           &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
+              block_update(head_dim, &qbuf[m * head_dim], &kbuf[skip * head_dim], &vbuf[skip * head_dim], head_dim,
+                           visible - skip, &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
             }
           }
         }
@@ -467,8 +475,10 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   constexpr int R = D / 16;  // float32 registers per accumulator row
   __m512 acc[G][R], sum[G];
   float row_max[G];
-  int64_t max_limit = 0;
+  int64_t max_limit = 0, min_first = INT64_MAX, first_key[G];
   for (int g = 0; g < G; ++g) {
+    first_key[g] = src.first_key(limit[g]);
+    min_first = std::min(min_first, first_key[g]);
     if (range.resume) {
       const PairedState& st = *range.resume[g];
       for (int r = 0; r < R; ++r) acc[g][r] = _mm512_load_ps(st.acc + 16 * r);
@@ -487,13 +497,13 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
   const int64_t num_blocks = range.end >= 0 ? range.end : (max_limit + block_size - 1) / block_size;
   // The blocks ahead, a K line and a V line per dim pair of QK^T: P steps per 16 keys
   // are the lines of 16 keys of K and of V (paired.h, LineFeed).
+  // Tiles of 16 keys, u = 0, 1, ... from the range's first block; those past every
+  // vector's limit, or before every vector's first key, are skipped.
+  const int64_t per_block = block_size / 16;
+  const int64_t first = std::max(range.begin * per_block, min_first / 16);
   LineFeed feed;
   feed.bytes = block_size * D * 2;
-  feed.prime(src, range.begin, num_blocks);
-  // Tiles of 16 keys, u = 0, 1, ... from the range's first block; those past every
-  // vector's limit are skipped.
-  const int64_t per_block = block_size / 16;
-  const int64_t first = range.begin * per_block;
+  feed.prime(src, first / per_block, num_blocks);
   const int64_t last = std::min(num_blocks * per_block, (max_limit + 15) / 16);
   // Scores of N tiles at once (N = 2 but for an odd last one): each tile's sums are
   // chains of P dependent dot products, so two tiles give the core twice the
@@ -521,7 +531,8 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
     const int64_t base = u * 16;  // position of the tile's first key
     alignas(64) typename Pairs::Pair weights[G][8];  // probabilities as bf16 token pairs
     for (int g = 0; g < G; ++g) {
-      const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+      const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base))
+                             & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
       __m512 e = _mm512_setzero_ps();
       if (live) {
         const __m512 scaled = _mm512_mul_ps(sc[g], scale_v);
@@ -622,8 +633,10 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   alignas(64) float scores[AMX_VECTORS * 16];
   alignas(64) uint16_t probs[AMX_VECTORS * 16] = {};
   float row_max[AMX_VECTORS];
-  int64_t max_limit = 0;
+  int64_t max_limit = 0, min_first = INT64_MAX, first_key[AMX_VECTORS];
   for (int64_t g = 0; g < count; ++g) {
+    first_key[g] = src.first_key(limit[g]);
+    min_first = std::min(min_first, first_key[g]);
     std::memcpy(queries + g * D, q[g], D * sizeof(uint16_t));
     if (range.resume) {
       const PairedState& st = *range.resume[g];
@@ -641,16 +654,18 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
   // The blocks ahead, two K lines and two V lines per vector's softmax and one of each
   // per accumulator slice (paired.h, LineFeed): 16 keys of K and of V are D / 2 lines
   // each, 2 * count + R steps.
+  const int64_t begin = std::max(range.begin, min_first / block_size);  // blocks before every first key: skipped
   LineFeed feed;
   feed.bytes = block_size * D * 2;
-  feed.prime(src, range.begin, num_blocks);
-  for (int64_t b = range.begin; b < num_blocks; ++b) {
+  feed.prime(src, begin, num_blocks);
+  for (int64_t b = begin; b < num_blocks; ++b) {
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(src.k_cache + src.block_offset(b));
     const uint32_t* vb = reinterpret_cast<const uint32_t*>(src.v_cache + src.block_offset(b));
     feed.add(src, b, num_blocks);  // blocks are scattered: fetch ahead
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t base = b * block_size + t0;
       if (base >= max_limit) break;
+      if (base + 16 <= min_first) continue;
       _tile_zero(0);
       for (int c = 0; c < C; ++c) {
         _tile_loadd(2, queries + 32 * c, D * 2);
@@ -661,7 +676,8 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
       for (int64_t g = 0; g < count; ++g) {
         feed.step();
         feed.step();
-        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base))
+                               & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
         __m512 e = _mm512_setzero_ps();
         if (live) {
           const __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v);
@@ -787,12 +803,16 @@ struct Cascade {
 
 constexpr int64_t CASCADE_MIN_BLOCKS = 4;  // shorter shared runs are not worth a suspend
 
+// No groups under a sliding window (window > 0): its keys are each sequence's own recent
+// ones, and a shared prefix mostly lies before them.
 Cascade plan_cascade(const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                     const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t block_size) {
+                     const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t block_size,
+                     int64_t window = 0) {
   Cascade plan;
   plan.shared.assign(num_seqs, 0);
   plan.first_state.assign(num_seqs, 0);
   plan.group_begin.push_back(0);
+  if (window > 0) return plan;
   // Decodes (and other steps of one query tile): the blocks their first row sees whole.
   std::vector<int64_t> seen(num_seqs, 0), order;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -843,14 +863,14 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
                    const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                    const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int num_threads) {
+                   float scale, int64_t window, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
   const int path = paired_path.load(std::memory_order_relaxed);  // one path for the whole call
   const int max_rows = group_width(head_dim, path);
   const Cascade plan = plan_cascade(block_tables, max_blocks, seq_lens, query_lens, num_seqs, num_heads,
-                                    block_size);
+                                    block_size, window);
   const WorkItems work = make_items(query_lens, seq_lens, plan.shared.data(), block_size, num_seqs, num_kv_heads,
                                     num_threads);
   static thread_local std::vector<PairedState> states;  // reused: no page faults per call
@@ -883,7 +903,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
       const int64_t kh = item % num_kv_heads;
       const int64_t m_end = std::min(plan.group_begin[g + 1], m_begin + CHUNK);
       const int32_t* table = block_tables + plan.members[plan.group_begin[g]] * max_blocks;
-      const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
+      const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window};
       // Every vector of the chunk's sequences for this kv head, in groups of max_rows.
       const uint16_t* qs[MAX_WIDTH];
       int64_t limit[MAX_WIDTH];
@@ -942,7 +962,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
             const char* vector = reinterpret_cast<const char*>(query_vector(query_start[s] + row, head));
             for (int64_t at = 0; at < head_dim * 2; at += 64) __builtin_prefetch(vector + at);
           }
-          const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale};
+          const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window};
           attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, path);
         }
       }
@@ -1028,18 +1048,19 @@ int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_b
 }
 
 // kernel: 0 a float32 cache, 1 a token-major bf16 cache, 2 a bf16 cache in the paired
-// layout (only where kvloom_paired_layout said so). q, out and the caches hold that
+// layout (only where kvloom_paired_layout said so). window > 0: a sliding window, each
+// query at position p attending keys (p - window, p]; 0: every key up to p. q, out and the caches hold that
 // element type: float, or bf16 as uint16_t.
 void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const void* v_cache,
                             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                             const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int num_threads, int kernel) {
+                            float scale, int64_t window, int num_threads, int kernel) {
   auto run = [&](auto attend_fn, auto element) {
     using T = decltype(element);
     attend_fn(static_cast<const T*>(q), static_cast<T*>(out), static_cast<const T*>(k_cache),
               static_cast<const T*>(v_cache), block_tables, max_blocks, seq_lens, query_start, query_lens,
-              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads);
   };
   if (kernel == 0) {
     run(attend<float>, float{});

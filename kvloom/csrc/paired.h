@@ -35,10 +35,19 @@ struct KeySource {
   int64_t head_offset;   // elements from a block's start to this kv head's K (or V)
   int64_t block_size;
   float scale;           // softmax scale, applied to the scores
+  int64_t window = 0;    // a sliding window: a vector sees its last `window` keys (0: all)
 
   // Elements from the cache's start to block b's K (or V) of this kv head.
   int64_t block_offset(int64_t b) const { return table[b] * block_stride + head_offset; }
+  // The first key a vector that sees keys [0, limit) attends under the window.
+  int64_t first_key(int64_t limit) const { return window > 0 ? std::max<int64_t>(0, limit - window) : 0; }
 };
+
+// Sliding windows keep every path's bits whatever the batch: a vector's keys are walked
+// in tiles of 16 at absolute positions, and a tile wholly before its first key is either
+// skipped (where no vector of the group sees it) or walked with every lane masked, which
+// adds exact zeros (weight 0 times a finite V); so its result does not depend on the
+// group it rides in, nor on how its sequence was cut into steps.
 
 // Block b + PREFETCH_BLOCKS of a walk's K and V, asked for while block b computes (the
 // blocks are scattered in the pool, so the hardware cannot guess them), a K line and a

@@ -82,8 +82,10 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
   alignas(32) float scores[TILES][G][16];    // the sub-tiles' scaled scores
   alignas(32) float weights[G][16];          // one sub-tile's probabilities, rounded to bf16
   float row_max[G];
-  int64_t max_limit = 0;
+  int64_t max_limit = 0, min_first = INT64_MAX, first_key[G];
   for (int g = 0; g < G; ++g) {
+    first_key[g] = src.first_key(limit[g]);
+    min_first = std::min(min_first, first_key[g]);
     if (range.resume) {
       const PairedState& st = *range.resume[g];
       std::memcpy(acc[g], st.acc, sizeof(acc[g]));
@@ -104,9 +106,11 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
   // pass over two sub-tiles takes 64 steps and queues two blocks of 32 + 32 lines, so
   // the feed keeps pace (two lines a step was slower, 22.5 vs 20.1 ms; so were feeding
   // 1, 3, 4 or 6 blocks ahead, 21.5-23.3 ms).
+  // The first sub-tile: the range's, or the first that holds any vector's first key.
+  const int64_t first_tile = std::max(range.begin * (block_size / 16), min_first / 16);
   LineFeed feed;
   feed.bytes = block_size * D * 2;
-  feed.prime(src, range.begin, num_blocks);
+  feed.prime(src, first_tile * 16 / block_size, num_blocks);
 
   // QK^T of N sub-tiles: 2N 8-key halves, each split once and used by every vector.
   const auto qk = [&](const SubTile* tiles, auto n) {
@@ -140,10 +144,11 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
   // Online softmax over one sub-tile's live keys, then its PV.
   const auto softmax_pv = [&](const SubTile& tile, const float (*tile_scores)[16]) {
     for (int g = 0; g < G; ++g) {
-      const int64_t count = limit[g] - tile.base;
+      const int64_t count = limit[g] - tile.base, skip = first_key[g] - tile.base;  // live: [skip, count)
       __m256 e_lo = _mm256_setzero_ps(), e_hi = _mm256_setzero_ps();
-      if (count > 0) {
-        const __m256 live_lo = live8(count, 0), live_hi = live8(count, 8);
+      if (count > 0 && skip < 16) {
+        const __m256 live_lo = _mm256_andnot_ps(live8(skip, 0), live8(count, 0));
+        const __m256 live_hi = _mm256_andnot_ps(live8(skip, 8), live8(count, 8));
         const __m256 s_lo = _mm256_load_ps(tile_scores[g]), s_hi = _mm256_load_ps(tile_scores[g] + 8);
         const __m256 old_max = _mm256_set1_ps(row_max[g]);
         const __m256 above = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s_lo, old_max, _CMP_GT_OQ), live_lo),
@@ -195,7 +200,7 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
 
   // The sub-tiles in order, TILES at a time (across a block boundary too), up to the
   // last one any vector sees: sub-tile t0 / 16 of block b is next.
-  int64_t b = range.begin, t0 = 0;
+  int64_t b = first_tile * 16 / block_size, t0 = first_tile * 16 % block_size;
   const auto keys_left = [&] { return b < num_blocks && b * block_size + t0 < max_limit; };
   while (keys_left()) {
     SubTile tiles[TILES];

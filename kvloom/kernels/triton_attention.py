@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+NO_WINDOW = 1 << 30  # the window passed for none: longer than any context
+
 
 @triton.jit
 def _write_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -64,7 +66,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 @triton.jit
 def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
                       tile_seq, tile_first, query_start_loc, seq_lens, block_tables,
-                      scale, head_dim, block_size, blocks_per_split,
+                      scale, window, head_dim, block_size, blocks_per_split,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_cb, stride_cs, stride_ch, stride_bt,
                       stride_pt, stride_ph, stride_ps,
@@ -73,7 +75,8 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
                       FP32_DOT: tl.constexpr):
     """Program (tile, KV head, split): the tile's rows attend over the split's blocks.
     Row r is query ``first + r // GROUP`` of the tile's request, query head
-    ``kv_head * GROUP + r % GROUP``; it sees keys up to its own position."""
+    ``kv_head * GROUP + r % GROUP``; it sees keys up to its own position, the last
+    ``window`` of them (the host passes a window past any context for none)."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tile_seq + tile)
     first = tl.load(tile_first + tile)  # the tile's first query, counted within its request
@@ -94,10 +97,13 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
     if FP32_DOT:
         q_tile = q_tile.to(tl.float32)
 
-    # The tile's last query sees keys [0, end); this split takes its share of those blocks.
+    # The tile's last query sees keys up to end (exclusive), its first from start on; this
+    # split takes its share of those blocks (its blocks before start are seen by no row).
     end = context + tl.minimum(first + BLOCK_Q, q_len)
+    start = tl.maximum(context + first + 1 - window, 0)
     lo = split * blocks_per_split
     hi = tl.minimum(tl.cdiv(end, KV_BLOCK), lo + blocks_per_split)
+    lo = tl.maximum(lo, start // KV_BLOCK)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -113,7 +119,8 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         else:
             scores = tl.dot(q_tile, tl.trans(k_block))
         position = index * KV_BLOCK + offsets
-        visible = (position[None, :] <= (context + query)[:, None]) & row_ok[:, None]
+        visible = ((position[None, :] <= (context + query)[:, None])
+                   & (position[None, :] > (context + query - window)[:, None]) & row_ok[:, None])
         scores = tl.where(visible, scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -176,10 +183,11 @@ def tile_table(query_lens: list[int], block_q: int) -> tuple[list[int], list[int
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, block_q: int, num_splits: int, blocks_per_split: int) -> None:
+                    scale: float, block_q: int, num_splits: int, blocks_per_split: int, window: int = 0) -> None:
     """out [tokens, heads, head_dim] = causal attention of q over each request's paged
     K/V. ``tiles``: [2, num_tiles] int32 from ``tile_table``; ``num_splits`` > 1 (for
-    decode steps) cuts each tile's keys into ranges of ``blocks_per_split`` blocks."""
+    decode steps) cuts each tile's keys into ranges of ``blocks_per_split`` blocks.
+    ``window`` > 0: a sliding window, each query attending to its last ``window`` keys."""
     tokens, heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -196,7 +204,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
     strides = part_max.stride() if split else (0, 0, 0)
     _attention_kernel[(tiles.shape[1], kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, tiles[0], tiles[1], query_start_loc, seq_lens,
-        block_tables, scale, head_dim, block_size, blocks_per_split if split else block_tables.shape[1],
+        block_tables, scale, window if window > 0 else NO_WINDOW, head_dim, block_size,
+        blocks_per_split if split else block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, KV_BLOCK=block_size, HEAD_DIM_PAD=pad, SPLIT=split,

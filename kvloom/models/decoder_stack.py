@@ -129,7 +129,8 @@ class NativeDecoderStack:
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
             isas.update(linear.isa for linear in linears)
             row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
-                                   "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0}
+                                   "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0,
+                                   "window": attention.window}
             if head_norms:
                 row["q_norm"], row["k_norm"] = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
             owners += [norm.weight for norm in norms]

@@ -40,11 +40,14 @@ from kvloom.models.weights import WeightFiller
 
 class LlamaAttention(nn.Module):
     """Under tensor parallel a rank holds ``1 / ranks`` of the query heads and of the KV
-    heads (the KV pool of its heads too); the output projection is row-parallel."""
+    heads (the KV pool of its heads too); the output projection is row-parallel.
+    ``window``: the keys each query attends back to (a sliding window, its own key
+    included), 0 for the whole context."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, window: int = 0) -> None:
         super().__init__()
         self.tp = tp
+        self.window = window
         self.num_heads = config.num_heads // tp.size
         self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = config.head_dim
@@ -75,17 +78,18 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, batch, metadata).reshape(num_tokens, self.q_size)
+        out = backend.forward(q, k, v, kv_cache, batch, metadata, self.window).reshape(num_tokens, self.q_size)
         if rows is not None:
             out = out[rows]
         return self.tp.all_reduce(self.o_proj(out))  # [tokens or rows, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = LlamaAttention(config, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.moe
         self.mlp: GatedMLP | SparseMoE = (
@@ -106,7 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, index) for index in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, index, config.attention_window(index, max_positions))
+                                    for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)

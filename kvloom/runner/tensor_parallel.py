@@ -186,12 +186,15 @@ class RankShard:
 
 
 def max_model_len_for(config: EngineConfig, model: ModelConfig) -> int:
-    """The context length: the configured one, else the model's positions (and its
-    sliding window, which kvloom does not implement: it stays within it). A configured
-    length past either is refused, as vLLM does, rather than quietly served shorter."""
-    limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
+    """The context length: the configured one, else the model's positions. A configured
+    length past them is refused, as vLLM does, rather than quietly served shorter. (A
+    sliding window is attended as one in the Llama family's layers; latent attention and
+    the state-space hybrids have none, and are served within any they declare.)"""
+    limit = model.max_position_embeddings
+    if model.sliding_window is not None and (model.mla is not None or model.ssm is not None):
+        limit = min(limit, model.sliding_window)
     if config.max_model_len is not None and config.max_model_len > limit:
-        what = (f"its sliding window of {limit} tokens (kvloom attends to whole contexts only)"
+        what = (f"its sliding window of {limit} tokens (this family attends to whole contexts only)"
                 if limit < model.max_position_embeddings else f"its {limit} positions")
         raise ModelLoadError(f"max_model_len {config.max_model_len} is longer than the model allows: {what}")
     return config.max_model_len or limit

@@ -20,7 +20,7 @@ HEADS, KV_HEADS, NUM_BLOCKS = 9, 3, 64
 LENGTH = 70  # the sequence under test: 4.4 blocks of 16
 
 
-def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]], window: int = 0) -> list[torch.Tensor]:
     """One kernel call over ``sequences`` = (block ids, tokens done, tokens this step);
     each token's q/k/v come from ``history`` by (block table, position), so every call
     sees the same values. Returns each sequence's output rows."""
@@ -32,7 +32,7 @@ def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]])
         scheduled.append(ScheduledRequest.of(request, done, new))
     batch = ForwardBatch.build(SchedulerOutput(1, scheduled), cache.shape[2], torch.device("cpu"))
     slots = batch.slot_mapping.long()
-    out = backend.forward(q_all[slots], k_all[slots], v_all[slots], cache, batch, backend.prepare(batch))
+    out = backend.forward(q_all[slots], k_all[slots], v_all[slots], cache, batch, backend.prepare(batch), window)
     rows, start = [], 0
     for _, _, new in sequences:
         rows.append(out[start:start + new])
@@ -60,19 +60,21 @@ def setup(request, paired_path):
                                                              for i in range(3)]
 
 
-def test_prefill_chunks_and_decodes_give_the_same_bits(setup) -> None:
+@pytest.mark.parametrize("window", [0, 21], ids=["whole", "window-21"])
+def test_prefill_chunks_and_decodes_give_the_same_bits(setup, window) -> None:
+    """(A sliding window of 21 keys starts mid-tile, a different one for every query.)"""
     backend, cache, history, table, spare = setup
-    fresh = attend(backend, cache, history, [(table, 0, LENGTH)])[0]
+    fresh = attend(backend, cache, history, [(table, 0, LENGTH)], window)[0]
     for cuts in ([23, 23, 24], [1] * 10 + [60], [16, 16, 16, 16, 6], [69, 1]):
         done = 0
         for new in cuts:
-            part = attend(backend, cache, history, [(table, done, new)])[0]
+            part = attend(backend, cache, history, [(table, done, new)], window)[0]
             assert torch.equal(part, fresh[done:done + new]), f"cuts {cuts}: tokens {done}..{done + new}"
             done += new
     # Decodes and chunks of this sequence batched with others of other shapes.
     others = [(spare[0], 0, 20), (spare[1], 30, 1), (spare[2], 11, 33)]
     for done, new in [(69, 1), (40, 30), (0, LENGTH), (64, 6)]:
-        rows = attend(backend, cache, history, others[:1] + [(table, done, new)] + others[1:])
+        rows = attend(backend, cache, history, others[:1] + [(table, done, new)] + others[1:], window)
         assert torch.equal(rows[1], fresh[done:done + new]), f"batched: tokens {done}..{done + new}"
 
 

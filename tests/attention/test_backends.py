@@ -68,3 +68,74 @@ def test_cpu_paged_layout_round_trip(block_size) -> None:
     else:
         assert block_size % 16 != 0 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         # (torch's AVX512 capability means AVX512F/BW/VL/DQ: what the paired kernel needs)
+
+
+def naive_windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int],
+                             scale: float, window: int) -> torch.Tensor:
+    """Each query (at positions[i]) over keys max(0, p - window + 1) .. p of its sequence,
+    one softmax at a time in float64: the definition of a sliding window."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, position in enumerate(positions):
+        first = max(0, position - window + 1)
+        k = keys[first:position + 1].double().repeat_interleave(group, dim=1)  # [n, heads, head_dim]
+        v = values[first:position + 1].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[i].double(), k) * scale).softmax(dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33])
+def test_torch_ref_sliding_window_is_the_definition(window) -> None:
+    """torch_ref's window mask against a per-query loop over the window's keys: a fresh
+    prompt, a chunk after a prefix, and a decode, in one batch."""
+    torch.manual_seed(1)
+    block_size, num_blocks, heads, kv_heads, head_dim = 8, 64, 4, 2, 16
+    shapes = [(0, 40), (30, 12), (50, 1)]
+    batch = ForwardBatch.build(mixed_batch(block_size, num_blocks, seed=3, shapes=shapes), block_size,
+                               torch.device("cpu"))
+    reference = make_backend("torch_ref", torch.device("cpu"), heads, kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    all_slots = torch.arange(num_blocks * block_size)
+    history = torch.randn(2, len(all_slots), kv_heads, head_dim)
+    reference.write_kv(cache, history[0], history[1], all_slots)
+    q = torch.randn(batch.num_tokens, heads, head_dim)
+    k = torch.randn(batch.num_tokens, kv_heads, head_dim)
+    v = torch.randn(batch.num_tokens, kv_heads, head_dim)
+    actual = reference.forward(q, k, v, cache, batch, None, window)
+    start = 0
+    for i, (done, new) in enumerate(shapes):
+        slots = (batch.block_tables[i, torch.arange(done + new) // block_size].long() * block_size
+                 + torch.arange(done + new) % block_size)
+        keys, values = reference.read_kv(cache, slots)
+        expected = naive_windowed_attention(q[start:start + new], keys, values, list(range(done, done + new)),
+                                            reference.scale, window)
+        torch.testing.assert_close(actual[start:start + new].double(), expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (6, 2, 128)])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("window", [1, 9, 16, 37])
+def test_cpu_paged_sliding_window_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window,
+                                                    paired_path) -> None:
+    """Every path of the kernel under a sliding window (ending mid-tile, on a tile's edge,
+    one key) against torch_ref's, over decodes, prefills and chunks of every length."""
+    torch.manual_seed(0)
+    num_blocks = 400
+    batch = ForwardBatch.build(mixed_batch(block_size, num_blocks, seed=window, shapes=MIXED + UNEVEN),
+                               block_size, torch.device("cpu"))
+    q = torch.randn(batch.num_tokens, heads, head_dim, dtype=dtype)
+    k = torch.randn(batch.num_tokens, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(batch.num_tokens, kv_heads, head_dim, dtype=dtype)
+    outputs = []
+    all_slots = torch.arange(num_blocks * block_size)
+    history = torch.randn(2, len(all_slots), kv_heads, head_dim, dtype=dtype)
+    for name in ("torch_ref", "cpu_paged"):
+        backend = make_backend(name, torch.device("cpu"), heads, kv_heads, head_dim)
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        backend.write_kv(cache, history[0], history[1], all_slots)
+        outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))
+    expected, actual = outputs
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -24,7 +24,7 @@ MIXED = [(0, 1), (0, 7), (5, 1), (16, 16), (33, 9), (70, 1), (2, 30), (40, 3)]
 LONG = [(0, 1), (255, 1), (256, 1), (300, 20), (0, 40), (600, 2)]
 
 
-def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, head_dim, block_size):
+def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, head_dim, block_size, window=0):
     """(backend's output, torch_ref's) for one batch over the same history in the pool."""
     torch.manual_seed(0)
     num_blocks = 12 if block_size >= 256 else 80
@@ -39,7 +39,7 @@ def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, hea
         cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
         write_token_major(cache, *history, torch.arange(num_blocks * block_size, device=device))
         metadata = backend.prepare(batch)
-        results.append([backend.forward(q, k, v, cache, batch, metadata) for _layer in range(2)][-1])
+        results.append([backend.forward(q, k, v, cache, batch, metadata, window) for _layer in range(2)][-1])
     return results
 
 
@@ -67,7 +67,34 @@ def test_flashinfer_plans_once_per_step(stand_ins) -> None:
         q, k, v = torch.randn(batch.num_tokens, 4, 16), torch.randn(batch.num_tokens, 2, 16), \
             torch.randn(batch.num_tokens, 2, 16)
         backend.forward(q, k, v, cache, batch, metadata)
-    assert backend._wrapper.plans == 1
+    assert backend._wrappers[0].plans == 1
+
+
+def test_flash_attn_sliding_window_is_its_window_size(stand_ins) -> None:
+    """A window of 21 keys is the query and the 20 before it: window_size (20, 0)."""
+    actual, expected = outputs("flash_attn", torch.device("cpu"), LONG, torch.float32, 8, 2, 32, 256, window=21)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_flashinfer_plans_each_window_once_per_step(stand_ins) -> None:
+    """Layers with a window of 21 keys (window_left 20: the keys before the query) and
+    layers without one in one step: each kind's wrapper planned once, each layer equal to
+    torch_ref's with its window."""
+    torch.manual_seed(0)
+    batch = ForwardBatch.build(mixed_batch(16, 40, seed=1, shapes=MIXED), 16, torch.device("cpu"))
+    backends = [make_backend(name, torch.device("cpu"), 8, 2, 32) for name in ("flashinfer", "torch_ref")]
+    caches = [torch.zeros(2, 40, 16, 2, 32) for _ in backends]
+    for cache in caches:
+        write_token_major(cache, *torch.randn(2, 40 * 16, 2, 32), torch.arange(40 * 16))
+    caches[1].copy_(caches[0])
+    plans = [backend.prepare(batch) for backend in backends]
+    for window in (0, 21, 0, 21):
+        q, k, v = torch.randn(batch.num_tokens, 8, 32), torch.randn(batch.num_tokens, 2, 32), \
+            torch.randn(batch.num_tokens, 2, 32)
+        actual, expected = (backend.forward(q, k, v, cache, batch, plan, window)
+                            for backend, cache, plan in zip(backends, caches, plans, strict=True))
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+    assert {window: wrapper.plans for window, wrapper in backends[0]._wrappers.items()} == {0: 1, 21: 1}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

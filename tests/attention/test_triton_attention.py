@@ -26,7 +26,7 @@ MIXED = [(0, 1), (0, 7), (5, 1), (16, 16), (33, 9), (70, 1), (2, 30), (40, 3)]
 DECODES = [(0, 1), (3, 1), (47, 1), (200, 1), (520, 1)]  # a decode-only step: split-K
 
 
-def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size):
+def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size, window=0):
     """(triton's output, torch_ref's, the two pools' slots) for one batch over the same history."""
     torch.manual_seed(0)
     num_blocks = 80
@@ -42,7 +42,7 @@ def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size):
         backend = make_backend(name, DEVICE, heads, kv_heads, head_dim)
         cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
         write_token_major(cache, *history, slots)  # the same history in both (the layout they share)
-        outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch)))
+        outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))
         pools.append(cache)
     return outputs, pools
 
@@ -67,6 +67,14 @@ def test_triton_split_k_decode_matches_reference(dtype, block_size) -> None:
     assert split_shape(-(-521 // block_size))[0] == (4 if block_size == 16 else 2)
     (actual, expected), _ = run_both(DECODES, dtype, 8, 2, 32, block_size)
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "split-k decodes"])
+def test_triton_sliding_window_matches_reference(shapes) -> None:
+    """A window of 21 keys: prefill tiles whose rows start at different keys, and split-K
+    decodes whose first splits lie wholly before the window (empty, weight 0)."""
+    (actual, expected), _ = run_both(shapes, torch.float32, 9, 3, 64, 16, window=21)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 
 def test_triton_split_shapes() -> None:
