@@ -13,10 +13,12 @@ from typing import Any
 
 from kvloom.generation_config import json_object, parse_override
 from kvloom.model_families import (
+    GEMMA_ARCHITECTURES,
     ClassifierConfig,
-    GraniteScales,
+    GemmaLayers,
     MLAConfig,
     MoEConfig,
+    Multipliers,
     PoolerConfig,
     SSMConfig,
 )
@@ -44,7 +46,7 @@ def parse_device(value: str) -> str:
     return value
 
 
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class ModelConfig:
     # k (None: any k up to hidden_size).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
-    scales: GraniteScales | None = None  # Granite's multipliers (model_families.py)
+    scales: Multipliers | None = None  # Granite's and Gemma's multipliers (model_families.py)
+    gemma: GemmaLayers | None = None  # what Gemma changes in Llama's layers (model_families.py)
     # How embeddings are pooled (LAST / MEAN / CLS, normalized or not): vLLM's pooler config.
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
@@ -155,6 +158,7 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling") or None
         # transformers >= 5 stores rope settings under "rope_parameters".
         rope_params = hf.get("rope_parameters") or {}
+        rope_params = rope_params.get("full_attention", rope_params)  # per layer kind (Gemma 3): the full layers'
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
@@ -200,7 +204,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             # A classifier's score head is its own (transformers ties no head of one).
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) and classifier is None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) and classifier is None,
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
@@ -220,7 +224,8 @@ class ModelConfig:
             matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None
                                    else tuple(int(d) for d in hf["matryoshka_dimensions"])),
             pooler=PoolerConfig.from_hf(hf),
-            scales=GraniteScales.from_hf(hf),
+            scales=Multipliers.from_hf(hf),
+            gemma=GemmaLayers.from_hf(hf),
         )
 
 

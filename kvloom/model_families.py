@@ -305,11 +305,12 @@ class SSMConfig:
 
 
 @dataclass(frozen=True)
-class GraniteScales:
-    """IBM Granite's multipliers on Llama's layers (``GraniteForCausalLM``): the embedding
-    times ``embedding``, each block's output times ``residual`` before it joins the
-    residual stream, attention scores times ``attention`` (instead of 1/sqrt(head_dim)),
-    the logits divided by ``logits``."""
+class Multipliers:
+    """Multipliers on Llama's layers: the embedding times ``embedding``, each block's
+    output times ``residual`` before it joins the residual stream, attention scores times
+    ``attention`` (instead of 1/sqrt(head_dim)), the logits divided by ``logits``. IBM
+    Granite's four (``GraniteForCausalLM``), and Gemma 2 and 3's attention scale
+    (``query_pre_attn_scalar`` ** -0.5; Gemma scales its embedding itself, models/gemma.py)."""
 
     embedding: float = 1.0
     residual: float = 1.0
@@ -317,12 +318,60 @@ class GraniteScales:
     logits: float = 1.0
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> GraniteScales | None:
-        if (hf.get("architectures") or [""])[0] not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
+    def from_hf(cls, hf: dict[str, Any]) -> Multipliers | None:
+        architecture = (hf.get("architectures") or [""])[0]
+        if architecture in GEMMA_ARCHITECTURES:
+            scalar = hf.get("query_pre_attn_scalar")  # Gemma 2 and 3's; Gemma's own is head_dim's
+            return None if scalar is None else cls(attention=float(scalar) ** -0.5)
+        if architecture not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
             return None
         attention = hf.get("attention_multiplier")
         return cls(float(hf.get("embedding_multiplier", 1.0)), float(hf.get("residual_multiplier", 1.0)),
                    None if attention is None else float(attention), float(hf.get("logits_scaling", 1.0)))
+
+
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # transformers runs Gemma's "gelu" as the tanh one too
+
+
+@dataclass(frozen=True)
+class GemmaLayers:
+    """What Google's Gemma changes in Llama's layers (models/gemma.py): every RMSNorm
+    scales by (1 + weight), in float32; the gated MLP's activation is GELU (tanh);
+    Gemma 2 and 3 norm each block's output before it joins the residual stream
+    (``sandwich_norms``: post-attention and post-feedforward norms, and a pre-feedforward
+    one in place of Llama's post-attention norm). Gemma 2 caps the logits (``final_softcap``
+    * tanh(logits / it)) and its attention scores alike (``attention_softcap``); Gemma 3's
+    sliding-window layers turn the rotary at their own base (``local_rope_theta``) and
+    norm every query and key head (``qk_norm`` on ModelConfig)."""
+
+    sandwich_norms: bool = False
+    final_softcap: float | None = None
+    attention_softcap: float | None = None
+    local_rope_theta: float | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> GemmaLayers | None:
+        architecture = (hf.get("architectures") or [""])[0]
+        if architecture not in GEMMA_ARCHITECTURES:
+            return None
+        activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation not in GEMMA_ACTIVATIONS:
+            raise ValueError(f"model config: {architecture}'s hidden_activation {activation!r} is not served "
+                             f"(supported: {', '.join(GEMMA_ACTIVATIONS)})")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"model config: {architecture} with use_bidirectional_attention (an embedding "
+                             "model's) is not served: kvloom's attention is causal")
+        rope = hf.get("rope_parameters") or {}
+        local = (rope.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq"))
+        return cls(sandwich_norms=architecture != "GemmaForCausalLM",
+                   final_softcap=_optional_float(hf.get("final_logit_softcapping")),
+                   attention_softcap=_optional_float(hf.get("attn_logit_softcapping")),
+                   local_rope_theta=_optional_float(local) if architecture == "Gemma3ForCausalLM" else None)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 # vLLM's pooling types for a whole input (its SequencePoolingType), and the one per token.

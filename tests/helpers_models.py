@@ -109,6 +109,9 @@ _ARCH_CONFIGS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

@@ -26,6 +26,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
+from kvloom.models.layers import RMSNorm
 from kvloom.models.packed_linear import InvariantLinear
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
@@ -127,6 +128,8 @@ class NativeDecoderStack:
             if any(norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
                    or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
+            if getattr(mlp, "activation", "silu") != "silu" or any(type(norm) is not RMSNorm for norm in norms):
+                return None, f"layer {index}'s MLP or norms are not Llama's (SiLU, weight-scaled RMSNorm)"
             isas.update(linear.isa for linear in linears)
             row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
                                    "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0,

@@ -147,23 +147,38 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].float(), self.sin[positions].float()
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: x / rms(x) * (1 + weight) (ops.gemma_rms_norm); the checkpoint's weight
+    is the offset from 1."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.gemma_rms_norm(x, self.weight, self.eps, residual)
+
+
+# A gated MLP's activation of gate, times up: [rows, 2n] -> [rows, n].
+GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
-    parallel each rank holds its share of the intermediate features (gate/up
-    column-parallel, down row-parallel) and the down projection's partial sums are
-    all-reduced; its bias (if any) is held by rank 0 alone, so it is added once."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is SiLU
+    (SwiGLU), or GELU's tanh form for Gemma (GeGLU). Under tensor parallel each rank holds
+    its share of the intermediate features (gate/up column-parallel, down row-parallel)
+    and the down projection's partial sums are all-reduced; its bias (if any) is held by
+    rank 0 alone, so it is added once."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+                 tp: TensorParallelGroup = SINGLE_PROCESS, activation: str = "silu") -> None:
         super().__init__()
         start, end = column_split(intermediate_size, tp.rank, tp.size)
         self.intermediate_size = end - start
         self.tp = tp
+        self.activation = activation
+        self._act = GATED_ACTIVATIONS[activation]
         self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self._act(self.gate_up_proj(x))))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -25,7 +25,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.decoder_stack import NativeDecoderStack
-from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from kvloom.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.sharding import (
@@ -56,9 +56,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
-        # Qwen3: every query and key head RMS-normed over head_dim before the rotary.
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3 and Gemma 3: every query and key head RMS-normed over head_dim before the rotary.
+        norm = GemmaRMSNorm if config.gemma is not None else RMSNorm
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
@@ -100,6 +101,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Also a sequence classifier (``config.classifier``): the head is then the score layer.
     has_score_head = True
+    # A family with other layers and norms (models/gemma.py) names its own.
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
@@ -110,9 +114,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, index, config.attention_window(index, max_positions))
+        self.layers = nn.ModuleList(self.layer_class(config, tp, index, config.attention_window(index, max_positions))
                                     for index in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
         if config.classifier is not None:  # the checkpoint's `score`, whole on every rank

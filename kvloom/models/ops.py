@@ -67,6 +67,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * x32.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), the product in float32 before the cast
+    (Llama's casts first, then scales), as transformers computes it; ``residual`` as
+    :func:`rms_norm`'s. PyTorch only (Gemma runs as modules)."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 # ---- gated MLP activation ------------------------------------------------------------
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2n] -> [rows, n]."""
@@ -81,6 +94,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU (the tanh approximation: transformers' gelu_pytorch_tanh) of gate times up,
+    Gemma's GeGLU: [rows, 2n] -> [rows, n]. PyTorch only."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # ---- rotary embedding ----------------------------------------------------------------

@@ -70,9 +70,11 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up already fused as kvloom's.
     "Phi3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
-    # Granite (dense): Llama's layers with four multipliers (model_families.GraniteScales).
+    # Granite (dense): Llama's layers with four multipliers (model_families.Multipliers).
     "GraniteForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "GraniteMoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # and a Mixtral-routed MoE
+    "GemmaForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

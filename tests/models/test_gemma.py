@@ -1,0 +1,71 @@
+"""Google's Gemma and Gemma 3 (text): Llama's attention with norms by (1 + weight), a
+sqrt(hidden)-scaled embedding, GeGLU, and for Gemma 3 the sandwich norms, q/k head norms,
+query_pre_attn_scalar, five sliding-window layers (their own rotary base) to one full one,
+and a final logit softcap where config.json sets one. Greedy tokens and first log-probs
+held to transformers in float32 (chunked, both attention backends, contexts past the
+window), bf16 alone equal to batched and chunked; Gemma 2 (attention softcapping) refused
+by name."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import hf_greedy_and_first_logprobs as reference_run
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+RNG = random.Random(3)
+PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, 47)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("gemma"), arch="gemma", seed=7, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six layers: five of a 12-key window (rotary base 10,000) and a full one (1e6); a
+    query_pre_attn_scalar that is not head_dim and a final softcap small enough to move
+    the tokens, so that none of them can be missed."""
+    return write_tiny_hf_model(tmp_path_factory.mktemp("gemma3"), arch="gemma3", seed=8, num_hidden_layers=6,
+                               sliding_window=12, query_pre_attn_scalar=19, final_logit_softcapping=2.0, **SHAPE)
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
+@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, request) -> None:
+    path = request.getfixturevalue(name)
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16,
+              attention_backend=backend)
+    model = llm.engine.model
+    if name == "gemma3":
+        assert [layer.self_attn.window for layer in model.layers] == [12] * 5 + [0]
+        assert [layer.local_rope for layer in model.layers] == [True] * 5 + [False]
+    for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
+        tokens, first = reference_run(path, prompt, GREEDY.max_tokens)
+        assert list(output.outputs[0].token_ids) == tokens, prompt
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+def test_bf16_tokens_alone_equal_batched_and_chunked(name: str, request) -> None:
+    together = bf16_alone_equals_batched(str(request.getfixturevalue(name)), PROMPTS,
+                                         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert together.model.native_stack is None  # Gemma's layers run as modules
+
+
+def test_gemma2_is_refused_naming_its_attention_softcapping(tmp_path: Path) -> None:
+    from kvloom.models.errors import ModelLoadError
+
+    path = write_tiny_hf_model(tmp_path / "gemma2", arch="gemma2", **SHAPE)
+    with pytest.raises((ModelLoadError, ValueError), match="Gemma2ForCausalLM"):
+        LLM(str(path), dtype="float32", num_blocks=16)
