@@ -29,6 +29,9 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # Gemma 2's attention logit softcapping: each scaled score s becomes
+        # softcap * tanh(s / softcap) before the softmax; 0: none.
+        self.softcap = 0.0
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> MetadataT:

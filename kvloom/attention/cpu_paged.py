@@ -130,4 +130,4 @@ class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
         rows = metadata.every
         return kernels.paged_attention(q.contiguous(), kv_cache, rows.block_tables, rows.seq_lens,
                                        rows.query_start, rows.query_lens, self.scale, self.paired_layout(kv_cache),
-                                       window)
+                                       window, self.softcap)

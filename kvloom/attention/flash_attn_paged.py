@@ -62,5 +62,6 @@ class FlashAttnBackend(AttentionBackend[FlashAttnMetadata]):
             q.contiguous(), kv_cache[0], kv_cache[1], batch.query_start_loc, metadata.cu_seqlens_k,
             metadata.max_seqlen_q, metadata.max_seqlen_k, softmax_scale=self.scale, causal=True,
             window_size=(window - 1, 0) if window > 0 else (-1, -1),  # keys back from the query, its own not counted
+            softcap=self.softcap,  # Gemma 2's (0: none)
             block_table=batch.block_tables)
         return out

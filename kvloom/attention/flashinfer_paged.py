@@ -83,8 +83,8 @@ class FlashInferBackend(AttentionBackend[FlashInferPlan]):
             # window_left: keys back from the query, its own not counted (-1: all).
             wrapper.plan(metadata.qo_indptr, metadata.kv_indptr, metadata.page_ids, metadata.last_page_len,
                          self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size, causal=True,
-                         sm_scale=self.scale, window_left=window - 1 if window > 0 else -1, q_data_type=q.dtype,
-                         kv_data_type=kv_cache.dtype)
+                         sm_scale=self.scale, window_left=window - 1 if window > 0 else -1,
+                         logits_soft_cap=self.softcap or None, q_data_type=q.dtype, kv_data_type=kv_cache.dtype)
             metadata.planned.add(window)
         out: torch.Tensor = wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))
         return out

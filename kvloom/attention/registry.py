@@ -79,7 +79,9 @@ def backend_for(model: ModelConfig, name: str, device: torch.device) -> Attentio
                              f"{model.architecture}; use one of {sorted(BACKENDS) + ['auto']}")
         backend = make_backend(name, device, model.num_heads, model.num_kv_heads, model.head_dim)
         if model.scales is not None and model.scales.attention is not None:
-            backend.scale = model.scales.attention  # Granite's attention_multiplier
+            backend.scale = model.scales.attention  # Granite's attention_multiplier, Gemma's query_pre_attn_scalar
+        if model.gemma is not None and model.gemma.attention_softcap is not None:
+            backend.softcap = model.gemma.attention_softcap  # Gemma 2's
         return backend
     if name == "auto":
         name = next(iter(MLA_BACKENDS))

@@ -43,10 +43,27 @@ class TorchReferenceBackend(AttentionBackend[None]):
                 mask = key_pos <= query_pos  # [query_len, seq_len]
                 if window > 0:
                     mask &= key_pos > query_pos - window
-            o = F.scaled_dot_product_attention(
-                q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
+            if self.softcap:
+                o = softcapped_attention(q_i, k_i, v_i, mask, self.scale, self.softcap)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )
             out[start:start + query_len] = o.squeeze(0).transpose(0, 1)
             start += query_len
         return out
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit softcapping, as transformers' eager attention
+    computes it: scores = softcap * tanh(q k^T * scale / softcap), masked, softmax in
+    float32. q: [1, heads, n, d]; k, v: [1, kv_heads, m, d]; mask: [n, m] or None."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+

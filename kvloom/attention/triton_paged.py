@@ -88,7 +88,7 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
         out = torch.empty_like(q)
         triton_attention.paged_attention(
             q, kv_cache, out, metadata.tiles, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split, window)
+            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split, window, self.softcap)
         return out
 
 

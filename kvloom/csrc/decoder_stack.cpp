@@ -103,7 +103,7 @@ using AttentionFn = void (*)(const void* q, void* out, const void* k_cache, cons
                              const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                              const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int64_t window, int num_threads, int kernel);
+                             float scale, int64_t window, float softcap, int num_threads, int kernel);
 using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);
 using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
 using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n);
@@ -371,7 +371,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
     attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
               rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
-              w[W_WINDOW], num_threads, PAIRED_KERNEL);
+              w[W_WINDOW], 0.0f, num_threads, PAIRED_KERNEL);  // no softcap: Gemma 2 runs as modules
     ahead.plan(layer + 1);
     if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size) || !adapt(P_O, attn, q_size, hidden, H)) return refused;
     if (m.reduce != nullptr) {

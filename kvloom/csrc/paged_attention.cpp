@@ -130,12 +130,11 @@ inline void scale_row(float* acc, float c, int64_t n) {
 // its running max, sum and accumulator (online softmax).
 inline void block_update_generic(int64_t head_dim, const float* qv, const float* kb, const float* vb,
                                  int64_t stride, int64_t visible, float* a, float* row_max,
-                                 float* row_sum, float* sc) {
+                                 float* row_sum, float* sc, float softcap) {
   float block_max = -INFINITY;
-  for (int64_t t = 0; t < visible; ++t) {
-    sc[t] = dot(qv, kb + t * stride, head_dim);
-    block_max = std::max(block_max, sc[t]);
-  }
+  for (int64_t t = 0; t < visible; ++t) sc[t] = dot(qv, kb + t * stride, head_dim);
+  if (softcap > 0) soft_cap(sc, visible, softcap);
+  for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, sc[t]);
   const float new_max = std::max(*row_max, block_max);
   const float correction = rescale_factor(*row_max, new_max);
   scale_row(a, correction, head_dim);
@@ -209,16 +208,21 @@ inline float block_scores(RowDot row_dot, int64_t visible, float scale, float* s
 
 template <int D>
 inline void block_update_fixed(const float* qv, const float* kb, const float* vb, int64_t stride,
-                               int64_t visible, float* a, float* row_max, float* row_sum, float* sc) {
+                               int64_t visible, float* a, float* row_max, float* row_sum, float* sc,
+                               float softcap) {
   constexpr int R = D / 16;
   __m512 q[R];
   for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_ps(qv + 16 * r);
-  const float block_max = block_scores([&](int64_t t) {
+  float block_max = block_scores([&](int64_t t) {
     const float* k = kb + t * stride;
     __m512 prod = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
     for (int r = 1; r < R; ++r) prod = _mm512_fmadd_ps(q[r], _mm512_loadu_ps(k + 16 * r), prod);
     return prod;
   }, visible, 1.0f, sc);  // the query is pre-scaled
+  if (softcap > 0) {
+    soft_cap(sc, visible, softcap);
+    block_max = *std::max_element(sc, sc + visible);
+  }
   softmax_accumulate<D>(vb, stride, visible, block_max, a, row_max, row_sum, sc);
 }
 
@@ -226,16 +230,16 @@ inline void block_update_fixed(const float* qv, const float* kb, const float* vb
 
 inline void block_update(int64_t head_dim, const float* qv, const float* kb, const float* vb,
                          int64_t stride, int64_t visible, float* a, float* row_max,
-                         float* row_sum, float* sc) {
+                         float* row_sum, float* sc, float softcap) {
 #ifdef __AVX512F__
   switch (head_dim) {
-    case 64: return block_update_fixed<64>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
-    case 128: return block_update_fixed<128>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
-    case 32: return block_update_fixed<32>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+    case 64: return block_update_fixed<64>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc, softcap);
+    case 128: return block_update_fixed<128>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc, softcap);
+    case 32: return block_update_fixed<32>(qv, kb, vb, stride, visible, a, row_max, row_sum, sc, softcap);
     default: break;
   }
 #endif
-  block_update_generic(head_dim, qv, kb, vb, stride, visible, a, row_max, row_sum, sc);
+  block_update_generic(head_dim, qv, kb, vb, stride, visible, a, row_max, row_sum, sc, softcap);
 }
 
 // Work items: (seq, first query row, first kv head), TILE query rows each. An item
@@ -291,7 +295,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
             const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
-            int num_threads) {
+            float softcap, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
@@ -365,7 +369,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             for (int64_t g = 0; g < group; ++g) {
               const int64_t m = r * heads + kh * group + g;
               block_update(head_dim, &qbuf[m * head_dim], &kbuf[skip * head_dim], &vbuf[skip * head_dim], head_dim,
-                           visible - skip, &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data());
+                           visible - skip, &acc[m * head_dim], &row_max[m], &row_sum[m], scores.data(), softcap);
             }
           }
         }
@@ -440,6 +444,15 @@ struct PairsFma {
 
 // max(row_max, the live scores): one compare where no live score passes the running
 // max (after the first blocks, nearly always), the full reduction only where one does.
+// Scaled scores softcapped where the model asks (Gemma 2; cap 0: as they are).
+inline __m512 capped(__m512 scores, float cap) {
+  if (cap <= 0) return scores;
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, scores);
+  soft_cap(lanes, 16, cap);
+  return _mm512_load_ps(lanes);
+}
+
 inline float running_max(float row_max, __m512 scores, __mmask16 live) {
   if (!_mm512_mask_cmp_ps_mask(live, scores, _mm512_set1_ps(row_max), _CMP_GT_OQ)) return row_max;
   return std::max(row_max, _mm512_mask_reduce_max_ps(live, scores));
@@ -535,7 +548,7 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
                              & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
       __m512 e = _mm512_setzero_ps();
       if (live) {
-        const __m512 scaled = _mm512_mul_ps(sc[g], scale_v);
+        const __m512 scaled = capped(_mm512_mul_ps(sc[g], scale_v), src.softcap);
         const float new_max = running_max(row_max[g], scaled, live);
         if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
           const __m512 correction = _mm512_set1_ps(std::exp(row_max[g] - new_max));
@@ -680,7 +693,7 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
                                & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
         __m512 e = _mm512_setzero_ps();
         if (live) {
-          const __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v);
+          const __m512 s = capped(_mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v), src.softcap);
           const float new_max = running_max(row_max[g], s, live);
           __m512 sum = _mm512_load_ps(sums + 16 * g);
           if (new_max != row_max[g]) {  // rescale what was accumulated under the old max
@@ -863,7 +876,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
                    const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                    const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, int num_threads) {
+                   float scale, int64_t window, float softcap, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
@@ -903,7 +916,8 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
       const int64_t kh = item % num_kv_heads;
       const int64_t m_end = std::min(plan.group_begin[g + 1], m_begin + CHUNK);
       const int32_t* table = block_tables + plan.members[plan.group_begin[g]] * max_blocks;
-      const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window};
+      const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window,
+                          softcap};
       // Every vector of the chunk's sequences for this kv head, in groups of max_rows.
       const uint16_t* qs[MAX_WIDTH];
       int64_t limit[MAX_WIDTH];
@@ -962,7 +976,8 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
             const char* vector = reinterpret_cast<const char*>(query_vector(query_start[s] + row, head));
             for (int64_t at = 0; at < head_dim * 2; at += 64) __builtin_prefetch(vector + at);
           }
-          const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window};
+          const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window,
+                              softcap};
           attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, path);
         }
       }
@@ -1049,18 +1064,19 @@ int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_b
 
 // kernel: 0 a float32 cache, 1 a token-major bf16 cache, 2 a bf16 cache in the paired
 // layout (only where kvloom_paired_layout said so). window > 0: a sliding window, each
-// query at position p attending keys (p - window, p]; 0: every key up to p. q, out and the caches hold that
+// query at position p attending keys (p - window, p]; 0: every key up to p. softcap > 0:
+// each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's); 0: none. q, out and the caches hold that
 // element type: float, or bf16 as uint16_t.
 void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const void* v_cache,
                             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                             const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, int num_threads, int kernel) {
+                            float scale, int64_t window, float softcap, int num_threads, int kernel) {
   auto run = [&](auto attend_fn, auto element) {
     using T = decltype(element);
     attend_fn(static_cast<const T*>(q), static_cast<T*>(out), static_cast<const T*>(k_cache),
               static_cast<const T*>(v_cache), block_tables, max_blocks, seq_lens, query_start, query_lens,
-              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads);
+              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, num_threads);
   };
   if (kernel == 0) {
     run(attend<float>, float{});

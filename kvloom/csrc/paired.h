@@ -20,6 +20,7 @@
 // receives model K/V), so a masked-out key's zero probability times its V is zero.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace kvloom_paired {
@@ -36,6 +37,7 @@ struct KeySource {
   int64_t block_size;
   float scale;           // softmax scale, applied to the scores
   int64_t window = 0;    // a sliding window: a vector sees its last `window` keys (0: all)
+  float softcap = 0.0f;  // Gemma 2's logit softcapping of the scaled scores (0: none)
 
   // Elements from the cache's start to block b's K (or V) of this kv head.
   int64_t block_offset(int64_t b) const { return table[b] * block_stride + head_offset; }
@@ -48,6 +50,12 @@ struct KeySource {
 // skipped (where no vector of the group sees it) or walked with every lane masked, which
 // adds exact zeros (weight 0 times a finite V); so its result does not depend on the
 // group it rides in, nor on how its sequence was cut into steps.
+
+// Gemma 2's attention logit softcapping: each scaled score s -> cap * tanh(s / cap), in
+// place (cap > 0); a score's own arithmetic, whatever path or group computed it.
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  for (int64_t t = 0; t < n; ++t) scores[t] = cap * std::tanh(scores[t] / cap);
+}
 
 // Block b + PREFETCH_BLOCKS of a walk's K and V, asked for while block b computes (the
 // blocks are scattered in the pool, so the hardware cannot guess them), a K line and a

@@ -139,6 +139,9 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
       constexpr int h = i / G, g = i % G;
       _mm256_store_ps(scores[h / 2][g] + 8 * (h % 2), _mm256_mul_ps(s[h][g], scale));
     });
+    if (src.softcap > 0)
+      for (int i = 0; i < N; ++i)
+        for (int g = 0; g < G; ++g) soft_cap(scores[i][g], 16, src.softcap);
   };
 
   // Online softmax over one sub-tile's live keys, then its PV.

@@ -101,11 +101,11 @@ def _check_cache(op: NativeOp, kv_cache: torch.Tensor, kv_heads: int, head_dim: 
 # ---- attention over the block tables -------------------------------------------------
 PAGED_ATTENTION = NativeOp(
     "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-    "Tensor query_lens, float scale, bool paired, int window) -> Tensor",
+    "Tensor query_lens, float scale, bool paired, int window, float softcap) -> Tensor",
     library="paged_attention",
     native="kvloom_paged_attention(q, Tensor out, Tensor k_cache, Tensor v_cache, block_tables, "
            "int max_blocks, seq_lens, query_start, query_lens, int num_seqs, int num_heads, int num_kv_heads, "
-           "int head_dim, int block_size, scale, window, int32 num_threads, int32 kernel) -> ()",
+           "int head_dim, int block_size, scale, window, softcap, int32 num_threads, int32 kernel) -> ()",
     tensors={"q": TensorSpec(3, like="kv_cache"), "kv_cache": TensorSpec(5, ACTIVATIONS),
              "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
              "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
@@ -115,10 +115,12 @@ PAGED_ATTENTION = NativeOp(
 @PAGED_ATTENTION.check
 def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                           scale: float, paired: bool, window: int = 0) -> None:
+                           scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> None:
     kv_heads, head_dim = kv_cache.shape[3], q.shape[2]
     if window < 0:
         raise PAGED_ATTENTION.error("window", f"must be 0 (every key) or a number of keys, got {window}")
+    if not softcap >= 0:
+        raise PAGED_ATTENTION.error("softcap", f"must be 0 (none) or positive, got {softcap}")
     _check_cache(PAGED_ATTENTION, kv_cache, kv_heads, head_dim)
     if kv_heads == 0 or q.shape[1] % kv_heads:
         raise PAGED_ATTENTION.error("q", f"must have a multiple of kv_cache's {kv_heads} kv heads, got {q.shape[1]}")
@@ -140,14 +142,14 @@ _PAIRED_KERNEL = 2
 @PAGED_ATTENTION.implementation
 def _paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                         scale: float, paired: bool, window: int = 0) -> torch.Tensor:
+                         scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     out = torch.empty_like(q)  # [tokens, heads, head_dim]
     k_cache, v_cache = _cache_pointers(kv_cache)
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     PAGED_ATTENTION.function()(
         q.data_ptr(), out.data_ptr(), k_cache, v_cache, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], q.shape[1],
-        kv_heads, head_dim, block_size, scale, window, torch.get_num_threads(),
+        kv_heads, head_dim, block_size, scale, window, softcap, torch.get_num_threads(),
         _PAIRED_KERNEL if paired else _TOKEN_MAJOR_KERNEL[q.dtype])
     return out
 
@@ -155,20 +157,21 @@ def _paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
 @PAGED_ATTENTION.fake
 def _paged_attention_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                          scale: float, paired: bool, window: int = 0) -> torch.Tensor:
+                          scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, query_lens: torch.Tensor, scale: float, paired: bool,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of q: [tokens, heads, head_dim] over each sequence's cached keys
     through its block table ([num_seqs, max_blocks] int32); ``seq_lens``,
     ``query_start`` (first row in q) and ``query_lens``: [num_seqs] int32. ``paired``:
     the cache is in the paired layout. ``window`` > 0: a sliding window, the query at
-    position p attending keys (p - window, p]. Returns [tokens, heads, head_dim]."""
+    position p attending keys (p - window, p]. ``softcap`` > 0: each scaled score s becomes
+    softcap * tanh(s / softcap) (Gemma 2's). Returns [tokens, heads, head_dim]."""
     return PAGED_ATTENTION.call(q, kv_cache, block_tables, seq_lens, query_start, query_lens, scale, paired,
-                                window)
+                                window, softcap)
 
 
 # ---- writing K/V into the paired layout ----------------------------------------------

@@ -66,7 +66,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 @triton.jit
 def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
                       tile_seq, tile_first, query_start_loc, seq_lens, block_tables,
-                      scale, window, head_dim, block_size, blocks_per_split,
+                      scale, window, softcap, head_dim, block_size, blocks_per_split,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_cb, stride_cs, stride_ch, stride_bt,
                       stride_pt, stride_ph, stride_ps,
@@ -121,7 +121,10 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         position = index * KV_BLOCK + offsets
         visible = ((position[None, :] <= (context + query)[:, None])
                    & (position[None, :] > (context + query - window)[:, None]) & row_ok[:, None])
-        scores = tl.where(visible, scores * scale, float("-inf"))
+        scores = scores * scale
+        if softcap > 0:  # Gemma 2's: softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         p = tl.exp(scores - m_safe[:, None])
@@ -183,11 +186,13 @@ def tile_table(query_lens: list[int], block_q: int) -> tuple[list[int], list[int
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, block_q: int, num_splits: int, blocks_per_split: int, window: int = 0) -> None:
+                    scale: float, block_q: int, num_splits: int, blocks_per_split: int, window: int = 0,
+                    softcap: float = 0.0) -> None:
     """out [tokens, heads, head_dim] = causal attention of q over each request's paged
     K/V. ``tiles``: [2, num_tiles] int32 from ``tile_table``; ``num_splits`` > 1 (for
     decode steps) cuts each tile's keys into ranges of ``blocks_per_split`` blocks.
-    ``window`` > 0: a sliding window, each query attending to its last ``window`` keys."""
+    ``window`` > 0: a sliding window, each query attending to its last ``window`` keys;
+    ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's)."""
     tokens, heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -204,7 +209,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
     strides = part_max.stride() if split else (0, 0, 0)
     _attention_kernel[(tiles.shape[1], kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, tiles[0], tiles[1], query_start_loc, seq_lens,
-        block_tables, scale, window if window > 0 else NO_WINDOW, head_dim, block_size,
+        block_tables, scale, window if window > 0 else NO_WINDOW, softcap, head_dim, block_size,
         blocks_per_split if split else block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *strides,

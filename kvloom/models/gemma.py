@@ -1,20 +1,22 @@
-"""Google's Gemma (``GemmaForCausalLM``) and Gemma 3's text models (``Gemma3ForCausalLM``,
-Gemma 3 1B and the text-only checkpoints): Llama's attention and loading, with what
-Gemma changes (``config.gemma``, model_families.GemmaLayers):
+"""Google's Gemma (``GemmaForCausalLM``), Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3's
+text models (``Gemma3ForCausalLM``: Gemma 3 1B and the text-only checkpoints): Llama's
+attention and loading, with what Gemma changes (``config.gemma``,
+model_families.GemmaLayers):
 
 - every RMSNorm scales by (1 + weight), in float32 before the cast (layers.GemmaRMSNorm);
 - the embedding is scaled by sqrt(hidden_size), that factor rounded to the model's dtype
   as transformers rounds it; the output head is the embedding (tied);
 - the gated MLP's activation is GELU's tanh form (GeGLU);
-- Gemma 3 norms each block's output before it joins the residual stream (post-attention
-  and post-feedforward norms; a pre-feedforward norm where Llama has its post-attention
-  one), norms every query and key head, scales attention scores by
-  ``query_pre_attn_scalar`` ** -0.5 (``config.scales``), and runs five sliding-window
-  layers (their own rotary base, ``local_rope_theta``) to one full-attention layer
-  (config.json's ``layer_types``; the window is attended as one, not capped).
+- Gemma 2 and 3 norm each block's output before it joins the residual stream
+  (post-attention and post-feedforward norms; a pre-feedforward norm where Llama has its
+  post-attention one), scale attention scores by ``query_pre_attn_scalar`` ** -0.5
+  (``config.scales``) and mix sliding-window layers with full-attention ones (config.json's
+  ``layer_types``; the window is attended as one, not capped);
+- Gemma 2 softcaps the attention scores (every backend's ``softcap``) and the logits;
+- Gemma 3 norms every query and key head, and its sliding-window layers turn the rotary
+  at their own base (``local_rope_theta``), five of them to one full layer.
 
-The layers run as PyTorch modules (the native walk is Llama's); Gemma 2's attention
-logit softcapping is not in kvloom's attention kernels, so Gemma 2 is not served.
+The layers run as PyTorch modules (the native walk is Llama's).
 """
 
 from __future__ import annotations
@@ -76,9 +78,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         gemma = config.gemma
         if gemma is None:
             raise ValueError(f"{config.architecture} is not a Gemma model")
-        if gemma.attention_softcap is not None:
-            raise ValueError(f"{config.architecture}'s attention logit softcapping ({gemma.attention_softcap}) is "
-                             "not in kvloom's attention kernels: the model is not served")
         super().__init__(config, max_positions, tp)
         self.local_rotary: RotaryEmbedding | None = None
         if gemma.local_rope_theta is not None:

@@ -74,6 +74,7 @@ ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "GraniteMoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # and a Mixtral-routed MoE
     "GemmaForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",

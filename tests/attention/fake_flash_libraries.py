@@ -12,16 +12,20 @@ import types
 import torch
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, left: int = -1) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, left: int = -1,
+            softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [n, Hq, D] over keys/values [kv_len, Hkv, D], the queries
     being the last n positions (bottom-right aligned), in float32; ``left`` >= 0: each
-    query sees that many keys before its own and no more (both libraries' window)."""
+    query sees that many keys before its own and no more (both libraries' window);
+    ``softcap`` > 0: scores capped to softcap * tanh(score / softcap)."""
     n, heads, _ = q.shape
     kv_len, kv_heads, _ = keys.shape
     group = heads // kv_heads
     k = keys.float().repeat_interleave(group, dim=1)  # [kv_len, Hq, D]
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, n, kv_len]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     position = (kv_len - n + torch.arange(n))[:, None]
     allowed = torch.arange(kv_len)[None, :] <= position  # [n, kv_len]
     if left >= 0:
@@ -38,8 +42,8 @@ class _PrefillWrapper:
         self.plans = 0
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim, page_size, *, causal=False, sm_scale=None, window_left=-1, q_data_type=None,
-             kv_data_type=None) -> None:
+             num_kv_heads, head_dim, page_size, *, causal=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, q_data_type=None, kv_data_type=None) -> None:
         for host in (qo_indptr, paged_kv_indptr, paged_kv_last_page_len):  # planning reads them on the host
             assert host.device.type == "cpu" and host.dtype == torch.int32
         assert paged_kv_indices.dtype == torch.int32
@@ -47,11 +51,11 @@ class _PrefillWrapper:
         assert bool(((paged_kv_last_page_len >= 1) & (paged_kv_last_page_len <= page_size)).all())
         assert causal and sm_scale is not None and q_data_type is not None and kv_data_type is not None
         self.args = (qo_indptr.tolist(), paged_kv_indptr.tolist(), paged_kv_indices, paged_kv_last_page_len.tolist(),
-                     num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, window_left)
+                     num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, window_left, logits_soft_cap or 0.0)
         self.plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qo, kv, pages, last, heads, kv_heads, head_dim, page_size, scale, left = self.args
+        qo, kv, pages, last, heads, kv_heads, head_dim, page_size, scale, left, cap = self.args
         k_cache, v_cache = paged_kv_cache
         assert q.shape == (qo[-1], heads, head_dim)
         assert k_cache.shape[1:] == (page_size, kv_heads, head_dim) == v_cache.shape[1:]
@@ -61,14 +65,15 @@ class _PrefillWrapper:
             kv_len = (len(ids) - 1) * page_size + last[i]
             keys = k_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len]
             values = v_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len]
-            out[qo[i]:qo[i + 1]] = _attend(q[qo[i]:qo[i + 1]], keys, values, scale, left)
+            out[qo[i]:qo[i + 1]] = _attend(q[qo[i]:qo[i + 1]], keys, values, scale, left, cap)
         return out
 
 
 def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, block_table=None):
     """flash_attn.flash_attn_varlen_func with a paged KV cache (flash-attn >= 2.5);
-    window_size (left, right): keys before and after each query it sees (-1: all)."""
+    window_size (left, right): keys before and after each query it sees (-1: all);
+    softcap (flash-attn >= 2.6): 0 for none."""
     assert causal and softmax_scale is not None and block_table is not None
     assert window_size[1] in (0, -1), "causal: no key after the query"
     assert block_table.dtype == cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
@@ -82,7 +87,8 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         ids = block_table[i, : -(-kv_len // block_size)].long()
         keys = k[ids].reshape(-1, kv_heads, head_dim)[:kv_len]
         values = v[ids].reshape(-1, kv_heads, head_dim)[:kv_len]
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], keys, values, softmax_scale, window_size[0])
+        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], keys, values, softmax_scale, window_size[0],
+                                           softcap)
     return out
 
 

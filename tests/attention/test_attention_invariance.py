@@ -60,10 +60,12 @@ def setup(request, paired_path):
                                                              for i in range(3)]
 
 
-@pytest.mark.parametrize("window", [0, 21], ids=["whole", "window-21"])
-def test_prefill_chunks_and_decodes_give_the_same_bits(setup, window) -> None:
-    """(A sliding window of 21 keys starts mid-tile, a different one for every query.)"""
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (21, 2.0)], ids=["whole", "window-21", "softcap"])
+def test_prefill_chunks_and_decodes_give_the_same_bits(setup, window, softcap) -> None:
+    """(A sliding window of 21 keys starts mid-tile, a different one for every query;
+    Gemma 2's softcap bends each score on its own.)"""
     backend, cache, history, table, spare = setup
+    backend.softcap = softcap
     fresh = attend(backend, cache, history, [(table, 0, LENGTH)], window)[0]
     for cuts in ([23, 23, 24], [1] * 10 + [60], [16, 16, 16, 16, 6], [69, 1]):
         done = 0

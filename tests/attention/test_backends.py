@@ -71,30 +71,35 @@ def test_cpu_paged_layout_round_trip(block_size) -> None:
 
 
 def naive_windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int],
-                             scale: float, window: int) -> torch.Tensor:
-    """Each query (at positions[i]) over keys max(0, p - window + 1) .. p of its sequence,
-    one softmax at a time in float64: the definition of a sliding window."""
+                             scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
+    """Each query (at positions[i]) over keys max(0, p - window + 1) .. p of its sequence
+    (window 0: all of them), one softmax at a time in float64: the definition of a sliding
+    window; ``softcap`` > 0: each scaled score s capped to softcap * tanh(s / softcap)."""
     group = q.shape[1] // keys.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, position in enumerate(positions):
-        first = max(0, position - window + 1)
+        first = max(0, position - window + 1) if window else 0
         k = keys[first:position + 1].double().repeat_interleave(group, dim=1)  # [n, heads, head_dim]
         v = values[first:position + 1].double().repeat_interleave(group, dim=1)
-        weights = (torch.einsum("hd,nhd->hn", q[i].double(), k) * scale).softmax(dim=-1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = scores.softmax(dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", weights, v)
     return out
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 33])
-def test_torch_ref_sliding_window_is_the_definition(window) -> None:
-    """torch_ref's window mask against a per-query loop over the window's keys: a fresh
-    prompt, a chunk after a prefix, and a decode, in one batch."""
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (7, 0.0), (16, 0.0), (33, 0.0), (0, 1.5), (7, 1.5)])
+def test_torch_ref_sliding_window_is_the_definition(window, softcap) -> None:
+    """torch_ref's window mask (and Gemma 2's softcap) against a per-query loop over the
+    window's keys: a fresh prompt, a chunk after a prefix, and a decode, in one batch."""
     torch.manual_seed(1)
     block_size, num_blocks, heads, kv_heads, head_dim = 8, 64, 4, 2, 16
     shapes = [(0, 40), (30, 12), (50, 1)]
     batch = ForwardBatch.build(mixed_batch(block_size, num_blocks, seed=3, shapes=shapes), block_size,
                                torch.device("cpu"))
     reference = make_backend("torch_ref", torch.device("cpu"), heads, kv_heads, head_dim)
+    reference.softcap = softcap
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
     all_slots = torch.arange(num_blocks * block_size)
     history = torch.randn(2, len(all_slots), kv_heads, head_dim)
@@ -109,7 +114,7 @@ def test_torch_ref_sliding_window_is_the_definition(window) -> None:
                  + torch.arange(done + new) % block_size)
         keys, values = reference.read_kv(cache, slots)
         expected = naive_windowed_attention(q[start:start + new], keys, values, list(range(done, done + new)),
-                                            reference.scale, window)
+                                            reference.scale, window, softcap)
         torch.testing.assert_close(actual[start:start + new].double(), expected, atol=1e-5, rtol=1e-5)
         start += new
 
@@ -134,6 +139,30 @@ def test_cpu_paged_sliding_window_matches_reference(dtype, heads, kv_heads, head
     history = torch.randn(2, len(all_slots), kv_heads, head_dim, dtype=dtype)
     for name in ("torch_ref", "cpu_paged"):
         backend = make_backend(name, torch.device("cpu"), heads, kv_heads, head_dim)
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        backend.write_kv(cache, history[0], history[1], all_slots)
+        outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))
+    expected, actual = outputs
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (4, 2, 256)])
+@pytest.mark.parametrize("window", [0, 9])
+def test_cpu_paged_softcap_matches_reference(dtype, heads, kv_heads, head_dim, window, paired_path) -> None:
+    """Gemma 2's logit softcapping (a cap of 1.5, where most scores bend) on every path of
+    the kernel (head_dim 256: Gemma 2's, the token-major path), with and without a window."""
+    torch.manual_seed(0)
+    num_blocks, block_size = 200, 16
+    batch = ForwardBatch.build(mixed_batch(block_size, num_blocks, seed=4, shapes=MIXED), block_size,
+                               torch.device("cpu"))
+    q, k, v = (torch.randn(batch.num_tokens, n, head_dim, dtype=dtype) * 2 for n in (heads, kv_heads, kv_heads))
+    all_slots = torch.arange(num_blocks * block_size)
+    history = torch.randn(2, len(all_slots), kv_heads, head_dim, dtype=dtype) * 2
+    outputs = []
+    for name in ("torch_ref", "cpu_paged"):
+        backend = make_backend(name, torch.device("cpu"), heads, kv_heads, head_dim)
+        backend.softcap = 1.5
         cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
         backend.write_kv(cache, history[0], history[1], all_slots)
         outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))

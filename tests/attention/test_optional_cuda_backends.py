@@ -24,7 +24,8 @@ MIXED = [(0, 1), (0, 7), (5, 1), (16, 16), (33, 9), (70, 1), (2, 30), (40, 3)]
 LONG = [(0, 1), (255, 1), (256, 1), (300, 20), (0, 40), (600, 2)]
 
 
-def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, head_dim, block_size, window=0):
+def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, head_dim, block_size, window=0,
+            softcap=0.0):
     """(backend's output, torch_ref's) for one batch over the same history in the pool."""
     torch.manual_seed(0)
     num_blocks = 12 if block_size >= 256 else 80
@@ -36,6 +37,7 @@ def outputs(name: str, device: torch.device, shapes, dtype, heads, kv_heads, hea
     results = []
     for backend_name in (name, "torch_ref"):
         backend = make_backend(backend_name, device, heads, kv_heads, head_dim)
+        backend.softcap = softcap
         cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
         write_token_major(cache, *history, torch.arange(num_blocks * block_size, device=device))
         metadata = backend.prepare(batch)
@@ -73,6 +75,13 @@ def test_flashinfer_plans_once_per_step(stand_ins) -> None:
 def test_flash_attn_sliding_window_is_its_window_size(stand_ins) -> None:
     """A window of 21 keys is the query and the 20 before it: window_size (20, 0)."""
     actual, expected = outputs("flash_attn", torch.device("cpu"), LONG, torch.float32, 8, 2, 32, 256, window=21)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name,shapes,block_size", [("flashinfer", MIXED, 16), ("flash_attn", LONG, 256)])
+def test_softcap_reaches_the_libraries(stand_ins, name, shapes, block_size) -> None:
+    """Gemma 2's logit softcapping: FlashInfer's logits_soft_cap, FlashAttention's softcap."""
+    actual, expected = outputs(name, torch.device("cpu"), shapes, torch.float32, 8, 2, 32, block_size, softcap=0.3)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 

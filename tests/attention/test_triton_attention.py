@@ -26,7 +26,7 @@ MIXED = [(0, 1), (0, 7), (5, 1), (16, 16), (33, 9), (70, 1), (2, 30), (40, 3)]
 DECODES = [(0, 1), (3, 1), (47, 1), (200, 1), (520, 1)]  # a decode-only step: split-K
 
 
-def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size, window=0):
+def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size, window=0, softcap=0.0):
     """(triton's output, torch_ref's, the two pools' slots) for one batch over the same history."""
     torch.manual_seed(0)
     num_blocks = 80
@@ -40,6 +40,7 @@ def run_both(shapes, dtype, heads, kv_heads, head_dim, block_size, window=0):
     outputs, pools = [], []
     for name in ("triton", "torch_ref"):
         backend = make_backend(name, DEVICE, heads, kv_heads, head_dim)
+        backend.softcap = softcap
         cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
         write_token_major(cache, *history, slots)  # the same history in both (the layout they share)
         outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))
@@ -74,6 +75,12 @@ def test_triton_sliding_window_matches_reference(shapes) -> None:
     """A window of 21 keys: prefill tiles whose rows start at different keys, and split-K
     decodes whose first splits lie wholly before the window (empty, weight 0)."""
     (actual, expected), _ = run_both(shapes, torch.float32, 9, 3, 64, 16, window=21)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_softcap_matches_reference() -> None:
+    """Gemma 2's logit softcapping (a cap of 0.3: every score bends) with a window."""
+    (actual, expected), _ = run_both(MIXED, torch.float32, 9, 3, 64, 16, window=21, softcap=0.3)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 

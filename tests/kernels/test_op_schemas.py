@@ -37,7 +37,7 @@ def attention_args(dtype: torch.dtype, paired: bool) -> tuple[Any, ...]:
     query_start = torch.tensor([0, 3], dtype=torch.int32)
     query_lens = torch.tensor([3, 5], dtype=torch.int32)
     q = randn(8, 4, 64, dtype=dtype, seed=2)
-    return q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired, 0
+    return q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired, 0, 0.0
 
 
 def gemm_args() -> tuple[Any, ...]:
@@ -91,6 +91,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("paged_attention", "seq_lens", lambda a: a.__setitem__(3, a[3][:1]), "one entry per block table"),
     ("paged_attention", "paired", lambda a: a.__setitem__(7, True), "has no paired layout"),
     ("paged_attention", "window", lambda a: a.__setitem__(8, -3), "must be 0 .every key. or a number of keys"),
+    ("paged_attention", "softcap", lambda a: a.__setitem__(9, -1.0), "must be 0 .none. or positive"),
     ("write_kv_paired", "v", lambda a: a.__setitem__(1, a[1][:5]), "must have k's shape"),
     ("write_kv_paired", "slots", lambda a: a.__setitem__(2, a[2][:5]), "one slot per token"),
     ("sample_rows", "uniforms", lambda a: a.__setitem__(2, a[2][:3]), "one value per row of logits"),

@@ -1,10 +1,10 @@
-"""Google's Gemma and Gemma 3 (text): Llama's attention with norms by (1 + weight), a
-sqrt(hidden)-scaled embedding, GeGLU, and for Gemma 3 the sandwich norms, q/k head norms,
-query_pre_attn_scalar, five sliding-window layers (their own rotary base) to one full one,
-and a final logit softcap where config.json sets one. Greedy tokens and first log-probs
-held to transformers in float32 (chunked, both attention backends, contexts past the
-window), bf16 alone equal to batched and chunked; Gemma 2 (attention softcapping) refused
-by name."""
+"""Google's Gemma, Gemma 2 and Gemma 3 (text): Llama's attention with norms by
+(1 + weight), a sqrt(hidden)-scaled embedding, GeGLU; for Gemma 2 and 3 the sandwich
+norms, query_pre_attn_scalar and sliding-window layers beside full ones; Gemma 2's
+attention and logit softcaps; Gemma 3's q/k head norms and its windowed layers' own rotary
+base (five to one full layer), and a final logit softcap where config.json sets one.
+Greedy tokens and first log-probs held to transformers in float32 (chunked, both
+attention backends, contexts past the window), bf16 alone equal to batched and chunked."""
 
 from __future__ import annotations
 
@@ -40,8 +40,17 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                sliding_window=12, query_pre_attn_scalar=19, final_logit_softcapping=2.0, **SHAPE)
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Windowed and full layers in turn (a 12-key window), and caps low enough that most
+    attention scores and logits bend (Gemma 2's own are 50 and 30)."""
+    return write_tiny_hf_model(tmp_path_factory.mktemp("gemma2"), arch="gemma2", seed=9, num_hidden_layers=4,
+                               sliding_window=12, query_pre_attn_scalar=19, attn_logit_softcapping=0.5,
+                               final_logit_softcapping=2.0, **SHAPE)
+
+
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
-@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, request) -> None:
     path = request.getfixturevalue(name)
     llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16,
@@ -50,22 +59,17 @@ def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, re
     if name == "gemma3":
         assert [layer.self_attn.window for layer in model.layers] == [12] * 5 + [0]
         assert [layer.local_rope for layer in model.layers] == [True] * 5 + [False]
+    if name == "gemma2":
+        assert [layer.self_attn.window for layer in model.layers] == [12, 0, 12, 0]
+        assert llm.engine.runner.backend.softcap == 0.5
     for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
         tokens, first = reference_run(path, prompt, GREEDY.max_tokens)
         assert list(output.outputs[0].token_ids) == tokens, prompt
         assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_bf16_tokens_alone_equal_batched_and_chunked(name: str, request) -> None:
     together = bf16_alone_equals_batched(str(request.getfixturevalue(name)), PROMPTS,
                                          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert together.model.native_stack is None  # Gemma's layers run as modules
-
-
-def test_gemma2_is_refused_naming_its_attention_softcapping(tmp_path: Path) -> None:
-    from kvloom.models.errors import ModelLoadError
-
-    path = write_tiny_hf_model(tmp_path / "gemma2", arch="gemma2", **SHAPE)
-    with pytest.raises((ModelLoadError, ValueError), match="Gemma2ForCausalLM"):
-        LLM(str(path), dtype="float32", num_blocks=16)
