@@ -544,8 +544,8 @@ void attend_group_paired(const KeySource& src, const uint16_t* const* q, const i
     const int64_t base = u * 16;  // position of the tile's first key
     alignas(64) typename Pairs::Pair weights[G][8];  // probabilities as bf16 token pairs
     for (int g = 0; g < G; ++g) {
-      const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base))
-                             & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
+      __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+      if (first_key[g] > base) live &= ~kvloom_simd::lanes(first_key[g] - base);  // the window's first tile
       __m512 e = _mm512_setzero_ps();
       if (live) {
         const __m512 scaled = capped(_mm512_mul_ps(sc[g], scale_v), src.softcap);
@@ -689,8 +689,8 @@ void attend_group_amx(const KeySource& src, int64_t count, const uint16_t* const
       for (int64_t g = 0; g < count; ++g) {
         feed.step();
         feed.step();
-        const __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base))
-                               & ~kvloom_simd::lanes(std::max<int64_t>(0, first_key[g] - base));
+        __mmask16 live = kvloom_simd::lanes(std::max<int64_t>(0, limit[g] - base));
+        if (first_key[g] > base) live &= ~kvloom_simd::lanes(first_key[g] - base);  // the window's first tile
         __m512 e = _mm512_setzero_ps();
         if (live) {
           const __m512 s = capped(_mm512_mul_ps(_mm512_load_ps(scores + 16 * g), scale_v), src.softcap);

@@ -139,9 +139,6 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
       constexpr int h = i / G, g = i % G;
       _mm256_store_ps(scores[h / 2][g] + 8 * (h % 2), _mm256_mul_ps(s[h][g], scale));
     });
-    if (src.softcap > 0)
-      for (int i = 0; i < N; ++i)
-        for (int g = 0; g < G; ++g) soft_cap(scores[i][g], 16, src.softcap);
   };
 
   // Online softmax over one sub-tile's live keys, then its PV.
@@ -150,8 +147,11 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
       const int64_t count = limit[g] - tile.base, skip = first_key[g] - tile.base;  // live: [skip, count)
       __m256 e_lo = _mm256_setzero_ps(), e_hi = _mm256_setzero_ps();
       if (count > 0 && skip < 16) {
-        const __m256 live_lo = _mm256_andnot_ps(live8(skip, 0), live8(count, 0));
-        const __m256 live_hi = _mm256_andnot_ps(live8(skip, 8), live8(count, 8));
+        __m256 live_lo = live8(count, 0), live_hi = live8(count, 8);
+        if (skip > 0) {  // the sub-tile holding the window's first key (one a walk): keys before it dead
+          live_lo = _mm256_andnot_ps(live8(skip, 0), live_lo);
+          live_hi = _mm256_andnot_ps(live8(skip, 8), live_hi);
+        }
         const __m256 s_lo = _mm256_load_ps(tile_scores[g]), s_hi = _mm256_load_ps(tile_scores[g] + 8);
         const __m256 old_max = _mm256_set1_ps(row_max[g]);
         const __m256 above = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s_lo, old_max, _CMP_GT_OQ), live_lo),
@@ -221,6 +221,9 @@ void attend_group_avx2(const KeySource& src, const uint16_t* const* q, const int
     } else {
       qk(tiles, std::integral_constant<int, 1>());
     }
+    if (src.softcap > 0)
+      for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g) soft_cap(scores[i][g], 16, src.softcap);
     for (int i = 0; i < n; ++i) softmax_pv(tiles[i], scores[i]);
   }
   for (int g = 0; g < G; ++g) {

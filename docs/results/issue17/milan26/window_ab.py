@@ -1,5 +1,5 @@
-"""paged_attention.cpp before the sliding window (REVISION, default a731b12) against this
-checkout's, in one process, alternated round by round; the default model's heads (9 on
+"""paged_attention.cpp before the sliding window and softcap (REVISION, default a731b12)
+against this checkout's (with neither), in one process, alternated round by round; the default model's heads (9 on
 3 kv heads of 64), 30 layers, blocks of 16 scattered over the pool, the build's best
 paired path. Cases: (seqs, context, query rows each). Then this checkout's kernel with a
 window against none on long contexts (what a window saves).
@@ -32,7 +32,7 @@ CASES = [tuple(int(n) for n in c.split("x")) for c in os.environ["CASES"].split(
 def build(csrc: Path, into: Path, windowed: bool) -> ctypes.CDLL:
     native.compile_library(csrc / "paged_attention.cpp", into / "attention.so", native.flags_for("paged_attention"))
     library = ctypes.CDLL(str(into / "attention.so"))
-    window = [ctypes.c_int64] if windowed else []
+    window = [ctypes.c_int64, ctypes.c_float] if windowed else []  # window, softcap
     library.kvloom_paged_attention.argtypes = (
         [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
         + [ctypes.c_float] + window + [ctypes.c_int, ctypes.c_int])
@@ -63,7 +63,7 @@ def case(seqs: int, context: int, rows: int):
 
 def timed(library, data, window: int | None) -> float:
     caches, tables, seq_lens, query_start, query_lens, q, out = data
-    extra = [] if window is None else [window]
+    extra = [] if window is None else [window, 0.0]  # no softcap
     start = time.perf_counter()
     for cache in caches:
         library.kvloom_paged_attention(q.data_ptr(), out.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
