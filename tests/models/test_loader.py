@@ -384,3 +384,24 @@ def test_a_process_killed_while_caching_a_gguf_breaks_nothing(tiny_dirs: dict[st
     loaded = load_checkpoint(str(gguf_file), home=home)  # the next start works
     _assert_same(_weights(loaded), _weights(load_checkpoint(str(gguf_file), home=tmp_path / "h2", cache_gguf=False)))
     assert not list((home / "gguf-cache").glob("llama-*.tmp-*"))  # and cleaned up after it
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Models are built without drawing random weights (every one is the checkpoint's), so
+    a tensor the checkpoint lacks must be refused by name rather than served as whatever
+    memory held; the layers' own initialisation is back after the build, failed or not."""
+    import safetensors.torch
+
+    from kvloom import LLM
+
+    model_dir = _copy_model(tiny_dirs["llama"], tmp_path / "partial")
+    tensors = safetensors.torch.load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    safetensors.torch.save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    reset = torch.nn.Linear.reset_parameters
+    with pytest.raises((ModelLoadError, ValueError), match="layers.1.mlp.down_proj.weight"):
+        LLM(str(model_dir), dtype="float32", num_blocks=8)
+    assert torch.nn.Linear.reset_parameters is reset
+    torch.manual_seed(0)
+    drawn = torch.nn.Linear(64, 64).weight
+    assert drawn.abs().max() > 0 and bool((drawn.abs() <= 64 ** -0.5).all())  # kaiming's uniform bound
