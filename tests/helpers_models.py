@@ -253,11 +253,19 @@ _GGUF_BLOCK = {
 }
 
 
+# Gemma 2 and 3's block norms as llama.cpp's converter names them (Llama's ffn_norm is
+# their pre-feedforward norm).
+_GGUF_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None,
                     permute_qk: bool | None = None) -> Path:
     """Convert a tiny HF directory to an F32 GGUF as llama.cpp's converter does: GGUF
-    names, Q/K rows permuted for llama-family models, gpt2 tokenizer metadata.
-    ``arch`` overrides ``general.architecture`` (to test unsupported ones)."""
+    names, Q/K rows permuted for llama-family models, gpt2 tokenizer metadata; Gemma's
+    norms stored as 1 + weight, its caps and window as metadata (llama.cpp's GemmaModel,
+    Gemma2Model, Gemma3Model). ``arch`` overrides ``general.architecture`` (to test
+    unsupported ones)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -266,7 +274,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
-    arch = arch or model_type
+    gemma = model_type in ("gemma", "gemma2", "gemma3_text")
+    arch = arch or {"gemma3_text": "gemma3"}.get(model_type, model_type)
     if permute_qk is None:
         permute_qk = model_type in ("llama", "mistral", "granite")
     state: dict[str, torch.Tensor] = {}
@@ -280,8 +289,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(float(config.get("rope_theta")
-                                    or config.get("rope_parameters", {}).get("rope_theta", 1e4)))
+    rope_parameters = config.get("rope_parameters", {})
+    rope_parameters = rope_parameters.get("full_attention", rope_parameters)  # Gemma 3's: the global layers'
+    writer.add_rope_freq_base(float(config.get("rope_theta") or rope_parameters.get("rope_theta", 1e4)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("head_dim"):  # as llama.cpp's converter: a head_dim the config states is written
         writer.add_key_length(config["head_dim"])
@@ -305,13 +315,20 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                                                                                    math.log(original)))
             writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if model_type in ("gemma2", "gemma3_text"):  # the caps and the window; the layer pattern is llama.cpp's own
+        if config.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, tensor in state.items():
         array = tensor.float().numpy()
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
+            block = {**_GGUF_BLOCK, **_GGUF_GEMMA_NORMS} if model_type in ("gemma2", "gemma3_text") else _GGUF_BLOCK
+            gguf_name = f"blk.{layer}.{block[module]}.{kind}"
             proj = module.rsplit(".", 1)[-1]
             if permute_qk and proj in heads and kind == "weight":
                 array = permute_rows(array, heads[proj])
@@ -321,6 +338,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                          "lm_head.weight": "output.weight"}[name]
             if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
                 continue
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1  # what llama.cpp's Gemma norms multiply by
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

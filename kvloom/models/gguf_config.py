@@ -2,7 +2,8 @@
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
-where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba);
+where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
+granite, granitemoe, gemma, gemma2, gemma3;
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -42,6 +43,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "deepseek2": "DeepseekV2ForCausalLM",
     "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM", "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -51,6 +53,7 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
     "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
+    "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -132,6 +135,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     window = meta("attention.sliding_window", None)
     if window:
         config["sliding_window"] = int(window)
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_fields(arch, meta, config))
     sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
     if arch == "deepseek2":
         config.update(_deepseek_fields(meta, shapes, config, sparse, path))
@@ -146,6 +151,30 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     elif sparse:
         config.update(_mixtral_fields(meta, config, sparse, path))
     return config
+
+
+# Gemma 2 and 3 as llama.cpp runs them (their files do not record it): windowed layers
+# in a fixed pattern (Gemma 2 every other layer from the first, Gemma 3 five in every six),
+# Gemma 3's windowed layers turning the rotary at 10,000, and attention scaled by
+# head_dim ** -0.5 but in the 27B models (46 and 62 layers), by (hidden / heads) ** -0.5.
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_fields(arch: str, meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    layers, pattern = config["num_hidden_layers"], _GEMMA_WINDOW_PATTERN[arch]
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA_27B_LAYERS[arch]
+              else config["head_dim"])
+    fields: dict[str, Any] = {
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": meta("final_logit_softcapping", None),
+        "layer_types": ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(layers)],
+    }
+    if arch == "gemma2":
+        fields["attn_logit_softcapping"] = meta("attn_logit_softcapping", None)
+    else:
+        fields["rope_local_base_freq"] = 10000.0
+    return fields
 
 
 def _mixtral_fields(meta: Meta, config: dict[str, Any], sparse: list[int], path: Path) -> dict[str, Any]:

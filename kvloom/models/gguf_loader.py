@@ -125,6 +125,18 @@ _BLOCK_NAMES["GraniteForCausalLM"] = _ATTENTION_BLOCK
 # GraniteMoe's experts as Mixtral's per-expert names (kvloom's MoE reads either).
 _BLOCK_NAMES["GraniteMoeForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.router.layer",
                                          **_experts("block_sparse_moe.experts", "w1", "w3", "w2")}
+# Gemma's: Llama's names. Gemma 2 and 3 norm each block's output: post_attention_norm is
+# their post-attention norm, ffn_norm the pre-feedforward one (Llama's post-attention).
+_BLOCK_NAMES["GemmaForCausalLM"] = _ATTENTION_BLOCK
+_BLOCK_NAMES["Gemma2ForCausalLM"] = {**_ATTENTION_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                                     "ffn_norm": "pre_feedforward_layernorm",
+                                     "post_ffw_norm": "post_feedforward_layernorm"}
+_BLOCK_NAMES["Gemma3ForCausalLM"] = {**_BLOCK_NAMES["Gemma2ForCausalLM"], "attn_q_norm": "self_attn.q_norm",
+                                     "attn_k_norm": "self_attn.k_norm"}
+# llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
+# are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
+# float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.
+_NORMS_PLUS_ONE = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
@@ -179,7 +191,7 @@ class _Converter:
         family = self.hf_config["architectures"][0]
         top = _FAMILY_TOP_LEVEL_NAMES.get(family, _TOP_LEVEL_NAMES).get(gguf_name)
         if top is not None:
-            yield top, array
+            yield top, array - 1 if family in _NORMS_PLUS_ONE and gguf_name == "output_norm.weight" else array
             return
         match = _BLOCK_TENSOR.fullmatch(gguf_name)
         if match is None:
@@ -205,6 +217,8 @@ class _Converter:
         yield prefix + leaf, self._undo(family, part, kind, array)
 
     def _undo(self, family: str, part: str, kind: str | None, array: np.ndarray) -> np.ndarray:
+        if family in _NORMS_PLUS_ONE and part.endswith("_norm"):
+            return array - 1
         if family in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = self.hf_config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
             return _unpermute_rows(array, heads)

@@ -73,3 +73,26 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(name: str, request) -> None
     together = bf16_alone_equals_batched(str(request.getfixturevalue(name)), PROMPTS,
                                          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert together.model.native_stack is None  # Gemma's layers run as modules
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_a_gguf_file_gives_transformers_greedy_tokens(name: str, request, tmp_path: Path) -> None:
+    """llama.cpp's gemma, gemma2 and gemma3 files: norms stored as 1 + weight, no output
+    head, Q/K rows as HF's; the layer pattern, Gemma 3's local rotary base and the attention
+    scale as llama.cpp takes them (the files do not record them)."""
+    from helpers_models import write_tiny_gguf
+
+    path = request.getfixturevalue(name)
+    if name != "gemma":  # llama.cpp scales attention by head_dim ** -0.5: the file cannot hold 19
+        import json
+        config = json.loads((path / "config.json").read_text())
+        path = write_tiny_hf_model(tmp_path / "hf", arch=name, seed=10, **{
+            key: config[key] for key in ("num_hidden_layers", "sliding_window", "final_logit_softcapping",
+                                         "attn_logit_softcapping") if key in config}, query_pre_attn_scalar=32,
+            **SHAPE)
+    llm = LLM(str(write_tiny_gguf(path, tmp_path / f"{name}.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    assert llm.engine.model_config.architecture == {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                                    "gemma3": "Gemma3ForCausalLM"}[name]
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, GREEDY.max_tokens)[0]
+                                                               for p in PROMPTS]
