@@ -49,6 +49,23 @@ def parse_device(value: str) -> str:
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 
+def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
+                scaling: tuple[tuple[str, Any], ...] | None) -> dict[str, Any]:
+    """ModelConfig's local_rope_* from config.json's ``rope_parameters["sliding_attention"]``
+    (or Gemma 3's ``rope_local_base_freq``): set only where the windowed layers' rotary is
+    not the full layers' (then they share one table)."""
+    if not local and local_base is None:
+        return {}
+    local_theta = float(local.get("rope_theta", local_base if local_base is not None else theta))
+    kind = local.get("rope_type", "default")
+    local_scaling = (None if kind == "default" else
+                     tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in local.items()
+                                  if k != "rope_theta")))
+    if local_theta == theta and local_scaling == scaling:
+        return {}
+    return {"local_rope_theta": local_theta, "local_rope_scaling": local_scaling}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the engine needs, normalised from any HF config.json."""
@@ -80,6 +97,10 @@ class ModelConfig:
     # first max_window_layers, config.json's layer_types) attend to the whole context.
     sliding_window: int | None = None
     full_attention_layers: tuple[int, ...] = ()
+    # The sliding-window layers' own rotary where it is not the full layers' (Gemma 3's
+    # rope_local_base_freq, config.json's rope_parameters per layer kind: OLMo 3).
+    local_rope_theta: float | None = None
+    local_rope_scaling: tuple[tuple[str, Any], ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -110,6 +131,12 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` turns its rotary by the local tables (a windowed layer of
+        a model whose windowed layers have their own)."""
+        return (self.local_rope_theta is not None and self.sliding_window is not None
+                and layer not in self.full_attention_layers)
 
     def attention_window(self, layer: int, max_positions: int) -> int:
         """The keys layer ``layer`` attends back to when contexts reach ``max_positions``
@@ -158,7 +185,8 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling") or None
         # transformers >= 5 stores rope settings under "rope_parameters".
         rope_params = hf.get("rope_parameters") or {}
-        rope_params = rope_params.get("full_attention", rope_params)  # per layer kind (Gemma 3): the full layers'
+        local_rope = rope_params.get("sliding_attention") or {}  # per layer kind (Gemma 3, OLMo 3)
+        rope_params = rope_params.get("full_attention", rope_params)
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
@@ -213,6 +241,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),
+            **_local_rope(local_rope, hf.get("rope_local_base_freq"), float(rope_theta), rope_scaling),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),

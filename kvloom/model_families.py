@@ -342,13 +342,12 @@ class GemmaLayers:
     (``sandwich_norms``: post-attention and post-feedforward norms, and a pre-feedforward
     one in place of Llama's post-attention norm). Gemma 2 caps the logits (``final_softcap``
     * tanh(logits / it)) and its attention scores alike (``attention_softcap``); Gemma 3's
-    sliding-window layers turn the rotary at their own base (``local_rope_theta``) and
-    norm every query and key head (``qk_norm`` on ModelConfig)."""
+    sliding-window layers turn the rotary at their own base (ModelConfig's
+    ``local_rope_theta``) and it norms every query and key head (``qk_norm``)."""
 
     sandwich_norms: bool = False
     final_softcap: float | None = None
     attention_softcap: float | None = None
-    local_rope_theta: float | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> GemmaLayers | None:
@@ -362,12 +361,9 @@ class GemmaLayers:
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"model config: {architecture} with use_bidirectional_attention (an embedding "
                              "model's) is not served: kvloom's attention is causal")
-        rope = hf.get("rope_parameters") or {}
-        local = (rope.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq"))
         return cls(sandwich_norms=architecture != "GemmaForCausalLM",
                    final_softcap=_optional_float(hf.get("final_logit_softcapping")),
-                   attention_softcap=_optional_float(hf.get("attn_logit_softcapping")),
-                   local_rope_theta=_optional_float(local) if architecture == "Gemma3ForCausalLM" else None)
+                   attention_softcap=_optional_float(hf.get("attn_logit_softcapping")))
 
 
 def _optional_float(value: Any) -> float | None:

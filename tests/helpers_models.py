@@ -112,6 +112,8 @@ _ARCH_CONFIGS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -275,7 +277,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
-    arch = arch or {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2"}.get(model_type, model_type)
     if permute_qk is None:
         permute_qk = model_type in ("llama", "mistral", "granite")
     state: dict[str, torch.Tensor] = {}
@@ -321,13 +323,17 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         if config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         writer.add_sliding_window(config["sliding_window"])
+    if model_type == "olmo3":  # as llama.cpp's Olmo2Model: the window and which layers have it
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, tensor in state.items():
         array = tensor.float().numpy()
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            block = {**_GGUF_BLOCK, **_GGUF_GEMMA_NORMS} if model_type in ("gemma2", "gemma3_text") else _GGUF_BLOCK
+            block = {**_GGUF_BLOCK, **_GGUF_GEMMA_NORMS} if model_type in ("gemma2", "gemma3_text", "olmo2",
+                                                                           "olmo3") else _GGUF_BLOCK
             gguf_name = f"blk.{layer}.{block[module]}.{kind}"
             proj = module.rsplit(".", 1)[-1]
             if permute_qk and proj in heads and kind == "weight":

@@ -112,6 +112,8 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.local_rope_theta is not None:
+            return None, "its windowed layers turn their own rotary (two tables; the walk takes one)"
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")

@@ -14,7 +14,8 @@ model_families.GemmaLayers):
   ``layer_types``; the window is attended as one, not capped);
 - Gemma 2 softcaps the attention scores (every backend's ``softcap``) and the logits;
 - Gemma 3 norms every query and key head, and its sliding-window layers turn the rotary
-  at their own base (``local_rope_theta``), five of them to one full layer.
+  at their own base (``config.local_rope_theta``, LlamaForCausalLM's ``local_rotary``),
+  five of them to one full layer.
 
 The layers run as PyTorch modules (the native walk is Llama's).
 """
@@ -30,7 +31,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding
+from kvloom.models.layers import GatedMLP, GemmaRMSNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -49,9 +50,7 @@ class GemmaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, "gelu_tanh")
-        # Gemma 3's sliding-window layers turn the rotary at their own base.
-        self.local_rope = (config.gemma.local_rope_theta is not None and config.sliding_window is not None
-                           and index not in config.full_attention_layers)
+        self.local_rope = config.uses_local_rope(index)  # Gemma 3's windowed layers: their own rotary base
 
     def forward(self, normed: torch.Tensor, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
@@ -79,9 +78,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if gemma is None:
             raise ValueError(f"{config.architecture} is not a Gemma model")
         super().__init__(config, max_positions, tp)
-        self.local_rotary: RotaryEmbedding | None = None
-        if gemma.local_rope_theta is not None:
-            self.local_rotary = RotaryEmbedding(config.head_dim, max_positions, gemma.local_rope_theta, None)
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:

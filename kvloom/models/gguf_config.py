@@ -3,7 +3,7 @@
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
-granite, granitemoe, gemma, gemma2, gemma3;
+granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern);
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -44,6 +44,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mamba2": "Mamba2ForCausalLM", "granitehybrid": "BambaForCausalLM", "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",  # OLMo 3 too, where the file has a window pattern
 }
 
 _MODEL_TYPES = {
@@ -54,6 +55,7 @@ _MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
     "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+    "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -137,6 +139,13 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config["sliding_window"] = int(window)
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_fields(arch, meta, config))
+    pattern = meta("attention.sliding_window_pattern", None)
+    if arch == "olmo2" and pattern is not None:  # OLMo 3: its windowed layers, as llama.cpp's converter lists them
+        if meta("rope.scaling.type", None) is not None:
+            raise ModelLoadError(f"GGUF file {path}: an OLMo 3 file with rope scaling is not read (whether its "
+                                 "windowed layers scale their rotary too is not recorded)")
+        config["architectures"] = ["Olmo3ForCausalLM"]
+        config["layer_types"] = ["sliding_attention" if bool(one) else "full_attention" for one in pattern]
     sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
     if arch == "deepseek2":
         config.update(_deepseek_fields(meta, shapes, config, sparse, path))

@@ -133,6 +133,12 @@ _BLOCK_NAMES["Gemma2ForCausalLM"] = {**_ATTENTION_BLOCK, "post_attention_norm": 
                                      "post_ffw_norm": "post_feedforward_layernorm"}
 _BLOCK_NAMES["Gemma3ForCausalLM"] = {**_BLOCK_NAMES["Gemma2ForCausalLM"], "attn_q_norm": "self_attn.q_norm",
                                      "attn_k_norm": "self_attn.k_norm"}
+# OLMo 2 and 3: no input norm; each block's output normed; q and k normed whole.
+_BLOCK_NAMES["Olmo2ForCausalLM"] = {key: value for key, value in _ATTENTION_BLOCK.items()
+                                    if key not in ("attn_norm", "ffn_norm")} | {
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK_NAMES["Olmo3ForCausalLM"] = _BLOCK_NAMES["Olmo2ForCausalLM"]
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.

@@ -147,12 +147,20 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].float(), self.sin[positions].float()
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's: x / rms(x) * (1 + weight) (ops.gemma_rms_norm); the checkpoint's weight
-    is the offset from 1."""
+class Float32ScaledRMSNorm(RMSNorm):
+    """OLMo 2's: x / rms(x) * weight with the product in float32 before the cast
+    (ops.rms_norm_scaled_in_float32; Llama's casts first)."""
+
+    offset = 0.0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.gemma_rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm_scaled_in_float32(x, self.weight, self.eps, residual, self.offset)
+
+
+class GemmaRMSNorm(Float32ScaledRMSNorm):
+    """Gemma's: x / rms(x) * (1 + weight); the checkpoint's weight is the offset from 1."""
+
+    offset = 1.0
 
 
 # A gated MLP's activation of gate, times up: [rows, 2n] -> [rows, n].

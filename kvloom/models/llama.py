@@ -69,9 +69,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
         if self.q_norm is not None and self.k_norm is not None:
+            # Rows of each norm's width: a head (Qwen3, Gemma 3) or the whole projection (OLMo 2).
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+            q = self.q_norm(q.reshape(-1, self.q_norm.weight.shape[0])).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0])).view(num_tokens, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
         ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # Phi-4's: a part of each
@@ -91,6 +92,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
+        self.local_rope = config.uses_local_rope(index)  # a windowed layer with its own rotary
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.moe
         self.mlp: GatedMLP | SparseMoE = (
@@ -119,6 +121,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
+        # The windowed layers' own rotary, where theirs is not the full layers' (Gemma 3, OLMo 3).
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, max_positions,
+                                                config.local_rope_theta, dict(config.local_rope_scaling or ()))
         if config.classifier is not None:  # the checkpoint's `score`, whole on every rank
             self.lm_head = nn.Linear(config.hidden_size, config.classifier.num_labels, bias=config.classifier.bias)
         elif config.tie_word_embeddings:
@@ -137,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         scales = self.config.scales
         if scales is not None and scales.embedding != 1.0:  # Granite's, in the model's dtype as HF's
             residual = residual * scales.embedding
-        rotary = self.rotary.cos_sin(batch.positions)
+        full = rotary = self.rotary.cos_sin(batch.positions)
+        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
             hidden, residual = stack(residual, rotary, batch, kv_caches, backend, metadata)
@@ -152,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
             # (fused; same rounding as HF's `residual + hidden`); layer 0 has none to add.
             normed = (layer.input_layernorm(residual) if hidden is None
                       else layer.input_layernorm(hidden, residual))
+            rotary = local if layer.local_rope else full
             if index == last and rows is not None:
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata, rows)
                 residual = residual[rows]
@@ -206,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         draft.embed_tokens = self.embed_tokens
         draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
         draft.norm = self.norm
-        draft.rotary = self.rotary
+        draft.rotary, draft.local_rotary = self.rotary, self.local_rotary
         draft.lm_head = self.lm_head
         return draft
 

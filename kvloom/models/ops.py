@@ -67,17 +67,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * x32.to(x.dtype)
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Gemma's RMSNorm: x / rms(x) * (1 + weight), the product in float32 before the cast
-    (Llama's casts first, then scales), as transformers computes it; ``residual`` as
-    :func:`rms_norm`'s. PyTorch only (Gemma runs as modules)."""
+def rms_norm_scaled_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None = None, offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * (offset + weight), the product in float32 before the cast (Llama's
+    casts first, then scales), as transformers computes Gemma's norm (offset 1) and OLMo 2's
+    (offset 0); ``residual`` as :func:`rms_norm`'s. PyTorch only (those families run as
+    modules)."""
     if residual is not None:
         residual.add_(x)
         x = residual
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return (x32 * (offset + weight.float())).to(x.dtype)
 
 
 # ---- gated MLP activation ------------------------------------------------------------

@@ -78,6 +78,8 @@ ARCHITECTURES: dict[str, str] = {
     "GemmaForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "kvloom.models.gemma:GemmaForCausalLM",
+    "Olmo2ForCausalLM": "kvloom.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "kvloom.models.olmo2:Olmo2ForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

@@ -37,7 +37,8 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     query_pre_attn_scalar that is not head_dim and a final softcap small enough to move
     the tokens, so that none of them can be missed."""
     return write_tiny_hf_model(tmp_path_factory.mktemp("gemma3"), arch="gemma3", seed=8, num_hidden_layers=6,
-                               sliding_window=12, query_pre_attn_scalar=19, final_logit_softcapping=2.0, **SHAPE)
+                               sliding_window=12, query_pre_attn_scalar=19, final_logit_softcapping=2.0,
+                               rope_theta=1_000_000.0, **SHAPE)
 
 
 @pytest.fixture(scope="module")

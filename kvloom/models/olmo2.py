@@ -1,0 +1,85 @@
+"""AllenAI's OLMo 2 (``Olmo2ForCausalLM``) and OLMo 3 (``Olmo3ForCausalLM``): Llama's
+attention, MLP and loading, with the norms after each block instead of before it (the
+attention's and the MLP's outputs are normed, then added to the stream; no input norm),
+every query and key RMS-normed over the whole projection (all heads at once) before the
+rotary, and each norm's product with its weight taken in float32 before the cast. OLMo 3
+mixes sliding-window layers with full ones (config.json's ``layer_types``; three in four),
+each kind with its own rotary where config.json gives them their own.
+
+Modules only (the native walk is Llama's); one process (a query norm over all heads would
+need every rank's heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp, window)
+        # The q and k norms span the whole projections, not a head each.
+        self.self_attn.q_norm = Float32ScaledRMSNorm(self.self_attn.q_size, config.rms_norm_eps)
+        self.self_attn.k_norm = Float32ScaledRMSNorm(self.self_attn.kv_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Float32ScaledRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        self.post_feedforward_layernorm = Float32ScaledRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.local_rope = config.uses_local_rope(index)
+
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given)."""
+        attended = self.self_attn(stream, rotary, batch, kv_cache, backend, metadata, rows)
+        stream = (stream if rows is None else stream[rows]) + self.post_attention_layernorm(attended)
+        return stream + self.post_feedforward_layernorm(self.mlp(stream))
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    has_score_head = False  # no OLMo sequence classifier is read
+    layer_class = Olmo2DecoderLayer
+    norm_class = Float32ScaledRMSNorm
+
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        if tp.size > 1:
+            raise ValueError(f"{config.architecture} runs in one process: its query and key norms span every "
+                             "head, which tensor parallel splits between ranks")
+        super().__init__(config, max_positions, tp)
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed_tokens(batch.input_ids)
+        full = self.rotary.cos_sin(batch.positions)
+        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, Olmo2DecoderLayer)
+            stream = layer(stream, local if layer.local_rope else full, batch, kv_caches[index], backend, metadata,
+                           rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        raise ValueError(f"layer_skip drafts are built of Llama's layers, not {self.config.architecture}'s: "
+                         "use an n-gram or a draft model")
+
+    def use_native_stack(self) -> str | None:
+        self.native_stack = None
+        return f"{self.config.architecture}'s layers (norms after each block, q/k norms over all heads) run as modules"
