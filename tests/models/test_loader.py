@@ -169,15 +169,13 @@ def smol_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol_home(smol_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A kvloom home holding the default model and, after the first load, its
-    dequantized cache (one GGUF parse for the whole module)."""
-    home = tmp_path_factory.mktemp("home")
-    (home / "models").mkdir()
-    (home / "models" / smol_gguf.name).symlink_to(smol_gguf)
+def smol_home(smol_gguf: Path) -> Path:
+    """The kvloom home holding the default model and its dequantized cache: the one every
+    test on the default model shares (its first load writes the cache; a fresh home here
+    cost the suite ~7 s of dequantizing again, which the tiny models' cache tests cover)."""
+    home = smol_gguf.parent.parent
     load_checkpoint("smollm2-135m-instruct", home=home)
-    yield home
-    shutil.rmtree(home / "gguf-cache")  # 0.5 GB that pytest would otherwise keep
+    return home
 
 
 def test_smollm2_gguf_matches_transformers(smol_home: Path, default_gguf_reader: Any) -> None:
