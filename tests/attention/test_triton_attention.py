@@ -70,17 +70,12 @@ def test_triton_split_k_decode_matches_reference(dtype, block_size) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "split-k decodes"])
-def test_triton_sliding_window_matches_reference(shapes) -> None:
-    """A window of 21 keys: prefill tiles whose rows start at different keys, and split-K
-    decodes whose first splits lie wholly before the window (empty, weight 0)."""
-    (actual, expected), _ = run_both(shapes, torch.float32, 9, 3, 64, 16, window=21)
-    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
-
-
-def test_triton_softcap_matches_reference() -> None:
-    """Gemma 2's logit softcapping (a cap of 0.3: every score bends) with a window."""
-    (actual, expected), _ = run_both(MIXED, torch.float32, 9, 3, 64, 16, window=21, softcap=0.3)
+@pytest.mark.parametrize("shapes,softcap", [(MIXED, 0.3), (DECODES, 0.0)], ids=["mixed-softcap", "split-k decodes"])
+def test_triton_sliding_window_and_softcap_match_reference(shapes, softcap) -> None:
+    """A window of 21 keys: prefill tiles whose rows start at different keys (with Gemma
+    2's logit softcapping, a cap of 0.3 that bends every score), and split-K decodes whose
+    first splits lie wholly before the window (empty, weight 0)."""
+    (actual, expected), _ = run_both(shapes, torch.float32, 9, 3, 64, 16, window=21, softcap=softcap)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 

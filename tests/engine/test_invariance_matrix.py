@@ -28,10 +28,11 @@ from kvloom.engine.engine import LLMEngine
 
 Request = tuple[str, list[int], SamplingParams]
 
-MODELS = {  # name -> (vocab range for random prompts, max new tokens of the targets)
-    "tiny": ((3, 512), 24),
-    "tiny-head-dim-16": ((3, 512), 24),  # a token-major cache: the other attention path
-    "default": ((200, 20000), 24),
+# name -> (vocab range for random prompts, max new tokens of the targets, longest prompt of the others)
+MODELS = {
+    "tiny": ((3, 512), 24, 90),
+    "tiny-head-dim-16": ((3, 512), 24, 90),  # a token-major cache: the other attention path
+    "default": ((200, 20000), 16, 45),  # the real model's tokens cost ~25x a tiny one's: fewer of them
 }
 
 
@@ -46,7 +47,7 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def make_requests(model: str) -> tuple[list[Request], list[Request]]:
     """The eight targets and fifteen random others."""
-    (low, high), max_tokens = MODELS[model]
+    (low, high), max_tokens, longest_other = MODELS[model]
     rng = random.Random(7)
     shared = [rng.randrange(low, high) for _ in range(40)]  # 2.5 blocks of 16: hits end mid-block
     targets: list[Request] = []
@@ -57,7 +58,7 @@ def make_requests(model: str) -> tuple[list[Request], list[Request]]:
                   else SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=100 + i,
                                       ignore_eos=True))
         targets.append((f"t{i}", prompt, params))
-    others = [(f"o{i}", [rng.randrange(low, high) for _ in range(rng.randrange(1, 90))],
+    others = [(f"o{i}", [rng.randrange(low, high) for _ in range(rng.randrange(1, longest_other))],
                SamplingParams(max_tokens=rng.randrange(4, 40), temperature=rng.choice([0.0, 1.0]),
                               ignore_eos=True))
               for i in range(15)]
