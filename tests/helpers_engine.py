@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvloom import LLM
 from kvloom.config import EngineConfig
 from kvloom.engine.engine import LLMEngine
 from kvloom.engine.output import RequestOutput
@@ -63,3 +64,19 @@ def bf16_alone_equals_batched(path: str, prompts: list[list[int]], params: Sampl
     arrivals = {2 * index: [(f"r{index}", prompt, params)] for index, prompt in enumerate(prompts)}
     assert token_ids(run_arrivals(together, arrivals)) == alone
     return together
+
+
+def layer_skip_keeps_greedy_tokens(path: str, prompts: list[list[int]], num_layers: int) -> LLM:
+    """The model's first ``num_layers`` layers draft for it (layer skip): its greedy tokens
+    stay those it gives without drafts, drafts were proposed, and the draft is the model's
+    own class (its forward, not Llama's). Returns the drafting LLM."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLM(path, dtype="float32", num_blocks=64).generate(prompts, params)
+    drafted = LLM(path, dtype="float32", num_blocks=64,
+                  speculative_config={"method": "layer_skip", "num_layers": num_layers, "num_speculative_tokens": 3})
+    outputs = drafted.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert drafted.engine.stats().num_draft_tokens > 0
+    model = drafted.engine.model
+    assert type(model.first_layers(num_layers)) is type(model)
+    return drafted

@@ -71,6 +71,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no Gemma sequence classifier is read
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
+    modules_only = "norms by 1 + weight, GeGLU"
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
@@ -104,11 +105,3 @@ class GemmaForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.config.gemma.final_softcap if self.config.gemma is not None else None
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
-        raise ValueError(f"layer_skip drafts are built of Llama's layers, not {self.config.architecture}'s: "
-                         "use an n-gram or a draft model")
-
-    def use_native_stack(self) -> str | None:
-        self.native_stack = None
-        return f"{self.config.architecture}'s layers (norms by 1 + weight, GeGLU) run as modules"

@@ -103,9 +103,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Also a sequence classifier (``config.classifier``): the head is then the score layer.
     has_score_head = True
-    # A family with other layers and norms (models/gemma.py) names its own.
+    # A family with other layers and norms (models/gemma.py, olmo2.py) names its own, and
+    # what keeps them from the native walk (which runs Llama's).
     layer_class: type[nn.Module] = LlamaDecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
+    modules_only: str | None = None
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
@@ -210,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"speculative_config.num_layers must be in [1, {len(self.layers) - 1}] "
                              f"(the model has {len(self.layers)} layers), got {num_layers}")
         config = dataclasses.replace(self.config, num_layers=num_layers)
-        with torch.device("meta"):  # the shell only: every module is replaced by a shared one
-            draft = LlamaForCausalLM(config, 1)
+        with torch.device("meta"):  # the shell only (this family's forward): every module is replaced by a shared one
+            draft = type(self)(config, 1)
         draft.embed_tokens = self.embed_tokens
         draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
         draft.norm = self.norm
@@ -223,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         """Walk the decoder layers in one native call from now on, where a forward's
         cache and backend allow (call after ``pack_weights``; the weights must not move
         afterwards). Returns None, or why the model cannot (then the modules run)."""
+        if self.modules_only is not None:
+            return f"{self.config.architecture}'s layers ({self.modules_only}) run as modules"
         self.native_stack, reason = NativeDecoderStack.build(self)
         return None if self.native_stack is not None else reason
 

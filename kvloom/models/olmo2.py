@@ -53,6 +53,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = Olmo2DecoderLayer
     norm_class = Float32ScaledRMSNorm
+    modules_only = "norms after each block, q/k norms over all heads"
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
@@ -75,11 +76,3 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                            rows if index == last else None)
         out: torch.Tensor = self.norm(stream)
         return out if rows is not None else batch.final_states(out)
-
-    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
-        raise ValueError(f"layer_skip drafts are built of Llama's layers, not {self.config.architecture}'s: "
-                         "use an n-gram or a draft model")
-
-    def use_native_stack(self) -> str | None:
-        self.native_stack = None
-        return f"{self.config.architecture}'s layers (norms after each block, q/k norms over all heads) run as modules"

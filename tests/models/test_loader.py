@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers_engine import bf16_alone_equals_batched
+from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 from helpers_models import write_tiny_hf_model
 
@@ -82,3 +82,8 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(name: str, request, tmp_pa
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(path, p, GREEDY.max_tokens)[0]
                                                                for p in PROMPTS]
+
+
+def test_layer_skip_drafts_keep_greedy_tokens(olmo3: Path) -> None:
+    """OLMo 3's first layers draft for it: the greedy tokens stay the model's."""
+    layer_skip_keeps_greedy_tokens(str(olmo3), PROMPTS, 2)
