@@ -210,7 +210,8 @@ class ModelConfig:
         arch = archs[0]
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
         # (Qwen2-MoE names the same flag qkv_bias.)
-        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", arch.startswith("Qwen2"))))
+        # (StarCoder2 names one flag for every projection's bias use_bias.)
+        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", hf.get("use_bias", arch.startswith("Qwen2")))))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
         layer_types = hf.get("layer_types")
@@ -227,7 +228,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=hf.get("norm_epsilon", hf.get("rms_norm_eps", 1e-6)),  # StarCoder2's LayerNorm: norm_epsilon
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -235,8 +236,9 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) and classifier is None,
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
-            attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
+                                                              "Starcoder2ForCausalLM"),
+            mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", False))),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             rotary_dim=rotary_dim,
             sliding_window=sliding,

@@ -1,0 +1,73 @@
+"""BigCode's StarCoder2 (``Starcoder2ForCausalLM``): Llama's attention (q, k, v and o with
+biases; a sliding window where config.json sets one) and Llama's pre-norm layer, with
+LayerNorm (a weight and a bias) in place of RMSNorm and a plain MLP, c_proj(gelu(c_fc(x))),
+GELU's tanh form, in place of the gated one.
+
+Modules only (the native walk is Llama's), one process (the MLP's c_fc / c_proj are not
+among the tensors tensor parallel splits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import RMSNorm
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+
+ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+class ResidualLayerNorm(RMSNorm):
+    """LayerNorm with a bias, taking the Llama layers' residual add as RMSNorm does:
+    ``norm(x, residual)`` adds x into the stream in place and norms the sum."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class Starcoder2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Starcoder2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Starcoder2MLP(config)
+        self.local_rope = False
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    """Llama's forward over StarCoder2's layers (the same pre-norm residual stream)."""
+
+    has_score_head = False
+    layer_class = Starcoder2DecoderLayer
+    norm_class = ResidualLayerNorm
+    modules_only = "LayerNorm, a plain GELU MLP"
+
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        if tp.size > 1:
+            raise ValueError(f"{config.architecture} runs in one process: tensor parallel does not split its "
+                             "MLP's c_fc / c_proj")
+        super().__init__(config, max_positions, tp)
