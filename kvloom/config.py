@@ -211,7 +211,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
         # (Qwen2-MoE names the same flag qkv_bias.)
         # (StarCoder2 names one flag for every projection's bias use_bias.)
-        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", hf.get("use_bias", arch.startswith("Qwen2")))))
+        default_bias = hf.get("use_bias", arch.startswith("Qwen2"))
+        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", default_bias)))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
         layer_types = hf.get("layer_types")
