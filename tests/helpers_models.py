@@ -253,6 +253,7 @@ _GGUF_BLOCK = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
+    "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",  # StarCoder2's plain MLP
 }
 
 
@@ -324,6 +325,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         if config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         writer.add_sliding_window(config["sliding_window"])
+    if model_type == "starcoder2":  # LayerNorm's eps (the converter's layer_norm_eps) and the window
+        writer.add_layer_norm_eps(config["norm_epsilon"])
+        writer.add_sliding_window(config["sliding_window"])
     if model_type == "olmo3":  # as llama.cpp's Olmo2Model: the window and which layers have it
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
@@ -341,7 +345,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                 array = permute_rows(array, heads[proj])
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "model.norm.weight": "output_norm.weight",
+                         "model.norm.weight": "output_norm.weight", "model.norm.bias": "output_norm.bias",
                          "lm_head.weight": "output.weight"}[name]
             if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
                 continue

@@ -3,7 +3,8 @@
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
-granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern);
+granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
+starcoder2;
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -45,6 +46,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # OLMo 3 too, where the file has a window pattern
+    "starcoder2": "Starcoder2ForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -55,7 +57,7 @@ _MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
     "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-    "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+    "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -139,6 +141,9 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config["sliding_window"] = int(window)
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_fields(arch, meta, config))
+    if arch == "starcoder2":  # LayerNorm's eps; one bias flag for every projection, from the tensors
+        config["norm_epsilon"] = float(meta("attention.layer_norm_epsilon", 1e-5))
+        config["use_bias"] = "blk.0.attn_q.bias" in shapes
     pattern = meta("attention.sliding_window_pattern", None)
     if arch == "olmo2" and pattern is not None:  # OLMo 3: its windowed layers, as llama.cpp's converter lists them
         if meta("rope.scaling.type", None) is not None:

@@ -59,6 +59,7 @@ _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",  # a LayerNorm's (StarCoder2)
     "output.weight": "lm_head.weight",
 }
 # Families whose top-level names are not _TOP_LEVEL_NAMES.
@@ -139,6 +140,8 @@ _BLOCK_NAMES["Olmo2ForCausalLM"] = {key: value for key, value in _ATTENTION_BLOC
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _BLOCK_NAMES["Olmo3ForCausalLM"] = _BLOCK_NAMES["Olmo2ForCausalLM"]
+# StarCoder2's plain MLP: ffn_up is c_fc, ffn_down c_proj (LayerNorm biases as .bias).
+_BLOCK_NAMES["Starcoder2ForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.

@@ -49,3 +49,16 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(starcoder2: Path) -> None:
 def test_two_ranks_are_refused_by_name(starcoder2: Path) -> None:
     with pytest.raises(Exception, match="Starcoder2ForCausalLM runs in one process"):
         LLM(str(starcoder2), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens(starcoder2: Path, tmp_path: Path) -> None:
+    """llama.cpp's starcoder2 files: LayerNorm weights and biases, c_fc / c_proj as ffn_up /
+    ffn_down, the eps as layer_norm_epsilon, Q/K rows as HF's."""
+    from helpers_models import write_tiny_gguf
+
+    llm = LLM(str(write_tiny_gguf(starcoder2, tmp_path / "starcoder2.gguf")), dtype="float32", block_size=16,
+              num_blocks=64)
+    assert llm.engine.model_config.architecture == "Starcoder2ForCausalLM"
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(starcoder2, p, GREEDY.max_tokens)[0]
+                                                               for p in PROMPTS]
