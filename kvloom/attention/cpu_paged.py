@@ -8,7 +8,7 @@ gave other bits than the kernel for the same query later). The paired kernel is 
 faster than SDPA; the token-major float one within 6% of it.
 
 bf16 caches whose shape the kernel's paired paths serve (``paired_layout``:
-head_dim 32/64/128, block_size a multiple of 16, on a CPU with AVX2 or AVX-512)
+head_dim 32/64/128/256, block_size a multiple of 16, on a CPU with AVX2 or AVX-512)
 arrange each block for it: K as [kv_head, head_dim / 2, block_size] words of two
 bf16 (a dim pair of one key), V as [kv_head, block_size / 2, head_dim] words (one
 dim of a token pair), so the kernel's dot products read registers straight from the

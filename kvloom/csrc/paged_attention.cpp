@@ -385,7 +385,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 
 // ---------------------------------------------------------------------------------
 // Paired layout (paired.h): bf16 storage, block_size a multiple of 16, head_dim
-// 32/64/128, on a CPU with AVX2 or AVX-512. The AVX-512 paths below keep a group's
+// 32/64/128/256, on a CPU with AVX2 or AVX-512. The AVX-512 paths below keep a group's
 // whole state in registers; AVX2's (paired_avx2.h) keeps the accumulators in L1.
 #if defined(KVLOOM_AVX512) || defined(KVLOOM_AVX2)
 #define KVLOOM_PAIRED 1
@@ -395,7 +395,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
 enum PairedPath : int { PAIRED_AVX2 = 0, PAIRED_AVX512 = 1, PAIRED_BF16 = 2, PAIRED_AMX = 3 };
 
 inline bool paired_supported(int64_t head_dim, int64_t block_size) {
-  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+  return (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256) && block_size % 16 == 0;
 }
 
 #ifdef KVLOOM_AVX512
@@ -471,7 +471,11 @@ inline float running_max(float row_max, __m512 scores, __mmask16 live) {
 //                 fma 1.133x, 1.110x
 // Decode (a row's query heads of one kv head) changes only where they were more than
 // the old group. A vector's arithmetic does not depend on G, so no result changes.
-constexpr int max_group(int head_dim) { return head_dim == 128 ? 4 : head_dim == 64 ? 6 : 8; }
+// head_dim 256 (Gemma's): one vector's 16 accumulators fill half the registers; two
+// would spill every step.
+constexpr int max_group(int head_dim) {
+  return head_dim == 256 ? 1 : head_dim == 128 ? 4 : head_dim == 64 ? 6 : 8;
+}
 
 // G query vectors (same kv head; the same sequence, or sequences whose block tables
 // agree over the range) against the keys, flash-attention style with the whole state
@@ -741,6 +745,7 @@ void attend_group_vector(int64_t head_dim, const KeySource& src, int64_t count, 
     case 64: return attend_group_dispatch<Pairs, 64>(src, count, q, limit, out, range);
     case 128: return attend_group_dispatch<Pairs, 128>(src, count, q, limit, out, range);
     case 32: return attend_group_dispatch<Pairs, 32>(src, count, q, limit, out, range);
+    case 256: return attend_group_dispatch<Pairs, 256>(src, count, q, limit, out, range);
     default: std::abort();  // paired_supported was checked
   }
 }
@@ -781,6 +786,7 @@ void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const u
       case 64: return attend_group_amx<64>(src, count, q, limit, out, range);
       case 128: return attend_group_amx<128>(src, count, q, limit, out, range);
       case 32: return attend_group_amx<32>(src, count, q, limit, out, range);
+      case 256: return attend_group_amx<256>(src, count, q, limit, out, range);
       default: std::abort();
     }
   }

@@ -1,7 +1,7 @@
 // The paired KV layout's shared pieces: what every path of paired-layout attention
 // (paged_attention.cpp: AVX-512, vdpbf16ps, AMX; paired_avx2.h: AVX2) reads and keeps.
 //
-// Layout (bf16 storage, block_size a multiple of 16, head_dim 32/64/128). Within one
+// Layout (bf16 storage, block_size a multiple of 16, head_dim 32/64/128/256). Within one
 // block, per kv head (h), in 32-bit words that each hold two bf16:
 //   K: [h][head_dim / 2][block_size]  word (p, t) = (k[t][2p], k[t][2p + 1])
 //   V: [h][block_size / 2][head_dim]  word (j, d) = (v[2j][d], v[2j + 1][d])
@@ -111,7 +111,7 @@ struct LineFeed {
 // The flash-attention state of one query vector, stored between two block ranges of
 // its keys (see Cascade in paged_attention.cpp): what every path keeps while it walks.
 struct alignas(64) PairedState {
-  float acc[128];  // head_dim floats used
+  float acc[256];  // head_dim floats used
   float sum[16];   // per-lane partial sums
   float row_max;
 };

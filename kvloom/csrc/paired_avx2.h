@@ -257,6 +257,7 @@ inline void attend_group_avx2(int64_t head_dim, const KeySource& src, int64_t co
     case 64: return attend_group_avx2_dispatch<64>(src, count, q, limit, out, range);
     case 128: return attend_group_avx2_dispatch<128>(src, count, q, limit, out, range);
     case 32: return attend_group_avx2_dispatch<32>(src, count, q, limit, out, range);
+    case 256: return attend_group_avx2_dispatch<256>(src, count, q, limit, out, range);
     default: std::abort();  // paired_supported was checked
   }
 }

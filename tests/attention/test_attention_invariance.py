@@ -40,11 +40,12 @@ def attend(backend, cache, history, sequences: list[tuple[list[int], int, int]],
     return rows
 
 
-# (dtype, head_dim, block_size): the paired layout, and token-major bf16 and float32.
-LAYOUTS = [(torch.bfloat16, 64, 16), (torch.bfloat16, 16, 16), (torch.float32, 64, 5)]
+# (dtype, head_dim, block_size): the paired layout (head_dim 64, and Gemma's 256), and
+# token-major bf16 and float32.
+LAYOUTS = [(torch.bfloat16, 64, 16), (torch.bfloat16, 256, 16), (torch.bfloat16, 16, 16), (torch.float32, 64, 5)]
 
 
-@pytest.fixture(params=LAYOUTS, ids=["bf16-paired", "bf16-token-major", "f32-token-major"])
+@pytest.fixture(params=LAYOUTS, ids=["bf16-paired", "bf16-paired-256", "bf16-token-major", "f32-token-major"])
 def setup(request, paired_path):
     dtype, head_dim, block_size = request.param
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
 @pytest.mark.parametrize("shapes", [MIXED, FEW, UNEVEN], ids=["mixed", "few", "uneven"])
 def test_cpu_paged_matches_reference(dtype, heads, kv_heads, head_dim, block_size, shapes, paired_path) -> None:
