@@ -18,10 +18,10 @@ def tiny_bf16(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_soak_loses_nothing_and_leaks_nothing(tiny_bf16) -> None:
-    config = SoakConfig(str(tiny_bf16), {"dtype": "bfloat16"}, num_requests=160, concurrency=16, seed=3)
+    config = SoakConfig(str(tiny_bf16), {"dtype": "bfloat16"}, num_requests=120, concurrency=16, seed=3)
     result = run_soak(config)
     report = format_soak(result)
-    assert result["sent"] == 160, report
+    assert result["sent"] == 120, report
     assert result["lost"] == 0 and result["kv_blocks_leaked"] == 0 and result["engine_faults"] == 0, report
     by_kind = result["by_kind"]
     assert set(by_kind["hostile"]) == {"refused"} and by_kind["hostile"]["refused"] > 0, report
@@ -42,10 +42,10 @@ def test_soak_with_adapters_and_speculation_on_every_endpoint(tiny_bf16, tmp_pat
                      for i in range(3))
     engine = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 4,
               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    config = SoakConfig(str(tiny_bf16), engine, num_requests=160, concurrency=16, seed=5, lora_modules=adapters,
+    config = SoakConfig(str(tiny_bf16), engine, num_requests=120, concurrency=16, seed=5, lora_modules=adapters,
                         endpoints="all")
     plan = plan_requests(config)
-    assert sum(isinstance(r.payload, dict) and r.payload.get("model", "").startswith("a") for r in plan) > 50
+    assert sum(isinstance(r.payload, dict) and r.payload.get("model", "").startswith("a") for r in plan) > 40
     assert {r.path for r in plan} == {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
                                       "/v1/embeddings", "/invocations", "/pooling"}
     result = run_soak(config)
