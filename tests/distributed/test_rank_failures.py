@@ -31,7 +31,11 @@ def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=DEADLINE_S, cwd=REPO)
 
 
-def test_a_worker_that_dies_fails_rank_0s_next_step(tiny: Path) -> None:
+def test_a_rank_that_dies_ends_the_other_cleanly(tiny: Path) -> None:
+    """Both ways, in one process (each is its own group): a worker killed mid-run fails
+    rank 0's next step with an error, and rank 0 that ends without a word (os._exit: no
+    STOP, no shutdown) leaves its worker, waiting for the next step, to see the closed
+    connection and exit with status 1."""
     result = run_python("""
         import os, signal, sys
         from kvloom import LLM, SamplingParams
@@ -43,28 +47,17 @@ def test_a_worker_that_dies_fails_rank_0s_next_step(tiny: Path) -> None:
         worker.join()
         try:
             llm.generate([[5, 6, 7, 8]], params)
+            sys.exit("the step did not fail")
         except RuntimeError as error:
-            print("step failed:", str(error).splitlines()[0])
+            print("step failed:", str(error).splitlines()[0], flush=True)
             llm.shutdown()
-            sys.exit(0)
-        sys.exit("the step did not fail")
-    """, str(tiny))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "step failed:" in result.stdout
-
-
-def test_rank_0_that_dies_makes_its_worker_exit(tiny: Path) -> None:
-    """Rank 0 ends without a word (os._exit: no STOP, no shutdown): the worker, waiting
-    for the next step, sees the closed connection and exits with status 1."""
-    result = run_python("""
-        import os, sys
-        from kvloom import LLM
         llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", num_blocks=16)
-        print(llm.engine.first_rank.processes[0].pid, flush=True)
+        print("worker", llm.engine.first_rank.processes[0].pid, flush=True)
         os._exit(0)
     """, str(tiny))
     assert result.returncode == 0, result.stderr[-2000:]
-    pid = int(result.stdout.split()[0])
+    assert "step failed:" in result.stdout
+    pid = int(result.stdout.split("worker")[1].split()[0])
     # The daemonic worker is not reaped by its dead parent: wait on it through /proc.
     assert _exits_within(pid, DEADLINE_S), f"worker {pid} still running"
 

@@ -200,12 +200,12 @@ def test_strict_auto_with_a_response_format_is_calls_or_that_answer(client) -> N
         elif choice.finish_reason == "stop":
             assert set(json.loads(choice.message.content)) == {"sunny"}
     plain = [{"role": "user", "content": "Is it sunny in Paris? Answer in JSON."}]
-    reply = client.chat.completions.create(model="smol", messages=plain, tools=STRICT_TOOLS, max_tokens=24,
+    reply = client.chat.completions.create(model="smol", messages=plain, tools=STRICT_TOOLS, max_tokens=12,
                                            temperature=0.0, response_format={"type": "json_object"})
     message = reply.choices[0].message
     assert (message.content or "").startswith("{") or all(map(_valid, message.tool_calls or ()))
     loose = [{"type": "function", "function": {**STRICT_TOOLS[0]["function"], "strict": False}}]
-    free = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=loose, max_tokens=24,
+    free = client.chat.completions.create(model="smol", messages=FEW_SHOT, tools=loose, max_tokens=8,
                                           temperature=0.0, response_format={"type": "json_object"})
     assert free.choices[0].message.content.startswith("{")  # the format alone: no call possible
 
