@@ -73,13 +73,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     norm_class = GemmaRMSNorm
     modules_only = "norms by 1 + weight, GeGLU"
 
-    def __init__(self, config: ModelConfig, max_positions: int,
-                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
-        gemma = config.gemma
-        if gemma is None:
-            raise ValueError(f"{config.architecture} is not a Gemma model")
-        super().__init__(config, max_positions, tp)
-
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
         """Returns the final hidden states, [tokens, hidden] (or the rows

@@ -53,14 +53,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = Olmo2DecoderLayer
     norm_class = Float32ScaledRMSNorm
-    modules_only = "norms after each block, q/k norms over all heads"
-
-    def __init__(self, config: ModelConfig, max_positions: int,
-                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} runs in one process: its query and key norms span every "
-                             "head, which tensor parallel splits between ranks")
-        super().__init__(config, max_positions, tp)
+    modules_only = "norms after each block, q/k norms over all heads"  # and one process: sharding.ONE_PROCESS
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:

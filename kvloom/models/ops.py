@@ -57,14 +57,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return cpu_ops.rms_norm(x, residual, weight, eps)  # checks residual: a mismatch raises
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:
+def _normalized(x: torch.Tensor, eps: float, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.dtype]:
+    """x / rms(x) in float32 (after ``residual += x`` in place, of that sum), and x's dtype."""
     if residual is not None:
         residual.add_(x)
         x = residual
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps), x.dtype
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+    x32, dtype = _normalized(x, eps, residual)
+    return weight * x32.to(dtype)
 
 
 def rms_norm_scaled_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -73,12 +78,8 @@ def rms_norm_scaled_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float
     casts first, then scales), as transformers computes Gemma's norm (offset 1) and OLMo 2's
     (offset 0); ``residual`` as :func:`rms_norm`'s. PyTorch only (those families run as
     modules)."""
-    if residual is not None:
-        residual.add_(x)
-        x = residual
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (offset + weight.float())).to(x.dtype)
+    x32, dtype = _normalized(x, eps, residual)
+    return (x32 * (offset + weight.float())).to(dtype)
 
 
 # ---- gated MLP activation ------------------------------------------------------------

@@ -36,12 +36,20 @@ class TensorSlice:
     end: int
 
 
+# Families of Llama's attention whose other layers the ranks do not split, and why.
+_OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
+ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
+               "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj"}
+
+
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     """Why ``config`` cannot be split across ``size`` ranks, or None. Heads, KV heads
     and intermediate features (dense, each expert's, the shared expert's) must divide
     evenly (the vocabulary is padded instead)."""
     if size == 1:
         return None
+    if config.architecture in ONE_PROCESS:
+        return f"{config.architecture} runs in one process: {ONE_PROCESS[config.architecture]}"
     if config.classifier is not None and config.classifier.source_tokens:
         return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
                 "rows of a few tokens, which one rank's shard may not hold; run it in one process")

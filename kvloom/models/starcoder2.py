@@ -63,11 +63,4 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     has_score_head = False
     layer_class = Starcoder2DecoderLayer
     norm_class = ResidualLayerNorm
-    modules_only = "LayerNorm, a plain GELU MLP"
-
-    def __init__(self, config: ModelConfig, max_positions: int,
-                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} runs in one process: tensor parallel does not split its "
-                             "MLP's c_fc / c_proj")
-        super().__init__(config, max_positions, tp)
+    modules_only = "LayerNorm, a plain GELU MLP"  # and one process: sharding.ONE_PROCESS
