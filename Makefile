@@ -61,8 +61,15 @@ model: $(SERVE_STAMP)
 serve: model
 	$(PY) -m kvloom serve
 
+# Two workers (pytest-xdist), one per core of the 2-core machines we run on, each with
+# one compute thread (tests/conftest.py): much of the suite waits on child processes,
+# tokenizers and Python, and one process leaves a core idle then (500 s serially, 304-329 s
+# so). Work stealing: the slow tests do not queue behind one worker (--dist loadgroup: 410 s).
+# Ports handed to child processes are reserved (kvloom/ports.py): the workers cannot race.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP) $(BROWSER_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # Lint and the type checker (strict on engine/, cache/, runner/: [tool.mypy] in
 # pyproject.toml); .ci/run runs them before the tests.

@@ -43,7 +43,6 @@ import json
 import math
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ from typing import IO, Any
 import httpx
 
 from kvloom.bench.serve_args import add_serve_bench_args, resolve_tokenizer, sample_workload, serve_config
+from kvloom.ports import reserve_ports
 
 __all__ = ["ManagedServer", "SweepConfig", "engine_flags", "format_summary", "run_sweep"]
 
@@ -132,13 +132,6 @@ def engine_flags(options: Sequence[str] | Mapping[str, Any]) -> list[str]:
     if isinstance(options, str) or not all(isinstance(item, str) for item in options):
         raise ValueError(f"an option set is a list of flag strings or an object, got {options!r}")
     return list(options)
-
-
-def free_port(host: str) -> int:
-    """A port free right now (another process could take it before the server binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class ManagedServer:
@@ -288,7 +281,7 @@ def run_sweep(config: SweepConfig) -> int:
                 result, error = None, None
                 try:
                     if server is None:
-                        port = config.port or free_port(config.host)
+                        port = config.port or reserve_ports(1, config.host)[0]
                         server = ManagedServer(_server_command(config, options, port),
                                                f"http://{config.host}:{port}", out / f"{cell}.server.log")
                         print(f"[{cell}] starting: {' '.join(server.command)}", file=sys.stderr)

@@ -25,7 +25,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 from kvloom.config import EngineConfig
 from kvloom.distributed.errors import RankFailed
 from kvloom.distributed.group import TensorParallelGroup
+from kvloom.ports import reserve_ports
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,7 @@ def spawn_workers(config: EngineConfig, worker: Callable[[EngineConfig, RankPlac
     cores (on 2 cores with 2 ranks: one each), so the ranks' thread pools do not
     contend for the same core."""
     size = config.parallel.tensor_parallel_size
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    (port,) = reserve_ports(1)  # rank 0's TCP store binds it; kept from the kernel's choices meanwhile
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     share = len(cores) // size
 

@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from kvloom.ports import reserve_ports
 from kvloom.router.config import RouterConfig
 from kvloom.router.main import bind_socket, configure_logging, run_router
 from kvloom.router.workers import RouterStartupError
@@ -60,20 +60,6 @@ def worker_argv(argv: Sequence[str], drop: dict[str, int] | None = None) -> list
             continue
         kept.append(arg)
     return kept
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on loopback now (held together while chosen, so they differ)."""
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -190,7 +176,7 @@ def _serve_behind_router(args: argparse.Namespace, argv: Sequence[str], extra: S
     configure_logging(args.log_level)
     sock = bind_socket(args.host, args.port)
     num_threads = worker_threads(args, size)
-    ports = free_ports(size)
+    ports = reserve_ports(size)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     named = ", ".join(f"{url} ({' '.join(more)})" if more else url for url, more in zip(urls, extra, strict=True))
     print(f"kvloom: starting {size} workers on {named}"

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.bench.sweep import ManagedServer, free_port
+from kvloom.bench.sweep import ManagedServer
 from kvloom.cli import main
+from kvloom.ports import reserve_ports
 
 STARTUP_DEADLINE_S = 60.0
 NUM_REQUESTS = 8
@@ -37,7 +38,7 @@ def _serve_command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def kvloom_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port("127.0.0.1")
+    port = reserve_ports(1)[0]
     command = [*_serve_command(), str(tiny_llama), "--dtype", "float32", "--device", "cpu",
                "--num-blocks", "128", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     log = tmp_path_factory.mktemp("server") / "server.log"

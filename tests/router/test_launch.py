@@ -15,7 +15,8 @@ import pytest
 from router_harness import wait_for
 
 from kvloom.cli import build_parser, main
-from kvloom.router.launch import free_ports, wait_until_healthy, worker_argv
+from kvloom.ports import reserve_ports
+from kvloom.router.launch import wait_until_healthy, worker_argv
 from kvloom.router.workers import RouterStartupError
 
 
@@ -69,14 +70,14 @@ def test_router_port_in_use_is_named(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_an_unreachable_worker_fails_the_start_by_the_deadline(capsys: pytest.CaptureFixture[str]) -> None:
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     assert main(["router", "--worker", f"http://127.0.0.1:{port}", "--port", "0",
                  "--startup-timeout", "0.3"]) == 2
     assert f"worker http://127.0.0.1:{port} did not answer" in capsys.readouterr().err
 
 
 def test_a_worker_that_exits_fails_the_start_with_its_status() -> None:
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     with pytest.raises(RouterStartupError, match=f"127.0.0.1:{port} exited with status 3"):
         wait_until_healthy([process], [f"http://127.0.0.1:{port}"], timeout=30)
@@ -115,7 +116,7 @@ def test_serve_data_parallel_port_in_use_fails_before_starting_workers(tiny_llam
 
 
 def test_serve_data_parallel_starts_routes_and_stops_its_workers(tiny_llama: Path) -> None:
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     process = _kvloom("serve", str(tiny_llama), "--dtype", "float32", "--num-blocks", "64",
                       "--data-parallel-size", "2", "--port", str(port), "--disable-log-stats",
                       "--log-level", "warning")
@@ -136,7 +137,7 @@ def test_serve_data_parallel_starts_routes_and_stops_its_workers(tiny_llama: Pat
 
 
 def test_serve_disaggregated_starts_a_pair_and_a_router_and_moves_kv(tiny_llama: Path, tmp_path: Path) -> None:
-    (port,) = free_ports(1)
+    (port,) = reserve_ports(1)
     process = _kvloom("serve", str(tiny_llama), "--dtype", "float32", "--num-blocks", "64", "--role",
                       "disaggregated", "--kv-shm-dir", str(tmp_path), "--port", str(port), "--disable-log-stats",
                       "--log-level", "warning")

@@ -6,7 +6,6 @@ requests with 500 and makes the server process exit non-zero."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import SERVED_NAME, wait_for_health
+
+from kvloom.ports import reserve_ports
 
 HOSTILE = [
     ({"seed": 1208925819614629174706176}, "seed"),  # 2**80
@@ -87,14 +88,8 @@ ENGINE_FAULT_SERVER = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_an_engine_fault_fails_requests_with_500_and_exits_non_zero(tiny_llama: Path) -> None:
-    port = free_port()
+    port = reserve_ports(1)[0]
     process = subprocess.Popen([sys.executable, "-c", ENGINE_FAULT_SERVER, str(tiny_llama), str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -18,14 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvloom.ports import reserve_ports
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(model: Path, port: int, *flags: str) -> subprocess.Popen:
@@ -41,7 +36,7 @@ def test_https_under_a_root_path_without_an_access_log(tiny_llama: Path, tmp_pat
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    port = free_port()
+    port = reserve_ports(1)[0]
     proc = serve(tiny_llama, port, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/kvloom",
                  "--disable-uvicorn-access-log", "--trust-remote-code")
     base = f"https://127.0.0.1:{port}"

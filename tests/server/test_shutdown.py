@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,13 +14,9 @@ import httpx
 import pytest
 from server_harness import wait_for_health
 
+from kvloom.ports import reserve_ports
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(model: str, port: int) -> subprocess.Popen:
@@ -35,7 +30,7 @@ def start(model: str, port: int) -> subprocess.Popen:
 
 @pytest.fixture
 def process(tiny_llama: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = free_port()
+    port = reserve_ports(1)[0]
     proc = start(str(tiny_llama), port)
     try:
         wait_for_health(f"http://127.0.0.1:{port}")
@@ -66,7 +61,7 @@ def test_sigint_when_idle_exits_zero(process: tuple[subprocess.Popen, str]) -> N
 
 
 def test_model_that_fails_to_load_exits_one(tmp_path: Path) -> None:
-    proc = start(str(tmp_path / "no-such-model"), free_port())
+    proc = start(str(tmp_path / "no-such-model"), reserve_ports(1)[0])
     try:
         output, _ = proc.communicate(timeout=60)
     finally:
