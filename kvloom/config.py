@@ -87,6 +87,9 @@ class ModelConfig:
     attention_bias: bool = False  # q, k and v
     attention_output_bias: bool = False  # the output projection (Llama's attention_bias)
     mlp_bias: bool = False
+    # config.json's hidden_act (hidden_activation): read by the families whose MLP is not
+    # SiLU-gated (Phi's fc1 / fc2); Llama's gated MLP and Gemma's GeGLU fix their own.
+    hidden_act: str = "silu"
     # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
     qk_norm: bool = False
     # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
@@ -211,7 +214,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
         # (Qwen2-MoE names the same flag qkv_bias.)
         # (StarCoder2 names one flag for every projection's bias use_bias.)
-        default_bias = hf.get("use_bias", arch.startswith("Qwen2"))
+        # (Phi has a bias on every projection and no flag.)
+        default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch == "PhiForCausalLM")
         attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", default_bias)))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
@@ -229,7 +233,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=hf.get("norm_epsilon", hf.get("rms_norm_eps", 1e-6)),  # StarCoder2's LayerNorm: norm_epsilon
+            # The LayerNorms' eps: StarCoder2's norm_epsilon, Phi's layer_norm_eps.
+            rms_norm_eps=hf.get("norm_epsilon", hf.get("layer_norm_eps", hf.get("rms_norm_eps", 1e-6))),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -238,9 +243,10 @@ class ModelConfig:
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
-                                                              "Starcoder2ForCausalLM"),
-            mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", False))),
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+                                                              "Starcoder2ForCausalLM", "PhiForCausalLM"),
+            mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch == "PhiForCausalLM"))),
+            qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm")),  # Phi's flag
+            hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),

@@ -115,6 +115,7 @@ _ARCH_CONFIGS = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -254,6 +255,7 @@ _GGUF_BLOCK = {
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
     "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",  # StarCoder2's plain MLP
+    "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "self_attn.dense": "attn_output",  # Phi's
 }
 
 
@@ -279,7 +281,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
-    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2"}.get(model_type, model_type)
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2"}.get(model_type, model_type)
     if permute_qk is None:
         permute_qk = model_type in ("llama", "mistral", "granite")
     state: dict[str, torch.Tensor] = {}
@@ -290,9 +292,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    phi = model_type == "phi"  # llama.cpp's Phi2Model writes 4 x hidden as the MLP's width, every head a KV head
+    writer.add_feed_forward_length(4 * config["hidden_size"] if phi else config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_head_count_kv(config["num_attention_heads" if phi else "num_key_value_heads"])
     rope_parameters = config.get("rope_parameters", {})
     rope_parameters = rope_parameters.get("full_attention", rope_parameters)  # Gemma 3's: the global layers'
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope_parameters.get("rope_theta", 1e4)))
@@ -328,6 +331,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     if model_type == "starcoder2":  # LayerNorm's eps (the converter's layer_norm_eps) and the window
         writer.add_layer_norm_eps(config["norm_epsilon"])
         writer.add_sliding_window(config["sliding_window"])
+    if phi:  # as llama.cpp's Phi2Model: LayerNorm's eps and the rotary's dims
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
     if model_type == "olmo3":  # as llama.cpp's Olmo2Model: the window and which layers have it
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
@@ -346,7 +353,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
                          "model.norm.weight": "output_norm.weight", "model.norm.bias": "output_norm.bias",
-                         "lm_head.weight": "output.weight"}[name]
+                         "model.final_layernorm.weight": "output_norm.weight",  # Phi's
+                         "model.final_layernorm.bias": "output_norm.bias",
+                         "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}[name]
             if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
                 continue
         if gemma and name.endswith("norm.weight"):

@@ -61,6 +61,7 @@ _TOP_LEVEL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output_norm.bias": "model.norm.bias",  # a LayerNorm's (StarCoder2)
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi's output head has one
 }
 # Families whose top-level names are not _TOP_LEVEL_NAMES.
 _FAMILY_TOP_LEVEL_NAMES = {
@@ -142,6 +143,12 @@ _BLOCK_NAMES["Olmo2ForCausalLM"] = {key: value for key, value in _ATTENTION_BLOC
 _BLOCK_NAMES["Olmo3ForCausalLM"] = _BLOCK_NAMES["Olmo2ForCausalLM"]
 # StarCoder2's plain MLP: ffn_up is c_fc, ffn_down c_proj (LayerNorm biases as .bias).
 _BLOCK_NAMES["Starcoder2ForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# Phi's: fc1 / fc2 as ffn_up / ffn_down, dense as attn_output; q, k and v fused in older
+# files (attn_qkv: q's rows, then k's, then v's). Its attention and MLP share attn_norm.
+_BLOCK_NAMES["PhiForCausalLM"] = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                                  "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                                  "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.dense",
+                                  "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.

@@ -39,7 +39,8 @@ class TensorSlice:
 # Families of Llama's attention whose other layers the ranks do not split, and why.
 _OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
 ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
-               "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj"}
+               "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
+               "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2"}
 
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:

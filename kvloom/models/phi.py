@@ -1,0 +1,105 @@
+"""Microsoft's Phi-1, Phi-1.5 and Phi-2 (``PhiForCausalLM``): attention and MLP side by side
+on one LayerNorm's output (a layer adds both to the stream at once: attention + MLP +
+residual, transformers' order), a bias on every projection and on the output head, the
+rotary on the first ``partial_rotary_factor`` of each head, a plain MLP fc2(act(fc1(x))),
+and, where config.json sets ``qk_layernorm``, each query and key head LayerNormed before the
+rotary. The attention is Llama's (``dense`` is its o projection).
+
+Modules only (the native walk is Llama's sequential pre-norm layer); one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.starcoder2 import ResidualLayerNorm
+
+# config.json's hidden_act -> torch's GELU form (gelu_new is the tanh form, as HF's NewGELU).
+GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+# Checkpoint names that differ from the Llama modules these layers reuse.
+_RENAMES = (("self_attn.dense.", "self_attn.o_proj."), ("self_attn.q_layernorm.", "self_attn.q_norm."),
+            ("self_attn.k_layernorm.", "self_attn.k_norm."), ("final_layernorm.", "norm."))
+
+
+class PhiMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in GELU_FORMS:
+            raise ValueError(f"PhiForCausalLM: hidden_act {config.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(GELU_FORMS)})")
+        self.approximate = GELU_FORMS[config.hidden_act]
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class PhiDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        if config.qk_norm:  # LayerNorms of one head's width (weights and biases), not RMSNorms
+            self.self_attn.q_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
+            self.self_attn.k_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
+        self.mlp = PhiMLP(config)
+        self.local_rope = False
+
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given: every row's
+        K and V still go into the cache)."""
+        normed = self.input_layernorm(stream)
+        attended = self.self_attn(normed, rotary, batch, kv_cache, backend, metadata, rows)
+        if rows is not None:
+            normed, stream = normed[rows], stream[rows]
+        return attended + self.mlp(normed) + stream
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    has_score_head = False  # no Phi sequence classifier is read
+    layer_class = PhiDecoderLayer
+    norm_class = ResidualLayerNorm  # final_layernorm
+    modules_only = "attention and MLP in parallel, LayerNorm, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__(config, max_positions, tp)
+        if self.lm_head is not None:  # Phi's output head has a bias (a tied head would have none)
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=True)
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.cos_sin(batch.positions)
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, PhiDecoderLayer)
+            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_renamed(weights))
+
+
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        yield name, tensor
