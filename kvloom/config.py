@@ -47,6 +47,8 @@ def parse_device(value: str) -> str:
 
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Families whose projections (and MLP) have biases unless config.json says otherwise.
+ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM")
 
 
 def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
@@ -90,6 +92,9 @@ class ModelConfig:
     # config.json's hidden_act (hidden_activation): read by the families whose MLP is not
     # SiLU-gated (Phi's fc1 / fc2); Llama's gated MLP and Gemma's GeGLU fix their own.
     hidden_act: str = "silu"
+    # GPT-NeoX's use_parallel_residual: attention and MLP read the same stream (each through
+    # its own norm) and are added to it together, rather than one after the other.
+    parallel_residual: bool = False
     # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
     qk_norm: bool = False
     # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
@@ -190,10 +195,10 @@ class ModelConfig:
         rope_params = hf.get("rope_parameters") or {}
         local_rope = rope_params.get("sliding_attention") or {}  # per layer kind (Gemma 3, OLMo 3)
         rope_params = rope_params.get("full_attention", rope_params)
-        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_theta = hf.get("rope_theta", hf.get("rotary_emb_base", rope_params.get("rope_theta", 10000.0)))  # NeoX's
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        partial = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        partial = hf.get("partial_rotary_factor", hf.get("rotary_pct", rope_params.get("partial_rotary_factor", 1.0)))
         head_dim = hf.get("head_dim") or hidden // num_heads
         rotary_dim = None if partial == 1.0 or archs[0] == "BambaForCausalLM" else int(head_dim * partial)
         if rotary_dim is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
@@ -214,8 +219,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
         # (Qwen2-MoE names the same flag qkv_bias.)
         # (StarCoder2 names one flag for every projection's bias use_bias.)
-        # (Phi has a bias on every projection and no flag.)
-        default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch == "PhiForCausalLM")
+        # (Phi has a bias on every projection and no flag; GPT-NeoX's flag defaults to biases.)
+        default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch in ALWAYS_BIASED)
         attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", default_bias)))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
@@ -231,7 +236,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            # GPT-NeoX has a KV head per query head (transformers reads no num_key_value_heads there).
+            num_kv_heads=(hf.get("num_key_value_heads") if arch != "GPTNeoXForCausalLM" else None) or num_heads,
             head_dim=hf.get("head_dim") or hidden // num_heads,
             # The LayerNorms' eps: StarCoder2's norm_epsilon, Phi's layer_norm_eps.
             rms_norm_eps=hf.get("norm_epsilon", hf.get("layer_norm_eps", hf.get("rms_norm_eps", 1e-6))),
@@ -243,10 +249,11 @@ class ModelConfig:
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
-                                                              "Starcoder2ForCausalLM", "PhiForCausalLM"),
-            mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch == "PhiForCausalLM"))),
+                                                              "Starcoder2ForCausalLM", *ALWAYS_BIASED),
+            mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm")),  # Phi's flag
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
+            parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),

@@ -116,6 +116,7 @@ _ARCH_CONFIGS = {
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
     "phi": ("PhiConfig", "PhiForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -256,6 +257,8 @@ _GGUF_BLOCK = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
     "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",  # StarCoder2's plain MLP
     "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "self_attn.dense": "attn_output",  # Phi's
+    "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",  # GPT-NeoX's
+    "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
 }
 
 
@@ -281,7 +284,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
-    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2"}.get(model_type, model_type)
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
+                                                                                                     model_type)
     if permute_qk is None:
         permute_qk = model_type in ("llama", "mistral", "granite")
     state: dict[str, torch.Tensor] = {}
@@ -295,7 +299,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     phi = model_type == "phi"  # llama.cpp's Phi2Model writes 4 x hidden as the MLP's width, every head a KV head
     writer.add_feed_forward_length(4 * config["hidden_size"] if phi else config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_attention_heads" if phi else "num_key_value_heads"])
+    if model_type != "gpt_neox":  # llama.cpp's GPTNeoXModel writes no KV head count
+        writer.add_head_count_kv(config["num_attention_heads" if phi else "num_key_value_heads"])
     rope_parameters = config.get("rope_parameters", {})
     rope_parameters = rope_parameters.get("full_attention", rope_parameters)  # Gemma 3's: the global layers'
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope_parameters.get("rope_theta", 1e4)))
@@ -335,12 +340,21 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+    if model_type == "gpt_neox":  # as llama.cpp's GPTNeoXModel: q/k/v regrouped [q | k | v] below
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+        writer.add_parallel_residual(config["use_parallel_residual"])
     if model_type == "olmo3":  # as llama.cpp's Olmo2Model: the window and which layers have it
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config.get("num_key_value_heads")}
     for name, tensor in state.items():
         array = tensor.float().numpy()
+        name = name.replace("gpt_neox.layers.", "model.layers.")
+        if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
+            per_head = array.reshape(config["num_attention_heads"], 3, -1, *array.shape[1:])
+            array = per_head.swapaxes(0, 1).reshape(array.shape)  # [head][q | k | v] -> [q | k | v]
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
@@ -355,6 +369,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                          "model.norm.weight": "output_norm.weight", "model.norm.bias": "output_norm.bias",
                          "model.final_layernorm.weight": "output_norm.weight",  # Phi's
                          "model.final_layernorm.bias": "output_norm.bias",
+                         "gpt_neox.embed_in.weight": "token_embd.weight", "embed_out.weight": "output.weight",
+                         "gpt_neox.final_layer_norm.weight": "output_norm.weight",
+                         "gpt_neox.final_layer_norm.bias": "output_norm.bias",
                          "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}[name]
             if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
                 continue

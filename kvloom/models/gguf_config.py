@@ -4,7 +4,7 @@
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
-starcoder2, phi2 (Phi-1, 1.5 and 2);
+starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia);
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -46,7 +46,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # OLMo 3 too, where the file has a window pattern
-    "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -58,7 +58,7 @@ _MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
-    "PhiForCausalLM": "phi",
+    "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -154,6 +154,14 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config["intermediate_size"] = shapes["blk.0.ffn_up.weight"][1]
         if "blk.0.attn_k.weight" in shapes:
             config["num_key_value_heads"] = shapes["blk.0.attn_k.weight"][1] // config["head_dim"]
+    if arch == "gptneox":  # as llama.cpp's GPTNeoXModel writes it
+        config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
+        config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+        config["use_parallel_residual"] = bool(meta("use_parallel_residual", True))
+        config["attention_bias"] = "blk.0.attn_qkv.bias" in shapes
+        # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
+        # transformers runs it (llama.cpp's ggml_gelu is the tanh form).
+        config["hidden_act"] = "gelu"
     pattern = meta("attention.sliding_window_pattern", None)
     if arch == "olmo2" and pattern is not None:  # OLMo 3: its windowed layers, as llama.cpp's converter lists them
         if meta("rope.scaling.type", None) is not None:

@@ -149,6 +149,10 @@ _BLOCK_NAMES["PhiForCausalLM"] = {"attn_norm": "input_layernorm", "attn_q": "sel
                                   "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                                   "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.dense",
                                   "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+# GPT-NeoX's (Pythia's): HF's names, its q/k/v back in HF's per-head order (``_undo``).
+_BLOCK_NAMES["GPTNeoXForCausalLM"] = {"attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value",
+                                      "attn_output": "attention.dense", "ffn_norm": "post_attention_layernorm",
+                                      "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.
@@ -238,6 +242,10 @@ class _Converter:
         if family in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = self.hf_config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
             return _unpermute_rows(array, heads)
+        if family == "GPTNeoXForCausalLM" and part == "attn_qkv":  # llama.cpp's [q | k | v] -> HF's [head][q | k | v]
+            heads = self.hf_config["num_attention_heads"]
+            per_head: np.ndarray = array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
+            return per_head
         if part == "ssm_a":  # stored -exp(A_log), [heads, 1]
             return _a_log(array.reshape(-1))
         if part in ("ssm_d", "ssm_norm"):  # [heads, 1] / [groups, d_inner / groups]

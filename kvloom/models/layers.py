@@ -189,6 +189,44 @@ class GatedMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(self._act(self.gate_up_proj(x))))
 
 
+class ResidualLayerNorm(RMSNorm):
+    """LayerNorm with a bias, taking the Llama layers' residual add as RMSNorm does:
+    ``norm(x, residual)`` adds x into the stream in place and norms the sum."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+# config.json's hidden_act -> torch's GELU form (gelu_new is HF's NewGELU: the tanh form).
+GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class GeluMLP(nn.Module):
+    """fc2(gelu(fc1(x))), the un-gated MLP of Phi and GPT-NeoX, GELU in the form
+    ``hidden_act`` names (any other activation is refused, naming the model's
+    architecture). One process: tensor parallel does not split it."""
+
+    def __init__(self, architecture: str, hidden_size: int, intermediate_size: int, bias: bool,
+                 hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in GELU_FORMS:
+            raise ValueError(f"{architecture}: hidden_act {hidden_act!r} is not supported "
+                             f"(supported: {', '.join(GELU_FORMS)})")
+        self.approximate = GELU_FORMS[hidden_act]
+        self.fc1 = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.fc2 = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x), approximate=self.approximate))
+
+
 class VocabParallelEmbedding(nn.Module):
     """The token embedding; under tensor parallel each rank holds the rows of its share
     of the token ids (padded: ``weight`` has ``ceil(vocab / ranks)`` rows, the padding

@@ -14,36 +14,18 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import GeluMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
-from kvloom.models.starcoder2 import ResidualLayerNorm
-
-# config.json's hidden_act -> torch's GELU form (gelu_new is the tanh form, as HF's NewGELU).
-GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
 _RENAMES = (("self_attn.dense.", "self_attn.o_proj."), ("self_attn.q_layernorm.", "self_attn.q_norm."),
             ("self_attn.k_layernorm.", "self_attn.k_norm."), ("final_layernorm.", "norm."))
-
-
-class PhiMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if config.hidden_act not in GELU_FORMS:
-            raise ValueError(f"PhiForCausalLM: hidden_act {config.hidden_act!r} is not supported "
-                             f"(supported: {', '.join(GELU_FORMS)})")
-        self.approximate = GELU_FORMS[config.hidden_act]
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class PhiDecoderLayer(nn.Module):
@@ -55,7 +37,8 @@ class PhiDecoderLayer(nn.Module):
         if config.qk_norm:  # LayerNorms of one head's width (weights and biases), not RMSNorms
             self.self_attn.q_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
-        self.mlp = PhiMLP(config)
+        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+                           config.hidden_act)
         self.local_rope = False
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
@@ -95,11 +78,13 @@ class PhiForCausalLM(LlamaForCausalLM):
         return out if rows is not None else batch.final_states(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(weights))
+        super().load_weights(renamed(weights, _RENAMES))
 
 
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[str, str], ...]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the names of the Llama modules that hold them."""
     for name, tensor in weights:
-        for theirs, ours in _RENAMES:
+        for theirs, ours in renames:
             name = name.replace(theirs, ours)
         yield name, tensor

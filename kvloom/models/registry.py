@@ -82,6 +82,7 @@ ARCHITECTURES: dict[str, str] = {
     "Olmo3ForCausalLM": "kvloom.models.olmo2:Olmo2ForCausalLM",
     "Starcoder2ForCausalLM": "kvloom.models.starcoder2:Starcoder2ForCausalLM",
     "PhiForCausalLM": "kvloom.models.phi:PhiForCausalLM",
+    "GPTNeoXForCausalLM": "kvloom.models.gpt_neox:GPTNeoXForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

@@ -40,7 +40,8 @@ class TensorSlice:
 _OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
 ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
-               "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2"}
+               "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
+               "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h"}
 
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:

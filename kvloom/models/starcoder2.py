@@ -15,25 +15,10 @@ from torch import nn
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import RMSNorm
+from kvloom.models.layers import ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 ACTIVATIONS = ("gelu_pytorch_tanh",)
-
-
-class ResidualLayerNorm(RMSNorm):
-    """LayerNorm with a bias, taking the Llama layers' residual add as RMSNorm does:
-    ``norm(x, residual)`` adds x into the stream in place and norms the sum."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps)
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is not None:
-            residual.add_(x)
-            x = residual
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 class Starcoder2MLP(nn.Module):

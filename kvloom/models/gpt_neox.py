@@ -1,0 +1,96 @@
+"""EleutherAI's GPT-NeoX (``GPTNeoXForCausalLM``: Pythia, GPT-NeoX-20B): each layer norms the
+stream twice, once for the attention and once for the MLP (LayerNorms with biases); with
+``use_parallel_residual`` (the default) both read the same stream and are added to it
+together (MLP + attention + stream, transformers' order), without it the MLP reads the
+stream after the attention's add. The attention is Llama's with biases (q, k and v fused
+per head in the checkpoint: [head][q | k | v], reordered into kvloom's [q | k | v] once at
+load), the rotary on the first ``rotary_pct`` of each head; the MLP is un-gated
+(dense_h_to_4h, GELU, dense_4h_to_h); the output head (``embed_out``) has no bias.
+
+Modules only (the native walk is Llama's sequential pre-norm layer); one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import GeluMLP, ResidualLayerNorm
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.phi import renamed
+
+# Checkpoint names -> the Llama modules that hold them.
+_RENAMES = (("gpt_neox.", "model."), ("embed_in.", "embed_tokens."), ("final_layer_norm.", "norm."),
+            ("embed_out.", "lm_head."), ("attention.query_key_value.", "self_attn.qkv_proj."),
+            ("attention.dense.", "self_attn.o_proj."), ("mlp.dense_h_to_4h.", "mlp.fc1."),
+            ("mlp.dense_4h_to_h.", "mlp.fc2."))
+# Buffers that older checkpoints saved beside the weights (the causal mask, the rotary's).
+_BUFFERS = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
+
+
+class GPTNeoXDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.parallel = config.parallel_residual
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+                           config.hidden_act)
+        self.local_rope = False
+
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given: every row's
+        K and V still go into the cache)."""
+        attended = self.self_attn(self.input_layernorm(stream), rotary, batch, kv_cache, backend, metadata, rows)
+        if rows is not None:
+            stream = stream[rows]
+        if self.parallel:
+            return self.mlp(self.post_attention_layernorm(stream)) + attended + stream
+        stream = attended + stream
+        return self.mlp(self.post_attention_layernorm(stream)) + stream
+
+
+class GPTNeoXForCausalLM(LlamaForCausalLM):
+    has_score_head = False  # no GPT-NeoX sequence classifier is read
+    layer_class = GPTNeoXDecoderLayer
+    norm_class = ResidualLayerNorm  # final_layer_norm
+    modules_only = "two LayerNorms a layer, a parallel residual, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.cos_sin(batch.positions)
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, GPTNeoXDecoderLayer)
+            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._fused_in_our_order(renamed(weights, _RENAMES)))
+
+    def _fused_in_our_order(self, weights: Iterable[tuple[str, torch.Tensor]]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's q/k/v rows, grouped per head ([head][q | k | v]), as kvloom's
+        fused projection holds them ([q | k | v], each head by head); old buffers skipped."""
+        heads, head_dim = self.config.num_heads, self.config.head_dim
+        for name, tensor in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            if ".self_attn.qkv_proj." in name:
+                tensor = tensor.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(tensor.shape)
+            yield name, tensor
