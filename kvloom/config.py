@@ -48,7 +48,8 @@ def parse_device(value: str) -> str:
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
-ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM")
+ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel")
+ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
 
 
 def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
@@ -183,6 +184,14 @@ class ModelConfig:
         if classifier is not None:  # the causal model's decoder: read as that model's config
             hf = {**hf, "architectures": [ClassifierConfig.causal_architecture(archs[0])]}
             archs = hf["architectures"]
+        if archs[0] == "GPT2LMHeadModel":  # GPT-2's own names for the shape (transformers' attribute_map)
+            if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+                raise ValueError("model config: GPT-2 attention scaled otherwise than by head_dim ** -0.5 "
+                                 "(scale_attn_weights off, or scale_attn_by_inverse_layer_idx on) is not supported")
+            hf = {"tie_word_embeddings": True, **hf, "intermediate_size": hf.get("n_inner") or 4 * hf["n_embd"],
+                  "hidden_act": hf.get("activation_function"), "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+                  "hidden_size": hf["n_embd"], "num_attention_heads": hf["n_head"], "num_hidden_layers": hf["n_layer"],
+                  "max_position_embeddings": hf["n_positions"]}
         ssm = SSMConfig.from_hf(hf)
         if ssm is not None:  # a pure state-space model has no attention fields
             hf = ssm.attention_fields(hf)
@@ -236,8 +245,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            # GPT-NeoX has a KV head per query head (transformers reads no num_key_value_heads there).
-            num_kv_heads=(hf.get("num_key_value_heads") if arch != "GPTNeoXForCausalLM" else None) or num_heads,
+            # GPT-NeoX and GPT-2 have a KV head per query head (transformers reads no num_key_value_heads there).
+            num_kv_heads=(hf.get("num_key_value_heads") if arch not in ONE_KV_HEAD_PER_HEAD else None) or num_heads,
             head_dim=hf.get("head_dim") or hidden // num_heads,
             # The LayerNorms' eps: StarCoder2's norm_epsilon, Phi's layer_norm_eps.
             rms_norm_eps=hf.get("norm_epsilon", hf.get("layer_norm_eps", hf.get("rms_norm_eps", 1e-6))),

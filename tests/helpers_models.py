@@ -117,6 +117,7 @@ _ARCH_CONFIGS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
     "phi": ("PhiConfig", "PhiForCausalLM"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -259,6 +260,7 @@ _GGUF_BLOCK = {
     "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "self_attn.dense": "attn_output",  # Phi's
     "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",  # GPT-NeoX's
     "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+    "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",  # GPT-2's
 }
 
 
@@ -283,6 +285,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
+    if model_type == "gpt2":  # its own names; llama.cpp's GPT2Model writes 4 x hidden as the MLP's width
+        config = {**config, "num_hidden_layers": config["n_layer"], "hidden_size": config["n_embd"],
+                  "num_attention_heads": config["n_head"], "num_key_value_heads": config["n_head"],
+                  "max_position_embeddings": config["n_positions"], "intermediate_size": 4 * config["n_embd"],
+                  "layer_norm_eps": config["layer_norm_epsilon"]}
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
                                                                                                      model_type)
@@ -340,6 +347,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+    if model_type == "gpt2":  # LayerNorm's eps; its Conv1D weights transposed below
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
     if model_type == "gpt_neox":  # as llama.cpp's GPTNeoXModel: q/k/v regrouped [q | k | v] below
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]
@@ -351,7 +360,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config.get("num_key_value_heads")}
     for name, tensor in state.items():
         array = tensor.float().numpy()
-        name = name.replace("gpt_neox.layers.", "model.layers.")
+        name = name.replace("gpt_neox.layers.", "model.layers.").replace("transformer.h.", "model.layers.")
+        if model_type == "gpt2" and array.ndim == 2 and name.endswith(("c_attn.weight", "c_proj.weight",
+                                                                          "c_fc.weight")):
+            array = array.T  # Conv1D's [in, out] as llama.cpp stores a matmul: [out, in]
         if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
             per_head = array.reshape(config["num_attention_heads"], 3, -1, *array.shape[1:])
             array = per_head.swapaxes(0, 1).reshape(array.shape)  # [head][q | k | v] -> [q | k | v]
@@ -370,6 +382,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                          "model.final_layernorm.weight": "output_norm.weight",  # Phi's
                          "model.final_layernorm.bias": "output_norm.bias",
                          "gpt_neox.embed_in.weight": "token_embd.weight", "embed_out.weight": "output.weight",
+                         "transformer.wte.weight": "token_embd.weight",
+                         "transformer.wpe.weight": "position_embd.weight",
+                         "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
                          "gpt_neox.final_layer_norm.weight": "output_norm.weight",
                          "gpt_neox.final_layer_norm.bias": "output_norm.bias",
                          "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}[name]

@@ -22,7 +22,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models import ops, ssm_ops
+from kvloom.models import ssm_ops
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
@@ -30,22 +30,6 @@ from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it
-
-
-class BambaAttention(LlamaAttention):
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
-        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # half of each head
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, batch, metadata).reshape(num_tokens, self.q_size)
-        projected: torch.Tensor = self.o_proj(out if rows is None else out[rows])  # [tokens or rows, hidden]
-        return projected
 
 
 class BambaDecoderLayer(nn.Module):
@@ -57,7 +41,7 @@ class BambaDecoderLayer(nn.Module):
         if kind == "mamba":
             self.mamba = Mamba2Mixer(config.hidden_size, config.ssm)
         else:
-            self.self_attn = BambaAttention(config)
+            self.self_attn = LlamaAttention(config)  # its half-head rotary: the tables' width
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 

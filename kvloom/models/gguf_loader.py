@@ -71,6 +71,7 @@ _FAMILY_TOP_LEVEL_NAMES = {
         "output.weight": "lm_head.weight",
     },
     "BambaForCausalLM": {**_TOP_LEVEL_NAMES, "output_norm.weight": "model.final_layernorm.weight"},
+    "GPT2LMHeadModel": {**_TOP_LEVEL_NAMES, "position_embd.weight": "model.wpe.weight"},
 }
 # Families whose layers are HF's ``backbone.layers.N`` (the rest: ``model.layers.N``).
 _BACKBONE_FAMILIES = {"Mamba2ForCausalLM"}
@@ -153,6 +154,9 @@ _BLOCK_NAMES["PhiForCausalLM"] = {"attn_norm": "input_layernorm", "attn_q": "sel
 _BLOCK_NAMES["GPTNeoXForCausalLM"] = {"attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value",
                                       "attn_output": "attention.dense", "ffn_norm": "post_attention_layernorm",
                                       "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+# GPT-2's: HF's module names (its matmuls stored as Linear's [out, in]: back to Conv1D's in ``_undo``).
+_BLOCK_NAMES["GPT2LMHeadModel"] = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+                                   "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.
@@ -246,6 +250,8 @@ class _Converter:
             heads = self.hf_config["num_attention_heads"]
             per_head: np.ndarray = array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
             return per_head
+        if family == "GPT2LMHeadModel" and kind == "weight" and array.ndim == 2:  # Conv1D's [in, out]
+            return np.ascontiguousarray(array.T)
         if part == "ssm_a":  # stored -exp(A_log), [heads, 1]
             return _a_log(array.reshape(-1))
         if part in ("ssm_d", "ssm_norm"):  # [heads, 1] / [groups, d_inner / groups]

@@ -61,11 +61,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]; with ``rows``, the output of those rows
-        only (every row's K and V still go into the cache)."""
+        only (every row's K and V still go into the cache). ``rotary`` None: a model whose
+        positions are in its embeddings (GPT-2) turns no query or key."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
         if self.q_norm is not None and self.k_norm is not None:
@@ -75,7 +76,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0])).view(num_tokens, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
-        ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # Phi-4's: a part of each
+        if rotary is not None:
+            ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)  # Phi-4's: a part of each
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]

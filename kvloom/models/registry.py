@@ -83,6 +83,7 @@ ARCHITECTURES: dict[str, str] = {
     "Starcoder2ForCausalLM": "kvloom.models.starcoder2:Starcoder2ForCausalLM",
     "PhiForCausalLM": "kvloom.models.phi:PhiForCausalLM",
     "GPTNeoXForCausalLM": "kvloom.models.gpt_neox:GPTNeoXForCausalLM",
+    "GPT2LMHeadModel": "kvloom.models.gpt2:GPT2LMHeadModel",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",

@@ -41,7 +41,8 @@ _OLMO = "its query and key norms span every head, which tensor parallel splits b
 ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
                "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
-               "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h"}
+               "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
+               "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj"}
 
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:

@@ -1,0 +1,94 @@
+"""OpenAI's GPT-2 (``GPT2LMHeadModel``): learned absolute positions added to the token
+embeddings (no rotary), pre-LayerNorm layers (weights and biases), Llama's attention with
+biases (q, k and v fused as c_attn, in kvloom's [q | k | v] order already), an un-gated MLP
+(c_fc, GELU's tanh form ``gelu_new``, c_proj), a final LayerNorm and the embedding as the
+output head. Its checkpoints store every matmul as a Conv1D, [in, out]: transposed at load.
+
+Refused by name: attention scaled otherwise than by head_dim ** -0.5
+(``scale_attn_weights`` off, ``scale_attn_by_inverse_layer_idx`` on). Modules only; one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import GeluMLP, ResidualLayerNorm
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.phi import renamed
+
+# Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
+_RENAMES = (("transformer.h.", "model.layers."), ("transformer.", "model."), ("wte.", "embed_tokens."),
+            ("wpe.", "embed_positions."), ("ln_1.", "input_layernorm."), ("ln_2.", "post_attention_layernorm."),
+            ("attn.c_attn.", "self_attn.qkv_proj."), ("attn.c_proj.", "self_attn.o_proj."),
+            ("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."), ("ln_f.", "norm."))
+_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc1.weight", ".mlp.fc2.weight")
+# Buffers that older checkpoints saved beside the weights (the causal mask).
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+class GPT2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+                           config.hidden_act)
+        self.local_rope = False
+
+    def forward(self, stream: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                backend: AttentionBackend[Any], metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given: every row's
+        K and V still go into the cache)."""
+        attended = self.self_attn(self.input_layernorm(stream), None, batch, kv_cache, backend, metadata, rows)
+        stream = attended + (stream if rows is None else stream[rows])
+        return self.mlp(self.post_attention_layernorm(stream)) + stream
+
+
+class GPT2LMHeadModel(LlamaForCausalLM):
+    has_score_head = False  # no GPT-2 sequence classifier is read
+    layer_class = GPT2DecoderLayer
+    norm_class = ResidualLayerNorm  # ln_f
+    modules_only = "learned positions, LayerNorm, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__(config, max_positions, tp)
+        # Every position it was trained on has a row (a longer context has none to read).
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed_tokens(batch.input_ids) + self.embed_positions(batch.positions)
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, GPT2DecoderLayer)
+            stream = layer(stream, batch, kv_caches[index], backend, metadata, rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        draft = super().first_layers(num_layers)
+        draft.embed_positions = self.embed_positions
+        return draft
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_as_linear(renamed(weights, _RENAMES)))
+
+
+def _as_linear(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Conv1D weights ([in, out]) as nn.Linear's ([out, in]); saved masks skipped."""
+    for name, tensor in weights:
+        if name.endswith(_BUFFERS):
+            continue
+        yield name, (tensor.t() if name.endswith(_CONV1D) else tensor)
