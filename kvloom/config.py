@@ -207,7 +207,9 @@ class ModelConfig:
         rope_theta = hf.get("rope_theta", hf.get("rotary_emb_base", rope_params.get("rope_theta", 10000.0)))  # NeoX's
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        partial = hf.get("partial_rotary_factor", hf.get("rotary_pct", rope_params.get("partial_rotary_factor", 1.0)))
+        # (GPT-NeoX names it rotary_pct; older StableLM configs rope_pct.)
+        partial = rope_params.get("partial_rotary_factor", 1.0)
+        partial = hf.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("rope_pct", partial)))
         head_dim = hf.get("head_dim") or hidden // num_heads
         rotary_dim = None if partial == 1.0 or archs[0] == "BambaForCausalLM" else int(head_dim * partial)
         if rotary_dim is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
@@ -226,11 +228,11 @@ class ModelConfig:
             ))
         arch = archs[0]
         # Qwen2 always has q/k/v bias; Llama and Mistral use the attention_bias flag.
-        # (Qwen2-MoE names the same flag qkv_bias.)
+        # (Qwen2-MoE names the same flag qkv_bias, StableLM use_qkv_bias.)
         # (StarCoder2 names one flag for every projection's bias use_bias.)
         # (Phi has a bias on every projection and no flag; GPT-NeoX's flag defaults to biases.)
         default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch in ALWAYS_BIASED)
-        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", default_bias)))
+        attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", hf.get("use_qkv_bias", default_bias))))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
         layer_types = hf.get("layer_types")

@@ -118,6 +118,7 @@ _ARCH_CONFIGS = {
     "phi": ("PhiConfig", "PhiForCausalLM"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -235,7 +236,7 @@ def _randomize_norms(model: torch.nn.Module) -> None:
     norms (or drops one) is caught by an equality test."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or ".norms." in name:  # StableLM's per-head norms: norms.<head>.weight
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.02)
@@ -347,6 +348,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+    if model_type == "stablelm":  # as llama.cpp's StableLMModel: its per-head q/k norms stacked below
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+        writer.add_parallel_residual(config["use_parallel_residual"])
     if model_type == "gpt2":  # LayerNorm's eps; its Conv1D weights transposed below
         writer.add_layer_norm_eps(config["layer_norm_eps"])
     if model_type == "gpt_neox":  # as llama.cpp's GPTNeoXModel: q/k/v regrouped [q | k | v] below
@@ -358,6 +364,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config.get("num_key_value_heads")}
+    state = _stacked_head_norms(state)  # StableLM's: one [heads, head_dim] tensor, as llama.cpp stacks them
     for name, tensor in state.items():
         array = tensor.float().numpy()
         name = name.replace("gpt_neox.layers.", "model.layers.").replace("transformer.h.", "model.layers.")
@@ -397,6 +404,24 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stacked_head_norms(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``...self_attn.{q,k}_layernorm.norms.<head>.weight`` as one ``...self_attn.{q,k}_norm.weight``
+    of [heads, head_dim]; every other tensor as it is."""
+    import re
+
+    out: dict[str, torch.Tensor] = {}
+    heads: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*\.self_attn\.)([qk])_layernorm\.norms\.(\d+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            heads.setdefault(f"{match[1]}{match[2]}_norm.weight", {})[int(match[3])] = tensor
+    for name, parts in heads.items():
+        out[name] = torch.stack([parts[h] for h in sorted(parts)])
     return out
 
 

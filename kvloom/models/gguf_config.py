@@ -4,7 +4,7 @@
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
-starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2;
+starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm;
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -47,7 +47,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # OLMo 3 too, where the file has a window pattern
     "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
+    "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -60,6 +60,7 @@ _MODEL_TYPES = {
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
+    "StableLmForCausalLM": "stablelm",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -163,6 +164,12 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
         # transformers runs it (llama.cpp's ggml_gelu is the tanh form).
         config["hidden_act"] = "gelu"
+    if arch == "stablelm":  # as llama.cpp's StableLMModel writes it (a parallel residual where the config named none)
+        config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
+        config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+        config["use_parallel_residual"] = bool(meta("use_parallel_residual", True))
+        config["use_qkv_bias"] = "blk.0.attn_q.bias" in shapes
+        config["qk_layernorm"] = "blk.0.attn_q_norm.weight" in shapes
     if arch == "gpt2":  # in GPT-2's own config names (ModelConfig.from_hf reads those); the MLP's width from its tensor
         config.update(n_embd=hidden, n_head=num_heads, n_layer=config["num_hidden_layers"],
                       n_positions=config["max_position_embeddings"], n_inner=shapes["blk.0.ffn_up.weight"][1],

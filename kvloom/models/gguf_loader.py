@@ -157,6 +157,10 @@ _BLOCK_NAMES["GPTNeoXForCausalLM"] = {"attn_norm": "input_layernorm", "attn_qkv"
 # GPT-2's: HF's module names (its matmuls stored as Linear's [out, in]: back to Conv1D's in ``_undo``).
 _BLOCK_NAMES["GPT2LMHeadModel"] = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
                                    "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# StableLM's: Llama's names; its per-head q/k norms stacked [heads, head_dim], read as the
+# one weight kvloom's PerHeadLayerNorm holds (``_undo`` flattens them).
+_BLOCK_NAMES["StableLmForCausalLM"] = {**_ATTENTION_BLOCK, "attn_q_norm": "self_attn.q_norm",
+                                       "attn_k_norm": "self_attn.k_norm"}
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.
@@ -250,6 +254,8 @@ class _Converter:
             heads = self.hf_config["num_attention_heads"]
             per_head: np.ndarray = array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
             return per_head
+        if family == "StableLmForCausalLM" and part in ("attn_q_norm", "attn_k_norm"):  # [heads, head_dim]
+            return array.reshape(-1)
         if family == "GPT2LMHeadModel" and kind == "weight" and array.ndim == 2:  # Conv1D's [in, out]
             return np.ascontiguousarray(array.T)
         if part == "ssm_a":  # stored -exp(A_log), [heads, 1]

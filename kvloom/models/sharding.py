@@ -42,7 +42,8 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
                "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
                "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
-               "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj"}
+               "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj",
+               "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
 
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:

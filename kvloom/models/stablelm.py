@@ -1,0 +1,120 @@
+"""Stability AI's StableLM (``StableLmForCausalLM``: StableLM-3B-4E1T, StableLM 2 1.6B and 12B,
+Zephyr): Llama's attention and gated SiLU MLP with LayerNorms (weights and biases), the rotary
+on the first ``partial_rotary_factor`` of each head, q/k/v biases where ``use_qkv_bias``; with
+``qk_layernorm`` each query and key head LayerNormed (its own weights, no bias) before the
+rotary; with ``use_parallel_residual`` (StableLM 2 12B) attention and MLP both read the input
+norm's output and are added to the stream together (stream + attention + MLP, transformers'
+order), otherwise one after the other, as Llama.
+
+Modules only (the native walk is Llama's RMSNorm layer); one process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import GatedMLP, ResidualLayerNorm
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+
+# One head's norm of the query or key LayerNorms: ...self_attn.{q,k}_layernorm.norms.<head>.weight
+_HEAD_NORM = re.compile(r"(.*\.self_attn\.)([qk])_layernorm\.norms\.(\d+)\.weight")
+
+
+class PerHeadLayerNorm(nn.Module):
+    """A LayerNorm (no bias) of each head with that head's own weights: rows of ``heads *
+    head_dim`` (a token's whole projection), each head normed over its ``head_dim``."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.eps = num_heads, head_dim, eps
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))  # head by head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(*x.shape[:-1], self.num_heads, self.head_dim)
+        normed = torch.nn.functional.layer_norm(heads, (self.head_dim,), None, None, self.eps)
+        return (normed * self.weight.view(self.num_heads, self.head_dim)).view(x.shape)
+
+
+class StableLmDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"{config.architecture}: hidden_act {config.hidden_act!r} is not supported "
+                             "(supported: silu)")
+        self.parallel = config.parallel_residual
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        if config.qk_norm:
+            self.self_attn.q_norm = PerHeadLayerNorm(config.num_heads, config.head_dim, config.rms_norm_eps)
+            self.self_attn.k_norm = PerHeadLayerNorm(config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        # One norm for both blocks where they run side by side (the checkpoint has no second).
+        self.post_attention_layernorm = (None if self.parallel else
+                                         ResidualLayerNorm(config.hidden_size, config.rms_norm_eps))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        self.local_rope = False
+
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given: every row's
+        K and V still go into the cache)."""
+        normed = self.input_layernorm(stream)
+        attended = self.self_attn(normed, rotary, batch, kv_cache, backend, metadata, rows)
+        if rows is not None:
+            normed, stream = normed[rows], stream[rows]
+        if self.post_attention_layernorm is None:
+            return stream + attended + self.mlp(normed)
+        stream = stream + attended
+        return stream + self.mlp(self.post_attention_layernorm(stream))
+
+
+class StableLmForCausalLM(LlamaForCausalLM):
+    has_score_head = False  # no StableLM sequence classifier is read
+    layer_class = StableLmDecoderLayer
+    norm_class = ResidualLayerNorm
+    modules_only = "LayerNorm, per-head q/k LayerNorms, a parallel residual"  # one process: sharding.ONE_PROCESS
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.cos_sin(batch.positions)
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, StableLmDecoderLayer)
+            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._head_norms_joined(weights))
+
+    def _head_norms_joined(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's per-head query (key) norm weights, one tensor a head in the
+        checkpoint, as one q_norm (k_norm) weight, head by head, once every head is read
+        (a head missing leaves the weight unset: the load then names it)."""
+        heads = {"q": self.config.num_heads, "k": self.config.num_kv_heads}
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = _HEAD_NORM.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            prefix, which, head = match.groups()
+            joined = f"{prefix}{which}_norm.weight"
+            parts = pending.setdefault(joined, {})
+            parts[int(head)] = tensor
+            if len(parts) == heads[which] and sorted(parts) == list(range(heads[which])):
+                yield joined, torch.cat([parts[h] for h in range(heads[which])])
+                del pending[joined]

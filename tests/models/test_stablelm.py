@@ -1,0 +1,83 @@
+"""Stability AI's StableLM: Llama's attention and gated MLP with LayerNorms, a partial rotary,
+q/k/v biases, per-head q/k LayerNorms, the parallel residual (or not). Greedy tokens and first
+log-probs held to transformers in float32 (chunked, both attention backends, both residual
+forms, from llama.cpp's stablelm GGUF files), bf16 alone equal to batched and chunked; two ranks
+and other activations refused by name."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import hf_greedy_and_first_logprobs as reference_run
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+RNG = random.Random(14)
+PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, 47)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+# StableLM 2's form: q/k/v biases, per-head q/k norms (grouped KV heads), a quarter of each head rotated.
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             partial_rotary_factor=0.25, layer_norm_eps=1e-5, use_qkv_bias=True, qk_layernorm=True)
+
+
+@pytest.fixture(scope="module")
+def stablelm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("stablelm"), arch="stablelm", seed=51, **SHAPE)
+
+
+def assert_transformers_tokens(path: Path, **engine: object) -> LLM:
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16, **engine)
+    for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
+        tokens, first = reference_run(path, prompt, GREEDY.max_tokens)
+        assert list(output.outputs[0].token_ids) == tokens, prompt
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+    return llm
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
+def test_greedy_tokens_and_logprobs_are_transformers(stablelm: Path, backend: str) -> None:
+    llm = assert_transformers_tokens(stablelm, attention_backend=backend)
+    config = llm.engine.model_config
+    assert (config.rotary_dim, config.attention_bias, config.qk_norm, config.parallel_residual) == \
+        (8, True, True, False)
+    assert llm.engine.model.native_stack is None  # the modules run it
+
+
+def test_the_parallel_residual_is_transformers(tmp_path: Path) -> None:
+    """StableLM 2 12B's form: attention and MLP from one norm, added together; no q/k norms."""
+    shape = {**SHAPE, "use_parallel_residual": True, "qk_layernorm": False, "use_qkv_bias": False}
+    path = write_tiny_hf_model(tmp_path / "stablelm-parallel", arch="stablelm", seed=52, **shape)
+    llm = assert_transformers_tokens(path)
+    assert llm.engine.model.layers[0].post_attention_layernorm is None
+
+
+def test_bf16_tokens_alone_equal_batched_and_chunked(stablelm: Path) -> None:
+    bf16_alone_equals_batched(str(stablelm), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens(stablelm: Path, tmp_path: Path) -> None:
+    """llama.cpp's stablelm files: the per-head q/k norms stacked [heads, head_dim], the
+    rotary's dims and the residual form as metadata."""
+    from helpers_models import write_tiny_gguf
+
+    llm = LLM(str(write_tiny_gguf(stablelm, tmp_path / "stablelm.gguf")), dtype="float32", block_size=16,
+              num_blocks=64)
+    config = llm.engine.model_config
+    assert (config.architecture, config.qk_norm, config.parallel_residual) == ("StableLmForCausalLM", True, False)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(stablelm, p, GREEDY.max_tokens)[0]
+                                                               for p in PROMPTS]
+
+
+def test_two_ranks_and_other_activations_are_refused_by_name(stablelm: Path, tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="StableLmForCausalLM runs in one process"):
+        LLM(str(stablelm), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+    gelu = write_tiny_hf_model(tmp_path / "stablelm-gelu", arch="stablelm", seed=53, hidden_act="gelu", **SHAPE)
+    with pytest.raises(Exception, match="StableLmForCausalLM: hidden_act 'gelu' is not supported"):
+        LLM(str(gelu), dtype="float32", num_blocks=16)
