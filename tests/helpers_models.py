@@ -119,6 +119,7 @@ _ARCH_CONFIGS = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
@@ -295,7 +296,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
                                                                                                      model_type)
     if permute_qk is None:
-        permute_qk = model_type in ("llama", "mistral", "granite")
+        permute_qk = model_type in ("llama", "mistral", "granite", "smollm3")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(str(shard)))

@@ -111,10 +111,11 @@ using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* ro
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS, NUM_KERNELS };
-// W_Q_NORM, W_K_NORM: Qwen3's per-head norms (0: the model has none). W_WINDOW is a number,
-// not a pointer: the layer's sliding window in keys (0: it attends to the whole context).
+// W_Q_NORM, W_K_NORM: Qwen3's per-head norms (0: the model has none). W_WINDOW and W_ROPE are
+// numbers, not pointers: the layer's sliding window in keys (0: it attends to the whole
+// context), and whether it turns q and k by the rotary (0: SmolLM3's NoPE layers).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
-              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, NUM_WEIGHTS };
+              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, NUM_WEIGHTS };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -354,7 +355,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
       norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
     }
-    rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
+    if (w[W_ROPE] != 0) rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
     // From the attention on, the rows computed: every row, or in the last layer the rows

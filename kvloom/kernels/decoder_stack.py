@@ -40,7 +40,8 @@ _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scrat
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                   "down", "down_bias", "q_norm", "k_norm",  # q_norm, k_norm: Qwen3's per-head norms (0: none)
-                  "window")  # a number, not a pointer: the layer's sliding window in keys (0: none)
+                  "window",  # a number, not a pointer: the layer's sliding window in keys (0: none)
+                  "rope")  # a number: 1 where the layer turns q and k by the rotary, 0 where not (NoPE)
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 NUM_KERNELS = 8

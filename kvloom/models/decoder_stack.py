@@ -135,7 +135,7 @@ class NativeDecoderStack:
             isas.update(linear.isa for linear in linears)
             row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
                                    "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0,
-                                   "window": attention.window}
+                                   "window": attention.window, "rope": int(index not in config.no_rope_layers)}
             if head_norms:
                 row["q_norm"], row["k_norm"] = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
             owners += [norm.weight for norm in norms]

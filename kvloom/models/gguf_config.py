@@ -4,7 +4,7 @@
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
-starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm;
+starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3;
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -48,6 +48,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "olmo2": "Olmo2ForCausalLM",  # OLMo 3 too, where the file has a window pattern
     "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
 }
 
 _MODEL_TYPES = {
@@ -60,7 +61,7 @@ _MODEL_TYPES = {
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
-    "StableLmForCausalLM": "stablelm",
+    "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             # (fused; same rounding as HF's `residual + hidden`); layer 0 has none to add.
             normed = (layer.input_layernorm(residual) if hidden is None
                       else layer.input_layernorm(hidden, residual))
-            rotary = local if layer.local_rope else full
+            rotary = None if index in self.config.no_rope_layers else local if layer.local_rope else full
             if index == last and rows is not None:
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[index], backend, metadata, rows)
                 residual = residual[rows]

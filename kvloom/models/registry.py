@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    # SmolLM3: Llama's layers, every fourth without rotary (config.no_rope_layers).
+    "SmolLM3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up already fused as kvloom's.
     "Phi3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Granite (dense): Llama's layers with four multipliers (model_families.Multipliers).

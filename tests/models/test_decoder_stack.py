@@ -34,7 +34,8 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # qwen2: q/k/v biases; qwen3: q/k norms; granite: its multipliers (the residual one in the walk);
 # phi3: Phi-4-mini's partial rotary (the first 3/4 of each head); mistral: a sliding window of
 # 20 keys (the prompts below pass it) and heads of 256 dims (Gemma's width, in a Llama)
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral"])
+# smollm3: no rotary in its second layer (an interval of 2: the shape's three layers hold one)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
@@ -42,6 +43,8 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         extra = dict(sliding_window=20, head_dim=256)
     if request.param == "phi3":
         extra = dict(partial_rotary_factor=0.75)
+    if request.param == "smollm3":
+        extra = dict(no_rope_layer_interval=2)
     if request.param == "granite":
         extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0)
