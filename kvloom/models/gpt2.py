@@ -22,7 +22,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
-from kvloom.models.phi import renamed
+from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
 _RENAMES = (("transformer.h.", "model.layers."), ("transformer.", "model."), ("wte.", "embed_tokens."),

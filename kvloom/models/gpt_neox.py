@@ -24,7 +24,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
-from kvloom.models.phi import renamed
+from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them.
 _RENAMES = (("gpt_neox.", "model."), ("embed_in.", "embed_tokens."), ("final_layer_norm.", "norm."),

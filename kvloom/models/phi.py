@@ -10,7 +10,7 @@ Modules only (the native walk is Llama's sequential pre-norm layer); one process
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.weights import renamed
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
 _RENAMES = (("self_attn.dense.", "self_attn.o_proj."), ("self_attn.q_layernorm.", "self_attn.q_norm."),
@@ -79,12 +80,3 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(renamed(weights, _RENAMES))
-
-
-def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[str, str], ...]
-            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors under the names of the Llama modules that hold them."""
-    for name, tensor in weights:
-        for theirs, ours in renames:
-            name = name.replace(theirs, ours)
-        yield name, tensor

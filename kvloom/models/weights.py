@@ -5,8 +5,20 @@ HF names to their parameters; this is the bookkeeping they share."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
+
+
+def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[str, str], ...]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under the names of the (Llama) modules that hold them: each
+    ``(theirs, ours)`` fragment replaced in order (a family's names, e.g. Phi's ``dense``)."""
+    for name, tensor in weights:
+        for theirs, ours in renames:
+            name = name.replace(theirs, ours)
+        yield name, tensor
 
 
 class WeightFiller:
