@@ -69,10 +69,15 @@ def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
     return {"local_rope_theta": local_theta, "local_rope_scaling": local_scaling}
 
 
-def _no_rope_layers(hf: dict[str, Any]) -> tuple[int, ...]:
-    """SmolLM3's layers without rotary: its no_rope_layers flags (1: the layer turns q and k),
-    else every ``no_rope_layer_interval``-th layer (transformers' default, 4)."""
+def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
+    """The layers without rotary: all of GPT-2's (its positions are in its embeddings);
+    SmolLM3's no_rope_layers flags (1: the layer turns q and k), else every
+    ``no_rope_layer_interval``-th layer (transformers' default, 4); no other family's."""
     layers, interval = int(hf["num_hidden_layers"]), int(hf.get("no_rope_layer_interval", 4))
+    if arch == "GPT2LMHeadModel":
+        return tuple(range(layers))
+    if arch != "SmolLM3ForCausalLM":
+        return ()
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     if len(flags) != layers:
         raise ValueError(f"model config: no_rope_layers has {len(flags)} flags for {layers} layers")
@@ -103,7 +108,7 @@ class ModelConfig:
     # config.json's hidden_act (hidden_activation): read by the families whose MLP is not
     # SiLU-gated (Phi's fc1 / fc2); Llama's gated MLP and Gemma's GeGLU fix their own.
     hidden_act: str = "silu"
-    # Layers that turn no query or key by the rotary (SmolLM3's NoPE layers: every fourth).
+    # Layers that turn no query or key by the rotary (SmolLM3's NoPE layers: every fourth; all of GPT-2's).
     no_rope_layers: tuple[int, ...] = ()
     # GPT-NeoX's use_parallel_residual: attention and MLP read the same stream (each through
     # its own norm) and are added to it together, rather than one after the other.
@@ -277,7 +282,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm")),  # Phi's flag
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
-            no_rope_layers=_no_rope_layers(hf) if arch == "SmolLM3ForCausalLM" else (),
+            no_rope_layers=_no_rope_layers(arch, hf),
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),

@@ -720,3 +720,21 @@ def hf_greedy_and_first_logprobs(path: str | Path, prompt: list[int], steps: int
             ids.append(int(logits.argmax()))
     assert first is not None
     return ids[len(prompt):], first
+
+
+def assert_greedy_is_transformers(path: Path, prompts: list[list[int]], max_tokens: int, **engine: Any) -> Any:
+    """kvloom's float32 greedy tokens for each prompt, prefills chunked at 16 tokens, equal
+    transformers' (``hf_greedy_and_first_logprobs``), and the first token's log-prob within
+    1e-4 of its; returns the LLM (``engine``: more of its arguments)."""
+    import pytest
+
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16, **engine)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    for output, prompt in zip(llm.generate(prompts, params), prompts, strict=True):
+        tokens, first = hf_greedy_and_first_logprobs(path, prompt, max_tokens)
+        assert list(output.outputs[0].token_ids) == tokens, prompt
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+    return llm
+

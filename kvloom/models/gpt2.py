@@ -21,7 +21,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
@@ -45,16 +45,16 @@ class GPT2DecoderLayer(nn.Module):
                            config.hidden_act)
         self.local_rope = False
 
-    def forward(self, stream: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+    def forward(self, stream: torch.Tensor, rotary: None, batch: ForwardBatch, kv_cache: torch.Tensor,
                 backend: AttentionBackend[Any], metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after this layer (of ``rows`` only, where given: every row's
-        K and V still go into the cache)."""
-        attended = self.self_attn(self.input_layernorm(stream), None, batch, kv_cache, backend, metadata, rows)
+        K and V still go into the cache). ``rotary`` is None: no GPT-2 layer has one."""
+        attended = self.self_attn(self.input_layernorm(stream), rotary, batch, kv_cache, backend, metadata, rows)
         stream = attended + (stream if rows is None else stream[rows])
         return self.mlp(self.post_attention_layernorm(stream)) + stream
 
 
-class GPT2LMHeadModel(LlamaForCausalLM):
+class GPT2LMHeadModel(StreamLayersForCausalLM):
     has_score_head = False  # no GPT-2 sequence classifier is read
     layer_class = GPT2DecoderLayer
     norm_class = ResidualLayerNorm  # ln_f
@@ -65,17 +65,8 @@ class GPT2LMHeadModel(LlamaForCausalLM):
         # Every position it was trained on has a row (a longer context has none to read).
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
-        """Returns the final hidden states, [tokens, hidden] (or the rows
-        ``batch.output_rows`` names, whose last layer alone is computed)."""
-        stream = self.embed_tokens(batch.input_ids) + self.embed_positions(batch.positions)
-        rows, last = batch.output_rows, len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, GPT2DecoderLayer)
-            stream = layer(stream, batch, kv_caches[index], backend, metadata, rows if index == last else None)
-        out: torch.Tensor = self.norm(stream)
-        return out if rows is not None else batch.final_states(out)
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.embed_tokens(batch.input_ids) + self.embed_positions(batch.positions)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         draft = super().first_layers(num_layers)

@@ -23,7 +23,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them.
@@ -61,24 +61,11 @@ class GPTNeoXDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(stream)) + stream
 
 
-class GPTNeoXForCausalLM(LlamaForCausalLM):
+class GPTNeoXForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no GPT-NeoX sequence classifier is read
     layer_class = GPTNeoXDecoderLayer
     norm_class = ResidualLayerNorm  # final_layer_norm
     modules_only = "two LayerNorms a layer, a parallel residual, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
-
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
-        """Returns the final hidden states, [tokens, hidden] (or the rows
-        ``batch.output_rows`` names, whose last layer alone is computed)."""
-        stream = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.cos_sin(batch.positions)
-        rows, last = batch.output_rows, len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, GPTNeoXDecoderLayer)
-            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
-        out: torch.Tensor = self.norm(stream)
-        return out if rows is not None else batch.final_states(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_in_our_order(renamed(weights, _RENAMES)))

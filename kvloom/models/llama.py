@@ -298,3 +298,30 @@ class LlamaForCausalLM(nn.Module):
         if source and "lm_head.weight" not in filler.filled and embedding_rows is not None:
             filler.copy("lm_head.weight", embedding_rows, "model.embed_tokens.weight")
         filler.check_complete()
+
+
+class StreamLayersForCausalLM(LlamaForCausalLM):
+    """A family whose layers each take the residual stream and return it, their norms and
+    adds inside (OLMo 2, Phi, GPT-NeoX, GPT-2, StableLM): ``layer(stream, rotary, batch,
+    kv_cache, backend, metadata, rows)``, ``rows`` given to the last layer alone (the rows
+    the step reads: every row's K and V still go into the cache). Llama's own walk fuses
+    each residual add into the next norm instead."""
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The stream entering the first layer (GPT-2 adds its positions)."""
+        return self.embed_tokens(batch.input_ids)
+
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
+                metadata: Any) -> torch.Tensor:
+        """Returns the final hidden states, [tokens, hidden] (or the rows
+        ``batch.output_rows`` names, whose last layer alone is computed)."""
+        stream = self.embed(batch)
+        full = self.rotary.cos_sin(batch.positions) if len(self.config.no_rope_layers) < len(self.layers) else None
+        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        rows, last = batch.output_rows, len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            rotary = None if index in self.config.no_rope_layers else local if layer.local_rope else full
+            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
+        out: torch.Tensor = self.norm(stream)
+        return out if rows is not None else batch.final_states(out)
+

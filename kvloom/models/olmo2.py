@@ -22,7 +22,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
@@ -49,23 +49,9 @@ class Olmo2DecoderLayer(nn.Module):
         return stream + self.post_feedforward_layernorm(self.mlp(stream))
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class Olmo2ForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = Olmo2DecoderLayer
     norm_class = Float32ScaledRMSNorm
     modules_only = "norms after each block, q/k norms over all heads"  # and one process: sharding.ONE_PROCESS
 
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
-        """Returns the final hidden states, [tokens, hidden] (or the rows
-        ``batch.output_rows`` names, whose last layer alone is computed)."""
-        stream = self.embed_tokens(batch.input_ids)
-        full = self.rotary.cos_sin(batch.positions)
-        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
-        rows, last = batch.output_rows, len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, Olmo2DecoderLayer)
-            stream = layer(stream, local if layer.local_rope else full, batch, kv_caches[index], backend, metadata,
-                           rows if index == last else None)
-        out: torch.Tensor = self.norm(stream)
-        return out if rows is not None else batch.final_states(out)

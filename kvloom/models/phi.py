@@ -21,7 +21,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
@@ -54,7 +54,7 @@ class PhiDecoderLayer(nn.Module):
         return attended + self.mlp(normed) + stream
 
 
-class PhiForCausalLM(LlamaForCausalLM):
+class PhiForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no Phi sequence classifier is read
     layer_class = PhiDecoderLayer
     norm_class = ResidualLayerNorm  # final_layernorm
@@ -64,19 +64,6 @@ class PhiForCausalLM(LlamaForCausalLM):
         super().__init__(config, max_positions, tp)
         if self.lm_head is not None:  # Phi's output head has a bias (a tied head would have none)
             self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=True)
-
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
-        """Returns the final hidden states, [tokens, hidden] (or the rows
-        ``batch.output_rows`` names, whose last layer alone is computed)."""
-        stream = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.cos_sin(batch.positions)
-        rows, last = batch.output_rows, len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, PhiDecoderLayer)
-            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
-        out: torch.Tensor = self.norm(stream)
-        return out if rows is not None else batch.final_states(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(renamed(weights, _RENAMES))

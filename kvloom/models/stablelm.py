@@ -23,7 +23,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GatedMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 
 # One head's norm of the query or key LayerNorms: ...self_attn.{q,k}_layernorm.norms.<head>.weight
 _HEAD_NORM = re.compile(r"(.*\.self_attn\.)([qk])_layernorm\.norms\.(\d+)\.weight")
@@ -78,24 +78,11 @@ class StableLmDecoderLayer(nn.Module):
         return stream + self.mlp(self.post_attention_layernorm(stream))
 
 
-class StableLmForCausalLM(LlamaForCausalLM):
+class StableLmForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no StableLM sequence classifier is read
     layer_class = StableLmDecoderLayer
     norm_class = ResidualLayerNorm
     modules_only = "LayerNorm, per-head q/k LayerNorms, a parallel residual"  # one process: sharding.ONE_PROCESS
-
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
-                metadata: Any) -> torch.Tensor:
-        """Returns the final hidden states, [tokens, hidden] (or the rows
-        ``batch.output_rows`` names, whose last layer alone is computed)."""
-        stream = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.cos_sin(batch.positions)
-        rows, last = batch.output_rows, len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, StableLmDecoderLayer)
-            stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
-        out: torch.Tensor = self.norm(stream)
-        return out if rows is not None else batch.final_states(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._head_norms_joined(weights))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
+from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -35,13 +35,8 @@ def smollm3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
 def test_greedy_tokens_and_logprobs_are_transformers(smollm3: Path, backend: str) -> None:
-    llm = LLM(str(smollm3), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16,
-              attention_backend=backend)
+    llm = assert_greedy_is_transformers(smollm3, PROMPTS, GREEDY.max_tokens, attention_backend=backend)
     assert llm.engine.model_config.no_rope_layers == (1, 3)
-    for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
-        tokens, first = reference_run(smollm3, prompt, GREEDY.max_tokens)
-        assert list(output.outputs[0].token_ids) == tokens, prompt
-        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked_in_the_native_walk(smollm3: Path) -> None:

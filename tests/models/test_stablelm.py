@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
+from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -32,12 +32,7 @@ def stablelm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def assert_transformers_tokens(path: Path, **engine: object) -> LLM:
-    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16, **engine)
-    for output, prompt in zip(llm.generate(PROMPTS, GREEDY), PROMPTS, strict=True):
-        tokens, first = reference_run(path, prompt, GREEDY.max_tokens)
-        assert list(output.outputs[0].token_ids) == tokens, prompt
-        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
-    return llm
+    return assert_greedy_is_transformers(path, PROMPTS, GREEDY.max_tokens, **engine)
 
 
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
