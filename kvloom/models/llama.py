@@ -92,6 +92,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
+        if config.hidden_act not in ("silu", "swish"):  # its gated MLP is SwiGLU (SiLU is swish)
+            raise ValueError(f"{config.architecture}: hidden_act {config.hidden_act!r} is not supported "
+                             "(supported: silu)")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
         self.local_rope = config.uses_local_rope(index)  # a windowed layer with its own rotary

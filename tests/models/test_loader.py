@@ -405,3 +405,14 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tiny_dirs: dict[str,
     torch.manual_seed(0)
     drawn = torch.nn.Linear(64, 64).weight
     assert drawn.abs().max() > 0 and bool((drawn.abs() <= 64 ** -0.5).all())  # kaiming's uniform bound
+
+
+def test_a_llama_with_another_activation_is_refused_naming_it(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Llama's MLP is SwiGLU: a config.json naming another activation is refused, not run as SiLU."""
+    from kvloom import LLM
+
+    model_dir = _copy_model(tiny_dirs["llama"], tmp_path / "gelu")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises((ModelLoadError, ValueError), match="LlamaForCausalLM: hidden_act 'gelu' is not supported"):
+        LLM(str(model_dir), dtype="float32", num_blocks=8)
