@@ -108,6 +108,9 @@ class ModelConfig:
     # config.json's hidden_act (hidden_activation): read by the families whose MLP is not
     # SiLU-gated (Phi's fc1 / fc2); Llama's gated MLP and Gemma's GeGLU fix their own.
     hidden_act: str = "silu"
+    # ERNIE 4.5's rotary turns adjacent pairs of each head (GLM's rotate_half); its q and k
+    # rows are regrouped at load (models/weights.halves_from_pairs) for Llama's, the same scores.
+    interleaved_rotary: bool = False
     # Layers that turn no query or key by the rotary (SmolLM3's NoPE layers: every fourth; all of GPT-2's).
     no_rope_layers: tuple[int, ...] = ()
     # GPT-NeoX's use_parallel_residual: attention and MLP read the same stream (each through
@@ -277,12 +280,14 @@ class ModelConfig:
             attention_bias=attention_bias,
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
-                                                              "Starcoder2ForCausalLM", *ALWAYS_BIASED),
+                                                              "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
+                                                              *ALWAYS_BIASED),
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm")),  # Phi's flag
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
+            interleaved_rotary=arch == "Ernie4_5ForCausalLM",
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),

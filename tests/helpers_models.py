@@ -120,6 +120,7 @@ _ARCH_CONFIGS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

@@ -125,6 +125,7 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
 _BLOCK_NAMES["GraniteForCausalLM"] = _BLOCK_NAMES["SmolLM3ForCausalLM"] = _ATTENTION_BLOCK
+_BLOCK_NAMES["Ernie4_5ForCausalLM"] = _ATTENTION_BLOCK  # its q/k rows as HF's (adjacent rotary pairs, not permuted)
 # GraniteMoe's experts as Mixtral's per-expert names (kvloom's MoE reads either).
 _BLOCK_NAMES["GraniteMoeForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.router.layer",
                                          **_experts("block_sparse_moe.experts", "w1", "w3", "w2")}

@@ -35,7 +35,7 @@ from kvloom.models.sharding import (
     moe_block_name,
     tensor_parallel_problem,
 )
-from kvloom.models.weights import WeightFiller
+from kvloom.models.weights import WeightFiller, halves_from_pairs
 
 
 class LlamaAttention(nn.Module):
@@ -270,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
                     filler.copy("lm_head.weight", head, hf_name)
                     continue
                 embedding_rows = head  # and the embedding itself is read below
+            if self.config.interleaved_rotary and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                tensor = halves_from_pairs(tensor, tensor.shape[0] // self.config.head_dim)  # this rank's heads
             if self.tp.size > 1 and (".self_attn.qkv_proj." in name or ".mlp.gate_up_proj." in name):
                 tensor = fused_rows(self.config, name, tensor, self.tp.rank, self.tp.size)  # Phi-3's, whole
             if name in ("score.weight", "score.bias") and self.config.classifier is not None:

@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    # ERNIE 4.5 (dense): Llama's layers, its rotary's adjacent pairs regrouped at load (config.interleaved_rotary).
+    "Ernie4_5ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # SmolLM3: Llama's layers, every fourth without rotary (config.no_rope_layers).
     "SmolLM3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     # Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up already fused as kvloom's.

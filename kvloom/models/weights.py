@@ -21,6 +21,16 @@ def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[st
         yield name, tensor
 
 
+def halves_from_pairs(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A query or key projection's rows (a weight's or a bias's) for a rotary that turns
+    adjacent pairs (2i, 2i + 1) of each head (GLM's, ERNIE 4.5's), regrouped so that
+    Llama's rotary, which turns (i, i + head_dim / 2), turns the same pairs by the same
+    angles: row i of a head is its old row 2i, row head_dim / 2 + i its old row 2i + 1.
+    Queries and keys move alike, so every score is the same dot product."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
 class WeightFiller:
     def __init__(self, model: nn.Module) -> None:
         self.params = dict(model.named_parameters())
