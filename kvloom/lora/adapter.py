@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvloom.config import ModelConfig
+from kvloom.models.weights import halves_from_pairs
 
 # The projections an adapter may target, and the module that holds each.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -121,6 +122,8 @@ class LoRAAdapter:
             if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
                 raise LoRAError(f"{where}: layer {layer}'s {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                                 f"the model needs A {(rank, in_features)} and B {(out_features, rank)}")
+            if config.interleaved_rotary and module in ("q_proj", "k_proj"):  # ERNIE 4.5's: as the base's rows
+                b = halves_from_pairs(b, out_features // config.head_dim)
             weights[layer, module] = (a.float(), b.float())
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")

@@ -55,3 +55,18 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(ernie: Path, tmp_path: Pat
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(ernie, p, GREEDY.max_tokens)[0]
                                                                for p in PROMPTS]
+
+
+def test_a_lora_adapter_is_peft_on_ernie(ernie: Path, tmp_path: Path) -> None:
+    """The adapter's q and k deltas are regrouped as the base's rows are: PEFT's output."""
+    from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
+
+    from kvloom import LoRARequest
+
+    adapter = write_adapter(ernie, tmp_path / "adapter", 1, 4, TARGETS_ALL)
+    llm = LLM(str(ernie), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(PROMPTS[2:], params, lora_request=LoRARequest("a", 1, str(adapter)))
+    reference = reference_model(ernie, adapter)
+    for prompt, output in zip(PROMPTS[2:], outputs, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
