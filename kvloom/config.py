@@ -46,7 +46,7 @@ def parse_device(value: str) -> str:
     return value
 
 
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel")
 ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
@@ -70,12 +70,18 @@ def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
 
 
 def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
-    """The layers without rotary: all of GPT-2's (its positions are in its embeddings);
+    """The layers without rotary: all of GPT-2's (its positions are in its embeddings), EXAONE
+    4's global ones where it has windowed ones;
     SmolLM3's no_rope_layers flags (1: the layer turns q and k), else every
     ``no_rope_layer_interval``-th layer (transformers' default, 4); no other family's."""
     layers, interval = int(hf["num_hidden_layers"]), int(hf.get("no_rope_layer_interval", 4))
     if arch == "GPT2LMHeadModel":
         return tuple(range(layers))
+    if arch == "Exaone4ForCausalLM":  # with a window, its global layers have no position encoding
+        kinds = hf.get("layer_types") or ()
+        if not hf.get("sliding_window"):
+            return ()
+        return tuple(i for i, kind in enumerate(kinds) if kind != "sliding_attention")
     if arch != "SmolLM3ForCausalLM":
         return ()
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]

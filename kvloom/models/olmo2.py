@@ -21,23 +21,28 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP
+from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP, RMSNorm
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
 class Olmo2DecoderLayer(nn.Module):
+    # OLMo's norms multiply by their weight in float32, and its q and k norms span the whole
+    # projections, not a head each (EXAONE 4, models/exaone4.py, takes Llama's of a head).
+    norm_class: type[RMSNorm] = Float32ScaledRMSNorm
+    head_norms = False
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, window)
-        # The q and k norms span the whole projections, not a head each.
-        self.self_attn.q_norm = Float32ScaledRMSNorm(self.self_attn.q_size, config.rms_norm_eps)
-        self.self_attn.k_norm = Float32ScaledRMSNorm(self.self_attn.kv_size, config.rms_norm_eps)
-        self.post_attention_layernorm = Float32ScaledRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not self.head_norms:
+            self.self_attn.q_norm = self.norm_class(self.self_attn.q_size, config.rms_norm_eps)
+            self.self_attn.k_norm = self.norm_class(self.self_attn.kv_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
-        self.post_feedforward_layernorm = Float32ScaledRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.local_rope = config.uses_local_rope(index)
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
