@@ -363,7 +363,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
         writer.add_parallel_residual(config["use_parallel_residual"])
-    if model_type == "olmo3":  # as llama.cpp's Olmo2Model: the window and which layers have it
+    if model_type == "olmo3" or (model_type == "exaone4" and config.get("sliding_window")):  # as llama.cpp's
+        # Olmo2Model and Exaone4Model: the window and which layers have it
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config.get("num_key_value_heads")}
@@ -381,7 +382,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
             block = {**_GGUF_BLOCK, **_GGUF_GEMMA_NORMS} if model_type in ("gemma2", "gemma3_text", "olmo2",
-                                                                           "olmo3") else _GGUF_BLOCK
+                                                                           "olmo3", "exaone4") else _GGUF_BLOCK
             gguf_name = f"blk.{layer}.{block[module]}.{kind}"
             proj = module.rsplit(".", 1)[-1]
             if permute_qk and proj in heads and kind == "weight":

@@ -4,7 +4,7 @@
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
-starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense);
+starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense), exaone4;
 where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
@@ -49,7 +49,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
-    "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -63,6 +63,7 @@ _MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
+    "Exaone4ForCausalLM": "exaone4",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -185,6 +186,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
             raise ModelLoadError(f"GGUF file {path}: an OLMo 3 file with rope scaling is not read (whether its "
                                  "windowed layers scale their rotary too is not recorded)")
         config["architectures"] = ["Olmo3ForCausalLM"]
+        config["layer_types"] = ["sliding_attention" if bool(one) else "full_attention" for one in pattern]
+    if arch == "exaone4" and pattern is not None:  # its windowed layers, as llama.cpp's converter lists them
         config["layer_types"] = ["sliding_attention" if bool(one) else "full_attention" for one in pattern]
     sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
     if arch == "deepseek2":

@@ -142,7 +142,7 @@ _BLOCK_NAMES["Olmo2ForCausalLM"] = {key: value for key, value in _ATTENTION_BLOC
                                     if key not in ("attn_norm", "ffn_norm")} | {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_BLOCK_NAMES["Olmo3ForCausalLM"] = _BLOCK_NAMES["Olmo2ForCausalLM"]
+_BLOCK_NAMES["Olmo3ForCausalLM"] = _BLOCK_NAMES["Exaone4ForCausalLM"] = _BLOCK_NAMES["Olmo2ForCausalLM"]
 # StarCoder2's plain MLP: ffn_up is c_fc, ffn_down c_proj (LayerNorm biases as .bias).
 _BLOCK_NAMES["Starcoder2ForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 # Phi's: fc1 / fc2 as ffn_up / ffn_down, dense as attn_output; q, k and v fused in older

@@ -51,3 +51,17 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(exaone4: Path) -> None:
 def test_two_ranks_are_refused_by_name(exaone4: Path) -> None:
     with pytest.raises(Exception, match="Exaone4ForCausalLM runs in one process"):
         LLM(str(exaone4), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens(exaone4: Path, tmp_path: Path) -> None:
+    """llama.cpp's exaone4 files: the window and a per-layer pattern as metadata, post-block norms
+    as OLMo 2's, the global layers read as NoPE."""
+    from helpers_models import hf_greedy_and_first_logprobs as reference_run
+    from helpers_models import write_tiny_gguf
+
+    llm = LLM(str(write_tiny_gguf(exaone4, tmp_path / "exaone4.gguf")), dtype="float32", block_size=16,
+              num_blocks=64)
+    assert llm.engine.model_config.no_rope_layers == (3,)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(exaone4, p, 12)[0] for p in PROMPTS]
