@@ -114,7 +114,7 @@ class ModelConfig:
     # config.json's hidden_act (hidden_activation): read by the families whose MLP is not
     # SiLU-gated (Phi's fc1 / fc2); Llama's gated MLP and Gemma's GeGLU fix their own.
     hidden_act: str = "silu"
-    # ERNIE 4.5's rotary turns adjacent pairs of each head (GLM's rotate_half); its q and k
+    # ERNIE 4.5's and Helium's rotary turns adjacent pairs of each head (GLM's rotate_half); q and k
     # rows are regrouped at load (models/weights.halves_from_pairs) for Llama's, the same scores.
     interleaved_rotary: bool = False
     # Layers that turn no query or key by the rotary (SmolLM3's NoPE layers: every fourth; all of GPT-2's).
@@ -293,7 +293,7 @@ class ModelConfig:
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
-            interleaved_rotary=arch == "Ernie4_5ForCausalLM",
+            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM"),
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),
