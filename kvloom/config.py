@@ -117,6 +117,8 @@ class ModelConfig:
     # ERNIE 4.5's and Helium's rotary turns adjacent pairs of each head (GLM's rotate_half); q and k
     # rows are regrouped at load (models/weights.halves_from_pairs) for Llama's, the same scores.
     interleaved_rotary: bool = False
+    # OLMo 1's clip_qkv: every query, key and value number clamped to [-clip, clip] after the projection.
+    clip_qkv: float | None = None
     # Layers that turn no query or key by the rotary (SmolLM3's NoPE layers: every fourth; all of GPT-2's).
     no_rope_layers: tuple[int, ...] = ()
     # GPT-NeoX's use_parallel_residual: attention and MLP read the same stream (each through
@@ -294,6 +296,7 @@ class ModelConfig:
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
             interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM"),
+            clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]),
             rotary_dim=rotary_dim,
             sliding_window=sliding,
             full_attention_layers=full_layers if sliding else (),

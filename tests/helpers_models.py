@@ -123,6 +123,7 @@ _ARCH_CONFIGS = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "helium": ("HeliumConfig", "HeliumForCausalLM"),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

@@ -112,6 +112,8 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
+        if config.clip_qkv is not None:
+            return None, "its queries, keys and values are clipped (clip_qkv), which the walk does not do"
         if config.local_rope_theta is not None:
             return None, "its windowed layers turn their own rotary (two tables; the walk takes one)"
         if config.moe is not None:

@@ -204,6 +204,22 @@ class ResidualLayerNorm(RMSNorm):
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+class UnweightedLayerNorm(nn.Module):
+    """OLMo 1's LayerNorm: no weight, no bias, eps 1e-5, computed in float32 and cast back;
+    ``norm(x, residual)`` adds x into the stream in place first, as RMSNorm does. ``eps`` is
+    taken for the norms' common signature and not used: OLMo's is fixed (its config has none)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, 1e-5
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        return torch.nn.functional.layer_norm(x.float(), (self.hidden_size,), None, None, self.eps).to(x.dtype)
+
+
 # config.json's hidden_act -> torch's GELU form (gelu_new is HF's NewGELU: the tanh form).
 GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 

@@ -60,6 +60,7 @@ class LlamaAttention(nn.Module):
         norm = GemmaRMSNorm if config.gemma is not None else RMSNorm
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.clip = config.clip_qkv  # OLMo 1's
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
@@ -69,6 +70,8 @@ class LlamaAttention(nn.Module):
         positions are in its embeddings (GPT-2) turns no query or key."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [tokens, q | k | v]
+        if self.clip is not None:
+            qkv = qkv.clamp_(-self.clip, self.clip)
         if self.q_norm is not None and self.k_norm is not None:
             # Rows of each norm's width: a head (Qwen3, Gemma 3) or the whole projection (OLMo 2).
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -86,6 +86,7 @@ ARCHITECTURES: dict[str, str] = {
     "Olmo3ForCausalLM": "kvloom.models.olmo2:Olmo2ForCausalLM",
     "Exaone4ForCausalLM": "kvloom.models.exaone4:Exaone4ForCausalLM",
     "HeliumForCausalLM": "kvloom.models.helium:HeliumForCausalLM",
+    "OlmoForCausalLM": "kvloom.models.olmo:OlmoForCausalLM",
     "Starcoder2ForCausalLM": "kvloom.models.starcoder2:Starcoder2ForCausalLM",
     "PhiForCausalLM": "kvloom.models.phi:PhiForCausalLM",
     "GPTNeoXForCausalLM": "kvloom.models.gpt_neox:GPTNeoXForCausalLM",
