@@ -300,7 +300,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
                                                                                                      model_type)
     if permute_qk is None:
-        permute_qk = model_type in ("llama", "mistral", "granite", "smollm3")
+        permute_qk = model_type in ("llama", "mistral", "granite", "smollm3", "olmo")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(str(shard)))
@@ -353,6 +353,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
+    if model_type == "olmo" and config.get("clip_qkv") is not None:  # as llama.cpp's OlmoModel
+        writer.add_clamp_kqv(config["clip_qkv"])
     if model_type == "stablelm":  # as llama.cpp's StableLMModel: its per-head q/k norms stacked below
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         head_dim = config["hidden_size"] // config["num_attention_heads"]

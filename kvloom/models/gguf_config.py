@@ -4,8 +4,8 @@
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
 where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
-starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense), exaone4;
-where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
+starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense),
+exaone4, olmo (OLMo 1); where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
 the tensors themselves).
 
 What a file does not record is read as llama.cpp runs it: no normalisation of the
@@ -49,7 +49,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "gptneox": "GPTNeoXForCausalLM",
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
-    "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -63,7 +63,7 @@ _MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
-    "Exaone4ForCausalLM": "exaone4",
+    "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -167,6 +167,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
         # transformers runs it (llama.cpp's ggml_gelu is the tanh form).
         config["hidden_act"] = "gelu"
+    if arch == "olmo" and meta("attention.clamp_kqv", None) is not None:  # OLMo 1's clip_qkv
+        config["clip_qkv"] = float(meta("attention.clamp_kqv"))
     if arch == "ernie4_5":  # one bias flag for every projection, from the tensors
         config["use_bias"] = "blk.0.attn_q.bias" in shapes
     if arch == "stablelm":  # as llama.cpp's StableLMModel writes it (a parallel residual where the config named none)

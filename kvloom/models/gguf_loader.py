@@ -54,7 +54,7 @@ __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_con
            "num_weights", "open_gguf", "permute_rows"]
 
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
-                "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM"}
+                "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM", "OlmoForCausalLM"}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -126,6 +126,7 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
 _BLOCK_NAMES["GraniteForCausalLM"] = _BLOCK_NAMES["SmolLM3ForCausalLM"] = _ATTENTION_BLOCK
 _BLOCK_NAMES["Ernie4_5ForCausalLM"] = _ATTENTION_BLOCK  # its q/k rows as HF's (adjacent rotary pairs, not permuted)
+_BLOCK_NAMES["OlmoForCausalLM"] = _ATTENTION_BLOCK  # (OLMo 1's norms have no tensors)
 # GraniteMoe's experts as Mixtral's per-expert names (kvloom's MoE reads either).
 _BLOCK_NAMES["GraniteMoeForCausalLM"] = {**_ATTENTION_BLOCK, "ffn_gate_inp": "block_sparse_moe.router.layer",
                                          **_experts("block_sparse_moe.experts", "w1", "w3", "w2")}

@@ -39,3 +39,18 @@ def test_without_a_clip(tmp_path: Path) -> None:
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(olmo: Path) -> None:
     bf16_alone_equals_batched(str(olmo), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens(olmo: Path, tmp_path: Path) -> None:
+    """llama.cpp's olmo files: no norm tensors, Q/K rows permuted as Llama's, the clip as
+    attention.clamp_kqv."""
+    from helpers_models import hf_greedy_and_first_logprobs as reference_run
+    from helpers_models import write_tiny_gguf
+
+    from kvloom import LLM
+
+    llm = LLM(str(write_tiny_gguf(olmo, tmp_path / "olmo.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    assert (llm.engine.model_config.architecture, llm.engine.model_config.clip_qkv) == ("OlmoForCausalLM", 0.05)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(olmo, p, 12)[0] for p in PROMPTS]
