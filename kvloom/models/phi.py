@@ -21,7 +21,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.llama import LlamaAttention, LlamaForCausalLM, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
@@ -62,8 +62,24 @@ class PhiForCausalLM(StreamLayersForCausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__(config, max_positions, tp)
-        if self.lm_head is not None:  # Phi's output head has a bias (a tied head would have none)
-            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=True)
+        # Phi's output head has a bias, its own even where its weight is the embedding (tied).
+        vocab = self.embed_tokens.weight.shape[0]
+        self.tied_head_bias: nn.Parameter | None = None
+        if self.lm_head is not None:
+            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=True)
+        else:
+            self.tied_head_bias = nn.Parameter(torch.zeros(vocab))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        return logits if self.tied_head_bias is None else logits + self.tied_head_bias.to(logits.dtype)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        draft = super().first_layers(num_layers)
+        assert isinstance(draft, PhiForCausalLM)
+        draft.tied_head_bias = self.tied_head_bias
+        return draft
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(renamed(weights, _RENAMES))
+        renames = _RENAMES + ((("lm_head.bias", "tied_head_bias"),) if self.tied_head_bias is not None else ())
+        super().load_weights(renamed(weights, renames))

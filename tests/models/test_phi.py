@@ -69,6 +69,14 @@ def test_the_mlp_is_transformers_gelu_new(phi: Path) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_tied_head_keeps_its_own_bias(tmp_path: Path) -> None:
+    """transformers ties the head's weight to the embedding; its bias stays the head's own."""
+    path = write_tiny_hf_model(tmp_path / "phi-tied", arch="phi", seed=25, **{**SHAPE, "tie_word_embeddings": True})
+    llm = assert_transformers_tokens(path)
+    assert llm.engine.model_config.tie_word_embeddings and llm.engine.model.tied_head_bias is not None
+    layer_skip_keeps_greedy_tokens(str(path), PROMPTS[1:3], 1)
+
+
 def test_query_and_key_layernorms_are_transformers(tmp_path: Path) -> None:
     path = write_tiny_hf_model(tmp_path / "phi-qk", arch="phi", seed=22, qk_layernorm=True, **SHAPE)
     llm = assert_transformers_tokens(path)
