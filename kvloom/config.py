@@ -71,10 +71,10 @@ def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
 
 def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     """The layers without rotary: all of GPT-2's (its positions are in its embeddings), EXAONE
-    4's global ones where it has windowed ones;
-    SmolLM3's no_rope_layers flags (1: the layer turns q and k), else every
-    ``no_rope_layer_interval``-th layer (transformers' default, 4); no other family's."""
-    layers, interval = int(hf["num_hidden_layers"]), int(hf.get("no_rope_layer_interval", 4))
+    4's global ones where it has windowed ones, SmolLM3's by its no_rope_layers flags (1: the
+    layer turns q and k), else every ``no_rope_layer_interval``-th layer (transformers'
+    default, 4); no other family's."""
+    layers = int(hf["num_hidden_layers"])
     if arch == "GPT2LMHeadModel":
         return tuple(range(layers))
     if arch == "Exaone4ForCausalLM":  # with a window, its global layers have no position encoding
@@ -84,6 +84,7 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
         return tuple(i for i, kind in enumerate(kinds) if kind != "sliding_attention")
     if arch != "SmolLM3ForCausalLM":
         return ()
+    interval = int(hf.get("no_rope_layer_interval", 4))
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     if len(flags) != layers:
         raise ValueError(f"model config: no_rope_layers has {len(flags)} flags for {layers} layers")

@@ -150,9 +150,10 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     if arch == "starcoder2":  # LayerNorm's eps; one bias flag for every projection, from the tensors
         config["norm_epsilon"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["use_bias"] = "blk.0.attn_q.bias" in shapes
-    if arch == "phi2":  # as llama.cpp's Phi2Model writes it: LayerNorm's eps, the rotary's dims of a head
+    if arch in ("phi2", "gptneox", "stablelm"):  # LayerNorm's eps, and the rotary's dims of a head
         config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+    if arch == "phi2":  # as llama.cpp's Phi2Model writes it
         config["hidden_act"] = "gelu_new"  # ggml's GELU: the tanh form
         # The converter writes 4 x hidden as the MLP's width and every head as a KV head;
         # the tensors say what they are.
@@ -160,8 +161,6 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         if "blk.0.attn_k.weight" in shapes:
             config["num_key_value_heads"] = shapes["blk.0.attn_k.weight"][1] // config["head_dim"]
     if arch == "gptneox":  # as llama.cpp's GPTNeoXModel writes it
-        config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
-        config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
         config["use_parallel_residual"] = bool(meta("use_parallel_residual", True))
         config["attention_bias"] = "blk.0.attn_qkv.bias" in shapes
         # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
@@ -172,8 +171,6 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     if arch == "ernie4_5":  # one bias flag for every projection, from the tensors
         config["use_bias"] = "blk.0.attn_q.bias" in shapes
     if arch == "stablelm":  # as llama.cpp's StableLMModel writes it (a parallel residual where the config named none)
-        config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
-        config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
         config["use_parallel_residual"] = bool(meta("use_parallel_residual", True))
         config["use_qkv_bias"] = "blk.0.attn_q.bias" in shapes
         config["qk_layernorm"] = "blk.0.attn_q_norm.weight" in shapes

@@ -12,7 +12,7 @@ converter (convert_hf_to_gguf.py) undone exactly:
 - Llama-family attention (llama, mistral, Mixtral, Bamba's attention layers): llama.cpp
   reorders the rows of Q and K (its rotary kernel pairs adjacent dimensions, HF the two
   halves of each head; over whole heads, Bamba's partial rotary included);
-  ``_unpermute_rows`` restores HF's order. Qwen2, Qwen2-MoE and DeepSeek are stored
+  ``weights.halves_from_pairs`` restores HF's order. Qwen2, Qwen2-MoE and DeepSeek are stored
   unpermuted (DeepSeek's own rotary pairs are adjacent already).
 - Experts: one 3D tensor per projection, ``ffn_{gate,up,down}_exps`` [experts, out, in],
   split into the hub's per-expert tensors (files from before April 2024 hold
@@ -48,6 +48,7 @@ import torch
 
 from kvloom.models.errors import ModelLoadError
 from kvloom.models.gguf_config import GGUF_ARCHITECTURES, dequantize, gguf_architecture, gguf_hf_config
+from kvloom.models.weights import halves_from_pairs
 from kvloom.tokenizer import Tokenizer
 
 __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_config", "gguf_tokenizer", "gguf_weights",
@@ -251,7 +252,7 @@ class _Converter:
             return array - 1
         if family in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = self.hf_config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
-            return _unpermute_rows(array, heads)
+            return halves_from_pairs(array, heads)
         if family == "GPTNeoXForCausalLM" and part == "attn_qkv":  # llama.cpp's [q | k | v] -> HF's [head][q | k | v]
             heads = self.hf_config["num_attention_heads"]
             per_head: np.ndarray = array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
@@ -316,19 +317,8 @@ def num_weights(reader: Any) -> int:
     return count
 
 
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row order (of a weight or a bias). Within each head,
-    llama.cpp stores row ``2*i + j`` for HF row ``j*half + i`` (i < half = head_dim/2,
-    j in {0, 1})."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    # [num_heads, half, 2, in] -> [num_heads, 2, half, in] -> the weight's shape
-    restored: np.ndarray = weight.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(weight.shape)
-    return restored
-
-
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order (the inverse of ``_unpermute_rows``); for tests that
+    """llama.cpp's Q/K row order (the inverse of ``weights.halves_from_pairs``); for tests that
     write GGUF files the way llama.cpp's converter does."""
     rows = weight.shape[0]
     half = rows // num_heads // 2

@@ -21,7 +21,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM, StreamLayersForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
@@ -67,11 +67,6 @@ class GPT2LMHeadModel(StreamLayersForCausalLM):
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.embed_tokens(batch.input_ids) + self.embed_positions(batch.positions)
-
-    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
-        draft = super().first_layers(num_layers)
-        draft.embed_positions = self.embed_positions
-        return draft
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_as_linear(renamed(weights, _RENAMES)))

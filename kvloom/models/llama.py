@@ -213,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """The self-speculative draft (layer skip): this model's first ``num_layers``
         decoder layers, then its final norm and output head, all shared (no weight is
-        copied; call after ``pack_weights``). Its KV pool has ``num_layers`` layers."""
+        copied; call after ``pack_weights``). Its KV pool has ``num_layers`` layers.
+        Every module and parameter outside the layers is this model's own (a family's
+        too: GPT-2's positions, a tied Phi head's bias)."""
         if self.tp.size > 1:
             raise ValueError("layer_skip drafts cannot run on a tensor-parallel model")
         if not 0 < num_layers < len(self.layers):
@@ -222,11 +224,10 @@ class LlamaForCausalLM(nn.Module):
         config = dataclasses.replace(self.config, num_layers=num_layers)
         with torch.device("meta"):  # the shell only (this family's forward): every module is replaced by a shared one
             draft = type(self)(config, 1)
-        draft.embed_tokens = self.embed_tokens
-        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
-        draft.norm = self.norm
-        draft.rotary, draft.local_rotary = self.rotary, self.local_rotary
-        draft.lm_head = self.lm_head
+        for name, child in self.named_children():
+            setattr(draft, name, nn.ModuleList(list(self.layers)[:num_layers]) if name == "layers" else child)
+        for name, parameter in self.named_parameters(recurse=False):
+            setattr(draft, name, parameter)
         return draft
 
     def use_native_stack(self) -> str | None:
@@ -332,4 +333,3 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
             stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)
         out: torch.Tensor = self.norm(stream)
         return out if rows is not None else batch.final_states(out)
-

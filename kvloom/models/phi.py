@@ -21,7 +21,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM, StreamLayersForCausalLM
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
@@ -73,12 +73,6 @@ class PhiForCausalLM(StreamLayersForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         return logits if self.tied_head_bias is None else logits + self.tied_head_bias.to(logits.dtype)
-
-    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
-        draft = super().first_layers(num_layers)
-        assert isinstance(draft, PhiForCausalLM)
-        draft.tied_head_bias = self.tied_head_bias
-        return draft
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         renames = _RENAMES + ((("lm_head.bias", "tied_head_bias"),) if self.tied_head_bias is not None else ())

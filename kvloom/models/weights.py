@@ -6,7 +6,9 @@ HF names to their parameters; this is the bookkeeping they share."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,14 +23,19 @@ def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[st
         yield name, tensor
 
 
-def halves_from_pairs(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """A query or key projection's rows (a weight's or a bias's) for a rotary that turns
-    adjacent pairs (2i, 2i + 1) of each head (GLM's, ERNIE 4.5's), regrouped so that
-    Llama's rotary, which turns (i, i + head_dim / 2), turns the same pairs by the same
-    angles: row i of a head is its old row 2i, row head_dim / 2 + i its old row 2i + 1.
-    Queries and keys move alike, so every score is the same dot product."""
+Rows = TypeVar("Rows", torch.Tensor, np.ndarray)
+
+
+def halves_from_pairs(rows: Rows, num_heads: int) -> Rows:
+    """A query or key projection's rows (a weight's or a bias's; a tensor or an array) for a
+    rotary that turns adjacent pairs (2i, 2i + 1) of each head (GLM's, ERNIE 4.5's, and
+    llama.cpp's order of Llama's rows), regrouped so that Llama's rotary, which turns
+    (i, i + head_dim / 2), turns the same pairs by the same angles: row i of a head is its
+    old row 2i, row head_dim / 2 + i its old row 2i + 1. Queries and keys move alike, so
+    every score is the same dot product. Returns a new, contiguous copy."""
     half = rows.shape[0] // num_heads // 2
-    return rows.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
+    # [heads, half, 2, in] -> [heads, 2, half, in] -> the rows' shape (the reshape copies)
+    return rows.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
 class WeightFiller:
