@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.request import Request, RequestError
+from kvloom.request import NO_BLOCK, Request, RequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +194,10 @@ class ForwardBatch:
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - item.num_sampled_rows, len(input_ids)))
             every_row = every_row or request.sampling_params.prompt_logprobs is not None or request.pools_every_token
-            tables.append(block_ids[: -(-end // block_size)])
+            table = block_ids[: -(-end // block_size)]
+            if table[0] == NO_BLOCK:  # let go behind a sliding window: no kernel reads it
+                table = [max(b, 0) for b in table]
+            tables.append(table)
             if request.state_slot is not None:
                 state_slots.append(request.state_slot)
         max_blocks = max(len(t) for t in tables)

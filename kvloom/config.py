@@ -184,6 +184,15 @@ class ModelConfig:
             return 0
         return self.sliding_window
 
+    def kv_window(self, max_positions: int) -> int:
+        """The keys back from a query that some layer still reads: the largest window when
+        every layer has one, else 0 (a layer reads the whole context, so no KV block is
+        ever behind every layer's window; cache/kv_manager.py lets go of those that are)."""
+        if self.ssm is not None:  # a hybrid's attention layers are some of its layers
+            return 0
+        windows = [self.attention_window(layer, max_positions) for layer in range(self.num_layers)]
+        return max(windows) if windows and min(windows) > 0 else 0
+
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None

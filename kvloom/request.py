@@ -5,7 +5,9 @@ but ``block_ids``, which the KV cache manager (cache/kv_manager.py) writes, and
 ``state_slot``, which the state pool (cache/state_pool.py) writes. Others read.
 
 Invariant: ``num_computed_tokens <= num_tokens``; the KV of the first
-``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order). A request
+``num_computed_tokens`` tokens lives in ``block_ids`` (in logical order), but for the
+leading entries a request under a sliding window has let go (``NO_BLOCK``: no query of
+its reads them again; cache/kv_manager.py). A request
 whose ``num_computed_tokens == num_tokens`` is "decoding": its next step computes the
 last sampled token and samples another.
 
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 
 from kvloom.kv_spec import KVTransferSpec
 from kvloom.sampling_params import SamplingParams
+
+NO_BLOCK = -1  # a ``block_ids`` entry let go: a block wholly behind every layer's sliding window
 
 
 class RequestStatus(enum.Enum):

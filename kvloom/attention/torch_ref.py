@@ -27,9 +27,13 @@ class TorchReferenceBackend(AttentionBackend[None]):
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list, strict=True)):
             num_blocks = -(-seq_len // block_size)
-            blocks = batch.block_tables[i, :num_blocks].long()
-            # [2, num_blocks, block_size, kv_heads, head_dim] -> [2, seq_len, kv_heads, head_dim]
-            kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+            # Under a window the keys start at the first query's window: the blocks before
+            # it may have been let go (their table entries then name block 0).
+            first_block = max(0, seq_len - query_len + 1 - window) // block_size if window > 0 else 0
+            first_key = first_block * block_size
+            blocks = batch.block_tables[i, first_block:num_blocks].long()
+            # [2, num_blocks, block_size, kv_heads, head_dim] -> [2, keys, kv_heads, head_dim]
+            kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len - first_key]
             # SDPA wants [batch, heads, length, head_dim].
             q_i = q[start:start + query_len].transpose(0, 1).unsqueeze(0)
             k_i = kv[0].transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -37,8 +41,8 @@ class TorchReferenceBackend(AttentionBackend[None]):
             # Query j sits at absolute position seq_len - query_len + j and sees keys <= it,
             # under a window only the last `window` of them.
             mask = None
-            if query_len > 1 or 0 < window < seq_len:
-                key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            if query_len > 1 or 0 < window < seq_len - first_key:
+                key_pos = torch.arange(first_key, seq_len, device=q.device).unsqueeze(0)
                 query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
                 mask = key_pos <= query_pos  # [query_len, seq_len]
                 if window > 0:

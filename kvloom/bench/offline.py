@@ -64,12 +64,16 @@ class OfflineResult:
 
 
 def kv_utilisation(engine: LLMEngine) -> float | None:
-    """Held KV tokens / slots of the blocks the running requests hold (None if none)."""
+    """Held KV tokens / slots of the blocks the running requests hold (None if none);
+    under a sliding window, of the blocks they have not let go."""
+    kv = engine.kv_manager
     running = engine.scheduler.running
-    slots = sum(len(r.block_ids) for r in running) * engine.kv_manager.block_size
+    held = [kv.num_held_blocks(r) for r in running]
+    slots = sum(held) * kv.block_size
     if slots == 0:
         return None
-    return sum(r.num_computed_tokens for r in running) / slots
+    let_go = sum(len(r.block_ids) - n for r, n in zip(running, held, strict=True)) * kv.block_size
+    return (sum(r.num_computed_tokens for r in running) - let_go) / slots
 
 
 def warm_up(engine: LLMEngine) -> None:

@@ -18,6 +18,22 @@ hits it). The scheduler ends a chunk at each planned position
 (``tokens_to_checkpoint``), has the runner copy the request's state into a reserved
 slot after that step (``reserve_checkpoint``), and ``cache_computed_blocks``
 attaches it to the node that ends there.
+
+Sliding windows (``window`` > 0: every layer attends to at most its last ``window``
+keys, Mistral's and Phi-3's layers): a key before ``num_computed_tokens + 1 - window``
+is read by no query the request will ever compute, so a block wholly before that point
+is dead to it. Once the prompt is computed, the request lets go of its dead blocks as
+its window moves on (``_leave_window``): their entries in ``block_ids`` become
+``NO_BLOCK`` (positions keep their indices; the batch sends block 0 there, which the
+kernels, reading from the window's first key on, never touch). Its held KV is then its
+window, not its whole sequence. The prefix cache's view: the prompt's blocks, and any
+filled before the first block died, are indexed as usual (hits on a long shared
+prompt, or on an earlier turn, are unchanged); from then on the request indexes no
+more blocks (the cache would keep the dead ones alive: a locked path pins every block
+above its end) and it unlocks its path once its window has passed the path's end, so
+the cached prefix becomes evictable like any other. Not for a model with a layer
+without a window (Gemma 2 and 3, Qwen2's max_window_layers): that layer reads every
+block, so none is ever dead.
 """
 
 from __future__ import annotations
@@ -28,7 +44,8 @@ from kvloom.batch import BlockCopy
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
 from kvloom.cache.in_flight import NoPrefixesInFlight, PrefixesInFlight
 from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
-from kvloom.request import Request
+from kvloom.kv_spec import KVExport
+from kvloom.request import NO_BLOCK, Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,16 +65,26 @@ class _CacheState:
     copy: BlockCopy | None = None
     copy_handle: object | None = None
     copy_end: int = 0  # tokens computed once the copy is in (the whole hit)
+    # Under a sliding window: the leading entries of ``block_ids`` let go (NO_BLOCK), and
+    # whether the request has stopped indexing blocks (it has once any is let go).
+    num_dropped: int = 0
+    windowed: bool = False
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, prefix_cache: PrefixCache) -> None:
-        """``prefix_cache`` must take its references in the same ``pool``."""
+    def __init__(self, pool: BlockPool, block_size: int, prefix_cache: PrefixCache, window: int = 0) -> None:
+        """``prefix_cache`` must take its references in the same ``pool``. ``window``: the
+        keys back from a query that any layer reads (every layer's sliding window, the
+        largest), 0 where some layer reads the whole context."""
+        if window < 0:
+            raise ValueError(f"window must be 0 (none) or a number of keys, got {window}")
         self.block_size = block_size
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.window = window
         self._cache_state: dict[Request, _CacheState] = {}
         self.num_evicted_blocks = 0
+        self.num_window_freed_blocks = 0  # blocks requests let go as their windows passed them
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +100,11 @@ class KVCacheManager:
     def num_available_blocks(self) -> int:
         """Free blocks plus cached blocks that eviction could reclaim."""
         return self.pool.num_free_blocks + self.prefix_cache.num_evictable_blocks
+
+    def num_held_blocks(self, request: Request) -> int:
+        """The blocks ``request`` holds references on (its window's, under a window)."""
+        state = self._cache_state.get(request)
+        return len(request.block_ids) - (state.num_dropped if state is not None else 0)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
@@ -122,6 +154,8 @@ class KVCacheManager:
                 state.copy = BlockCopy(partial.block_id, request.block_ids[len(prefix.block_ids)])
                 state.copy_handle, state.copy_end = copy_handle, prefix.num_hit_tokens
             return True
+        if state is not None and self.window:
+            self._leave_window(request, state)
         needed = self.blocks_needed(request, num_new_tokens)
         if not self._reserve(needed):
             return False
@@ -129,6 +163,29 @@ class KVCacheManager:
         if state is None:
             self._cache_state[request] = _CacheState()
         return True
+
+    def _leave_window(self, request: Request, state: _CacheState) -> None:
+        """Let go of the blocks no query from the request's next token on reads, once its
+        prompt is computed (see the module's docstring). A request whose prompt KV is to
+        be staged for another instance (``KVExport``) keeps its blocks."""
+        num_computed = request.num_computed_tokens
+        if num_computed < request.num_prompt_tokens or isinstance(request.kv_transfer, KVExport):
+            return
+        num_dead = max(0, num_computed + 1 - self.window) // self.block_size
+        if num_dead <= state.num_dropped:
+            return
+        assert state.copy is None, "a partial hit's copy is launched with the prompt's first step"
+        state.windowed = True  # indexes nothing from here on: done before any block goes
+        dead = request.block_ids[state.num_dropped:num_dead]
+        self.pool.decref(dead)
+        request.block_ids[state.num_dropped:num_dead] = [NO_BLOCK] * len(dead)
+        state.num_dropped = num_dead
+        self.num_window_freed_blocks += len(dead)
+        if state.handle is not None and num_dead >= state.num_inserted_blocks:
+            # The window has passed the indexed path's end: nothing this request reads is
+            # on it, so it need not stay pinned (its blocks stay cached while the cache keeps them).
+            self.prefix_cache.unlock(state.handle)
+            state.handle = None
 
     def block_copy(self, request: Request) -> BlockCopy | None:
         """The copy a partial hit needs before the request's first step (None if none)."""
@@ -188,6 +245,8 @@ class KVCacheManager:
             return
         if state.copy is not None and request.num_computed_tokens > state.copy_end:
             self._copied(state)  # the step that copies was launched: the source is free to go
+        if state.windowed:
+            return
         num_full = request.num_computed_tokens // self.block_size
         if num_full > state.num_inserted_blocks:
             handle = self.prefix_cache.insert(
@@ -243,9 +302,10 @@ class KVCacheManager:
                 self.prefix_cache.release_state_slot(state.saving[1])
             if state.copy is not None:  # admitted, but its first step never launched
                 self._copied(state)
-            else:  # every computed token's KV is in its blocks (or its launched steps write it)
+            elif not state.windowed:  # every computed token's KV is in its blocks (or its launched steps write it)
                 self._offer_tail(request)
             self.prefix_cache.unlock(state.handle)
+            del request.block_ids[:state.num_dropped]
         self.pool.decref(request.block_ids)
         request.block_ids = []
 
@@ -253,7 +313,15 @@ class KVCacheManager:
         """Every reference is accounted for by a live request or the prefix cache."""
         holders: dict[int, int] = {}
         for request in live_requests:
-            for block_id in request.block_ids:
+            state = self._cache_state.get(request)
+            num_dropped = state.num_dropped if state is not None else 0
+            held = request.block_ids[num_dropped:]
+            if request.block_ids[:num_dropped] != [NO_BLOCK] * num_dropped or NO_BLOCK in held:
+                raise BlockPoolError(f"request {request.request_id}: blocks let go are not its first {num_dropped}")
+            if num_dropped and not 0 < num_dropped * self.block_size <= request.num_computed_tokens + 1 - self.window:
+                raise BlockPoolError(f"request {request.request_id} let go of {num_dropped} blocks its window "
+                                     f"of {self.window} keys at token {request.num_computed_tokens} still reads")
+            for block_id in held:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id in self.prefix_cache.held_blocks():
             holders[block_id] = holders.get(block_id, 0) + 1

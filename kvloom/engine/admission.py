@@ -33,6 +33,11 @@ class AdmissionLimits:
     num_blocks: int
     block_size: int
     max_logprobs: int = 20  # the most top logprobs a request may ask for (the config's, -1 resolved)
+    # A sliding window in every layer (ModelConfig.kv_window, 0: none): a request then holds
+    # its prompt and the blocks its window and a step's chunk cover, not its whole sequence
+    # (cache/kv_manager.py). ``chunk_tokens``: the most tokens a step computes for one request.
+    window: int = 0
+    chunk_tokens: int = 0
 
     def check_prompt(self, num_prompt_tokens: int, param: str = "prompt") -> None:
         if num_prompt_tokens == 0:
@@ -48,11 +53,28 @@ class AdmissionLimits:
         """max_tokens for a request that gives none: up to the context, and never more
         than the whole KV pool holds (capped there, not refused as too large for it)."""
         capacity = min(self.max_model_len, self.num_blocks * self.block_size)
+        if self.window and self.blocks_held_at_most(num_prompt_tokens, self.max_model_len - num_prompt_tokens) \
+                <= self.num_blocks:
+            capacity = self.max_model_len
         return max(1, capacity - num_prompt_tokens)
 
+    def blocks_held_at_most(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most KV blocks a request holds at once: its whole sequence's, or under a
+        window fewer: the blocks indexed before its window first passed one (its prompt,
+        or one window and a block, pinned until the window passes them too), and the
+        blocks from its window's first key to the end of a step's chunk."""
+        bs = self.block_size
+        whole = -(-(num_prompt_tokens + max_tokens) // bs)
+        if not self.window:
+            return whole
+        indexed = -(-max(num_prompt_tokens, self.window + bs) // bs)
+        moving = -(-(self.window + self.chunk_tokens) // bs) + 2  # a window's first and a chunk's last block part full
+        return min(whole, indexed + moving)
+
     def check_fits_pool(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """prompt + max_tokens must fit the whole KV pool, or the request could never run."""
-        needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)
+        """The blocks the request holds at once (prompt + max_tokens, less under a sliding
+        window) must fit the whole KV pool, or the request could never run."""
+        needed = self.blocks_held_at_most(num_prompt_tokens, max_tokens)
         if needed > self.num_blocks:
             raise RequestRejected(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV "

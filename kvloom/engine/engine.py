@@ -179,7 +179,8 @@ class LLMEngine:
                         "layer's state)", slots, checkpoints, self.state_bytes_per_slot / (1 << 20))
         prefix_cache: PrefixCache = (RadixCache(pool, block_size, checkpoint_slots)
                                      if config.cache.enable_prefix_caching else NoPrefixCache())
-        self.kv_manager = KVCacheManager(pool, block_size, prefix_cache)
+        # Under sliding windows in every layer a request lets go of the blocks its window has passed.
+        self.kv_manager = KVCacheManager(pool, block_size, prefix_cache, mc.kv_window(self.max_model_len))
         self.output_processor = OutputProcessor(self.tokenizer, mc.pooler)
         # Speculative decoding's proposer (kvloom/speculative/), None when it is off.
         self.proposer: Proposer | None = None
@@ -192,7 +193,8 @@ class LLMEngine:
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
         self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size,
-                                      mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs)
+                                      mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
+                                      self.kv_manager.window, config.scheduler.max_num_batched_tokens)
         # What this instance does with prompts' KV (--role; kvloom/kv_transfer/).
         self.kv_layout = layout_of(self.model_name, mc, shard.kv_caches, backend)
         self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)

@@ -87,3 +87,63 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(mistral: Path) -> None:
     together = bf16_alone_equals_batched(str(mistral), PROMPTS, SamplingParams(max_tokens=16, temperature=0.0,
                                                                                ignore_eos=True))
     assert together.model.native_stack is not None  # the walk attends within each layer's window
+
+
+
+def run_checked(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """The requests' tokens, the integrity of every block count checked after each step,
+    and the most blocks one running request held."""
+    from kvloom.request import NO_BLOCK
+
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"r{index}")
+    tokens: dict[str, list[int]] = {}
+    most_held = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+        engine.check_integrity()  # every let-go entry leads its table, none is one its window reads
+        for request in engine.scheduler.running:
+            held = engine.kv_manager.num_held_blocks(request)
+            most_held = max(most_held, held)
+            assert request.block_ids.count(NO_BLOCK) == len(request.block_ids) - held
+    return [tokens[f"r{index}"] for index in range(len(prompts))], most_held
+
+
+def test_long_generations_hold_their_windows_not_their_sequences(mistral: Path, tmp_path: Path) -> None:
+    """Under the window every request lets go of the blocks it has passed: three requests
+    of up to 47 + 120 tokens (11 blocks of 16 each) run together in a pool of 10 blocks and
+    keep transformers' greedy tokens, each holding at most 3 blocks (12 keys span at most
+    2, and the block being written); the same weights without a window are refused that pool."""
+    from kvloom.engine.engine import EngineConfig, LLMEngine
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig.from_kwargs(str(mistral), dtype="float32", block_size=16, num_blocks=10,
+                                                max_num_batched_tokens=16))
+    assert engine.kv_manager.window == WINDOW
+    tokens, most_held = run_checked(engine, PROMPTS, params)
+    assert tokens == [reference_run(mistral, p, 120)[0] for p in PROMPTS]
+    assert most_held == 3 and engine.scheduler.num_preemptions == 0
+    # A request of n tokens has let go of (n - 1 + 1 - 12) // 16 blocks by its last step:
+    # 125 tokens 7, 150 tokens 8, 167 tokens 9.
+    assert engine.kv_manager.num_window_freed_blocks == 7 + 8 + 9
+    whole = write_tiny_hf_model(tmp_path / "whole", arch="mistral", seed=5, sliding_window=None, **SHAPE)
+    plain = LLMEngine(EngineConfig.from_kwargs(str(whole), dtype="float32", block_size=16, num_blocks=10,
+                                               max_num_batched_tokens=16))
+    with pytest.raises(ValueError, match="needs 11 KV blocks, but the whole pool has 10"):
+        plain.add_request(PROMPTS[2], params)
+
+
+def test_preempted_requests_recompute_under_the_window(mistral: Path) -> None:
+    """Four such requests in 7 blocks: preempted and recomputed over and over (a recompute
+    lets go of blocks as its chunks pass them), their tokens still transformers'."""
+    from kvloom.engine.engine import EngineConfig, LLMEngine
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[index % 3] + [index] for index in range(4)]
+    engine = LLMEngine(EngineConfig.from_kwargs(str(mistral), dtype="float32", block_size=16, num_blocks=7,
+                                                max_num_batched_tokens=16))
+    tokens, most_held = run_checked(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert most_held <= engine.limits.blocks_held_at_most(48, 120) == 7
+    assert tokens == [reference_run(mistral, p, 120)[0] for p in prompts]
