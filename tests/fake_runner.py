@@ -24,14 +24,16 @@ def next_token(last: int) -> int:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, prefix_cache: bool = False,
-                   max_model_len: int = 1 << 20, stops: StopChecker | None = None,
+                   max_model_len: int = 1 << 20, stops: StopChecker | None = None, window: int = 0,
                    **config) -> Scheduler:
+    """``window``: a sliding window in every layer (the KV manager lets go behind it)."""
     cfg = SchedulerConfig(**config)
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, block_size) if prefix_cache else NoPrefixCache()
-    kv = KVCacheManager(pool, block_size, cache)
+    kv = KVCacheManager(pool, block_size, cache, window)
     cls = StaticBatchScheduler if cfg.scheduling == "static" else Scheduler
-    limits = AdmissionLimits(max_model_len, VOCAB, num_blocks, block_size)
+    limits = AdmissionLimits(max_model_len, VOCAB, num_blocks, block_size, window=window,
+                             chunk_tokens=cfg.max_num_batched_tokens)
     return cls(cfg, kv, make_policy(cfg), limits, stops)
 
 

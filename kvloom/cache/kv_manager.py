@@ -28,10 +28,12 @@ its window moves on (``_leave_window``): their entries in ``block_ids`` become
 kernels, reading from the window's first key on, never touch). Its held KV is then its
 window, not its whole sequence. The prefix cache's view: the prompt's blocks, and any
 filled before the first block died, are indexed as usual (hits on a long shared
-prompt, or on an earlier turn, are unchanged); from then on the request indexes no
-more blocks (the cache would keep the dead ones alive: a locked path pins every block
-above its end) and it unlocks its path once its window has passed the path's end, so
-the cached prefix becomes evictable like any other. Not for a model with a layer
+prompt, or on an earlier turn that stayed within the window, are unchanged). When the
+first block dies the request stops indexing (the cache would keep the dead blocks
+alive: a locked path pins every block above its end), gives back the blocks it indexed
+past its prompt that no one else uses (``unindex_after``), and unlocks its path once
+its window has passed the path's end, so the cached prompt becomes evictable like any
+other. Not for a model with a layer
 without a window (Gemma 2 and 3, Qwen2's max_window_layers): that layer reads every
 block, so none is ever dead.
 """
@@ -44,12 +46,9 @@ from kvloom.batch import BlockCopy
 from kvloom.cache.block_pool import BlockPool, BlockPoolError
 from kvloom.cache.in_flight import NoPrefixesInFlight, PrefixesInFlight
 from kvloom.cache.prefix_cache import PrefixCache, PrefixMatch
+from kvloom.cache.windows import blocks_held_at_most, cdiv, num_dead_blocks
 from kvloom.kv_spec import KVExport
 from kvloom.request import NO_BLOCK, Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -105,6 +104,11 @@ class KVCacheManager:
         """The blocks ``request`` holds references on (its window's, under a window)."""
         state = self._cache_state.get(request)
         return len(request.block_ids) - (state.num_dropped if state is not None else 0)
+
+    def blocks_to_finish(self, request: Request) -> int:
+        """The most blocks ``request`` will hold at once from admission to its last token
+        (a decode step's chunk; longer prompt chunks are the admission check's)."""
+        return blocks_held_at_most(self.block_size, self.window, request.num_prompt_tokens, request.max_tokens, 1)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
@@ -171,11 +175,19 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         if num_computed < request.num_prompt_tokens or isinstance(request.kv_transfer, KVExport):
             return
-        num_dead = max(0, num_computed + 1 - self.window) // self.block_size
+        num_dead = num_dead_blocks(num_computed, self.window, self.block_size)
         if num_dead <= state.num_dropped:
             return
         assert state.copy is None, "a partial hit's copy is launched with the prompt's first step"
-        state.windowed = True  # indexes nothing from here on: done before any block goes
+        if not state.windowed:
+            # Indexes nothing from here on, and gives back what it indexed past its prompt
+            # where no one else uses it: those blocks die with the window, and a path pinned
+            # down to them would hold them until then (its prompt stays cached).
+            state.windowed = True
+            if state.num_inserted_blocks * self.block_size > request.num_prompt_tokens:
+                prompt_blocks = request.num_prompt_tokens // self.block_size
+                state.handle, kept = self.prefix_cache.unindex_after(state.handle, prompt_blocks * self.block_size)
+                state.num_inserted_blocks = kept // self.block_size
         dead = request.block_ids[state.num_dropped:num_dead]
         self.pool.decref(dead)
         request.block_ids[state.num_dropped:num_dead] = [NO_BLOCK] * len(dead)

@@ -94,6 +94,14 @@ class PrefixCache(ABC):
         a reference on it; a cache that cannot use it declines."""
         return False
 
+    def unindex_after(self, handle: object | None, num_tokens: int) -> tuple[object | None, int]:
+        """Give back what only ``handle``'s lock keeps indexed past the path's first
+        ``num_tokens`` (a multiple of the block size): the blocks of the handle's own
+        leaf chain there, which no other request locks and nothing hangs from (whoever
+        locked the handle still holds its own references on them). The caller's lock
+        moves to the path that stays; returns its handle and its length in tokens."""
+        return handle, 0
+
     @abstractmethod
     def evict(self, num_blocks: int) -> int:
         """Drop up to ``num_blocks`` unlocked least-recently-used blocks; returns how many."""

@@ -427,6 +427,43 @@ class RadixCache(PrefixCache):
             raise RadixCacheError(f"{action} of an evicted node: lock a match before evicting")
         return handle
 
+    def unindex_after(self, handle: object | None, num_tokens: int) -> tuple[object | None, int]:
+        """See PrefixCache. Walks up from the handle while the node is a leaf its lock
+        alone pins, forgetting each node that starts at or past ``num_tokens`` and
+        trimming the one that straddles it; the lock then moves to the deepest node left
+        on the path (the root: none)."""
+        node = self._node(handle, "unindex")
+        if node is None:
+            return None, 0
+        end = self._depth(node)
+        self.unlock(node)
+        while not self._is_root(node) and self._is_evictable_leaf(node) and end > num_tokens:
+            start = end - len(node.key)
+            parent = node.parent
+            assert parent is not None
+            if start < num_tokens:  # trim to num_tokens; the node keeps its place (and is the new end)
+                keep = (num_tokens - start) // self.block_size
+                dropped = node.block_ids[keep:]
+                self._indexed.difference_update(dropped)
+                self.pool.decref(dropped)
+                self._drop_state(node)
+                del node.block_ids[keep:]
+                del node.key[keep * self.block_size:]
+                self._num_evictable_blocks -= len(dropped)
+                end = num_tokens
+                break
+            self._num_evictable_blocks -= node.num_blocks
+            self._forget(node)
+            node, end = parent, start
+        if self._is_root(node):
+            return None, 0
+        self.lock(node)
+        return node, end
+
+    def _depth(self, node: RadixNode) -> int:
+        """Tokens on the path from the root to ``node``'s end."""
+        return sum(len(on_path.key) for on_path in self._path(node))
+
     # ---- eviction ----------------------------------------------------------------------
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` unlocked blocks, least recently used leaves first.

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvloom.cache.windows import blocks_held_at_most
+
 
 class RequestRejected(ValueError):
     """A request that can never be served (too long for the pool or the model, token
@@ -59,17 +61,9 @@ class AdmissionLimits:
         return max(1, capacity - num_prompt_tokens)
 
     def blocks_held_at_most(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """The most KV blocks a request holds at once: its whole sequence's, or under a
-        window fewer: the blocks indexed before its window first passed one (its prompt,
-        or one window and a block, pinned until the window passes them too), and the
-        blocks from its window's first key to the end of a step's chunk."""
-        bs = self.block_size
-        whole = -(-(num_prompt_tokens + max_tokens) // bs)
-        if not self.window:
-            return whole
-        indexed = -(-max(num_prompt_tokens, self.window + bs) // bs)
-        moving = -(-(self.window + self.chunk_tokens) // bs) + 2  # a window's first and a chunk's last block part full
-        return min(whole, indexed + moving)
+        """The most KV blocks a request holds at once (cache/kv_manager.py's count, with
+        this engine's window and chunk)."""
+        return blocks_held_at_most(self.block_size, self.window, num_prompt_tokens, max_tokens, self.chunk_tokens)
 
     def check_fits_pool(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """The blocks the request holds at once (prompt + max_tokens, less under a sliding

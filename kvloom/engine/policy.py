@@ -10,7 +10,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from kvloom.cache.kv_manager import KVCacheManager, cdiv
+from kvloom.cache.kv_manager import KVCacheManager
+from kvloom.cache.windows import cdiv
 from kvloom.config import SchedulerConfig
 from kvloom.engine.trace import WaitReason
 from kvloom.request import Request
@@ -87,7 +88,8 @@ class WatermarkPolicy(FCFSPolicy):
 
     Below ``low_watermark`` KV use, admit whenever the first chunk fits. Between the
     watermarks, admit only if the whole prompt fits in the free blocks. Above
-    ``high_watermark``, admit only if prompt + max_tokens (its full expected growth) fits.
+    ``high_watermark``, admit only if prompt + max_tokens (its full expected growth) fits
+    (under a sliding window in every layer, what it holds at once: ``blocks_to_finish``).
     """
 
     name = "watermark"
@@ -96,10 +98,10 @@ class WatermarkPolicy(FCFSPolicy):
         usage = kv.usage
         if usage < self.config.low_watermark:
             return None
-        tokens = request.num_tokens
+        blocks = cdiv(request.num_tokens, kv.block_size)
         if usage >= self.config.high_watermark:
-            tokens = request.num_prompt_tokens + request.max_tokens
-        if cdiv(tokens, kv.block_size) > kv.num_available_blocks:
+            blocks = kv.blocks_to_finish(request)  # under a sliding window, its prompt and a window
+        if blocks > kv.num_available_blocks:
             return WaitReason.WATERMARK
         return None
 

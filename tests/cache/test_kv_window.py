@@ -157,3 +157,79 @@ def test_admission_counts_a_window_and_a_chunk_not_the_whole_sequence() -> None:
     with pytest.raises(ValueError, match="needs 253 KV blocks"):
         plain.check_fits_pool(10, 1000)
     assert windowed.default_max_tokens(10) == 4086 and plain.default_max_tokens(10) == 34
+
+
+def test_blocks_indexed_past_the_prompt_are_given_back_when_the_first_block_dies() -> None:
+    """A 6-token prompt indexes block 0; block 1 (keys 4 .. 7), filled by decoding, is
+    indexed at position 7. At position 11 block 0 dies: the request stops indexing and
+    gives block 1 back to itself (it dies with the window, and no one else uses it), so
+    the cache keeps the prompt's block alone, unpinned at once (the window has passed it)."""
+    kv = manager()
+    request = prefill(kv, [1, 2, 3, 4, 5, 6])
+    for _ in range(5):  # positions 6 .. 10
+        decode(kv, request, [request])
+    assert kv.prefix_cache.num_cached_blocks == 2 and kv.prefix_cache.num_evictable_blocks == 0
+    decode(kv, request, [request])  # position 11
+    assert kv.prefix_cache.num_cached_blocks == 1 and kv.prefix_cache.num_evictable_blocks == 1
+    assert kv.prefix_cache.match([1, 2, 3, 4, 5, 6, 7, 7, 7]).num_tokens == 4
+    assert kv.num_held_blocks(request) == 2 and kv.pool.num_free_blocks == 16 - 1 - 2  # cached + held
+    kv.free(request)
+    kv.check_integrity([])
+    assert kv.pool.num_free_blocks == 15
+
+
+def test_blocks_another_request_uses_stay_indexed() -> None:
+    """The same, with a second request that hit blocks 0 and 1 and holds them: the first
+    request's path stays whole (pinned by the second's lock) when its first block dies."""
+    kv = manager()
+    first = prefill(kv, [1, 2, 3, 4, 5, 6])
+    for _ in range(5):
+        decode(kv, first, [first])
+    second = prefill(kv, [1, 2, 3, 4, 5, 6, 7, 7, 9])  # hits the 8 indexed tokens
+    assert second.block_ids[:2] == first.block_ids[:2]
+    decode(kv, first, [first, second])  # position 11: block 0 dies for the first request
+    assert kv.prefix_cache.num_cached_blocks == 2 and kv.prefix_cache.num_evictable_blocks == 0
+    for _ in range(4):
+        decode(kv, first, [first, second])
+    kv.free(second)
+    kv.check_integrity([first])
+    # Blocks 0 and 1 and the second's tail (its 9th token): the first unlocked its path once its window passed it.
+    assert kv.prefix_cache.num_cached_blocks == kv.prefix_cache.num_evictable_blocks == 3
+    kv.free(first)
+    kv.check_integrity([])
+
+
+def test_unindex_after_trims_forgets_and_stops_where_others_use_the_path() -> None:
+    """The radix tree's part, on hand-built paths: a node straddling the kept length is
+    trimmed to it, nodes past it are forgotten, and a node another lock pins, or that has
+    another child, stays (with every node above it)."""
+    pool = BlockPool(16)
+    cache = RadixCache(pool, BS)
+    blocks = pool.allocate(3)
+    handle = cache.insert(list(range(12)), blocks)  # one node of three blocks
+    cache.lock(handle)
+    kept, length = cache.unindex_after(handle, 4)  # trims to its first block
+    assert (kept is handle, length, handle.block_ids) == (True, 4, blocks[:1])
+    assert [pool.ref_count(b) for b in blocks] == [2, 1, 1]  # the caller's own references stay
+    assert cache.num_evictable_blocks == 0  # the kept block is locked by the caller
+    cache.unlock(kept)
+    assert cache.unindex_after(None, 0) == (None, 0)
+    cache.lock(kept)
+    assert cache.unindex_after(kept, 0) == (None, 0) and cache.num_cached_blocks == 0
+    cache.check_integrity()
+
+    pool = BlockPool(16)
+    cache = RadixCache(pool, BS)
+    ours = pool.allocate(3)
+    deep = cache.insert(list(range(12)), ours)
+    cache.lock(deep)
+    other = cache.insert(list(range(8)) + [50, 51, 52, 53], ours[:2] + pool.allocate(1))  # a sibling below 8
+    middle = other.parent
+    assert middle is deep.parent and middle.num_blocks == 2
+    kept, length = cache.unindex_after(deep, 0)  # forgets our leaf; the node above has another child
+    assert (kept, length) == (middle, 8) and cache.num_cached_blocks == 3
+    cache.lock(other)
+    cache.unlock(kept)
+    kept, length = cache.unindex_after(other, 4)  # the other's leaf goes; middle straddles 4: trimmed
+    assert length == 4 and kept is middle and middle.num_blocks == 1
+    cache.check_integrity()

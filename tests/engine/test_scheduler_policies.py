@@ -34,6 +34,30 @@ def test_preemption_under_memory_pressure_keeps_outputs() -> None:
     assert scheduler.kv.pool.num_free_blocks == 24
 
 
+def test_a_sliding_window_runs_more_at_once_and_keeps_outputs() -> None:
+    """20 requests of 10-14 + 60 tokens in 24 blocks of 4, with the prefix cache, every
+    integrity check after every step: under a window of 8 keys each holds its prompt and
+    about three blocks, not its 18-19, so more run at once: the run takes under half the
+    steps and fewer preemptions than without the window (186 and 11 against 672 and 51),
+    and every output is the fake model's."""
+    def run(window: int):
+        scheduler = make_scheduler(num_blocks=24, block_size=4, prefix_cache=True, window=window)
+        requests = [make_request(f"r{i}", 10 + i % 5, 60, first_token=i * 31) for i in range(20)]
+        for request in requests:
+            scheduler.add_request(request)
+        batch_sizes = []
+        run_to_completion(scheduler, on_step=lambda output: batch_sizes.append(len(output.scheduled)))
+        for request in requests:
+            assert request.output_token_ids == expected_output(request)
+        assert scheduler.kv.pool.num_free_blocks + scheduler.kv.prefix_cache.num_cached_blocks == 24
+        return scheduler, batch_sizes
+
+    windowed, windowed_batches = run(8)
+    plain, plain_batches = run(0)
+    assert windowed.kv.num_window_freed_blocks > 0 and plain.kv.num_window_freed_blocks == 0
+    assert 2 * len(windowed_batches) < len(plain_batches) and windowed.num_preemptions < plain.num_preemptions
+
+
 def test_chunked_prefill_keeps_decodes_flowing() -> None:
     scheduler = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=256, trace=True)
     decoders = [make_request(f"d{i}", 8, 200, first_token=i) for i in range(4)]
@@ -126,6 +150,16 @@ def test_decision_record_names_each_reason() -> None:
     scheduler.add_request(make_request("grower", 4, 60, first_token=3))
     scheduler.schedule()
     assert dict(scheduler.trace.records[-1].waiting) == {"grower": WaitReason.WATERMARK.value}
+    # ... under a sliding window of 8 keys its growth is what it holds at once: its prompt's
+    # block and a window's (3 indexed, cdiv(8 + 1, 4) + 2 moving: 8 of the 9 available), not 16
+    scheduler = make_scheduler(num_blocks=20, block_size=4, policy="watermark", low_watermark=0.3,
+                               high_watermark=0.5, trace=True, window=8)
+    scheduler.add_request(make_request("first", 40, 2))
+    scheduler.schedule()
+    grower = make_request("grower", 4, 60, first_token=3)
+    scheduler.add_request(grower)
+    scheduler.schedule()
+    assert scheduler.kv.blocks_to_finish(grower) == 8 and grower in scheduler.running
 
     # preemption pauses admission for the step
     scheduler = make_scheduler(num_blocks=4, block_size=4, trace=True)
