@@ -385,6 +385,8 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         metrics = httpx.get(f"{server.base_url}/metrics").text
         preemptions = next((float(line.split()[-1]) for line in metrics.splitlines()
                             if line.startswith("kvloom:num_preemptions_total ")), None)
+        window_freed = next((float(line.split()[-1]) for line in metrics.splitlines()
+                             if line.startswith("kvloom:num_window_freed_blocks_total ")), None)
         engine_faults = 0 if server.async_engine.engine_error is None else 1
     finally:
         server.stop()
@@ -397,7 +399,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         "failures": dict(Counter(f"{r.kind}: {r.status} {r.reason}" for r in records
                                  if r.outcome in ("refused", "failed", "lost")).most_common()),
         "kv_blocks_leaked": snapshot.num_blocks - snapshot.num_available_blocks,
-        "engine_faults": engine_faults, "preemptions": preemptions,
+        "engine_faults": engine_faults, "preemptions": preemptions, "window_freed_blocks": window_freed,
         "greedy_equal_alone": equal, "greedy_compared": compared, "greedy_differing": differing[:20],
     }
 
@@ -408,6 +410,7 @@ def format_soak(result: dict[str, Any]) -> str:
     lines += [f"    {kind}: {counts}" for kind, counts in result["by_kind"].items()]
     lines += [f"  requests lost: {result['lost']}", f"  KV blocks leaked: {result['kv_blocks_leaked']}",
               f"  engine faults: {result['engine_faults']}", f"  preemptions: {result['preemptions']}",
+              f"  KV blocks let go behind a sliding window: {result.get('window_freed_blocks')}",
               f"  greedy outputs equal to the request run alone: {result['greedy_equal_alone']} / "
               f"{result['greedy_compared']}", "  refused or failed, by reason:"]
     lines += [f"    {count:5d}  {reason}" for reason, count in result["failures"].items()]

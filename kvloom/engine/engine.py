@@ -105,6 +105,9 @@ class EngineStats:
     max_loras: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Under a sliding window in every layer: blocks requests let go as their windows passed
+    # them (cumulative; 0 otherwise).
+    num_window_freed_blocks: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -533,7 +536,8 @@ class LLMEngine:
                            imports.imports, imports.failures, imports.bytes, imports.seconds,
                            staged.staged, staged.staged_bytes, staged.pulled, staged.expired,
                            len(s.receiving), self.state_pool.num_slots, self.state_pool.num_free_slots,
-                           kv.prefix_cache.num_cached_states, s.num_block_copies, *self._lora_stats())
+                           kv.prefix_cache.num_cached_states, s.num_block_copies, *self._lora_stats(),
+                           num_window_freed_blocks=kv.num_window_freed_blocks)
 
     def _lora_stats(self) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
         lora = self.runner.lora

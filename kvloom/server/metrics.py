@@ -119,6 +119,9 @@ class EngineMetrics:
             "kvloom:num_cached_blocks", "KV blocks the prefix cache indexes, held by requests or idle.")
         self.num_evicted_blocks = counter(
             "kvloom:num_evicted_blocks", "Idle prefix-cache blocks evicted to make room for new KV.")
+        self.num_window_freed_blocks = counter(
+            "kvloom:num_window_freed_blocks",
+            "KV blocks requests let go once every layer's sliding window had passed them.")
         self.prefix_cache_block_copies = counter(
             "kvloom:prefix_cache_block_copies",
             "Prefix hits that ended inside a cached block, whose tokens were copied (counted in the hits).")
@@ -134,7 +137,7 @@ class EngineMetrics:
         self._lora_seen: tuple[str, str, str] | None = None
         self._kv_seen: tuple[float, ...] = (0, 0, 0, 0.0, 0, 0, 0)
         self._num_preemptions_seen = 0
-        self._cache_seen = (0, 0)  # evicted blocks, block copies
+        self._cache_seen = (0, 0, 0)  # evicted blocks, block copies, blocks let go behind a window
         self._spec_seen = (0, 0, 0)
         self._tp_seen: tuple[float, ...] = (0, 0, 0.0)
         # request id -> monotonic time of its previous token; engine thread only.
@@ -169,9 +172,10 @@ class EngineMetrics:
             self.num_preemptions.inc(stats.num_preemptions - self._num_preemptions_seen)
             self._num_preemptions_seen = stats.num_preemptions
         self.num_cached_blocks.set(stats.num_cached_blocks)
-        cache = (stats.num_evicted_blocks, stats.num_block_copies)
+        cache = (stats.num_evicted_blocks, stats.num_block_copies, stats.num_window_freed_blocks)
         if cache != self._cache_seen:
-            _advance((self.num_evicted_blocks, self.prefix_cache_block_copies), cache, self._cache_seen)
+            _advance((self.num_evicted_blocks, self.prefix_cache_block_copies, self.num_window_freed_blocks),
+                     cache, self._cache_seen)
             self._cache_seen = cache
         spec = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
         if spec != self._spec_seen:

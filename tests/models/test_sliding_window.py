@@ -126,7 +126,11 @@ def test_long_generations_hold_their_windows_not_their_sequences(mistral: Path, 
     assert most_held == 3 and engine.scheduler.num_preemptions == 0
     # A request of n tokens has let go of (n - 1 + 1 - 12) // 16 blocks by its last step:
     # 125 tokens 7, 150 tokens 8, 167 tokens 9.
-    assert engine.kv_manager.num_window_freed_blocks == 7 + 8 + 9
+    assert engine.kv_manager.num_window_freed_blocks == engine.stats().num_window_freed_blocks == 7 + 8 + 9
+    from kvloom.server.metrics import EngineMetrics
+    metrics = EngineMetrics()
+    metrics.record_state(engine.stats())
+    assert metrics.registry.get_sample_value("kvloom:num_window_freed_blocks_total") == 24
     whole = write_tiny_hf_model(tmp_path / "whole", arch="mistral", seed=5, sliding_window=None, **SHAPE)
     plain = LLMEngine(EngineConfig.from_kwargs(str(whole), dtype="float32", block_size=16, num_blocks=10,
                                                max_num_batched_tokens=16))
