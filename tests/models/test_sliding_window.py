@@ -151,3 +151,14 @@ def test_preempted_requests_recompute_under_the_window(mistral: Path) -> None:
     assert engine.scheduler.num_preemptions > 0
     assert most_held <= engine.limits.blocks_held_at_most(48, 120) == 7
     assert tokens == [reference_run(mistral, p, 120)[0] for p in prompts]
+
+
+def test_speculation_under_the_window_keeps_the_tokens(mistral: Path, references) -> None:
+    """Prompt-lookup drafts verified past the window, with blocks let go while drafts
+    are rolled back, in a pool too small for the whole sequences: transformers' tokens."""
+    llm = LLM(str(mistral), dtype="float32", block_size=16, num_blocks=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [r[0] for r in references]
+    assert llm.engine.scheduler.num_draft_tokens > 0 and llm.engine.kv_manager.num_window_freed_blocks > 0
+    llm.engine.check_integrity()
