@@ -314,8 +314,8 @@ class KVCacheManager:
                 self.prefix_cache.release_state_slot(state.saving[1])
             if state.copy is not None:  # admitted, but its first step never launched
                 self._copied(state)
-            elif not state.windowed:  # every computed token's KV is in its blocks (or its launched steps write it)
-                self._offer_tail(request)
+            else:  # every computed token's KV is in its blocks (or its launched steps write it)
+                self._offer_tail(request)  # under a window too: the cache declines it unless its blocks are cached
             self.prefix_cache.unlock(state.handle)
             del request.block_ids[:state.num_dropped]
         self.pool.decref(request.block_ids)

@@ -233,3 +233,27 @@ def test_unindex_after_trims_forgets_and_stops_where_others_use_the_path() -> No
     kept, length = cache.unindex_after(other, 4)  # the other's leaf goes; middle straddles 4: trimmed
     assert length == 4 and kept is middle and middle.num_blocks == 1
     cache.check_integrity()
+
+
+def test_a_request_past_its_window_still_leaves_its_tail_where_its_prompt_is_cached() -> None:
+    """A 13-token prompt (blocks 0-2 indexed) and one decode step, which lets block 0 go:
+    at its end the request's last block (tokens 12 and 13) is offered as a tail and kept,
+    as the whole blocks before it are cached (a beam search's next round, or the next turn,
+    copies those tokens); a request past its prompt's cached blocks has its tail declined."""
+    kv = manager()
+    prompt = list(range(1, 14))
+    request = prefill(kv, prompt)
+    decode(kv, request, [request])  # position 13: (13 - 7) // 4 = 1 block dead
+    assert request.block_ids[0] == NO_BLOCK
+    kv.free(request)
+    kv.check_integrity([])
+    assert kv.prefix_cache.num_inserted_tails == 1
+    hit = kv.match_prefix(Request("next", prompt + [7, 5], SamplingParams()))
+    assert hit.num_tokens == 12 and hit.partial is not None and hit.partial.num_tokens == 2
+
+    longer = prefill(kv, list(range(100, 106)))  # 6 tokens: block 0 indexed
+    for _ in range(8):  # positions 6 .. 13: blocks 1-2 never indexed (the window passed block 0 at 11)
+        decode(kv, longer, [longer])
+    kv.free(longer)
+    kv.check_integrity([])
+    assert kv.prefix_cache.num_inserted_tails == 1  # its tail (tokens 12, 13) hangs from nothing cached
