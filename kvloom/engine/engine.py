@@ -195,9 +195,13 @@ class LLMEngine:
             logger.info("speculative decoding: %s", config.speculative_config)
         scheduler_class = (StaticBatchScheduler if config.scheduler.scheduling == "static"
                            else Scheduler)
+        # The most tokens one step computes for a request: a chunk, or unchunked a whole
+        # remainder (a preempted request's recomputation takes its whole sequence at once).
+        chunk_tokens = (config.scheduler.max_num_batched_tokens if config.scheduler.enable_chunked_prefill
+                        else self.max_model_len)
         self.limits = AdmissionLimits(self.max_model_len, mc.vocab_size, self.num_blocks, block_size,
                                       mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
-                                      self.kv_manager.window, config.scheduler.max_num_batched_tokens)
+                                      self.kv_manager.window, chunk_tokens)
         # What this instance does with prompts' KV (--role; kvloom/kv_transfer/).
         self.kv_layout = layout_of(self.model_name, mc, shard.kv_caches, backend)
         self.kv_transfer = make_kv_transfer(config, self.kv_layout, shard.kv_caches)

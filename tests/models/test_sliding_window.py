@@ -136,6 +136,12 @@ def test_long_generations_hold_their_windows_not_their_sequences(mistral: Path, 
                                                max_num_batched_tokens=16))
     with pytest.raises(ValueError, match="needs 11 KV blocks, but the whole pool has 10"):
         plain.add_request(PROMPTS[2], params)
+    # Nor is the window counted where prompts are not chunked: a preempted request's
+    # recomputation then takes its whole sequence in one step.
+    unchunked = LLMEngine(EngineConfig.from_kwargs(str(mistral), dtype="float32", block_size=16, num_blocks=10,
+                                                   enable_chunked_prefill=False))
+    with pytest.raises(ValueError, match="needs 11 KV blocks, but the whole pool has 10"):
+        unchunked.add_request(PROMPTS[2], params)
 
 
 def test_preempted_requests_recompute_under_the_window(mistral: Path) -> None:
