@@ -171,7 +171,12 @@ class KVCacheManager:
     def _leave_window(self, request: Request, state: _CacheState) -> None:
         """Let go of the blocks no query from the request's next token on reads, once its
         prompt is computed (see the module's docstring). A request whose prompt KV is to
-        be staged for another instance (``KVExport``) keeps its blocks."""
+        be staged for another instance (``KVExport``) keeps its blocks.
+
+        Under overlap scheduling the step still running may read a block let go here (its
+        first queries are before ``num_computed_tokens``): whoever is given the block next
+        writes it in a later step, which runs after that one (one stream or thread), and
+        nothing else writes blocks while steps overlap (disaggregation's transfers refuse it)."""
         num_computed = request.num_computed_tokens
         if num_computed < request.num_prompt_tokens or isinstance(request.kv_transfer, KVExport):
             return
