@@ -25,7 +25,8 @@ is read by no query the request will ever compute, so a block wholly before that
 is dead to it. Once the prompt is computed, the request lets go of its dead blocks as
 its window moves on (``_leave_window``): their entries in ``block_ids`` become
 ``NO_BLOCK`` (positions keep their indices; the batch sends block 0 there, which the
-kernels, reading from the window's first key on, never touch). Its held KV is then its
+kernels, reading from the window's first key on, never touch; it holds finite values
+whoever owns it, as the pool starts zeroed, so even a masked read would be harmless). Its held KV is then its
 window, not its whole sequence. The prefix cache's view: the prompt's blocks, and any
 filled before the first block died, are indexed as usual (hits on a long shared
 prompt, or on an earlier turn that stayed within the window, are unchanged). When the

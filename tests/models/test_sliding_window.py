@@ -13,9 +13,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_engine import bf16_alone_equals_batched
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
+from helpers_models import hf_greedy_batched, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -123,7 +124,7 @@ def test_long_generations_hold_their_windows_not_their_sequences(mistral: Path, 
                                                 max_num_batched_tokens=16))
     assert engine.kv_manager.window == WINDOW
     tokens, most_held = run_checked(engine, PROMPTS, params)
-    assert tokens == [reference_run(mistral, p, 120)[0] for p in PROMPTS]
+    assert tokens == long_references(mistral, tuple(tuple(p) for p in PROMPTS))
     assert most_held == 3 and engine.scheduler.num_preemptions == 0
     # A request of n tokens has let go of (n - 1 + 1 - 12) // 16 blocks by its last step:
     # 125 tokens 7, 150 tokens 8, 167 tokens 9.
@@ -164,7 +165,9 @@ def test_preempted_requests_recompute_under_the_window(mistral: Path, overlap: s
 
 @functools.cache
 def long_references(path: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    return [reference_run(path, list(prompt), 120)[0] for prompt in prompts]
+    """transformers' 120 greedy tokens of each prompt, in one left-padded batch."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_greedy_batched(model, [list(prompt) for prompt in prompts], 120)
 
 
 def test_speculation_under_the_window_keeps_the_tokens(mistral: Path, references) -> None:
