@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from fake_runner import expected_output, make_request, make_scheduler, run_to_completion
 
+from kvloom.engine.admission import RequestRejected
 from kvloom.engine.trace import WaitReason
-from kvloom.request import RequestStatus
+from kvloom.request import Request, RequestStatus
+from kvloom.sampling_params import SamplingParams
 
 
 def reasons_seen(scheduler) -> dict[str, set[str]]:
@@ -56,6 +61,45 @@ def test_a_sliding_window_runs_more_at_once_and_keeps_outputs() -> None:
     plain, plain_batches = run(0)
     assert windowed.kv.num_window_freed_blocks > 0 and plain.kv.num_window_freed_blocks == 0
     assert 2 * len(windowed_batches) < len(plain_batches) and windowed.num_preemptions < plain.num_preemptions
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_windows_with_shared_prefixes_preemption_and_aborts_lose_nothing(seed: int) -> None:
+    """Random requests, many sharing long prefixes (hits, partial blocks, tails, paths
+    given back while others hold them), some aborted mid-run, in a pool that preempts,
+    under windows of 4-12 keys: every integrity check after every step passes, every
+    finished request's output is the fake model's, and the pool ends holding only the cache."""
+    rng = random.Random(seed)
+    window, block_size = rng.choice([4, 8, 12]), rng.choice([2, 4])
+    scheduler = make_scheduler(num_blocks=28, block_size=block_size, prefix_cache=True, window=window,
+                               max_num_batched_tokens=rng.choice([8, 16, 64]))
+    stems = [[rng.randrange(1, 900) for _ in range(rng.randrange(2, 30))] for _ in range(3)]
+    requests = []
+    for index in range(24):
+        prompt = rng.choice(stems) + [rng.randrange(1, 900) for _ in range(rng.randrange(0, 6))]
+        request = Request(f"r{index}", prompt, SamplingParams(max_tokens=rng.randrange(1, 50), ignore_eos=True))
+        try:
+            scheduler.add_request(request)
+        except RequestRejected:  # more than the pool holds at once, even under the window
+            continue
+        requests.append(request)
+    aborted = set(rng.sample([r.request_id for r in requests], 4))
+    steps = 0
+
+    def abort_some(output) -> None:
+        nonlocal steps
+        steps += 1
+        if steps % 7 == 0 and aborted:
+            scheduler.abort_request(aborted.pop())
+            scheduler.check_integrity()
+
+    run_to_completion(scheduler, on_step=abort_some)
+    for request in requests:
+        if request.status is not RequestStatus.FINISHED_ABORTED:
+            assert request.output_token_ids == expected_output(request)
+    kv = scheduler.kv
+    assert kv.pool.num_free_blocks + kv.prefix_cache.num_cached_blocks == 28
+    assert kv.prefix_cache.num_evictable_blocks == kv.prefix_cache.num_cached_blocks  # nothing left pinned
 
 
 def test_chunked_prefill_keeps_decodes_flowing() -> None:
