@@ -26,17 +26,17 @@ is dead to it. Once the prompt is computed, the request lets go of its dead bloc
 its window moves on (``_leave_window``): their entries in ``block_ids`` become
 ``NO_BLOCK`` (positions keep their indices; the batch sends block 0 there, which the
 kernels, reading from the window's first key on, never touch; it holds finite values
-whoever owns it, as the pool starts zeroed, so even a masked read would be harmless). Its held KV is then its
-window, not its whole sequence. The prefix cache's view: the prompt's blocks, and any
-filled before the first block died, are indexed as usual (hits on a long shared
-prompt, or on an earlier turn that stayed within the window, are unchanged). When the
+whoever owns it, as the pool starts zeroed, so even a masked read would be harmless).
+Its held KV is then its window, not its whole sequence. The prefix cache's view: the
+prompt's blocks, and any filled before the first block died, are indexed as usual (hits
+on a long shared prompt, or on an earlier turn that stayed within the window, are
+unchanged). When the
 first block dies the request stops indexing (the cache would keep the dead blocks
 alive: a locked path pins every block above its end), gives back the blocks it indexed
 past its prompt that no one else uses (``unindex_after``), and unlocks its path once
 its window has passed the path's end, so the cached prompt becomes evictable like any
-other. Not for a model with a layer
-without a window (Gemma 2 and 3, Qwen2's max_window_layers): that layer reads every
-block, so none is ever dead.
+other. Not for a model with a layer without a window (Gemma 2 and 3, Qwen2's
+max_window_layers): that layer reads every block, so none is ever dead.
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ class KVCacheManager:
         if num_computed < request.num_prompt_tokens or isinstance(request.kv_transfer, KVExport):
             return
         num_dead = num_dead_blocks(num_computed, self.window, self.block_size)
-        if num_dead <= state.num_dropped:
-            return
-        assert state.copy is None, "a partial hit's copy is launched with the prompt's first step"
+        if num_dead <= state.num_dropped or state.copy is not None:
+            return  # (a partial hit's copy is done once its first step is launched: a step later)
         if not state.windowed:
             # Indexes nothing from here on, and gives back what it indexed past its prompt
             # where no one else uses it: those blocks die with the window, and a path pinned
