@@ -231,9 +231,11 @@ class LLMEngine:
                         self.runner.graphs.max_batch, len(self.runner.graphs.sizes), time.monotonic() - captured)
         else:
             logger.debug("decode steps run eagerly: %s", eager_reason)
-        logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens, "
+        logger.info("loaded %s in %.1f s: %s on %s, context %d, KV pool %d blocks of %d tokens%s, "
                     "%s attention%s", self.model_name, time.monotonic() - started, self.dtype, self.device,
-                    self.max_model_len, self.num_blocks, block_size, backend.name,
+                    self.max_model_len, self.num_blocks, block_size,
+                    f" (let go behind every layer's {self.kv_manager.window}-key window)" if self.kv_manager.window
+                    else "", backend.name,
                     f", tensor parallel {self.first_rank.group.size}" if self.first_rank.group.size > 1 else "")
         overlap_reason = overlap_refusal(config, self.device.type == "cuda", self.first_rank.group.size)
         self.overlap = overlap_reason is None
