@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_attention import FEW, MIXED, UNEVEN, mixed_batch
+from helpers_attention import FEW, MIXED, UNEVEN, batches_with_blocks_let_go, mixed_batch
 
 from kvloom.attention.registry import make_backend
 from kvloom.batch import ForwardBatch
@@ -144,6 +144,31 @@ def test_cpu_paged_sliding_window_matches_reference(dtype, heads, kv_heads, head
         outputs.append(backend.forward(q, k, v, cache, batch, backend.prepare(batch), window))
     expected, actual = outputs
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,window", [(5, 9), (16, 16), (16, 37)])
+@pytest.mark.parametrize("name", ["torch_ref", "cpu_paged"])
+def test_blocks_let_go_behind_the_window_are_never_read(name, dtype, block_size, window, paired_path) -> None:
+    """The blocks the KV cache manager lets go behind a sliding window reach the kernel as
+    block 0: filled with NaN here, the output keeps the bits it has with every block."""
+    torch.manual_seed(0)
+    num_blocks, heads, kv_heads, head_dim = 400, 9, 3, 64
+    whole, let_go = batches_with_blocks_let_go(block_size, num_blocks, window, MIXED + UNEVEN, window,
+                                               torch.device("cpu"))
+    assert int((let_go.block_tables != whole.block_tables).sum()) > 10  # blocks were let go
+    q = torch.randn(whole.num_tokens, heads, head_dim, dtype=dtype)
+    k = torch.randn(whole.num_tokens, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(whole.num_tokens, kv_heads, head_dim, dtype=dtype)
+    history = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    backend = make_backend(name, torch.device("cpu"), heads, kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    backend.write_kv(cache, history[0], history[1], torch.arange(num_blocks * block_size))
+    expected = backend.forward(q, k, v, cache.clone(), whole, backend.prepare(whole), window)
+    poisoned = cache.clone()
+    poisoned[:, 0] = float("nan")
+    actual = backend.forward(q, k, v, poisoned, let_go, backend.prepare(let_go), window)
+    assert torch.equal(actual, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_attention import mixed_batch
+from helpers_attention import batches_with_blocks_let_go, mixed_batch
 
 from kvloom.attention.base import write_token_major
 from kvloom.attention.registry import make_backend
@@ -81,6 +81,26 @@ def test_triton_sliding_window_and_softcap_match_reference(shapes, softcap) -> N
     first splits lie wholly before the window (empty, weight 0)."""
     (actual, expected), _ = run_both(shapes, torch.float32, 9, 3, 64, 16, window=21, softcap=softcap)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "split-k decodes"])
+def test_triton_never_reads_blocks_let_go_behind_the_window(shapes) -> None:
+    """The blocks the KV cache manager lets go behind a 21-key window reach the kernel as
+    block 0: filled with NaN here, the output keeps the bits it has with every block."""
+    torch.manual_seed(0)
+    num_blocks, block_size, heads, kv_heads, head_dim = 80, 16, 9, 3, 64
+    whole, let_go = batches_with_blocks_let_go(block_size, num_blocks, 7, shapes, 21, DEVICE)
+    assert bool((let_go.block_tables != whole.block_tables).any())
+    q, k, v = (torch.randn(whole.num_tokens, n, head_dim, device=DEVICE) for n in (heads, kv_heads, kv_heads))
+    history = [torch.randn(num_blocks * block_size, kv_heads, head_dim, device=DEVICE) for _ in range(2)]
+    backend = make_backend("triton", DEVICE, heads, kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    write_token_major(cache, *history, torch.arange(num_blocks * block_size, device=DEVICE))
+    expected = backend.forward(q, k, v, cache.clone(), whole, backend.prepare(whole), 21)
+    poisoned = cache.clone()
+    poisoned[:, 0] = float("nan")
+    actual = backend.forward(q, k, v, poisoned, let_go, backend.prepare(let_go), 21)
+    assert torch.equal(actual, expected)
 
 
 def test_triton_split_shapes() -> None:
