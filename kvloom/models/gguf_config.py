@@ -150,6 +150,7 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     if arch == "starcoder2":  # LayerNorm's eps; one bias flag for every projection, from the tensors
         config["norm_epsilon"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["use_bias"] = "blk.0.attn_q.bias" in shapes
+        config["hidden_act"] = "gelu_pytorch_tanh"  # StarCoder2's (the file names none; ggml's GELU is this form)
     if arch in ("phi2", "gptneox", "stablelm"):  # LayerNorm's eps, and the rotary's dims of a head
         config["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]

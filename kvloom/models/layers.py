@@ -225,7 +225,7 @@ GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 class GeluMLP(nn.Module):
-    """fc2(gelu(fc1(x))), the un-gated MLP of Phi and GPT-NeoX, GELU in the form
+    """fc2(gelu(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2 and StarCoder2, GELU in the form
     ``hidden_act`` names (any other activation is refused, naming the model's
     architecture). One process: tensor parallel does not split it."""
 

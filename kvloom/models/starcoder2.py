@@ -1,7 +1,7 @@
 """BigCode's StarCoder2 (``Starcoder2ForCausalLM``): Llama's attention (q, k, v and o with
 biases; a sliding window where config.json sets one) and Llama's pre-norm layer, with
 LayerNorm (a weight and a bias) in place of RMSNorm and a plain MLP, c_proj(gelu(c_fc(x))),
-GELU's tanh form, in place of the gated one.
+in place of the gated one (``layers.GeluMLP``, its fc1 / fc2, in the GELU form hidden_act names).
 
 Modules only (the native walk is Llama's), one process (the MLP's c_fc / c_proj are not
 among the tensors tensor parallel splits).
@@ -9,26 +9,19 @@ among the tensors tensor parallel splits).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import ResidualLayerNorm
+from kvloom.models.layers import GeluMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.weights import renamed
 
-ACTIVATIONS = ("gelu_pytorch_tanh",)
-
-
-class Starcoder2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+# Checkpoint names that differ from the modules these layers reuse (layers.GeluMLP's).
+_RENAMES = (("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."))
 
 
 class Starcoder2DecoderLayer(nn.Module):
@@ -38,7 +31,8 @@ class Starcoder2DecoderLayer(nn.Module):
         self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
         self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Starcoder2MLP(config)
+        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+                           config.hidden_act)
         self.local_rope = False
 
 
@@ -49,3 +43,6 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     layer_class = Starcoder2DecoderLayer
     norm_class = ResidualLayerNorm
     modules_only = "LayerNorm, a plain GELU MLP"  # and one process: sharding.ONE_PROCESS
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(renamed(weights, _RENAMES))
