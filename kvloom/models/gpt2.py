@@ -1,5 +1,6 @@
 """OpenAI's GPT-2 (``GPT2LMHeadModel``): learned absolute positions added to the token
-embeddings (no rotary), pre-LayerNorm layers (weights and biases), Llama's attention with
+embeddings (no rotary), pre-LayerNorm layers (weights and biases; GPT-NeoX's layer, its blocks in turn, the
+attention called with no rotary), Llama's attention with
 biases (q, k and v fused as c_attn, in kvloom's [q | k | v] order already), an un-gated MLP
 (c_fc, GELU's tanh form ``gelu_new``, c_proj), a final LayerNorm and the embedding as the
 output head. Its checkpoints store every matmul as a Conv1D, [in, out]: transposed at load.
@@ -11,17 +12,16 @@ Refused by name: attention scaled otherwise than by head_dim ** -0.5
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
-from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GeluMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.gpt_neox import GPTNeoXDecoderLayer
+from kvloom.models.layers import ResidualLayerNorm
+from kvloom.models.llama import StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
@@ -34,29 +34,9 @@ _CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc1.w
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
-class GPT2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
-                 window: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, window)
-        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                           config.hidden_act)
-        self.local_rope = False
-
-    def forward(self, stream: torch.Tensor, rotary: None, batch: ForwardBatch, kv_cache: torch.Tensor,
-                backend: AttentionBackend[Any], metadata: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The residual stream after this layer (of ``rows`` only, where given: every row's
-        K and V still go into the cache). ``rotary`` is None: no GPT-2 layer has one."""
-        attended = self.self_attn(self.input_layernorm(stream), rotary, batch, kv_cache, backend, metadata, rows)
-        stream = attended + (stream if rows is None else stream[rows])
-        return self.mlp(self.post_attention_layernorm(stream)) + stream
-
-
 class GPT2LMHeadModel(StreamLayersForCausalLM):
     has_score_head = False  # no GPT-2 sequence classifier is read
-    layer_class = GPT2DecoderLayer
+    layer_class = GPTNeoXDecoderLayer  # the same layer, its blocks in turn (no parallel residual)
     norm_class = ResidualLayerNorm  # ln_f
     modules_only = "learned positions, LayerNorm, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
 

@@ -36,6 +36,10 @@ _BUFFERS = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
 
 
 class GPTNeoXDecoderLayer(nn.Module):
+    """A LayerNorm before the attention and one before the MLP (``layers.GeluMLP``), the two
+    blocks added to the stream together (``config.parallel_residual``) or in turn: GPT-2's
+    layer too, whose attention turns no rotary (``rotary`` None)."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
@@ -47,7 +51,7 @@ class GPTNeoXDecoderLayer(nn.Module):
                            config.hidden_act)
         self.local_rope = False
 
-    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,
                 kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after this layer (of ``rows`` only, where given: every row's
