@@ -128,6 +128,124 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
   }
 }
 
+// Gemma's and OLMo 2's RMSNorm: the scale applied in float32 before the one rounding.
+// residual (optional) as rms_norm's; out <- round((v * rsqrt(mean(v^2) + eps)) * (offset + weight)),
+// both products in float32 (transformers' `x32 * rsqrt(...)`, then `* (offset + w.float())`,
+// then the cast; Llama's rms_norm rounds the normed value before it scales). out may be x.
+template <typename T>
+void rms_norm_scaled(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
+                     float offset) {
+#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    T* res = residual ? residual + r * n : nullptr;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    __m512 sum_v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      __m512 v = load16(xr + i, n - i);
+      if (res) {
+        v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
+        store16(res + i, v, n - i);
+      }
+      sum_v = _mm512_fmadd_ps(v, v, sum_v);
+    }
+    const __m512 inv_v = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_v) / static_cast<float>(n) + eps));
+    const __m512 offset_v = _mm512_set1_ps(offset);
+    const T* src_v = res ? res : xr;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 normed = _mm512_mul_ps(load16(src_v + i, n - i), inv_v);
+      store16(o + i, _mm512_mul_ps(normed, _mm512_add_ps(offset_v, load16(weight + i, n - i))), n - i);
+    }
+    continue;
+#endif
+    int64_t vec = 0;  // elements the vector loops take; the scalar rule does the rest
+    float sum_sq = 0.0f;
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    __m256 sum_v = _mm256_setzero_ps();
+    for (int64_t i = 0; i < vec; i += 8) {
+      __m256 v = to_float8(xr + i);
+      if (res) {
+        v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
+        store8(res + i, v);
+      }
+      sum_v = _mm256_fmadd_ps(v, v, sum_v);
+    }
+    sum_sq = reduce_add8(sum_v);
+#endif
+    for (int64_t i = vec; i < n; ++i) {
+      float v = to_float(xr[i]);
+      if (res) {
+        v = round_to(v + to_float(res[i]), res);
+        from_float(v, res + i);
+      }
+      sum_sq += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+    const T* src = res ? res : xr;
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    for (int64_t i = 0; i < vec; i += 8) {
+      const __m256 normed = _mm256_mul_ps(to_float8(src + i), _mm256_set1_ps(inv));
+      store8(o + i, _mm256_mul_ps(normed, _mm256_add_ps(_mm256_set1_ps(offset), to_float8(weight + i))));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i) from_float(to_float(src[i]) * inv * (offset + to_float(weight[i])), o + i);
+  }
+}
+
+// GELU's tanh form (transformers' gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)), the same value
+// without tanh's cancellation near 1 + tanh(u) = 0; exp overflows to inf (the result -0,
+// as torch's) or underflows to 0 (the result x) at the ends.
+constexpr float GELU_BETA = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float GELU_KAPPA = 0.044715f;
+
+// gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(gelu_tanh(gate)) * up):
+// torch's F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU), each op rounded to T.
+template <typename T>
+void gelu_tanh_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * n;
+    const T* u = g + n;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 x = load16(g + i, n - i);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(-2.0f * GELU_BETA),
+                                         _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
+      const __m512 gelu = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))), o);
+      store16(o + i, _mm512_mul_ps(gelu, load16(u + i, n - i)), n - i);
+    }
+    continue;
+#endif
+    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    for (int64_t i = 0; i < vec; i += 8) {  // exp8: exp16's arithmetic
+      const __m256 x = to_float8(g + i);
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_BETA),
+                                         _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), cube)));
+      const __m256 gelu = round8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(inner))), o);
+      store8(o + i, _mm256_mul_ps(gelu, to_float8(u + i)));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i) {
+      const float x = to_float(g[i]);
+      const float inner = -2.0f * GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+      const float gelu = round_to(x / (1.0f + std::exp(inner)), o);
+      from_float(round_to(gelu * to_float(u[i]), o), o + i);
+    }
+  }
+}
+
 // Rotate-half rotary embedding, in place, on `heads` consecutive head vectors of each
 // token row (q's heads then k's heads: they are adjacent in the fused qkv output), over
 // the first `rotary_dim` dimensions of each head (all of them, or Phi-4's part; the rest
@@ -226,6 +344,20 @@ void kvloom_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int
 }
 void kvloom_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
   silu_and_mul(gate_up, out, rows, n);
+}
+void kvloom_rms_norm_scaled_f32(const float* x, float* residual, const float* weight, float* out, int64_t rows,
+                                int64_t n, float eps, float offset) {
+  rms_norm_scaled(x, residual, weight, out, rows, n, eps, offset);
+}
+void kvloom_rms_norm_scaled_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                                 int64_t rows, int64_t n, float eps, float offset) {
+  rms_norm_scaled(x, residual, weight, out, rows, n, eps, offset);
+}
+void kvloom_gelu_tanh_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n) {
+  gelu_tanh_and_mul(gate_up, out, rows, n);
+}
+void kvloom_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
+  gelu_tanh_and_mul(gate_up, out, rows, n);
 }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {

@@ -15,16 +15,20 @@
 // Per layer, with T tokens:
 //   normed  = rms_norm(layer 0: residual; else residual += hidden)
 //   qkv     = normed @ Wqkv (+ b)              [T, q + 2 kv]
-//   Qwen3: each q head rms_norm(Wq_norm), each k head rms_norm(Wk_norm), in qkv
-//   rotary(q and k heads of qkv), in place
+//   Qwen3, Gemma 3: each q head rms_norm(Wq_norm), each k head rms_norm(Wk_norm), in qkv
+//   rotary(q and k heads of qkv), in place (the layer's table: Gemma 3's windowed layers have their own)
 //   write k, v into the layer's cache (paired layout)
 //   q_rows  = q of qkv, contiguous              [T, q]
-//   attn    = paged_attention(q_rows)           [T, q]
+//   attn    = paged_attention(q_rows)           [T, q]  (Gemma 2: scores softcapped)
 //   hidden  = attn @ Wo (+ b)                   [T, H]
 //   normed  = rms_norm(residual += hidden)
+//             Gemma 2 and 3 (sandwich norms): rms_norm(residual += rms_norm(hidden, Wpost), Wpre_ff)
 //   gate_up = normed @ Wgu (+ b)                [T, 2 I]
-//   act     = silu(gate) * up                   [T, I]
+//   act     = silu(gate) * up                   [T, I]  (Gemma: gelu_tanh(gate) * up)
 //   hidden  = act @ Wdown (+ b)                 [T, H]
+//             Gemma 2 and 3: hidden = rms_norm(hidden, Wpost_ff)
+// Every rms_norm is Llama's (x / rms(x) rounded, then times the weight) or, for Gemma and
+// Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding).
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
@@ -104,18 +108,27 @@ using AttentionFn = void (*)(const void* q, void* out, const void* k_cache, cons
                              const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, int64_t window, float softcap, int num_threads, int kernel);
-using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);
+using ScaledNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                             int64_t rows, int64_t n, float eps, float offset);
+using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);  // and gelu_tanh_and_mul
 using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
 using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n);
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
-enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS, NUM_KERNELS };
-// W_Q_NORM, W_K_NORM: Qwen3's per-head norms (0: the model has none). W_WINDOW and W_ROPE are
-// numbers, not pointers: the layer's sliding window in keys (0: it attends to the whole
-// context), and whether it turns q and k by the rotary (0: SmolLM3's NoPE layers).
+enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
+              K_RMS_NORM_SCALED, K_GELU_TANH, NUM_KERNELS };
+// W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
+// W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
+// input norm, else the attention output's own). W_WINDOW and W_ROPE are numbers, not
+// pointers: the layer's sliding window in keys (0: it attends to the whole context), and
+// which rotary table turns q and k (ROPE_NONE: SmolLM3's NoPE layers; ROPE_LOCAL: Gemma
+// 3's windowed layers').
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
-              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, NUM_WEIGHTS };
+              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, NUM_WEIGHTS };
+enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
+enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32 };
+enum Activation { ACT_SILU, ACT_GELU_TANH };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -151,6 +164,10 @@ struct Model {
   int64_t num_blocks, max_blocks, hidden_size, num_heads, num_kv_heads, head_dim, intermediate, block_size;
   int64_t rotary_dim;  // each head's dimensions the rotary turns (head_dim, or Phi-4's part): cos/sin's width
   float eps, scale, residual_scale;
+  float softcap;       // the attention scores' cap (Gemma 2's; 0: none)
+  int norm;            // Norm: how every RMSNorm scales
+  float norm_offset;   // NORM_SCALED_IN_FLOAT32's offset (Gemma's 1, Helium's 0)
+  int activation;      // Activation: the gated MLP's
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -188,6 +205,8 @@ struct Rows {
   uint16_t* scratch;
   const float* cos;
   const float* sin;
+  const float* cos_local;  // Gemma 3's windowed layers' table (ROPE_LOCAL), nullptr where none
+  const float* sin_local;
   const int64_t* slots;
   const int32_t* block_tables;
   const int32_t* seq_lens;
@@ -260,15 +279,22 @@ class KvAhead {
 // layer's attention and everything after it only over `out`'s rows (all of them when
 // out.count < 0), which end up first in r.residual and r.hidden.
 int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EVERY_ROW) {
-  const auto rms_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
+  const auto llama_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
+  const auto scaled_norm = entry<ScaledNormFn>(m.kernels, K_RMS_NORM_SCALED);
   const auto gemm = entry<GemmFn>(m.kernels, K_GEMM);
   const auto rotary = entry<RotaryFn>(m.kernels, K_ROTARY);
   const auto write_kv = entry<WriteKvFn>(m.kernels, K_WRITE_KV);
   const auto attention = entry<AttentionFn>(m.kernels, K_ATTENTION);
-  const auto silu = entry<SiluFn>(m.kernels, K_SILU);
+  const auto activation = entry<SiluFn>(m.kernels, m.activation == ACT_GELU_TANH ? K_GELU_TANH : K_SILU);
   const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);
   const auto add_rows = entry<AddRowsFn>(m.kernels, K_ADD_ROWS);
 
+  // The model's RMSNorm: residual (nullptr: none) += x, then the norm of it into out.
+  const auto rms_norm = [&](const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out_rows,
+                            int64_t rows, int64_t n) {
+    if (m.norm == NORM_SCALED_IN_FLOAT32) scaled_norm(x, residual, w, out_rows, rows, n, m.eps, m.norm_offset);
+    else llama_norm(x, residual, w, out_rows, rows, n, m.eps);
+  };
   int64_t T = r.tokens;  // the rows each kernel computes: the kept ones in the last layer
   const int64_t H = m.hidden_size, I = m.intermediate;
   const int64_t q_size = m.q_size(), kv_size = m.kv_size(), qkv_width = q_size + 2 * kv_size;
@@ -302,7 +328,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto norm_heads = [&](uint16_t* rows, int64_t offset, int64_t heads, const uint16_t* norm) {
     const int64_t width = heads * m.head_dim;
     for (int64_t t = 0; t < T; ++t) std::memcpy(attn + t * width, rows + t * qkv_width + offset, width * 2);
-    rms_norm(attn, nullptr, norm, q_rows, T * heads, m.head_dim, m.eps);
+    rms_norm(attn, nullptr, norm, q_rows, T * heads, m.head_dim);
     for (int64_t t = 0; t < T; ++t) std::memcpy(rows + t * qkv_width + offset, q_rows + t * width, width * 2);
   };
 
@@ -344,18 +370,22 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     };
     const int refused = static_cast<int>(layer) + 1;
     if (layer == 0) {
-      rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+      rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H);
     } else {
       scale_hidden(hidden, T * H, m.residual_scale, num_threads);
-      rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H, m.eps);
+      rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H);
     }
     if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     if (!adapt(P_QKV, normed, H, qkv, qkv_width)) return refused;
-    if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3: the module path's q_norm and k_norm, before the rotary
+    if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3, Gemma 3: the module path's q_norm and k_norm, before the rotary
       norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
       norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
     }
-    if (w[W_ROPE] != 0) rotary(qkv, qkv_width, r.cos, r.sin, T, m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
+    if (w[W_ROPE] != ROPE_NONE) {
+      const bool local = w[W_ROPE] == ROPE_LOCAL;
+      rotary(qkv, qkv_width, local ? r.cos_local : r.cos, local ? r.sin_local : r.sin, T,
+             m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
+    }
     write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
              m.num_kv_heads, m.head_dim, m.block_size, num_threads);
     // From the attention on, the rows computed: every row, or in the last layer the rows
@@ -372,7 +402,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
     attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
               rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
-              w[W_WINDOW], 0.0f, num_threads, PAIRED_KERNEL);  // no softcap: Gemma 2 runs as modules
+              w[W_WINDOW], m.softcap, num_threads, PAIRED_KERNEL);
     ahead.plan(layer + 1);
     if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size) || !adapt(P_O, attn, q_size, hidden, H)) return refused;
     if (m.reduce != nullptr) {
@@ -380,16 +410,22 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       if (status != 0) return status;
     }
     scale_hidden(hidden, T * H, m.residual_scale, num_threads);
-    rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, m.eps);
+    if (weight(w, W_PRE_FF_NORM) != nullptr) {  // Gemma 2 and 3: the attention's output normed before it is added
+      rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
+      rms_norm(hidden, r.residual, weight(w, W_PRE_FF_NORM), normed, T, H);
+    } else {
+      rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H);
+    }
     if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, normed, H, gate_up, 2 * I))
       return refused;
-    silu(gate_up, act, T, I);
+    activation(gate_up, act, T, I);
     if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down()) || !adapt(P_DOWN, act, I, hidden, H))
       return refused;
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
     }
+    if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);
   }
   return 0;
 }
@@ -400,11 +436,13 @@ int split_walks(const Model& m, const Rows& all, int64_t split, int num_threads)
   std::vector<int32_t> second_start(all.query_start + split, all.query_start + all.num_seqs);
   for (int32_t& start : second_start) start -= static_cast<int32_t>(first_tokens);
   const Rows halves[2] = {
-      {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.slots, all.block_tables, all.seq_lens,
-       all.query_start, all.query_lens, split, first_tokens, all.lora_slots, all.lora_scratch},
+      {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.cos_local, all.sin_local, all.slots,
+       all.block_tables, all.seq_lens, all.query_start, all.query_lens, split, first_tokens, all.lora_slots,
+       all.lora_scratch},
       {all.residual + first_tokens * m.hidden_size, all.hidden + first_tokens * m.hidden_size,
        all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.rotary_dim, all.sin + first_tokens * m.rotary_dim,
-       all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
+       all.cos_local == nullptr ? nullptr : all.cos_local + first_tokens * m.rotary_dim,
+       all.sin_local == nullptr ? nullptr : all.sin_local + first_tokens * m.rotary_dim, all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
        second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens,
        all.lora_slots == nullptr ? nullptr : all.lora_slots + first_tokens,
        all.lora_scratch == nullptr ? nullptr : all.lora_scratch + m.lora_scratch(first_tokens)}};
@@ -442,7 +480,10 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // hidden_size] (the embeddings in; the stream before the last `hidden` out); hidden:
 // [tokens, hidden_size] out. kv_caches: [num_layers, 2, num_blocks, block_size, kv heads,
 // head_dim] bf16 in the paired layout. reduce: nullptr, or the all-reduce's context
-// (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). split_seqs:
+// (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). cos_local,
+// sin_local: the ROPE_LOCAL layers' rotary table, [tokens, rotary_dim] as cos and sin
+// (nullptr where no layer has one). softcap: the attention scores' (0: none); norm, its
+// norm_offset and activation: a Norm and an Activation. split_seqs:
 // 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
 // num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
 // whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
@@ -460,11 +501,13 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // computed then (num_out_rows < 0).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
-                         const float* cos, const float* sin, const int64_t* slots, const int32_t* block_tables,
+                         const float* cos, const float* sin, const float* cos_local, const float* sin_local,
+                         const int64_t* slots, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-                         int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale, int isa,
+                         int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale,
+                         float softcap, int norm, float norm_offset, int activation, int isa,
                          int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
@@ -473,9 +516,10 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* lora_rows, uint16_t* lora_scratch) {
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
-                    rotary_dim,   eps,        scale,      residual_scale, isa,      reduce,       kv_prefetch_bytes,
+                    rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
+                    activation,   isa,        reduce,     kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
-  const Rows rows{residual,     hidden,   scratch,     cos,        sin,      slots,
+  const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
                   lora_rows,    lora_scratch};
   if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);

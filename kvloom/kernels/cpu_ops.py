@@ -1,8 +1,10 @@
 """The fused elementwise ops of a decoder layer (kvloom/csrc/cpu_ops.cpp), float32 and
-bf16: ``kvloom::rms_norm``, ``kvloom::silu_and_mul``, ``kvloom::rotary_`` and
-``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add).
+bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
+float32 before the rounding), ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's
+GeGLU), ``kvloom::rotary_`` and ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is
+torch's own add).
 
-models/ops.py calls the first three on CPU and keeps the pure-PyTorch references (the oracle in
+models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
 """
 
@@ -58,6 +60,47 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return RMS_NORM.call(x, residual, weight, eps)
 
 
+# ---- RMSNorm scaled in float32 (Gemma, OLMo 2) ----------------------------------------
+RMS_NORM_SCALED = NativeOp(
+    "rms_norm_scaled(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, float offset) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_rms_norm_scaled_{variant}(x, residual, weight, Tensor out, int rows, int n, eps, offset) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS), "residual": TensorSpec(2, like="x"), "weight": TensorSpec(1, like="x")},
+)
+
+
+@RMS_NORM_SCALED.check
+def _rms_norm_scaled_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           offset: float) -> None:
+    if residual is not None and residual.shape != x.shape:
+        raise RMS_NORM_SCALED.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    if weight.shape[0] != x.shape[1]:
+        raise RMS_NORM_SCALED.error("weight", f"must have x's row width {x.shape[1]}, got {weight.shape[0]}")
+
+
+@RMS_NORM_SCALED.implementation
+def _rms_norm_scaled_cpu(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         offset: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    RMS_NORM_SCALED.function(_VARIANT[x.dtype])(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], eps, offset)
+    return out
+
+
+@RMS_NORM_SCALED.fake
+def _rms_norm_scaled_fake(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          offset: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def rms_norm_scaled(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    offset: float) -> torch.Tensor:
+    """x / rms(x) * (offset + weight) for x: [rows, n], both products in float32 before the
+    one rounding; ``residual`` as :func:`rms_norm`'s (models/ops.py has the reference)."""
+    return RMS_NORM_SCALED.call(x, residual, weight, eps, offset)
+
+
 # ---- the gated MLP's activation ------------------------------------------------------
 SILU_AND_MUL = NativeOp(
     "silu_and_mul(Tensor gate_up) -> Tensor",
@@ -89,6 +132,38 @@ def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up]: [rows, 2n] -> [rows, n]."""
     return SILU_AND_MUL.call(gate_up)
+
+
+GELU_TANH_AND_MUL = NativeOp(
+    "gelu_tanh_and_mul(Tensor gate_up) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_gelu_tanh_and_mul_{variant}(gate_up, Tensor out, int rows, int n) -> ()",
+    tensors={"gate_up": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@GELU_TANH_AND_MUL.check
+def _gelu_tanh_and_mul_check(gate_up: torch.Tensor) -> None:
+    if gate_up.shape[1] % 2:
+        raise GELU_TANH_AND_MUL.error("gate_up", f"must have an even width ([gate | up]), got {gate_up.shape[1]}")
+
+
+@GELU_TANH_AND_MUL.implementation
+def _gelu_tanh_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)  # [rows, n]
+    GELU_TANH_AND_MUL.function(_VARIANT[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, n)
+    return out
+
+
+@GELU_TANH_AND_MUL.fake
+def _gelu_tanh_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up]: [rows, 2n] -> [rows, n]."""
+    return GELU_TANH_AND_MUL.call(gate_up)
 
 
 # ---- rotary embedding, in place ------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Every decoder layer of a Llama-family model in one native call
+"""Every decoder layer of a Llama-family or Gemma model in one native call
 (kvloom/csrc/decoder_stack.cpp): the same kernels as the module path, walked in C.
 
 The kernel table holds the entry points of those kernels (``rms_norm``, ``gemm_bf16``,
-``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce
-and ``add_rows_``, LoRA's), which the C walk calls in the module path's order; :func:`run` checks what the walk
+``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce,
+``add_rows_`` (LoRA's), and Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``), which
+the C walk calls in the module path's order; :func:`run` checks what the walk
 will read and write (dtypes, shapes, contiguity of every tensor, once per forward
 instead of once per kernel) and calls it. The weight table is built by
 kvloom/models/decoder_stack.py from the model's checked, packed tensors, which it keeps
@@ -26,11 +27,13 @@ _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tok
 _STACK = NativeFunction(
     "decoder_stack",
     "kvloom_decoder_stack(Tensor kernels, Tensor weights, int num_layers, Tensor residual, Tensor hidden, "
-    "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
+    "Tensor scratch, Tensor kv_caches, int num_blocks, Tensor cos, Tensor sin, Tensor cos_local, Tensor sin_local, "
+    "Tensor slots, Tensor block_tables, "
     "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int tokens, "
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int intermediate, "
     "int block_size, "
-    "float eps, float scale, float residual_scale, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "float eps, float scale, float residual_scale, float softcap, int32 norm, float norm_offset, int32 activation, "
+    "int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
@@ -39,12 +42,19 @@ _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scrat
 
 # A layer's row of the weight table, in decoder_stack.cpp's `Weight` order.
 WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
-                  "down", "down_bias", "q_norm", "k_norm",  # q_norm, k_norm: Qwen3's per-head norms (0: none)
+                  "down", "down_bias", "q_norm", "k_norm",  # Qwen3's, Gemma 3's per-head norms (0: none)
                   "window",  # a number, not a pointer: the layer's sliding window in keys (0: none)
-                  "rope")  # a number: 1 where the layer turns q and k by the rotary, 0 where not (NoPE)
+                  "rope",  # a number, one of ROPE: which rotary table turns the layer's q and k
+                  # Gemma 2 and 3's (0: none; with them post_norm is the attention output's own)
+                  "pre_ff_norm", "post_ff_norm")
+# The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
+ROPE = {"none": 0, "global": 1, "local": 2}
+# StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
+NORMS = {"llama": 0, "scaled_in_float32": 1}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 8
+NUM_KERNELS = 10
 
 
 def available() -> bool:
@@ -65,7 +75,8 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
     reduce = ctypes.cast(shm_collectives.ALL_REDUCE_STACK.function(), ctypes.c_void_p).value if all_reduce else 0
     return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM_SIDE), _address(cpu_ops.ROTARY, "bf16"),
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
-                         _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16")],
+                         _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16"),
+                         _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16")],
                         dtype=torch.int64)
 
 
@@ -83,6 +94,12 @@ class StackShape:
     isa: str  # the GEMM path of every matmul (kernels/gemm.py)
     residual_scale: float = 1.0  # Granite's: each block's output times it before the residual add
     rotary_dim: int | None = None  # the rotary's dims of each head (Phi-4's part); None: head_dim
+    # How every RMSNorm scales (NORMS): Llama's rounds x / rms(x), then times the weight;
+    # "scaled_in_float32" times (norm_offset + weight) before its one rounding (Gemma's
+    # offset 1, Helium's 0).
+    norm: str = "llama"
+    norm_offset: float = 0.0
+    activation: str = "silu"  # the gated MLP's (ACTIVATIONS): SwiGLU, or Gemma's GeGLU
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +166,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         scale: float, scratch: torch.Tensor | None = None, reduce: torch.Tensor | None = None,
         split_seqs: int = 0, kv_prefetch_bytes: int = 0, outputs: StackOutputs | None = None,
         lora: StackLoRA | None = None, lora_rows: torch.Tensor | None = None,
-        lora_scratch: torch.Tensor | None = None) -> torch.Tensor:
+        lora_scratch: torch.Tensor | None = None,
+        local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Run every layer over ``residual`` ([tokens, hidden] bf16, the embeddings; updated
     in place into the stream before the last layer's output) and return that output,
     [tokens, hidden]: the caller's final norm adds it. With ``outputs`` (one walk, no
@@ -169,7 +187,10 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     ``lora`` with ``lora_rows`` ([tokens] int32, each row's adapter slot, -1 the base
     model): each slot's delta added to its rows after each matmul, as LoRALinear's (the
     last layer's kept rows' only, with ``outputs``); ``lora_scratch``: a bf16 buffer of
-    at least ``lora_scratch_elements`` to reuse."""
+    at least ``lora_scratch_elements`` to reuse. ``local_rotary``: (cos, sin) of the layers
+    whose "rope" column is ROPE["local"], shaped as ``cos`` and ``sin`` (Gemma 3's windowed
+    layers). ``softcap``: the attention scores' cap (Gemma 2's; 0: none), as ``scale`` the
+    attention backend's."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (NUM_KERNELS,))
@@ -189,6 +210,16 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         raise _fail("kv_caches", f"of block size {block_size} and head_dim {shape.head_dim} has no paired layout here")
     _check("cos", cos, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
     _check("sin", sin, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
+    if local_rotary is not None:
+        _check("local cos", local_rotary[0], torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
+        _check("local sin", local_rotary[1], torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
+    elif bool((weights[:, WEIGHT_COLUMNS.index("rope")] == ROPE["local"]).any()):
+        raise _fail("local_rotary", "must be given: some layers turn by the local rotary table")
+    if shape.norm not in NORMS or shape.activation not in ACTIVATIONS:
+        raise _fail("shape", f"has norm {shape.norm!r} (one of {sorted(NORMS)}) and activation "
+                             f"{shape.activation!r} (one of {sorted(ACTIVATIONS)})")
+    if not softcap >= 0:
+        raise _fail("softcap", f"must be 0 (none) or positive, got {softcap}")
     _check("slots", slots, torch.int64, (tokens,))
     num_seqs = rows.block_tables.shape[0]
     _check("block_tables", rows.block_tables, torch.int32, (num_seqs, rows.block_tables.shape[1]))
@@ -247,11 +278,14 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     with profiled("kvloom::decoder_stack"):
         status = _STACK.function()(
             kernels.data_ptr(), weights.data_ptr(), shape.num_layers, residual.data_ptr(), hidden.data_ptr(),
-            scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            scratch.data_ptr(), kv_caches.data_ptr(), num_blocks, cos.data_ptr(), sin.data_ptr(),
+            *((0, 0) if local_rotary is None else (local_rotary[0].data_ptr(), local_rotary[1].data_ptr())),
+            slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
             rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
-            shape.intermediate, block_size, shape.eps, scale, shape.residual_scale,
+            shape.intermediate, block_size, shape.eps, scale, shape.residual_scale, softcap,
+            NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation],
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

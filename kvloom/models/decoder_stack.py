@@ -1,4 +1,6 @@
-"""The decoder layers of a LlamaForCausalLM in one native call (kernels/decoder_stack.py).
+"""The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
+are Llama's but for their norms, MLP activation and Gemma's block norms: Gemma 1-3,
+Helium) in one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -26,7 +28,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
-from kvloom.models.layers import RMSNorm
+from kvloom.models.layers import Float32ScaledRMSNorm, RMSNorm
 from kvloom.models.packed_linear import InvariantLinear
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
@@ -71,8 +73,11 @@ def split_point(query_lens: list[int], seq_lens: list[int], threads: int) -> int
 class DecoderModel(Protocol):
     """What the walk reads of a model (LlamaForCausalLM is one): its config, its
     tensor-parallel group and its layers, each with input_layernorm, self_attn
-    (qkv_proj, o_proj, this rank's num_heads and num_kv_heads), post_attention_layernorm
-    and mlp (gate_up_proj, down_proj, this rank's intermediate_size)."""
+    (qkv_proj, o_proj, this rank's num_heads and num_kv_heads, q_norm and k_norm where
+    config.qk_norm), post_attention_layernorm, mlp (gate_up_proj, down_proj, this rank's
+    intermediate_size, its activation), local_rope (whether the layer turns by the local
+    rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm and
+    post_feedforward_layernorm."""
 
     config: ModelConfig
     tp: TensorParallelGroup
@@ -114,32 +119,43 @@ class NativeDecoderStack:
         config = model.config
         if config.clip_qkv is not None:
             return None, "its queries, keys and values are clipped (clip_qkv), which the walk does not do"
-        if config.local_rope_theta is not None:
-            return None, "its windowed layers turn their own rotary (two tables; the walk takes one)"
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
+        kinds: set[tuple[str, float, str]] = set()  # (norm, its offset, activation) of every layer
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
-            head_norms = (attention.q_norm, attention.k_norm) if config.qk_norm else ()  # Qwen3's
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
+            head_norms = (attention.q_norm, attention.k_norm) if config.qk_norm else ()  # Qwen3's, Gemma 3's
+            block_norms = tuple(norm for norm in (getattr(layer, "pre_feedforward_layernorm", None),
+                                                  getattr(layer, "post_feedforward_layernorm", None))
+                                if norm is not None)  # Gemma 2 and 3's
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms, *block_norms)
             if any(norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
                    or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
-            if getattr(mlp, "activation", "silu") != "silu" or any(type(norm) is not RMSNorm for norm in norms):
-                return None, f"layer {index}'s MLP or norms are not Llama's (SiLU, weight-scaled RMSNorm)"
+            norm_kinds = {_norm_kind(norm) for norm in norms}
+            activation = getattr(mlp, "activation", "silu")
+            if None in norm_kinds or len(norm_kinds) != 1 or activation not in kernels.ACTIVATIONS:
+                return None, (f"layer {index}'s MLP or norms are not the walk's (SiLU or GELU-tanh; one kind of "
+                              "RMSNorm: Llama's, or scaled in float32)")
+            kinds.add((*norm_kinds.pop(), activation))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
+            rope = ("none" if index in config.no_rope_layers
+                    else "local" if getattr(layer, "local_rope", False) else "global")
             row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
                                    "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0,
-                                   "window": attention.window, "rope": int(index not in config.no_rope_layers)}
+                                   "window": attention.window, "rope": kernels.ROPE[rope],
+                                   "pre_ff_norm": 0, "post_ff_norm": 0}
             if head_norms:
                 row["q_norm"], row["k_norm"] = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
+            if block_norms:
+                row["pre_ff_norm"], row["post_ff_norm"] = (norm.weight.data_ptr() for norm in block_norms)
             owners += [norm.weight for norm in norms]
             for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
                 row[name] = linear.packed_weight.data_ptr()
@@ -148,11 +164,15 @@ class NativeDecoderStack:
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
+        if len(kinds) != 1:
+            return None, f"the layers' norms and MLPs differ {sorted(kinds)}"
+        (norm, norm_offset, activation), = kinds
         first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim, first.mlp.intermediate_size,
-                                   config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim)
+                                   config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim,
+                                   norm, norm_offset, activation)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
@@ -166,13 +186,14 @@ class NativeDecoderStack:
                 and backend.paired_layout(kv_caches[0]))
 
     def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                 kv_caches: torch.Tensor, backend: CPUPagedBackend,
-                 metadata: CPUPagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata,
+                 local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over ``residual`` (the embeddings, [tokens, hidden], updated in
         place); returns the last layer's output and the stream it is to be added to (the
         final norm adds it in), of the rows ``batch.output_rows`` names where it names
         some. Those rows alone take the last layer's attention and MLP, where one walk
-        runs without tensor parallel (else every row does, and the rows are picked after)."""
+        runs without tensor parallel (else every row does, and the rows are picked after).
+        ``local_rotary``: the table of the layers that turn by their own (Gemma 3's)."""
         rows = metadata.every
         cos, sin = rotary
         needed = kernels.scratch_elements(self.shape, residual.shape[0])
@@ -197,7 +218,8 @@ class NativeDecoderStack:
                              batch.slot_mapping,  # int64 from ForwardBatch.build (run checks it)
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                              backend.scale, self._scratch, None if shm is None else shm.context, split,
-                             KV_PREFETCH_BYTES if split else 0, outputs, lora, lora_rows, self._lora_scratch)
+                             KV_PREFETCH_BYTES if split else 0, outputs, lora, lora_rows, self._lora_scratch,
+                             local_rotary, backend.softcap)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)
@@ -231,3 +253,12 @@ def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],
     return kernels.StackOutputs(output_rows, kernels.StackRows(
         rows.block_tables.index_select(0, owners), rows.seq_lens.index_select(0, owners),
         torch.tensor(starts[:len(lens)], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)))
+
+
+def _norm_kind(norm: nn.Module) -> tuple[str, float] | None:
+    """How ``norm`` scales, as StackShape's (norm, norm_offset); None: not a norm the walk runs."""
+    if type(norm) is RMSNorm:
+        return "llama", 0.0
+    if isinstance(norm, Float32ScaledRMSNorm) and type(norm).forward is Float32ScaledRMSNorm.forward:
+        return "scaled_in_float32", norm.offset
+    return None

@@ -17,7 +17,9 @@ model_families.GemmaLayers):
   at their own base (``config.local_rope_theta``, LlamaForCausalLM's ``local_rotary``),
   five of them to one full layer.
 
-The layers run as PyTorch modules (the native walk is Llama's).
+The native walk (models/decoder_stack.py) runs these layers too, through the same
+kernels (cpu_ops.cpp's rms_norm_scaled and gelu_tanh_and_mul, the attention's softcap, the
+local rotary table); the modules below are its reference.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no Gemma sequence classifier is read
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
-    modules_only = "norms by 1 + weight, GeGLU"
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
@@ -82,6 +83,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         residual = embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype)
         full = self.rotary.cos_sin(batch.positions)
         local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        stack = self.native_stack
+        if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
+            hidden, residual = stack(residual, full, batch, kv_caches, backend, metadata,
+                                     local if self.local_rotary is not None else None)
+            return self.norm(hidden, residual)  # the rows batch.output_rows names, if any
         rows = batch.output_rows if self.tp.size == 1 else None
         last = len(self.layers) - 1
         hidden = None  # the previous layer's output, not yet added to the stream

@@ -3,7 +3,7 @@ multiply by their weight in float32 before the cast (OLMo 2's, ``Float32ScaledRM
 rotary that turns adjacent pairs of each head (GLM's: its q and k rows are regrouped at load
 for Llama's rotary, ``config.interleaved_rotary``, as ERNIE 4.5's).
 
-Modules only (the native walk's norms are Llama's).
+The native walk runs its layers (its norms are cpu_ops.cpp's rms_norm_scaled, offset 0).
 """
 
 from __future__ import annotations
@@ -26,4 +26,3 @@ class HeliumForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no Helium sequence classifier is read
     layer_class = HeliumDecoderLayer
     norm_class = Float32ScaledRMSNorm
-    modules_only = "RMSNorms scaled in float32"

@@ -76,8 +76,14 @@ def rms_norm_scaled_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float
                                residual: torch.Tensor | None = None, offset: float = 0.0) -> torch.Tensor:
     """x / rms(x) * (offset + weight), the product in float32 before the cast (Llama's
     casts first, then scales), as transformers computes Gemma's norm (offset 1) and OLMo 2's
-    (offset 0); ``residual`` as :func:`rms_norm`'s. PyTorch only (those families run as
-    modules)."""
+    (offset 0); ``residual`` as :func:`rms_norm`'s."""
+    if not (_native(x) and x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype):
+        return rms_norm_scaled_in_float32_reference(x, weight, eps, residual, offset)
+    return cpu_ops.rms_norm_scaled(x, residual, weight, eps, offset)
+
+
+def rms_norm_scaled_in_float32_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                         residual: torch.Tensor | None = None, offset: float = 0.0) -> torch.Tensor:
     x32, dtype = _normalized(x, eps, residual)
     return (x32 * (offset + weight.float())).to(dtype)
 
@@ -100,7 +106,13 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GELU (the tanh approximation: transformers' gelu_pytorch_tanh) of gate times up,
-    Gemma's GeGLU: [rows, 2n] -> [rows, n]. PyTorch only."""
+    Gemma's GeGLU: [rows, 2n] -> [rows, n]."""
+    if not (_native(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous()):
+        return gelu_tanh_and_mul_reference(gate_up)
+    return cpu_ops.gelu_tanh_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -57,7 +57,11 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "rms_norm": [lambda: (randn(5, 64, dtype=torch.bfloat16), randn(5, 64, dtype=torch.bfloat16, seed=2),
                           randn(64, dtype=torch.bfloat16, seed=1), 1e-6),
                  lambda: (randn(5, 64), None, randn(64, seed=1), 1e-5)],
+    "rms_norm_scaled": [lambda: (randn(5, 64, dtype=torch.bfloat16), randn(5, 64, dtype=torch.bfloat16, seed=2),
+                                 randn(64, dtype=torch.bfloat16, seed=1), 1e-6, 1.0),
+                        lambda: (randn(5, 64), None, randn(64, seed=1), 1e-5, 0.0)],
     "silu_and_mul": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
+    "gelu_tanh_and_mul": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "rotary_": [lambda: rotary_args(torch.float32), lambda: rotary_args(torch.bfloat16)],
     "paged_attention": [lambda: attention_args(torch.float32, False), lambda: attention_args(torch.bfloat16, False)]
                        + ([lambda: attention_args(torch.bfloat16, True)] if PAIRED else []),
@@ -81,7 +85,10 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
 RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("rms_norm", "weight", lambda a: a.__setitem__(2, a[2][:63]), "must have x's row width 64"),
     ("rms_norm", "residual", lambda a: a.__setitem__(1, a[1][:4]), r"must have x's shape \[5, 64\]"),
+    ("rms_norm_scaled", "weight", lambda a: a.__setitem__(2, a[2][:63]), "must have x's row width 64"),
+    ("rms_norm_scaled", "residual", lambda a: a.__setitem__(1, a[1][:4]), r"must have x's shape \[5, 64\]"),
     ("silu_and_mul", "gate_up", lambda a: a.__setitem__(0, a[0][:, :31].contiguous()), "must have an even width"),
+    ("gelu_tanh_and_mul", "gate_up", lambda a: a.__setitem__(0, a[0][:, :31].contiguous()), "must have an even width"),
     ("rotary_", "head_dim", lambda a: a.__setitem__(2, 15), "must be even"),
     ("rotary_", "x", lambda a: a.__setitem__(1, 9), "fewer than num_heads"),
     ("rotary_", "cos", lambda a: a.__setitem__(3, a[3][:4]), r"must be \[tokens, rotary_dim\]"),

@@ -35,10 +35,19 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # phi3: Phi-4-mini's partial rotary (the first 3/4 of each head); mistral: a sliding window of
 # 20 keys (the prompts below pass it) and heads of 256 dims (Gemma's width, in a Llama)
 # smollm3: no rotary in its second layer (an interval of 2: the shape's three layers hold one)
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3"])
+# gemma: norms by 1 + weight in float32, GeGLU; gemma2: block norms around attention and MLP,
+# windowed layers beside full ones, the scores softcapped; gemma3: its windowed layers'
+# own rotary table and Gemma's q/k head norms; helium: RMSNorms scaled in float32.
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
+                                        "gemma", "gemma2", "gemma3", "helium"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
-    extra: dict = {"head_dim": 32} if request.param == "qwen3" else {}  # Qwen3's config does not derive it
+    extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
+    if request.param == "gemma2":
+        extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, attn_logit_softcapping=0.5)
+    if request.param == "gemma3":
+        extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, rope_theta=1_000_000.0,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     if request.param == "mistral":
         extra = dict(sliding_window=20, head_dim=256)
     if request.param == "phi3":
@@ -136,6 +145,13 @@ def run_both_paths(model_dir: Path, loras: list[LoRARequest | None] | None = Non
     return steps
 
 
+def local_tables(engine: LLMEngine, tokens: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A rotary table for the layers that turn by their own (Gemma 3's windowed layers), None where none do."""
+    if engine.model.local_rotary is None:  # type: ignore[attr-defined]
+        return None
+    return torch.full((tokens, width), 0.5), torch.full((tokens, width), 0.25)
+
+
 def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None:
     run_both_paths(model_dir)
 
@@ -219,8 +235,13 @@ def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> 
                                    torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
     width = stack.shape.rotary_dim or stack.shape.head_dim  # the rotary tables' (Phi-4's part of a head)
     good: dict[str, Any] = dict(scratch=None, residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
-                cos=torch.ones(tokens, width), sin=torch.zeros(tokens, width), slots=torch.arange(tokens), rows=rows)
-    for name, bad, message in (
+                cos=torch.ones(tokens, width), sin=torch.zeros(tokens, width), slots=torch.arange(tokens), rows=rows,
+                local_rotary=local_tables(engine, tokens, width))
+    local_cases = [] if good["local_rotary"] is None else [
+        ("local_rotary", None, "local_rotary must be given: some layers turn by the local rotary table"),
+        ("local_rotary", (torch.ones(tokens, width), torch.zeros(tokens + 1, width)),
+         rf"local sin must be a contiguous \[3, {width}\] torch.float32")]
+    for name, bad, message in (*local_cases,
             ("residual", torch.zeros(tokens, 128), r"residual must be a contiguous \[3, 128\] torch.bfloat16"),
             ("cos", torch.ones(tokens, 16), rf"cos must be a contiguous \[3, {width}\] torch.float32"),
             ("slots", torch.arange(tokens, dtype=torch.int32), "slots must be"),
@@ -240,7 +261,8 @@ def test_split_walks_are_checked_and_a_refused_path_ends_both(model_dir: Path) -
     width = stack.shape.rotary_dim or stack.shape.head_dim
     args: dict[str, Any] = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16), kv_caches=caches,
                                 cos=torch.ones(tokens, width), sin=torch.zeros(tokens, width),
-                                slots=torch.tensor([2, 20]), rows=rows, scale=0.1)
+                                slots=torch.tensor([2, 20]), rows=rows, scale=0.1,
+                                local_rotary=local_tables(engine, tokens, width))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -286,12 +308,15 @@ def test_the_last_layer_for_some_rows_gives_those_rows_bits(model_dir: Path) -> 
     assert outputs.sequences.query_lens.tolist() == [1, 2] and outputs.sequences.seq_lens.tolist() == [30, 20]
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
     cos, sin = (part.float().contiguous() for part in engine.model.rotary.cos_sin(positions))  # type: ignore[attr-defined]
+    local_rotary: Any = engine.model.local_rotary  # type: ignore[attr-defined]
+    local = None if local_rotary is None else tuple(part.contiguous() for part in local_rotary.cos_sin(positions))
+    softcap = engine.runner.backend.softcap  # Gemma 2's
     embeddings = torch.randn(tokens, 128, generator=generator).to(torch.bfloat16)
     results = []
     for kept in (None, outputs):
         residual, cache = embeddings.clone(), caches.clone()
         hidden = decoder_stack.run(stack.kernels, stack.weights, stack.shape, residual, cache, cos, sin, slots, rows,
-                                   scale=0.1, outputs=kept)
+                                   scale=0.1, outputs=kept, local_rotary=local, softcap=softcap)
         results.append((hidden, residual, cache))
     (every_hidden, every_residual, every_cache), (hidden, residual, cache) = results
     assert hidden.shape == (3, 128)
@@ -302,4 +327,5 @@ def test_the_last_layer_for_some_rows_gives_those_rows_bits(model_dir: Path) -> 
         stack_model._stack_outputs(torch.tensor([6]), query_lens, rows)
     with pytest.raises(ValueError, match="outputs.rows must be ascending"):
         decoder_stack.run(stack.kernels, stack.weights, stack.shape, embeddings.clone(), caches.clone(), cos, sin,
-                          slots, rows, scale=0.1, outputs=dataclasses.replace(outputs, rows=torch.tensor([8, 5, 9])))
+                          slots, rows, scale=0.1, outputs=dataclasses.replace(outputs, rows=torch.tensor([8, 5, 9])),
+                          local_rotary=local)

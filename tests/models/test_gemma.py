@@ -4,7 +4,8 @@ norms, query_pre_attn_scalar and sliding-window layers beside full ones; Gemma 2
 attention and logit softcaps; Gemma 3's q/k head norms and its windowed layers' own rotary
 base (five to one full layer), and a final logit softcap where config.json sets one.
 Greedy tokens and first log-probs held to transformers in float32 (chunked, both
-attention backends, contexts past the window), bf16 alone equal to batched and chunked."""
+attention backends, contexts past the window); bf16, which runs the native walk, near
+float32's first log-probs and alone equal to batched and chunked."""
 
 from __future__ import annotations
 
@@ -70,10 +71,29 @@ def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, re
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_bf16_native_walk_log_probs_are_transformers_float32s(name: str, request) -> None:
+    """bf16 runs the native walk (csrc/decoder_stack.cpp with Gemma's norms, GeGLU, block
+    norms, softcap and local rotary): its first-token log-probs lie within bf16's error of
+    transformers' float32 ones (transformers' own bf16 run lies 0.004-0.012 from them on
+    these models), and its greedy token is float32's wherever float32's top two are apart."""
+    path = request.getfixturevalue(name)
+    llm = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.model.native_stack is not None
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+    for output, prompt in zip(outputs, PROMPTS, strict=True):
+        _, reference = reference_run(path, prompt, 1)
+        ours = output.outputs[0].logprobs[0]
+        assert max(abs(entry.logprob - reference[token].item()) for token, entry in ours.items()) < 0.03, prompt
+        top2 = reference.topk(2).values
+        if top2[0] - top2[1] > 0.03:
+            assert output.outputs[0].token_ids[0] == int(reference.argmax()), prompt
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_bf16_tokens_alone_equal_batched_and_chunked(name: str, request) -> None:
     together = bf16_alone_equals_batched(str(request.getfixturevalue(name)), PROMPTS,
                                          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert together.model.native_stack is None  # Gemma's layers run as modules
+    assert together.model.native_stack is not None  # bf16 on CPU: the native walk ran Gemma's layers
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])

@@ -85,6 +85,58 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     torch.testing.assert_close(ops.silu_and_mul_reference(gate_up), expected, atol=0, rtol=0)
 
 
+def hf_float32_scaled_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """transformers' GemmaRMSNorm (offset 1) and Olmo2RMSNorm (offset 0)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize(("rows", "n"), [(1, 640), (7, 60), (16, 256), (300, 100)])
+def test_rms_norm_scaled_in_float32_and_fused_residual(dtype: torch.dtype, offset: float, rows: int, n: int) -> None:
+    x, residual, weight = data((rows, n), dtype, 1), data((rows, n), dtype, 2), data((n,), dtype, 3) / 3
+    expected = hf_float32_scaled_norm(x, weight, 1e-6, offset)
+    torch.testing.assert_close(ops.rms_norm_scaled_in_float32(x, weight, 1e-6, None, offset), expected,
+                               **TOLERANCE[dtype])
+    torch.testing.assert_close(ops.rms_norm_scaled_in_float32_reference(x, weight, 1e-6, None, offset), expected,
+                               atol=0, rtol=0)
+    ours_residual, ref_residual = residual.clone(), residual.clone()
+    ours = ops.rms_norm_scaled_in_float32(x, weight, 1e-6, ours_residual, offset)
+    assert torch.equal(ours_residual, residual + x)  # one rounded add: exact
+    torch.testing.assert_close(ours, ops.rms_norm_scaled_in_float32_reference(x, weight, 1e-6, ref_residual, offset),
+                               **TOLERANCE[dtype])
+    if dtype == torch.bfloat16:
+        # One rounding, not Llama's two: most values are the reference's bits, and those
+        # that are not sit one bf16 step away (float32 sums tipping a rounding).
+        expected = hf_float32_scaled_norm(residual + x, weight, 1e-6, offset)
+        steps = (ours.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)
+        assert (ours == expected).float().mean() > 0.97 and steps.max() <= 2 ** -7
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 2048), (5, 17), (16, 1536), (70, 1024)])
+def test_gelu_tanh_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
+    gate_up = data((rows, 2 * n), dtype, 4)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-20, -1e-20, 3e38, -3e38], dtype=dtype)[:min(8, n)]
+    expected = F.gelu(gate_up[:, :n], approximate="tanh") * gate_up[:, n:]
+    ours = ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    assert torch.equal(torch.signbit(ours[expected == 0]), torch.signbit(expected[expected == 0]))
+    torch.testing.assert_close(ops.gelu_tanh_and_mul_reference(gate_up), expected, atol=0, rtol=0)
+    if dtype == torch.bfloat16:
+        # The same two roundings, of a GELU computed in float32: most bits are those of the
+        # float64 formula rounded the same way, more of them than torch's own kernel gets
+        # (93% on these values: its float32 tanh is the less exact).
+        x, up = gate_up[:, :n].double(), gate_up[:, n:].double()
+        exact = (0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))).to(dtype)
+        exact = (exact.double() * up).to(dtype)
+        assert (ours == exact).float().mean() > 0.97
+        assert (ours == exact).float().mean() >= (expected == exact).float().mean()
+
+
 def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
