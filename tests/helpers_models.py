@@ -729,6 +729,25 @@ def hf_greedy_and_first_logprobs(path: str | Path, prompt: list[int], steps: int
     return ids[len(prompt):], first
 
 
+def assert_bf16_walk_near_float32(path: str | Path, prompts: list[list[int]], **engine: Any) -> None:
+    """bf16 on a CPU runs the native walk (csrc/decoder_stack.cpp): each prompt's
+    first-token log-probs (its 20 likeliest) lie within bf16's error of transformers'
+    float32 ones (transformers' own bf16 run lies 0.004-0.012 from them on the tiny Gemmas),
+    and its greedy token is float32's wherever float32's top two are apart."""
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=64, max_num_batched_tokens=16, **engine)
+    assert llm.engine.model.native_stack is not None
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+    for output, prompt in zip(outputs, prompts, strict=True):
+        _, reference = hf_greedy_and_first_logprobs(path, prompt, 1)
+        ours = output.outputs[0].logprobs[0]
+        assert max(abs(entry.logprob - reference[token].item()) for token, entry in ours.items()) < 0.03, prompt
+        top2 = reference.topk(2).values
+        if top2[0] - top2[1] > 0.03:
+            assert output.outputs[0].token_ids[0] == int(reference.argmax()), prompt
+
+
 def assert_greedy_is_transformers(path: Path, prompts: list[list[int]], max_tokens: int, **engine: Any) -> Any:
     """kvloom's float32 greedy tokens for each prompt, prefills chunked at 16 tokens, equal
     transformers' (``hf_greedy_and_first_logprobs``), and the first token's log-prob within

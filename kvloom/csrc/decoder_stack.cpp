@@ -27,6 +27,11 @@
 //   act     = silu(gate) * up                   [T, I]  (Gemma: gelu_tanh(gate) * up)
 //   hidden  = act @ Wdown (+ b)                 [T, H]
 //             Gemma 2 and 3: hidden = rms_norm(hidden, Wpost_ff)
+// OLMo 2 and EXAONE 4 norm each block's output instead and have no input norm (W_INPUT_NORM
+// 0): a layer's qkv matmul reads the stream (residual += hidden, layer 0 the embeddings),
+// the attention's output is normed (Wpost) and added into the stream, which the MLP reads;
+// its output is normed (Wpost_ff) and added in by the next layer (or the final norm).
+// OLMo 2's q and k norms span the whole projection (qk_norm_whole), not a head each.
 // Every rms_norm is Llama's (x / rms(x) rounded, then times the weight) or, for Gemma and
 // Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding).
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
@@ -120,7 +125,8 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
               K_RMS_NORM_SCALED, K_GELU_TANH, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
-// input norm, else the attention output's own). W_WINDOW and W_ROPE are numbers, not
+// input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
+// outputs normed (W_POST_NORM, W_POST_FF_NORM) and added, no norm before them. W_WINDOW and W_ROPE are numbers, not
 // pointers: the layer's sliding window in keys (0: it attends to the whole context), and
 // which rotary table turns q and k (ROPE_NONE: SmolLM3's NoPE layers; ROPE_LOCAL: Gemma
 // 3's windowed layers').
@@ -168,6 +174,7 @@ struct Model {
   int norm;            // Norm: how every RMSNorm scales
   float norm_offset;   // NORM_SCALED_IN_FLOAT32's offset (Gemma's 1, Helium's 0)
   int activation;      // Activation: the gated MLP's
+  int qk_norm_whole;   // 1: W_Q_NORM and W_K_NORM norm each token's whole q and k (OLMo 2), 0: each head
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -320,15 +327,16 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     }
   };
   group_rows(all_rows);
-  // Each of `heads` heads from column `offset` of every qkv row RMS-normed over head_dim
-  // with `norm`: the heads gathered into one [T * heads, head_dim] block (attn's room,
-  // free until the attention), normed into q_rows' room (free until the q rows are
-  // copied there), scattered back; rms_norm computes a row on its own, so each head's
-  // bits are the module path's, which norms the same rows gathered by reshape.
+  // Each of `heads` heads from column `offset` of every qkv row RMS-normed with `norm`,
+  // over head_dim (or, qk_norm_whole, all `heads` of a row as one): the heads gathered into
+  // one [T, heads * head_dim] block (attn's room, free until the attention), normed into
+  // q_rows' room (free until the q rows are copied there), scattered back; rms_norm
+  // computes a row on its own, so each head's bits are the module path's, which norms the
+  // same rows gathered by reshape.
   const auto norm_heads = [&](uint16_t* rows, int64_t offset, int64_t heads, const uint16_t* norm) {
-    const int64_t width = heads * m.head_dim;
+    const int64_t width = heads * m.head_dim, n = m.qk_norm_whole ? width : m.head_dim;
     for (int64_t t = 0; t < T; ++t) std::memcpy(attn + t * width, rows + t * qkv_width + offset, width * 2);
-    rms_norm(attn, nullptr, norm, q_rows, T * heads, m.head_dim);
+    rms_norm(attn, nullptr, norm, q_rows, T * width / n, n);
     for (int64_t t = 0; t < T; ++t) std::memcpy(rows + t * qkv_width + offset, q_rows + t * width, width * 2);
   };
 
@@ -369,14 +377,17 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       return true;
     };
     const int refused = static_cast<int>(layer) + 1;
-    if (layer == 0) {
-      rms_norm(r.residual, nullptr, weight(w, W_INPUT_NORM), normed, T, H);
+    const bool post_norms = weight(w, W_INPUT_NORM) == nullptr;  // OLMo 2's layer: the stream goes in as it is
+    const uint16_t* attention_in = post_norms ? r.residual : normed;
+    if (layer > 0) scale_hidden(hidden, T * H, m.residual_scale, num_threads);
+    if (post_norms) {
+      if (layer > 0) add_rows(r.residual, hidden, nullptr, T, H);
     } else {
-      scale_hidden(hidden, T * H, m.residual_scale, num_threads);
-      rms_norm(hidden, r.residual, weight(w, W_INPUT_NORM), normed, T, H);
+      rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
+               normed, T, H);
     }
-    if (!matmul(normed, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
-    if (!adapt(P_QKV, normed, H, qkv, qkv_width)) return refused;
+    if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
+    if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
     if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3, Gemma 3: the module path's q_norm and k_norm, before the rotary
       norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
       norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
@@ -410,13 +421,18 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       if (status != 0) return status;
     }
     scale_hidden(hidden, T * H, m.residual_scale, num_threads);
-    if (weight(w, W_PRE_FF_NORM) != nullptr) {  // Gemma 2 and 3: the attention's output normed before it is added
+    const uint16_t* mlp_in = normed;
+    if (post_norms) {  // OLMo 2: the attention's output normed and added; the MLP reads the stream
+      rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
+      add_rows(r.residual, hidden, nullptr, T, H);
+      mlp_in = r.residual;
+    } else if (weight(w, W_PRE_FF_NORM) != nullptr) {  // Gemma 2 and 3: the attention's output normed, then added
       rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
       rms_norm(hidden, r.residual, weight(w, W_PRE_FF_NORM), normed, T, H);
     } else {
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H);
     }
-    if (!matmul(normed, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, normed, H, gate_up, 2 * I))
+    if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, mlp_in, H, gate_up, 2 * I))
       return refused;
     activation(gate_up, act, T, I);
     if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down()) || !adapt(P_DOWN, act, I, hidden, H))
@@ -483,7 +499,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // (kernels[K_ALL_REDUCE] then sums `hidden` over the tensor-parallel ranks). cos_local,
 // sin_local: the ROPE_LOCAL layers' rotary table, [tokens, rotary_dim] as cos and sin
 // (nullptr where no layer has one). softcap: the attention scores' (0: none); norm, its
-// norm_offset and activation: a Norm and an Activation. split_seqs:
+// norm_offset and activation: a Norm and an Activation; qk_norm_whole: 1 where the q and k
+// norms span each token's whole q and k (OLMo 2's), 0 each head. split_seqs:
 // 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
 // num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
 // whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
@@ -507,7 +524,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
                          int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale,
-                         float softcap, int norm, float norm_offset, int activation, int isa,
+                         float softcap, int norm, float norm_offset, int activation, int qk_norm_whole, int isa,
                          int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
@@ -517,7 +534,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
-                    activation,   isa,        reduce,     kv_prefetch_bytes,
+                    activation,   qk_norm_whole, isa,     reduce,     kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,

@@ -33,7 +33,7 @@ _STACK = NativeFunction(
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int intermediate, "
     "int block_size, "
     "float eps, float scale, float residual_scale, float softcap, int32 norm, float norm_offset, int32 activation, "
-    "int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "int32 qk_norm_whole, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
@@ -47,6 +47,8 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   "rope",  # a number, one of ROPE: which rotary table turns the layer's q and k
                   # Gemma 2 and 3's (0: none; with them post_norm is the attention output's own)
                   "pre_ff_norm", "post_ff_norm")
+# input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
+# output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
 ROPE = {"none": 0, "global": 1, "local": 2}
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
@@ -100,6 +102,7 @@ class StackShape:
     norm: str = "llama"
     norm_offset: float = 0.0
     activation: str = "silu"  # the gated MLP's (ACTIVATIONS): SwiGLU, or Gemma's GeGLU
+    qk_norm_whole: bool = False  # the q and k norms span a token's whole q and k (OLMo 2), not each head
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +288,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             rows.query_start.data_ptr(), rows.query_lens.data_ptr(), num_seqs, tokens, shape.hidden_size,
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
             shape.intermediate, block_size, shape.eps, scale, shape.residual_scale, softcap,
-            NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation],
+            NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation], int(shape.qk_norm_whole),
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

@@ -1,6 +1,6 @@
 """The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
-are Llama's but for their norms, MLP activation and Gemma's block norms: Gemma 1-3,
-Helium) in one native call (kernels/decoder_stack.py).
+are Llama's but for their norms, MLP activation and where the norms sit: Gemma 1-3,
+Helium, OLMo 2 and 3, EXAONE 4) in one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -72,12 +72,12 @@ def split_point(query_lens: list[int], seq_lens: list[int], threads: int) -> int
 
 class DecoderModel(Protocol):
     """What the walk reads of a model (LlamaForCausalLM is one): its config, its
-    tensor-parallel group and its layers, each with input_layernorm, self_attn
-    (qkv_proj, o_proj, this rank's num_heads and num_kv_heads, q_norm and k_norm where
-    config.qk_norm), post_attention_layernorm, mlp (gate_up_proj, down_proj, this rank's
-    intermediate_size, its activation), local_rope (whether the layer turns by the local
-    rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm and
-    post_feedforward_layernorm."""
+    tensor-parallel group and its layers, each with input_layernorm (none in OLMo 2's),
+    self_attn (qkv_proj, o_proj, this rank's num_heads and num_kv_heads, q_norm and k_norm
+    where config.qk_norm or OLMo 2's), post_attention_layernorm, mlp (gate_up_proj,
+    down_proj, this rank's intermediate_size, its activation), local_rope (whether the layer
+    turns by the local rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm, for
+    them and OLMo 2, post_feedforward_layernorm."""
 
     config: ModelConfig
     tp: TensorParallelGroup
@@ -125,17 +125,29 @@ class NativeDecoderStack:
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
-        kinds: set[tuple[str, float, str]] = set()  # (norm, its offset, activation) of every layer
+        kinds: set[tuple[str, float, str, bool]] = set()  # (norm, its offset, activation, q/k norms whole)
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
-            head_norms = (attention.q_norm, attention.k_norm) if config.qk_norm else ()  # Qwen3's, Gemma 3's
-            block_norms = tuple(norm for norm in (getattr(layer, "pre_feedforward_layernorm", None),
-                                                  getattr(layer, "post_feedforward_layernorm", None))
-                                if norm is not None)  # Gemma 2 and 3's
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms, *block_norms)
+            # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
+            head_norms = (attention.q_norm, attention.k_norm) if attention.q_norm is not None else ()
+            whole = bool(head_norms) and head_norms[0].weight.shape[0] != config.head_dim
+            if whole and (head_norms[0].weight.shape[0] != attention.q_size
+                          or head_norms[1].weight.shape[0] != attention.kv_size):
+                return None, f"layer {index}'s q/k norms span neither a head nor the whole projection"
+            pre_ff, post_ff = (getattr(layer, name, None) for name in ("pre_feedforward_layernorm",
+                                                                       "post_feedforward_layernorm"))
+            input_norm = getattr(layer, "input_layernorm", None)  # None: OLMo 2's norms after each block
+            llama = input_norm is not None and pre_ff is None and post_ff is None
+            gemma = input_norm is not None and pre_ff is not None and post_ff is not None
+            olmo = input_norm is None and pre_ff is None and post_ff is not None
+            if not (llama or gemma or olmo):
+                return None, f"layer {index}'s norms sit neither as Llama's, Gemma 2's nor OLMo 2's"
+            block_norms = tuple(norm for norm in (pre_ff, post_ff) if norm is not None)
+            norms = (*(() if input_norm is None else (input_norm,)), layer.post_attention_layernorm, *head_norms,
+                     *block_norms)
             if any(norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
                    or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
@@ -144,18 +156,17 @@ class NativeDecoderStack:
             if None in norm_kinds or len(norm_kinds) != 1 or activation not in kernels.ACTIVATIONS:
                 return None, (f"layer {index}'s MLP or norms are not the walk's (SiLU or GELU-tanh; one kind of "
                               "RMSNorm: Llama's, or scaled in float32)")
-            kinds.add((*norm_kinds.pop(), activation))  # type: ignore[misc]
+            kinds.add((*norm_kinds.pop(), activation, whole))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
             rope = ("none" if index in config.no_rope_layers
                     else "local" if getattr(layer, "local_rope", False) else "global")
-            row: dict[str, int] = {"input_norm": norms[0].weight.data_ptr(),
-                                   "post_norm": norms[1].weight.data_ptr(), "q_norm": 0, "k_norm": 0,
-                                   "window": attention.window, "rope": kernels.ROPE[rope],
-                                   "pre_ff_norm": 0, "post_ff_norm": 0}
+            row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
+                                   "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
+                                   "q_norm": 0, "k_norm": 0, "window": attention.window, "rope": kernels.ROPE[rope],
+                                   "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
+                                   "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
             if head_norms:
-                row["q_norm"], row["k_norm"] = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
-            if block_norms:
-                row["pre_ff_norm"], row["post_ff_norm"] = (norm.weight.data_ptr() for norm in block_norms)
+                row["q_norm"], row["k_norm"] = (norm.weight.data_ptr() for norm in head_norms)
             owners += [norm.weight for norm in norms]
             for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
                 row[name] = linear.packed_weight.data_ptr()
@@ -166,13 +177,13 @@ class NativeDecoderStack:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
         if len(kinds) != 1:
             return None, f"the layers' norms and MLPs differ {sorted(kinds)}"
-        (norm, norm_offset, activation), = kinds
+        (norm, norm_offset, activation, qk_norm_whole), = kinds
         first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim, first.mlp.intermediate_size,
                                    config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim,
-                                   norm, norm_offset, activation)
+                                   norm, norm_offset, activation, qk_norm_whole)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,

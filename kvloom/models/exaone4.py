@@ -4,7 +4,7 @@ head (Qwen3's), and its hybrid attention: three sliding-window layers in four (c
 ``layer_types``, from ``sliding_window_pattern``), the rotary in those only, the global layers
 without position encoding (NoPE: ``config.no_rope_layers``).
 
-Modules only (the native walk is Llama's pre-norm layer); one process, as OLMo 2.
+The native walk runs its layers, as OLMo 2's; one process, as OLMo 2.
 """
 
 from __future__ import annotations
@@ -21,4 +21,3 @@ class Exaone4DecoderLayer(Olmo2DecoderLayer):
 class Exaone4ForCausalLM(Olmo2ForCausalLM):
     layer_class = Exaone4DecoderLayer
     norm_class = RMSNorm
-    modules_only = "norms after each block"  # one process: sharding.ONE_PROCESS

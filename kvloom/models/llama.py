@@ -327,6 +327,12 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
         stream = self.embed(batch)
         full = self.rotary.cos_sin(batch.positions) if len(self.config.no_rope_layers) < len(self.layers) else None
         local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        stack = self.native_stack  # OLMo 2's and EXAONE 4's layers (the others' are modules only)
+        if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
+            tables = full if full is not None else self.rotary.cos_sin(batch.positions)  # read by no layer then
+            hidden, stream = stack(stream, tables, batch, kv_caches, backend, metadata,
+                                   local if self.local_rotary is not None else None)
+            return self.norm(hidden, stream)  # the rows batch.output_rows names, if any
         rows, last = batch.output_rows, len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rotary = None if index in self.config.no_rope_layers else local if layer.local_rope else full

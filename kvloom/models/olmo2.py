@@ -6,8 +6,10 @@ rotary, and each norm's product with its weight taken in float32 before the cast
 mixes sliding-window layers with full ones (config.json's ``layer_types``; three in four),
 each kind with its own rotary where config.json gives them their own.
 
-Modules only (the native walk is Llama's); one process (a query norm over all heads would
-need every rank's heads).
+The native walk runs these layers too (models/decoder_stack.py: no input norm, each block's
+output normed and added through the kernels the modules call; the q/k norms over each
+token's whole q and k); one process (a query norm over all heads would need every rank's
+heads).
 """
 
 from __future__ import annotations
@@ -58,5 +60,4 @@ class Olmo2ForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = Olmo2DecoderLayer
     norm_class = Float32ScaledRMSNorm
-    modules_only = "norms after each block, q/k norms over all heads"  # and one process: sharding.ONE_PROCESS
 

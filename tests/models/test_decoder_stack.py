@@ -37,14 +37,24 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # smollm3: no rotary in its second layer (an interval of 2: the shape's three layers hold one)
 # gemma: norms by 1 + weight in float32, GeGLU; gemma2: block norms around attention and MLP,
 # windowed layers beside full ones, the scores softcapped; gemma3: its windowed layers'
-# own rotary table and Gemma's q/k head norms; helium: RMSNorms scaled in float32.
+# own rotary table and Gemma's q/k head norms; helium: RMSNorms scaled in float32; olmo2:
+# no input norm, each block's output normed and added, q/k norms over the whole projection;
+# olmo3: its windowed layers' own rotary; exaone4: OLMo 2's layer with Llama's norms, q/k
+# norms of a head, a global layer without rotary.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
-                                        "gemma", "gemma2", "gemma3", "helium"])
+                                        "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
     if request.param == "gemma2":
         extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, attn_logit_softcapping=0.5)
+    mixed = ["sliding_attention", "full_attention", "sliding_attention"]
+    if request.param == "olmo3":
+        extra = dict(sliding_window=20, layer_types=mixed, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
+    if request.param == "exaone4":
+        extra = dict(head_dim=32, sliding_window=20, layer_types=mixed)
     if request.param == "gemma3":
         extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, rope_theta=1_000_000.0,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])

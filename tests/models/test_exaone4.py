@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -35,6 +35,12 @@ def test_greedy_tokens_and_logprobs_are_transformers(exaone4: Path, backend: str
     config = llm.engine.model_config
     assert (config.no_rope_layers, config.full_attention_layers, config.qk_norm) == ((3,), (3,), True)
     assert [layer.self_attn.window for layer in llm.engine.model.layers] == [12, 12, 12, 0]
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(exaone4: Path) -> None:
+    """The walk with OLMo 2's layer, Llama's norms, q/k norms of a head and a global layer
+    without rotary."""
+    assert_bf16_walk_near_float32(exaone4, PROMPTS)
 
 
 def test_without_a_window_every_layer_turns_the_rotary(tmp_path: Path) -> None:

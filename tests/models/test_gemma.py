@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
+from helpers_models import assert_bf16_walk_near_float32, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -72,21 +72,8 @@ def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, re
 
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_bf16_native_walk_log_probs_are_transformers_float32s(name: str, request) -> None:
-    """bf16 runs the native walk (csrc/decoder_stack.cpp with Gemma's norms, GeGLU, block
-    norms, softcap and local rotary): its first-token log-probs lie within bf16's error of
-    transformers' float32 ones (transformers' own bf16 run lies 0.004-0.012 from them on
-    these models), and its greedy token is float32's wherever float32's top two are apart."""
-    path = request.getfixturevalue(name)
-    llm = LLM(str(path), dtype="bfloat16", block_size=16, num_blocks=64, max_num_batched_tokens=16)
-    assert llm.engine.model.native_stack is not None
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
-    for output, prompt in zip(outputs, PROMPTS, strict=True):
-        _, reference = reference_run(path, prompt, 1)
-        ours = output.outputs[0].logprobs[0]
-        assert max(abs(entry.logprob - reference[token].item()) for token, entry in ours.items()) < 0.03, prompt
-        top2 = reference.topk(2).values
-        if top2[0] - top2[1] > 0.03:
-            assert output.outputs[0].token_ids[0] == int(reference.argmax()), prompt
+    """The walk with Gemma's norms, GeGLU, block norms, softcap and local rotary."""
+    assert_bf16_walk_near_float32(request.getfixturevalue(name), PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
 from kvloom import SamplingParams
 
@@ -39,3 +39,8 @@ def test_two_ranks_give_transformers_greedy_tokens(helium: Path) -> None:
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(helium: Path) -> None:
     bf16_alone_equals_batched(str(helium), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(helium: Path) -> None:
+    """The walk with RMSNorms scaled in float32 (offset 0)."""
+    assert_bf16_walk_near_float32(helium, PROMPTS)

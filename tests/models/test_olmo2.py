@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
+from helpers_models import assert_bf16_walk_near_float32, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -58,7 +58,14 @@ def test_greedy_tokens_and_logprobs_are_transformers(name: str, backend: str, re
 def test_bf16_tokens_alone_equal_batched_and_chunked(name: str, request) -> None:
     together = bf16_alone_equals_batched(str(request.getfixturevalue(name)), PROMPTS,
                                          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert together.model.native_stack is None  # OLMo's layers run as modules
+    assert together.model.native_stack is not None  # bf16 on a CPU: the native walk ran OLMo's layers
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmo3"])
+def test_bf16_native_walk_log_probs_are_transformers_float32s(name: str, request) -> None:
+    """The walk with no input norm, each block's output normed and added, the q/k norms
+    over the whole projection (and OLMo 3's windowed layers' own rotary)."""
+    assert_bf16_walk_near_float32(request.getfixturevalue(name), PROMPTS)
 
 
 def test_two_ranks_are_refused_naming_the_norms(olmo2: Path) -> None:

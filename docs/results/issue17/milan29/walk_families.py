@@ -1,16 +1,19 @@
-"""Gemma's layers in the native walk against the modules (the twenty-ninth session).
+"""Gemma's, OLMo 2's and EXAONE 4's layers in the native walk against the modules (the
+twenty-ninth session).
 
 Writes random-weight models of Gemma 3 270M's shape (18 layers of 640, 4 query heads and
 1 KV head of 256 dims, GeGLU of 2,048, a 262,144-token vocabulary, five windowed layers of
-512 keys with their own rotary base to one full layer) and of Gemma 2's layer kinds at the
-same sizes (sandwich norms, windowed and full layers in turn, scores softcapped at 50),
-then times bf16 engine steps in one process, the walk and the modules taking turns step by
+512 keys with their own rotary base to one full layer), of Gemma 2's layer kinds at the
+same sizes (sandwich norms, windowed and full layers in turn, scores softcapped at 50), and
+OLMo 2 and EXAONE 4 at SmolLM2-135M's sizes (30 layers of 576, 9 query and 3 KV heads of 64
+dims, an MLP of 1,536, 49,152 tokens; EXAONE's three windowed layers of 512 keys to a global
+one without rotary), then times bf16 engine steps in one process, the walk and the modules taking turns step by
 step (`model.native_stack` set and cleared), so that both see the same hour and the same
 contexts: decode at batch 1 / 16 / 64 from 300 tokens of context (STEPS steps each, default
 40: half each way), and prefill steps of 4 fresh 256-token prompts (REPEATS each way,
 default 4). Prints the median ms of each.
 
-    .venv/bin/python docs/results/issue17/milan29/gemma_walk.py > docs/results/issue17/milan29/gemma_walk.txt
+    .venv/bin/python docs/results/issue17/milan29/walk_families.py > docs/results/issue17/milan29/walk_families.txt
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 SHAPE = dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
              num_key_value_heads=1, head_dim=256, vocab_size=262_144, max_position_embeddings=4096,
              query_pre_attn_scalar=256, sliding_window=512, tie_word_embeddings=True)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=4096, tie_word_embeddings=True)
 MODELS = {
-    "gemma3-270m-shape": dict(arch="gemma3", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
-    "gemma2-kinds-270m-shape": dict(arch="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3-270m-shape": dict(arch="gemma3", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, **SHAPE),
+    "gemma2-kinds-270m-shape": dict(arch="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    **SHAPE),
+    "olmo2-135m-shape": dict(arch="olmo2", **SMOLLM2),
+    "exaone4-135m-shape": dict(arch="exaone4", head_dim=64, sliding_window=512, sliding_window_pattern=4, **SMOLLM2),
 }
 
 
@@ -87,7 +95,7 @@ def main() -> None:
     steps, repeats = int(os.environ.get("STEPS", "40")), int(os.environ.get("REPEATS", "4"))
     with tempfile.TemporaryDirectory() as tmp:
         for name, kwargs in MODELS.items():
-            path = write_tiny_hf_model(Path(tmp) / name, seed=0, **kwargs, **SHAPE)
+            path = write_tiny_hf_model(Path(tmp) / name, seed=0, **kwargs)
             engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=1600,
                                                         max_num_seqs=64, max_num_batched_tokens=2048,
                                                         enable_prefix_caching=False, overlap_scheduling="off"))
