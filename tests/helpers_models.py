@@ -758,9 +758,16 @@ def assert_greedy_is_transformers(path: Path, prompts: list[list[int]], max_toke
 
     llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16, **engine)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-    for output, prompt in zip(llm.generate(prompts, params), prompts, strict=True):
-        tokens, first = hf_greedy_and_first_logprobs(path, prompt, max_tokens)
-        assert list(output.outputs[0].token_ids) == tokens, prompt
-        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
+    try:
+        for output, prompt in zip(llm.generate(prompts, params), prompts, strict=True):
+            tokens, first = hf_greedy_and_first_logprobs(path, prompt, max_tokens)
+            assert list(output.outputs[0].token_ids) == tokens, prompt
+            assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(),
+                                                                                     abs=1e-4)
+    finally:
+        # Ranks go now, with their process group (this process is rank 0): left to the
+        # garbage collector, a later test's ranks in this worker could find the group still there.
+        if engine.get("tensor_parallel_size", 1) > 1:
+            llm.shutdown()
     return llm
 
