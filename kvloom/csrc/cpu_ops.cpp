@@ -196,12 +196,137 @@ void rms_norm_scaled(const T* x, T* residual, const T* weight, T* out, int64_t r
   }
 }
 
+// LayerNorm with a weight and a bias (StarCoder2's, GPT-2's): residual (optional) as
+// rms_norm's; out <- round((v - mean) * rsqrt(var + eps) * weight + bias), the mean and
+// the (biased) variance of the row in float32, two passes, everything in float32 before
+// the one rounding (torch's layer_norm computes in float32 and rounds once). out may be x.
+template <typename T>
+void layer_norm(const T* x, T* residual, const T* weight, const T* bias, T* out, int64_t rows, int64_t n,
+                float eps) {
+#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    T* res = residual ? residual + r * n : nullptr;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    __m512 sum_v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      __m512 v = load16(xr + i, n - i);
+      if (res) {
+        v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
+        store16(res + i, v, n - i);
+      }
+      sum_v = _mm512_add_ps(sum_v, v);
+    }
+    const T* src_v = res ? res : xr;
+    const __m512 mean_v = _mm512_set1_ps(_mm512_reduce_add_ps(sum_v) / static_cast<float>(n));
+    __m512 sq_v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 d = _mm512_maskz_mov_ps(lanes(n - i), _mm512_sub_ps(load16(src_v + i, n - i), mean_v));
+      sq_v = _mm512_fmadd_ps(d, d, sq_v);
+    }
+    const __m512 inv_v = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq_v) / static_cast<float>(n) + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 normed = _mm512_mul_ps(_mm512_sub_ps(load16(src_v + i, n - i), mean_v), inv_v);
+      store16(o + i, _mm512_add_ps(_mm512_mul_ps(normed, load16(weight + i, n - i)), load16(bias + i, n - i)),
+              n - i);
+    }
+    continue;
+#endif
+    int64_t vec = 0;  // elements the vector loops take; the scalar rule does the rest
+    float sum = 0.0f;
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    __m256 sum_v = _mm256_setzero_ps();
+    for (int64_t i = 0; i < vec; i += 8) {
+      __m256 v = to_float8(xr + i);
+      if (res) {
+        v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
+        store8(res + i, v);
+      }
+      sum_v = _mm256_add_ps(sum_v, v);
+    }
+    sum = reduce_add8(sum_v);
+#endif
+    for (int64_t i = vec; i < n; ++i) {
+      float v = to_float(xr[i]);
+      if (res) {
+        v = round_to(v + to_float(res[i]), res);
+        from_float(v, res + i);
+      }
+      sum += v;
+    }
+    const T* src = res ? res : xr;
+    const float mean = sum / static_cast<float>(n);
+    float sq = 0.0f;
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    __m256 sq_v = _mm256_setzero_ps();
+    for (int64_t i = 0; i < vec; i += 8) {
+      const __m256 d = _mm256_sub_ps(to_float8(src + i), _mm256_set1_ps(mean));
+      sq_v = _mm256_fmadd_ps(d, d, sq_v);
+    }
+    sq = reduce_add8(sq_v);
+#endif
+    for (int64_t i = vec; i < n; ++i) sq += (to_float(src[i]) - mean) * (to_float(src[i]) - mean);
+    const float inv = 1.0f / std::sqrt(sq / static_cast<float>(n) + eps);
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    for (int64_t i = 0; i < vec; i += 8) {
+      const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(to_float8(src + i), _mm256_set1_ps(mean)),
+                                          _mm256_set1_ps(inv));
+      store8(o + i, _mm256_add_ps(_mm256_mul_ps(normed, to_float8(weight + i)), to_float8(bias + i)));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i)
+      from_float((to_float(src[i]) - mean) * inv * to_float(weight[i]) + to_float(bias[i]), o + i);
+  }
+}
+
 // GELU's tanh form (transformers' gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with
 // u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)), the same value
 // without tanh's cancellation near 1 + tanh(u) = 0; exp overflows to inf (the result -0,
 // as torch's) or underflows to 0 (the result x) at the ends.
 constexpr float GELU_BETA = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float GELU_KAPPA = 0.044715f;
+
+// x: [rows, n]. out[rows, n] <- round(gelu_tanh(x)): torch's F.gelu(x, approximate="tanh")
+// (the un-gated MLP of StarCoder2, GPT-2 and Phi). out may be x.
+template <typename T>
+void gelu_tanh(const T* x, T* out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x + r * n;
+    T* o = out + r * n;
+#ifdef KVLOOM_AVX512
+    using namespace kvloom_simd;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = load16(g + i, n - i);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(-2.0f * GELU_BETA),
+                                         _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
+      store16(o + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))), n - i);
+    }
+    continue;
+#endif
+    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
+#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
+    using namespace kvloom_simd;
+    vec = n / 8 * 8;
+    for (int64_t i = 0; i < vec; i += 8) {
+      const __m256 v = to_float8(g + i);
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+      const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_BETA),
+                                         _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), cube)));
+      store8(o + i, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(inner))));
+    }
+#endif
+    for (int64_t i = vec; i < n; ++i) {
+      const float v = to_float(g[i]);
+      from_float(v / (1.0f + std::exp(-2.0f * GELU_BETA * (v + GELU_KAPPA * (v * v * v)))), o + i);
+    }
+  }
+}
 
 // gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(gelu_tanh(gate)) * up):
 // torch's F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU), each op rounded to T.
@@ -359,6 +484,16 @@ void kvloom_gelu_tanh_and_mul_f32(const float* gate_up, float* out, int64_t rows
 void kvloom_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
   gelu_tanh_and_mul(gate_up, out, rows, n);
 }
+void kvloom_layer_norm_f32(const float* x, float* residual, const float* weight, const float* bias, float* out,
+                           int64_t rows, int64_t n, float eps) {
+  layer_norm(x, residual, weight, bias, out, rows, n, eps);
+}
+void kvloom_layer_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, const uint16_t* bias,
+                            uint16_t* out, int64_t rows, int64_t n, float eps) {
+  layer_norm(x, residual, weight, bias, out, rows, n, eps);
+}
+void kvloom_gelu_tanh_f32(const float* x, float* out, int64_t rows, int64_t n) { gelu_tanh(x, out, rows, n); }
+void kvloom_gelu_tanh_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { gelu_tanh(x, out, rows, n); }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);

@@ -33,7 +33,9 @@
 // its output is normed (Wpost_ff) and added in by the next layer (or the final norm).
 // OLMo 2's q and k norms span the whole projection (qk_norm_whole), not a head each.
 // Every rms_norm is Llama's (x / rms(x) rounded, then times the weight) or, for Gemma and
-// Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding).
+// Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding), or
+// for StarCoder2 and GPT-2 its layer_norm (a weight and a bias). Their MLP is un-gated:
+// gate_up is fc1's output [T, I], act = gelu_tanh(it), down is fc2.
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
@@ -115,14 +117,16 @@ using AttentionFn = void (*)(const void* q, void* out, const void* k_cache, cons
                              float scale, int64_t window, float softcap, int num_threads, int kernel);
 using ScaledNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
                              int64_t rows, int64_t n, float eps, float offset);
-using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);  // and gelu_tanh_and_mul
+using LayerNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint16_t* weight, const uint16_t* bias,
+                            uint16_t* out, int64_t rows, int64_t n, float eps);
+using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);  // and gelu_tanh(_and_mul)
 using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
 using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n);
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
-              K_RMS_NORM_SCALED, K_GELU_TANH, NUM_KERNELS };
+              K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -131,10 +135,12 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // which rotary table turns q and k (ROPE_NONE: SmolLM3's NoPE layers; ROPE_LOCAL: Gemma
 // 3's windowed layers').
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
-              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, NUM_WEIGHTS };
+              W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
+              W_POST_NORM_BIAS, NUM_WEIGHTS };
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
-enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32 };
-enum Activation { ACT_SILU, ACT_GELU_TANH };
+enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
+// ACT_GELU_TANH_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
+enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -288,18 +294,23 @@ class KvAhead {
 int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EVERY_ROW) {
   const auto llama_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
   const auto scaled_norm = entry<ScaledNormFn>(m.kernels, K_RMS_NORM_SCALED);
+  const auto layer_norm = entry<LayerNormFn>(m.kernels, K_LAYER_NORM);
   const auto gemm = entry<GemmFn>(m.kernels, K_GEMM);
   const auto rotary = entry<RotaryFn>(m.kernels, K_ROTARY);
   const auto write_kv = entry<WriteKvFn>(m.kernels, K_WRITE_KV);
   const auto attention = entry<AttentionFn>(m.kernels, K_ATTENTION);
-  const auto activation = entry<SiluFn>(m.kernels, m.activation == ACT_GELU_TANH ? K_GELU_TANH : K_SILU);
+  const auto activation = entry<SiluFn>(m.kernels, m.activation == ACT_GELU_TANH ? K_GELU_TANH
+                                                   : m.activation == ACT_GELU_TANH_PLAIN ? K_GELU_TANH_PLAIN : K_SILU);
+  const bool gated = m.activation != ACT_GELU_TANH_PLAIN;
   const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);
   const auto add_rows = entry<AddRowsFn>(m.kernels, K_ADD_ROWS);
 
-  // The model's RMSNorm: residual (nullptr: none) += x, then the norm of it into out.
+  // The model's norm: residual (nullptr: none) += x, then the norm of it into out (bias:
+  // a LayerNorm's, read by NORM_LAYER alone).
   const auto rms_norm = [&](const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out_rows,
-                            int64_t rows, int64_t n) {
+                            int64_t rows, int64_t n, const uint16_t* bias = nullptr) {
     if (m.norm == NORM_SCALED_IN_FLOAT32) scaled_norm(x, residual, w, out_rows, rows, n, m.eps, m.norm_offset);
+    else if (m.norm == NORM_LAYER) layer_norm(x, residual, w, bias, out_rows, rows, n, m.eps);
     else llama_norm(x, residual, w, out_rows, rows, n, m.eps);
   };
   int64_t T = r.tokens;  // the rows each kernel computes: the kept ones in the last layer
@@ -384,7 +395,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       if (layer > 0) add_rows(r.residual, hidden, nullptr, T, H);
     } else {
       rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
-               normed, T, H);
+               normed, T, H, weight(w, W_INPUT_NORM_BIAS));
     }
     if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
@@ -430,9 +441,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
       rms_norm(hidden, r.residual, weight(w, W_PRE_FF_NORM), normed, T, H);
     } else {
-      rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H);
+      rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }
-    if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H) || !adapt(P_GATE_UP, mlp_in, H, gate_up, 2 * I))
+    const int64_t up_width = gated ? 2 * I : I;
+    if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, up_width, H) ||
+        !adapt(P_GATE_UP, mlp_in, H, gate_up, up_width))
       return refused;
     activation(gate_up, act, T, I);
     if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down()) || !adapt(P_DOWN, act, I, hidden, H))

@@ -1,7 +1,8 @@
 """The fused elementwise ops of a decoder layer (kvloom/csrc/cpu_ops.cpp), float32 and
 bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
-float32 before the rounding), ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's
-GeGLU), ``kvloom::rotary_`` and ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is
+float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
+``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``
+(the un-gated MLP's), ``kvloom::rotary_`` and ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is
 torch's own add).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
@@ -101,6 +102,49 @@ def rms_norm_scaled(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     return RMS_NORM_SCALED.call(x, residual, weight, eps, offset)
 
 
+# ---- LayerNorm with a weight and a bias (StarCoder2, GPT-2) ----------------------------
+LAYER_NORM = NativeOp(
+    "layer_norm(Tensor x, Tensor(a!)? residual, Tensor weight, Tensor bias, float eps) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_layer_norm_{variant}(x, residual, weight, bias, Tensor out, int rows, int n, eps) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS), "residual": TensorSpec(2, like="x"), "weight": TensorSpec(1, like="x"),
+             "bias": TensorSpec(1, like="x")},
+)
+
+
+@LAYER_NORM.check
+def _layer_norm_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                      eps: float) -> None:
+    if residual is not None and residual.shape != x.shape:
+        raise LAYER_NORM.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor.shape[0] != x.shape[1]:
+            raise LAYER_NORM.error(name, f"must have x's row width {x.shape[1]}, got {tensor.shape[0]}")
+
+
+@LAYER_NORM.implementation
+def _layer_norm_cpu(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    LAYER_NORM.function(_VARIANT[x.dtype])(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+        out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+@LAYER_NORM.fake
+def _layer_norm_fake(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias for x: [rows, n], in float32 before the
+    one rounding; ``residual`` as :func:`rms_norm`'s (torch's layer_norm is the reference)."""
+    return LAYER_NORM.call(x, residual, weight, bias, eps)
+
+
 # ---- the gated MLP's activation ------------------------------------------------------
 SILU_AND_MUL = NativeOp(
     "silu_and_mul(Tensor gate_up) -> Tensor",
@@ -164,6 +208,31 @@ def _gelu_tanh_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for gate_up = [gate | up]: [rows, 2n] -> [rows, n]."""
     return GELU_TANH_AND_MUL.call(gate_up)
+
+
+GELU_TANH = NativeOp(
+    "gelu_tanh(Tensor x) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_gelu_tanh_{variant}(x, Tensor out, int rows, int n) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@GELU_TANH.implementation
+def _gelu_tanh_cpu(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    GELU_TANH.function(_VARIANT[x.dtype])(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+@GELU_TANH.fake
+def _gelu_tanh_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form of x: [rows, n] (torch's ``F.gelu(x, approximate="tanh")``)."""
+    return GELU_TANH.call(x)
 
 
 # ---- rotary embedding, in place ------------------------------------------------------

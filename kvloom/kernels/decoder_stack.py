@@ -3,7 +3,8 @@
 
 The kernel table holds the entry points of those kernels (``rms_norm``, ``gemm_bf16``,
 ``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce,
-``add_rows_`` (LoRA's), and Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``), which
+``add_rows_`` (LoRA's), Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``, StarCoder2's and
+GPT-2's ``layer_norm`` and ``gelu_tanh``), which
 the C walk calls in the module path's order; :func:`run` checks what the walk
 will read and write (dtypes, shapes, contiguity of every tensor, once per forward
 instead of once per kernel) and calls it. The weight table is built by
@@ -46,17 +47,19 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   "window",  # a number, not a pointer: the layer's sliding window in keys (0: none)
                   "rope",  # a number, one of ROPE: which rotary table turns the layer's q and k
                   # Gemma 2 and 3's (0: none; with them post_norm is the attention output's own)
-                  "pre_ff_norm", "post_ff_norm")
+                  "pre_ff_norm", "post_ff_norm",
+                  "input_norm_bias", "post_norm_bias")  # LayerNorms' biases (norm "layer")
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
 ROPE = {"none": 0, "global": 1, "local": 2}
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
-NORMS = {"llama": 0, "scaled_in_float32": 1}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
+# "gelu_tanh_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 10
+NUM_KERNELS = 12
 
 
 def available() -> bool:
@@ -78,7 +81,8 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
     return torch.tensor([_address(cpu_ops.RMS_NORM, "bf16"), _address(gemm.GEMM_SIDE), _address(cpu_ops.ROTARY, "bf16"),
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
                          _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16"),
-                         _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16")],
+                         _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16"),
+                         _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16")],
                         dtype=torch.int64)
 
 
@@ -98,10 +102,10 @@ class StackShape:
     rotary_dim: int | None = None  # the rotary's dims of each head (Phi-4's part); None: head_dim
     # How every RMSNorm scales (NORMS): Llama's rounds x / rms(x), then times the weight;
     # "scaled_in_float32" times (norm_offset + weight) before its one rounding (Gemma's
-    # offset 1, Helium's 0).
+    # offset 1, Helium's 0); "layer" is LayerNorm with a weight and a bias.
     norm: str = "llama"
     norm_offset: float = 0.0
-    activation: str = "silu"  # the gated MLP's (ACTIVATIONS): SwiGLU, or Gemma's GeGLU
+    activation: str = "silu"  # the MLP's (ACTIVATIONS): SwiGLU, Gemma's GeGLU, or an un-gated GELU's
     qk_norm_whole: bool = False  # the q and k norms span a token's whole q and k (OLMo 2), not each head
 
 

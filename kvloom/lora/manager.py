@@ -222,9 +222,10 @@ class LoRAManager:
         if not self._stacks:
             return
         # Each layer's four LoRA projections in the table's order (a part of each names it);
-        # only dense models have walks, so every layer has all four.
+        # None where the layer has none (an un-gated MLP, StarCoder2's and GPT-2's, is not wrapped).
         firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")
-        by_layer = [tuple(self._targets[index, name][0] for name in firsts) for index in range(self.config.num_layers)]
+        by_layer = [tuple(self._targets[index, name][0] if (index, name) in self._targets else None for name in firsts)
+                    for index in range(self.config.num_layers)]
         for stack in self._stacks:
             stack.set_lora(stack_table(by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))
 

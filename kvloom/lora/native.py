@@ -14,16 +14,17 @@ from kvloom.lora.layers import LoRALinear
 from kvloom.models.packed_linear import InvariantLinear
 
 
-def stack_table(layers: Sequence[Sequence[LoRALinear]], max_loras: int, isa: str) -> StackLoRA | None:
+def stack_table(layers: Sequence[Sequence[LoRALinear | None]], max_loras: int, isa: str) -> StackLoRA | None:
     """The table for ``layers`` (each a layer's qkv, o, gate_up and down LoRALinear, in
-    LORA_PROJECTIONS order), or None where a loaded slot's matmuls are not kvloom's GEMM
-    on the walk's path ``isa`` (those steps then take the module path)."""
+    LORA_PROJECTIONS order; None for one no adapter can target, whose row stays 0), or None
+    where a loaded slot's matmuls are not kvloom's GEMM on the walk's path ``isa`` (those
+    steps then take the module path)."""
     pointers = torch.zeros(len(layers), len(LORA_PROJECTIONS), max_loras, 2, dtype=torch.int64)
     owners: list[torch.Tensor] = []
     for index, projections in enumerate(layers):
         assert len(projections) == len(LORA_PROJECTIONS)
         for column, projection in enumerate(projections):
-            for slot, kernels in enumerate(projection.kernels):
+            for slot, kernels in enumerate(() if projection is None else projection.kernels):
                 if kernels is None:  # an empty slot, or one whose adapter leaves this projection alone
                     continue
                 if not all(isinstance(kernel, InvariantLinear) and kernel.isa == isa for kernel in kernels):
@@ -33,5 +34,6 @@ def stack_table(layers: Sequence[Sequence[LoRALinear]], max_loras: int, isa: str
                 pointers[index, column, slot, 0] = shrink.packed_weight.data_ptr()
                 pointers[index, column, slot, 1] = expand.packed_weight.data_ptr()
                 owners += [shrink.packed_weight, expand.packed_weight]
-    widths = torch.tensor([projection.a.shape[1] for projection in layers[0]], dtype=torch.int64)
+    widths = torch.tensor([0 if projection is None else projection.a.shape[1] for projection in layers[0]],
+                          dtype=torch.int64)
     return StackLoRA(pointers, widths, tuple(owners))

@@ -1,6 +1,6 @@
 """The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
-are Llama's but for their norms, MLP activation and where the norms sit: Gemma 1-3,
-Helium, OLMo 2 and 3, EXAONE 4) in one native call (kernels/decoder_stack.py).
+are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium, OLMo 2
+and 3, EXAONE 4, StarCoder2, GPT-2) in one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -28,7 +28,7 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
-from kvloom.models.layers import Float32ScaledRMSNorm, RMSNorm
+from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP, GeluMLP, ResidualLayerNorm, RMSNorm
 from kvloom.models.packed_linear import InvariantLinear
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
@@ -74,8 +74,8 @@ class DecoderModel(Protocol):
     """What the walk reads of a model (LlamaForCausalLM is one): its config, its
     tensor-parallel group and its layers, each with input_layernorm (none in OLMo 2's),
     self_attn (qkv_proj, o_proj, this rank's num_heads and num_kv_heads, q_norm and k_norm
-    where config.qk_norm or OLMo 2's), post_attention_layernorm, mlp (gate_up_proj,
-    down_proj, this rank's intermediate_size, its activation), local_rope (whether the layer
+    where config.qk_norm or OLMo 2's), post_attention_layernorm, mlp (a GatedMLP: gate_up_proj,
+    down_proj, this rank's intermediate_size, its activation; or a GeluMLP: fc1, fc2), local_rope (whether the layer
     turns by the local rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm, for
     them and OLMo 2, post_feedforward_layernorm."""
 
@@ -128,7 +128,15 @@ class NativeDecoderStack:
         kinds: set[tuple[str, float, str, bool]] = set()  # (norm, its offset, activation, q/k norms whole)
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if getattr(layer, "parallel", False) or getattr(layer, "post_attention_layernorm", None) is None:
+                return None, f"layer {index} adds its attention and MLP to the stream side by side"
+            if isinstance(mlp, GeluMLP) and mlp.approximate == "tanh":
+                activation, up, down = "gelu_tanh_plain", mlp.fc1, mlp.fc2
+            elif isinstance(mlp, GatedMLP) and mlp.activation in ("silu", "gelu_tanh"):
+                activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
+            else:
+                return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU-tanh)"
+            linears = (attention.qkv_proj, attention.o_proj, up, down)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
@@ -148,26 +156,33 @@ class NativeDecoderStack:
             block_norms = tuple(norm for norm in (pre_ff, post_ff) if norm is not None)
             norms = (*(() if input_norm is None else (input_norm,)), layer.post_attention_layernorm, *head_norms,
                      *block_norms)
-            if any(norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
-                   or not norm.weight.is_contiguous() or norm.eps != config.rms_norm_eps for norm in norms):
+            tensors = [tensor for norm in norms for tensor in (norm.weight, getattr(norm, "bias", None))
+                       if tensor is not None]
+            if any(tensor.dtype != torch.bfloat16 or tensor.device.type != "cpu" or not tensor.is_contiguous()
+                   for tensor in tensors) or any(norm.eps != config.rms_norm_eps for norm in norms):
                 return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
             norm_kinds = {_norm_kind(norm) for norm in norms}
-            activation = getattr(mlp, "activation", "silu")
-            if None in norm_kinds or len(norm_kinds) != 1 or activation not in kernels.ACTIVATIONS:
-                return None, (f"layer {index}'s MLP or norms are not the walk's (SiLU or GELU-tanh; one kind of "
-                              "RMSNorm: Llama's, or scaled in float32)")
+            if None in norm_kinds or len(norm_kinds) != 1:
+                return None, (f"layer {index}'s norms are not one kind the walk runs (Llama's RMSNorm, one scaled in "
+                              "float32, or LayerNorm with a bias)")
+            if ("layer", 0.0) in norm_kinds and (head_norms or block_norms):
+                return None, f"layer {index} has LayerNorms of heads or blocks, which the walk does not run"
             kinds.add((*norm_kinds.pop(), activation, whole))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
             rope = ("none" if index in config.no_rope_layers
                     else "local" if getattr(layer, "local_rope", False) else "global")
+            biases = {name: norm.bias.data_ptr() for name, norm in (("input_norm_bias", input_norm),
+                                                                    ("post_norm_bias", layer.post_attention_layernorm))
+                      if isinstance(norm, ResidualLayerNorm)}
             row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
+                                   "input_norm_bias": 0, "post_norm_bias": 0, **biases,
                                    "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
                                    "q_norm": 0, "k_norm": 0, "window": attention.window, "rope": kernels.ROPE[rope],
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
                                    "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
             if head_norms:
                 row["q_norm"], row["k_norm"] = (norm.weight.data_ptr() for norm in head_norms)
-            owners += [norm.weight for norm in norms]
+            owners += tensors
             for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
                 row[name] = linear.packed_weight.data_ptr()
                 row[f"{name}_bias"] = 0 if linear.bias is None else linear.bias.data_ptr()
@@ -181,7 +196,8 @@ class NativeDecoderStack:
         first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
-                                   first.self_attn.num_kv_heads, config.head_dim, first.mlp.intermediate_size,
+                                   first.self_attn.num_kv_heads, config.head_dim,
+                                   getattr(first.mlp, "intermediate_size", config.intermediate_size),  # GeluMLP: all
                                    config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim,
                                    norm, norm_offset, activation, qk_norm_whole)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
@@ -270,6 +286,8 @@ def _norm_kind(norm: nn.Module) -> tuple[str, float] | None:
     """How ``norm`` scales, as StackShape's (norm, norm_offset); None: not a norm the walk runs."""
     if type(norm) is RMSNorm:
         return "llama", 0.0
+    if type(norm) is ResidualLayerNorm:
+        return "layer", 0.0
     if isinstance(norm, Float32ScaledRMSNorm) and type(norm).forward is Float32ScaledRMSNorm.forward:
         return "scaled_in_float32", norm.offset
     return None

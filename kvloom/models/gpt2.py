@@ -6,7 +6,8 @@ biases (q, k and v fused as c_attn, in kvloom's [q | k | v] order already), an u
 output head. Its checkpoints store every matmul as a Conv1D, [in, out]: transposed at load.
 
 Refused by name: attention scaled otherwise than by head_dim ** -0.5
-(``scale_attn_weights`` off, ``scale_attn_by_inverse_layer_idx`` on). Modules only; one process.
+(``scale_attn_weights`` off, ``scale_attn_by_inverse_layer_idx`` on). The native walk runs
+its layers (no rotary in any: its positions are in the embeddings); one process.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class GPT2LMHeadModel(StreamLayersForCausalLM):
     has_score_head = False  # no GPT-2 sequence classifier is read
     layer_class = GPTNeoXDecoderLayer  # the same layer, its blocks in turn (no parallel residual)
     norm_class = ResidualLayerNorm  # ln_f
-    modules_only = "learned positions, LayerNorm, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__(config, max_positions, tp)

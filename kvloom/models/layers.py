@@ -198,10 +198,7 @@ class ResidualLayerNorm(RMSNorm):
         self.bias = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is not None:
-            residual.add_(x)
-            x = residual
-        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
 class UnweightedLayerNorm(nn.Module):
@@ -240,7 +237,7 @@ class GeluMLP(nn.Module):
         self.fc2 = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.nn.functional.gelu(self.fc1(x), approximate=self.approximate))
+        return self.fc2(ops.gelu(self.fc1(x), self.approximate))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -88,6 +88,24 @@ def rms_norm_scaled_in_float32_reference(x: torch.Tensor, weight: torch.Tensor, 
     return (x32 * (offset + weight.float())).to(dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm with a weight and a bias, in float32 before the cast; ``residual`` as
+    :func:`rms_norm`'s."""
+    if not (_native(x) and x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype
+            and bias.dtype == x.dtype):
+        return layer_norm_reference(x, weight, bias, eps, residual)
+    return cpu_ops.layer_norm(x, residual, weight, bias, eps)
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 # ---- gated MLP activation ------------------------------------------------------------
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2n] -> [rows, n]."""
@@ -115,6 +133,13 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU in torch's ``approximate`` form ("tanh" or "none"): the tanh form fused on CPU."""
+    if approximate == "tanh" and _native(x) and x.dim() == 2 and x.is_contiguous():
+        return cpu_ops.gelu_tanh(x)
+    return F.gelu(x, approximate=approximate)
 
 
 # ---- rotary embedding ----------------------------------------------------------------

@@ -3,8 +3,9 @@ biases; a sliding window where config.json sets one) and Llama's pre-norm layer,
 LayerNorm (a weight and a bias) in place of RMSNorm and a plain MLP, c_proj(gelu(c_fc(x))),
 in place of the gated one (``layers.GeluMLP``, its fc1 / fc2, in the GELU form hidden_act names).
 
-Modules only (the native walk is Llama's), one process (the MLP's c_fc / c_proj are not
-among the tensors tensor parallel splits).
+The native walk runs its layers (LayerNorm and the un-gated GELU through cpu_ops.cpp's
+layer_norm and gelu_tanh, which the modules call too); one process (the MLP's c_fc / c_proj
+are not among the tensors tensor parallel splits).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     has_score_head = False
     layer_class = Starcoder2DecoderLayer
     norm_class = ResidualLayerNorm
-    modules_only = "LayerNorm, a plain GELU MLP"  # and one process: sharding.ONE_PROCESS
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(renamed(weights, _RENAMES))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -52,6 +52,11 @@ def test_an_untied_head_is_transformers(tmp_path: Path) -> None:
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(gpt2: Path) -> None:
     bf16_alone_equals_batched(str(gpt2), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(gpt2: Path) -> None:
+    """The walk with LayerNorms, the un-gated GELU MLP and no rotary (learned positions)."""
+    assert_bf16_walk_near_float32(gpt2, PROMPTS)
 
 
 def test_its_first_layers_draft_for_it(tmp_path: Path) -> None:

@@ -137,6 +137,43 @@ def test_gelu_tanh_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
         assert (ours == exact).float().mean() >= (expected == exact).float().mean()
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 640), (7, 60), (16, 256), (300, 100)])
+def test_layer_norm_and_fused_residual(dtype: torch.dtype, rows: int, n: int) -> None:
+    x, residual = data((rows, n), dtype, 1) + 2, data((rows, n), dtype, 2)  # rows off zero mean
+    weight, bias = data((n,), dtype, 3) / 3, data((n,), dtype, 4)
+    expected = F.layer_norm(x, (n,), weight, bias, 1e-5)
+    ours = ops.layer_norm(x, weight, bias, 1e-5)
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(ops.layer_norm_reference(x, weight, bias, 1e-5), expected, atol=0, rtol=0)
+    ours_residual = residual.clone()
+    with_residual = ops.layer_norm(x, weight, bias, 1e-5, ours_residual)
+    assert torch.equal(ours_residual, residual + x)  # one rounded add: exact
+    torch.testing.assert_close(with_residual, F.layer_norm(residual + x, (n,), weight, bias, 1e-5),
+                               **TOLERANCE[dtype])
+    if dtype == torch.bfloat16:  # one rounding of a float32 value, as torch's: mostly the same bits
+        assert (ours == expected).float().mean() > 0.97
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 2048), (5, 17), (70, 1024)])
+def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
+    x = data((rows, n), dtype, 5)
+    x[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-20, -1e-20, 3e38, -3e38], dtype=dtype)[:min(8, n)]
+    expected = F.gelu(x, approximate="tanh")
+    ours = ops.gelu(x, "tanh")
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    assert torch.equal(torch.signbit(ours[expected == 0]), torch.signbit(expected[expected == 0]))
+    assert torch.equal(ops.gelu(x, "none"), F.gelu(x))  # the exact form stays torch's
+    if dtype == torch.bfloat16:  # closer to the float64 formula's bits than torch's float32 tanh
+        v = x.double()
+        exact = (0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))).to(dtype)
+        assert (ours == exact).float().mean() > 0.97
+        assert (ours == exact).float().mean() >= (expected == exact).float().mean()
+
+
 def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

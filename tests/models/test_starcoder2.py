@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
+from helpers_models import assert_bf16_walk_near_float32, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
-from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
 
@@ -43,7 +43,12 @@ def test_greedy_tokens_and_logprobs_are_transformers(starcoder2: Path, backend: 
 def test_bf16_tokens_alone_equal_batched_and_chunked(starcoder2: Path) -> None:
     together = bf16_alone_equals_batched(str(starcoder2), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0,
                                                                                    ignore_eos=True))
-    assert together.model.native_stack is None  # LayerNorm and a plain MLP: the modules run them
+    assert together.model.native_stack is not None  # bf16 on a CPU: the native walk ran its layers
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(starcoder2: Path) -> None:
+    """The walk with LayerNorms, the un-gated GELU MLP, biases and the window."""
+    assert_bf16_walk_near_float32(starcoder2, PROMPTS)
 
 
 def test_two_ranks_are_refused_by_name(starcoder2: Path) -> None:

@@ -5,13 +5,14 @@ Writes random-weight models of Gemma 3 270M's shape (18 layers of 640, 4 query h
 1 KV head of 256 dims, GeGLU of 2,048, a 262,144-token vocabulary, five windowed layers of
 512 keys with their own rotary base to one full layer), of Gemma 2's layer kinds at the
 same sizes (sandwich norms, windowed and full layers in turn, scores softcapped at 50), and
-OLMo 2 and EXAONE 4 at SmolLM2-135M's sizes (30 layers of 576, 9 query and 3 KV heads of 64
-dims, an MLP of 1,536, 49,152 tokens; EXAONE's three windowed layers of 512 keys to a global
-one without rotary), then times bf16 engine steps in one process, the walk and the modules taking turns step by
+OLMo 2, EXAONE 4, StarCoder2 and GPT-2 at SmolLM2-135M's sizes (30 layers of 576, 9 query and
+3 KV heads of 64 dims (GPT-2: 9 of each), an MLP of 1,536, 49,152 tokens; EXAONE's three
+windowed layers of 512 keys to a global one without rotary, StarCoder2's window of 512), then
+times bf16 engine steps in one process, the walk and the modules taking turns step by
 step (`model.native_stack` set and cleared), so that both see the same hour and the same
 contexts: decode at batch 1 / 16 / 64 from 300 tokens of context (STEPS steps each, default
 40: half each way), and prefill steps of 4 fresh 256-token prompts (REPEATS each way,
-default 4). Prints the median ms of each.
+default 4). Prints the median ms of each. MODELS=name,name runs those alone.
 
     .venv/bin/python docs/results/issue17/milan29/walk_families.py > docs/results/issue17/milan29/walk_families.txt
 """
@@ -41,6 +42,9 @@ MODELS = {
                                     **SHAPE),
     "olmo2-135m-shape": dict(arch="olmo2", **SMOLLM2),
     "exaone4-135m-shape": dict(arch="exaone4", head_dim=64, sliding_window=512, sliding_window_pattern=4, **SMOLLM2),
+    "starcoder2-135m-shape": dict(arch="starcoder2", sliding_window=512, **SMOLLM2),
+    "gpt2-135m-shape": dict(arch="gpt2", hidden_size=576, n_inner=1536, num_hidden_layers=30, num_attention_heads=9,
+                            vocab_size=49_152, max_position_embeddings=1024, tie_word_embeddings=True),
 }
 
 
@@ -94,7 +98,10 @@ def main() -> None:
 
     steps, repeats = int(os.environ.get("STEPS", "40")), int(os.environ.get("REPEATS", "4"))
     with tempfile.TemporaryDirectory() as tmp:
+        chosen = os.environ.get("MODELS")
         for name, kwargs in MODELS.items():
+            if chosen and name not in chosen.split(","):
+                continue
             path = write_tiny_hf_model(Path(tmp) / name, seed=0, **kwargs)
             engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=1600,
                                                         max_num_seqs=64, max_num_batched_tokens=2048,
