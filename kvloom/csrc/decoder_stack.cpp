@@ -35,7 +35,12 @@
 // Every rms_norm is Llama's (x / rms(x) rounded, then times the weight) or, for Gemma and
 // Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding), or
 // for StarCoder2 and GPT-2 its layer_norm (a weight and a bias). Their MLP is un-gated:
-// gate_up is fc1's output [T, I], act = gelu_tanh(it), down is fc2.
+// gate_up is fc1's output [T, I], act = gelu(it) (the tanh form, or GPT-NeoX's exact one),
+// down is fc2.
+// Phi and GPT-NeoX add attention and MLP to the stream side by side (parallel): the MLP
+// reads the attention's input (Phi: W_POST_NORM 0) or the stream normed by its own norm
+// (GPT-NeoX), writes mlp_out, and hidden = attention's output + mlp_out, which the next
+// layer's norm adds into the stream (transformers' (A + M) + S, an add per rounding).
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
@@ -126,7 +131,7 @@ using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* ro
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
-              K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, NUM_KERNELS };
+              K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -139,17 +144,17 @@ enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GAT
               W_POST_NORM_BIAS, NUM_WEIGHTS };
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
-// ACT_GELU_TANH_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
-enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN };
+// ACT_GELU_*_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
+enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN, ACT_GELU_ERF_PLAIN };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
 
 // Scratch elements (bf16) of a walk of `tokens` rows: normed, qkv, q rows, attention
-// output, gate_up and the activation.
+// output, gate_up, the activation and a parallel layer's MLP output.
 inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
                                 int64_t intermediate) {
-  return tokens * (hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate);
+  return tokens * (2 * hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate);
 }
 
 // Scratch elements (bf16) of LoRA's buffers for `tokens` rows: the gathered inputs, the
@@ -181,6 +186,7 @@ struct Model {
   float norm_offset;   // NORM_SCALED_IN_FLOAT32's offset (Gemma's 1, Helium's 0)
   int activation;      // Activation: the gated MLP's
   int qk_norm_whole;   // 1: W_Q_NORM and W_K_NORM norm each token's whole q and k (OLMo 2), 0: each head
+  int parallel;        // 1: attention and MLP side by side (Phi, GPT-NeoX)
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -299,9 +305,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto rotary = entry<RotaryFn>(m.kernels, K_ROTARY);
   const auto write_kv = entry<WriteKvFn>(m.kernels, K_WRITE_KV);
   const auto attention = entry<AttentionFn>(m.kernels, K_ATTENTION);
-  const auto activation = entry<SiluFn>(m.kernels, m.activation == ACT_GELU_TANH ? K_GELU_TANH
-                                                   : m.activation == ACT_GELU_TANH_PLAIN ? K_GELU_TANH_PLAIN : K_SILU);
-  const bool gated = m.activation != ACT_GELU_TANH_PLAIN;
+  const Kernel activation_kernel = m.activation == ACT_GELU_TANH ? K_GELU_TANH
+                                   : m.activation == ACT_GELU_TANH_PLAIN ? K_GELU_TANH_PLAIN
+                                   : m.activation == ACT_GELU_ERF_PLAIN ? K_GELU_ERF_PLAIN : K_SILU;
+  const auto activation = entry<SiluFn>(m.kernels, activation_kernel);
+  const bool gated = m.activation == ACT_SILU || m.activation == ACT_GELU_TANH;
   const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);
   const auto add_rows = entry<AddRowsFn>(m.kernels, K_ADD_ROWS);
 
@@ -322,6 +330,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   uint16_t* attn = q_rows + T * q_size;        // [T, q]
   uint16_t* gate_up = attn + T * q_size;       // [T, 2 I]
   uint16_t* act = gate_up + T * 2 * I;         // [T, I]
+  uint16_t* mlp_out = act + T * I;             // [T, H]: a parallel layer's MLP output
   uint16_t* hidden = r.hidden;
   const int64_t half_cache = m.num_blocks * m.block_size * kv_size;  // K's (or V's) elements in one layer
   KvAhead ahead(m, r);
@@ -417,7 +426,9 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;  // >= i (ascending): moved no later than read
       std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
       // The input norm has added the layer before's output in: `residual` is the stream.
+      // (normed too: a parallel layer's MLP reads it, Phi's.)
       if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
+      if (t != i) std::memcpy(normed + i * H, normed + t * H, H * sizeof(uint16_t));
     }
     if (&rows != &all_rows) group_rows(rows);
     T = rows.count;
@@ -433,7 +444,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     }
     scale_hidden(hidden, T * H, m.residual_scale, num_threads);
     const uint16_t* mlp_in = normed;
-    if (post_norms) {  // OLMo 2: the attention's output normed and added; the MLP reads the stream
+    if (m.parallel) {  // the stream is as the layer found it; Phi's MLP reads `normed`, GPT-NeoX's its own norm
+      if (weight(w, W_POST_NORM) != nullptr)
+        rms_norm(r.residual, nullptr, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
+    } else if (post_norms) {  // OLMo 2: the attention's output normed and added; the MLP reads the stream
       rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
       add_rows(r.residual, hidden, nullptr, T, H);
       mlp_in = r.residual;
@@ -448,8 +462,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         !adapt(P_GATE_UP, mlp_in, H, gate_up, up_width))
       return refused;
     activation(gate_up, act, T, I);
-    if (!matmul(act, W_DOWN, W_DOWN_BIAS, hidden, H, I, ahead.down()) || !adapt(P_DOWN, act, I, hidden, H))
+    uint16_t* down_out = m.parallel ? mlp_out : hidden;
+    if (!matmul(act, W_DOWN, W_DOWN_BIAS, down_out, H, I, ahead.down()) || !adapt(P_DOWN, act, I, down_out, H))
       return refused;
+    if (m.parallel) add_rows(hidden, mlp_out, nullptr, T, H);  // attention's output + the MLP's
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;
@@ -513,7 +529,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // sin_local: the ROPE_LOCAL layers' rotary table, [tokens, rotary_dim] as cos and sin
 // (nullptr where no layer has one). softcap: the attention scores' (0: none); norm, its
 // norm_offset and activation: a Norm and an Activation; qk_norm_whole: 1 where the q and k
-// norms span each token's whole q and k (OLMo 2's), 0 each head. split_seqs:
+// norms span each token's whole q and k (OLMo 2's), 0 each head; parallel: 1 where attention
+// and MLP are added side by side (Phi, GPT-NeoX). split_seqs:
 // 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
 // num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
 // whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
@@ -537,7 +554,8 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* query_lens, int64_t num_seqs, int64_t tokens, int64_t hidden_size,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
                          int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale,
-                         float softcap, int norm, float norm_offset, int activation, int qk_norm_whole, int isa,
+                         float softcap, int norm, float norm_offset, int activation, int qk_norm_whole,
+                         int parallel, int isa,
                          int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
@@ -547,7 +565,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
-                    activation,   qk_norm_whole, isa,     reduce,     kv_prefetch_bytes,
+                    activation,   qk_norm_whole, parallel, isa, reduce,   kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,

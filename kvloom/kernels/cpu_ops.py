@@ -2,8 +2,8 @@
 bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
 float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``
-(the un-gated MLP's), ``kvloom::rotary_`` and ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is
-torch's own add).
+and ``kvloom::gelu_erf`` (the un-gated MLP's), ``kvloom::rotary_`` and ``kvloom::add_rows_``
+(LoRA's deltas added in; its reference is torch's own add).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -233,6 +233,31 @@ def _gelu_tanh_fake(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh form of x: [rows, n] (torch's ``F.gelu(x, approximate="tanh")``)."""
     return GELU_TANH.call(x)
+
+
+GELU_ERF = NativeOp(
+    "gelu_erf(Tensor x) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_gelu_erf_{variant}(x, Tensor out, int rows, int n) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@GELU_ERF.implementation
+def _gelu_erf_cpu(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    GELU_ERF.function(_VARIANT[x.dtype])(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+@GELU_ERF.fake
+def _gelu_erf_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """GELU's exact form of x: [rows, n] (torch's ``F.gelu(x)``), erfc within 1.2e-7 of itself."""
+    return GELU_ERF.call(x)
 
 
 # ---- rotary embedding, in place ------------------------------------------------------

@@ -3,8 +3,8 @@
 
 The kernel table holds the entry points of those kernels (``rms_norm``, ``gemm_bf16``,
 ``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce,
-``add_rows_`` (LoRA's), Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``, StarCoder2's and
-GPT-2's ``layer_norm`` and ``gelu_tanh``), which
+``add_rows_`` (LoRA's), Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``, StarCoder2's,
+GPT-2's, Phi's and GPT-NeoX's ``layer_norm``, ``gelu_tanh`` and ``gelu_erf``), which
 the C walk calls in the module path's order; :func:`run` checks what the walk
 will read and write (dtypes, shapes, contiguity of every tensor, once per forward
 instead of once per kernel) and calls it. The weight table is built by
@@ -34,7 +34,7 @@ _STACK = NativeFunction(
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int intermediate, "
     "int block_size, "
     "float eps, float scale, float residual_scale, float softcap, int32 norm, float norm_offset, int32 activation, "
-    "int32 qk_norm_whole, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "int32 qk_norm_whole, int32 parallel, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
@@ -55,11 +55,12 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
 ROPE = {"none": 0, "global": 1, "local": 2}
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
 NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
-# "gelu_tanh_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2).
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2}
+# "gelu_*_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2), GELU's
+# tanh form or its exact one (GPT-NeoX's).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain": 3}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 12
+NUM_KERNELS = 13
 
 
 def available() -> bool:
@@ -82,7 +83,8 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(paged_attention.WRITE_KV_PAIRED), _address(paged_attention.PAGED_ATTENTION),
                          _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16"),
                          _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16"),
-                         _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16")],
+                         _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16"),
+                         _address(cpu_ops.GELU_ERF, "bf16")],
                         dtype=torch.int64)
 
 
@@ -107,6 +109,9 @@ class StackShape:
     norm_offset: float = 0.0
     activation: str = "silu"  # the MLP's (ACTIVATIONS): SwiGLU, Gemma's GeGLU, or an un-gated GELU's
     qk_norm_whole: bool = False  # the q and k norms span a token's whole q and k (OLMo 2), not each head
+    # Attention and MLP added to the stream side by side (Phi: the MLP reads the attention's
+    # input, post_norm 0; GPT-NeoX: its own norm of the stream). One process.
+    parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +298,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
             shape.intermediate, block_size, shape.eps, scale, shape.residual_scale, softcap,
             NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation], int(shape.qk_norm_whole),
+            int(shape.parallel),
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

@@ -1,6 +1,6 @@
 """The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
 are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium, OLMo 2
-and 3, EXAONE 4, StarCoder2, GPT-2) in one native call (kernels/decoder_stack.py).
+and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX) in one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -125,17 +125,23 @@ class NativeDecoderStack:
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
-        kinds: set[tuple[str, float, str, bool]] = set()  # (norm, its offset, activation, q/k norms whole)
+        # (norm, its offset, activation, q/k norms whole, parallel) of every layer
+        kinds: set[tuple[str, float, str, bool, bool]] = set()
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            if getattr(layer, "parallel", False) or getattr(layer, "post_attention_layernorm", None) is None:
-                return None, f"layer {index} adds its attention and MLP to the stream side by side"
-            if isinstance(mlp, GeluMLP) and mlp.approximate == "tanh":
-                activation, up, down = "gelu_tanh_plain", mlp.fc1, mlp.fc2
+            # Phi's and GPT-NeoX's: attention and MLP side by side (Phi's MLP reads the attention's input).
+            parallel = bool(getattr(layer, "parallel", False))
+            post_norm = getattr(layer, "post_attention_layernorm", None)
+            if parallel and model.tp.size > 1:
+                return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
+            if post_norm is None and not parallel:
+                return None, f"layer {index} has no norm before its MLP"
+            if isinstance(mlp, GeluMLP):
+                activation, up, down = f"gelu_{'tanh' if mlp.approximate == 'tanh' else 'erf'}_plain", mlp.fc1, mlp.fc2
             elif isinstance(mlp, GatedMLP) and mlp.activation in ("silu", "gelu_tanh"):
                 activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
             else:
-                return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU-tanh)"
+                return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU)"
             linears = (attention.qkv_proj, attention.o_proj, up, down)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
@@ -151,11 +157,11 @@ class NativeDecoderStack:
             llama = input_norm is not None and pre_ff is None and post_ff is None
             gemma = input_norm is not None and pre_ff is not None and post_ff is not None
             olmo = input_norm is None and pre_ff is None and post_ff is not None
-            if not (llama or gemma or olmo):
+            if not (llama or gemma or olmo) or (parallel and not llama):
                 return None, f"layer {index}'s norms sit neither as Llama's, Gemma 2's nor OLMo 2's"
             block_norms = tuple(norm for norm in (pre_ff, post_ff) if norm is not None)
-            norms = (*(() if input_norm is None else (input_norm,)), layer.post_attention_layernorm, *head_norms,
-                     *block_norms)
+            norms = (*(() if input_norm is None else (input_norm,)), *(() if post_norm is None else (post_norm,)),
+                     *head_norms, *block_norms)
             tensors = [tensor for norm in norms for tensor in (norm.weight, getattr(norm, "bias", None))
                        if tensor is not None]
             if any(tensor.dtype != torch.bfloat16 or tensor.device.type != "cpu" or not tensor.is_contiguous()
@@ -167,16 +173,16 @@ class NativeDecoderStack:
                               "float32, or LayerNorm with a bias)")
             if ("layer", 0.0) in norm_kinds and (head_norms or block_norms):
                 return None, f"layer {index} has LayerNorms of heads or blocks, which the walk does not run"
-            kinds.add((*norm_kinds.pop(), activation, whole))  # type: ignore[misc]
+            kinds.add((*norm_kinds.pop(), activation, whole, parallel))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
             rope = ("none" if index in config.no_rope_layers
                     else "local" if getattr(layer, "local_rope", False) else "global")
             biases = {name: norm.bias.data_ptr() for name, norm in (("input_norm_bias", input_norm),
-                                                                    ("post_norm_bias", layer.post_attention_layernorm))
+                                                                    ("post_norm_bias", post_norm))
                       if isinstance(norm, ResidualLayerNorm)}
             row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
                                    "input_norm_bias": 0, "post_norm_bias": 0, **biases,
-                                   "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
+                                   "post_norm": 0 if post_norm is None else post_norm.weight.data_ptr(),
                                    "q_norm": 0, "k_norm": 0, "window": attention.window, "rope": kernels.ROPE[rope],
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
                                    "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
@@ -192,14 +198,14 @@ class NativeDecoderStack:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
         if len(kinds) != 1:
             return None, f"the layers' norms and MLPs differ {sorted(kinds)}"
-        (norm, norm_offset, activation, qk_norm_whole), = kinds
+        (norm, norm_offset, activation, qk_norm_whole, parallel), = kinds
         first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim,
                                    getattr(first.mlp, "intermediate_size", config.intermediate_size),  # GeluMLP: all
                                    config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim,
-                                   norm, norm_offset, activation, qk_norm_whole)
+                                   norm, norm_offset, activation, qk_norm_whole, parallel)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,

@@ -7,7 +7,7 @@ per head in the checkpoint: [head][q | k | v], reordered into kvloom's [q | k | 
 load), the rotary on the first ``rotary_pct`` of each head; the MLP is un-gated
 (dense_h_to_4h, GELU, dense_4h_to_h); the output head (``embed_out``) has no bias.
 
-Modules only (the native walk is Llama's sequential pre-norm layer); one process.
+The native walk runs its layers (side by side or in turn: ``parallel``); one process.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class GPTNeoXForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no GPT-NeoX sequence classifier is read
     layer_class = GPTNeoXDecoderLayer
     norm_class = ResidualLayerNorm  # final_layer_norm
-    modules_only = "two LayerNorms a layer, a parallel residual, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_in_our_order(renamed(weights, _RENAMES)))

@@ -136,9 +136,11 @@ def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """GELU in torch's ``approximate`` form ("tanh" or "none"): the tanh form fused on CPU."""
-    if approximate == "tanh" and _native(x) and x.dim() == 2 and x.is_contiguous():
-        return cpu_ops.gelu_tanh(x)
+    """GELU in torch's ``approximate`` form ("tanh" or "none", the exact one), fused on CPU:
+    the tanh form always, the exact one in bf16 (its erfc is within float32's step of torch's,
+    not bit-equal, and float32 runs are the ones held to transformers at float32's tolerance)."""
+    if _native(x) and x.dim() == 2 and x.is_contiguous() and (approximate == "tanh" or x.dtype == torch.bfloat16):
+        return cpu_ops.gelu_tanh(x) if approximate == "tanh" else cpu_ops.gelu_erf(x)
     return F.gelu(x, approximate=approximate)
 
 

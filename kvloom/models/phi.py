@@ -5,7 +5,8 @@ rotary on the first ``partial_rotary_factor`` of each head, a plain MLP fc2(act(
 and, where config.json sets ``qk_layernorm``, each query and key head LayerNormed before the
 rotary. The attention is Llama's (``dense`` is its o projection).
 
-Modules only (the native walk is Llama's sequential pre-norm layer); one process.
+The native walk runs its layers (attention and MLP side by side: ``parallel``), unless
+``qk_layernorm`` (LayerNorms of heads, which it does not run); one process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _RENAMES = (("self_attn.dense.", "self_attn.o_proj."), ("self_attn.q_layernorm."
 
 
 class PhiDecoderLayer(nn.Module):
+    parallel = True  # attention and MLP on one norm's output, added together (the native walk reads it)
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
@@ -58,7 +61,6 @@ class PhiForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no Phi sequence classifier is read
     layer_class = PhiDecoderLayer
     norm_class = ResidualLayerNorm  # final_layernorm
-    modules_only = "attention and MLP in parallel, LayerNorm, a plain GELU MLP"  # one process: sharding.ONE_PROCESS
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__(config, max_positions, tp)

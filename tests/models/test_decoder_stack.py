@@ -41,10 +41,12 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # no input norm, each block's output normed and added, q/k norms over the whole projection;
 # olmo3: its windowed layers' own rotary; exaone4: OLMo 2's layer with Llama's norms, q/k
 # norms of a head, a global layer without rotary; starcoder2: LayerNorms, an un-gated GELU MLP,
-# biases, a window; gpt2: its layer with no rotary (learned positions), Conv1D weights.
+# biases, a window; gpt2: its layer with no rotary (learned positions), Conv1D weights; phi:
+# attention and MLP side by side on one LayerNorm, a partial rotary; gpt_neox (Pythia): side by
+# side on two LayerNorms, GELU's exact form; gpt_neox_seq: its blocks in turn.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
                                         "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4",
-                                        "starcoder2", "gpt2"])
+                                        "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
@@ -56,6 +58,9 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if request.param == "gpt2":  # no KV heads of its own; 128 learned positions (the run's longest is 77)
         shape = dict(hidden_size=128, n_inner=256, num_attention_heads=4, num_hidden_layers=3,
                      max_position_embeddings=128)
+    if request.param.startswith("gpt_neox"):  # no KV heads of its own
+        shape = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_hidden_layers=3)
+        extra = dict(rotary_pct=0.25, use_parallel_residual=request.param == "gpt_neox")
     mixed = ["sliding_attention", "full_attention", "sliding_attention"]
     if request.param == "olmo3":
         extra = dict(sliding_window=20, layer_types=mixed, rope_parameters={
@@ -75,7 +80,8 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if request.param == "granite":
         extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0)
-    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, **shape, **extra)
+    arch = "gpt_neox" if request.param == "gpt_neox_seq" else request.param
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, **shape, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +89,8 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
     """Two PEFT adapters of the model (every projection at rank 8; attention and down at
     rank 4), each request's in the run_both_paths order, None for the base model."""
     from helpers_lora import TARGETS_ALL, write_adapter
-    if model_dir.name.startswith("gpt2"):
-        pytest.skip("GPT-2's projections are Conv1D modules (c_attn, c_fc) that kvloom's LoRA does not map")
+    if model_dir.name.startswith(("gpt2", "gpt_neox")):
+        pytest.skip("GPT-2's and GPT-NeoX's projections (c_attn, query_key_value) are not ones kvloom's LoRA maps")
     root = tmp_path_factory.mktemp("adapters")
     a = LoRARequest("a", 1, str(write_adapter(model_dir, root / "a", 1, 8, TARGETS_ALL)))
     b = LoRARequest("b", 2, str(write_adapter(model_dir, root / "b", 2, 4, ["q_proj", "v_proj", "o_proj",
@@ -263,7 +269,7 @@ def test_bad_tensors_are_named_before_any_pointer_reaches_c(model_dir: Path) -> 
          rf"local sin must be a contiguous \[3, {width}\] torch.float32")]
     for name, bad, message in (*local_cases,
             ("residual", torch.zeros(tokens, 128), r"residual must be a contiguous \[3, 128\] torch.bfloat16"),
-            ("cos", torch.ones(tokens, 16), rf"cos must be a contiguous \[3, {width}\] torch.float32"),
+            ("cos", torch.ones(tokens, width + 2), rf"cos must be a contiguous \[3, {width}\] torch.float32"),
             ("slots", torch.arange(tokens, dtype=torch.int32), "slots must be"),
             ("kv_caches", caches[:, :, :, :8], "kv_caches must be a contiguous"),
             ("scratch", torch.empty(decoder_stack.scratch_elements(stack.shape, tokens) - 1, dtype=torch.bfloat16),

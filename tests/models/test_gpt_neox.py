@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -41,7 +41,6 @@ def test_greedy_tokens_and_logprobs_are_transformers(neox: Path, backend: str) -
     llm = assert_transformers_tokens(neox, attention_backend=backend)
     config = llm.engine.model_config
     assert (config.rotary_dim, config.parallel_residual, config.hidden_act) == (8, True, "gelu")
-    assert llm.engine.model.native_stack is None  # the modules run it
 
 
 def test_the_sequential_residual_is_transformers(tmp_path: Path) -> None:
@@ -72,6 +71,11 @@ def test_the_mlp_is_transformers_exact_gelu(neox: Path) -> None:
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(neox: Path) -> None:
     bf16_alone_equals_batched(str(neox), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(neox: Path) -> None:
+    """The walk with attention and MLP side by side on two LayerNorms, GELU's exact form."""
+    assert_bf16_walk_near_float32(neox, PROMPTS)
 
 
 def test_saved_buffers_beside_the_weights_are_skipped(neox: Path, tmp_path: Path) -> None:

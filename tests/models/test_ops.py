@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvloom.kernels import cpu_ops
 from kvloom.models import ops
 from kvloom.native import KernelUnavailable, load
 
@@ -166,7 +167,15 @@ def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
     ours = ops.gelu(x, "tanh")
     torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
     assert torch.equal(torch.signbit(ours[expected == 0]), torch.signbit(expected[expected == 0]))
-    assert torch.equal(ops.gelu(x, "none"), F.gelu(x))  # the exact form stays torch's
+    exact_form = cpu_ops.gelu_erf(x)  # erf's: GPT-NeoX's (models in bf16; float32 runs take torch's)
+    torch.testing.assert_close(exact_form, F.gelu(x), **TOLERANCE[dtype])
+    assert torch.equal(ops.gelu(x, "none"), exact_form if dtype == torch.bfloat16 else F.gelu(x))
+    assert torch.equal(torch.signbit(exact_form[x == 0]), torch.signbit(x[x == 0]))
+    if dtype == torch.bfloat16:  # as the tanh form below: nearer the float64 formula's bits than torch's
+        v = x.double()
+        exact = (0.5 * v * (1 + torch.erf(v / 2 ** 0.5))).to(dtype)
+        assert (exact_form == exact).float().mean() > 0.95
+        assert (exact_form == exact).float().mean() >= (F.gelu(x) == exact).float().mean()
     if dtype == torch.bfloat16:  # closer to the float64 formula's bits than torch's float32 tanh
         v = x.double()
         exact = (0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))).to(dtype)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -43,7 +43,7 @@ def test_greedy_tokens_and_logprobs_are_transformers(phi: Path, backend: str) ->
     llm = assert_transformers_tokens(phi, attention_backend=backend)
     model = llm.engine.model
     assert llm.engine.model_config.rotary_dim == 12
-    assert model.lm_head.bias is not None and model.native_stack is None  # the modules run it
+    assert model.lm_head.bias is not None
 
 
 def test_the_mlp_is_transformers_gelu_new(phi: Path) -> None:
@@ -85,6 +85,11 @@ def test_query_and_key_layernorms_are_transformers(tmp_path: Path) -> None:
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(phi: Path) -> None:
     bf16_alone_equals_batched(str(phi), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(phi: Path) -> None:
+    """The walk with attention and MLP side by side on one LayerNorm, a partial rotary, biases."""
+    assert_bf16_walk_near_float32(phi, PROMPTS)
 
 
 def test_its_first_layers_draft_for_it(tmp_path: Path) -> None:
