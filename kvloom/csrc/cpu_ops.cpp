@@ -329,7 +329,8 @@ void gelu_tanh(const T* x, T* out, int64_t rows, int64_t n) {
 }
 
 // GELU's exact form, 0.5 x (1 + erf(x / sqrt(2))) (GPT-NeoX's "gelu"), through erfc: with
-// z = |x| / sqrt(2), 1 + erf(x / sqrt 2) is erfc(z) for x < 0 and 2 - erfc(z) for x >= 0, and
+// z = |x| / sqrt(2), 1 + erf(x / sqrt 2) is erfc(z) for x < 0 and 2 - erfc(z) for x >= 0 (so
+// gelu is x erfc(z) / 2, or x (1 - erfc(z) / 2)), and
 // erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), P Numerical Recipes' Chebyshev fit
 // (relative error below 1.2e-7 for every z: float32's own step, in the tails too).
 // x: [rows, n]; out <- round(gelu(x)). out may be x.
@@ -353,9 +354,11 @@ void gelu_erf(const T* x, T* out, int64_t rows, int64_t n) {
       __m512 poly = _mm512_set1_ps(ERFC_P[9]);
       for (int k = 8; k >= 0; --k) poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(ERFC_P[k]));
       const __m512 tail = _mm512_mul_ps(t, exp16(_mm512_sub_ps(poly, _mm512_mul_ps(z, z))));  // erfc(z)
-      const __m512 one_plus = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.0f), tail),
-                                                 _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), tail);
-      store16(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), one_plus), n - i);
+      // x < 0: (x / 2) erfc(z); else x (1 - erfc(z) / 2) (no product past |x|; -0 stays -0).
+      const __m512 half_tail = _mm512_mul_ps(_mm512_set1_ps(0.5f), tail);
+      store16(o + i, _mm512_mask_mov_ps(_mm512_mul_ps(v, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_tail)),
+                                        _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                        _mm512_mul_ps(v, half_tail)), n - i);
     }
     continue;
 #endif
@@ -371,9 +374,9 @@ void gelu_erf(const T* x, T* out, int64_t rows, int64_t n) {
       __m256 poly = _mm256_set1_ps(ERFC_P[9]);
       for (int k = 8; k >= 0; --k) poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(ERFC_P[k]));
       const __m256 tail = _mm256_mul_ps(t, exp8(_mm256_sub_ps(poly, _mm256_mul_ps(z, z))));  // erfc(z)
-      const __m256 one_plus = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), tail), tail,
-                                               _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-      store8(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), one_plus));
+      const __m256 half_tail = _mm256_mul_ps(_mm256_set1_ps(0.5f), tail);
+      store8(o + i, _mm256_blendv_ps(_mm256_mul_ps(v, _mm256_sub_ps(_mm256_set1_ps(1.0f), half_tail)),
+                                     _mm256_mul_ps(v, half_tail), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)));
     }
 #endif
     for (int64_t i = vec; i < n; ++i) {
@@ -382,7 +385,7 @@ void gelu_erf(const T* x, T* out, int64_t rows, int64_t n) {
       float poly = ERFC_P[9];
       for (int k = 8; k >= 0; --k) poly = poly * t + ERFC_P[k];
       const float tail = t * std::exp(poly - z * z);  // erfc(z)
-      from_float(0.5f * v * (v < 0 ? tail : 2.0f - tail), o + i);
+      from_float(v < 0 ? v * (0.5f * tail) : v * (1.0f - 0.5f * tail), o + i);
     }
   }
 }
