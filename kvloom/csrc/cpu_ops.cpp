@@ -25,6 +25,52 @@ using kvloom_simd::to_float;
 // changes no bit.
 inline bool parallel_worth_it(int64_t rows, int64_t elements) { return rows >= 2 && elements >= (1 << 12); }
 
+// An RMSNorm's first pass over a row: residual (nullptr: none) <- round(x + residual), and
+// the sum of the squares of what is normed (that sum's values, or x's), in float32, in each
+// path's order (16 lanes, or 8 and then the scalar rule for the tail).
+template <typename T>
+inline float sum_of_squares(const T* xr, T* res, int64_t n) {
+#ifdef KVLOOM_AVX512
+  using namespace kvloom_simd;
+  __m512 sum_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = load16(xr + i, n - i);
+    if (res) {
+      v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
+      store16(res + i, v, n - i);
+    }
+    sum_v = _mm512_fmadd_ps(v, v, sum_v);
+  }
+  return _mm512_reduce_add_ps(sum_v);
+#else
+  int64_t vec = 0;  // elements the vector loop takes
+  float sum_sq = 0.0f;
+#ifdef KVLOOM_AVX2
+  using namespace kvloom_simd;
+  vec = n / 8 * 8;
+  __m256 sum_v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < vec; i += 8) {
+    __m256 v = to_float8(xr + i);
+    if (res) {
+      v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
+      store8(res + i, v);
+    }
+    sum_v = _mm256_fmadd_ps(v, v, sum_v);
+  }
+  sum_sq = reduce_add8(sum_v);
+#endif
+  for (int64_t i = vec; i < n; ++i) {
+    float v = to_float(xr[i]);
+    if (res) {
+      v = round_to(v + to_float(res[i]), res);
+      from_float(v, res + i);
+    }
+    sum_sq += v * v;
+  }
+  return sum_sq;
+#endif
+}
+
 // residual (optional): residual <- round(x + residual), then normalise that sum.
 // out <- round(weight * round(v * rsqrt(mean(v^2) + eps))), v in float32. out may be x.
 template <typename T>
@@ -34,53 +80,21 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     const T* xr = x + r * n;
     T* res = residual ? residual + r * n : nullptr;
     T* o = out + r * n;
+    const float inv = 1.0f / std::sqrt(sum_of_squares(xr, res, n) / static_cast<float>(n) + eps);
+    const T* src = res ? res : xr;
 #ifdef KVLOOM_AVX512
     using namespace kvloom_simd;
-    __m512 sum_v = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      __m512 v = load16(xr + i, n - i);
-      if (res) {
-        v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
-        store16(res + i, v, n - i);
-      }
-      sum_v = _mm512_fmadd_ps(v, v, sum_v);
-    }
-    const __m512 inv_v = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_v) / static_cast<float>(n) + eps));
-    const T* src_v = res ? res : xr;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 normed = round16(_mm512_mul_ps(load16(src_v + i, n - i), inv_v), o);
+      const __m512 normed = round16(_mm512_mul_ps(load16(src + i, n - i), _mm512_set1_ps(inv)), o);
       store16(o + i, _mm512_mul_ps(load16(weight + i, n - i), normed), n - i);
     }
     continue;
 #endif
     // The scalar rule, for every element or (AVX2) for those past the last 8 lanes.
-    int64_t vec = 0;  // elements the vector loops take
-    float sum_sq = 0.0f;
+    int64_t vec = 0;  // elements the vector loop takes
 #if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)  // an AVX-512 build took its own path above
     using namespace kvloom_simd;
     vec = n / 8 * 8;
-    __m256 sum_v = _mm256_setzero_ps();
-    for (int64_t i = 0; i < vec; i += 8) {
-      __m256 v = to_float8(xr + i);
-      if (res) {
-        v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
-        store8(res + i, v);
-      }
-      sum_v = _mm256_fmadd_ps(v, v, sum_v);
-    }
-    sum_sq = reduce_add8(sum_v);
-#endif
-    for (int64_t i = vec; i < n; ++i) {
-      float v = to_float(xr[i]);
-      if (res) {
-        v = round_to(v + to_float(res[i]), res);
-        from_float(v, res + i);
-      }
-      sum_sq += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-    const T* src = res ? res : xr;
-#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
     for (int64_t i = 0; i < vec; i += 8) {
       const __m256 normed = round8(_mm256_mul_ps(to_float8(src + i), _mm256_set1_ps(inv)), o);
       store8(o + i, _mm256_mul_ps(to_float8(weight + i), normed));
@@ -89,41 +103,6 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     for (int64_t i = vec; i < n; ++i) {
       const float normed = round_to(to_float(src[i]) * inv, o);
       from_float(round_to(to_float(weight[i]) * normed, o), o + i);
-    }
-  }
-}
-
-// gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(silu(gate)) * up).
-template <typename T>
-void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * n;
-    const T* u = g + n;
-    T* o = out + r * n;
-#ifdef KVLOOM_AVX512
-    using namespace kvloom_simd;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 gv = load16(g + i, n - i);
-      const __m512 silu = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), o);
-      store16(o + i, _mm512_mul_ps(silu, load16(u + i, n - i)), n - i);
-    }
-    continue;
-#endif
-    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
-#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
-    using namespace kvloom_simd;
-    vec = n / 8 * 8;
-    for (int64_t i = 0; i < vec; i += 8) {  // exp8: exp16's arithmetic
-      const __m256 gv = to_float8(g + i);
-      const __m256 silu = round8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), o);
-      store8(o + i, _mm256_mul_ps(silu, to_float8(u + i)));
-    }
-#endif
-    for (int64_t i = vec; i < n; ++i) {
-      const float gv = to_float(g[i]);
-      const float silu = round_to(gv / (1.0f + std::exp(-gv)), o);
-      from_float(round_to(silu * to_float(u[i]), o), o + i);
     }
   }
 }
@@ -140,53 +119,20 @@ void rms_norm_scaled(const T* x, T* residual, const T* weight, T* out, int64_t r
     const T* xr = x + r * n;
     T* res = residual ? residual + r * n : nullptr;
     T* o = out + r * n;
+    const float inv = 1.0f / std::sqrt(sum_of_squares(xr, res, n) / static_cast<float>(n) + eps);
+    const T* src = res ? res : xr;
 #ifdef KVLOOM_AVX512
     using namespace kvloom_simd;
-    __m512 sum_v = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      __m512 v = load16(xr + i, n - i);
-      if (res) {
-        v = round16(_mm512_add_ps(v, load16(res + i, n - i)), res);
-        store16(res + i, v, n - i);
-      }
-      sum_v = _mm512_fmadd_ps(v, v, sum_v);
-    }
-    const __m512 inv_v = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_v) / static_cast<float>(n) + eps));
-    const __m512 offset_v = _mm512_set1_ps(offset);
-    const T* src_v = res ? res : xr;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 normed = _mm512_mul_ps(load16(src_v + i, n - i), inv_v);
-      store16(o + i, _mm512_mul_ps(normed, _mm512_add_ps(offset_v, load16(weight + i, n - i))), n - i);
+      const __m512 normed = _mm512_mul_ps(load16(src + i, n - i), _mm512_set1_ps(inv));
+      store16(o + i, _mm512_mul_ps(normed, _mm512_add_ps(_mm512_set1_ps(offset), load16(weight + i, n - i))), n - i);
     }
     continue;
 #endif
-    int64_t vec = 0;  // elements the vector loops take; the scalar rule does the rest
-    float sum_sq = 0.0f;
+    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
 #if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
     using namespace kvloom_simd;
     vec = n / 8 * 8;
-    __m256 sum_v = _mm256_setzero_ps();
-    for (int64_t i = 0; i < vec; i += 8) {
-      __m256 v = to_float8(xr + i);
-      if (res) {
-        v = round8(_mm256_add_ps(v, to_float8(res + i)), res);
-        store8(res + i, v);
-      }
-      sum_v = _mm256_fmadd_ps(v, v, sum_v);
-    }
-    sum_sq = reduce_add8(sum_v);
-#endif
-    for (int64_t i = vec; i < n; ++i) {
-      float v = to_float(xr[i]);
-      if (res) {
-        v = round_to(v + to_float(res[i]), res);
-        from_float(v, res + i);
-      }
-      sum_sq += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-    const T* src = res ? res : xr;
-#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
     for (int64_t i = 0; i < vec; i += 8) {
       const __m256 normed = _mm256_mul_ps(to_float8(src + i), _mm256_set1_ps(inv));
       store8(o + i, _mm256_mul_ps(normed, _mm256_add_ps(_mm256_set1_ps(offset), to_float8(weight + i))));
@@ -283,117 +229,126 @@ void layer_norm(const T* x, T* residual, const T* weight, const T* bias, T* out,
   }
 }
 
+// ---- the MLP's activations: each a functor with its 16-lane, 8-lane and scalar forms (the
+// same operations in the same order), run by one of two drivers below.
+
+// SiLU, x / (1 + exp(-x)).
+struct Silu {
+#ifdef KVLOOM_AVX512
+  __m512 operator()(__m512 x) const {
+    using namespace kvloom_simd;
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  }
+#endif
+#ifdef KVLOOM_AVX2
+  __m256 operator()(__m256 x) const {  // exp8: exp16's arithmetic
+    using namespace kvloom_simd;
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  }
+#endif
+  float operator()(float x) const { return x / (1.0f + std::exp(-x)); }
+};
+
 // GELU's tanh form (transformers' gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with
 // u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)), the same value
 // without tanh's cancellation near 1 + tanh(u) = 0; exp overflows to inf (the result -0,
 // as torch's) or underflows to 0 (the result x) at the ends.
 constexpr float GELU_BETA = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float GELU_KAPPA = 0.044715f;
-
-// x: [rows, n]. out[rows, n] <- round(gelu_tanh(x)): torch's F.gelu(x, approximate="tanh")
-// (the un-gated MLP of StarCoder2, GPT-2 and Phi). out may be x.
-template <typename T>
-void gelu_tanh(const T* x, T* out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = x + r * n;
-    T* o = out + r * n;
+struct GeluTanh {
 #ifdef KVLOOM_AVX512
+  __m512 operator()(__m512 x) const {
     using namespace kvloom_simd;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 v = load16(g + i, n - i);
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
-      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(-2.0f * GELU_BETA),
-                                         _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
-      store16(o + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))), n - i);
-    }
-    continue;
-#endif
-    int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
-#if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
-    using namespace kvloom_simd;
-    vec = n / 8 * 8;
-    for (int64_t i = 0; i < vec; i += 8) {
-      const __m256 v = to_float8(g + i);
-      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-      const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_BETA),
-                                         _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), cube)));
-      store8(o + i, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(inner))));
-    }
-#endif
-    for (int64_t i = vec; i < n; ++i) {
-      const float v = to_float(g[i]);
-      from_float(v / (1.0f + std::exp(-2.0f * GELU_BETA * (v + GELU_KAPPA * (v * v * v)))), o + i);
-    }
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(-2.0f * GELU_BETA),
+                                       _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner)));
   }
-}
+#endif
+#ifdef KVLOOM_AVX2
+  __m256 operator()(__m256 x) const {
+    using namespace kvloom_simd;
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_BETA),
+                                       _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), cube)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(inner)));
+  }
+#endif
+  float operator()(float x) const { return x / (1.0f + std::exp(-2.0f * GELU_BETA * (x + GELU_KAPPA * (x * x * x)))); }
+};
 
 // GELU's exact form, 0.5 x (1 + erf(x / sqrt(2))) (GPT-NeoX's "gelu"), through erfc: with
 // z = |x| / sqrt(2), 1 + erf(x / sqrt 2) is erfc(z) for x < 0 and 2 - erfc(z) for x >= 0 (so
-// gelu is x erfc(z) / 2, or x (1 - erfc(z) / 2)), and
+// gelu is x erfc(z) / 2, or x (1 - erfc(z) / 2): no product past |x|, and -0 stays -0), and
 // erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), P Numerical Recipes' Chebyshev fit
 // (relative error below 1.2e-7 for every z: float32's own step, in the tails too).
-// x: [rows, n]; out <- round(gelu(x)). out may be x.
 constexpr float ERFC_P[10] = {-1.26551223f, 1.00002368f, 0.37409196f, 0.09678418f, -0.18628806f,
                               0.27886807f,  -1.13520398f, 1.48851587f, -0.82215223f, 0.17087277f};
 constexpr float INV_SQRT2 = 0.7071067811865476f;
+struct GeluErf {
+#ifdef KVLOOM_AVX512
+  __m512 operator()(__m512 x) const {
+    using namespace kvloom_simd;
+    const __m512 u = _mm512_mul_ps(x, _mm512_set1_ps(INV_SQRT2));
+    const __m512 z = _mm512_max_ps(u, _mm512_sub_ps(_mm512_setzero_ps(), u));  // |u|
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+    __m512 poly = _mm512_set1_ps(ERFC_P[9]);
+    for (int k = 8; k >= 0; --k) poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(ERFC_P[k]));
+    const __m512 half_tail = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(t, exp16(_mm512_sub_ps(poly, _mm512_mul_ps(z, z)))));
+    return _mm512_mask_mov_ps(_mm512_mul_ps(x, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_tail)),
+                              _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_mul_ps(x, half_tail));
+  }
+#endif
+#ifdef KVLOOM_AVX2
+  __m256 operator()(__m256 x) const {
+    using namespace kvloom_simd;
+    const __m256 u = _mm256_mul_ps(x, _mm256_set1_ps(INV_SQRT2));
+    const __m256 z = _mm256_max_ps(u, _mm256_sub_ps(_mm256_setzero_ps(), u));  // |u|
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+    __m256 poly = _mm256_set1_ps(ERFC_P[9]);
+    for (int k = 8; k >= 0; --k) poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(ERFC_P[k]));
+    const __m256 half_tail = _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(t, exp8(_mm256_sub_ps(poly, _mm256_mul_ps(z, z)))));
+    return _mm256_blendv_ps(_mm256_mul_ps(x, _mm256_sub_ps(_mm256_set1_ps(1.0f), half_tail)), _mm256_mul_ps(x, half_tail),
+                            _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  }
+#endif
+  float operator()(float x) const {
+    const float z = std::fabs(x * INV_SQRT2), t = 1.0f / (1.0f + 0.5f * z);
+    float poly = ERFC_P[9];
+    for (int k = 8; k >= 0; --k) poly = poly * t + ERFC_P[k];
+    const float half_tail = 0.5f * (t * std::exp(poly - z * z));
+    return x < 0 ? x * half_tail : x * (1.0f - half_tail);
+  }
+};
 
-template <typename T>
-void gelu_erf(const T* x, T* out, int64_t rows, int64_t n) {
+// x: [rows, n]. out[rows, n] <- round(act(x)): torch's F.gelu (the un-gated MLP of
+// StarCoder2, GPT-2, Phi and GPT-NeoX). out may be x.
+template <typename T, class Act>
+void activation(const T* x, T* out, int64_t rows, int64_t n, Act act) {
 #pragma omp parallel for if (parallel_worth_it(rows, rows * n))
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = x + r * n;
     T* o = out + r * n;
 #ifdef KVLOOM_AVX512
     using namespace kvloom_simd;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 v = load16(g + i, n - i);
-      const __m512 u = _mm512_mul_ps(v, _mm512_set1_ps(INV_SQRT2));
-      const __m512 z = _mm512_max_ps(u, _mm512_sub_ps(_mm512_setzero_ps(), u));  // |u|
-      const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
-      __m512 poly = _mm512_set1_ps(ERFC_P[9]);
-      for (int k = 8; k >= 0; --k) poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(ERFC_P[k]));
-      const __m512 tail = _mm512_mul_ps(t, exp16(_mm512_sub_ps(poly, _mm512_mul_ps(z, z))));  // erfc(z)
-      // x < 0: (x / 2) erfc(z); else x (1 - erfc(z) / 2) (no product past |x|; -0 stays -0).
-      const __m512 half_tail = _mm512_mul_ps(_mm512_set1_ps(0.5f), tail);
-      store16(o + i, _mm512_mask_mov_ps(_mm512_mul_ps(v, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_tail)),
-                                        _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ),
-                                        _mm512_mul_ps(v, half_tail)), n - i);
-    }
+    for (int64_t i = 0; i < n; i += 16) store16(o + i, act(load16(g + i, n - i)), n - i);
     continue;
 #endif
     int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
 #if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
     using namespace kvloom_simd;
     vec = n / 8 * 8;
-    const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t i = 0; i < vec; i += 8) {
-      const __m256 v = to_float8(g + i);
-      const __m256 z = _mm256_and_ps(_mm256_mul_ps(v, _mm256_set1_ps(INV_SQRT2)), sign_off);
-      const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
-      __m256 poly = _mm256_set1_ps(ERFC_P[9]);
-      for (int k = 8; k >= 0; --k) poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(ERFC_P[k]));
-      const __m256 tail = _mm256_mul_ps(t, exp8(_mm256_sub_ps(poly, _mm256_mul_ps(z, z))));  // erfc(z)
-      const __m256 half_tail = _mm256_mul_ps(_mm256_set1_ps(0.5f), tail);
-      store8(o + i, _mm256_blendv_ps(_mm256_mul_ps(v, _mm256_sub_ps(_mm256_set1_ps(1.0f), half_tail)),
-                                     _mm256_mul_ps(v, half_tail), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)));
-    }
+    for (int64_t i = 0; i < vec; i += 8) store8(o + i, act(to_float8(g + i)));
 #endif
-    for (int64_t i = vec; i < n; ++i) {
-      const float v = to_float(g[i]);
-      const float z = std::fabs(v * INV_SQRT2), t = 1.0f / (1.0f + 0.5f * z);
-      float poly = ERFC_P[9];
-      for (int k = 8; k >= 0; --k) poly = poly * t + ERFC_P[k];
-      const float tail = t * std::exp(poly - z * z);  // erfc(z)
-      from_float(v < 0 ? v * (0.5f * tail) : v * (1.0f - 0.5f * tail), o + i);
-    }
+    for (int64_t i = vec; i < n; ++i) from_float(act(to_float(g[i])), o + i);
   }
 }
 
-// gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(gelu_tanh(gate)) * up):
-// torch's F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU), each op rounded to T.
-template <typename T>
-void gelu_tanh_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+// gate_up: [rows, 2n] (gate then up). out[rows, n] <- round(round(act(gate)) * up): torch's
+// F.silu(gate) * up (SwiGLU) or F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU), each
+// op rounded to T.
+template <typename T, class Act>
+void gated(const T* gate_up, T* out, int64_t rows, int64_t n, Act act) {
 #pragma omp parallel for if (parallel_worth_it(rows, rows * n))
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * n;
@@ -401,35 +356,17 @@ void gelu_tanh_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
     T* o = out + r * n;
 #ifdef KVLOOM_AVX512
     using namespace kvloom_simd;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 x = load16(g + i, n - i);
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(-2.0f * GELU_BETA),
-                                         _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
-      const __m512 gelu = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))), o);
-      store16(o + i, _mm512_mul_ps(gelu, load16(u + i, n - i)), n - i);
-    }
+    for (int64_t i = 0; i < n; i += 16)
+      store16(o + i, _mm512_mul_ps(round16(act(load16(g + i, n - i)), o), load16(u + i, n - i)), n - i);
     continue;
 #endif
     int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
 #if defined(KVLOOM_AVX2) && !defined(KVLOOM_AVX512)
     using namespace kvloom_simd;
     vec = n / 8 * 8;
-    for (int64_t i = 0; i < vec; i += 8) {  // exp8: exp16's arithmetic
-      const __m256 x = to_float8(g + i);
-      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-      const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_BETA),
-                                         _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), cube)));
-      const __m256 gelu = round8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(inner))), o);
-      store8(o + i, _mm256_mul_ps(gelu, to_float8(u + i)));
-    }
+    for (int64_t i = 0; i < vec; i += 8) store8(o + i, _mm256_mul_ps(round8(act(to_float8(g + i)), o), to_float8(u + i)));
 #endif
-    for (int64_t i = vec; i < n; ++i) {
-      const float x = to_float(g[i]);
-      const float inner = -2.0f * GELU_BETA * (x + GELU_KAPPA * (x * x * x));
-      const float gelu = round_to(x / (1.0f + std::exp(inner)), o);
-      from_float(round_to(gelu * to_float(u[i]), o), o + i);
-    }
+    for (int64_t i = vec; i < n; ++i) from_float(round_to(round_to(act(to_float(g[i])), o) * to_float(u[i]), o), o + i);
   }
 }
 
@@ -527,10 +464,10 @@ void kvloom_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t*
   rms_norm(x, residual, weight, out, rows, n, eps);
 }
 void kvloom_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n) {
-  silu_and_mul(gate_up, out, rows, n);
+  gated(gate_up, out, rows, n, Silu());
 }
 void kvloom_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
-  silu_and_mul(gate_up, out, rows, n);
+  gated(gate_up, out, rows, n, Silu());
 }
 void kvloom_rms_norm_scaled_f32(const float* x, float* residual, const float* weight, float* out, int64_t rows,
                                 int64_t n, float eps, float offset) {
@@ -541,10 +478,10 @@ void kvloom_rms_norm_scaled_bf16(const uint16_t* x, uint16_t* residual, const ui
   rms_norm_scaled(x, residual, weight, out, rows, n, eps, offset);
 }
 void kvloom_gelu_tanh_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n) {
-  gelu_tanh_and_mul(gate_up, out, rows, n);
+  gated(gate_up, out, rows, n, GeluTanh());
 }
 void kvloom_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n) {
-  gelu_tanh_and_mul(gate_up, out, rows, n);
+  gated(gate_up, out, rows, n, GeluTanh());
 }
 void kvloom_layer_norm_f32(const float* x, float* residual, const float* weight, const float* bias, float* out,
                            int64_t rows, int64_t n, float eps) {
@@ -554,10 +491,10 @@ void kvloom_layer_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_
                             uint16_t* out, int64_t rows, int64_t n, float eps) {
   layer_norm(x, residual, weight, bias, out, rows, n, eps);
 }
-void kvloom_gelu_tanh_f32(const float* x, float* out, int64_t rows, int64_t n) { gelu_tanh(x, out, rows, n); }
-void kvloom_gelu_erf_f32(const float* x, float* out, int64_t rows, int64_t n) { gelu_erf(x, out, rows, n); }
-void kvloom_gelu_erf_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { gelu_erf(x, out, rows, n); }
-void kvloom_gelu_tanh_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { gelu_tanh(x, out, rows, n); }
+void kvloom_gelu_tanh_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluTanh()); }
+void kvloom_gelu_erf_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluErf()); }
+void kvloom_gelu_erf_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluErf()); }
+void kvloom_gelu_tanh_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluTanh()); }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);

@@ -145,32 +145,56 @@ def layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     return LAYER_NORM.call(x, residual, weight, bias, eps)
 
 
-# ---- the gated MLP's activation ------------------------------------------------------
-SILU_AND_MUL = NativeOp(
-    "silu_and_mul(Tensor gate_up) -> Tensor",
-    library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_silu_and_mul_{variant}(gate_up, Tensor out, int rows, int n) -> ()",
-    tensors={"gate_up": TensorSpec(2, ACTIVATIONS)},
-)
+# ---- the MLP's activations -----------------------------------------------------------
+def _gated_activation(name: str) -> NativeOp:
+    """``name(gate_up)``: act(gate) * up for gate_up = [gate | up], [rows, 2n] -> [rows, n]
+    (kvloom_<name>_{f32,bf16} in cpu_ops.cpp)."""
+    op = NativeOp(f"{name}(Tensor gate_up) -> Tensor", library="cpu_ops", variants=("f32", "bf16"),
+                  native=f"kvloom_{name}_{{variant}}(gate_up, Tensor out, int rows, int n) -> ()",
+                  tensors={"gate_up": TensorSpec(2, ACTIVATIONS)})
+
+    @op.check
+    def _check(gate_up: torch.Tensor) -> None:
+        if gate_up.shape[1] % 2:
+            raise op.error("gate_up", f"must have an even width ([gate | up]), got {gate_up.shape[1]}")
+
+    @op.implementation
+    def _cpu(gate_up: torch.Tensor) -> torch.Tensor:
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n, dtype=gate_up.dtype)  # [rows, n]
+        op.function(_VARIANT[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, n)
+        return out
+
+    @op.fake
+    def _fake(gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    return op
 
 
-@SILU_AND_MUL.check
-def _silu_and_mul_check(gate_up: torch.Tensor) -> None:
-    if gate_up.shape[1] % 2:
-        raise SILU_AND_MUL.error("gate_up", f"must have an even width ([gate | up]), got {gate_up.shape[1]}")
+def _activation(name: str) -> NativeOp:
+    """``name(x)``: an element-wise activation of x, [rows, n] (kvloom_<name>_{f32,bf16})."""
+    op = NativeOp(f"{name}(Tensor x) -> Tensor", library="cpu_ops", variants=("f32", "bf16"),
+                  native=f"kvloom_{name}_{{variant}}(x, Tensor out, int rows, int n) -> ()",
+                  tensors={"x": TensorSpec(2, ACTIVATIONS)})
+
+    @op.implementation
+    def _cpu(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        op.function(_VARIANT[x.dtype])(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+    @op.fake
+    def _fake(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    return op
 
 
-@SILU_AND_MUL.implementation
-def _silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=gate_up.dtype)  # [rows, n]
-    SILU_AND_MUL.function(_VARIANT[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, n)
-    return out
-
-
-@SILU_AND_MUL.fake
-def _silu_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
-    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+SILU_AND_MUL = _gated_activation("silu_and_mul")
+GELU_TANH_AND_MUL = _gated_activation("gelu_tanh_and_mul")
+GELU_TANH = _activation("gelu_tanh")
+GELU_ERF = _activation("gelu_erf")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -178,81 +202,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return SILU_AND_MUL.call(gate_up)
 
 
-GELU_TANH_AND_MUL = NativeOp(
-    "gelu_tanh_and_mul(Tensor gate_up) -> Tensor",
-    library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_gelu_tanh_and_mul_{variant}(gate_up, Tensor out, int rows, int n) -> ()",
-    tensors={"gate_up": TensorSpec(2, ACTIVATIONS)},
-)
-
-
-@GELU_TANH_AND_MUL.check
-def _gelu_tanh_and_mul_check(gate_up: torch.Tensor) -> None:
-    if gate_up.shape[1] % 2:
-        raise GELU_TANH_AND_MUL.error("gate_up", f"must have an even width ([gate | up]), got {gate_up.shape[1]}")
-
-
-@GELU_TANH_AND_MUL.implementation
-def _gelu_tanh_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=gate_up.dtype)  # [rows, n]
-    GELU_TANH_AND_MUL.function(_VARIANT[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, n)
-    return out
-
-
-@GELU_TANH_AND_MUL.fake
-def _gelu_tanh_and_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
-    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-
-
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for gate_up = [gate | up]: [rows, 2n] -> [rows, n]."""
     return GELU_TANH_AND_MUL.call(gate_up)
 
 
-GELU_TANH = NativeOp(
-    "gelu_tanh(Tensor x) -> Tensor",
-    library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_gelu_tanh_{variant}(x, Tensor out, int rows, int n) -> ()",
-    tensors={"x": TensorSpec(2, ACTIVATIONS)},
-)
-
-
-@GELU_TANH.implementation
-def _gelu_tanh_cpu(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    GELU_TANH.function(_VARIANT[x.dtype])(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
-    return out
-
-
-@GELU_TANH.fake
-def _gelu_tanh_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh form of x: [rows, n] (torch's ``F.gelu(x, approximate="tanh")``)."""
     return GELU_TANH.call(x)
-
-
-GELU_ERF = NativeOp(
-    "gelu_erf(Tensor x) -> Tensor",
-    library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_gelu_erf_{variant}(x, Tensor out, int rows, int n) -> ()",
-    tensors={"x": TensorSpec(2, ACTIVATIONS)},
-)
-
-
-@GELU_ERF.implementation
-def _gelu_erf_cpu(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    GELU_ERF.function(_VARIANT[x.dtype])(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
-    return out
-
-
-@GELU_ERF.fake
-def _gelu_erf_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 def gelu_erf(x: torch.Tensor) -> torch.Tensor:
