@@ -40,7 +40,8 @@
 // Phi and GPT-NeoX add attention and MLP to the stream side by side (parallel): the MLP
 // reads the attention's input (Phi: W_POST_NORM 0) or the stream normed by its own norm
 // (GPT-NeoX), writes mlp_out, and hidden = attention's output + mlp_out, which the next
-// layer's norm adds into the stream (transformers' (A + M) + S, an add per rounding).
+// layer's norm adds into the stream (transformers' (A + M) + S, an add per rounding); StableLM's
+// adds the attention's output into the stream at once and the MLP's next ((S + A) + M).
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
@@ -146,6 +147,9 @@ enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
 // ACT_GELU_*_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
 enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN, ACT_GELU_ERF_PLAIN };
+// Attention and MLP side by side: added together, then into the stream ((A + M) + S: Phi,
+// GPT-NeoX), or the attention's output into the stream first ((S + A) + M: StableLM).
+enum Parallel { IN_TURN, BLOCKS_FIRST, STREAM_FIRST };
 // A layer's four matmuls, in the order of the LoRA table's projections.
 enum Projection { P_QKV, P_O, P_GATE_UP, P_DOWN, NUM_PROJECTIONS };
 constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache in the paired layout
@@ -186,7 +190,7 @@ struct Model {
   float norm_offset;   // NORM_SCALED_IN_FLOAT32's offset (Gemma's 1, Helium's 0)
   int activation;      // Activation: the gated MLP's
   int qk_norm_whole;   // 1: W_Q_NORM and W_K_NORM norm each token's whole q and k (OLMo 2), 0: each head
-  int parallel;        // 1: attention and MLP side by side (Phi, GPT-NeoX)
+  int parallel;        // Parallel: attention and MLP side by side, and the order of their adds
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -444,9 +448,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     }
     scale_hidden(hidden, T * H, m.residual_scale, num_threads);
     const uint16_t* mlp_in = normed;
-    if (m.parallel) {  // the stream is as the layer found it; Phi's MLP reads `normed`, GPT-NeoX's its own norm
+    if (m.parallel != IN_TURN) {  // Phi's and StableLM's MLP reads `normed`, GPT-NeoX's its own norm of the stream
       if (weight(w, W_POST_NORM) != nullptr)
         rms_norm(r.residual, nullptr, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
+      if (m.parallel == STREAM_FIRST) add_rows(r.residual, hidden, nullptr, T, H);
     } else if (post_norms) {  // OLMo 2: the attention's output normed and added; the MLP reads the stream
       rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
       add_rows(r.residual, hidden, nullptr, T, H);
@@ -462,10 +467,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         !adapt(P_GATE_UP, mlp_in, H, gate_up, up_width))
       return refused;
     activation(gate_up, act, T, I);
-    uint16_t* down_out = m.parallel ? mlp_out : hidden;
+    uint16_t* down_out = m.parallel == BLOCKS_FIRST ? mlp_out : hidden;
     if (!matmul(act, W_DOWN, W_DOWN_BIAS, down_out, H, I, ahead.down()) || !adapt(P_DOWN, act, I, down_out, H))
       return refused;
-    if (m.parallel) add_rows(hidden, mlp_out, nullptr, T, H);  // attention's output + the MLP's
+    if (m.parallel == BLOCKS_FIRST) add_rows(hidden, mlp_out, nullptr, T, H);  // attention's output + the MLP's
     if (m.reduce != nullptr) {
       const int status = all_reduce(m.reduce, hidden, T * H);
       if (status != 0) return status;

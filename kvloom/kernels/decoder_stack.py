@@ -58,6 +58,10 @@ NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
 # "gelu_*_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2), GELU's
 # tanh form or its exact one (GPT-NeoX's).
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain": 3}
+# StackShape.parallel, decoder_stack.cpp's Parallel: blocks in turn (Llama's), or side by side
+# with the two outputs added first ((A + M) + S: Phi, GPT-NeoX) or the attention's into the
+# stream first ((S + A) + M: StableLM), transformers' orders.
+PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 NUM_KERNELS = 13
@@ -109,9 +113,10 @@ class StackShape:
     norm_offset: float = 0.0
     activation: str = "silu"  # the MLP's (ACTIVATIONS): SwiGLU, Gemma's GeGLU, or an un-gated GELU's
     qk_norm_whole: bool = False  # the q and k norms span a token's whole q and k (OLMo 2), not each head
-    # Attention and MLP added to the stream side by side (Phi: the MLP reads the attention's
-    # input, post_norm 0; GPT-NeoX: its own norm of the stream). One process.
-    parallel: bool = False
+    # Attention and MLP side by side (PARALLEL; Phi and StableLM: the MLP reads the attention's
+    # input, post_norm 0; GPT-NeoX: its own norm of the stream), and the order of the adds.
+    # One process.
+    parallel: str = "in_turn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +232,10 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         _check("local sin", local_rotary[1], torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
     elif bool((weights[:, WEIGHT_COLUMNS.index("rope")] == ROPE["local"]).any()):
         raise _fail("local_rotary", "must be given: some layers turn by the local rotary table")
-    if shape.norm not in NORMS or shape.activation not in ACTIVATIONS:
-        raise _fail("shape", f"has norm {shape.norm!r} (one of {sorted(NORMS)}) and activation "
-                             f"{shape.activation!r} (one of {sorted(ACTIVATIONS)})")
+    if shape.norm not in NORMS or shape.activation not in ACTIVATIONS or shape.parallel not in PARALLEL:
+        raise _fail("shape", f"has norm {shape.norm!r} (one of {sorted(NORMS)}), activation "
+                             f"{shape.activation!r} (one of {sorted(ACTIVATIONS)}) and parallel "
+                             f"{shape.parallel!r} (one of {sorted(PARALLEL)})")
     if not softcap >= 0:
         raise _fail("softcap", f"must be 0 (none) or positive, got {softcap}")
     _check("slots", slots, torch.int64, (tokens,))
@@ -298,7 +304,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
             shape.intermediate, block_size, shape.eps, scale, shape.residual_scale, softcap,
             NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation], int(shape.qk_norm_whole),
-            int(shape.parallel),
+            PARALLEL[shape.parallel],
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

@@ -126,15 +126,17 @@ class NativeDecoderStack:
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
         # (norm, its offset, activation, q/k norms whole, parallel) of every layer
-        kinds: set[tuple[str, float, str, bool, bool]] = set()
+        kinds: set[tuple[str, float, str, bool, str]] = set()
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            # Phi's and GPT-NeoX's: attention and MLP side by side (Phi's MLP reads the attention's input).
-            parallel = bool(getattr(layer, "parallel", False))
+            # Phi's, GPT-NeoX's and StableLM's: attention and MLP side by side (Phi's and StableLM's
+            # MLP reads the attention's input), added in the order the layer names.
+            parallel = (getattr(layer, "parallel_adds", "blocks_first") if getattr(layer, "parallel", False)
+                        else "in_turn")
             post_norm = getattr(layer, "post_attention_layernorm", None)
-            if parallel and model.tp.size > 1:
+            if parallel != "in_turn" and model.tp.size > 1:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
-            if post_norm is None and not parallel:
+            if post_norm is None and parallel == "in_turn":
                 return None, f"layer {index} has no norm before its MLP"
             if isinstance(mlp, GeluMLP):
                 activation, up, down = f"gelu_{'tanh' if mlp.approximate == 'tanh' else 'erf'}_plain", mlp.fc1, mlp.fc2
@@ -157,7 +159,7 @@ class NativeDecoderStack:
             llama = input_norm is not None and pre_ff is None and post_ff is None
             gemma = input_norm is not None and pre_ff is not None and post_ff is not None
             olmo = input_norm is None and pre_ff is None and post_ff is not None
-            if not (llama or gemma or olmo) or (parallel and not llama):
+            if not (llama or gemma or olmo) or (parallel != "in_turn" and not llama):
                 return None, f"layer {index}'s norms sit neither as Llama's, Gemma 2's nor OLMo 2's"
             block_norms = tuple(norm for norm in (pre_ff, post_ff) if norm is not None)
             norms = (*(() if input_norm is None else (input_norm,)), *(() if post_norm is None else (post_norm,)),

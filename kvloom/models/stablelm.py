@@ -6,7 +6,8 @@ rotary; with ``use_parallel_residual`` (StableLM 2 12B) attention and MLP both r
 norm's output and are added to the stream together (stream + attention + MLP, transformers'
 order), otherwise one after the other, as Llama.
 
-Modules only (the native walk is Llama's RMSNorm layer); one process.
+The native walk runs its layers (side by side or in turn: ``parallel``, the attention's output
+added into the stream first) but with ``qk_layernorm`` (LayerNorms of heads: modules); one process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class PerHeadLayerNorm(nn.Module):
 
 
 class StableLmDecoderLayer(nn.Module):
+    parallel_adds = "stream_first"  # side by side: stream + attention, then + MLP (the native walk reads it)
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
@@ -82,7 +85,6 @@ class StableLmForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no StableLM sequence classifier is read
     layer_class = StableLmDecoderLayer
     norm_class = ResidualLayerNorm
-    modules_only = "LayerNorm, per-head q/k LayerNorms, a parallel residual"  # one process: sharding.ONE_PROCESS
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._head_norms_joined(weights))

@@ -43,10 +43,12 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # norms of a head, a global layer without rotary; starcoder2: LayerNorms, an un-gated GELU MLP,
 # biases, a window; gpt2: its layer with no rotary (learned positions), Conv1D weights; phi:
 # attention and MLP side by side on one LayerNorm, a partial rotary; gpt_neox (Pythia): side by
-# side on two LayerNorms, GELU's exact form; gpt_neox_seq: its blocks in turn.
+# side on two LayerNorms, GELU's exact form; gpt_neox_seq: its blocks in turn; stablelm: LayerNorms
+# and SwiGLU, a partial rotary; stablelm_parallel: side by side, the attention added in first.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
                                         "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4",
-                                        "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq"])
+                                        "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq", "stablelm",
+                                        "stablelm_parallel"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
@@ -80,7 +82,9 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if request.param == "granite":
         extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0)
-    arch = "gpt_neox" if request.param == "gpt_neox_seq" else request.param
+    if request.param == "stablelm_parallel":
+        extra = dict(use_parallel_residual=True)
+    arch = {"gpt_neox_seq": "gpt_neox", "stablelm_parallel": "stablelm"}.get(request.param, request.param)
     return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, **shape, **extra)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -41,7 +41,6 @@ def test_greedy_tokens_and_logprobs_are_transformers(stablelm: Path, backend: st
     config = llm.engine.model_config
     assert (config.rotary_dim, config.attention_bias, config.qk_norm, config.parallel_residual) == \
         (8, True, True, False)
-    assert llm.engine.model.native_stack is None  # the modules run it
 
 
 def test_the_parallel_residual_is_transformers(tmp_path: Path) -> None:
@@ -50,6 +49,17 @@ def test_the_parallel_residual_is_transformers(tmp_path: Path) -> None:
     path = write_tiny_hf_model(tmp_path / "stablelm-parallel", arch="stablelm", seed=52, **shape)
     llm = assert_transformers_tokens(path)
     assert llm.engine.model.layers[0].post_attention_layernorm is None
+    # bf16 on a CPU: the native walk (the attention's output added into the stream first).
+    assert_bf16_walk_near_float32(path, PROMPTS)
+
+
+def test_bf16_native_walk_refuses_head_layernorms_and_runs_the_rest(stablelm: Path, tmp_path: Path) -> None:
+    """qk_layernorm's per-head LayerNorms keep the modules; without them the walk runs."""
+    llm = LLM(str(stablelm), dtype="bfloat16", num_blocks=32)
+    assert llm.engine.model.native_stack is None
+    plain = write_tiny_hf_model(tmp_path / "stablelm-plain", arch="stablelm", seed=53,
+                                **{**SHAPE, "qk_layernorm": False})
+    assert_bf16_walk_near_float32(plain, PROMPTS)
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(stablelm: Path) -> None:
