@@ -427,6 +427,18 @@ void rotary(T* x, int64_t row_stride, const float* cos, const float* sin, int64_
 }
 
 
+// x[i] <- clamp(x[i], -limit, limit) for i < count, in place: torch's x.clamp_(-limit, limit)
+// (OLMo 1's clip_qkv), a bound rounded to T where it is taken, NaN kept as it is.
+template <typename T>
+void clamp(T* x, int64_t count, float limit) {
+#pragma omp parallel for if (count >= (1 << 16))
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = to_float(x[i]);
+    if (v < -limit) from_float(-limit, x + i);
+    else if (v > limit) from_float(limit, x + i);
+  }
+}
+
 // y[rows[i]] <- round(y[rows[i]] + delta[i]) for i < count (rows nullptr: row i), rows of
 // n elements: torch's `y += delta` and `y.index_add_(0, rows, delta)`, the float sum
 // rounded once (LoRA's deltas, kvloom/lora/layers.py). The rows must be distinct.
@@ -504,6 +516,8 @@ void kvloom_rotary_bf16(uint16_t* x, int64_t row_stride, const float* cos, const
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);
 }
 
+void kvloom_clamp_f32(float* x, int64_t count, float limit) { clamp(x, count, limit); }
+void kvloom_clamp_bf16(uint16_t* x, int64_t count, float limit) { clamp(x, count, limit); }
 void kvloom_add_rows_f32(float* y, const float* delta, const int64_t* rows, int64_t count, int64_t n) {
   add_rows(y, delta, rows, count, n);
 }

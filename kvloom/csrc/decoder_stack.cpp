@@ -126,13 +126,15 @@ using ScaledNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint1
 using LayerNormFn = void (*)(const uint16_t* x, uint16_t* residual, const uint16_t* weight, const uint16_t* bias,
                             uint16_t* out, int64_t rows, int64_t n, float eps);
 using SiluFn = void (*)(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);  // and gelu_tanh(_and_mul)
+using ClampFn = void (*)(uint16_t* x, int64_t count, float limit);
 using AllReduceFn = int (*)(int64_t* context, uint16_t* data, int64_t numel);  // csrc/shm_collectives.cpp
 using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n);
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
-              K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, NUM_KERNELS };
+              K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
+              NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -191,6 +193,7 @@ struct Model {
   int activation;      // Activation: the gated MLP's
   int qk_norm_whole;   // 1: W_Q_NORM and W_K_NORM norm each token's whole q and k (OLMo 2), 0: each head
   int parallel;        // Parallel: attention and MLP side by side, and the order of their adds
+  float clip;          // OLMo 1's clip_qkv: q, k and v clamped to [-clip, clip] (0: none)
   int isa;
   int64_t* reduce;  // nullptr, or the tensor-parallel all-reduce's context
   int64_t kv_prefetch_bytes;  // of a layer's KV a walk fetches ahead (0: none)
@@ -305,6 +308,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto llama_norm = entry<RmsNormFn>(m.kernels, K_RMS_NORM);
   const auto scaled_norm = entry<ScaledNormFn>(m.kernels, K_RMS_NORM_SCALED);
   const auto layer_norm = entry<LayerNormFn>(m.kernels, K_LAYER_NORM);
+  const auto clamp = entry<ClampFn>(m.kernels, K_CLAMP);
   const auto gemm = entry<GemmFn>(m.kernels, K_GEMM);
   const auto rotary = entry<RotaryFn>(m.kernels, K_ROTARY);
   const auto write_kv = entry<WriteKvFn>(m.kernels, K_WRITE_KV);
@@ -412,6 +416,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     }
     if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
     if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
+    if (m.clip > 0) clamp(qkv, T * qkv_width, m.clip);  // OLMo 1: after the projection (and its adapters)
     if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3, Gemma 3: the module path's q_norm and k_norm, before the rotary
       norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
       norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
@@ -535,7 +540,7 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // (nullptr where no layer has one). softcap: the attention scores' (0: none); norm, its
 // norm_offset and activation: a Norm and an Activation; qk_norm_whole: 1 where the q and k
 // norms span each token's whole q and k (OLMo 2's), 0 each head; parallel: 1 where attention
-// and MLP are added side by side (Phi, GPT-NeoX). split_seqs:
+// and MLP are added side by side (Phi, GPT-NeoX); clip: OLMo 1's clip_qkv (0: none). split_seqs:
 // 0 for one walk, else where the second walk's sequences begin (0 < split_seqs <
 // num_seqs; an even num_threads of at least 2; no reduce). Returns 0, 1 + the layer
 // whose GEMM refused `isa` (nothing after it ran in that walk), or the all-reduce's
@@ -560,7 +565,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
                          int64_t intermediate, int64_t block_size, float eps, float scale, float residual_scale,
                          float softcap, int norm, float norm_offset, int activation, int qk_norm_whole,
-                         int parallel, int isa,
+                         int parallel, float clip, int isa,
                          int num_threads,
                          int64_t* reduce, int64_t split_seqs, int64_t kv_prefetch_bytes, const int64_t* out_rows,
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
@@ -570,7 +575,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
-                    activation,   qk_norm_whole, parallel, isa, reduce,   kv_prefetch_bytes,
+                    activation,   qk_norm_whole, parallel, clip, isa, reduce, kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,

@@ -2,8 +2,9 @@
 bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
 float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``
-and ``kvloom::gelu_erf`` (the un-gated MLP's), ``kvloom::rotary_`` and ``kvloom::add_rows_``
-(LoRA's deltas added in; its reference is torch's own add).
+and ``kvloom::gelu_erf`` (the un-gated MLP's), ``kvloom::rotary_``, ``kvloom::clamp_`` (OLMo 1's
+clip, for the native walk; the modules call torch's) and ``kvloom::add_rows_`` (LoRA's deltas
+added in; its reference is torch's own add).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -262,6 +263,30 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, s
     """Rotate, in place, the first ``num_heads`` head vectors of each row of x: [tokens,
     width]; cos/sin: [tokens, head_dim] float32."""
     ROTARY.call(x, num_heads, head_dim, cos, sin)
+
+
+# ---- clamped in place (OLMo 1's clip_qkv, in the native walk) -------------------------
+CLAMP = NativeOp(
+    "clamp_(Tensor(a!) x, float limit) -> ()",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_clamp_{variant}(x, int count, limit) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@CLAMP.implementation
+def _clamp_cpu(x: torch.Tensor, limit: float) -> None:
+    CLAMP.function(_VARIANT[x.dtype])(x.data_ptr(), x.numel(), limit)
+
+
+@CLAMP.fake
+def _clamp_fake(x: torch.Tensor, limit: float) -> None:
+    return None
+
+
+def clamp_(x: torch.Tensor, limit: float) -> None:
+    """``x.clamp_(-limit, limit)``, bit for bit but for NaN payloads (torch's is the reference)."""
+    CLAMP.call(x, limit)
 
 
 # ---- rows added into, in place (LoRA's deltas) ---------------------------------------

@@ -34,7 +34,7 @@ _STACK = NativeFunction(
     "int hidden_size, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int intermediate, "
     "int block_size, "
     "float eps, float scale, float residual_scale, float softcap, int32 norm, float norm_offset, int32 activation, "
-    "int32 qk_norm_whole, int32 parallel, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
+    "int32 qk_norm_whole, int32 parallel, float clip, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch) -> int32")
@@ -64,7 +64,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain"
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 13
+NUM_KERNELS = 14
 
 
 def available() -> bool:
@@ -88,7 +88,7 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(cpu_ops.SILU_AND_MUL, "bf16"), reduce or 0, _address(cpu_ops.ADD_ROWS, "bf16"),
                          _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16"),
                          _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16"),
-                         _address(cpu_ops.GELU_ERF, "bf16")],
+                         _address(cpu_ops.GELU_ERF, "bf16"), _address(cpu_ops.CLAMP, "bf16")],
                         dtype=torch.int64)
 
 
@@ -117,6 +117,7 @@ class StackShape:
     # input, post_norm 0; GPT-NeoX: its own norm of the stream), and the order of the adds.
     # One process.
     parallel: str = "in_turn"
+    clip: float = 0.0  # OLMo 1's clip_qkv: q, k and v clamped to [-clip, clip] after the projection; 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +305,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rotary_dim or shape.head_dim,
             shape.intermediate, block_size, shape.eps, scale, shape.residual_scale, softcap,
             NORMS[shape.norm], shape.norm_offset, ACTIVATIONS[shape.activation], int(shape.qk_norm_whole),
-            PARALLEL[shape.parallel],
+            PARALLEL[shape.parallel], shape.clip,
             gemm.isa_code(shape.isa), threads, 0 if reduce is None else reduce.data_ptr(), split_seqs,
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in

@@ -28,7 +28,14 @@ from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
-from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP, GeluMLP, ResidualLayerNorm, RMSNorm
+from kvloom.models.layers import (
+    Float32ScaledRMSNorm,
+    GatedMLP,
+    GeluMLP,
+    ResidualLayerNorm,
+    RMSNorm,
+    UnweightedLayerNorm,
+)
 from kvloom.models.packed_linear import InvariantLinear
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
@@ -117,8 +124,6 @@ class NativeDecoderStack:
             return None, ("tensor parallel over torch.distributed (ranks on several hosts, or "
                           "--no-shared-memory): the walk all-reduces only through shared memory")
         config = model.config
-        if config.clip_qkv is not None:
-            return None, "its queries, keys and values are clipped (clip_qkv), which the walk does not do"
         if config.moe is not None:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
                           "the native walk does not run")
@@ -127,6 +132,7 @@ class NativeDecoderStack:
         isas: set[str] = set()
         # (norm, its offset, activation, q/k norms whole, parallel) of every layer
         kinds: set[tuple[str, float, str, bool, str]] = set()
+        epsilons: set[float] = set()
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
             # Phi's, GPT-NeoX's and StableLM's: attention and MLP side by side (Phi's and StableLM's
@@ -167,8 +173,9 @@ class NativeDecoderStack:
             tensors = [tensor for norm in norms for tensor in (norm.weight, getattr(norm, "bias", None))
                        if tensor is not None]
             if any(tensor.dtype != torch.bfloat16 or tensor.device.type != "cpu" or not tensor.is_contiguous()
-                   for tensor in tensors) or any(norm.eps != config.rms_norm_eps for norm in norms):
-                return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with the model's eps"
+                   for tensor in tensors) or any(norm.eps != norms[0].eps for norm in norms):
+                return None, f"layer {index}'s norms are not contiguous bf16 CPU weights with one eps"
+            epsilons.add(norms[0].eps)
             norm_kinds = {_norm_kind(norm) for norm in norms}
             if None in norm_kinds or len(norm_kinds) != 1:
                 return None, (f"layer {index}'s norms are not one kind the walk runs (Llama's RMSNorm, one scaled in "
@@ -181,7 +188,7 @@ class NativeDecoderStack:
                     else "local" if getattr(layer, "local_rope", False) else "global")
             biases = {name: norm.bias.data_ptr() for name, norm in (("input_norm_bias", input_norm),
                                                                     ("post_norm_bias", post_norm))
-                      if isinstance(norm, ResidualLayerNorm)}
+                      if isinstance(norm, (ResidualLayerNorm, UnweightedLayerNorm))}
             row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
                                    "input_norm_bias": 0, "post_norm_bias": 0, **biases,
                                    "post_norm": 0 if post_norm is None else post_norm.weight.data_ptr(),
@@ -198,16 +205,17 @@ class NativeDecoderStack:
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
-        if len(kinds) != 1:
-            return None, f"the layers' norms and MLPs differ {sorted(kinds)}"
+        if len(kinds) != 1 or len(epsilons) != 1:
+            return None, f"the layers' norms and MLPs differ {sorted(kinds)} (eps {sorted(epsilons)})"
         (norm, norm_offset, activation, qk_norm_whole, parallel), = kinds
         first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim,
                                    getattr(first.mlp, "intermediate_size", config.intermediate_size),  # GeluMLP: all
-                                   config.rms_norm_eps, isas.pop(), residual_scale, config.rotary_dim,
-                                   norm, norm_offset, activation, qk_norm_whole, parallel)
+                                   epsilons.pop(), isas.pop(), residual_scale, config.rotary_dim,
+                                   norm, norm_offset, activation, qk_norm_whole, parallel,
+                                   config.clip_qkv or 0.0)
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
@@ -294,7 +302,7 @@ def _norm_kind(norm: nn.Module) -> tuple[str, float] | None:
     """How ``norm`` scales, as StackShape's (norm, norm_offset); None: not a norm the walk runs."""
     if type(norm) is RMSNorm:
         return "llama", 0.0
-    if type(norm) is ResidualLayerNorm:
+    if type(norm) in (ResidualLayerNorm, UnweightedLayerNorm):  # OLMo 1's: weight 1, bias 0
         return "layer", 0.0
     if isinstance(norm, Float32ScaledRMSNorm) and type(norm).forward is Float32ScaledRMSNorm.forward:
         return "scaled_in_float32", norm.offset

@@ -209,8 +209,16 @@ class UnweightedLayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.hidden_size, self.eps = hidden_size, 1e-5
+        # ops.layer_norm's weight and bias (1 and 0: exact in every dtype), so that the fused
+        # kernel (and the native walk, which reads them as a LayerNorm's) computes it; no
+        # checkpoint holds them.
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+        self.register_buffer("bias", torch.zeros(hidden_size), persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """In float32, one rounding: (x - mean) / sqrt(var + eps) * 1 + 0 is that value."""
+        if x.dtype == torch.bfloat16 and x.is_cpu:
+            return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
         if residual is not None:
             residual.add_(x)
             x = residual

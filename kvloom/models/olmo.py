@@ -2,7 +2,8 @@
 LayerNorms that have no weight and no bias (in float32, eps 1e-5), and, where config.json sets
 ``clip_qkv``, every query, key and value number clamped to [-clip, clip] after the projection.
 
-Modules only (the native walk's norms are Llama's RMSNorms).
+The native walk runs its layers (its norms as LayerNorms of weight 1 and bias 0, the clip
+by cpu_ops.cpp's clamp) in bf16 on a CPU.
 """
 
 from __future__ import annotations
@@ -25,4 +26,3 @@ class OlmoForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = OlmoDecoderLayer
     norm_class = UnweightedLayerNorm  # type: ignore[assignment]  # RMSNorm's call and forward, no weight
-    modules_only = "LayerNorms without weights"

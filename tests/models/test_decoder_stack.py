@@ -44,11 +44,12 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # biases, a window; gpt2: its layer with no rotary (learned positions), Conv1D weights; phi:
 # attention and MLP side by side on one LayerNorm, a partial rotary; gpt_neox (Pythia): side by
 # side on two LayerNorms, GELU's exact form; gpt_neox_seq: its blocks in turn; stablelm: LayerNorms
-# and SwiGLU, a partial rotary; stablelm_parallel: side by side, the attention added in first.
+# and SwiGLU, a partial rotary; stablelm_parallel: side by side, the attention added in first;
+# olmo1: LayerNorms without weights, q/k/v clipped after the projection.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
                                         "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4",
                                         "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq", "stablelm",
-                                        "stablelm_parallel"])
+                                        "stablelm_parallel", "olmo1"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
@@ -84,7 +85,10 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                      logits_scaling=8.0)
     if request.param == "stablelm_parallel":
         extra = dict(use_parallel_residual=True)
-    arch = {"gpt_neox_seq": "gpt_neox", "stablelm_parallel": "stablelm"}.get(request.param, request.param)
+    if request.param == "olmo1":
+        extra = dict(clip_qkv=0.5)
+    arch = {"gpt_neox_seq": "gpt_neox", "stablelm_parallel": "stablelm", "olmo1": "olmo"}.get(request.param,
+                                                                                              request.param)
     return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, **shape, **extra)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
 from kvloom import SamplingParams
 
@@ -29,12 +29,17 @@ def olmo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
 def test_greedy_tokens_and_logprobs_are_transformers(olmo: Path, backend: str) -> None:
     llm = assert_greedy_is_transformers(olmo, PROMPTS, 12, attention_backend=backend)
-    assert llm.engine.model_config.clip_qkv == 0.05 and llm.engine.model.native_stack is None
+    assert llm.engine.model_config.clip_qkv == 0.05
 
 
 def test_without_a_clip(tmp_path: Path) -> None:
     path = write_tiny_hf_model(tmp_path / "olmo-unclipped", arch="olmo", seed=102, **SHAPE)
     assert assert_greedy_is_transformers(path, PROMPTS, 12).engine.model_config.clip_qkv is None
+
+
+def test_bf16_native_walk_log_probs_are_transformers_float32s(olmo: Path) -> None:
+    """The walk with LayerNorms of weight 1 and bias 0 and the clip after the projection."""
+    assert_bf16_walk_near_float32(olmo, PROMPTS)
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(olmo: Path) -> None:

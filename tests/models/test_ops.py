@@ -183,6 +183,22 @@ def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
         assert (ours == exact).float().mean() >= (expected == exact).float().mean()
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamp_is_torchs_bit_for_bit(dtype: torch.dtype) -> None:
+    """OLMo 1's clip in the native walk (the modules call torch's clamp_)."""
+    x = data((7, 300), dtype, 6)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+    ours, expected = x.clone(), x.clone()
+    cpu_ops.clamp_(ours, 0.3)  # a bound bf16 rounds
+    expected.clamp_(-0.3, 0.3)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    number = ~expected.isnan()  # NaN stays NaN (torch's vector path writes its own payload)
+    assert torch.equal(ours.isnan(), ~number)
+    assert torch.equal(ours.view(bits)[number], expected.view(bits)[number])
+    assert ((ours == 0.3) | (ours == -0.3)).float().mean() > 0.5  # most values were clamped
+
+
 def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
