@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model, all of them, in one native call.
+// The decoder layers of a Llama-family model (and of every dense family kvloom serves whose
+// layer is Llama's with its norms, MLP and adds moved or changed), all of them, in one native call.
 //
 // Why: at decode sizes a layer's kernels take tens of microseconds each, and the
 // Python between them (module calls, argument checks, output allocation, the ctypes
@@ -8,7 +9,7 @@
 // Invariant: it does no arithmetic of its own. It calls the very kernels the module
 // path calls (csrc/cpu_ops.cpp, gemm.cpp, paged_attention.cpp, handed over as entry
 // points so each keeps its own build flags), in the same order, on the same values;
-// the results are bit-identical to LlamaForCausalLM's module path
+// the results are bit-identical to the model's module path
 // (tests/models/test_decoder_stack.py holds it to that). Only the bf16 paired-layout
 // attention and kvloom's GEMM are wired here: anything else takes the module path.
 //
@@ -34,7 +35,8 @@
 // OLMo 2's q and k norms span the whole projection (qk_norm_whole), not a head each.
 // Every rms_norm is Llama's (x / rms(x) rounded, then times the weight) or, for Gemma and
 // Helium, cpu_ops.cpp's rms_norm_scaled (times offset + weight in float32, one rounding), or
-// for StarCoder2 and GPT-2 its layer_norm (a weight and a bias). Their MLP is un-gated:
+// its layer_norm (a weight and a bias: StarCoder2, GPT-2, Phi, GPT-NeoX, StableLM, OLMo 1 with
+// weight 1 and bias 0). StarCoder2's, GPT-2's, Phi's and GPT-NeoX's MLP is un-gated:
 // gate_up is fc1's output [T, I], act = gelu(it) (the tanh form, or GPT-NeoX's exact one),
 // down is fc2.
 // Phi and GPT-NeoX add attention and MLP to the stream side by side (parallel): the MLP
@@ -42,6 +44,8 @@
 // (GPT-NeoX), writes mlp_out, and hidden = attention's output + mlp_out, which the next
 // layer's norm adds into the stream (transformers' (A + M) + S, an add per rounding); StableLM's
 // adds the attention's output into the stream at once and the MLP's next ((S + A) + M).
+// OLMo 1 clamps qkv to [-clip, clip] after its projection (cpu_ops.cpp's clamp, torch's
+// clamp_'s values).
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
