@@ -5,9 +5,10 @@ Writes random-weight models of Gemma 3 270M's shape (18 layers of 640, 4 query h
 1 KV head of 256 dims, GeGLU of 2,048, a 262,144-token vocabulary, five windowed layers of
 512 keys with their own rotary base to one full layer), of Gemma 2's layer kinds at the
 same sizes (sandwich norms, windowed and full layers in turn, scores softcapped at 50), and
-OLMo 2, EXAONE 4, StarCoder2, GPT-2, Phi and GPT-NeoX (Pythia) at SmolLM2-135M's sizes (30
-layers of 576, 9 query and 3 KV heads of 64 dims (GPT-2, Pythia: 9 of each), an MLP of 1,536, 49,152 tokens; EXAONE's three
-windowed layers of 512 keys to a global one without rotary, StarCoder2's window of 512), then
+OLMo 2, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX (Pythia), StableLM and OLMo 1 at
+SmolLM2-135M's sizes (30 layers of 576, 9 query and 3 KV heads of 64 dims (GPT-2, Pythia: 9
+of each), an MLP of 1,536, 49,152 tokens; EXAONE's three windowed layers of 512 keys to a
+global one without rotary, StarCoder2's window of 512, OLMo 1's clip at 8), then
 times bf16 engine steps in one process, the walk and the modules taking turns step by
 step (`model.native_stack` set and cleared), so that both see the same hour and the same
 contexts: decode at batch 1 / 16 / 64 from 300 tokens of context (STEPS steps each, default
@@ -49,6 +50,8 @@ MODELS = {
     "pythia-135m-shape": dict(arch="gpt_neox", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                               num_attention_heads=9, rotary_pct=0.25, vocab_size=49_152,
                               max_position_embeddings=4096, tie_word_embeddings=False),
+    "stablelm-135m-shape": dict(arch="stablelm", partial_rotary_factor=0.25, **SMOLLM2),
+    "olmo1-135m-shape": dict(arch="olmo", clip_qkv=8.0, **SMOLLM2),
 }
 
 
