@@ -25,6 +25,15 @@ def available() -> bool:
     return RMS_NORM.available()
 
 
+def _check_norm(op: NativeOp, x: torch.Tensor, residual: torch.Tensor | None, **vectors: torch.Tensor) -> None:
+    """A norm's relations: ``residual`` of x's shape, each named vector (weight, bias) of x's row width."""
+    if residual is not None and residual.shape != x.shape:
+        raise op.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    for name, vector in vectors.items():
+        if vector.shape[0] != x.shape[1]:
+            raise op.error(name, f"must have x's row width {x.shape[1]}, got {vector.shape[0]}")
+
+
 # ---- RMSNorm, optionally fused with the residual add ---------------------------------
 RMS_NORM = NativeOp(
     "rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor",
@@ -36,10 +45,7 @@ RMS_NORM = NativeOp(
 
 @RMS_NORM.check
 def _rms_norm_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
-    if residual is not None and residual.shape != x.shape:
-        raise RMS_NORM.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
-    if weight.shape[0] != x.shape[1]:
-        raise RMS_NORM.error("weight", f"must have x's row width {x.shape[1]}, got {weight.shape[0]}")
+    _check_norm(RMS_NORM, x, residual, weight=weight)
 
 
 @RMS_NORM.implementation
@@ -74,10 +80,7 @@ RMS_NORM_SCALED = NativeOp(
 @RMS_NORM_SCALED.check
 def _rms_norm_scaled_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                            offset: float) -> None:
-    if residual is not None and residual.shape != x.shape:
-        raise RMS_NORM_SCALED.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
-    if weight.shape[0] != x.shape[1]:
-        raise RMS_NORM_SCALED.error("weight", f"must have x's row width {x.shape[1]}, got {weight.shape[0]}")
+    _check_norm(RMS_NORM_SCALED, x, residual, weight=weight)
 
 
 @RMS_NORM_SCALED.implementation
@@ -103,7 +106,7 @@ def rms_norm_scaled(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     return RMS_NORM_SCALED.call(x, residual, weight, eps, offset)
 
 
-# ---- LayerNorm with a weight and a bias (StarCoder2, GPT-2) ----------------------------
+# ---- LayerNorm with a weight and a bias (StarCoder2, GPT-2, Phi, GPT-NeoX, StableLM, OLMo 1) --
 LAYER_NORM = NativeOp(
     "layer_norm(Tensor x, Tensor(a!)? residual, Tensor weight, Tensor bias, float eps) -> Tensor",
     library="cpu_ops", variants=("f32", "bf16"),
@@ -116,11 +119,7 @@ LAYER_NORM = NativeOp(
 @LAYER_NORM.check
 def _layer_norm_check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                       eps: float) -> None:
-    if residual is not None and residual.shape != x.shape:
-        raise LAYER_NORM.error("residual", f"must have x's shape {list(x.shape)}, got {list(residual.shape)}")
-    for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor.shape[0] != x.shape[1]:
-            raise LAYER_NORM.error(name, f"must have x's row width {x.shape[1]}, got {tensor.shape[0]}")
+    _check_norm(LAYER_NORM, x, residual, weight=weight, bias=bias)
 
 
 @LAYER_NORM.implementation
