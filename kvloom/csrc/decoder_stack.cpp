@@ -439,9 +439,9 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;  // >= i (ascending): moved no later than read
       std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
       // The input norm has added the layer before's output in: `residual` is the stream.
-      // (normed too: a parallel layer's MLP reads it, Phi's.)
+      // (normed too where the MLP reads it: Phi's and StableLM's side by side.)
       if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
-      if (t != i) std::memcpy(normed + i * H, normed + t * H, H * sizeof(uint16_t));
+      if (t != i && m.parallel != IN_TURN) std::memcpy(normed + i * H, normed + t * H, H * sizeof(uint16_t));
     }
     if (&rows != &all_rows) group_rows(rows);
     T = rows.count;

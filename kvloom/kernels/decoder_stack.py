@@ -118,6 +118,7 @@ class StackShape:
     # One process.
     parallel: str = "in_turn"
     clip: float = 0.0  # OLMo 1's clip_qkv: q, k and v clamped to [-clip, clip] after the projection; 0: none
+    local_rope: bool = False  # some layer's "rope" column is ROPE["local"]: run() then needs local_rotary
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +232,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     if local_rotary is not None:
         _check("local cos", local_rotary[0], torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
         _check("local sin", local_rotary[1], torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
-    elif bool((weights[:, WEIGHT_COLUMNS.index("rope")] == ROPE["local"]).any()):
+    elif shape.local_rope:
         raise _fail("local_rotary", "must be given: some layers turn by the local rotary table")
     if shape.norm not in NORMS or shape.activation not in ACTIVATIONS or shape.parallel not in PARALLEL:
         raise _fail("shape", f"has norm {shape.norm!r} (one of {sorted(NORMS)}), activation "

@@ -38,6 +38,8 @@ from kvloom.models.layers import (
 )
 from kvloom.models.packed_linear import InvariantLinear
 
+WEIGHT_ROPE = kernels.WEIGHT_COLUMNS.index("rope")
+
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
 # the step is bound by reading the weights, which each walk reads for itself (decode,
 # context 300, AMD EPYC model 17, one process alternating: batch 32 33.2 -> 31.9 ms
@@ -215,7 +217,8 @@ class NativeDecoderStack:
                                    getattr(first.mlp, "intermediate_size", config.intermediate_size),  # GeluMLP: all
                                    epsilons.pop(), isas.pop(), residual_scale, config.rotary_dim,
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
-                                   config.clip_qkv or 0.0)
+                                   config.clip_qkv or 0.0,
+                                   any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows))
         return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,

@@ -217,12 +217,7 @@ class UnweightedLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """In float32, one rounding: (x - mean) / sqrt(var + eps) * 1 + 0 is that value."""
-        if x.dtype == torch.bfloat16 and x.is_cpu:
-            return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
-        if residual is not None:
-            residual.add_(x)
-            x = residual
-        return torch.nn.functional.layer_norm(x.float(), (self.hidden_size,), None, None, self.eps).to(x.dtype)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
 # config.json's hidden_act -> torch's GELU form (gelu_new is HF's NewGELU: the tanh form).
