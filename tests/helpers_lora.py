@@ -11,6 +11,24 @@ peft = pytest.importorskip("peft")  # in the test extras: never skipped by `make
 transformers = pytest.importorskip("transformers")
 
 TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Each family's own names of its projections, where they are not Llama's: every projection,
+# and (second) one of the attention's input, its output and the MLP's output.
+FAMILY_TARGETS = {
+    "phi": (["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"], ["q_proj", "dense", "fc2"]),
+    "gpt2": (["c_attn", "c_proj", "c_fc"], ["c_attn", "c_proj"]),  # c_proj: the attention's and the MLP's
+    "gpt_neox": (["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+                 ["query_key_value", "dense", "dense_4h_to_h"]),
+    "starcoder2": (["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"], ["q_proj", "o_proj", "c_proj"]),
+    "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "o_proj", "down_proj"]),
+}
+
+
+def family_targets(model_dir: Path) -> tuple[list[str], list[str]]:
+    """The target_modules of an adapter on every projection of the model at ``model_dir``,
+    and of one on a few (its family's names, from config.json's model_type)."""
+    import json
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    return FAMILY_TARGETS.get(model_type, (TARGETS_ALL, ["q_proj", "v_proj", "o_proj", "down_proj"]))
 
 
 def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str], **config) -> Path:
@@ -54,3 +72,21 @@ def greedy_tokens(reference: torch.nn.Module, prompt: list[int], count: int) -> 
         for _ in range(count):
             tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+def assert_adapter_is_peft(model_dir: Path, out: Path, prompts: list[list[int]], targets: list[str]) -> None:
+    """An adapter of rank 4 on ``targets`` (the family's own names), served in float32 from
+    ``model_dir``: each prompt's greedy tokens and logprobs are PEFT's, and its first token's
+    logprobs are not the base model's (the adapter is applied)."""
+    from kvloom import LLM, LoRARequest, SamplingParams
+
+    adapter = write_adapter(model_dir, out, 1, 4, targets)
+    llm = LLM(str(model_dir), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)))
+    base = llm.generate(prompts, params)
+    reference = reference_model(model_dir, adapter)
+    for prompt, output, plain in zip(prompts, outputs, base, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
+        first, base_first = output.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
+        assert {t: e.logprob for t, e in first.items()} != {t: e.logprob for t, e in base_first.items()}

@@ -1,4 +1,4 @@
-"""Reading a PEFT LoRA adapter for a Llama-family model, checked against the model.
+"""Reading a PEFT LoRA adapter for a model of the Llama-layer families, checked against the model.
 
 A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``target_modules``, ...) and ``adapter_model.safetensors`` with, for each adapted
@@ -7,6 +7,13 @@ output becomes ``W x + scale * B (A x)``, ``scale = lora_alpha / r`` (``/ sqrt(r
 with ``use_rslora``). Every adapter feature this engine does not apply (DoRA, biases,
 extra trained modules, per-module ranks, embedding or head adapters) is refused with
 its name rather than silently dropped.
+
+The tensors are named as the family's checkpoint names its modules (Phi's ``dense``,
+GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``): the family's own renames
+(``CheckpointNames``) take them to kvloom's modules, and a fused projection's adapter
+(q/k/v in one, or gate/up) becomes one per part: the same A, each part's rows of B. PEFT
+computes ``B (A x)`` over the fused output; each part's rows of it are ``B_part (A x)``, the
+same sums, so the split changes no bit.
 """
 
 from __future__ import annotations
@@ -14,21 +21,49 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvloom.config import ModelConfig
-from kvloom.models.weights import halves_from_pairs
+from kvloom.models.weights import halves_from_pairs, rename
 
-# The projections an adapter may target, and the module that holds each.
+# The unfused projections an adapter's parts are, and the module that holds each.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-# Config keys whose non-default values change the adapter's function: refused.
-_REFUSED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {},
+# kvloom's projection modules (after a family's renames) -> the parts their output holds, in order.
+MODULE_PARTS = {**{name: (name,) for name in TARGETS}, "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                "gate_up_proj": ("gate_proj", "up_proj"), "fc1": ("up_proj",), "fc2": ("down_proj",)}
+_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
+_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+# Config keys whose non-default values change the adapter's function: refused. (PEFT sets
+# fan_in_fan_out for GPT-2's Conv1D layers; it transposes the base weight when merging and
+# leaves A and B as every adapter's, so it is not among them.)
+_REFUSED = {"use_dora": False, "modules_to_save": None, "rank_pattern": {},
             "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How a family's checkpoints name its layers' projections, as its ``load_weights``
+    reads them: ``renames`` ((theirs, ours) fragments, in order) take a checkpoint's
+    module path to kvloom's, and ``qkv_rows`` puts a fused q/k/v projection's output rows in
+    kvloom's [q | k | v] order (GPT-NeoX holds them head by head; None: already so)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    qkv_rows: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
+    def module(self, path: str) -> str:
+        """kvloom's name of the checkpoint's module ``path``."""
+        return rename(path + ".", self.renames).removesuffix(".")  # the renames' fragments end in "."
+
+    def targets(self) -> list[str]:
+        """The names ``target_modules`` may give: kvloom's modules' and the family's own."""
+        own = {theirs.strip(".").rsplit(".", 1)[-1] for theirs, ours in self.renames
+               if ours.strip(".").rsplit(".", 1)[-1] in MODULE_PARTS}
+        return sorted(own | set(MODULE_PARTS))
 
 
 class LoRAError(ValueError):
@@ -55,7 +90,10 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
-    def load(cls, name: str, path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    def load(cls, name: str, path: str, config: ModelConfig, max_rank: int,
+             names: CheckpointNames = CheckpointNames()) -> LoRAAdapter:
+        """The adapter at ``path`` for a model of ``config`` whose checkpoints name its
+        projections as ``names`` says; LoRAError naming what cannot be served."""
         directory = Path(path).expanduser()
         where = f"LoRA adapter {name!r} ({path})"
         config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
@@ -68,16 +106,16 @@ class LoRAAdapter:
             settings = json.loads(config_file.read_text())
         except (OSError, ValueError) as error:
             raise LoRAError(f"{where}: adapter_config.json is not JSON: {error}") from None
-        rank, scale = cls._check_settings(where, settings, max_rank)
+        rank, scale = cls._check_settings(where, settings, max_rank, names.targets())
         from safetensors.torch import load_file
         try:
             tensors = load_file(str(weights_file))
         except Exception as error:  # noqa: BLE001 - a corrupt file is the adapter's problem
             raise LoRAError(f"{where}: adapter_model.safetensors cannot be read: {error}") from None
-        return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank))
+        return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank, names))
 
     @staticmethod
-    def _check_settings(where: str, settings: dict, max_rank: int) -> tuple[int, float]:
+    def _check_settings(where: str, settings: dict, max_rank: int, targets: list[str]) -> tuple[int, float]:
         if settings.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
         for key, default in _REFUSED.items():
@@ -92,39 +130,50 @@ class LoRAAdapter:
             raise LoRAError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
             raise LoRAError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-        targets = settings.get("target_modules")
-        if isinstance(targets, str) or not targets or any(t not in TARGETS for t in targets):
-            raise LoRAError(f"{where}: target_modules must be a list of {sorted(TARGETS)}, got {targets!r}")
+        named = settings.get("target_modules")
+        if isinstance(named, str) or not named or any(t not in targets for t in named):
+            raise LoRAError(f"{where}: target_modules must be a list of {targets}, got {named!r}")
         return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
     @staticmethod
-    def _check_weights(where: str, tensors: dict[str, torch.Tensor], config: ModelConfig,
-                       rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    def _check_weights(where: str, tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int,
+                       names: CheckpointNames) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        theirs: dict[tuple[int, str], str] = {}  # the checkpoint's name of each module, for messages
         for key, tensor in tensors.items():
-            match = _KEY.match(key)
-            if match is None or TARGETS.get(match[3]) != match[2]:
-                raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A or B of a Llama layer's "
-                                f"{'/'.join(TARGETS)}")
-            layer = int(match[1])
+            key_match = _KEY.match(key)
+            match = _MODULE.match(names.module(key_match[1])) if key_match is not None else None
+            if (key_match is None or match is None or match[3] not in MODULE_PARTS
+                    or TARGETS[MODULE_PARTS[match[3]][0]] != match[2]):
+                raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A or B of a decoder layer's projection "
+                                f"({', '.join(names.targets())})")
+            layer, module = int(match[1]), match[3]
             if layer >= config.num_layers:
                 raise LoRAError(f"{where}: tensor {key!r} is for layer {layer}; the model has {config.num_layers}")
             if match[2] == "mlp" and config.moe is not None and config.moe.is_sparse(layer):
-                raise LoRAError(f"{where}: layer {layer}'s {match[3]} is in a mixture-of-experts FFN, whose experts "
+                raise LoRAError(f"{where}: layer {layer}'s {module} is in a mixture-of-experts FFN, whose experts "
                                 "take no LoRA adapters here (an adapter on the attention projections serves)")
-            halves.setdefault((layer, match[3]), {})[match[4]] = tensor
-        weights = {}
+            halves.setdefault((layer, module), {})[key_match[2]] = tensor
+            theirs[layer, module] = key_match[1].rsplit(".", 1)[-1]
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, module), pair in sorted(halves.items()):
-            out_features, in_features = projection_shape(config, module)
+            parts, label = MODULE_PARTS[module], theirs[layer, module]
+            outs = [projection_shape(config, part)[0] for part in parts]
+            in_features = projection_shape(config, parts[0])[1]
             a, b = pair.get("A"), pair.get("B")
             if a is None or b is None:
-                raise LoRAError(f"{where}: layer {layer}'s {module} has lora_{'A' if a is None else 'B'} missing")
-            if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-                raise LoRAError(f"{where}: layer {layer}'s {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
-                                f"the model needs A {(rank, in_features)} and B {(out_features, rank)}")
-            if config.interleaved_rotary and module in ("q_proj", "k_proj"):  # ERNIE 4.5's: as the base's rows
-                b = halves_from_pairs(b, out_features // config.head_dim)
-            weights[layer, module] = (a.float(), b.float())
+                raise LoRAError(f"{where}: layer {layer}'s {label} has lora_{'A' if a is None else 'B'} missing")
+            if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (sum(outs), rank):
+                raise LoRAError(f"{where}: layer {layer}'s {label} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                                f"the model needs A {(rank, in_features)} and B {(sum(outs), rank)}")
+            if module == "qkv_proj" and names.qkv_rows is not None:
+                b = names.qkv_rows(b)
+            for part, rows in zip(parts, b.split(outs), strict=True):
+                if (layer, part) in weights:
+                    raise LoRAError(f"{where}: layer {layer}'s {part} is adapted twice (by {label} and another)")
+                if config.interleaved_rotary and part in ("q_proj", "k_proj"):  # ERNIE 4.5's: as the base's rows
+                    rows = halves_from_pairs(rows, rows.shape[0] // config.head_dim)
+                weights[layer, part] = (a.float(), rows.float())
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
         return weights

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from kvloom.config import ModelConfig
-from kvloom.lora.adapter import TARGETS, LoRAAdapter, LoRAError
+from kvloom.lora.adapter import TARGETS, CheckpointNames, LoRAAdapter, LoRAError
 from kvloom.lora.layers import LoRALinear, LoRAStep
 from kvloom.lora.native import stack_table
 from kvloom.lora.request import LoRARequest
@@ -34,16 +34,18 @@ from kvloom.request import Request
 
 
 def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
-                      step: LoRAStep, matmul: str = "invariant") -> dict[tuple[int, str], tuple[LoRALinear, int]]:
-    """Wrap each decoder layer's projections of a Llama-family model (after packing) in
-    ``LoRALinear``: the attention's everywhere, the MLP's where the layer is dense (a
-    mixture-of-experts layer's experts take none: adapter.py refuses adapters on them).
-    Returns (layer, projection) -> (its layer, its part)."""
-    from kvloom.models.layers import GatedMLP
+                      step: LoRAStep, matmul: str = "invariant"
+                      ) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+    """Wrap each decoder layer's projections of a model of the Llama-layer families (after
+    packing) in ``LoRALinear``: the attention's everywhere, the MLP's where the layer is dense
+    (gated, or un-gated as Phi's, GPT-2's, GPT-NeoX's and StarCoder2's fc1 and fc2: up and down
+    to an adapter); a mixture-of-experts layer's experts take none (adapter.py refuses adapters
+    on them). Returns (layer, projection) -> (its LoRALinear, its part)."""
+    from kvloom.models.layers import GatedMLP, GeluMLP
     from kvloom.models.llama import LlamaForCausalLM
     if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"LoRA serves the Llama family (Llama, Qwen2, Mistral, and the attention of Mixtral and "
-                         f"Qwen2-MoE), not {config.architecture}")
+        raise ValueError(f"LoRA serves the families of Llama's layers (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, ..., "
+                         f"and the attention of Mixtral's and Qwen-MoE's), not {config.architecture}")
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     hidden = config.hidden_size
     targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
@@ -65,7 +67,18 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
             inter = mlp.intermediate_size  # this rank's features
             wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
             wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
+        elif isinstance(mlp, GeluMLP):  # one process: all its features
+            inter = config.intermediate_size
+            wrap(mlp, "fc1", index, [("up_proj", 0, inter)], hidden)
+            wrap(mlp, "fc2", index, [("down_proj", 0, hidden)], inter)
     return targets
+
+
+def checkpoint_names(model: object) -> CheckpointNames:
+    """How ``model``'s family names its projections in checkpoints (and so in adapters)."""
+    from kvloom.models.llama import LlamaForCausalLM
+    assert isinstance(model, LlamaForCausalLM)
+    return CheckpointNames(type(model).checkpoint_renames, model.fused_qkv_rows)
 
 
 class LoRAManager:
@@ -89,6 +102,7 @@ class LoRAManager:
         self.max_rank = max_rank
         self.step = LoRAStep()
         self._targets = wrap_llama_layers(model, config, max_loras, max_rank, self.step, matmul)
+        self._checkpoint = checkpoint_names(model)
         self._layers = list({id(layer): layer for layer, _ in self._targets.values()}.values())
         # The native walk (if the model has one) and each layer's LoRA projections in its
         # table's order: the walk gets a new table after every load (_publish).
@@ -151,7 +165,8 @@ class LoRAManager:
         ``add_lora``); a slot is filled when a request first names it. LoRAError if the
         adapter could not be served or the name is bound to another path."""
         if self._binding(lora) is None:
-            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank,
+                                       self._checkpoint)
             number = next(self._bindings)
             self._bound[lora.lora_name] = (lora.lora_path, number)
             self._keep_read((lora.lora_name, number), adapter)
@@ -162,7 +177,8 @@ class LoRAManager:
         key = (lora.lora_name, lora.lora_int_id)
         adapter = self._read.get(key)
         if adapter is None:
-            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank)
+            adapter = LoRAAdapter.load(lora.lora_name, lora.lora_path, self.config, self.max_rank,
+                                       self._checkpoint)
         self._keep_read(key, adapter)
         return adapter
 
@@ -221,10 +237,11 @@ class LoRAManager:
         module path for steps with adapter rows, where the slots' kernels are not its GEMM's)."""
         if not self._stacks:
             return
-        # Each layer's four LoRA projections in the table's order (a part of each names it);
-        # None where the layer has none (an un-gated MLP, StarCoder2's and GPT-2's, is not wrapped).
-        firsts = ("q_proj", "o_proj", "gate_proj", "down_proj")
-        by_layer = [tuple(self._targets[index, name][0] if (index, name) in self._targets else None for name in firsts)
+        # Each layer's four LoRA projections in the table's order (a part of each names it: up
+        # is an un-gated MLP's fc1, gate_up's second part); None where the layer has none (an
+        # expert layer's MLP).
+        parts = ("q_proj", "o_proj", "up_proj", "down_proj")
+        by_layer = [tuple(self._targets[index, name][0] if (index, name) in self._targets else None for name in parts)
                     for index in range(self.config.num_layers)]
         for stack in self._stacks:
             stack.set_lora(stack_table(by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))

@@ -36,6 +36,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2LMHeadModel(StreamLayersForCausalLM):
+    checkpoint_renames = _RENAMES
     has_score_head = False  # no GPT-2 sequence classifier is read
     layer_class = GPTNeoXDecoderLayer  # the same layer, its blocks in turn (no parallel residual)
     norm_class = ResidualLayerNorm  # ln_f

@@ -66,6 +66,7 @@ class GPTNeoXDecoderLayer(nn.Module):
 
 
 class GPTNeoXForCausalLM(StreamLayersForCausalLM):
+    checkpoint_renames = _RENAMES
     has_score_head = False  # no GPT-NeoX sequence classifier is read
     layer_class = GPTNeoXDecoderLayer
     norm_class = ResidualLayerNorm  # final_layer_norm
@@ -75,12 +76,15 @@ class GPTNeoXForCausalLM(StreamLayersForCausalLM):
 
     def _fused_in_our_order(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's q/k/v rows, grouped per head ([head][q | k | v]), as kvloom's
-        fused projection holds them ([q | k | v], each head by head); old buffers skipped."""
-        heads, head_dim = self.config.num_heads, self.config.head_dim
+        """The checkpoint's tensors with q/k/v in kvloom's order (``fused_qkv_rows``); old
+        buffers skipped."""
         for name, tensor in weights:
             if name.endswith(_BUFFERS):
                 continue
-            if ".self_attn.qkv_proj." in name:
-                tensor = tensor.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(tensor.shape)
-            yield name, tensor
+            yield name, (self.fused_qkv_rows(tensor) if ".self_attn.qkv_proj." in name else tensor)
+
+    def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's q/k/v rows, grouped per head ([head][q | k | v]), as kvloom's
+        fused projection holds them ([q | k | v], each head by head)."""
+        heads, head_dim = self.config.num_heads, self.config.head_dim
+        return rows.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(rows.shape)

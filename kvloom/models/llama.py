@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = LlamaDecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
     modules_only: str | None = None
+    # Checkpoint name fragments that differ from these modules' ((theirs, ours), replaced in
+    # order: Phi's ``dense`` is o_proj), as the family's load_weights reads its tensors and
+    # kvloom/lora reads an adapter's.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
@@ -145,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
         # The layers walked in one native call (models/decoder_stack.py), once asked for
         # by use_native_stack; the module path below is the reference and the fallback.
         self.native_stack: NativeDecoderStack | None = None
+
+    def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's fused q/k/v output rows (its weight's, or a LoRA B's) in kvloom's
+        [q | k | v] order, which they are in unless a family says otherwise (GPT-NeoX)."""
+        return rows
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:

@@ -58,6 +58,7 @@ class PhiDecoderLayer(nn.Module):
 
 
 class PhiForCausalLM(StreamLayersForCausalLM):
+    checkpoint_renames = _RENAMES
     has_score_head = False  # no Phi sequence classifier is read
     layer_class = PhiDecoderLayer
     norm_class = ResidualLayerNorm  # final_layernorm

@@ -40,6 +40,7 @@ class Starcoder2DecoderLayer(nn.Module):
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     """Llama's forward over StarCoder2's layers (the same pre-norm residual stream)."""
 
+    checkpoint_renames = _RENAMES
     has_score_head = False
     layer_class = Starcoder2DecoderLayer
     norm_class = ResidualLayerNorm

@@ -15,12 +15,17 @@ from torch import nn
 
 def renamed(weights: Iterable[tuple[str, torch.Tensor]], renames: tuple[tuple[str, str], ...]
             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors under the names of the (Llama) modules that hold them: each
-    ``(theirs, ours)`` fragment replaced in order (a family's names, e.g. Phi's ``dense``)."""
+    """A checkpoint's tensors under the names of the (Llama) modules that hold them (``rename``)."""
     for name, tensor in weights:
-        for theirs, ours in renames:
-            name = name.replace(theirs, ours)
-        yield name, tensor
+        yield rename(name, renames), tensor
+
+
+def rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint's name as kvloom's modules know it: each ``(theirs, ours)`` fragment
+    replaced in order (a family's names, e.g. Phi's ``dense``)."""
+    for theirs, ours in renames:
+        name = name.replace(theirs, ours)
+    return name
 
 
 Rows = TypeVar("Rows", torch.Tensor, np.ndarray)

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
+from helpers_lora import FAMILY_TARGETS, TARGETS_ALL, check_against_peft, reference_model, write_adapter
 from helpers_models import write_tiny_hf_model
 
 from kvloom import LLM, LoRARequest, SamplingParams
@@ -62,3 +62,18 @@ def test_in_bf16_the_native_walk_is_the_module_path_bit_for_bit(models: dict[str
             assert (walk is not None and walk.lora is not None) == (stack == "native")  # rank 0's walk has the table
             runs[stack] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
     assert runs["native"] == runs["modules"]
+
+
+def test_two_ranks_cut_a_fused_projections_adapter_part_by_part(tmp_path: Path) -> None:
+    """Phi-3's adapter on qkv_proj and gate_up_proj: each rank keeps its share of each
+    part's rows of B (q, k and v; gate and up), as its fused weights hold them."""
+    base = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=6, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2)
+    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, FAMILY_TARGETS["phi3"][0])
+    prompts = workload()[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(str(base), dtype="float32", **ENGINE) as llm:
+        outputs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)))
+    reference = reference_model(base, adapter)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])

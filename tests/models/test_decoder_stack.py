@@ -96,13 +96,11 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest | None]:
     """Two PEFT adapters of the model (every projection at rank 8; attention and down at
     rank 4), each request's in the run_both_paths order, None for the base model."""
-    from helpers_lora import TARGETS_ALL, write_adapter
-    if model_dir.name.startswith(("gpt2", "gpt_neox")):
-        pytest.skip("GPT-2's and GPT-NeoX's projections (c_attn, query_key_value) are not ones kvloom's LoRA maps")
+    from helpers_lora import family_targets, write_adapter
+    every, some = family_targets(model_dir)  # the family's names (Phi's fc1, GPT-2's c_attn, ...)
     root = tmp_path_factory.mktemp("adapters")
-    a = LoRARequest("a", 1, str(write_adapter(model_dir, root / "a", 1, 8, TARGETS_ALL)))
-    b = LoRARequest("b", 2, str(write_adapter(model_dir, root / "b", 2, 4, ["q_proj", "v_proj", "o_proj",
-                                                                              "down_proj"])))
+    a = LoRARequest("a", 1, str(write_adapter(model_dir, root / "a", 1, 8, every)))
+    b = LoRARequest("b", 2, str(write_adapter(model_dir, root / "b", 2, 4, some)))
     # a's rows apart in some steps (gathered, not one run); the last request hits a's prefix.
     return [a, None, a, b, a]
 

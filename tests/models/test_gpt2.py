@@ -102,3 +102,12 @@ def test_what_it_cannot_run_is_refused_by_name(gpt2: Path, tmp_path: Path) -> No
                                  **SHAPE)
     with pytest.raises(Exception, match="scale_attn_by_inverse_layer_idx on"):
         LLM(str(scaled), dtype="float32", num_blocks=16)
+
+
+def test_an_adapter_on_every_projection_is_peft(gpt2: Path, tmp_path: Path) -> None:
+    """GPT-2's Conv1D names (PEFT sets fan_in_fan_out for them, which changes no A or B):
+    c_attn is q, k and v in one (each part's rows of B), c_proj both the attention's output
+    and the MLP's."""
+    from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft
+
+    assert_adapter_is_peft(gpt2, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["gpt2"][0])

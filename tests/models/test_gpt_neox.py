@@ -110,3 +110,11 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(neox: Path, tmp_path: Path
 def test_two_ranks_are_refused_by_name(neox: Path) -> None:
     with pytest.raises(Exception, match="GPTNeoXForCausalLM runs in one process"):
         LLM(str(neox), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+
+
+def test_an_adapter_on_every_projection_is_peft(neox: Path, tmp_path: Path) -> None:
+    """query_key_value holds q, k and v head by head: its B's rows are put in kvloom's
+    [q | k | v] order as the weight's are; dense_h_to_4h / dense_4h_to_h are the un-gated MLP."""
+    from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft
+
+    assert_adapter_is_peft(neox, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["gpt_neox"][0])

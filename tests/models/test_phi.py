@@ -119,21 +119,17 @@ def test_two_ranks_and_other_activations_are_refused_by_name(phi: Path, tmp_path
         LLM(str(relu), dtype="float32", num_blocks=16)
 
 
-def test_an_attention_adapter_is_peft_and_one_on_its_mlp_is_refused(phi: Path, tmp_path: Path) -> None:
-    """Phi's q/k/v are Llama's projections (an adapter on them runs, as PEFT's); its fc1 / fc2 and
-    dense take none here, refused by name."""
-    from helpers_lora import check_against_peft, reference_model, write_adapter
+def test_an_adapter_on_every_projection_is_peft(phi: Path, tmp_path: Path) -> None:
+    """Phi's own names: ``dense`` is the o projection, fc1 / fc2 the un-gated MLP's (up and
+    down to kvloom's adapters); one on the output head is refused by name."""
+    from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft, write_adapter
 
     from kvloom import LoRARequest
 
+    assert_adapter_is_peft(phi, tmp_path / "every", PROMPTS[2:], FAMILY_TARGETS["phi"][0])
+    head = write_adapter(phi, tmp_path / "head", 2, 4, ["fc1", "lm_head"])
     llm = LLM(str(phi), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    adapter = write_adapter(phi, tmp_path / "attention", 1, 4, ["q_proj", "v_proj"])
-    outputs = llm.generate(PROMPTS[2:], params, lora_request=LoRARequest("a", 1, str(adapter)))
-    reference = reference_model(phi, adapter)
-    for prompt, output in zip(PROMPTS[2:], outputs, strict=True):
-        check_against_peft(reference, prompt, output.outputs[0])
-    mlp = write_adapter(phi, tmp_path / "mlp", 2, 4, ["q_proj", "fc1"])
-    either_order = r"\[('fc1', 'q_proj'|'q_proj', 'fc1')\]"  # PEFT writes target_modules from a set
-    with pytest.raises(Exception, match=r"target_modules must be a list of .* got " + either_order):
-        llm.generate(PROMPTS[:1], params, lora_request=LoRARequest("b", 2, str(mlp)))
+    either_order = r"\[('fc1', 'lm_head'|'lm_head', 'fc1')\]"  # PEFT writes target_modules from a set
+    with pytest.raises(Exception, match=r"target_modules must be a list of \[.*'dense'.*'fc1'.* got " + either_order):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), lora_request=LoRARequest("b", 2, str(head)))
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving

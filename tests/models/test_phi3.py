@@ -102,3 +102,11 @@ def test_what_phi3_is_not_served_for_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="partial_rotary_factor 0.3 gives 9 rotary dimensions"):
         LLM(str(partial), dtype="float32", block_size=16, num_blocks=16)
 
+
+def test_an_adapter_on_its_fused_projections_is_peft(tmp_path: Path) -> None:
+    """Phi-3's checkpoints fuse q/k/v (qkv_proj) and gate/up (gate_up_proj), and so do its
+    adapters: each part takes its rows of B, the one A shared."""
+    from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft
+
+    path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=3, **SHAPE)
+    assert_adapter_is_peft(path, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["phi3"][0])

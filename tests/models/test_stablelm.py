@@ -91,14 +91,6 @@ def test_two_ranks_and_other_activations_are_refused_by_name(stablelm: Path, tmp
 def test_a_lora_adapter_is_peft_on_stablelm(stablelm: Path, tmp_path: Path) -> None:
     """Llama's projection names (StableLM's own): the deltas go where PEFT puts them, past the
     per-head q/k norms' input."""
-    from helpers_lora import TARGETS_ALL, check_against_peft, reference_model, write_adapter
+    from helpers_lora import TARGETS_ALL, assert_adapter_is_peft
 
-    from kvloom import LoRARequest
-
-    adapter = write_adapter(stablelm, tmp_path / "adapter", 1, 4, TARGETS_ALL)
-    llm = LLM(str(stablelm), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(PROMPTS[2:], params, lora_request=LoRARequest("a", 1, str(adapter)))
-    reference = reference_model(stablelm, adapter)
-    for prompt, output in zip(PROMPTS[2:], outputs, strict=True):
-        check_against_peft(reference, prompt, output.outputs[0])
+    assert_adapter_is_peft(stablelm, tmp_path / "adapter", PROMPTS[2:], TARGETS_ALL)

@@ -67,3 +67,10 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(starcoder2: Path, tmp_path
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(starcoder2, p, GREEDY.max_tokens)[0]
                                                                for p in PROMPTS]
+
+
+def test_an_adapter_on_every_projection_is_peft(starcoder2: Path, tmp_path: Path) -> None:
+    """Llama's attention names, and c_fc / c_proj for the un-gated MLP."""
+    from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft
+
+    assert_adapter_is_peft(starcoder2, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["starcoder2"][0])
