@@ -48,8 +48,10 @@ def parse_device(value: str) -> str:
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
-ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel")
-ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
+ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+# Families whose positions are learned embeddings added to the tokens' (no rotary in any layer).
+LEARNED_POSITIONS = ("GPT2LMHeadModel", "OPTForCausalLM")
 
 
 def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
@@ -70,12 +72,12 @@ def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
 
 
 def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
-    """The layers without rotary: all of GPT-2's (its positions are in its embeddings), EXAONE
+    """The layers without rotary: all of GPT-2's and OPT's (their positions are in their embeddings), EXAONE
     4's global ones where it has windowed ones, SmolLM3's by its no_rope_layers flags (1: the
     layer turns q and k), else every ``no_rope_layer_interval``-th layer (transformers'
     default, 4); no other family's."""
     layers = int(hf["num_hidden_layers"])
-    if arch == "GPT2LMHeadModel":
+    if arch in LEARNED_POSITIONS:
         return tuple(range(layers))
     if arch == "Exaone4ForCausalLM":  # with a window, its global layers have no position encoding
         kinds = hf.get("layer_types") or ()
@@ -89,6 +91,25 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if len(flags) != layers:
         raise ValueError(f"model config: no_rope_layers has {len(flags)} flags for {layers} layers")
     return tuple(i for i, turns in enumerate(flags) if not turns)
+
+
+def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """OPT's config.json in the names the rest reads (transformers' OPTConfig): ffn_dim,
+    activation_function, enable_bias; its LayerNorms take torch's default eps. Refused by name:
+    the post-LayerNorm layers and the embedding projections of OPT-350m, and LayerNorms
+    without weights."""
+    if not hf.get("do_layer_norm_before", True):
+        raise ValueError("model config: OPT with do_layer_norm_before false (LayerNorms after each block, "
+                         "OPT-350m's) is not supported")
+    hidden = hf["hidden_size"]
+    if hf.get("word_embed_proj_dim", hidden) != hidden:
+        raise ValueError(f"model config: OPT's word_embed_proj_dim {hf['word_embed_proj_dim']} differs from its "
+                         f"hidden_size {hidden} (embeddings projected in and out, OPT-350m's): not supported")
+    if not hf.get("layer_norm_elementwise_affine", True):
+        raise ValueError("model config: OPT with layer_norm_elementwise_affine false is not supported")
+    return {"tie_word_embeddings": True, **hf, "intermediate_size": hf["ffn_dim"],
+            "hidden_act": hf.get("activation_function", "relu"), "layer_norm_eps": 1e-5,
+            "use_bias": hf.get("enable_bias", True)}
 
 
 @dataclass(frozen=True)
@@ -230,6 +251,8 @@ class ModelConfig:
                   "hidden_act": hf.get("activation_function"), "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
                   "hidden_size": hf["n_embd"], "num_attention_heads": hf["n_head"], "num_hidden_layers": hf["n_layer"],
                   "max_position_embeddings": hf["n_positions"]}
+        if archs[0] == "OPTForCausalLM":
+            hf = _opt_fields(hf)
         ssm = SSMConfig.from_hf(hf)
         if ssm is not None:  # a pure state-space model has no attention fields
             hf = ssm.attention_fields(hf)

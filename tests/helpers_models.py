@@ -124,6 +124,7 @@ _ARCH_CONFIGS = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "helium": ("HeliumConfig", "HeliumForCausalLM"),
     "olmo": ("OlmoConfig", "OlmoForCausalLM"),
+    "opt": ("OPTConfig", "OPTForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

@@ -321,8 +321,23 @@ struct GeluErf {
   }
 };
 
-// x: [rows, n]. out[rows, n] <- round(act(x)): torch's F.gelu (the un-gated MLP of
-// StarCoder2, GPT-2, Phi and GPT-NeoX). out may be x.
+// ReLU as torch's: x where x is not below 0 (so -0 and NaN pass), else +0. Exact.
+struct Relu {
+#ifdef KVLOOM_AVX512
+  __m512 operator()(__m512 x) const {
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x);
+  }
+#endif
+#ifdef KVLOOM_AVX2
+  __m256 operator()(__m256 x) const {
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ), x);
+  }
+#endif
+  float operator()(float x) const { return x < 0.0f ? 0.0f : x; }
+};
+
+// x: [rows, n]. out[rows, n] <- round(act(x)): torch's F.gelu or relu (the un-gated MLP of
+// StarCoder2, GPT-2, Phi, GPT-NeoX and OPT). out may be x.
 template <typename T, class Act>
 void activation(const T* x, T* out, int64_t rows, int64_t n, Act act) {
 #pragma omp parallel for if (parallel_worth_it(rows, rows * n))
@@ -507,6 +522,8 @@ void kvloom_gelu_tanh_f32(const float* x, float* out, int64_t rows, int64_t n) {
 void kvloom_gelu_erf_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluErf()); }
 void kvloom_gelu_erf_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluErf()); }
 void kvloom_gelu_tanh_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluTanh()); }
+void kvloom_relu_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu()); }
+void kvloom_relu_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu()); }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);

@@ -2,7 +2,7 @@
 bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
 float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``
-and ``kvloom::gelu_erf`` (the un-gated MLP's), ``kvloom::rotary_``, ``kvloom::clamp_`` (OLMo 1's
+``kvloom::gelu_erf`` and ``kvloom::relu`` (the un-gated MLP's), ``kvloom::rotary_``, ``kvloom::clamp_`` (OLMo 1's
 clip, for the native walk; the modules call torch's) and ``kvloom::add_rows_`` (LoRA's deltas
 added in; its reference is torch's own add).
 
@@ -195,6 +195,7 @@ SILU_AND_MUL = _gated_activation("silu_and_mul")
 GELU_TANH_AND_MUL = _gated_activation("gelu_tanh_and_mul")
 GELU_TANH = _activation("gelu_tanh")
 GELU_ERF = _activation("gelu_erf")
+RELU = _activation("relu")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -215,6 +216,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def gelu_erf(x: torch.Tensor) -> torch.Tensor:
     """GELU's exact form of x: [rows, n] (torch's ``F.gelu(x)``), erfc within 1.2e-7 of itself."""
     return GELU_ERF.call(x)
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """ReLU of x: [rows, n] (torch's ``torch.relu``: -0 and NaN pass)."""
+    return RELU.call(x)
 
 
 # ---- rotary embedding, in place ------------------------------------------------------

@@ -41,7 +41,7 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
     (gated, or un-gated as Phi's, GPT-2's, GPT-NeoX's and StarCoder2's fc1 and fc2: up and down
     to an adapter); a mixture-of-experts layer's experts take none (adapter.py refuses adapters
     on them). Returns (layer, projection) -> (its LoRALinear, its part)."""
-    from kvloom.models.layers import GatedMLP, GeluMLP
+    from kvloom.models.layers import GatedMLP, UngatedMLP
     from kvloom.models.llama import LlamaForCausalLM
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"LoRA serves the families of Llama's layers (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, ..., "
@@ -67,7 +67,7 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
             inter = mlp.intermediate_size  # this rank's features
             wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
             wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
-        elif isinstance(mlp, GeluMLP):  # one process: all its features
+        elif isinstance(mlp, UngatedMLP):  # one process: all its features
             inter = config.intermediate_size
             wrap(mlp, "fc1", index, [("up_proj", 0, inter)], hidden)
             wrap(mlp, "fc2", index, [("down_proj", 0, hidden)], inter)

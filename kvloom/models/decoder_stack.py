@@ -31,9 +31,9 @@ from kvloom.kernels import decoder_stack as kernels
 from kvloom.models.layers import (
     Float32ScaledRMSNorm,
     GatedMLP,
-    GeluMLP,
     ResidualLayerNorm,
     RMSNorm,
+    UngatedMLP,
     UnweightedLayerNorm,
 )
 from kvloom.models.packed_linear import InvariantLinear
@@ -84,7 +84,7 @@ class DecoderModel(Protocol):
     tensor-parallel group and its layers, each with input_layernorm (none in OLMo 2's),
     self_attn (qkv_proj, o_proj, this rank's num_heads and num_kv_heads, q_norm and k_norm
     where config.qk_norm or OLMo 2's), post_attention_layernorm, mlp (a GatedMLP: gate_up_proj,
-    down_proj, this rank's intermediate_size, its activation; or a GeluMLP: fc1, fc2), local_rope (whether the layer
+    down_proj, this rank's intermediate_size, its activation; or an UngatedMLP: fc1, fc2), local_rope (whether the layer
     turns by the local rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm, for
     them and OLMo 2, post_feedforward_layernorm."""
 
@@ -146,8 +146,8 @@ class NativeDecoderStack:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
             if post_norm is None and parallel == "in_turn":
                 return None, f"layer {index} has no norm before its MLP"
-            if isinstance(mlp, GeluMLP):
-                activation, up, down = f"gelu_{'tanh' if mlp.approximate == 'tanh' else 'erf'}_plain", mlp.fc1, mlp.fc2
+            if isinstance(mlp, UngatedMLP):
+                activation, up, down = f"{mlp.form}_plain", mlp.fc1, mlp.fc2
             elif isinstance(mlp, GatedMLP) and mlp.activation in ("silu", "gelu_tanh"):
                 activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
             else:
@@ -214,7 +214,7 @@ class NativeDecoderStack:
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
                                    first.self_attn.num_kv_heads, config.head_dim,
-                                   getattr(first.mlp, "intermediate_size", config.intermediate_size),  # GeluMLP: all
+                                   getattr(first.mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
                                    epsilons.pop(), isas.pop(), residual_scale, config.rotary_dim,
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
                                    config.clip_qkv or 0.0,

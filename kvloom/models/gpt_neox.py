@@ -22,7 +22,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GeluMLP, ResidualLayerNorm
+from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
@@ -36,7 +36,7 @@ _BUFFERS = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
 
 
 class GPTNeoXDecoderLayer(nn.Module):
-    """A LayerNorm before the attention and one before the MLP (``layers.GeluMLP``), the two
+    """A LayerNorm before the attention and one before the MLP (``layers.UngatedMLP``), the two
     blocks added to the stream together (``config.parallel_residual``) or in turn: GPT-2's
     layer too, whose attention turns no rotary (``rotary`` None)."""
 
@@ -47,7 +47,7 @@ class GPTNeoXDecoderLayer(nn.Module):
         self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
         self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
                            config.hidden_act)
         self.local_rope = False
 

@@ -221,26 +221,27 @@ class UnweightedLayerNorm(nn.Module):
 
 
 # config.json's hidden_act -> torch's GELU form (gelu_new is HF's NewGELU: the tanh form).
-GELU_FORMS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+# config.json's names of the un-gated MLP's activation -> its form (ops.plain_activation).
+PLAIN_FORMS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_erf", "relu": "relu"}
 
 
-class GeluMLP(nn.Module):
-    """fc2(gelu(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2 and StarCoder2, GELU in the form
-    ``hidden_act`` names (any other activation is refused, naming the model's
-    architecture). One process: tensor parallel does not split it."""
+class UngatedMLP(nn.Module):
+    """fc2(act(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2, StarCoder2 (GELU) and OPT
+    (ReLU), in the form ``hidden_act`` names (any other activation is refused, naming the
+    model's architecture). One process: tensor parallel does not split it."""
 
     def __init__(self, architecture: str, hidden_size: int, intermediate_size: int, bias: bool,
                  hidden_act: str) -> None:
         super().__init__()
-        if hidden_act not in GELU_FORMS:
+        if hidden_act not in PLAIN_FORMS:
             raise ValueError(f"{architecture}: hidden_act {hidden_act!r} is not supported "
-                             f"(supported: {', '.join(GELU_FORMS)})")
-        self.approximate = GELU_FORMS[hidden_act]
+                             f"(supported: {', '.join(PLAIN_FORMS)})")
+        self.form = PLAIN_FORMS[hidden_act]
         self.fc1 = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.fc2 = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(ops.gelu(self.fc1(x), self.approximate))
+        return self.fc2(ops.plain_activation(self.fc1(x), self.form))
 
 
 class VocabParallelEmbedding(nn.Module):

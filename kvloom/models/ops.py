@@ -135,13 +135,16 @@ def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """GELU in torch's ``approximate`` form ("tanh" or "none", the exact one), fused on CPU:
-    the tanh form always, the exact one in bf16 (its erfc is within float32's step of torch's,
-    not bit-equal, and float32 runs are the ones held to transformers at float32's tolerance)."""
-    if _native(x) and x.dim() == 2 and x.is_contiguous() and (approximate == "tanh" or x.dtype == torch.bfloat16):
-        return cpu_ops.gelu_tanh(x) if approximate == "tanh" else cpu_ops.gelu_erf(x)
-    return F.gelu(x, approximate=approximate)
+def plain_activation(x: torch.Tensor, form: str) -> torch.Tensor:
+    """The un-gated MLP's activation of x in ``form`` (PLAIN_FORMS), fused on CPU: GELU's
+    tanh form and ReLU always, GELU's exact form in bf16 (its erfc is within float32's step of
+    torch's, not bit-equal, and float32 runs are the ones held to transformers at float32's
+    tolerance)."""
+    if _native(x) and x.dim() == 2 and x.is_contiguous() and (form != "gelu_erf" or x.dtype == torch.bfloat16):
+        return {"gelu_tanh": cpu_ops.gelu_tanh, "gelu_erf": cpu_ops.gelu_erf, "relu": cpu_ops.relu}[form](x)
+    if form == "relu":
+        return torch.relu(x)
+    return F.gelu(x, approximate="tanh" if form == "gelu_tanh" else "none")
 
 
 # ---- rotary embedding ----------------------------------------------------------------

@@ -21,7 +21,7 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GeluMLP, ResidualLayerNorm
+from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
@@ -41,7 +41,7 @@ class PhiDecoderLayer(nn.Module):
         if config.qk_norm:  # LayerNorms of one head's width (weights and biases), not RMSNorms
             self.self_attn.q_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
-        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
                            config.hidden_act)
         self.local_rope = False
 

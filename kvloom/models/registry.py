@@ -91,6 +91,7 @@ ARCHITECTURES: dict[str, str] = {
     "PhiForCausalLM": "kvloom.models.phi:PhiForCausalLM",
     "GPTNeoXForCausalLM": "kvloom.models.gpt_neox:GPTNeoXForCausalLM",
     "GPT2LMHeadModel": "kvloom.models.gpt2:GPT2LMHeadModel",
+    "OPTForCausalLM": "kvloom.models.opt:OPTForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",

@@ -44,6 +44,7 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
                "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
                "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj",
+               "OPTForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
 
 

@@ -1,7 +1,7 @@
 """BigCode's StarCoder2 (``Starcoder2ForCausalLM``): Llama's attention (q, k, v and o with
 biases; a sliding window where config.json sets one) and Llama's pre-norm layer, with
 LayerNorm (a weight and a bias) in place of RMSNorm and a plain MLP, c_proj(gelu(c_fc(x))),
-in place of the gated one (``layers.GeluMLP``, its fc1 / fc2, in the GELU form hidden_act names).
+in place of the gated one (``layers.UngatedMLP``, its fc1 / fc2, in the GELU form hidden_act names).
 
 The native walk runs its layers (LayerNorm and the un-gated GELU through cpu_ops.cpp's
 layer_norm and gelu_tanh, which the modules call too); one process (the MLP's c_fc / c_proj
@@ -17,11 +17,11 @@ from torch import nn
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GeluMLP, ResidualLayerNorm
+from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
 from kvloom.models.weights import renamed
 
-# Checkpoint names that differ from the modules these layers reuse (layers.GeluMLP's).
+# Checkpoint names that differ from the modules these layers reuse (layers.UngatedMLP's).
 _RENAMES = (("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."))
 
 
@@ -32,7 +32,7 @@ class Starcoder2DecoderLayer(nn.Module):
         self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
         self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
                            config.hidden_act)
         self.local_rope = False
 

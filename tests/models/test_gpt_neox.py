@@ -51,11 +51,11 @@ def test_the_sequential_residual_is_transformers(tmp_path: Path) -> None:
 def test_the_mlp_is_transformers_exact_gelu(neox: Path) -> None:
     """On activations of a trained model's size, where GELU's exact form and the tanh one part."""
     from kvloom.config import ModelConfig
-    from kvloom.models.layers import GeluMLP
+    from kvloom.models.layers import UngatedMLP
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(neox, dtype=torch.float32).gpt_neox.layers[0].mlp
     config = ModelConfig.from_hf(json.loads((neox / "config.json").read_text()))
-    ours = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, True, config.hidden_act)
+    ours = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, True, config.hidden_act)
     ours.load_state_dict({"fc1.weight": reference.dense_h_to_4h.weight, "fc1.bias": reference.dense_h_to_4h.bias,
                           "fc2.weight": reference.dense_4h_to_h.weight, "fc2.bias": reference.dense_4h_to_h.bias})
     with torch.no_grad():

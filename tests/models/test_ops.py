@@ -164,12 +164,12 @@ def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
     x = data((rows, n), dtype, 5)
     x[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-20, -1e-20, 3e38, -3e38], dtype=dtype)[:min(8, n)]
     expected = F.gelu(x, approximate="tanh")
-    ours = ops.gelu(x, "tanh")
+    ours = ops.plain_activation(x, "gelu_tanh")
     torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
     assert torch.equal(torch.signbit(ours[expected == 0]), torch.signbit(expected[expected == 0]))
     exact_form = cpu_ops.gelu_erf(x)  # erf's: GPT-NeoX's (models in bf16; float32 runs take torch's)
     torch.testing.assert_close(exact_form, F.gelu(x), **TOLERANCE[dtype])
-    assert torch.equal(ops.gelu(x, "none"), exact_form if dtype == torch.bfloat16 else F.gelu(x))
+    assert torch.equal(ops.plain_activation(x, "gelu_erf"), exact_form if dtype == torch.bfloat16 else F.gelu(x))
     assert torch.equal(torch.signbit(exact_form[x == 0]), torch.signbit(x[x == 0]))
     if dtype == torch.bfloat16:  # as the tanh form below: nearer the float64 formula's bits than torch's
         v = x.double()
@@ -181,6 +181,21 @@ def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
         exact = (0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))).to(dtype)
         assert (ours == exact).float().mean() > 0.97
         assert (ours == exact).float().mean() >= (expected == exact).float().mean()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 2048), (5, 17), (70, 1024)])
+def test_relu_is_torchs_bit_for_bit(dtype: torch.dtype, rows: int, n: int) -> None:
+    """OPT's MLP: -0 and NaN pass as torch's relu passes them (NaN's payload aside)."""
+    x = data((rows, n), dtype, 7)
+    x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), -float("inf"), float("inf"), -1e-30], dtype=dtype)[:min(6, n)]
+    ours, expected = ops.plain_activation(x, "relu"), torch.relu(x)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    number = ~expected.isnan()
+    assert torch.equal(ours.isnan(), ~number)
+    assert torch.equal(ours.view(bits)[number], expected.view(bits)[number])
+    assert 0.3 < (ours == 0).float().mean() < 0.7  # about half the values were negative
 
 
 @needs_native

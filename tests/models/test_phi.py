@@ -52,11 +52,11 @@ def test_the_mlp_is_transformers_gelu_new(phi: Path) -> None:
     import torch
 
     from kvloom.config import ModelConfig
-    from kvloom.models.layers import GeluMLP
+    from kvloom.models.layers import UngatedMLP
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(phi, dtype=torch.float32).model.layers[0].mlp
     config = ModelConfig.from_hf(json.loads((phi / "config.json").read_text()))
-    ours = GeluMLP(config.architecture, config.hidden_size, config.intermediate_size, True, config.hidden_act)
+    ours = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, True, config.hidden_act)
     ours.load_state_dict(reference.state_dict())
     with torch.no_grad():
         for module in (reference, ours):
