@@ -46,6 +46,7 @@ def parse_device(value: str) -> str:
     return value
 
 
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
@@ -84,6 +85,9 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
         if not hf.get("sliding_window"):
             return ()
         return tuple(i for i, kind in enumerate(kinds) if kind != "sliding_attention")
+    if arch == "Cohere2ForCausalLM":  # only its windowed layers turn the rotary (none without a window)
+        kinds = hf.get("layer_types") or ()
+        return tuple(i for i in range(layers) if not hf.get("sliding_window") or kinds[i] != "sliding_attention")
     if arch != "SmolLM3ForCausalLM":
         return ()
     interval = int(hf.get("no_rope_layer_interval", 4))
@@ -253,6 +257,10 @@ class ModelConfig:
                   "max_position_embeddings": hf["n_positions"]}
         if archs[0] == "OPTForCausalLM":
             hf = _opt_fields(hf)
+        if archs[0] == "Cohere2ForCausalLM" and hf.get("layer_types") is None:  # older configs: a pattern
+            pattern = int(hf.get("sliding_window_pattern", 4))
+            hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                        for i in range(hf["num_hidden_layers"])]}
         ssm = SSMConfig.from_hf(hf)
         if ssm is not None:  # a pure state-space model has no attention fields
             hf = ssm.attention_fields(hf)
@@ -322,13 +330,13 @@ class ModelConfig:
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
                                                               "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
-                                                              *ALWAYS_BIASED),
+                                                              *ALWAYS_BIASED, *COHERE_ARCHITECTURES),
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
-            qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm")),  # Phi's flag
+            qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),  # Phi's, Cohere's
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
-            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM"),
+            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", *COHERE_ARCHITECTURES),
             clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]),
             rotary_dim=rotary_dim,
             sliding_window=sliding,

@@ -316,10 +316,14 @@ class Multipliers:
     residual: float = 1.0
     attention: float | None = None
     logits: float = 1.0
+    logit_scale: float = 1.0  # the logits times it (Cohere's, after any division by ``logits``)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Multipliers | None:
         architecture = (hf.get("architectures") or [""])[0]
+        if architecture in ("CohereForCausalLM", "Cohere2ForCausalLM"):  # transformers' default: 0.0625
+            scale = hf.get("logit_scale", 0.0625)
+            return None if scale is None or float(scale) == 1.0 else cls(logit_scale=float(scale))
         if architecture in GEMMA_ARCHITECTURES:
             scalar = hf.get("query_pre_attn_scalar")  # Gemma 2 and 3's; Gemma's own is head_dim's
             return None if scalar is None else cls(attention=float(scalar) ** -0.5)

@@ -125,6 +125,8 @@ _ARCH_CONFIGS = {
     "helium": ("HeliumConfig", "HeliumForCausalLM"),
     "olmo": ("OlmoConfig", "OlmoForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).

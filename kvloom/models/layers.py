@@ -191,11 +191,18 @@ class GatedMLP(nn.Module):
 
 class ResidualLayerNorm(RMSNorm):
     """LayerNorm with a bias, taking the Llama layers' residual add as RMSNorm does:
-    ``norm(x, residual)`` adds x into the stream in place and norms the sum."""
+    ``norm(x, residual)`` adds x into the stream in place and norms the sum. ``bias`` False:
+    a LayerNorm without one (Cohere's), its bias a buffer of zeros no checkpoint holds (so the
+    fused kernel and the native walk compute it as any LayerNorm: + 0 changes no value)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    bias: torch.Tensor
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
         super().__init__(hidden_size, eps)
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size))
+        else:
+            self.register_buffer("bias", torch.zeros(hidden_size), persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)

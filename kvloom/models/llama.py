@@ -209,7 +209,11 @@ class LlamaForCausalLM(nn.Module):
             local = self.lm_head(hidden)
         logits = self.embed_tokens.gather_logits(local)
         scales = self.config.scales
-        return logits if scales is None or scales.logits == 1.0 else logits / scales.logits
+        if scales is None:
+            return logits
+        if scales.logits != 1.0:
+            logits = logits / scales.logits
+        return logits if scales.logit_scale == 1.0 else logits * scales.logit_scale
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Pack the matmul weights once for the ``matmul`` kernel (models/packed_linear.py:

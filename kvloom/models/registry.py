@@ -92,6 +92,8 @@ ARCHITECTURES: dict[str, str] = {
     "GPTNeoXForCausalLM": "kvloom.models.gpt_neox:GPTNeoXForCausalLM",
     "GPT2LMHeadModel": "kvloom.models.gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "kvloom.models.opt:OPTForCausalLM",
+    "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",

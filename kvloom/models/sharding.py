@@ -45,6 +45,8 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
                "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj",
                "OPTForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
+               "CohereForCausalLM": "tensor parallel is not served for its side-by-side layers",
+               "Cohere2ForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
 
 
