@@ -332,7 +332,8 @@ class ModelConfig:
                                                               "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
                                                               *ALWAYS_BIASED, *COHERE_ARCHITECTURES),
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
-            qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),  # Phi's, Cohere's
+            # Phi's flag, Cohere's (Command R+)
+            qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
