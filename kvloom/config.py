@@ -49,10 +49,13 @@ def parse_device(value: str) -> str:
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
-ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
+                 "GPTBigCodeForCausalLM")
 ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 # Families whose positions are learned embeddings added to the tokens' (no rotary in any layer).
-LEARNED_POSITIONS = ("GPT2LMHeadModel", "OPTForCausalLM")
+LEARNED_POSITIONS = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM")
+# Families whose config.json names the shape as GPT-2's does (n_embd, n_head, n_layer, ...).
+GPT2_NAMES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM")
 
 
 def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
@@ -247,14 +250,17 @@ class ModelConfig:
         if classifier is not None:  # the causal model's decoder: read as that model's config
             hf = {**hf, "architectures": [ClassifierConfig.causal_architecture(archs[0])]}
             archs = hf["architectures"]
-        if archs[0] == "GPT2LMHeadModel":  # GPT-2's own names for the shape (transformers' attribute_map)
+        if archs[0] in GPT2_NAMES:  # GPT-2's own names for the shape (transformers' attribute_map)
             if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
-                raise ValueError("model config: GPT-2 attention scaled otherwise than by head_dim ** -0.5 "
+                raise ValueError(f"model config: {archs[0]} attention scaled otherwise than by head_dim ** -0.5 "
                                  "(scale_attn_weights off, or scale_attn_by_inverse_layer_idx on) is not supported")
+            # GPTBigCode's keys and values: one head's for every query head unless multi_query is off.
+            kv_heads = 1 if archs[0] == "GPTBigCodeForCausalLM" and hf.get("multi_query", True) else hf["n_head"]
             hf = {"tie_word_embeddings": True, **hf, "intermediate_size": hf.get("n_inner") or 4 * hf["n_embd"],
-                  "hidden_act": hf.get("activation_function"), "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-                  "hidden_size": hf["n_embd"], "num_attention_heads": hf["n_head"], "num_hidden_layers": hf["n_layer"],
-                  "max_position_embeddings": hf["n_positions"]}
+                  "hidden_act": hf.get("activation_function", "gelu_pytorch_tanh"),
+                  "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "hidden_size": hf["n_embd"],
+                  "num_attention_heads": hf["n_head"], "num_key_value_heads": kv_heads,
+                  "num_hidden_layers": hf["n_layer"], "max_position_embeddings": hf["n_positions"]}
         if archs[0] == "OPTForCausalLM":
             hf = _opt_fields(hf)
         if archs[0] == "Cohere2ForCausalLM" and hf.get("layer_types") is None:  # older configs: a pattern
@@ -277,7 +283,7 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         # (GPT-NeoX names it rotary_pct; older StableLM configs rope_pct.)
-        partial = rope_params.get("partial_rotary_factor", 1.0)
+        partial = rope_params.get("partial_rotary_factor", 0.5 if archs[0] == "NemotronForCausalLM" else 1.0)
         partial = hf.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("rope_pct", partial)))
         head_dim = hf.get("head_dim") or hidden // num_heads
         rotary_dim = None if partial == 1.0 or archs[0] == "BambaForCausalLM" else int(head_dim * partial)
@@ -319,8 +325,9 @@ class ModelConfig:
             # GPT-NeoX and GPT-2 have a KV head per query head (transformers reads no num_key_value_heads there).
             num_kv_heads=(hf.get("num_key_value_heads") if arch not in ONE_KV_HEAD_PER_HEAD else None) or num_heads,
             head_dim=hf.get("head_dim") or hidden // num_heads,
-            # The LayerNorms' eps: StarCoder2's norm_epsilon, Phi's layer_norm_eps.
-            rms_norm_eps=hf.get("norm_epsilon", hf.get("layer_norm_eps", hf.get("rms_norm_eps", 1e-6))),
+            # The LayerNorms' eps: StarCoder2's norm_epsilon, Phi's layer_norm_eps, Nemotron's norm_eps.
+            rms_norm_eps=hf.get("norm_epsilon", hf.get("layer_norm_eps", hf.get("norm_eps", hf.get("rms_norm_eps",
+                                                                                                 1e-6)))),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),

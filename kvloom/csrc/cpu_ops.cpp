@@ -336,8 +336,28 @@ struct Relu {
   float operator()(float x) const { return x < 0.0f ? 0.0f : x; }
 };
 
-// x: [rows, n]. out[rows, n] <- round(act(x)): torch's F.gelu or relu (the un-gated MLP of
-// StarCoder2, GPT-2, Phi, GPT-NeoX and OPT). out may be x.
+// ReLU squared (transformers' relu2: torch.square(relu(x))), its one rounding the square's.
+struct Relu2 {
+#ifdef KVLOOM_AVX512
+  __m512 operator()(__m512 x) const {
+    const __m512 r = Relu()(x);
+    return _mm512_mul_ps(r, r);
+  }
+#endif
+#ifdef KVLOOM_AVX2
+  __m256 operator()(__m256 x) const {
+    const __m256 r = Relu()(x);
+    return _mm256_mul_ps(r, r);
+  }
+#endif
+  float operator()(float x) const {
+    const float r = Relu()(x);
+    return r * r;
+  }
+};
+
+// x: [rows, n]. out[rows, n] <- round(act(x)): torch's F.gelu, relu or relu's square (the
+// un-gated MLP of StarCoder2, GPT-2, Phi, GPT-NeoX, OPT, Nemotron and Arcee). out may be x.
 template <typename T, class Act>
 void activation(const T* x, T* out, int64_t rows, int64_t n, Act act) {
 #pragma omp parallel for if (parallel_worth_it(rows, rows * n))
@@ -524,6 +544,8 @@ void kvloom_gelu_erf_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_
 void kvloom_gelu_tanh_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, GeluTanh()); }
 void kvloom_relu_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu()); }
 void kvloom_relu_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu()); }
+void kvloom_relu2_f32(const float* x, float* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu2()); }
+void kvloom_relu2_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t n) { activation(x, out, rows, n, Relu2()); }
 void kvloom_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens,
                        int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
   rotary(x, row_stride, cos, sin, tokens, num_heads, head_dim, rotary_dim);

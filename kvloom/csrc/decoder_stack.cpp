@@ -138,7 +138,7 @@ using AddRowsFn = void (*)(uint16_t* y, const uint16_t* delta, const int64_t* ro
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
               K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
-              K_RELU_PLAIN, NUM_KERNELS };
+              K_RELU_PLAIN, K_RELU2_PLAIN, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -152,7 +152,8 @@ enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GAT
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
 // ACT_*_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
-enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN, ACT_GELU_ERF_PLAIN, ACT_RELU_PLAIN };
+enum Activation { ACT_SILU, ACT_GELU_TANH, ACT_GELU_TANH_PLAIN, ACT_GELU_ERF_PLAIN, ACT_RELU_PLAIN,
+                  ACT_RELU2_PLAIN };
 // Attention and MLP side by side: added together, then into the stream ((A + M) + S: Phi,
 // GPT-NeoX), or the attention's output into the stream first ((S + A) + M: StableLM).
 enum Parallel { IN_TURN, BLOCKS_FIRST, STREAM_FIRST };
@@ -320,7 +321,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const Kernel activation_kernel = m.activation == ACT_GELU_TANH ? K_GELU_TANH
                                    : m.activation == ACT_GELU_TANH_PLAIN ? K_GELU_TANH_PLAIN
                                    : m.activation == ACT_GELU_ERF_PLAIN ? K_GELU_ERF_PLAIN
-                                   : m.activation == ACT_RELU_PLAIN ? K_RELU_PLAIN : K_SILU;
+                                   : m.activation == ACT_RELU_PLAIN ? K_RELU_PLAIN
+                                   : m.activation == ACT_RELU2_PLAIN ? K_RELU2_PLAIN : K_SILU;
   const auto activation = entry<SiluFn>(m.kernels, activation_kernel);
   const bool gated = m.activation == ACT_SILU || m.activation == ACT_GELU_TANH;
   const auto all_reduce = entry<AllReduceFn>(m.kernels, K_ALL_REDUCE);

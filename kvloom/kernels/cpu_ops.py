@@ -1,10 +1,10 @@
 """The fused elementwise ops of a decoder layer (kvloom/csrc/cpu_ops.cpp), float32 and
 bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: the scale in
 float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
-``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``
-``kvloom::gelu_erf`` and ``kvloom::relu`` (the un-gated MLP's), ``kvloom::rotary_``, ``kvloom::clamp_`` (OLMo 1's
-clip, for the native walk; the modules call torch's) and ``kvloom::add_rows_`` (LoRA's deltas
-added in; its reference is torch's own add).
+``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``,
+``kvloom::gelu_erf``, ``kvloom::relu`` and ``kvloom::relu2`` (the un-gated MLP's), ``kvloom::rotary_``,
+``kvloom::clamp_`` (OLMo 1's clip, for the native walk; the modules call torch's) and
+``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -196,6 +196,7 @@ GELU_TANH_AND_MUL = _gated_activation("gelu_tanh_and_mul")
 GELU_TANH = _activation("gelu_tanh")
 GELU_ERF = _activation("gelu_erf")
 RELU = _activation("relu")
+RELU2 = _activation("relu2")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -221,6 +222,11 @@ def gelu_erf(x: torch.Tensor) -> torch.Tensor:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU of x: [rows, n] (torch's ``torch.relu``: -0 and NaN pass)."""
     return RELU.call(x)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU's square of x: [rows, n] (transformers' relu2, ``torch.square(torch.relu(x))``)."""
+    return RELU2.call(x)
 
 
 # ---- rotary embedding, in place ------------------------------------------------------

@@ -56,15 +56,16 @@ ROPE = {"none": 0, "global": 1, "local": 2}
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
 NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
 # "*_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2), GELU's
-# tanh form, its exact one (GPT-NeoX's) or ReLU (OPT's).
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain": 3, "relu_plain": 4}
+# tanh form, its exact one (GPT-NeoX's), ReLU (OPT's) or ReLU squared (Nemotron's, Arcee's).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain": 3, "relu_plain": 4,
+               "relu2_plain": 5}
 # StackShape.parallel, decoder_stack.cpp's Parallel: blocks in turn (Llama's), or side by side
 # with the two outputs added first ((A + M) + S: Phi, GPT-NeoX) or the attention's into the
 # stream first ((S + A) + M: StableLM), transformers' orders.
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 15
+NUM_KERNELS = 16
 
 
 def available() -> bool:
@@ -89,7 +90,7 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(cpu_ops.RMS_NORM_SCALED, "bf16"), _address(cpu_ops.GELU_TANH_AND_MUL, "bf16"),
                          _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16"),
                          _address(cpu_ops.GELU_ERF, "bf16"), _address(cpu_ops.CLAMP, "bf16"),
-                         _address(cpu_ops.RELU, "bf16")],
+                         _address(cpu_ops.RELU, "bf16"), _address(cpu_ops.RELU2, "bf16")],
                         dtype=torch.int64)
 
 
@@ -112,7 +113,8 @@ class StackShape:
     # offset 1, Helium's 0); "layer" is LayerNorm with a weight and a bias.
     norm: str = "llama"
     norm_offset: float = 0.0
-    activation: str = "silu"  # the MLP's (ACTIVATIONS): SwiGLU, Gemma's GeGLU, or an un-gated GELU's or ReLU's
+    # The MLP's (ACTIVATIONS): SwiGLU, Gemma's GeGLU, or an un-gated GELU's, ReLU's or ReLU squared's.
+    activation: str = "silu"
     qk_norm_whole: bool = False  # the q and k norms span a token's whole q and k (OLMo 2), not each head
     # Attention and MLP side by side (PARALLEL; Phi and StableLM: the MLP reads the attention's
     # input, post_norm 0; GPT-NeoX: its own norm of the stream), and the order of the adds.

@@ -53,6 +53,29 @@ class GPT2LMHeadModel(StreamLayersForCausalLM):
         super().load_weights(_as_linear(renamed(weights, _RENAMES)))
 
 
+class GPTBigCodeForCausalLM(GPT2LMHeadModel):
+    """BigCode's GPTBigCode (StarCoder, SantaCoder, WizardCoder 15B): GPT-2's model and names,
+    its matmuls nn.Linear's ([out, in]: none transposed), its keys and values one head's for
+    every query head where ``multi_query`` (the default: c_attn is [q | k | v] then, kvloom's
+    order), else each head's q, k and v together in c_attn's rows (regrouped as GPT-NeoX's)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        StreamLayersForCausalLM.load_weights(self, self._in_our_order(renamed(weights, _RENAMES)))
+
+    def _in_our_order(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            yield name, (self.fused_qkv_rows(tensor) if ".self_attn.qkv_proj." in name else tensor)
+
+    def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Without multi_query, c_attn's rows head by head ([head][q | k | v]) as [q | k | v]."""
+        config = self.config
+        if config.num_kv_heads == 1:  # multi_query: [q | k | v] already
+            return rows
+        return rows.reshape(config.num_heads, 3, config.head_dim, -1).transpose(0, 1).reshape(rows.shape)
+
+
 def _as_linear(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Conv1D weights ([in, out]) as nn.Linear's ([out, in]); saved masks skipped."""
     for name, tensor in weights:

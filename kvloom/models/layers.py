@@ -227,14 +227,14 @@ class UnweightedLayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
-# config.json's hidden_act -> torch's GELU form (gelu_new is HF's NewGELU: the tanh form).
 # config.json's names of the un-gated MLP's activation -> its form (ops.plain_activation).
-PLAIN_FORMS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_erf", "relu": "relu"}
+PLAIN_FORMS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_erf", "relu": "relu",
+               "relu2": "relu2"}
 
 
 class UngatedMLP(nn.Module):
-    """fc2(act(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2, StarCoder2 (GELU) and OPT
-    (ReLU), in the form ``hidden_act`` names (any other activation is refused, naming the
+    """fc2(act(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2, StarCoder2 (GELU), OPT (ReLU),
+    Nemotron and Arcee (ReLU squared), in the form ``hidden_act`` names (any other activation is refused, naming the
     model's architecture). One process: tensor parallel does not split it."""
 
     def __init__(self, architecture: str, hidden_size: int, intermediate_size: int, bias: bool,

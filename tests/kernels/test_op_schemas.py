@@ -67,6 +67,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "gelu_tanh": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "gelu_erf": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "relu": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
+    "relu2": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "clamp_": [lambda: (randn(5, 32), 0.5), lambda: (randn(3, 64, dtype=torch.bfloat16), 0.25)],
     "gelu_tanh_and_mul": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "rotary_": [lambda: rotary_args(torch.float32), lambda: rotary_args(torch.bfloat16)],

@@ -47,11 +47,13 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # and SwiGLU, a partial rotary; stablelm_parallel: side by side, the attention added in first;
 # olmo1: LayerNorms without weights, q/k/v clipped after the projection; opt: GPT-2's layer with a
 # ReLU MLP, positions two rows ahead; cohere2: side by side on one bias-free LayerNorm, adjacent-pair
-# rotary (rows regrouped), windowed layers beside a full one without rotary.
+# rotary (rows regrouped), windowed layers beside a full one without rotary; nemotron: LayerNorms by
+# 1 + weight, ReLU squared, half of each head turned.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
                                         "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4",
                                         "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq", "stablelm",
-                                        "stablelm_parallel", "olmo1", "opt", "cohere2"])
+                                        "stablelm_parallel", "olmo1", "opt", "cohere2",
+                                        "nemotron"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them

@@ -186,8 +186,9 @@ def test_gelu_tanh(dtype: torch.dtype, rows: int, n: int) -> None:
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "n"), [(1, 2048), (5, 17), (70, 1024)])
-def test_relu_is_torchs_bit_for_bit(dtype: torch.dtype, rows: int, n: int) -> None:
-    """OPT's MLP: -0 and NaN pass as torch's relu passes them (NaN's payload aside)."""
+def test_relu_and_its_square_are_torchs_bit_for_bit(dtype: torch.dtype, rows: int, n: int) -> None:
+    """OPT's MLP (and Nemotron's square of it): -0 and NaN pass as torch's relu passes them
+    (NaN's payload aside)."""
     x = data((rows, n), dtype, 7)
     x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), -float("inf"), float("inf"), -1e-30], dtype=dtype)[:min(6, n)]
     ours, expected = ops.plain_activation(x, "relu"), torch.relu(x)
@@ -196,6 +197,10 @@ def test_relu_is_torchs_bit_for_bit(dtype: torch.dtype, rows: int, n: int) -> No
     assert torch.equal(ours.isnan(), ~number)
     assert torch.equal(ours.view(bits)[number], expected.view(bits)[number])
     assert 0.3 < (ours == 0).float().mean() < 0.7  # about half the values were negative
+    squared = ops.plain_activation(x, "relu2")  # Nemotron's and Arcee's: torch.square(relu(x)), one rounding
+    expected = torch.square(torch.relu(x))
+    assert torch.equal(squared.isnan(), expected.isnan())
+    assert torch.equal(squared.view(bits)[~expected.isnan()], expected.view(bits)[~expected.isnan()])
 
 
 @needs_native
