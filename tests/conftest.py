@@ -9,14 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from hypothesis import settings
 
 # `make test` runs two pytest workers (pytest-xdist) on the two cores, each with one
 # compute thread: two processes of two OpenMP threads each on two cores spin against each
 # other (the suite ran 2x slower). The kernels give the same bits at any thread count
 # (tests/kernels/test_gemm.py and the decoder walk's tests hold them to it at several),
-# and the tests of what a second thread changes set two themselves (`two_threads`).
+# and the tests of what a second thread changes set two themselves (`two_threads`). While
+# both workers run such tests, four threads share two cores: OpenMP's threads then wait for
+# work asleep rather than spinning (set before torch loads its OpenMP; the servers and ranks
+# the tests start inherit it), which took the decoder walk's two-thread tests from 43 s to
+# 18 s when both workers ran them. Speed only: no kernel's bits depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (after the OpenMP setting above)
+from hypothesis import settings  # noqa: E402
+
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
