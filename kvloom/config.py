@@ -47,6 +47,9 @@ def parse_device(value: str) -> str:
 
 
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
+GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+# Families whose rotary turns half of each head unless config.json says otherwise (transformers' defaults).
+HALF_ROTARY_BY_DEFAULT = ("NemotronForCausalLM", *GLM_ARCHITECTURES)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
@@ -283,7 +286,7 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         # (GPT-NeoX names it rotary_pct; older StableLM configs rope_pct.)
-        partial = rope_params.get("partial_rotary_factor", 0.5 if archs[0] == "NemotronForCausalLM" else 1.0)
+        partial = rope_params.get("partial_rotary_factor", 0.5 if archs[0] in HALF_ROTARY_BY_DEFAULT else 1.0)
         partial = hf.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("rope_pct", partial)))
         head_dim = hf.get("head_dim") or hidden // num_heads
         rotary_dim = None if partial == 1.0 or archs[0] == "BambaForCausalLM" else int(head_dim * partial)
@@ -344,7 +347,8 @@ class ModelConfig:
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             no_rope_layers=_no_rope_layers(arch, hf),
-            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", *COHERE_ARCHITECTURES),
+            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", *COHERE_ARCHITECTURES,
+                                        *GLM_ARCHITECTURES),
             clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]),
             rotary_dim=rotary_dim,
             sliding_window=sliding,

@@ -128,6 +128,8 @@ _ARCH_CONFIGS = {
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM"),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM"),
     "arcee": ("ArceeConfig", "ArceeForCausalLM"),
+    "glm": ("GlmConfig", "GlmForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

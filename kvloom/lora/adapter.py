@@ -172,7 +172,7 @@ class LoRAAdapter:
                 if (layer, part) in weights:
                     raise LoRAError(f"{where}: layer {layer}'s {part} is adapted twice (by {label} and another)")
                 if config.interleaved_rotary and part in ("q_proj", "k_proj"):  # ERNIE 4.5's: as the base's rows
-                    rows = halves_from_pairs(rows, rows.shape[0] // config.head_dim)
+                    rows = halves_from_pairs(rows, rows.shape[0] // config.head_dim, config.rotary_dim)
                 weights[layer, part] = (a.float(), rows.float())
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")

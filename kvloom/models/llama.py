@@ -288,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 embedding_rows = head  # and the embedding itself is read below
             if self.config.interleaved_rotary and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-                tensor = halves_from_pairs(tensor, tensor.shape[0] // self.config.head_dim)  # this rank's heads
+                tensor = halves_from_pairs(tensor, tensor.shape[0] // self.config.head_dim,  # this rank's heads
+                                           self.config.rotary_dim)
             if self.tp.size > 1 and (".self_attn.qkv_proj." in name or ".mlp.gate_up_proj." in name):
                 tensor = fused_rows(self.config, name, tensor, self.tp.rank, self.tp.size)  # Phi-3's, whole
             if name in ("score.weight", "score.bias") and self.config.classifier is not None:
@@ -346,7 +347,8 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
             hidden, stream = stack(stream, tables, batch, kv_caches, backend, metadata,
                                    local if self.local_rotary is not None else None)
             return self.norm(hidden, stream)  # the rows batch.output_rows names, if any
-        rows, last = batch.output_rows, len(self.layers) - 1
+        # The rows the step reads alone in the last layer, in one process (as Llama's forward).
+        rows, last = batch.output_rows if self.tp.size == 1 else None, len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rotary = None if index in self.config.no_rope_layers else local if layer.local_rope else full
             stream = layer(stream, rotary, batch, kv_caches[index], backend, metadata, rows if index == last else None)

@@ -95,6 +95,8 @@ ARCHITECTURES: dict[str, str] = {
     "GPTBigCodeForCausalLM": "kvloom.models.gpt2:GPTBigCodeForCausalLM",
     "NemotronForCausalLM": "kvloom.models.nemotron:NemotronForCausalLM",
     "ArceeForCausalLM": "kvloom.models.arcee:ArceeForCausalLM",
+    "GlmForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # Llama's layers, the rotary config.py reads
+    "Glm4ForCausalLM": "kvloom.models.glm:Glm4ForCausalLM",
     "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",

@@ -31,16 +31,25 @@ def rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
 Rows = TypeVar("Rows", torch.Tensor, np.ndarray)
 
 
-def halves_from_pairs(rows: Rows, num_heads: int) -> Rows:
+def halves_from_pairs(rows: Rows, num_heads: int, rotary_dim: int | None = None) -> Rows:
     """A query or key projection's rows (a weight's or a bias's; a tensor or an array) for a
     rotary that turns adjacent pairs (2i, 2i + 1) of each head (GLM's, ERNIE 4.5's, and
     llama.cpp's order of Llama's rows), regrouped so that Llama's rotary, which turns
-    (i, i + head_dim / 2), turns the same pairs by the same angles: row i of a head is its
-    old row 2i, row head_dim / 2 + i its old row 2i + 1. Queries and keys move alike, so
-    every score is the same dot product. Returns a new, contiguous copy."""
-    half = rows.shape[0] // num_heads // 2
-    # [heads, half, 2, in] -> [heads, 2, half, in] -> the rows' shape (the reshape copies)
-    return rows.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+    (i, i + rotary_dim / 2), turns the same pairs by the same angles: row i of a head is its
+    old row 2i, row rotary_dim / 2 + i its old row 2i + 1. Queries and keys move alike, so
+    every score is the same dot product. ``rotary_dim``: the rows of each head the rotary
+    turns (its first ones, GLM's half; None: all), the rest left in place. Returns a new,
+    contiguous copy."""
+    head = rows.shape[0] // num_heads
+    turned = head if rotary_dim is None else rotary_dim
+    # [heads, head, in]: the turned rows [heads, turned / 2, 2, in] -> [heads, 2, turned / 2, in]
+    grouped = rows.reshape(num_heads, head, -1)
+    pairs = grouped[:, :turned].reshape(num_heads, turned // 2, 2, -1).swapaxes(1, 2).reshape(num_heads, turned, -1)
+    if turned == head:
+        return pairs.reshape(rows.shape)  # (the reshapes copy)
+    out = grouped.copy() if isinstance(grouped, np.ndarray) else grouped.clone()
+    out[:, :turned] = pairs
+    return out.reshape(rows.shape)
 
 
 class WeightFiller:

@@ -48,12 +48,13 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # olmo1: LayerNorms without weights, q/k/v clipped after the projection; opt: GPT-2's layer with a
 # ReLU MLP, positions two rows ahead; cohere2: side by side on one bias-free LayerNorm, adjacent-pair
 # rotary (rows regrouped), windowed layers beside a full one without rotary; nemotron: LayerNorms by
-# 1 + weight, ReLU squared, half of each head turned.
+# 1 + weight, ReLU squared, half of each head turned; glm4: Gemma 2's block norms in Llama's RMSNorms,
+# adjacent pairs of half of each head turned (those rows regrouped).
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "granite", "phi3", "mistral", "smollm3",
                                         "gemma", "gemma2", "gemma3", "helium", "olmo2", "olmo3", "exaone4",
                                         "starcoder2", "gpt2", "phi", "gpt_neox", "gpt_neox_seq", "stablelm",
                                         "stablelm_parallel", "olmo1", "opt", "cohere2",
-                                        "nemotron"])
+                                        "nemotron", "glm4"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
     extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
@@ -65,6 +66,8 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if request.param == "gpt2":  # no KV heads of its own; 128 learned positions (the run's longest is 77)
         shape = dict(hidden_size=128, n_inner=256, num_attention_heads=4, num_hidden_layers=3,
                      max_position_embeddings=128)
+    if request.param == "glm4":
+        extra = dict(head_dim=32)
     if request.param == "cohere2":
         extra = dict(sliding_window=20, sliding_window_pattern=3)
     if request.param == "opt":  # no KV heads of its own; its MLP's width is ffn_dim
