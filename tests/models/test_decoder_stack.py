@@ -56,52 +56,66 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
                                         "stablelm_parallel", "olmo1", "opt", "cohere2",
                                         "nemotron", "glm4"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_family(request.param, tmp_path_factory)
+
+
+# The KV fetched ahead is each layer's blocks, whatever the layer: its budgets are held on a
+# few layer kinds (Llama's, Gemma 2's windows and block norms, Phi's side by side, OLMo 2's
+# norms after each block); every family's split walks run with the default budget.
+@pytest.fixture(scope="module", params=["llama", "gemma2", "phi", "olmo2"])
+def prefetch_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_family(request.param, tmp_path_factory)
+
+
+def write_family(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of the configuration ``name`` (the comment above model_dir)."""
     from helpers_models import write_tiny_hf_model
-    extra: dict = {"head_dim": 32} if request.param in ("qwen3", "gemma", "helium") else {}  # not derived by them
-    if request.param == "gemma2":
+
+    extra: dict = {"head_dim": 32} if name in ("qwen3", "gemma", "helium") else {}  # not derived by them
+    if name == "gemma2":
         extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, attn_logit_softcapping=0.5)
-    if request.param == "starcoder2":
+    if name == "starcoder2":
         extra = dict(sliding_window=20)
     shape: dict = SHAPE
-    if request.param == "gpt2":  # no KV heads of its own; 128 learned positions (the run's longest is 77)
+    if name == "gpt2":  # no KV heads of its own; 128 learned positions (the run's longest is 77)
         shape = dict(hidden_size=128, n_inner=256, num_attention_heads=4, num_hidden_layers=3,
                      max_position_embeddings=128)
-    if request.param == "glm4":
+    if name == "glm4":
         extra = dict(head_dim=32)
-    if request.param == "cohere2":
+    if name == "cohere2":
         extra = dict(sliding_window=20, sliding_window_pattern=3)
-    if request.param == "opt":  # no KV heads of its own; its MLP's width is ffn_dim
+    if name == "opt":  # no KV heads of its own; its MLP's width is ffn_dim
         shape = dict(hidden_size=128, ffn_dim=256, num_attention_heads=4, num_hidden_layers=3,
                      max_position_embeddings=128)
-    if request.param.startswith("gpt_neox"):  # no KV heads of its own
+    if name.startswith("gpt_neox"):  # no KV heads of its own
         shape = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_hidden_layers=3)
-        extra = dict(rotary_pct=0.25, use_parallel_residual=request.param == "gpt_neox")
+        extra = dict(rotary_pct=0.25, use_parallel_residual=name == "gpt_neox")
     mixed = ["sliding_attention", "full_attention", "sliding_attention"]
-    if request.param == "olmo3":
+    if name == "olmo3":
         extra = dict(sliding_window=20, layer_types=mixed, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
-    if request.param == "exaone4":
+    if name == "exaone4":
         extra = dict(head_dim=32, sliding_window=20, layer_types=mixed)
-    if request.param == "gemma3":
+    if name == "gemma3":
         extra = dict(head_dim=32, sliding_window=20, query_pre_attn_scalar=19, rope_theta=1_000_000.0,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    if request.param == "mistral":
+    if name == "mistral":
         extra = dict(sliding_window=20, head_dim=256)
-    if request.param == "phi3":
+    if name == "phi3":
         extra = dict(partial_rotary_factor=0.75)
-    if request.param == "smollm3":
+    if name == "smollm3":
         extra = dict(no_rope_layer_interval=2)
-    if request.param == "granite":
+    if name == "granite":
         extra = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0)
-    if request.param == "stablelm_parallel":
+    if name == "stablelm_parallel":
         extra = dict(use_parallel_residual=True)
-    if request.param == "olmo1":
+    if name == "olmo1":
         extra = dict(clip_qkv=0.5)
-    arch = {"gpt_neox_seq": "gpt_neox", "stablelm_parallel": "stablelm", "olmo1": "olmo"}.get(request.param,
-                                                                                              request.param)
-    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, **shape, **extra)
+    arch = {"gpt_neox_seq": "gpt_neox", "stablelm_parallel": "stablelm", "olmo1": "olmo"}.get(name,
+                                                                                              name)
+    return write_tiny_hf_model(tmp_path_factory.mktemp(name), arch=arch, **shape, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -227,12 +241,18 @@ def run_split(model_dir: Path, monkeypatch: pytest.MonkeyPatch, kv_prefetch_byte
     assert any(split > 0 for split in splits), "no step was split into two walks"
 
 
+def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    run_split(model_dir, monkeypatch, 8 << 20)
+
+
 # Split walks fetch each layer's KV ahead during their matmuls: none of it, a block's K
-# and V of one layer (the budget cuts the stream short), and all of it.
-@pytest.mark.parametrize("kv_prefetch_bytes", [0, 2 * 16 * 2 * 32 * 2, 8 << 20])
-def test_two_concurrent_walks_match_the_module_path_bit_for_bit(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 kv_prefetch_bytes: int) -> None:
-    run_split(model_dir, monkeypatch, kv_prefetch_bytes)
+# and V of one layer (the budget cuts the stream short), and all of it (the test above).
+@pytest.mark.parametrize("kv_prefetch_bytes", [0, 2 * 16 * 2 * 32 * 2])
+def test_two_concurrent_walks_keep_the_bits_at_every_prefetch_budget(prefetch_model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     kv_prefetch_bytes: int) -> None:
+    run_split(prefetch_model_dir, monkeypatch, kv_prefetch_bytes)
 
 
 def test_two_concurrent_walks_with_lora_adapters_match_the_module_path(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
