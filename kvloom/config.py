@@ -122,6 +122,27 @@ def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
             "use_bias": hf.get("enable_bias", True)}
 
 
+def _falcon_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config.json in the names the rest reads (transformers' FalconConfig, and the
+    n_head / n_layer / n_head_kv of older files): its KV heads (one with multi_query, unless the
+    new architecture), side by side (parallel_attn, or the new architecture) with one norm or
+    two, the MLP's width and activation, one bias flag. ALiBi (Falcon-RW) is refused by name."""
+    if hf.get("alibi"):
+        raise ValueError("model config: Falcon with alibi (ALiBi position biases, Falcon-RW's) is not supported")
+    heads = hf.get("num_attention_heads", hf.get("n_head"))
+    new_architecture = bool(hf.get("new_decoder_architecture", False))
+    kv_heads = hf.get("num_kv_heads", hf.get("n_head_kv")) or heads
+    if not new_architecture and hf.get("multi_query", True):
+        kv_heads = 1
+    hidden = hf.get("hidden_size", hf.get("n_embed"))
+    return {"tie_word_embeddings": True, **hf, "hidden_size": hidden, "num_attention_heads": heads,
+            "num_hidden_layers": hf.get("num_hidden_layers", hf.get("n_layer")), "num_key_value_heads": kv_heads,
+            "intermediate_size": hf.get("ffn_hidden_size") or 4 * hidden, "hidden_act": hf.get("activation", "gelu"),
+            "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "use_bias": bool(hf.get("bias", False)),
+            "use_parallel_residual": new_architecture or bool(hf.get("parallel_attn", True)),
+            "num_ln_in_parallel_attn": hf.get("num_ln_in_parallel_attn") or (2 if new_architecture else 1)}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the engine needs, normalised from any HF config.json."""
@@ -156,6 +177,9 @@ class ModelConfig:
     # GPT-NeoX's use_parallel_residual: attention and MLP read the same stream (each through
     # its own norm) and are added to it together, rather than one after the other.
     parallel_residual: bool = False
+    # Falcon's num_ln_in_parallel_attn: the norms of a side-by-side layer, 2 (the MLP its own,
+    # GPT-NeoX's and the new architecture's) or 1 (the MLP on the attention's normed input).
+    parallel_norms: int = 2
     # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
     qk_norm: bool = False
     # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
@@ -266,6 +290,8 @@ class ModelConfig:
                   "num_hidden_layers": hf["n_layer"], "max_position_embeddings": hf["n_positions"]}
         if archs[0] == "OPTForCausalLM":
             hf = _opt_fields(hf)
+        if archs[0] == "FalconForCausalLM":
+            hf = _falcon_fields(hf)
         if archs[0] == "Cohere2ForCausalLM" and hf.get("layer_types") is None:  # older configs: a pattern
             pattern = int(hf.get("sliding_window_pattern", 4))
             hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -340,12 +366,14 @@ class ModelConfig:
             # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
             attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
                                                               "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
-                                                              *ALWAYS_BIASED, *COHERE_ARCHITECTURES),
+                                                              "FalconForCausalLM", *ALWAYS_BIASED,
+                                                              *COHERE_ARCHITECTURES),
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
             # Phi's flag, Cohere's (Command R+)
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
+            parallel_norms=int(hf.get("num_ln_in_parallel_attn") or 2),
             no_rope_layers=_no_rope_layers(arch, hf),
             interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", *COHERE_ARCHITECTURES,
                                         *GLM_ARCHITECTURES),

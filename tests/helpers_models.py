@@ -130,6 +130,7 @@ _ARCH_CONFIGS = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM"),
     "glm": ("GlmConfig", "GlmForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "falcon": ("FalconConfig", "FalconForCausalLM"),
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

@@ -97,6 +97,7 @@ ARCHITECTURES: dict[str, str] = {
     "ArceeForCausalLM": "kvloom.models.arcee:ArceeForCausalLM",
     "GlmForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # Llama's layers, the rotary config.py reads
     "Glm4ForCausalLM": "kvloom.models.glm:Glm4ForCausalLM",
+    "FalconForCausalLM": "kvloom.models.falcon:FalconForCausalLM",
     "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",

@@ -48,6 +48,7 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
                "GPTBigCodeForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
                "NemotronForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
                "ArceeForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
+               "FalconForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
                "CohereForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "Cohere2ForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}

@@ -1,0 +1,99 @@
+"""TII's Falcon (``FalconForCausalLM``: Falcon-7B, Falcon-40B / 180B, Falcon2-11B): LayerNorms
+with biases, Llama's attention (no biases unless ``bias``) with the standard rotary, an un-gated
+exact-GELU MLP (dense_h_to_4h, dense_4h_to_h), the embedding as the output head. Its layers:
+
+- ``parallel_attn`` (Falcon-7B) or ``new_decoder_architecture`` (40B, 180B, 11B): attention and
+  MLP side by side, added together and then to the stream (MLP + attention + stream); the MLP
+  reads the attention's LayerNorm (one norm: ``num_ln_in_parallel_attn`` 1) or its own
+  (``ln_mlp``: two, the new architecture's default), GPT-NeoX's and Phi's layers;
+- else the blocks in turn (GPT-NeoX's sequential layer).
+
+q, k and v are fused in the checkpoint: [q | k | v] with one KV head (``multi_query``), grouped
+per KV head ([group][its queries | k | v]) in the new architecture, per head ([head][q | k | v])
+otherwise; put in kvloom's [q | k | v] order at load (``fused_qkv_rows``). ALiBi models
+(Falcon-RW) are refused by name (config.py).
+
+The native walk runs its layers; one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.base import AttentionBackend
+from kvloom.batch import ForwardBatch
+from kvloom.config import ModelConfig
+from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
+from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.weights import renamed
+
+# Checkpoint names -> the Llama modules that hold them (the new architecture's two norms are
+# GPT-NeoX's input and post-attention ones).
+_RENAMES = (("transformer.h.", "model.layers."), ("transformer.word_embeddings.", "model.embed_tokens."),
+            ("transformer.ln_f.", "model.norm."), ("self_attention.query_key_value.", "self_attn.qkv_proj."),
+            ("self_attention.dense.", "self_attn.o_proj."), ("mlp.dense_h_to_4h.", "mlp.fc1."),
+            ("mlp.dense_4h_to_h.", "mlp.fc2."), ("ln_attn.", "input_layernorm."),
+            ("ln_mlp.", "post_attention_layernorm."))
+
+
+class FalconDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
+                 window: int = 0) -> None:
+        super().__init__()
+        self.parallel = config.parallel_residual
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, window)
+        # The MLP's own norm: in turn always; side by side with ln_mlp (the walk reads its absence
+        # as Phi's layer, the MLP on the attention's normed input).
+        own_norm = not self.parallel or config.parallel_norms == 2
+        self.post_attention_layernorm = (ResidualLayerNorm(config.hidden_size, config.rms_norm_eps) if own_norm
+                                         else None)
+        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
+                              config.hidden_act)
+        self.local_rope = False
+
+    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer (of ``rows`` only, where given: every row's
+        K and V still go into the cache)."""
+        normed = self.input_layernorm(stream)
+        attended = self.self_attn(normed, rotary, batch, kv_cache, backend, metadata, rows)
+        if rows is not None:
+            normed, stream = normed[rows], stream[rows]
+        if not self.parallel:
+            stream = attended + stream
+            assert self.post_attention_layernorm is not None
+            return self.mlp(self.post_attention_layernorm(stream)) + stream
+        mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(stream)
+        return self.mlp(mlp_in) + attended + stream
+
+
+class FalconForCausalLM(StreamLayersForCausalLM):
+    has_score_head = False  # no Falcon sequence classifier is read
+    checkpoint_renames = _RENAMES
+    layer_class = FalconDecoderLayer
+    norm_class = ResidualLayerNorm  # ln_f
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._in_our_order(renamed(weights, _RENAMES)))
+
+    def _in_our_order(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield name, (self.fused_qkv_rows(tensor) if ".self_attn.qkv_proj." in name else tensor)
+
+    def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's q/k/v rows, grouped per KV head ([group][its queries | k | v]: the
+        new architecture's; per head, a group of one, without it; one group, [q | k | v]
+        already, with multi_query), in kvloom's [q | k | v]."""
+        config = self.config
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        grouped = rows.reshape(kv_heads, heads // kv_heads + 2, head_dim, -1)
+        q = grouped[:, :-2].reshape(heads * head_dim, -1)
+        k, v = grouped[:, -2].reshape(kv_heads * head_dim, -1), grouped[:, -1].reshape(kv_heads * head_dim, -1)
+        return torch.cat((q, k, v)).reshape(rows.shape)
