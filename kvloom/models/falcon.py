@@ -5,8 +5,8 @@ exact-GELU MLP (dense_h_to_4h, dense_4h_to_h), the embedding as the output head.
 - ``parallel_attn`` (Falcon-7B) or ``new_decoder_architecture`` (40B, 180B, 11B): attention and
   MLP side by side, added together and then to the stream (MLP + attention + stream); the MLP
   reads the attention's LayerNorm (one norm: ``num_ln_in_parallel_attn`` 1) or its own
-  (``ln_mlp``: two, the new architecture's default), GPT-NeoX's and Phi's layers;
-- else the blocks in turn (GPT-NeoX's sequential layer).
+  (``ln_mlp``: two, the new architecture's default);
+- else the blocks in turn: GPT-NeoX's layer (``gpt_neox.GPTNeoXDecoderLayer``) in each case.
 
 q, k and v are fused in the checkpoint: [q | k | v] with one KV head (``multi_query``), grouped
 per KV head ([group][its queries | k | v]) in the new architecture, per head ([head][q | k | v])
@@ -19,17 +19,12 @@ The native walk runs its layers; one process.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
-from torch import nn
 
-from kvloom.attention.base import AttentionBackend
-from kvloom.batch import ForwardBatch
-from kvloom.config import ModelConfig
-from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
-from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.gpt_neox import GPTNeoXDecoderLayer
+from kvloom.models.layers import ResidualLayerNorm
+from kvloom.models.llama import StreamLayersForCausalLM
 from kvloom.models.weights import renamed
 
 # Checkpoint names -> the Llama modules that hold them (the new architecture's two norms are
@@ -41,43 +36,10 @@ _RENAMES = (("transformer.h.", "model.layers."), ("transformer.word_embeddings."
             ("ln_mlp.", "post_attention_layernorm."))
 
 
-class FalconDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
-                 window: int = 0) -> None:
-        super().__init__()
-        self.parallel = config.parallel_residual
-        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, window)
-        # The MLP's own norm: in turn always; side by side with ln_mlp (the walk reads its absence
-        # as Phi's layer, the MLP on the attention's normed input).
-        own_norm = not self.parallel or config.parallel_norms == 2
-        self.post_attention_layernorm = (ResidualLayerNorm(config.hidden_size, config.rms_norm_eps) if own_norm
-                                         else None)
-        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                              config.hidden_act)
-        self.local_rope = False
-
-    def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The residual stream after this layer (of ``rows`` only, where given: every row's
-        K and V still go into the cache)."""
-        normed = self.input_layernorm(stream)
-        attended = self.self_attn(normed, rotary, batch, kv_cache, backend, metadata, rows)
-        if rows is not None:
-            normed, stream = normed[rows], stream[rows]
-        if not self.parallel:
-            stream = attended + stream
-            assert self.post_attention_layernorm is not None
-            return self.mlp(self.post_attention_layernorm(stream)) + stream
-        mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(stream)
-        return self.mlp(mlp_in) + attended + stream
-
-
 class FalconForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no Falcon sequence classifier is read
     checkpoint_renames = _RENAMES
-    layer_class = FalconDecoderLayer
+    layer_class = GPTNeoXDecoderLayer  # side by side on two norms or one (config.parallel_norms), or in turn
     norm_class = ResidualLayerNorm  # ln_f
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -37,8 +37,10 @@ _BUFFERS = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
 
 class GPTNeoXDecoderLayer(nn.Module):
     """A LayerNorm before the attention and one before the MLP (``layers.UngatedMLP``), the two
-    blocks added to the stream together (``config.parallel_residual``) or in turn: GPT-2's
-    layer too, whose attention turns no rotary (``rotary`` None)."""
+    blocks added to the stream together (``config.parallel_residual``: MLP + attention + stream)
+    or in turn: GPT-2's, OPT's and Falcon's layer too (GPT-2's and OPT's attention turns no
+    rotary: ``rotary`` None). Side by side with ``config.parallel_norms`` 1 (Falcon-7B's) the
+    MLP reads the attention's norm and has none of its own."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
@@ -46,9 +48,12 @@ class GPTNeoXDecoderLayer(nn.Module):
         self.parallel = config.parallel_residual
         self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
-        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        # (The walk reads its absence as Phi's layer: the MLP on the attention's normed input.)
+        own_norm = not self.parallel or config.parallel_norms == 2
+        self.post_attention_layernorm = (ResidualLayerNorm(config.hidden_size, config.rms_norm_eps) if own_norm
+                                         else None)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                           config.hidden_act)
+                              config.hidden_act)
         self.local_rope = False
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,
@@ -56,9 +61,12 @@ class GPTNeoXDecoderLayer(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after this layer (of ``rows`` only, where given: every row's
         K and V still go into the cache)."""
-        attended = self.self_attn(self.input_layernorm(stream), rotary, batch, kv_cache, backend, metadata, rows)
+        normed = self.input_layernorm(stream)
+        attended = self.self_attn(normed, rotary, batch, kv_cache, backend, metadata, rows)
         if rows is not None:
             stream = stream[rows]
+        if self.post_attention_layernorm is None:  # side by side on one norm
+            return self.mlp(normed if rows is None else normed[rows]) + attended + stream
         if self.parallel:
             return self.mlp(self.post_attention_layernorm(stream)) + attended + stream
         stream = attended + stream

@@ -42,7 +42,7 @@ class PhiDecoderLayer(nn.Module):
             self.self_attn.q_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                           config.hidden_act)
+                              config.hidden_act)
         self.local_rope = False
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
