@@ -292,6 +292,8 @@ class ModelConfig:
             hf = _opt_fields(hf)
         if archs[0] == "FalconForCausalLM":
             hf = _falcon_fields(hf)
+        if archs[0] == "OlmoeForCausalLM" and hf.get("clip_qkv") is not None:
+            raise ValueError("model config: OLMoE's clip_qkv (q and k clamped after their norms) is not supported")
         if archs[0] == "Cohere2ForCausalLM" and hf.get("layer_types") is None:  # older configs: a pattern
             pattern = int(hf.get("sliding_window_pattern", 4))
             hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"

@@ -84,7 +84,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoe or DeepSeek-V2/V3 ``config.json`` (HF's
+        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe or DeepSeek-V2/V3 ``config.json`` (HF's
         defaults where a key is absent); None for any other architecture, or one
         without a sparse layer."""
         arch = (hf.get("architectures") or [""])[0]
@@ -112,6 +112,11 @@ class MoEConfig:
                          sparse_layers=sparse, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                          round_routing_weights=True, shared_expert_intermediate_size=shared,
                          shared_expert_gate=not qwen3, hidden_act=act)
+        elif arch == "OlmoeForCausalLM":  # Qwen2-MoE's router (softmax in float32, top-k, rounded), no shared expert
+            config = cls(num_experts=int(hf.get("num_experts", 64)), top_k=int(hf.get("num_experts_per_tok", 8)),
+                         intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), round_routing_weights=True,
+                         hidden_act=act)
         elif arch == "GraniteMoeForCausalLM":
             # Its router's softmax over the top-k logits is Mixtral's renormalised top-k of the
             # softmax over all of them; the weights rounded to the activation dtype, as HF's.

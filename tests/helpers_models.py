@@ -131,6 +131,7 @@ _ARCH_CONFIGS = {
     "glm": ("GlmConfig", "GlmForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "falcon": ("FalconConfig", "FalconForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

@@ -42,7 +42,8 @@ _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 # fan_in_fan_out for GPT-2's Conv1D layers; it transposes the base weight when merging and
 # leaves A and B as every adapter's, so it is not among them.)
 _REFUSED = {"use_dora": False, "modules_to_save": None, "rank_pattern": {},
-            "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
+            "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
+            "target_parameters": None}  # LoRA on bare parameters (a router's, experts' tensors)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class LoRAAdapter:
         if settings.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
         for key, default in _REFUSED.items():
-            if settings.get(key, default) not in (default, None, {}, False):
+            if settings.get(key, default) not in (default, None, {}, [], False):
                 raise LoRAError(f"{where}: {key}={settings[key]!r} is not supported")
         if settings.get("bias", "none") != "none":
             raise LoRAError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")

@@ -98,6 +98,7 @@ ARCHITECTURES: dict[str, str] = {
     "GlmForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # Llama's layers, the rotary config.py reads
     "Glm4ForCausalLM": "kvloom.models.glm:Glm4ForCausalLM",
     "FalconForCausalLM": "kvloom.models.falcon:FalconForCausalLM",
+    "OlmoeForCausalLM": "kvloom.models.olmoe:OlmoeForCausalLM",
     "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",

@@ -38,7 +38,7 @@ class TensorSlice:
 
 # Families of Llama's attention whose other layers the ranks do not split, and why.
 _OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
-ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO,
+ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO, "OlmoeForCausalLM": _OLMO,
                "Exaone4ForCausalLM": "tensor parallel does not split its layers (OLMo 2's, norms after each block)",
                "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
                "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
