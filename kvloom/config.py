@@ -54,7 +54,7 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCa
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
                  "GPTBigCodeForCausalLM")
-ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+ONE_KV_HEAD_PER_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTJForCausalLM")
 # Families whose positions are learned embeddings added to the tokens' (no rotary in any layer).
 LEARNED_POSITIONS = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM")
 # Families whose config.json names the shape as GPT-2's does (n_embd, n_head, n_layer, ...).
@@ -292,6 +292,14 @@ class ModelConfig:
             hf = _opt_fields(hf)
         if archs[0] == "FalconForCausalLM":
             hf = _falcon_fields(hf)
+        if archs[0] == "GPTJForCausalLM":  # GPT-2's names for the shape; biases on the MLP alone
+            hidden, heads = hf["n_embd"], hf["n_head"]
+            rotary = hf.get("rotary_dim") or hidden // heads
+            hf = {**hf, "hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": hf["n_layer"],
+                  "max_position_embeddings": hf["n_positions"], "intermediate_size": hf.get("n_inner") or 4 * hidden,
+                  "hidden_act": hf.get("activation_function", "gelu_new"),
+                  "layer_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "mlp_bias": True,
+                  "partial_rotary_factor": rotary / (hidden // heads)}
         if archs[0] == "OlmoeForCausalLM" and hf.get("clip_qkv") is not None:
             raise ValueError("model config: OLMoE's clip_qkv (q and k clamped after their norms) is not supported")
         if archs[0] == "Cohere2ForCausalLM" and hf.get("layer_types") is None:  # older configs: a pattern
@@ -377,8 +385,8 @@ class ModelConfig:
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             parallel_norms=int(hf.get("num_ln_in_parallel_attn") or 2),
             no_rope_layers=_no_rope_layers(arch, hf),
-            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", *COHERE_ARCHITECTURES,
-                                        *GLM_ARCHITECTURES),
+            interleaved_rotary=arch in ("Ernie4_5ForCausalLM", "HeliumForCausalLM", "GPTJForCausalLM",
+                                        *COHERE_ARCHITECTURES, *GLM_ARCHITECTURES),
             clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]),
             rotary_dim=rotary_dim,
             sliding_window=sliding,

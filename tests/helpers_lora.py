@@ -21,6 +21,7 @@ FAMILY_TARGETS = {
     "starcoder2": (["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"], ["q_proj", "o_proj", "c_proj"]),
     "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "o_proj", "down_proj"]),
     "opt": (["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], ["q_proj", "out_proj", "fc2"]),
+    "gptj": (["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"], ["q_proj", "out_proj", "fc_out"]),
     "falcon": (["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
                ["query_key_value", "dense", "dense_4h_to_h"]),
     "glm": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"], ["q_proj", "o_proj", "down_proj"]),

@@ -132,6 +132,7 @@ _ARCH_CONFIGS = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "falcon": ("FalconConfig", "FalconForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM"),
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

@@ -78,5 +78,6 @@ class PhiForCausalLM(StreamLayersForCausalLM):
         return logits if self.tied_head_bias is None else logits + self.tied_head_bias.to(logits.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        renames = _RENAMES + ((("lm_head.bias", "tied_head_bias"),) if self.tied_head_bias is not None else ())
+        renames = self.checkpoint_renames + ((("lm_head.bias", "tied_head_bias"),) if self.tied_head_bias is not None
+                                             else ())
         super().load_weights(renamed(weights, renames))

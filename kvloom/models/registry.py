@@ -99,6 +99,7 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4ForCausalLM": "kvloom.models.glm:Glm4ForCausalLM",
     "FalconForCausalLM": "kvloom.models.falcon:FalconForCausalLM",
     "OlmoeForCausalLM": "kvloom.models.olmoe:OlmoeForCausalLM",
+    "GPTJForCausalLM": "kvloom.models.gptj:GPTJForCausalLM",
     "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",

@@ -49,6 +49,7 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO, "OlmoeForCa
                "NemotronForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
                "ArceeForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
                "FalconForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
+               "GPTJForCausalLM": "tensor parallel does not split its MLP's fc_in / fc_out",
                "CohereForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "Cohere2ForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 RNG = random.Random(29)
 PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, 47)]
-SHAPE = dict(n_embd=128, n_inner=256, n_head=4, n_positions=128, tie_word_embeddings=True)
+SHAPE = dict(hidden_size=128, n_inner=256, num_attention_heads=4, max_position_embeddings=128, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["multi_query", "every_head"])
