@@ -204,6 +204,21 @@ def write_tiny_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
     return path
 
 
+def with_saved_masks(path: Path, out: Path) -> Path:
+    """A copy of the GPT-2-named checkpoint at ``path`` with the causal-mask buffers older
+    conversions saved beside the weights (``attn.bias``, ``attn.masked_bias``), at ``out``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(path, out))
+    state = load_file(str(copy / "model.safetensors"))
+    state["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    state["transformer.h.1.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
 def write_hub_cache(cache: str | Path, repo_id: str, revisions: dict[str, Path], *,
                     tree_listing: bool = True, extra_files: dict[str, bytes] | None = None) -> dict[str, str]:
     """Lay model directories out in a Hugging Face hub cache the way huggingface_hub

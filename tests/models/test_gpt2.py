@@ -11,7 +11,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
 from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
@@ -65,15 +64,9 @@ def test_its_first_layers_draft_for_it(tmp_path: Path) -> None:
 
 
 def test_saved_masks_beside_the_weights_are_skipped(gpt2: Path, tmp_path: Path) -> None:
-    import shutil
+    from helpers_models import with_saved_masks
 
-    from safetensors.torch import load_file, save_file
-
-    copy = Path(shutil.copytree(gpt2, tmp_path / "gpt2-masks"))
-    state = load_file(str(copy / "model.safetensors"))
-    state["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
-    state["transformer.h.1.attn.masked_bias"] = torch.tensor(-1e4)
-    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    copy = with_saved_masks(gpt2, tmp_path / "gpt2-masks")
     outputs = LLM(str(copy), dtype="float32", num_blocks=64).generate(PROMPTS[1:3], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [reference_run(gpt2, p, GREEDY.max_tokens)[0]
                                                                for p in PROMPTS[1:3]]

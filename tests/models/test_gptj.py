@@ -8,11 +8,9 @@ masks skipped; two ranks refused by name."""
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
 from kvloom import LLM
@@ -42,14 +40,9 @@ def test_bf16_native_walk_log_probs_are_transformers_float32s(gptj: Path) -> Non
 
 def test_saved_masks_beside_the_weights_are_skipped_and_a_lora_adapter_is_peft(gptj: Path, tmp_path: Path) -> None:
     from helpers_lora import FAMILY_TARGETS, assert_adapter_is_peft
-    from safetensors.torch import load_file, save_file
+    from helpers_models import with_saved_masks
 
-    copy = Path(shutil.copytree(gptj, tmp_path / "gptj-masks"))
-    state = load_file(str(copy / "model.safetensors"))
-    state["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
-    state["transformer.h.1.attn.masked_bias"] = torch.tensor(-1e9)
-    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    assert_greedy_is_transformers(copy, PROMPTS[1:3], 6)
+    assert_greedy_is_transformers(with_saved_masks(gptj, tmp_path / "gptj-masks"), PROMPTS[1:3], 6)
     assert_adapter_is_peft(gptj, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["gptj"][0])
 
 
