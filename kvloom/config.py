@@ -354,6 +354,11 @@ class ModelConfig:
             layer_types = ["full_attention" if i < hf["max_window_layers"] else "sliding_attention"
                            for i in range(hf["num_hidden_layers"])]
         full_layers = tuple(i for i, kind in enumerate(layer_types or ()) if kind != "sliding_attention")
+        # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never; Seed-OSS its own.
+        output_bias = (bool(hf.get("attention_out_bias")) if arch == "SeedOssForCausalLM" else
+                       attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM", "Starcoder2ForCausalLM",
+                                                   "Ernie4_5ForCausalLM", "FalconForCausalLM", *ALWAYS_BIASED,
+                                                   *COHERE_ARCHITECTURES))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -373,11 +378,7 @@ class ModelConfig:
             # A classifier's score head is its own (transformers ties no head of one).
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) and classifier is None,
             attention_bias=attention_bias,
-            # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never.
-            attention_output_bias=attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM",
-                                                              "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
-                                                              "FalconForCausalLM", *ALWAYS_BIASED,
-                                                              *COHERE_ARCHITECTURES),
+            attention_output_bias=output_bias,
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
             # Phi's flag, Cohere's (Command R+)
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),

@@ -133,6 +133,8 @@ _ARCH_CONFIGS = {
     "falcon": ("FalconConfig", "FalconForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "gptj": ("GPTJConfig", "GPTJForCausalLM"),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM"),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

@@ -66,6 +66,8 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "MinistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # Mistral's layers, windowed by layer_types
+    "SeedOssForCausalLM": "kvloom.models.llama:LlamaForCausalLM",  # Llama's, its o projection's bias its own flag
     "MixtralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
