@@ -50,8 +50,6 @@ ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO, "OlmoeForCa
                "ArceeForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
                "FalconForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
                "GPTJForCausalLM": "tensor parallel does not split its MLP's fc_in / fc_out",
-               "CohereForCausalLM": "tensor parallel is not served for its side-by-side layers",
-               "Cohere2ForCausalLM": "tensor parallel is not served for its side-by-side layers",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
 
 
@@ -63,6 +61,8 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
         return None
     if config.architecture in ONE_PROCESS:
         return f"{config.architecture} runs in one process: {ONE_PROCESS[config.architecture]}"
+    if config.architecture == "CohereForCausalLM" and config.qk_norm:  # Command R+'s
+        return f"{config.architecture} with use_qk_norm runs in one process: {ONE_PROCESS['StableLmForCausalLM']}"
     if config.classifier is not None and config.classifier.source_tokens:
         return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
                 "rows of a few tokens, which one rank's shard may not hold; run it in one process")

@@ -3,7 +3,8 @@ a gated SiLU MLP side by side on one bias-free LayerNorm, a rotary that turns ad
 the logits times logit_scale, the embedding as the head; Command R+'s per-head q/k LayerNorms;
 Command R7B's windowed layers beside full ones that turn no rotary. Greedy tokens and first
 log-probs held to transformers in float32, the native walk in bf16 near transformers' float32,
-a LoRA adapter held to PEFT (its q/k rows regrouped as the weights'); two ranks refused by name."""
+a LoRA adapter held to PEFT (its q/k rows regrouped as the weights'); two ranks held to transformers
+(Command R+'s head norms refused by name there)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def test_a_lora_adapter_is_peft(cohere: Path, tmp_path: Path) -> None:
     assert_adapter_is_peft(cohere, tmp_path / "adapter", PROMPTS[2:], TARGETS_ALL)
 
 
-def test_two_ranks_are_refused_by_name(cohere: Path) -> None:
-    with pytest.raises(Exception, match="CohereForCausalLM runs in one process"):
-        LLM(str(cohere), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(cohere2: Path, tmp_path: Path) -> None:
+    """Each rank regroups its own heads' rows; the side-by-side blocks each all-reduce before
+    they are added. Command R+'s per-head norms are refused by name (not split between ranks)."""
+    assert_greedy_is_transformers(cohere2, PROMPTS[1:3], 6, tensor_parallel_size=2)
+    plus = write_tiny_hf_model(tmp_path / "cohere-qk", arch="cohere", seed=64, use_qk_norm=True, **SHAPE)
+    with pytest.raises(Exception, match="CohereForCausalLM with use_qk_norm runs in one process"):
+        LLM(str(plus), dtype="float32", num_blocks=16, tensor_parallel_size=2)
