@@ -9,29 +9,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
-from kvloom.config import ModelConfig
-from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import RMSNorm, UngatedMLP
-from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
+from kvloom.models.layers import RMSNorm
+from kvloom.models.llama import LlamaForCausalLM
+from kvloom.models.starcoder2 import Starcoder2DecoderLayer
 from kvloom.models.weights import renamed
 
 _RENAMES = (("mlp.up_proj.", "mlp.fc1."), ("mlp.down_proj.", "mlp.fc2."))
 
 
-class ArceeDecoderLayer(nn.Module):
-    """Llama's layer (its forward is the model's), the MLP un-gated."""
+class ArceeDecoderLayer(Starcoder2DecoderLayer):
+    """Llama's layer (its RMSNorms, attention and forward), the MLP un-gated: StarCoder2's layer
+    with Llama's norms."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
-                 window: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                              config.hidden_act)
-        self.local_rope = False
+    norm_class = RMSNorm
 
 
 class ArceeForCausalLM(LlamaForCausalLM):

@@ -19,9 +19,9 @@ import torch
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import GatedMLP, ResidualLayerNorm
-from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
-from kvloom.models.stablelm import PerHeadLayerNorm, StableLmDecoderLayer
+from kvloom.models.layers import ResidualLayerNorm
+from kvloom.models.llama import StreamLayersForCausalLM
+from kvloom.models.stablelm import StableLmDecoderLayer
 from kvloom.models.weights import halves_from_pairs
 
 
@@ -30,23 +30,11 @@ def _layer_norm(config: ModelConfig) -> ResidualLayerNorm:
 
 
 class CohereDecoderLayer(StableLmDecoderLayer):
-    """StableLM's layer side by side (its forward), its norms without biases."""
+    """StableLM's layer (its forward and its per-head q/k norms, Command R+'s), always side by
+    side, its LayerNorms without biases."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
-                 window: int = 0) -> None:
-        torch.nn.Module.__init__(self)
-        if config.hidden_act != "silu":
-            raise ValueError(f"{config.architecture}: hidden_act {config.hidden_act!r} is not supported "
-                             "(supported: silu)")
-        self.parallel = True
-        self.input_layernorm = _layer_norm(config)
-        self.self_attn = LlamaAttention(config, tp, window)
-        if config.qk_norm:  # Command R+'s: a LayerNorm of each head, its own weights, no bias
-            self.self_attn.q_norm = PerHeadLayerNorm(config.num_heads, config.head_dim, config.rms_norm_eps)
-            self.self_attn.k_norm = PerHeadLayerNorm(config.num_kv_heads, config.head_dim, config.rms_norm_eps)
-        self.post_attention_layernorm = None
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
-        self.local_rope = False
+    always_parallel = True
+    norm_biases = False
 
 
 class CohereForCausalLM(StreamLayersForCausalLM):

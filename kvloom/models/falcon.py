@@ -25,7 +25,7 @@ import torch
 from kvloom.models.gpt_neox import GPTNeoXDecoderLayer
 from kvloom.models.layers import ResidualLayerNorm
 from kvloom.models.llama import StreamLayersForCausalLM
-from kvloom.models.weights import renamed
+from kvloom.models.weights import qkv_from_groups, renamed
 
 # Checkpoint names -> the Llama modules that hold them (the new architecture's two norms are
 # GPT-NeoX's input and post-attention ones).
@@ -54,8 +54,4 @@ class FalconForCausalLM(StreamLayersForCausalLM):
         new architecture's; per head, a group of one, without it; one group, [q | k | v]
         already, with multi_query), in kvloom's [q | k | v]."""
         config = self.config
-        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        grouped = rows.reshape(kv_heads, heads // kv_heads + 2, head_dim, -1)
-        q = grouped[:, :-2].reshape(heads * head_dim, -1)
-        k, v = grouped[:, -2].reshape(kv_heads * head_dim, -1), grouped[:, -1].reshape(kv_heads * head_dim, -1)
-        return torch.cat((q, k, v)).reshape(rows.shape)
+        return qkv_from_groups(rows, config.num_heads, config.num_kv_heads, config.head_dim)

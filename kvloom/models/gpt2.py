@@ -23,7 +23,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.gpt_neox import GPTNeoXDecoderLayer
 from kvloom.models.layers import ResidualLayerNorm
 from kvloom.models.llama import StreamLayersForCausalLM
-from kvloom.models.weights import renamed
+from kvloom.models.weights import qkv_from_groups, renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
 _RENAMES = (("transformer.h.", "model.layers."), ("transformer.", "model."), ("wte.", "embed_tokens."),
@@ -69,11 +69,10 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
             yield name, (self.fused_qkv_rows(tensor) if ".self_attn.qkv_proj." in name else tensor)
 
     def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Without multi_query, c_attn's rows head by head ([head][q | k | v]) as [q | k | v]."""
+        """c_attn's rows as [q | k | v]: head by head ([head][q | k | v]) without multi_query,
+        one group (that order already) with it."""
         config = self.config
-        if config.num_kv_heads == 1:  # multi_query: [q | k | v] already
-            return rows
-        return rows.reshape(config.num_heads, 3, config.head_dim, -1).transpose(0, 1).reshape(rows.shape)
+        return qkv_from_groups(rows, config.num_heads, config.num_kv_heads, config.head_dim)
 
 
 def _as_linear(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
-from kvloom.models.weights import renamed
+from kvloom.models.weights import qkv_from_groups, renamed
 
 # Checkpoint names -> the Llama modules that hold them.
 _RENAMES = (("gpt_neox.", "model."), ("embed_in.", "embed_tokens."), ("final_layer_norm.", "norm."),
@@ -94,5 +94,5 @@ class GPTNeoXForCausalLM(StreamLayersForCausalLM):
     def fused_qkv_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The checkpoint's q/k/v rows, grouped per head ([head][q | k | v]), as kvloom's
         fused projection holds them ([q | k | v], each head by head)."""
-        heads, head_dim = self.config.num_heads, self.config.head_dim
-        return rows.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(rows.shape)
+        config = self.config
+        return qkv_from_groups(rows, config.num_heads, config.num_kv_heads, config.head_dim)

@@ -135,19 +135,21 @@ def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+# The un-gated MLP's activations by form: the fused CPU kernel, and the PyTorch reference.
+_PLAIN_NATIVE = {"gelu_tanh": cpu_ops.gelu_tanh, "gelu_erf": cpu_ops.gelu_erf, "relu": cpu_ops.relu,
+                 "relu2": cpu_ops.relu2}
+_PLAIN_REFERENCE = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu_erf": F.gelu, "relu": torch.relu,
+                    "relu2": lambda x: torch.square(torch.relu(x))}
+
+
 def plain_activation(x: torch.Tensor, form: str) -> torch.Tensor:
     """The un-gated MLP's activation of x in ``form`` (PLAIN_FORMS), fused on CPU: GELU's
-    tanh form, ReLU and its square always, GELU's exact form in bf16 (its erfc is within float32's step of
-    torch's, not bit-equal, and float32 runs are the ones held to transformers at float32's
-    tolerance)."""
+    tanh form, ReLU and its square always, GELU's exact form in bf16 (its erfc is within
+    float32's step of torch's, not bit-equal, and float32 runs are the ones held to
+    transformers at float32's tolerance)."""
     if _native(x) and x.dim() == 2 and x.is_contiguous() and (form != "gelu_erf" or x.dtype == torch.bfloat16):
-        return {"gelu_tanh": cpu_ops.gelu_tanh, "gelu_erf": cpu_ops.gelu_erf, "relu": cpu_ops.relu,
-                "relu2": cpu_ops.relu2}[form](x)
-    if form == "relu":
-        return torch.relu(x)
-    if form == "relu2":
-        return torch.square(torch.relu(x))
-    return F.gelu(x, approximate="tanh" if form == "gelu_tanh" else "none")
+        return _PLAIN_NATIVE[form](x)
+    return _PLAIN_REFERENCE[form](x)
 
 
 # ---- rotary embedding ----------------------------------------------------------------

@@ -47,6 +47,9 @@ class PerHeadLayerNorm(nn.Module):
 
 class StableLmDecoderLayer(nn.Module):
     parallel_adds = "stream_first"  # side by side: stream + attention, then + MLP (the native walk reads it)
+    # Cohere's layer (models/cohere.py) is this one always side by side, its LayerNorms without biases.
+    always_parallel = False
+    norm_biases = True
 
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
@@ -54,15 +57,16 @@ class StableLmDecoderLayer(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"{config.architecture}: hidden_act {config.hidden_act!r} is not supported "
                              "(supported: silu)")
-        self.parallel = config.parallel_residual
-        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.parallel = self.always_parallel or config.parallel_residual
+        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps, bias=self.norm_biases)
         self.self_attn = LlamaAttention(config, tp, window)
         if config.qk_norm:
             self.self_attn.q_norm = PerHeadLayerNorm(config.num_heads, config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = PerHeadLayerNorm(config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         # One norm for both blocks where they run side by side (the checkpoint has no second).
         self.post_attention_layernorm = (None if self.parallel else
-                                         ResidualLayerNorm(config.hidden_size, config.rms_norm_eps))
+                                         ResidualLayerNorm(config.hidden_size, config.rms_norm_eps,
+                                                           bias=self.norm_biases))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
         self.local_rope = False
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
+from kvloom.models.layers import ResidualLayerNorm, RMSNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM
 from kvloom.models.weights import renamed
 
@@ -26,12 +26,17 @@ _RENAMES = (("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."))
 
 
 class Starcoder2DecoderLayer(nn.Module):
+    """Llama's pre-norm layer (its forward is the model's) with an un-gated MLP; Nemotron's too,
+    and Arcee's with Llama's RMSNorms (``norm_class``)."""
+
+    norm_class: type[RMSNorm] = ResidualLayerNorm
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS, index: int = 0,
                  window: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, window)
-        self.post_attention_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
                               config.hidden_act)
         self.local_rope = False

@@ -52,6 +52,18 @@ def halves_from_pairs(rows: Rows, num_heads: int, rotary_dim: int | None = None)
     return out.reshape(rows.shape)
 
 
+def qkv_from_groups(rows: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A fused q/k/v projection's rows (a weight's, a bias's or a LoRA B's) grouped per KV
+    head, [group][its queries | its key | its value] (Falcon's new architecture; a group a head,
+    [head][q | k | v], for GPT-NeoX and for Falcon and GPTBigCode without multi-query; one group,
+    [q | k | v] already, with it), in kvloom's [q | k | v] order. Returns a new tensor."""
+    grouped = rows.reshape(num_kv_heads, num_heads // num_kv_heads + 2, head_dim, -1)
+    q = grouped[:, :-2].reshape(num_heads * head_dim, -1)
+    k = grouped[:, -2].reshape(num_kv_heads * head_dim, -1)
+    v = grouped[:, -1].reshape(num_kv_heads * head_dim, -1)
+    return torch.cat((q, k, v)).reshape(rows.shape)
+
+
 class WeightFiller:
     def __init__(self, model: nn.Module) -> None:
         self.params = dict(model.named_parameters())
