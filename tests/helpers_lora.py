@@ -37,7 +37,7 @@ def family_targets(model_dir: Path) -> tuple[list[str], list[str]]:
     return FAMILY_TARGETS.get(model_type, (TARGETS_ALL, ["q_proj", "v_proj", "o_proj", "down_proj"]))
 
 
-def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str], **config) -> Path:
+def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str] | None, **config) -> Path:
     """A PEFT LoRA adapter with random A and B (B scaled down: the tiny model's replies
     stay varied), saved as PEFT saves it."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -53,9 +53,10 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str
     return out
 
 
-def reference_model(base: Path, adapter: Path | None) -> torch.nn.Module:
-    """transformers' model of ``base`` in float32, with PEFT's ``adapter`` if given."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+def reference_model(base: Path, adapter: Path | None, **options) -> torch.nn.Module:
+    """transformers' model of ``base`` in float32 (``from_pretrained``'s ``options``), with
+    PEFT's ``adapter`` if given."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **options).eval()
     return model if adapter is None else peft.PeftModel.from_pretrained(model, adapter).eval()
 
 
@@ -80,18 +81,21 @@ def greedy_tokens(reference: torch.nn.Module, prompt: list[int], count: int) -> 
     return tokens[len(prompt):]
 
 
-def assert_adapter_is_peft(model_dir: Path, out: Path, prompts: list[list[int]], targets: list[str]) -> None:
-    """An adapter of rank 4 on ``targets`` (the family's own names), served in float32 from
-    ``model_dir``: each prompt's greedy tokens and logprobs are PEFT's, and its first token's
-    logprobs are not the base model's (the adapter is applied)."""
+def assert_adapter_is_peft(model_dir: Path, out: Path, prompts: list[list[int]], targets: list[str] | None,
+                           **config) -> None:
+    """An adapter of rank 4 on ``targets`` (the family's own names; ``config``: more of
+    PEFT's LoraConfig), served in float32 from ``model_dir``: each prompt's greedy tokens
+    and logprobs are PEFT's, and its first token's logprobs are not the base model's (the
+    adapter is applied). Adapters on experts' tensors run against transformers' eager experts."""
     from kvloom import LLM, LoRARequest, SamplingParams
 
-    adapter = write_adapter(model_dir, out, 1, 4, targets)
+    adapter = write_adapter(model_dir, out, 1, 4, targets, **config)
     llm = LLM(str(model_dir), dtype="float32", block_size=16, num_blocks=64, enable_lora=True)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)))
     base = llm.generate(prompts, params)
-    reference = reference_model(model_dir, adapter)
+    reference = reference_model(model_dir, adapter,
+                                **({"experts_implementation": "eager"} if "target_parameters" in config else {}))
     for prompt, output, plain in zip(prompts, outputs, base, strict=True):
         check_against_peft(reference, prompt, output.outputs[0])
         first, base_first = output.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]

@@ -36,14 +36,21 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 # kvloom's projection modules (after a family's renames) -> the parts their output holds, in order.
 MODULE_PARTS = {**{name: (name,) for name in TARGETS}, "qkv_proj": ("q_proj", "k_proj", "v_proj"),
                 "gate_up_proj": ("gate_proj", "up_proj"), "fc1": ("up_proj",), "fc2": ("down_proj",)}
+# Mixture-of-experts layers' routed experts, as PEFT adapts them: ``target_parameters``
+# naming the fused tensors (transformers' ``experts.gate_up_proj`` [E, 2 inter, hidden] and
+# ``experts.down_proj`` [E, hidden, inter]). Each tensor's A is [rank * E, in] (expert e's
+# rows e * rank ...) and its B [out, rank * E] (expert e's columns e, e + E, ...), so expert e's
+# delta is scale * B_e A_e. Two tensors of one module nest: the first in the module's order
+# (gate_up) wraps the module, the second wraps that, so its key lacks a ``.base_layer``.
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # the experts module's order
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)$")
 # Config keys whose non-default values change the adapter's function: refused. (PEFT sets
 # fan_in_fan_out for GPT-2's Conv1D layers; it transposes the base weight when merging and
 # leaves A and B as every adapter's, so it is not among them.)
 _REFUSED = {"use_dora": False, "modules_to_save": None, "rank_pattern": {},
-            "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
-            "target_parameters": None}  # LoRA on bare parameters (a router's, experts' tensors)
+            "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
 
 
 @dataclass(frozen=True)
@@ -108,12 +115,13 @@ class LoRAAdapter:
         except (OSError, ValueError) as error:
             raise LoRAError(f"{where}: adapter_config.json is not JSON: {error}") from None
         rank, scale = cls._check_settings(where, settings, max_rank, names.targets())
+        parameters = settings.get("target_parameters") or []
         from safetensors.torch import load_file
         try:
             tensors = load_file(str(weights_file))
         except Exception as error:  # noqa: BLE001 - a corrupt file is the adapter's problem
             raise LoRAError(f"{where}: adapter_model.safetensors cannot be read: {error}") from None
-        return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank, names))
+        return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank, names, parameters))
 
     @staticmethod
     def _check_settings(where: str, settings: dict, max_rank: int, targets: list[str]) -> tuple[int, float]:
@@ -131,18 +139,29 @@ class LoRAAdapter:
             raise LoRAError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
             raise LoRAError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-        named = settings.get("target_modules")
-        if isinstance(named, str) or not named or any(t not in targets for t in named):
+        parameters = settings.get("target_parameters") or []
+        if isinstance(parameters, str) or any(_expert_tensor(p) is None for p in parameters):
+            raise LoRAError(f"{where}: target_parameters must name mixture-of-experts tensors "
+                            f"(experts.gate_up_proj, experts.down_proj), got {parameters!r}")
+        named = settings.get("target_modules") or ([] if parameters else None)
+        if isinstance(named, str) or named is None or any(t not in targets for t in named):
             raise LoRAError(f"{where}: target_modules must be a list of {targets}, got {named!r}")
         return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
     @staticmethod
     def _check_weights(where: str, tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int,
-                       names: CheckpointNames) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+                       names: CheckpointNames, parameters: list[str]
+                       ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         theirs: dict[tuple[int, str], str] = {}  # the checkpoint's name of each module, for messages
+        nested: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, wrappers inside): experts' A, B
         for key, tensor in tensors.items():
             key_match = _KEY.match(key)
+            experts = _EXPERTS.match(names.module(key_match[1])) if key_match is not None else None
+            if key_match is not None and experts is not None:
+                depth = len(experts[2]) // len(".base_layer")
+                nested.setdefault((int(experts[1]), depth), {})[key_match[2]] = tensor
+                continue
             match = _MODULE.match(names.module(key_match[1])) if key_match is not None else None
             if (key_match is None or match is None or match[3] not in MODULE_PARTS
                     or TARGETS[MODULE_PARTS[match[3]][0]] != match[2]):
@@ -153,10 +172,11 @@ class LoRAAdapter:
                 raise LoRAError(f"{where}: tensor {key!r} is for layer {layer}; the model has {config.num_layers}")
             if match[2] == "mlp" and config.moe is not None and config.moe.is_sparse(layer):
                 raise LoRAError(f"{where}: layer {layer}'s {module} is in a mixture-of-experts FFN, whose experts "
-                                "take no LoRA adapters here (an adapter on the attention projections serves)")
+                                "take adapters on their tensors (PEFT's target_parameters: experts.gate_up_proj, "
+                                "experts.down_proj)")
             halves.setdefault((layer, module), {})[key_match[2]] = tensor
             theirs[layer, module] = key_match[1].rsplit(".", 1)[-1]
-        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        weights = _expert_weights(where, nested, config, rank, parameters)
         for (layer, module), pair in sorted(halves.items()):
             parts, label = MODULE_PARTS[module], theirs[layer, module]
             outs = [projection_shape(config, part)[0] for part in parts]
@@ -178,3 +198,42 @@ class LoRAAdapter:
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
         return weights
+
+
+def _expert_tensor(entry: object) -> str | None:
+    """The experts' tensor (``gate_up_proj`` or ``down_proj``) a ``target_parameters``
+    entry names, or None if it names another tensor (a router's, say)."""
+    parts = entry.rsplit(".", 2) if isinstance(entry, str) else []
+    return parts[-1] if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_TENSORS else None
+
+
+def _expert_weights(where: str, nested: dict[tuple[int, int], dict[str, torch.Tensor]], config: ModelConfig,
+                    rank: int, parameters: list[str]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The routed experts' adapters: (layer, ``experts.<tensor>``) -> (A [E, rank, in], B
+    [E, out, rank]), float32, from PEFT's tensors keyed by (layer, how many wrappers lie
+    inside theirs). Which tensor a depth holds follows from ``target_parameters`` (matched
+    as PEFT matches them: the tensor's path, or a suffix of it after a dot)."""
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, depth), pair in sorted(nested.items()):
+        moe = config.moe
+        if layer >= config.num_layers or moe is None or not moe.is_sparse(layer):
+            raise LoRAError(f"{where}: layer {layer} has no mixture-of-experts FFN, yet the adapter adapts its experts")
+        paths = {tensor: f"model.layers.{layer}.mlp.experts.{tensor}" for tensor in EXPERT_TENSORS}
+        targeted = [tensor for tensor, path in paths.items()
+                    if any(path == entry or path.endswith("." + entry) for entry in parameters)]
+        if depth >= len(targeted):
+            raise LoRAError(f"{where}: layer {layer}'s experts have LoRA tensors that target_parameters "
+                            f"({parameters!r}) does not name")
+        tensor = targeted[len(targeted) - 1 - depth]
+        experts, hidden, inter = moe.num_experts, config.hidden_size, moe.intermediate_size
+        out, in_features = (2 * inter, hidden) if tensor == "gate_up_proj" else (hidden, inter)
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise LoRAError(f"{where}: layer {layer}'s experts.{tensor} has lora_{'A' if a is None else 'B'} missing")
+        if tuple(a.shape) != (rank * experts, in_features) or tuple(b.shape) != (out, rank * experts):
+            raise LoRAError(f"{where}: layer {layer}'s experts.{tensor} has A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)}; the model's {experts} experts need A {(rank * experts, in_features)} "
+                            f"and B {(out, rank * experts)}")
+        weights[layer, f"experts.{tensor}"] = (a.float().reshape(experts, rank, in_features),
+                                               b.float().reshape(out, rank, experts).permute(2, 0, 1).contiguous())
+    return weights

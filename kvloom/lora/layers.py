@@ -49,6 +49,7 @@ class LoRAStep:
     output_rows: torch.Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _groups: tuple[list[LoRAGroup], list[LoRAGroup]] | None = None  # (every row's, the read rows')
+    _row_slots: dict[int, torch.Tensor | None] = field(default_factory=dict)  # row_slots' answers, by rows
 
     def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device,
               output_rows: torch.Tensor | None = None) -> None:
@@ -57,6 +58,7 @@ class LoRAStep:
         rows the step reads, if not every one."""
         self.seq_slots, self.query_lens, self.device, self.output_rows = seq_slots, query_lens, device, output_rows
         self._groups = None
+        self._row_slots = {}
 
     def groups_for(self, rows: int) -> list[LoRAGroup]:
         """The groups of a projection that runs on ``rows`` rows: every row of the step,
@@ -78,8 +80,23 @@ class LoRAStep:
         assert rows == num_read, f"a LoRA layer ran on {rows} rows; the step has {num_tokens} and reads {num_read}"
         return self._groups[1]
 
+    def row_slots(self, rows: int) -> torch.Tensor | None:
+        """Each row's slot (int64 on the device, -1: the base model) of a layer that runs
+        on ``rows`` rows (every row of the step, or the rows it reads, as ``groups_for``);
+        None where no such row runs an adapter."""
+        if rows not in self._row_slots:
+            groups = self.groups_for(rows)
+            slots = None
+            if groups:
+                slots = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+                for group in groups:
+                    slots[group.rows] = group.slot
+            self._row_slots[rows] = slots
+        return self._row_slots[rows]
+
     def end(self) -> None:
         self.seq_slots, self.query_lens, self.output_rows, self._groups = [], [], None, None
+        self._row_slots = {}
 
 
 def _groups(row_slots: list[int], device: torch.device) -> list[LoRAGroup]:
@@ -137,15 +154,7 @@ class LoRALinear(nn.Module):
     def finish(self, slot: int) -> None:
         """After a slot's parts are loaded: its two matmuls' kernels (weights packed)."""
         if self.active[slot]:
-            self.kernels[slot] = (self._kernel(self.a[slot]), self._kernel(self.b[slot]))
-
-    def _kernel(self, weight: torch.Tensor) -> nn.Module:
-        packed = packed_linear(weight, None, self.matmul)
-        if packed is not None:
-            return packed
-        plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-        plain.weight.data = weight
-        return plain
+            self.kernels[slot] = (_kernel(self.a[slot], self.matmul), _kernel(self.b[slot], self.matmul))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
@@ -160,6 +169,66 @@ class LoRALinear(nn.Module):
             else:
                 _add_rows(y, expand(shrink(x[group.rows])), group.rows)
         return y
+
+
+class LoRAExperts:
+    """LoRA deltas on a mixture-of-experts layer's routed experts (models/moe.py's
+    ``ExpertAdapters``): per slot, for ``gate_up`` (gate | up rows, one A for both, as
+    PEFT's adapter on the fused tensor) and ``down``, each expert's ``scale * B_e (A_e x)``.
+    Each (slot, part, expert) pair of matmuls runs on the model's kernel, as
+    ``LoRALinear``'s, so an adapter's rows stay batch-invariant; a slot whose adapter
+    leaves a part alone adds nothing to it."""
+
+    PARTS = ("gate_up", "down")
+
+    def __init__(self, max_loras: int, step: LoRAStep, dtype: torch.dtype, device: torch.device,
+                 matmul: str = "invariant") -> None:
+        self.step = step
+        self.dtype, self.device = dtype, device
+        self.matmul = matmul
+        # kernels[slot][part]: each expert's (shrink, expand), or None (not adapted).
+        self.kernels: list[list[list[tuple[nn.Module, nn.Module]] | None]] = [[None, None] for _ in range(max_loras)]
+
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Part ``part`` (0: gate_up, 1: down) of slot ``slot`` becomes, for each expert e,
+        ``scale * b[e] a[e]`` (a: [experts, rank, in], b: [experts, out, rank]), each rounded
+        once to the model's dtype (scale folded into b, as ``LoRALinear``'s)."""
+        a, b = a.to(self.device, self.dtype), (b * scale).to(self.device, self.dtype)
+        self.kernels[slot][part] = [(_kernel(a_e, self.matmul), _kernel(b_e, self.matmul))
+                                    for a_e, b_e in zip(a, b, strict=True)]
+
+    def clear(self, slot: int) -> None:
+        self.kernels[slot] = [None, None]
+
+    def finish(self, slot: int) -> None:
+        """Nothing to do: ``load`` built the kernels (``LoRALinear``'s interface)."""
+
+    def row_slots(self, rows: int) -> torch.Tensor | None:
+        return self.step.row_slots(rows)
+
+    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
+        index = self.PARTS.index(part)
+        for slot in torch.unique(slots).tolist():
+            experts = self.kernels[slot][index] if slot >= 0 else None
+            if experts is None:  # the base model's rows, or an adapter that leaves this part alone
+                continue
+            shrink, expand = experts[expert]
+            rows = (slots == slot).nonzero().squeeze(1)
+            if rows.numel() == slots.numel():
+                _add_rows(y, expand(shrink(x)), None)
+            else:
+                _add_rows(y, expand(shrink(x.index_select(0, rows))), rows)
+
+
+def _kernel(weight: torch.Tensor, matmul: str) -> nn.Module:
+    """``x -> x weight^T`` on ``matmul``'s packed kernel where it applies (bf16 on a CPU:
+    batch-invariant), else ``nn.Linear``."""
+    packed = packed_linear(weight.contiguous(), None, matmul)
+    if packed is not None:
+        return packed
+    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    plain.weight.data = weight.contiguous()
+    return plain
 
 
 def _add_rows(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> None:

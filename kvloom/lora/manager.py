@@ -25,30 +25,35 @@ import torch
 
 from kvloom.config import ModelConfig
 from kvloom.lora.adapter import TARGETS, CheckpointNames, LoRAAdapter, LoRAError
-from kvloom.lora.layers import LoRALinear, LoRAStep
+from kvloom.lora.layers import LoRAExperts, LoRALinear, LoRAStep
 from kvloom.lora.native import stack_table
 from kvloom.lora.request import LoRARequest
 from kvloom.models.decoder_stack import NativeDecoderStack
-from kvloom.models.sharding import llama_weight_slice
+from kvloom.models.sharding import column_split, llama_weight_slice
 from kvloom.request import Request
+
+# What an adapter's tensors load into: a projection's LoRALinear, or an expert layer's LoRAExperts.
+LoRATarget = LoRALinear | LoRAExperts
 
 
 def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_rank: int,
                       step: LoRAStep, matmul: str = "invariant"
-                      ) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+                      ) -> dict[tuple[int, str], tuple[LoRATarget, int]]:
     """Wrap each decoder layer's projections of a model of the Llama-layer families (after
     packing) in ``LoRALinear``: the attention's everywhere, the MLP's where the layer is dense
     (gated, or un-gated as Phi's, GPT-2's, GPT-NeoX's and StarCoder2's fc1 and fc2: up and down
-    to an adapter); a mixture-of-experts layer's experts take none (adapter.py refuses adapters
-    on them). Returns (layer, projection) -> (its LoRALinear, its part)."""
+    to an adapter); a mixture-of-experts layer's routed experts get a ``LoRAExperts``
+    (``experts.gate_up_proj`` part 0, ``experts.down_proj`` part 1). Returns (layer,
+    projection) -> (what holds its adapters, its part)."""
     from kvloom.models.layers import GatedMLP, UngatedMLP
     from kvloom.models.llama import LlamaForCausalLM
+    from kvloom.models.moe import SparseMoE
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"LoRA serves the families of Llama's layers (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, ..., "
                          f"and the attention of Mixtral's and Qwen-MoE's), not {config.architecture}")
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     hidden = config.hidden_size
-    targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+    targets: dict[tuple[int, str], tuple[LoRATarget, int]] = {}
 
     def wrap(owner: torch.nn.Module, attribute: str, layer: int, parts: list[tuple[str, int, int]],
              in_features: int) -> None:
@@ -71,6 +76,10 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
             inter = config.intermediate_size
             wrap(mlp, "fc1", index, [("up_proj", 0, inter)], hidden)
             wrap(mlp, "fc2", index, [("down_proj", 0, hidden)], inter)
+        elif isinstance(mlp, SparseMoE):
+            experts = mlp.adapters = LoRAExperts(max_loras, step, dtype, device, matmul)
+            targets[index, "experts.gate_up_proj"] = (experts, 0)
+            targets[index, "experts.down_proj"] = (experts, 1)
     return targets
 
 
@@ -223,7 +232,17 @@ class LoRAManager:
     def _rank_part(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a projection's A and B: the rows of B where the weight's
-        output rows are cut (q/k/v, gate/up), the columns of A where its input is (o, down)."""
+        output rows are cut (q/k/v, gate/up), the columns of A where its input is (o, down).
+        The routed experts' likewise, as SparseMoE holds them: each expert's gate rows and
+        up rows of this rank's features, and down's input columns of them."""
+        if module.startswith("experts."):
+            moe = self.config.moe
+            assert moe is not None
+            full = moe.intermediate_size
+            start, end = column_split(full, self._rank, self._size)
+            if module == "experts.down_proj":
+                return a[:, :, start:end], b
+            return a, torch.cat((b[:, start:end], b[:, full + start:full + end]), dim=1)
         cut = llama_weight_slice(self.config, f"model.layers.{layer}.{TARGETS[module]}.{module}.weight",
                                  self._rank, self._size)
         if cut is None:

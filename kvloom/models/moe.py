@@ -22,6 +22,7 @@ replicated, so every rank routes alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -127,13 +128,27 @@ def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
 PackedExperts = Sequence[tuple[nn.Module, nn.Module]]
 
 
+class ExpertAdapters(Protocol):
+    """LoRA deltas on the experts' two matmuls (kvloom/lora/layers.py's ``LoRAExperts``;
+    this layer only calls it): ``row_slots`` gives each of a forward's ``rows`` rows its
+    adapter slot (-1: the base model), or None when no row runs one; ``add`` adds slot
+    ``slots[i]``'s delta for ``expert``'s ``part`` ("gate_up" or "down") to ``y[i]``, whose
+    input row is ``x[i]``."""
+
+    def row_slots(self, rows: int) -> torch.Tensor | None: ...
+
+    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+
 def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
                     weights: torch.Tensor, experts: torch.Tensor,
-                    packed: PackedExperts | None = None) -> torch.Tensor:
+                    packed: PackedExperts | None = None, adapters: ExpertAdapters | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
     hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (or ``packed``: each
     expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert,
-    one matmul pair per expert that any token chose, added back expert by expert."""
+    one matmul pair per expert that any token chose, added back expert by expert. With
+    ``adapters``, each pair's rows get their token's adapter delta after each matmul (its
+    gate/up output before the activation, its down output before the routing weight)."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [pairs]: pair p is token p // top_k's choice p % top_k
     pair = torch.arange(flat.numel(), device=flat.device)
@@ -145,13 +160,18 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     tokens = order // top_k  # [pairs], grouped by expert
     rows = x.index_select(0, tokens)  # [pairs, hidden]
     pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
+    row_slots = adapters.row_slots(num_tokens) if adapters is not None else None
+    pair_slots = row_slots.index_select(0, tokens) if row_slots is not None else None  # [pairs]
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:  # nobody chose it
             continue
         end = start + count
-        if packed is not None:
+        if pair_slots is not None:
+            assert adapters is not None
+            y = _adapted_expert(rows[start:end], expert, gate_up, down, packed, adapters, pair_slots[start:end])
+        elif packed is not None:
             up_layer, down_layer = packed[expert]
             y = down_layer(ops.silu_and_mul(up_layer(rows[start:end])))
         else:
@@ -161,6 +181,23 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
         out.index_add_(0, tokens[start:end], contribution.to(x.dtype))
         start = end
     return out
+
+
+def _adapted_expert(x: torch.Tensor, expert: int, gate_up: torch.Tensor | None, down: torch.Tensor | None,
+                    packed: PackedExperts | None, adapters: ExpertAdapters, slots: torch.Tensor) -> torch.Tensor:
+    """One expert over rows x whose adapter slots are ``slots``: each matmul's output gets
+    the rows' deltas before the next step reads it (the activation, the routing weight)."""
+    if packed is not None:
+        up_layer, down_layer = packed[expert]
+        projected = up_layer(x)
+    else:
+        projected = F.linear(x, gate_up[expert])  # type: ignore[index]
+    adapters.add("gate_up", expert, x, projected, slots)
+    activated = ops.silu_and_mul(projected)
+    y: torch.Tensor = (down_layer(activated) if packed is not None
+                       else F.linear(activated, down[expert]))  # type: ignore[index]
+    adapters.add("down", expert, activated, y, slots)
+    return y
 
 
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -212,13 +249,13 @@ class SparseMoE(nn.Module):
         self.packed_experts: nn.ModuleList | None = None
         self._packed_pairs: list[tuple[nn.Module, nn.Module]] | None = None  # the same layers, as pairs
         self.packed_shared_gate: nn.Module | None = None
+        # LoRA adapters on the routed experts (set by kvloom/lora's manager); None: none.
+        self.adapters: ExpertAdapters | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pairs = self._packed_pairs
-        if pairs is None:
-            return self._combine(x, experts_grouped)
+        pairs, adapters = self._packed_pairs, self.adapters
         return self._combine(x, lambda x, gate_up, down, weights, experts: experts_grouped(
-            x, None, None, weights, experts, packed=pairs))
+            x, gate_up, down, weights, experts, packed=pairs, adapters=adapters))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` with the experts run by the per-token loop (tests' oracle; before pack)."""

@@ -77,3 +77,30 @@ def test_two_ranks_cut_a_fused_projections_adapter_part_by_part(tmp_path: Path) 
     reference = reference_model(base, adapter)
     for prompt, output in zip(prompts, outputs, strict=True):
         check_against_peft(reference, prompt, output.outputs[0])
+
+
+def test_two_ranks_cut_an_expert_adapter_as_the_experts(tmp_path: Path) -> None:
+    """Mixtral's adapter on its routed experts (PEFT's target_parameters) and attention: each
+    rank keeps, per expert, its features' gate and up rows of B and down's columns of A, so
+    the experts' down deltas are partial sums the layer's all-reduce completes."""
+    import torch
+    import transformers
+    from helpers_lora import peft
+    base = write_tiny_hf_model(tmp_path / "mixtral", arch="mixtral", seed=8, hidden_size=128, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2)
+    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, ["q_proj", "o_proj"],
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    prompts = workload()[:4]
+    loras = [LoRARequest("a", 1, str(adapter)), None] * 2
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(str(base), dtype="float32", **ENGINE) as llm:
+        outputs = llm.generate(prompts, params, lora_request=loras)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                              experts_implementation="eager").eval()
+    reference = peft.PeftModel.from_pretrained(model, adapter).eval()
+    for prompt, output in zip(prompts[0::2], outputs[0::2], strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
+    with reference.disable_adapter():
+        for prompt, output in zip(prompts[1::2], outputs[1::2], strict=True):
+            check_against_peft(reference, prompt, output.outputs[0])

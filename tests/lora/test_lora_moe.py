@@ -1,7 +1,8 @@
 """LoRA adapters on mixture-of-experts models (tiny Mixtral and Qwen2-MoE): adapters on
-the attention projections, against PEFT's forward with transformers' own model (its
-experts run eagerly); an adapter on an expert layer's MLP is refused by name, and the
-engine serves on."""
+the attention projections and on the routed experts (PEFT's ``target_parameters`` on
+transformers' fused expert tensors), against PEFT's forward with transformers' own model
+(its experts run eagerly); in bf16 an adapter's rows are the same alone or batched with
+others'; adapters the experts cannot take are refused by name, and the engine serves on."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from kvloom import LLM, LoRARequest, SamplingParams
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                     shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
     return {"mixtral": mixtral, "qwen2_moe": qwen2_moe,
             "mixtral-a": write_adapter(mixtral, root / "mixtral-a", 1, 8, ATTENTION),
-            "qwen2_moe-a": write_adapter(qwen2_moe, root / "qwen2_moe-a", 2, 4, ATTENTION)}
+            "qwen2_moe-a": write_adapter(qwen2_moe, root / "qwen2_moe-a", 2, 4, ATTENTION),
+            # The experts alone (both tensors: PEFT nests the two wrappers), rank 8.
+            "mixtral-experts": write_adapter(mixtral, root / "mixtral-experts", 3, 8, None,
+                                             target_parameters=EXPERTS),
+            # Layer 0's down_proj alone (no nesting) beside the attention's, rank 4.
+            "qwen2_moe-experts": write_adapter(qwen2_moe, root / "qwen2_moe-experts", 4, 4, ATTENTION,
+                                               target_parameters=["model.layers.0.mlp.experts.down_proj"])}
 
 
 def peft_model(base: Path, adapter: Path) -> torch.nn.Module:
@@ -83,4 +91,80 @@ def test_an_adapter_on_an_expert_layers_mlp_is_refused_by_name(models: dict[str,
             with pytest.raises(ValueError, match="layer 0's down_proj is in a mixture-of-experts FFN"):
                 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), lora_request=request)
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3  # serving on
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_an_adapter_on_the_experts_is_pefts_beside_the_base_model(models: dict[str, Path], arch: str) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
+    adapter = LoRARequest("experts", 1, str(models[f"{arch}-experts"]))
+    loras = [adapter, None, adapter, None]
+    llm = LLM(str(models[arch]), dtype="float32", num_blocks=64, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    reference = peft_model(models[arch], models[f"{arch}-experts"])
+    assert sum("lora_A" in name and "experts" in name for name, _ in reference.named_parameters()) > 0
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        if lora is not None:
+            check_against_peft(reference, prompt, output.outputs[0])
+    with reference.disable_adapter():
+        for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+            if lora is None:
+                check_against_peft(reference, prompt, output.outputs[0])
+    assert outputs[0].outputs[0].token_ids != llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    llm.engine.check_integrity()
+
+
+def test_an_expert_adapters_rows_in_bf16_are_the_same_alone_or_batched(models: dict[str, Path]) -> None:
+    """Exactness with adapters on the experts: each request's tokens and logprobs are the
+    same whatever shares its steps (other adapters, the base model), bit for bit."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(5)]
+    experts, attention = (LoRARequest("experts", 1, str(models["mixtral-experts"])),
+                          LoRARequest("attention", 2, str(models["mixtral-a"])))
+    loras = [experts, None, attention, experts, None]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    llm = LLM(str(models["mixtral"]), dtype="bfloat16", num_blocks=64, enable_lora=True, max_lora_rank=8)
+    batched = llm.generate(prompts, params, lora_request=loras)
+    for prompt, lora, output in zip(prompts, loras, batched, strict=True):
+        alone = llm.generate([prompt], params, lora_request=lora)[0].outputs[0]
+        assert (alone.token_ids, alone.logprobs) == (output.outputs[0].token_ids, output.outputs[0].logprobs)
+    base = llm.generate([prompts[0]], params)[0].outputs[0]
+    assert batched[0].outputs[0].logprobs != base.logprobs  # the adapter is at work
+    llm.engine.check_integrity()
+
+
+def test_expert_adapters_the_model_cannot_take_are_refused_by_name(models: dict[str, Path], tmp_path: Path) -> None:
+    llm = LLM(str(models["qwen2_moe"]), dtype="float32", num_blocks=64, enable_lora=True, max_lora_rank=8)
+    source = models["qwen2_moe-experts"]
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    config = json.loads((source / "adapter_config.json").read_text())
+    down = "base_model.model.model.layers.0.mlp.experts.lora_B.weight"  # [hidden, rank * experts]
+    cases = {
+        # LoRA on the router's tensor
+        "router": ({**config, "target_parameters": ["mlp.gate.weight"]}, tensors,
+                   "target_parameters must name mixture-of-experts tensors"),
+        # B for 2 experts where the model has 4
+        "shape": (config, {**tensors, down: tensors[down][:, :8].contiguous()},
+                  r"layer 0's experts.down_proj has A \(16, 32\) and B \(64, 8\); the model's 4 experts need"),
+        # layer 1 is dense (mlp_only_layers)
+        "dense": (config, {**tensors, down.replace("layers.0", "layers.1"): tensors[down].clone(),
+                           "base_model.model.model.layers.1.mlp.experts.lora_A.weight":
+                               tensors["base_model.model.model.layers.0.mlp.experts.lora_A.weight"].clone()},
+                  "layer 1 has no mixture-of-experts FFN"),
+        # tensors at a depth target_parameters does not explain (two nested, one named)
+        "unnamed": (config, {**tensors, "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight":
+                             torch.zeros(16, 64)}, "that target_parameters .* does not name"),
+    }
+    for number, (case, (settings, weights, message)) in enumerate(cases.items(), start=2):
+        out = tmp_path / case
+        out.mkdir()
+        save_file(weights, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps(settings))
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), lora_request=LoRARequest(case, number, str(out)))
+    served = LoRARequest("experts", 1, str(source))
+    reply = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), lora_request=served)[0].outputs[0]
+    assert len(reply.token_ids) == 3  # serving on
     llm.engine.check_integrity()

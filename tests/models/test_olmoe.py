@@ -39,14 +39,17 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(olmoe: Path) -> None:
     bf16_alone_equals_batched(str(olmoe), PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
 
 
-def test_an_attention_adapter_is_peft_and_one_on_the_router_is_refused(olmoe: Path, tmp_path: Path) -> None:
+def test_adapters_on_attention_and_experts_are_peft_and_one_on_the_router_is_refused(olmoe: Path,
+                                                                                       tmp_path: Path) -> None:
     from helpers_lora import assert_adapter_is_peft, write_adapter
 
     assert_adapter_is_peft(olmoe, tmp_path / "attention", PROMPTS[2:], ["q_proj", "k_proj", "v_proj", "o_proj"])
-    # PEFT targets the router's bare weight as a parameter (target_parameters): not a projection.
+    assert_adapter_is_peft(olmoe, tmp_path / "experts", PROMPTS[2:], None,
+                           target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    # PEFT targets the router's bare weight as a parameter (target_parameters): not an expert's.
     router = write_adapter(olmoe, tmp_path / "router", 2, 4, ["q_proj", "gate"])
     llm = LLM(str(olmoe), dtype="float32", num_blocks=32, enable_lora=True)
-    with pytest.raises(ValueError, match=r"target_parameters=\['gate.weight'\] is not supported"):
+    with pytest.raises(ValueError, match=r"target_parameters must name mixture-of-experts tensors .* \['gate.weight'\]"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), lora_request=LoRARequest("r", 1, str(router)))
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
 
