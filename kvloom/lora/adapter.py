@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvloom.config import ModelConfig
+from kvloom.models.sharding import moe_block_name, moe_tensor
 from kvloom.models.weights import halves_from_pairs, rename
 
 # The unfused projections an adapter's parts are, and the module that holds each.
@@ -43,6 +44,13 @@ MODULE_PARTS = {**{name: (name,) for name in TARGETS}, "qkv_proj": ("q_proj", "k
 # delta is scale * B_e A_e. Two tensors of one module nest: the first in the module's order
 # (gate_up) wraps the module, the second wraps that, so its key lacks a ``.base_layer``.
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # the experts module's order
+# Or each expert as its own modules (transformers 4's, the hub's adapters for it): Mixtral's
+# ``experts.N.w1`` / ``w3`` / ``w2`` (gate, up, down), the others' ``experts.N.gate_proj`` ...;
+# gate's and up's adapters then become one for the fused gate_up, A [A_gate; A_up] and B
+# block-diagonal, the same sums. A shared expert's projections (Qwen2-MoE's ``shared_expert``)
+# are a dense MLP's to an adapter: ``shared_expert.gate_proj`` / ``up_proj`` / ``down_proj``.
+EXPERT_MODULES = ("w1", "w2", "w3")  # Mixtral's names beside the Llama names TARGETS holds
+SHARED_PARTS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)$")
@@ -79,8 +87,13 @@ class LoRAError(ValueError):
 
 
 def projection_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(out_features, in_features) of a Llama projection, before fusing."""
+    """(out_features, in_features) of a Llama projection, before fusing (or of a shared
+    expert's, ``shared_expert.gate_proj`` ...)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    if module.startswith("shared_expert."):
+        assert config.moe is not None
+        shared, hidden = config.moe.shared_expert_intermediate_size, config.hidden_size
+        return (hidden, shared) if module.endswith("down_proj") else (shared, hidden)
     return {"q_proj": (q, config.hidden_size), "k_proj": (kv, config.hidden_size),
             "v_proj": (kv, config.hidden_size), "o_proj": (config.hidden_size, q),
             "gate_proj": (config.intermediate_size, config.hidden_size),
@@ -114,7 +127,8 @@ class LoRAAdapter:
             settings = json.loads(config_file.read_text())
         except (OSError, ValueError) as error:
             raise LoRAError(f"{where}: adapter_config.json is not JSON: {error}") from None
-        rank, scale = cls._check_settings(where, settings, max_rank, names.targets())
+        targets = names.targets() + (list(EXPERT_MODULES) if config.moe is not None else [])
+        rank, scale = cls._check_settings(where, settings, max_rank, targets)
         parameters = settings.get("target_parameters") or []
         from safetensors.torch import load_file
         try:
@@ -155,6 +169,7 @@ class LoRAAdapter:
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         theirs: dict[tuple[int, str], str] = {}  # the checkpoint's name of each module, for messages
         nested: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, wrappers inside): experts' A, B
+        per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}  # (layer, part, expert): A, B
         for key, tensor in tensors.items():
             key_match = _KEY.match(key)
             experts = _EXPERTS.match(names.module(key_match[1])) if key_match is not None else None
@@ -162,6 +177,19 @@ class LoRAAdapter:
                 depth = len(experts[2]) // len(".base_layer")
                 nested.setdefault((int(experts[1]), depth), {})[key_match[2]] = tensor
                 continue
+            block = (moe_block_name(names.module(key_match[1]).removeprefix("model.") + ".weight")
+                     if key_match is not None and config.moe is not None else None)
+            inside = moe_tensor(block[1]) if block is not None else None
+            if key_match is not None and block is not None and inside is not None:
+                layer = block[0]
+                if inside.expert is not None and inside.part in ("gate", "up", "down"):
+                    per_expert.setdefault((layer, inside.part, inside.expert), {})[key_match[2]] = tensor
+                    continue
+                if inside.part.startswith("shared_") and inside.part != "shared_gate":
+                    module = "shared_expert." + inside.part.removeprefix("shared_")
+                    halves.setdefault((layer, module), {})[key_match[2]] = tensor
+                    theirs[layer, module] = module
+                    continue
             match = _MODULE.match(names.module(key_match[1])) if key_match is not None else None
             if (key_match is None or match is None or match[3] not in MODULE_PARTS
                     or TARGETS[MODULE_PARTS[match[3]][0]] != match[2]):
@@ -177,8 +205,13 @@ class LoRAAdapter:
             halves.setdefault((layer, module), {})[key_match[2]] = tensor
             theirs[layer, module] = key_match[1].rsplit(".", 1)[-1]
         weights = _expert_weights(where, nested, config, rank, parameters)
+        for (layer, module), pair in _modules_per_expert(where, per_expert, config, rank).items():
+            if (layer, module) in weights:
+                raise LoRAError(f"{where}: layer {layer}'s {module} is adapted twice (as one tensor and expert by "
+                                "expert)")
+            weights[layer, module] = pair
         for (layer, module), pair in sorted(halves.items()):
-            parts, label = MODULE_PARTS[module], theirs[layer, module]
+            parts, label = MODULE_PARTS.get(module, (module,)), theirs[layer, module]
             outs = [projection_shape(config, part)[0] for part in parts]
             in_features = projection_shape(config, parts[0])[1]
             a, b = pair.get("A"), pair.get("B")
@@ -237,3 +270,46 @@ def _expert_weights(where: str, nested: dict[tuple[int, int], dict[str, torch.Te
         weights[layer, f"experts.{tensor}"] = (a.float().reshape(experts, rank, in_features),
                                                b.float().reshape(out, rank, experts).permute(2, 0, 1).contiguous())
     return weights
+
+
+def _modules_per_expert(where: str, per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]],
+                        config: ModelConfig, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Adapters on each expert's own modules as the fused tensors' (``_expert_weights``):
+    gate's and up's stacked into one of rank 2r for gate_up (A [A_gate; A_up], B
+    block-diagonal; an expert or part the adapter leaves alone, zeros)."""
+    moe = config.moe
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    if moe is None or not per_expert:
+        return out
+    experts, hidden, inter = moe.num_experts, config.hidden_size, moe.intermediate_size
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for (layer, part, expert), pair in per_expert.items():
+        if not moe.is_sparse(layer) or expert >= experts:
+            raise LoRAError(f"{where}: the adapter adapts layer {layer}'s expert {expert}; the model has "
+                            f"{experts if moe.is_sparse(layer) else 'no'} experts there")
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise LoRAError(f"{where}: layer {layer}'s expert {expert} {part} has lora_{'A' if a is None else 'B'} "
+                            "missing")
+        rows, columns = shapes[part]
+        if tuple(a.shape) != (rank, columns) or tuple(b.shape) != (rows, rank):
+            raise LoRAError(f"{where}: layer {layer}'s expert {expert} {part} has A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)}; the model needs A {(rank, columns)} and B {(rows, rank)}")
+    for layer in sorted({layer for layer, _, _ in per_expert}):
+        for tensor, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            present = [part for part in parts if any((layer, part, e) in per_expert for e in range(experts))]
+            if not present:
+                continue
+            out_rows, in_features = (2 * inter, hidden) if tensor == "gate_up_proj" else (hidden, inter)
+            a = torch.zeros(experts, rank * len(present), in_features)
+            b = torch.zeros(experts, out_rows, rank * len(present))
+            for slot, part in enumerate(present):
+                first_row = inter if part == "up" else 0
+                for expert in range(experts):
+                    pair = per_expert.get((layer, part, expert))
+                    if pair is not None:
+                        a[expert, slot * rank:(slot + 1) * rank] = pair["A"].float()
+                        b[expert, first_row:first_row + shapes[part][0], slot * rank:(slot + 1) * rank] = \
+                            pair["B"].float()
+            out[layer, f"experts.{tensor}"] = (a, b)
+    return out

@@ -80,6 +80,11 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
             experts = mlp.adapters = LoRAExperts(max_loras, step, dtype, device, matmul)
             targets[index, "experts.gate_up_proj"] = (experts, 0)
             targets[index, "experts.down_proj"] = (experts, 1)
+            if mlp.shared_expert is not None:  # a dense MLP (this rank's features) beside the experts
+                shared = mlp.shared_expert.intermediate_size
+                wrap(mlp.shared_expert, "gate_up_proj", index,
+                     [("shared_expert.gate_proj", 0, shared), ("shared_expert.up_proj", shared, shared)], hidden)
+                wrap(mlp.shared_expert, "down_proj", index, [("shared_expert.down_proj", 0, hidden)], shared)
     return targets
 
 
@@ -243,7 +248,7 @@ class LoRAManager:
             if module == "experts.down_proj":
                 return a[:, :, start:end], b
             return a, torch.cat((b[:, start:end], b[:, full + start:full + end]), dim=1)
-        cut = llama_weight_slice(self.config, f"model.layers.{layer}.{TARGETS[module]}.{module}.weight",
+        cut = llama_weight_slice(self.config, f"model.layers.{layer}.{TARGETS.get(module, 'mlp')}.{module}.weight",
                                  self._rank, self._size)
         if cut is None:
             return a, b

@@ -79,17 +79,26 @@ def test_two_ranks_cut_a_fused_projections_adapter_part_by_part(tmp_path: Path) 
         check_against_peft(reference, prompt, output.outputs[0])
 
 
-def test_two_ranks_cut_an_expert_adapter_as_the_experts(tmp_path: Path) -> None:
-    """Mixtral's adapter on its routed experts (PEFT's target_parameters) and attention: each
-    rank keeps, per expert, its features' gate and up rows of B and down's columns of A, so
-    the experts' down deltas are partial sums the layer's all-reduce completes."""
+MOE = {"mixtral": (dict(intermediate_size=64, num_local_experts=4), ["q_proj", "o_proj"]),
+       # a shared expert, and layer 1 dense: every linear layer PEFT finds adapted
+       "qwen2_moe": (dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          intermediate_size=96, mlp_only_layers=[1]),
+                     ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_two_ranks_cut_an_expert_adapter_as_the_experts(tmp_path: Path, arch: str) -> None:
+    """An adapter on the routed experts (PEFT's target_parameters) and attention (and
+    Qwen2-MoE's shared expert and dense MLP): each rank keeps, per expert, its features' gate
+    and up rows of B and down's columns of A, so the experts' down deltas are partial sums the
+    layer's all-reduce completes."""
     import torch
     import transformers
     from helpers_lora import peft
-    base = write_tiny_hf_model(tmp_path / "mixtral", arch="mixtral", seed=8, hidden_size=128, intermediate_size=64,
-                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                               num_experts_per_tok=2)
-    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, ["q_proj", "o_proj"],
+    shape, targets = MOE[arch]
+    base = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=8, hidden_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, num_experts_per_tok=2, **shape)
+    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, targets,
                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     prompts = workload()[:4]
     loras = [LoRARequest("a", 1, str(adapter)), None] * 2

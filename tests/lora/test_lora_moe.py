@@ -39,7 +39,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                              target_parameters=EXPERTS),
             # Layer 0's down_proj alone (no nesting) beside the attention's, rank 4.
             "qwen2_moe-experts": write_adapter(qwen2_moe, root / "qwen2_moe-experts", 4, 4, ATTENTION,
-                                               target_parameters=["model.layers.0.mlp.experts.down_proj"])}
+                                               target_parameters=["model.layers.0.mlp.experts.down_proj"]),
+            # Every linear layer PEFT finds (the shared expert's, the dense layer's MLP) and the experts.
+            "qwen2_moe-all": write_adapter(qwen2_moe, root / "qwen2_moe-all", 5, 4,
+                                           [*ATTENTION, "gate_proj", "up_proj", "down_proj"],
+                                           target_parameters=["experts.gate_up_proj", "experts.down_proj"])}
 
 
 def peft_model(base: Path, adapter: Path) -> torch.nn.Module:
@@ -94,16 +98,20 @@ def test_an_adapter_on_an_expert_layers_mlp_is_refused_by_name(models: dict[str,
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_an_adapter_on_the_experts_is_pefts_beside_the_base_model(models: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize("name", ["mixtral-experts", "qwen2_moe-experts", "qwen2_moe-all"])
+def test_an_adapter_on_the_experts_is_pefts_beside_the_base_model(models: dict[str, Path], name: str) -> None:
+    arch = name.split("-")[0]
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
-    adapter = LoRARequest("experts", 1, str(models[f"{arch}-experts"]))
+    adapter = LoRARequest("experts", 1, str(models[name]))
     loras = [adapter, None, adapter, None]
     llm = LLM(str(models[arch]), dtype="float32", num_blocks=64, enable_lora=True, max_lora_rank=8)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompts, params, lora_request=loras)
-    reference = peft_model(models[arch], models[f"{arch}-experts"])
+    reference = peft_model(models[arch], models[name])
+    if name == "qwen2_moe-all":  # PEFT adapted the shared expert and the dense layer's MLP too
+        adapted = {n.split(".lora_A")[0] for n, _ in reference.named_parameters() if "lora_A" in n}
+        assert any("shared_expert.gate_proj" in n for n in adapted) and any("1.mlp.down_proj" in n for n in adapted)
     assert sum("lora_A" in name and "experts" in name for name, _ in reference.named_parameters()) > 0
     for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
         if lora is not None:
@@ -167,4 +175,60 @@ def test_expert_adapters_the_model_cannot_take_are_refused_by_name(models: dict[
     served = LoRARequest("experts", 1, str(source))
     reply = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), lora_request=served)[0].outputs[0]
     assert len(reply.token_ids) == 3  # serving on
+    llm.engine.check_integrity()
+
+
+def merged_checkpoint(base: Path, out: Path, deltas: dict[str, torch.Tensor]) -> Path:
+    """``base``'s checkpoint with ``deltas`` added to the named weights: an adapter merged
+    by hand, the reference for an adapter format PEFT on transformers 5 no longer writes."""
+    import shutil
+    shutil.copytree(base, out)
+    weights = load_file(str(base / "model.safetensors"))
+    for name, delta in deltas.items():
+        weights[name] = weights[name] + delta
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_an_adapter_on_each_experts_own_modules_is_its_merged_weights(models: dict[str, Path], arch: str,
+                                                                      tmp_path: Path) -> None:
+    """transformers 4's experts were modules (Mixtral's experts.N.w1 / w3 / w2, the others'
+    experts.N.gate_proj ...), and the hub's adapters for them are per expert: served as the
+    fused tensors' (gate's and up's stacked), the tokens and logprobs are those of transformers
+    on the base weights with each B A merged in by hand. Experts 0-2 of 4 adapted, expert 3 not."""
+    from helpers_lora import reference_model
+    rank, alpha = 4, 8
+    names = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen2_moe": ("mlp", ("gate_proj", "up_proj",
+                                                                                      "down_proj"))}
+    block, modules = names[arch]
+    hidden, inter = 64, (64 if arch == "mixtral" else 32)
+    generator = torch.Generator().manual_seed(9)
+    tensors, deltas = {}, {}
+    for layer in (0, 1) if arch == "mixtral" else (0,):  # Qwen2-MoE's layer 1 is dense
+        for expert in range(3):
+            for module in modules:
+                rows, columns = (hidden, inter) if module in ("w2", "down_proj") else (inter, hidden)
+                a = torch.randn(rank, columns, generator=generator) * 0.3
+                b = torch.randn(rows, rank, generator=generator) * 0.3
+                path = f"model.layers.{layer}.{block}.experts.{expert}.{module}"
+                tensors[f"base_model.model.{path}.lora_A.weight"] = a
+                tensors[f"base_model.model.{path}.lora_B.weight"] = b
+                deltas[f"{path}.weight"] = (alpha / rank) * b @ a
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                             "target_modules": list(modules)}))
+    reference = reference_model(merged_checkpoint(models[arch], tmp_path / "merged", deltas), None,
+                                experts_implementation="eager")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    llm = LLM(str(models[arch]), dtype="float32", num_blocks=64, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, lora_request=LoRARequest("hub", 1, str(adapter)))
+    base = llm.generate(prompts, params)
+    for prompt, output, plain in zip(prompts, outputs, base, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
+        assert output.outputs[0].logprobs[0] != plain.outputs[0].logprobs[0]
     llm.engine.check_integrity()

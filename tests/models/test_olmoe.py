@@ -49,7 +49,7 @@ def test_adapters_on_attention_and_experts_are_peft_and_one_on_the_router_is_ref
     # PEFT targets the router's bare weight as a parameter (target_parameters): not an expert's.
     router = write_adapter(olmoe, tmp_path / "router", 2, 4, ["q_proj", "gate"])
     llm = LLM(str(olmoe), dtype="float32", num_blocks=32, enable_lora=True)
-    with pytest.raises(ValueError, match=r"target_parameters must name mixture-of-experts tensors .* \['gate.weight'\]"):
+    with pytest.raises(ValueError, match=r"target_parameters must name mixture-of-experts tensors .*got .*gate.weight"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), lora_request=LoRARequest("r", 1, str(router)))
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
 
