@@ -49,7 +49,7 @@ class LoRAStep:
     output_rows: torch.Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _groups: tuple[list[LoRAGroup], list[LoRAGroup]] | None = None  # (every row's, the read rows')
-    _row_slots: dict[int, torch.Tensor | None] = field(default_factory=dict)  # row_slots' answers, by rows
+    _row_slots: dict[int, torch.Tensor | int | None] = field(default_factory=dict)  # row_slots' answers, by rows
 
     def begin(self, seq_slots: list[int], query_lens: list[int], device: torch.device,
               output_rows: torch.Tensor | None = None) -> None:
@@ -80,14 +80,16 @@ class LoRAStep:
         assert rows == num_read, f"a LoRA layer ran on {rows} rows; the step has {num_tokens} and reads {num_read}"
         return self._groups[1]
 
-    def row_slots(self, rows: int) -> torch.Tensor | None:
+    def row_slots(self, rows: int) -> torch.Tensor | int | None:
         """Each row's slot (int64 on the device, -1: the base model) of a layer that runs
         on ``rows`` rows (every row of the step, or the rows it reads, as ``groups_for``);
-        None where no such row runs an adapter."""
+        the slot itself where every such row runs one; None where none runs an adapter."""
         if rows not in self._row_slots:
             groups = self.groups_for(rows)
-            slots = None
-            if groups:
+            slots: torch.Tensor | int | None = None
+            if len(groups) == 1 and groups[0].span == (0, rows):
+                slots = groups[0].slot
+            elif groups:
                 slots = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
                 for group in groups:
                     slots[group.rows] = group.slot
@@ -203,11 +205,17 @@ class LoRAExperts:
     def finish(self, slot: int) -> None:
         """Nothing to do: ``load`` built the kernels (``LoRALinear``'s interface)."""
 
-    def row_slots(self, rows: int) -> torch.Tensor | None:
+    def row_slots(self, rows: int) -> torch.Tensor | int | None:
         return self.step.row_slots(rows)
 
-    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
+    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | int) -> None:
         index = self.PARTS.index(part)
+        if isinstance(slots, int):  # every row on one adapter: no rows to sort out
+            experts = self.kernels[slots][index]
+            if experts is not None:
+                shrink, expand = experts[expert]
+                _add_rows(y, expand(shrink(x)), None)
+            return
         for slot in torch.unique(slots).tolist():
             experts = self.kernels[slot][index] if slot >= 0 else None
             if experts is None:  # the base model's rows, or an adapter that leaves this part alone

@@ -131,13 +131,13 @@ PackedExperts = Sequence[tuple[nn.Module, nn.Module]]
 class ExpertAdapters(Protocol):
     """LoRA deltas on the experts' two matmuls (kvloom/lora/layers.py's ``LoRAExperts``;
     this layer only calls it): ``row_slots`` gives each of a forward's ``rows`` rows its
-    adapter slot (-1: the base model), or None when no row runs one; ``add`` adds slot
-    ``slots[i]``'s delta for ``expert``'s ``part`` ("gate_up" or "down") to ``y[i]``, whose
-    input row is ``x[i]``."""
+    adapter slot (-1: the base model), or one slot for every row, or None when no row runs
+    one; ``add`` adds slot ``slots[i]``'s (or ``slots``') delta for ``expert``'s ``part``
+    ("gate_up" or "down") to ``y[i]``, whose input row is ``x[i]``."""
 
-    def row_slots(self, rows: int) -> torch.Tensor | None: ...
+    def row_slots(self, rows: int) -> torch.Tensor | int | None: ...
 
-    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None: ...
+    def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | int) -> None: ...
 
 
 def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
@@ -161,7 +161,7 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     rows = x.index_select(0, tokens)  # [pairs, hidden]
     pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
     row_slots = adapters.row_slots(num_tokens) if adapters is not None else None
-    pair_slots = row_slots.index_select(0, tokens) if row_slots is not None else None  # [pairs]
+    pair_slots = row_slots.index_select(0, tokens) if isinstance(row_slots, torch.Tensor) else row_slots  # [pairs]
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
@@ -170,7 +170,8 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
         end = start + count
         if pair_slots is not None:
             assert adapters is not None
-            y = _adapted_expert(rows[start:end], expert, gate_up, down, packed, adapters, pair_slots[start:end])
+            slots = pair_slots[start:end] if isinstance(pair_slots, torch.Tensor) else pair_slots
+            y = _adapted_expert(rows[start:end], expert, gate_up, down, packed, adapters, slots)
         elif packed is not None:
             up_layer, down_layer = packed[expert]
             y = down_layer(ops.silu_and_mul(up_layer(rows[start:end])))
@@ -184,7 +185,7 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
 
 
 def _adapted_expert(x: torch.Tensor, expert: int, gate_up: torch.Tensor | None, down: torch.Tensor | None,
-                    packed: PackedExperts | None, adapters: ExpertAdapters, slots: torch.Tensor) -> torch.Tensor:
+                    packed: PackedExperts | None, adapters: ExpertAdapters, slots: torch.Tensor | int) -> torch.Tensor:
     """One expert over rows x whose adapter slots are ``slots``: each matmul's output gets
     the rows' deltas before the next step reads it (the activation, the routing weight)."""
     if packed is not None:
