@@ -23,7 +23,8 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.gpt_neox import GPTNeoXDecoderLayer
 from kvloom.models.layers import ResidualLayerNorm
 from kvloom.models.llama import StreamLayersForCausalLM
-from kvloom.models.weights import qkv_from_groups, renamed
+from kvloom.models.sharding import TensorSlice
+from kvloom.models.weights import qkv_from_groups, rename, renamed
 
 # Checkpoint names -> the Llama modules that hold them (the prefix first: "h." is short).
 _RENAMES = (("transformer.h.", "model.layers."), ("transformer.", "model."), ("wte.", "embed_tokens."),
@@ -49,6 +50,14 @@ class GPT2LMHeadModel(StreamLayersForCausalLM):
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.embed_tokens(batch.input_ids) + self.embed_positions(batch.positions)
 
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        """As Llama's, along the other dimension for a Conv1D weight ([in, out]: its output
+        features are its columns)."""
+        cut = super().weight_slice(hf_name)
+        if cut is None or not rename(hf_name, _RENAMES).endswith(_CONV1D):
+            return cut
+        return TensorSlice(1 - cut.dim, cut.start, cut.end)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_as_linear(renamed(weights, _RENAMES)))
 
@@ -58,6 +67,9 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
     its matmuls nn.Linear's ([out, in]: none transposed), its keys and values one head's for
     every query head where ``multi_query`` (the default: c_attn is [q | k | v] then, kvloom's
     order), else each head's q, k and v together in c_attn's rows (regrouped as GPT-NeoX's)."""
+
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        return StreamLayersForCausalLM.weight_slice(self, hf_name)  # nn.Linear's: Llama's cut
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         StreamLayersForCausalLM.load_weights(self, self._in_our_order(renamed(weights, _RENAMES)))

@@ -53,7 +53,7 @@ class GPTNeoXDecoderLayer(nn.Module):
         self.post_attention_layernorm = (ResidualLayerNorm(config.hidden_size, config.rms_norm_eps) if own_norm
                                          else None)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                              config.hidden_act)
+                              config.hidden_act, tp)
         self.local_rope = False
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,

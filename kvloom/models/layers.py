@@ -235,20 +235,26 @@ PLAIN_FORMS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu"
 class UngatedMLP(nn.Module):
     """fc2(act(fc1(x))), the un-gated MLP of Phi, GPT-NeoX, GPT-2, StarCoder2 (GELU), OPT (ReLU),
     Nemotron and Arcee (ReLU squared), in the form ``hidden_act`` names (any other activation is refused, naming the
-    model's architecture). One process: tensor parallel does not split it."""
+    model's architecture). Under tensor parallel as GatedMLP: each rank holds its share of the
+    intermediate features (fc1 column-parallel, fc2 row-parallel, its bias rank 0's alone) and
+    fc2's partial sums are all-reduced; the activation works element by element, so a rank's
+    features need no other rank's."""
 
     def __init__(self, architecture: str, hidden_size: int, intermediate_size: int, bias: bool,
-                 hidden_act: str) -> None:
+                 hidden_act: str, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         if hidden_act not in PLAIN_FORMS:
             raise ValueError(f"{architecture}: hidden_act {hidden_act!r} is not supported "
                              f"(supported: {', '.join(PLAIN_FORMS)})")
         self.form = PLAIN_FORMS[hidden_act]
-        self.fc1 = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.fc2 = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.tp = tp
+        start, end = column_split(intermediate_size, tp.rank, tp.size)
+        self.intermediate_size = end - start
+        self.fc1 = nn.Linear(hidden_size, self.intermediate_size, bias=bias)
+        self.fc2 = nn.Linear(self.intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(ops.plain_activation(self.fc1(x), self.form))
+        return self.tp.all_reduce(self.fc2(ops.plain_activation(self.fc1(x), self.form)))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -35,7 +35,7 @@ from kvloom.models.sharding import (
     moe_block_name,
     tensor_parallel_problem,
 )
-from kvloom.models.weights import WeightFiller, halves_from_pairs
+from kvloom.models.weights import WeightFiller, halves_from_pairs, rename
 
 
 class LlamaAttention(nn.Module):
@@ -254,8 +254,10 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- loading ---------------------------------------------------------------------
     def weight_slice(self, hf_name: str) -> TensorSlice | None:
-        """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it)."""
-        return llama_weight_slice(self.config, hf_name, self.tp.rank, self.tp.size)
+        """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it), by
+        kvloom's name for it (the family's ``checkpoint_renames`` applied, as ``load_weights``
+        applies them)."""
+        return llama_weight_slice(self.config, rename(hf_name, self.checkpoint_renames), self.tp.rank, self.tp.size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any
@@ -307,7 +309,8 @@ class LlamaForCausalLM(nn.Module):
                 if f".{fragment}." in name:
                     target, rows = name.replace(fragment, ours), slice(start, start + length)
                     break
-            if target == "embed_tokens.weight" or (target == "lm_head.weight" and self.config.classifier is None):
+            if target == "embed_tokens.weight" or (target in ("lm_head.weight", "lm_head.bias")
+                                                   and self.config.classifier is None):
                 rows = slice(0, self.embed_tokens.num_real_rows)  # the padding rows stay zero
             filler.copy(target, tensor, hf_name, rows)
         padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
@@ -316,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
                 filler.count(name, padding)
         if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0
             for name, param in filler.params.items():
-                if name.endswith(("o_proj.bias", "down_proj.bias")):
+                if name.endswith(("o_proj.bias", "down_proj.bias", "fc2.bias")):
                     param.data.zero_()
         if source and "lm_head.weight" not in filler.filled and embedding_rows is not None:
             filler.copy("lm_head.weight", embedding_rows, "model.embed_tokens.weight")

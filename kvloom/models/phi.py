@@ -23,6 +23,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import ResidualLayerNorm, UngatedMLP
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.sharding import TensorSlice
 from kvloom.models.weights import renamed
 
 # Checkpoint names that differ from the Llama modules these layers reuse.
@@ -42,7 +43,7 @@ class PhiDecoderLayer(nn.Module):
             self.self_attn.q_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = ResidualLayerNorm(config.head_dim, config.rms_norm_eps)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                              config.hidden_act)
+                              config.hidden_act, tp)
         self.local_rope = False
 
     def forward(self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
@@ -65,17 +66,25 @@ class PhiForCausalLM(StreamLayersForCausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__(config, max_positions, tp)
-        # Phi's output head has a bias, its own even where its weight is the embedding (tied).
-        vocab = self.embed_tokens.weight.shape[0]
+        # Phi's output head has a bias, its own even where its weight is the embedding (tied):
+        # an untied head's rows (this rank's share of the vocabulary) each have theirs; a tied
+        # head's bias is the whole vocabulary's, added once the logits are gathered (rank 0).
         self.tied_head_bias: nn.Parameter | None = None
         if self.lm_head is not None:
-            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=True)
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=True)
         else:
-            self.tied_head_bias = nn.Parameter(torch.zeros(vocab))
+            self.tied_head_bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        if self.tied_head_bias is not None and hf_name == "lm_head.bias":  # the whole vocabulary's, every rank's
+            return None
+        return super().weight_slice(hf_name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
-        return logits if self.tied_head_bias is None else logits + self.tied_head_bias.to(logits.dtype)
+        if self.tied_head_bias is None or not self.tp.is_first:  # the other ranks' logits are not read
+            return logits
+        return logits + self.tied_head_bias.to(logits.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         renames = self.checkpoint_renames + ((("lm_head.bias", "tied_head_bias"),) if self.tied_head_bias is not None

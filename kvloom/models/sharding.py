@@ -40,16 +40,6 @@ class TensorSlice:
 _OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
 ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO, "OlmoeForCausalLM": _OLMO,
                "Exaone4ForCausalLM": "tensor parallel does not split its layers (OLMo 2's, norms after each block)",
-               "Starcoder2ForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
-               "PhiForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
-               "GPTNeoXForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
-               "GPT2LMHeadModel": "tensor parallel does not split its MLP's c_fc / c_proj",
-               "OPTForCausalLM": "tensor parallel does not split its MLP's fc1 / fc2",
-               "GPTBigCodeForCausalLM": "tensor parallel does not split its MLP's c_fc / c_proj",
-               "NemotronForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
-               "ArceeForCausalLM": "tensor parallel does not split its un-gated MLP's up_proj / down_proj",
-               "FalconForCausalLM": "tensor parallel does not split its MLP's dense_h_to_4h / dense_4h_to_h",
-               "GPTJForCausalLM": "tensor parallel does not split its MLP's fc_in / fc_out",
                "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
 
 
@@ -126,7 +116,11 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) 
         return TensorSlice(1, *column_split(config.num_heads * head_dim, rank, size))
     if name.endswith(".mlp.down_proj.weight"):
         return TensorSlice(1, *column_split(config.intermediate_size, rank, size))
-    if name in ("embed_tokens.weight", "lm_head.weight"):
+    if ".mlp.fc1." in name:  # an un-gated MLP's (kvloom's names: a family's renames applied)
+        return TensorSlice(0, *column_split(config.intermediate_size, rank, size))
+    if name.endswith(".mlp.fc2.weight"):
+        return TensorSlice(1, *column_split(config.intermediate_size, rank, size))
+    if name in ("embed_tokens.weight", "lm_head.weight", "lm_head.bias"):  # Phi's and GPT-J's heads have a bias
         start, end, _ = vocab_split(config.vocab_size, rank, size)
         return TensorSlice(0, start, end)
     return None

@@ -38,7 +38,7 @@ class Starcoder2DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, tp, window)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size, config.mlp_bias,
-                              config.hidden_act)
+                              config.hidden_act, tp)
         self.local_rope = False
 
 

@@ -54,9 +54,17 @@ def test_a_lora_adapter_is_peft(falcon: Path, tmp_path: Path) -> None:
     assert_adapter_is_peft(falcon, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["falcon"][0])
 
 
-def test_alibi_and_two_ranks_are_refused_by_name(falcon: Path, tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="FalconForCausalLM runs in one process"):
-        LLM(str(falcon), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens_where_the_kv_heads_split(tmp_path: Path) -> None:
+    """Falcon-40B's layout (two KV heads, two norms side by side) under two ranks; Falcon-7B's
+    one KV head cannot split, refused by name."""
+    grouped = write_tiny_hf_model(tmp_path / "falcon-40b", arch="falcon", seed=99, **SHAPE, **KINDS["new-arch-40b"])
+    assert_greedy_is_transformers(grouped, PROMPTS[1:3], 6, tensor_parallel_size=2)
+    one = write_tiny_hf_model(tmp_path / "falcon-7b", arch="falcon", seed=100, **SHAPE, **KINDS["falcon-7b"])
+    with pytest.raises(Exception, match="1 KV heads"):
+        LLM(str(one), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+
+
+def test_alibi_is_refused_by_name(falcon: Path, tmp_path: Path) -> None:
     alibi = write_tiny_hf_model(tmp_path / "falcon-rw", arch="falcon", seed=98, alibi=True, **SHAPE)
     with pytest.raises(Exception, match="Falcon with alibi"):
         LLM(str(alibi), dtype="float32", num_blocks=16)

@@ -86,11 +86,15 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(gpt2: Path, tmp_path: Path
                                                                for p in PROMPTS]
 
 
+def test_two_ranks_give_transformers_greedy_tokens(gpt2: Path) -> None:
+    """Conv1D weights ([in, out]) cut along their columns for fc1 and their rows for fc2 and
+    o (the cut turned with them); c_attn read whole and cut part by part once transposed."""
+    assert_greedy_is_transformers(gpt2, PROMPTS[1:3], 6, tensor_parallel_size=2)
+
+
 def test_what_it_cannot_run_is_refused_by_name(gpt2: Path, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="max_model_len 1000 is longer than the model allows: its 128 positions"):
         LLM(str(gpt2), dtype="float32", num_blocks=16, max_model_len=1000)
-    with pytest.raises(Exception, match="GPT2LMHeadModel runs in one process"):
-        LLM(str(gpt2), dtype="float32", num_blocks=16, tensor_parallel_size=2)
     scaled = write_tiny_hf_model(tmp_path / "gpt2-scaled", arch="gpt2", seed=44, scale_attn_by_inverse_layer_idx=True,
                                  **SHAPE)
     with pytest.raises(Exception, match="scale_attn_by_inverse_layer_idx on"):

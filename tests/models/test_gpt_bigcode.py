@@ -45,6 +45,11 @@ def test_an_adapter_on_every_projection_is_peft(bigcode: Path, tmp_path: Path) -
     assert_adapter_is_peft(bigcode, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["gpt2"][0])
 
 
-def test_two_ranks_are_refused_by_name(bigcode: Path) -> None:
-    with pytest.raises(Exception, match="GPTBigCodeForCausalLM runs in one process"):
-        LLM(str(bigcode), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens_where_the_kv_heads_split(tmp_path: Path) -> None:
+    """Every head's K and V (c_attn regrouped, then cut part by part) splits between two ranks;
+    multi_query's one KV head does not, refused by name."""
+    every_head = write_tiny_hf_model(tmp_path / "bigcode", arch="gpt_bigcode", seed=82, multi_query=False, **SHAPE)
+    assert_greedy_is_transformers(every_head, PROMPTS[1:3], 6, tensor_parallel_size=2)
+    one = write_tiny_hf_model(tmp_path / "bigcode-mq", arch="gpt_bigcode", seed=83, multi_query=True, **SHAPE)
+    with pytest.raises(Exception, match="1 KV heads"):
+        LLM(str(one), dtype="float32", num_blocks=16, tensor_parallel_size=2)

@@ -107,9 +107,9 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(neox: Path, tmp_path: Path
                                                                for p in PROMPTS]
 
 
-def test_two_ranks_are_refused_by_name(neox: Path) -> None:
-    with pytest.raises(Exception, match="GPTNeoXForCausalLM runs in one process"):
-        LLM(str(neox), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(neox: Path) -> None:
+    """query_key_value regrouped into [q | k | v] whole, then each rank's heads of each part."""
+    assert_greedy_is_transformers(neox, PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
 def test_an_adapter_on_every_projection_is_peft(neox: Path, tmp_path: Path) -> None:

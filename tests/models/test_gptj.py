@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
-from kvloom import LLM
-
 transformers = pytest.importorskip("transformers")
 
 RNG = random.Random(43)
@@ -46,6 +44,6 @@ def test_saved_masks_beside_the_weights_are_skipped_and_a_lora_adapter_is_peft(g
     assert_adapter_is_peft(gptj, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["gptj"][0])
 
 
-def test_two_ranks_are_refused_by_name(gptj: Path) -> None:
-    with pytest.raises(Exception, match="GPTJForCausalLM runs in one process"):
-        LLM(str(gptj), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(gptj: Path) -> None:
+    """fc_in / fc_out cut as fc1 / fc2; the head's bias with its rows."""
+    assert_greedy_is_transformers(gptj, PROMPTS[1:3], 6, tensor_parallel_size=2)

@@ -77,11 +77,15 @@ def test_an_adapter_on_every_projection_is_peft(opt: Path, tmp_path: Path) -> No
     assert_adapter_is_peft(opt, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["opt"][0])
 
 
+def test_two_ranks_give_transformers_greedy_tokens(opt: Path) -> None:
+    """facebook's names through OPT's renames to the rules that cut each tensor (fc1's rows,
+    fc2's columns); the learned positions are every rank's."""
+    assert_greedy_is_transformers(opt, PROMPTS[1:3], 6, tensor_parallel_size=2)
+
+
 def test_what_it_cannot_run_is_refused_by_name(opt: Path, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="max_model_len 1000 is longer than the model allows: its 128 positions"):
         LLM(str(opt), dtype="float32", num_blocks=16, max_model_len=1000)
-    with pytest.raises(Exception, match="OPTForCausalLM runs in one process"):
-        LLM(str(opt), dtype="float32", num_blocks=16, tensor_parallel_size=2)
     post = write_tiny_hf_model(tmp_path / "opt-post", arch="opt", seed=53, do_layer_norm_before=False, **SHAPE)
     with pytest.raises(Exception, match="do_layer_norm_before false"):
         LLM(str(post), dtype="float32", num_blocks=16)

@@ -75,6 +75,8 @@ def test_a_tied_head_keeps_its_own_bias(tmp_path: Path) -> None:
     llm = assert_transformers_tokens(path)
     assert llm.engine.model_config.tie_word_embeddings and llm.engine.model.tied_head_bias is not None
     layer_skip_keeps_greedy_tokens(str(path), PROMPTS[1:3], 1)
+    # Under two ranks every rank holds the whole bias, added once the logits are gathered.
+    assert_greedy_is_transformers(path, PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
 def test_query_and_key_layernorms_are_transformers(tmp_path: Path) -> None:
@@ -110,9 +112,13 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(phi: Path, tmp_path: Path)
                                                                for p in PROMPTS]
 
 
-def test_two_ranks_and_other_activations_are_refused_by_name(phi: Path, tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="PhiForCausalLM runs in one process"):
-        LLM(str(phi), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(phi: Path) -> None:
+    """The side-by-side blocks each all-reduce before they are added; the head's bias is cut
+    with its rows (each rank's share of the vocabulary)."""
+    assert_greedy_is_transformers(phi, PROMPTS[1:3], 6, tensor_parallel_size=2)
+
+
+def test_other_activations_are_refused_by_name(phi: Path, tmp_path: Path) -> None:
     fast = write_tiny_hf_model(tmp_path / "phi-fast", arch="phi", seed=24, hidden_act="gelu_fast", **SHAPE)
     assert json.loads((fast / "config.json").read_text())["hidden_act"] == "gelu_fast"
     with pytest.raises(Exception, match="PhiForCausalLM: hidden_act 'gelu_fast' is not supported"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched
-from helpers_models import assert_bf16_walk_near_float32, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -51,9 +51,10 @@ def test_bf16_native_walk_log_probs_are_transformers_float32s(starcoder2: Path) 
     assert_bf16_walk_near_float32(starcoder2, PROMPTS)
 
 
-def test_two_ranks_are_refused_by_name(starcoder2: Path) -> None:
-    with pytest.raises(Exception, match="Starcoder2ForCausalLM runs in one process"):
-        LLM(str(starcoder2), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(starcoder2: Path) -> None:
+    """Each rank holds its heads and its share of the un-gated MLP's features (c_fc's rows,
+    c_proj's columns, c_proj's bias added by rank 0 alone); fc2's partial sums all-reduced."""
+    assert_greedy_is_transformers(starcoder2, PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
 def test_a_gguf_file_gives_transformers_greedy_tokens(starcoder2: Path, tmp_path: Path) -> None:
