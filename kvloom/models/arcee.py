@@ -1,7 +1,7 @@
 """Arcee's AFM (``ArceeForCausalLM``: AFM-4.5B): Llama's layers with an un-gated MLP of ReLU
 squared (up_proj, down_proj: kvloom's fc1 / fc2) in place of the gated SiLU one.
 
-The native walk runs its layers (ReLU squared: cpu_ops.relu2); one process.
+The native walk runs its layers (ReLU squared: cpu_ops.relu2); tensor parallel as StarCoder2's.
 """
 
 from __future__ import annotations

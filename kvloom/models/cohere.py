@@ -8,7 +8,8 @@ logits are multiplied by ``logit_scale``; the embedding is the output head. Comm
 (their weights regrouped as the rows they norm). Command R7B's layers slide a window but every
 ``sliding_window_pattern``-th one, which attends to everything and turns no rotary.
 
-The native walk runs the layers (but with ``use_qk_norm``: LayerNorms of heads); one process.
+The native walk runs the layers (but with ``use_qk_norm``: LayerNorms of heads); under tensor
+parallel each rank holds its heads' norms.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import ResidualLayerNorm
 from kvloom.models.llama import StreamLayersForCausalLM
+from kvloom.models.sharding import TensorSlice, column_split
 from kvloom.models.stablelm import StableLmDecoderLayer
 from kvloom.models.weights import halves_from_pairs
 
@@ -45,6 +47,13 @@ class CohereForCausalLM(StreamLayersForCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__(config, max_positions, tp)
         self.norm = _layer_norm(config)
+
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        """Command R+'s per-head q/k norm weights ([heads, head_dim]) by this rank's heads."""
+        if hf_name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            heads = self.config.num_heads if ".q_norm." in hf_name else self.config.num_kv_heads
+            return TensorSlice(0, *column_split(heads, self.tp.rank, self.tp.size)) if self.tp.size > 1 else None
+        return super().weight_slice(hf_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._head_norms_regrouped(weights))

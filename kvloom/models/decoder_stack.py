@@ -158,6 +158,9 @@ class NativeDecoderStack:
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
             head_norms = (attention.q_norm, attention.k_norm) if attention.q_norm is not None else ()
             whole = bool(head_norms) and head_norms[0].weight.shape[0] != config.head_dim
+            if whole and model.tp.size > 1:
+                return None, (f"layer {index}'s q/k norms span every head, whose statistics the walk does not "
+                              "gather from the ranks")
             if whole and (head_norms[0].weight.shape[0] != attention.q_size
                           or head_norms[1].weight.shape[0] != attention.kv_size):
                 return None, f"layer {index}'s q/k norms span neither a head nor the whole projection"

@@ -4,7 +4,7 @@ head (Qwen3's), and its hybrid attention: three sliding-window layers in four (c
 ``layer_types``, from ``sliding_window_pattern``), the rotary in those only, the global layers
 without position encoding (NoPE: ``config.no_rope_layers``).
 
-The native walk runs its layers, as OLMo 2's; one process, as OLMo 2.
+The native walk runs its layers, as OLMo 2's; tensor parallel too (its q/k norms are of a head).
 """
 
 from __future__ import annotations

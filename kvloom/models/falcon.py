@@ -13,7 +13,7 @@ per KV head ([group][its queries | k | v]) in the new architecture, per head ([h
 otherwise; put in kvloom's [q | k | v] order at load (``fused_qkv_rows``). ALiBi models
 (Falcon-RW) are refused by name (config.py).
 
-The native walk runs its layers; one process.
+The native walk runs its layers; tensor parallel where the KV heads split (not Falcon-7B's one).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ output head. Its checkpoints store every matmul as a Conv1D, [in, out]: transpos
 
 Refused by name: attention scaled otherwise than by head_dim ** -0.5
 (``scale_attn_weights`` off, ``scale_attn_by_inverse_layer_idx`` on). The native walk runs
-its layers (no rotary in any: its positions are in the embeddings); one process.
+its layers (no rotary in any: its positions are in the embeddings); tensor
+parallel too (``weight_slice`` turns the cut for the Conv1D weights).
 """
 
 from __future__ import annotations

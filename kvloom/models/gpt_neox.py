@@ -7,7 +7,8 @@ per head in the checkpoint: [head][q | k | v], reordered into kvloom's [q | k | 
 load), the rotary on the first ``rotary_pct`` of each head; the MLP is un-gated
 (dense_h_to_4h, GELU, dense_4h_to_h); the output head (``embed_out``) has no bias.
 
-The native walk runs its layers (side by side or in turn: ``parallel``); one process.
+The native walk runs its layers (side by side or in turn: ``parallel``); tensor parallel
+too (side by side: the modules, each block all-reduced before the add).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with biases, a rotary that turns adjacent pairs of each head's first ``rotary_di
 (those q/k rows regrouped at load, ``config.interleaved_rotary``), a final LayerNorm and an output
 head of its own, with a bias.
 
-The native walk runs its layers; one process.
+The native walk runs its layers; tensor parallel as Phi's.
 """
 
 from __future__ import annotations

@@ -163,6 +163,38 @@ class GemmaRMSNorm(Float32ScaledRMSNorm):
     offset = 1.0
 
 
+class SplitRMSNorm(nn.Module):
+    """An RMSNorm whose rows tensor parallel splits between the ranks (OLMo 2's and OLMoE's
+    q/k norms span every head; each rank holds its heads' columns, and its columns of the
+    weight): each rank's sum of squares, all-reduced, gives the whole row's mean square, and
+    each rank scales its own columns, in float32 as ``norm``'s kind does (Llama's rounds
+    before the weight, OLMo 2's after). Not bit-identical to one process (the sum's order
+    differs), as no all-reduced value is."""
+
+    def __init__(self, norm: RMSNorm, full_width: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = norm.weight  # this rank's columns
+        self.eps, self.full_width, self.tp = norm.eps, full_width, tp
+        self.scaled_in_float32 = isinstance(norm, Float32ScaledRMSNorm)
+        self.offset = getattr(norm, "offset", 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        mean_square = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.full_width
+        normed = x32 * torch.rsqrt(mean_square + self.eps)
+        if self.scaled_in_float32:
+            return ((self.offset + self.weight.float()) * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def split_whole_norms(attention: nn.Module, config: Any, tp: TensorParallelGroup) -> None:
+    """Under tensor parallel, ``attention``'s q/k norms over the whole projections (OLMo 2's,
+    OLMoE's) as ``SplitRMSNorm``s; nothing in one process."""
+    if tp.size > 1:
+        attention.q_norm = SplitRMSNorm(attention.q_norm, config.num_heads * config.head_dim, tp)
+        attention.k_norm = SplitRMSNorm(attention.k_norm, config.num_kv_heads * config.head_dim, tp)
+
+
 # A gated MLP's activation of gate, times up: [rows, 2n] -> [rows, n].
 GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
 

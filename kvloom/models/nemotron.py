@@ -5,7 +5,7 @@ of each head (transformers' default for it: 0.5), and LayerNorms that scale by 1
 (``LayerNorm1P``): the checkpoint's weights plus one at load, in the weights' dtype as
 transformers adds them, after which they are ordinary LayerNorms.
 
-The native walk runs its layers (ReLU squared: cpu_ops.relu2); one process.
+The native walk runs its layers (ReLU squared: cpu_ops.relu2); tensor parallel as StarCoder2's.
 """
 
 from __future__ import annotations

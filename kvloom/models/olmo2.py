@@ -8,8 +8,9 @@ each kind with its own rotary where config.json gives them their own.
 
 The native walk runs these layers too (models/decoder_stack.py: no input norm, each block's
 output normed and added through the kernels the modules call; the q/k norms over each
-token's whole q and k); one process (a query norm over all heads would need every rank's
-heads).
+token's whole q and k). Under tensor parallel a rank holds some heads of q and k: its q/k
+norms are ``layers.SplitRMSNorm``s (the sums of squares all-reduced over the ranks) and the
+modules run its steps.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP, RMSNorm
+from kvloom.models.layers import Float32ScaledRMSNorm, GatedMLP, RMSNorm, split_whole_norms
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.sharding import TensorSlice, whole_norm_slice
 
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
@@ -39,9 +41,10 @@ class Olmo2DecoderLayer(nn.Module):
                  window: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, window)
-        if not self.head_norms:
+        if not self.head_norms:  # of this rank's heads' columns, their statistics over every rank's
             self.self_attn.q_norm = self.norm_class(self.self_attn.q_size, config.rms_norm_eps)
             self.self_attn.k_norm = self.norm_class(self.self_attn.kv_size, config.rms_norm_eps)
+            split_whole_norms(self.self_attn, config, tp)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
         self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
@@ -60,4 +63,9 @@ class Olmo2ForCausalLM(StreamLayersForCausalLM):
     has_score_head = False  # no OLMo sequence classifier is read
     layer_class = Olmo2DecoderLayer
     norm_class = Float32ScaledRMSNorm
+
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        whole = None if self.layer_class.head_norms else whole_norm_slice(self.config, hf_name, self.tp.rank,
+                                                                          self.tp.size)
+        return whole or super().weight_slice(hf_name)
 

@@ -5,16 +5,17 @@ experts, renormalised where ``norm_topk_prob``, the weights rounded to the activ
 transformers' are; models/moe.py runs it). Its ``clip_qkv`` (after those norms, where OLMo 1
 clips before any) is refused by name (config.py).
 
-The layers run as modules (the native walk runs no experts); one process (tensor parallel would
-split the whole-projection norms' heads between ranks).
+The layers run as modules (the native walk runs no experts); tensor parallel with
+its whole-projection q/k norms as OLMo 2's (``layers.SplitRMSNorm``).
 """
 
 from __future__ import annotations
 
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
-from kvloom.models.layers import RMSNorm
+from kvloom.models.layers import RMSNorm, split_whole_norms
 from kvloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kvloom.models.sharding import TensorSlice, whole_norm_slice
 
 
 class OlmoeDecoderLayer(LlamaDecoderLayer):
@@ -25,8 +26,12 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
         super().__init__(config, tp, index, window)
         self.self_attn.q_norm = RMSNorm(self.self_attn.q_size, config.rms_norm_eps)
         self.self_attn.k_norm = RMSNorm(self.self_attn.kv_size, config.rms_norm_eps)
+        split_whole_norms(self.self_attn, config, tp)
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no OLMoE sequence classifier is read
     layer_class = OlmoeDecoderLayer
+
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        return whole_norm_slice(self.config, hf_name, self.tp.rank, self.tp.size) or super().weight_slice(hf_name)

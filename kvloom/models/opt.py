@@ -5,7 +5,7 @@ positions added to the token embeddings (row p + 2 for position p: the table kee
 ahead, transformers' offset), a final LayerNorm and the embedding as the output head.
 
 OPT-350m's post-LayerNorm layers and embedding projections are refused by name (config.py).
-The native walk runs its layers (ReLU: cpu_ops.relu); one process.
+The native walk runs its layers (ReLU: cpu_ops.relu); tensor parallel as StarCoder2's.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ and, where config.json sets ``qk_layernorm``, each query and key head LayerNorme
 rotary. The attention is Llama's (``dense`` is its o projection).
 
 The native walk runs its layers (attention and MLP side by side: ``parallel``), unless
-``qk_layernorm`` (LayerNorms of heads, which it does not run); one process.
+``qk_layernorm`` (LayerNorms of heads, which it does not run); tensor parallel
+too (the modules: side by side, each block all-reduced before the add).
 """
 
 from __future__ import annotations

@@ -36,11 +36,9 @@ class TensorSlice:
     end: int
 
 
-# Families of Llama's attention whose other layers the ranks do not split, and why.
-_OLMO = "its query and key norms span every head, which tensor parallel splits between ranks"
-ONE_PROCESS = {"Olmo2ForCausalLM": _OLMO, "Olmo3ForCausalLM": _OLMO, "OlmoeForCausalLM": _OLMO,
-               "Exaone4ForCausalLM": "tensor parallel does not split its layers (OLMo 2's, norms after each block)",
-               "StableLmForCausalLM": "its per-head query and key norms are not split between ranks"}
+# Families of Llama's attention whose other layers the ranks do not split, and why (none now:
+# each family's layers split; kept as the seam a new family's refusal goes through).
+ONE_PROCESS: dict[str, str] = {}
 
 
 def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
@@ -51,8 +49,6 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
         return None
     if config.architecture in ONE_PROCESS:
         return f"{config.architecture} runs in one process: {ONE_PROCESS[config.architecture]}"
-    if config.architecture == "CohereForCausalLM" and config.qk_norm:  # Command R+'s
-        return f"{config.architecture} with use_qk_norm runs in one process: {ONE_PROCESS['StableLmForCausalLM']}"
     if config.classifier is not None and config.classifier.source_tokens:
         return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
                 "rows of a few tokens, which one rank's shard may not hold; run it in one process")
@@ -124,6 +120,16 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) 
         start, end, _ = vocab_split(config.vocab_size, rank, size)
         return TensorSlice(0, start, end)
     return None
+
+
+def whole_norm_slice(config: ModelConfig, hf_name: str, rank: int, size: int) -> TensorSlice | None:
+    """A q/k norm over the whole projection (OLMo 2's, OLMoE's: its weight one column per
+    feature of every head): this rank's heads' columns; None for any other tensor."""
+    if size == 1 or not hf_name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")):
+        return None
+    heads = config.num_heads if ".q_norm." in hf_name else config.num_kv_heads
+    first, last = column_split(heads, rank, size)
+    return TensorSlice(0, first * config.head_dim, last * config.head_dim)
 
 
 def fused_rows(config: ModelConfig, name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ norm's output and are added to the stream together (stream + attention + MLP, tr
 order), otherwise one after the other, as Llama.
 
 The native walk runs its layers (side by side or in turn: ``parallel``, the attention's output
-added into the stream first) but with ``qk_layernorm`` (LayerNorms of heads: modules); one process.
+added into the stream first) but with ``qk_layernorm`` (LayerNorms of heads: modules); tensor
+parallel too (each rank holds its heads' norms).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models.layers import GatedMLP, ResidualLayerNorm
 from kvloom.models.llama import LlamaAttention, StreamLayersForCausalLM
+from kvloom.models.sharding import column_split
 
 # One head's norm of the query or key LayerNorms: ...self_attn.{q,k}_layernorm.norms.<head>.weight
 _HEAD_NORM = re.compile(r"(.*\.self_attn\.)([qk])_layernorm\.norms\.(\d+)\.weight")
@@ -60,9 +62,10 @@ class StableLmDecoderLayer(nn.Module):
         self.parallel = self.always_parallel or config.parallel_residual
         self.input_layernorm = ResidualLayerNorm(config.hidden_size, config.rms_norm_eps, bias=self.norm_biases)
         self.self_attn = LlamaAttention(config, tp, window)
-        if config.qk_norm:
-            self.self_attn.q_norm = PerHeadLayerNorm(config.num_heads, config.head_dim, config.rms_norm_eps)
-            self.self_attn.k_norm = PerHeadLayerNorm(config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        if config.qk_norm:  # this rank's heads' (all of them in one process)
+            attention, head_dim = self.self_attn, config.head_dim
+            self.self_attn.q_norm = PerHeadLayerNorm(attention.q_size // head_dim, head_dim, config.rms_norm_eps)
+            self.self_attn.k_norm = PerHeadLayerNorm(attention.kv_size // head_dim, head_dim, config.rms_norm_eps)
         # One norm for both blocks where they run side by side (the checkpoint has no second).
         self.post_attention_layernorm = (None if self.parallel else
                                          ResidualLayerNorm(config.hidden_size, config.rms_norm_eps,
@@ -96,8 +99,10 @@ class StableLmForCausalLM(StreamLayersForCausalLM):
     def _head_norms_joined(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each layer's per-head query (key) norm weights, one tensor a head in the
         checkpoint, as one q_norm (k_norm) weight, head by head, once every head is read
-        (a head missing leaves the weight unset: the load then names it)."""
+        (a head missing leaves the weight unset: the load then names it); under tensor
+        parallel this rank's heads' alone, as its q (k) projection holds them."""
         heads = {"q": self.config.num_heads, "k": self.config.num_kv_heads}
+        rank, size = self.tp.rank, self.tp.size
         pending: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in weights:
             match = _HEAD_NORM.fullmatch(name)
@@ -109,5 +114,6 @@ class StableLmForCausalLM(StreamLayersForCausalLM):
             parts = pending.setdefault(joined, {})
             parts[int(head)] = tensor
             if len(parts) == heads[which] and sorted(parts) == list(range(heads[which])):
-                yield joined, torch.cat([parts[h] for h in range(heads[which])])
+                first, last = column_split(heads[which], rank, size)
+                yield joined, torch.cat([parts[h] for h in range(first, last)])
                 del pending[joined]

@@ -4,8 +4,8 @@ LayerNorm (a weight and a bias) in place of RMSNorm and a plain MLP, c_proj(gelu
 in place of the gated one (``layers.UngatedMLP``, its fc1 / fc2, in the GELU form hidden_act names).
 
 The native walk runs its layers (LayerNorm and the un-gated GELU through cpu_ops.cpp's
-layer_norm and gelu_tanh, which the modules call too); one process (the MLP's c_fc / c_proj
-are not among the tensors tensor parallel splits).
+layer_norm and gelu_tanh, which the modules call too); tensor parallel too (``layers.UngatedMLP``
+splits the MLP's features as GatedMLP does).
 """
 
 from __future__ import annotations

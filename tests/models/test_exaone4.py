@@ -54,9 +54,9 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(exaone4: Path) -> None:
     bf16_alone_equals_batched(str(exaone4), PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
 
 
-def test_two_ranks_are_refused_by_name(exaone4: Path) -> None:
-    with pytest.raises(Exception, match="Exaone4ForCausalLM runs in one process"):
-        LLM(str(exaone4), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+def test_two_ranks_give_transformers_greedy_tokens(exaone4: Path) -> None:
+    """Its q/k norms are of a head (each rank's heads'); the block norms act on all-reduced rows."""
+    assert_greedy_is_transformers(exaone4, PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
 def test_a_gguf_file_gives_transformers_greedy_tokens(exaone4: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import bf16_alone_equals_batched, layer_skip_keeps_greedy_tokens
-from helpers_models import assert_bf16_walk_near_float32, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 from helpers_models import hf_greedy_and_first_logprobs as reference_run
 
 from kvloom import LLM, SamplingParams
@@ -68,9 +68,12 @@ def test_bf16_native_walk_log_probs_are_transformers_float32s(name: str, request
     assert_bf16_walk_near_float32(request.getfixturevalue(name), PROMPTS)
 
 
-def test_two_ranks_are_refused_naming_the_norms(olmo2: Path) -> None:
-    with pytest.raises(Exception, match="Olmo2ForCausalLM runs in one process: its query and key norms"):
-        LLM(str(olmo2), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+@pytest.mark.parametrize("name", ["olmo2", "olmo3"])
+def test_two_ranks_give_transformers_greedy_tokens(name: str, request) -> None:
+    """The q/k norms over every head: each rank's sums of squares all-reduced, then its own
+    columns scaled by its columns of the weight (in float32, OLMo's order); the walk, which
+    would norm a rank's heads alone, leaves those steps to the modules."""
+    assert_greedy_is_transformers(request.getfixturevalue(name), PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("name", ["olmo2", "olmo3"])

@@ -54,9 +54,13 @@ def test_adapters_on_attention_and_experts_are_peft_and_one_on_the_router_is_ref
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
 
 
+def test_two_ranks_give_transformers_greedy_tokens(olmoe: Path) -> None:
+    """The q/k norms over every head: each rank's sums of squares all-reduced, its columns
+    scaled; the experts split by their features."""
+    assert_greedy_is_transformers(olmoe, PROMPTS[1:3], 6, tensor_parallel_size=2)
+
+
 def test_what_it_cannot_run_is_refused_by_name(olmoe: Path, tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="OlmoeForCausalLM runs in one process"):
-        LLM(str(olmoe), dtype="float32", num_blocks=16, tensor_parallel_size=2)
     clipped = write_tiny_hf_model(tmp_path / "olmoe-clip", arch="olmoe", seed=102, clip_qkv=4.0, **SHAPE)
     with pytest.raises(Exception, match="OLMoE's clip_qkv"):
         LLM(str(clipped), dtype="float32", num_blocks=16)
