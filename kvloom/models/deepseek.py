@@ -16,6 +16,12 @@ and k rotated in float32). The rotary dimensions are interleaved pairs (x0, x1),
 x3), ... (V2 always, V3 with ``rope_interleave``); the rotated vector is written
 de-interleaved (evens' results, then odds'), as transformers' V3 does. q and k get the
 same permutation, so their dot product, all attention uses, is unchanged.
+
+Under tensor parallel each rank holds its share of the heads: their rows of the query
+projection and of ``kv_b_proj``, their columns of ``o_proj`` (whose partial sums are
+all-reduced), and the MLPs' and experts' features as the Llama family's; the latent
+projection and its norms are every rank's (each rank's pool holds the same latents, the one
+KV "head" every query head reads).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kvloom.model_families import MLAConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
+from kvloom.models.sharding import TensorSlice, column_split, llama_weight_slice
 from kvloom.models.weights import WeightFiller
 
 
@@ -49,10 +56,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, config: ModelConfig, mla: MLAConfig) -> None:
+    def __init__(self, config: ModelConfig, mla: MLAConfig, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_heads
+        hidden, heads = config.hidden_size, config.num_heads // tp.size  # this rank's heads
         self.mla = mla
+        self.tp = tp
         self.num_heads = heads
         bias = config.attention_bias
         if mla.q_lora_rank is None:
@@ -88,7 +96,7 @@ class LatentAttention(nn.Module):
             query = torch.cat((q_latent, rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
             out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
             result: torch.Tensor = self.o_absorbed(out.reshape(tokens, self.num_heads * mla.kv_lora_rank))
-            return result
+            return self.tp.all_reduce(result)
         # The reference: each head's query into latent space, its output out of it.
         q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
         q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
@@ -99,7 +107,7 @@ class LatentAttention(nn.Module):
         out = backend.forward(query, latent, None, kv_cache, batch, metadata)
         out = torch.einsum("thr,hvr->thv", out, w_uv)  # [tokens, heads, v_head_dim]
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
-        return projected
+        return self.tp.all_reduce(projected)
 
     def absorb(self) -> None:
         """Fold each head's K up-projection ``W_uk`` into the query projection (its
@@ -134,39 +142,37 @@ class LatentAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, mla: MLAConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, mla: MLAConfig, index: int,
+                 tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LatentAttention(config, mla)
+        self.self_attn = LatentAttention(config, mla, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.moe
         self.mlp: SparseMoE | GatedMLP = (
-            SparseMoE(config.hidden_size, moe) if moe is not None and moe.is_sparse(index)
-            else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
+            SparseMoE(config.hidden_size, moe, tp) if moe is not None and moe.is_sparse(index)
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp))
 
 
 class DeepseekForCausalLM(nn.Module):
-    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (one process: no tensor parallel)."""
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM."""
 
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} does not run under tensor parallel yet "
-                             "(tensor_parallel_size must be 1)")
         mla = config.mla
         if mla is None:
             raise ValueError(f"{config.architecture}: config.json has no latent-attention fields")
         self.config = config
         self.tp = tp
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, mla, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, mla, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling_dict)
         self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+            else nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False))  # this rank's rows
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
@@ -188,10 +194,11 @@ class DeepseekForCausalLM(nn.Module):
         return cast(list[DeepseekDecoderLayer], list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits
+        """[rows, hidden] -> [rows, vocab]; under tensor parallel a collective whose full
+        result is rank 0's (each rank computes its share of the vocabulary)."""
+        local: torch.Tensor = (torch.nn.functional.linear(hidden, self.embed_tokens.weight) if self.lm_head is None
+                               else self.lm_head(hidden))
+        return self.embed_tokens.gather_logits(local)
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         """Absorb the up-projections (LatentAttention.absorb), then pack the matmuls
@@ -206,8 +213,24 @@ class DeepseekForCausalLM(nn.Module):
     def first_layers(self, num_layers: int) -> DeepseekForCausalLM:
         raise ValueError(f"layer_skip drafts are not implemented for {self.config.architecture}")
 
-    def weight_slice(self, hf_name: str) -> None:
-        return None
+    def weight_slice(self, hf_name: str) -> TensorSlice | None:
+        """This rank's part of checkpoint tensor ``hf_name``: its heads' rows of the query
+        projection and ``kv_b_proj``, their columns of ``o_proj``; the rest as the Llama
+        family's (MLPs, experts, the vocabulary); the latent projection whole."""
+        size, mla = self.tp.size, self.config.mla
+        if size == 1:
+            return None
+        assert mla is not None
+        heads = column_split(self.config.num_heads, self.tp.rank, size)
+        per_head = {".self_attn.q_proj.weight": (0, mla.qk_head_dim), ".self_attn.q_b_proj.weight": (0, mla.qk_head_dim),
+                    ".self_attn.kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim),
+                    ".self_attn.o_proj.weight": (1, mla.v_head_dim)}
+        for suffix, (dim, width) in per_head.items():
+            if hf_name.endswith(suffix):
+                return TensorSlice(dim, heads[0] * width, heads[1] * width)
+        if ".self_attn." in hf_name:  # the latent's projection and norms, q_a's: every rank's
+            return None
+        return llama_weight_slice(self.config, hf_name, self.tp.rank, size)
 
     # ---- loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -233,8 +256,18 @@ class DeepseekForCausalLM(nn.Module):
                 target, rows = name.replace("gate_proj", "gate_up_proj"), slice(0, tensor.shape[0])
             elif name.endswith("mlp.up_proj.weight"):
                 target, rows = name.replace("up_proj", "gate_up_proj"), slice(tensor.shape[0], 2 * tensor.shape[0])
-            elif name.endswith("self_attn.kv_b_proj.weight"):
+            elif name.endswith("self_attn.kv_b_proj.weight"):  # this rank's heads
                 target = name.replace("kv_b_proj.weight", "kv_b")
-                tensor = tensor.view(self.config.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+                tensor = tensor.view(-1, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+            elif target == "embed_tokens.weight" or target == "lm_head.weight":
+                rows = slice(0, self.embed_tokens.num_real_rows)  # the vocabulary's padding rows stay zero
             filler.copy(target, tensor, hf_name, rows)
+        padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in filler.filled:
+                filler.count(name, padding)
+        if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0
+            for name, param in filler.params.items():
+                if name.endswith(("o_proj.bias", "down_proj.bias")):
+                    param.data.zero_()
         filler.check_complete()

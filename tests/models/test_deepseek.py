@@ -2,7 +2,7 @@
 from transformers' own config classes: greedy tokens identical to transformers in
 float32 through chunked prefill, batching, preemption and prefix-cache hits; the pool
 holds one latent per token and layer; the absorbed attention equals per-head K/V
-attention computed by hand; what MLA models refuse."""
+attention computed by hand; two ranks; what MLA models refuse."""
 
 from __future__ import annotations
 
@@ -66,6 +66,17 @@ def test_greedy_matches_transformers(shape: str, backend: str, tmp_path: Path) -
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, 8), f"prompt of {len(prompt)} tokens"
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("shape", ["v2", "v3-interleaved"])
+def test_two_ranks_give_transformers_greedy_tokens(shape: str, tmp_path: Path) -> None:
+    """Each rank holds two of the four heads (their query and kv_b rows, o_proj's columns,
+    all-reduced), the latent projection whole (every rank's pool holds the same latents),
+    half of every MLP's and expert's features and of the vocabulary."""
+    from helpers_models import assert_greedy_is_transformers
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 30)]
+    assert_greedy_is_transformers(write(tmp_path, shape), prompts, 6, tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
