@@ -222,7 +222,8 @@ class DeepseekForCausalLM(nn.Module):
             return None
         assert mla is not None
         heads = column_split(self.config.num_heads, self.tp.rank, size)
-        per_head = {".self_attn.q_proj.weight": (0, mla.qk_head_dim), ".self_attn.q_b_proj.weight": (0, mla.qk_head_dim),
+        per_head = {".self_attn.q_proj.weight": (0, mla.qk_head_dim),
+                    ".self_attn.q_b_proj.weight": (0, mla.qk_head_dim),
                     ".self_attn.kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim),
                     ".self_attn.o_proj.weight": (1, mla.v_head_dim)}
         for suffix, (dim, width) in per_head.items():
