@@ -257,7 +257,11 @@ class LlamaForCausalLM(nn.Module):
         """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it), by
         kvloom's name for it (the family's ``checkpoint_renames`` applied, as ``load_weights``
         applies them)."""
-        return llama_weight_slice(self.config, rename(hf_name, self.checkpoint_renames), self.tp.rank, self.tp.size)
+        name = rename(hf_name, self.checkpoint_renames)
+        if self.config.classifier is not None and self.config.classifier.source_tokens and \
+                name.removeprefix("model.") in ("lm_head.weight", "embed_tokens.weight"):
+            return None  # whole: the head is a few tokens' rows, which any rank's share may lack (load_weights)
+        return llama_weight_slice(self.config, name, self.tp.rank, self.tp.size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any
@@ -289,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
                     filler.copy("lm_head.weight", head, hf_name)
                     continue
                 embedding_rows = head  # and the embedding itself is read below
+                if self.tp.size > 1:  # read whole (weight_slice): this rank's rows of it
+                    tensor = tensor[self.embed_tokens.start:self.embed_tokens.end]
             if self.config.interleaved_rotary and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
                 tensor = halves_from_pairs(tensor, tensor.shape[0] // self.config.head_dim,  # this rank's heads
                                            self.config.rotary_dim)

@@ -49,9 +49,6 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
         return None
     if config.architecture in ONE_PROCESS:
         return f"{config.architecture} runs in one process: {ONE_PROCESS[config.architecture]}"
-    if config.classifier is not None and config.classifier.source_tokens:
-        return ("classifier_from_token is not served under tensor parallel: its head is read from the vocabulary "
-                "rows of a few tokens, which one rank's shard may not hold; run it in one process")
     sizes = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
     moe = config.moe
     if moe is None or len(moe.sparse_layers) < config.num_layers:  # some layer has the dense MLP
