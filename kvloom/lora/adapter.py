@@ -13,7 +13,9 @@ GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``): the family's own renames
 (``CheckpointNames``) take them to kvloom's modules, and a fused projection's adapter
 (q/k/v in one, or gate/up) becomes one per part: the same A, each part's rows of B. PEFT
 computes ``B (A x)`` over the fused output; each part's rows of it are ``B_part (A x)``, the
-same sums, so the split changes no bit.
+same sums, so the split changes no bit. A mixture-of-experts model's routed experts take
+adapters on their fused tensors (PEFT's ``target_parameters``) or on each expert's own modules
+(the hub's), both read into each expert's A and B of its fused gate/up and of its down.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # the experts module's order
 # block-diagonal, the same sums. A shared expert's projections (Qwen2-MoE's ``shared_expert``)
 # are a dense MLP's to an adapter: ``shared_expert.gate_proj`` / ``up_proj`` / ``down_proj``.
 EXPERT_MODULES = ("w1", "w2", "w3")  # Mixtral's names beside the Llama names TARGETS holds
-SHARED_PARTS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)$")
@@ -172,25 +173,22 @@ class LoRAAdapter:
         per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}  # (layer, part, expert): A, B
         for key, tensor in tensors.items():
             key_match = _KEY.match(key)
-            experts = _EXPERTS.match(names.module(key_match[1])) if key_match is not None else None
-            if key_match is not None and experts is not None:
+            path = names.module(key_match[1]) if key_match is not None else ""
+            experts = _EXPERTS.match(path)
+            if key_match is not None and experts is not None:  # PEFT's on the fused expert tensors
                 depth = len(experts[2]) // len(".base_layer")
                 nested.setdefault((int(experts[1]), depth), {})[key_match[2]] = tensor
                 continue
-            block = (moe_block_name(names.module(key_match[1]).removeprefix("model.") + ".weight")
-                     if key_match is not None and config.moe is not None else None)
-            inside = moe_tensor(block[1]) if block is not None else None
-            if key_match is not None and block is not None and inside is not None:
-                layer = block[0]
-                if inside.expert is not None and inside.part in ("gate", "up", "down"):
-                    per_expert.setdefault((layer, inside.part, inside.expert), {})[key_match[2]] = tensor
-                    continue
-                if inside.part.startswith("shared_") and inside.part != "shared_gate":
-                    module = "shared_expert." + inside.part.removeprefix("shared_")
+            part = _moe_part(path, config) if key_match is not None else None
+            if key_match is not None and part is not None:
+                layer, module, expert = part
+                if expert is not None:  # one expert's own module (the hub's)
+                    per_expert.setdefault((layer, module, expert), {})[key_match[2]] = tensor
+                else:  # a shared expert's projection: a dense MLP's to the rest
                     halves.setdefault((layer, module), {})[key_match[2]] = tensor
                     theirs[layer, module] = module
-                    continue
-            match = _MODULE.match(names.module(key_match[1])) if key_match is not None else None
+                continue
+            match = _MODULE.match(path) if key_match is not None else None
             if (key_match is None or match is None or match[3] not in MODULE_PARTS
                     or TARGETS[MODULE_PARTS[match[3]][0]] != match[2]):
                 raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A or B of a decoder layer's projection "
@@ -231,6 +229,21 @@ class LoRAAdapter:
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
         return weights
+
+
+def _moe_part(path: str, config: ModelConfig) -> tuple[int, str, int | None] | None:
+    """What a module ``path`` (kvloom's names) is in a mixture-of-experts block: (layer,
+    ``gate`` / ``up`` / ``down``, its expert) for one expert's projection, (layer,
+    ``shared_expert.gate_proj`` ..., None) for the shared expert's; None for anything else."""
+    block = moe_block_name(path.removeprefix("model.") + ".weight") if config.moe is not None else None
+    inside = moe_tensor(block[1]) if block is not None else None
+    if block is None or inside is None:
+        return None
+    if inside.expert is not None and inside.part in ("gate", "up", "down"):
+        return block[0], inside.part, inside.expert
+    if inside.part in ("shared_gate_proj", "shared_up_proj", "shared_down_proj"):
+        return block[0], "shared_expert." + inside.part.removeprefix("shared_"), None
+    return None
 
 
 def _expert_tensor(entry: object) -> str | None:
