@@ -72,8 +72,8 @@ def wrap_llama_layers(model: object, config: ModelConfig, max_loras: int, max_ra
             inter = mlp.intermediate_size  # this rank's features
             wrap(mlp, "gate_up_proj", index, [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden)
             wrap(mlp, "down_proj", index, [("down_proj", 0, hidden)], inter)
-        elif isinstance(mlp, UngatedMLP):  # one process: all its features
-            inter = config.intermediate_size
+        elif isinstance(mlp, UngatedMLP):
+            inter = mlp.intermediate_size  # this rank's features
             wrap(mlp, "fc1", index, [("up_proj", 0, inter)], hidden)
             wrap(mlp, "fc2", index, [("down_proj", 0, hidden)], inter)
         elif isinstance(mlp, SparseMoE):

@@ -113,3 +113,18 @@ def test_two_ranks_cut_an_expert_adapter_as_the_experts(tmp_path: Path, arch: st
     with reference.disable_adapter():
         for prompt, output in zip(prompts[1::2], outputs[1::2], strict=True):
             check_against_peft(reference, prompt, output.outputs[0])
+
+
+def test_two_ranks_cut_an_ungated_mlps_adapter_as_its_features(tmp_path: Path) -> None:
+    """StarCoder2's adapter on c_fc and c_proj (its un-gated MLP's up and down): each rank keeps
+    its features' rows of c_fc's B and columns of c_proj's A."""
+    base = write_tiny_hf_model(tmp_path / "starcoder2", arch="starcoder2", seed=9, hidden_size=128,
+                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, norm_epsilon=1e-5)
+    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, FAMILY_TARGETS["starcoder2"][0])
+    prompts = workload()[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(str(base), dtype="float32", **ENGINE) as llm:
+        outputs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)))
+    reference = reference_model(base, adapter)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        check_against_peft(reference, prompt, output.outputs[0])
