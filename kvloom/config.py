@@ -483,6 +483,9 @@ class ParallelConfig:
         "negatives": ("--no-shared-memory",),
         "help": "ranks of one host (CPU) run the steps' collectives through shared memory, not gloo "
                 "(default: on)"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "mixture-of-experts layers under tensor parallel: each rank holds whole experts, "
+                "an equal share of them, instead of a share of every expert's features (vLLM's flag)"})
     distributed_timeout: float = field(default=300.0, metadata={
         "help": "seconds a step's collective waits for the other ranks before every rank gives up "
                 "(a rank that dies is noticed at once; an idle engine never times out)"})

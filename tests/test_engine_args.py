@@ -81,6 +81,7 @@ NON_DEFAULTS = [
     (["--distributed-backend", "gloo"], "parallel", "distributed_backend", "gloo"),
     (["--no-shared-memory"], "parallel", "shared_memory", False),
     (["--distributed-timeout", "30"], "parallel", "distributed_timeout", 30.0),
+    (["--enable-expert-parallel"], "parallel", "enable_expert_parallel", True),
     (["--role", "decode"], "kv_transfer", "role", "decode"),
     (["--kv-transport", "torch"], "kv_transfer", "kv_transport", "torch"),
     (["--kv-host", "10.0.0.1"], "kv_transfer", "kv_host", "10.0.0.1"),

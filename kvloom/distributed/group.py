@@ -59,6 +59,9 @@ class TensorParallelGroup:
     # Ranks of one host on CPU: every collective of the steps goes through shared
     # memory instead (distributed/shm.py); the process groups then serve the start.
     shm: SharedMemoryCollectives | None = None
+    # Mixture-of-experts layers: each rank holds an equal share of whole experts (expert
+    # parallel) instead of a share of every expert's features (models/moe.py).
+    expert_parallel: bool = False
     stats: CommStats = field(default_factory=CommStats, compare=False)
 
     def __post_init__(self) -> None:

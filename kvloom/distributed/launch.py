@@ -184,7 +184,8 @@ def join_group(config: EngineConfig, placement: RankPlacement, device: torch.dev
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     shm = (_shared_memory(placement, parallel.distributed_timeout, control)
            if device.type == "cpu" and placement.local_size == placement.size and parallel.shared_memory else None)
-    return TensorParallelGroup(placement.rank, placement.size, device, dist.group.WORLD, control, shm)
+    return TensorParallelGroup(placement.rank, placement.size, device, dist.group.WORLD, control, shm,
+                               expert_parallel=parallel.enable_expert_parallel)
 
 
 def _shared_memory(placement: RankPlacement, timeout: float, control: Any) -> Any:

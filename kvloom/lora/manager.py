@@ -112,6 +112,7 @@ class LoRAManager:
         self.on_load = on_load
         tp = getattr(model, "tp", None)
         self._rank, self._size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self._expert_parallel = tp is not None and tp.expert_parallel and tp.size > 1
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.step = LoRAStep()
@@ -240,6 +241,10 @@ class LoRAManager:
         output rows are cut (q/k/v, gate/up), the columns of A where its input is (o, down).
         The routed experts' likewise, as SparseMoE holds them: each expert's gate rows and
         up rows of this rank's features, and down's input columns of them."""
+        if module.startswith("experts.") and self._expert_parallel:  # this rank's experts, whole
+            assert self.config.moe is not None
+            first, last = column_split(self.config.moe.num_experts, self._rank, self._size)
+            return a[first:last], b[first:last]
         if module.startswith("experts."):
             moe = self.config.moe
             assert moe is not None

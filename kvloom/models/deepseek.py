@@ -231,7 +231,7 @@ class DeepseekForCausalLM(nn.Module):
                 return TensorSlice(dim, heads[0] * width, heads[1] * width)
         if ".self_attn." in hf_name:  # the latent's projection and norms, q_a's: every rank's
             return None
-        return llama_weight_slice(self.config, hf_name, self.tp.rank, size)
+        return llama_weight_slice(self.config, hf_name, self.tp.rank, size, self.tp.expert_parallel)
 
     # ---- loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

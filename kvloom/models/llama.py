@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int,
                  tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        problem = tensor_parallel_problem(config, tp.size)
+        problem = tensor_parallel_problem(config, tp.size, tp.expert_parallel)
         if problem is not None:
             raise ValueError(problem)
         self.config = config
@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.classifier is not None and self.config.classifier.source_tokens and \
                 name.removeprefix("model.") in ("lm_head.weight", "embed_tokens.weight"):
             return None  # whole: the head is a few tokens' rows, which any rank's share may lack (load_weights)
-        return llama_weight_slice(self.config, name, self.tp.rank, self.tp.size)
+        return llama_weight_slice(self.config, name, self.tp.rank, self.tp.size, self.tp.expert_parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (each already cut to ``weight_slice``); raise if any

@@ -156,7 +156,9 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     # matmul's rows can round differently by their place in the call.
     order = torch.argsort((flat * top_k + pair % top_k) * num_tokens + pair // top_k)
     num_experts = len(packed) if packed is not None else gate_up.shape[0]  # type: ignore[union-attr]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the slices' bounds (one sync)
+    # The slices' bounds (one sync); ids past the last expert (another rank's, under expert
+    # parallel) sort after every slice and are left out.
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     tokens = order // top_k  # [pairs], grouped by expert
     rows = x.index_select(0, tokens)  # [pairs, hidden]
     pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
@@ -237,11 +239,19 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.moe = moe
         self.tp = tp
-        start, end = column_split(moe.intermediate_size, tp.rank, tp.size)
-        self.intermediate_size = end - start  # this rank's features of each expert
+        # Tensor parallel: every expert's share of the features; expert parallel: the rank's
+        # experts [first_expert, first_expert + num_local_experts) whole.
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        self.first_expert, last = column_split(moe.num_experts, tp.rank, tp.size) if self.expert_parallel else (
+            0, moe.num_experts)
+        self.num_local_experts = last - self.first_expert
+        start, end = (0, moe.intermediate_size) if self.expert_parallel else column_split(
+            moe.intermediate_size, tp.rank, tp.size)
+        self.intermediate_size = end - start  # this rank's features of each expert it holds
         self.router = MoERouter(hidden_size, moe)
-        self.experts_gate_up = nn.Parameter(torch.zeros(moe.num_experts, 2 * self.intermediate_size, hidden_size))
-        self.experts_down = nn.Parameter(torch.zeros(moe.num_experts, hidden_size, self.intermediate_size))
+        self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size,
+                                                        hidden_size))
+        self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size, self.intermediate_size))
         self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
                               if moe.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.zeros(1, hidden_size)) if moe.shared_expert_gate else None
@@ -272,10 +282,10 @@ class SparseMoE(nn.Module):
         share one buffer on 2 MiB pages, expert after expert (``packed_linears``), as the
         dense layers do. Returns how many layers were packed; 0 leaves the module as it was."""
         gate_up, down = self.experts_gate_up, self.experts_down
-        layers = packed_linears([(weight[e], None) for e in range(self.moe.num_experts)
+        layers = packed_linears([(weight[e], None) for e in range(self.num_local_experts)
                                  for weight in (gate_up, down)], matmul)
         pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True) if a is not None and b is not None]
-        if len(pairs) < self.moe.num_experts:
+        if len(pairs) < self.num_local_experts:
             return 0
         self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)  # registered: .to() moves them
         self._packed_pairs = pairs
@@ -288,6 +298,9 @@ class SparseMoE(nn.Module):
         weights, experts = self.router(x)
         if self.moe.round_routing_weights:
             weights = weights.to(x.dtype)
+        if self.expert_parallel:  # the rank's experts by their index here; the others' past the last (skipped)
+            local = experts - self.first_expert
+            experts = local.masked_fill((local < 0) | (local >= self.num_local_experts), self.num_local_experts)
         out = run_experts(x, getattr(self, "experts_gate_up", None), getattr(self, "experts_down", None),
                           weights, experts)
         if self.shared_expert is not None:
@@ -303,7 +316,7 @@ class SparseMoE(nn.Module):
     def weight_slice(self, name: str) -> TensorSlice | None:
         """The part of block tensor ``name`` (e.g. ``experts.3.up_proj.weight``) this
         rank reads; None: all of it."""
-        return moe_weight_slice(self.moe, name, self.tp.rank, self.tp.size)
+        return moe_weight_slice(self.moe, name, self.tp.rank, self.tp.size, self.tp.expert_parallel)
 
     def load_hf(self, name: str, tensor: torch.Tensor) -> dict[str, int]:
         """Copy checkpoint tensor ``name`` (inside the block: ``gate.weight``,
@@ -318,7 +331,11 @@ class SparseMoE(nn.Module):
             raise ValueError(f"unexpected tensor {name!r} in a mixture-of-experts block")
         if part.expert is not None and part.expert >= self.moe.num_experts:
             raise ValueError(f"tensor {name!r} names expert {part.expert}; the model has {self.moe.num_experts}")
-        if part.part == "gate_up":  # all experts' [E, 2 * full inter, hidden]: this rank's gate and up rows
+        if part.expert is not None and self.expert_parallel:
+            if not self.first_expert <= part.expert < self.first_expert + self.num_local_experts:
+                return {}  # another rank's expert (read as nothing: weight_slice)
+            part = MoETensor(part.part, part.expert - self.first_expert)
+        if part.part == "gate_up" and not self.expert_parallel:  # [E, 2 * full inter, hidden]: this rank's rows
             full = tensor.shape[1] // 2
             start, end = column_split(full, self.tp.rank, self.tp.size)
             tensor = torch.cat((tensor[:, start:end], tensor[:, full + start:full + end]), dim=1)

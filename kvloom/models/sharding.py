@@ -41,10 +41,11 @@ class TensorSlice:
 ONE_PROCESS: dict[str, str] = {}
 
 
-def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
+def tensor_parallel_problem(config: ModelConfig, size: int, expert_parallel: bool = False) -> str | None:
     """Why ``config`` cannot be split across ``size`` ranks, or None. Heads, KV heads
     and intermediate features (dense, each expert's, the shared expert's) must divide
-    evenly (the vocabulary is padded instead)."""
+    evenly (the vocabulary is padded instead); under ``expert_parallel`` the experts
+    themselves instead of each one's features."""
     if size == 1:
         return None
     if config.architecture in ONE_PROCESS:
@@ -53,7 +54,9 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     moe = config.moe
     if moe is None or len(moe.sparse_layers) < config.num_layers:  # some layer has the dense MLP
         sizes["intermediate_size"] = config.intermediate_size
-    if moe is not None:
+    if moe is not None and expert_parallel:
+        sizes["num_experts"] = moe.num_experts
+    elif moe is not None:
         sizes["experts' intermediate size"] = moe.intermediate_size
         if moe.shared_expert_intermediate_size:
             sizes["shared expert's intermediate size"] = moe.shared_expert_intermediate_size
@@ -89,15 +92,17 @@ def vocab_split(vocab_size: int, rank: int, size: int) -> tuple[int, int, int]:
     return start, min(start + rows, vocab_size), rows
 
 
-def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int) -> TensorSlice | None:
+def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int,
+                       expert_parallel: bool = False) -> TensorSlice | None:
     """The part of checkpoint tensor ``hf_name`` that ``rank`` of ``size`` reads, or None
-    for the whole tensor (replicated: norms, row-parallel biases)."""
+    for the whole tensor (replicated: norms, row-parallel biases); a mixture-of-experts
+    block's as ``moe_weight_slice`` cuts it."""
     if size == 1:
         return None
     name = hf_name.removeprefix("model.")
     block = moe_block_name(name)
     if config.moe is not None and block is not None and config.moe.is_sparse(block[0]):
-        return moe_weight_slice(config.moe, block[1], rank, size)
+        return moe_weight_slice(config.moe, block[1], rank, size, expert_parallel)
     head_dim = config.head_dim
     if ".self_attn.q_proj." in name:
         return TensorSlice(0, *column_split(config.num_heads * head_dim, rank, size))
@@ -185,15 +190,23 @@ def moe_tensor(name: str) -> MoETensor | None:
     return None if shared is None else MoETensor(f"shared_{shared.group(1)}")
 
 
-def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int) -> TensorSlice | None:
+def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int,
+                     expert_parallel: bool = False) -> TensorSlice | None:
     """The part of MoE-block tensor ``name`` that ``rank`` of ``size`` reads (None: all
     of it: the router, the bias, the shared gate, and the fused gate|up, whose two
-    halves the module cuts itself)."""
+    halves the module cuts itself). Under ``expert_parallel`` the rank's experts whole:
+    the fused tensors' rows of them, an expert of its own whole, another's nothing (an
+    empty range); the shared expert is cut by its features either way."""
     if size == 1:
         return None
     tensor = moe_tensor(name)
     if tensor is None:
         return None
+    if expert_parallel and tensor.part in ("gate_up", "down", "gate", "up"):
+        first, last = column_split(moe.num_experts, rank, size)
+        if tensor.expert is None:
+            return TensorSlice(0, first, last)
+        return None if first <= tensor.expert < last else TensorSlice(0, 0, 0)
     inter = column_split(moe.intermediate_size, rank, size)
     shared = column_split(moe.shared_expert_intermediate_size, rank, size)
     if tensor.expert is not None:  # one expert's [inter, hidden] gate/up or [hidden, inter] down

@@ -384,7 +384,7 @@ def load_first_rank(config: EngineConfig, model_config: ModelConfig, checkpoint:
     from kvloom.models.sharding import tensor_parallel_problem
 
     size = config.parallel.tensor_parallel_size
-    problem = tensor_parallel_problem(model_config, size)
+    problem = tensor_parallel_problem(model_config, size, config.parallel.enable_expert_parallel)
     if problem is None and config.parallel.distributed_backend == "nccl" and device.type != "cuda":
         problem = f"distributed_backend nccl runs on CUDA devices only, not {device.type}: use gloo (or auto)"
     if problem is not None:

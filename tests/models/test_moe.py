@@ -194,17 +194,19 @@ def test_deepseek_router_stays_float32_in_bfloat16() -> None:
 class _Rank:
     """A rank's place without a process group: ``all_reduce`` returns its partial sum."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, expert_parallel: bool = False) -> None:
+        self.rank, self.size, self.expert_parallel = rank, size, expert_parallel
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["features", "experts"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_two_ranks_partial_sums_add_up_to_the_whole(family: str) -> None:
+def test_two_ranks_partial_sums_add_up_to_the_whole(family: str, expert_parallel: bool) -> None:
     """Each rank reads its weight_slice of every expert (hub names: one tensor per
-    expert) and of the fused tensors; the two partial outputs sum to one process's."""
+    expert) and of the fused tensors: a share of every expert's features, or (expert
+    parallel) half the experts whole; the two partial outputs sum to one process's."""
     block, moe = hf_block(family)
     whole = ours_from(block, moe)
     hub = {}
@@ -220,11 +222,11 @@ def test_two_ranks_partial_sums_add_up_to_the_whole(family: str) -> None:
     x = torch.randn(11, HIDDEN)
     partials = []
     for rank in range(2):
-        shard = SparseMoE(HIDDEN, moe, _Rank(rank, 2))  # type: ignore[arg-type]
+        shard = SparseMoE(HIDDEN, moe, _Rank(rank, 2, expert_parallel))  # type: ignore[arg-type]
         for name, tensor in hub.items():
             part = shard.weight_slice(name)
             shard.load_hf(name, tensor if part is None else tensor.narrow(part.dim, part.start, part.end - part.start))
-        fused = SparseMoE(HIDDEN, moe, _Rank(rank, 2))  # type: ignore[arg-type]
+        fused = SparseMoE(HIDDEN, moe, _Rank(rank, 2, expert_parallel))  # type: ignore[arg-type]
         for name, tensor in block.state_dict().items():
             part = fused.weight_slice(name)
             fused.load_hf(name, tensor if part is None else tensor.narrow(part.dim, part.start, part.end - part.start))
