@@ -119,11 +119,6 @@ class MoERouter(nn.Module):
 
 
 # ---- the experts ---------------------------------------------------------------------
-def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert over rows x [rows, hidden]: down(silu(gate(x)) * up(x))."""
-    return F.linear(ops.silu_and_mul(F.linear(x, gate_up)), down)
-
-
 # Each expert's (gate_up, down) as the matmul kernel's layers (SparseMoE.pack).
 PackedExperts = Sequence[tuple[nn.Module, nn.Module]]
 
@@ -145,10 +140,13 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
                     packed: PackedExperts | None = None, adapters: ExpertAdapters | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
     hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (or ``packed``: each
-    expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert,
-    one matmul pair per expert that any token chose, added back expert by expert. With
-    ``adapters``, each pair's rows get their token's adapter delta after each matmul (its
-    gate/up output before the activation, its down output before the routing weight)."""
+    expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert:
+    one gate/up matmul per expert that any token chose, the activation and the routing
+    weights over every pair at once (a row's result is its own), one down matmul per
+    expert, and the weighted outputs added back expert by expert (each token's experts in
+    ascending order, one rounded add each, as transformers adds them).
+    With ``adapters``, each pair's rows get their token's adapter delta after each matmul
+    (its gate/up output before the activation, its down output before the routing weight)."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [pairs]: pair p is token p // top_k's choice p % top_k
     pair = torch.arange(flat.numel(), device=flat.device)
@@ -159,48 +157,46 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     # The slices' bounds (one sync); ids past the last expert (another rank's, under expert
     # parallel) sort after every slice and are left out.
     counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
+    order = order[:sum(counts)]
     tokens = order // top_k  # [pairs], grouped by expert
     rows = x.index_select(0, tokens)  # [pairs, hidden]
     pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
     row_slots = adapters.row_slots(num_tokens) if adapters is not None else None
     pair_slots = row_slots.index_select(0, tokens) if isinstance(row_slots, torch.Tensor) else row_slots  # [pairs]
-    out = torch.zeros_like(x)
-    start = 0
+    spans, start = [], 0  # (expert, first pair, past its last) of every expert chosen
     for expert, count in enumerate(counts):
-        if count == 0:  # nobody chose it
-            continue
-        end = start + count
-        if pair_slots is not None:
-            assert adapters is not None
-            slots = pair_slots[start:end] if isinstance(pair_slots, torch.Tensor) else pair_slots
-            y = _adapted_expert(rows[start:end], expert, gate_up, down, packed, adapters, slots)
-        elif packed is not None:
-            up_layer, down_layer = packed[expert]
-            y = down_layer(ops.silu_and_mul(up_layer(rows[start:end])))
-        else:
-            y = _expert(rows[start:end], gate_up[expert], down[expert])  # type: ignore[index]
-        contribution = y * pair_weights[start:end]
-        # A token chose each expert at most once: one add per token and expert, ascending.
-        out.index_add_(0, tokens[start:end], contribution.to(x.dtype))
-        start = end
+        if count:
+            spans.append((expert, start, start + count))
+        start += count
+    if not spans:
+        return torch.zeros_like(x)
+
+    def matmul(part: int, expert: int, rows: torch.Tensor) -> torch.Tensor:  # 0: gate/up, 1: down
+        if packed is not None:
+            return packed[expert][part](rows)  # type: ignore[no-any-return]
+        return F.linear(rows, (gate_up if part == 0 else down)[expert])  # type: ignore[index]
+
+    def adapt(part: str, expert: int, rows: torch.Tensor, y: torch.Tensor, start: int, end: int) -> None:
+        if adapters is not None and pair_slots is not None:
+            adapters.add(part, expert, rows, y, pair_slots[start:end] if isinstance(pair_slots, torch.Tensor)
+                         else pair_slots)
+
+    projected = []
+    for expert, start, end in spans:
+        projected.append(matmul(0, expert, rows[start:end]))
+        adapt("gate_up", expert, rows[start:end], projected[-1], start, end)
+    activated = ops.silu_and_mul(torch.cat(projected))  # [pairs, inter]
+    outputs = []
+    for expert, start, end in spans:
+        outputs.append(matmul(1, expert, activated[start:end]))
+        adapt("down", expert, activated[start:end], outputs[-1], start, end)
+    contributions = (torch.cat(outputs) * pair_weights).to(x.dtype)  # [pairs, hidden]
+    out = torch.zeros_like(x)
+    # A token chose each expert at most once: one add per token and expert, ascending, each
+    # rounded (one index_add_ over every pair would add a token's experts before rounding).
+    for _, start, end in spans:
+        out.index_add_(0, tokens[start:end], contributions[start:end])
     return out
-
-
-def _adapted_expert(x: torch.Tensor, expert: int, gate_up: torch.Tensor | None, down: torch.Tensor | None,
-                    packed: PackedExperts | None, adapters: ExpertAdapters, slots: torch.Tensor | int) -> torch.Tensor:
-    """One expert over rows x whose adapter slots are ``slots``: each matmul's output gets
-    the rows' deltas before the next step reads it (the activation, the routing weight)."""
-    if packed is not None:
-        up_layer, down_layer = packed[expert]
-        projected = up_layer(x)
-    else:
-        projected = F.linear(x, gate_up[expert])  # type: ignore[index]
-    adapters.add("gate_up", expert, x, projected, slots)
-    activated = ops.silu_and_mul(projected)
-    y: torch.Tensor = (down_layer(activated) if packed is not None
-                       else F.linear(activated, down[expert]))  # type: ignore[index]
-    adapters.add("down", expert, activated, y, slots)
-    return y
 
 
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

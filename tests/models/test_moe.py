@@ -98,6 +98,21 @@ def test_router_and_experts_match_transformers(family: str) -> None:
     torch.testing.assert_close(loop, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", sorted(BLOCKS))
+def test_bf16_experts_are_transformers_bit_for_bit(family: str) -> None:
+    """In bf16 (the module path's plain matmuls, before packing) each expert runs on its rows
+    in transformers' order, and each token's experts are added in ascending order, each add
+    rounded, as transformers' eager experts add them: the same bits."""
+    block, moe = hf_block(family)
+    block = block.to(torch.bfloat16)
+    ours = ours_from(block, moe).to(torch.bfloat16)
+    x = torch.randn(29, HIDDEN).bfloat16()
+    with torch.no_grad():
+        expected = block(x.unsqueeze(0))
+        expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(29, HIDDEN)
+        assert torch.equal(ours(x), expected)
+
+
 def test_grouped_experts_are_the_reference_loop() -> None:
     torch.manual_seed(1)
     num_experts, tokens, top_k = 6, 40, 3
