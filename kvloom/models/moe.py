@@ -268,6 +268,8 @@ class SparseMoE(nn.Module):
         """``forward`` with the experts run by the per-token loop (tests' oracle; before pack)."""
         if self.packed_experts is not None:
             raise RuntimeError("forward_reference needs the experts' tensors, which pack() released")
+        if self.expert_parallel:
+            raise RuntimeError("forward_reference runs every expert: not on an expert-parallel rank's share")
         return self._combine(x, experts_reference)
 
     def pack(self, matmul: str) -> int:
