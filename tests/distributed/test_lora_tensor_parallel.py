@@ -64,12 +64,22 @@ def test_in_bf16_the_native_walk_is_the_module_path_bit_for_bit(models: dict[str
     assert runs["native"] == runs["modules"]
 
 
-def test_two_ranks_cut_a_fused_projections_adapter_part_by_part(tmp_path: Path) -> None:
-    """Phi-3's adapter on qkv_proj and gate_up_proj: each rank keeps its share of each
-    part's rows of B (q, k and v; gate and up), as its fused weights hold them."""
-    base = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=6, hidden_size=128, intermediate_size=256,
-                               num_attention_heads=4, num_key_value_heads=2)
-    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, FAMILY_TARGETS["phi3"][0])
+# Families whose adapters are cut otherwise than Llama's seven projections, and their shapes.
+CUT_FAMILIES = {
+    # Phi-3's adapter on qkv_proj and gate_up_proj: each rank keeps its share of each part's rows
+    # of B (q, k and v; gate and up), as its fused weights hold them.
+    "phi3": dict(intermediate_size=256),
+    # StarCoder2's on c_fc and c_proj (its un-gated MLP's up and down): each rank keeps its
+    # features' rows of c_fc's B and columns of c_proj's A.
+    "starcoder2": dict(intermediate_size=256, norm_epsilon=1e-5),
+}
+
+
+@pytest.mark.parametrize("arch", list(CUT_FAMILIES))
+def test_two_ranks_cut_a_familys_adapter_as_its_weights(arch: str, tmp_path: Path) -> None:
+    base = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=6, hidden_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, **CUT_FAMILIES[arch])
+    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, FAMILY_TARGETS[arch][0])
     prompts = workload()[:3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     with LLM(str(base), dtype="float32", **ENGINE) as llm:
@@ -114,17 +124,3 @@ def test_two_ranks_cut_an_expert_adapter_as_the_experts(tmp_path: Path, arch: st
         for prompt, output in zip(prompts[1::2], outputs[1::2], strict=True):
             check_against_peft(reference, prompt, output.outputs[0])
 
-
-def test_two_ranks_cut_an_ungated_mlps_adapter_as_its_features(tmp_path: Path) -> None:
-    """StarCoder2's adapter on c_fc and c_proj (its un-gated MLP's up and down): each rank keeps
-    its features' rows of c_fc's B and columns of c_proj's A."""
-    base = write_tiny_hf_model(tmp_path / "starcoder2", arch="starcoder2", seed=9, hidden_size=128,
-                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, norm_epsilon=1e-5)
-    adapter = write_adapter(base, tmp_path / "adapter", 1, 8, FAMILY_TARGETS["starcoder2"][0])
-    prompts = workload()[:3]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    with LLM(str(base), dtype="float32", **ENGINE) as llm:
-        outputs = llm.generate(prompts, params, lora_request=LoRARequest("a", 1, str(adapter)))
-    reference = reference_model(base, adapter)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        check_against_peft(reference, prompt, output.outputs[0])
