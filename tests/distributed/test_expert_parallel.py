@@ -3,7 +3,7 @@ half of every mixture-of-experts layer's experts whole (attention, dense MLPs an
 experts split as under tensor parallel), routes every token as one process does, runs the
 tokens routed to its own experts, and one all-reduce sums both ranks' experts. Greedy tokens
 and first logprobs are transformers' in float32 (Mixtral; Qwen2-MoE with a shared expert and
-a dense layer; DeepSeek-V3's latent attention); an adapter on the experts is PEFT's."""
+a dense layer; Qwen3-MoE; DeepSeek-V3's latent attention); an adapter on the experts is PEFT's."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ MODELS = {
     "qwen2_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       intermediate_size=96, mlp_only_layers=[1]),
+    "qwen3_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32),
     "deepseek_v3": MLA,
 }
 RNG = random.Random(12)

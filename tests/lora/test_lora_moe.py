@@ -31,7 +31,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     qwen2_moe = write_tiny_hf_model(root / "qwen2_moe", arch="qwen2_moe", seed=2, num_experts=4,
                                     num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
-    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe,
+    # Qwen3-MoE (Qwen3-30B-A3B's family): per-head q/k norms, experts in every layer.
+    qwen3_moe = write_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=6, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe,
+            # Every projection and both expert tensors, as an "all-linear" Qwen3-MoE adapter has them.
+            "qwen3_moe-all": write_adapter(qwen3_moe, root / "qwen3_moe-all", 6, 8, ATTENTION,
+                                           target_parameters=EXPERTS),
             "mixtral-a": write_adapter(mixtral, root / "mixtral-a", 1, 8, ATTENTION),
             "qwen2_moe-a": write_adapter(qwen2_moe, root / "qwen2_moe-a", 2, 4, ATTENTION),
             # The experts alone (both tensors: PEFT nests the two wrappers), rank 8.
@@ -98,7 +104,7 @@ def test_an_adapter_on_an_expert_layers_mlp_is_refused_by_name(models: dict[str,
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["mixtral-experts", "qwen2_moe-experts", "qwen2_moe-all"])
+@pytest.mark.parametrize("name", ["mixtral-experts", "qwen2_moe-experts", "qwen2_moe-all", "qwen3_moe-all"])
 def test_an_adapter_on_the_experts_is_pefts_beside_the_base_model(models: dict[str, Path], name: str) -> None:
     arch = name.split("-")[0]
     rng = random.Random(5)
