@@ -345,7 +345,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     rope_parameters = config.get("rope_parameters", {})
     rope_parameters = rope_parameters.get("full_attention", rope_parameters)  # Gemma 3's: the global layers'
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope_parameters.get("rope_theta", 1e4)))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if "rms_norm_eps" in config:  # (LayerNorm families write layer_norm_eps below)
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("head_dim"):  # as llama.cpp's converter: a head_dim the config states is written
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
@@ -388,6 +389,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(int(config["rope_parameters"]["partial_rotary_factor"] * head_dim))
         writer.add_parallel_residual(config["use_parallel_residual"])
+    if model_type == "nemotron":  # as llama.cpp's NemotronModel: LayerNorm's eps, the rotary's dims
+        writer.add_layer_norm_eps(config["norm_eps"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        partial = config.get("partial_rotary_factor") or config["rope_parameters"]["partial_rotary_factor"]
+        writer.add_rope_dimension_count(int(partial * head_dim))
     if model_type == "gpt2":  # LayerNorm's eps; its Conv1D weights transposed below
         writer.add_layer_norm_eps(config["layer_norm_eps"])
     if model_type == "gpt_neox":  # as llama.cpp's GPTNeoXModel: q/k/v regrouped [q | k | v] below
@@ -433,8 +439,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                          "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}[name]
             if gguf_name == "output.weight" and config.get("tie_word_embeddings"):
                 continue
-        if gemma and name.endswith("norm.weight"):
-            array = array + 1  # what llama.cpp's Gemma norms multiply by
+        if (gemma or model_type == "nemotron") and name.endswith("norm.weight"):
+            array = array + 1  # what llama.cpp's Gemma norms multiply by, and its Nemotron LayerNorm1P weights
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -50,6 +50,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
+    "nemotron": "NemotronForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -63,7 +64,7 @@ _MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
-    "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo",
+    "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -167,6 +168,12 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
         # transformers runs it (llama.cpp's ggml_gelu is the tanh form).
         config["hidden_act"] = "gelu"
+    if arch == "nemotron":  # as llama.cpp's NemotronModel writes it (its LayerNorm1P weights stored plus one)
+        config["norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
+        config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+        config["hidden_act"] = "relu2"  # every Nemotron's (the file names none)
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     if arch == "olmo" and meta("attention.clamp_kqv", None) is not None:  # OLMo 1's clip_qkv
         config["clip_qkv"] = float(meta("attention.clamp_kqv"))
     if arch == "ernie4_5":  # one bias flag for every projection, from the tensors

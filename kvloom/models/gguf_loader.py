@@ -167,9 +167,12 @@ _BLOCK_NAMES["StableLmForCausalLM"] = {**_ATTENTION_BLOCK, "attn_q_norm": "self_
 # llama.cpp stores Gemma's norm weights as 1 + weight (what its norm multiplies by); HF's
 # are the offset. Undone exactly: 1 + w lies in [0.5, 2] for any trained norm, where the
 # float32 subtraction of 1 is exact, so 1 + (stored - 1) is the stored number again.
-_NORMS_PLUS_ONE = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+# Families whose norm weights llama.cpp stores plus one (Gemma's scale by 1 + weight, Nemotron's
+# LayerNorm1P): the checkpoint's weight is the stored one minus one (a bias is stored as it is).
+_NORMS_PLUS_ONE = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "NemotronForCausalLM"})
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_NAMES["NemotronForCausalLM"] = _ATTENTION_BLOCK  # its un-gated MLP: ffn_up / ffn_down as up / down
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
 # Consumed into the config (llama3's and Phi-3's rope scaling), not a parameter.
@@ -248,7 +251,7 @@ class _Converter:
         yield prefix + leaf, self._undo(family, part, kind, array)
 
     def _undo(self, family: str, part: str, kind: str | None, array: np.ndarray) -> np.ndarray:
-        if family in _NORMS_PLUS_ONE and part.endswith("_norm"):
+        if family in _NORMS_PLUS_ONE and part.endswith("_norm") and kind != "bias":
             return array - 1
         if family in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = self.hf_config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]

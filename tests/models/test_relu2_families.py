@@ -10,7 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
+from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, hf_greedy_and_first_logprobs
+from helpers_models import write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,3 +48,18 @@ def test_an_adapter_on_every_projection_is_peft(model: Path, tmp_path: Path) -> 
 
 def test_two_ranks_give_transformers_greedy_tokens(model: Path) -> None:
     assert_greedy_is_transformers(model, PROMPTS[1:3], 6, tensor_parallel_size=2)
+
+
+def test_a_nemotron_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """llama.cpp's nemotron files: LayerNorm1P weights stored plus one (their biases as they
+    are), the rotary's dims and LayerNorm's eps as metadata, the MLP's up and down."""
+    from helpers_models import write_tiny_gguf
+
+    path = write_tiny_hf_model(tmp_path / "nemotron", arch="nemotron", seed=72, **SHAPE, **FAMILIES["nemotron"])
+    llm = LLM(str(write_tiny_gguf(path, tmp_path / "nemotron.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    config = llm.engine.model_config
+    assert (config.architecture, config.rotary_dim, config.hidden_act) == ("NemotronForCausalLM", 16, "relu2")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_and_first_logprobs(path, p, 10)[0]
+                                                               for p in PROMPTS]
