@@ -10,8 +10,12 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, hf_greedy_and_first_logprobs
-from helpers_models import write_tiny_hf_model
+from helpers_models import (
+    assert_bf16_walk_near_float32,
+    assert_greedy_is_transformers,
+    hf_greedy_and_first_logprobs,
+    write_tiny_hf_model,
+)
 
 from kvloom import LLM, SamplingParams
 
