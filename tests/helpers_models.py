@@ -295,6 +295,8 @@ _GGUF_BLOCK = {
     "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",  # GPT-NeoX's
     "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
     "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",  # GPT-2's
+    "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2",  # Falcon-40B's two norms side by side
+    "self_attention.query_key_value": "attn_qkv", "self_attention.dense": "attn_output",  # Falcon's
 }
 
 
@@ -324,6 +326,12 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                   "num_attention_heads": config["n_head"], "num_key_value_heads": config["n_head"],
                   "max_position_embeddings": config["n_positions"], "intermediate_size": 4 * config["n_embd"],
                   "layer_norm_eps": config["layer_norm_epsilon"]}
+    falcon_kv_heads = 0
+    if model_type == "falcon":  # as llama.cpp's FalconModel: 2,048 positions, 4 x hidden as the MLP's width
+        new_architecture = config.get("new_decoder_architecture", False)
+        falcon_kv_heads = 1 if config.get("multi_query", True) and not new_architecture else config["num_kv_heads"]
+        config = {**config, "num_key_value_heads": falcon_kv_heads, "max_position_embeddings": 2048,
+                  "intermediate_size": 4 * config["hidden_size"], "layer_norm_eps": config["layer_norm_epsilon"]}
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
                                                                                                      model_type)
@@ -394,6 +402,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         partial = config.get("partial_rotary_factor") or config["rope_parameters"]["partial_rotary_factor"]
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if model_type == "falcon":  # LayerNorm's eps; q/k/v regrouped [q | k | v] below ("jploski" layout)
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
     if model_type == "gpt2":  # LayerNorm's eps; its Conv1D weights transposed below
         writer.add_layer_norm_eps(config["layer_norm_eps"])
     if model_type == "gpt_neox":  # as llama.cpp's GPTNeoXModel: q/k/v regrouped [q | k | v] below
@@ -413,7 +423,13 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
         if model_type == "gpt2" and array.ndim == 2 and name.endswith(("c_attn.weight", "c_proj.weight",
                                                                           "c_fc.weight")):
             array = array.T  # Conv1D's [in, out] as llama.cpp stores a matmul: [out, in]
-        if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
+        if model_type == "falcon" and "query_key_value" in name:  # each KV group's queries, k, v -> [q | k | v]
+            heads, head_dim = config["num_attention_heads"], config["hidden_size"] // config["num_attention_heads"]
+            grouped = array.reshape(falcon_kv_heads, heads // falcon_kv_heads + 2, head_dim, *array.shape[1:])
+            array = np.concatenate([grouped[:, :-2].reshape(heads * head_dim, *array.shape[1:]),
+                                    grouped[:, -2].reshape(falcon_kv_heads * head_dim, *array.shape[1:]),
+                                    grouped[:, -1].reshape(falcon_kv_heads * head_dim, *array.shape[1:])])
+        elif name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
             per_head = array.reshape(config["num_attention_heads"], 3, -1, *array.shape[1:])
             array = per_head.swapaxes(0, 1).reshape(array.shape)  # [head][q | k | v] -> [q | k | v]
         if name.startswith("model.layers."):
@@ -432,6 +448,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
                          "model.final_layernorm.bias": "output_norm.bias",
                          "gpt_neox.embed_in.weight": "token_embd.weight", "embed_out.weight": "output.weight",
                          "transformer.wte.weight": "token_embd.weight",
+                         "transformer.word_embeddings.weight": "token_embd.weight",
                          "transformer.wpe.weight": "position_embd.weight",
                          "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
                          "gpt_neox.final_layer_norm.weight": "output_norm.weight",

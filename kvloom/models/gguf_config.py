@@ -50,7 +50,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
-    "nemotron": "NemotronForCausalLM",
+    "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -65,6 +65,7 @@ _MODEL_TYPES = {
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
+    "FalconForCausalLM": "falcon",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -111,6 +112,19 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     config["model_type"] = _MODEL_TYPES[config["architectures"][0]]
     config["rope_scaling"] = _rope_scaling(reader, arch, config, path)
     return config
+
+
+def _falcon_gguf_fields(config: dict[str, Any], meta: Meta, shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """Falcon's config.json fields from a llama.cpp file: one KV head is Falcon-7B's multi-query
+    layout; more are the new architecture's KV groups, with two norms side by side where the
+    file has ``attn_norm_2`` (Falcon-40B / 180B) and one otherwise (Falcon2-11B); the MLP's width
+    from its tensor (the converter writes 4 x hidden)."""
+    kv_heads = config["num_key_value_heads"]
+    return {"num_kv_heads": kv_heads, "multi_query": kv_heads == 1, "new_decoder_architecture": kv_heads > 1,
+            "parallel_attn": True, "num_ln_in_parallel_attn": 2 if "blk.0.attn_norm_2.weight" in shapes else 1,
+            "bias": "blk.0.attn_qkv.bias" in shapes,
+            "layer_norm_epsilon": float(meta("attention.layer_norm_epsilon", 1e-5)),
+            "ffn_hidden_size": shapes["blk.0.ffn_up.weight"][1], "alibi": False}
 
 
 def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
@@ -168,6 +182,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         # Every GPT-NeoX checkpoint's (Pythia's, NeoX-20B's) activation: GELU exactly, as
         # transformers runs it (llama.cpp's ggml_gelu is the tanh form).
         config["hidden_act"] = "gelu"
+    if arch == "falcon":  # as llama.cpp's FalconModel writes it: its graph is always side by side
+        config.update(_falcon_gguf_fields(config, meta, shapes))
     if arch == "nemotron":  # as llama.cpp's NemotronModel writes it (its LayerNorm1P weights stored plus one)
         config["norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]

@@ -173,6 +173,12 @@ _NORMS_PLUS_ONE = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3For
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["NemotronForCausalLM"] = _ATTENTION_BLOCK  # its un-gated MLP: ffn_up / ffn_down as up / down
+# Falcon's: q/k/v fused (the converter's [q | k | v], put back in HF's KV groups), the first norm
+# input_layernorm and Falcon-40B's second ln_mlp, the MLP as GPT-NeoX's.
+_BLOCK_NAMES["FalconForCausalLM"] = {"attn_norm": "input_layernorm", "attn_norm_2": "ln_mlp",
+                                     "attn_qkv": "self_attention.query_key_value",
+                                     "attn_output": "self_attention.dense",
+                                     "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
 # Consumed into the config (llama3's and Phi-3's rope scaling), not a parameter.
@@ -260,6 +266,15 @@ class _Converter:
             heads = self.hf_config["num_attention_heads"]
             per_head: np.ndarray = array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
             return per_head
+        if family == "FalconForCausalLM" and part == "attn_qkv":  # [q | k | v] -> HF's groups (q heads, k, v)
+            heads, kv_heads = self.hf_config["num_attention_heads"], self.hf_config["num_kv_heads"]
+            head_dim = array.shape[0] // (heads + 2 * kv_heads)
+            rest = array.shape[1:]
+            q, k, v = np.split(array, [heads * head_dim, (heads + kv_heads) * head_dim])
+            groups = np.concatenate([q.reshape(kv_heads, heads // kv_heads, head_dim, *rest),
+                                     k.reshape(kv_heads, 1, head_dim, *rest),
+                                     v.reshape(kv_heads, 1, head_dim, *rest)], 1)
+            return groups.reshape(array.shape)
         if family == "StableLmForCausalLM" and part in ("attn_q_norm", "attn_k_norm"):  # [heads, head_dim]
             return array.reshape(-1)
         if family == "GPT2LMHeadModel" and kind == "weight" and array.ndim == 2:  # Conv1D's [in, out]

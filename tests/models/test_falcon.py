@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers_models import assert_bf16_walk_near_float32, assert_greedy_is_transformers, write_tiny_hf_model
 
-from kvloom import LLM
+from kvloom import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,3 +68,21 @@ def test_alibi_is_refused_by_name(falcon: Path, tmp_path: Path) -> None:
     alibi = write_tiny_hf_model(tmp_path / "falcon-rw", arch="falcon", seed=98, alibi=True, **SHAPE)
     with pytest.raises(Exception, match="Falcon with alibi"):
         LLM(str(alibi), dtype="float32", num_blocks=16)
+
+
+@pytest.mark.parametrize("kind", ["falcon-7b", "new-arch-40b", "new-arch-11b"])
+def test_a_gguf_file_gives_transformers_greedy_tokens(kind: str, tmp_path: Path) -> None:
+    """llama.cpp's falcon files (its graph is always side by side): q/k/v regrouped by its
+    converter into [q | k | v] and put back in Falcon's KV groups at load; one KV head is
+    Falcon-7B's layout, more the new architecture's with one norm or two (attn_norm_2)."""
+    from helpers_models import hf_greedy_and_first_logprobs, write_tiny_gguf
+
+    path = write_tiny_hf_model(tmp_path / kind, arch="falcon", seed=104, **SHAPE, **KINDS[kind])
+    llm = LLM(str(write_tiny_gguf(path, tmp_path / f"{kind}.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    config = llm.engine.model_config
+    assert (config.architecture, config.num_kv_heads, config.parallel_norms) == ("FalconForCausalLM",
+                                                                                  *EXPECTED[kind][::2])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_and_first_logprobs(path, p, 10)[0]
+                                                               for p in PROMPTS]
