@@ -350,9 +350,9 @@ def test_error_truncated_and_garbage_gguf(tiny_dirs: dict[str, Path], tmp_path: 
 
 
 def test_error_unknown_gguf_architecture(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    gguf_file = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "falcon.gguf", arch="falcon")
+    gguf_file = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "bloom.gguf", arch="bloom")
     message = _error(gguf_file, home=tmp_path)
-    assert "unsupported GGUF architecture 'falcon'" in message
+    assert "unsupported GGUF architecture 'bloom'" in message
 
 
 KILLED_MID_WRITE = """
