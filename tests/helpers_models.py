@@ -336,7 +336,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "phi": "phi2", "gpt_neox": "gptneox"}.get(model_type,
                                                                                                      model_type)
     if permute_qk is None:
-        permute_qk = model_type in ("llama", "mistral", "granite", "smollm3", "olmo")
+        permute_qk = model_type in ("llama", "mistral", "granite", "smollm3", "olmo", "arcee")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(str(shard)))

@@ -50,7 +50,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel", "stablelm": "StableLmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
-    "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM",
+    "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -65,7 +65,7 @@ _MODEL_TYPES = {
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
-    "FalconForCausalLM": "falcon",
+    "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -184,6 +184,8 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
         config["hidden_act"] = "gelu"
     if arch == "falcon":  # as llama.cpp's FalconModel writes it: its graph is always side by side
         config.update(_falcon_gguf_fields(config, meta, shapes))
+    if arch == "arcee":  # llama.cpp's ArceeModel is its LlamaModel (q/k rows permuted) with an un-gated MLP
+        config["hidden_act"] = "relu2"  # every AFM's (the file names none)
     if arch == "nemotron":  # as llama.cpp's NemotronModel writes it (its LayerNorm1P weights stored plus one)
         config["norm_eps"] = float(meta("attention.layer_norm_epsilon", 1e-5))
         config["partial_rotary_factor"] = int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]

@@ -55,7 +55,8 @@ __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_con
            "num_weights", "open_gguf", "permute_rows"]
 
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
-                "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM", "OlmoForCausalLM"}
+                "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM", "OlmoForCausalLM",
+                "ArceeForCausalLM"}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -172,7 +173,8 @@ _BLOCK_NAMES["StableLmForCausalLM"] = {**_ATTENTION_BLOCK, "attn_q_norm": "self_
 _NORMS_PLUS_ONE = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "NemotronForCausalLM"})
 # Phi-3's fused tensors are kept fused, as HF holds them (q, k, v rows; gate, then up).
 _BLOCK_NAMES["Phi3ForCausalLM"] = {**_ATTENTION_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_BLOCK_NAMES["NemotronForCausalLM"] = _ATTENTION_BLOCK  # its un-gated MLP: ffn_up / ffn_down as up / down
+# Nemotron's and Arcee's un-gated MLPs: ffn_up / ffn_down as up / down.
+_BLOCK_NAMES["NemotronForCausalLM"] = _BLOCK_NAMES["ArceeForCausalLM"] = _ATTENTION_BLOCK
 # Falcon's: q/k/v fused (the converter's [q | k | v], put back in HF's KV groups), the first norm
 # input_layernorm and Falcon-40B's second ln_mlp, the MLP as GPT-NeoX's.
 _BLOCK_NAMES["FalconForCausalLM"] = {"attn_norm": "input_layernorm", "attn_norm_2": "ln_mlp",

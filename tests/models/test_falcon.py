@@ -82,7 +82,8 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(kind: str, tmp_path: Path)
     config = llm.engine.model_config
     assert (config.architecture, config.num_kv_heads, config.parallel_norms) == ("FalconForCausalLM",
                                                                                   *EXPECTED[kind][::2])
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_and_first_logprobs(path, p, 10)[0]
-                                                               for p in PROMPTS]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    for output, prompt in zip(llm.generate(PROMPTS, params), PROMPTS, strict=True):
+        tokens, first = hf_greedy_and_first_logprobs(path, prompt, 10)
+        assert list(output.outputs[0].token_ids) == tokens
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)

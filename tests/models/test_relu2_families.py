@@ -54,16 +54,19 @@ def test_two_ranks_give_transformers_greedy_tokens(model: Path) -> None:
     assert_greedy_is_transformers(model, PROMPTS[1:3], 6, tensor_parallel_size=2)
 
 
-def test_a_nemotron_gguf_file_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+def test_a_gguf_file_gives_transformers_greedy_tokens(model: Path, tmp_path: Path) -> None:
     """llama.cpp's nemotron files: LayerNorm1P weights stored plus one (their biases as they
-    are), the rotary's dims and LayerNorm's eps as metadata, the MLP's up and down."""
+    are), the rotary's dims and LayerNorm's eps as metadata, the MLP's up and down; its arcee
+    files: its Llama files' layout (q/k rows permuted), the MLP's up and down."""
     from helpers_models import write_tiny_gguf
 
-    path = write_tiny_hf_model(tmp_path / "nemotron", arch="nemotron", seed=72, **SHAPE, **FAMILIES["nemotron"])
-    llm = LLM(str(write_tiny_gguf(path, tmp_path / "nemotron.gguf")), dtype="float32", block_size=16, num_blocks=64)
+    path = model
+    llm = LLM(str(write_tiny_gguf(path, tmp_path / "model.gguf")), dtype="float32", block_size=16, num_blocks=64)
     config = llm.engine.model_config
-    assert (config.architecture, config.rotary_dim, config.hidden_act) == ("NemotronForCausalLM", 16, "relu2")
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy_and_first_logprobs(path, p, 10)[0]
-                                                               for p in PROMPTS]
+    nemotron = config.architecture == "NemotronForCausalLM"
+    assert (config.rotary_dim or config.head_dim, config.hidden_act) == (16 if nemotron else 32, "relu2")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    for output, prompt in zip(llm.generate(PROMPTS, params), PROMPTS, strict=True):
+        tokens, first = hf_greedy_and_first_logprobs(path, prompt, 10)
+        assert list(output.outputs[0].token_ids) == tokens
+        assert output.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(first[tokens[0]].item(), abs=1e-4)
