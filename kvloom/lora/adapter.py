@@ -129,8 +129,7 @@ class LoRAAdapter:
         except (OSError, ValueError) as error:
             raise LoRAError(f"{where}: adapter_config.json is not JSON: {error}") from None
         targets = names.targets() + (list(EXPERT_MODULES) if config.moe is not None else [])
-        rank, scale = cls._check_settings(where, settings, max_rank, targets)
-        parameters = settings.get("target_parameters") or []
+        rank, scale, parameters = cls._check_settings(where, settings, max_rank, targets)
         from safetensors.torch import load_file
         try:
             tensors = load_file(str(weights_file))
@@ -139,7 +138,9 @@ class LoRAAdapter:
         return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank, names, parameters))
 
     @staticmethod
-    def _check_settings(where: str, settings: dict, max_rank: int, targets: list[str]) -> tuple[int, float]:
+    def _check_settings(where: str, settings: dict, max_rank: int, targets: list[str]
+                        ) -> tuple[int, float, list[str]]:
+        """(rank, scale, target_parameters) of a valid adapter config; LoRAError naming what is not."""
         if settings.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
         for key, default in _REFUSED.items():
@@ -161,7 +162,7 @@ class LoRAAdapter:
         named = settings.get("target_modules") or ([] if parameters else None)
         if isinstance(named, str) or named is None or any(t not in targets for t in named):
             raise LoRAError(f"{where}: target_modules must be a list of {targets}, got {named!r}")
-        return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+        return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank), parameters
 
     @staticmethod
     def _check_weights(where: str, tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int,

@@ -320,13 +320,8 @@ class LlamaForCausalLM(nn.Module):
                 rows = slice(0, self.embed_tokens.num_real_rows)  # the padding rows stay zero
             filler.copy(target, tensor, hf_name, rows)
         padding = (self.embed_tokens.weight.shape[0] - self.embed_tokens.num_real_rows) * self.config.hidden_size
-        for name in ("embed_tokens.weight",) if self.config.classifier else ("embed_tokens.weight", "lm_head.weight"):
-            if name in filler.filled:
-                filler.count(name, padding)
-        if self.tp.rank > 0:  # a row-parallel layer's bias is added once: by rank 0
-            for name, param in filler.params.items():
-                if name.endswith(("o_proj.bias", "down_proj.bias", "fc2.bias")):
-                    param.data.zero_()
+        filler.finish_shard(padding, ("embed_tokens.weight",) if self.config.classifier
+                            else ("embed_tokens.weight", "lm_head.weight"), self.tp.rank)
         if source and "lm_head.weight" not in filler.filled and embedding_rows is not None:
             filler.copy("lm_head.weight", embedding_rows, "model.embed_tokens.weight")
         filler.check_complete()

@@ -36,11 +36,6 @@ class TensorSlice:
     end: int
 
 
-# Families of Llama's attention whose other layers the ranks do not split, and why (none now:
-# each family's layers split; kept as the seam a new family's refusal goes through).
-ONE_PROCESS: dict[str, str] = {}
-
-
 def tensor_parallel_problem(config: ModelConfig, size: int, expert_parallel: bool = False) -> str | None:
     """Why ``config`` cannot be split across ``size`` ranks, or None. Heads, KV heads
     and intermediate features (dense, each expert's, the shared expert's) must divide
@@ -48,8 +43,6 @@ def tensor_parallel_problem(config: ModelConfig, size: int, expert_parallel: boo
     themselves instead of each one's features."""
     if size == 1:
         return None
-    if config.architecture in ONE_PROCESS:
-        return f"{config.architecture} runs in one process: {ONE_PROCESS[config.architecture]}"
     sizes = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
     moe = config.moe
     if moe is None or len(moe.sparse_layers) < config.num_layers:  # some layer has the dense MLP

@@ -86,6 +86,19 @@ class WeightFiller:
         """Elements of ``target`` filled elsewhere (a module's own loader)."""
         self.filled[target] = self.filled.get(target, 0) + elements
 
+    def finish_shard(self, padding: int, vocabulary: tuple[str, ...], rank: int) -> None:
+        """What a tensor-parallel rank's shard holds beyond the checkpoint's numbers: the
+        vocabulary tables' padding rows (``padding`` zeros each, counted as filled for the
+        ``vocabulary`` parameters read), and, on ranks past 0, the row-parallel projections'
+        biases zeroed (o, down, an un-gated MLP's fc2: rank 0 adds each once)."""
+        for name in vocabulary:
+            if name in self.filled:
+                self.count(name, padding)
+        if rank > 0:
+            for name, param in self.params.items():
+                if name.endswith(("o_proj.bias", "down_proj.bias", "fc2.bias")):
+                    param.data.zero_()
+
     def check_complete(self) -> None:
         missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.numel()]
         if missing:
