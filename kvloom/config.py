@@ -182,6 +182,9 @@ class ModelConfig:
     parallel_norms: int = 2
     # Qwen3's: each query and key head RMS-normed (weights of head_dim) before the rotary.
     qk_norm: bool = False
+    # GPT-OSS's attention sinks: a learned logit per query head in every layer's softmax
+    # denominator (attention/base.py), read from the checkpoint's ``self_attn.sinks``.
+    attention_sinks: bool = False
     # The rotary's dimensions of each head (Phi-4's partial_rotary_factor: its first ones);
     # None: the whole head. (Bamba's half-head rotary is set in models/bamba.py.)
     rotary_dim: int | None = None
@@ -318,7 +321,9 @@ class ModelConfig:
         rope_params = hf.get("rope_parameters") or {}
         local_rope = rope_params.get("sliding_attention") or {}  # per layer kind (Gemma 3, OLMo 3)
         rope_params = rope_params.get("full_attention", rope_params)
-        rope_theta = hf.get("rope_theta", hf.get("rotary_emb_base", rope_params.get("rope_theta", 10000.0)))  # NeoX's
+        theta_default = 150000.0 if archs[0] == "GptOssForCausalLM" else 10000.0  # each config class's
+        rope_theta = hf.get("rope_theta", hf.get("rotary_emb_base",  # NeoX's
+                                                 rope_params.get("rope_theta", theta_default)))
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         # (GPT-NeoX names it rotary_pct; older StableLM configs rope_pct.)
@@ -345,7 +350,7 @@ class ModelConfig:
         # (Qwen2-MoE names the same flag qkv_bias, StableLM use_qkv_bias.)
         # (StarCoder2 names one flag for every projection's bias use_bias.)
         # (Phi has a bias on every projection and no flag; GPT-NeoX's flag defaults to biases.)
-        default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch in ALWAYS_BIASED)
+        default_bias = hf.get("use_bias", arch.startswith("Qwen2") or arch in (*ALWAYS_BIASED, "GptOssForCausalLM"))
         attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", hf.get("use_qkv_bias", default_bias))))
         # Qwen's configs keep a window off unless use_sliding_window says so (transformers' default).
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", not arch.startswith("Qwen")) else None
@@ -357,6 +362,7 @@ class ModelConfig:
         # transformers' Llama gives o_proj the same bias flag; Qwen2 and Mistral never; Seed-OSS its own.
         output_bias = (bool(hf.get("attention_out_bias")) if arch == "SeedOssForCausalLM" else
                        attention_bias and arch in ("LlamaForCausalLM", "BambaForCausalLM", "Starcoder2ForCausalLM",
+                                                   "GptOssForCausalLM",
                                                    "Ernie4_5ForCausalLM", "FalconForCausalLM", *ALWAYS_BIASED,
                                                    *COHERE_ARCHITECTURES))
         return cls(
@@ -382,6 +388,7 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", hf.get("use_bias", arch in ALWAYS_BIASED))),
             # Phi's flag, Cohere's (Command R+)
             qk_norm=arch in QK_NORM_ARCHITECTURES or bool(hf.get("qk_layernorm", hf.get("use_qk_norm"))),
+            attention_sinks=arch == "GptOssForCausalLM",
             hidden_act=str(hf.get("hidden_act", hf.get("hidden_activation", "silu"))),
             parallel_residual=bool(hf.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")),  # HF's default
             parallel_norms=int(hf.get("num_ln_in_parallel_attn") or 2),

@@ -14,7 +14,14 @@ from typing import Any
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
-MOE_SCORINGS = ("softmax", "sigmoid")
+# How router logits become the chosen experts' weights: "softmax" / "sigmoid" score every
+# expert, then pick; "topk_softmax" (GPT-OSS) picks the top-k logits, then softmaxes them
+# in the activation dtype.
+MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+# The experts' activation on their gate/up output: "silu" (SwiGLU), "swigluoai" (GPT-OSS's,
+# vLLM's name: gate clamped above and up on both sides at swiglu_limit, then
+# (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+MOE_ACTIVATIONS = ("silu", "swigluoai")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -28,8 +35,9 @@ class MoEConfig:
     (softmax, top-k, ``norm_topk_prob``, a shared expert scaled by a sigmoid gate),
     DeepSeek-V2 (softmax in float32, greedy or group-limited top-k, scaled) and
     DeepSeek-V3 (sigmoid, a bias that steers the choice only, groups by their top-2
-    sum, renormalised, scaled). Layers outside ``sparse_layers`` keep the dense MLP
-    of ``ModelConfig.intermediate_size``."""
+    sum, renormalised, scaled) and GPT-OSS (a router with a bias, softmax over the top-k
+    logits, experts with biases and a clamped SwiGLU). Layers outside ``sparse_layers``
+    keep the dense MLP of ``ModelConfig.intermediate_size``."""
 
     num_experts: int
     top_k: int
@@ -51,7 +59,16 @@ class MoEConfig:
     round_routing_weights: bool = False
     shared_expert_intermediate_size: int = 0  # a shared MLP every token runs; 0: none
     shared_expert_gate: bool = False  # the shared MLP's output times sigmoid(x @ gate) (Qwen2-MoE)
-    hidden_act: str = "silu"  # the experts' activation (the only one kvloom runs)
+    hidden_act: str = "silu"  # the experts' activation, one of MOE_ACTIVATIONS
+    swiglu_alpha: float = 1.702  # swigluoai's sigmoid gain
+    swiglu_limit: float = 7.0  # swigluoai's clamp
+    router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
+    expert_biases: bool = False  # every expert's gate/up and down projections have biases (GPT-OSS)
+    # The checkpoint's fused experts as GPT-OSS stores them: gate_up [experts, hidden,
+    # 2 * inter] with gate and up columns alternating, down [experts, inter, hidden]
+    # (transformers 5's other fused experts are [experts, 2 * inter, hidden] gate | up and
+    # [experts, hidden, inter]).
+    gpt_oss_layout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "num_groups", "topk_groups"):
@@ -75,8 +92,11 @@ class MoEConfig:
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("moe config: shared_expert_intermediate_size must be >= 0, "
                              f"got {self.shared_expert_intermediate_size}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"moe config: hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.hidden_act not in MOE_ACTIVATIONS:
+            raise ValueError(f"moe config: the experts' activation must be one of {MOE_ACTIVATIONS}, "
+                             f"got {self.hidden_act!r}")
+        if self.hidden_act == "swigluoai" and not self.swiglu_limit > 0:
+            raise ValueError(f"moe config: swiglu_limit must be positive, got {self.swiglu_limit}")
 
     def is_sparse(self, layer_index: int) -> bool:
         """Whether decoder layer ``layer_index`` runs this MoE (else the dense MLP)."""
@@ -84,8 +104,8 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe or DeepSeek-V2/V3 ``config.json`` (HF's
-        defaults where a key is absent); None for any other architecture, or one
+        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, DeepSeek-V2/V3 or GPT-OSS
+        ``config.json`` (HF's defaults where a key is absent); None for any other architecture, or one
         without a sparse layer."""
         arch = (hf.get("architectures") or [""])[0]
         layers = range(int(hf.get("num_hidden_layers", 0)))
@@ -125,6 +145,18 @@ class MoEConfig:
                          norm_topk_prob=True, round_routing_weights=True, hidden_act=act)
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
+        elif arch == "GptOssForCausalLM":
+            # Every layer sparse; the top-k logits softmaxed in the activation dtype (its
+            # GptOssTopKRouter), the weights then scale each expert's output in that dtype.
+            # (The hub's config.json says experts_per_token too; config.json's hidden_act names
+            # no activation the experts use.)
+            config = cls(num_experts=int(hf.get("num_local_experts", 128)),
+                         top_k=int(hf.get("num_experts_per_tok", hf.get("experts_per_token", 4))),
+                         intermediate_size=int(hf.get("intermediate_size", 2880)), sparse_layers=tuple(layers),
+                         scoring="topk_softmax", round_routing_weights=True, hidden_act="swigluoai",
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)), router_bias=True, expert_biases=True,
+                         gpt_oss_layout=True)
         else:
             return None
         return config if config.sparse_layers else None

@@ -138,6 +138,7 @@ _ARCH_CONFIGS = {
     "cohere": ("CohereConfig", "CohereForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     # Sequence classifiers: the same decoders with a score head (num_labels / id2label as overrides).
     "llama_classifier": ("LlamaConfig", "LlamaForSequenceClassification"),
@@ -191,6 +192,11 @@ def write_tiny_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     _randomize_norms(model)
+    if arch == "gpt_oss":  # its experts' biases start at zero and its sinks near it: make both count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("_proj_bias", ".sinks")):
+                    param.normal_(0.0, 0.5)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

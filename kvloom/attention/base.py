@@ -23,6 +23,9 @@ MetadataT = TypeVar("MetadataT")
 
 class AttentionBackend(ABC, Generic[MetadataT]):
     name: str = ""
+    # Whether ``forward`` takes attention sinks (GPT-OSS's); a model with them is refused
+    # by name on a backend without (attention/registry.py).
+    supports_sinks: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -52,13 +55,17 @@ class AttentionBackend(ABC, Generic[MetadataT]):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT, window: int = 0) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: MetadataT, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (v None for
         latent attention, whose value is part of its key: attention/mla_ref.py);
         kv_cache: this layer's [2, num_blocks, block_size, kv_heads, head_dim] (the
         arrangement inside a block is this backend's, see ``write_kv``). ``window`` > 0:
         the layer's sliding window, the query at position p attending to keys
-        (p - window, p]; 0: every key up to p. Returns [tokens, heads, head_dim]."""
+        (p - window, p]; 0: every key up to p. ``sinks`` ([heads] float32, only where
+        ``supports_sinks``): GPT-OSS's attention sinks, one logit per head that joins
+        the softmax's denominator with no value (exp(sink) added to the sum: the
+        weights of the real keys sum to less than one). Returns [tokens, heads, head_dim]."""
 
 
 def write_token_major(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

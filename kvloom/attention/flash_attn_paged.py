@@ -55,8 +55,8 @@ class FlashAttnBackend(AttentionBackend[FlashAttnMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashAttnMetadata,
-                window: int = 0) -> torch.Tensor:
-        assert v is not None
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        assert v is not None and sinks is None  # no sinks here (supports_sinks)
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         out: torch.Tensor = self.library.flash_attn_varlen_func(
             q.contiguous(), kv_cache[0], kv_cache[1], batch.query_start_loc, metadata.cu_seqlens_k,

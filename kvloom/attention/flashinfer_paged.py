@@ -72,8 +72,8 @@ class FlashInferBackend(AttentionBackend[FlashInferPlan]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: FlashInferPlan,
-                window: int = 0) -> torch.Tensor:
-        assert v is not None
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        assert v is not None and sinks is None  # no sinks here (supports_sinks)
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         wrapper = self._wrappers.get(window)
         if wrapper is None:

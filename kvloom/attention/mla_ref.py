@@ -48,7 +48,8 @@ class MLAReferenceBackend(AttentionBackend[None]):
         return latent, latent[..., :self.value_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, latent_dim] (absorbed); k: the step's latents [tokens, 1,
         latent_dim]; v: unused. Returns [tokens, heads, value_dim], in latent space."""
         _no_window(window)
@@ -120,7 +121,7 @@ class MLABatchedBackend(AttentionBackend[DecodeStep | None]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: DecodeStep | None,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         _no_window(window)
         if metadata is None:
             return self.reference.forward(q, k, v, kv_cache, batch, None)

@@ -78,6 +78,9 @@ def backend_for(model: ModelConfig, name: str, device: torch.device) -> Attentio
             raise ValueError(f"attention_backend {name!r} serves latent attention (DeepSeek) only, not "
                              f"{model.architecture}; use one of {sorted(BACKENDS) + ['auto']}")
         backend = make_backend(name, device, model.num_heads, model.num_kv_heads, model.head_dim)
+        if model.attention_sinks and not backend.supports_sinks:
+            raise ValueError(f"attention_backend {backend.name!r} has no attention sinks, which "
+                             f"{model.architecture}'s layers have; use auto, cpu_paged, triton or torch_ref")
         if model.scales is not None and model.scales.attention is not None:
             backend.scale = model.scales.attention  # Granite's attention_multiplier, Gemma's query_pre_attn_scalar
         if model.gemma is not None and model.gemma.attention_softcap is not None:

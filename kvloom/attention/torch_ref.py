@@ -15,12 +15,14 @@ from kvloom.batch import ForwardBatch
 
 class TorchReferenceBackend(AttentionBackend[None]):
     name = "torch_ref"
+    supports_sinks = True
 
     def prepare(self, batch: ForwardBatch) -> None:
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0) -> torch.Tensor:
+                kv_cache: torch.Tensor, batch: ForwardBatch, metadata: None, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         block_size = batch.block_size
         out = torch.empty_like(q)
@@ -47,8 +49,8 @@ class TorchReferenceBackend(AttentionBackend[None]):
                 mask = key_pos <= query_pos  # [query_len, seq_len]
                 if window > 0:
                     mask &= key_pos > query_pos - window
-            if self.softcap:
-                o = softcapped_attention(q_i, k_i, v_i, mask, self.scale, self.softcap)
+            if self.softcap or sinks is not None:
+                o = explicit_attention(q_i, k_i, v_i, mask, self.scale, self.softcap, sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     q_i, k_i, v_i, attn_mask=mask, scale=self.scale,
@@ -59,15 +61,23 @@ class TorchReferenceBackend(AttentionBackend[None]):
         return out
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, softcap: float) -> torch.Tensor:
-    """Attention with Gemma 2's logit softcapping, as transformers' eager attention
-    computes it: scores = softcap * tanh(q k^T * scale / softcap), masked, softmax in
-    float32. q: [1, heads, n, d]; k, v: [1, kv_heads, m, d]; mask: [n, m] or None."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with its scores written out, as transformers' eager attention computes
+    them: Gemma 2's logit softcapping (softcap > 0: scores = softcap * tanh(q k^T * scale /
+    softcap)), masked, and GPT-OSS's sinks (``sinks`` [heads]: a column of one logit per
+    head joins each row's softmax and is dropped after it), the softmax in float32.
+    q: [1, heads, n, d]; k, v: [1, kv_heads, m, d]; mask: [n, m] or None."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
-
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(q.dtype) @ v

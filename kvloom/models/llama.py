@@ -61,6 +61,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.clip = config.clip_qkv  # OLMo 1's
+        # GPT-OSS's attention sinks: a logit per query head (this rank's heads) in the softmax's denominator.
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch, kv_cache: torch.Tensor, backend: AttentionBackend[Any],
@@ -85,7 +87,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, batch, metadata, self.window).reshape(num_tokens, self.q_size)
+        out = backend.forward(q, k, v, kv_cache, batch, metadata, self.window,
+                              sinks=self.sinks).reshape(num_tokens, self.q_size)
         if rows is not None:
             out = out[rows]
         return self.tp.all_reduce(self.o_proj(out))  # [tokens or rows, hidden]

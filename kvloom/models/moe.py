@@ -1,11 +1,12 @@
-"""The sparse mixture-of-experts FFN (Mixtral, Qwen2-MoE, DeepSeek-V2/V3).
+"""The sparse mixture-of-experts FFN (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, GPT-OSS).
 
 ``SparseMoE(hidden_size, moe, tp)`` maps ``[tokens, hidden] -> [tokens, hidden]``:
 the router (``MoERouter``, the family's rule in ``route``) picks ``moe.top_k`` experts
 per token with a weight each; every expert is a gated MLP held in two 3D tensors,
 ``experts_gate_up`` ``[experts, 2 * inter, hidden]`` (gate | up) and ``experts_down``
 ``[experts, hidden, inter]``; a shared expert (Qwen2-MoE, DeepSeek) runs for every
-token. ``experts_grouped`` is the fast path: the (token, expert) pairs sorted by
+token. GPT-OSS's experts add a bias after each matmul and use a clamped SwiGLU
+(``swigluoai``). ``experts_grouped`` is the fast path: the (token, expert) pairs sorted by
 expert, one gate/up and one down matmul per expert over its contiguous slice, the
 weighted rows scatter-added back; ``experts_reference`` is the plain per-token loop
 it is tested against.
@@ -41,6 +42,9 @@ def route(logits: torch.Tensor, moe: MoEConfig,
           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[tokens, experts]`` -> (weights, experts), ``[tokens, top_k]``
     each: the weights float32, the expert ids int64, in no particular order."""
+    if moe.scoring == "topk_softmax":  # GPT-OSS: pick by logit, then softmax the picks in their dtype
+        values, experts = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=values.dtype).float(), experts
     if moe.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     else:
@@ -82,7 +86,7 @@ def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 class MoERouter(nn.Module):
     """The router's weight ``[experts, hidden]`` (and DeepSeek-V3's per-expert
-    ``score_correction_bias``). With ``moe.router_float32`` (DeepSeek) both stay
+    ``score_correction_bias``, GPT-OSS's logit ``bias``). With ``moe.router_float32`` (DeepSeek) both stay
     float32 through ``model.to(dtype)`` and the logits are computed in float32, as
     transformers keeps ``gate.weight`` and the bias in float32; otherwise the router
     runs in the activation dtype."""
@@ -93,19 +97,20 @@ class MoERouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size))
         self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
                                       if moe.score_correction_bias else None)
+        self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.router_bias else None
         self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
         if self.moe.router_float32:
             x = x.float()  # the weight stays float32 (_apply)
-        logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight)  # [tokens, experts]
+        logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)  # [tokens, experts]
         return route(logits, self.moe, self.score_correction_bias)
 
     def pack(self, matmul: str) -> int:
         """The weight as ``matmul``'s layer where it applies (a float32 router's too: for
         ``invariant`` its rows padded as every float32 matmul's on CPU)."""
-        self.packed = packed_linear(self.weight, None, matmul)
+        self.packed = packed_linear(self.weight, self.bias, matmul)
         return int(self.packed is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:
@@ -135,9 +140,33 @@ class ExpertAdapters(Protocol):
     def add(self, part: str, expert: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | int) -> None: ...
 
 
+def swigluoai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation on [rows, 2 * inter] (gate | up): gate clamped above at
+    ``limit``, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), op by
+    op in the input's dtype as transformers' GptOssExperts computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_activation(moe: MoEConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """[rows, 2 * inter] (gate | up) -> [rows, inter]: the experts' activation."""
+    if moe.hidden_act == "swigluoai":
+        alpha, limit = moe.swiglu_alpha, moe.swiglu_limit
+        return lambda gate_up: swigluoai(gate_up, alpha, limit)
+    return ops.silu_and_mul
+
+
+# Every expert's biases, (gate_up [E, 2 * inter], down [E, hidden]) (GPT-OSS's).
+ExpertBiases = tuple[torch.Tensor, torch.Tensor]
+
+
 def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
                     weights: torch.Tensor, experts: torch.Tensor,
-                    packed: PackedExperts | None = None, adapters: ExpertAdapters | None = None) -> torch.Tensor:
+                    packed: PackedExperts | None = None, adapters: ExpertAdapters | None = None,
+                    biases: ExpertBiases | None = None,
+                    activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
     hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (or ``packed``: each
     expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert:
@@ -146,7 +175,9 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     expert, and the weighted outputs added back expert by expert (each token's experts in
     ascending order, one rounded add each, as transformers adds them).
     With ``adapters``, each pair's rows get their token's adapter delta after each matmul
-    (its gate/up output before the activation, its down output before the routing weight)."""
+    (its gate/up output before the activation, its down output before the routing weight).
+    With ``biases``, each matmul's rounded output then gets its expert's bias added (as
+    transformers' GptOssExperts adds it); ``activation`` maps gate | up to the down input."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [pairs]: pair p is token p // top_k's choice p % top_k
     pair = torch.arange(flat.numel(), device=flat.device)
@@ -172,9 +203,9 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
         return torch.zeros_like(x)
 
     def matmul(part: int, expert: int, rows: torch.Tensor) -> torch.Tensor:  # 0: gate/up, 1: down
-        if packed is not None:
-            return packed[expert][part](rows)  # type: ignore[no-any-return]
-        return F.linear(rows, (gate_up if part == 0 else down)[expert])  # type: ignore[index]
+        y = (packed[expert][part](rows) if packed is not None
+             else F.linear(rows, (gate_up if part == 0 else down)[expert]))  # type: ignore[index]
+        return y if biases is None else y + biases[part][expert]
 
     def adapt(part: str, expert: int, rows: torch.Tensor, y: torch.Tensor, start: int, end: int) -> None:
         if adapters is not None and pair_slots is not None:
@@ -185,7 +216,7 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     for expert, start, end in spans:
         projected.append(matmul(0, expert, rows[start:end]))
         adapt("gate_up", expert, rows[start:end], projected[-1], start, end)
-    activated = ops.silu_and_mul(torch.cat(projected))  # [pairs, inter]
+    activated = activation(torch.cat(projected))  # [pairs, inter]
     outputs = []
     for expert, start, end in spans:
         outputs.append(matmul(1, expert, activated[start:end]))
@@ -200,15 +231,25 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
 
 
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor) -> torch.Tensor:
+                      experts: torch.Tensor, biases: ExpertBiases | None = None,
+                      activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The oracle of ``experts_grouped``: token by token, its experts in ascending order,
-    in plain PyTorch ops."""
+    in plain PyTorch ops (``activation`` None: SwiGLU written out)."""
     out = torch.zeros_like(x)
     for token in range(x.shape[0]):
         for slot in sorted(range(experts.shape[1]), key=lambda j: int(experts[token, j])):
             expert = int(experts[token, slot])
-            gate, up = F.linear(x[token:token + 1], gate_up[expert]).chunk(2, dim=-1)  # [1, inter] each
-            y = F.linear(F.silu(gate) * up, down[expert])[0]  # [hidden]
+            projected = F.linear(x[token:token + 1], gate_up[expert])  # [1, 2 * inter]
+            if biases is not None:
+                projected = projected + biases[0][expert]
+            if activation is None:
+                gate, up = projected.chunk(2, dim=-1)  # [1, inter] each
+                activated = F.silu(gate) * up
+            else:
+                activated = activation(projected)
+            y = F.linear(activated, down[expert])[0]  # [hidden]
+            if biases is not None:
+                y = y + biases[1][expert]
             out[token] += (y * weights[token, slot]).to(x.dtype)
     return out
 
@@ -248,6 +289,13 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size,
                                                         hidden_size))
         self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size, self.intermediate_size))
+        # GPT-OSS's biases after each matmul; under tensor parallel the down bias is held by
+        # rank 0 alone (zeros elsewhere), as it joins the ranks' partial sums once.
+        self.experts_gate_up_bias = (nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size))
+                                     if moe.expert_biases else None)
+        self.experts_down_bias = (nn.Parameter(torch.zeros(self.num_local_experts, hidden_size))
+                                  if moe.expert_biases else None)
+        self.activation = expert_activation(moe)
         self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
                               if moe.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.zeros(1, hidden_size)) if moe.shared_expert_gate else None
@@ -260,9 +308,15 @@ class SparseMoE(nn.Module):
         self.adapters: ExpertAdapters | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pairs, adapters = self._packed_pairs, self.adapters
+        pairs, adapters, biases = self._packed_pairs, self.adapters, self._biases()
         return self._combine(x, lambda x, gate_up, down, weights, experts: experts_grouped(
-            x, gate_up, down, weights, experts, packed=pairs, adapters=adapters))
+            x, gate_up, down, weights, experts, packed=pairs, adapters=adapters, biases=biases,
+            activation=self.activation))
+
+    def _biases(self) -> ExpertBiases | None:
+        if self.experts_gate_up_bias is None or self.experts_down_bias is None:
+            return None
+        return self.experts_gate_up_bias, self.experts_down_bias
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` with the experts run by the per-token loop (tests' oracle; before pack)."""
@@ -270,7 +324,8 @@ class SparseMoE(nn.Module):
             raise RuntimeError("forward_reference needs the experts' tensors, which pack() released")
         if self.expert_parallel:
             raise RuntimeError("forward_reference runs every expert: not on an expert-parallel rank's share")
-        return self._combine(x, experts_reference)
+        biases, activation = self._biases(), self.activation if self.moe.hidden_act != "silu" else None
+        return self._combine(x, lambda *args: experts_reference(*args, biases=biases, activation=activation))
 
     def pack(self, matmul: str) -> int:
         """Every expert's gate/up and down and the shared expert's gate as ``matmul``'s
@@ -327,16 +382,24 @@ class SparseMoE(nn.Module):
         part = moe_tensor(name)
         if part is None:
             raise ValueError(f"unexpected tensor {name!r} in a mixture-of-experts block")
+        if self.moe.gpt_oss_layout:
+            tensor = gpt_oss_experts(part.part, tensor)
         if part.expert is not None and part.expert >= self.moe.num_experts:
             raise ValueError(f"tensor {name!r} names expert {part.expert}; the model has {self.moe.num_experts}")
         if part.expert is not None and self.expert_parallel:
             if not self.first_expert <= part.expert < self.first_expert + self.num_local_experts:
                 return {}  # another rank's expert (read as nothing: weight_slice)
             part = MoETensor(part.part, part.expert - self.first_expert)
-        if part.part == "gate_up" and not self.expert_parallel:  # [E, 2 * full inter, hidden]: this rank's rows
+        if part.part in ("gate_up", "gate_up_bias") and not self.expert_parallel:
+            # [E, 2 * full inter, ...]: this rank's rows of gate and of up
             full = tensor.shape[1] // 2
             start, end = column_split(full, self.tp.rank, self.tp.size)
             tensor = torch.cat((tensor[:, start:end], tensor[:, full + start:full + end]), dim=1)
+        if part.part == "down" and self.moe.gpt_oss_layout and part.expert is None and not self.expert_parallel:
+            start, end = column_split(tensor.shape[2], self.tp.rank, self.tp.size)  # read whole (weight_slice)
+            tensor = tensor[:, :, start:end]
+        if part.part == "down_bias" and not self.expert_parallel and self.tp.rank > 0:
+            tensor = torch.zeros_like(tensor)  # added once, by rank 0, to the partial sums
         parameter, dest = self._destination(name, part)
         if dest.shape != tensor.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
@@ -355,6 +418,9 @@ class SparseMoE(nn.Module):
             "router": ("router.weight", self.router.weight, slice(None)),
             "score_correction_bias": ("router.score_correction_bias", self.router.score_correction_bias,
                                       slice(None)),
+            "router_bias": ("router.bias", self.router.bias, slice(None)),
+            "gate_up_bias": ("experts_gate_up_bias", self.experts_gate_up_bias, slice(None)),
+            "down_bias": ("experts_down_bias", self.experts_down_bias, slice(None)),
             "gate_up": ("experts_gate_up", self.experts_gate_up, slice(None)),
             "down": ("experts_down", self.experts_down, slice(None)),
             "shared_gate": ("shared_expert_gate", self.shared_expert_gate, slice(None)),
@@ -371,3 +437,17 @@ class SparseMoE(nn.Module):
         if param is None:
             raise ValueError(f"checkpoint has an unexpected tensor {name!r}: this model's MoE has no {part.part}")
         return parameter, param.data[rows]
+
+
+def gpt_oss_experts(part: str, tensor: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's fused expert tensor (``part`` as ``moe_tensor`` names it) in the layout the
+    other families' fused tensors have: gate_up [E, hidden, 2 * inter] (gate and up
+    columns alternating) -> [E, 2 * inter, hidden] gate | up, its bias [E, 2 * inter] the
+    same way; down [E, inter, hidden] -> [E, hidden, inter]; anything else as it is."""
+    if part == "gate_up":
+        tensor = tensor.transpose(1, 2)
+    if part in ("gate_up", "gate_up_bias"):
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+    if part == "down":
+        return tensor.transpose(1, 2)
+    return tensor

@@ -101,6 +101,7 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4ForCausalLM": "kvloom.models.glm:Glm4ForCausalLM",
     "FalconForCausalLM": "kvloom.models.falcon:FalconForCausalLM",
     "OlmoeForCausalLM": "kvloom.models.olmoe:OlmoeForCausalLM",
+    "GptOssForCausalLM": "kvloom.models.gpt_oss:GptOssForCausalLM",
     "GPTJForCausalLM": "kvloom.models.gptj:GPTJForCausalLM",
     "CohereForCausalLM": "kvloom.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "kvloom.models.cohere:CohereForCausalLM",

@@ -103,6 +103,8 @@ def llama_weight_slice(config: ModelConfig, hf_name: str, rank: int, size: int,
         return TensorSlice(0, *column_split(config.num_kv_heads * head_dim, rank, size))
     if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
         return TensorSlice(0, *column_split(config.intermediate_size, rank, size))
+    if name.endswith(".self_attn.sinks"):  # a logit per query head (GPT-OSS's)
+        return TensorSlice(0, *column_split(config.num_heads, rank, size))
     if name.endswith(".self_attn.o_proj.weight"):
         return TensorSlice(1, *column_split(config.num_heads * head_dim, rank, size))
     if name.endswith(".mlp.down_proj.weight"):
@@ -151,14 +153,19 @@ _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
 _WHOLE = {"gate.weight": "router", "gate.e_score_correction_bias": "score_correction_bias",
           "experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "shared_expert_gate.weight": "shared_gate",
           # GraniteMoe's hub names: the router, and every expert's gate|up and down in one tensor each
-          "router.layer.weight": "router", "input_linear.weight": "gate_up", "output_linear.weight": "down"}
+          "router.layer.weight": "router", "input_linear.weight": "gate_up", "output_linear.weight": "down",
+          # GPT-OSS's: a router with a bias, the fused experts ([E, hidden, 2 * inter] gate and up
+          # alternating; [E, inter, hidden] down) and their biases
+          "router.weight": "router", "router.bias": "router_bias", "experts.gate_up_proj_bias": "gate_up_bias",
+          "experts.down_proj_bias": "down_bias"}
 
 
 @dataclass(frozen=True)
 class MoETensor:
     """What one checkpoint tensor of a MoE block holds. ``part``: ``router``,
-    ``score_correction_bias``, ``gate`` / ``up`` / ``down`` (of ``expert``; ``gate_up``
-    and ``down`` with expert None: every expert's, fused), ``shared_gate`` (the shared
+    ``score_correction_bias``, ``router_bias``, ``gate`` / ``up`` / ``down`` (of ``expert``;
+    ``gate_up`` and ``down`` with expert None: every expert's, fused), ``gate_up_bias`` /
+    ``down_bias`` (every expert's, GPT-OSS's), ``shared_gate`` (the shared
     expert's sigmoid gate), ``shared_gate_proj`` / ``shared_up_proj`` / ``shared_down_proj``."""
 
     part: str
@@ -195,7 +202,7 @@ def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int,
     tensor = moe_tensor(name)
     if tensor is None:
         return None
-    if expert_parallel and tensor.part in ("gate_up", "down", "gate", "up"):
+    if expert_parallel and tensor.part in ("gate_up", "down", "gate", "up", "gate_up_bias", "down_bias"):
         first, last = column_split(moe.num_experts, rank, size)
         if tensor.expert is None:
             return TensorSlice(0, first, last)
@@ -204,5 +211,7 @@ def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int,
     shared = column_split(moe.shared_expert_intermediate_size, rank, size)
     if tensor.expert is not None:  # one expert's [inter, hidden] gate/up or [hidden, inter] down
         return TensorSlice(1 if tensor.part == "down" else 0, *inter)
+    if moe.gpt_oss_layout:  # read whole, cut by the module once in the other families' layout
+        return None
     return {"down": TensorSlice(2, *inter), "shared_gate_proj": TensorSlice(0, *shared),
             "shared_up_proj": TensorSlice(0, *shared), "shared_down_proj": TensorSlice(1, *shared)}.get(tensor.part)
