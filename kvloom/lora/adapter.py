@@ -281,6 +281,8 @@ def _expert_weights(where: str, nested: dict[tuple[int, int], dict[str, torch.Te
             raise LoRAError(f"{where}: layer {layer}'s experts.{tensor} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}; the model's {experts} experts need A {(rank * experts, in_features)} "
                             f"and B {(out, rank * experts)}")
+        if moe.gpt_oss_layout and tensor == "gate_up_proj":  # its gate and up outputs alternate: as gate | up
+            b = torch.cat((b[0::2], b[1::2]))
         weights[layer, f"experts.{tensor}"] = (a.float().reshape(experts, rank, in_features),
                                                b.float().reshape(out, rank, experts).permute(2, 0, 1).contiguous())
     return weights

@@ -1,0 +1,173 @@
+"""OpenAI's GPT-OSS: Llama's layers with biased q/k/v/o, attention sinks, a window on every
+other layer, YaRN, and a biased router's softmax over its top-k logits choosing experts with
+biases and a clamped SwiGLU, stored in MXFP4 on the hub. Held to transformers: the MoE block
+(float32 and bf16 bit for bit), greedy tokens and first log-probs in float32 through chunked
+prefill on both CPU attention backends, two ranks (tensor and expert parallel), an MXFP4
+checkpoint read back, a LoRA adapter on its attention and experts (PEFT's); bf16 tokens alone
+equal batched and chunked; a backend without sinks refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
+
+from kvloom import LLM, SamplingParams
+from kvloom.model_families import MoEConfig
+from kvloom.models.gpt_oss import dequantize_mxfp4
+from kvloom.models.moe import SparseMoE
+
+transformers = pytest.importorskip("transformers")
+
+RNG = random.Random(43)
+PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, 47)]
+# Four layers: windowed (8 keys), full, windowed, full; four experts of 64 features, two a token.
+SHAPE = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=4, sliding_window=8,
+             max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("gpt_oss"), arch="gpt_oss", seed=103, **SHAPE)
+
+
+def hf_block(dtype: torch.dtype) -> tuple[torch.nn.Module, MoEConfig]:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = transformers.GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                                       num_experts_per_tok=3, num_hidden_layers=2, num_attention_heads=4)
+    config._experts_implementation = "eager"  # the plain loop, whose rows and adds ours follow
+    torch.manual_seed(7)
+    block = GptOssMLP(config).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 1.0)  # wide enough that the clamps at +-7 cut some gates and ups
+    moe = MoEConfig.from_hf({**config.to_dict(), "architectures": ["GptOssForCausalLM"]})
+    assert moe is not None and (moe.scoring, moe.hidden_act, moe.top_k) == ("topk_softmax", "swigluoai", 3)
+    return block.to(dtype), moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_moe_block_is_transformers(dtype: torch.dtype) -> None:
+    """Its layout read back (gate and up columns alternating, [E, in, out] matrices), the
+    router's bias and top-k softmax, each expert's biases and clamped SwiGLU: float32 within
+    rounding, bf16 the same bits (the module path's plain matmuls, before packing)."""
+    block, moe = hf_block(dtype)
+    ours = SparseMoE(32, moe)
+    for name, tensor in block.state_dict().items():
+        ours.load_hf(name, tensor)
+    ours = ours.to(dtype)
+    x = (torch.randn(29, 32) * 3).to(dtype)
+    with torch.no_grad():
+        expected = block(x.unsqueeze(0))[0].reshape(29, 32)
+        gate_up = x.float() @ block.experts.gate_up_proj[0].float()
+        assert gate_up.abs().max() > moe.swiglu_limit  # the clamps matter here
+        got = ours(x)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            scale = expected.abs().max().item()  # the wide weights' outputs run to hundreds
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale)
+            torch.testing.assert_close(ours.forward_reference(x), expected, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch_ref"])
+def test_greedy_tokens_and_logprobs_are_transformers(gpt_oss: Path, backend: str) -> None:
+    llm = assert_greedy_is_transformers(gpt_oss, PROMPTS, 12, attention_backend=backend)
+    config = llm.engine.model_config
+    assert config.attention_sinks and config.sliding_window == 8 and config.full_attention_layers == (1, 3)
+    assert config.attention_output_bias and config.rope_scaling_dict["rope_type"] == "yarn"
+
+
+def test_bf16_tokens_alone_equal_batched_and_chunked(gpt_oss: Path) -> None:
+    bf16_alone_equals_batched(str(gpt_oss), PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor_parallel", "expert_parallel"])
+def test_two_ranks_give_transformers_greedy_tokens(gpt_oss: Path, expert_parallel: bool) -> None:
+    """Heads (and their sinks) split; each expert's features split, the down bias added by
+    rank 0 alone; or each rank's experts whole."""
+    assert_greedy_is_transformers(gpt_oss, PROMPTS[1:3], 6, tensor_parallel_size=2,
+                                  enable_expert_parallel=expert_parallel)
+
+
+def quantize_mxfp4(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A test's MXFP4 encoding of ``weights`` [..., in] (in a multiple of 32): each block of
+    32 scaled by the power of two that brings its largest magnitude to at most 6, each value
+    rounded to the nearest e2m1 number. Returns (blocks [..., in / 32, 16], scales [..., in / 32])."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weights.float().unflatten(-1, (-1, 32))
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    codes = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0)
+    nibbles = codes.to(torch.uint8).unflatten(-1, (16, 2))
+    return nibbles[..., 0] | (nibbles[..., 1] << 4), (exponents + 127).to(torch.uint8)
+
+
+def test_mxfp4_numbers_are_transformers_dequantization() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=generator)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 128]
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    with pytest.raises(ValueError, match="do not pair"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+
+
+def test_an_mxfp4_checkpoint_gives_the_tokens_of_its_dequantized_weights(gpt_oss: Path, tmp_path: Path) -> None:
+    """The hub's layout: each fused expert tensor as *_blocks and *_scales of its [E, out,
+    in] matrices. kvloom reads them back; transformers runs the same numbers as plain
+    weights (they are e2m1 values times powers of two: exact in float32)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(gpt_oss / "model.safetensors")
+    quantized, plain = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(state[name].transpose(1, 2))  # [E, out, in / 32, ...]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        del quantized[name]
+        plain[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+        assert (plain[name] - state[name]).abs().max() < 0.25 * state[name].abs().max()  # a coarse copy of it
+    directories = {}
+    for kind, tensors in (("mxfp4", quantized), ("plain", plain)):
+        directories[kind] = tmp_path / kind
+        shutil.copytree(gpt_oss, directories[kind])
+        save_file(tensors, directories[kind] / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directories["mxfp4"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directories["mxfp4"] / "config.json").write_text(json.dumps(config))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = LLM(str(directories["mxfp4"]), dtype="float32", num_blocks=64).generate(PROMPTS, params)
+    reference = LLM(str(directories["plain"]), dtype="float32", num_blocks=64).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+    assert_greedy_is_transformers(directories["plain"], PROMPTS[2:3], 8)  # and those are transformers' tokens
+    del quantized[next(n for n in quantized if n.endswith("_scales"))]
+    save_file(quantized, directories["mxfp4"] / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="MXFP4 blocks without their scales"):
+        LLM(str(directories["mxfp4"]), dtype="float32", num_blocks=64)
+
+
+def test_adapters_on_attention_and_experts_are_pefts(gpt_oss: Path, tmp_path: Path) -> None:
+    """PEFT's target_parameters on its [E, in, out] experts: B's gate_up rows alternate gate and up."""
+    from helpers_lora import assert_adapter_is_peft
+
+    assert_adapter_is_peft(gpt_oss, tmp_path / "attention", PROMPTS[2:], ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert_adapter_is_peft(gpt_oss, tmp_path / "experts", PROMPTS[2:], None,
+                           target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+
+
+def test_a_backend_without_sinks_is_refused_by_name(gpt_oss: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvloom.attention.torch_ref import TorchReferenceBackend
+
+    monkeypatch.setattr(TorchReferenceBackend, "supports_sinks", False)
+    with pytest.raises(ValueError, match="'torch_ref' has no attention sinks, which GptOssForCausalLM's layers have"):
+        LLM(str(gpt_oss), dtype="float32", num_blocks=16, attention_backend="torch_ref")
