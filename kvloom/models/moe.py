@@ -325,7 +325,8 @@ class SparseMoE(nn.Module):
         if self.expert_parallel:
             raise RuntimeError("forward_reference runs every expert: not on an expert-parallel rank's share")
         biases, activation = self._biases(), self.activation if self.moe.hidden_act != "silu" else None
-        return self._combine(x, lambda *args: experts_reference(*args, biases=biases, activation=activation))
+        return self._combine(x, lambda x, gate_up, down, weights, experts: experts_reference(
+            x, gate_up, down, weights, experts, biases=biases, activation=activation))
 
     def pack(self, matmul: str) -> int:
         """Every expert's gate/up and down and the shared expert's gate as ``matmul``'s

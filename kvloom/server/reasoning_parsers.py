@@ -20,10 +20,20 @@ it alone (serving_chat.after_reasoning), where the end marker is one token.
 machine fed the whole text: streamed in any pieces, the reasoning and the content
 concatenate to the whole output's split. A piece that may be the start of a marker is
 held back until the next piece (or the end) shows whether it is one.
+
+GPT-OSS's harmony format (``openai_gptoss``, vLLM's name) is a third shape with a machine
+of its own (``HarmonyStream``): the output is a sequence of messages, each a header
+(``<|channel|>analysis``, after the first ``<|start|>assistant<|channel|>final``, a
+recipient `` to=functions.NAME`` for a tool call) then ``<|message|>`` and a body that
+``<|end|>`` (or the stop tokens ``<|return|>``, ``<|call|>``) closes. The analysis channel's
+bodies are the reasoning, the final channel's (and commentary without a recipient) the
+content; a tool call's message is kept in the content whole, markup included (kvloom has
+no harmony tool-call parser yet).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +43,7 @@ if TYPE_CHECKING:
     from kvloom.tokenizer import Tokenizer
 
 
-MARKER_KINDS = ("token", "special", "text")
+MARKER_KINDS = ("token", "special", "text", "harmony")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +58,8 @@ class ReasoningFormat:
     writes first is dropped); otherwise the output must open it with a start marker and
     is all content without one. ``markers``: ``token``, each marker one token the
     decoded text keeps; ``special``, one special token each, which the text must be
-    decoded with (``skip_special_tokens`` false); ``text``, a phrase of several tokens."""
+    decoded with (``skip_special_tokens`` false); ``text``, a phrase of several tokens;
+    ``harmony``, GPT-OSS's channels of special tokens (``HarmonyStream``)."""
 
     name: str
     starts: tuple[str, ...] = ("<think>",)
@@ -89,6 +100,9 @@ REASONING_PARSERS = {
     "granite": ReasoningFormat("granite", starts=("Here is my thought process:", "Here's my thought process:"),
                                ends=("Here is my response:", "Here's my response:"), opened_by_template=False,
                                markers="text"),
+    # The markers each message of it has (HarmonyStream reads the rest).
+    "openai_gptoss": ReasoningFormat("openai_gptoss", starts=("<|channel|>",), ends=("<|message|>",),
+                                     opened_by_template=False, markers="harmony"),
 }
 
 
@@ -106,14 +120,16 @@ def check_vocabulary(reasoning: ReasoningFormat, tokenizer: Tokenizer) -> None:
     loads rather than answered with reasoning it cannot mark."""
     if reasoning.markers == "text":
         return
-    for marker in (reasoning.start, reasoning.end):
+    markers = HARMONY_MARKERS if reasoning.markers == "harmony" else (reasoning.start, reasoning.end)
+    for marker in markers:
         token_id = tokenizer.token_to_id(marker)
         if token_id is None:
             raise ValueError(f"--reasoning-parser {reasoning.name} needs {marker!r} as a token of the model's "
                              "vocabulary, which has none: this is not a thinking model of that format")
-        if tokenizer.is_special(token_id) != (reasoning.markers == "special"):
+        if tokenizer.is_special(token_id) != (reasoning.markers in ("special", "harmony")):
             raise ValueError(f"--reasoning-parser {reasoning.name}: {marker!r} (token {token_id}) is "
-                             + ("not a special token, as this format's marker is" if reasoning.markers == "special"
+                             + ("not a special token, as this format's marker is"
+                                if reasoning.markers in ("special", "harmony")
                                 else "a special token, which the decoded text leaves out"))
 
 
@@ -172,8 +188,94 @@ class ReasoningStream:
         return ("", held) if as_content else (held, "")
 
 
+# ---- GPT-OSS's harmony messages --------------------------------------------------------
+HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end; the last two stop the output
+HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, *HARMONY_ENDS)
+_HARMONY_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+
+
+class HarmonyStream:
+    """One GPT-OSS output's text (decoded with its special tokens), piece by piece, into
+    (reasoning, content) pieces: ``ReasoningStream``'s interface.
+
+    States: ``header`` (a message's header, held whole until its ``<|message|>``; text
+    there that cannot begin a header, the model writing no harmony at all, is content from
+    then on: ``plain``), ``body`` (the message's text, to the sink its header chose, until an
+    end marker; a suffix that may begin one is held). ``channel`` is the message's under way
+    (None in a header); ``raw``: the message is a tool call, kept in the content with its
+    markup."""
+
+    def __init__(self, reasoning: ReasoningFormat, thinking: bool) -> None:
+        del reasoning  # the markers are harmony's own
+        self.state = "header" if thinking else "plain"
+        self.held = ""
+        self.channel: str | None = None
+        self.raw = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self.held = self.held + text, ""
+        thought: list[str] = []
+        content: list[str] = []
+        while text:
+            if self.state == "plain":
+                content.append(text)
+                break
+            if self.state == "header":
+                if not (text.startswith("<|") or "<|".startswith(text)):
+                    self.state = "plain"  # no message header: not harmony
+                    continue
+                end = text.find(HARMONY_MESSAGE)
+                if end < 0:
+                    self.held = text
+                    break
+                header, text = text[:end], text[end + len(HARMONY_MESSAGE):]
+                name = _HARMONY_CHANNEL_NAME.search(header)
+                self.channel = name.group(1) if name is not None else "final"
+                self.raw = " to=" in header or header.startswith(" to=")  # a recipient: a tool call
+                if self.raw:
+                    content.append(header + HARMONY_MESSAGE)
+                self.state = "body"
+                continue
+            found = [(index, marker) for marker in HARMONY_ENDS if (index := text.find(marker)) >= 0]
+            if found:
+                end, marker = min(found)
+                body, text = text[:end], text[end + len(marker):]
+                if self.raw:
+                    body += marker
+            else:
+                keep = max(held_marker_prefix(text, marker) for marker in HARMONY_ENDS)
+                body, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
+            (thought if self.channel == "analysis" and not self.raw else content).append(body)
+            if found:
+                self.state, self.channel, self.raw = "header", None, False
+        return "".join(thought), "".join(content)
+
+    def split(self, text: str, last: bool) -> tuple[str, str]:
+        thought, content = self.feed(text)
+        if last:
+            rest = self.finish()
+            thought, content = thought + rest[0], content + rest[1]
+        return thought, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the end: a body's unfinished marker is its text; a header the
+        output never finished (cut by max_tokens) is dropped, markup and no text."""
+        held, self.held = self.held, ""
+        if self.state == "body":
+            return (held, "") if self.channel == "analysis" and not self.raw else ("", held)
+        return ("", held) if self.state == "plain" else ("", "")
+
+
+def reasoning_stream(reasoning: ReasoningFormat, thinking: bool) -> ReasoningStream | HarmonyStream:
+    """The incremental machine that splits one output of ``reasoning``'s format."""
+    if reasoning.markers == "harmony":
+        return HarmonyStream(reasoning, thinking)
+    return ReasoningStream(reasoning, thinking)
+
+
 def split_reasoning(reasoning: ReasoningFormat, text: str, thinking: bool) -> tuple[str | None, str | None]:
     """A whole output's (reasoning, content), each None where empty (as vLLM's)."""
-    stream = ReasoningStream(reasoning, thinking)
+    stream = reasoning_stream(reasoning, thinking)
     first, second = stream.feed(text), stream.finish()
     return first[0] + second[0] or None, first[1] + second[1] or None

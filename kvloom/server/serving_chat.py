@@ -31,7 +31,14 @@ from kvloom.server.generation import (
     truncate_prompt,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
-from kvloom.server.reasoning_parsers import ReasoningFormat, ReasoningStream, get_reasoning_parser, split_reasoning
+from kvloom.server.reasoning_parsers import (
+    HarmonyStream,
+    ReasoningFormat,
+    ReasoningStream,
+    get_reasoning_parser,
+    reasoning_stream,
+    split_reasoning,
+)
 from kvloom.server.responses import SSE_HEADERS, GenerationResponse
 from kvloom.server.settings import ServerSettings
 from kvloom.server.tool_calling import StreamedCalls, ToolUse, message_with_calls, tool_use
@@ -159,6 +166,9 @@ class Reasoning:
         if self.format.markers == "text":
             assert self.decode is not None
             return _tokens_within(ids, self.decode, self.format)
+        if self.format.markers == "harmony":
+            assert self.decode is not None
+            return _harmony_reasoning_tokens(ids, self.decode, self.format)
         if not self.format.opened_by_template and ids[0] != self.start_token_id:
             return 0
         return ids.index(self.end_token_id) if self.end_token_id in ids else len(ids)
@@ -184,6 +194,18 @@ def _tokens_within(ids: list[int], decode: Callable[[Sequence[int]], str], reaso
     return low
 
 
+def _harmony_reasoning_tokens(ids: list[int], decode: Callable[[Sequence[int]], str],
+                               reasoning: ReasoningFormat) -> int:
+    """A harmony output's analysis tokens: those its machine reads inside an analysis
+    message's body, the ``<|message|>`` that opens it and the marker that ends it."""
+    stream, count = HarmonyStream(reasoning, True), 0
+    for token_id in ids:
+        inside = stream.state == "body" and stream.channel == "analysis"
+        stream.feed(decode([token_id]))
+        count += inside or (stream.state == "body" and stream.channel == "analysis")
+    return count
+
+
 def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: ModelInfo) -> Reasoning | None:
     """None without a reasoning parser (then a ``thinking_token_budget`` is a 400: nothing
     marks where a reasoning ends). A Qwen3 output whose template was told
@@ -198,20 +220,21 @@ def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: Mo
     reasoning = get_reasoning_parser(settings.reasoning_parser)
     if body.thinking_token_budget is not None and not can_cap(reasoning):
         raise bad_request(f"thinking_token_budget is not supported with --reasoning-parser {reasoning.name}: its "
-                          "reasoning is marked by phrases, not tokens, so a budget cannot count it or end it",
-                          "thinking_token_budget")
+                          "reasoning is marked by phrases or channels, not one token, so a budget cannot count it "
+                          "or end it", "thinking_token_budget")
     tokenizer = info.tokenizer
     return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
                      tokenizer.token_to_id(reasoning.end), body.thinking_token_budget,
                      tokenizer.token_to_id(reasoning.start),
-                     lambda ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens))
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens
+                                                  and reasoning.markers != "harmony"))
 
 
 def can_cap(reasoning: ReasoningFormat) -> bool:
     """Whether a thinking budget can end this format's reasoning: its markers are tokens
     (the end marker to force; where the model opens its reasoning itself, the start
     marker that says it did). The Messages API ignores a budget where not."""
-    return reasoning.markers != "text"
+    return reasoning.markers in ("token", "special")
 
 
 def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> SamplingParams:
@@ -223,8 +246,14 @@ def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> Samp
     reasoning itself (Mistral's, Granite's), whether it will is not known, so a
     constraint holds from the first token (the output answers without reasoning); special
     markers are decoded into the text (skip_special_tokens false) for the split."""
-    if reasoning is not None and reasoning.format.markers == "special":
+    if reasoning is not None and reasoning.format.markers in ("special", "harmony"):
         params = dataclasses.replace(params, skip_special_tokens=False)
+    if reasoning is not None and reasoning.format.markers == "harmony":
+        if params.structured is not None and reasoning.thinking:  # a grammar from the first token breaks harmony
+            raise bad_request(f"--reasoning-parser {reasoning.format.name}: constrained output (response_format, "
+                              "structured_outputs, a forced tool call) is not supported for harmony's channels yet",
+                              "response_format")
+        return params
     if reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
         return params
     opened_by_template = reasoning.format.opened_by_template
@@ -382,7 +411,7 @@ class _Response(GenerationResponse):
         # --reasoning-parser: the split, and each streamed choice's machine (the reasoning
         # goes first; the tool-call parser reads the content after it).
         self.reasoning = reasoning
-        self._reasoning_streams: dict[int, ReasoningStream] = {}
+        self._reasoning_streams: dict[int, ReasoningStream | HarmonyStream] = {}
         self.echo = echo  # vLLM's echo: the last (assistant) message's text before each answer
         self.role = role  # the reply's role (_role)
 
@@ -428,8 +457,8 @@ class _Response(GenerationResponse):
         if self.reasoning is not None:
             stream = self._reasoning_streams.get(index)
             if stream is None:
-                stream = self._reasoning_streams[index] = ReasoningStream(self.reasoning.format,
-                                                                          self.reasoning.thinking)
+                stream = self._reasoning_streams[index] = reasoning_stream(self.reasoning.format,
+                                                                           self.reasoning.thinking)
             thought, text = stream.split(text, finish_reason is not None)
             if not self.reasoning.included:
                 thought = ""

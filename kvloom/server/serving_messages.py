@@ -45,7 +45,7 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
 )
 from kvloom.server.protocol import ChatCompletionRequest, RequestModel
-from kvloom.server.reasoning_parsers import ReasoningStream, get_reasoning_parser
+from kvloom.server.reasoning_parsers import get_reasoning_parser, reasoning_stream
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, can_cap, encode_chat_request, params_and_tools, prepared_chat
 from kvloom.server.settings import ServerSettings
@@ -399,7 +399,7 @@ class _BlockWriter:
         self.used_tools = False
         self.parser = shape.tools.parser.stream() if shape.tools.parser is not None else None
         reasoning = shape.reasoning
-        self.thinking = ReasoningStream(reasoning.format, reasoning.thinking) if reasoning is not None else None
+        self.thinking = reasoning_stream(reasoning.format, reasoning.thinking) if reasoning is not None else None
         self.send_thinking = reasoning is not None and reasoning.included  # include_reasoning
 
     def feed(self, text: str, finished: bool) -> list[str]:

@@ -44,7 +44,7 @@ from kvloom.server.generation import (
     open_with_kv_transfer,
 )
 from kvloom.server.protocol import ChatCompletionRequest, ResponsesRequest
-from kvloom.server.reasoning_parsers import ReasoningStream
+from kvloom.server.reasoning_parsers import reasoning_stream
 from kvloom.server.response_store import EventLog, ResponseStore
 from kvloom.server.responses import SSE_HEADERS
 from kvloom.server.serving_chat import Reasoning, prepared_chat
@@ -556,7 +556,7 @@ class _ItemWriter:
         self.open: dict[str, Any] | None = None
         self.parser = shape.tools.parser.stream() if shape.tools.parser is not None else None
         reasoning = shape.reasoning
-        self.thinking = (ReasoningStream(reasoning.format, reasoning.thinking)
+        self.thinking = (reasoning_stream(reasoning.format, reasoning.thinking)
                          if reasoning is not None and reasoning.thinking else None)
 
     def feed(self, text: str, finished: bool) -> list[str]:
