@@ -100,6 +100,9 @@ class ServerSettings:
             get_tool_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser 'openai' reads GPT-OSS's harmony messages: it needs "
+                             "reasoning_parser 'openai_gptoss', which takes them apart from its analysis channel")
         if self.tool_strict_level not in TOOL_STRICT_LEVELS:
             raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, "
                              f"got {self.tool_strict_level!r}")

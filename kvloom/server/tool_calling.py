@@ -67,7 +67,11 @@ def tool_use(body: ChatCompletionRequest, settings: ServerSettings) -> ToolUse:
         if not auto or settings.tool_call_parser is None:
             return ToolUse(tools)
         assert tools is not None
-        constraint = auto_tool_call_constraint(tools, settings.tool_call_parser, settings.tool_strict_level, parallel)
+        try:
+            constraint = auto_tool_call_constraint(tools, settings.tool_call_parser, settings.tool_strict_level,
+                                                   parallel)
+        except ValueError as error:
+            raise bad_request(str(error), "tools") from None
         return ToolUse(tools, get_tool_parser(settings.tool_call_parser), constraint)
     if tools is None:
         raise bad_request(f"tool_choice {choice!r} needs tools to call", "tool_choice")

@@ -5,7 +5,11 @@ One parser per output format, registered by vLLM's ``--tool-call-parser`` names:
 * ``hermes`` (SmolLM2, Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated;
 * ``llama3_json``: ``{"name": ..., "parameters": {...}}`` at the start of the output, optionally
   after ``<|python_tag|>``, several separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+* ``openai`` (GPT-OSS, with ``--reasoning-parser openai_gptoss``, which leaves a harmony
+  message addressed to a function in the content whole): ``<|start|>assistant<|channel|>
+  commentary to=functions.NAME <|constrain|>json<|message|>{...}``, the recipient in the
+  header wherever it stands, the arguments the body's JSON object.
 
 Every format is parsed by one incremental state machine (``StreamingToolParser``);
 ``parse(text)`` is that machine fed the whole text at once, so streaming, whatever the
@@ -22,6 +26,7 @@ emits a call once its text is complete and valid. Rules the formats share:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,6 +159,85 @@ class _MistralStream(_MarkerParser):
         return [call for call in calls if call is not None]
 
 
+_HARMONY_HEADERS = ("<|start|>", "<|channel|>")  # where a harmony message's header may begin
+_HARMONY_MESSAGE = "<|message|>"
+_HARMONY_ENDS = ("<|call|>", "<|end|>")
+_HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+class _HarmonyStream(StreamingToolParser):
+    """Content, with calls that are harmony messages (GPT-OSS): a header from ``<|start|>``
+    or ``<|channel|>`` to ``<|message|>`` naming the recipient ``functions.NAME``, then the
+    arguments' JSON object and, where the text has it, the ``<|call|>`` (or ``<|end|>``)
+    that ends the message. A message that names no function, or whose body is no JSON
+    object, is content verbatim, markup included."""
+
+    def __init__(self, make_id: Callable[[], str]) -> None:
+        super().__init__(make_id)
+        self._in_call = False
+        self._after_call = False  # whitespace after a valid call is held, then dropped
+        self._arguments_end: int | None = None  # where the pending call's JSON ends, once found
+
+    def _step(self, final: bool) -> bool:
+        buffer = self._buffer
+        if not self._in_call:
+            found = [index for marker in _HARMONY_HEADERS if (index := buffer.find(marker)) >= 0]
+            if found:
+                end = min(found)
+            else:
+                end = len(buffer) if final else len(buffer) - max(held_marker_prefix(buffer, m)
+                                                                    for m in _HARMONY_HEADERS)
+            if self._after_call and not buffer[:end].strip():
+                if not found and not final:
+                    return False  # maybe whitespace between calls: hold it
+            else:
+                self._content(buffer[:end])
+            self._after_call = self._after_call and not buffer[:end].strip() and not found and not final
+            self._buffer, self._in_call = buffer[end:], bool(found)
+            return bool(found)
+        header_end = buffer.find(_HARMONY_MESSAGE)
+        end: int | None = None
+        if header_end >= 0:
+            body = header_end + len(_HARMONY_MESSAGE)
+            stripped = buffer[body:].lstrip()
+            if stripped[:1] not in ("", "{"):
+                end = len(buffer)  # no JSON object: the rest is this malformed message's text
+            elif self._arguments_end is not None:
+                end = self._arguments_end
+            elif stripped:
+                end = self._arguments_end = self._scan_json(len(buffer) - len(stripped))  # kept: a scan resumes past it
+            if end is not None:
+                marker = next((m for m in _HARMONY_ENDS if buffer.startswith(m, end)), None)
+                if marker is not None:
+                    end += len(marker)
+                elif not final and any(m.startswith(buffer[end:]) for m in _HARMONY_ENDS):
+                    end = None  # the end marker may still come
+        if end is None:
+            if not final:
+                return False
+            end = len(buffer)
+        message, self._buffer = buffer[:end], buffer[end:]
+        self._in_call, self._json_end, self._arguments_end = False, None, None
+        call = self._decode(message)
+        if call is None:
+            self._content(message)
+        else:
+            self._call(*call)
+        self._after_call = call is not None
+        return True
+
+    @staticmethod
+    def _decode(message: str) -> tuple[str, str] | None:
+        header, found, body = message.partition(_HARMONY_MESSAGE)
+        recipient = _HARMONY_RECIPIENT.search(header)
+        for marker in _HARMONY_ENDS:
+            body = body.removesuffix(marker)
+        arguments = loads_or_none(body) if found and body.strip() else None
+        if recipient is None or not isinstance(arguments, dict):
+            return None
+        return recipient.group(1), json.dumps(arguments, ensure_ascii=False)
+
+
 _PYTHON_TAG = "<|python_tag|>"
 _LEADING = re.compile(r"\s*(?:<\|python_tag\|>)?\s*")
 _SEPARATOR = re.compile(r"\s*(;\s*)?")
@@ -243,6 +327,7 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "hermes": ToolParser("hermes", _HermesStream),
     "llama3_json": ToolParser("llama3_json", _Llama3JsonStream),
     "mistral": ToolParser("mistral", _MistralStream, make_id=mistral_call_id, special_marker=True),
+    "openai": ToolParser("openai", _HarmonyStream, special_marker=True),
 }
 
 

@@ -71,10 +71,7 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | 
     Raises ValueError naming the field for malformed tools, an unknown parser, a named
     function not in ``tools``, or a tool_choice ("auto", "none") that forces nothing.
     """
-    output_format = TOOL_CALL_FORMATS.get(parser_name)
-    if output_format is None:
-        known = ", ".join(sorted(TOOL_CALL_FORMATS))
-        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
+    output_format = _output_format(parser_name, "a forced call (tool_choice 'required' or a named function)")
     functions = tool_functions(tools)
     if isinstance(tool_choice, str):
         if tool_choice != "required":
@@ -141,6 +138,17 @@ def calls_or_output(tools: Sequence[Mapping[str, Any]], parser_name: str, strict
         "type": "or", "elements": [only_calls, _as_format(output)]}}, jump_forward=output.jump_forward)
 
 
+def _output_format(parser_name: str, needed_for: str) -> _Format:
+    """The grammar's format of ``parser_name``'s calls; ValueError where it has none (a
+    parser kvloom only reads: GPT-OSS's ``openai``, whose calls are harmony messages)."""
+    output_format = TOOL_CALL_FORMATS.get(parser_name)
+    if output_format is None:
+        known = ", ".join(sorted(TOOL_CALL_FORMATS))
+        raise ValueError(f"{needed_for} needs a tool_call_parser whose calls a grammar can write ({known}); "
+                         f"{parser_name!r} has none")
+    return output_format
+
+
 def _held_calls(tools: Sequence[Mapping[str, Any]], parser_name: str, strict_level: str
                 ) -> tuple[_Format, dict[str, Mapping[str, Any]]] | None:
     """The parser's format and each function's arguments schema (a strict tool's own, or
@@ -149,14 +157,11 @@ def _held_calls(tools: Sequence[Mapping[str, Any]], parser_name: str, strict_lev
     tool). Raises ValueError naming a bad level, parser or tool."""
     if strict_level not in TOOL_STRICT_LEVELS:
         raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, got {strict_level!r}")
-    output_format = TOOL_CALL_FORMATS.get(parser_name)
-    if output_format is None:
-        known = ", ".join(sorted(TOOL_CALL_FORMATS))
-        raise ValueError(f"tool_call_parser must be one of {known}, got {parser_name!r}")
     functions = tool_functions(tools)
     strict = {name for name, tool in zip(functions, tools, strict=True) if _is_strict(tool)}
     if strict_level == "auto" and not strict:
         return None
+    output_format = _output_format(parser_name, "strict tools (or a tool_strict_level other than auto)")
     return output_format, {name: schema if strict_level == "parameter" or name in strict else ANY_ARGUMENTS
                            for name, schema in functions.items()}
 

@@ -158,3 +158,56 @@ def test_a_model_without_harmonys_tokens_is_refused_when_it_loads(tmp_path: Path
     config = EngineConfig.from_kwargs(str(plain), **ENGINE_KWARGS)
     with pytest.raises(RuntimeError, match=r"reasoning-parser openai_gptoss needs '<\|start\|>' as a token"):
         start_background_server(lambda: LLMEngine(config), ServerSettings(reasoning_parser="openai_gptoss"))
+
+
+# --tool-call-parser openai: the content openai_gptoss leaves -> (content, [(name, arguments)]), by hand.
+CALL_CASES = {
+    f'{CALL}{{"city": "Paris"}}': (None, [("get_weather", '{"city": "Paris"}')]),
+    'Sure.<|channel|>commentary to=functions.f<|message|>{"a":1}<|call|>': ("Sure.", [("f", '{"a": 1}')]),
+    # the recipient beside the role, two calls, whitespace between and after them dropped
+    '<|start|>assistant to=functions.g<|channel|>commentary json<|message|> {"x": [1,2]} '
+    '<|start|>assistant<|channel|>commentary to=functions.h<|message|>{}<|call|>  ':
+        (None, [("g", '{"x": [1, 2]}'), ("h", "{}")]),
+    '<|channel|>commentary to=functions.f<|message|>{"a": "}"} then text': (" then text", [("f", '{"a": "}"}')]),
+    "<|channel|>commentary to=functions.f<|message|>not json": (
+        "<|channel|>commentary to=functions.f<|message|>not json", []),  # malformed: content, verbatim
+    '<|channel|>commentary<|message|>{"a": 1}': ('<|channel|>commentary<|message|>{"a": 1}', []),  # no recipient
+    '<|channel|>commentary to=functions.f<|message|>{"a": 1': (
+        '<|channel|>commentary to=functions.f<|message|>{"a": 1', []),  # cut inside the arguments
+    "No call.": ("No call.", []),
+}
+
+
+@pytest.mark.parametrize(("text", "expected"), list(CALL_CASES.items()), ids=list(CALL_CASES))
+def test_the_openai_tool_parser_reads_harmony_calls_whole_and_in_any_three_pieces(
+        text: str, expected: tuple[str | None, list[tuple[str, str]]]) -> None:
+    from kvloom.server.tool_call_stream import calls_from_deltas
+    from kvloom.server.tool_parsers import get_tool_parser
+
+    parser = get_tool_parser("openai")
+    content, calls = parser.parse(text, make_id=lambda: "id")
+    assert (content, [(call.name, call.arguments) for call in calls]) == expected
+    for first, second in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+        stream = parser.stream(lambda: "id")
+        deltas = [stream.feed(text[:first]), stream.feed(text[first:second]), stream.feed(text[second:]),
+                  stream.finish()]
+        assert ("".join(d.content for d in deltas) or None,
+                calls_from_deltas(c for d in deltas for c in d.tool_calls)) == (content, calls), (first, second)
+
+
+def test_reasoning_then_a_call_make_one_message_and_the_parser_needs_the_reasoning_parser() -> None:
+    from kvloom.server.serving_chat import Reasoning, _Response
+    from kvloom.server.tool_parsers import get_tool_parser
+
+    text = f'{ANALYSIS}Need the weather.<|end|>{CALL}{{"city": "Paris"}}'
+    reasoning = Reasoning(HARMONY, True, True, None, None, None, None)
+    response = _Response("r", "m", 0, None, tool_parser=get_tool_parser("openai"), reasoning=reasoning)
+    choice = response.choice(0, CompletionOutput(0, text, [], "stop"))
+    message = choice["message"]
+    assert (message["reasoning"], message["content"], choice["finish_reason"]) == ("Need the weather.", None,
+                                                                                   "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    with pytest.raises(ValueError, match="tool_call_parser 'openai' reads GPT-OSS's harmony messages: it needs "
+                                         "reasoning_parser 'openai_gptoss'"):
+        ServerSettings(tool_call_parser="openai", enable_auto_tool_choice=True)

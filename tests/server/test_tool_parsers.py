@@ -132,8 +132,8 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
-    message = "tool_call_parser must be one of hermes, llama3_json, mistral, got 'pythonic'"
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "openai"]
+    message = "tool_call_parser must be one of hermes, llama3_json, mistral, openai, got 'pythonic'"
     with pytest.raises(ValueError, match=message):
         get_tool_parser("pythonic")
 

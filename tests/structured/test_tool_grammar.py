@@ -132,7 +132,10 @@ def test_accepted_text_parses_into_the_calls(compiler) -> None:
      "tool_choice.function.name 'nope' is not in tools"),
     (dict(tool_choice={"type": "function"}), "tool_choice.function.name must be a string"),
     (dict(tool_choice=["required"]), "tool_choice must be 'none', 'auto', 'required'"),
-    (dict(parser_name="pythonic"), "tool_call_parser must be one of hermes, llama3_json, mistral"),
+    (dict(parser_name="pythonic"), r"a forced call \(tool_choice 'required' or a named function\) needs a "
+                                   r"tool_call_parser whose calls a grammar can write "
+                                   r"\(hermes, llama3_json, mistral\); 'pythonic' has none"),
+    (dict(parser_name="openai"), "'openai' has none"),  # GPT-OSS's harmony calls: read, never written
     (dict(tools=[]), "tools must be a non-empty list"),
     (dict(tools=[{"type": "retrieval"}]), r"tools\[0\].type must be 'function'"),
     (dict(tools=[{"type": "function"}]), r"tools\[0\].function must be an object"),
