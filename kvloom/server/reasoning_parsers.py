@@ -27,8 +27,8 @@ of its own (``HarmonyStream``): the output is a sequence of messages, each a hea
 recipient `` to=functions.NAME`` for a tool call) then ``<|message|>`` and a body that
 ``<|end|>`` (or the stop tokens ``<|return|>``, ``<|call|>``) closes. The analysis channel's
 bodies are the reasoning, the final channel's (and commentary without a recipient) the
-content; a tool call's message is kept in the content whole, markup included (kvloom has
-no harmony tool-call parser yet).
+content; a tool call's message is kept in the content whole, markup included, for the
+``openai`` tool-call parser (tool_parsers.py) to read.
 """
 
 from __future__ import annotations
