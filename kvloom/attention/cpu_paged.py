@@ -72,6 +72,7 @@ class CPUPagedMetadata:
 
 class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
     name = "cpu_paged"
+    supports_sinks = True  # every path of the kernel adds exp(sink) to its softmax's sum
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -121,13 +122,15 @@ class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: CPUPagedMetadata,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         # Every sequence goes through the kernel, fresh prefills too: a query's result is
         # then the same whether its sequence is prefilled whole, in chunks or token by
         # token (one fixed walk over its keys), which SDPA for fresh prefills broke.
         # The op checks q against the cache (a bf16 cache needs bf16 queries, ...).
         rows = metadata.every
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # the model's dtype; the kernel reads float32
         return kernels.paged_attention(q.contiguous(), kv_cache, rows.block_tables, rows.seq_lens,
                                        rows.query_start, rows.query_lens, self.scale, self.paired_layout(kv_cache),
-                                       window, self.softcap)
+                                       window, self.softcap, sinks)

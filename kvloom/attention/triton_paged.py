@@ -50,6 +50,7 @@ def split_shape(max_blocks: int) -> tuple[int, int]:
 
 class TritonPagedBackend(AttentionBackend[TritonMetadata]):
     name = "triton"
+    supports_sinks = True  # added to each row's softmax sum at the end (split-K: in the merge)
 
     def prepare(self, batch: ForwardBatch) -> TritonMetadata:
         group = self.num_heads // self.num_kv_heads
@@ -80,15 +81,18 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: TritonMetadata,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if v is None:
             raise ValueError("the triton backend serves K/V attention; latent attention has its own backends")
         self.write_kv(kv_cache, k, v, batch.slot_mapping)
         q = _unit_last(q)
         out = torch.empty_like(q)
+        if sinks is not None:
+            sinks = sinks.to(q.device, torch.float32).contiguous()  # the model's dtype; the kernels read float32
         triton_attention.paged_attention(
             q, kv_cache, out, metadata.tiles, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split, window, self.softcap)
+            self.scale, metadata.block_q, metadata.num_splits, metadata.blocks_per_split, window, self.softcap,
+            sinks)
         return out
 
 

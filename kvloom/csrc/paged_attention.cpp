@@ -295,7 +295,7 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
             const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
-            float softcap, int num_threads) {
+            float softcap, const float* sinks, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // one token slot: all kv heads
   const int64_t block_stride = block_size * slot_stride;
@@ -375,8 +375,12 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache,
         }
       }
       for (int64_t m = 0; m < vecs; ++m) {
-        const float inv = 1.0f / row_sum[m];
-        T* dst = out + ((query_start[s] + r0 + m / heads) * num_heads + kv0 * group + m % heads) * head_dim;
+        const int64_t head = kv0 * group + m % heads;
+        // The head's sink joins the denominator in row_sum's units (exp of the scaled score
+        // less the running max). Never an empty row: a query sees at least its own key.
+        const float total = sinks ? row_sum[m] + std::exp(sinks[head] - row_max[m]) : row_sum[m];
+        const float inv = 1.0f / total;
+        T* dst = out + ((query_start[s] + r0 + m / heads) * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) from_float(acc[m * head_dim + d] * inv, dst + d);
       }
     }
@@ -803,6 +807,26 @@ void attend_group(int64_t head_dim, const KeySource& src, int64_t count, const u
   std::abort();  // kvloom_paired_attention_isa only sets paths this build has
 }
 
+// GPT-OSS's attention sinks on the paired paths: a vector whose walk ended suspended in
+// `st` (every path stores the same state: its accumulator, per-lane partial sums and
+// running max), finished as out = acc / (sum + exp(sink - row_max)), the sink joining the
+// denominator in the sum's units. One finish for every path (AVX2, AVX-512, vdpbf16ps,
+// AMX), in their own finish's operations (the sum in _mm512_reduce_add_ps's order, one
+// reciprocal, the product rounded to bf16 as store16 and store8 round), so a sink of -inf
+// (exp gives exactly 0) gives the bits of a walk without one.
+inline void finish_with_sink(const PairedState& st, int64_t head_dim, float sink, uint16_t* out) {
+#ifdef KVLOOM_AVX512
+  const float sum = _mm512_reduce_add_ps(_mm512_load_ps(st.sum));
+  const __m512 inv = _mm512_set1_ps(1.0f / (sum + std::exp(sink - st.row_max)));
+  for (int64_t d = 0; d < head_dim; d += 16)
+    kvloom_simd::store16(out + d, _mm512_mul_ps(_mm512_load_ps(st.acc + d), inv), 16);
+#else
+  const float sum = kvloom_simd::reduce_add16(_mm256_load_ps(st.sum), _mm256_load_ps(st.sum + 8));
+  const __m256 inv = _mm256_set1_ps(1.0f / (sum + std::exp(sink - st.row_max)));
+  for (int64_t d = 0; d < head_dim; d += 8) kvloom_simd::store8(out + d, _mm256_mul_ps(_mm256_load_ps(st.acc + d), inv));
+#endif
+}
+
 // Shared prefixes in a batch (the radix cache hands many sequences the same leading
 // blocks): decoding sequences whose block tables start with the same blocks form a
 // group, and the group's query vectors walk those shared blocks together, a block's
@@ -882,7 +906,7 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
                    const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                    const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, int64_t window, float softcap, int num_threads) {
+                   float scale, int64_t window, float softcap, const float* sinks, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim;
   const int64_t head_stride = block_size * head_dim;  // one kv head's K (or V) in a block
@@ -916,6 +940,11 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
 #ifdef KVLOOM_PAIRED_AMX
     if (path == PAIRED_AMX) amx_configure();
 #endif
+    // With sinks, a group's own walk ends suspended here and finish_with_sink writes the
+    // outputs (the walks themselves know no heads, so no sinks).
+    PairedState finals[MAX_WIDTH];
+    PairedState* final_states[MAX_WIDTH];
+    for (int i = 0; i < MAX_WIDTH; ++i) final_states[i] = &finals[i];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_shared_items; ++item) {
       const int64_t g = shared_items[2 * (item / num_kv_heads)], m_begin = shared_items[2 * (item / num_kv_heads) + 1];
@@ -962,12 +991,13 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
           const int64_t count = std::min<int64_t>(max_rows, vecs - m0);
           const uint16_t* qs[MAX_WIDTH];
           uint16_t* outs[MAX_WIDTH];
-          int64_t limit[MAX_WIDTH];
+          int64_t limit[MAX_WIDTH], heads[MAX_WIDTH];
           PairedState* resume[MAX_WIDTH];
           for (int64_t i = 0; i < count; ++i) {
             int64_t row, head;
             vector_at(r0, kh, m0 + i, &row, &head);
             const int64_t token = query_start[s] + row;
+            heads[i] = head;
             qs[i] = query_vector(token, head);
             outs[i] = out + (token * num_heads + head) * head_dim;
             limit[i] = first_pos + (row - r0) + 1;
@@ -984,7 +1014,10 @@ void attend_paired(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, co
           }
           const KeySource src{table, k_cache, v_cache, block_stride, kh * head_stride, block_size, scale, window,
                               softcap};
-          attend_group(head_dim, src, count, qs, limit, outs, BlockRange{shared, -1, shared ? resume : nullptr}, path);
+          attend_group(head_dim, src, count, qs, limit, outs,
+                       BlockRange{shared, -1, shared ? resume : nullptr, sinks ? final_states : nullptr}, path);
+          if (sinks)
+            for (int64_t i = 0; i < count; ++i) finish_with_sink(finals[i], head_dim, sinks[heads[i]], outs[i]);
         }
       }
     }
@@ -1071,18 +1104,22 @@ int64_t kvloom_paired_cascade_members(const int32_t* block_tables, int64_t max_b
 // kernel: 0 a float32 cache, 1 a token-major bf16 cache, 2 a bf16 cache in the paired
 // layout (only where kvloom_paired_layout said so). window > 0: a sliding window, each
 // query at position p attending keys (p - window, p]; 0: every key up to p. softcap > 0:
-// each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's); 0: none. q, out and the caches hold that
-// element type: float, or bf16 as uint16_t.
-void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const void* v_cache,
-                            const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                            const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, float softcap, int num_threads, int kernel) {
+// each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's); 0: none. sinks:
+// GPT-OSS's attention sinks, one logit per query head ([num_heads] float32) that joins
+// each query's softmax denominator with no value (nullptr: none, and then no bit of the
+// output changes). q, out and the caches hold that element type: float, or bf16 as uint16_t.
+void kvloom_paged_attention_sinks(const void* q, void* out, const void* k_cache, const void* v_cache,
+                                  const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                                  const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int64_t window, float softcap, const float* sinks, int num_threads,
+                                  int kernel) {
   auto run = [&](auto attend_fn, auto element) {
     using T = decltype(element);
     attend_fn(static_cast<const T*>(q), static_cast<T*>(out), static_cast<const T*>(k_cache),
               static_cast<const T*>(v_cache), block_tables, max_blocks, seq_lens, query_start, query_lens,
-              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, num_threads);
+              num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, sinks,
+              num_threads);
   };
   if (kernel == 0) {
     run(attend<float>, float{});
@@ -1095,6 +1132,19 @@ void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const
     std::abort();  // kvloom_paired_layout returned 0
 #endif
   }
+}
+
+// kvloom_paged_attention_sinks without sinks. Its own entry point, with the signature it
+// had before sinks, because the decoder walk holds its address as that signature
+// (decoder_stack.cpp's AttentionFn; it serves no model with sinks).
+void kvloom_paged_attention(const void* q, void* out, const void* k_cache, const void* v_cache,
+                            const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
+                            const int32_t* query_start, const int32_t* query_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, int64_t window, float softcap, int num_threads, int kernel) {
+  kvloom_paged_attention_sinks(q, out, k_cache, v_cache, block_tables, max_blocks, seq_lens, query_start,
+                               query_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                               softcap, nullptr, num_threads, kernel);
 }
 
 }

@@ -99,23 +99,34 @@ def _check_cache(op: NativeOp, kv_cache: torch.Tensor, kv_heads: int, head_dim: 
 
 
 # ---- attention over the block tables -------------------------------------------------
+# The op's own C function takes no sinks: the decoder walk (kernels/decoder_stack.py) calls
+# it through its address with that signature. Calls with sinks go to _WITH_SINKS, the same
+# kernel with GPT-OSS's sinks (kvloom_paged_attention is it with none).
 PAGED_ATTENTION = NativeOp(
     "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-    "Tensor query_lens, float scale, bool paired, int window, float softcap) -> Tensor",
+    "Tensor query_lens, float scale, bool paired, int window, float softcap, Tensor? sinks) -> Tensor",
     library="paged_attention",
     native="kvloom_paged_attention(q, Tensor out, Tensor k_cache, Tensor v_cache, block_tables, "
            "int max_blocks, seq_lens, query_start, query_lens, int num_seqs, int num_heads, int num_kv_heads, "
            "int head_dim, int block_size, scale, window, softcap, int32 num_threads, int32 kernel) -> ()",
     tensors={"q": TensorSpec(3, like="kv_cache"), "kv_cache": TensorSpec(5, ACTIVATIONS),
              "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
-             "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
+             "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32),
+             "sinks": TensorSpec(1, (torch.float32,))},
 )
+_WITH_SINKS = NativeFunction(
+    "paged_attention",
+    "kvloom_paged_attention_sinks(Tensor q, Tensor out, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "int max_blocks, Tensor seq_lens, Tensor query_start, Tensor query_lens, int num_seqs, int num_heads, "
+    "int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap, Tensor sinks, "
+    "int32 num_threads, int32 kernel) -> ()")
 
 
 @PAGED_ATTENTION.check
 def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                           scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> None:
+                           scale: float, paired: bool, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> None:
     kv_heads, head_dim = kv_cache.shape[3], q.shape[2]
     if window < 0:
         raise PAGED_ATTENTION.error("window", f"must be 0 (every key) or a number of keys, got {window}")
@@ -132,6 +143,9 @@ def _paged_attention_check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if paired and not (kv_cache.dtype is torch.bfloat16 and paired_layout(int(head_dim), int(kv_cache.shape[2]))):
         raise PAGED_ATTENTION.error("paired", f"is set, but a {list(kv_cache.shape)} "
                                               f"{dtype_name(kv_cache.dtype)} cache has no paired layout here")
+    if sinks is not None and sinks.shape[0] != q.shape[1]:
+        raise PAGED_ATTENTION.error("sinks", f"must hold one logit per query head, [{q.shape[1]}] float32, "
+                                             f"got {list(sinks.shape)}")
 
 
 # paged_attention.cpp's kernel codes: the cache's element type and layout.
@@ -142,36 +156,43 @@ _PAIRED_KERNEL = 2
 @PAGED_ATTENTION.implementation
 def _paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                         scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                         scale: float, paired: bool, window: int = 0, softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(q)  # [tokens, heads, head_dim]
     k_cache, v_cache = _cache_pointers(kv_cache)
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    PAGED_ATTENTION.function()(
-        q.data_ptr(), out.data_ptr(), k_cache, v_cache, block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], q.shape[1],
-        kv_heads, head_dim, block_size, scale, window, softcap, torch.get_num_threads(),
-        _PAIRED_KERNEL if paired else _TOKEN_MAJOR_KERNEL[q.dtype])
+    arguments = (q.data_ptr(), out.data_ptr(), k_cache, v_cache, block_tables.data_ptr(), block_tables.shape[1],
+                 seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0],
+                 q.shape[1], kv_heads, head_dim, block_size, scale, window, softcap)
+    threads, kernel = torch.get_num_threads(), _PAIRED_KERNEL if paired else _TOKEN_MAJOR_KERNEL[q.dtype]
+    if sinks is None:
+        PAGED_ATTENTION.function()(*arguments, threads, kernel)
+    else:
+        _WITH_SINKS.function()(*arguments, sinks.data_ptr(), threads, kernel)
     return out
 
 
 @PAGED_ATTENTION.fake
 def _paged_attention_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                          scale: float, paired: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, paired: bool, window: int = 0, softcap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, query_lens: torch.Tensor, scale: float, paired: bool,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q: [tokens, heads, head_dim] over each sequence's cached keys
     through its block table ([num_seqs, max_blocks] int32); ``seq_lens``,
     ``query_start`` (first row in q) and ``query_lens``: [num_seqs] int32. ``paired``:
     the cache is in the paired layout. ``window`` > 0: a sliding window, the query at
     position p attending keys (p - window, p]. ``softcap`` > 0: each scaled score s becomes
-    softcap * tanh(s / softcap) (Gemma 2's). Returns [tokens, heads, head_dim]."""
+    softcap * tanh(s / softcap) (Gemma 2's). ``sinks``: GPT-OSS's attention sinks, a
+    contiguous [heads] float32 tensor of one logit per query head, each joining its
+    head's softmax denominator with no value (None: none). Returns [tokens, heads, head_dim]."""
     return PAGED_ATTENTION.call(q, kv_cache, block_tables, seq_lens, query_start, query_lens, scale, paired,
-                                window, softcap)
+                                window, softcap, sinks)
 
 
 # ---- writing K/V into the paired layout ----------------------------------------------

@@ -20,6 +20,11 @@ into ``num_splits`` ranges of whole blocks, each program writes its range's
 unnormalised output with its running max and sum, and ``_merge_splits`` combines them
 (the log-sum-exp rule); an empty range (a short request) carries weight 0.
 
+**Sinks** (GPT-OSS's): one logit per query head that joins each query's softmax
+denominator with no value, exp(sink - m) added to the row sum where m is the running max
+the sum is kept under: at the end of the walk, or, under split-K, once in the merge
+(against the splits' common max), never per split.
+
 Precision: scores and the running softmax are float32; a float32 pool's tiles are
 multiplied in IEEE float32 (not TF32), so the kernel matches ``torch_ref`` to 1e-5.
 """
@@ -64,7 +69,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 @triton.jit
-def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum, sinks,
                       tile_seq, tile_first, query_start_loc, seq_lens, block_tables,
                       scale, window, softcap, head_dim, block_size, blocks_per_split,
                       stride_qt, stride_qh, stride_ot, stride_oh,
@@ -72,7 +77,7 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
                       stride_pt, stride_ph, stride_ps,
                       GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                       KV_BLOCK: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                      FP32_DOT: tl.constexpr):
+                      FP32_DOT: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (tile, KV head, split): the tile's rows attend over the split's blocks.
     Row r is query ``first + r // GROUP`` of the tile's request, query head
     ``kv_head * GROUP + r % GROUP``; it sees keys up to its own position, the last
@@ -142,14 +147,18 @@ def _attention_kernel(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         tl.store(part_max + token * stride_pt + head * stride_ph + split * stride_ps, m_i, mask=row_ok)
         tl.store(part_sum + token * stride_pt + head * stride_ph + split * stride_ps, l_i, mask=row_ok)
     else:
+        if HAS_SINKS:  # a row's sink joins its sum under the row's max (finite on every live row)
+            sink = tl.load(sinks + head, mask=row_ok, other=float("-inf"))
+            l_i += tl.exp(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
         result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _merge_splits(out, part_acc, part_max, part_sum, head_dim, stride_ot, stride_oh,
-                  stride_pt, stride_ph, stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+def _merge_splits(out, part_acc, part_max, part_sum, sinks, head_dim, stride_ot, stride_oh,
+                  stride_pt, stride_ph, stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     """Program (token, head): its splits' partial outputs combined by log-sum-exp."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -159,6 +168,8 @@ def _merge_splits(out, part_acc, part_max, part_sum, head_dim, stride_ot, stride
     top = tl.max(maxima, 0)
     weight = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - top))  # an empty split weighs 0
     total = tl.sum(tl.load(part_sum + base) * weight, 0)
+    if HAS_SINKS:  # once, under the splits' common max (finite: the query's own key is in a split)
+        total += tl.exp(tl.load(sinks + head) - top)
     acc = tl.load(part_acc + base[:, None] * HEAD_DIM_PAD + d[None, :])
     result = tl.sum(acc * weight[:, None], 0) / total
     tl.store(out + token * stride_ot + head * stride_oh + d, result.to(out.dtype.element_ty), mask=d < head_dim)
@@ -187,13 +198,17 @@ def tile_table(query_lens: list[int], block_q: int) -> tuple[list[int], list[int
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, block_q: int, num_splits: int, blocks_per_split: int, window: int = 0,
-                    softcap: float = 0.0) -> None:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """out [tokens, heads, head_dim] = causal attention of q over each request's paged
     K/V. ``tiles``: [2, num_tiles] int32 from ``tile_table``; ``num_splits`` > 1 (for
     decode steps) cuts each tile's keys into ranges of ``blocks_per_split`` blocks.
     ``window`` > 0: a sliding window, each query attending to its last ``window`` keys;
-    ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's)."""
+    ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's).
+    ``sinks``: GPT-OSS's attention sinks, a contiguous [heads] float32 tensor on q's device
+    (one logit per query head; None: none)."""
     tokens, heads, head_dim = q.shape
+    if sinks is not None:
+        _check_sinks(sinks, heads, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -207,14 +222,25 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
     else:
         part_acc = part_max = part_sum = out  # unused
     strides = part_max.stride() if split else (0, 0, 0)
+    sink_logits = out if sinks is None else sinks  # never read without sinks (HAS_SINKS)
     _attention_kernel[(tiles.shape[1], kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, tiles[0], tiles[1], query_start_loc, seq_lens,
-        block_tables, scale, window if window > 0 else NO_WINDOW, softcap, head_dim, block_size,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, sink_logits, tiles[0], tiles[1], query_start_loc,
+        seq_lens, block_tables, scale, window if window > 0 else NO_WINDOW, softcap, head_dim, block_size,
         blocks_per_split if split else block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *strides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, KV_BLOCK=block_size, HEAD_DIM_PAD=pad, SPLIT=split,
-        FP32_DOT=q.dtype == torch.float32 or interpreting())
+        FP32_DOT=q.dtype == torch.float32 or interpreting(), HAS_SINKS=sinks is not None)
     if split:
-        _merge_splits[(tokens, heads)](out, part_acc, part_max, part_sum, head_dim, out.stride(0), out.stride(1),
-                                      *strides, NUM_SPLITS=num_splits, HEAD_DIM_PAD=pad)
+        _merge_splits[(tokens, heads)](out, part_acc, part_max, part_sum, sink_logits, head_dim, out.stride(0),
+                                      out.stride(1), *strides, NUM_SPLITS=num_splits, HEAD_DIM_PAD=pad,
+                                      HAS_SINKS=sinks is not None)
+
+
+def _check_sinks(sinks: torch.Tensor, heads: int, device: torch.device) -> None:
+    """A ValueError naming what is wrong, unless ``sinks`` is what the kernels read."""
+    if (sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.shape[0] != heads or sinks.device != device
+            or not sinks.is_contiguous()):
+        raise ValueError(f"triton paged_attention: sinks must be a contiguous [{heads}] float32 tensor on {device} "
+                         f"(one logit per query head), got {list(sinks.shape)} {sinks.dtype} on {sinks.device}"
+                         f"{'' if sinks.is_contiguous() else ', not contiguous'}")

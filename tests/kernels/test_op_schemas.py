@@ -28,16 +28,17 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def attention_args(dtype: torch.dtype, paired: bool) -> tuple[Any, ...]:
+def attention_args(dtype: torch.dtype, paired: bool, sinks: bool = False) -> tuple[Any, ...]:
     """Two sequences over 16-token blocks: a 3-token chunk after 17 cached tokens, and a
-    5-token fresh prefill. 4 heads on 2 kv heads of 64 dims."""
+    5-token fresh prefill. 4 heads on 2 kv heads of 64 dims; ``sinks``: with a sink per head."""
     kv_cache = randn(2, 4, 16, 2, 64, dtype=dtype, seed=1)
     block_tables = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
     seq_lens = torch.tensor([20, 5], dtype=torch.int32)
     query_start = torch.tensor([0, 3], dtype=torch.int32)
     query_lens = torch.tensor([3, 5], dtype=torch.int32)
     q = randn(8, 4, 64, dtype=dtype, seed=2)
-    return q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired, 0, 0.0
+    return (q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired, 0, 0.0,
+            randn(4, seed=3) if sinks else None)
 
 
 def gemm_args() -> tuple[Any, ...]:
@@ -71,8 +72,10 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "clamp_": [lambda: (randn(5, 32), 0.5), lambda: (randn(3, 64, dtype=torch.bfloat16), 0.25)],
     "gelu_tanh_and_mul": [lambda: (randn(5, 32),), lambda: (randn(3, 64, dtype=torch.bfloat16),)],
     "rotary_": [lambda: rotary_args(torch.float32), lambda: rotary_args(torch.bfloat16)],
-    "paged_attention": [lambda: attention_args(torch.float32, False), lambda: attention_args(torch.bfloat16, False)]
-                       + ([lambda: attention_args(torch.bfloat16, True)] if PAIRED else []),
+    "paged_attention": [lambda: attention_args(torch.float32, False), lambda: attention_args(torch.bfloat16, False),
+                        lambda: attention_args(torch.float32, False, sinks=True)]
+                       + ([lambda: attention_args(torch.bfloat16, True),
+                           lambda: attention_args(torch.bfloat16, True, sinks=True)] if PAIRED else []),
     "write_kv_paired": [lambda: (randn(6, 2, 64, dtype=torch.bfloat16), randn(6, 2, 64, dtype=torch.bfloat16, seed=1),
                                  torch.tensor([0, 17, 3, 40, 63, 20]),
                                  torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16))],
@@ -109,6 +112,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("paged_attention", "paired", lambda a: a.__setitem__(7, True), "has no paired layout"),
     ("paged_attention", "window", lambda a: a.__setitem__(8, -3), "must be 0 .every key. or a number of keys"),
     ("paged_attention", "softcap", lambda a: a.__setitem__(9, -1.0), "must be 0 .none. or positive"),
+    ("paged_attention", "sinks", lambda a: a.__setitem__(10, torch.zeros(3)), r"one logit per query head, \[4\]"),
     ("write_kv_paired", "v", lambda a: a.__setitem__(1, a[1][:5]), "must have k's shape"),
     ("write_kv_paired", "slots", lambda a: a.__setitem__(2, a[2][:5]), "one slot per token"),
     ("sample_rows", "uniforms", lambda a: a.__setitem__(2, a[2][:3]), "one value per row of logits"),
