@@ -215,7 +215,7 @@ class ChatMessage(StrictModel):
     SDK echoes back from an earlier assistant message; they are not rendered. An
     assistant message's ``reasoning`` (vLLM's name; ``reasoning_content``, SGLang's and
     vLLM's older one, is read the same) reaches the template as ``reasoning_content``,
-    the name thinking models' templates read."""
+    the name thinking models' templates read, and as ``thinking``, GPT-OSS's."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -303,8 +303,8 @@ class ChatMessage(StrictModel):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
+        if reasoning is not None:  # under both names templates read: thinking models' and GPT-OSS's
+            message["reasoning_content"] = message["thinking"] = reasoning
         return message
 
 

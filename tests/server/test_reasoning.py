@@ -154,7 +154,8 @@ def test_deepseek_v3_splits_only_a_request_that_asks_to_think(thinking_model: Pa
 def test_a_prior_turns_reasoning_reaches_the_template_as_reasoning_content() -> None:
     for field in ("reasoning", "reasoning_content"):
         message = ChatMessage.model_validate({"role": "assistant", "content": "Yes.", field: "I think so."})
-        assert message.to_template() == {"role": "assistant", "content": "Yes.", "reasoning_content": "I think so."}
+        assert message.to_template() == {"role": "assistant", "content": "Yes.", "reasoning_content": "I think so.",
+                                         "thinking": "I think so."}
     with pytest.raises(ValueError, match="only allowed on assistant messages"):
         ChatMessage.model_validate({"role": "user", "content": "Hi", "reasoning": "x"})
     with pytest.raises(ValueError, match="differ"):
