@@ -560,7 +560,7 @@ def hf_greedy_batched(model: Any, prompts: list[list[int]], max_new_tokens: int)
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
 _GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
                      "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid",
-                     "granitemoe": "granitemoe"}
+                     "granitemoe": "granitemoe", "gpt_oss": "gpt-oss"}
 # HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
 _GGUF_FAMILY_BLOCK = {
     **_GGUF_BLOCK, "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
@@ -579,8 +579,41 @@ _GGUF_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate"
                      "down_proj": "down"}
 
 
+def _write_gpt_oss_tensor(writer: Any, block: str, rest: str, array: np.ndarray, mxfp4: bool) -> None:
+    """One GPT-OSS layer tensor of its own kinds, as llama.cpp's GptOssModel writes it."""
+    import gguf
+
+    def add(name: str, value: np.ndarray, quantize: bool = False) -> None:
+        value = np.ascontiguousarray(value)
+        if quantize:
+            packed = gguf.quants.quantize(value, gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(name, value)
+
+    if rest == "self_attn.sinks":
+        add(f"{block}.attn_sinks.weight", array)
+    elif rest == "post_attention_layernorm.weight":
+        add(f"{block}.post_attention_norm.weight", array)
+    elif rest in ("mlp.router.weight", "mlp.router.bias"):
+        add(f"{block}.ffn_gate_inp.{rest.rsplit('.', 1)[1]}", array)
+    elif rest == "mlp.experts.gate_up_proj":  # [E, hidden, 2 inter] -> [E, 2 inter, hidden], outputs alternating
+        turned = array.transpose(0, 2, 1)
+        add(f"{block}.ffn_gate_exps.weight", turned[:, 0::2], mxfp4)
+        add(f"{block}.ffn_up_exps.weight", turned[:, 1::2], mxfp4)
+    elif rest == "mlp.experts.gate_up_proj_bias":
+        add(f"{block}.ffn_gate_exps.bias", array[:, 0::2])
+        add(f"{block}.ffn_up_exps.bias", array[:, 1::2])
+    elif rest == "mlp.experts.down_proj":  # [E, inter, hidden] -> [E, hidden, inter]
+        add(f"{block}.ffn_down_exps.weight", array.transpose(0, 2, 1), mxfp4)
+    elif rest == "mlp.experts.down_proj_bias":
+        add(f"{block}.ffn_down_exps.bias", array)
+    else:
+        raise ValueError(f"no GGUF name for GPT-OSS tensor {rest!r}")
+
+
 def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: bool = True,
-                           stack_experts: bool = True) -> Path:
+                           stack_experts: bool = True, mxfp4_experts: bool = False) -> Path:
     """Convert a tiny Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, Mamba2 or Bamba HF directory to an
     F32 GGUF as llama.cpp's convert_hf_to_gguf.py does: its metadata keys, experts stacked
     into ``ffn_*_exps`` [experts, out, in], Mixtral's and Bamba's Q/K rows permuted; DeepSeek's
@@ -591,7 +624,12 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     squeezed, dt_bias as ``ssm_dt.bias``, context length 2**20; Bamba (granitehybrid) with
     Mamba2's mixer tensors and keys, head_count_kv per layer (0 in the mixers), rope
     dimension head_dim and rope.scaling.finetuned. ``stack_experts=False``: a converter
-    from before April 2024, one ``ffn_gate.E`` tensor per expert."""
+    from before April 2024, one ``ffn_gate.E`` tensor per expert. GPT-OSS (gpt-oss) as its GptOssModel
+    writes it: the window, the expert width and YaRN in the metadata, sinks as
+    ``attn_sinks``, the fused gate_up split back into ``ffn_gate_exps`` / ``ffn_up_exps``
+    ([experts, inter, hidden], gate the even outputs) and its bias likewise, down turned to
+    [experts, hidden, inter]; ``mxfp4_experts``: those expert matrices stored as MXFP4
+    (the weights must be MXFP4 numbers already for the file to hold them exactly)."""
     import re
 
     import gguf
@@ -655,6 +693,15 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         writer.add_ssm_group_count(config["mamba_n_groups"])
         writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
         writer.add_ssm_time_step_rank(config["mamba_n_heads"])
+    elif model_type == "gpt_oss":
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_sliding_window(config["sliding_window"])
+        rope = config["rope_parameters"]
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif model_type == "qwen2_moe":
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
@@ -704,6 +751,9 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
                 writer.add_tensor(top[name], np.ascontiguousarray(array))
             continue
         layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        if model_type == "gpt_oss" and rest.startswith(("mlp.", "self_attn.sinks", "post_attention_layernorm")):
+            _write_gpt_oss_tensor(writer, f"blk.{layer}", rest, array, mxfp4_experts)
+            continue
         if rest in ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight"):
             # GraniteMoe's fused experts, split and stacked as its converter writes them
             if rest.endswith("input_linear.weight"):

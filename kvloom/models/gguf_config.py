@@ -51,6 +51,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -65,7 +66,7 @@ _MODEL_TYPES = {
     "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2",
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
-    "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee",
+    "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee", "GptOssForCausalLM": "gpt_oss",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -215,7 +216,9 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
     if arch == "exaone4" and pattern is not None:  # its windowed layers, as llama.cpp's converter lists them
         config["layer_types"] = ["sliding_attention" if bool(one) else "full_attention" for one in pattern]
     sparse = sorted(int(m.group(1)) for name in shapes if (m := _ROUTER.fullmatch(name)))
-    if arch == "deepseek2":
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_fields(meta, config))
+    elif arch == "deepseek2":
         config.update(_deepseek_fields(meta, shapes, config, sparse, path))
     elif arch == "qwen2moe":
         config.update(_qwen2_moe_fields(meta, shapes, config, sparse, path))
@@ -236,6 +239,19 @@ def _attention_config(arch: str, meta: Meta, shapes: dict[str, list[int]], path:
 # head_dim ** -0.5 but in the 27B models (46 and 62 layers), by (hidden / heads) ** -0.5.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gpt_oss_fields(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS as llama.cpp's GptOssModel writes it and runs it: biases on q/k/v/o, every
+    layer's experts ``expert_feed_forward_length`` wide, a window on every other layer from
+    the first (llama.cpp's swa pattern 2, transformers' layer_types), the clamped SwiGLU at
+    its fixed 1.702 and 7.0 (the file records neither)."""
+    layers = config["num_hidden_layers"]
+    return {"attention_bias": True, "num_local_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count")),
+            "intermediate_size": int(meta("expert_feed_forward_length")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
 def _gemma_fields(arch: str, meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
@@ -459,6 +475,8 @@ def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], path: Path
         if kind == "yarn" and arch == "deepseek2" and log_multiplier:
             # deepseek2 files store 0.1 * mscale_all_dim (llama.cpp's legacy convention).
             scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_multiplier) * 10, 6)
+        if kind == "yarn" and arch == "gpt-oss":  # its config's YaRN: the blend's bounds not rounded outwards
+            scaling = {"beta_fast": 32.0, "beta_slow": 1.0, **scaling, "truncate": False}
         return scaling
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:

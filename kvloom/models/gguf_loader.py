@@ -3,8 +3,10 @@
 Every tensor is dequantized to float32 with ``gguf.quants``; the engine never runs
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
-deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2 and
-granitehybrid (Bamba; IBM Granite 4.0's files, the same architecture name, are refused).
+deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
+granitehybrid (Bamba; IBM Granite 4.0's files, the same architecture name, are refused) and
+gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
+into transformers' fused tensor).
 
 Each tensor comes back under the name the HF checkpoint has, with llama.cpp's
 converter (convert_hf_to_gguf.py) undone exactly:
@@ -181,6 +183,10 @@ _BLOCK_NAMES["FalconForCausalLM"] = {"attn_norm": "input_layernorm", "attn_norm_
                                      "attn_qkv": "self_attention.query_key_value",
                                      "attn_output": "self_attention.dense",
                                      "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+# GPT-OSS's: a router with a bias, attention sinks (HF's leaf has no ".weight"), the experts
+# joined back into transformers' fused tensors (``_Converter._join_gpt_oss_experts``).
+_BLOCK_NAMES["GptOssForCausalLM"] = {**_ATTENTION_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                                     "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp": "mlp.router"}
 # blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
 # Consumed into the config (llama3's and Phi-3's rope scaling), not a parameter.
@@ -216,7 +222,8 @@ def gguf_weights(reader: Any, arch: str, hf_config: dict[str, Any]
             for name, array in converter.convert(tensor.name, dequantize(tensor)):
                 yield name, torch.from_numpy(np.ascontiguousarray(array))
         if converter.pending:
-            raise ModelLoadError(f"GGUF tensors {sorted(converter.pending)} lack their attn_k_b / attn_v_b partner")
+            raise ModelLoadError(f"GGUF tensors {sorted(converter.pending)} lack their partner (attn_k_b / attn_v_b, "
+                                 "ffn_gate_exps / ffn_up_exps)")
 
     return iterate
 
@@ -227,7 +234,8 @@ class _Converter:
 
     hf_config: dict[str, Any]
     whole_kv_b: bool  # the file holds attn_kv_b itself: any k_b / v_b are llama.cpp's copies
-    pending: dict[str, np.ndarray] = field(default_factory=dict)  # a layer's k_b or v_b awaiting the other
+    # a layer's k_b or v_b awaiting the other (DeepSeek), its gate or up experts (GPT-OSS)
+    pending: dict[str, np.ndarray] = field(default_factory=dict)
 
     def convert(self, gguf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         family = self.hf_config["architectures"][0]
@@ -244,6 +252,9 @@ class _Converter:
             part, array = f"{part}_exps", array[None]
         if part in ("attn_k_b", "attn_v_b") and family.startswith("Deepseek"):
             yield from self._join_kv_b(prefix, part, array)
+            return
+        if part.endswith("_exps") and family == "GptOssForCausalLM":
+            yield from self._join_gpt_oss_experts(prefix, part, kind or "weight", array)
             return
         names = _BLOCK_NAMES[family]
         leaf = names.get(f"{part}.{kind}") if kind else names.get(part)
@@ -313,6 +324,32 @@ class _Converter:
         yield prefix + "self_attn.kv_b_proj.weight", joined.reshape(heads * (nope + v_dim), rank)
 
 
+    def _join_gpt_oss_experts(self, prefix: str, part: str, kind: str, array: np.ndarray
+                              ) -> Iterator[tuple[str, np.ndarray]]:
+        """GPT-OSS's experts as transformers holds them, from llama.cpp's ``ffn_*_exps``
+        ([experts, out, in]; biases [experts, out]): gate and up (each awaiting the other)
+        back into gate_up [experts, hidden, 2 x inter], their outputs alternating, and
+        its bias [experts, 2 x inter] alike; down turned to [experts, inter, hidden]."""
+        suffix = "" if kind == "weight" else "_bias"
+        if part == "ffn_down_exps":
+            yield prefix + f"mlp.experts.down_proj{suffix}", array if kind == "bias" else array.transpose(0, 2, 1)
+            return
+        if part not in ("ffn_gate_exps", "ffn_up_exps"):
+            raise ModelLoadError(f"unsupported GGUF tensor {prefix}{part}.{kind} for GPT-OSS")
+        other = prefix + ("ffn_up_exps" if part == "ffn_gate_exps" else "ffn_gate_exps") + "." + kind
+        partner = self.pending.pop(other, None)
+        if partner is None:
+            self.pending[f"{prefix}{part}.{kind}"] = array
+            return
+        gate, up = (array, partner) if part == "ffn_gate_exps" else (partner, array)
+        if gate.shape != up.shape:
+            raise ModelLoadError(f"GGUF tensors {prefix}ffn_gate_exps / ffn_up_exps .{kind} differ in shape: "
+                                 f"{gate.shape} and {up.shape}")
+        joined = np.empty((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), dtype=gate.dtype)
+        joined[:, 0::2], joined[:, 1::2] = gate, up
+        yield prefix + f"mlp.experts.gate_up_proj{suffix}", joined if kind == "bias" else joined.transpose(0, 2, 1)
+
+
 def _a_log(a: np.ndarray) -> np.ndarray:
     """A_log from llama.cpp's A = -exp(A_log): of the float32 numbers next to log(-A),
     the one whose float32 exp (torch's, as the mixer takes it) is -A exactly where one
@@ -328,10 +365,15 @@ def _a_log(a: np.ndarray) -> np.ndarray:
 def num_weights(reader: Any) -> int:
     """How many tensors ``gguf_weights`` yields."""
     whole_kv_b = any(t.name.endswith(".attn_kv_b.weight") for t in reader.tensors)
+    architecture = reader.fields.get("general.architecture")
+    fused_experts = architecture is not None and architecture.contents() == "gpt-oss"  # gate and up become one
     count = 0
     for tensor in reader.tensors:
         name = tensor.name
         if name in _METADATA_TENSORS or ".attn_v_b." in name or (".attn_k_b." in name and whole_kv_b):
+            continue
+        if fused_experts and "_exps." in name:
+            count += 0 if ".ffn_up_exps." in name else 1
             continue
         count += int(tensor.shape[-1]) if "_exps." in name else 1  # innermost first: experts last
     return count

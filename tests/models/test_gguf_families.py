@@ -3,7 +3,8 @@ checkpoints the way llama.cpp's converter writes them (helpers_models.write_tiny
 DeepSeek-V2 (dense only; MoE with q-LoRA, group-limited routing and an older converter's
 whole kv_b), DeepSeek-V3, Mixtral (experts stacked, and one tensor per expert as files from
 before April 2024 have them), Qwen2-MoE and Qwen3-MoE (a dense layer among sparse ones), Mamba2 and
-Bamba (granitehybrid: mixers and attention layers interleaved).
+Bamba (granitehybrid: mixers and attention layers interleaved), GPT-OSS (gate and up split
+into two expert tensors, their biases too).
 Each loads with every HF tensor back under its hub name (Mamba2's and Bamba's A, stored
 as -exp(A_log), bit for bit), the engine's config of it equals the HF directory's, and the
 engine's greedy tokens on it equal transformers' float32 tokens on the HF directory.
@@ -54,6 +55,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = 
     "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                                     mlp_only_layers=[1], norm_topk_prob=True), {},
                   ("blk.0.attn_q_norm.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate.weight")),
+    # Windowed (4 keys) and full layers alternating, sinks, biased router and experts, YaRN.
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                                max_position_embeddings=4096), {},
+                ("blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.1.ffn_up_exps.bias",
+                 "blk.1.ffn_down_exps.weight", "blk.0.post_attention_norm.weight")),
     # The SSD chunk size is not in GGUF: the loader takes HF's default, so the model has it too.
     "mamba2": ("mamba2", dict(chunk_size=256), {}, ("blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.1.ssm_conv1d.weight")),
     # Mixers in layers 0 and 2, attention in 1 and 3 (the last layer attends).
@@ -269,7 +275,20 @@ def test_a_k_b_without_its_v_b_is_refused(tmp_path: Path) -> None:
                  {**LATENT_TENSORS, "blk.0.attn_k_b.weight": (2, 4, 4)})  # [heads, rank, nope]
     reader = gguf_loader.open_gguf(path)
     weights = gguf_loader.gguf_weights(reader, "deepseek2", gguf_loader.gguf_hf_config(reader, path))
-    with pytest.raises(ModelLoadError, match="lack their attn_k_b / attn_v_b partner"):
+    with pytest.raises(ModelLoadError, match=r"lack their partner \(attn_k_b / attn_v_b"):
+        list(weights())
+
+
+def test_a_gpt_oss_gate_without_its_up_is_refused(tmp_path: Path) -> None:
+    path = _gguf(tmp_path / "half.gguf", "gpt-oss", {"embedding_length": 8, "block_count": 1,
+                                                      "attention.head_count": 2, "feed_forward_length": 8,
+                                                      "expert_count": 2, "expert_used_count": 1,
+                                                      "expert_feed_forward_length": 8},
+                 {"token_embd.weight": (8, 32), "blk.0.ffn_gate_inp.weight": (8, 2),
+                  "blk.0.ffn_gate_exps.weight": (8, 8, 2)})
+    reader = gguf_loader.open_gguf(path)
+    weights = gguf_loader.gguf_weights(reader, "gpt-oss", gguf_loader.gguf_hf_config(reader, path))
+    with pytest.raises(ModelLoadError, match=r"layers.0.ffn_gate_exps.weight'\] lack their partner"):
         list(weights())
 
 

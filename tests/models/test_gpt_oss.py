@@ -3,8 +3,9 @@ other layer, YaRN, and a biased router's softmax over its top-k logits choosing 
 biases and a clamped SwiGLU, stored in MXFP4 on the hub. Held to transformers: the MoE block
 (float32 and bf16 bit for bit), greedy tokens and first log-probs in float32 through chunked
 prefill on both CPU attention backends, two ranks (tensor and expert parallel), an MXFP4
-checkpoint read back, a LoRA adapter on its attention and experts (PEFT's); bf16 tokens alone
-equal batched and chunked; a backend without sinks refused by name."""
+checkpoint read back, llama.cpp's gpt-oss GGUF with MXFP4 experts, a LoRA adapter on its
+attention and experts (PEFT's); bf16 tokens alone equal batched and chunked; a backend
+without sinks refused by name."""
 
 from __future__ import annotations
 
@@ -171,3 +172,46 @@ def test_a_backend_without_sinks_is_refused_by_name(gpt_oss: Path, monkeypatch: 
     monkeypatch.setattr(TorchReferenceBackend, "supports_sinks", False)
     with pytest.raises(ValueError, match="'torch_ref' has no attention sinks, which GptOssForCausalLM's layers have"):
         LLM(str(gpt_oss), dtype="float32", num_blocks=16, attention_backend="torch_ref")
+
+
+def test_a_gguf_file_with_mxfp4_experts_is_the_checkpoint(gpt_oss: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's gpt-oss layout with its experts in ggml's MXFP4 (the checkpoint's experts
+    first made MXFP4 numbers by gguf's own quantizer, so the file holds them exactly):
+    every tensor read back equals the checkpoint's, and the tokens are transformers'."""
+    import gguf
+    from helpers_models import write_tiny_gguf_family
+    from safetensors.torch import load_file, save_file
+
+    from kvloom.models import gguf_loader
+    from kvloom.models.loader import load_checkpoint
+    from kvloom.paths import kvloom_home
+
+    home = tmp_path / "home"  # the engine's dequantized GGUF cache here, the built kernels shared
+    home.mkdir()
+    (kvloom_home() / "kernels").mkdir(parents=True, exist_ok=True)
+    (home / "kernels").symlink_to(kvloom_home() / "kernels", target_is_directory=True)
+    monkeypatch.setenv("KVLOOM_HOME", str(home))
+
+    state = load_file(gpt_oss / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        turned = state[name].transpose(1, 2).contiguous().numpy()  # [E, out, in]: blocks along in
+        exact = gguf.quants.dequantize(gguf.quants.quantize(turned, gguf.GGMLQuantizationType.MXFP4),
+                                       gguf.GGMLQuantizationType.MXFP4)
+        state[name] = torch.from_numpy(exact).transpose(1, 2).contiguous()
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(gpt_oss, hf_dir)
+    save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    gguf_file = write_tiny_gguf_family(hf_dir, tmp_path / "gpt-oss.gguf", mxfp4_experts=True)
+    types = {t.name: t.tensor_type for t in gguf_loader.open_gguf(gguf_file).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.3.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    ours = dict(load_checkpoint(str(gguf_file), home=home, cache_gguf=False).weights())
+    assert sorted(ours) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    assert_greedy_is_transformers(hf_dir, PROMPTS[1:3], 6)
+    llm = LLM(str(gguf_file), dtype="float32", num_blocks=64, max_num_batched_tokens=16, block_size=16)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    from_hf = LLM(str(hf_dir), dtype="float32", num_blocks=64, max_num_batched_tokens=16, block_size=16)
+    assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:3], params)]
+            == [o.outputs[0].token_ids for o in from_hf.generate(PROMPTS[1:3], params)])
