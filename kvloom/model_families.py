@@ -69,6 +69,10 @@ class MoEConfig:
     # (transformers 5's other fused experts are [experts, 2 * inter, hidden] gate | up and
     # [experts, hidden, inter]).
     gpt_oss_layout: bool = False
+    # The checkpoint's routed experts are MXFP4 (config.json's quantization_config, quant_method
+    # "mxfp4": GPT-OSS's hub checkpoints): held 4-bit, each matmul dequantizing as it goes
+    # (kernels/mxfp4.py), where that kernel runs (a CPU); dequantized at load elsewhere.
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "num_groups", "topk_groups"):
@@ -156,7 +160,8 @@ class MoEConfig:
                          scoring="topk_softmax", round_routing_weights=True, hidden_act="swigluoai",
                          swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
                          swiglu_limit=float(hf.get("swiglu_limit", 7.0)), router_bias=True, expert_biases=True,
-                         gpt_oss_layout=True)
+                         gpt_oss_layout=True,
+                         mxfp4_experts=(hf.get("quantization_config") or {}).get("quant_method") == "mxfp4")
         else:
             return None
         return config if config.sparse_layers else None

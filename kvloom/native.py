@@ -45,7 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-on
 LINK_FLAGS = ["-shared", "-fopenmp"]
 # Sources whose arithmetic order is a promise (the batch-invariant matmul) build
 # without -ffast-math, so the compiler may not reassociate or contract their sums.
-EXACT_SOURCES = frozenset({"gemm", "shm_collectives"})
+EXACT_SOURCES = frozenset({"gemm", "shm_collectives", "mxfp4_gemm"})
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
 logger = logging.getLogger(__name__)

@@ -6,9 +6,11 @@ every other layer, YaRN's rotary, and a mixture-of-experts FFN in every layer
 a clamped SwiGLU; models/moe.py runs it).
 
 The checkpoints on the hub store the experts in MXFP4 (``*_blocks``: two 4-bit e2m1
-numbers a byte, 32 a block; ``*_scales``: one e8m0 power of two a block); they are read
-back to the model's dtype at load (``dequantize_mxfp4``: exact, as every such number is a
-bf16 one). The layers run as modules (the native walk runs no experts and no sinks).
+numbers a byte, 32 a block; ``*_scales``: one e8m0 power of two a block): with
+config.json's ``quantization_config`` (mxfp4) they stay 4-bit (models/mxfp4_experts.py);
+a checkpoint without it has them read back to the model's dtype at load
+(``kernels.mxfp4.dequantize_mxfp4``: exact, as every such number is a bf16 one). The layers
+run as modules (the native walk runs no experts and no sinks).
 """
 
 from __future__ import annotations
@@ -17,28 +19,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kvloom.kernels.mxfp4 import dequantize_mxfp4
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.models.sharding import TensorSlice
 
-# The 16 values of an e2m1 nibble (sign, two exponent bits, one mantissa bit).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_PARTS = ("_blocks", "_scales")
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 ``blocks`` [..., groups, 16] uint8 and ``scales`` [..., groups] uint8 ->
-    [..., groups * 32] of ``dtype``: byte b of a group holds numbers 2b (low nibble) and
-    2b + 1 (high nibble), each times 2 ** (scale - 127)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
-                         "blocks must be [..., groups, 16] and scales [..., groups]")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1)  # [..., g, 16, 2]
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1).float())  # [..., groups, 32]
-    return values.flatten(-2).to(dtype)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -46,14 +31,17 @@ class GptOssForCausalLM(LlamaForCausalLM):
     modules_only = "attention sinks and a mixture-of-experts FFN"
 
     def weight_slice(self, hf_name: str) -> TensorSlice | None:
-        # An MXFP4 pair is cut as the tensor it stands for (only ever along the experts, its first dimension).
+        # An MXFP4 pair is cut as the tensor it stands for (only ever along the experts, its
+        # first dimension; the module cuts features).
         for part in MXFP4_PARTS:
             if hf_name.endswith(part):
                 return super().weight_slice(hf_name.removesuffix(part))
         return super().weight_slice(hf_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._dequantized(weights))
+        # An MXFP4 checkpoint's experts stay 4-bit (config.moe.mxfp4_experts: SparseMoE holds them so).
+        moe = self.config.moe
+        super().load_weights(weights if moe is not None and moe.mxfp4_experts else self._dequantized(weights))
 
     def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors with each MXFP4 pair, once both halves have come, as the

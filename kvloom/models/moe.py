@@ -33,6 +33,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import MoEConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP
+from kvloom.models.mxfp4_experts import MXFP4Experts
 from kvloom.models.packed_linear import packed_linear, packed_linears
 from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
 
@@ -286,9 +287,14 @@ class SparseMoE(nn.Module):
             moe.intermediate_size, tp.rank, tp.size)
         self.intermediate_size = end - start  # this rank's features of each expert it holds
         self.router = MoERouter(hidden_size, moe)
-        self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size,
-                                                        hidden_size))
-        self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size, self.intermediate_size))
+        # The routed experts: dense, or 4-bit as an MXFP4 checkpoint stores them.
+        self.mxfp4 = (MXFP4Experts(self.num_local_experts, hidden_size, self.intermediate_size)
+                      if moe.mxfp4_experts else None)
+        if self.mxfp4 is None:
+            self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size,
+                                                            hidden_size))
+            self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size,
+                                                         self.intermediate_size))
         # GPT-OSS's biases after each matmul; under tensor parallel the down bias is held by
         # rank 0 alone (zeros elsewhere), as it joins the ranks' partial sums once.
         self.experts_gate_up_bias = (nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size))
@@ -313,6 +319,15 @@ class SparseMoE(nn.Module):
             x, gate_up, down, weights, experts, packed=pairs, adapters=adapters, biases=biases,
             activation=self.activation))
 
+    def _expert_tensors(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up, down) as dense tensors, or (None, None) once packed; 4-bit experts not
+        packed yet dequantized for the call (the reference path)."""
+        if self.packed_experts is not None:
+            return None, None
+        if self.mxfp4 is not None:
+            return self.mxfp4.dequantized(dtype)
+        return self.experts_gate_up, self.experts_down
+
     def _biases(self) -> ExpertBiases | None:
         if self.experts_gate_up_bias is None or self.experts_down_bias is None:
             return None
@@ -335,15 +350,24 @@ class SparseMoE(nn.Module):
         itself; ``pack_linear_layers`` calls both). For ``invariant`` the block's experts
         share one buffer on 2 MiB pages, expert after expert (``packed_linears``), as the
         dense layers do. Returns how many layers were packed; 0 leaves the module as it was."""
-        gate_up, down = self.experts_gate_up, self.experts_down
-        layers = packed_linears([(weight[e], None) for e in range(self.num_local_experts)
-                                 for weight in (gate_up, down)], matmul)
-        pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True) if a is not None and b is not None]
-        if len(pairs) < self.num_local_experts:
-            return 0
+        if self.mxfp4 is not None and self.mxfp4.runs_here():  # 4-bit: the MXFP4 kernel's layers, whatever matmul
+            pairs = self.mxfp4.layers()
+        else:
+            if self.mxfp4 is not None:  # no kernel here (a GPU): the dense experts, then as any others
+                dtype = self.router.weight.dtype
+                gate_up, down = self.mxfp4.dequantized(dtype)
+                self.experts_gate_up, self.experts_down = nn.Parameter(gate_up), nn.Parameter(down)
+                self.mxfp4 = None
+            gate_up, down = self.experts_gate_up, self.experts_down
+            layers = packed_linears([(weight[e], None) for e in range(self.num_local_experts)
+                                     for weight in (gate_up, down)], matmul)
+            pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True)
+                     if a is not None and b is not None]
+            if len(pairs) < self.num_local_experts:
+                return 0
+            del self.experts_gate_up, self.experts_down  # the packed copies are what runs now
         self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)  # registered: .to() moves them
         self._packed_pairs = pairs
-        del self.experts_gate_up, self.experts_down  # the packed copies are what runs now
         if self.shared_expert_gate is not None:
             self.packed_shared_gate = packed_linear(self.shared_expert_gate, None, matmul)
         return 2 * len(pairs) + int(self.packed_shared_gate is not None)
@@ -355,8 +379,7 @@ class SparseMoE(nn.Module):
         if self.expert_parallel:  # the rank's experts by their index here; the others' past the last (skipped)
             local = experts - self.first_expert
             experts = local.masked_fill((local < 0) | (local >= self.num_local_experts), self.num_local_experts)
-        out = run_experts(x, getattr(self, "experts_gate_up", None), getattr(self, "experts_down", None),
-                          weights, experts)
+        out = run_experts(x, *self._expert_tensors(x.dtype), weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -391,13 +414,17 @@ class SparseMoE(nn.Module):
             if not self.first_expert <= part.expert < self.first_expert + self.num_local_experts:
                 return {}  # another rank's expert (read as nothing: weight_slice)
             part = MoETensor(part.part, part.expert - self.first_expert)
-        if part.part in ("gate_up", "gate_up_bias") and not self.expert_parallel:
+        if part.part in ("gate_up", "gate_up_bias", "gate_up_blocks", "gate_up_scales") and not self.expert_parallel:
             # [E, 2 * full inter, ...]: this rank's rows of gate and of up
             full = tensor.shape[1] // 2
             start, end = column_split(full, self.tp.rank, self.tp.size)
             tensor = torch.cat((tensor[:, start:end], tensor[:, full + start:full + end]), dim=1)
         if part.part == "down" and self.moe.gpt_oss_layout and part.expert is None and not self.expert_parallel:
             start, end = column_split(tensor.shape[2], self.tp.rank, self.tp.size)  # read whole (weight_slice)
+            tensor = tensor[:, :, start:end]
+        if part.part in ("down_blocks", "down_scales") and not self.expert_parallel:
+            groups = tensor.shape[2]  # [E, hidden, inter / 32, ...]: this rank's groups of inputs
+            start, end = column_split(groups, self.tp.rank, self.tp.size)
             tensor = tensor[:, :, start:end]
         if part.part == "down_bias" and not self.expert_parallel and self.tp.rank > 0:
             tensor = torch.zeros_like(tensor)  # added once, by rank 0, to the partial sums
@@ -422,10 +449,13 @@ class SparseMoE(nn.Module):
             "router_bias": ("router.bias", self.router.bias, slice(None)),
             "gate_up_bias": ("experts_gate_up_bias", self.experts_gate_up_bias, slice(None)),
             "down_bias": ("experts_down_bias", self.experts_down_bias, slice(None)),
-            "gate_up": ("experts_gate_up", self.experts_gate_up, slice(None)),
-            "down": ("experts_down", self.experts_down, slice(None)),
+            "gate_up": ("experts_gate_up", getattr(self, "experts_gate_up", None), slice(None)),
+            "down": ("experts_down", getattr(self, "experts_down", None), slice(None)),
             "shared_gate": ("shared_expert_gate", self.shared_expert_gate, slice(None)),
         }
+        if self.mxfp4 is not None:
+            for kind in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"):
+                places[kind] = (f"mxfp4.{kind}", getattr(self.mxfp4, kind), slice(None))
         shared = self.shared_expert
         if shared is not None:
             width = shared.intermediate_size
@@ -447,7 +477,7 @@ def gpt_oss_experts(part: str, tensor: torch.Tensor) -> torch.Tensor:
     same way; down [E, inter, hidden] -> [E, hidden, inter]; anything else as it is."""
     if part == "gate_up":
         tensor = tensor.transpose(1, 2)
-    if part in ("gate_up", "gate_up_bias"):
+    if part in ("gate_up", "gate_up_bias", "gate_up_blocks", "gate_up_scales"):  # the MXFP4 ones [E, 2 inter, ...]
         return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
     if part == "down":
         return tensor.transpose(1, 2)

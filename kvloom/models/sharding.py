@@ -157,7 +157,10 @@ _WHOLE = {"gate.weight": "router", "gate.e_score_correction_bias": "score_correc
           # GPT-OSS's: a router with a bias, the fused experts ([E, hidden, 2 * inter] gate and up
           # alternating; [E, inter, hidden] down) and their biases
           "router.weight": "router", "router.bias": "router_bias", "experts.gate_up_proj_bias": "gate_up_bias",
-          "experts.down_proj_bias": "down_bias"}
+          "experts.down_proj_bias": "down_bias",
+          # and its hub checkpoints' MXFP4 experts ([E, out, in / 32, 16] codes, [E, out, in / 32] scales)
+          "experts.gate_up_proj_blocks": "gate_up_blocks", "experts.gate_up_proj_scales": "gate_up_scales",
+          "experts.down_proj_blocks": "down_blocks", "experts.down_proj_scales": "down_scales"}
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int,
     tensor = moe_tensor(name)
     if tensor is None:
         return None
-    if expert_parallel and tensor.part in ("gate_up", "down", "gate", "up", "gate_up_bias", "down_bias"):
+    if expert_parallel and tensor.part in ("gate_up", "down", "gate", "up", "gate_up_bias", "down_bias",
+                                           "gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"):
         first, last = column_split(moe.num_experts, rank, size)
         if tensor.expert is None:
             return TensorSlice(0, first, last)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvloom import native
-from kvloom.kernels import cpu_ops, decoder_stack, gemm, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
+from kvloom.kernels import cpu_ops, decoder_stack, gemm, mxfp4, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
 
 OPS = native_op.OPS
 ISA = gemm.supported_isas()[0] if gemm.supported_isas() else "avx2"
@@ -44,6 +44,14 @@ def attention_args(dtype: torch.dtype, paired: bool, sinks: bool = False) -> tup
 def gemm_args() -> tuple[Any, ...]:
     weight, bias = randn(20, 8, dtype=torch.bfloat16, seed=3), randn(20, dtype=torch.bfloat16, seed=4)
     return randn(4, 8, dtype=torch.bfloat16, seed=5), gemm.pack_weight(weight), bias, 20, ISA
+
+
+def mxfp4_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
+    generator = torch.Generator().manual_seed(9)
+    blocks = torch.randint(0, 256, (20, 2, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (20, 2), generator=generator, dtype=torch.uint8)
+    return (randn(4, 64, dtype=dtype, seed=10), blocks, scales, randn(20, dtype=dtype, seed=11) if bias else None,
+            mxfp4.default_isa())
 
 
 def rotary_args(dtype: torch.dtype) -> tuple[Any, ...]:
@@ -83,6 +91,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "argmax_rows": [lambda: (randn(4, 50),), lambda: (randn(3, 70, dtype=torch.bfloat16),)],
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
+    "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
@@ -121,6 +130,11 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("gemm_bf16", "packed", lambda a: a.__setitem__(3, 40), "has .* elements"),
     ("gemm_bf16", "bias", lambda a: a.__setitem__(2, a[2][:10]), r"must be a contiguous \[20\] bf16"),
     ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("mxfp4_linear", "x", lambda a: a.__setitem__(0, a[0][:, :48].contiguous()), "multiple of 32"),
+    ("mxfp4_linear", "blocks", lambda a: a.__setitem__(1, a[1][:, :1].contiguous()), r"must be \[n, 2, 16\]"),
+    ("mxfp4_linear", "scales", lambda a: a.__setitem__(2, a[2][:10].contiguous()), r"must be \[20, 2\]"),
+    ("mxfp4_linear", "bias", lambda a: a.__setitem__(3, a[3][:10]), r"one value per output, \[20\]"),
+    ("mxfp4_linear", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
     ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
     ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
     ("apply_token_bitmask_", "rows", lambda a: a.__setitem__(1, a[1][:1]), "one row of logits per bitmask row"),
@@ -303,7 +317,7 @@ def test_declaration_mistakes_are_refused_before_anything_registers(declaration:
 
 def test_kernels_import_nothing_above_them() -> None:
     code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.decoder_stack, kvloom.kernels.gemm, "
-            "kvloom.kernels.paged_attention, "
+            "kvloom.kernels.mxfp4, kvloom.kernels.paged_attention, "
             "kvloom.kernels.sampling\n"
             "print(' '.join(m for m in sys.modules if m.split('.')[:2] in (['kvloom', 'models'], "
             "['kvloom', 'attention'], ['kvloom', 'runner'], ['kvloom', 'engine'], ['kvloom', 'server'])))")

@@ -13,6 +13,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ from helpers_engine import bf16_alone_equals_batched
 from helpers_models import assert_greedy_is_transformers, write_tiny_hf_model
 
 from kvloom import LLM, SamplingParams
+from kvloom.kernels.mxfp4 import dequantize_mxfp4
 from kvloom.model_families import MoEConfig
-from kvloom.models.gpt_oss import dequantize_mxfp4
 from kvloom.models.moe import SparseMoE
 
 transformers = pytest.importorskip("transformers")
@@ -124,10 +125,11 @@ def test_mxfp4_numbers_are_transformers_dequantization() -> None:
         dequantize_mxfp4(blocks, scales[..., :3])
 
 
-def test_an_mxfp4_checkpoint_gives_the_tokens_of_its_dequantized_weights(gpt_oss: Path, tmp_path: Path) -> None:
-    """The hub's layout: each fused expert tensor as *_blocks and *_scales of its [E, out,
-    in] matrices. kvloom reads them back; transformers runs the same numbers as plain
-    weights (they are e2m1 values times powers of two: exact in float32)."""
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(gpt_oss: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the hub's layout: each fused expert tensor as *_blocks and *_scales of its [E, out,
+    in] matrices, quantization_config mxfp4; the same numbers as plain float32 weights, which
+    transformers runs: e2m1 values times powers of two are exact in float32)."""
     from safetensors.torch import load_file, save_file
 
     state = load_file(gpt_oss / "model.safetensors")
@@ -138,23 +140,83 @@ def test_an_mxfp4_checkpoint_gives_the_tokens_of_its_dequantized_weights(gpt_oss
         del quantized[name]
         plain[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
         assert (plain[name] - state[name]).abs().max() < 0.25 * state[name].abs().max()  # a coarse copy of it
-    directories = {}
+    root = tmp_path_factory.mktemp("mxfp4")
     for kind, tensors in (("mxfp4", quantized), ("plain", plain)):
-        directories[kind] = tmp_path / kind
-        shutil.copytree(gpt_oss, directories[kind])
-        save_file(tensors, directories[kind] / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directories["mxfp4"] / "config.json").read_text())
+        shutil.copytree(gpt_oss, root / kind)
+        save_file(tensors, root / kind / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "mxfp4" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (directories["mxfp4"] / "config.json").write_text(json.dumps(config))
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    ours = LLM(str(directories["mxfp4"]), dtype="float32", num_blocks=64).generate(PROMPTS, params)
-    reference = LLM(str(directories["plain"]), dtype="float32", num_blocks=64).generate(PROMPTS, params)
-    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
-    assert_greedy_is_transformers(directories["plain"], PROMPTS[2:3], 8)  # and those are transformers' tokens
-    del quantized[next(n for n in quantized if n.endswith("_scales"))]
-    save_file(quantized, directories["mxfp4"] / "model.safetensors", metadata={"format": "pt"})
+    (root / "mxfp4" / "config.json").write_text(json.dumps(config))
+    return root / "mxfp4", root / "plain"
+
+
+def greedy(path: Path, prompts: list[list[int]], **engine: Any) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=16, max_num_batched_tokens=16, **engine)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        if engine.get("tensor_parallel_size", 1) > 1:
+            llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_an_mxfp4_checkpoints_experts_stay_4bit_and_give_its_numbers_tokens(mxfp4_checkpoint: tuple[Path, Path]
+                                                                              ) -> None:
+    """The experts held as the file's codes and scales (a quarter of bf16's bytes), each
+    matmul the MXFP4 kernel's: the tokens of the same numbers as plain weights, which are
+    transformers'."""
+    from kvloom.kernels.mxfp4 import MXFP4Linear
+
+    quantized, plain = mxfp4_checkpoint
+    llm = LLM(str(quantized), dtype="float32", num_blocks=64, block_size=16, max_num_batched_tokens=16)
+    moe = next(m for m in llm.engine.model.modules() if isinstance(m, SparseMoE))
+    assert moe.mxfp4 is not None and moe.mxfp4.gate_up_blocks.dtype == torch.uint8
+    assert isinstance(moe.packed_experts[0][0], MXFP4Linear)  # type: ignore[index]
+    assert not hasattr(moe, "experts_gate_up")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    ours = llm.generate(PROMPTS, params)
+    reference = LLM(str(plain), dtype="float32", num_blocks=64, block_size=16,
+                    max_num_batched_tokens=16).generate(PROMPTS, params)
+    for mine, theirs in zip(ours, reference, strict=True):
+        tokens = mine.outputs[0].token_ids
+        assert tokens == theirs.outputs[0].token_ids
+        assert mine.outputs[0].logprobs[0][tokens[0]].logprob == pytest.approx(
+            theirs.outputs[0].logprobs[0][tokens[0]].logprob, abs=1e-4)
+    assert_greedy_is_transformers(plain, PROMPTS[2:3], 8)  # and those are transformers' tokens
+
+
+def test_mxfp4_experts_in_bf16_alone_equal_batched_and_chunked(mxfp4_checkpoint: tuple[Path, Path]) -> None:
+    bf16_alone_equals_batched(str(mxfp4_checkpoint[0]), PROMPTS,
+                              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor_parallel", "expert_parallel"])
+def test_mxfp4_experts_on_two_ranks(mxfp4_checkpoint: tuple[Path, Path], expert_parallel: bool) -> None:
+    """Each rank's share of the codes: its rows of gate and up and its groups of down's
+    inputs, or its experts whole."""
+    quantized, plain = mxfp4_checkpoint
+    assert greedy(quantized, PROMPTS[1:3], tensor_parallel_size=2,
+                  enable_expert_parallel=expert_parallel) == greedy(plain, PROMPTS[1:3])
+
+
+def test_mxfp4_experts_dequantized_where_asked_and_half_a_pair_refused(mxfp4_checkpoint: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    quantized, plain = mxfp4_checkpoint
+    dense = LLM(str(quantized), dtype="float32", num_blocks=64, hf_overrides={"quantization_config": None})
+    moe = next(m for m in dense.engine.model.modules() if isinstance(m, SparseMoE))
+    assert moe.mxfp4 is None  # read back to float32 at load, as a checkpoint without the config is
+    assert greedy(quantized, PROMPTS, hf_overrides={"quantization_config": None}) == greedy(plain, PROMPTS)
+    broken = tmp_path / "broken"
+    shutil.copytree(quantized, broken)
+    state = load_file(broken / "model.safetensors")
+    del state[next(n for n in state if n.endswith("_scales"))]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"missing tensors for \['layers.0.mlp.mxfp4.(gate_up|down)_scales"):
+        LLM(str(broken), dtype="float32", num_blocks=64)
     with pytest.raises(Exception, match="MXFP4 blocks without their scales"):
-        LLM(str(directories["mxfp4"]), dtype="float32", num_blocks=64)
+        LLM(str(broken), dtype="float32", num_blocks=64, hf_overrides={"quantization_config": None})
 
 
 def test_adapters_on_attention_and_experts_are_pefts(gpt_oss: Path, tmp_path: Path) -> None:
