@@ -34,6 +34,7 @@ content; a tool call's message is kept in the content whole, markup included, fo
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -133,7 +134,28 @@ def check_vocabulary(reasoning: ReasoningFormat, tokenizer: Tokenizer) -> None:
                                 else "a special token, which the decoded text leaves out"))
 
 
-class ReasoningStream:
+class OutputSplit(ABC):
+    """One output's text, piece by piece, into (reasoning, content) pieces: ``feed`` each
+    piece, ``finish`` once at the end (what was held back); ``split`` is both for a piece
+    that may be the last."""
+
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    @abstractmethod
+    def finish(self) -> tuple[str, str]: ...
+
+    def split(self, text: str, last: bool) -> tuple[str, str]:
+        """``feed(text)``, and where ``text`` is the output's last piece, ``finish()``
+        after it: this piece's (reasoning, content)."""
+        thought, content = self.feed(text)
+        if last:
+            rest = self.finish()
+            thought, content = thought + rest[0], content + rest[1]
+        return thought, content
+
+
+class ReasoningStream(OutputSplit):
     """One output's text, piece by piece, into (reasoning, content) pieces.
 
     States: ``opening`` (nothing emitted yet: a leading start marker is dropped; without
@@ -170,15 +192,6 @@ class ReasoningStream:
             return text[:end], text[end + len(marker):]
         return "", text
 
-    def split(self, text: str, last: bool) -> tuple[str, str]:
-        """``feed(text)``, and where ``text`` is the output's last piece, ``finish()``
-        after it: this piece's (reasoning, content)."""
-        thought, content = self.feed(text)
-        if last:
-            rest = self.finish()
-            thought, content = thought + rest[0], content + rest[1]
-        return thought, content
-
     def finish(self) -> tuple[str, str]:
         """What is held at the end of the output, as text of the state it was held in (an
         unfinished marker is text): an output that ends before it could open its own
@@ -195,7 +208,7 @@ HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, *HARMONY_END
 _HARMONY_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 
 
-class HarmonyStream:
+class HarmonyStream(OutputSplit):
     """One GPT-OSS output's text (decoded with its special tokens), piece by piece, into
     (reasoning, content) pieces: ``ReasoningStream``'s interface.
 
@@ -251,13 +264,6 @@ class HarmonyStream:
                 self.state, self.channel, self.raw = "header", None, False
         return "".join(thought), "".join(content)
 
-    def split(self, text: str, last: bool) -> tuple[str, str]:
-        thought, content = self.feed(text)
-        if last:
-            rest = self.finish()
-            thought, content = thought + rest[0], content + rest[1]
-        return thought, content
-
     def finish(self) -> tuple[str, str]:
         """What is held at the end: a body's unfinished marker is its text; a header the
         output never finished (cut by max_tokens) is dropped, markup and no text."""
@@ -267,7 +273,7 @@ class HarmonyStream:
         return ("", held) if self.state == "plain" else ("", "")
 
 
-def reasoning_stream(reasoning: ReasoningFormat, thinking: bool) -> ReasoningStream | HarmonyStream:
+def reasoning_stream(reasoning: ReasoningFormat, thinking: bool) -> OutputSplit:
     """The incremental machine that splits one output of ``reasoning``'s format."""
     if reasoning.markers == "harmony":
         return HarmonyStream(reasoning, thinking)

@@ -33,8 +33,8 @@ from kvloom.server.generation import (
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.reasoning_parsers import (
     HarmonyStream,
+    OutputSplit,
     ReasoningFormat,
-    ReasoningStream,
     get_reasoning_parser,
     reasoning_stream,
     split_reasoning,
@@ -411,7 +411,7 @@ class _Response(GenerationResponse):
         # --reasoning-parser: the split, and each streamed choice's machine (the reasoning
         # goes first; the tool-call parser reads the content after it).
         self.reasoning = reasoning
-        self._reasoning_streams: dict[int, ReasoningStream | HarmonyStream] = {}
+        self._reasoning_streams: dict[int, OutputSplit] = {}
         self.echo = echo  # vLLM's echo: the last (assistant) message's text before each answer
         self.role = role  # the reply's role (_role)
 
