@@ -146,6 +146,9 @@ class ForwardBatch:
     # no sequence runs an adapter. The rows it reads (output_rows) are
     # the step's as for any other.
     lora_slots: list[int] | None = None
+    # LongRoPE (Request.long_rope): each sequence's "its prompt is past the original
+    # context, every token turns by the long factors"; None when no sequence's is.
+    long_rope: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +178,7 @@ class ForwardBatch:
         placeholder_rows: list[int] = []
         seq_lora = [lora_slots.get(item.request.request_id, -1) for item in output.scheduled] if lora_slots else []
         with_lora = any(slot >= 0 for slot in seq_lora)
+        long_rope = [item.request.long_rope for item in output.scheduled]
         for item in output.scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             end = start + count
@@ -230,6 +234,7 @@ class ForwardBatch:
             block_copies=wide[7].view(2, -1) if copies else None,
             output_rows=None if every_row or len(logits_indices) == len(input_ids) else wide[3],
             lora_slots=seq_lora if with_lora else None,
+            long_rope=long_rope if any(long_rope) else None,
         )
 
     def final_states(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -255,6 +255,18 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
+    def long_rope_from(self, max_positions: int) -> int | None:
+        """LongRoPE's original context where contexts run past it (``max_positions``): the
+        tokens from it on, and every token of a prompt longer than it, turn by the long
+        factors, the rest by the short ones (transformers' generate: a forward's factors by
+        its length, the prompt's one forward, then a token at a time); None where one set
+        serves every token (no LongRoPE, or no context past the original)."""
+        scaling = self.rope_scaling_dict
+        if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+            return None
+        original = int(scaling["original_max_position_embeddings"])
+        return original if max_positions > original else None
+
     @property
     def num_kv_layers(self) -> int:
         """Layers with a part in the paged KV pool: every layer, except that a model with

@@ -121,8 +121,13 @@ class Request:
     # or an embedding pooled by the mean or the first token: runner/token_pooling.py):
     # its whole prompt is computed (no prefix-cache hit) and every row kept.
     pools_every_token: bool = False
-    # The prefix cache's namespace for it: its salt's, and an adapter's own (its KV is
-    # not the base model's). Salts and adapter names hold no NUL, so no two collide.
+    # LongRoPE served past its original context (ModelConfig.long_rope_from) and a prompt
+    # longer than it: every token it computes turns by the long factors (as transformers
+    # computes such a prompt in one forward); else only its tokens past that context.
+    long_rope: bool = False
+    # The prefix cache's namespace for it: its salt's, an adapter's own (its KV is not the
+    # base model's), and a long-factor prompt's (its KV turned otherwise). Salts and
+    # adapter names hold no NUL, so no two collide.
     cache_key: str | None = field(init=False, default=None)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -159,6 +164,8 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.cache_key = (self.cache_salt if self.lora_key is None
                           else f"{self.cache_salt or ''}\0lora\0{self.lora_key}")
+        if self.long_rope:
+            self.cache_key = f"{self.cache_key or ''}\0long_rope"
         self.timeline = RequestTimeline(arrival_time=self.arrival_time)
 
     @property

@@ -147,6 +147,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         mc = self.model_config
         self.max_model_len = max_model_len_for(config, mc)
+        # LongRoPE past its original context: a longer prompt's tokens all turn by the long factors.
+        self.long_rope_from = mc.long_rope_from(self.max_model_len)
         if mc.ssm is not None:  # Mamba2 layers: a state pool, checkpoints to cache (engine/state_space.py)
             config = self.config = state_space_config(config, mc, self.max_model_len)
         # The model and its KV pool: here, or as rank 0 of a tensor-parallel group whose
@@ -305,6 +307,7 @@ class LLMEngine:
             lora_key=lora_key,
             pools_every_token=params.pooling in TOKEN_POOLING_TASKS
             or (params.pooling == "embed" and self.model_config.pooler.seq_pooling != "LAST"),
+            long_rope=self.long_rope_from is not None and len(token_ids) > self.long_rope_from,
         )
         self.scheduler.add_request(request)
         self.runner.add_request(request, grammar)

@@ -67,7 +67,7 @@ class BambaForCausalLM(nn.Module):
         """The final hidden states [tokens, hidden]; kv_caches holds the attention layers."""
         spans = ssm_ops.SSMSpans.of(batch, self.ssm.conv_kernel)
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
-        rotary = self.rotary.cos_sin(batch.positions)
+        rotary = self.rotary.cos_sin_for(batch)
         hidden = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.blocks):
             normed = (layer.input_layernorm(residual) if hidden is None

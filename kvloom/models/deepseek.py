@@ -179,7 +179,7 @@ class DeepseekForCausalLM(nn.Module):
         """The final hidden states [tokens, hidden]; ``kv_caches`` is the latent pool
         [layers, 1, num_blocks, block_size, 1, latent]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
-        rotary = self.rotary.cos_sin(batch.positions)
+        rotary = self.rotary.cos_sin_for(batch)
         hidden = None
         for index, layer in enumerate(self.decoder_layers):
             normed = (layer.input_layernorm(residual) if hidden is None

@@ -81,8 +81,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         embedded = self.embed_tokens(batch.input_ids)
         # transformers' normalizer is a tensor of the hidden states' dtype: sqrt(hidden) rounded to it.
         residual = embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype)
-        full = self.rotary.cos_sin(batch.positions)
-        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        full = self.rotary.cos_sin_for(batch)
+        local = self.local_rotary.cos_sin_for(batch) if self.local_rotary is not None else full
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
             hidden, residual = stack(residual, full, batch, kv_caches, backend, metadata,

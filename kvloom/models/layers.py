@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvloom.batch import ForwardBatch
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ops
 from kvloom.models.sharding import column_split, vocab_split
@@ -42,11 +43,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
     if kind == "default":
         return inv_freq
     if kind == "longrope":
-        # Phi-3's: each pair's wavelength stretched by its own factor, the long ones where
-        # the context served runs past the original (transformers picks them by the
-        # forward's length, the same for any context within the original: kvloom's table
-        # holds one choice for every position, so a request's rotation never depends on
-        # what else is in the batch).
+        # Phi-3's: each pair's wavelength stretched by its own factor, the long ones for a
+        # context past the original (``max_positions``; RotaryEmbedding holds both sets where
+        # a context may run past it and picks by token: ModelConfig.long_rope_from).
         long = max_positions is not None and max_positions > int(scaling["original_max_position_embeddings"])
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
@@ -126,18 +125,47 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved ("rotate half") rotary embedding over a precomputed cos/sin table."""
+    """Non-interleaved ("rotate half") rotary embedding over a precomputed cos/sin table.
+
+    LongRoPE served past its original context holds two tables, the short factors' rows
+    then the long ones' (``long_from``: ModelConfig.long_rope_from), and ``cos_sin_for``
+    picks each token's row by its position and its request (ForwardBatch.long_rope)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        scale = rope_attention_factor(scaling)  # YaRN's; 1 otherwise
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        self.long_from: int | None = None
+        sets = [max_positions]  # the context each table's factors are chosen for
+        if kind == "longrope" and max_positions > int(scaling["original_max_position_embeddings"]):  # type: ignore[index]
+            self.long_from = int(scaling["original_max_position_embeddings"])  # type: ignore[index]
+            sets = [self.long_from, max_positions]  # the short factors' rows, then the long ones'
+        angles = torch.cat([self._angles(head_dim, theta, scaling, served, positions) for served in sets])
+        scale = rope_attention_factor(scaling)  # YaRN's, LongRoPE's; 1 otherwise
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * scale, persistent=False)
+        self.max_positions = max_positions
+
+    @staticmethod
+    def _angles(head_dim: int, theta: float, scaling: dict[str, Any] | None, served: int,
+                positions: torch.Tensor) -> torch.Tensor:
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, served)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        return torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+
+    def cos_sin_for(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` of the batch's tokens; with two LongRoPE tables, a token's row in
+        the long one where its position is past the original context or its request's
+        prompt is (``batch.long_rope``)."""
+        if self.long_from is None:
+            return self.cos_sin(batch.positions)
+        long = batch.positions >= self.long_from
+        if batch.long_rope is not None:
+            flags = torch.tensor(batch.long_rope, dtype=torch.bool, device=long.device)
+            lengths = torch.tensor(batch.query_lens_list, device=long.device)
+            long |= flags.repeat_interleave(lengths, output_size=batch.num_tokens)
+        return self.cos_sin(batch.positions + long * self.max_positions)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rotation tables, [tokens, head_dim] float32 each; looked up once

@@ -166,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         scales = self.config.scales
         if scales is not None and scales.embedding != 1.0:  # Granite's, in the model's dtype as HF's
             residual = residual * scales.embedding
-        full = rotary = self.rotary.cos_sin(batch.positions)
-        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        full = rotary = self.rotary.cos_sin_for(batch)
+        local = self.local_rotary.cos_sin_for(batch) if self.local_rotary is not None else full
         stack = self.native_stack
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
             hidden, residual = stack(residual, rotary, batch, kv_caches, backend, metadata)
@@ -346,11 +346,11 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
         """Returns the final hidden states, [tokens, hidden] (or the rows
         ``batch.output_rows`` names, whose last layer alone is computed)."""
         stream = self.embed(batch)
-        full = self.rotary.cos_sin(batch.positions) if len(self.config.no_rope_layers) < len(self.layers) else None
-        local = self.local_rotary.cos_sin(batch.positions) if self.local_rotary is not None else full
+        full = self.rotary.cos_sin_for(batch) if len(self.config.no_rope_layers) < len(self.layers) else None
+        local = self.local_rotary.cos_sin_for(batch) if self.local_rotary is not None else full
         stack = self.native_stack  # OLMo 2's and EXAONE 4's layers (the others' are modules only)
         if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
-            tables = full if full is not None else self.rotary.cos_sin(batch.positions)  # read by no layer then
+            tables = full if full is not None else self.rotary.cos_sin_for(batch)  # read by no layer then
             hidden, stream = stack(stream, tables, batch, kv_caches, backend, metadata,
                                    local if self.local_rotary is not None else None)
             return self.norm(hidden, stream)  # the rows batch.output_rows names, if any

@@ -2,7 +2,8 @@
 already fused, and LongRoPE (per-pair rescaled rotary frequencies, the short factors within
 the original context and the long ones past it, cos and sin scaled by the attention
 factor). Greedy tokens and the first log-probs held to transformers in float32 (chunked),
-LongRoPE both ways and over part of each head (Phi-4-mini's); the default dtype's
+LongRoPE both ways and over part of each head (Phi-4-mini's), and served past the original
+context with the factors picked token by token as transformers' generate picks them; the default dtype's
 exactness in the native walk; two ranks; what is not served refused by name."""
 
 from __future__ import annotations
@@ -110,3 +111,28 @@ def test_an_adapter_on_its_fused_projections_is_peft(tmp_path: Path) -> None:
 
     path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=3, **SHAPE)
     assert_adapter_is_peft(path, tmp_path / "adapter", PROMPTS[2:], FAMILY_TARGETS["phi3"][0])
+
+
+def test_longrope_served_past_the_original_context_picks_factors_as_transformers_generate(tmp_path: Path) -> None:
+    """Served with contexts past the original 32 tokens, a request turns by the short
+    factors while it stays within them and by the long ones from there on, and a prompt
+    longer than 32 by the long ones throughout: transformers' generate (its KV-cached
+    forwards each pick the factors by their own length: the prompt's one, then a token at a
+    time). The prefix cache keeps a long prompt's blocks apart from a short prompt's that
+    share its tokens (they are turned otherwise), so each gets its own."""
+    from helpers_models import hf_greedy_with_cache
+
+    path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=6, max_position_embeddings=256,
+                               original_max_position_embeddings=32, rope_scaling=longrope(32, 32), **SHAPE)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    shared = PROMPTS[4][:20]
+    prompts = [PROMPTS[1], PROMPTS[2], shared, shared + PROMPTS[3][:20], PROMPTS[4]]  # 6, 17, 20: short; 40, 47: long
+    llm = LLM(str(path), dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.long_rope_from == 32
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # 17 + 16 and 20 + 16 cross 32
+    for prompt in prompts:  # one at a time: the long prompt after the short one it begins with
+        output = llm.generate([prompt], params)[0].outputs[0]
+        assert list(output.token_ids) == hf_greedy_with_cache(reference, prompt, 16), len(prompt)
+    together = llm.generate(prompts, params)  # and batched, each request's factors its own
+    assert [list(o.outputs[0].token_ids) for o in together] == [
+        hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
