@@ -53,30 +53,32 @@ from kvloom.runner.kv_pool import allocate_kv_pool, copy_blocks, device_memory, 
 logger = logging.getLogger(__name__)
 
 FORWARD, LOGITS, STOP, LORA = 1, 2, 3, 4
-_HEADER = 7  # command, then up to six sizes
+_HEADER = 8  # command, then up to seven sizes
 
 
 # ---- the step's wire format ---------------------------------------------------------
 def pack_batch(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
-    """The sizes (tokens, sequences, table width, logit rows, block copies, LoRA slots)
-    and one flat int64 tensor: input ids, positions, slots, block tables, sequence
-    lengths, query starts, logit rows, block copies, each sequence's LoRA slot (where
-    the step has adapter rows), in that order."""
+    """The sizes (tokens, sequences, table width, logit rows, block copies, LoRA slots,
+    LongRoPE flags) and one flat int64 tensor: input ids, positions, slots, block tables,
+    sequence lengths, query starts, logit rows, block copies, each sequence's LoRA slot
+    (where the step has adapter rows) and long-factor flag (where some sequence has one),
+    in that order."""
     device = batch.input_ids.device
     copies = batch.block_copies if batch.block_copies is not None else torch.empty(2, 0, dtype=torch.int64,
                                                                                    device=device)
     lora = torch.tensor(batch.lora_slots or [], dtype=torch.int64, device=device)
+    long_rope = torch.tensor(batch.long_rope or [], dtype=torch.int64, device=device)
     parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables.flatten(),
-             batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten(), lora]
+             batch.seq_lens, batch.query_start_loc, batch.logits_indices, copies.flatten(), lora, long_rope]
     sizes = [batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1], batch.logits_indices.numel(),
-             copies.shape[1], lora.numel()]
+             copies.shape[1], lora.numel(), long_rope.numel()]
     return sizes, torch.cat([part.to(torch.int64) for part in parts])
 
 
 def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> ForwardBatch:
     """``pack_batch``'s inverse: the same tensors (dtypes included) and host lists."""
     seqs, width, num_copies = sizes[1], sizes[2], sizes[4]
-    input_ids, positions, slots, tables, seq_lens, starts, logits, copies, lora = torch.split(
+    input_ids, positions, slots, tables, seq_lens, starts, logits, copies, lora, long_rope = torch.split(
         flat, _payload_lengths(sizes))
     starts_list = starts.tolist()
     return ForwardBatch(
@@ -86,7 +88,8 @@ def unpack_batch(sizes: list[int], flat: torch.Tensor, block_size: int) -> Forwa
         query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:], strict=False)],
         seq_lens_list=seq_lens.tolist(), block_size=block_size,
         block_copies=copies.view(2, num_copies) if num_copies else None,
-        lora_slots=lora.tolist() if lora.numel() else None)
+        lora_slots=lora.tolist() if lora.numel() else None,
+        long_rope=[bool(flag) for flag in long_rope.tolist()] if long_rope.numel() else None)
 
 
 def _header(command: int, sizes: Iterable[int] = ()) -> torch.Tensor:
@@ -266,7 +269,7 @@ def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, d
                 return
             if command == FORWARD:
                 flat = torch.empty(sum(_payload_lengths(sizes)), dtype=torch.int64, device=group.device)
-                batch = unpack_batch(sizes[:6], group.broadcast(flat), block_size)
+                batch = unpack_batch(sizes[:7], group.broadcast(flat), block_size)
                 if batch.block_copies is not None:  # as rank 0's runner did before its forward
                     copy_blocks(shard.kv_caches, batch.block_copies)
                 if batch.lora_slots is not None:
@@ -291,8 +294,8 @@ def serve_rank(group: TensorParallelGroup, shard: RankShard, hidden_size: int, d
 
 
 def _payload_lengths(sizes: list[int]) -> list[int]:
-    tokens, seqs, width, rows, copies, lora = sizes[:6]
-    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 2 * copies, lora]
+    tokens, seqs, width, rows, copies, lora, long_rope = sizes[:7]
+    return [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 2 * copies, lora, long_rope]
 
 
 def run_worker(config: EngineConfig, placement: RankPlacement) -> None:

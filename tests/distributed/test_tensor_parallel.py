@@ -113,7 +113,7 @@ def test_the_default_model_in_three_ranks_is_transformers(default_model_referenc
 def test_one_steps_collectives_are_counted_and_exported(tiny: Path) -> None:
     """A 3-token prompt, one token out: one step. Its collectives, counted by hand for the
     tiny model (hidden 64, 2 layers, vocabulary 512 split in two, float32):
-    the step's header (7 int64) and packed batch (3 ids + 3 positions + 3 slots + a
+    the step's header (8 int64) and packed batch (3 ids + 3 positions + 3 slots + a
     1-block table + 1 length + 2 query starts + 1 logits row = 14 int64); 2 x 2 + 1
     all-reduces of [3, 64]; the logits header, the row's hidden [1, 64] and the gather
     of rank 0's [1, 256] logits."""
@@ -122,7 +122,7 @@ def test_one_steps_collectives_are_counted_and_exported(tiny: Path) -> None:
     from kvloom.server.metrics import EngineMetrics
 
     expected_calls = 2 + 5 + 3
-    expected_bytes = 7 * 8 + 14 * 8 + 5 * 3 * 64 * 4 + 7 * 8 + 64 * 4 + 256 * 4
+    expected_bytes = 8 * 8 + 14 * 8 + 5 * 3 * 64 * 4 + 8 * 8 + 64 * 4 + 256 * 4
     with LLM(str(tiny), tensor_parallel_size=2, **ENGINE) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))
         stats = llm.engine.stats()

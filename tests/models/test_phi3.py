@@ -136,3 +136,18 @@ def test_longrope_served_past_the_original_context_picks_factors_as_transformers
     together = llm.generate(prompts, params)  # and batched, each request's factors its own
     assert [list(o.outputs[0].token_ids) for o in together] == [
         hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
+
+
+def test_longrope_factors_by_token_on_two_ranks(tmp_path: Path) -> None:
+    """Every rank turns each token as rank 0 does (the flags travel with the step)."""
+    from helpers_models import hf_greedy_with_cache
+
+    path = write_tiny_hf_model(tmp_path / "phi3", arch="phi3", seed=6, max_position_embeddings=256,
+                               original_max_position_embeddings=32, rope_scaling=longrope(32, 32), **SHAPE)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    prompts = [PROMPTS[2], PROMPTS[4]]  # 17 tokens (crossing 32 as it generates), 47 (long throughout)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), dtype="float32", block_size=16, num_blocks=64, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        hf_greedy_with_cache(reference, prompt, 16) for prompt in prompts]
