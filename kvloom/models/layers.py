@@ -157,7 +157,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin_for(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos_sin`` of the batch's tokens; with two LongRoPE tables, a token's row in
         the long one where its position is past the original context or its request's
-        prompt is (``batch.long_rope``)."""
+        prompt is (``batch.long_rope``). A request's flag only ever moves its prompt's
+        tokens: its later ones lie past the original context anyway, so a decode graph
+        captured without flags (runner/cuda_graphs.py) replays every decode right."""
         if self.long_from is None:
             return self.cos_sin(batch.positions)
         long = batch.positions >= self.long_from
