@@ -12,6 +12,9 @@ size (576 wide, its vocabulary and tokenizer), and written once into
   256 plus a 32-wide rotary key per token and layer; q/k heads 64 + 32, v 64);
 - ``moe``: Mixtral's mixture of experts on SmolLM2's attention (8 experts of 384,
   top 2: half the dense FFN's work per token, 2x its weights);
+- ``gpt_oss``: ``moe``'s attention and experts as GPT-OSS has them (q/k/v/o biases,
+  sinks, a 128-token window on every other layer, a biased router's softmax over its
+  top 2, expert biases, the clamped SwiGLU): what those cost against Mixtral's;
 - ``mamba2``: Mamba2-130m's shape (768 wide, 24 mixers, no attention): a fixed state
   per request, no KV at all;
 - ``hybrid``: Bamba, SmolLM2's width and depth with 5 attention layers among 30, the
@@ -63,6 +66,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # SmolLM2's attention; each FFN 8 experts of a quarter of its width, top 2 (half its FLOPs).
     "moe": ("MixtralConfig", {**_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 384, "num_local_experts": 8,
                               "num_experts_per_tok": 2, "architectures": ["MixtralForCausalLM"]}),
+    # The same attention and experts in GPT-OSS's form (its window every other layer, sinks, biases).
+    "gpt_oss": ("GptOssConfig", {**_SMOLLM, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 384,
+                                 "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128,
+                                 "architectures": ["GptOssForCausalLM"]}),
     # Mamba2-130m's own shape (768 wide, 24 mixers, a 128-wide state per head of 64).
     "mamba2": ("Mamba2Config", {"vocab_size": 49152, "hidden_size": 768, "num_hidden_layers": 24, "state_size": 128,
                                 "head_dim": 64, "num_heads": 24, "expand": 2, "n_groups": 1, "conv_kernel": 4,
