@@ -32,6 +32,8 @@ from kvloom.server.generation import (
 )
 from kvloom.server.protocol import ChatCompletionRequest, ChatMessage
 from kvloom.server.reasoning_parsers import (
+    HARMONY_CHANNEL,
+    HARMONY_MESSAGE,
     HarmonyStream,
     OutputSplit,
     ReasoningFormat,
@@ -153,6 +155,9 @@ class Reasoning:
     budget: int | None = None  # thinking_token_budget: the most tokens its reasoning may take
     start_token_id: int | None = None
     decode: Callable[[Sequence[int]], str] | None = None
+    # Harmony's: the tokens that open the final channel (<|channel|>final<|message|>), where a
+    # constrained answer starts.
+    answer_opening: tuple[int, ...] | None = None
 
     def tokens(self, token_ids: Sequence[int]) -> int:
         """An output's reasoning tokens (usage's reasoning_tokens): those before the end
@@ -223,11 +228,16 @@ def reasoning_of(body: ChatCompletionRequest, settings: ServerSettings, info: Mo
                           "reasoning is marked by phrases or channels, not one token, so a budget cannot count it "
                           "or end it", "thinking_token_budget")
     tokenizer = info.tokenizer
+    answer_opening = None
+    if reasoning.markers == "harmony":  # its markers are the model's tokens (check_vocabulary, at start)
+        channel, message = tokenizer.token_to_id(HARMONY_CHANNEL), tokenizer.token_to_id(HARMONY_MESSAGE)
+        assert channel is not None and message is not None
+        answer_opening = (channel, *tokenizer.encode("final", add_special_tokens=False), message)
     return Reasoning(reasoning, reasoning.thinks(body.chat_template_kwargs or {}), body.include_reasoning,
                      tokenizer.token_to_id(reasoning.end), body.thinking_token_budget,
                      tokenizer.token_to_id(reasoning.start),
                      lambda ids: tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens
-                                                  and reasoning.markers != "harmony"))
+                                                  and reasoning.markers != "harmony"), answer_opening)
 
 
 def can_cap(reasoning: ReasoningFormat) -> bool:
@@ -248,12 +258,11 @@ def after_reasoning(params: SamplingParams, reasoning: Reasoning | None) -> Samp
     markers are decoded into the text (skip_special_tokens false) for the split."""
     if reasoning is not None and reasoning.format.markers in ("special", "harmony"):
         params = dataclasses.replace(params, skip_special_tokens=False)
-    if reasoning is not None and reasoning.format.markers == "harmony":
-        if params.structured is not None and reasoning.thinking:  # a grammar from the first token breaks harmony
-            raise bad_request(f"--reasoning-parser {reasoning.format.name}: constrained output (response_format, "
-                              "structured_outputs, a forced tool call) is not supported for harmony's channels yet",
-                              "response_format")
-        return params
+    if reasoning is not None and reasoning.answer_opening is not None:  # harmony: the final channel's text
+        if params.structured is None or not reasoning.thinking:
+            return params
+        return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                          after_token_id=reasoning.answer_opening))
     if reasoning is None or not reasoning.thinking or reasoning.end_token_id is None:
         return params
     opened_by_template = reasoning.format.opened_by_template

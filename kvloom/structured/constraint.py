@@ -36,8 +36,9 @@ class StructuredOutput:
     jump_forward: append the tokens the grammar forces without a model step each
         (and end the request as soon as the grammar is complete). Off only to measure it.
     after_token_id: the constraint starts after the output's first token of this id (a
-        reasoning model's ``</think>``: the reasoning is free, the answer constrained);
-        None: from the first token. Not part of the grammar (``cache_key``).
+        reasoning model's ``</think>``: the reasoning is free, the answer constrained), or
+        after it first ends with this sequence of ids (GPT-OSS's ``<|channel|>final
+        <|message|>``); None: from the first token. Not part of the grammar (``cache_key``).
     """
 
     json_schema: Mapping[str, Any] | str | None = None
@@ -47,7 +48,7 @@ class StructuredOutput:
     choice: Sequence[str] | None = None
     structural_tag: Mapping[str, Any] | str | None = None
     jump_forward: bool = True
-    after_token_id: int | None = None
+    after_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in CONSTRAINT_KINDS if self._is_set(kind)]
@@ -59,9 +60,13 @@ class StructuredOutput:
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be a bool, got {self.jump_forward!r}")
-        if self.after_token_id is not None and (isinstance(self.after_token_id, bool)
-                                                or not isinstance(self.after_token_id, int) or self.after_token_id < 0):
-            raise ValueError(f"after_token_id must be a token id (an int >= 0) or None, got {self.after_token_id!r}")
+        if self.after_token_id is not None:
+            ids = self.after_token_id if isinstance(self.after_token_id, (tuple, list)) else (self.after_token_id,)
+            if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+                raise ValueError("after_token_id must be a token id (an int >= 0), a non-empty sequence of them, "
+                                 f"or None, got {self.after_token_id!r}")
+            if isinstance(self.after_token_id, list):
+                object.__setattr__(self, "after_token_id", tuple(ids))
         kind = given[0]
         if kind == "json_schema":
             # Normalised to compact text once: it is both the cache key and the compiler input.

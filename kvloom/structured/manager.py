@@ -4,11 +4,11 @@ The ``ModelRunner`` owns one ``StructuredOutputManager``. Requests without a
 constraint never reach it, and a step whose sampling rows are all unconstrained
 costs one dict lookup per row: no bitmask is allocated, filled or applied.
 
-A constraint with ``after_token_id`` (a reasoning model's answer after its reasoning)
-waits in ``_waiting`` with its matcher unstarted: its rows are free, its drafts are cut
-before that token (so it is only ever sampled, never verified as a draft), and the
-step that samples it starts the matcher, which from then on counts the output tokens
-before it as consumed.
+A constraint with ``after_token_id`` (a reasoning model's answer after its reasoning; a
+sequence of ids: GPT-OSS's final channel) waits in ``_waiting`` with its matcher unstarted:
+its rows are free, its drafts are cut before the token that would complete the trigger (so
+that token is only ever sampled, never verified as a draft), and the step that samples it
+starts the matcher, which from then on counts the output tokens before it as consumed.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, GrammarMatcher] = {}
-        # Requests whose constraint starts after a token not yet sampled: that token's id
-        # and the matcher it will start.
-        self._waiting: dict[str, tuple[int, GrammarMatcher]] = {}
+        # Requests whose constraint starts after tokens not yet sampled: those ids (the
+        # output must end with them) and the matcher they will start.
+        self._waiting: dict[str, tuple[tuple[int, ...], GrammarMatcher]] = {}
 
     # ---- requests --------------------------------------------------------------------
     def compile(self, constraint: StructuredOutput | None, tokenizer: Tokenizer,
@@ -71,10 +71,11 @@ class StructuredOutputManager:
         assert self._compiler is not None  # it compiled `grammar`
         matcher = GrammarMatcher(request.request_id, grammar.new_matcher(), self._compiler.eos_token_ids,
                                  constraint.jump_forward)
-        if constraint.after_token_id is None:
+        trigger = constraint.after_token_id
+        if trigger is None:
             self._matchers[request.request_id] = matcher
         else:
-            self._waiting[request.request_id] = (constraint.after_token_id, matcher)
+            self._waiting[request.request_id] = (trigger if isinstance(trigger, tuple) else (trigger,), matcher)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -108,8 +109,11 @@ class StructuredOutputManager:
         tokens the grammar allows, so a rejected draft never reaches the model."""
         waiting = self._waiting.get(request.request_id)
         if waiting is not None:  # the constraint's start is sampled, never a draft
-            start = waiting[0]
-            return draft_token_ids[:draft_token_ids.index(start)] if start in draft_token_ids else draft_token_ids
+            trigger = waiting[0]
+            for index in range(len(draft_token_ids)):
+                if _ends_with(request.output_token_ids, draft_token_ids[:index + 1], trigger):
+                    return draft_token_ids[:index]
+            return draft_token_ids
         matcher = self._matchers.get(request.request_id)
         if matcher is None or not draft_token_ids:
             return draft_token_ids
@@ -187,9 +191,11 @@ class StructuredOutputManager:
         started: list[GrammarMatcher] = []
         for row, request in enumerate(requests) if self._waiting else ():
             waiting = self._waiting.get(request.request_id)
-            if waiting is not None and token_ids[row] == waiting[0]:  # the constraint starts after this token
+            if waiting is None:
+                continue
+            drafts = accepted[row] if accepted else []
+            if _ends_with(request.output_token_ids, [*drafts, token_ids[row]], waiting[0]):  # it starts after these
                 del self._waiting[request.request_id]
-                drafts = accepted[row] if accepted else []
                 waiting[1].num_consumed = request.num_output_tokens + len(drafts) + 1
                 started.append(waiting[1])
         for row, matcher in self._constrained(requests):
@@ -211,3 +217,12 @@ class StructuredOutputManager:
         for matcher in started:  # from the next step on, as any other
             self._matchers[matcher.request_id] = matcher
         return forced
+
+
+def _ends_with(output: Sequence[int], new: Sequence[int], trigger: tuple[int, ...]) -> bool:
+    """Whether ``output`` followed by ``new`` (the tokens this step adds, its last one
+    among them) ends with ``trigger``: just now, as the trigger's last token is the last new one."""
+    if not new or new[-1] != trigger[-1]:
+        return False
+    tail = [*output[max(0, len(output) - len(trigger)):], *new][-len(trigger):]
+    return tuple(tail) == trigger

@@ -3,8 +3,9 @@
 streamed in every pair of cut points; a chat response built from a tiny tokenizer that has
 harmony's special tokens (the text decoded with them, reasoning_tokens counted over the
 analysis message's tokens, whole and streamed alike); a live server whose sampled outputs
-(tokens restricted to the markers and a few words) split as the whole text does; and the
-refusals (a model without the markers, a thinking budget, a constrained answer)."""
+(tokens restricted to the markers and a few words) split as the whole text does; a
+constrained answer started at the final channel; and the refusals (a model without the
+markers, a thinking budget)."""
 
 from __future__ import annotations
 
@@ -143,14 +144,38 @@ def test_a_live_server_splits_sampled_outputs_as_their_text(harmony_model: Path)
                             for key in parts:
                                 parts[key] += streamed["delta"].get(key) or ""
             assert (parts["reasoning"] or None, parts["content"] or None) == expected, seed
-        for extra, param in (({"thinking_token_budget": 4}, "thinking_token_budget"),
-                             ({"response_format": {"type": "json_object"}}, "response_format")):
-            plain = {key: value for key, value in body.items() if key != "allowed_token_ids"}
-            refused = httpx.post(f"{live.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60)
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        plain = {key: value for key, value in body.items() if key != "allowed_token_ids"}
+        refused = httpx.post(f"{live.base_url}/v1/chat/completions", json={**plain, "thinking_token_budget": 4},
+                             timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+        constrained = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60,
+                                 json={**plain, "response_format": {"type": "json_object"}})
+        assert constrained.status_code == 200, constrained.text  # free until a final channel opens
         live.assert_idle_and_clean()
     finally:
         live.stop()
+
+
+def test_a_constrained_answer_starts_in_the_final_channel(harmony_model: Path) -> None:
+    """response_format under harmony: the grammar starts after the output first ends with
+    <|channel|>final<|message|> (StructuredOutput.after_token_id as that sequence), so the
+    analysis channel and the headers are free."""
+    import dataclasses
+
+    from kvloom.sampling_params import SamplingParams
+    from kvloom.server.serving_chat import Reasoning, after_reasoning
+    from kvloom.structured import StructuredOutput
+    from kvloom.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(harmony_model / "tokenizer.json")
+    opening = tuple(tokenizer.token_to_id(token) for token in ("<|channel|>", "final", "<|message|>"))
+    reasoning = Reasoning(HARMONY, True, True, None, None, None, None, opening)
+    params = after_reasoning(SamplingParams(structured=StructuredOutput(json_object=True)), reasoning)
+    assert params.structured is not None and params.structured.after_token_id == opening
+    assert params.skip_special_tokens is False  # the headers stay in the text for the split
+    unconstrained = after_reasoning(SamplingParams(), reasoning)
+    assert unconstrained.structured is None and dataclasses.replace(unconstrained, skip_special_tokens=True) == \
+        SamplingParams()
 
 
 def test_a_model_without_harmonys_tokens_is_refused_when_it_loads(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import json
 import random
 
 import jsonschema
+import pytest
 from structured_helpers import PERSON, SMALL, json_prompt, make_default_engine, run
 
 from kvloom import SamplingParams
@@ -106,3 +107,29 @@ def test_a_constraint_after_a_token_is_free_before_it_and_exact_under_speculatio
         engine = tiny_engine(tiny_llama, speculative_config=speculative)
         assert run(engine, {"c": (prompt, params)})["c"].outputs[0].token_ids == reference.token_ids
         assert engine.stats().num_draft_tokens > 0
+
+
+def test_a_constraint_after_a_sequence_of_tokens_starts_where_the_output_first_ends_with_it(tiny_llama) -> None:
+    """after_token_id as a sequence (GPT-OSS's <|channel|>final<|message|>): greedy, the
+    output is the unconstrained one up to the sequence's first whole appearance (its first
+    token alone starts nothing), then the regex's; the same with drafts, cut before the
+    token that would complete it."""
+    import re
+    prompt = [5, 9, 14, 27, 5, 9, 14, 27]
+    free = run(tiny_engine(tiny_llama), {"f": (prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                     ignore_eos=True))})["f"].outputs[0].token_ids
+    trigger = tuple(free[3:5])
+    first = next(i for i in range(1, len(free)) if tuple(free[i - 1:i + 1]) == trigger)  # its last token's index
+    pattern = r"(ab|cd|[0-9]{2}){2,6}"
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(regex=pattern,
+                                                                                       after_token_id=trigger))
+    reference = run(tiny_engine(tiny_llama), {"c": (prompt, params)})["c"].outputs[0]
+    assert reference.token_ids[:first + 1] == free[:first + 1]
+    answer = tiny_engine(tiny_llama).tokenizer.decode(reference.token_ids[first + 1:])
+    assert re.fullmatch(pattern, answer), answer
+    engine = tiny_engine(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_max": 2})
+    assert run(engine, {"c": (prompt, params)})["c"].outputs[0].token_ids == reference.token_ids
+    assert engine.stats().num_draft_tokens > 0
+    with pytest.raises(ValueError, match="after_token_id must be a token id"):
+        StructuredOutput(regex="a", after_token_id=())
