@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,23 @@ def write_tiny_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
     if chat_template is not None:
         tokenizer_config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    return path
+
+
+def with_renamed_tokens(path: Path, names: dict[str, str], special: Iterable[str]) -> Path:
+    """The tiny model at ``path`` with some of its padding tokens renamed (``names``: old
+    -> new, e.g. ``<|extra_0|>`` -> ``<think>``), those named in ``special`` special
+    tokens and the others ordinary ones (a decoded text keeps them)."""
+    special = set(special)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        text = (path / file).read_text()
+        for old, new in names.items():
+            text = text.replace(old, new)
+        data = json.loads(text)
+        for token in data.get("added_tokens", []) + list(data.get("added_tokens_decoder", {}).values()):
+            if token["content"] in names.values():
+                token["special"] = token["content"] in special
+        (path / file).write_text(json.dumps(data))
     return path
 
 

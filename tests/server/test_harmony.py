@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers_models import write_tiny_hf_model
+from helpers_models import with_renamed_tokens, write_tiny_hf_model
 from server_harness import ENGINE_KWARGS, start_live_server
 
 from kvloom.config import EngineConfig
@@ -70,16 +70,7 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, nine of its padding tokens renamed: harmony's six markers (special)
     and three words."""
     path = write_tiny_hf_model(tmp_path_factory.mktemp("harmony"), arch="llama")
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        text = (path / file).read_text()
-        for old, new in MARKERS.items():
-            text = text.replace(old, new)
-        data = json.loads(text)
-        for token in data.get("added_tokens", []) + list(data.get("added_tokens_decoder", {}).values()):
-            if token["content"] in WORDS:
-                token["special"] = False
-        (path / file).write_text(json.dumps(data))
-    return path
+    return with_renamed_tokens(path, MARKERS, [name for name in MARKERS.values() if name not in WORDS])
 
 
 def test_a_chat_response_splits_the_tokens_and_counts_the_analysis_ones(harmony_model: Path) -> None:

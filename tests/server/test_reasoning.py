@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers_models import write_tiny_hf_model
+from helpers_models import with_renamed_tokens, write_tiny_hf_model
 from server_harness import ENGINE_KWARGS, start_live_server
 
 from kvloom.config import EngineConfig
@@ -164,17 +164,7 @@ def test_a_prior_turns_reasoning_reaches_the_template_as_reasoning_content() -> 
 
 def with_markers(path: Path, start: str, end: str, special: bool) -> Path:
     """The tiny model at ``path``, two of its padding tokens renamed ``start`` and ``end``."""
-    names = {"<|extra_0|>": start, "<|extra_1|>": end}
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        text = (path / file).read_text()
-        for old, new in names.items():
-            text = text.replace(old, new)
-        data = json.loads(text)
-        for token in data.get("added_tokens", []) + list(data.get("added_tokens_decoder", {}).values()):
-            if token["content"] in names.values():
-                token["special"] = special
-        (path / file).write_text(json.dumps(data))
-    return path
+    return with_renamed_tokens(path, {"<|extra_0|>": start, "<|extra_1|>": end}, (start, end) if special else ())
 
 
 @pytest.fixture(scope="module")
