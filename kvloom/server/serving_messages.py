@@ -17,7 +17,7 @@ streamed, that is Anthropic's events (``message_start``, ``content_block_start``
 
 Errors have Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``,
 errors.py ``anthropic_body``). ``cache_control`` hints are accepted and change nothing:
-the radix cache keeps every prefix it can. Images, documents and server tools are refused
+the radix cache keeps every prefix it can. Images, PDF / URL documents and server tools are refused
 by name.
 """
 
@@ -144,15 +144,18 @@ def _turn(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thoughts: list[str] = []
-    allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+    allowed = {"user": ("text", "tool_result", "document"),
+               "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
     for index, block in enumerate(blocks):
         at = f"{where}[{index}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in allowed[role]:
             raise bad_request(f"{at}: {role} content blocks may be {', '.join(allowed[role])}; got {kind!r} "
-                              "(images, documents and server tools are not supported)", at)
+                              "(images and server tools are not supported)", at)
         if kind == "text":
             texts.append(_field(block, "text", str, at))
+        elif kind == "document":
+            texts.append(_document_text(block, at))
         elif kind == "tool_result":
             content = block.get("content", "")
             results.append({"role": "tool", "tool_call_id": _field(block, "tool_use_id", str, at),
@@ -172,6 +175,34 @@ def _turn(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
     if thoughts:
         message["reasoning"] = "".join(thoughts)
     return [message]
+
+
+def _document_text(block: dict[str, Any], where: str) -> str:
+    """A text document as the model reads it: its title, its context and its text,
+    separated by blank lines where given (a plain-text source's ``data``, or a content
+    source's text blocks), and a blank line before whatever follows it in the turn. PDFs,
+    URLs and files have no text here to read, and citations cannot be made: each refused
+    by name."""
+    source = _field(block, "source", dict, where)
+    kind = source.get("type")
+    if kind == "text":
+        if source.get("media_type", "text/plain") != "text/plain":
+            raise bad_request(f"{where}.source.media_type must be text/plain, got {source.get('media_type')!r}",
+                              f"{where}.source.media_type")
+        body = _field(source, "data", str, f"{where}.source")
+    elif kind == "content":
+        body = _text_of(source.get("content"), f"{where}.source.content")
+    else:
+        raise bad_request(f"{where}.source.type must be text or content (PDF, URL and file documents are not "
+                          f"supported), got {kind!r}", f"{where}.source.type")
+    citations = block.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise bad_request(f"{where}.citations: citations are not supported", f"{where}.citations")
+    parts = [block.get(name) for name in ("title", "context")]
+    for name, value in zip(("title", "context"), parts, strict=True):
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{where}.{name} must be a string, got {value!r}", f"{where}.{name}")
+    return "\n\n".join(part for part in (*parts, body) if part) + "\n\n"
 
 
 def _field(block: dict[str, Any], name: str, kind: type, where: str) -> Any:

@@ -3,8 +3,8 @@ official anthropic client on the tiny model (fp32): the text is transformers' gr
 reply to the chat the request amounts to, streamed events assemble the same message,
 stop sequences and max_tokens end it as Anthropic reports, a forced tool call is a
 tool_use block whose input validates, tool results and assistant tool calls render as
-the equivalent chat does (count_tokens against /tokenize of that chat), and errors have
-Anthropic's shape."""
+the equivalent chat does (count_tokens against /tokenize of that chat), text documents as
+their title, context and text, and errors have Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -132,6 +132,33 @@ def test_tool_use_and_tool_result_blocks_render_as_the_equivalent_chat(claude: A
     reply = claude.messages.create(model=SERVED_NAME, max_tokens=4, system="You check the weather.", tools=TOOLS,
                                    messages=conversation)
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == expected
+
+
+def test_a_text_document_is_read_as_its_title_context_and_text_before_the_question(claude: Any,
+                                                                                    http: httpx.Client) -> None:
+    """Plain-text and content sources render as the chat whose user turn holds the title,
+    the context and the text, blank lines between, then the question (count_tokens against
+    /tokenize of that chat); PDFs, URLs and citations are refused by name."""
+    documents = [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Paris is sunny."},
+         "title": "Forecast", "context": "From the morning paper."},
+        {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Rain in "},
+                                                                          {"type": "text", "text": "Lyon."}]}},
+        {"type": "text", "text": "Where is it sunny?"},
+    ]
+    chat = [{"role": "user", "content": "Forecast\n\nFrom the morning paper.\n\nParis is sunny.\n\n"
+                                        "Rain in Lyon.\n\nWhere is it sunny?"}]
+    counted = claude.messages.count_tokens(model=SERVED_NAME, messages=[{"role": "user", "content": documents}])
+    assert counted.input_tokens == http.post("/tokenize", json={"messages": chat}).json()["count"]
+    for source, field in (({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}, "source.type"),
+                          ({"type": "url", "url": "https://example.com/a.pdf"}, "source.type"),
+                          ({"type": "text", "media_type": "text/html", "data": "<p>x</p>"}, "source.media_type")):
+        refused = http.post("/v1/messages", json={"model": SERVED_NAME, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "document", "source": source}, {"type": "text", "text": "?"}]}]})
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
+    cited = http.post("/v1/messages", json={"model": SERVED_NAME, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{**documents[0], "citations": {"enabled": True}}]}]})
+    assert cited.status_code == 400 and "citations are not supported" in cited.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body, status, kind", [
