@@ -277,3 +277,21 @@ def test_a_gguf_file_with_mxfp4_experts_is_the_checkpoint(gpt_oss: Path, tmp_pat
     from_hf = LLM(str(hf_dir), dtype="float32", num_blocks=64, max_num_batched_tokens=16, block_size=16)
     assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:3], params)]
             == [o.outputs[0].token_ids for o in from_hf.generate(PROMPTS[1:3], params)])
+
+
+def test_a_prefix_hit_and_preemption_keep_transformers_tokens(gpt_oss: Path) -> None:
+    """A second prompt sharing the first's 32 leading tokens (two cached blocks: its sinks and
+    windows read them back), in a pool so small that the batch is preempted and recomputed."""
+    import transformers as hf
+    from helpers_models import hf_greedy_with_cache
+
+    reference = hf.AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.float32).eval()
+    base = PROMPTS[3][:40]
+    prompts = [base, base[:32] + PROMPTS[2][:9], PROMPTS[2]]
+    llm = LLM(str(gpt_oss), dtype="float32", block_size=16, num_blocks=7, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)  # 65 + 41 tokens: 8 blocks
+    first = llm.generate(prompts[:1], params)[0]
+    later = llm.generate(prompts[1:], params)
+    assert llm.engine.stats().num_preemptions > 0 and later[0].num_cached_tokens == 32
+    for output, prompt in zip([first, *later], prompts, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy_with_cache(reference, prompt, 24), len(prompt)
