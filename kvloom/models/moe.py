@@ -95,8 +95,9 @@ class MoERouter(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
-        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size))
-        self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
+        kept = torch.float32 if moe.router_float32 else None  # whatever the model's default dtype
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size, dtype=kept))
+        self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts, dtype=kept))
                                       if moe.score_correction_bias else None)
         self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.router_bias else None
         self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)

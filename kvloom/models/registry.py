@@ -157,6 +157,21 @@ def checkpoint_initialised() -> Iterator[None]:
             layer.reset_parameters = reset  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built here hold ``dtype`` from the start: a bf16 model never holds its
+    weights in float32 first (gpt-oss-20b's 1.8B non-expert parameters: 3.6 GB less at its
+    peak). The same numbers as building in float32 and converting: a checkpoint's tensor is
+    rounded once either way, by the copy instead of ``.to``; what a module must keep in
+    float32 (a DeepSeek router) it creates so itself. Models are built on one thread."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else saved)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def _left_to_the_checkpoint(self: nn.Module) -> None:
     """A layer's weights stay as allocated until the checkpoint's are copied in."""
 
@@ -170,7 +185,7 @@ def load_model(config: ModelConfig, max_positions: int, checkpoint: Checkpoint,
     if config.classifier is not None and config.classifier.source_tokens:  # the head's rows, by token id
         classifier = config.classifier.with_token_ids(checkpoint.tokenizer.token_to_id)
         config = dataclasses.replace(config, classifier=classifier)
-    with checkpoint_initialised():
+    with checkpoint_initialised(), default_dtype(dtype):
         model = build_model(config, max_positions, tp)
     model.load_weights(checkpoint.weights(model.weight_slice if tp.size > 1 else None))
     model.to(device=device, dtype=dtype)  # in place, as nn.Module.to is
