@@ -245,7 +245,7 @@ class HarmonyStream(OutputSplit):
                 header, text = text[:end], text[end + len(HARMONY_MESSAGE):]
                 name = _HARMONY_CHANNEL_NAME.search(header)
                 self.channel = name.group(1) if name is not None else "final"
-                self.raw = " to=" in header or header.startswith(" to=")  # a recipient: a tool call
+                self.raw = " to=" in header  # a recipient: a call to a tool (functions.NAME, python, browser)
                 if self.raw:
                     content.append(header + HARMONY_MESSAGE)
                 self.state = "body"
