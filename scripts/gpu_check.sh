@@ -38,7 +38,8 @@ stage "CUDA tests"
 tests=(tests/attention/test_triton_attention.py tests/attention/test_triton_decode_graphs.py
        tests/models/test_triton_ops.py tests/models/test_hf_parity.py
        tests/engine/test_overlap_scheduling.py tests/attention/test_optional_cuda_backends.py
-       tests/models/test_ssm_prefix_cache.py tests/models/test_deepseek.py)
+       tests/models/test_ssm_prefix_cache.py tests/models/test_deepseek.py
+       tests/attention/test_attention_sinks.py)
 [ "$quick" = 1 ] && tests=(tests/models/test_triton_ops.py)
 timeout 200 $py -m pytest -q -p no:cacheprovider "${tests[@]}" > "$out/tests.txt" 2>&1
 echo "tests rc=$?" | tee -a "$out/log.txt"
