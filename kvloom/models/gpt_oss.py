@@ -21,7 +21,6 @@ import torch
 
 from kvloom.kernels.mxfp4 import dequantize_mxfp4
 from kvloom.models.llama import LlamaForCausalLM
-from kvloom.models.sharding import TensorSlice
 
 MXFP4_PARTS = ("_blocks", "_scales")
 
@@ -29,14 +28,6 @@ MXFP4_PARTS = ("_blocks", "_scales")
 class GptOssForCausalLM(LlamaForCausalLM):
     has_score_head = False  # no GPT-OSS sequence classifier is read
     modules_only = "attention sinks and a mixture-of-experts FFN"
-
-    def weight_slice(self, hf_name: str) -> TensorSlice | None:
-        # An MXFP4 pair is cut as the tensor it stands for (only ever along the experts, its
-        # first dimension; the module cuts features).
-        for part in MXFP4_PARTS:
-            if hf_name.endswith(part):
-                return super().weight_slice(hf_name.removesuffix(part))
-        return super().weight_slice(hf_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # An MXFP4 checkpoint's experts stay 4-bit (config.moe.mxfp4_experts: SparseMoE holds them so).

@@ -192,7 +192,7 @@ class _HarmonyStream(StreamingToolParser):
                     return False  # maybe whitespace between calls: hold it
             else:
                 self._content(buffer[:end])
-            self._after_call = self._after_call and not buffer[:end].strip() and not found and not final
+            self._after_call = False  # the whitespace dropped, or the text emitted
             self._buffer, self._in_call = buffer[end:], bool(found)
             return bool(found)
         header_end = buffer.find(_HARMONY_MESSAGE)
