@@ -14,6 +14,7 @@ from typing import Any
 from kvloom.generation_config import json_object, parse_override
 from kvloom.model_families import (
     GEMMA_ARCHITECTURES,
+    GRANITE_HYBRID,
     ClassifierConfig,
     GemmaLayers,
     MLAConfig,
@@ -79,7 +80,8 @@ def _local_rope(local: dict[str, Any], local_base: Any, theta: float,
 
 
 def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
-    """The layers without rotary: all of GPT-2's and OPT's (their positions are in their embeddings), EXAONE
+    """The layers without rotary: all of GPT-2's and OPT's (their positions are in their embeddings) and Granite
+    4.0's without ``position_embedding_type`` "rope", EXAONE
     4's global ones where it has windowed ones, SmolLM3's by its no_rope_layers flags (1: the
     layer turns q and k), else every ``no_rope_layer_interval``-th layer (transformers'
     default, 4); no other family's."""
@@ -94,6 +96,8 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if arch == "Cohere2ForCausalLM":  # only its windowed layers turn the rotary (none without a window)
         kinds = hf.get("layer_types") or ()
         return tuple(i for i in range(layers) if not hf.get("sliding_window") or kinds[i] != "sliding_attention")
+    if arch == GRANITE_HYBRID:  # Granite 4.0 turns no rotary unless it says "rope" (transformers' default: none)
+        return () if hf.get("position_embedding_type") == "rope" else tuple(range(layers))
     if arch != "SmolLM3ForCausalLM":
         return ()
     interval = int(hf.get("no_rope_layer_interval", 4))
@@ -321,6 +325,9 @@ class ModelConfig:
             pattern = int(hf.get("sliding_window_pattern", 4))
             hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                         for i in range(hf["num_hidden_layers"])]}
+        if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
+            # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.
+            hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
         ssm = SSMConfig.from_hf(hf)
         if ssm is not None:  # a pure state-space model has no attention fields
             hf = ssm.attention_fields(hf)

@@ -108,9 +108,9 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
-        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, DeepSeek-V2/V3 or GPT-OSS
-        ``config.json`` (HF's defaults where a key is absent); None for any other architecture, or one
-        without a sparse layer."""
+        """The MoE of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe (and Granite 4.0's hybrid),
+        DeepSeek-V2/V3 or GPT-OSS ``config.json`` (HF's defaults where a key is absent); None for
+        any other architecture, or one without a sparse layer."""
         arch = (hf.get("architectures") or [""])[0]
         layers = range(int(hf.get("num_hidden_layers", 0)))
         act = str(hf.get("hidden_act", "silu"))
@@ -147,6 +147,16 @@ class MoEConfig:
             config = cls(num_experts=int(hf.get("num_local_experts", 8)), top_k=int(hf.get("num_experts_per_tok", 2)),
                          intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
                          norm_topk_prob=True, round_routing_weights=True, hidden_act=act)
+        elif arch == GRANITE_HYBRID:
+            # GraniteMoe's routing beside a shared MLP every token runs (``shared_mlp``, not
+            # gated); with no experts (most Granite 4.0 models) the shared MLP is a dense FFN.
+            num_experts = int(hf.get("num_local_experts", 8))  # transformers' default
+            if num_experts == 0:
+                return None
+            config = cls(num_experts=num_experts, top_k=int(hf.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
+                         norm_topk_prob=True, round_routing_weights=True, hidden_act=act,
+                         shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)))
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
         elif arch == "GptOssForCausalLM":
@@ -249,12 +259,17 @@ class MLAConfig:
                    rope_interleave=interleave, softmax_scale=scale)
 
 
-SSM_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM")
+SSM_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # IBM Granite 4.0: Bamba's layers with Granite's multipliers
+# Names of a hybrid's layer kinds in config.json's ``layer_types`` (Granite 4.0's hub configs,
+# and transformers 5's own names that it writes back).
+_HYBRID_LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+                       "full_attention": "attention"}
 
 
 @dataclass(frozen=True)
 class SSMConfig:
-    """Mamba2's state-space mixer (Mamba2, and the Mamba2 layers of the Bamba hybrid).
+    """Mamba2's state-space mixer (Mamba2, and the Mamba2 layers of the Bamba and Granite 4.0 hybrids).
     Each mixer keeps a fixed-size state per request instead of a growing KV cache: the
     causal convolution's last ``conv_kernel - 1`` inputs, ``[conv_dim, conv_kernel - 1]``,
     and the SSM state, ``[num_heads, head_dim, state_size]``. ``layer_kinds`` says which
@@ -323,7 +338,6 @@ class SSMConfig:
                        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), time_step_limit=(limit[0], limit[1]),
                        use_conv_bias=bool(hf.get("use_conv_bias", True)), use_bias=bool(hf.get("use_bias", False)),
                        residual_in_fp32=bool(hf.get("residual_in_fp32", True)), layer_kinds=("mamba",) * layers)
-        attention = set(hf.get("attn_layer_indices") or ())  # Bamba
         heads = int(hf.get("mamba_n_heads", 128))
         intermediate = int(hf.get("mamba_expand", 2) * hidden)
         head_dim = hf.get("mamba_d_head", "auto")
@@ -333,7 +347,7 @@ class SSMConfig:
                    chunk_size=int(hf.get("mamba_chunk_size", 256)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                    time_step_limit=(limit[0], limit[1]), use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
                    use_bias=bool(hf.get("mamba_proj_bias", False)),
-                   layer_kinds=tuple("attention" if i in attention else "mamba" for i in range(layers)))
+                   layer_kinds=_hybrid_layer_kinds(arch, hf, layers))
 
     def attention_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         """``hf`` with what ModelConfig requires of an attention model filled in where a
@@ -346,12 +360,26 @@ class SSMConfig:
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
 
 
+def _hybrid_layer_kinds(arch: str, hf: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Which layers of a hybrid are mixers: Bamba's ``attn_layer_indices`` attend; Granite
+    4.0 names every layer in ``layer_types`` (all mixers where absent, as transformers)."""
+    if arch != GRANITE_HYBRID:
+        attention = set(hf.get("attn_layer_indices") or ())
+        return tuple("attention" if i in attention else "mamba" for i in range(layers))
+    names = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
+    unknown = sorted({str(name) for name in names} - set(_HYBRID_LAYER_KINDS))
+    if unknown or len(names) != layers:
+        raise ValueError(f"ssm config: layer_types must name {layers} layers, each one of "
+                         f"{', '.join(_HYBRID_LAYER_KINDS)}; got {list(names)}")
+    return tuple(_HYBRID_LAYER_KINDS[name] for name in names)
+
+
 @dataclass(frozen=True)
 class Multipliers:
     """Multipliers on Llama's layers: the embedding times ``embedding``, each block's
     output times ``residual`` before it joins the residual stream, attention scores times
     ``attention`` (instead of 1/sqrt(head_dim)), the logits divided by ``logits``. IBM
-    Granite's four (``GraniteForCausalLM``), and Gemma 2 and 3's attention scale
+    Granite's four (``GraniteForCausalLM``, and Granite 4.0's hybrid), and Gemma 2 and 3's attention scale
     (``query_pre_attn_scalar`` ** -0.5; Gemma scales its embedding itself, models/gemma.py)."""
 
     embedding: float = 1.0
@@ -369,7 +397,7 @@ class Multipliers:
         if architecture in GEMMA_ARCHITECTURES:
             scalar = hf.get("query_pre_attn_scalar")  # Gemma 2 and 3's; Gemma's own is head_dim's
             return None if scalar is None else cls(attention=float(scalar) ** -0.5)
-        if architecture not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
+        if architecture not in ("GraniteForCausalLM", "GraniteMoeForCausalLM", GRANITE_HYBRID):
             return None
         attention = hf.get("attention_multiplier")
         return cls(float(hf.get("embedding_multiplier", 1.0)), float(hf.get("residual_multiplier", 1.0)),

@@ -578,7 +578,7 @@ def hf_greedy_batched(model: Any, prompts: list[list[int]], max_new_tokens: int)
 # HF model_type -> the general.architecture llama.cpp's converter gives it.
 _GGUF_FAMILY_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
                      "deepseek_v3": "deepseek2", "mamba2": "mamba2", "bamba": "granitehybrid",
-                     "granitemoe": "granitemoe", "gpt_oss": "gpt-oss"}
+                     "granitemoe": "granitemoe", "gpt_oss": "gpt-oss", "granitemoehybrid": "granitehybrid"}
 # HF module -> GGUF block part, for the families' own modules (beyond _GGUF_BLOCK).
 _GGUF_FAMILY_BLOCK = {
     **_GGUF_BLOCK, "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
@@ -664,9 +664,15 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     writer = gguf.GGUFWriter(str(out), _GGUF_FAMILY_ARCH[model_type])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
-    deepseek, mamba, bamba = model_type.startswith("deepseek"), model_type == "mamba2", model_type == "bamba"
+    deepseek, mamba = model_type.startswith("deepseek"), model_type == "mamba2"
+    granite_4 = model_type == "granitemoehybrid"
+    bamba = model_type == "bamba" or granite_4  # GraniteHybridModel writes both
     heads = config.get("num_attention_heads", 0)
     mixer = "mamba" if bamba else "mixer"  # the HF module of Mamba2's mixer
+    attention_layers = (config["attn_layer_indices"] if model_type == "bamba" else
+                        [i for i, kind in enumerate(config.get("layer_types") or ()) if kind in ("attention",
+                                                                                               "full_attention")])
+    has_experts = bool(config.get("num_local_experts"))
     if mamba:
         inner = config["expand"] * config["hidden_size"]
         writer.add_context_length(2**20)
@@ -679,11 +685,12 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         writer.add_ssm_group_count(config["n_groups"])
         writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
     else:
-        writer.add_context_length(config["max_position_embeddings"])
+        # (The converter's placeholder for a Granite 4.0 hybrid, which turns no rope.)
+        writer.add_context_length(2**20 if granite_4 else config["max_position_embeddings"])
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_head_count(heads)
         if bamba:  # GraniteHybridModel: per layer, 0 in the mixers
-            writer.add_head_count_kv([config["num_key_value_heads"] if i in config["attn_layer_indices"] else 0
+            writer.add_head_count_kv([config["num_key_value_heads"] if i in attention_layers else 0
                                       for i in range(config["num_hidden_layers"])])
         else:
             writer.add_head_count_kv(1 if deepseek and split_kv_b else config["num_key_value_heads"])
@@ -696,16 +703,19 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     if model_type in ("mixtral", "granitemoe"):
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
-    if model_type == "granitemoe":  # GraniteMoeModel: Granite's multipliers
+    if model_type in ("granitemoe", "granitemoehybrid"):  # GraniteMoeModel: Granite's multipliers
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
         writer.add_attention_scale(config["attention_multiplier"])
         writer.add_logit_scale(config["logits_scaling"])
-    elif bamba:
+    if granite_4:  # GraniteMoeSharedModel's shared width
+        writer.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
+    if bamba:
         # LlamaModel's rope dimension (GraniteModel drops head_dim), unless attn_rotary_emb.
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("attn_rotary_emb") or config["hidden_size"] // heads)
-        writer.add_rope_scaling_finetuned(True)  # Bamba uses rope
+        # Bamba uses rope; a Granite 4.0 hybrid never, whatever its config (the converter's use_rope).
+        writer.add_rope_scaling_finetuned(not granite_4)
         writer.add_ssm_conv_kernel(config["mamba_d_conv"])
         writer.add_ssm_state_size(config["mamba_d_state"])
         writer.add_ssm_group_count(config["mamba_n_groups"])
@@ -784,6 +794,15 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         if rest == "block_sparse_moe.router.layer.weight":
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", np.ascontiguousarray(array))
             continue
+        if rest.startswith("shared_mlp."):  # Granite 4.0's: the shared expert beside experts, else the MLP
+            suffix = "_shexp" if has_experts else ""
+            if rest == "shared_mlp.input_linear.weight":
+                gate, up = np.split(array, 2, axis=0)
+                writer.add_tensor(f"blk.{layer}.ffn_gate{suffix}.weight", np.ascontiguousarray(gate))
+                writer.add_tensor(f"blk.{layer}.ffn_up{suffix}.weight", np.ascontiguousarray(up))
+            else:
+                writer.add_tensor(f"blk.{layer}.ffn_down{suffix}.weight", np.ascontiguousarray(array))
+            continue
         expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
         if expert:
             stacked.setdefault((layer, _GGUF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = array
@@ -809,7 +828,8 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
             writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(k_b.transpose(0, 2, 1)))
             writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(v_b))
             continue
-        elif model_type in ("mixtral", "bamba", "granitemoe") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        elif model_type in ("mixtral", "bamba", "granitemoe", "granitemoehybrid") and module in ("self_attn.q_proj",
+                                                                                              "self_attn.k_proj"):
             array = permute_rows(array, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_FAMILY_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
     for (layer, proj), by_expert in stacked.items():

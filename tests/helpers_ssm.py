@@ -1,4 +1,4 @@
-"""Tiny random-weight state-space checkpoints (Mamba2, the Bamba hybrid) written with
+"""Tiny random-weight state-space checkpoints (Mamba2, the Bamba and Granite 4.0 hybrids) written with
 transformers' own config and model classes, and transformers' greedy tokens for them."""
 
 from __future__ import annotations
@@ -22,12 +22,25 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   initializer_range=0.1,  # 0.02 (the default) makes a tiny model repeat one token
                   bos_token_id=0, eos_token_id=2, pad_token_id=0),
+    # IBM Granite 4.0: Bamba's stack with Granite's multipliers (none of them 1, the attention's
+    # not 1/sqrt(head_dim)), routed experts beside a shared MLP of another width, and rotary
+    # (the published models have none: ``position_embedding_type=None``, a test's override).
+    "granite_hybrid": dict(hidden_size=32, intermediate_size=48, shared_intermediate_size=40, num_hidden_layers=4,
+                           layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, mamba_n_heads=4, mamba_d_state=8,
+                           mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_expand=2,
+                           num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+                           embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                           logits_scaling=2.0, max_position_embeddings=512, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False, initializer_range=0.1,
+                           bos_token_id=0, eos_token_id=2, pad_token_id=0),
 }
-_CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM")}
+_CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
+            "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}
 
 
 def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:
-    """Write a random-weight ``arch`` (mamba2 | bamba) HF directory with a tokenizer.
+    """Write a random-weight ``arch`` (mamba2 | bamba | granite_hybrid) HF directory with a tokenizer.
     Norm weights, biases and the mixers' A_log, D and dt_bias are perturbed from their
     initial values so that a loader that mixes two up is caught."""
     import transformers

@@ -1,18 +1,24 @@
-"""Bamba (``BambaForCausalLM``): Mamba2 mixers and a few attention layers, each
-followed by a gated MLP.
+"""Bamba (``BambaForCausalLM``) and IBM Granite 4.0 (``GraniteMoeHybridForCausalLM``):
+Mamba2 mixers and a few attention layers, each followed by a feed-forward block.
 
 The attention layers are Llama's (fused QKV, the paged KV pool through the attention
-backend) with Bamba's partial rotary embedding: only the first half of each head's
-dimensions rotate. The KV pool holds only the attention layers
-(``ModelConfig.num_kv_layers``): attention layer ``i`` writes pool layer
-``kv_layer[i]``, its rank among them. The mixers are Mamba2's (models/mamba2.py), with
-their state in the requests' state slots. transformers 5.24's modeling_bamba.py is
-the reference.
+backend). The KV pool holds only the attention layers (``ModelConfig.num_kv_layers``):
+attention layer ``i`` writes pool layer ``kv_layer[i]``, its rank among them. The mixers
+are Mamba2's (models/mamba2.py), with their state in the requests' state slots.
+
+Granite 4.0 is Bamba's stack with Granite's four multipliers (``config.scales``: the
+embedding's, each block's output before it joins the residual stream, the attention
+scores' instead of 1/sqrt(head_dim), the logits' divisor), its rotary over the whole
+head or, as its published models, none (``position_embedding_type``: then every layer is
+in ``config.no_rope_layers``), and as the feed-forward block either a dense gated MLP
+(its ``shared_mlp``; no experts) or GraniteMoe's routed experts beside that shared MLP
+(SparseMoE with an ungated shared expert). Bamba rotates the first half of each head.
+transformers 5.25's modeling_bamba.py and modeling_granitemoehybrid.py are the references.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,18 +28,21 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.model_families import GRANITE_HYBRID
 from kvloom.models import ssm_ops
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
+from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
+from kvloom.models.weights import WeightFiller
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it
 
 
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, kind: str) -> None:
+    def __init__(self, config: ModelConfig, kind: str, index: int) -> None:
         super().__init__()
         assert config.ssm is not None
         self.kind = kind
@@ -41,24 +50,35 @@ class BambaDecoderLayer(nn.Module):
         if kind == "mamba":
             self.mamba = Mamba2Mixer(config.hidden_size, config.ssm)
         else:
-            self.self_attn = LlamaAttention(config)  # its half-head rotary: the tables' width
+            self.self_attn = LlamaAttention(config)  # its rotary's width: the tables'
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        moe = config.moe
+        self.feed_forward: GatedMLP | SparseMoE = (
+            SparseMoE(config.hidden_size, moe) if moe is not None and moe.is_sparse(index)
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
 
 
 class BambaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         if config.ssm is None or tp.size > 1:
-            raise ValueError("BambaForCausalLM needs an SSM config and runs in one process")
+            raise ValueError(f"{config.architecture} needs an SSM config and runs in one process")
         self.config, self.ssm = config, config.ssm
+        self.granite = config.architecture == GRANITE_HYBRID
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.blocks = [BambaDecoderLayer(config, kind) for kind in config.ssm.layer_kinds]
+        self.blocks = [BambaDecoderLayer(config, kind, index) for index, kind in enumerate(config.ssm.layer_kinds)]
         self.layers = nn.ModuleList(self.blocks)  # registered; ``blocks`` is the typed view
         self.kv_layer = {layer: rank for rank, layer in enumerate(config.ssm.attention_layers)}
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(int(config.head_dim * PARTIAL_ROTARY_FACTOR), max_positions,
-                                      config.rope_theta, config.rope_scaling_dict)
+        rotary_dim = (config.rotary_dim or config.head_dim) if self.granite else int(
+            config.head_dim * PARTIAL_ROTARY_FACTOR)
+        # None where no layer turns one (Granite 4.0's published models): no table to hold.
+        self.rotary = (RotaryEmbedding(rotary_dim, max_positions, config.rope_theta, config.rope_scaling_dict)
+                       if len(config.no_rope_layers) < config.num_layers else None)
+        scales = config.scales
+        self.embedding_scale = scales.embedding if scales is not None else 1.0
+        self.residual_scale = scales.residual if scales is not None else 1.0
+        self.logits_divisor = scales.logits if scales is not None else 1.0
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings else
                                           nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
@@ -67,24 +87,32 @@ class BambaForCausalLM(nn.Module):
         """The final hidden states [tokens, hidden]; kv_caches holds the attention layers."""
         spans = ssm_ops.SSMSpans.of(batch, self.ssm.conv_kernel)
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
-        rotary = self.rotary.cos_sin_for(batch)
-        hidden = None  # the previous block's output, not yet added to the stream
+        if self.embedding_scale != 1.0:  # Granite's, in the model's dtype as HF's
+            residual = residual * self.embedding_scale
+        rotary = self.rotary.cos_sin_for(batch) if self.rotary is not None else None
+        hidden: torch.Tensor | None = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.blocks):
             normed = (layer.input_layernorm(residual) if hidden is None
-                      else layer.input_layernorm(hidden, residual))
+                      else layer.input_layernorm(self._into_residual(hidden), residual))
             if layer.kind == "mamba":
                 hidden = layer.mamba(normed, spans)
             else:
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[self.kv_layer[index]], backend, metadata)
-            hidden = layer.feed_forward(layer.pre_ff_layernorm(hidden, residual))
-        out: torch.Tensor = self.final_layernorm(hidden, residual)
+            hidden = layer.feed_forward(layer.pre_ff_layernorm(self._into_residual(hidden), residual))
+        assert hidden is not None  # a model has a layer
+        out: torch.Tensor = self.final_layernorm(self._into_residual(hidden), residual)
         return batch.final_states(out)
+
+    def _into_residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the stream: Granite's times its residual multiplier."""
+        return hidden if self.residual_scale == 1.0 else hidden * self.residual_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
 
     def allocate_state(self, num_slots: int) -> int:
         return allocate_mixer_state(self, num_slots)
@@ -100,7 +128,45 @@ class BambaForCausalLM(nn.Module):
             "feed_forward.gate_proj": ("feed_forward.gate_up_proj", 0, inter),
             "feed_forward.up_proj": ("feed_forward.gate_up_proj", inter, inter),
         }
-        load_named_weights(self, ((name.removeprefix("model."), tensor) for name, tensor in weights), fused)
+        named = ((name.removeprefix("model."), tensor) for name, tensor in weights)
+        if not self.granite:
+            load_named_weights(self, named, fused)
+            return
+        filler = WeightFiller(self)
+        load_named_weights(self, self._granite_names(named, filler), fused, filler)
+
+    def _granite_names(self, weights: Iterable[tuple[str, torch.Tensor]],
+                       filler: WeightFiller) -> Iterator[tuple[str, torch.Tensor]]:
+        """Granite 4.0's checkpoint names as Bamba's: ``norm`` is ``final_layernorm``,
+        ``post_attention_layernorm`` is ``pre_ff_layernorm``; ``shared_mlp``'s fused
+        [gate | up] ``input_linear`` and its ``output_linear`` are a dense layer's gate_up_proj
+        and down_proj, or beside experts the MoE's shared expert; ``block_sparse_moe.*``
+        (the router and the fused experts) go to the MoE, which counts what it fills into
+        ``filler``."""
+        for name, tensor in weights:
+            layer, _, inside = name.removeprefix("layers.").partition(".")
+            if not name.startswith("layers.") or not layer.isdigit():
+                yield ("final_layernorm.weight" if name == "norm.weight" else name), tensor
+                continue
+            ffn = self.blocks[int(layer)].feed_forward
+            prefix = f"layers.{layer}."
+            if inside.startswith("block_sparse_moe.") and isinstance(ffn, SparseMoE):
+                for parameter, count in ffn.load_hf(inside.removeprefix("block_sparse_moe."), tensor).items():
+                    filler.count(f"{prefix}feed_forward.{parameter}", count)
+            elif inside.startswith("shared_mlp.") and isinstance(ffn, SparseMoE):
+                if inside == "shared_mlp.input_linear.weight":  # [gate | up], as the shared expert's two halves
+                    gate, up = tensor.chunk(2, dim=0)
+                    parts = {"shared_expert.gate_proj.weight": gate, "shared_expert.up_proj.weight": up}
+                else:
+                    parts = {inside.replace("shared_mlp.output_linear", "shared_expert.down_proj"): tensor}
+                for part, value in parts.items():
+                    for parameter, count in ffn.load_hf(part, value).items():
+                        filler.count(f"{prefix}feed_forward.{parameter}", count)
+            else:
+                inside = (inside.replace("post_attention_layernorm", "pre_ff_layernorm")
+                          .replace("shared_mlp.input_linear", "feed_forward.gate_up_proj")
+                          .replace("shared_mlp.output_linear", "feed_forward.down_proj"))
+                yield prefix + inside, tensor
 
     def weight_slice(self, hf_name: str) -> None:
         return None
@@ -109,7 +175,7 @@ class BambaForCausalLM(nn.Module):
         return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
 
     def use_native_stack(self) -> str | None:
-        return "the native decoder stack walks Llama layers; Bamba mixes in Mamba2 layers"
+        return f"the native decoder stack walks Llama layers; {self.config.architecture} mixes in Mamba2 layers"
 
     def first_layers(self, num_layers: int) -> CausalLM:
         raise ValueError("layer_skip drafts are not supported for state-space models")

@@ -2,7 +2,7 @@
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
-where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (served as Bamba), phi3,
+where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (Bamba or Granite 4.0), phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
 starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense),
 exaone4, olmo (OLMo 1); where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
@@ -15,11 +15,13 @@ has ``ffn_gate_inp`` (DeepSeek's moe_layer_freq 1, Qwen2-MoE's dense layers from
 tensors), Mamba2's and Bamba's time_step_limit none and their SSD chunk size HF's
 default (256, which only changes how the scan rounds); YaRN's mscale is taken equal to
 mscale_all_dim (DeepSeek's files keep one of them; every published V2/V3 has them
-equal). granitehybrid holds two HF families: Bamba (rope, no multipliers, no experts),
-which kvloom serves, its attention layers those with a nonzero per-layer
-``attention.head_count_kv``; and IBM Granite 4.0 (GraniteMoeHybrid: experts or a shared
-expert, embedding / residual / attention / logit multipliers, mostly no rope), which is
-refused. A file that contradicts its family is refused with a ModelLoadError naming what
+equal). granitehybrid holds two HF families, their attention layers those with a nonzero per-layer
+``attention.head_count_kv``: Bamba (rope over half of each head, no multipliers, no
+experts), and IBM Granite 4.0 (GraniteMoeHybrid), told apart by what only Granite 4.0 has:
+experts beside a shared MLP, an embedding / residual / attention / logit multiplier that
+changes the model, or no rope (llama.cpp's converter writes ``rope.scaling.finetuned``
+false for every Granite 4.0 hybrid and runs it without rope, so kvloom reads it so). A
+file that contradicts its family is refused with a ModelLoadError naming what
 is missing, and so is every architecture gguf knows that kvloom does not serve (deepseek,
 mamba, qwen3next, ...).
 """
@@ -60,6 +62,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "Starcoder2ForCausalLM": "starcoder2",
@@ -72,10 +75,10 @@ _MODEL_TYPES = {
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
 
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
-# A router, routed experts or a shared expert: GraniteMoeHybrid's MoE, which Bamba lacks.
+# A router, routed experts or a shared expert: Granite 4.0's MoE, which Bamba lacks.
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?:gate_inp|\w+_exps|\w+_shexp)\.")
 # Granite's multipliers: the converter writes each only where the HF config has it
-# (GraniteMoeHybrid's, not Bamba's).
+# (Granite 4.0's, not Bamba's).
 _GRANITE_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
 
 Meta = Callable[..., Any]  # meta(key[, default]): "<arch>.<key>"; KeyError naming it if absent and no default
@@ -105,7 +108,7 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
         if arch == "mamba2":
             config = _mamba2_config(meta, shapes)
         elif arch == "granitehybrid":
-            config = _bamba_config(meta, shapes, path)
+            config = _granite_hybrid_config(meta, shapes, path)
         else:
             config = _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
@@ -380,48 +383,52 @@ def _mamba2_config(meta: Meta, shapes: dict[str, list[int]]) -> dict[str, Any]:
             "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
 
 
-def _bamba_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
-    """granitehybrid as Bamba: Mamba2 mixers in the layers whose head_count_kv is 0,
-    Llama attention (half of each head rotated) in the others, a gated MLP after each."""
+def _granite_hybrid_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+    """granitehybrid: Mamba2 mixers in the layers whose head_count_kv is 0, Llama attention
+    in the others, a gated MLP (or Granite 4.0's experts beside one) after each; Granite
+    4.0's config where the file shows one of its signs (``_granite_4_signs``), else Bamba's
+    (rope over half of each head)."""
     layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // num_heads))
-    _refuse_granite_4(meta, shapes, head_dim, path)
     attention, kv_heads = _hybrid_layers(meta("attention.head_count_kv"), layers, path)
-    # The converter writes head_dim (it does not know Bamba's partial_rotary_factor), or
-    # attn_rotary_emb where the HF config has one; transformers rotates half of each head.
-    rope = int(meta("rope.dimension_count", head_dim))
-    if rope not in (head_dim, head_dim // 2):
-        raise ModelLoadError(f"granitehybrid GGUF {path}: rope.dimension_count {rope} is neither head_dim "
-                             f"{head_dim} nor its half; Bamba rotates exactly half of each head")
     inner, ssm_heads = int(meta("ssm.inner_size")), int(meta("ssm.time_step_rank"))
     if inner % hidden or inner % ssm_heads:
         raise ModelLoadError(f"granitehybrid GGUF {path}: ssm.inner_size {inner} must be a multiple of "
                              f"embedding_length {hidden} and of ssm.time_step_rank (the mamba heads) {ssm_heads}")
     first_attention = f"blk.{attention[0]}"
     first_mamba = f"blk.{next(i for i in range(layers) if i not in attention)}"
-    return {"architectures": ["BambaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
-            "num_attention_heads": num_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "intermediate_size": int(meta("feed_forward_length")), "attn_layer_indices": attention,
-            "vocab_size": shapes["token_embd.weight"][-1],
-            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(meta("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(meta("context_length")),
-            "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // hidden,
-            "mamba_d_state": int(meta("ssm.state_size")), "mamba_n_groups": int(meta("ssm.group_count", 1)),
-            "mamba_d_conv": int(meta("ssm.conv_kernel")),
-            "mamba_conv_bias": f"{first_mamba}.ssm_conv1d.bias" in shapes,
-            "mamba_proj_bias": f"{first_mamba}.ssm_in.bias" in shapes,
-            "attention_bias": f"{first_attention}.attn_q.bias" in shapes, "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
-            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+    config = {"hidden_size": hidden, "num_hidden_layers": layers,
+              "num_attention_heads": num_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+              "vocab_size": shapes["token_embd.weight"][-1],
+              "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+              "rope_theta": float(meta("rope.freq_base", 10000.0)),
+              "max_position_embeddings": int(meta("context_length")),
+              "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // hidden,
+              "mamba_d_state": int(meta("ssm.state_size")), "mamba_n_groups": int(meta("ssm.group_count", 1)),
+              "mamba_d_conv": int(meta("ssm.conv_kernel")),
+              "mamba_conv_bias": f"{first_mamba}.ssm_conv1d.bias" in shapes,
+              "mamba_proj_bias": f"{first_mamba}.ssm_in.bias" in shapes,
+              "attention_bias": f"{first_attention}.attn_q.bias" in shapes,
+              "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+    if _granite_4_signs(meta, shapes, head_dim):
+        return {**config, **_granite_4_fields(meta, shapes, head_dim, attention, layers, path)}
+    # The converter writes head_dim (it does not know Bamba's partial_rotary_factor), or
+    # attn_rotary_emb where the HF config has one; transformers rotates half of each head.
+    rope = int(meta("rope.dimension_count", head_dim))
+    if rope not in (head_dim, head_dim // 2):
+        raise ModelLoadError(f"granitehybrid GGUF {path}: rope.dimension_count {rope} is neither head_dim "
+                             f"{head_dim} nor its half; Bamba rotates exactly half of each head")
+    return {**config, "architectures": ["BambaForCausalLM"], "attn_layer_indices": attention,
+            "intermediate_size": int(meta("feed_forward_length")), "mlp_bias": "blk.0.ffn_gate.bias" in shapes}
 
 
-def _refuse_granite_4(meta: Meta, shapes: dict[str, list[int]], head_dim: int, path: Path) -> None:
-    """A granitehybrid file from GraniteMoeHybrid (IBM Granite 4.0), not Bamba: experts,
-    a multiplier that changes the model, or no rope (llama.cpp reads an absent
+def _granite_4_signs(meta: Meta, shapes: dict[str, list[int]], head_dim: int) -> list[str]:
+    """What marks a granitehybrid file as IBM Granite 4.0's (GraniteMoeHybrid), not Bamba's:
+    experts, a multiplier that changes the model, or no rope (llama.cpp reads an absent
     rope.scaling.finetuned as no rope)."""
     signs = []
-    if meta("expert_count", None) is not None:
+    if meta("expert_count", None) is not None:  # the converter writes it for Granite 4.0, 0 without experts
         signs.append(f"expert_count {meta('expert_count')}")
     experts = sorted(name for name in shapes if _EXPERT_TENSOR.match(name))
     if experts:
@@ -435,10 +442,37 @@ def _refuse_granite_4(meta: Meta, shapes: dict[str, list[int]], head_dim: int, p
             signs.append(f"{key} {value}")
     if not meta("rope.scaling.finetuned", False):
         signs.append("rope.scaling.finetuned false or absent (no rope)")
-    if signs:
-        raise ModelLoadError(f"granitehybrid GGUF {path} is IBM Granite 4.0 (GraniteMoeHybrid) "
-                             f"({', '.join(signs)}): kvloom serves the Bamba form of granitehybrid "
-                             "(no experts, no multipliers, rope)")
+    return signs
+
+
+def _granite_4_fields(meta: Meta, shapes: dict[str, list[int]], head_dim: int, attention: list[int],
+                      layers: int, path: Path) -> dict[str, Any]:
+    """Granite 4.0's own config.json fields: its layer kinds, multipliers, rope or none, and
+    its feed-forward block: experts (``ffn_*_exps``, the router ``ffn_gate_inp``) beside the
+    shared MLP (``ffn_*_shexp``), or the shared MLP alone as a dense MLP (``ffn_gate``, ...),
+    the widths read from those tensors."""
+    experts = int(meta("expert_count", 0) or 0)
+    if experts:
+        wanted = ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_shexp.weight")
+        missing = [name for name in wanted if name not in shapes]
+        if missing:
+            raise ModelLoadError(f"granitehybrid GGUF {path}: expert_count {experts} but no {', '.join(missing)} "
+                                 "(Granite 4.0's experts sit beside a shared MLP in every layer)")
+        widths = {"intermediate_size": shapes[wanted[0]][1], "shared_intermediate_size": shapes[wanted[1]][1],
+                  "num_experts_per_tok": int(meta("expert_used_count"))}
+    else:
+        if "blk.0.ffn_gate.weight" not in shapes:
+            raise ModelLoadError(f"granitehybrid GGUF {path}: Granite 4.0 without experts needs its shared MLP "
+                                 "as blk.N.ffn_gate / ffn_up / ffn_down")
+        widths = {"intermediate_size": int(meta("feed_forward_length")),
+                  "shared_intermediate_size": shapes["blk.0.ffn_gate.weight"][1]}
+    return {"architectures": ["GraniteMoeHybridForCausalLM"],
+            "layer_types": ["attention" if i in attention else "mamba" for i in range(layers)],
+            "position_embedding_type": "rope" if meta("rope.scaling.finetuned", False) else None,
+            "embedding_multiplier": float(meta("embedding_scale", 1.0)),
+            "residual_multiplier": float(meta("residual_scale", 1.0)),
+            "attention_multiplier": float(meta("attention.scale", head_dim ** -0.5)),
+            "logits_scaling": float(meta("logit_scale", 1.0)), "num_local_experts": experts, **widths}
 
 
 def _hybrid_layers(head_count_kv: Any, layers: int, path: Path) -> tuple[list[int], int]:
@@ -448,13 +482,13 @@ def _hybrid_layers(head_count_kv: Any, layers: int, path: Path) -> tuple[list[in
     wrong = ("the wrong length" if len(counts) != layers else "no attention layer" if not attention
              else "no mamba layer" if len(attention) == layers else None)
     if wrong:
-        raise ModelLoadError(f"granitehybrid GGUF {path}: Bamba needs attention.head_count_kv per layer "
+        raise ModelLoadError(f"granitehybrid GGUF {path}: a hybrid needs attention.head_count_kv per layer "
                              f"({layers} of them), nonzero in the attention layers and 0 in the mamba layers, "
                              f"at least one of each; the file's {counts} has {wrong}")
     kv_heads = {counts[i] for i in attention}
     if len(kv_heads) > 1:
         raise ModelLoadError(f"granitehybrid GGUF {path}: the attention layers' head_count_kv differ "
-                             f"({counts}); Bamba has one num_key_value_heads")
+                             f"({counts}); a hybrid has one num_key_value_heads")
     return attention, kv_heads.pop()
 
 

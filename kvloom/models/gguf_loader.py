@@ -4,7 +4,7 @@ Every tensor is dequantized to float32 with ``gguf.quants``; the engine never ru
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
-granitehybrid (Bamba; IBM Granite 4.0's files, the same architecture name, are refused) and
+granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name) and
 gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
 into transformers' fused tensor).
 
@@ -31,7 +31,9 @@ converter (convert_hf_to_gguf.py) undone exactly:
   context_length (2**20) is the converter's placeholder and is dropped.
 - Bamba: its mixers (HF ``mamba.``) are stored as Mamba2's, its attention layers and
   MLPs under the Llama names (``pre_ff_layernorm`` as ``ffn_norm``), its final norm as
-  ``output_norm``.
+  ``output_norm``. Granite 4.0 the same, its fused shared MLP split into gate and up
+  (``ffn_{gate,up,down}_shexp`` beside experts, ``ffn_{gate,up,down}`` without), its
+  fused experts into ``ffn_{gate,up,down}_exps``.
 
 The config each file implies is built in ``gguf_config.py``.
 """
@@ -56,7 +58,9 @@ from kvloom.tokenizer import Tokenizer
 __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_config", "gguf_tokenizer", "gguf_weights",
            "num_weights", "open_gguf", "permute_rows"]
 
+# (Granite 4.0's too: its converter permutes them though the model turns no rotary.)
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
+                "GraniteMoeHybridForCausalLM",
                 "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM", "OlmoForCausalLM",
                 "ArceeForCausalLM"}
 
@@ -128,6 +132,12 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down": "feed_forward.down_proj", "ffn_norm": "pre_ff_layernorm", **_mixer("mamba")},
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
+# Granite 4.0: Bamba's, its second norm under the hub's name, and its experts (Mixtral's per-expert
+# names, inside block_sparse_moe) beside a shared MLP; without experts the shared MLP is ffn_gate/up/down.
+_BLOCK_NAMES["GraniteMoeHybridForCausalLM"] = {
+    **_BLOCK_NAMES["BambaForCausalLM"], "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "block_sparse_moe.router.layer", **_experts("block_sparse_moe.experts", "w1", "w3", "w2"),
+    **_shared("block_sparse_moe.shared_expert")}
 _BLOCK_NAMES["GraniteForCausalLM"] = _BLOCK_NAMES["SmolLM3ForCausalLM"] = _ATTENTION_BLOCK
 _BLOCK_NAMES["Ernie4_5ForCausalLM"] = _ATTENTION_BLOCK  # its q/k rows as HF's (adjacent rotary pairs, not permuted)
 _BLOCK_NAMES["OlmoForCausalLM"] = _ATTENTION_BLOCK  # (OLMo 1's norms have no tensors)

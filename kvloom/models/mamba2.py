@@ -207,11 +207,12 @@ def allocate_mixer_state(model: nn.Module, num_slots: int) -> int:
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       fused: dict[str, tuple[str, int, int]]) -> None:
+                       fused: dict[str, tuple[str, int, int]], filler: WeightFiller | None = None) -> None:
     """Copy tensors named as ``model``'s parameters in; ``fused`` maps a name fragment
     to (our fused parameter's fragment, row offset, rows). Raises on an unknown name, a
-    wrong shape or a parameter left unset."""
-    filler = WeightFiller(model)
+    wrong shape or a parameter left unset (``filler``: one that ``weights`` also fills as
+    it is read)."""
+    filler = WeightFiller(model) if filler is None else filler
     for name, tensor in weights:
         if name == "lm_head.weight" and "lm_head.weight" not in filler:
             continue  # tied: the embedding table is the head

@@ -108,6 +108,7 @@ ARCHITECTURES: dict[str, str] = {
     "StableLmForCausalLM": "kvloom.models.stablelm:StableLmForCausalLM",
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # IBM Granite 4.0: Bamba's stack
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
 }
