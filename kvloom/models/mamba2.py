@@ -90,11 +90,9 @@ class Mamba2Mixer(nn.Module):
         longer chunks one request at a time; every final state back into its slot."""
         y = torch.empty_like(x)
         if spans.decode_tokens.numel():
-            tokens, slots = spans.decode_tokens, spans.slots[spans.decode_requests]
-            stored = self.ssm_state[slots]  # a copy, updated in place, then stored back
-            stored[~spans.has_state_mask[spans.decode_requests]] = 0  # a 1-token prompt starts from zero
-            y[tokens] = ssm_ops.selective_state_update_(stored, x[tokens], dt[tokens], A, B[tokens], C[tokens], D)
-            self.ssm_state.index_copy_(0, slots, stored)
+            tokens, requests = spans.decode_tokens, spans.decode_requests
+            y[tokens] = ssm_ops.decode_update_(self.ssm_state, spans.slots[requests], spans.has_state_mask[requests],
+                                               x[tokens], dt[tokens], A, B[tokens], C[tokens], D)
         for i in spans.prefill_requests:
             start, end, slot = spans.token_starts[i], spans.token_starts[i] + spans.lengths[i], spans.slots[i]
             initial = self.ssm_state[slot] if spans.has_state[i] else torch.zeros_like(self.ssm_state[0])

@@ -1,4 +1,5 @@
-"""The arithmetic of a Mamba2 mixer over a flat, mixed batch: pure PyTorch.
+"""The arithmetic of a Mamba2 mixer over a flat, mixed batch: pure PyTorch, and the
+decode step's native kernel where it builds.
 
 Each request's tokens are contiguous in the flat batch; each request owns a state
 slot (cache/state_pool.py) where every mixer layer keeps, between steps, its causal
@@ -9,7 +10,9 @@ prefill, a decode) from the slot's stored state, and leaves its own final state 
 - ``causal_conv``: the depthwise causal convolution of every token at once, windows
   reaching back into the stored inputs.
 - ``selective_state_update``: one recurrent step for a batch of requests; applied
-  token by token (``sequential_scan``) it is the reference of the scan.
+  token by token (``sequential_scan``) it is the reference of the scan. ``decode_update_``
+  runs it for a decode step against the layer's slots, natively on a CPU
+  (kernels/ssm.py, one pass over each state) and by the reference elsewhere.
 - ``ssd_scan``: the chunked state-space-duality form of the same scan (Mamba2's
   prefill algorithm, as transformers' ``torch_forward`` computes it), tested against
   the sequential one; the model uses it for chunks of more than one token.
@@ -21,6 +24,7 @@ limits (0, inf) the clamp changes nothing).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +123,33 @@ def selective_state_update_(state: torch.Tensor, x: torch.Tensor, dt: torch.Tens
     flat.baddbmm_(x.reshape(n * heads, head_dim, 1), (dt[..., None] * B).reshape(n * heads, 1, d_state))
     y = torch.bmm(flat, C.reshape(n * heads, d_state, 1)).view(n, heads, head_dim)
     return y + x * D[:, None]
+
+
+def decode_update_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
+                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """The decode step of ``n`` requests against the layer's slots: ``state`` [slots, heads,
+    head_dim, d_state] updated in place at rows ``slots`` [n], a request whose
+    ``has_state`` [n] (bool) is False starting from zeros; the rest as
+    ``selective_state_update``. Returns y [n, heads, head_dim]. On a CPU with a float32
+    state, one native pass over each state (kernels/ssm.py); elsewhere the reference:
+    gathered, updated (``selective_state_update_``) and stored back."""
+    if state.device.type == "cpu" and state.dtype == torch.float32 and _native_decode():
+        from kvloom.kernels import ssm
+
+        return ssm.ssm_decode_(state, slots, has_state.to(torch.int32), x.contiguous(), dt.contiguous(),
+                               A.contiguous(), B.contiguous(), C.contiguous(), D.contiguous())
+    stored = state[slots]  # a copy, updated in place, then stored back
+    stored[~has_state] = 0  # a 1-token prompt starts from zero
+    y = selective_state_update_(stored, x, dt, A, B, C, D)
+    state.index_copy_(0, slots, stored)
+    return y
+
+
+@functools.cache
+def _native_decode() -> bool:
+    from kvloom.kernels import ssm
+
+    return ssm.available()
 
 
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from kvloom import native
-from kvloom.kernels import cpu_ops, decoder_stack, gemm, mxfp4, native_op, paged_attention, sampling  # noqa: F401 (declares its op)
+from kvloom.kernels import (  # noqa: F401 (declares its op)
+    cpu_ops,
+    decoder_stack,
+    gemm,
+    mxfp4,
+    native_op,
+    paged_attention,
+    sampling,
+    ssm,
+)
 
 OPS = native_op.OPS
 ISA = gemm.supported_isas()[0] if gemm.supported_isas() else "avx2"
@@ -52,6 +61,14 @@ def mxfp4_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
     scales = torch.randint(120, 130, (20, 2), generator=generator, dtype=torch.uint8)
     return (randn(4, 64, dtype=dtype, seed=10), blocks, scales, randn(20, dtype=dtype, seed=11) if bias else None,
             mxfp4.default_isa())
+
+
+def ssm_decode_args() -> tuple[Any, ...]:
+    """Three requests in slots 3, 0 and 2 of 4 (the second from a zero state): 2 heads of 4
+    dims, a state of 8."""
+    return (randn(4, 2, 4, 8, seed=12), torch.tensor([3, 0, 2]), torch.tensor([1, 0, 1], dtype=torch.int32),
+            randn(3, 2, 4, seed=13), randn(3, 2, seed=14).abs(), -randn(2, seed=15).abs(), randn(3, 2, 8, seed=16),
+            randn(3, 2, 8, seed=17), randn(2, seed=18))
 
 
 def rotary_args(dtype: torch.dtype) -> tuple[Any, ...]:
@@ -92,6 +109,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
+    "ssm_decode_": [ssm_decode_args],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
@@ -135,6 +153,9 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("mxfp4_linear", "scales", lambda a: a.__setitem__(2, a[2][:10].contiguous()), r"must be \[20, 2\]"),
     ("mxfp4_linear", "bias", lambda a: a.__setitem__(3, a[3][:10]), r"one value per output, \[20\]"),
     ("mxfp4_linear", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("ssm_decode_", "x", lambda a: a.__setitem__(3, a[3][:, :, :3].contiguous()), r"must have shape \[3, 2, 4\]"),
+    ("ssm_decode_", "B", lambda a: a.__setitem__(6, a[6][:2].contiguous()), r"must have shape \[3, 2, 8\]"),
+    ("ssm_decode_", "has_state", lambda a: a.__setitem__(2, a[2][:2].contiguous()), r"must have shape \[3\]"),
     ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
     ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
     ("apply_token_bitmask_", "rows", lambda a: a.__setitem__(1, a[1][:1]), "one row of logits per bitmask row"),
@@ -318,7 +339,7 @@ def test_declaration_mistakes_are_refused_before_anything_registers(declaration:
 def test_kernels_import_nothing_above_them() -> None:
     code = ("import sys\nimport kvloom.kernels.cpu_ops, kvloom.kernels.decoder_stack, kvloom.kernels.gemm, "
             "kvloom.kernels.mxfp4, kvloom.kernels.paged_attention, "
-            "kvloom.kernels.sampling\n"
+            "kvloom.kernels.sampling, kvloom.kernels.ssm\n"
             "print(' '.join(m for m in sys.modules if m.split('.')[:2] in (['kvloom', 'models'], "
             "['kvloom', 'attention'], ['kvloom', 'runner'], ['kvloom', 'engine'], ['kvloom', 'server'])))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
