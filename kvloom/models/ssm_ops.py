@@ -126,7 +126,8 @@ def selective_state_update_(state: torch.Tensor, x: torch.Tensor, dt: torch.Tens
 
 
 def decode_update_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor) -> torch.Tensor:
     """The decode step of ``n`` requests against the layer's slots: ``state`` [slots, heads,
     head_dim, d_state] updated in place at rows ``slots`` [n], a request whose
     ``has_state`` [n] (bool) is False starting from zeros; the rest as
