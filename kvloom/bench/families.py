@@ -84,7 +84,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite4": ("GraniteMoeHybridConfig", {
         **_SMOLLM, "num_key_value_heads": 3, "shared_intermediate_size": _SMOLLM["intermediate_size"],
         "num_local_experts": 0, "position_embedding_type": None,
-        "layer_types": ["attention" if i % 6 == 5 else "mamba" for i in range(_SMOLLM["num_hidden_layers"])],
+        "layer_types": ["attention" if i % 6 == 5 else "mamba" for i in range(30)],  # SmolLM2's 30 layers
         "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4,
         "mamba_expand": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.015625, "logits_scaling": 8.0, "architectures": ["GraniteMoeHybridForCausalLM"]}),
