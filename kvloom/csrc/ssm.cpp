@@ -1,5 +1,6 @@
-// Mamba2's decode step on a CPU: one recurrent step of the selective scan for every
-// request of a batch, each request's SSM state updated in place in its state slot.
+// Mamba2's mixer on a CPU: the decode step's recurrence (one step of the selective scan
+// for every request of a batch, each request's SSM state updated in place in its state
+// slot) and the causal convolution of any batch (below).
 //
 // The pure-PyTorch path (models/ssm_ops.py: gather the slots' states, zero the fresh
 // ones, decay, add the input's outer product, contract with C, scatter back) moves the
@@ -10,9 +11,12 @@
 // compiler's vector order (tests/kernels/test_ssm_kernels.py holds it to the reference).
 // Each (request, head) is one thread's whole and sums in one fixed order, so a request's
 // result does not depend on the batch it came in.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <omp.h>
+
+#include "simd.h"
 
 extern "C" {
 
@@ -56,6 +60,86 @@ void kvloom_ssm_decode(float* state, const int64_t* slots, const int32_t* has_st
       yr[p] = acc + xp * D[h];
     }
   }
+}
+
+}  // extern "C"
+
+// Mamba2's depthwise causal convolution over a flat batch, before its activation: each
+// request's channels convolved over its stored last k - 1 inputs (zeros where it starts
+// from a zero state) followed by its chunk's tokens, and its slot's stored inputs left as
+// the last k - 1 of that sequence. Replaces the reference's gather, mask, concatenation,
+// window gather, product, sum and scatter (models/ssm_ops.causal_conv) by one pass; the
+// sum over the k taps is in float32 in tap order, the bias added after, the result
+// rounded to the activations' dtype (the reference's order, up to fma contraction).
+//
+// xbc, out: [tokens, channels] (T: float or bf16); weight_t: [k, channels] float32;
+// bias: [channels] float32 or nullptr; conv_state: [slots, channels, k - 1] (T);
+// starts, lengths, slots: [n] int64; has_state: [n] int32.
+template <typename T>
+static void causal_conv(const T* xbc, const float* weight_t, const float* bias, T* conv_state,
+                        const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                        const int32_t* has_state, T* out, int64_t n, int64_t channels, int64_t k,
+                        int num_threads) {
+  using kvloom_simd::from_float;
+  using kvloom_simd::to_float;
+  const int64_t tail = k - 1;
+  // Work items: (request, a block of 64 channels); each writes only its own outputs and
+  // its own slot's channels, so any split gives the same bits.
+  constexpr int64_t BLOCK = 64;
+  const int64_t blocks = (channels + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(n * blocks > 1 ? num_threads : 1)
+  for (int64_t item = 0; item < n * blocks; ++item) {
+    const int64_t i = item / blocks, c0 = item % blocks * BLOCK, width = std::min(channels - c0, BLOCK);
+    T* stored = conv_state + (slots[i] * channels + c0) * tail;
+    const T* tokens = xbc + starts[i] * channels + c0;
+    const int64_t length = lengths[i];
+    const bool fresh = has_state[i] == 0;
+    // The stored inputs of this block, oldest first, as float ([tail][BLOCK]; zeros if fresh).
+    float old[16][BLOCK];
+    for (int64_t m = 0; m < tail; ++m)
+      for (int64_t c = 0; c < width; ++c) old[m][c] = fresh ? 0.0f : to_float(stored[c * tail + m]);
+    for (int64_t t = 0; t < length; ++t) {
+      float acc[BLOCK] = {};
+      for (int64_t w = 0; w < k; ++w) {  // taps in order: position t - tail + w of the sequence
+        const int64_t j = t - tail + w;
+        const float* tap = weight_t + w * channels + c0;
+        if (j >= 0) {
+          const T* row = tokens + j * channels;
+          for (int64_t c = 0; c < width; ++c) acc[c] += to_float(row[c]) * tap[c];
+        } else {
+          const float* row = old[tail + j];
+          for (int64_t c = 0; c < width; ++c) acc[c] += row[c] * tap[c];
+        }
+      }
+      T* dst = out + (starts[i] + t) * channels + c0;
+      for (int64_t c = 0; c < width; ++c) from_float(bias ? acc[c] + bias[c0 + c] : acc[c], dst + c);
+    }
+    // The new stored inputs: the last k - 1 of the sequence (a short chunk's come partly
+    // from the old ones, which ``old`` holds).
+    for (int64_t m = 0; m < tail; ++m) {
+      const int64_t j = length - tail + m;
+      for (int64_t c = 0; c < width; ++c) {
+        const float v = j >= 0 ? to_float(tokens[j * channels + c]) : old[tail + j][c];
+        from_float(v, stored + c * tail + m);
+      }
+    }
+  }
+}
+
+extern "C" {
+
+void kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float* bias, float* conv_state,
+                            const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                            const int32_t* has_state, float* out, int64_t n, int64_t channels, int64_t k,
+                            int num_threads) {
+  causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, num_threads);
+}
+
+void kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, const float* bias, uint16_t* conv_state,
+                             const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                             const int32_t* has_state, uint16_t* out, int64_t n, int64_t channels, int64_t k,
+                             int num_threads) {
+  causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, num_threads);
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
-"""Mamba2's decode step (kvloom/csrc/ssm.cpp): ``kvloom::ssm_decode_``, one recurrent step
-of the selective scan for a batch of requests, their float32 SSM states updated in place
-in their state slots. models/ssm_ops.py calls it on CPU and keeps the pure-PyTorch
-reference (``selective_state_update``, the oracle in tests/kernels/test_ssm_kernels.py,
-and what runs where this source does not build or the state is not float32 on a CPU)."""
+"""Mamba2's mixer on a CPU (kvloom/csrc/ssm.cpp): ``kvloom::ssm_decode_``, one recurrent
+step of the selective scan for a batch of requests, their float32 SSM states updated in
+place in their state slots, and ``kvloom::causal_conv``, the depthwise causal convolution
+of a flat batch over and into the slots' stored inputs. models/ssm_ops.py calls them on CPU
+and keeps the pure-PyTorch references (``selective_state_update`` and ``causal_conv``, the
+oracles in tests/kernels/test_ssm_kernels.py, and what runs where this source does not
+build or the tensors are not the kernels')."""
 
 from __future__ import annotations
 
@@ -74,3 +76,77 @@ def ssm_decode_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tenso
     0 starts from zeros), x [n, heads, head_dim], dt [n, heads] (after softplus), A and D
     [heads], B and C [n, heads, d_state], all float32. Returns y [n, heads, head_dim]."""
     return SSM_DECODE.call(state, slots, has_state, x, dt, A, B, C, D)
+
+
+# ---- the causal convolution of a flat batch ---------------------------------------------
+_VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_CONV_KERNEL = 17  # the stored inputs' buffer in ssm.cpp holds 16
+
+CAUSAL_CONV = NativeOp(
+    "causal_conv(Tensor xbc, Tensor weight_t, Tensor? bias, Tensor(a!) conv_state, Tensor starts, Tensor lengths, "
+    "Tensor slots, Tensor has_state) -> Tensor",
+    library="ssm", variants=("f32", "bf16"),
+    native="kvloom_causal_conv_{variant}(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, "
+           "Tensor out, int n, int channels, int k, int32 num_threads) -> ()",
+    tensors={"xbc": TensorSpec(2, (torch.float32, torch.bfloat16)), "weight_t": TensorSpec(2, _F32),
+             "bias": TensorSpec(1, _F32), "conv_state": TensorSpec(3, like="xbc"),
+             "starts": TensorSpec(1, (torch.int64,)), "lengths": TensorSpec(1, (torch.int64,)),
+             "slots": TensorSpec(1, (torch.int64,)), "has_state": TensorSpec(1, (torch.int32,))},
+)
+
+
+@CAUSAL_CONV.check
+def _causal_conv_check(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                       conv_state: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                       has_state: torch.Tensor) -> None:
+    channels = xbc.shape[1]
+    k = weight_t.shape[0]
+    if weight_t.shape[1] != channels or not 2 <= k <= MAX_CONV_KERNEL:
+        raise CAUSAL_CONV.error("weight_t", f"must be [k, {channels}] with k in [2, {MAX_CONV_KERNEL}], got "
+                                            f"{list(weight_t.shape)}")
+    if bias is not None and bias.shape[0] != channels:
+        raise CAUSAL_CONV.error("bias", f"must hold one value per channel ({channels}), got {bias.shape[0]}")
+    if tuple(conv_state.shape[1:]) != (channels, k - 1):
+        raise CAUSAL_CONV.error("conv_state", f"must be [slots, {channels}, {k - 1}], got {list(conv_state.shape)}")
+    n = slots.shape[0]
+    for name, tensor in (("starts", starts), ("lengths", lengths), ("has_state", has_state)):
+        if tensor.shape[0] != n:
+            raise CAUSAL_CONV.error(name, f"must hold one value per request ({n}, as slots), got {tensor.shape[0]}")
+
+
+@CAUSAL_CONV.implementation
+def _causal_conv_cpu(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                     starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor) -> torch.Tensor:
+    # The values are data, which a fake tensor does not have: checked here, where they are.
+    if slots.shape[0]:
+        if not (0 <= int(slots.min()) and int(slots.max()) < conv_state.shape[0]):
+            raise CAUSAL_CONV.error("slots", f"must lie in [0, {conv_state.shape[0]}), got {slots.tolist()}")
+        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > xbc.shape[0]:
+            raise CAUSAL_CONV.error("starts", f"and lengths must name spans of the {xbc.shape[0]} tokens, got "
+                                              f"{starts.tolist()} and {lengths.tolist()}")
+    out = torch.empty_like(xbc)
+    CAUSAL_CONV.function(_VARIANT[xbc.dtype])(
+        xbc.data_ptr(), weight_t.data_ptr(), 0 if bias is None else bias.data_ptr(), conv_state.data_ptr(),
+        starts.data_ptr(), lengths.data_ptr(), slots.data_ptr(), has_state.data_ptr(), out.data_ptr(),
+        slots.shape[0], xbc.shape[1], weight_t.shape[0], torch.get_num_threads())
+    return out
+
+
+@CAUSAL_CONV.fake
+def _causal_conv_fake(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                      starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                      has_state: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(xbc)
+
+
+def causal_conv(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                has_state: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution of ``n`` requests' tokens, ``xbc`` [tokens, channels]
+    (float32 or bf16; request i's ``lengths[i]`` tokens from row ``starts[i]``), with
+    ``weight_t`` [k, channels] and ``bias`` [channels] (float32), over each request's stored
+    inputs in ``conv_state`` [slots, channels, k - 1] (xbc's dtype; row ``slots[i]``; zeros
+    where ``has_state[i]`` is 0), which it then replaces with the sequence's last k - 1.
+    Returns [tokens, channels] in xbc's dtype, before the activation."""
+    return CAUSAL_CONV.call(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state)

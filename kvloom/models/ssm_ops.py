@@ -8,7 +8,8 @@ A chunk that starts at token 0 starts from a zero state; a later chunk (chunked
 prefill, a decode) from the slot's stored state, and leaves its own final state there.
 
 - ``causal_conv``: the depthwise causal convolution of every token at once, windows
-  reaching back into the stored inputs.
+  reaching back into the stored inputs (natively on a CPU; ``causal_conv_reference``
+  elsewhere).
 - ``selective_state_update``: one recurrent step for a batch of requests; applied
   token by token (``sequential_scan``) it is the reference of the scan. ``decode_update_``
   runs it for a decode step against the layer's slots, natively on a CPU
@@ -45,6 +46,10 @@ class SSMSpans:
     has_state: list[bool]  # the chunk continues from the slot's state (it starts past token 0)
     slots: torch.Tensor  # [n] int64
     has_state_mask: torch.Tensor  # [n] bool
+    # The same as tensors, for the native convolution: [n] int64, int64, int32.
+    starts_tensor: torch.Tensor
+    lengths_tensor: torch.Tensor
+    has_state_int: torch.Tensor
     conv_windows: torch.Tensor  # [tokens, k] rows of the extended sequence, oldest first
     conv_tails: torch.Tensor  # [n, k - 1] rows that become each request's stored inputs
     decode_requests: torch.Tensor  # [d] requests whose chunk is one token: scanned together
@@ -76,6 +81,7 @@ class SSMSpans:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(starts, lengths, has_state, batch.state_slots, tensor(has_state, torch.bool),
+                   tensor(starts, torch.int64), tensor(lengths, torch.int64), tensor(has_state, torch.int32),
                    tensor(windows, torch.int64), tensor(tails, torch.int64), tensor(decodes, torch.int64),
                    tensor([starts[i] for i in decodes], torch.int64),
                    [i for i, length in enumerate(lengths) if length > 1])
@@ -86,7 +92,22 @@ def causal_conv(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The depthwise causal convolution (before its activation) of the step's tokens,
     ``xbc`` [tokens, channels], with ``weight`` [channels, k]; stores each request's last
     ``k - 1`` inputs in ``conv_state`` [slots, channels, k - 1]. Returns [tokens,
-    channels] in xbc's dtype (summed in float32)."""
+    channels] in xbc's dtype (summed in float32). On a CPU one native pass
+    (kernels/ssm.py); elsewhere ``causal_conv_reference``."""
+    if (xbc.device.type == "cpu" and xbc.dtype in (torch.float32, torch.bfloat16) and conv_state.dtype == xbc.dtype
+            and _native_ssm() and weight.shape[1] <= _max_native_kernel()):
+        from kvloom.kernels import ssm
+
+        return ssm.causal_conv(xbc.contiguous(), weight.t().float().contiguous(),
+                               None if bias is None else bias.float(), conv_state, spans.starts_tensor,
+                               spans.lengths_tensor, spans.slots, spans.has_state_int)
+    return causal_conv_reference(xbc, weight, bias, conv_state, spans)
+
+
+def causal_conv_reference(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
+    """``causal_conv`` in PyTorch: the stored inputs gathered and joined to the tokens,
+    each token's window gathered, multiplied and summed."""
     channels, kernel = weight.shape
     stored = conv_state[spans.slots]  # [n, channels, k - 1]
     stored = torch.where(spans.has_state_mask[:, None, None], stored, torch.zeros((), dtype=stored.dtype))
@@ -134,7 +155,7 @@ def decode_update_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Te
     ``selective_state_update``. Returns y [n, heads, head_dim]. On a CPU with a float32
     state, one native pass over each state (kernels/ssm.py); elsewhere the reference:
     gathered, updated (``selective_state_update_``) and stored back."""
-    if state.device.type == "cpu" and state.dtype == torch.float32 and _native_decode():
+    if state.device.type == "cpu" and state.dtype == torch.float32 and _native_ssm():
         from kvloom.kernels import ssm
 
         return ssm.ssm_decode_(state, slots, has_state.to(torch.int32), x.contiguous(), dt.contiguous(),
@@ -147,10 +168,16 @@ def decode_update_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Te
 
 
 @functools.cache
-def _native_decode() -> bool:
+def _native_ssm() -> bool:
     from kvloom.kernels import ssm
 
     return ssm.available()
+
+
+def _max_native_kernel() -> int:
+    from kvloom.kernels import ssm
+
+    return ssm.MAX_CONV_KERNEL
 
 
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -71,6 +71,14 @@ def ssm_decode_args() -> tuple[Any, ...]:
             randn(3, 2, 8, seed=17), randn(2, seed=18))
 
 
+def causal_conv_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
+    """Two requests of 3 and 1 tokens in slots 2 and 0 of 3 (the first from a zero state),
+    6 channels, a 4-tap kernel."""
+    return (randn(4, 6, dtype=dtype, seed=19), randn(4, 6, seed=20), randn(6, seed=21) if bias else None,
+            randn(3, 6, 3, dtype=dtype, seed=22), torch.tensor([0, 3]), torch.tensor([3, 1]), torch.tensor([2, 0]),
+            torch.tensor([0, 1], dtype=torch.int32))
+
+
 def rotary_args(dtype: torch.dtype) -> tuple[Any, ...]:
     # Rows strided (the fused qkv output: q and k are a prefix of each row) are welcome.
     qkv = randn(5, 200, dtype=dtype, seed=6)[:, :128]
@@ -110,6 +118,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "gemm_bf16": [gemm_args],
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
     "ssm_decode_": [ssm_decode_args],
+    "causal_conv": [lambda: causal_conv_args(torch.bfloat16), lambda: causal_conv_args(torch.float32, bias=False)],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
@@ -156,6 +165,11 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("ssm_decode_", "x", lambda a: a.__setitem__(3, a[3][:, :, :3].contiguous()), r"must have shape \[3, 2, 4\]"),
     ("ssm_decode_", "B", lambda a: a.__setitem__(6, a[6][:2].contiguous()), r"must have shape \[3, 2, 8\]"),
     ("ssm_decode_", "has_state", lambda a: a.__setitem__(2, a[2][:2].contiguous()), r"must have shape \[3\]"),
+    ("causal_conv", "weight_t", lambda a: a.__setitem__(1, a[1][:, :5].contiguous()), r"must be \[k, 6\]"),
+    ("causal_conv", "bias", lambda a: a.__setitem__(2, a[2][:5]), "one value per channel"),
+    ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :, :2].contiguous()),
+     r"must be \[slots, 6, 3\]"),
+    ("causal_conv", "lengths", lambda a: a.__setitem__(5, a[5][:1]), "one value per request"),
     ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
     ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
     ("apply_token_bitmask_", "rows", lambda a: a.__setitem__(1, a[1][:1]), "one row of logits per bitmask row"),

@@ -66,14 +66,17 @@ def batch_of(query_lens: list[int], seq_lens: list[int], slots: list[int]) -> Fo
         block_size=16, state_slots=torch.tensor(slots, dtype=torch.int64))
 
 
-def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence() -> None:
+@pytest.mark.parametrize("conv", [ssm_ops.causal_conv, ssm_ops.causal_conv_reference], ids=["native", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence(conv, dtype: torch.dtype) -> None:
     """Two requests in a mixed batch: one prefilled in chunks of 5, 1, 3 tokens, the
-    other decoding one token at a time after a 2-token prompt (shorter than the kernel)."""
+    other decoding one token at a time after a 2-token prompt (shorter than the kernel).
+    In bf16 the inputs are bf16 numbers and the output is float32's rounded once."""
     channels, kernel = 6, 4
     g = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(channels, kernel, generator=g), torch.randn(channels, generator=g)
-    seqs = {0: torch.randn(9, channels, generator=g), 1: torch.randn(6, channels, generator=g)}
-    conv_state = torch.full((3, channels, kernel - 1), 7.0)  # stale state of an earlier owner
+    seqs = {0: torch.randn(9, channels, generator=g).to(dtype), 1: torch.randn(6, channels, generator=g).to(dtype)}
+    conv_state = torch.full((3, channels, kernel - 1), 7.0, dtype=dtype)  # stale state of an earlier owner
     slots = {0: 2, 1: 0}
     chunks = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 3, 1: 1}, {1: 1}, {1: 1}]
     done = {0: 0, 1: 0}
@@ -82,13 +85,15 @@ def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence() -> None:
         order = list(step)
         batch = batch_of([step[r] for r in order], [done[r] + step[r] for r in order], [slots[r] for r in order])
         xbc = torch.cat([seqs[r][done[r]:done[r] + step[r]] for r in order])
-        out = ssm_ops.causal_conv(xbc, weight, bias, conv_state, ssm_ops.SSMSpans.of(batch, kernel))
+        out = conv(xbc, weight, bias, conv_state, ssm_ops.SSMSpans.of(batch, kernel))
+        assert out.dtype == dtype
         for r, piece in zip(order, out.split([step[r] for r in order]), strict=True):
             outputs[r].append(piece)
             done[r] += step[r]
     for r, seq in seqs.items():
-        expected = F.conv1d(seq.t()[None], weight[:, None, :], bias, padding=kernel - 1, groups=channels)
-        torch.testing.assert_close(torch.cat(outputs[r]), expected[0, :, :seq.shape[0]].t(), rtol=1e-5, atol=1e-5)
+        expected = F.conv1d(seq.float().t()[None], weight[:, None, :], bias, padding=kernel - 1, groups=channels)
+        torch.testing.assert_close(torch.cat(outputs[r]), expected[0, :, :seq.shape[0]].t().to(dtype),
+                                   rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
         # The slot holds the last k - 1 inputs.
         torch.testing.assert_close(conv_state[slots[r]], seq[-(kernel - 1):].t())
 
