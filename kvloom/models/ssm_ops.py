@@ -197,11 +197,14 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     """[..., l] -> [..., l, l]: entry (i, j) is a[j+1] + ... + a[i] for i >= j (0 on the
     diagonal), -inf above it; by masked cumulative sums (stable, no differences)."""
     length = a.shape[-1]
-    expanded = a[..., None].expand(*a.shape, length)  # [..., l (k), l (j)]: a[k]
-    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
-    sums = torch.cumsum(expanded.masked_fill(~below, 0), dim=-2)
-    lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
-    return sums.masked_fill(~lower, -torch.inf)
+    # Built transposed, [..., l (j), l (k)], so that the running sums run along the
+    # contiguous last dim (a cumsum across rows is several times slower on a CPU); the
+    # additions are the same, in the same order.
+    expanded = a[..., None, :].expand(*a.shape[:-1], length, length)  # [..., j, k]: a[k]
+    above = torch.triu(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=1)
+    sums = torch.cumsum(expanded.masked_fill(~above, 0), dim=-1)  # [..., j, i]: a[j+1] + ... + a[i]
+    upper = torch.triu(torch.ones(length, length, dtype=torch.bool, device=a.device))
+    return sums.masked_fill_(~upper, -torch.inf).transpose(-1, -2)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -215,25 +218,28 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     chunk_size = min(chunk_size, length)
     pad = (-length) % chunk_size
 
-    def blocks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [chunks, chunk_size, ...], zero-padded
-        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).reshape(-1, chunk_size, *t.shape[1:])
+    # Head-major throughout ([h, c, l, ...]): every product below is a batched matmul over
+    # (head, block) on views, with no permuted copies (the token-major form spent as long
+    # copying as multiplying on a CPU).
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [L, h, ...] -> [h, chunks, chunk_size, ...], zero-padded
+        padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return padded.reshape(-1, chunk_size, *t.shape[1:]).movedim(2, 0).contiguous()
 
-    xs = blocks(x * dt[..., None])  # [c, l, h, p]
-    decays = blocks(A * dt).permute(2, 0, 1)  # [h, c, l]
-    Bs, Cs = blocks(B), blocks(C)  # [c, l, h, n]
+    xs = blocks(x * dt[..., None])  # [h, c, l, p]
+    decays = blocks(A * dt)  # [h, c, l]
+    Bs, Cs = blocks(B), blocks(C)  # [h, c, l, n]
     cumulative = torch.cumsum(decays, dim=-1)  # [h, c, l]
     # 1. Within each block: y_l = sum_{s <= l} (C_l . B_s) exp(A_s+1 + ... + A_l) x_s dt_s.
-    mask = torch.exp(segment_sum(decays))  # [h, c, l, s]
-    scores = torch.einsum("clhn,cshn->clsh", Cs, Bs) * mask.permute(1, 2, 3, 0)
-    y_diag = torch.einsum("clsh,cshp->clhp", scores, xs)
+    scores = torch.matmul(Cs, Bs.transpose(-1, -2)) * torch.exp(segment_sum(decays))  # [h, c, l, s]
+    y_diag = torch.matmul(scores, xs)  # [h, c, l, p]
     # 2. Each block's own contribution to the state at its end.
     to_end = torch.exp(cumulative[..., -1:] - cumulative)  # [h, c, l]
-    block_states = torch.einsum("clhn,clhp->chpn", Bs * to_end.permute(1, 2, 0)[..., None], xs)
+    block_states = torch.matmul(xs.transpose(-1, -2), Bs * to_end[..., None])  # [h, c, p, n]
     # 3. The state entering each block: the initial state and earlier blocks', decayed.
-    block_states = torch.cat([state[None].to(block_states.dtype), block_states])  # [c + 1, h, p, n]
+    block_states = torch.cat([state[:, None].to(block_states.dtype), block_states], dim=1)  # [h, c + 1, p, n]
     between = torch.exp(segment_sum(F.pad(cumulative[..., -1], (1, 0))))  # [h, c + 1, c + 1]
-    entering = torch.einsum("hij,jhpn->ihpn", between, block_states)  # [c + 1, h, p, n]
+    entering = torch.matmul(between, block_states.flatten(2)).view_as(block_states)  # [h, c + 1, p, n]
     # 4. What the entering state adds to each position of its block.
-    y_off = torch.einsum("clhn,chpn->clhp", Cs, entering[:-1]) * torch.exp(cumulative).permute(1, 2, 0)[..., None]
-    y = (y_diag + y_off).reshape(-1, heads, head_dim)[:length]  # [L, h, p]
-    return y + x * D[:, None], entering[-1]
+    y_off = torch.matmul(Cs, entering[:, :-1].transpose(-1, -2)) * torch.exp(cumulative)[..., None]  # [h, c, l, p]
+    y = (y_diag + y_off).flatten(1, 2)[:, :length].transpose(0, 1)  # [L, h, p]
+    return y + x * D[:, None], entering[:, -1]
