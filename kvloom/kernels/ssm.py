@@ -1,8 +1,8 @@
-"""Mamba2's mixer on a CPU (kvloom/csrc/ssm.cpp): ``kvloom::ssm_decode_``, one recurrent
-step of the selective scan for a batch of requests, their float32 SSM states updated in
-place in their state slots, and ``kvloom::causal_conv``, the depthwise causal convolution
+"""Mamba2's mixer on a CPU (kvloom/csrc/ssm.cpp): ``kvloom::ssm_scan_``, the selective
+scan of a flat batch (prompts' chunks and decodes alike), each request's float32 SSM state
+updated in place in its state slot, and ``kvloom::causal_conv``, the depthwise causal convolution
 of a flat batch over and into the slots' stored inputs. models/ssm_ops.py calls them on CPU
-and keeps the pure-PyTorch references (``selective_state_update`` and ``causal_conv``, the
+and keeps the pure-PyTorch references (``sequential_scan`` and ``causal_conv``, the
 oracles in tests/kernels/test_ssm_kernels.py, and what runs where this source does not
 build or the tensors are not the kernels')."""
 
@@ -17,65 +17,77 @@ _F32 = (torch.float32,)
 
 def available() -> bool:
     """Whether ssm.cpp builds here."""
-    return SSM_DECODE.available()
+    return SSM_SCAN.available()
 
 
-SSM_DECODE = NativeOp(
-    "ssm_decode_(Tensor(a!) state, Tensor slots, Tensor has_state, Tensor x, Tensor dt, Tensor A, Tensor B, "
-    "Tensor C, Tensor D) -> Tensor",
+SSM_SCAN = NativeOp(
+    "ssm_scan_(Tensor(a!) state, Tensor slots, Tensor has_state, Tensor starts, Tensor lengths, Tensor x, Tensor dt, "
+    "Tensor A, Tensor B, Tensor C, Tensor D) -> Tensor",
     library="ssm",
-    native="kvloom_ssm_decode(state, slots, has_state, x, dt, A, B, C, D, Tensor y, int n, int heads, int head_dim, "
-           "int d_state, int32 num_threads) -> ()",
+    native="kvloom_ssm_scan(state, slots, has_state, starts, lengths, x, dt, A, B, C, D, Tensor y, int n, int heads, "
+           "int head_dim, int d_state, int32 num_threads) -> ()",
     tensors={"state": TensorSpec(4, _F32), "slots": TensorSpec(1, (torch.int64,)),
-             "has_state": TensorSpec(1, (torch.int32,)), "x": TensorSpec(3, _F32), "dt": TensorSpec(2, _F32),
+             "has_state": TensorSpec(1, (torch.int32,)), "starts": TensorSpec(1, (torch.int64,)),
+             "lengths": TensorSpec(1, (torch.int64,)), "x": TensorSpec(3, _F32), "dt": TensorSpec(2, _F32),
              "A": TensorSpec(1, _F32), "B": TensorSpec(3, _F32), "C": TensorSpec(3, _F32), "D": TensorSpec(1, _F32)},
 )
 
 
-@SSM_DECODE.check
-def _ssm_decode_check(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                      dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> None:
+@SSM_SCAN.check
+def _ssm_scan_check(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor,
+                    lengths: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    C: torch.Tensor, D: torch.Tensor) -> None:
     _, heads, head_dim, d_state = state.shape
-    n = slots.shape[0]
-    expected = {"has_state": (n,), "x": (n, heads, head_dim), "dt": (n, heads), "A": (heads,),
-                "B": (n, heads, d_state), "C": (n, heads, d_state), "D": (heads,)}
-    given = {"has_state": has_state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D}
+    n, tokens = slots.shape[0], x.shape[0]
+    expected = {"has_state": (n,), "starts": (n,), "lengths": (n,), "x": (tokens, heads, head_dim),
+                "dt": (tokens, heads), "A": (heads,), "B": (tokens, heads, d_state), "C": (tokens, heads, d_state),
+                "D": (heads,)}
+    given = {"has_state": has_state, "starts": starts, "lengths": lengths, "x": x, "dt": dt, "A": A, "B": B, "C": C,
+             "D": D}
     for name, shape in expected.items():
         if tuple(given[name].shape) != shape:
-            raise SSM_DECODE.error(name, f"must have shape {list(shape)} (the state's heads {heads}, head_dim "
-                                         f"{head_dim}, d_state {d_state}; {n} requests), got "
-                                         f"{list(given[name].shape)}")
+            raise SSM_SCAN.error(name, f"must have shape {list(shape)} (the state's heads {heads}, head_dim "
+                                       f"{head_dim}, d_state {d_state}; {n} requests, {tokens} tokens), got "
+                                       f"{list(given[name].shape)}")
 
 
-@SSM_DECODE.implementation
-def _ssm_decode_cpu(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                    D: torch.Tensor) -> torch.Tensor:
-    # The slots' values are data, which a fake tensor does not have: checked here, where they are.
-    if slots.shape[0] and not (0 <= int(slots.min()) and int(slots.max()) < state.shape[0]):
-        raise SSM_DECODE.error("slots", f"must lie in [0, {state.shape[0]}), got {slots.tolist()}")
+@SSM_SCAN.implementation
+def _ssm_scan_cpu(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor,
+                  lengths: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    # The values are data, which a fake tensor does not have: checked here, where they are.
+    if slots.shape[0]:
+        if not (0 <= int(slots.min()) and int(slots.max()) < state.shape[0]):
+            raise SSM_SCAN.error("slots", f"must lie in [0, {state.shape[0]}), got {slots.tolist()}")
+        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > x.shape[0]:
+            raise SSM_SCAN.error("starts", f"and lengths must name spans of the {x.shape[0]} tokens, got "
+                                           f"{starts.tolist()} and {lengths.tolist()}")
     y = torch.empty_like(x)
-    n, heads, head_dim = x.shape
-    SSM_DECODE.function()(state.data_ptr(), slots.data_ptr(), has_state.data_ptr(), x.data_ptr(), dt.data_ptr(),
-                          A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), y.data_ptr(), n, heads, head_dim,
-                          state.shape[3], torch.get_num_threads())
+    _, heads, head_dim = x.shape
+    SSM_SCAN.function()(state.data_ptr(), slots.data_ptr(), has_state.data_ptr(), starts.data_ptr(),
+                        lengths.data_ptr(), x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+                        D.data_ptr(), y.data_ptr(), slots.shape[0], heads, head_dim, state.shape[3],
+                        torch.get_num_threads())
     return y
 
 
-@SSM_DECODE.fake
-def _ssm_decode_fake(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                     dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                     D: torch.Tensor) -> torch.Tensor:
+@SSM_SCAN.fake
+def _ssm_scan_fake(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor,
+                   lengths: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def ssm_decode_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    """One token of each of ``n`` requests: ``state`` [slots, heads, head_dim, d_state]
-    updated in place at rows ``slots`` [n] (int64; a request with ``has_state`` [n] int32
-    0 starts from zeros), x [n, heads, head_dim], dt [n, heads] (after softplus), A and D
-    [heads], B and C [n, heads, d_state], all float32. Returns y [n, heads, head_dim]."""
-    return SSM_DECODE.call(state, slots, has_state, x, dt, A, B, C, D)
+def ssm_scan_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor,
+              lengths: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """The scan of ``n`` requests' chunks (request i's ``lengths[i]`` tokens from row
+    ``starts[i]``; int64), token by token from ``state`` [slots, heads, head_dim, d_state]
+    at row ``slots[i]`` (int64; zeros where ``has_state[i]``, int32, is 0), which it
+    leaves there: x [tokens, heads, head_dim], dt [tokens, heads] (after softplus), A and
+    D [heads], B and C [tokens, heads, d_state], all float32. Returns y [tokens, heads,
+    head_dim]."""
+    return SSM_SCAN.call(state, slots, has_state, starts, lengths, x, dt, A, B, C, D)
 
 
 # ---- the causal convolution of a flat batch ---------------------------------------------

@@ -46,8 +46,10 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(ssm.num_heads))
         self.norm = RMSNorm(ssm.intermediate_size, ssm.norm_eps)  # the gated norm's weight
         self.out_proj = nn.Linear(ssm.intermediate_size, hidden_size, bias=ssm.use_bias)
-        # How a chunk of more than one token is scanned: "ssd" (chunked) or "sequential".
-        self.prefill_scan = "ssd"
+        # How a step is scanned: "native" (kernels/ssm.py, every chunk token by token in one
+        # call, where it runs: a float32 state on a CPU; else "ssd"), or by the references:
+        # decodes batched, each longer chunk by "ssd" (chunked) or "sequential".
+        self.prefill_scan = "native"
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
 
@@ -86,19 +88,24 @@ class Mamba2Mixer(nn.Module):
 
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               D: torch.Tensor, spans: ssm_ops.SSMSpans) -> torch.Tensor:
-        """y [tokens, heads, head_dim]: one-token chunks (decodes) in one batched step,
-        longer chunks one request at a time; every final state back into its slot."""
+        """y [tokens, heads, head_dim], every final state back into its slot: natively in one
+        call, or one-token chunks (decodes) in one batched step of the reference and
+        longer chunks one request at a time."""
+        if self.prefill_scan == "native" and ssm_ops.native_scan_applies(self.ssm_state):
+            return ssm_ops.scan_native_(self.ssm_state, spans, x, dt, A, B, C, D)
         y = torch.empty_like(x)
         if spans.decode_tokens.numel():
-            tokens, requests = spans.decode_tokens, spans.decode_requests
-            y[tokens] = ssm_ops.decode_update_(self.ssm_state, spans.slots[requests], spans.has_state_mask[requests],
-                                               x[tokens], dt[tokens], A, B[tokens], C[tokens], D)
+            tokens, slots = spans.decode_tokens, spans.slots[spans.decode_requests]
+            stored = self.ssm_state[slots]  # a copy, updated in place, then stored back
+            stored[~spans.has_state_mask[spans.decode_requests]] = 0  # a 1-token prompt starts from zero
+            y[tokens] = ssm_ops.selective_state_update_(stored, x[tokens], dt[tokens], A, B[tokens], C[tokens], D)
+            self.ssm_state.index_copy_(0, slots, stored)
         for i in spans.prefill_requests:
             start, end, slot = spans.token_starts[i], spans.token_starts[i] + spans.lengths[i], spans.slots[i]
             initial = self.ssm_state[slot] if spans.has_state[i] else torch.zeros_like(self.ssm_state[0])
             args = (x[start:end], dt[start:end], A, B[start:end], C[start:end], D, initial)
-            y[start:end], final = (ssm_ops.ssd_scan(*args, self.ssm.chunk_size) if self.prefill_scan == "ssd"
-                                   else ssm_ops.sequential_scan(*args))
+            y[start:end], final = (ssm_ops.sequential_scan(*args) if self.prefill_scan == "sequential"
+                                   else ssm_ops.ssd_scan(*args, self.ssm.chunk_size))
             self.ssm_state[slot] = final
         return y
 

@@ -11,12 +11,14 @@ prefill, a decode) from the slot's stored state, and leaves its own final state 
   reaching back into the stored inputs (natively on a CPU; ``causal_conv_reference``
   elsewhere).
 - ``selective_state_update``: one recurrent step for a batch of requests; applied
-  token by token (``sequential_scan``) it is the reference of the scan. ``decode_update_``
-  runs it for a decode step against the layer's slots, natively on a CPU
-  (kernels/ssm.py, one pass over each state) and by the reference elsewhere.
+  token by token (``sequential_scan``) it is the reference of the scan.
+  ``scan_native_`` runs that recurrence for a whole step (prompts' chunks and decodes)
+  against the layer's slots in one native call on a CPU (kernels/ssm.py), each state
+  staying in cache across its chunk.
 - ``ssd_scan``: the chunked state-space-duality form of the same scan (Mamba2's
   prefill algorithm, as transformers' ``torch_forward`` computes it), tested against
-  the sequential one; the model uses it for chunks of more than one token.
+  the sequential one; the model uses it for chunks of more than one token where the
+  native scan does not run.
 
 Numbers follow transformers' Mamba2 (scan in float32; softplus(dt + dt_bias), clamped
 to ``time_step_limit``, which transformers applies only to prefill: with the default
@@ -146,25 +148,23 @@ def selective_state_update_(state: torch.Tensor, x: torch.Tensor, dt: torch.Tens
     return y + x * D[:, None]
 
 
-def decode_update_(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, x: torch.Tensor,
-                   dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   D: torch.Tensor) -> torch.Tensor:
-    """The decode step of ``n`` requests against the layer's slots: ``state`` [slots, heads,
-    head_dim, d_state] updated in place at rows ``slots`` [n], a request whose
-    ``has_state`` [n] (bool) is False starting from zeros; the rest as
-    ``selective_state_update``. Returns y [n, heads, head_dim]. On a CPU with a float32
-    state, one native pass over each state (kernels/ssm.py); elsewhere the reference:
-    gathered, updated (``selective_state_update_``) and stored back."""
-    if state.device.type == "cpu" and state.dtype == torch.float32 and _native_ssm():
-        from kvloom.kernels import ssm
+def native_scan_applies(state: torch.Tensor) -> bool:
+    """Whether ``scan_native_`` runs on this layer's state: a float32 state on a CPU where
+    kernels/ssm.py builds."""
+    return state.device.type == "cpu" and state.dtype == torch.float32 and _native_ssm()
 
-        return ssm.ssm_decode_(state, slots, has_state.to(torch.int32), x.contiguous(), dt.contiguous(),
-                               A.contiguous(), B.contiguous(), C.contiguous(), D.contiguous())
-    stored = state[slots]  # a copy, updated in place, then stored back
-    stored[~has_state] = 0  # a 1-token prompt starts from zero
-    y = selective_state_update_(stored, x, dt, A, B, C, D)
-    state.index_copy_(0, slots, stored)
-    return y
+
+def scan_native_(state: torch.Tensor, spans: SSMSpans, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """Every request's chunk of the step scanned token by token from its slot in ``state``
+    (zeros where it has none) in one native call, each final state left in its slot;
+    x [tokens, heads, head_dim], dt [tokens, heads], B and C [tokens, heads, d_state]
+    float32, A and D [heads]. Returns y [tokens, heads, head_dim]."""
+    from kvloom.kernels import ssm
+
+    return ssm.ssm_scan_(state, spans.slots, spans.has_state_int, spans.starts_tensor, spans.lengths_tensor,
+                         x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
+                         D.contiguous())
 
 
 @functools.cache

@@ -63,12 +63,12 @@ def mxfp4_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
             mxfp4.default_isa())
 
 
-def ssm_decode_args() -> tuple[Any, ...]:
-    """Three requests in slots 3, 0 and 2 of 4 (the second from a zero state): 2 heads of 4
-    dims, a state of 8."""
+def ssm_scan_args() -> tuple[Any, ...]:
+    """Three requests in slots 3, 0 and 2 of 4 (the second from a zero state), chunks of 2,
+    1 and 1 tokens: 2 heads of 4 dims, a state of 8."""
     return (randn(4, 2, 4, 8, seed=12), torch.tensor([3, 0, 2]), torch.tensor([1, 0, 1], dtype=torch.int32),
-            randn(3, 2, 4, seed=13), randn(3, 2, seed=14).abs(), -randn(2, seed=15).abs(), randn(3, 2, 8, seed=16),
-            randn(3, 2, 8, seed=17), randn(2, seed=18))
+            torch.tensor([0, 2, 3]), torch.tensor([2, 1, 1]), randn(4, 2, 4, seed=13), randn(4, 2, seed=14).abs(),
+            -randn(2, seed=15).abs(), randn(4, 2, 8, seed=16), randn(4, 2, 8, seed=17), randn(2, seed=18))
 
 
 def causal_conv_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
@@ -117,7 +117,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
-    "ssm_decode_": [ssm_decode_args],
+    "ssm_scan_": [ssm_scan_args],
     "causal_conv": [lambda: causal_conv_args(torch.bfloat16), lambda: causal_conv_args(torch.float32, bias=False)],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
@@ -162,9 +162,9 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("mxfp4_linear", "scales", lambda a: a.__setitem__(2, a[2][:10].contiguous()), r"must be \[20, 2\]"),
     ("mxfp4_linear", "bias", lambda a: a.__setitem__(3, a[3][:10]), r"one value per output, \[20\]"),
     ("mxfp4_linear", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
-    ("ssm_decode_", "x", lambda a: a.__setitem__(3, a[3][:, :, :3].contiguous()), r"must have shape \[3, 2, 4\]"),
-    ("ssm_decode_", "B", lambda a: a.__setitem__(6, a[6][:2].contiguous()), r"must have shape \[3, 2, 8\]"),
-    ("ssm_decode_", "has_state", lambda a: a.__setitem__(2, a[2][:2].contiguous()), r"must have shape \[3\]"),
+    ("ssm_scan_", "x", lambda a: a.__setitem__(5, a[5][:, :, :3].contiguous()), r"must have shape \[4, 2, 4\]"),
+    ("ssm_scan_", "B", lambda a: a.__setitem__(8, a[8][:2].contiguous()), r"must have shape \[4, 2, 8\]"),
+    ("ssm_scan_", "lengths", lambda a: a.__setitem__(4, a[4][:2].contiguous()), r"must have shape \[3\]"),
     ("causal_conv", "weight_t", lambda a: a.__setitem__(1, a[1][:, :5].contiguous()), r"must be \[k, 6\]"),
     ("causal_conv", "bias", lambda a: a.__setitem__(2, a[2][:5]), "one value per channel"),
     ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :, :2].contiguous()),

@@ -1,9 +1,10 @@
-"""Mamba2's decode kernel (kvloom/csrc/ssm.cpp) against its pure-PyTorch reference
-(models/ssm_ops.selective_state_update): the outputs and the states left in the slots
-agree to float32 rounding, for requests in any slots, some from a zero state (their old
-slot contents unread); slots no request names are not touched; a request's bits do not
-depend on the batch; a slot outside the state is refused by name. The model-level
-tests (Mamba2, Bamba, Granite 4.0 against transformers) run it on every decode step."""
+"""Mamba2's scan kernel (kvloom/csrc/ssm.cpp) against its pure-PyTorch reference
+(models/ssm_ops.sequential_scan, one request at a time): the outputs and the states left
+in the slots agree to float32 rounding for a batch of prompt chunks and decodes in any
+slots, some from a zero state (their old slot contents unread); slots no request names are
+not touched; a request's bits do not depend on the batch; spans and slots outside their
+tensors are refused by name. The model-level tests (Mamba2, Bamba, Granite 4.0 against
+transformers) run it on every step."""
 
 from __future__ import annotations
 
@@ -16,63 +17,67 @@ from kvloom.models import ssm_ops
 pytestmark = pytest.mark.skipif(not ssm.available(), reason="ssm.cpp does not build here")
 
 
-def inputs(n: int, heads: int, head_dim: int, d_state: int, slots: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def inputs(tokens: int, heads: int, head_dim: int, d_state: int, slots: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"state": torch.randn(slots, heads, head_dim, d_state, generator=g),
-            "x": torch.randn(n, heads, head_dim, generator=g),
-            "dt": torch.nn.functional.softplus(torch.randn(n, heads, generator=g)),
-            "A": -torch.rand(heads, generator=g) * 4, "B": torch.randn(n, heads, d_state, generator=g),
-            "C": torch.randn(n, heads, d_state, generator=g), "D": torch.randn(heads, generator=g)}
+            "x": torch.randn(tokens, heads, head_dim, generator=g),
+            "dt": torch.nn.functional.softplus(torch.randn(tokens, heads, generator=g)),
+            "A": -torch.rand(heads, generator=g) * 4, "B": torch.randn(tokens, heads, d_state, generator=g),
+            "C": torch.randn(tokens, heads, d_state, generator=g), "D": torch.randn(heads, generator=g)}
+
+
+def int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 @pytest.mark.parametrize(("heads", "head_dim", "d_state"), [(2, 4, 8), (18, 64, 64), (3, 16, 100)])
-def test_the_kernel_is_the_reference(heads: int, head_dim: int, d_state: int) -> None:
-    t = inputs(5, heads, head_dim, d_state, slots=8)
-    slots = torch.tensor([6, 1, 3, 0, 7])
-    has_state = torch.tensor([True, False, True, True, False])
-    expected_state = t["state"].clone()
-    start = expected_state[slots].masked_fill(~has_state[:, None, None, None], 0)
-    y_ref, new = ssm_ops.selective_state_update(start, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
-    expected_state[slots] = new
+def test_the_kernel_is_the_sequential_reference(heads: int, head_dim: int, d_state: int) -> None:
+    # Five requests: a 7-token chunk continuing its state, a fresh 5-token prompt, two
+    # decodes (one from a zero state: a 1-token prompt) and an empty span, in mixed slots.
+    lengths, slots, has_state = [7, 1, 5, 1, 0], [6, 1, 3, 0, 7], [True, False, False, True, True]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    t = inputs(sum(lengths), heads, head_dim, d_state, slots=8)
+    expected_state, expected_y = t["state"].clone(), torch.empty_like(t["x"])
+    for start, length, slot, has in zip(starts, lengths, slots, has_state, strict=True):
+        if length == 0:
+            continue
+        span = slice(start, start + length)
+        initial = t["state"][slot] if has else torch.zeros_like(t["state"][slot])
+        expected_y[span], expected_state[slot] = ssm_ops.sequential_scan(
+            t["x"][span], t["dt"][span], t["A"], t["B"][span], t["C"][span], t["D"], initial)
     state = t["state"].clone()
-    state[slots[~has_state]] = float("nan")  # a fresh request's old slot is never read
-    expected_state[slots[~has_state]] = new[~has_state]
-    y = ssm.ssm_decode_(state, slots, has_state.to(torch.int32), t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-6, atol=1e-6)
-    untouched = torch.tensor([2, 4, 5])
+    state[[1, 3]] = float("nan")  # a fresh request's old slot is never read
+    y = ssm.ssm_scan_(state, int64(slots), torch.tensor(has_state, dtype=torch.int32), int64(starts), int64(lengths),
+                      t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
+    torch.testing.assert_close(y, expected_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    untouched = int64([2, 4, 5])
     assert torch.equal(state[untouched], t["state"][untouched])
 
 
 def test_a_requests_bits_do_not_depend_on_its_batch() -> None:
-    t = inputs(6, 18, 64, 64, slots=6, seed=1)
-    everyone = torch.arange(6)
-    has_state = torch.ones(6, dtype=torch.int32)
+    lengths = [1, 4, 1, 9, 1, 1]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    t = inputs(sum(lengths), 18, 64, 64, slots=6, seed=1)
+    everyone, has_state = int64(list(range(6))), torch.ones(6, dtype=torch.int32)
     together = t["state"].clone()
-    y_together = ssm.ssm_decode_(together, everyone, has_state, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
+    y_together = ssm.ssm_scan_(together, everyone, has_state, int64(starts), int64(lengths), t["x"], t["dt"],
+                               t["A"], t["B"], t["C"], t["D"])
     for i in range(6):
+        span = slice(starts[i], starts[i] + lengths[i])
         alone = t["state"].clone()
-        y_alone = ssm.ssm_decode_(alone, everyone[i:i + 1], has_state[i:i + 1], t["x"][i:i + 1], t["dt"][i:i + 1],
-                                  t["A"], t["B"][i:i + 1], t["C"][i:i + 1], t["D"])
-        assert torch.equal(y_alone[0], y_together[i]) and torch.equal(alone[i], together[i])
+        y_alone = ssm.ssm_scan_(alone, everyone[i:i + 1], has_state[i:i + 1], int64([0]), int64([lengths[i]]),
+                                t["x"][span], t["dt"][span], t["A"], t["B"][span], t["C"][span], t["D"])
+        assert torch.equal(y_alone, y_together[span]) and torch.equal(alone[i], together[i])
 
 
-def test_the_models_decode_step_takes_the_kernel_and_the_reference_alike() -> None:
-    """ssm_ops.decode_update_ on a float32 CPU state runs the kernel; on a float64 state
-    (which it does not take) the reference: the two agree."""
-    t = inputs(4, 4, 8, 16, slots=5, seed=2)
-    slots, has_state = torch.tensor([4, 0, 2, 1]), torch.tensor([True, True, False, True])
-    native_state = t["state"].clone()
-    y = ssm_ops.decode_update_(native_state, slots, has_state, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
-    ref_state = t["state"].double()
-    y_ref = ssm_ops.decode_update_(ref_state, slots, has_state, *(t[k].double() for k in ("x", "dt", "A", "B", "C",
-                                                                                         "D")))
-    torch.testing.assert_close(y, y_ref.float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(native_state, ref_state.float(), rtol=1e-5, atol=1e-5)
-
-
-def test_a_slot_outside_the_state_is_refused() -> None:
+@pytest.mark.parametrize(("slots", "starts", "lengths", "message"), [
+    ([0, 3], [0, 1], [1, 1], r"slots must lie in \[0, 3\), got \[0, 3\]"),
+    ([0, 1], [0, 1], [1, 2], r"starts and lengths must name spans of the 2 tokens"),
+])
+def test_spans_and_slots_outside_their_tensors_are_refused(slots: list[int], starts: list[int], lengths: list[int],
+                                                           message: str) -> None:
     t = inputs(2, 2, 4, 8, slots=3)
-    with pytest.raises(ValueError, match=r"kvloom::ssm_decode_: slots must lie in \[0, 3\), got \[0, 3\]"):
-        ssm.ssm_decode_(t["state"], torch.tensor([0, 3]), torch.ones(2, dtype=torch.int32), t["x"], t["dt"],
-                        t["A"], t["B"], t["C"], t["D"])
+    with pytest.raises(ValueError, match=f"kvloom::ssm_scan_: {message}"):
+        ssm.ssm_scan_(t["state"], int64(slots), torch.ones(2, dtype=torch.int32), int64(starts), int64(lengths),
+                      t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])

@@ -43,7 +43,7 @@ def staggered(prompts: dict[str, list[int]]) -> dict[int, list[tuple[str, list[i
     return arrivals
 
 
-@pytest.mark.parametrize("prefill_scan", ["ssd", "sequential"])
+@pytest.mark.parametrize("prefill_scan", ["native", "ssd", "sequential"])
 def test_chunked_prefill_and_batching_match_transformers(model_dir, prompts, reference, prefill_scan) -> None:
     # 16 tokens a step, chunks of at most 8: every prompt over 8 tokens is split, and
     # decodes share steps with other requests' chunks.
