@@ -16,48 +16,55 @@
 #include <cmath>
 #include <cstdint>
 #include <omp.h>
+#include <vector>
 
 #include "simd.h"
 
-extern "C" {
+namespace {
 
-// The selective scan of n requests' chunks, request i's lengths[i] tokens from row
-// starts[i] of the flat batch (a decode's chunk is one token), each from its slot's state
-// (zeros where has_state[i] is 0: the slot's old contents are not read), which it leaves
-// there. state: [slots, heads, head_dim, d_state] float32, request i's at row slots[i];
-// x: [tokens, heads, head_dim]; dt: [tokens, heads] (after softplus); A, D: [heads];
-// B, C: [tokens, heads, d_state] (groups already repeated per head); y: [tokens, heads,
-// head_dim]. Token by token: h' = exp(dt A) h + (dt B) x, y = h' . C + D x.
-//
-// One (request, head) is one thread's whole, its state (head_dim x d_state floats, 16 KB
-// at the common 64 x 64) staying in L1 across the chunk's tokens: on a CPU this beats the
-// chunked (SSD) form's masked products by an order of magnitude, and it is the reference's
-// own recurrence. How the pairs are split between the threads moves no bit: a pair's
-// arithmetic is the same whichever thread runs it.
-void kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_state, const int64_t* starts,
-                     const int64_t* lengths, const float* x, const float* dt, const float* A, const float* B,
-                     const float* C, const float* D, float* y, int64_t n, int64_t heads, int64_t head_dim,
-                     int64_t d_state, int num_threads) {
+using kvloom_simd::from_float;
+using kvloom_simd::round_to;
+using kvloom_simd::to_float;
+
+// The scan of every (request, head) pair, token by token, reading each token's x, B, C and
+// dt from rows of any layout: x at x[t * x_stride + h * head_dim], B and C at
+// [t * bc_stride + g * d_state] for the head's group g = h / (heads / groups), dt at
+// dt[t * dt_stride + h] (with dt_bias: softplus(dt + dt_bias) clamped to [dt_lo, dt_hi], as
+// transformers' mixer takes it; without: dt as it is). y: [tokens, heads * head_dim] float.
+template <typename T>
+void scan_pairs(float* state, const int64_t* slots, const int32_t* has_state, const int64_t* starts,
+                const int64_t* lengths, const T* x, int64_t x_stride, const T* B, const T* C, int64_t bc_stride,
+                int64_t groups, const T* dt, int64_t dt_stride, const float* dt_bias, float dt_lo, float dt_hi,
+                const float* A, const float* D, float* y, int64_t n, int64_t heads, int64_t head_dim,
+                int64_t d_state, int num_threads) {
+  const int64_t heads_per_group = heads / groups;
   auto scan_pair = [&](int64_t pair) {
-    const int64_t i = pair / heads, h = pair % heads;
+    const int64_t i = pair / heads, h = pair % heads, g = h / heads_per_group;
     float* s = state + (slots[i] * heads + h) * head_dim * d_state;
     if (has_state[i] == 0)
       for (int64_t e = 0; e < head_dim * d_state; ++e) s[e] = 0.0f;
     const float a = A[h], skip = D[h];
+    float b[512], c[512], xs[512];  // this token's B, C and x as float (d_state, head_dim <= 512)
     for (int64_t t = starts[i]; t < starts[i] + lengths[i]; ++t) {
-      const int64_t row_of_t = t * heads + h;
-      const float step = dt[row_of_t];
+      float step = to_float(dt[t * dt_stride + h]);
+      if (dt_bias) {
+        step += dt_bias[h];
+        step = step > 20.0f ? step : std::log1p(std::exp(step));  // softplus, torch's threshold
+        step = std::min(std::max(step, dt_lo), dt_hi);
+      }
       const float decay = std::exp(step * a);
-      const float* b = B + row_of_t * d_state;
-      const float* c = C + row_of_t * d_state;
-      const float* xr = x + row_of_t * head_dim;
-      float* yr = y + row_of_t * head_dim;
+      for (int64_t k = 0; k < d_state; ++k) {
+        b[k] = step * to_float(B[t * bc_stride + g * d_state + k]);
+        c[k] = to_float(C[t * bc_stride + g * d_state + k]);
+      }
+      for (int64_t p = 0; p < head_dim; ++p) xs[p] = to_float(x[t * x_stride + h * head_dim + p]);
+      float* yr = y + (t * heads + h) * head_dim;
       for (int64_t p = 0; p < head_dim; ++p) {
         float* row = s + p * d_state;
-        const float xp = xr[p];
+        const float xp = xs[p];
         float acc = 0.0f;
         for (int64_t k = 0; k < d_state; ++k) {
-          const float v = row[k] * decay + (step * b[k]) * xp;
+          const float v = row[k] * decay + b[k] * xp;
           row[k] = v;
           acc += v * c[k];
         }
@@ -81,7 +88,58 @@ void kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_stat
   }
 }
 
+}  // namespace
+
+extern "C" {
+
+// The selective scan of n requests' chunks, request i's lengths[i] tokens from row
+// starts[i] of the flat batch (a decode's chunk is one token), each from its slot's state
+// (zeros where has_state[i] is 0: the slot's old contents are not read), which it leaves
+// there. state: [slots, heads, head_dim, d_state] float32, request i's at row slots[i];
+// x: [tokens, heads, head_dim]; dt: [tokens, heads] (after softplus); A, D: [heads];
+// B, C: [tokens, heads, d_state] (groups already repeated per head); y: [tokens, heads,
+// head_dim]. Token by token: h' = exp(dt A) h + (dt B) x, y = h' . C + D x.
+//
+// One (request, head) is one thread's whole, its state (head_dim x d_state floats, 16 KB
+// at the common 64 x 64) staying in L1 across the chunk's tokens: on a CPU this beats the
+// chunked (SSD) form's masked products by an order of magnitude, and it is the reference's
+// own recurrence. How the pairs are split between the threads moves no bit: a pair's
+// arithmetic is the same whichever thread runs it.
+void kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_state, const int64_t* starts,
+                     const int64_t* lengths, const float* x, const float* dt, const float* A, const float* B,
+                     const float* C, const float* D, float* y, int64_t n, int64_t heads, int64_t head_dim,
+                     int64_t d_state, int num_threads) {
+  scan_pairs(state, slots, has_state, starts, lengths, x, heads * head_dim, B, C, heads * d_state, heads, dt, heads,
+             nullptr, 0.0f, 0.0f, A, D, y, n, heads, head_dim, d_state, num_threads);
+}
+
 }  // extern "C"
+
+// The convolution's last step for one token's channels: acc (+ bias) rounded to T, and with
+// silu its silu, rounded again, into dst (16 lanes at a time on AVX-512; the same numbers
+// as the scalar rule up to exp's last bit).
+template <typename T>
+inline void finish_rows(const float* acc, const float* bias, bool silu, T* dst, int64_t width) {
+  using kvloom_simd::from_float;
+  using kvloom_simd::round_to;
+  int64_t c = 0;
+#ifdef KVLOOM_AVX512
+  using namespace kvloom_simd;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; c < width; c += 16) {
+    __m512 v = load16(acc + c, width - c);
+    if (bias) v = _mm512_add_ps(v, load16(bias + c, width - c));
+    v = round16(v, dst);
+    if (silu) v = _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    store16(dst + c, v, width - c);
+  }
+#endif
+  for (; c < width; ++c) {
+    float v = round_to(bias ? acc[c] + bias[c] : acc[c], dst);
+    if (silu) v = v / (1.0f + std::exp(-v));
+    from_float(v, dst + c);
+  }
+}
 
 // Mamba2's depthwise causal convolution over a flat batch, before its activation: each
 // request's channels convolved over its stored last k - 1 inputs (zeros where it starts
@@ -92,14 +150,19 @@ void kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_stat
 // rounded to the activations' dtype (the reference's order, up to fma contraction).
 //
 // xbc, out: [tokens, channels] (T: float or bf16); weight_t: [k, channels] float32;
-// bias: [channels] float32 or nullptr; conv_state: [slots, channels, k - 1] (T);
+// bias: [channels] float32 or nullptr; conv_state: [slots, k - 1, channels] (T, oldest first);
 // starts, lengths, slots: [n] int64; has_state: [n] int32.
+//
+// in_stride: the elements between two tokens' rows of xbc (channels where it is its own
+// tensor; the mixer's fused kernel reads it from the in_proj output's columns). silu: the
+// output is silu of the rounded convolution, rounded again (F.silu after the reference).
 template <typename T>
-static void causal_conv(const T* xbc, const float* weight_t, const float* bias, T* conv_state,
+static void causal_conv(const T* xbc, int64_t in_stride, const float* weight_t, const float* bias, T* conv_state,
                         const int64_t* starts, const int64_t* lengths, const int64_t* slots,
-                        const int32_t* has_state, T* out, int64_t n, int64_t channels, int64_t k,
+                        const int32_t* has_state, T* out, int64_t n, int64_t channels, int64_t k, bool silu,
                         int num_threads) {
   using kvloom_simd::from_float;
+  using kvloom_simd::round_to;
   using kvloom_simd::to_float;
   const int64_t tail = k - 1;
   // Work items: (request, a block of 64 channels); each writes only its own outputs and
@@ -109,21 +172,21 @@ static void causal_conv(const T* xbc, const float* weight_t, const float* bias, 
 #pragma omp parallel for schedule(static) num_threads(n * blocks > 1 ? num_threads : 1)
   for (int64_t item = 0; item < n * blocks; ++item) {
     const int64_t i = item / blocks, c0 = item % blocks * BLOCK, width = std::min(channels - c0, BLOCK);
-    T* stored = conv_state + (slots[i] * channels + c0) * tail;
-    const T* tokens = xbc + starts[i] * channels + c0;
+    T* stored = conv_state + slots[i] * tail * channels + c0;  // [tail, channels], oldest first
+    const T* tokens = xbc + starts[i] * in_stride + c0;
     const int64_t length = lengths[i];
     const bool fresh = has_state[i] == 0;
     // The stored inputs of this block, oldest first, as float ([tail][BLOCK]; zeros if fresh).
     float old[16][BLOCK];
     for (int64_t m = 0; m < tail; ++m)
-      for (int64_t c = 0; c < width; ++c) old[m][c] = fresh ? 0.0f : to_float(stored[c * tail + m]);
+      for (int64_t c = 0; c < width; ++c) old[m][c] = fresh ? 0.0f : to_float(stored[m * channels + c]);
     for (int64_t t = 0; t < length; ++t) {
       float acc[BLOCK] = {};
       for (int64_t w = 0; w < k; ++w) {  // taps in order: position t - tail + w of the sequence
         const int64_t j = t - tail + w;
         const float* tap = weight_t + w * channels + c0;
         if (j >= 0) {
-          const T* row = tokens + j * channels;
+          const T* row = tokens + j * in_stride;
           for (int64_t c = 0; c < width; ++c) acc[c] += to_float(row[c]) * tap[c];
         } else {
           const float* row = old[tail + j];
@@ -131,15 +194,15 @@ static void causal_conv(const T* xbc, const float* weight_t, const float* bias, 
         }
       }
       T* dst = out + (starts[i] + t) * channels + c0;
-      for (int64_t c = 0; c < width; ++c) from_float(bias ? acc[c] + bias[c0 + c] : acc[c], dst + c);
+      finish_rows(acc, bias ? bias + c0 : nullptr, silu, dst, width);
     }
     // The new stored inputs: the last k - 1 of the sequence (a short chunk's come partly
     // from the old ones, which ``old`` holds).
     for (int64_t m = 0; m < tail; ++m) {
       const int64_t j = length - tail + m;
       for (int64_t c = 0; c < width; ++c) {
-        const float v = j >= 0 ? to_float(tokens[j * channels + c]) : old[tail + j][c];
-        from_float(v, stored + c * tail + m);
+        const float v = j >= 0 ? to_float(tokens[j * in_stride + c]) : old[tail + j][c];
+        from_float(v, stored + m * channels + c);
       }
     }
   }
@@ -151,14 +214,123 @@ void kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float
                             const int64_t* starts, const int64_t* lengths, const int64_t* slots,
                             const int32_t* has_state, float* out, int64_t n, int64_t channels, int64_t k,
                             int num_threads) {
-  causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, num_threads);
+  causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
+              num_threads);
 }
 
 void kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, const float* bias, uint16_t* conv_state,
                              const int64_t* starts, const int64_t* lengths, const int64_t* slots,
                              const int32_t* has_state, uint16_t* out, int64_t n, int64_t channels, int64_t k,
                              int num_threads) {
-  causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, num_threads);
+  causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
+              num_threads);
+}
+
+}  // extern "C"
+
+// ---- the mixer between its two projections, in one call ----------------------------------
+namespace {
+
+// The gated RMSNorm after the scan, by groups of group_size features: y rounded to T, times
+// silu(z) in float32, normalised over its group, rounded to T, times weight (T), rounded
+// (transformers' MambaRMSNormGated on a T model, as models/mamba2.gated_rms_norm).
+template <typename T>
+void gated_norm(const float* y, const T* z, int64_t z_stride, const T* weight, T* out, int64_t tokens,
+                int64_t inter, int64_t group_size, float eps, int num_threads) {
+  const int64_t groups = inter / group_size;
+#pragma omp parallel num_threads(tokens * groups > 1 ? num_threads : 1)
+  {
+    std::vector<float> gated(group_size);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * groups; ++item) {
+      const int64_t t = item / groups, g0 = item % groups * group_size;
+      const float* yr = y + t * inter + g0;
+      const T* zr = z + t * z_stride + g0;
+      T* o = out + t * inter + g0;
+      float sum_sq = 0.0f;
+#ifdef KVLOOM_AVX512
+      using namespace kvloom_simd;
+      const __m512 one = _mm512_set1_ps(1.0f);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t j = 0; j < group_size; j += 16) {
+        const int64_t count = group_size - j;
+        const __m512 zf = load16(zr + j, count);
+        const __m512 silu = _mm512_div_ps(zf, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), zf))));
+        const __m512 v = _mm512_mul_ps(round16(load16(yr + j, count), o), silu);
+        store16(gated.data() + j, v, count);
+        sums = _mm512_fmadd_ps(v, v, sums);
+      }
+      sum_sq = _mm512_reduce_add_ps(sums);
+      const __m512 inv16 = _mm512_set1_ps(1.0f / std::sqrt(sum_sq / static_cast<float>(group_size) + eps));
+      for (int64_t j = 0; j < group_size; j += 16) {
+        const int64_t count = group_size - j;
+        const __m512 normed = round16(_mm512_mul_ps(load16(gated.data() + j, count), inv16), o);
+        store16(o + j, _mm512_mul_ps(load16(weight + g0 + j, count), normed), count);
+      }
+#else
+      for (int64_t j = 0; j < group_size; ++j) {
+        const float zf = to_float(zr[j]);
+        const float v = round_to(yr[j], o) * (zf / (1.0f + std::exp(-zf)));
+        gated[j] = v;
+        sum_sq += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(group_size) + eps);
+      for (int64_t j = 0; j < group_size; ++j)
+        from_float(to_float(weight[g0 + j]) * round_to(gated[j] * inv, o), o + j);
+#endif
+    }
+  }
+}
+
+// proj: [tokens, inter + conv_dim + heads] (T), the in_proj output: the gate z, then xBC,
+// then dt. The convolution (and silu) of xBC into xbc ([tokens, conv_dim], T, scratch), the
+// scan of x, B, C and softplus(dt + dt_bias) into y ([tokens, inter], float32, scratch), the
+// gated norm into out ([tokens, inter], T): what models/mamba2.Mamba2Mixer.forward does
+// between in_proj and out_proj, in three passes instead of some forty torch ops.
+template <typename T>
+void mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T* conv_state, float* ssm_state,
+                 const float* dt_bias, const float* A_log, const float* D, const T* norm_weight,
+                 const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
+                 T* xbc, float* y, T* out, int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim,
+                 int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo,
+                 float dt_hi, float eps, int num_threads) {
+  const int64_t stride = inter + conv_dim + heads;
+  causal_conv(proj + inter, stride, weight_t, conv_bias, conv_state, starts, lengths, slots, has_state, xbc, n,
+              conv_dim, k, true, num_threads);
+  std::vector<float> A(heads);
+  for (int64_t h = 0; h < heads; ++h) A[h] = -std::exp(A_log[h]);
+  scan_pairs(ssm_state, slots, has_state, starts, lengths, xbc, conv_dim, xbc + inter, xbc + inter + groups * d_state,
+             conv_dim, groups, proj + inter + conv_dim, stride, dt_bias, dt_lo, dt_hi, A.data(), D, y, n, heads,
+             head_dim, d_state, num_threads);
+  gated_norm(y, proj, stride, norm_weight, out, tokens, inter, inter / groups, eps, num_threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvloom_mamba_mixer_f32(const float* proj, const float* weight_t, const float* conv_bias, float* conv_state,
+                            float* ssm_state, const float* dt_bias, const float* A_log, const float* D,
+                            const float* norm_weight, const int64_t* starts, const int64_t* lengths,
+                            const int64_t* slots, const int32_t* has_state, float* xbc, float* y, float* out,
+                            int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim, int64_t heads,
+                            int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo, float dt_hi,
+                            float eps, int num_threads) {
+  mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
+              has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
+              eps, num_threads);
+}
+
+void kvloom_mamba_mixer_bf16(const uint16_t* proj, const float* weight_t, const float* conv_bias,
+                             uint16_t* conv_state, float* ssm_state, const float* dt_bias, const float* A_log,
+                             const float* D, const uint16_t* norm_weight, const int64_t* starts,
+                             const int64_t* lengths, const int64_t* slots, const int32_t* has_state, uint16_t* xbc,
+                             float* y, uint16_t* out, int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim,
+                             int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo,
+                             float dt_hi, float eps, int num_threads) {
+  mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
+              has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
+              eps, num_threads);
 }
 
 }  // extern "C"

@@ -118,8 +118,8 @@ def _causal_conv_check(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Te
                                             f"{list(weight_t.shape)}")
     if bias is not None and bias.shape[0] != channels:
         raise CAUSAL_CONV.error("bias", f"must hold one value per channel ({channels}), got {bias.shape[0]}")
-    if tuple(conv_state.shape[1:]) != (channels, k - 1):
-        raise CAUSAL_CONV.error("conv_state", f"must be [slots, {channels}, {k - 1}], got {list(conv_state.shape)}")
+    if tuple(conv_state.shape[1:]) != (k - 1, channels):
+        raise CAUSAL_CONV.error("conv_state", f"must be [slots, {k - 1}, {channels}], got {list(conv_state.shape)}")
     n = slots.shape[0]
     for name, tensor in (("starts", starts), ("lengths", lengths), ("has_state", has_state)):
         if tensor.shape[0] != n:
@@ -158,7 +158,112 @@ def causal_conv(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | 
     """The depthwise causal convolution of ``n`` requests' tokens, ``xbc`` [tokens, channels]
     (float32 or bf16; request i's ``lengths[i]`` tokens from row ``starts[i]``), with
     ``weight_t`` [k, channels] and ``bias`` [channels] (float32), over each request's stored
-    inputs in ``conv_state`` [slots, channels, k - 1] (xbc's dtype; row ``slots[i]``; zeros
+    inputs in ``conv_state`` [slots, k - 1, channels] (xbc's dtype, oldest first; row ``slots[i]``; zeros
     where ``has_state[i]`` is 0), which it then replaces with the sequence's last k - 1.
     Returns [tokens, channels] in xbc's dtype, before the activation."""
     return CAUSAL_CONV.call(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state)
+
+
+# ---- the mixer between its projections, in one call -----------------------------------
+MAMBA_MIXER = NativeOp(
+    "mamba_mixer(Tensor proj, Tensor weight_t, Tensor? conv_bias, Tensor(a!) conv_state, Tensor(b!) ssm_state, "
+    "Tensor dt_bias, Tensor A_log, Tensor D, Tensor norm_weight, Tensor starts, Tensor lengths, Tensor slots, "
+    "Tensor has_state, int groups, float dt_lo, float dt_hi, float eps) -> Tensor",
+    library="ssm", variants=("f32", "bf16"),
+    native="kvloom_mamba_mixer_{variant}(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, "
+           "norm_weight, starts, lengths, slots, has_state, Tensor xbc, Tensor y, Tensor out, int n, int tokens, "
+           "int inter, int conv_dim, int heads, int head_dim, int d_state, groups, int k, dt_lo, dt_hi, eps, "
+           "int32 num_threads) -> ()",
+    tensors={"proj": TensorSpec(2, (torch.float32, torch.bfloat16)), "weight_t": TensorSpec(2, _F32),
+             "conv_bias": TensorSpec(1, _F32), "conv_state": TensorSpec(3, like="proj"),
+             "ssm_state": TensorSpec(4, _F32), "dt_bias": TensorSpec(1, _F32), "A_log": TensorSpec(1, _F32),
+             "D": TensorSpec(1, _F32), "norm_weight": TensorSpec(1, like="proj"),
+             "starts": TensorSpec(1, (torch.int64,)), "lengths": TensorSpec(1, (torch.int64,)),
+             "slots": TensorSpec(1, (torch.int64,)), "has_state": TensorSpec(1, (torch.int32,))},
+)
+MAX_HEAD_DIM = MAX_STATE = 512  # ssm.cpp's per-token staging of x, B and C
+
+
+@MAMBA_MIXER.check
+def _mamba_mixer_check(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
+                       conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                       D: torch.Tensor, norm_weight: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                       slots: torch.Tensor, has_state: torch.Tensor, groups: int, dt_lo: float, dt_hi: float,
+                       eps: float) -> None:
+    _, heads, head_dim, d_state = ssm_state.shape
+    k, conv_dim = weight_t.shape
+    inter = norm_weight.shape[0]
+    if heads * head_dim != inter or groups <= 0 or heads % groups or conv_dim != inter + 2 * groups * d_state:
+        raise MAMBA_MIXER.error("ssm_state", f"[slots, heads, head_dim, d_state] = {list(ssm_state.shape)} must give "
+                                             f"heads * head_dim = norm_weight's {inter} features and, with {groups} "
+                                             f"groups dividing the heads, the convolution's {conv_dim} channels")
+    if head_dim > MAX_HEAD_DIM or d_state > MAX_STATE or not 2 <= k <= MAX_CONV_KERNEL:
+        raise MAMBA_MIXER.error("ssm_state", f"head_dim and d_state must be at most {MAX_HEAD_DIM} and the kernel "
+                                             f"in [2, {MAX_CONV_KERNEL}], got {head_dim}, {d_state}, {k}")
+    if proj.shape[1] != inter + conv_dim + heads:
+        raise MAMBA_MIXER.error("proj", f"must be [tokens, {inter + conv_dim + heads}] (z, xBC, dt), got "
+                                        f"{list(proj.shape)}")
+    if tuple(conv_state.shape[1:]) != (k - 1, conv_dim) or conv_state.shape[0] != ssm_state.shape[0]:
+        raise MAMBA_MIXER.error("conv_state", f"must be [{ssm_state.shape[0]}, {k - 1}, {conv_dim}], got "
+                                              f"{list(conv_state.shape)}")
+    for name, vector, size in (("conv_bias", conv_bias, conv_dim), ("dt_bias", dt_bias, heads),
+                               ("A_log", A_log, heads), ("D", D, heads)):
+        if vector is not None and vector.shape[0] != size:
+            raise MAMBA_MIXER.error(name, f"must hold {size} values, got {vector.shape[0]}")
+    n = slots.shape[0]
+    for name, tensor in (("starts", starts), ("lengths", lengths), ("has_state", has_state)):
+        if tensor.shape[0] != n:
+            raise MAMBA_MIXER.error(name, f"must hold one value per request ({n}, as slots), got {tensor.shape[0]}")
+
+
+@MAMBA_MIXER.implementation
+def _mamba_mixer_cpu(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
+                     conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                     D: torch.Tensor, norm_weight: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                     slots: torch.Tensor, has_state: torch.Tensor, groups: int, dt_lo: float, dt_hi: float,
+                     eps: float) -> torch.Tensor:
+    # The values are data, which a fake tensor does not have: checked here, where they are.
+    if slots.shape[0]:
+        if not (0 <= int(slots.min()) and int(slots.max()) < ssm_state.shape[0]):
+            raise MAMBA_MIXER.error("slots", f"must lie in [0, {ssm_state.shape[0]}), got {slots.tolist()}")
+        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > proj.shape[0]:
+            raise MAMBA_MIXER.error("starts", f"and lengths must name spans of the {proj.shape[0]} tokens, got "
+                                              f"{starts.tolist()} and {lengths.tolist()}")
+    tokens, (_, heads, head_dim, d_state), (k, conv_dim) = proj.shape[0], ssm_state.shape, weight_t.shape
+    inter = norm_weight.shape[0]
+    xbc = torch.empty(tokens, conv_dim, dtype=proj.dtype)
+    y = torch.empty(tokens, inter, dtype=torch.float32)
+    out = torch.empty(tokens, inter, dtype=proj.dtype)
+    MAMBA_MIXER.function(_VARIANT[proj.dtype])(
+        proj.data_ptr(), weight_t.data_ptr(), 0 if conv_bias is None else conv_bias.data_ptr(), conv_state.data_ptr(),
+        ssm_state.data_ptr(), dt_bias.data_ptr(), A_log.data_ptr(), D.data_ptr(), norm_weight.data_ptr(),
+        starts.data_ptr(), lengths.data_ptr(), slots.data_ptr(), has_state.data_ptr(), xbc.data_ptr(), y.data_ptr(),
+        out.data_ptr(), slots.shape[0], tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
+        eps, torch.get_num_threads())
+    return out
+
+
+@MAMBA_MIXER.fake
+def _mamba_mixer_fake(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                      D: torch.Tensor, norm_weight: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                      slots: torch.Tensor, has_state: torch.Tensor, groups: int, dt_lo: float, dt_hi: float,
+                      eps: float) -> torch.Tensor:
+    return proj.new_empty(proj.shape[0], norm_weight.shape[0])
+
+
+def mamba_mixer(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torch.Tensor | None, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+                norm_weight: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                has_state: torch.Tensor, groups: int, dt_lo: float, dt_hi: float, eps: float) -> torch.Tensor:
+    """A Mamba2 mixer between its projections: ``proj`` [tokens, inter + conv_dim + heads]
+    (the in_proj output: z, xBC, dt; float32 or bf16) -> the gated norm's output [tokens,
+    inter] in proj's dtype, for out_proj. The causal convolution (``weight_t`` [k,
+    conv_dim], ``conv_bias``, float32) over and into ``conv_state`` [slots, k - 1, conv_dim]
+    (proj's dtype) and silu; the scan of x, B, C (``groups`` of them) and softplus(dt +
+    ``dt_bias``) clamped to [dt_lo, dt_hi], with A = -exp(``A_log``) and ``D`` (float32),
+    over and into ``ssm_state`` [slots, heads, head_dim, d_state] (float32); the gated RMSNorm
+    by groups (``norm_weight`` [inter], proj's dtype; ``eps``). The requests' spans and slots
+    as ``ssm_scan_``'s."""
+    return MAMBA_MIXER.call(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts,
+                            lengths, slots, has_state, groups, dt_lo, dt_hi, eps)

@@ -6,7 +6,8 @@ the request's last ``conv_kernel`` inputs) and applies silu; scans x with B, C, 
 and D (models/ssm_ops.py), starting from the request's stored state; then a gated
 RMSNorm (by groups) and the output projection. Its state lives in two tensors per
 layer, indexed by the requests' state slots (cache/state_pool.py keeps the books):
-``conv_state`` [slots, conv_dim, conv_kernel - 1] in the model's dtype and
+``conv_state`` [slots, conv_kernel - 1, conv_dim] in the model's dtype (oldest input
+first, each a row of channels: the native kernels read and write it contiguously) and
 ``ssm_state`` [slots, heads, head_dim, d_state] in float32 (the scan's own precision),
 allocated once by ``allocate_state``. transformers 5.24's modeling_mamba2.py is the
 reference these numbers follow.
@@ -56,7 +57,7 @@ class Mamba2Mixer(nn.Module):
     def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
         """The per-slot state tensors (zeros); returns their bytes."""
         ssm = self.ssm
-        self.conv_state = torch.zeros(num_slots, ssm.conv_dim, ssm.conv_kernel - 1, dtype=dtype, device=device)
+        self.conv_state = torch.zeros(num_slots, ssm.conv_kernel - 1, ssm.conv_dim, dtype=dtype, device=device)
         self.ssm_state = torch.zeros(num_slots, ssm.num_heads, ssm.head_dim, ssm.state_size,
                                      dtype=torch.float32, device=device)
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
@@ -72,8 +73,16 @@ class Mamba2Mixer(nn.Module):
             raise RuntimeError("a Mamba2 mixer runs only after allocate_state gave it its state slots")
         ssm, num_tokens = self.ssm, hidden.shape[0]
         heads, head_dim, groups, d_state = ssm.num_heads, ssm.head_dim, ssm.num_groups, ssm.state_size
-        gate, xbc, dt = self.in_proj(hidden).split([ssm.intermediate_size, ssm.conv_dim, heads], dim=-1)
+        proj = self.in_proj(hidden)
         weight = self.conv1d.weight.view(ssm.conv_dim, ssm.conv_kernel)
+        if self.prefill_scan == "native" and ssm_ops.native_mixer_applies(proj, self.conv_state, self.ssm_state,
+                                                                          head_dim, d_state, ssm.conv_kernel):
+            normed = ssm_ops.mixer_native(proj, weight, self.conv1d.bias, self.conv_state, self.ssm_state,
+                                          self.dt_bias, self.A_log, self.D, self.norm.weight, spans, groups,
+                                          ssm.time_step_limit, ssm.norm_eps)
+            native: torch.Tensor = self.out_proj(normed)
+            return native
+        gate, xbc, dt = proj.split([ssm.intermediate_size, ssm.conv_dim, heads], dim=-1)
         xbc = F.silu(ssm_ops.causal_conv(xbc, weight, self.conv1d.bias, self.conv_state, spans))
         x, B, C = torch.split(xbc, [ssm.intermediate_size, groups * d_state, groups * d_state], dim=-1)
         x = x.reshape(num_tokens, heads, head_dim).float()  # [tokens, heads, head_dim]

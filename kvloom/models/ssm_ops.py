@@ -93,7 +93,7 @@ def causal_conv(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
     """The depthwise causal convolution (before its activation) of the step's tokens,
     ``xbc`` [tokens, channels], with ``weight`` [channels, k]; stores each request's last
-    ``k - 1`` inputs in ``conv_state`` [slots, channels, k - 1]. Returns [tokens,
+    ``k - 1`` inputs in ``conv_state`` [slots, k - 1, channels]. Returns [tokens,
     channels] in xbc's dtype (summed in float32). On a CPU one native pass
     (kernels/ssm.py); elsewhere ``causal_conv_reference``."""
     if (xbc.device.type == "cpu" and xbc.dtype in (torch.float32, torch.bfloat16) and conv_state.dtype == xbc.dtype
@@ -111,14 +111,14 @@ def causal_conv_reference(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.T
     """``causal_conv`` in PyTorch: the stored inputs gathered and joined to the tokens,
     each token's window gathered, multiplied and summed."""
     channels, kernel = weight.shape
-    stored = conv_state[spans.slots]  # [n, channels, k - 1]
+    stored = conv_state[spans.slots]  # [n, k - 1, channels]
     stored = torch.where(spans.has_state_mask[:, None, None], stored, torch.zeros((), dtype=stored.dtype))
-    extended = torch.cat([stored.transpose(1, 2).reshape(-1, channels), xbc.to(stored.dtype)])  # [n(k-1) + T, C]
+    extended = torch.cat([stored.reshape(-1, channels), xbc.to(stored.dtype)])  # [n(k-1) + T, C]
     windows = extended[spans.conv_windows].float()  # [tokens, k, channels]
     out = (windows * weight.t().float()).sum(1)  # [tokens, channels]
     if bias is not None:
         out = out + bias.float()
-    conv_state.index_copy_(0, spans.slots, extended[spans.conv_tails].transpose(1, 2))
+    conv_state.index_copy_(0, spans.slots, extended[spans.conv_tails])
     return out.to(xbc.dtype)
 
 
@@ -165,6 +165,36 @@ def scan_native_(state: torch.Tensor, spans: SSMSpans, x: torch.Tensor, dt: torc
     return ssm.ssm_scan_(state, spans.slots, spans.has_state_int, spans.starts_tensor, spans.lengths_tensor,
                          x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
                          D.contiguous())
+
+
+def native_mixer_applies(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                         head_dim: int, d_state: int, conv_kernel: int) -> bool:
+    """Whether ``mixer_native`` runs: on a CPU, activations and the convolution's stored
+    inputs in float32 or bf16 alike, a float32 SSM state, shapes within the kernel's."""
+    if not (proj.device.type == "cpu" and proj.dtype in (torch.float32, torch.bfloat16)
+            and conv_state.dtype == proj.dtype and ssm_state.dtype == torch.float32 and _native_ssm()):
+        return False
+    from kvloom.kernels import ssm
+
+    return head_dim <= ssm.MAX_HEAD_DIM and d_state <= ssm.MAX_STATE and conv_kernel <= ssm.MAX_CONV_KERNEL
+
+
+def mixer_native(proj: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                 conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                 D: torch.Tensor, norm_weight: torch.Tensor, spans: SSMSpans, groups: int,
+                 time_step_limit: tuple[float, float], eps: float) -> torch.Tensor:
+    """A Mamba2 mixer between its projections in one native call (kernels/ssm.py): the
+    in_proj output ``proj`` [tokens, z | xBC | dt] -> the gated norm's output [tokens,
+    inter], the requests' stored inputs and states read from and left in their slots.
+    ``conv_weight`` [channels, k]; the parameters in any float dtype (taken as float32,
+    as the reference takes them)."""
+    from kvloom.kernels import ssm
+
+    return ssm.mamba_mixer(proj.contiguous(), conv_weight.t().float().contiguous(),
+                           None if conv_bias is None else conv_bias.float(), conv_state, ssm_state, dt_bias.float(),
+                           A_log.float(), D.float(), norm_weight, spans.starts_tensor, spans.lengths_tensor,
+                           spans.slots, spans.has_state_int, groups, float(time_step_limit[0]),
+                           float(time_step_limit[1]), eps)
 
 
 @functools.cache

@@ -75,8 +75,17 @@ def causal_conv_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
     """Two requests of 3 and 1 tokens in slots 2 and 0 of 3 (the first from a zero state),
     6 channels, a 4-tap kernel."""
     return (randn(4, 6, dtype=dtype, seed=19), randn(4, 6, seed=20), randn(6, seed=21) if bias else None,
-            randn(3, 6, 3, dtype=dtype, seed=22), torch.tensor([0, 3]), torch.tensor([3, 1]), torch.tensor([2, 0]),
+            randn(3, 3, 6, dtype=dtype, seed=22), torch.tensor([0, 3]), torch.tensor([3, 1]), torch.tensor([2, 0]),
             torch.tensor([0, 1], dtype=torch.int32))
+
+
+def mamba_mixer_args(dtype: torch.dtype) -> tuple[Any, ...]:
+    """Two requests of 2 and 1 tokens in slots 1 and 0 of 2 (the second from a zero state):
+    4 heads of 4 dims in 2 groups, a state of 8, a 4-tap convolution (16 + 32 channels)."""
+    return (randn(3, 16 + 48 + 4, dtype=dtype, seed=23), randn(4, 48, seed=24), randn(48, seed=25),
+            randn(2, 3, 48, dtype=dtype, seed=26), randn(2, 4, 4, 8, seed=27), randn(4, seed=28), randn(4, seed=29),
+            randn(4, seed=30), randn(16, dtype=dtype, seed=31), torch.tensor([0, 2]), torch.tensor([2, 1]),
+            torch.tensor([1, 0]), torch.tensor([1, 0], dtype=torch.int32), 2, 0.0, float("inf"), 1e-5)
 
 
 def rotary_args(dtype: torch.dtype) -> tuple[Any, ...]:
@@ -119,6 +128,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
     "ssm_scan_": [ssm_scan_args],
     "causal_conv": [lambda: causal_conv_args(torch.bfloat16), lambda: causal_conv_args(torch.float32, bias=False)],
+    "mamba_mixer": [lambda: mamba_mixer_args(torch.bfloat16), lambda: mamba_mixer_args(torch.float32)],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
@@ -167,9 +177,13 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("ssm_scan_", "lengths", lambda a: a.__setitem__(4, a[4][:2].contiguous()), r"must have shape \[3\]"),
     ("causal_conv", "weight_t", lambda a: a.__setitem__(1, a[1][:, :5].contiguous()), r"must be \[k, 6\]"),
     ("causal_conv", "bias", lambda a: a.__setitem__(2, a[2][:5]), "one value per channel"),
-    ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :, :2].contiguous()),
-     r"must be \[slots, 6, 3\]"),
+    ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :2].contiguous()),
+     r"must be \[slots, 3, 6\]"),
     ("causal_conv", "lengths", lambda a: a.__setitem__(5, a[5][:1]), "one value per request"),
+    ("mamba_mixer", "proj", lambda a: a.__setitem__(0, a[0][:, :60].contiguous()), r"must be \[tokens, 68\]"),
+    ("mamba_mixer", "ssm_state", lambda a: a.__setitem__(13, 3), "with 3 groups dividing the heads"),
+    ("mamba_mixer", "conv_state", lambda a: a.__setitem__(3, a[3][:, :2].contiguous()), r"must be \[2, 3, 48\]"),
+    ("mamba_mixer", "D", lambda a: a.__setitem__(7, a[7][:3]), "must hold 4 values"),
     ("add_rows_", "rows", lambda a: a.__setitem__(2, torch.tensor([4, 6])), r"must lie in \[0, 6\)"),
     ("add_rows_", "delta", lambda a: a.__setitem__(1, a[1][:, :39].contiguous()), "must have y's row width 40"),
     ("apply_token_bitmask_", "rows", lambda a: a.__setitem__(1, a[1][:1]), "one row of logits per bitmask row"),

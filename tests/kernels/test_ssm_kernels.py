@@ -1,10 +1,12 @@
-"""Mamba2's scan kernel (kvloom/csrc/ssm.cpp) against its pure-PyTorch reference
-(models/ssm_ops.sequential_scan, one request at a time): the outputs and the states left
-in the slots agree to float32 rounding for a batch of prompt chunks and decodes in any
+"""Mamba2's kernels (kvloom/csrc/ssm.cpp) against their pure-PyTorch references. The scan
+against models/ssm_ops.sequential_scan, one request at a time: the outputs and the states
+left in the slots agree to float32 rounding for a batch of prompt chunks and decodes in any
 slots, some from a zero state (their old slot contents unread); slots no request names are
 not touched; a request's bits do not depend on the batch; spans and slots outside their
-tensors are refused by name. The model-level tests (Mamba2, Bamba, Granite 4.0 against
-transformers) run it on every step."""
+tensors are refused by name. The whole mixer between its projections (``mamba_mixer``)
+against the module's reference path (the convolution, the chunked SSD scan and the gated
+norm in torch) in float32 and bf16, its states too. The model-level tests (Mamba2, Bamba,
+Granite 4.0 against transformers) run them on every step."""
 
 from __future__ import annotations
 
@@ -81,3 +83,49 @@ def test_spans_and_slots_outside_their_tensors_are_refused(slots: list[int], sta
     with pytest.raises(ValueError, match=f"kvloom::ssm_scan_: {message}"):
         ssm.ssm_scan_(t["state"], int64(slots), torch.ones(2, dtype=torch.int32), int64(starts), int64(lengths),
                       t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_mixer_is_the_modules_reference(dtype: torch.dtype) -> None:
+    """A mixed step (a continued 6-token chunk, a fresh 9-token prompt, two decodes) through
+    Mamba2Mixer.forward natively and by the reference (``prefill_scan`` "ssd"), from the
+    same slots: the outputs and every slot's states agree (bf16: to a bf16 rounding of the
+    outputs; the SSM states are float32 in both), the convolution's stored inputs exactly."""
+    from kvloom.batch import ForwardBatch
+    from kvloom.model_families import SSMConfig
+    from kvloom.models.mamba2 import Mamba2Mixer
+
+    config = SSMConfig(num_heads=4, head_dim=8, state_size=16, num_groups=2, conv_kernel=4, intermediate_size=32,
+                       chunk_size=4, norm_eps=1e-5, layer_kinds=("mamba",))
+    torch.manual_seed(3)
+    mixers = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        mixer = Mamba2Mixer(24, config).to(dtype)
+        with torch.no_grad():
+            for parameter in mixer.parameters():
+                parameter.copy_(torch.randn_like(parameter) * 0.5)
+        mixer.allocate_state(5, torch.device("cpu"), dtype)
+        torch.manual_seed(4)
+        mixer.conv_state.copy_(torch.randn_like(mixer.conv_state.float()).to(dtype))
+        mixer.ssm_state.copy_(torch.randn_like(mixer.ssm_state))
+        mixers.append(mixer)
+    native, reference = mixers
+    reference.prefill_scan = "ssd"
+    lengths, seq_lens, slots = [6, 9, 1, 1], [10, 9, 7, 1], [3, 0, 4, 1]
+    starts = [sum(lengths[:i]) for i in range(4)]
+    tokens = sum(lengths)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(tokens, dtype=torch.int64), positions=torch.zeros(tokens, dtype=torch.int64),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64), block_tables=torch.zeros(4, 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        logits_indices=torch.zeros(0, dtype=torch.int64), query_lens_list=lengths, seq_lens_list=seq_lens,
+        block_size=16, state_slots=torch.tensor(slots, dtype=torch.int64))
+    spans = ssm_ops.SSMSpans.of(batch, config.conv_kernel)
+    hidden = torch.randn(tokens, 24).to(dtype)
+    with torch.no_grad():
+        ours, theirs = native(hidden, spans), reference(hidden, spans)
+    # bf16: at most one rounding step of the outputs apart (exp's last bit can move one).
+    torch.testing.assert_close(ours, theirs, rtol=8e-3 if dtype == torch.bfloat16 else 2e-5, atol=2e-5)
+    torch.testing.assert_close(native.ssm_state, reference.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native.conv_state, reference.conv_state)

@@ -76,7 +76,7 @@ def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence(conv, dtype
     g = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(channels, kernel, generator=g), torch.randn(channels, generator=g)
     seqs = {0: torch.randn(9, channels, generator=g).to(dtype), 1: torch.randn(6, channels, generator=g).to(dtype)}
-    conv_state = torch.full((3, channels, kernel - 1), 7.0, dtype=dtype)  # stale state of an earlier owner
+    conv_state = torch.full((3, kernel - 1, channels), 7.0, dtype=dtype)  # stale state of an earlier owner
     slots = {0: 2, 1: 0}
     chunks = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 3, 1: 1}, {1: 1}, {1: 1}]
     done = {0: 0, 1: 0}
@@ -95,7 +95,7 @@ def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence(conv, dtype
         torch.testing.assert_close(torch.cat(outputs[r]), expected[0, :, :seq.shape[0]].t().to(dtype),
                                    rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
         # The slot holds the last k - 1 inputs.
-        torch.testing.assert_close(conv_state[slots[r]], seq[-(kernel - 1):].t())
+        torch.testing.assert_close(conv_state[slots[r]], seq[-(kernel - 1):])
 
 
 def test_spans_need_a_slot_for_every_request() -> None:
