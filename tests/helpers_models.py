@@ -782,26 +782,22 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
         if model_type == "gpt_oss" and rest.startswith(("mlp.", "self_attn.sinks", "post_attention_layernorm")):
             _write_gpt_oss_tensor(writer, f"blk.{layer}", rest, array, mxfp4_experts)
             continue
-        if rest in ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight"):
-            # GraniteMoe's fused experts, split and stacked as its converter writes them
-            if rest.endswith("input_linear.weight"):
-                gate, up = np.split(array, 2, axis=1)
-                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
-            else:
-                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(array))
+        # GraniteMoe's fused experts ([E, 2 inter, hidden]) and Granite 4.0's fused shared MLP
+        # ([2 inter, hidden]: the shared expert beside experts, else the MLP), gate and up split
+        # apart as their converters write them: (the parts' suffix, the axis of gate | up).
+        shared = "_shexp" if has_experts else ""
+        fused = {"block_sparse_moe.input_linear.weight": ("_exps", 1), "shared_mlp.input_linear.weight": (shared, 0),
+                 "block_sparse_moe.output_linear.weight": ("_exps", None),
+                 "shared_mlp.output_linear.weight": (shared, None)}
+        if rest in fused:
+            suffix, axis = fused[rest]
+            parts = dict(zip(("gate", "up"), np.split(array, 2, axis=axis), strict=True)) if axis is not None else {
+                "down": array}
+            for part, value in parts.items():
+                writer.add_tensor(f"blk.{layer}.ffn_{part}{suffix}.weight", np.ascontiguousarray(value))
             continue
         if rest == "block_sparse_moe.router.layer.weight":
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", np.ascontiguousarray(array))
-            continue
-        if rest.startswith("shared_mlp."):  # Granite 4.0's: the shared expert beside experts, else the MLP
-            suffix = "_shexp" if has_experts else ""
-            if rest == "shared_mlp.input_linear.weight":
-                gate, up = np.split(array, 2, axis=0)
-                writer.add_tensor(f"blk.{layer}.ffn_gate{suffix}.weight", np.ascontiguousarray(gate))
-                writer.add_tensor(f"blk.{layer}.ffn_up{suffix}.weight", np.ascontiguousarray(up))
-            else:
-                writer.add_tensor(f"blk.{layer}.ffn_down{suffix}.weight", np.ascontiguousarray(array))
             continue
         expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
         if expert:
