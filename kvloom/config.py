@@ -21,6 +21,7 @@ from kvloom.model_families import (
     MoEConfig,
     Multipliers,
     PoolerConfig,
+    ShortConvConfig,
     SSMConfig,
 )
 
@@ -51,7 +52,8 @@ COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 # Families whose rotary turns half of each head unless config.json says otherwise (transformers' defaults).
 HALF_ROTARY_BY_DEFAULT = ("NemotronForCausalLM", *GLM_ARCHITECTURES)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
+                         "Lfm2ForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
                  "GPTBigCodeForCausalLM")
@@ -105,6 +107,26 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if len(flags) != layers:
         raise ValueError(f"model config: no_rope_layers has {len(flags)} flags for {layers} layers")
     return tuple(i for i, turns in enumerate(flags) if not turns)
+
+
+def _lfm2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's config.json in the names the rest reads (transformers' Lfm2Config): the hub's
+    ``block_ff_dim`` and ``tie_embedding``, its MLP's width as transformers computes it
+    (two thirds of the stated one, times ``block_ffn_dim_multiplier``, rounded up to a
+    multiple of ``block_multiple_of``, where ``block_auto_adjust_ff_dim``), the rotary's
+    base (1e6 where unsaid) and its tied head."""
+    width = int(hf.get("block_ff_dim", hf.get("intermediate_size", 12288)))
+    if hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
+            multiple = int(hf.get("block_multiple_of", 256))
+            width = int(float(hf.get("block_ffn_dim_multiplier", 1.0)) * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    rope = hf.get("rope_parameters") or {}
+    return {**hf, "intermediate_size": width, "tie_word_embeddings": bool(hf.get("tie_embedding",
+                                                                                  hf.get("tie_word_embeddings", True))),
+            "rope_theta": float(hf.get("rope_theta", rope.get("rope_theta", 1000000.0))),
+            "rms_norm_eps": float(hf.get("norm_eps", 1e-5)), "attention_bias": False}
 
 
 def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +229,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture-of-experts FFN (model_families.py)
     mla: MLAConfig | None = None  # DeepSeek's latent attention: the pool holds latents
     ssm: SSMConfig | None = None  # Mamba2 mixers: a state per request (cache/state_pool.py)
+    short_conv: ShortConvConfig | None = None  # LFM2's gated short convolutions: a state per request too
     # A sequence classifier's head in place of the vocabulary's (``architecture`` is then
     # the causal model it is built on): it classifies and scores, it does not generate.
     classifier: ClassifierConfig | None = None
@@ -250,7 +273,7 @@ class ModelConfig:
         """The keys back from a query that some layer still reads: the largest window when
         every layer has one, else 0 (a layer reads the whole context, so no KV block is
         ever behind every layer's window; cache/kv_manager.py lets go of those that are)."""
-        if self.ssm is not None:  # a hybrid's attention layers are some of its layers
+        if self.keeps_state:  # a hybrid's attention layers are some of its layers
             return 0
         windows = [self.attention_window(layer, max_positions) for layer in range(self.num_layers)]
         return max(windows) if windows and min(windows) > 0 else 0
@@ -272,10 +295,18 @@ class ModelConfig:
         return original if max_positions > original else None
 
     @property
+    def keeps_state(self) -> bool:
+        """Whether some layers keep a fixed state per request in a state slot (Mamba2 mixers,
+        LFM2's short convolutions): the engine then runs a state pool (engine/state_space.py)."""
+        return self.ssm is not None or self.short_conv is not None
+
+    @property
     def num_kv_layers(self) -> int:
         """Layers with a part in the paged KV pool: every layer, except that a model with
-        state-space mixers (``ssm``) has only its attention layers there (none for Mamba2)."""
-        return self.num_layers if self.ssm is None else len(self.ssm.attention_layers)
+        state layers (``ssm``, ``short_conv``) has only its attention layers there (none for
+        Mamba2)."""
+        stateful = self.ssm or self.short_conv
+        return self.num_layers if stateful is None else len(stateful.attention_layers)
 
     @property
     def kv_entry(self) -> tuple[int, int, int]:
@@ -325,6 +356,8 @@ class ModelConfig:
             pattern = int(hf.get("sliding_window_pattern", 4))
             hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                         for i in range(hf["num_hidden_layers"])]}
+        if archs[0] == "Lfm2ForCausalLM":
+            hf = _lfm2_fields(hf)
         if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
             # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.
             hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
@@ -425,6 +458,7 @@ class ModelConfig:
             moe=MoEConfig.from_hf(hf),
             mla=MLAConfig.from_hf(hf),
             ssm=ssm,
+            short_conv=ShortConvConfig.from_hf(hf),
             classifier=classifier,
             is_matryoshka=bool(hf.get("is_matryoshka")) or hf.get("matryoshka_dimensions") is not None,
             matryoshka_dimensions=(None if hf.get("matryoshka_dimensions") is None

@@ -360,6 +360,51 @@ class SSMConfig:
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
 
 
+SHORT_CONV_ARCHITECTURES = ("Lfm2ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ShortConvConfig:
+    """LiquidAI's LFM2: gated short convolutions (``conv`` layers: in_proj to B, C and x,
+    B * x convolved causally per channel over its last ``conv_kernel`` inputs, times C,
+    out_proj) between attention layers. Each conv layer keeps its last ``conv_kernel - 1``
+    inputs per request, a state slot's whole state (cache/state_pool.py) as a Mamba2
+    mixer's is. ``layer_kinds``: "conv" or "attention" per decoder layer."""
+
+    conv_kernel: int
+    bias: bool
+    layer_kinds: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
+            raise ValueError(f"short conv config: conv_L_cache must be an integer of at least 2, got "
+                             f"{self.conv_kernel!r}")
+        if set(self.layer_kinds) - {"conv", "attention"} or "conv" not in self.layer_kinds:
+            raise ValueError(f"short conv config: layer kinds must be 'conv' or 'attention', at least one 'conv', "
+                             f"got {self.layer_kinds}")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ShortConvConfig | None:
+        if (hf.get("architectures") or [""])[0] not in SHORT_CONV_ARCHITECTURES:
+            return None
+        layers = int(hf["num_hidden_layers"])
+        names = hf.get("layer_types")
+        if names is None:  # older configs: the attention layers' indices (transformers' default: all)
+            indices = hf.get("full_attn_idxs")
+            attention = set(range(layers) if indices is None else indices)
+            names = ["full_attention" if i in attention else "conv" for i in range(layers)]
+        kinds = {"conv": "conv", "full_attention": "attention", "attention": "attention"}
+        if len(names) != layers or set(names) - set(kinds):
+            raise ValueError(f"short conv config: layer_types must name {layers} layers, each 'conv' or "
+                             f"'full_attention'; got {list(names)}")
+        return cls(conv_kernel=int(hf.get("conv_L_cache", 3)), bias=bool(hf.get("conv_bias", False)),
+                   layer_kinds=tuple(kinds[name] for name in names))
+
+
 def _hybrid_layer_kinds(arch: str, hf: dict[str, Any], layers: int) -> tuple[str, ...]:
     """Which layers of a hybrid are mixers: Bamba's ``attn_layer_indices`` attend; Granite
     4.0 names every layer in ``layer_types`` (all mixers where absent, as transformers)."""

@@ -34,9 +34,16 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                            logits_scaling=2.0, max_position_embeddings=512, rms_norm_eps=1e-6,
                            tie_word_embeddings=False, initializer_range=0.1,
                            bos_token_id=0, eos_token_id=2, pad_token_id=0),
+    # LiquidAI LFM2: gated short convolutions (3 taps) and attention layers with per-head q/k norms;
+    # the MLP's width as transformers adjusts it (2/3 of 96, rounded up to 16: 64).
+    "lfm2": dict(hidden_size=32, intermediate_size=96, block_multiple_of=16, num_hidden_layers=4,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"], num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, conv_L_cache=3, max_position_embeddings=512,
+                 norm_eps=1e-5, initializer_range=0.1, bos_token_id=0, eos_token_id=2, pad_token_id=0),
 }
 _CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
-            "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}
+            "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}
 
 
 def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:

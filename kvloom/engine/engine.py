@@ -149,7 +149,7 @@ class LLMEngine:
         self.max_model_len = max_model_len_for(config, mc)
         # LongRoPE past its original context: a longer prompt's tokens all turn by the long factors.
         self.long_rope_from = mc.long_rope_from(self.max_model_len)
-        if mc.ssm is not None:  # Mamba2 layers: a state pool, checkpoints to cache (engine/state_space.py)
+        if mc.keeps_state:  # Mamba2 or short-conv layers: a state pool, checkpoints to cache (engine/state_space.py)
             config = self.config = state_space_config(config, mc, self.max_model_len)
         # The model and its KV pool: here, or as rank 0 of a tensor-parallel group whose
         # other ranks hold the other shards (runner/tensor_parallel.py).
@@ -174,13 +174,13 @@ class LLMEngine:
         self.state_pool: StatePool = NoStatePool()
         self.state_bytes_per_slot = 0  # a state-space model's fixed state per request, every layer
         checkpoint_slots: range | None = None  # the radix cache's state checkpoints, after the requests'
-        if mc.ssm is not None:
+        if mc.keeps_state:
             from kvloom.models.mamba2 import allocate_state
             slots, checkpoints = num_state_slots(config), num_state_checkpoints(config)
             self.state_pool = StatePool(slots)
             checkpoint_slots = range(slots, slots + checkpoints)
             self.state_bytes_per_slot = allocate_state(self.model, slots + checkpoints) // (slots + checkpoints)
-            logger.info("state pool: %d slots and %d prefix-cache checkpoints of %.1f MiB (every Mamba2 "
+            logger.info("state pool: %d slots and %d prefix-cache checkpoints of %.1f MiB (every state "
                         "layer's state)", slots, checkpoints, self.state_bytes_per_slot / (1 << 20))
         prefix_cache: PrefixCache = (RadixCache(pool, block_size, checkpoint_slots)
                                      if config.cache.enable_prefix_caching else NoPrefixCache())

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def refusal(config: EngineConfig, model: ModelConfig) -> str | None:
     """Why this engine cannot serve ``model``'s state-space layers, or None."""
-    name = f"{model.architecture} keeps a state per request in its Mamba2 layers"
+    name = f"{model.architecture} keeps a state per request in its {'Mamba2' if model.ssm else 'short-conv'} layers"
     if config.speculative_config is not None:
         return (f"speculative decoding is not supported for state-space models: {name}, which a "
                 "rejected draft would have to roll back (the state pool keeps no checkpoints)")

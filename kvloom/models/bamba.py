@@ -36,19 +36,28 @@ from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_w
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
-from kvloom.models.weights import WeightFiller
+from kvloom.models.short_conv import ShortConv
+from kvloom.models.weights import WeightFiller, renamed
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it
+# LFM2's checkpoint names -> Bamba's modules' (``rename``: each fragment replaced in order).
+LFM2_NAMES = (("operator_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"),
+              ("self_attn.out_proj", "self_attn.o_proj"), ("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"),
+              ("feed_forward.w1", "feed_forward.gate_proj"), ("feed_forward.w3", "feed_forward.up_proj"),
+              ("feed_forward.w2", "feed_forward.down_proj"), ("embedding_norm", "final_layernorm"))
 
 
 class BambaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, kind: str, index: int) -> None:
         super().__init__()
-        assert config.ssm is not None
         self.kind = kind
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if kind == "mamba":
+            assert config.ssm is not None
             self.mamba = Mamba2Mixer(config.hidden_size, config.ssm)
+        elif kind == "conv":
+            assert config.short_conv is not None
+            self.conv = ShortConv(config.hidden_size, config.short_conv)
         else:
             self.self_attn = LlamaAttention(config)  # its rotary's width: the tables'
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -61,17 +70,19 @@ class BambaDecoderLayer(nn.Module):
 class BambaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
-        if config.ssm is None or tp.size > 1:
-            raise ValueError(f"{config.architecture} needs an SSM config and runs in one process")
-        self.config, self.ssm = config, config.ssm
+        stateful = config.ssm or config.short_conv
+        if stateful is None or tp.size > 1:
+            raise ValueError(f"{config.architecture} needs a state layers' config and runs in one process")
+        self.config, self.conv_kernel = config, stateful.conv_kernel
         self.granite = config.architecture == GRANITE_HYBRID
+        self.lfm2 = config.short_conv is not None
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.blocks = [BambaDecoderLayer(config, kind, index) for index, kind in enumerate(config.ssm.layer_kinds)]
+        self.blocks = [BambaDecoderLayer(config, kind, index) for index, kind in enumerate(stateful.layer_kinds)]
         self.layers = nn.ModuleList(self.blocks)  # registered; ``blocks`` is the typed view
-        self.kv_layer = {layer: rank for rank, layer in enumerate(config.ssm.attention_layers)}
+        self.kv_layer = {layer: rank for rank, layer in enumerate(stateful.attention_layers)}
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        rotary_dim = (config.rotary_dim or config.head_dim) if self.granite else int(
-            config.head_dim * PARTIAL_ROTARY_FACTOR)
+        rotary_dim = (int(config.head_dim * PARTIAL_ROTARY_FACTOR) if config.architecture == "BambaForCausalLM"
+                      else config.rotary_dim or config.head_dim)
         # None where no layer turns one (Granite 4.0's published models): no table to hold.
         self.rotary = (RotaryEmbedding(rotary_dim, max_positions, config.rope_theta, config.rope_scaling_dict)
                        if len(config.no_rope_layers) < config.num_layers else None)
@@ -85,7 +96,7 @@ class BambaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
         """The final hidden states [tokens, hidden]; kv_caches holds the attention layers."""
-        spans = ssm_ops.SSMSpans.of(batch, self.ssm.conv_kernel)
+        spans = ssm_ops.SSMSpans.of(batch, self.conv_kernel)
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         if self.embedding_scale != 1.0:  # Granite's, in the model's dtype as HF's
             residual = residual * self.embedding_scale
@@ -96,6 +107,8 @@ class BambaForCausalLM(nn.Module):
                       else layer.input_layernorm(self._into_residual(hidden), residual))
             if layer.kind == "mamba":
                 hidden = layer.mamba(normed, spans)
+            elif layer.kind == "conv":
+                hidden = layer.conv(normed, spans)
             else:
                 hidden = layer.self_attn(normed, rotary, batch, kv_caches[self.kv_layer[index]], backend, metadata)
             hidden = layer.feed_forward(layer.pre_ff_layernorm(self._into_residual(hidden), residual))
@@ -129,6 +142,9 @@ class BambaForCausalLM(nn.Module):
             "feed_forward.up_proj": ("feed_forward.gate_up_proj", inter, inter),
         }
         named = ((name.removeprefix("model."), tensor) for name, tensor in weights)
+        if self.lfm2:
+            load_named_weights(self, renamed(named, LFM2_NAMES), fused)
+            return
         if not self.granite:
             load_named_weights(self, named, fused)
             return

@@ -34,7 +34,25 @@ from kvloom.models.registry import CausalLM
 from kvloom.models.weights import WeightFiller
 
 
-class Mamba2Mixer(nn.Module):
+class SlotStateLayer(nn.Module):
+    """A layer that keeps a fixed-size state per request in the state slots (cache/
+    state_pool.py's books): Mamba2's mixer, LFM2's short convolution (models/short_conv.py).
+    ``allocate_state`` gives it its per-slot tensors (zeros) and returns their bytes;
+    ``copy_state`` copies slots ``src[i]`` to ``dst[i]`` (a prefix-cache checkpoint saved or
+    restored); ``state_device`` is where its tensors are."""
+
+    def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def state_device(self) -> torch.device:
+        raise NotImplementedError
+
+
+class Mamba2Mixer(SlotStateLayer):
     def __init__(self, hidden_size: int, ssm: SSMConfig) -> None:
         super().__init__()
         self.ssm = ssm
@@ -66,6 +84,10 @@ class Mamba2Mixer(nn.Module):
         """Slots ``src[i]`` -> ``dst[i]`` (the sources are gathered before any is written)."""
         self.conv_state.index_copy_(0, dst, self.conv_state[src])
         self.ssm_state.index_copy_(0, dst, self.ssm_state[src])
+
+    @property
+    def state_device(self) -> torch.device:
+        return self.ssm_state.device
 
     def forward(self, hidden: torch.Tensor, spans: ssm_ops.SSMSpans) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]; reads and writes the requests' slots."""
@@ -203,10 +225,10 @@ def allocate_state(model: CausalLM, num_slots: int) -> int:
 def copy_state(model: CausalLM, copies: Sequence[StateCopy]) -> None:
     """Every mixer layer's state from each copy's source slot to its destination (a
     prefix-cache hit's checkpoint, or a state saved as one: cache/kv_manager.py)."""
-    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)] if isinstance(model, nn.Module) else []
+    mixers = [m for m in model.modules() if isinstance(m, SlotStateLayer)] if isinstance(model, nn.Module) else []
     if not mixers:
         raise TypeError(f"{type(model).__name__} keeps no per-request state")
-    device = mixers[0].ssm_state.device
+    device = mixers[0].state_device
     src = torch.tensor([copy.src for copy in copies], dtype=torch.int64, device=device)
     dst = torch.tensor([copy.dst for copy in copies], dtype=torch.int64, device=device)
     for mixer in mixers:
@@ -214,10 +236,10 @@ def copy_state(model: CausalLM, copies: Sequence[StateCopy]) -> None:
 
 
 def allocate_mixer_state(model: nn.Module, num_slots: int) -> int:
-    """Every Mamba2 mixer's state tensors, on the device and in the dtype of the model."""
+    """Every state layer's tensors (``SlotStateLayer``), on the device and in the dtype of the model."""
     reference = next(p for p in model.parameters() if p.is_floating_point())
     return sum(module.allocate_state(num_slots, reference.device, reference.dtype)
-               for module in model.modules() if isinstance(module, Mamba2Mixer))
+               for module in model.modules() if isinstance(module, SlotStateLayer))
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

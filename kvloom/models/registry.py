@@ -109,6 +109,7 @@ ARCHITECTURES: dict[str, str] = {
     "Mamba2ForCausalLM": "kvloom.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "kvloom.models.bamba:BambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # IBM Granite 4.0: Bamba's stack
+    "Lfm2ForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # LiquidAI LFM2: short convolutions for mixers
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
 }

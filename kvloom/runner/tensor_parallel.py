@@ -194,7 +194,7 @@ def max_model_len_for(config: EngineConfig, model: ModelConfig) -> int:
     sliding window is attended as one in the Llama family's layers; latent attention and
     the state-space hybrids have none, and are served within any they declare.)"""
     limit = model.max_position_embeddings
-    if model.sliding_window is not None and (model.mla is not None or model.ssm is not None):
+    if model.sliding_window is not None and (model.mla is not None or model.keeps_state):
         limit = min(limit, model.sliding_window)
     if config.max_model_len is not None and config.max_model_len > limit:
         what = (f"its sliding window of {limit} tokens (this family attends to whole contexts only)"

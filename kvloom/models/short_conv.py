@@ -1,0 +1,48 @@
+"""LiquidAI LFM2's gated short convolution (``Lfm2ShortConv`` in transformers 5.25's
+modeling_lfm2.py, the reference): in_proj to B, C and x (in that order along the
+features), B * x convolved causally per channel over its last ``conv_kernel`` values
+(no activation), times C, out_proj. Its state per request is the convolution's last
+``conv_kernel - 1`` inputs, ``conv_state`` [slots, conv_kernel - 1, hidden] in the model's
+dtype, in the state slots as a Mamba2 mixer's (``SlotStateLayer``); the convolution is
+models/ssm_ops.causal_conv (C++ on a CPU)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvloom.model_families import ShortConvConfig
+from kvloom.models import ssm_ops
+from kvloom.models.mamba2 import SlotStateLayer
+
+
+class ShortConv(SlotStateLayer):
+    def __init__(self, hidden_size: int, config: ShortConvConfig) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=config.bias)
+        self.conv = nn.Conv1d(hidden_size, hidden_size, config.conv_kernel, groups=hidden_size, bias=config.bias)
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=config.bias)
+        self.conv_state = torch.empty(0)
+
+    def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
+        self.conv_state = torch.zeros(num_slots, self.conv.kernel_size[0] - 1, self.hidden_size, dtype=dtype,
+                                      device=device)
+        return self.conv_state.numel() * self.conv_state.element_size()
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.conv_state.index_copy_(0, dst, self.conv_state[src])
+
+    @property
+    def state_device(self) -> torch.device:
+        return self.conv_state.device
+
+    def forward(self, hidden: torch.Tensor, spans: ssm_ops.SSMSpans) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, hidden]; reads and writes the requests' slots."""
+        if not self.conv_state.numel():
+            raise RuntimeError("a short convolution runs only after allocate_state gave it its state slots")
+        B, C, x = self.in_proj(hidden).chunk(3, dim=-1)
+        weight = self.conv.weight.view(self.hidden_size, -1)
+        mixed = ssm_ops.causal_conv((B * x).contiguous(), weight, self.conv.bias, self.conv_state, spans)
+        out: torch.Tensor = self.out_proj(C * mixed)
+        return out

@@ -1,0 +1,90 @@
+"""LiquidAI LFM2 (``Lfm2ForCausalLM``): gated short convolutions (their last inputs a
+request's state, in the state slots) between attention layers with per-head q/k norms.
+Greedy tokens and the first log-probs held to transformers in float32 through chunked
+prefill on both attention backends, a tied and an untied head; staggered arrivals,
+state-slot waits and preemption give transformers' tokens and give every block and slot
+back; bf16 alone equals batched; the hub's config.json names (``block_ff_dim``,
+``full_attn_idxs``) read as transformers reads them. Prefix-cache hits on it:
+test_ssm_prefix_cache.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers_engine import bf16_alone_equals_batched, run_arrivals, token_ids
+from helpers_models import assert_greedy_is_transformers
+from helpers_ssm import hf_greedy, random_prompts, ssm_engine, write_tiny_ssm_model
+
+from kvloom import SamplingParams
+from kvloom.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_ssm_model(tmp_path_factory.mktemp(f"lfm2-{request.param}"), "lfm2", seed=2,
+                                tie_word_embeddings=request.param == "tied")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    return random_prompts(6, seed=13)
+
+
+def test_the_hubs_config_names_are_read_as_transformers_reads_them() -> None:
+    """LFM2-350M's config.json (its MLP's width as block_ff_dim, the attention layers as
+    full_attn_idxs, no layer_types, the head tied by default) against Lfm2Config's reading."""
+    hub = {"architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_ff_dim": 6656,
+           "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "conv_L_cache": 3, "conv_bias": False,
+           "full_attn_idxs": [2, 5, 8, 10, 12, 14], "hidden_size": 1024, "max_position_embeddings": 128000,
+           "norm_eps": 1e-05, "num_attention_heads": 16, "num_hidden_layers": 16, "num_key_value_heads": 8,
+           "rope_theta": 1000000.0, "vocab_size": 65536}
+    reference = transformers.Lfm2Config(**{k: v for k, v in hub.items() if k != "architectures"})
+    config = ModelConfig.from_hf(hub)
+    assert config.short_conv is not None and config.ssm is None
+    kinds = tuple("attention" if kind == "full_attention" else kind for kind in reference.layer_types)
+    assert config.short_conv.layer_kinds == kinds and config.num_kv_layers == 6
+    model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        **{**{k: v for k, v in hub.items() if k != "architectures"}, "num_hidden_layers": 1, "full_attn_idxs": [0],
+           "vocab_size": 8}))
+    assert config.intermediate_size == model.model.layers[0].feed_forward.w1.out_features == 4608
+    assert config.tie_word_embeddings == reference.tie_word_embeddings is True
+    assert config.qk_norm and config.rope_theta == 1e6 and config.rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
+def test_greedy_tokens_and_first_logprobs_are_transformers(model_dir: Path, prompts: dict[str, list[int]],
+                                                           backend: str) -> None:
+    assert_greedy_is_transformers(model_dir, list(prompts.values())[:4], MAX_TOKENS, attention_backend=backend)
+
+
+def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: Path,
+                                                                     prompts: dict[str, list[int]]) -> None:
+    reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        arrivals.setdefault(0 if i < 2 else 2 * i, []).append((request_id, prompt, GREEDY))
+    engine = ssm_engine(model_dir, num_blocks=20, block_size=4, max_num_batched_tokens=24, num_state_slots=4)
+    finals = run_arrivals(engine, arrivals)
+    assert token_ids(finals) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.runner.kv_caches.shape[:3] == (2, 2, 20)  # the two attention layers' K and V
+    assert engine.kv_manager.num_available_blocks == 20
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+
+
+def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: dict[str, list[int]]) -> None:
+    bf16_alone_equals_batched(str(model_dir), list(prompts.values()), GREEDY)
+
+
+def test_refusals_name_the_reason(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="speculative decoding is not supported for state-space models: "
+                                         "Lfm2ForCausalLM keeps a state per request in its short-conv layers"):
+        ssm_engine(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for state-space"):
+        ssm_engine(model_dir, tensor_parallel_size=2)
