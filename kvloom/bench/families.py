@@ -88,6 +88,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4,
         "mamba_expand": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.015625, "logits_scaling": 8.0, "architectures": ["GraniteMoeHybridForCausalLM"]}),
+    # SmolLM2's width and depth as LiquidAI's LFM2: gated short convolutions (3 taps) in 20 of the
+    # 30 layers, attention with per-head q/k norms in the rest (LFM2-350M's share), SmolLM2's MLP
+    # width after LFM2's two-thirds adjustment (2304 -> 1536).
+    "lfm2": ("Lfm2Config", {
+        **_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 2304, "block_multiple_of": 256, "conv_L_cache": 3,
+        "layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
+        "architectures": ["Lfm2ForCausalLM"]}),
 }
 
 
