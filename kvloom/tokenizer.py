@@ -34,7 +34,7 @@ _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 _QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 _GPT2_PRES = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_PRES = {"llama-bpe", "llama3", "smaug-bpe", "falcon3", "tekken"}
+_LLAMA3_PRES = {"llama-bpe", "llama3", "smaug-bpe", "falcon3", "tekken", "lfm2"}
 _QWEN2_PRES = {"qwen2", "stablelm2", "deepseek-r1-qwen"}
 
 

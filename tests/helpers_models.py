@@ -842,6 +842,62 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
     return out
 
 
+# LFM2's modules -> llama.cpp's LFM2 block parts (LFM2Model: no Q/K reordering, its rotary
+# pairs halves as HF's; the conv's weight squeezed to [channels, kernel]).
+_GGUF_LFM2_BLOCK = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+                    "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+                    "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+                    "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
+                    "conv.out_proj": "shortconv.out_proj"}
+
+
+def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a tiny LFM2 HF directory to an F32 GGUF as llama.cpp's LFM2Model writes it:
+    head_count_kv per layer (0 in the conv layers), the MLP's width after transformers'
+    adjustment as feed_forward_length, shortconv.l_cache, the final norm (HF's
+    embedding_norm) as token_embd_norm, no output tensor where the head is tied."""
+    import gguf
+    from safetensors.torch import load_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "lfm2")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    width = int(2 * config["intermediate_size"] / 3)  # LFM2Model._add_feed_forward_length
+    multiple = config["block_multiple_of"]
+    width = multiple * ((int(config["block_ffn_dim_multiplier"] * width) + multiple - 1) // multiple)
+    writer.add_feed_forward_length(width)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if kind != "conv" else 0 for kind in config["layer_types"]])
+    writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_shortconv_l_cache(config["conv_L_cache"])
+    _add_gguf_tokenizer(writer, hf_dir)
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name in ("model.embed_tokens.weight", "model.embedding_norm.weight", "lm_head.weight"):
+            if name != "lm_head.weight" or not config.get("tie_word_embeddings"):
+                gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+                             "model.embedding_norm.weight": "token_embd_norm.weight"}[name]
+                writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+            continue
+        layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if module == "conv.conv" and kind == "weight":
+            array = array.squeeze(1)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LFM2_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def hf_greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation by full recompute each step (no cache at all):
     the reference the parity tests hold kvloom's tokens to."""

@@ -53,7 +53,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
-    "gpt-oss": "GptOssForCausalLM",
+    "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -70,6 +70,7 @@ _MODEL_TYPES = {
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
     "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee", "GptOssForCausalLM": "gpt_oss",
+    "Lfm2ForCausalLM": "lfm2",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -109,6 +110,8 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
             config = _mamba2_config(meta, shapes)
         elif arch == "granitehybrid":
             config = _granite_hybrid_config(meta, shapes, path)
+        elif arch == "lfm2":
+            config = _lfm2_config(meta, shapes, path)
         else:
             config = _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
@@ -475,19 +478,41 @@ def _granite_4_fields(meta: Meta, shapes: dict[str, list[int]], head_dim: int, a
             "logits_scaling": float(meta("logit_scale", 1.0)), "num_local_experts": experts, **widths}
 
 
-def _hybrid_layers(head_count_kv: Any, layers: int, path: Path) -> tuple[list[int], int]:
-    """(attention layers, their KV heads) from the per-layer head_count_kv, 0 in a mixer."""
+def _lfm2_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+    """lfm2: short convolutions in the layers whose head_count_kv is 0, attention (per-head
+    q/k norms) in the others; feed_forward_length is the MLP's width after transformers'
+    adjustment (the converter applies it), so none is applied again."""
+    layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    attention, kv_heads = _hybrid_layers(meta("attention.head_count_kv"), layers, path, "conv")
+    first_conv = next(i for i in range(layers) if i not in attention)
+    return {"architectures": ["Lfm2ForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": kv_heads,
+            "head_dim": int(meta("attention.key_length", hidden // num_heads)),
+            "layer_types": ["full_attention" if i in attention else "conv" for i in range(layers)],
+            "intermediate_size": int(meta("feed_forward_length")), "block_auto_adjust_ff_dim": False,
+            "conv_L_cache": int(meta("shortconv.l_cache")),
+            "conv_bias": f"blk.{first_conv}.shortconv.in_proj.bias" in shapes,
+            "vocab_size": shapes["token_embd.weight"][-1], "norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(meta("rope.freq_base", 1000000.0)),
+            "max_position_embeddings": int(meta("context_length")),
+            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+
+
+def _hybrid_layers(head_count_kv: Any, layers: int, path: Path, other: str = "mamba") -> tuple[list[int], int]:
+    """(attention layers, their KV heads) from the per-layer head_count_kv, 0 in the
+    ``other`` layers (a mixer, a short convolution)."""
     counts = [int(n) for n in head_count_kv] if isinstance(head_count_kv, list) else [int(head_count_kv)] * layers
     attention = [i for i, n in enumerate(counts) if n]
     wrong = ("the wrong length" if len(counts) != layers else "no attention layer" if not attention
-             else "no mamba layer" if len(attention) == layers else None)
+             else f"no {other} layer" if len(attention) == layers else None)
     if wrong:
-        raise ModelLoadError(f"granitehybrid GGUF {path}: a hybrid needs attention.head_count_kv per layer "
-                             f"({layers} of them), nonzero in the attention layers and 0 in the mamba layers, "
+        raise ModelLoadError(f"GGUF {path}: a hybrid needs attention.head_count_kv per layer "
+                             f"({layers} of them), nonzero in the attention layers and 0 in the {other} layers, "
                              f"at least one of each; the file's {counts} has {wrong}")
     kv_heads = {counts[i] for i in attention}
     if len(kv_heads) > 1:
-        raise ModelLoadError(f"granitehybrid GGUF {path}: the attention layers' head_count_kv differ "
+        raise ModelLoadError(f"GGUF {path}: the attention layers' head_count_kv differ "
                              f"({counts}); a hybrid has one num_key_value_heads")
     return attention, kv_heads.pop()
 

@@ -4,7 +4,7 @@ Every tensor is dequantized to float32 with ``gguf.quants``; the engine never ru
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
-granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name) and
+granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), lfm2 and
 gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
 into transformers' fused tensor).
 
@@ -79,6 +79,8 @@ _FAMILY_TOP_LEVEL_NAMES = {
         "output.weight": "lm_head.weight",
     },
     "BambaForCausalLM": {**_TOP_LEVEL_NAMES, "output_norm.weight": "model.final_layernorm.weight"},
+    # LFM2's final norm is its embedding_norm, stored as token_embd_norm.
+    "Lfm2ForCausalLM": {**_TOP_LEVEL_NAMES, "token_embd_norm.weight": "model.embedding_norm.weight"},
     "GPT2LMHeadModel": {**_TOP_LEVEL_NAMES, "position_embd.weight": "model.wpe.weight"},
 }
 # Families whose layers are HF's ``backbone.layers.N`` (the rest: ``model.layers.N``).
@@ -132,6 +134,14 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down": "feed_forward.down_proj", "ffn_norm": "pre_ff_layernorm", **_mixer("mamba")},
 }
 _BLOCK_NAMES["DeepseekV3ForCausalLM"] = _BLOCK_NAMES["DeepseekV2ForCausalLM"]
+# LFM2: its own names for the norms, the attention's output and q/k norms, the MLP (w1 / w3 / w2)
+# and the short convolutions (the conv's weight squeezed to [channels, kernel]: ``_undo``).
+_BLOCK_NAMES["Lfm2ForCausalLM"] = {
+    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2", "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj"}
 # Granite 4.0: Bamba's, its second norm under the hub's name, and its experts (Mixtral's per-expert
 # names, inside block_sparse_moe) beside a shared MLP; without experts the shared MLP is ffn_gate/up/down.
 _BLOCK_NAMES["GraniteMoeHybridForCausalLM"] = {
@@ -197,8 +207,10 @@ _BLOCK_NAMES["FalconForCausalLM"] = {"attn_norm": "input_layernorm", "attn_norm_
 # joined back into transformers' fused tensors (``_Converter._join_gpt_oss_experts``).
 _BLOCK_NAMES["GptOssForCausalLM"] = {**_ATTENTION_BLOCK, "post_attention_norm": "post_attention_layernorm",
                                      "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp": "mlp.router"}
-# blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)]
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?(?:\.(weight|bias))?")
+# blk.<layer>.<part>[.<expert> (old per-expert files)][.weight | .bias (absent for ssm_a, ssm_d)];
+# LFM2's parts are dotted (shortconv.conv, ...).
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(shortconv\.(?:conv|in_proj|out_proj)|[a-z0-9_]+?)(?:\.(\d+))?"
+                           r"(?:\.(weight|bias))?")
 # Consumed into the config (llama3's and Phi-3's rope scaling), not a parameter.
 _METADATA_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
@@ -306,7 +318,7 @@ class _Converter:
             return _a_log(array.reshape(-1))
         if part in ("ssm_d", "ssm_norm"):  # [heads, 1] / [groups, d_inner / groups]
             return array.reshape(-1)
-        if part == "ssm_conv1d" and kind == "weight":  # squeezed [channels, kernel]
+        if part in ("ssm_conv1d", "shortconv.conv") and kind == "weight":  # squeezed [channels, kernel]
             return array.reshape(array.shape[0], 1, -1)
         if part == "ffn_gate_inp_shexp":  # HF's Linear(hidden, 1), stored [hidden] or [1, hidden]
             return array.reshape(1, -1)

@@ -233,6 +233,9 @@ REFUSED = {
                                       HYBRID_TENSORS, "the attention layers' head_count_kv differ"),
     "granitehybrid-inner-not-heads": ("granitehybrid", dict(HYBRID, **{"ssm.time_step_rank": 3}), HYBRID_TENSORS,
                                       "ssm.time_step_rank"),
+    "lfm2-no-conv-layer": ("lfm2", dict(BASE, **{"attention.head_count_kv": [2, 2], "shortconv.l_cache": 3,
+                                                 "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 64}),
+                           {"token_embd.weight": (16, 8)}, r"0 in the conv layers.*has no conv layer"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
     "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),
 }

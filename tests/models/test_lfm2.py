@@ -3,7 +3,8 @@ request's state, in the state slots) between attention layers with per-head q/k 
 Greedy tokens and the first log-probs held to transformers in float32 through chunked
 prefill on both attention backends, a tied and an untied head; staggered arrivals,
 state-slot waits and preemption give transformers' tokens and give every block and slot
-back; bf16 alone equals batched; the hub's config.json names (``block_ff_dim``,
+back; llama.cpp's lfm2 files give transformers' tokens on the directory they came from;
+bf16 alone equals batched; the hub's config.json names (``block_ff_dim``,
 ``full_attn_idxs``) read as transformers reads them. Prefix-cache hits on it:
 test_ssm_prefix_cache.py."""
 
@@ -76,6 +77,25 @@ def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: 
     assert engine.runner.kv_caches.shape[:3] == (2, 2, 20)  # the two attention layers' K and V
     assert engine.kv_manager.num_available_blocks == 20
     assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+
+
+def test_a_llama_cpp_file_gives_transformers_tokens(model_dir: Path, prompts: dict[str, list[int]],
+                                                    tmp_path: Path) -> None:
+    """llama.cpp's lfm2 file: head_count_kv per layer, the adjusted MLP width, the short
+    convolutions' squeezed weights and the final norm as token_embd_norm."""
+    from helpers_models import write_tiny_lfm2_gguf
+
+    from kvloom import LLM
+
+    llm = LLM(str(write_tiny_lfm2_gguf(model_dir, tmp_path / "lfm2.gguf")), dtype="float32", block_size=4,
+              num_blocks=256, max_num_batched_tokens=16)
+    config = llm.engine.model_config
+    assert config.architecture == "Lfm2ForCausalLM" and config.intermediate_size == 64
+    assert config.short_conv is not None and config.short_conv.layer_kinds == ("conv", "attention", "conv",
+                                                                               "attention")
+    outputs = llm.generate(list(prompts.values())[:4], GREEDY)
+    reference = hf_greedy(model_dir, dict(list(prompts.items())[:4]), MAX_TOKENS)
+    assert [list(output.outputs[0].token_ids) for output in outputs] == list(reference.values())
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: dict[str, list[int]]) -> None:
