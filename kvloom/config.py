@@ -53,7 +53,7 @@ GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 # Families whose rotary turns half of each head unless config.json says otherwise (transformers' defaults).
 HALF_ROTARY_BY_DEFAULT = ("NemotronForCausalLM", *GLM_ARCHITECTURES)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
-                         "Lfm2ForCausalLM")
+                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Families whose projections (and MLP) have biases unless config.json says otherwise.
 ALWAYS_BIASED = ("PhiForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
                  "GPTBigCodeForCausalLM")
@@ -115,8 +115,9 @@ def _lfm2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     (two thirds of the stated one, times ``block_ffn_dim_multiplier``, rounded up to a
     multiple of ``block_multiple_of``, where ``block_auto_adjust_ff_dim``), the rotary's
     base (1e6 where unsaid) and its tied head."""
-    width = int(hf.get("block_ff_dim", hf.get("intermediate_size", 12288)))
-    if hf.get("block_auto_adjust_ff_dim", True):
+    moe = hf["architectures"][0] == "Lfm2MoeForCausalLM"  # its dense MLPs take intermediate_size as it is
+    width = int(hf.get("block_ff_dim", hf.get("intermediate_size", 7168 if moe else 12288)))
+    if hf.get("block_auto_adjust_ff_dim", True) and not moe:
         width = int(2 * width / 3)
         if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
             multiple = int(hf.get("block_multiple_of", 256))
@@ -356,7 +357,7 @@ class ModelConfig:
             pattern = int(hf.get("sliding_window_pattern", 4))
             hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                         for i in range(hf["num_hidden_layers"])]}
-        if archs[0] == "Lfm2ForCausalLM":
+        if archs[0] in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
             hf = _lfm2_fields(hf)
         if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
             # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.

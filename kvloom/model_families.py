@@ -54,6 +54,8 @@ class MoEConfig:
     topk_groups: int = 1  # groups a token may choose from
     score_correction_bias: bool = False  # a per-expert float32 bias added for selection (V3)
     router_float32: bool = False  # router weight kept and applied in float32 (DeepSeek)
+    # The guard added to the renormalising sum of sigmoid scores: DeepSeek-V3's 1e-20, LFM2-MoE's 1e-6.
+    norm_topk_eps: float = 1e-20
     # Qwen2-MoE rounds the routing weights to the activation dtype before they scale the
     # expert outputs; the others scale in float32 and round the product.
     round_routing_weights: bool = False
@@ -157,6 +159,18 @@ class MoEConfig:
                          intermediate_size=int(hf["intermediate_size"]), sparse_layers=tuple(layers),
                          norm_topk_prob=True, round_routing_weights=True, hidden_act=act,
                          shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)))
+        elif arch == "Lfm2MoeForCausalLM":
+            # Sigmoid scores; a float32 per-expert bias steers the choice only (DeepSeek-V3's
+            # noaux_tc in one group); the first num_dense_layers layers dense.
+            biased = bool(hf.get("use_expert_bias", True))
+            config = cls(num_experts=int(hf.get("num_experts", 32)), top_k=int(hf.get("num_experts_per_tok", 4)),
+                         intermediate_size=int(hf.get("moe_intermediate_size", 1792)),
+                         sparse_layers=tuple(i for i in layers if i >= int(hf.get("num_dense_layers", 2))),
+                         scoring="sigmoid", topk_method="noaux_tc" if biased else "greedy",
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                         score_correction_bias=biased, norm_topk_eps=1e-6, round_routing_weights=True,
+                         hidden_act=act)
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
         elif arch == "GptOssForCausalLM":
@@ -360,7 +374,7 @@ class SSMConfig:
                 "rms_norm_eps": self.norm_eps, **hf, "head_dim": 1}
 
 
-SHORT_CONV_ARCHITECTURES = ("Lfm2ForCausalLM",)
+SHORT_CONV_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 
 
 @dataclass(frozen=True)

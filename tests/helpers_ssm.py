@@ -40,10 +40,18 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                  layer_types=["conv", "full_attention", "conv", "full_attention"], num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, conv_L_cache=3, max_position_embeddings=512,
                  norm_eps=1e-5, initializer_range=0.1, bos_token_id=0, eos_token_id=2, pad_token_id=0),
+    # LFM2-MoE: LFM2's layers, the first dense (intermediate_size as it is), then 4 experts of 24
+    # features, top 2 by sigmoid score steered by a float32 bias (perturbed below: not zero).
+    "lfm2_moe": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                     num_experts_per_tok=2, num_dense_layers=1, num_hidden_layers=4,
+                     layer_types=["conv", "full_attention", "conv", "full_attention"], num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, conv_L_cache=3,
+                     max_position_embeddings=512, norm_eps=1e-5, initializer_range=0.1, bos_token_id=0,
+                     eos_token_id=2, pad_token_id=0),
 }
 _CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
             "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
-            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}
+            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM")}
 
 
 def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:
@@ -62,6 +70,9 @@ def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overri
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith((".bias", ".D", ".dt_bias", ".A_log")):
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".expert_bias"):  # LFM2-MoE's selection bias (zeros at init)
+                buffer.add_(torch.randn_like(buffer) * 0.1)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

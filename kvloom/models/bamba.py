@@ -37,7 +37,7 @@ from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 from kvloom.models.short_conv import ShortConv
-from kvloom.models.weights import WeightFiller, renamed
+from kvloom.models.weights import WeightFiller, rename
 
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig hard-codes it
 # LFM2's checkpoint names -> Bamba's modules' (``rename``: each fragment replaced in order).
@@ -142,47 +142,58 @@ class BambaForCausalLM(nn.Module):
             "feed_forward.up_proj": ("feed_forward.gate_up_proj", inter, inter),
         }
         named = ((name.removeprefix("model."), tensor) for name, tensor in weights)
-        if self.lfm2:
-            load_named_weights(self, renamed(named, LFM2_NAMES), fused)
-            return
-        if not self.granite:
+        if not self.granite and not self.lfm2:
             load_named_weights(self, named, fused)
             return
         filler = WeightFiller(self)
-        load_named_weights(self, self._granite_names(named, filler), fused, filler)
+        load_named_weights(self, self._checkpoint_names(named, filler), fused, filler)
 
-    def _granite_names(self, weights: Iterable[tuple[str, torch.Tensor]],
-                       filler: WeightFiller) -> Iterator[tuple[str, torch.Tensor]]:
-        """Granite 4.0's checkpoint names as Bamba's: ``norm`` is ``final_layernorm``,
-        ``post_attention_layernorm`` is ``pre_ff_layernorm``; ``shared_mlp``'s fused
-        [gate | up] ``input_linear`` and its ``output_linear`` are a dense layer's gate_up_proj
-        and down_proj, or beside experts the MoE's shared expert; ``block_sparse_moe.*``
-        (the router and the fused experts) go to the MoE, which counts what it fills into
-        ``filler``."""
+    def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]],
+                          filler: WeightFiller) -> Iterator[tuple[str, torch.Tensor]]:
+        """Granite 4.0's and LFM2's checkpoint names as Bamba's, and their MoE tensors into
+        the layer's SparseMoE, which counts what it fills into ``filler``. LFM2: renamed by
+        ``LFM2_NAMES``; LFM2-MoE's ``feed_forward.gate``, ``expert_bias`` and ``experts.*``
+        are the MoE's router, selection bias and experts. Granite 4.0: ``norm`` is
+        ``final_layernorm``, ``post_attention_layernorm`` is ``pre_ff_layernorm``;
+        ``shared_mlp``'s fused [gate | up] ``input_linear`` and its ``output_linear`` are a
+        dense layer's gate_up_proj and down_proj, or beside experts the MoE's shared
+        expert; ``block_sparse_moe.*`` (the router and the fused experts) go to the MoE."""
         for name, tensor in weights:
+            if self.lfm2:
+                name = rename(name, LFM2_NAMES)
             layer, _, inside = name.removeprefix("layers.").partition(".")
             if not name.startswith("layers.") or not layer.isdigit():
                 yield ("final_layernorm.weight" if name == "norm.weight" else name), tensor
                 continue
             ffn = self.blocks[int(layer)].feed_forward
             prefix = f"layers.{layer}."
-            if inside.startswith("block_sparse_moe.") and isinstance(ffn, SparseMoE):
-                for parameter, count in ffn.load_hf(inside.removeprefix("block_sparse_moe."), tensor).items():
-                    filler.count(f"{prefix}feed_forward.{parameter}", count)
-            elif inside.startswith("shared_mlp.") and isinstance(ffn, SparseMoE):
-                if inside == "shared_mlp.input_linear.weight":  # [gate | up], as the shared expert's two halves
-                    gate, up = tensor.chunk(2, dim=0)
-                    parts = {"shared_expert.gate_proj.weight": gate, "shared_expert.up_proj.weight": up}
-                else:
-                    parts = {inside.replace("shared_mlp.output_linear", "shared_expert.down_proj"): tensor}
-                for part, value in parts.items():
-                    for parameter, count in ffn.load_hf(part, value).items():
-                        filler.count(f"{prefix}feed_forward.{parameter}", count)
-            else:
+            parts = self._moe_parts(inside, tensor) if isinstance(ffn, SparseMoE) else None
+            if parts is None:
                 inside = (inside.replace("post_attention_layernorm", "pre_ff_layernorm")
                           .replace("shared_mlp.input_linear", "feed_forward.gate_up_proj")
                           .replace("shared_mlp.output_linear", "feed_forward.down_proj"))
                 yield prefix + inside, tensor
+                continue
+            assert isinstance(ffn, SparseMoE)
+            for part, value in parts.items():
+                for parameter, count in ffn.load_hf(part, value).items():
+                    filler.count(f"{prefix}feed_forward.{parameter}", count)
+
+    def _moe_parts(self, inside: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """A layer tensor's parts under SparseMoE's names (``load_hf``'s), or None where it
+        is not the MoE's."""
+        if self.lfm2:
+            if inside == "feed_forward.expert_bias":
+                return {"gate.e_score_correction_bias": tensor}
+            return {inside.removeprefix("feed_forward."): tensor} if inside.startswith("feed_forward.") else None
+        if inside.startswith("block_sparse_moe."):
+            return {inside.removeprefix("block_sparse_moe."): tensor}
+        if inside == "shared_mlp.input_linear.weight":  # [gate | up], as the shared expert's two halves
+            gate, up = tensor.chunk(2, dim=0)
+            return {"shared_expert.gate_proj.weight": gate, "shared_expert.up_proj.weight": up}
+        if inside == "shared_mlp.output_linear.weight":
+            return {"shared_expert.down_proj.weight": tensor}
+        return None
 
     def weight_slice(self, hf_name: str) -> None:
         return None

@@ -69,8 +69,8 @@ def route(logits: torch.Tensor, moe: MoEConfig,
         weights = scores.gather(1, experts)
     if moe.norm_topk_prob:
         denominator = weights.sum(dim=-1, keepdim=True)
-        if moe.scoring == "sigmoid":  # DeepSeek-V3's guard (a softmax's top-k never sums to 0)
-            denominator = denominator + 1e-20
+        if moe.scoring == "sigmoid":  # DeepSeek-V3's and LFM2-MoE's guard (a softmax's top-k never sums to 0)
+            denominator = denominator + moe.norm_topk_eps
         weights = weights / denominator
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
@@ -86,9 +86,10 @@ def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 
 class MoERouter(nn.Module):
-    """The router's weight ``[experts, hidden]`` (and DeepSeek-V3's per-expert
-    ``score_correction_bias``, GPT-OSS's logit ``bias``). With ``moe.router_float32`` (DeepSeek) both stay
-    float32 through ``model.to(dtype)`` and the logits are computed in float32, as
+    """The router's weight ``[experts, hidden]`` (and DeepSeek-V3's and LFM2-MoE's per-expert
+    ``score_correction_bias``, always float32, GPT-OSS's logit ``bias``). With
+    ``moe.router_float32`` (DeepSeek) the weight stays float32 too through ``model.to(dtype)``
+    and the logits are computed in float32, as
     transformers keeps ``gate.weight`` and the bias in float32; otherwise the router
     runs in the activation dtype."""
 
@@ -97,7 +98,8 @@ class MoERouter(nn.Module):
         self.moe = moe
         kept = torch.float32 if moe.router_float32 else None  # whatever the model's default dtype
         self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size, dtype=kept))
-        self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts, dtype=kept))
+        # The selection bias is float32 whatever the router's dtype (transformers keeps it so).
+        self.score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32))
                                       if moe.score_correction_bias else None)
         self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.router_bias else None
         self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)
@@ -122,6 +124,9 @@ class MoERouter(nn.Module):
                 return tensor.to(device=fn(tensor.new_empty(0)).device, dtype=torch.float32)
 
         super()._apply(convert, recurse)  # type: ignore[no-untyped-call]
+        bias = self.score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:  # kept float32 through a dtype change
+            bias.data = bias.data.float()
         return self
 
 

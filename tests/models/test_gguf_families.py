@@ -237,6 +237,7 @@ REFUSED = {
                                                  "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 64}),
                            {"token_embd.weight": (16, 8)}, r"0 in the conv layers.*has no conv layer"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
+    "lfm2moe": ("lfm2moe", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'lfm2moe'"),
     "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),
 }
 

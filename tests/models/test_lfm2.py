@@ -1,5 +1,7 @@
 """LiquidAI LFM2 (``Lfm2ForCausalLM``): gated short convolutions (their last inputs a
-request's state, in the state slots) between attention layers with per-head q/k norms.
+request's state, in the state slots) between attention layers with per-head q/k norms;
+and LFM2-MoE (``Lfm2MoeForCausalLM``), its dense MLPs after the first layers sigmoid-routed
+experts.
 Greedy tokens and the first log-probs held to transformers in float32 through chunked
 prefill on both attention backends, a tied and an untied head; staggered arrivals,
 state-slot waits and preemption give transformers' tokens and give every block and slot
@@ -26,10 +28,16 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["untied", "tied"])
+# LFM2 with an untied and a tied head; LFM2-MoE (a dense first layer, then sigmoid-routed
+# experts steered by a float32 bias).
+KINDS = {"untied": ("lfm2", dict(seed=2, tie_word_embeddings=False)), "tied": ("lfm2", dict(seed=2)),
+         "moe": ("lfm2_moe", dict(seed=3, tie_word_embeddings=False))}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_ssm_model(tmp_path_factory.mktemp(f"lfm2-{request.param}"), "lfm2", seed=2,
-                                tie_word_embeddings=request.param == "tied")
+    arch, overrides = KINDS[request.param]
+    return write_tiny_ssm_model(tmp_path_factory.mktemp(f"lfm2-{request.param}"), arch, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +87,39 @@ def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: 
     assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
 
 
-def test_a_llama_cpp_file_gives_transformers_tokens(model_dir: Path, prompts: dict[str, list[int]],
+def test_the_moe_routes_as_lfm2_moe_does(model_dir: Path) -> None:
+    """Not vacuous: LFM2-MoE's router is read as its own (sigmoid, the bias steering,
+    renormalised with its 1e-6 guard) and its bias stays float32 in a bf16 model."""
+    import torch
+
+    config = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir).to_dict())
+    if config.architecture != "Lfm2MoeForCausalLM":
+        assert config.moe is None and config.intermediate_size == 64
+        return
+    moe = config.moe
+    assert moe is not None and (moe.scoring, moe.topk_method, moe.norm_topk_eps, moe.sparse_layers) == (
+        "sigmoid", "noaux_tc", 1e-6, (1, 2, 3))
+    assert config.intermediate_size == 48  # the dense layer's width as it is (no LFM2 adjustment)
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=64))
+    bias = engine.model.blocks[1].feed_forward.router.score_correction_bias
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_a_llama_cpp_file_gives_transformers_tokens(kind: str, prompts: dict[str, list[int]],
                                                     tmp_path: Path) -> None:
     """llama.cpp's lfm2 file: head_count_kv per layer, the adjusted MLP width, the short
-    convolutions' squeezed weights and the final norm as token_embd_norm."""
+    convolutions' squeezed weights and the final norm as token_embd_norm. (LFM2-MoE's
+    lfm2moe files are refused by name: tests/models/test_gguf_families.py.)"""
     from helpers_models import write_tiny_lfm2_gguf
 
     from kvloom import LLM
+
+    arch, overrides = KINDS[kind]
+    model_dir = write_tiny_ssm_model(tmp_path / "hf", arch, **overrides)
 
     llm = LLM(str(write_tiny_lfm2_gguf(model_dir, tmp_path / "lfm2.gguf")), dtype="float32", block_size=4,
               num_blocks=256, max_num_batched_tokens=16)
@@ -104,7 +138,7 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: d
 
 def test_refusals_name_the_reason(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="speculative decoding is not supported for state-space models: "
-                                         "Lfm2ForCausalLM keeps a state per request in its short-conv layers"):
+                                         "Lfm2(Moe)?ForCausalLM keeps a state per request in its short-conv layers"):
         ssm_engine(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for state-space"):
         ssm_engine(model_dir, tensor_parallel_size=2)

@@ -23,10 +23,10 @@ BLOCK = 4
 SHARED = [5 + (7 * i) % 50 for i in range(22)]  # 22 tokens: 5 whole blocks + 2
 
 
-@pytest.fixture(scope="module", params=["bamba", "granite_hybrid", "lfm2", "mamba2"])
+@pytest.fixture(scope="module", params=["bamba", "granite_hybrid", "lfm2", "lfm2_moe", "mamba2"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Bamba, Granite 4.0 (its experts, rotary and multipliers) and LFM2 (short convolutions):
-    # attention in layers 1 and 3 of 4.
+    # Bamba, Granite 4.0 (its experts, rotary and multipliers), LFM2 (short convolutions) and
+    # LFM2-MoE: attention in layers 1 and 3 of 4.
     overrides = {"num_hidden_layers": 4, "attn_layer_indices": [1, 3]} if request.param == "bamba" else {}
     return write_tiny_ssm_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param, **overrides)
 
