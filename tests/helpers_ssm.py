@@ -112,3 +112,27 @@ def ssm_engine(path: Path, **kwargs: Any) -> Any:
     from kvloom.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig.from_kwargs(str(path), dtype="float32", **kwargs))
+
+
+def assert_preempted_requests_match_transformers(path: Path, prompts: dict[str, list[int]], max_tokens: int) -> Any:
+    """``prompts`` arriving staggered (two at once, then one every two steps) into a pool of
+    20 blocks of 4 tokens and 4 state slots, prefills chunked at 24 tokens: some request is
+    preempted (its blocks and slot come back), some waits for a slot, and every request's
+    float32 greedy tokens are transformers'; afterwards every block and slot is free.
+    Returns the engine."""
+    from helpers_engine import run_arrivals, token_ids
+
+    from kvloom import SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = hf_greedy(path, prompts, max_tokens)
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        arrivals.setdefault(0 if i < 2 else 2 * i, []).append((request_id, prompt, greedy))
+    engine = ssm_engine(path, num_blocks=20, block_size=4, max_num_batched_tokens=24, num_state_slots=4)
+    finals = run_arrivals(engine, arrivals)
+    assert token_ids(finals) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_manager.num_available_blocks == 20
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+    return engine

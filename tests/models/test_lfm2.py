@@ -15,9 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers_engine import bf16_alone_equals_batched, run_arrivals, token_ids
+from helpers_engine import bf16_alone_equals_batched
 from helpers_models import assert_greedy_is_transformers
-from helpers_ssm import hf_greedy, random_prompts, ssm_engine, write_tiny_ssm_model
+from helpers_ssm import (
+    assert_preempted_requests_match_transformers,
+    hf_greedy,
+    random_prompts,
+    ssm_engine,
+    write_tiny_ssm_model,
+)
 
 from kvloom import SamplingParams
 from kvloom.config import ModelConfig
@@ -74,17 +80,8 @@ def test_greedy_tokens_and_first_logprobs_are_transformers(model_dir: Path, prom
 
 def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: Path,
                                                                      prompts: dict[str, list[int]]) -> None:
-    reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
-    for i, (request_id, prompt) in enumerate(prompts.items()):
-        arrivals.setdefault(0 if i < 2 else 2 * i, []).append((request_id, prompt, GREEDY))
-    engine = ssm_engine(model_dir, num_blocks=20, block_size=4, max_num_batched_tokens=24, num_state_slots=4)
-    finals = run_arrivals(engine, arrivals)
-    assert token_ids(finals) == reference
-    assert engine.scheduler.num_preemptions > 0
+    engine = assert_preempted_requests_match_transformers(model_dir, prompts, MAX_TOKENS)
     assert engine.runner.kv_caches.shape[:3] == (2, 2, 20)  # the two attention layers' K and V
-    assert engine.kv_manager.num_available_blocks == 20
-    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
 
 
 def test_the_moe_routes_as_lfm2_moe_does(model_dir: Path) -> None:
