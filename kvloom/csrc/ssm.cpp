@@ -26,6 +26,18 @@ using kvloom_simd::from_float;
 using kvloom_simd::round_to;
 using kvloom_simd::to_float;
 
+// The requests' slots and spans checked before anything is read or written (they are data,
+// which the Python checks would need several torch ops a call to see): 0 where every slot
+// lies in [0, num_slots) and every span in [0, tokens); 1: a slot outside; 2: a span outside.
+int64_t check_requests(const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t n,
+                       int64_t num_slots, int64_t tokens) {
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return 1;
+  for (int64_t i = 0; i < n; ++i)
+    if (starts[i] < 0 || lengths[i] < 0 || starts[i] + lengths[i] > tokens) return 2;
+  return 0;
+}
+
 // The scan of every (request, head) pair, token by token, reading each token's x, B, C and
 // dt from rows of any layout: x at x[t * x_stride + h * head_dim], B and C at
 // [t * bc_stride + g * d_state] for the head's group g = h / (heads / groups), dt at
@@ -105,12 +117,14 @@ extern "C" {
 // chunked (SSD) form's masked products by an order of magnitude, and it is the reference's
 // own recurrence. How the pairs are split between the threads moves no bit: a pair's
 // arithmetic is the same whichever thread runs it.
-void kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_state, const int64_t* starts,
-                     const int64_t* lengths, const float* x, const float* dt, const float* A, const float* B,
-                     const float* C, const float* D, float* y, int64_t n, int64_t heads, int64_t head_dim,
-                     int64_t d_state, int num_threads) {
+int64_t kvloom_ssm_scan(float* state, const int64_t* slots, const int32_t* has_state, const int64_t* starts,
+                        const int64_t* lengths, const float* x, const float* dt, const float* A, const float* B,
+                        const float* C, const float* D, float* y, int64_t n, int64_t num_slots, int64_t tokens,
+                        int64_t heads, int64_t head_dim, int64_t d_state, int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   scan_pairs(state, slots, has_state, starts, lengths, x, heads * head_dim, B, C, heads * d_state, heads, dt, heads,
              nullptr, 0.0f, 0.0f, A, D, y, n, heads, head_dim, d_state, num_threads);
+  return 0;
 }
 
 }  // extern "C"
@@ -210,20 +224,24 @@ static void causal_conv(const T* xbc, int64_t in_stride, const float* weight_t, 
 
 extern "C" {
 
-void kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float* bias, float* conv_state,
-                            const int64_t* starts, const int64_t* lengths, const int64_t* slots,
-                            const int32_t* has_state, float* out, int64_t n, int64_t channels, int64_t k,
-                            int num_threads) {
+int64_t kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float* bias, float* conv_state,
+                               const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
+                               float* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t channels, int64_t k,
+                               int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
               num_threads);
+  return 0;
 }
 
-void kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, const float* bias, uint16_t* conv_state,
-                             const int64_t* starts, const int64_t* lengths, const int64_t* slots,
-                             const int32_t* has_state, uint16_t* out, int64_t n, int64_t channels, int64_t k,
-                             int num_threads) {
+int64_t kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, const float* bias, uint16_t* conv_state,
+                                const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
+                                uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t channels, int64_t k,
+                                int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
               num_threads);
+  return 0;
 }
 
 }  // extern "C"
@@ -309,28 +327,30 @@ void mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T
 
 extern "C" {
 
-void kvloom_mamba_mixer_f32(const float* proj, const float* weight_t, const float* conv_bias, float* conv_state,
-                            float* ssm_state, const float* dt_bias, const float* A_log, const float* D,
-                            const float* norm_weight, const int64_t* starts, const int64_t* lengths,
-                            const int64_t* slots, const int32_t* has_state, float* xbc, float* y, float* out,
-                            int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim, int64_t heads,
-                            int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo, float dt_hi,
-                            float eps, int num_threads) {
+int64_t kvloom_mamba_mixer_f32(const float* proj, const float* weight_t, const float* conv_bias, float* conv_state,
+                               float* ssm_state, const float* dt_bias, const float* A_log, const float* D, const float* norm_weight,
+                               const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
+                               float* xbc, float* y, float* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
+                               int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
+                               float dt_lo, float dt_hi, float eps, int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
               has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
               eps, num_threads);
+  return 0;
 }
 
-void kvloom_mamba_mixer_bf16(const uint16_t* proj, const float* weight_t, const float* conv_bias,
-                             uint16_t* conv_state, float* ssm_state, const float* dt_bias, const float* A_log,
-                             const float* D, const uint16_t* norm_weight, const int64_t* starts,
-                             const int64_t* lengths, const int64_t* slots, const int32_t* has_state, uint16_t* xbc,
-                             float* y, uint16_t* out, int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim,
-                             int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo,
-                             float dt_hi, float eps, int num_threads) {
+int64_t kvloom_mamba_mixer_bf16(const uint16_t* proj, const float* weight_t, const float* conv_bias, uint16_t* conv_state,
+                                float* ssm_state, const float* dt_bias, const float* A_log, const float* D, const uint16_t* norm_weight,
+                                const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
+                                uint16_t* xbc, float* y, uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
+                                int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
+                                float dt_lo, float dt_hi, float eps, int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
               has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
               eps, num_threads);
+  return 0;
 }
 
 }  // extern "C"

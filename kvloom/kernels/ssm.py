@@ -20,12 +20,24 @@ def available() -> bool:
     return SSM_SCAN.available()
 
 
+def _raise_for(op: NativeOp, status: int, slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+               num_slots: int, tokens: int) -> None:
+    """The error a kernel's status names (it checks the requests' slots and spans, data a
+    fake tensor does not have, before it reads or writes anything): 1 a slot outside the
+    state, 2 a span outside the tokens; 0 nothing."""
+    if status == 1:
+        raise op.error("slots", f"must lie in [0, {num_slots}), got {slots.tolist()}")
+    if status == 2:
+        raise op.error("starts", f"and lengths must name spans of the {tokens} tokens, got {starts.tolist()} and "
+                                 f"{lengths.tolist()}")
+
+
 SSM_SCAN = NativeOp(
     "ssm_scan_(Tensor(a!) state, Tensor slots, Tensor has_state, Tensor starts, Tensor lengths, Tensor x, Tensor dt, "
     "Tensor A, Tensor B, Tensor C, Tensor D) -> Tensor",
     library="ssm",
-    native="kvloom_ssm_scan(state, slots, has_state, starts, lengths, x, dt, A, B, C, D, Tensor y, int n, int heads, "
-           "int head_dim, int d_state, int32 num_threads) -> ()",
+    native="kvloom_ssm_scan(state, slots, has_state, starts, lengths, x, dt, A, B, C, D, Tensor y, int n, "
+           "int num_slots, int tokens, int heads, int head_dim, int d_state, int32 num_threads) -> int",
     tensors={"state": TensorSpec(4, _F32), "slots": TensorSpec(1, (torch.int64,)),
              "has_state": TensorSpec(1, (torch.int32,)), "starts": TensorSpec(1, (torch.int64,)),
              "lengths": TensorSpec(1, (torch.int64,)), "x": TensorSpec(3, _F32), "dt": TensorSpec(2, _F32),
@@ -55,19 +67,13 @@ def _ssm_scan_check(state: torch.Tensor, slots: torch.Tensor, has_state: torch.T
 def _ssm_scan_cpu(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor,
                   lengths: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                   C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    # The values are data, which a fake tensor does not have: checked here, where they are.
-    if slots.shape[0]:
-        if not (0 <= int(slots.min()) and int(slots.max()) < state.shape[0]):
-            raise SSM_SCAN.error("slots", f"must lie in [0, {state.shape[0]}), got {slots.tolist()}")
-        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > x.shape[0]:
-            raise SSM_SCAN.error("starts", f"and lengths must name spans of the {x.shape[0]} tokens, got "
-                                           f"{starts.tolist()} and {lengths.tolist()}")
     y = torch.empty_like(x)
-    _, heads, head_dim = x.shape
-    SSM_SCAN.function()(state.data_ptr(), slots.data_ptr(), has_state.data_ptr(), starts.data_ptr(),
-                        lengths.data_ptr(), x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
-                        D.data_ptr(), y.data_ptr(), slots.shape[0], heads, head_dim, state.shape[3],
-                        torch.get_num_threads())
+    tokens, heads, head_dim = x.shape
+    status = SSM_SCAN.function()(state.data_ptr(), slots.data_ptr(), has_state.data_ptr(), starts.data_ptr(),
+                                 lengths.data_ptr(), x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
+                                 C.data_ptr(), D.data_ptr(), y.data_ptr(), slots.shape[0], state.shape[0], tokens,
+                                 heads, head_dim, state.shape[3], torch.get_num_threads())
+    _raise_for(SSM_SCAN, status, slots, starts, lengths, state.shape[0], tokens)
     return y
 
 
@@ -99,7 +105,7 @@ CAUSAL_CONV = NativeOp(
     "Tensor slots, Tensor has_state) -> Tensor",
     library="ssm", variants=("f32", "bf16"),
     native="kvloom_causal_conv_{variant}(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, "
-           "Tensor out, int n, int channels, int k, int32 num_threads) -> ()",
+           "Tensor out, int n, int num_slots, int tokens, int channels, int k, int32 num_threads) -> int",
     tensors={"xbc": TensorSpec(2, (torch.float32, torch.bfloat16)), "weight_t": TensorSpec(2, _F32),
              "bias": TensorSpec(1, _F32), "conv_state": TensorSpec(3, like="xbc"),
              "starts": TensorSpec(1, (torch.int64,)), "lengths": TensorSpec(1, (torch.int64,)),
@@ -130,18 +136,12 @@ def _causal_conv_check(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Te
 def _causal_conv_cpu(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                      starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor) -> torch.Tensor:
-    # The values are data, which a fake tensor does not have: checked here, where they are.
-    if slots.shape[0]:
-        if not (0 <= int(slots.min()) and int(slots.max()) < conv_state.shape[0]):
-            raise CAUSAL_CONV.error("slots", f"must lie in [0, {conv_state.shape[0]}), got {slots.tolist()}")
-        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > xbc.shape[0]:
-            raise CAUSAL_CONV.error("starts", f"and lengths must name spans of the {xbc.shape[0]} tokens, got "
-                                              f"{starts.tolist()} and {lengths.tolist()}")
     out = torch.empty_like(xbc)
-    CAUSAL_CONV.function(_VARIANT[xbc.dtype])(
+    status = CAUSAL_CONV.function(_VARIANT[xbc.dtype])(
         xbc.data_ptr(), weight_t.data_ptr(), 0 if bias is None else bias.data_ptr(), conv_state.data_ptr(),
         starts.data_ptr(), lengths.data_ptr(), slots.data_ptr(), has_state.data_ptr(), out.data_ptr(),
-        slots.shape[0], xbc.shape[1], weight_t.shape[0], torch.get_num_threads())
+        slots.shape[0], conv_state.shape[0], xbc.shape[0], xbc.shape[1], weight_t.shape[0], torch.get_num_threads())
+    _raise_for(CAUSAL_CONV, status, slots, starts, lengths, conv_state.shape[0], xbc.shape[0])
     return out
 
 
@@ -171,9 +171,9 @@ MAMBA_MIXER = NativeOp(
     "Tensor has_state, int groups, float dt_lo, float dt_hi, float eps) -> Tensor",
     library="ssm", variants=("f32", "bf16"),
     native="kvloom_mamba_mixer_{variant}(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, "
-           "norm_weight, starts, lengths, slots, has_state, Tensor xbc, Tensor y, Tensor out, int n, int tokens, "
-           "int inter, int conv_dim, int heads, int head_dim, int d_state, groups, int k, dt_lo, dt_hi, eps, "
-           "int32 num_threads) -> ()",
+           "norm_weight, starts, lengths, slots, has_state, Tensor xbc, Tensor y, Tensor out, int n, int num_slots, "
+           "int tokens, int inter, int conv_dim, int heads, int head_dim, int d_state, groups, int k, dt_lo, dt_hi, "
+           "eps, int32 num_threads) -> int",
     tensors={"proj": TensorSpec(2, (torch.float32, torch.bfloat16)), "weight_t": TensorSpec(2, _F32),
              "conv_bias": TensorSpec(1, _F32), "conv_state": TensorSpec(3, like="proj"),
              "ssm_state": TensorSpec(4, _F32), "dt_bias": TensorSpec(1, _F32), "A_log": TensorSpec(1, _F32),
@@ -222,24 +222,18 @@ def _mamba_mixer_cpu(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torc
                      D: torch.Tensor, norm_weight: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                      slots: torch.Tensor, has_state: torch.Tensor, groups: int, dt_lo: float, dt_hi: float,
                      eps: float) -> torch.Tensor:
-    # The values are data, which a fake tensor does not have: checked here, where they are.
-    if slots.shape[0]:
-        if not (0 <= int(slots.min()) and int(slots.max()) < ssm_state.shape[0]):
-            raise MAMBA_MIXER.error("slots", f"must lie in [0, {ssm_state.shape[0]}), got {slots.tolist()}")
-        if int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > proj.shape[0]:
-            raise MAMBA_MIXER.error("starts", f"and lengths must name spans of the {proj.shape[0]} tokens, got "
-                                              f"{starts.tolist()} and {lengths.tolist()}")
-    tokens, (_, heads, head_dim, d_state), (k, conv_dim) = proj.shape[0], ssm_state.shape, weight_t.shape
+    tokens, (num_slots, heads, head_dim, d_state), (k, conv_dim) = proj.shape[0], ssm_state.shape, weight_t.shape
     inter = norm_weight.shape[0]
     xbc = torch.empty(tokens, conv_dim, dtype=proj.dtype)
     y = torch.empty(tokens, inter, dtype=torch.float32)
     out = torch.empty(tokens, inter, dtype=proj.dtype)
-    MAMBA_MIXER.function(_VARIANT[proj.dtype])(
+    status = MAMBA_MIXER.function(_VARIANT[proj.dtype])(
         proj.data_ptr(), weight_t.data_ptr(), 0 if conv_bias is None else conv_bias.data_ptr(), conv_state.data_ptr(),
         ssm_state.data_ptr(), dt_bias.data_ptr(), A_log.data_ptr(), D.data_ptr(), norm_weight.data_ptr(),
         starts.data_ptr(), lengths.data_ptr(), slots.data_ptr(), has_state.data_ptr(), xbc.data_ptr(), y.data_ptr(),
-        out.data_ptr(), slots.shape[0], tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
-        eps, torch.get_num_threads())
+        out.data_ptr(), slots.shape[0], num_slots, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k,
+        dt_lo, dt_hi, eps, torch.get_num_threads())
+    _raise_for(MAMBA_MIXER, status, slots, starts, lengths, num_slots, tokens)
     return out
 
 

@@ -16,7 +16,7 @@ reference these numbers follow.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,17 @@ from kvloom.models.layers import RMSNorm, VocabParallelEmbedding
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
 from kvloom.models.weights import WeightFiller
+
+
+class NativeMixerParams(NamedTuple):
+    """A Mamba2 mixer's parameters as the native mixer takes them, float32: the
+    convolution's weight [k, conv_dim] and bias, dt_bias, A_log and D."""
+
+    conv_weight_t: torch.Tensor
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    A_log: torch.Tensor
+    D: torch.Tensor
 
 
 class SlotStateLayer(nn.Module):
@@ -71,6 +82,21 @@ class Mamba2Mixer(SlotStateLayer):
         self.prefill_scan = "native"
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
+        # The native mixer's float32 parameters, made once by pack (after the weights load).
+        self.native_params: NativeMixerParams | None = None
+
+    def pack(self, matmul: str) -> int:
+        """Make the native mixer's float32 parameters once (kernels/ssm.py takes them so; at
+        decode their conversion cost as much as a layer's convolution). Packs no matmul:
+        in_proj and out_proj are nn.Linear layers, packed as every other."""
+        self.native_params = self._native_params()
+        return 0
+
+    def _native_params(self) -> NativeMixerParams:
+        weight = self.conv1d.weight.view(self.ssm.conv_dim, self.ssm.conv_kernel)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        return NativeMixerParams(weight.t().float().contiguous(), bias, self.dt_bias.float(), self.A_log.float(),
+                                 self.D.float())
 
     def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
         """The per-slot state tensors (zeros); returns their bytes."""
@@ -99,9 +125,10 @@ class Mamba2Mixer(SlotStateLayer):
         weight = self.conv1d.weight.view(ssm.conv_dim, ssm.conv_kernel)
         if self.prefill_scan == "native" and ssm_ops.native_mixer_applies(proj, self.conv_state, self.ssm_state,
                                                                           head_dim, d_state, ssm.conv_kernel):
-            normed = ssm_ops.mixer_native(proj, weight, self.conv1d.bias, self.conv_state, self.ssm_state,
-                                          self.dt_bias, self.A_log, self.D, self.norm.weight, spans, groups,
-                                          ssm.time_step_limit, ssm.norm_eps)
+            params = self.native_params if self.native_params is not None else self._native_params()
+            normed = ssm_ops.mixer_native(proj, params.conv_weight_t, params.conv_bias, self.conv_state,
+                                          self.ssm_state, params.dt_bias, params.A_log, params.D, self.norm.weight,
+                                          spans, groups, ssm.time_step_limit, ssm.norm_eps)
             native: torch.Tensor = self.out_proj(normed)
             return native
         gate, xbc, dt = proj.split([ssm.intermediate_size, ssm.conv_dim, heads], dim=-1)

@@ -179,22 +179,20 @@ def native_mixer_applies(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state
     return head_dim <= ssm.MAX_HEAD_DIM and d_state <= ssm.MAX_STATE and conv_kernel <= ssm.MAX_CONV_KERNEL
 
 
-def mixer_native(proj: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+def mixer_native(proj: torch.Tensor, conv_weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
                  conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                  D: torch.Tensor, norm_weight: torch.Tensor, spans: SSMSpans, groups: int,
                  time_step_limit: tuple[float, float], eps: float) -> torch.Tensor:
     """A Mamba2 mixer between its projections in one native call (kernels/ssm.py): the
     in_proj output ``proj`` [tokens, z | xBC | dt] -> the gated norm's output [tokens,
     inter], the requests' stored inputs and states read from and left in their slots.
-    ``conv_weight`` [channels, k]; the parameters in any float dtype (taken as float32,
-    as the reference takes them)."""
+    ``conv_weight_t`` [k, channels] and the other parameters float32 (as the reference
+    takes them: models/mamba2.NativeMixerParams)."""
     from kvloom.kernels import ssm
 
-    return ssm.mamba_mixer(proj.contiguous(), conv_weight.t().float().contiguous(),
-                           None if conv_bias is None else conv_bias.float(), conv_state, ssm_state, dt_bias.float(),
-                           A_log.float(), D.float(), norm_weight, spans.starts_tensor, spans.lengths_tensor,
-                           spans.slots, spans.has_state_int, groups, float(time_step_limit[0]),
-                           float(time_step_limit[1]), eps)
+    return ssm.mamba_mixer(proj.contiguous(), conv_weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D,
+                           norm_weight, spans.starts_tensor, spans.lengths_tensor, spans.slots, spans.has_state_int,
+                           groups, float(time_step_limit[0]), float(time_step_limit[1]), eps)
 
 
 @functools.cache

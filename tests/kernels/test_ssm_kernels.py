@@ -129,3 +129,22 @@ def test_the_fused_mixer_is_the_modules_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(ours, theirs, rtol=8e-3 if dtype == torch.bfloat16 else 2e-5, atol=2e-5)
     torch.testing.assert_close(native.ssm_state, reference.ssm_state, rtol=1e-5, atol=1e-5)
     assert torch.equal(native.conv_state, reference.conv_state)
+
+
+def test_the_convolution_and_the_mixer_refuse_slots_and_spans_outside_their_tensors() -> None:
+    """They check the requests' slots and spans themselves, before they read or write."""
+    xbc, weight_t = torch.randn(3, 6), torch.randn(4, 6)
+    conv_state = torch.zeros(2, 3, 6)
+    with pytest.raises(ValueError, match=r"kvloom::causal_conv: slots must lie in \[0, 2\), got \[2\]"):
+        ssm.causal_conv(xbc, weight_t, None, conv_state, int64([0]), int64([3]), int64([2]),
+                        torch.ones(1, dtype=torch.int32))
+    assert not conv_state.any()  # nothing written
+    heads, head_dim, d_state, groups = 2, 4, 8, 1
+    inter = heads * head_dim
+    conv_dim = inter + 2 * groups * d_state
+    proj = torch.randn(3, inter + conv_dim + heads)
+    with pytest.raises(ValueError, match=r"kvloom::mamba_mixer: starts and lengths must name spans of the 3 tokens"):
+        ssm.mamba_mixer(proj, torch.randn(4, conv_dim), None, torch.zeros(2, 3, conv_dim),
+                        torch.zeros(2, heads, head_dim, d_state), torch.zeros(heads), torch.zeros(heads),
+                        torch.ones(heads), torch.ones(inter), int64([1]), int64([3]), int64([0]),
+                        torch.ones(1, dtype=torch.int32), groups, 0.0, float("inf"), 1e-5)
