@@ -98,6 +98,8 @@ def _no_rope_layers(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if arch == "Cohere2ForCausalLM":  # only its windowed layers turn the rotary (none without a window)
         kinds = hf.get("layer_types") or ()
         return tuple(i for i in range(layers) if not hf.get("sliding_window") or kinds[i] != "sliding_attention")
+    if arch == "NemotronHForCausalLM":  # its attention has no position encoding
+        return tuple(range(layers))
     if arch == GRANITE_HYBRID:  # Granite 4.0 turns no rotary unless it says "rope" (transformers' default: none)
         return () if hf.get("position_embedding_type") == "rope" else tuple(range(layers))
     if arch != "SmolLM3ForCausalLM":
@@ -359,6 +361,10 @@ class ModelConfig:
                                         for i in range(hf["num_hidden_layers"])]}
         if archs[0] in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
             hf = _lfm2_fields(hf)
+        if archs[0] == "NemotronHForCausalLM":  # its names for the MLP's activation and the norms' eps
+            names = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern", ""))
+            hf = {**hf, "hidden_act": hf.get("mlp_hidden_act", "relu2"),
+                  "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "num_hidden_layers": len(names)}
         if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
             # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.
             hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}

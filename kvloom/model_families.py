@@ -273,7 +273,7 @@ class MLAConfig:
                    rope_interleave=interleave, softmax_scale=scale)
 
 
-SSM_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+SSM_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # IBM Granite 4.0: Bamba's layers with Granite's multipliers
 # Names of a hybrid's layer kinds in config.json's ``layer_types`` (Granite 4.0's hub configs,
 # and transformers 5's own names that it writes back).
@@ -316,10 +316,10 @@ class SSMConfig:
             raise ValueError(f"ssm config: n_groups ({self.num_groups}) must divide num_heads ({self.num_heads})")
         if self.conv_kernel < 2:
             raise ValueError(f"ssm config: conv_kernel must be at least 2, got {self.conv_kernel}")
-        unknown = set(self.layer_kinds) - {"mamba", "attention"}
+        unknown = set(self.layer_kinds) - {"mamba", "attention", "mlp"}
         if unknown or "mamba" not in self.layer_kinds:
-            raise ValueError(f"ssm config: layer kinds must be 'mamba' or 'attention', at least one "
-                             f"'mamba', got {self.layer_kinds}")
+            raise ValueError(f"ssm config: layer kinds must be 'mamba', 'attention' or 'mlp' (Nemotron-H's "
+                             f"MLP-only blocks), at least one 'mamba', got {self.layer_kinds}")
 
     @property
     def conv_dim(self) -> int:
@@ -352,6 +352,14 @@ class SSMConfig:
                        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), time_step_limit=(limit[0], limit[1]),
                        use_conv_bias=bool(hf.get("use_conv_bias", True)), use_bias=bool(hf.get("use_bias", False)),
                        residual_in_fp32=bool(hf.get("residual_in_fp32", True)), layer_kinds=("mamba",) * layers)
+        if arch == "NemotronHForCausalLM":
+            heads, head_dim = int(hf.get("mamba_num_heads", 128)), int(hf.get("mamba_head_dim", 64))
+            return cls(num_heads=heads, head_dim=head_dim, state_size=int(hf.get("ssm_state_size", 128)),
+                       num_groups=int(hf.get("n_groups", 8)), conv_kernel=int(hf.get("conv_kernel", 4)),
+                       intermediate_size=heads * head_dim, chunk_size=int(hf.get("chunk_size", 128)),
+                       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), time_step_limit=(limit[0], limit[1]),
+                       use_conv_bias=bool(hf.get("use_conv_bias", True)),
+                       use_bias=bool(hf.get("mamba_proj_bias", False)), layer_kinds=_nemotron_h_kinds(hf, layers))
         heads = int(hf.get("mamba_n_heads", 128))
         intermediate = int(hf.get("mamba_expand", 2) * hidden)
         head_dim = hf.get("mamba_d_head", "auto")
@@ -417,6 +425,24 @@ class ShortConvConfig:
                              f"'full_attention'; got {list(names)}")
         return cls(conv_kernel=int(hf.get("conv_L_cache", 3)), bias=bool(hf.get("conv_bias", False)),
                    layer_kinds=tuple(kinds[name] for name in names))
+
+
+# Nemotron-H's block kinds: its pattern's letters and its layers_block_type names (transformers
+# 5's and the hub's older ones). "moe" (Nemotron 3) is not served.
+_NEMOTRON_H_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "mamba": "mamba", "linear_attention": "mamba",
+                     "attention": "attention", "full_attention": "attention", "mlp": "mlp"}
+
+
+def _nemotron_h_kinds(hf: dict[str, Any], layers: int) -> tuple[str, ...]:
+    names = hf.get("layers_block_type") or hf.get("layer_types") or list(str(hf.get("hybrid_override_pattern", "")))
+    unknown = sorted({str(name) for name in names} - set(_NEMOTRON_H_KINDS))
+    if unknown:
+        raise ValueError(f"ssm config: Nemotron-H's block kinds {unknown} are not supported (supported: mamba, "
+                         "attention, mlp; its MoE blocks are not served)")
+    if not names or ("num_hidden_layers" in hf and len(names) != layers):
+        raise ValueError(f"ssm config: Nemotron-H needs layers_block_type or hybrid_override_pattern naming "
+                         f"{layers} blocks, got {names!r}")
+    return tuple(_NEMOTRON_H_KINDS[name] for name in names)
 
 
 def _hybrid_layer_kinds(arch: str, hf: dict[str, Any], layers: int) -> tuple[str, ...]:

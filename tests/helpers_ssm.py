@@ -48,10 +48,18 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE, conv_L_cache=3,
                      max_position_embeddings=512, norm_eps=1e-5, initializer_range=0.1, bos_token_id=0,
                      eos_token_id=2, pad_token_id=0),
+    # Nemotron-H: single-mixer blocks, Mamba2 (2 groups), attention without position encoding,
+    # a squared-ReLU MLP.
+    "nemotron_h": dict(hidden_size=32, intermediate_size=48, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=TINY_VOCAB_SIZE,
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                       chunk_size=8, max_position_embeddings=512, layer_norm_epsilon=1e-5, initializer_range=0.1,
+                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0),
 }
 _CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
             "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
-            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM")}
+            "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
+            "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM")}
 
 
 def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:

@@ -111,6 +111,7 @@ ARCHITECTURES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # IBM Granite 4.0: Bamba's stack
     "Lfm2ForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # LiquidAI LFM2: short convolutions for mixers
     "Lfm2MoeForCausalLM": "kvloom.models.bamba:BambaForCausalLM",  # and with sigmoid-routed experts
+    "NemotronHForCausalLM": "kvloom.models.nemotron_h:NemotronHForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "kvloom.models.deepseek:DeepseekForCausalLM",
 }

@@ -1,4 +1,4 @@
-"""Prefix caching for state-space models (Mamba2, the Bamba and Granite 4.0 hybrids, LFM2): a hit restores
+"""Prefix caching for state-space models (Mamba2, the Bamba, Granite 4.0 and Nemotron-H hybrids, LFM2): a hit restores
 the mixers' state from a checkpoint saved where an earlier prompt left the cached tree
 or at its last block boundary, and the attention layers' KV from the shared blocks.
 
@@ -23,7 +23,7 @@ BLOCK = 4
 SHARED = [5 + (7 * i) % 50 for i in range(22)]  # 22 tokens: 5 whole blocks + 2
 
 
-@pytest.fixture(scope="module", params=["bamba", "granite_hybrid", "lfm2", "lfm2_moe", "mamba2"])
+@pytest.fixture(scope="module", params=["bamba", "granite_hybrid", "lfm2", "lfm2_moe", "mamba2", "nemotron_h"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Bamba, Granite 4.0 (its experts, rotary and multipliers), LFM2 (short convolutions) and
     # LFM2-MoE: attention in layers 1 and 3 of 4.

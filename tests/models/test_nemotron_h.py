@@ -1,0 +1,70 @@
+"""NVIDIA Nemotron-H (``NemotronHForCausalLM``): single-mixer blocks (a Mamba2 mixer, an
+attention layer without position encoding, or a squared-ReLU MLP), norms scaled in
+float32. Greedy tokens and the first log-probs held to transformers in float32 through
+chunked prefill on both attention backends; staggered arrivals, state-slot waits and
+preemption give transformers' tokens and give every block and slot back; bf16 alone
+equals batched; the hub's hybrid_override_pattern read as transformers reads it, its MoE
+blocks refused by name. Prefix-cache hits on it: test_ssm_prefix_cache.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers_engine import bf16_alone_equals_batched
+from helpers_models import assert_greedy_is_transformers
+from helpers_ssm import assert_preempted_requests_match_transformers, random_prompts, ssm_engine, write_tiny_ssm_model
+
+from kvloom import SamplingParams
+from kvloom.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_ssm_model(tmp_path_factory.mktemp("nemotron-h"), "nemotron_h", seed=2)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    return random_prompts(6, seed=17)
+
+
+def test_the_hubs_pattern_is_read_as_transformers_reads_it() -> None:
+    """Nemotron-H-8B's form of config.json: the blocks as hybrid_override_pattern letters."""
+    hub = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "M-M*-M-", "num_hidden_layers": 7,
+           "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+           "conv_kernel": 4, "chunk_size": 32, "layer_norm_epsilon": 1e-5, "vocab_size": 128}
+    reference = transformers.NemotronHConfig(**{k: v for k, v in hub.items() if k != "architectures"})
+    config = ModelConfig.from_hf(hub)
+    names = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+    assert config.ssm is not None and config.ssm.layer_kinds == tuple(names[k] for k in reference.layers_block_type)
+    assert config.num_kv_layers == 1 and config.no_rope_layers == tuple(range(7)) and config.hidden_act == "relu2"
+    with pytest.raises(ValueError, match=r"Nemotron-H's block kinds \['E'\] are not supported"):
+        ModelConfig.from_hf({**hub, "hybrid_override_pattern": "M-M*-ME"})
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
+def test_greedy_tokens_and_first_logprobs_are_transformers(model_dir: Path, prompts: dict[str, list[int]],
+                                                           backend: str) -> None:
+    assert_greedy_is_transformers(model_dir, list(prompts.values())[:4], MAX_TOKENS, attention_backend=backend)
+
+
+def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: Path,
+                                                                     prompts: dict[str, list[int]]) -> None:
+    engine = assert_preempted_requests_match_transformers(model_dir, prompts, MAX_TOKENS)
+    assert engine.runner.kv_caches.shape[:3] == (1, 2, 20)  # the one attention layer's K and V
+
+
+def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: dict[str, list[int]]) -> None:
+    bf16_alone_equals_batched(str(model_dir), list(prompts.values()), GREEDY)
+
+
+def test_refusals_name_the_reason(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for state-space"):
+        ssm_engine(model_dir, tensor_parallel_size=2)
