@@ -6,13 +6,18 @@ not touched; a request's bits do not depend on the batch; spans and slots outsid
 tensors are refused by name. The whole mixer between its projections (``mamba_mixer``)
 against the module's reference path (the convolution, the chunked SSD scan and the gated
 norm in torch) in float32 and bf16, its states too. The model-level tests (Mamba2, Bamba,
-Granite 4.0 against transformers) run them on every step."""
+Granite 4.0 against transformers) run them on every step. On an AVX-512 CPU the lower
+paths' build (no AVX-512) passes the same tests."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvloom import native
 from kvloom.kernels import ssm
 from kvloom.models import ssm_ops
 
@@ -148,3 +153,28 @@ def test_the_convolution_and_the_mixer_refuse_slots_and_spans_outside_their_tens
                         torch.zeros(2, heads, head_dim, d_state), torch.zeros(heads), torch.zeros(heads),
                         torch.ones(heads), torch.ones(inter), int64([1]), int64([3]), int64([0]),
                         torch.ones(1, dtype=torch.int32), groups, 0.0, float("inf"), 1e-5)
+
+
+@pytest.mark.skipif("avx512f" not in native.cpu_identity(), reason="this CPU builds the lower paths natively")
+def test_a_build_without_avx512_passes_the_same_tests(tmp_path: Path) -> None:
+    """ssm.cpp's lower paths (no AVX-512: the AVX2 and scalar code a CPU without it builds,
+    Milan's) built here with -mno-avx512f under the name the loader looks for, in a
+    home of their own, and this file's other tests and the SSM ops' run against them in a
+    subprocess: the same references hold them."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    cxx = native.compiler()
+    assert cxx is not None
+    target = home / "kernels" / f"ssm-{native.build_key('ssm', cxx)}.so"
+    native.compile_library(native.SOURCES / "ssm.cpp", target, [*native.flags_for("ssm"), "-mno-avx512f"])
+    disassembly = subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True).stdout
+    assert "zmm" not in disassembly  # not vacuous: no AVX-512 register in the build
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not without_avx512",
+         "tests/kernels/test_ssm_kernels.py", "tests/models/test_ssm_ops.py"],
+        cwd=root, env={**os.environ, "KVLOOM_HOME": str(home)}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
