@@ -1,5 +1,7 @@
-"""Bamba (``BambaForCausalLM``) and IBM Granite 4.0 (``GraniteMoeHybridForCausalLM``):
-Mamba2 mixers and a few attention layers, each followed by a feed-forward block.
+"""Bamba (``BambaForCausalLM``), IBM Granite 4.0 (``GraniteMoeHybridForCausalLM``) and
+LiquidAI LFM2 (``Lfm2ForCausalLM``, ``Lfm2MoeForCausalLM``): state layers (Mamba2 mixers, or
+LFM2's gated short convolutions, models/short_conv.py) and a few attention layers, each
+followed by a feed-forward block.
 
 The attention layers are Llama's (fused QKV, the paged KV pool through the attention
 backend). The KV pool holds only the attention layers (``ModelConfig.num_kv_layers``):
@@ -13,7 +15,10 @@ head or, as its published models, none (``position_embedding_type``: then every 
 in ``config.no_rope_layers``), and as the feed-forward block either a dense gated MLP
 (its ``shared_mlp``; no experts) or GraniteMoe's routed experts beside that shared MLP
 (SparseMoE with an ungated shared expert). Bamba rotates the first half of each head.
-transformers 5.25's modeling_bamba.py and modeling_granitemoehybrid.py are the references.
+LFM2's layers are the same stack under its own names (``LFM2_NAMES``), its attention with
+per-head q/k norms; LFM2-MoE's sparse layers are SparseMoE routed by sigmoid.
+transformers 5.25's modeling_bamba.py, modeling_granitemoehybrid.py, modeling_lfm2.py and
+modeling_lfm2_moe.py are the references.
 """
 
 from __future__ import annotations
@@ -202,7 +207,7 @@ class BambaForCausalLM(nn.Module):
         return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
 
     def use_native_stack(self) -> str | None:
-        return f"the native decoder stack walks Llama layers; {self.config.architecture} mixes in Mamba2 layers"
+        return f"the native decoder stack walks Llama layers; {self.config.architecture} mixes in state layers"
 
     def first_layers(self, num_layers: int) -> CausalLM:
         raise ValueError("layer_skip drafts are not supported for state-space models")
