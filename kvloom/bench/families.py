@@ -95,6 +95,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         **_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 2304, "block_multiple_of": 256, "conv_L_cache": 3,
         "layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
         "architectures": ["Lfm2ForCausalLM"]}),
+    # SmolLM2's width as NVIDIA Nemotron-H's single-mixer blocks: 30 blocks of Mamba2 mixers and
+    # squared-ReLU MLPs taking turns, 3 of them attention (Nemotron-H-8B's "M-M-M-M*-" pattern).
+    "nemotron_h": ("NemotronHConfig", {
+        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "hybrid_override_pattern": "M-M-M-M*-" * 3
+        + "M-M", "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "mamba_num_heads": 18,
+        "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 2, "conv_kernel": 4, "chunk_size": 128,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "architectures": ["NemotronHForCausalLM"]}),
 }
 
 
