@@ -222,26 +222,34 @@ static void causal_conv(const T* xbc, int64_t in_stride, const float* weight_t, 
   }
 }
 
-extern "C" {
-
-int64_t kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float* bias, float* conv_state,
-                               const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
-                               float* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t channels, int64_t k,
-                               int num_threads) {
+// The convolution as its own op: the requests checked first (check_requests' status).
+template <typename T>
+int64_t checked_causal_conv(const T* xbc, const float* weight_t, const float* bias, T* conv_state,
+                            const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                            const int32_t* has_state, T* out, int64_t n, int64_t num_slots, int64_t tokens,
+                            int64_t channels, int64_t k, int num_threads) {
   if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
               num_threads);
   return 0;
 }
 
+extern "C" {
+
+int64_t kvloom_causal_conv_f32(const float* xbc, const float* weight_t, const float* bias, float* conv_state,
+                               const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                               const int32_t* has_state, float* out, int64_t n, int64_t num_slots, int64_t tokens,
+                               int64_t channels, int64_t k, int num_threads) {
+  return checked_causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, num_slots,
+                             tokens, channels, k, num_threads);
+}
+
 int64_t kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, const float* bias, uint16_t* conv_state,
-                                const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
-                                uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t channels, int64_t k,
-                                int num_threads) {
-  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
-  causal_conv(xbc, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
-              num_threads);
-  return 0;
+                                const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                                const int32_t* has_state, uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens,
+                                int64_t channels, int64_t k, int num_threads) {
+  return checked_causal_conv(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, num_slots,
+                             tokens, channels, k, num_threads);
 }
 
 }  // extern "C"
@@ -306,12 +314,13 @@ void gated_norm(const float* y, const T* z, int64_t z_stride, const T* weight, T
 // gated norm into out ([tokens, inter], T): what models/mamba2.Mamba2Mixer.forward does
 // between in_proj and out_proj, in three passes instead of some forty torch ops.
 template <typename T>
-void mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T* conv_state, float* ssm_state,
+int64_t mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T* conv_state, float* ssm_state,
                  const float* dt_bias, const float* A_log, const float* D, const T* norm_weight,
                  const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
-                 T* xbc, float* y, T* out, int64_t n, int64_t tokens, int64_t inter, int64_t conv_dim,
-                 int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k, float dt_lo,
-                 float dt_hi, float eps, int num_threads) {
+                 T* xbc, float* y, T* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
+                 int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
+                 float dt_lo, float dt_hi, float eps, int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
   const int64_t stride = inter + conv_dim + heads;
   causal_conv(proj + inter, stride, weight_t, conv_bias, conv_state, starts, lengths, slots, has_state, xbc, n,
               conv_dim, k, true, num_threads);
@@ -321,6 +330,7 @@ void mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T
              conv_dim, groups, proj + inter + conv_dim, stride, dt_bias, dt_lo, dt_hi, A.data(), D, y, n, heads,
              head_dim, d_state, num_threads);
   gated_norm(y, proj, stride, norm_weight, out, tokens, inter, inter / groups, eps, num_threads);
+  return 0;
 }
 
 }  // namespace
@@ -328,29 +338,27 @@ void mamba_mixer(const T* proj, const float* weight_t, const float* conv_bias, T
 extern "C" {
 
 int64_t kvloom_mamba_mixer_f32(const float* proj, const float* weight_t, const float* conv_bias, float* conv_state,
-                               float* ssm_state, const float* dt_bias, const float* A_log, const float* D, const float* norm_weight,
-                               const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
-                               float* xbc, float* y, float* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
-                               int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
+                               float* ssm_state, const float* dt_bias, const float* A_log, const float* D,
+                               const float* norm_weight, const int64_t* starts, const int64_t* lengths,
+                               const int64_t* slots, const int32_t* has_state, float* xbc, float* y, float* out,
+                               int64_t n, int64_t num_slots, int64_t tokens, int64_t inter, int64_t conv_dim,
+                               int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
                                float dt_lo, float dt_hi, float eps, int num_threads) {
-  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
-  mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
-              has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
-              eps, num_threads);
-  return 0;
+  return mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths,
+                     slots, has_state, xbc, y, out, n, num_slots, tokens, inter, conv_dim, heads, head_dim, d_state,
+                     groups, k, dt_lo, dt_hi, eps, num_threads);
 }
 
-int64_t kvloom_mamba_mixer_bf16(const uint16_t* proj, const float* weight_t, const float* conv_bias, uint16_t* conv_state,
-                                float* ssm_state, const float* dt_bias, const float* A_log, const float* D, const uint16_t* norm_weight,
-                                const int64_t* starts, const int64_t* lengths, const int64_t* slots, const int32_t* has_state,
-                                uint16_t* xbc, float* y, uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
-                                int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups, int64_t k,
-                                float dt_lo, float dt_hi, float eps, int num_threads) {
-  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
-  mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths, slots,
-              has_state, xbc, y, out, n, tokens, inter, conv_dim, heads, head_dim, d_state, groups, k, dt_lo, dt_hi,
-              eps, num_threads);
-  return 0;
+int64_t kvloom_mamba_mixer_bf16(const uint16_t* proj, const float* weight_t, const float* conv_bias,
+                                uint16_t* conv_state, float* ssm_state, const float* dt_bias, const float* A_log,
+                                const float* D, const uint16_t* norm_weight, const int64_t* starts,
+                                const int64_t* lengths, const int64_t* slots, const int32_t* has_state, uint16_t* xbc,
+                                float* y, uint16_t* out, int64_t n, int64_t num_slots, int64_t tokens, int64_t inter,
+                                int64_t conv_dim, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups,
+                                int64_t k, float dt_lo, float dt_hi, float eps, int num_threads) {
+  return mamba_mixer(proj, weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D, norm_weight, starts, lengths,
+                     slots, has_state, xbc, y, out, n, num_slots, tokens, inter, conv_dim, heads, head_dim, d_state,
+                     groups, k, dt_lo, dt_hi, eps, num_threads);
 }
 
 }  // extern "C"
