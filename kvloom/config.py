@@ -23,6 +23,7 @@ from kvloom.model_families import (
     PoolerConfig,
     ShortConvConfig,
     SSMConfig,
+    nemotron_h_block_names,
 )
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -362,9 +363,9 @@ class ModelConfig:
         if archs[0] in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
             hf = _lfm2_fields(hf)
         if archs[0] == "NemotronHForCausalLM":  # its names for the MLP's activation and the norms' eps
-            names = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern", ""))
             hf = {**hf, "hidden_act": hf.get("mlp_hidden_act", "relu2"),
-                  "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "num_hidden_layers": len(names)}
+                  "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+                  "num_hidden_layers": len(nemotron_h_block_names(hf))}
         if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
             # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.
             hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}

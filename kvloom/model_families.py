@@ -433,8 +433,14 @@ _NEMOTRON_H_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "mamba": "mamba
                      "attention": "attention", "full_attention": "attention", "mlp": "mlp"}
 
 
+def nemotron_h_block_names(hf: dict[str, Any]) -> list[str]:
+    """Nemotron-H's blocks as config.json names them: ``layers_block_type`` (transformers 5
+    writes it back as ``layer_types`` too) or the hub's ``hybrid_override_pattern`` letters."""
+    return list(hf.get("layers_block_type") or hf.get("layer_types") or str(hf.get("hybrid_override_pattern", "")))
+
+
 def _nemotron_h_kinds(hf: dict[str, Any], layers: int) -> tuple[str, ...]:
-    names = hf.get("layers_block_type") or hf.get("layer_types") or list(str(hf.get("hybrid_override_pattern", "")))
+    names = nemotron_h_block_names(hf)
     unknown = sorted({str(name) for name in names} - set(_NEMOTRON_H_KINDS))
     if unknown:
         raise ValueError(f"ssm config: Nemotron-H's block kinds {unknown} are not supported (supported: mamba, "

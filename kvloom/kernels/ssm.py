@@ -13,6 +13,7 @@ import torch
 from kvloom.kernels.native_op import NativeOp, TensorSpec
 
 _F32 = (torch.float32,)
+MAX_HEAD_DIM = MAX_STATE = 512  # ssm.cpp's per-token staging of x, B and C (the scan's, both ops')
 
 
 def available() -> bool:
@@ -56,6 +57,9 @@ def _ssm_scan_check(state: torch.Tensor, slots: torch.Tensor, has_state: torch.T
                 "D": (heads,)}
     given = {"has_state": has_state, "starts": starts, "lengths": lengths, "x": x, "dt": dt, "A": A, "B": B, "C": C,
              "D": D}
+    if head_dim > MAX_HEAD_DIM or d_state > MAX_STATE:
+        raise SSM_SCAN.error("state", f"head_dim and d_state must be at most {MAX_HEAD_DIM}, got {head_dim}, "
+                                      f"{d_state}")
     for name, shape in expected.items():
         if tuple(given[name].shape) != shape:
             raise SSM_SCAN.error(name, f"must have shape {list(shape)} (the state's heads {heads}, head_dim "
@@ -181,9 +185,6 @@ MAMBA_MIXER = NativeOp(
              "starts": TensorSpec(1, (torch.int64,)), "lengths": TensorSpec(1, (torch.int64,)),
              "slots": TensorSpec(1, (torch.int64,)), "has_state": TensorSpec(1, (torch.int32,))},
 )
-MAX_HEAD_DIM = MAX_STATE = 512  # ssm.cpp's per-token staging of x, B and C
-
-
 @MAMBA_MIXER.check
 def _mamba_mixer_check(proj: torch.Tensor, weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
                        conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,

@@ -35,11 +35,10 @@ from kvloom.models.weights import WeightFiller
 
 
 class NativeMixerParams(NamedTuple):
-    """A Mamba2 mixer's parameters as the native mixer takes them, float32: the
-    convolution's weight [k, conv_dim] and bias, dt_bias, A_log and D."""
+    """A Mamba2 mixer's parameters besides its projections as the kernels and the
+    references take them, float32: the convolution's, dt_bias, A_log and D."""
 
-    conv_weight_t: torch.Tensor
-    conv_bias: torch.Tensor | None
+    conv: ssm_ops.ConvParams
     dt_bias: torch.Tensor
     A_log: torch.Tensor
     D: torch.Tensor
@@ -82,20 +81,21 @@ class Mamba2Mixer(SlotStateLayer):
         self.prefill_scan = "native"
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
-        # The native mixer's float32 parameters, made once by pack (after the weights load).
-        self.native_params: NativeMixerParams | None = None
+        # The float32 parameters, made once by pack (after the weights load).
+        self.packed_params: NativeMixerParams | None = None
 
     def pack(self, matmul: str) -> int:
-        """Make the native mixer's float32 parameters once (kernels/ssm.py takes them so; at
-        decode their conversion cost as much as a layer's convolution). Packs no matmul:
-        in_proj and out_proj are nn.Linear layers, packed as every other."""
-        self.native_params = self._native_params()
+        """Make the float32 parameters once (both paths take them so; at decode their
+        conversion cost as much as a layer's convolution). Packs no matmul: in_proj and
+        out_proj are nn.Linear layers, packed as every other."""
+        self.packed_params = self.params()
         return 0
 
-    def _native_params(self) -> NativeMixerParams:
-        weight = self.conv1d.weight.view(self.ssm.conv_dim, self.ssm.conv_kernel)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        return NativeMixerParams(weight.t().float().contiguous(), bias, self.dt_bias.float(), self.A_log.float(),
+    def params(self) -> NativeMixerParams:
+        """The float32 parameters: packed, or made now (a mixer used before pack)."""
+        if self.packed_params is not None:
+            return self.packed_params
+        return NativeMixerParams(ssm_ops.ConvParams.of(self.conv1d), self.dt_bias.float(), self.A_log.float(),
                                  self.D.float())
 
     def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
@@ -122,23 +122,22 @@ class Mamba2Mixer(SlotStateLayer):
         ssm, num_tokens = self.ssm, hidden.shape[0]
         heads, head_dim, groups, d_state = ssm.num_heads, ssm.head_dim, ssm.num_groups, ssm.state_size
         proj = self.in_proj(hidden)
-        weight = self.conv1d.weight.view(ssm.conv_dim, ssm.conv_kernel)
+        params = self.params()
         if self.prefill_scan == "native" and ssm_ops.native_mixer_applies(proj, self.conv_state, self.ssm_state,
                                                                           head_dim, d_state, ssm.conv_kernel):
-            params = self.native_params if self.native_params is not None else self._native_params()
-            normed = ssm_ops.mixer_native(proj, params.conv_weight_t, params.conv_bias, self.conv_state,
-                                          self.ssm_state, params.dt_bias, params.A_log, params.D, self.norm.weight,
-                                          spans, groups, ssm.time_step_limit, ssm.norm_eps)
+            normed = ssm_ops.mixer_native(proj, params.conv, self.conv_state, self.ssm_state, params.dt_bias,
+                                          params.A_log, params.D, self.norm.weight, spans, groups,
+                                          ssm.time_step_limit, ssm.norm_eps)
             native: torch.Tensor = self.out_proj(normed)
             return native
         gate, xbc, dt = proj.split([ssm.intermediate_size, ssm.conv_dim, heads], dim=-1)
-        xbc = F.silu(ssm_ops.causal_conv(xbc, weight, self.conv1d.bias, self.conv_state, spans))
+        xbc = F.silu(ssm_ops.causal_conv(xbc, params.conv, self.conv_state, spans))
         x, B, C = torch.split(xbc, [ssm.intermediate_size, groups * d_state, groups * d_state], dim=-1)
         x = x.reshape(num_tokens, heads, head_dim).float()  # [tokens, heads, head_dim]
         B = B.reshape(num_tokens, groups, d_state).float().repeat_interleave(heads // groups, dim=1)
         C = C.reshape(num_tokens, groups, d_state).float().repeat_interleave(heads // groups, dim=1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*ssm.time_step_limit)  # [tokens, heads]
-        y = self._scan(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(), spans)
+        dt = F.softplus(dt.float() + params.dt_bias).clamp(*ssm.time_step_limit)  # [tokens, heads]
+        y = self._scan(x, dt, -torch.exp(params.A_log), B, C, params.D, spans)
         y = y.reshape(num_tokens, ssm.intermediate_size).to(hidden.dtype)
         out: torch.Tensor = self.out_proj(gated_rms_norm(y, gate, self.norm.weight, ssm.intermediate_size // groups,
                                                          ssm.norm_eps))

@@ -24,6 +24,14 @@ class ShortConv(SlotStateLayer):
         self.conv = nn.Conv1d(hidden_size, hidden_size, config.conv_kernel, groups=hidden_size, bias=config.bias)
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=config.bias)
         self.conv_state = torch.empty(0)
+        # The convolution's float32 parameters, made once by pack (after the weights load).
+        self.packed_conv: ssm_ops.ConvParams | None = None
+
+    def pack(self, matmul: str) -> int:
+        """Make the convolution's float32 parameters once. Packs no matmul: in_proj and
+        out_proj are nn.Linear layers, packed as every other."""
+        self.packed_conv = ssm_ops.ConvParams.of(self.conv)
+        return 0
 
     def allocate_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> int:
         self.conv_state = torch.zeros(num_slots, self.conv.kernel_size[0] - 1, self.hidden_size, dtype=dtype,
@@ -42,7 +50,7 @@ class ShortConv(SlotStateLayer):
         if not self.conv_state.numel():
             raise RuntimeError("a short convolution runs only after allocate_state gave it its state slots")
         B, C, x = self.in_proj(hidden).chunk(3, dim=-1)
-        weight = self.conv.weight.view(self.hidden_size, -1)
-        mixed = ssm_ops.causal_conv((B * x).contiguous(), weight, self.conv.bias, self.conv_state, spans)
+        conv = self.packed_conv if self.packed_conv is not None else ssm_ops.ConvParams.of(self.conv)
+        mixed = ssm_ops.causal_conv(B * x, conv, self.conv_state, spans)
         out: torch.Tensor = self.out_proj(C * mixed)
         return out

@@ -1,5 +1,5 @@
 """The arithmetic of a Mamba2 mixer over a flat, mixed batch: pure PyTorch, and the
-decode step's native kernel where it builds.
+native kernels (kernels/ssm.py: the scan, the convolution, the whole mixer) where they run.
 
 Each request's tokens are contiguous in the flat batch; each request owns a state
 slot (cache/state_pool.py) where every mixer layer keeps, between steps, its causal
@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvloom.batch import ForwardBatch
 
@@ -89,35 +91,48 @@ class SSMSpans:
                    [i for i, length in enumerate(lengths) if length > 1])
 
 
-def causal_conv(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
+class ConvParams(NamedTuple):
+    """A depthwise causal convolution's parameters as both paths take them, float32: the
+    weight transposed, [k, channels], and the bias (or None). Its layer makes them once,
+    when the model is packed (``of``): converting them each call cost a decode's layer as
+    much as the convolution itself."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, conv: nn.Conv1d) -> ConvParams:
+        weight = conv.weight.view(conv.weight.shape[0], -1)  # [channels, k]
+        return cls(weight.t().float().contiguous(), None if conv.bias is None else conv.bias.float())
+
+
+def causal_conv(xbc: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
     """The depthwise causal convolution (before its activation) of the step's tokens,
-    ``xbc`` [tokens, channels], with ``weight`` [channels, k]; stores each request's last
-    ``k - 1`` inputs in ``conv_state`` [slots, k - 1, channels]. Returns [tokens,
-    channels] in xbc's dtype (summed in float32). On a CPU one native pass
-    (kernels/ssm.py); elsewhere ``causal_conv_reference``."""
+    ``xbc`` [tokens, channels], with ``conv``; stores each request's last ``k - 1`` inputs
+    in ``conv_state`` [slots, k - 1, channels]. Returns [tokens, channels] in xbc's dtype
+    (summed in float32). On a CPU one native pass (kernels/ssm.py); elsewhere
+    ``causal_conv_reference``."""
     if (xbc.device.type == "cpu" and xbc.dtype in (torch.float32, torch.bfloat16) and conv_state.dtype == xbc.dtype
-            and _native_ssm() and weight.shape[1] <= _max_native_kernel()):
+            and _native_ssm() and conv.weight_t.shape[0] <= _max_native_kernel()):
         from kvloom.kernels import ssm
 
-        return ssm.causal_conv(xbc.contiguous(), weight.t().float().contiguous(),
-                               None if bias is None else bias.float(), conv_state, spans.starts_tensor,
+        return ssm.causal_conv(xbc.contiguous(), conv.weight_t, conv.bias, conv_state, spans.starts_tensor,
                                spans.lengths_tensor, spans.slots, spans.has_state_int)
-    return causal_conv_reference(xbc, weight, bias, conv_state, spans)
+    return causal_conv_reference(xbc, conv, conv_state, spans)
 
 
-def causal_conv_reference(xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
+def causal_conv_reference(xbc: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor,
+                          spans: SSMSpans) -> torch.Tensor:
     """``causal_conv`` in PyTorch: the stored inputs gathered and joined to the tokens,
     each token's window gathered, multiplied and summed."""
-    channels, kernel = weight.shape
+    channels = conv.weight_t.shape[1]
     stored = conv_state[spans.slots]  # [n, k - 1, channels]
     stored = torch.where(spans.has_state_mask[:, None, None], stored, torch.zeros((), dtype=stored.dtype))
     extended = torch.cat([stored.reshape(-1, channels), xbc.to(stored.dtype)])  # [n(k-1) + T, C]
     windows = extended[spans.conv_windows].float()  # [tokens, k, channels]
-    out = (windows * weight.t().float()).sum(1)  # [tokens, channels]
-    if bias is not None:
-        out = out + bias.float()
+    out = (windows * conv.weight_t).sum(1)  # [tokens, channels]
+    if conv.bias is not None:
+        out = out + conv.bias
     conv_state.index_copy_(0, spans.slots, extended[spans.conv_tails])
     return out.to(xbc.dtype)
 
@@ -150,8 +165,12 @@ def selective_state_update_(state: torch.Tensor, x: torch.Tensor, dt: torch.Tens
 
 def native_scan_applies(state: torch.Tensor) -> bool:
     """Whether ``scan_native_`` runs on this layer's state: a float32 state on a CPU where
-    kernels/ssm.py builds."""
-    return state.device.type == "cpu" and state.dtype == torch.float32 and _native_ssm()
+    kernels/ssm.py builds, of head_dim and d_state within the kernel's."""
+    if not (state.device.type == "cpu" and state.dtype == torch.float32 and _native_ssm()):
+        return False
+    from kvloom.kernels import ssm
+
+    return state.shape[2] <= ssm.MAX_HEAD_DIM and state.shape[3] <= ssm.MAX_STATE
 
 
 def scan_native_(state: torch.Tensor, spans: SSMSpans, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
@@ -179,18 +198,17 @@ def native_mixer_applies(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state
     return head_dim <= ssm.MAX_HEAD_DIM and d_state <= ssm.MAX_STATE and conv_kernel <= ssm.MAX_CONV_KERNEL
 
 
-def mixer_native(proj: torch.Tensor, conv_weight_t: torch.Tensor, conv_bias: torch.Tensor | None,
-                 conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
-                 D: torch.Tensor, norm_weight: torch.Tensor, spans: SSMSpans, groups: int,
-                 time_step_limit: tuple[float, float], eps: float) -> torch.Tensor:
+def mixer_native(proj: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                 dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor,
+                 spans: SSMSpans, groups: int, time_step_limit: tuple[float, float], eps: float) -> torch.Tensor:
     """A Mamba2 mixer between its projections in one native call (kernels/ssm.py): the
     in_proj output ``proj`` [tokens, z | xBC | dt] -> the gated norm's output [tokens,
     inter], the requests' stored inputs and states read from and left in their slots.
-    ``conv_weight_t`` [k, channels] and the other parameters float32 (as the reference
-    takes them: models/mamba2.NativeMixerParams)."""
+    ``dt_bias``, ``A_log`` and ``D`` float32 (as the reference takes them:
+    models/mamba2.NativeMixerParams)."""
     from kvloom.kernels import ssm
 
-    return ssm.mamba_mixer(proj.contiguous(), conv_weight_t, conv_bias, conv_state, ssm_state, dt_bias, A_log, D,
+    return ssm.mamba_mixer(proj.contiguous(), conv.weight_t, conv.bias, conv_state, ssm_state, dt_bias, A_log, D,
                            norm_weight, spans.starts_tensor, spans.lengths_tensor, spans.slots, spans.has_state_int,
                            groups, float(time_step_limit[0]), float(time_step_limit[1]), eps)
 

@@ -175,6 +175,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("ssm_scan_", "x", lambda a: a.__setitem__(5, a[5][:, :, :3].contiguous()), r"must have shape \[4, 2, 4\]"),
     ("ssm_scan_", "B", lambda a: a.__setitem__(8, a[8][:2].contiguous()), r"must have shape \[4, 2, 8\]"),
     ("ssm_scan_", "lengths", lambda a: a.__setitem__(4, a[4][:2].contiguous()), r"must have shape \[3\]"),
+    ("ssm_scan_", "state", lambda a: a.__setitem__(0, torch.zeros(4, 2, 4, 513)), "at most 512, got 4, 513"),
     ("causal_conv", "weight_t", lambda a: a.__setitem__(1, a[1][:, :5].contiguous()), r"must be \[k, 6\]"),
     ("causal_conv", "bias", lambda a: a.__setitem__(2, a[2][:5]), "one value per channel"),
     ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :2].contiguous()),

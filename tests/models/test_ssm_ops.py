@@ -85,7 +85,8 @@ def test_causal_conv_in_steps_equals_conv1d_over_each_whole_sequence(conv, dtype
         order = list(step)
         batch = batch_of([step[r] for r in order], [done[r] + step[r] for r in order], [slots[r] for r in order])
         xbc = torch.cat([seqs[r][done[r]:done[r] + step[r]] for r in order])
-        out = conv(xbc, weight, bias, conv_state, ssm_ops.SSMSpans.of(batch, kernel))
+        params = ssm_ops.ConvParams(weight.t().contiguous(), bias)
+        out = conv(xbc, params, conv_state, ssm_ops.SSMSpans.of(batch, kernel))
         assert out.dtype == dtype
         for r, piece in zip(order, out.split([step[r] for r in order]), strict=True):
             outputs[r].append(piece)
