@@ -42,53 +42,59 @@ from kvloom.batch import ForwardBatch
 class SSMSpans:
     """Where each request's tokens and state are, once per step for every mixer layer.
 
-    The convolution reads an extended sequence: the ``k - 1`` stored inputs of every
-    request (rows ``i * (k - 1) ...``), then the step's tokens (rows ``n * (k - 1) + t``)."""
+    The reference convolution reads an extended sequence: the ``k - 1`` stored inputs of
+    every request (rows ``i * (k - 1) ...``), then the step's tokens (rows ``n * (k - 1) +
+    t``); its row indices are built when it asks (``conv_rows``): the native kernels take
+    the spans as they are, and a long prompt's rows cost a Python loop over its tokens."""
 
     token_starts: list[int]
     lengths: list[int]
     has_state: list[bool]  # the chunk continues from the slot's state (it starts past token 0)
     slots: torch.Tensor  # [n] int64
     has_state_mask: torch.Tensor  # [n] bool
-    # The same as tensors, for the native convolution: [n] int64, int64, int32.
+    # The same as tensors, for the native kernels: [n] int64, int64, int32.
     starts_tensor: torch.Tensor
     lengths_tensor: torch.Tensor
     has_state_int: torch.Tensor
-    conv_windows: torch.Tensor  # [tokens, k] rows of the extended sequence, oldest first
-    conv_tails: torch.Tensor  # [n, k - 1] rows that become each request's stored inputs
     decode_requests: torch.Tensor  # [d] requests whose chunk is one token: scanned together
     decode_tokens: torch.Tensor  # [d] their tokens
     prefill_requests: list[int]  # requests with longer chunks: scanned one by one
+    conv_kernel: int
 
     @classmethod
     def of(cls, batch: ForwardBatch, conv_kernel: int) -> SSMSpans:
         if batch.state_slots is None or batch.state_slots.numel() != batch.num_seqs:
             raise ValueError("a state-space model needs a state slot for every request of the batch")
-        n, tail = batch.num_seqs, conv_kernel - 1
         lengths = batch.query_lens_list
         has_state = [seq > query for seq, query in zip(batch.seq_lens_list, lengths, strict=True)]
-        starts: list[int] = []
-        windows: list[list[int]] = []
-        tails: list[list[int]] = []
-        token = 0
-        for i, length in enumerate(lengths):
-            def row(m: int, i: int = i, first: int = token) -> int:  # extended position m of request i
-                return i * tail + m if m < tail else n * tail + first + m - tail
-            starts.append(token)
-            windows.extend([row(j + w) for w in range(conv_kernel)] for j in range(length))
-            tails.append([row(length + w) for w in range(tail)])
-            token += length
+        starts = [0] * len(lengths)
+        for i in range(1, len(lengths)):
+            starts[i] = starts[i - 1] + lengths[i - 1]
         device = batch.input_ids.device
         decodes = [i for i, length in enumerate(lengths) if length == 1]
 
-        def tensor(values: list[int] | list[list[int]] | list[bool], dtype: torch.dtype) -> torch.Tensor:
+        def tensor(values: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(starts, lengths, has_state, batch.state_slots, tensor(has_state, torch.bool),
                    tensor(starts, torch.int64), tensor(lengths, torch.int64), tensor(has_state, torch.int32),
-                   tensor(windows, torch.int64), tensor(tails, torch.int64), tensor(decodes, torch.int64),
-                   tensor([starts[i] for i in decodes], torch.int64),
-                   [i for i, length in enumerate(lengths) if length > 1])
+                   tensor(decodes, torch.int64), tensor([starts[i] for i in decodes], torch.int64),
+                   [i for i, length in enumerate(lengths) if length > 1], conv_kernel)
+
+    def conv_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(windows [tokens, k]: each token's rows of the extended sequence, oldest first;
+        tails [n, k - 1]: the rows that become each request's stored inputs)."""
+        n, kernel, tail = len(self.lengths), self.conv_kernel, self.conv_kernel - 1
+        windows: list[list[int]] = []
+        tails: list[list[int]] = []
+        for i, (first, length) in enumerate(zip(self.token_starts, self.lengths, strict=True)):
+            def row(m: int, i: int = i, first: int = first) -> int:  # extended position m of request i
+                return i * tail + m if m < tail else n * tail + first + m - tail
+            windows.extend([row(j + w) for w in range(kernel)] for j in range(length))
+            tails.append([row(length + w) for w in range(tail)])
+        device = self.slots.device
+        return (torch.tensor(windows, dtype=torch.int64, device=device),
+                torch.tensor(tails, dtype=torch.int64, device=device))
 
 
 class ConvParams(NamedTuple):
@@ -129,11 +135,12 @@ def causal_conv_reference(xbc: torch.Tensor, conv: ConvParams, conv_state: torch
     stored = conv_state[spans.slots]  # [n, k - 1, channels]
     stored = torch.where(spans.has_state_mask[:, None, None], stored, torch.zeros((), dtype=stored.dtype))
     extended = torch.cat([stored.reshape(-1, channels), xbc.to(stored.dtype)])  # [n(k-1) + T, C]
-    windows = extended[spans.conv_windows].float()  # [tokens, k, channels]
+    rows, tails = spans.conv_rows()
+    windows = extended[rows].float()  # [tokens, k, channels]
     out = (windows * conv.weight_t).sum(1)  # [tokens, channels]
     if conv.bias is not None:
         out = out + conv.bias
-    conv_state.index_copy_(0, spans.slots, extended[spans.conv_tails])
+    conv_state.index_copy_(0, spans.slots, extended[tails])
     return out.to(xbc.dtype)
 
 
