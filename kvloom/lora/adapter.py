@@ -4,8 +4,10 @@ A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``target_modules``, ...) and ``adapter_model.safetensors`` with, for each adapted
 projection of each layer, ``lora_A`` [r, in] and ``lora_B`` [out, r]. The projection's
 output becomes ``W x + scale * B (A x)``, ``scale = lora_alpha / r`` (``/ sqrt(r)``
-with ``use_rslora``). Every adapter feature this engine does not apply (DoRA, biases,
-extra trained modules, per-module ranks, embedding or head adapters) is refused with
+with ``use_rslora``); ``rank_pattern`` and ``alpha_pattern`` give a module its own
+``r`` and ``lora_alpha`` (``Ranks``: matched on its name as PEFT matches them), and its
+scale is folded into its B as it is read. Every adapter feature this engine does not
+apply (DoRA, biases, extra trained modules, embedding or head adapters) is refused with
 its name rather than silently dropped.
 
 The tensors are named as the family's checkpoint names its modules (Phi's ``dense``,
@@ -58,8 +60,33 @@ _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)$"
 # Config keys whose non-default values change the adapter's function: refused. (PEFT sets
 # fan_in_fan_out for GPT-2's Conv1D layers; it transposes the base weight when merging and
 # leaves A and B as every adapter's, so it is not among them.)
-_REFUSED = {"use_dora": False, "modules_to_save": None, "rank_pattern": {},
-            "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
+_REFUSED = {"use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+            "layer_replication": None}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Each adapted module's rank and scale, as PEFT gives them: ``r`` and ``lora_alpha``,
+    unless a key of ``rank_pattern`` / ``alpha_pattern`` matches the module's name (its path
+    in the base model: ``model.layers.3.self_attn.q_proj``; a routed experts' tensor's is
+    ``model.layers.3.mlp.experts.gate_up_proj``) as PEFT's ``get_pattern_key`` matches it: the
+    first key, in the file's order, that is the name's whole tail after a dot, as a regular
+    expression. PEFT 0.22 writes such keys itself when it turns a transformers 4 adapter's
+    gate and up modules into one on the fused experts' tensor (rank and alpha doubled)."""
+
+    rank: int
+    alpha: float
+    rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def of(self, name: str) -> tuple[int, float]:
+        """(rank, scale) of the module or experts' tensor called ``name``."""
+        rank = next((r for key, r in self.rank_pattern.items() if re.match(rf"(.*\.)?({key})$", name)), self.rank)
+        alpha = next((a for key, a in self.alpha_pattern.items() if re.match(rf"(.*\.)?({key})$", name)),
+                     self.alpha)
+        return rank, alpha / (math.sqrt(rank) if self.rslora else rank)
+
 
 
 @dataclass(frozen=True)
@@ -106,9 +133,9 @@ def projection_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 class LoRAAdapter:
     name: str
     path: str
-    rank: int
-    scale: float
-    # (layer, projection) -> (A [rank, in], B [out, rank]), float32 as read
+    ranks: Ranks
+    # (layer, projection) -> (A [rank, in], scale * B [out, rank]), float32: each module's
+    # own scale (Ranks.of) folded in, as the layers would fold one (the same float32 product)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
@@ -129,18 +156,19 @@ class LoRAAdapter:
         except (OSError, ValueError) as error:
             raise LoRAError(f"{where}: adapter_config.json is not JSON: {error}") from None
         targets = names.targets() + (list(EXPERT_MODULES) if config.moe is not None else [])
-        rank, scale, parameters = cls._check_settings(where, settings, max_rank, targets)
+        ranks, parameters = cls._check_settings(where, settings, max_rank, targets)
         from safetensors.torch import load_file
         try:
             tensors = load_file(str(weights_file))
         except Exception as error:  # noqa: BLE001 - a corrupt file is the adapter's problem
             raise LoRAError(f"{where}: adapter_model.safetensors cannot be read: {error}") from None
-        return cls(name, path, rank, scale, cls._check_weights(where, tensors, config, rank, names, parameters))
+        weights = cls._check_weights(_Reading(where, ranks, max_rank), tensors, config, names, parameters)
+        return cls(name, path, ranks, weights)
 
     @staticmethod
     def _check_settings(where: str, settings: dict, max_rank: int, targets: list[str]
-                        ) -> tuple[int, float, list[str]]:
-        """(rank, scale, target_parameters) of a valid adapter config; LoRAError naming what is not."""
+                        ) -> tuple[Ranks, list[str]]:
+        """(ranks, target_parameters) of a valid adapter config; LoRAError naming what is not."""
         if settings.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
         for key, default in _REFUSED.items():
@@ -162,16 +190,31 @@ class LoRAAdapter:
         named = settings.get("target_modules") or ([] if parameters else None)
         if isinstance(named, str) or named is None or any(t not in targets for t in named):
             raise LoRAError(f"{where}: target_modules must be a list of {targets}, got {named!r}")
-        return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank), parameters
+        patterns = []
+        for key, kind in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):
+            pattern = settings.get(key) or {}
+            if not isinstance(pattern, dict) or not all(_pattern_value(value, key) for value in pattern.values()):
+                raise LoRAError(f"{where}: {key} must map module names to {kind} each, got {pattern!r}")
+            for expression in pattern:
+                try:
+                    re.compile(expression)
+                except re.error as error:
+                    raise LoRAError(f"{where}: {key} key {expression!r} is not a regular expression: {error}") from None
+            patterns.append(pattern)
+        ranks = Ranks(rank, alpha, bool(settings.get("use_rslora")), *patterns)
+        return ranks, parameters
 
     @staticmethod
-    def _check_weights(where: str, tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int,
+    def _check_weights(reading: _Reading, tensors: dict[str, torch.Tensor], config: ModelConfig,
                        names: CheckpointNames, parameters: list[str]
                        ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        where = reading.where
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        theirs: dict[tuple[int, str], str] = {}  # the checkpoint's name of each module, for messages
+        # (layer, module) -> (its name in messages, PEFT's name of it, for its rank and scale)
+        theirs: dict[tuple[int, str], tuple[str, str]] = {}
         nested: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, wrappers inside): experts' A, B
         per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}  # (layer, part, expert): A, B
+        expert_names: dict[tuple[int, str, int], str] = {}  # PEFT's name of each expert's module
         for key, tensor in tensors.items():
             key_match = _KEY.match(key)
             path = names.module(key_match[1]) if key_match is not None else ""
@@ -185,9 +228,10 @@ class LoRAAdapter:
                 layer, module, expert = part
                 if expert is not None:  # one expert's own module (the hub's)
                     per_expert.setdefault((layer, module, expert), {})[key_match[2]] = tensor
+                    expert_names[layer, module, expert] = key_match[1]
                 else:  # a shared expert's projection: a dense MLP's to the rest
                     halves.setdefault((layer, module), {})[key_match[2]] = tensor
-                    theirs[layer, module] = module
+                    theirs[layer, module] = (module, key_match[1])
                 continue
             match = _MODULE.match(path) if key_match is not None else None
             if (key_match is None or match is None or match[3] not in MODULE_PARTS
@@ -202,20 +246,21 @@ class LoRAAdapter:
                                 "take adapters on their tensors (PEFT's target_parameters: experts.gate_up_proj, "
                                 "experts.down_proj)")
             halves.setdefault((layer, module), {})[key_match[2]] = tensor
-            theirs[layer, module] = key_match[1].rsplit(".", 1)[-1]
-        weights = _expert_weights(where, nested, config, rank, parameters)
-        for (layer, module), pair in _modules_per_expert(where, per_expert, config, rank).items():
+            theirs[layer, module] = (key_match[1].rsplit(".", 1)[-1], key_match[1])
+        weights = _expert_weights(reading, nested, config, parameters)
+        for (layer, module), pair in _modules_per_expert(reading, per_expert, expert_names, config).items():
             if (layer, module) in weights:
                 raise LoRAError(f"{where}: layer {layer}'s {module} is adapted twice (as one tensor and expert by "
                                 "expert)")
             weights[layer, module] = pair
         for (layer, module), pair in sorted(halves.items()):
-            parts, label = MODULE_PARTS.get(module, (module,)), theirs[layer, module]
+            parts, (label, peft_name) = MODULE_PARTS.get(module, (module,)), theirs[layer, module]
             outs = [projection_shape(config, part)[0] for part in parts]
             in_features = projection_shape(config, parts[0])[1]
             a, b = pair.get("A"), pair.get("B")
             if a is None or b is None:
                 raise LoRAError(f"{where}: layer {layer}'s {label} has lora_{'A' if a is None else 'B'} missing")
+            rank, scale = reading.rank_and_scale(peft_name)
             if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (sum(outs), rank):
                 raise LoRAError(f"{where}: layer {layer}'s {label} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                                 f"the model needs A {(rank, in_features)} and B {(sum(outs), rank)}")
@@ -226,10 +271,35 @@ class LoRAAdapter:
                     raise LoRAError(f"{where}: layer {layer}'s {part} is adapted twice (by {label} and another)")
                 if config.interleaved_rotary and part in ("q_proj", "k_proj"):  # ERNIE 4.5's: as the base's rows
                     rows = halves_from_pairs(rows, rows.shape[0] // config.head_dim, config.rotary_dim)
-                weights[layer, part] = (a.float(), rows.float())
+                weights[layer, part] = (a.float(), rows.float() * scale)
         if not weights:
             raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
         return weights
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One adapter being read: where it is (for messages), its ranks, and the largest rank
+    the engine's slots hold."""
+
+    where: str
+    ranks: Ranks
+    max_rank: int
+
+    def rank_and_scale(self, name: str) -> tuple[int, float]:
+        """(rank, scale) of PEFT's module or experts' tensor ``name``; LoRAError past max_lora_rank."""
+        rank, scale = self.ranks.of(name)
+        if rank > self.max_rank:
+            raise LoRAError(f"{self.where}: {name} has rank {rank} (rank_pattern), above max_lora_rank "
+                            f"{self.max_rank}")
+        return rank, scale
+
+
+def _pattern_value(value: object, key: str) -> bool:
+    """Whether ``value`` is a rank (``rank_pattern``'s: a positive integer) or an alpha (a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) and value >= 1 if key == "rank_pattern" else True
 
 
 def _moe_part(path: str, config: ModelConfig) -> tuple[int, str, int | None] | None:
@@ -249,17 +319,22 @@ def _moe_part(path: str, config: ModelConfig) -> tuple[int, str, int | None] | N
 
 def _expert_tensor(entry: object) -> str | None:
     """The experts' tensor (``gate_up_proj`` or ``down_proj``) a ``target_parameters``
-    entry names, or None if it names another tensor (a router's, say)."""
+    entry names, or None if it names another tensor (a router's, say). A bare tensor name
+    (PEFT 0.22 writes them, converting gate/up/down modules to the fused tensors) names the
+    experts' too: a projection module's own parameter is its ``weight``, never so called."""
     parts = entry.rsplit(".", 2) if isinstance(entry, str) else []
-    return parts[-1] if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_TENSORS else None
+    if not parts or parts[-1] not in EXPERT_TENSORS:
+        return None
+    return parts[-1] if len(parts) == 1 or parts[-2] == "experts" else None
 
 
-def _expert_weights(where: str, nested: dict[tuple[int, int], dict[str, torch.Tensor]], config: ModelConfig,
-                    rank: int, parameters: list[str]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """The routed experts' adapters: (layer, ``experts.<tensor>``) -> (A [E, rank, in], B
-    [E, out, rank]), float32, from PEFT's tensors keyed by (layer, how many wrappers lie
+def _expert_weights(reading: _Reading, nested: dict[tuple[int, int], dict[str, torch.Tensor]], config: ModelConfig,
+                    parameters: list[str]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The routed experts' adapters: (layer, ``experts.<tensor>``) -> (A [E, rank, in], scale
+    * B [E, out, rank]), float32, from PEFT's tensors keyed by (layer, how many wrappers lie
     inside theirs). Which tensor a depth holds follows from ``target_parameters`` (matched
     as PEFT matches them: the tensor's path, or a suffix of it after a dot)."""
+    where = reading.where
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, depth), pair in sorted(nested.items()):
         moe = config.moe
@@ -277,28 +352,33 @@ def _expert_weights(where: str, nested: dict[tuple[int, int], dict[str, torch.Te
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None:
             raise LoRAError(f"{where}: layer {layer}'s experts.{tensor} has lora_{'A' if a is None else 'B'} missing")
+        rank, scale = reading.rank_and_scale(paths[tensor])
         if tuple(a.shape) != (rank * experts, in_features) or tuple(b.shape) != (out, rank * experts):
             raise LoRAError(f"{where}: layer {layer}'s experts.{tensor} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}; the model's {experts} experts need A {(rank * experts, in_features)} "
                             f"and B {(out, rank * experts)}")
         if moe.gpt_oss_layout and tensor == "gate_up_proj":  # its gate and up outputs alternate: as gate | up
             b = torch.cat((b[0::2], b[1::2]))
-        weights[layer, f"experts.{tensor}"] = (a.float().reshape(experts, rank, in_features),
-                                               b.float().reshape(out, rank, experts).permute(2, 0, 1).contiguous())
+        weights[layer, f"experts.{tensor}"] = (
+            a.float().reshape(experts, rank, in_features),
+            (b.float() * scale).reshape(out, rank, experts).permute(2, 0, 1).contiguous())
     return weights
 
 
-def _modules_per_expert(where: str, per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]],
-                        config: ModelConfig, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _modules_per_expert(reading: _Reading, per_expert: dict[tuple[int, str, int], dict[str, torch.Tensor]],
+                        peft_names: dict[tuple[int, str, int], str], config: ModelConfig
+                        ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Adapters on each expert's own modules as the fused tensors' (``_expert_weights``):
-    gate's and up's stacked into one of rank 2r for gate_up (A [A_gate; A_up], B
-    block-diagonal; an expert or part the adapter leaves alone, zeros)."""
-    moe = config.moe
+    gate's and up's stacked into one for gate_up (A [A_gate; A_up], scale * B block-diagonal;
+    each part as wide as its largest rank over the experts, an expert's smaller rank, an
+    expert or a part the adapter leaves alone, zeros: they add exact zeros)."""
+    where, moe = reading.where, config.moe
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     if moe is None or not per_expert:
         return out
     experts, hidden, inter = moe.num_experts, config.hidden_size, moe.intermediate_size
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    scaled: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (A, scale * B), float32
     for (layer, part, expert), pair in per_expert.items():
         if not moe.is_sparse(layer) or expert >= experts:
             raise LoRAError(f"{where}: the adapter adapts layer {layer}'s expert {expert}; the model has "
@@ -307,25 +387,30 @@ def _modules_per_expert(where: str, per_expert: dict[tuple[int, str, int], dict[
         if a is None or b is None:
             raise LoRAError(f"{where}: layer {layer}'s expert {expert} {part} has lora_{'A' if a is None else 'B'} "
                             "missing")
+        rank, scale = reading.rank_and_scale(peft_names[layer, part, expert])
         rows, columns = shapes[part]
         if tuple(a.shape) != (rank, columns) or tuple(b.shape) != (rows, rank):
             raise LoRAError(f"{where}: layer {layer}'s expert {expert} {part} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}; the model needs A {(rank, columns)} and B {(rows, rank)}")
+        scaled[layer, part, expert] = (a.float(), b.float() * scale)
     for layer in sorted({layer for layer, _, _ in per_expert}):
         for tensor, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
-            present = [part for part in parts if any((layer, part, e) in per_expert for e in range(experts))]
-            if not present:
+            widths = {part: max((scaled[layer, part, e][0].shape[0] for e in range(experts)
+                                 if (layer, part, e) in scaled), default=0) for part in parts}
+            if not any(widths.values()):
                 continue
             out_rows, in_features = (2 * inter, hidden) if tensor == "gate_up_proj" else (hidden, inter)
-            a = torch.zeros(experts, rank * len(present), in_features)
-            b = torch.zeros(experts, out_rows, rank * len(present))
-            for slot, part in enumerate(present):
+            a = torch.zeros(experts, sum(widths.values()), in_features)
+            b = torch.zeros(experts, out_rows, sum(widths.values()))
+            first_column = 0
+            for part in parts:
                 first_row = inter if part == "up" else 0
                 for expert in range(experts):
-                    pair = per_expert.get((layer, part, expert))
-                    if pair is not None:
-                        a[expert, slot * rank:(slot + 1) * rank] = pair["A"].float()
-                        b[expert, first_row:first_row + shapes[part][0], slot * rank:(slot + 1) * rank] = \
-                            pair["B"].float()
+                    if (layer, part, expert) in scaled:
+                        a_e, b_e = scaled[layer, part, expert]
+                        rank = a_e.shape[0]
+                        a[expert, first_column:first_column + rank] = a_e
+                        b[expert, first_row:first_row + b_e.shape[0], first_column:first_column + rank] = b_e
+                first_column += widths[part]
             out[layer, f"experts.{tensor}"] = (a, b)
     return out

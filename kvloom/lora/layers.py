@@ -138,13 +138,14 @@ class LoRALinear(nn.Module):
         # Each slot's (shrink, expand) kernels once loaded (``finish``): x -> x a^T -> (x a^T) b^T.
         self.kernels: list[tuple[nn.Module, nn.Module] | None] = [None] * max_loras
 
-    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """Part ``part`` of slot ``slot`` becomes ``scale * b a`` (a: [rank, in], b: [out, rank]);
-        after ``clear(slot)``, so the rank's padding and the off-diagonal blocks are zeros."""
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Part ``part`` of slot ``slot`` becomes ``b a`` (a: [rank, in], b: [out, rank] with the
+        module's scale folded in: ``LoRAAdapter.weights``), after ``clear(slot)``, so the rank's
+        padding and the off-diagonal blocks are zeros."""
         rank, (_, start, size) = a.shape[0], self.parts[part]
         first = part * self.max_rank
         self.a[slot, first:first + rank].copy_(a)
-        self.b[slot, start:start + size, first:first + rank].copy_(b * scale)
+        self.b[slot, start:start + size, first:first + rank].copy_(b)
         self.active[slot] = True
 
     def clear(self, slot: int) -> None:
@@ -191,11 +192,11 @@ class LoRAExperts:
         # kernels[slot][part]: each expert's (shrink, expand), or None (not adapted).
         self.kernels: list[list[list[tuple[nn.Module, nn.Module]] | None]] = [[None, None] for _ in range(max_loras)]
 
-    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part ``part`` (0: gate_up, 1: down) of slot ``slot`` becomes, for each expert e,
-        ``scale * b[e] a[e]`` (a: [experts, rank, in], b: [experts, out, rank]), each rounded
-        once to the model's dtype (scale folded into b, as ``LoRALinear``'s)."""
-        a, b = a.to(self.device, self.dtype), (b * scale).to(self.device, self.dtype)
+        ``b[e] a[e]`` (a: [experts, rank, in], b: [experts, out, rank], scale folded in as
+        ``LoRALinear``'s), each rounded once to the model's dtype."""
+        a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
         self.kernels[slot][part] = [(_kernel(a_e, self.matmul), _kernel(b_e, self.matmul))
                                     for a_e, b_e in zip(a, b, strict=True)]
 

@@ -229,7 +229,7 @@ class LoRAManager:
             layer.clear(slot)
         for (layer_index, module), (a, b) in adapter.weights.items():
             layer, part = self._targets[layer_index, module]
-            layer.load(slot, part, *self._rank_part(layer_index, module, a, b), adapter.scale)
+            layer.load(slot, part, *self._rank_part(layer_index, module, a, b))
         for layer in self._layers:
             layer.finish(slot)
         self._names[slot] = name

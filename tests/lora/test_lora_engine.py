@@ -23,7 +23,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
     base = write_tiny_hf_model(root / "base", arch="llama")
     return {"base": base,
             "a": write_adapter(base, root / "a", 1, 4, ["q_proj", "v_proj", "o_proj", "down_proj"]),
-            "b": write_adapter(base, root / "b", 2, 8, TARGETS_ALL, use_rslora=True)}
+            "b": write_adapter(base, root / "b", 2, 8, TARGETS_ALL, use_rslora=True),
+            # Per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern, matched on the
+            # module's name as PEFT does: a regular expression for its tail after a dot).
+            "c": write_adapter(base, root / "c", 3, 4, TARGETS_ALL, use_rslora=True,
+                               rank_pattern={"q_proj": 8, r"layers\.1\.mlp\.\w+_proj": 2},
+                               alpha_pattern={"o_proj": 3, "down_proj": 20})}
 
 
 def peft_model(models: dict[str, Path], name: str | None) -> torch.nn.Module:
@@ -52,6 +57,25 @@ def test_a_batch_of_two_adapters_and_the_base_model_is_peft_each(models) -> None
         assert torch.allclose(torch.tensor(embedded.outputs.embedding), expected, atol=1e-5)
     llm.engine.check_integrity()
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_adapter_with_per_module_ranks_and_alphas_is_pefts(models) -> None:
+    """Adapter c's q_proj has rank 8, layer 1's MLP rank 2 and the rest 4; o_proj's alpha 3,
+    down_proj's 20 (layer 1's down_proj matches both patterns), the rest 8, each scaled by
+    alpha / sqrt(rank) (rsLoRA): PEFT's model with it is the reference."""
+    settings = json.loads((models["c"] / "adapter_config.json").read_text())
+    assert settings["rank_pattern"] and settings["alpha_pattern"]  # as PEFT wrote it
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    loras = [LoRARequest("c", 3, str(models["c"])), None] * 2
+    llm = LLM(str(models["base"]), dtype="float32", num_blocks=128, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    reference, plain = peft_model(models, "c"), peft_model(models, None)
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        check_against_peft(reference if lora else plain, prompt, output.outputs[0])
+    assert outputs[0].outputs[0].token_ids != llm.generate(prompts[:1], params)[0].outputs[0].token_ids
+    llm.engine.check_integrity()
 
 
 def test_the_prefix_cache_keeps_each_adapters_kv_apart(models) -> None:
@@ -174,6 +198,14 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(models, tmp_path) ->
         str(rewrite_config(models["a"], tmp_path / "dora", use_dora=True)): "use_dora=True is not supported",
         str(rewrite_config(models["a"], tmp_path / "embed", target_modules=["embed_tokens"])):
             "target_modules must be a list of",
+        str(rewrite_config(models["a"], tmp_path / "wide", rank_pattern={"q_proj": 8})):
+            r"model.layers.0.self_attn.q_proj has rank 8 \(rank_pattern\), above max_lora_rank 4",
+        str(rewrite_config(models["a"], tmp_path / "narrow", rank_pattern={r"v_pro.": 2})):
+            r"layer 0's v_proj has A \(4, 64\) and B \(32, 4\); the model needs A \(2, 64\) and B \(32, 2\)",
+        str(rewrite_config(models["a"], tmp_path / "regex", alpha_pattern={"q_proj(": 2})):
+            r"alpha_pattern key 'q_proj\(' is not a regular expression",
+        str(rewrite_config(models["a"], tmp_path / "half", rank_pattern={"q_proj": 2.5})):
+            "rank_pattern must map module names to a positive integer each",
         str(write_adapter(other, tmp_path / "wrong-shape", 3, 4, ["q_proj"])):
             r"layer 0's q_proj has A \(4, 96\) and B \(96, 4\); the model needs A \(4, 64\) and B \(64, 4\)",
     }

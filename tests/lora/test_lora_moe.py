@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -196,15 +197,19 @@ def merged_checkpoint(base: Path, out: Path, deltas: dict[str, torch.Tensor]) ->
     return out
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch, patterns", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)])
 def test_an_adapter_on_each_experts_own_modules_is_its_merged_weights(models: dict[str, Path], arch: str,
-                                                                      tmp_path: Path) -> None:
+                                                                      patterns: bool, tmp_path: Path) -> None:
     """transformers 4's experts were modules (Mixtral's experts.N.w1 / w3 / w2, the others'
     experts.N.gate_proj ...), and the hub's adapters for them are per expert: served as the
     fused tensors' (gate's and up's stacked), the tokens and logprobs are those of transformers
-    on the base weights with each B A merged in by hand. Experts 0-2 of 4 adapted, expert 3 not."""
+    on the base weights with each B A merged in by hand. Experts 0-2 of 4 adapted, expert 3 not.
+    With ``patterns``, expert 1 has rank 2 and expert 2's w2 rank 6 and alpha 3 (PEFT's
+    rank_pattern / alpha_pattern): the stacked parts as wide as their widest expert."""
     from helpers_lora import reference_model
     rank, alpha = 4, 8
+    rank_pattern = {r"experts\.1\.w\d": 2, r"experts\.2\.w2": 6} if patterns else {}
+    alpha_pattern = {r"2\.w2": 3} if patterns else {}
     names = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen2_moe": ("mlp", ("gate_proj", "up_proj",
                                                                                       "down_proj"))}
     block, modules = names[arch]
@@ -215,17 +220,21 @@ def test_an_adapter_on_each_experts_own_modules_is_its_merged_weights(models: di
         for expert in range(3):
             for module in modules:
                 rows, columns = (hidden, inter) if module in ("w2", "down_proj") else (inter, hidden)
-                a = torch.randn(rank, columns, generator=generator) * 0.3
-                b = torch.randn(rows, rank, generator=generator) * 0.3
                 path = f"model.layers.{layer}.{block}.experts.{expert}.{module}"
+                own_rank = next((r for key, r in rank_pattern.items() if re.search(key, path)), rank)
+                own_alpha = next((a for key, a in alpha_pattern.items() if re.search(key, path)), alpha)
+                a = torch.randn(own_rank, columns, generator=generator) * 0.3
+                b = torch.randn(rows, own_rank, generator=generator) * 0.3
                 tensors[f"base_model.model.{path}.lora_A.weight"] = a
                 tensors[f"base_model.model.{path}.lora_B.weight"] = b
-                deltas[f"{path}.weight"] = (alpha / rank) * b @ a
+                deltas[f"{path}.weight"] = (own_alpha / own_rank) * b @ a
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     save_file(tensors, str(adapter / "adapter_model.safetensors"))
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-                                                             "target_modules": list(modules)}))
+                                                             "target_modules": list(modules),
+                                                             "rank_pattern": rank_pattern,
+                                                             "alpha_pattern": alpha_pattern}))
     reference = reference_model(merged_checkpoint(models[arch], tmp_path / "merged", deltas), None,
                                 experts_implementation="eager")
     rng = random.Random(8)
