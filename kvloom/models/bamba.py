@@ -30,11 +30,13 @@ import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
+from kvloom.attention.cpu_paged import CPUPagedBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.model_families import GRANITE_HYBRID
 from kvloom.models import ssm_ops
+from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
@@ -78,7 +80,7 @@ class BambaForCausalLM(nn.Module):
         stateful = config.ssm or config.short_conv
         if stateful is None or tp.size > 1:
             raise ValueError(f"{config.architecture} needs a state layers' config and runs in one process")
-        self.config, self.conv_kernel = config, stateful.conv_kernel
+        self.config, self.conv_kernel, self.tp = config, stateful.conv_kernel, tp
         self.granite = config.architecture == GRANITE_HYBRID
         self.lfm2 = config.short_conv is not None
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -88,6 +90,7 @@ class BambaForCausalLM(nn.Module):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rotary_dim = (int(config.head_dim * PARTIAL_ROTARY_FACTOR) if config.architecture == "BambaForCausalLM"
                       else config.rotary_dim or config.head_dim)
+        self.rotary_dim = rotary_dim  # the tables' width (the native walk's)
         # None where no layer turns one (Granite 4.0's published models): no table to hold.
         self.rotary = (RotaryEmbedding(rotary_dim, max_positions, config.rope_theta, config.rope_scaling_dict)
                        if len(config.no_rope_layers) < config.num_layers else None)
@@ -97,6 +100,10 @@ class BambaForCausalLM(nn.Module):
         self.logits_divisor = scales.logits if scales is not None else 1.0
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings else
                                           nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # The layers walked in one native call (models/decoder_stack.py: Mamba2 mixers and
+        # attention, each with Llama's MLP), once asked for by use_native_stack; the module
+        # path below is the reference and the fallback.
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
@@ -106,6 +113,14 @@ class BambaForCausalLM(nn.Module):
         if self.embedding_scale != 1.0:  # Granite's, in the model's dtype as HF's
             residual = residual * self.embedding_scale
         rotary = self.rotary.cos_sin_for(batch) if self.rotary is not None else None
+        stack = self.native_stack
+        if (stack is not None and isinstance(backend, CPUPagedBackend)  # serves() holds it to that
+                and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None)):
+            if rotary is None:  # no layer turns (every row of the table unread)
+                rotary = (torch.empty(batch.num_tokens, self.rotary_dim),) * 2
+            walked, stream = stack(residual, rotary, batch, kv_caches, backend, metadata, spans=spans)
+            final: torch.Tensor = self.final_layernorm(self._into_residual(walked), stream)
+            return final  # the rows batch.output_rows names, if any
         hidden: torch.Tensor | None = None  # the previous block's output, not yet added to the stream
         for index, layer in enumerate(self.blocks):
             normed = (layer.input_layernorm(residual) if hidden is None
@@ -134,6 +149,12 @@ class BambaForCausalLM(nn.Module):
 
     def allocate_state(self, num_slots: int) -> int:
         return allocate_mixer_state(self, num_slots)
+
+    def use_native_stack(self) -> str | None:
+        """Walk the decoder layers in one native call from now on, where a forward's cache
+        and backend allow (after ``pack_weights``). Returns None, or why the model cannot."""
+        self.native_stack, reason = NativeDecoderStack.build(self)
+        return None if self.native_stack is not None else reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         attention = [layer.self_attn for layer in self.blocks if layer.kind == "attention"]
@@ -205,9 +226,6 @@ class BambaForCausalLM(nn.Module):
 
     def pack_weights(self, matmul: str = "invariant") -> int:
         return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
-
-    def use_native_stack(self) -> str | None:
-        return f"the native decoder stack walks Llama layers; {self.config.architecture} mixes in state layers"
 
     def first_layers(self, num_layers: int) -> CausalLM:
         raise ValueError("layer_skip drafts are not supported for state-space models")

@@ -1,6 +1,8 @@
 """The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
 are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium, OLMo 2
-and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX) in one native call (kernels/decoder_stack.py).
+and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX; and of the hybrids whose other layers
+are Mamba2 mixers followed by Llama's MLP: Bamba, IBM Granite 4.0) in one native call
+(kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -36,9 +38,13 @@ from kvloom.models.layers import (
     UngatedMLP,
     UnweightedLayerNorm,
 )
+from kvloom.models.mamba2 import Mamba2Mixer
 from kvloom.models.packed_linear import InvariantLinear
+from kvloom.models.ssm_ops import SSMSpans
 
 WEIGHT_ROPE = kernels.WEIGHT_COLUMNS.index("rope")
+COLUMN_CONV_STATE = kernels.WEIGHT_COLUMNS.index("conv_state")
+COLUMN_SSM_STATE = kernels.WEIGHT_COLUMNS.index("ssm_state")
 
 # Two concurrent walks (csrc/decoder_stack.cpp) from this many tokens a step: below it
 # the step is bound by reading the weights, which each walk reads for itself (decode,
@@ -86,7 +92,10 @@ class DecoderModel(Protocol):
     where config.qk_norm or OLMo 2's), post_attention_layernorm, mlp (a GatedMLP: gate_up_proj,
     down_proj, this rank's intermediate_size, its activation; or an UngatedMLP: fc1, fc2), local_rope (whether the layer
     turns by the local rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm, for
-    them and OLMo 2, post_feedforward_layernorm."""
+    them and OLMo 2, post_feedforward_layernorm. A hybrid's layers (Bamba's: a ``kind``,
+    "attention" or "mamba") hold self_attn or mamba (a Mamba2Mixer), pre_ff_layernorm and
+    feed_forward in place of post_attention_layernorm and mlp, and the model its attention
+    layers' ranks in the KV pool (``kv_layer``) and its rotary's width (``rotary_dim``)."""
 
     config: ModelConfig
     tp: TensorParallelGroup
@@ -111,6 +120,10 @@ class NativeDecoderStack:
         # cannot run here; LoRA's own scratch, grown as _scratch is.
         self.lora: kernels.StackLoRA | None = None
         self._lora_scratch = torch.empty(0, dtype=torch.bfloat16)
+        # A hybrid's Mamba2 mixers by layer: their state tensors are allocated after the
+        # walk is built, so their pointers enter the table at the first step (_bind_states).
+        self.mixers: dict[int, Mamba2Mixer] = {}
+        self._bound_states: tuple[int, ...] = ()
 
     def set_lora(self, lora: kernels.StackLoRA | None) -> None:
         """The adapters' table the walk reads from now on (None: steps with adapter rows
@@ -137,13 +150,24 @@ class NativeDecoderStack:
         # (norm, its offset, activation, q/k norms whole, parallel) of every layer
         kinds: set[tuple[str, float, str, bool, str]] = set()
         epsilons: set[float] = set()
+        mixers: dict[int, Mamba2Mixer] = {}
         for index, layer in enumerate(model.layers):
-            attention, mlp = layer.self_attn, layer.mlp
+            hybrid = hasattr(layer, "kind")  # a hybrid's layer (Bamba's) names its block
+            kind = layer.kind if hybrid else "attention"
+            if kind not in kernels.MIXERS:
+                return None, f"layer {index} is a {kind!r} layer, which the walk does not run"
+            attention = layer.self_attn if kind == "attention" else None
+            mlp = layer.feed_forward if hybrid else layer.mlp
+            if kind == "mamba":
+                mixer, why_not = _walkable_mixer(layer.mamba)
+                if mixer is None:
+                    return None, f"layer {index}'s Mamba2 mixer {why_not}"
+                mixers[index] = mixer
             # Phi's, GPT-NeoX's and StableLM's: attention and MLP side by side (Phi's and StableLM's
             # MLP reads the attention's input), added in the order the layer names.
             parallel = (getattr(layer, "parallel_adds", "blocks_first") if getattr(layer, "parallel", False)
                         else "in_turn")
-            post_norm = getattr(layer, "post_attention_layernorm", None)
+            post_norm = layer.pre_ff_layernorm if hybrid else getattr(layer, "post_attention_layernorm", None)
             if parallel != "in_turn" and model.tp.size > 1:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
             if post_norm is None and parallel == "in_turn":
@@ -154,11 +178,13 @@ class NativeDecoderStack:
                 activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
             else:
                 return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU)"
-            linears = (attention.qkv_proj, attention.o_proj, up, down)
+            linears = ((attention.qkv_proj, attention.o_proj, up, down) if attention is not None
+                       else (layer.mamba.in_proj, layer.mamba.out_proj, up, down))
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
-            head_norms = (attention.q_norm, attention.k_norm) if attention.q_norm is not None else ()
+            head_norms = ((attention.q_norm, attention.k_norm) if attention is not None and attention.q_norm is not None
+                          else ())
             whole = bool(head_norms) and head_norms[0].weight.shape[0] != config.head_dim
             if whole and model.tp.size > 1:
                 return None, (f"layer {index}'s q/k norms span every head, whose statistics the walk does not "
@@ -191,7 +217,7 @@ class NativeDecoderStack:
                 return None, f"layer {index} has LayerNorms of heads or blocks, which the walk does not run"
             kinds.add((*norm_kinds.pop(), activation, whole, parallel))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
-            rope = ("none" if index in config.no_rope_layers
+            rope = ("none" if index in config.no_rope_layers or attention is None
                     else "local" if getattr(layer, "local_rope", False) else "global")
             biases = {name: norm.bias.data_ptr() for name, norm in (("input_norm_bias", input_norm),
                                                                     ("post_norm_bias", post_norm))
@@ -199,7 +225,10 @@ class NativeDecoderStack:
             row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
                                    "input_norm_bias": 0, "post_norm_bias": 0, **biases,
                                    "post_norm": 0 if post_norm is None else post_norm.weight.data_ptr(),
-                                   "q_norm": 0, "k_norm": 0, "window": attention.window, "rope": kernels.ROPE[rope],
+                                   "q_norm": 0, "k_norm": 0, "window": 0 if attention is None else attention.window,
+                                   "rope": kernels.ROPE[rope], "mixer": kernels.MIXERS[kind],
+                                   "kv_layer": model.kv_layer.get(index, 0) if hybrid else index,
+                                   **_mixer_columns(layer.mamba if kind == "mamba" else None, owners),
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
                                    "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
             if head_norms:
@@ -215,16 +244,24 @@ class NativeDecoderStack:
         if len(kinds) != 1 or len(epsilons) != 1:
             return None, f"the layers' norms and MLPs differ {sorted(kinds)} (eps {sorted(epsilons)})"
         (norm, norm_offset, activation, qk_norm_whole, parallel), = kinds
-        first = model.layers[0]  # this rank's share of the heads and features (all of them without TP)
+        attending = [layer for layer in model.layers if getattr(layer, "kind", "attention") == "attention"]
+        if not attending:
+            return None, "it has no attention layer"
+        # this rank's share of the heads and features (all of them without TP)
+        first, mlp = attending[0].self_attn, getattr(model.layers[0], "feed_forward", None) or model.layers[0].mlp
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
-        shape = kernels.StackShape(config.num_layers, config.hidden_size, first.self_attn.num_heads,
-                                   first.self_attn.num_kv_heads, config.head_dim,
-                                   getattr(first.mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
-                                   epsilons.pop(), isas.pop(), residual_scale, config.rotary_dim,
+        shape = kernels.StackShape(config.num_layers, config.hidden_size, first.num_heads, first.num_kv_heads,
+                                   config.head_dim,
+                                   getattr(mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
+                                   epsilons.pop(), isas.pop(), residual_scale,
+                                   getattr(model, "rotary_dim", None) or config.rotary_dim,
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
                                    config.clip_qkv or 0.0,
-                                   any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows))
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp), ""
+                                   any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows),
+                                   len(attending) if mixers else None, _mamba_shape(config) if mixers else None)
+        stack = cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp)
+        stack.mixers = mixers
+        return stack, ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
                with_lora: bool = False) -> bool:
@@ -232,20 +269,29 @@ class NativeDecoderStack:
         torch.compile traces: the walk is opaque to it, the modules' ops are not), and
         with adapter rows (``with_lora``) whether it holds the adapters' table."""
         return (not torch.compiler.is_compiling() and (not with_lora or self.lora is not None)
+                and all(mixer.prefill_scan == "native" for mixer in self.mixers.values())
                 and isinstance(backend, CPUPagedBackend)
                 and isinstance(metadata, CPUPagedMetadata) and kv_caches.dtype == torch.bfloat16
                 and backend.paired_layout(kv_caches[0]))
 
     def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                  kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata,
-                 local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 spans: SSMSpans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over ``residual`` (the embeddings, [tokens, hidden], updated in
         place); returns the last layer's output and the stream it is to be added to (the
         final norm adds it in), of the rows ``batch.output_rows`` names where it names
         some. Those rows alone take the last layer's attention and MLP, where one walk
         runs without tensor parallel (else every row does, and the rows are picked after).
-        ``local_rotary``: the table of the layers that turn by their own (Gemma 3's)."""
+        ``local_rotary``: the table of the layers that turn by their own (Gemma 3's).
+        ``spans``: a hybrid's requests as its Mamba2 mixers read them (their states move on)."""
         rows = metadata.every
+        stack_spans = None
+        if self.mixers:
+            if spans is None:
+                raise ValueError("a hybrid's walk needs the step's SSMSpans")
+            stack_spans = kernels.StackSpans(spans.starts_tensor, spans.lengths_tensor, spans.slots,
+                                             spans.has_state_int, self._bind_states())
         cos, sin = rotary
         needed = kernels.scratch_elements(self.shape, residual.shape[0])
         if self._scratch.numel() < needed:
@@ -253,7 +299,7 @@ class NativeDecoderStack:
         shm = self.tp.shm if self.tp.size > 1 else None
         before = shm.native_counts() if shm is not None else (0, 0, 0.0)
         split = (split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
-                 if shm is None else 0)
+                 if shm is None and not self.mixers else 0)  # a hybrid's mixers read the whole batch's spans
         outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
                    if batch.output_rows is not None and not split and shm is None else None)
         lora = self.lora if batch.lora_slots is not None else None
@@ -270,13 +316,35 @@ class NativeDecoderStack:
                              kernels.StackRows(rows.block_tables, rows.seq_lens, rows.query_start, rows.query_lens),
                              backend.scale, self._scratch, None if shm is None else shm.context, split,
                              KV_PREFETCH_BYTES if split else 0, outputs, lora, lora_rows, self._lora_scratch,
-                             local_rotary, backend.softcap)
+                             local_rotary, backend.softcap, stack_spans)
         if shm is not None:  # the walk's all-reduces count with the group's
             calls, sent, seconds = (now - then for now, then in zip(shm.native_counts(), before, strict=True))
             self.tp.stats.add_counts(int(calls), int(sent), seconds)
         if outputs is not None:
             return hidden, residual[:hidden.shape[0]]
         return batch.final_states(hidden), batch.final_states(residual)
+
+
+    def _bind_states(self) -> int:
+        """The mixers' state tensors' pointers in the weight table (they are allocated after
+        the walk is built; bound again if allocated anew); returns their slots."""
+        mixers = list(self.mixers.items())
+        pointers = tuple(pointer for _, mixer in mixers
+                         for pointer in (mixer.conv_state.data_ptr(), mixer.ssm_state.data_ptr()))
+        if pointers != self._bound_states:
+            for index, mixer in mixers:
+                conv, ssm = mixer.conv_state, mixer.ssm_state
+                if not ssm.numel():
+                    raise RuntimeError("a Mamba2 mixer runs only after allocate_state gave it its state slots")
+                if (conv.dtype != torch.bfloat16 or ssm.dtype != torch.float32 or not conv.is_contiguous()
+                        or not ssm.is_contiguous() or conv.shape[0] != ssm.shape[0]):
+                    raise ValueError(f"layer {index}'s mixer state must be contiguous bf16 conv_state and float32 "
+                                     f"ssm_state of one slot count, got {conv.dtype} {list(conv.shape)} and "
+                                     f"{ssm.dtype} {list(ssm.shape)}")
+                self.weights[index, COLUMN_CONV_STATE] = conv.data_ptr()
+                self.weights[index, COLUMN_SSM_STATE] = ssm.data_ptr()
+            self._bound_states = pointers
+        return mixers[0][1].ssm_state.shape[0]
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],
@@ -315,3 +383,43 @@ def _norm_kind(norm: nn.Module) -> tuple[str, float] | None:
     if isinstance(norm, Float32ScaledRMSNorm) and type(norm).forward is Float32ScaledRMSNorm.forward:
         return "scaled_in_float32", norm.offset
     return None
+
+
+def _walkable_mixer(mixer: Mamba2Mixer) -> tuple[Mamba2Mixer | None, str]:
+    """``mixer`` where the walk can run it (its float32 parameters packed, sizes within
+    kvloom/csrc/ssm.cpp's), else None and why not."""
+    from kvloom.kernels import ssm
+
+    if not kernels.mixers_available():
+        return None, "needs kvloom/csrc/ssm.cpp, which does not build here"
+    sizes = mixer.ssm
+    if sizes.head_dim > ssm.MAX_HEAD_DIM or sizes.state_size > ssm.MAX_STATE or sizes.conv_kernel > ssm.MAX_CONV_KERNEL:
+        return None, (f"has head_dim {sizes.head_dim}, d_state {sizes.state_size} and a kernel of {sizes.conv_kernel}, "
+                      f"past the kernel's {ssm.MAX_HEAD_DIM}, {ssm.MAX_STATE} and {ssm.MAX_CONV_KERNEL}")
+    params = mixer.packed_params
+    if params is None or mixer.norm.weight.dtype != torch.bfloat16:
+        return None, "is not packed in bf16 (pack_weights)"
+    return mixer, ""
+
+
+def _mixer_columns(mixer: Mamba2Mixer | None, owners: list[torch.Tensor]) -> dict[str, int]:
+    """A layer's Mamba2 mixer columns of the weight table (zeros for an attention layer); the
+    state tensors' pointers are bound at the first step (``NativeDecoderStack._bind_states``)."""
+    if mixer is None:
+        return {name: 0 for name in ("conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D",
+                                     "mixer_norm")}
+    params = mixer.packed_params
+    assert params is not None  # _walkable_mixer checked
+    tensors = {"conv_weight": params.conv.weight_t, "conv_bias": params.conv.bias, "dt_bias": params.dt_bias,
+               "A_log": params.A_log, "D": params.D, "mixer_norm": mixer.norm.weight}
+    owners += [tensor for tensor in tensors.values() if tensor is not None]
+    return {**{name: 0 if tensor is None else tensor.data_ptr() for name, tensor in tensors.items()},
+            "conv_state": 0, "ssm_state": 0}
+
+
+def _mamba_shape(config: ModelConfig) -> kernels.MambaShape:
+    ssm = config.ssm
+    assert ssm is not None  # a hybrid with Mamba2 mixers
+    return kernels.MambaShape(ssm.intermediate_size, ssm.conv_dim, ssm.num_heads, ssm.head_dim, ssm.state_size,
+                              ssm.num_groups, ssm.conv_kernel, float(ssm.time_step_limit[0]),
+                              float(ssm.time_step_limit[1]), ssm.norm_eps)

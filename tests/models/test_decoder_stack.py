@@ -152,25 +152,39 @@ def run_both_paths(model_dir: Path, loras: list[LoRARequest | None] | None = Non
         finally:
             model.native_stack = stack
 
+    # A hybrid's mixers keep each request's state in its slot, which a forward moves on:
+    # every path of a step starts from the states the step found, and the walk must leave
+    # the module path's.
+    states = [tensor for mixer in model.native_stack.mixers.values() for tensor in (mixer.conv_state, mixer.ssm_state)]
+
+    def from_states(path: Any, found: list[torch.Tensor], *args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``path`` run from the ``found`` states; its result and the states it leaves."""
+        for tensor, values in zip(states, found, strict=True):
+            tensor.copy_(values)
+        return path(*args), [tensor.clone() for tensor in states]
+
     def both_paths(batch: Any, kv_caches: torch.Tensor, backend: Any, metadata: Any) -> torch.Tensor:
         assert model.native_stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None)  # it runs below
         if batch.lora_slots is not None:
             adapted.append(batch.lora_slots)
+        found = [tensor.clone() for tensor in states]
         modules_cache = kv_caches.clone()
-        expected = modules(batch, modules_cache, backend, metadata)
+        expected, expected_states = from_states(modules, found, batch, modules_cache, backend, metadata)
         if batch.output_rows is not None:  # every row, then the rows read, on both paths
             whole, whole_cache = dataclasses.replace(batch, output_rows=None), kv_caches.clone()
             for path, cache in ((modules, whole_cache.clone()), (forward, whole_cache)):
-                every_row = path(whole, cache, backend, metadata)
+                every_row, left = from_states(path, found, whole, cache, backend, metadata)
                 assert every_row.shape[0] == batch.num_tokens
                 assert torch.equal(every_row[batch.output_rows], expected), f"rows read differ on step {len(steps)}"
+                assert all(map(torch.equal, left, expected_states)), f"every row's states differ on step {len(steps)}"
             narrowed.append(batch.output_rows.numel())
             if batch.lora_slots is not None:
                 narrowed_adapted.append(batch.output_rows.numel())
-        got = forward(batch, kv_caches, backend, metadata)
+        got, left = from_states(forward, found, batch, kv_caches, backend, metadata)
         assert got.shape[0] == (batch.num_tokens if batch.output_rows is None else batch.output_rows.numel())
         assert torch.equal(got, expected), f"hidden states differ on step {len(steps)}"
         assert torch.equal(kv_caches, modules_cache), f"the KV cache differs on step {len(steps)}"
+        assert all(map(torch.equal, left, expected_states)), f"the mixers' states differ on step {len(steps)}"
         if batch.output_rows is not None:
             assert torch.equal(kv_caches, whole_cache), f"the KV cache differs from every row's on step {len(steps)}"
         steps.append(batch.query_lens_list)
@@ -212,6 +226,40 @@ def local_tables(engine: LLMEngine, tokens: int, width: int) -> tuple[torch.Tens
 
 def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None:
     run_both_paths(model_dir)
+
+
+# Hybrid stacks, Mamba2 mixers beside attention layers, each followed by Llama's MLP: bamba
+# (half of each head turned, its last layer a mixer: the rows read are narrowed there);
+# granite4: IBM Granite 4.0 as published (no rotary, Granite's multipliers, the shared MLP
+# as the dense one), attention last; granite4_rope: its rotary over the whole head, a mixer last.
+@pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope"])
+def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers_ssm import write_tiny_ssm_model
+
+    root, name = tmp_path_factory.mktemp(request.param), request.param
+    if name == "bamba":  # head_dim 32 (the paired layout); the mixers' heads of 64, 2 groups
+        return write_tiny_ssm_model(root, "bamba", hidden_size=128, intermediate_size=256, attn_layer_indices=[1])
+    layers = ["mamba", "mamba", "attention"] if name == "granite4" else ["attention", "mamba", "mamba"]
+    return write_tiny_ssm_model(root, "granite_hybrid", hidden_size=128, shared_intermediate_size=256,
+                                num_hidden_layers=3, layer_types=layers, num_local_experts=0,
+                                position_embedding_type=None if name == "granite4" else "rope")
+
+
+def test_hybrid_steps_match_the_module_path_bit_for_bit(hybrid_dir: Path) -> None:
+    """Every step of the mixed run, walked and as modules: the hidden states, the KV cache
+    and every mixer's conv and SSM states in the requests' slots, bit for bit."""
+    run_both_paths(hybrid_dir)
+
+
+def test_hybrids_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
+    """Granite 4.0 with routed experts and LFM2's short convolutions run as modules, named."""
+    from helpers_ssm import write_tiny_ssm_model
+
+    for arch, reason in (("granite_hybrid", "mixture-of-experts FFN"), ("lfm2", "'conv' layer")):
+        engine = LLMEngine(EngineConfig.from_kwargs(str(write_tiny_ssm_model(tmp_path / arch, arch, hidden_size=128)),
+                                                    dtype="bfloat16", num_blocks=32))
+        assert engine.model.native_stack is None  # type: ignore[attr-defined]
+        assert reason in (engine.model.use_native_stack() or ""), arch  # type: ignore[attr-defined]
 
 
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
