@@ -49,12 +49,13 @@
 // Granite's residual multiplier (residual_scale != 1): each `hidden` is scaled before it
 // is added into `residual`, every product rounded to bf16 as the module path's
 // `hidden * s` (a float32 product, rounded to nearest even); the caller scales the last.
-// Hybrid stacks (Bamba, IBM Granite 4.0: W_MIXER MIXER_MAMBA in some layers): such a layer's
-// block is a Mamba2 mixer in place of the attention, its projections in the W_QKV and W_O
-// columns:
-//   proj    = normed @ Win (+ b)                [T, inter + conv_dim + heads]
+// Hybrid stacks (Bamba, IBM Granite 4.0: W_MIXER MIXER_MAMBA in some layers; LiquidAI LFM2:
+// MIXER_SHORT_CONV): such a layer's block keeps a state per request in place of the
+// attention, its projections in the W_QKV and W_O columns:
+//   proj    = normed @ Win (+ b)                [T, inter + conv_dim + heads]  (LFM2: [T, 3 H])
 //   mixed   = mamba_mixer(proj)                 [T, inter]  (ssm.cpp: conv + silu, the scan from
 //             and into the requests' state slots, the gated norm; every row, as the state moves on)
+//             LFM2: short_conv(proj)            [T, H]  (C * conv(B * x), ssm.cpp)
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). One walk, no tensor parallel, no LoRA.
@@ -150,12 +151,16 @@ using MambaMixerFn = int64_t (*)(const uint16_t* proj, const float* weight_t, co
                                  int64_t tokens, int64_t inter, int64_t conv_dim, int64_t heads, int64_t head_dim,
                                  int64_t d_state, int64_t groups, int64_t k, float dt_lo, float dt_hi, float eps,
                                  int num_threads);  // ssm.cpp's kvloom_mamba_mixer_bf16
+using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, const float* bias, uint16_t* conv_state,
+                                const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                                const int32_t* has_state, uint16_t* bx, uint16_t* out, int64_t n, int64_t num_slots,
+                                int64_t tokens, int64_t channels, int64_t k, int num_threads);  // kvloom_short_conv_bf16
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
               K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
-              K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, NUM_KERNELS };
+              K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, K_SHORT_CONV, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -164,16 +169,16 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // which rotary table turns q and k (ROPE_NONE: SmolLM3's NoPE layers; ROPE_LOCAL: Gemma
 // 3's windowed layers').
 // W_MIXER (a number, Mixer) says which block the layer has; W_KV_LAYER (a number) is the
-// KV pool's layer an attention layer writes. A MIXER_MAMBA layer's W_QKV and W_O are its
-// in_proj and out_proj, and W_CONV_WEIGHT ... W_MIXER_NORM its mixer's own: the
-// convolution's float32 weight [k, conv_dim] and bias (0: none), its per-slot conv_state
-// (bf16) and ssm_state (float32), dt_bias, A_log and D (float32), the gated norm's weight.
+// KV pool's layer an attention layer writes. A state layer's W_QKV and W_O are its in_proj
+// and out_proj, and W_CONV_WEIGHT ... W_MIXER_NORM its own: the convolution's float32 weight
+// [k, channels] and bias (0: none), its per-slot conv_state (bf16), and a Mamba2 mixer's
+// ssm_state (float32), dt_bias, A_log and D (float32) and gated norm's weight.
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
               W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, NUM_WEIGHTS };
-enum Mixer { MIXER_ATTENTION, MIXER_MAMBA };
-constexpr int MIXER_REFUSED = -3;  // the mixer kernel refused the requests' spans or slots
+enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV };
+constexpr int MIXER_REFUSED = -3;  // a state layer's kernel refused the requests' spans or slots
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
 // ACT_*_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
@@ -188,17 +193,19 @@ constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache
 
 // Scratch elements (bf16) of a walk of `tokens` rows: normed, qkv, q rows, attention
 // output, gate_up, the activation and a parallel layer's MLP output.
-// A hybrid's mixer takes mixer_width more per row (mamba_scratch_width) and 16 to align its
-// float32 rows.
+// A hybrid's state layers take mixer_width more per row (StateLayers::scratch_width) and 16 to
+// align a Mamba2 mixer's float32 rows.
 inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
                                 int64_t intermediate, int64_t mixer_width) {
   return tokens * (2 * hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate + mixer_width) +
          (mixer_width > 0 ? 16 : 0);
 }
 
-// The Mamba2 mixers' sizes (one per model) and the step's requests as they read them.
-struct Mamba {
-  int64_t inter, conv_dim, heads, head_dim, d_state, groups, kernel, num_slots;
+// A hybrid's state layers' sizes (one per model) and the step's requests as they read them.
+struct StateLayers {
+  int64_t inter, conv_dim, heads, head_dim, d_state, groups, kernel;  // the Mamba2 mixers' (heads 0: none)
+  int64_t short_kernel;  // LFM2's short convolutions' taps (0: none); their channels are the hidden size
+  int64_t num_slots;
   float dt_lo, dt_hi, eps;
   const int64_t* starts;  // [n] each request's first row, its row count, its state slot
   const int64_t* lengths;
@@ -206,10 +213,13 @@ struct Mamba {
   const int32_t* has_state;  // [n] 1: the chunk continues the slot's state
   int64_t n;
 
-  int64_t in_width() const { return inter + conv_dim + heads; }
-  // bf16 elements per row: the in_proj output, the convolved xBC, the norm's output, the
-  // scan's float32 output (two each).
-  int64_t scratch_width() const { return in_width() + conv_dim + inter + 2 * inter; }
+  int64_t in_width() const { return inter + conv_dim + heads; }  // a mixer's in_proj output
+  // bf16 elements per row: a mixer's in_proj output, convolved xBC, norm output and scan
+  // output (float32: two each); a short convolution's in_proj output (B, C, x), B * x and output.
+  int64_t scratch_width(int64_t hidden_size) const {
+    return std::max(heads > 0 ? in_width() + conv_dim + inter + 2 * inter : 0,
+                    short_kernel > 0 ? 5 * hidden_size : 0);
+  }
 };
 
 // Scratch elements (bf16) of LoRA's buffers for `tokens` rows: the gathered inputs, the
@@ -252,13 +262,13 @@ struct Model {
   const int64_t* lora_weights;
   int64_t lora_slots;
   const int64_t* lora_widths;
-  const Mamba* mamba;  // nullptr: no MIXER_MAMBA layer
+  const StateLayers* states;  // nullptr: no state layer
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
   int64_t scratch(int64_t tokens) const {
     return scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate,
-                            mamba != nullptr ? mamba->scratch_width() : 0);
+                            states != nullptr ? states->scratch_width(hidden_size) : 0);
   }
   int64_t lora_scratch(int64_t tokens) const {
     if (lora_weights == nullptr) return 0;
@@ -394,14 +404,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   uint16_t* gate_up = attn + T * q_size;       // [T, 2 I]
   uint16_t* act = gate_up + T * 2 * I;         // [T, I]
   uint16_t* mlp_out = act + T * I;             // [T, H]: a parallel layer's MLP output
-  // A hybrid's mixer: its in_proj output, convolved xBC, norm output and scan output (float32,
-  // 16-element aligned: 32 bytes).
+  // A state layer's: its in_proj output, then (a Mamba2 mixer) the convolved xBC, the norm's
+  // output and the scan's (float32, 32-byte aligned), or (a short convolution) B * x and its output.
   uint16_t* proj = mlp_out + T * H;
-  uint16_t* xbc = proj + (m.mamba != nullptr ? T * m.mamba->in_width() : 0);
-  uint16_t* mixed = xbc + (m.mamba != nullptr ? T * m.mamba->conv_dim : 0);
-  float* scan_out = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(mixed + (m.mamba != nullptr ? T * m.mamba->inter : 0)) + 31) & ~uintptr_t{31});
   const auto mamba_mixer = entry<MambaMixerFn>(m.kernels, K_MAMBA_MIXER);
+  const auto short_conv = entry<ShortConvFn>(m.kernels, K_SHORT_CONV);
   uint16_t* hidden = r.hidden;
   const int64_t half_cache = m.num_blocks * m.block_size * kv_size;  // K's (or V's) elements in one layer
   KvAhead ahead(m, r);
@@ -477,23 +484,36 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
                normed, T, H, weight(w, W_INPUT_NORM_BIAS));
     }
-    if (w[W_MIXER] == MIXER_MAMBA) {  // the mixer's block: every row through the mixer (the states move on)
-      if (m.mamba == nullptr) return MIXER_REFUSED;  // no mixer sizes given
-      const Mamba& mb = *m.mamba;
-      if (!matmul(attention_in, W_QKV, W_QKV_BIAS, proj, mb.in_width(), H)) return refused;
+    if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
+      if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
+      const StateLayers& st = *m.states;
+      const bool mamba = w[W_MIXER] == MIXER_MAMBA;
+      const int64_t in_width = mamba ? st.in_width() : 3 * H, width = mamba ? st.inter : H;
+      uint16_t* between = proj + T * in_width;  // xBC, or B * x
+      uint16_t* mixed = between + T * (mamba ? st.conv_dim : H);
+      if (!matmul(attention_in, W_QKV, W_QKV_BIAS, proj, in_width, H)) return refused;
       const auto f32 = [&](Weight which) { return reinterpret_cast<const float*>(w[which]); };
-      if (mamba_mixer(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), reinterpret_cast<uint16_t*>(w[W_CONV_STATE]),
-                      reinterpret_cast<float*>(w[W_SSM_STATE]), f32(W_DT_BIAS), f32(W_A_LOG), f32(W_D),
-                      weight(w, W_MIXER_NORM), mb.starts, mb.lengths, mb.slots, mb.has_state, xbc, scan_out, mixed,
-                      mb.n, mb.num_slots, T, mb.inter, mb.conv_dim, mb.heads, mb.head_dim, mb.d_state, mb.groups,
-                      mb.kernel, mb.dt_lo, mb.dt_hi, mb.eps, num_threads) != 0)
+      uint16_t* conv_state = reinterpret_cast<uint16_t*>(w[W_CONV_STATE]);
+      if (mamba) {
+        float* scan_out = reinterpret_cast<float*>(
+            (reinterpret_cast<uintptr_t>(mixed + T * width) + 31) & ~uintptr_t{31});
+        if (mamba_mixer(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state,
+                        reinterpret_cast<float*>(w[W_SSM_STATE]), f32(W_DT_BIAS), f32(W_A_LOG), f32(W_D),
+                        weight(w, W_MIXER_NORM), st.starts, st.lengths, st.slots, st.has_state, between, scan_out,
+                        mixed, st.n, st.num_slots, T, st.inter, st.conv_dim, st.heads, st.head_dim, st.d_state,
+                        st.groups, st.kernel, st.dt_lo, st.dt_hi, st.eps, num_threads) != 0)
+          return MIXER_REFUSED;
+      } else if (short_conv(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state, st.starts, st.lengths, st.slots,
+                            st.has_state, between, mixed, st.n, st.num_slots, T, H, st.short_kernel,
+                            num_threads) != 0) {
         return MIXER_REFUSED;
+      }
       // The last layer: out_proj and the MLP for the rows read alone, moved to the front.
       if (layer + 1 == m.num_layers && out.count >= 0) {
         for (int64_t i = 0; i < out.count; ++i) {
           const int64_t t = out.rows != nullptr ? out.rows[i] : i;  // >= i (ascending)
           if (t == i) continue;
-          std::memcpy(mixed + i * mb.inter, mixed + t * mb.inter, mb.inter * sizeof(uint16_t));
+          std::memcpy(mixed + i * width, mixed + t * width, width * sizeof(uint16_t));
           std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
         }
         group_rows(out);
@@ -501,7 +521,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         if (T == 0) return 0;
       }
       ahead.plan(layer + 1);
-      if (!matmul(mixed, W_O, W_O_BIAS, hidden, H, mb.inter)) return refused;
+      if (!matmul(mixed, W_O, W_O_BIAS, hidden, H, width)) return refused;
     } else {
       if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
       if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
@@ -615,9 +635,16 @@ int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_
   return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, mixer_width);
 }
 
-int64_t kvloom_decoder_stack_mixer_width(int64_t inter, int64_t conv_dim, int64_t heads) {
-  return Mamba{inter, conv_dim, heads, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0.0f, nullptr, nullptr, nullptr, nullptr, 0}
-      .scratch_width();
+// A hybrid's state layers' scratch per row: its Mamba2 mixers' sizes (heads 0: none), and
+// short_kernel > 0 where it has LFM2's short convolutions (of hidden_size channels).
+int64_t kvloom_decoder_stack_mixer_width(int64_t inter, int64_t conv_dim, int64_t heads, int64_t hidden_size,
+                                         int64_t short_kernel) {
+  StateLayers sizes{};
+  sizes.inter = inter;
+  sizes.conv_dim = conv_dim;
+  sizes.heads = heads;
+  sizes.short_kernel = short_kernel;
+  return sizes.scratch_width(hidden_size);
 }
 
 // LoRA's scratch elements (bf16) for `tokens` rows whose widest shrink is `max_width`.
@@ -652,11 +679,12 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // lora_widths [4] the projections' shrink widths, lora_rows [tokens] each row's slot (-1:
 // none), lora_scratch kvloom_decoder_stack_lora_scratch(tokens, ...) elements; every row
 // computed then (num_out_rows < 0).
-// mamba_sizes: nullptr (no MIXER_MAMBA layer), or [inter, conv_dim, heads, head_dim, d_state,
-// groups, conv kernel, state slots] of every mixer, mamba_limits [dt_lo, dt_hi, the gated
-// norm's eps], and the step's requests as the mixers read them: span_starts, span_lengths,
+// state_sizes: nullptr (no state layer), or [inter, conv_dim, heads, head_dim, d_state, groups,
+// conv kernel] of every Mamba2 mixer (heads 0: none), LFM2's short convolutions' taps (0:
+// none) and the state slots; state_limits [dt_lo, dt_hi, the gated norm's eps] (a mixer's);
+// and the step's requests as the state layers read them: span_starts, span_lengths,
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (one walk; returns
-// MIXER_REFUSED, -3, where the mixer kernel refuses them).
+// MIXER_REFUSED, -3, where a kernel refuses them).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const float* cos_local, const float* sin_local,
@@ -672,21 +700,22 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          int64_t num_out_rows, const int32_t* out_block_tables, const int32_t* out_seq_lens,
                          const int32_t* out_query_start, const int32_t* out_query_lens, int64_t num_out_seqs,
                          const int64_t* lora_weights, int64_t lora_slots, const int64_t* lora_widths,
-                         const int32_t* lora_rows, uint16_t* lora_scratch, const int64_t* mamba_sizes,
-                         const float* mamba_limits, const int64_t* span_starts, const int64_t* span_lengths,
+                         const int32_t* lora_rows, uint16_t* lora_scratch, const int64_t* state_sizes,
+                         const float* state_limits, const int64_t* span_starts, const int64_t* span_lengths,
                          const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans) {
-  Mamba mamba{};
-  if (mamba_sizes != nullptr) {
-    if (split_seqs > 0) return MIXER_REFUSED;  // the mixers' spans are the whole batch's
-    mamba = Mamba{mamba_sizes[0], mamba_sizes[1], mamba_sizes[2], mamba_sizes[3], mamba_sizes[4], mamba_sizes[5],
-                  mamba_sizes[6], mamba_sizes[7], mamba_limits[0], mamba_limits[1], mamba_limits[2], span_starts,
-                  span_lengths, span_slots, span_has_state, num_spans};
+  StateLayers states{};
+  if (state_sizes != nullptr) {
+    if (split_seqs > 0) return MIXER_REFUSED;  // the state layers' spans are the whole batch's
+    states = StateLayers{state_sizes[0], state_sizes[1], state_sizes[2], state_sizes[3], state_sizes[4],
+                         state_sizes[5], state_sizes[6], state_sizes[7], state_sizes[8], state_limits[0],
+                         state_limits[1], state_limits[2], span_starts, span_lengths, span_slots, span_has_state,
+                         num_spans};
   }
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
                     activation,   qk_norm_whole, parallel, clip, isa, reduce, kv_prefetch_bytes,
-                    lora_weights, lora_slots, lora_widths, mamba_sizes != nullptr ? &mamba : nullptr};
+                    lora_weights, lora_slots, lora_widths, state_sizes != nullptr ? &states : nullptr};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
                   lora_rows,    lora_scratch};

@@ -254,6 +254,59 @@ int64_t kvloom_causal_conv_bf16(const uint16_t* xbc, const float* weight_t, cons
 
 }  // extern "C"
 
+// ---- LFM2's gated short convolution between its projections, in one call -------------
+namespace {
+
+// proj: [tokens, 3 * channels] (T), the in_proj output: B, C, x. bx = B * x (rounded to T,
+// as torch's product of two T tensors), convolved as causal_conv (no activation) into out,
+// then out = C * out (rounded): models/short_conv.ShortConv.forward between in_proj and
+// out_proj (its reference), each element's roundings the reference's. bx: [tokens, channels]
+// scratch.
+template <typename T>
+int64_t short_conv(const T* proj, const float* weight_t, const float* bias, T* conv_state, const int64_t* starts,
+                   const int64_t* lengths, const int64_t* slots, const int32_t* has_state, T* bx, T* out, int64_t n,
+                   int64_t num_slots, int64_t tokens, int64_t channels, int64_t k, int num_threads) {
+  if (const int64_t status = check_requests(slots, starts, lengths, n, num_slots, tokens)) return status;
+  const int64_t stride = 3 * channels;
+#pragma omp parallel for schedule(static) num_threads(tokens > 1 ? num_threads : 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* row = proj + t * stride;
+    for (int64_t c = 0; c < channels; ++c)
+      from_float(to_float(row[c]) * to_float(row[2 * channels + c]), bx + t * channels + c);
+  }
+  causal_conv(bx, channels, weight_t, bias, conv_state, starts, lengths, slots, has_state, out, n, channels, k, false,
+              num_threads);
+#pragma omp parallel for schedule(static) num_threads(tokens > 1 ? num_threads : 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* gate = proj + t * stride + channels;
+    T* o = out + t * channels;
+    for (int64_t c = 0; c < channels; ++c) from_float(to_float(gate[c]) * to_float(o[c]), o + c);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t kvloom_short_conv_f32(const float* proj, const float* weight_t, const float* bias, float* conv_state,
+                              const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                              const int32_t* has_state, float* bx, float* out, int64_t n, int64_t num_slots,
+                              int64_t tokens, int64_t channels, int64_t k, int num_threads) {
+  return short_conv(proj, weight_t, bias, conv_state, starts, lengths, slots, has_state, bx, out, n, num_slots, tokens,
+                    channels, k, num_threads);
+}
+
+int64_t kvloom_short_conv_bf16(const uint16_t* proj, const float* weight_t, const float* bias, uint16_t* conv_state,
+                               const int64_t* starts, const int64_t* lengths, const int64_t* slots,
+                               const int32_t* has_state, uint16_t* bx, uint16_t* out, int64_t n, int64_t num_slots,
+                               int64_t tokens, int64_t channels, int64_t k, int num_threads) {
+  return short_conv(proj, weight_t, bias, conv_state, starts, lengths, slots, has_state, bx, out, n, num_slots, tokens,
+                    channels, k, num_threads);
+}
+
+}  // extern "C"
+
 // ---- the mixer between its two projections, in one call ----------------------------------
 namespace {
 

@@ -26,7 +26,7 @@ from kvloom.kernels.native_op import NativeFunction, NativeOp, profiled
 _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tokens, int hidden_size, int q_size, "
                                            "int kv_size, int intermediate, int mixer_width) -> int")
 _MIXER_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_mixer_width(int inter, int conv_dim, "
-                                               "int heads) -> int")
+                                               "int heads, int hidden_size, int short_kernel) -> int")
 _STACK = NativeFunction(
     "decoder_stack",
     "kvloom_decoder_stack(Tensor kernels, Tensor weights, int num_layers, Tensor residual, Tensor hidden, "
@@ -39,7 +39,7 @@ _STACK = NativeFunction(
     "int32 qk_norm_whole, int32 parallel, float clip, int32 isa, int32 num_threads, Tensor reduce, int split_seqs, "
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
-    "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch, Tensor mamba_sizes, Tensor mamba_limits, "
+    "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch, Tensor state_sizes, Tensor state_limits, "
     "Tensor span_starts, Tensor span_lengths, Tensor span_slots, Tensor span_has_state, int num_spans) -> int32")
 _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scratch(int tokens, int hidden_size, "
                                                 "int q_size, int kv_size, int intermediate, int max_width) -> int")
@@ -54,17 +54,18 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   "input_norm_bias", "post_norm_bias",  # LayerNorms' biases (norm "layer")
                   "mixer",  # a number, one of MIXERS: the layer's block
                   "kv_layer",  # a number: the KV pool's layer an attention layer writes
-                  # A Mamba2 mixer's (mixer "mamba"; its in_proj and out_proj in the qkv and o
-                  # columns): the convolution's float32 weight [k, conv_dim] and bias (0: none), the
-                  # per-slot conv_state (bf16) and ssm_state (float32), dt_bias, A_log, D (float32)
-                  # and the gated norm's weight (bf16).
+                  # A state layer's (mixer "mamba" or "conv"; its in_proj and out_proj in the qkv
+                  # and o columns): the convolution's float32 weight [k, channels] and bias (0:
+                  # none), the per-slot conv_state (bf16), and a Mamba2 mixer's ssm_state
+                  # (float32), dt_bias, A_log, D (float32) and gated norm's weight (bf16).
                   "conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D", "mixer_norm")
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
 ROPE = {"none": 0, "global": 1, "local": 2}
-# The "mixer" column: attention, or a Mamba2 mixer (hybrid stacks: Bamba, Granite 4.0).
-MIXERS = {"attention": 0, "mamba": 1}
+# The "mixer" column: attention, a Mamba2 mixer (Bamba, Granite 4.0) or LFM2's gated short convolution.
+MIXERS = {"attention": 0, "mamba": 1, "conv": 2}
+_COLUMN_MIXER, _COLUMN_CONV_STATE = WEIGHT_COLUMNS.index("mixer"), WEIGHT_COLUMNS.index("conv_state")
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
 NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
 # "*_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2), GELU's
@@ -77,7 +78,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain"
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 17
+NUM_KERNELS = 18
 
 
 def available() -> bool:
@@ -87,7 +88,7 @@ def available() -> bool:
 
 
 def mixers_available() -> bool:
-    """Whether the walk can run Mamba2 mixers here (kvloom/csrc/ssm.cpp builds)."""
+    """Whether the walk can run state layers here (kvloom/csrc/ssm.cpp builds)."""
     return ssm.available()
 
 
@@ -108,7 +109,8 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(cpu_ops.LAYER_NORM, "bf16"), _address(cpu_ops.GELU_TANH, "bf16"),
                          _address(cpu_ops.GELU_ERF, "bf16"), _address(cpu_ops.CLAMP, "bf16"),
                          _address(cpu_ops.RELU, "bf16"), _address(cpu_ops.RELU2, "bf16"),
-                         _address(ssm.MAMBA_MIXER, "bf16") if ssm.available() else 0],
+                         _address(ssm.MAMBA_MIXER, "bf16") if ssm.available() else 0,
+                         _address(ssm.SHORT_CONV, "bf16") if ssm.available() else 0],
                         dtype=torch.int64)
 
 
@@ -141,28 +143,30 @@ class StackShape:
     clip: float = 0.0  # OLMo 1's clip_qkv: q, k and v clamped to [-clip, clip] after the projection; 0: none
     local_rope: bool = False  # some layer's "rope" column is ROPE["local"]: run() then needs local_rotary
     num_kv_layers: int | None = None  # the KV pool's layers (a hybrid's attention layers); None: num_layers
-    mamba: MambaShape | None = None  # a hybrid's Mamba2 mixers (some layer's "mixer" column is "mamba")
+    states: StateShape | None = None  # a hybrid's state layers (some layer's "mixer" column is not attention)
 
 
 @dataclass(frozen=True, slots=True)
-class MambaShape:
-    """Every Mamba2 mixer's sizes in a hybrid stack (kernels/ssm.py ``mamba_mixer``'s)."""
+class StateShape:
+    """A hybrid stack's state layers' sizes: every Mamba2 mixer's (kernels/ssm.py
+    ``mamba_mixer``'s; heads 0: none) and the taps of LFM2's short convolutions (0: none)."""
 
-    inter: int
-    conv_dim: int
-    heads: int
-    head_dim: int
-    d_state: int
-    groups: int
-    conv_kernel: int
-    dt_lo: float
-    dt_hi: float
-    eps: float  # the gated norm's
+    inter: int = 0
+    conv_dim: int = 0
+    heads: int = 0
+    head_dim: int = 0
+    d_state: int = 0
+    groups: int = 0
+    conv_kernel: int = 0
+    dt_lo: float = 0.0
+    dt_hi: float = 0.0
+    eps: float = 0.0  # the gated norm's
+    short_kernel: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StackSpans:
-    """The step's requests as the mixers read them (models/ssm_ops.SSMSpans's tensors): each
+    """The step's requests as the state layers read them (models/ssm_ops.SSMSpans's tensors): each
     one's first row, row count and state slot ([n] int64), and whether its chunk continues
     the slot's state ([n] int32); ``num_slots``: the state tensors' slots."""
 
@@ -228,8 +232,9 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int
 
 def scratch_elements(shape: StackShape, tokens: int) -> int:
     """bf16 elements of the walk's scratch for ``tokens`` rows."""
-    mamba = shape.mamba
-    mixer_width = 0 if mamba is None else int(_MIXER_WIDTH.function()(mamba.inter, mamba.conv_dim, mamba.heads))
+    states = shape.states
+    mixer_width = 0 if states is None else int(_MIXER_WIDTH.function()(states.inter, states.conv_dim, states.heads,
+                                                                       shape.hidden_size, states.short_kernel))
     return int(_SCRATCH.function()(tokens, shape.hidden_size, shape.num_heads * shape.head_dim,
                                    shape.num_kv_heads * shape.head_dim, shape.intermediate, mixer_width))
 
@@ -264,8 +269,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     at least ``lora_scratch_elements`` to reuse. ``local_rotary``: (cos, sin) of the layers
     whose "rope" column is ROPE["local"], shaped as ``cos`` and ``sin`` (Gemma 3's windowed
     layers). ``softcap``: the attention scores' cap (Gemma 2's; 0: none), as ``scale`` the
-    attention backend's. ``spans``: with ``shape.mamba`` (a hybrid; one walk), the step's
-    requests as its Mamba2 mixers read them; their states move on in their slots."""
+    attention backend's. ``spans``: with ``shape.states`` (a hybrid; one walk), the step's
+    requests as its state layers read them; their states move on in their slots."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (NUM_KERNELS,))
@@ -325,7 +330,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             raise _fail("outputs.rows", f"must be ascending token indices in [0, {tokens}), got {kept}")
         if int(outputs.sequences.query_lens.sum()) != out_rows:
             raise _fail("outputs.query_lens", f"must sum to the {out_rows} rows")
-    mamba_args, mamba_held = _mamba_args(shape, spans, split_seqs, tokens)  # held: alive through the call
+    state_args, state_held = _state_args(shape, weights, spans, split_seqs, tokens)  # held: alive through the call
     lora_args = [0, 0, 0, 0, 0]
     if lora is not None:
         adapter_slots = lora.weights.shape[2] if lora.weights.dim() == 4 else 0
@@ -368,10 +373,10 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
                                                ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
-            *lora_args, *mamba_args)
+            *lora_args, *state_args)
     if status == -3:
-        raise RuntimeError("kvloom decoder_stack: a Mamba2 mixer refused the step's requests (a slot out of range, "
-                           "or spans that do not tile the rows)")
+        raise RuntimeError("kvloom decoder_stack: a state layer's kernel refused the step's requests (a slot out "
+                           "of range, or spans outside the rows)")
     if status == -2:
         raise RuntimeError("kvloom decoder_stack: tensor-parallel all-reduce: another rank of this host died")
     if status == -1:
@@ -382,26 +387,29 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     return hidden if outputs is None else hidden[:out_rows]
 
 
-def _mamba_args(shape: StackShape, spans: StackSpans | None, split_seqs: int, tokens: int
+def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | None, split_seqs: int, tokens: int
                 ) -> tuple[list[int], tuple[torch.Tensor, ...]]:
-    """The C call's mixer arguments (sizes, limits, the spans' four arrays and their count),
-    zeros without mixers, and the tensors behind the first two, which the caller keeps alive
-    through the call; ValueError naming what the mixers cannot take."""
-    mamba = shape.mamba
-    if mamba is None:
+    """The C call's state-layer arguments (sizes, limits, the spans' four arrays and their
+    count), zeros without state layers, and the tensors behind the first two, which the caller
+    keeps alive through the call; ValueError naming what the state layers cannot take."""
+    states = shape.states
+    if states is None:
         return [0] * 7, ()
     if spans is None:
-        raise _fail("spans", "must be given: the model's layers include Mamba2 mixers")
+        raise _fail("spans", "must be given: the model's layers keep states")
     if split_seqs:
-        raise _fail("split_seqs", "must be 0 with Mamba2 mixers: their spans are the whole batch's")
+        raise _fail("split_seqs", "must be 0 with state layers: their spans are the whole batch's")
     n = spans.starts.shape[0]
     for name, dtype in (("starts", torch.int64), ("lengths", torch.int64), ("slots", torch.int64),
                         ("has_state", torch.int32)):
         _check(f"spans.{name}", getattr(spans, name), dtype, (n,))
     if int(spans.lengths.sum()) != tokens:
         raise _fail("spans.lengths", f"must sum to the step's {tokens} rows, got {spans.lengths.tolist()}")
-    sizes = torch.tensor([mamba.inter, mamba.conv_dim, mamba.heads, mamba.head_dim, mamba.d_state, mamba.groups,
-                          mamba.conv_kernel, spans.num_slots], dtype=torch.int64)
-    limits = torch.tensor([mamba.dt_lo, mamba.dt_hi, mamba.eps], dtype=torch.float32)
+    state_rows = weights[:, _COLUMN_MIXER] != MIXERS["attention"]
+    if bool((weights[state_rows, _COLUMN_CONV_STATE] == 0).any()):
+        raise _fail("weights", "have a state layer without its state tensors (bound at the first step)")
+    sizes = torch.tensor([states.inter, states.conv_dim, states.heads, states.head_dim, states.d_state, states.groups,
+                          states.conv_kernel, states.short_kernel, spans.num_slots], dtype=torch.int64)
+    limits = torch.tensor([states.dt_lo, states.dt_hi, states.eps], dtype=torch.float32)
     return [sizes.data_ptr(), limits.data_ptr(), spans.starts.data_ptr(), spans.lengths.data_ptr(),
             spans.slots.data_ptr(), spans.has_state.data_ptr(), n], (sizes, limits)

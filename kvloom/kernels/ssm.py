@@ -1,7 +1,8 @@
 """Mamba2's mixer on a CPU (kvloom/csrc/ssm.cpp): ``kvloom::ssm_scan_``, the selective
 scan of a flat batch (prompts' chunks and decodes alike), each request's float32 SSM state
 updated in place in its state slot, and ``kvloom::causal_conv``, the depthwise causal convolution
-of a flat batch over and into the slots' stored inputs. models/ssm_ops.py calls them on CPU
+of a flat batch over and into the slots' stored inputs (and LFM2's gated short convolution
+around it, ``kvloom::short_conv``). models/ssm_ops.py calls them on CPU
 and keeps the pure-PyTorch references (``sequential_scan`` and ``causal_conv``, the
 oracles in tests/kernels/test_ssm_kernels.py, and what runs where this source does not
 build or the tensors are not the kernels')."""
@@ -166,6 +167,63 @@ def causal_conv(xbc: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | 
     where ``has_state[i]`` is 0), which it then replaces with the sequence's last k - 1.
     Returns [tokens, channels] in xbc's dtype, before the activation."""
     return CAUSAL_CONV.call(xbc, weight_t, bias, conv_state, starts, lengths, slots, has_state)
+
+
+# ---- LFM2's gated short convolution between its projections, in one call ------------------
+SHORT_CONV = NativeOp(
+    "short_conv(Tensor proj, Tensor weight_t, Tensor? bias, Tensor(a!) conv_state, Tensor starts, Tensor lengths, "
+    "Tensor slots, Tensor has_state) -> Tensor",
+    library="ssm", variants=("f32", "bf16"),
+    native="kvloom_short_conv_{variant}(proj, weight_t, bias, conv_state, starts, lengths, slots, has_state, "
+           "Tensor bx, Tensor out, int n, int num_slots, int tokens, int channels, int k, int32 num_threads) -> int",
+    tensors={"proj": TensorSpec(2, (torch.float32, torch.bfloat16)), "weight_t": TensorSpec(2, _F32),
+             "bias": TensorSpec(1, _F32), "conv_state": TensorSpec(3, like="proj"),
+             "starts": TensorSpec(1, (torch.int64,)), "lengths": TensorSpec(1, (torch.int64,)),
+             "slots": TensorSpec(1, (torch.int64,)), "has_state": TensorSpec(1, (torch.int32,))},
+)
+
+
+@SHORT_CONV.check
+def _short_conv_check(proj: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                      has_state: torch.Tensor) -> None:
+    channels = weight_t.shape[1]
+    if proj.shape[1] != 3 * channels:
+        raise SHORT_CONV.error("proj", f"must be [tokens, {3 * channels}] (B, C, x of {channels} channels each), got "
+                                       f"{list(proj.shape)}")
+    _causal_conv_check(proj[:, :channels], weight_t, bias, conv_state, starts, lengths, slots, has_state)
+
+
+@SHORT_CONV.implementation
+def _short_conv_cpu(proj: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                    starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                    has_state: torch.Tensor) -> torch.Tensor:
+    tokens, channels = proj.shape[0], weight_t.shape[1]
+    bx = torch.empty(tokens, channels, dtype=proj.dtype)
+    out = torch.empty(tokens, channels, dtype=proj.dtype)
+    status = SHORT_CONV.function(_VARIANT[proj.dtype])(
+        proj.data_ptr(), weight_t.data_ptr(), 0 if bias is None else bias.data_ptr(), conv_state.data_ptr(),
+        starts.data_ptr(), lengths.data_ptr(), slots.data_ptr(), has_state.data_ptr(), bx.data_ptr(), out.data_ptr(),
+        slots.shape[0], conv_state.shape[0], tokens, channels, weight_t.shape[0], torch.get_num_threads())
+    _raise_for(SHORT_CONV, status, slots, starts, lengths, conv_state.shape[0], tokens)
+    return out
+
+
+@SHORT_CONV.fake
+def _short_conv_fake(proj: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                     starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor) -> torch.Tensor:
+    return proj.new_empty(proj.shape[0], weight_t.shape[1])
+
+
+def short_conv(proj: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+               starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+               has_state: torch.Tensor) -> torch.Tensor:
+    """LFM2's gated short convolution between its projections: the in_proj output ``proj``
+    [tokens, 3 * channels] (B | C | x, float32 or bf16) -> ``C * conv(B * x)`` [tokens,
+    channels], each product rounded to proj's dtype; the convolution as ``causal_conv``'s
+    (``weight_t``, ``bias``, ``conv_state`` and the requests' spans and slots alike)."""
+    return SHORT_CONV.call(proj, weight_t, bias, conv_state, starts, lengths, slots, has_state)
 
 
 # ---- the mixer between its projections, in one call -----------------------------------

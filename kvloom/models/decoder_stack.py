@@ -1,7 +1,8 @@
 """The decoder layers of a LlamaForCausalLM (and of the families built on it whose layers
 are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium, OLMo 2
 and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX; and of the hybrids whose other layers
-are Mamba2 mixers followed by Llama's MLP: Bamba, IBM Granite 4.0) in one native call
+keep a state per request, each followed by Llama's MLP: Bamba's and IBM Granite 4.0's Mamba2
+mixers, LiquidAI LFM2's gated short convolutions) in one native call
 (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
@@ -40,9 +41,11 @@ from kvloom.models.layers import (
 )
 from kvloom.models.mamba2 import Mamba2Mixer
 from kvloom.models.packed_linear import InvariantLinear
+from kvloom.models.short_conv import ShortConv
 from kvloom.models.ssm_ops import SSMSpans
 
 WEIGHT_ROPE = kernels.WEIGHT_COLUMNS.index("rope")
+StateLayer = Mamba2Mixer | ShortConv  # the layers the walk runs that keep a state per request
 COLUMN_CONV_STATE = kernels.WEIGHT_COLUMNS.index("conv_state")
 COLUMN_SSM_STATE = kernels.WEIGHT_COLUMNS.index("ssm_state")
 
@@ -93,7 +96,8 @@ class DecoderModel(Protocol):
     down_proj, this rank's intermediate_size, its activation; or an UngatedMLP: fc1, fc2), local_rope (whether the layer
     turns by the local rotary table) and, for Gemma 2 and 3, pre_feedforward_layernorm, for
     them and OLMo 2, post_feedforward_layernorm. A hybrid's layers (Bamba's: a ``kind``,
-    "attention" or "mamba") hold self_attn or mamba (a Mamba2Mixer), pre_ff_layernorm and
+    "attention", "mamba" or "conv") hold self_attn, mamba (a Mamba2Mixer) or conv (LFM2's
+    ShortConv), pre_ff_layernorm and
     feed_forward in place of post_attention_layernorm and mlp, and the model its attention
     layers' ranks in the KV pool (``kv_layer``) and its rotary's width (``rotary_dim``)."""
 
@@ -120,9 +124,10 @@ class NativeDecoderStack:
         # cannot run here; LoRA's own scratch, grown as _scratch is.
         self.lora: kernels.StackLoRA | None = None
         self._lora_scratch = torch.empty(0, dtype=torch.bfloat16)
-        # A hybrid's Mamba2 mixers by layer: their state tensors are allocated after the
-        # walk is built, so their pointers enter the table at the first step (_bind_states).
-        self.mixers: dict[int, Mamba2Mixer] = {}
+        # A hybrid's state layers (Mamba2 mixers, short convolutions) by layer: their state
+        # tensors are allocated after the walk is built, so their pointers enter the table at
+        # the first step (_bind_states).
+        self.state_layers: dict[int, StateLayer] = {}
         self._bound_states: tuple[int, ...] = ()
 
     def set_lora(self, lora: kernels.StackLoRA | None) -> None:
@@ -150,7 +155,7 @@ class NativeDecoderStack:
         # (norm, its offset, activation, q/k norms whole, parallel) of every layer
         kinds: set[tuple[str, float, str, bool, str]] = set()
         epsilons: set[float] = set()
-        mixers: dict[int, Mamba2Mixer] = {}
+        state_layers: dict[int, StateLayer] = {}
         for index, layer in enumerate(model.layers):
             hybrid = hasattr(layer, "kind")  # a hybrid's layer (Bamba's) names its block
             kind = layer.kind if hybrid else "attention"
@@ -158,11 +163,12 @@ class NativeDecoderStack:
                 return None, f"layer {index} is a {kind!r} layer, which the walk does not run"
             attention = layer.self_attn if kind == "attention" else None
             mlp = layer.feed_forward if hybrid else layer.mlp
-            if kind == "mamba":
-                mixer, why_not = _walkable_mixer(layer.mamba)
-                if mixer is None:
-                    return None, f"layer {index}'s Mamba2 mixer {why_not}"
-                mixers[index] = mixer
+            if kind != "attention":
+                state_layer = layer.mamba if kind == "mamba" else layer.conv
+                why_not = _why_not_walked(state_layer, config.hidden_size)
+                if why_not:
+                    return None, f"layer {index}'s {type(state_layer).__name__} {why_not}"
+                state_layers[index] = state_layer
             # Phi's, GPT-NeoX's and StableLM's: attention and MLP side by side (Phi's and StableLM's
             # MLP reads the attention's input), added in the order the layer names.
             parallel = (getattr(layer, "parallel_adds", "blocks_first") if getattr(layer, "parallel", False)
@@ -178,8 +184,9 @@ class NativeDecoderStack:
                 activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
             else:
                 return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU)"
-            linears = ((attention.qkv_proj, attention.o_proj, up, down) if attention is not None
-                       else (layer.mamba.in_proj, layer.mamba.out_proj, up, down))
+            block = (attention.qkv_proj, attention.o_proj) if attention is not None else (
+                state_layers[index].in_proj, state_layers[index].out_proj)
+            linears = (*block, up, down)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
@@ -228,7 +235,7 @@ class NativeDecoderStack:
                                    "q_norm": 0, "k_norm": 0, "window": 0 if attention is None else attention.window,
                                    "rope": kernels.ROPE[rope], "mixer": kernels.MIXERS[kind],
                                    "kv_layer": model.kv_layer.get(index, 0) if hybrid else index,
-                                   **_mixer_columns(layer.mamba if kind == "mamba" else None, owners),
+                                   **_state_columns(state_layers.get(index), owners),
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
                                    "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
             if head_norms:
@@ -258,9 +265,10 @@ class NativeDecoderStack:
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
                                    config.clip_qkv or 0.0,
                                    any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows),
-                                   len(attending) if mixers else None, _mamba_shape(config) if mixers else None)
+                                   len(attending) if state_layers else None,
+                                   _state_shape(config) if state_layers else None)
         stack = cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp)
-        stack.mixers = mixers
+        stack.state_layers = state_layers
         return stack, ""
 
     def serves(self, kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: Any,
@@ -269,7 +277,7 @@ class NativeDecoderStack:
         torch.compile traces: the walk is opaque to it, the modules' ops are not), and
         with adapter rows (``with_lora``) whether it holds the adapters' table."""
         return (not torch.compiler.is_compiling() and (not with_lora or self.lora is not None)
-                and all(mixer.prefill_scan == "native" for mixer in self.mixers.values())
+                and all(_native_kernel(layer) for layer in self.state_layers.values())
                 and isinstance(backend, CPUPagedBackend)
                 and isinstance(metadata, CPUPagedMetadata) and kv_caches.dtype == torch.bfloat16
                 and backend.paired_layout(kv_caches[0]))
@@ -284,10 +292,10 @@ class NativeDecoderStack:
         some. Those rows alone take the last layer's attention and MLP, where one walk
         runs without tensor parallel (else every row does, and the rows are picked after).
         ``local_rotary``: the table of the layers that turn by their own (Gemma 3's).
-        ``spans``: a hybrid's requests as its Mamba2 mixers read them (their states move on)."""
+        ``spans``: a hybrid's requests as its state layers read them (their states move on)."""
         rows = metadata.every
         stack_spans = None
-        if self.mixers:
+        if self.state_layers:
             if spans is None:
                 raise ValueError("a hybrid's walk needs the step's SSMSpans")
             stack_spans = kernels.StackSpans(spans.starts_tensor, spans.lengths_tensor, spans.slots,
@@ -299,7 +307,7 @@ class NativeDecoderStack:
         shm = self.tp.shm if self.tp.size > 1 else None
         before = shm.native_counts() if shm is not None else (0, 0, 0.0)
         split = (split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
-                 if shm is None and not self.mixers else 0)  # a hybrid's mixers read the whole batch's spans
+                 if shm is None and not self.state_layers else 0)  # state layers read the whole batch's spans
         outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
                    if batch.output_rows is not None and not split and shm is None else None)
         lora = self.lora if batch.lora_slots is not None else None
@@ -326,25 +334,27 @@ class NativeDecoderStack:
 
 
     def _bind_states(self) -> int:
-        """The mixers' state tensors' pointers in the weight table (they are allocated after
-        the walk is built; bound again if allocated anew); returns their slots."""
-        mixers = list(self.mixers.items())
-        pointers = tuple(pointer for _, mixer in mixers
-                         for pointer in (mixer.conv_state.data_ptr(), mixer.ssm_state.data_ptr()))
+        """The state layers' state tensors' pointers in the weight table (they are allocated
+        after the walk is built; bound again if allocated anew); returns their slots."""
+        layers = list(self.state_layers.items())
+        states = [(index, layer.conv_state, layer.ssm_state if isinstance(layer, Mamba2Mixer) else None)
+                  for index, layer in layers]
+        pointers = tuple(0 if tensor is None else tensor.data_ptr()
+                         for _, conv, ssm in states for tensor in (conv, ssm))
         if pointers != self._bound_states:
-            for index, mixer in mixers:
-                conv, ssm = mixer.conv_state, mixer.ssm_state
-                if not ssm.numel():
-                    raise RuntimeError("a Mamba2 mixer runs only after allocate_state gave it its state slots")
-                if (conv.dtype != torch.bfloat16 or ssm.dtype != torch.float32 or not conv.is_contiguous()
-                        or not ssm.is_contiguous() or conv.shape[0] != ssm.shape[0]):
-                    raise ValueError(f"layer {index}'s mixer state must be contiguous bf16 conv_state and float32 "
-                                     f"ssm_state of one slot count, got {conv.dtype} {list(conv.shape)} and "
-                                     f"{ssm.dtype} {list(ssm.shape)}")
+            slots = {conv.shape[0] for _, conv, _ in states}
+            for index, conv, ssm in states:
+                if not conv.numel():
+                    raise RuntimeError("a state layer runs only after allocate_state gave it its state slots")
+                if (conv.dtype != torch.bfloat16 or not conv.is_contiguous() or len(slots) != 1 or ssm is not None
+                        and (ssm.dtype != torch.float32 or not ssm.is_contiguous() or ssm.shape[0] != conv.shape[0])):
+                    raise ValueError(f"layer {index}'s state must be a contiguous bf16 conv_state (and float32 "
+                                     f"ssm_state) of the stack's one slot count, got {conv.dtype} {list(conv.shape)}"
+                                     + ("" if ssm is None else f" and {ssm.dtype} {list(ssm.shape)}"))
                 self.weights[index, COLUMN_CONV_STATE] = conv.data_ptr()
-                self.weights[index, COLUMN_SSM_STATE] = ssm.data_ptr()
+                self.weights[index, COLUMN_SSM_STATE] = 0 if ssm is None else ssm.data_ptr()
             self._bound_states = pointers
-        return mixers[0][1].ssm_state.shape[0]
+        return int(layers[0][1].conv_state.shape[0])
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],
@@ -385,41 +395,60 @@ def _norm_kind(norm: nn.Module) -> tuple[str, float] | None:
     return None
 
 
-def _walkable_mixer(mixer: Mamba2Mixer) -> tuple[Mamba2Mixer | None, str]:
-    """``mixer`` where the walk can run it (its float32 parameters packed, sizes within
-    kvloom/csrc/ssm.cpp's), else None and why not."""
+def _native_kernel(layer: StateLayer) -> bool:
+    """Whether ``layer`` runs its native kernel (the walk's) rather than its reference."""
+    return (layer.prefill_scan if isinstance(layer, Mamba2Mixer) else layer.kernel) == "native"
+
+
+def _why_not_walked(layer: StateLayer, hidden_size: int) -> str:
+    """Why the walk cannot run the state layer ``layer`` ("" where it can: its float32
+    parameters packed in a bf16 model, sizes within kvloom/csrc/ssm.cpp's)."""
     from kvloom.kernels import ssm
 
     if not kernels.mixers_available():
-        return None, "needs kvloom/csrc/ssm.cpp, which does not build here"
-    sizes = mixer.ssm
+        return "needs kvloom/csrc/ssm.cpp, which does not build here"
+    if isinstance(layer, ShortConv):
+        conv = layer.packed_conv
+        if conv is None or layer.conv.weight.dtype != torch.bfloat16:
+            return "is not packed in bf16 (pack_weights)"
+        if conv.weight_t.shape != (conv.weight_t.shape[0], hidden_size) or conv.weight_t.shape[0] > ssm.MAX_CONV_KERNEL:
+            return f"has a convolution of {list(conv.weight_t.shape)} taps x channels, not the kernel's"
+        return ""
+    sizes = layer.ssm
     if sizes.head_dim > ssm.MAX_HEAD_DIM or sizes.state_size > ssm.MAX_STATE or sizes.conv_kernel > ssm.MAX_CONV_KERNEL:
-        return None, (f"has head_dim {sizes.head_dim}, d_state {sizes.state_size} and a kernel of {sizes.conv_kernel}, "
-                      f"past the kernel's {ssm.MAX_HEAD_DIM}, {ssm.MAX_STATE} and {ssm.MAX_CONV_KERNEL}")
-    params = mixer.packed_params
-    if params is None or mixer.norm.weight.dtype != torch.bfloat16:
-        return None, "is not packed in bf16 (pack_weights)"
-    return mixer, ""
+        return (f"has head_dim {sizes.head_dim}, d_state {sizes.state_size} and a kernel of {sizes.conv_kernel}, "
+                f"past the kernel's {ssm.MAX_HEAD_DIM}, {ssm.MAX_STATE} and {ssm.MAX_CONV_KERNEL}")
+    if layer.packed_params is None or layer.norm.weight.dtype != torch.bfloat16:
+        return "is not packed in bf16 (pack_weights)"
+    return ""
 
 
-def _mixer_columns(mixer: Mamba2Mixer | None, owners: list[torch.Tensor]) -> dict[str, int]:
-    """A layer's Mamba2 mixer columns of the weight table (zeros for an attention layer); the
-    state tensors' pointers are bound at the first step (``NativeDecoderStack._bind_states``)."""
-    if mixer is None:
-        return {name: 0 for name in ("conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D",
-                                     "mixer_norm")}
-    params = mixer.packed_params
-    assert params is not None  # _walkable_mixer checked
-    tensors = {"conv_weight": params.conv.weight_t, "conv_bias": params.conv.bias, "dt_bias": params.dt_bias,
-               "A_log": params.A_log, "D": params.D, "mixer_norm": mixer.norm.weight}
+def _state_columns(layer: StateLayer | None, owners: list[torch.Tensor]) -> dict[str, int]:
+    """A state layer's columns of the weight table (zeros for an attention layer, and for a
+    short convolution those it does not have); the state tensors' pointers are bound at the
+    first step (``NativeDecoderStack._bind_states``)."""
+    tensors: dict[str, torch.Tensor | None] = {}
+    if isinstance(layer, Mamba2Mixer):
+        params = layer.packed_params
+        assert params is not None  # _why_not_walked checked
+        tensors = {"conv_weight": params.conv.weight_t, "conv_bias": params.conv.bias, "dt_bias": params.dt_bias,
+                   "A_log": params.A_log, "D": params.D, "mixer_norm": layer.norm.weight}
+    elif isinstance(layer, ShortConv):
+        assert layer.packed_conv is not None
+        tensors = {"conv_weight": layer.packed_conv.weight_t, "conv_bias": layer.packed_conv.bias}
     owners += [tensor for tensor in tensors.values() if tensor is not None]
-    return {**{name: 0 if tensor is None else tensor.data_ptr() for name, tensor in tensors.items()},
-            "conv_state": 0, "ssm_state": 0}
+    columns = {name: 0 for name in ("conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D",
+                                    "mixer_norm")}
+    return {**columns, **{name: 0 if tensor is None else tensor.data_ptr() for name, tensor in tensors.items()}}
 
 
-def _mamba_shape(config: ModelConfig) -> kernels.MambaShape:
-    ssm = config.ssm
-    assert ssm is not None  # a hybrid with Mamba2 mixers
-    return kernels.MambaShape(ssm.intermediate_size, ssm.conv_dim, ssm.num_heads, ssm.head_dim, ssm.state_size,
+def _state_shape(config: ModelConfig) -> kernels.StateShape:
+    """The state layers' sizes: the Mamba2 mixers' (where the model has them) and the short
+    convolutions' taps (LFM2's)."""
+    ssm, short = config.ssm, config.short_conv
+    short_kernel = short.conv_kernel if short is not None else 0
+    if ssm is None:
+        return kernels.StateShape(short_kernel=short_kernel)
+    return kernels.StateShape(ssm.intermediate_size, ssm.conv_dim, ssm.num_heads, ssm.head_dim, ssm.state_size,
                               ssm.num_groups, ssm.conv_kernel, float(ssm.time_step_limit[0]),
-                              float(ssm.time_step_limit[1]), ssm.norm_eps)
+                              float(ssm.time_step_limit[1]), ssm.norm_eps, short_kernel)

@@ -3,8 +3,10 @@ modeling_lfm2.py, the reference): in_proj to B, C and x (in that order along the
 features), B * x convolved causally per channel over its last ``conv_kernel`` values
 (no activation), times C, out_proj. Its state per request is the convolution's last
 ``conv_kernel - 1`` inputs, ``conv_state`` [slots, conv_kernel - 1, hidden] in the model's
-dtype, in the state slots as a Mamba2 mixer's (``SlotStateLayer``); the convolution is
-models/ssm_ops.causal_conv (C++ on a CPU)."""
+dtype, in the state slots as a Mamba2 mixer's (``SlotStateLayer``). On a CPU everything
+between the projections is one C++ call (``ssm_ops.short_conv_native``: the products
+rounded as torch rounds them, the convolution causal_conv's); ``kernel = "reference"`` runs
+the torch ops (the convolution through models/ssm_ops.causal_conv)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class ShortConv(SlotStateLayer):
         self.conv_state = torch.empty(0)
         # The convolution's float32 parameters, made once by pack (after the weights load).
         self.packed_conv: ssm_ops.ConvParams | None = None
+        self.kernel = "native"  # or "reference": the torch ops
 
     def pack(self, matmul: str) -> int:
         """Make the convolution's float32 parameters once. Packs no matmul: in_proj and
@@ -49,8 +52,12 @@ class ShortConv(SlotStateLayer):
         """[tokens, hidden] -> [tokens, hidden]; reads and writes the requests' slots."""
         if not self.conv_state.numel():
             raise RuntimeError("a short convolution runs only after allocate_state gave it its state slots")
-        B, C, x = self.in_proj(hidden).chunk(3, dim=-1)
+        proj = self.in_proj(hidden)
         conv = self.packed_conv if self.packed_conv is not None else ssm_ops.ConvParams.of(self.conv)
+        if self.kernel == "native" and ssm_ops.native_short_conv_applies(proj, self.conv_state, conv):
+            native: torch.Tensor = self.out_proj(ssm_ops.short_conv_native(proj, conv, self.conv_state, spans))
+            return native
+        B, C, x = proj.chunk(3, dim=-1)
         mixed = ssm_ops.causal_conv(B * x, conv, self.conv_state, spans)
         out: torch.Tensor = self.out_proj(C * mixed)
         return out

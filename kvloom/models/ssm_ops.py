@@ -220,6 +220,23 @@ def mixer_native(proj: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor,
                            groups, float(time_step_limit[0]), float(time_step_limit[1]), eps)
 
 
+def native_short_conv_applies(proj: torch.Tensor, conv_state: torch.Tensor, conv: ConvParams) -> bool:
+    """Whether ``short_conv_native`` runs: on a CPU, activations and stored inputs in
+    float32 or bf16 alike, a kernel within the convolution's."""
+    return (proj.device.type == "cpu" and proj.dtype in (torch.float32, torch.bfloat16)
+            and conv_state.dtype == proj.dtype and _native_ssm() and conv.weight_t.shape[0] <= _max_native_kernel())
+
+
+def short_conv_native(proj: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
+    """LFM2's gated short convolution between its projections in one native call
+    (kernels/ssm.py): the in_proj output ``proj`` [tokens, B | C | x] -> ``C * conv(B * x)``
+    [tokens, channels], the requests' stored inputs read from and left in their slots."""
+    from kvloom.kernels import ssm
+
+    return ssm.short_conv(proj.contiguous(), conv.weight_t, conv.bias, conv_state, spans.starts_tensor,
+                          spans.lengths_tensor, spans.slots, spans.has_state_int)
+
+
 @functools.cache
 def _native_ssm() -> bool:
     from kvloom.kernels import ssm

@@ -79,6 +79,12 @@ def causal_conv_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
             torch.tensor([0, 1], dtype=torch.int32))
 
 
+def short_conv_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
+    """causal_conv_args's requests and kernel over an in_proj output of B, C and x (6 channels each)."""
+    xbc, weight_t, conv_bias, conv_state, *spans = causal_conv_args(dtype, bias)
+    return (randn(4, 18, dtype=dtype, seed=32), weight_t, conv_bias, conv_state, *spans)
+
+
 def mamba_mixer_args(dtype: torch.dtype) -> tuple[Any, ...]:
     """Two requests of 2 and 1 tokens in slots 1 and 0 of 2 (the second from a zero state):
     4 heads of 4 dims in 2 groups, a state of 8, a 4-tap convolution (16 + 32 channels)."""
@@ -129,6 +135,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "ssm_scan_": [ssm_scan_args],
     "causal_conv": [lambda: causal_conv_args(torch.bfloat16), lambda: causal_conv_args(torch.float32, bias=False)],
     "mamba_mixer": [lambda: mamba_mixer_args(torch.bfloat16), lambda: mamba_mixer_args(torch.float32)],
+    "short_conv": [lambda: short_conv_args(torch.bfloat16), lambda: short_conv_args(torch.float32, bias=False)],
     "add_rows_": [lambda: (randn(6, 40, dtype=torch.bfloat16), randn(2, 40, dtype=torch.bfloat16, seed=1),
                            torch.tensor([4, 1])),
                   lambda: (randn(3, 20), randn(3, 20, seed=2), None)],
@@ -181,6 +188,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("causal_conv", "conv_state", lambda a: a.__setitem__(3, a[3][:, :2].contiguous()),
      r"must be \[slots, 3, 6\]"),
     ("causal_conv", "lengths", lambda a: a.__setitem__(5, a[5][:1]), "one value per request"),
+    ("short_conv", "proj", lambda a: a.__setitem__(0, a[0][:, :12].contiguous()), r"must be \[tokens, 18\]"),
     ("mamba_mixer", "proj", lambda a: a.__setitem__(0, a[0][:, :60].contiguous()), r"must be \[tokens, 68\]"),
     ("mamba_mixer", "ssm_state", lambda a: a.__setitem__(13, 3), "with 3 groups dividing the heads"),
     ("mamba_mixer", "conv_state", lambda a: a.__setitem__(3, a[3][:, :2].contiguous()), r"must be \[2, 3, 48\]"),

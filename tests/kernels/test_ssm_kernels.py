@@ -96,7 +96,6 @@ def test_the_fused_mixer_is_the_modules_reference(dtype: torch.dtype) -> None:
     Mamba2Mixer.forward natively and by the reference (``prefill_scan`` "ssd"), from the
     same slots: the outputs and every slot's states agree (bf16: to a bf16 rounding of the
     outputs; the SSM states are float32 in both), the convolution's stored inputs exactly."""
-    from kvloom.batch import ForwardBatch
     from kvloom.model_families import SSMConfig
     from kvloom.models.mamba2 import Mamba2Mixer
 
@@ -117,6 +116,21 @@ def test_the_fused_mixer_is_the_modules_reference(dtype: torch.dtype) -> None:
         mixers.append(mixer)
     native, reference = mixers
     reference.prefill_scan = "ssd"
+    spans = mixed_step(config.conv_kernel)
+    hidden = torch.randn(sum(spans.lengths), 24).to(dtype)
+    with torch.no_grad():
+        ours, theirs = native(hidden, spans), reference(hidden, spans)
+    # bf16: at most one rounding step of the outputs apart (exp's last bit can move one).
+    torch.testing.assert_close(ours, theirs, rtol=8e-3 if dtype == torch.bfloat16 else 2e-5, atol=2e-5)
+    torch.testing.assert_close(native.ssm_state, reference.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native.conv_state, reference.conv_state)
+
+
+def mixed_step(conv_kernel: int) -> ssm_ops.SSMSpans:
+    """A mixed step's spans (a continued 6-token chunk, a fresh 9-token prompt, two decodes)
+    in slots 3, 0, 4 and 1 of 5."""
+    from kvloom.batch import ForwardBatch
+
     lengths, seq_lens, slots = [6, 9, 1, 1], [10, 9, 7, 1], [3, 0, 4, 1]
     starts = [sum(lengths[:i]) for i in range(4)]
     tokens = sum(lengths)
@@ -126,13 +140,38 @@ def test_the_fused_mixer_is_the_modules_reference(dtype: torch.dtype) -> None:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(starts, dtype=torch.int32),
         logits_indices=torch.zeros(0, dtype=torch.int64), query_lens_list=lengths, seq_lens_list=seq_lens,
         block_size=16, state_slots=torch.tensor(slots, dtype=torch.int64))
-    spans = ssm_ops.SSMSpans.of(batch, config.conv_kernel)
-    hidden = torch.randn(tokens, 24).to(dtype)
+    return ssm_ops.SSMSpans.of(batch, conv_kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_short_convolution_is_its_modules_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LFM2's ShortConv over a mixed step natively and by its torch ops with the reference
+    convolution, from the same slots: the outputs agree (bf16: within a rounding step, the
+    native sum may fuse a multiply-add), the stored inputs exactly."""
+    from kvloom.model_families import ShortConvConfig
+    from kvloom.models.short_conv import ShortConv
+
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        layer = ShortConv(24, ShortConvConfig(conv_kernel=3, bias=True, layer_kinds=("conv", "attention"))).to(dtype)
+        with torch.no_grad():
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn_like(parameter) * 0.5)
+        layer.pack("invariant")
+        layer.allocate_state(5, torch.device("cpu"), dtype)
+        torch.manual_seed(6)
+        layer.conv_state.copy_(torch.randn_like(layer.conv_state.float()).to(dtype))
+        layers.append(layer)
+    native, reference = layers
+    reference.kernel = "reference"
+    spans = mixed_step(3)
+    hidden = torch.randn(sum(spans.lengths), 24).to(dtype)
     with torch.no_grad():
-        ours, theirs = native(hidden, spans), reference(hidden, spans)
-    # bf16: at most one rounding step of the outputs apart (exp's last bit can move one).
+        ours = native(hidden, spans)
+        monkeypatch.setattr(ssm_ops, "causal_conv", ssm_ops.causal_conv_reference)
+        theirs = reference(hidden, spans)
     torch.testing.assert_close(ours, theirs, rtol=8e-3 if dtype == torch.bfloat16 else 2e-5, atol=2e-5)
-    torch.testing.assert_close(native.ssm_state, reference.ssm_state, rtol=1e-5, atol=1e-5)
     assert torch.equal(native.conv_state, reference.conv_state)
 
 
@@ -144,6 +183,10 @@ def test_the_convolution_and_the_mixer_refuse_slots_and_spans_outside_their_tens
         ssm.causal_conv(xbc, weight_t, None, conv_state, int64([0]), int64([3]), int64([2]),
                         torch.ones(1, dtype=torch.int32))
     assert not conv_state.any()  # nothing written
+    with pytest.raises(ValueError, match=r"kvloom::short_conv: slots must lie in \[0, 2\), got \[5\]"):
+        ssm.short_conv(torch.randn(3, 18), weight_t, None, conv_state, int64([0]), int64([3]), int64([5]),
+                       torch.ones(1, dtype=torch.int32))
+    assert not conv_state.any()
     heads, head_dim, d_state, groups = 2, 4, 8, 1
     inter = heads * head_dim
     conv_dim = inter + 2 * groups * d_state

@@ -152,10 +152,11 @@ def run_both_paths(model_dir: Path, loras: list[LoRARequest | None] | None = Non
         finally:
             model.native_stack = stack
 
-    # A hybrid's mixers keep each request's state in its slot, which a forward moves on:
+    # A hybrid's state layers keep each request's state in its slot, which a forward moves on:
     # every path of a step starts from the states the step found, and the walk must leave
     # the module path's.
-    states = [tensor for mixer in model.native_stack.mixers.values() for tensor in (mixer.conv_state, mixer.ssm_state)]
+    states = [tensor for layer in model.native_stack.state_layers.values()
+              for tensor in (layer.conv_state, getattr(layer, "ssm_state", None)) if tensor is not None]
 
     def from_states(path: Any, found: list[torch.Tensor], *args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``path`` run from the ``found`` states; its result and the states it leaves."""
@@ -184,7 +185,7 @@ def run_both_paths(model_dir: Path, loras: list[LoRARequest | None] | None = Non
         assert got.shape[0] == (batch.num_tokens if batch.output_rows is None else batch.output_rows.numel())
         assert torch.equal(got, expected), f"hidden states differ on step {len(steps)}"
         assert torch.equal(kv_caches, modules_cache), f"the KV cache differs on step {len(steps)}"
-        assert all(map(torch.equal, left, expected_states)), f"the mixers' states differ on step {len(steps)}"
+        assert all(map(torch.equal, left, expected_states)), f"the state layers' states differ on step {len(steps)}"
         if batch.output_rows is not None:
             assert torch.equal(kv_caches, whole_cache), f"the KV cache differs from every row's on step {len(steps)}"
         steps.append(batch.query_lens_list)
@@ -228,17 +229,22 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
     run_both_paths(model_dir)
 
 
-# Hybrid stacks, Mamba2 mixers beside attention layers, each followed by Llama's MLP: bamba
-# (half of each head turned, its last layer a mixer: the rows read are narrowed there);
-# granite4: IBM Granite 4.0 as published (no rotary, Granite's multipliers, the shared MLP
-# as the dense one), attention last; granite4_rope: its rotary over the whole head, a mixer last.
-@pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope"])
+# Hybrid stacks, state layers beside attention layers, each followed by Llama's MLP: bamba
+# (Mamba2 mixers, half of each head turned, its last layer a mixer: the rows read are narrowed
+# there); granite4: IBM Granite 4.0 as published (no rotary, Granite's multipliers, the shared
+# MLP as the dense one), attention last; granite4_rope: its rotary over the whole head, a mixer
+# last; lfm2: LiquidAI LFM2's gated short convolutions and attention with per-head q/k norms, a
+# convolution last.
+@pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2"])
 def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_ssm import write_tiny_ssm_model
 
     root, name = tmp_path_factory.mktemp(request.param), request.param
     if name == "bamba":  # head_dim 32 (the paired layout); the mixers' heads of 64, 2 groups
         return write_tiny_ssm_model(root, "bamba", hidden_size=128, intermediate_size=256, attn_layer_indices=[1])
+    if name == "lfm2":
+        return write_tiny_ssm_model(root, "lfm2", hidden_size=128, num_hidden_layers=3,
+                                    layer_types=["conv", "full_attention", "conv"])
     layers = ["mamba", "mamba", "attention"] if name == "granite4" else ["attention", "mamba", "mamba"]
     return write_tiny_ssm_model(root, "granite_hybrid", hidden_size=128, shared_intermediate_size=256,
                                 num_hidden_layers=3, layer_types=layers, num_local_experts=0,
@@ -247,19 +253,47 @@ def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def test_hybrid_steps_match_the_module_path_bit_for_bit(hybrid_dir: Path) -> None:
     """Every step of the mixed run, walked and as modules: the hidden states, the KV cache
-    and every mixer's conv and SSM states in the requests' slots, bit for bit."""
+    and every state layer's states in the requests' slots, bit for bit."""
     run_both_paths(hybrid_dir)
 
 
+def test_a_hybrids_spans_are_checked_before_any_pointer_reaches_c(hybrid_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(str(hybrid_dir), dtype="bfloat16", num_blocks=32))
+    stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
+    tokens = 3
+    rows = decoder_stack.StackRows(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                   torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    width = stack.shape.rotary_dim or stack.shape.head_dim
+    args: dict[str, Any] = dict(residual=torch.zeros(tokens, 128, dtype=torch.bfloat16),
+                                kv_caches=engine.runner.kv_caches, cos=torch.ones(tokens, width),
+                                sin=torch.zeros(tokens, width), slots=torch.arange(tokens), rows=rows, scale=0.1)
+    spans = decoder_stack.StackSpans(torch.tensor([0]), torch.tensor([2]), torch.tensor([0]),
+                                     torch.tensor([0], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="weights have a state layer without its state tensors"):  # before a step
+        decoder_stack.run(stack.kernels, stack.weights, stack.shape, spans=dataclasses.replace(
+            spans, lengths=torch.tensor([3])), **args)
+    stack._bind_states()
+    for bad, message in ((None, "spans must be given: the model's layers keep states"),
+                         (spans, r"spans.lengths must sum to the step's 3 rows, got \[2\]"),
+                         (dataclasses.replace(spans, lengths=torch.tensor([3]),
+                                              slots=torch.tensor([0], dtype=torch.int32)),
+                          r"spans.slots must be a contiguous \[1\] torch.int64")):
+        with pytest.raises(ValueError, match=f"kvloom decoder_stack: {message}"):
+            decoder_stack.run(stack.kernels, stack.weights, stack.shape, spans=bad, **args)
+    with pytest.raises(RuntimeError, match="a state layer's kernel refused the step's requests"):  # slot 9 of 4
+        decoder_stack.run(stack.kernels, stack.weights, stack.shape, **args, spans=dataclasses.replace(
+            spans, lengths=torch.tensor([3]), slots=torch.tensor([9])))
+
+
 def test_hybrids_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
-    """Granite 4.0 with routed experts and LFM2's short convolutions run as modules, named."""
+    """Granite 4.0's and LFM2-MoE's routed experts run as modules, named."""
     from helpers_ssm import write_tiny_ssm_model
 
-    for arch, reason in (("granite_hybrid", "mixture-of-experts FFN"), ("lfm2", "'conv' layer")):
+    for arch in ("granite_hybrid", "lfm2_moe"):
         engine = LLMEngine(EngineConfig.from_kwargs(str(write_tiny_ssm_model(tmp_path / arch, arch, hidden_size=128)),
                                                     dtype="bfloat16", num_blocks=32))
         assert engine.model.native_stack is None  # type: ignore[attr-defined]
-        assert reason in (engine.model.use_native_stack() or ""), arch  # type: ignore[attr-defined]
+        assert "mixture-of-experts FFN" in (engine.model.use_native_stack() or ""), arch  # type: ignore[attr-defined]
 
 
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
