@@ -59,6 +59,10 @@
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). One walk, no tensor parallel, no LoRA.
+// NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
+// the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
+// 0: its output joins the stream at the next layer's norm), an MLP block after no other a
+// layer without a block (MIXER_NONE: the MLP's norm adds the layer before's output in).
 // The caller adds the last `hidden` into `residual` with the final norm. Under tensor
 // parallel (a non-null `reduce`: the shared-memory all-reduce's context) each rank holds
 // its heads and MLP features, and `hidden` is summed over the ranks after the o and the
@@ -177,7 +181,9 @@ enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GAT
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
               W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, NUM_WEIGHTS };
-enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV };
+// MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
+// a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
+enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
 constexpr int MIXER_REFUSED = -3;  // a state layer's kernel refused the requests' spans or slots
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
@@ -475,93 +481,111 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       return true;
     };
     const int refused = static_cast<int>(layer) + 1;
-    const bool post_norms = weight(w, W_INPUT_NORM) == nullptr;  // OLMo 2's layer: the stream goes in as it is
+    const bool mlp_only = w[W_MIXER] == MIXER_NONE;  // Nemotron-H's MLP block on its own
+    // OLMo 2's layer: the stream goes in as it is
+    const bool post_norms = weight(w, W_INPUT_NORM) == nullptr && !mlp_only;
     const uint16_t* attention_in = post_norms ? r.residual : normed;
-    if (layer > 0) scale_hidden(hidden, T * H, m.residual_scale, num_threads);
-    if (post_norms) {
-      if (layer > 0) add_rows(r.residual, hidden, nullptr, T, H);
-    } else {
-      rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
-               normed, T, H, weight(w, W_INPUT_NORM_BIAS));
-    }
-    if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
-      if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
-      const StateLayers& st = *m.states;
-      const bool mamba = w[W_MIXER] == MIXER_MAMBA;
-      const int64_t in_width = mamba ? st.in_width() : 3 * H, width = mamba ? st.inter : H;
-      uint16_t* between = proj + T * in_width;  // xBC, or B * x
-      uint16_t* mixed = between + T * (mamba ? st.conv_dim : H);
-      if (!matmul(attention_in, W_QKV, W_QKV_BIAS, proj, in_width, H)) return refused;
-      const auto f32 = [&](Weight which) { return reinterpret_cast<const float*>(w[which]); };
-      uint16_t* conv_state = reinterpret_cast<uint16_t*>(w[W_CONV_STATE]);
-      if (mamba) {
-        float* scan_out = reinterpret_cast<float*>(
-            (reinterpret_cast<uintptr_t>(mixed + T * width) + 31) & ~uintptr_t{31});
-        if (mamba_mixer(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state,
-                        reinterpret_cast<float*>(w[W_SSM_STATE]), f32(W_DT_BIAS), f32(W_A_LOG), f32(W_D),
-                        weight(w, W_MIXER_NORM), st.starts, st.lengths, st.slots, st.has_state, between, scan_out,
-                        mixed, st.n, st.num_slots, T, st.inter, st.conv_dim, st.heads, st.head_dim, st.d_state,
-                        st.groups, st.kernel, st.dt_lo, st.dt_hi, st.eps, num_threads) != 0)
-          return MIXER_REFUSED;
-      } else if (short_conv(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state, st.starts, st.lengths, st.slots,
-                            st.has_state, between, mixed, st.n, st.num_slots, T, H, st.short_kernel,
-                            num_threads) != 0) {
-        return MIXER_REFUSED;
-      }
-      // The last layer: out_proj and the MLP for the rows read alone, moved to the front.
-      if (layer + 1 == m.num_layers && out.count >= 0) {
+    if (mlp_only) {  // no block: the layer before's output joins the stream at the MLP's norm
+      if (layer + 1 == m.num_layers && out.count >= 0) {  // the rows read alone, moved to the front
         for (int64_t i = 0; i < out.count; ++i) {
           const int64_t t = out.rows != nullptr ? out.rows[i] : i;  // >= i (ascending)
           if (t == i) continue;
-          std::memcpy(mixed + i * width, mixed + t * width, width * sizeof(uint16_t));
+          if (layer > 0) std::memcpy(hidden + i * H, hidden + t * H, H * sizeof(uint16_t));
           std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
         }
         group_rows(out);
         T = out.count;
         if (T == 0) return 0;
       }
-      ahead.plan(layer + 1);
-      if (!matmul(mixed, W_O, W_O_BIAS, hidden, H, width)) return refused;
     } else {
-      if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
-      if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
-      if (m.clip > 0) clamp(qkv, T * qkv_width, m.clip);  // OLMo 1: after the projection (and its adapters)
-      if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3, Gemma 3: the module path's q_norm and k_norm, before the rotary
-        norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
-        norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
+      if (layer > 0) scale_hidden(hidden, T * H, m.residual_scale, num_threads);
+      if (post_norms) {
+        if (layer > 0) add_rows(r.residual, hidden, nullptr, T, H);
+      } else {
+        rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
+                 normed, T, H, weight(w, W_INPUT_NORM_BIAS));
       }
-      if (w[W_ROPE] != ROPE_NONE) {
-        const bool local = w[W_ROPE] == ROPE_LOCAL;
-        rotary(qkv, qkv_width, local ? r.cos_local : r.cos, local ? r.sin_local : r.sin, T,
-               m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
-      }
-      write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
-               m.num_kv_heads, m.head_dim, m.block_size, num_threads);
-      // From the attention on, the rows computed: every row, or in the last layer the rows
-      // read (`out`), moved to the front of q_rows and of the residual.
-      const Outputs& rows = layer + 1 == m.num_layers && out.count >= 0 ? out : all_rows;
-      for (int64_t i = 0; i < rows.count; ++i) {
-        const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;  // >= i (ascending): moved no later than read
-        std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
-        // The input norm has added the layer before's output in: `residual` is the stream.
-        // (normed too where the MLP reads it: Phi's and StableLM's side by side.)
-        if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
-        if (t != i && m.parallel != IN_TURN) std::memcpy(normed + i * H, normed + t * H, H * sizeof(uint16_t));
-      }
-      if (&rows != &all_rows) group_rows(rows);
-      T = rows.count;
-      if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
-      attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
-                rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
-                w[W_WINDOW], m.softcap, num_threads, PAIRED_KERNEL);
-      ahead.plan(layer + 1);
-      if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size) || !adapt(P_O, attn, q_size, hidden, H)) return refused;
-      if (m.reduce != nullptr) {
-        const int status = all_reduce(m.reduce, hidden, T * H);
-        if (status != 0) return status;
-      }
-    }  // the attention's block
-    scale_hidden(hidden, T * H, m.residual_scale, num_threads);
+      if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
+        if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
+        const StateLayers& st = *m.states;
+        const bool mamba = w[W_MIXER] == MIXER_MAMBA;
+        const int64_t in_width = mamba ? st.in_width() : 3 * H, width = mamba ? st.inter : H;
+        uint16_t* between = proj + T * in_width;  // xBC, or B * x
+        uint16_t* mixed = between + T * (mamba ? st.conv_dim : H);
+        if (!matmul(attention_in, W_QKV, W_QKV_BIAS, proj, in_width, H)) return refused;
+        const auto f32 = [&](Weight which) { return reinterpret_cast<const float*>(w[which]); };
+        uint16_t* conv_state = reinterpret_cast<uint16_t*>(w[W_CONV_STATE]);
+        if (mamba) {
+          float* scan_out = reinterpret_cast<float*>(
+              (reinterpret_cast<uintptr_t>(mixed + T * width) + 31) & ~uintptr_t{31});
+          if (mamba_mixer(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state,
+                          reinterpret_cast<float*>(w[W_SSM_STATE]), f32(W_DT_BIAS), f32(W_A_LOG), f32(W_D),
+                          weight(w, W_MIXER_NORM), st.starts, st.lengths, st.slots, st.has_state, between, scan_out,
+                          mixed, st.n, st.num_slots, T, st.inter, st.conv_dim, st.heads, st.head_dim, st.d_state,
+                          st.groups, st.kernel, st.dt_lo, st.dt_hi, st.eps, num_threads) != 0)
+            return MIXER_REFUSED;
+        } else if (short_conv(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state, st.starts, st.lengths, st.slots,
+                              st.has_state, between, mixed, st.n, st.num_slots, T, H, st.short_kernel,
+                              num_threads) != 0) {
+          return MIXER_REFUSED;
+        }
+        // The last layer: out_proj and the MLP for the rows read alone, moved to the front.
+        if (layer + 1 == m.num_layers && out.count >= 0) {
+          for (int64_t i = 0; i < out.count; ++i) {
+            const int64_t t = out.rows != nullptr ? out.rows[i] : i;  // >= i (ascending)
+            if (t == i) continue;
+            std::memcpy(mixed + i * width, mixed + t * width, width * sizeof(uint16_t));
+            std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
+          }
+          group_rows(out);
+          T = out.count;
+          if (T == 0) return 0;
+        }
+        ahead.plan(layer + 1);
+        if (!matmul(mixed, W_O, W_O_BIAS, hidden, H, width)) return refused;
+      } else {
+        if (!matmul(attention_in, W_QKV, W_QKV_BIAS, qkv, qkv_width, H, ahead.qkv())) return refused;
+        if (!adapt(P_QKV, attention_in, H, qkv, qkv_width)) return refused;
+        if (m.clip > 0) clamp(qkv, T * qkv_width, m.clip);  // OLMo 1: after the projection (and its adapters)
+        if (weight(w, W_Q_NORM) != nullptr) {  // Qwen3, Gemma 3: the module path's q_norm and k_norm, before the rotary
+          norm_heads(qkv, 0, m.num_heads, weight(w, W_Q_NORM));
+          norm_heads(qkv, q_size, m.num_kv_heads, weight(w, W_K_NORM));
+        }
+        if (w[W_ROPE] != ROPE_NONE) {
+          const bool local = w[W_ROPE] == ROPE_LOCAL;
+          rotary(qkv, qkv_width, local ? r.cos_local : r.cos, local ? r.sin_local : r.sin, T,
+                 m.num_heads + m.num_kv_heads, m.head_dim, m.rotary_dim);
+        }
+        write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, r.slots, T, k_cache, v_cache,
+                 m.num_kv_heads, m.head_dim, m.block_size, num_threads);
+        // From the attention on, the rows computed: every row, or in the last layer the rows
+        // read (`out`), moved to the front of q_rows and of the residual.
+        const Outputs& rows = layer + 1 == m.num_layers && out.count >= 0 ? out : all_rows;
+        for (int64_t i = 0; i < rows.count; ++i) {
+          const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;  // >= i (ascending): moved no later than read
+          std::memcpy(q_rows + i * q_size, qkv + t * qkv_width, q_size * sizeof(uint16_t));
+          // The input norm has added the layer before's output in: `residual` is the stream.
+          // (normed too where the MLP reads it: Phi's and StableLM's side by side.)
+          if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
+          if (t != i && m.parallel != IN_TURN) std::memcpy(normed + i * H, normed + t * H, H * sizeof(uint16_t));
+        }
+        if (&rows != &all_rows) group_rows(rows);
+        T = rows.count;
+        if (T == 0) return 0;  // no row read: the cache is written, nothing more to compute
+        attention(q_rows, attn, k_cache, v_cache, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
+                  rows.query_lens, rows.num_seqs, m.num_heads, m.num_kv_heads, m.head_dim, m.block_size, m.scale,
+                  w[W_WINDOW], m.softcap, num_threads, PAIRED_KERNEL);
+        ahead.plan(layer + 1);
+        if (!matmul(attn, W_O, W_O_BIAS, hidden, H, q_size) || !adapt(P_O, attn, q_size, hidden, H)) return refused;
+        if (m.reduce != nullptr) {
+          const int status = all_reduce(m.reduce, hidden, T * H);
+          if (status != 0) return status;
+        }
+      }  // the attention's block
+    }  // the layer's block
+    // Nemotron-H's block without an MLP after it: its output joins the stream at the next layer's norm.
+    if (weight(w, W_GATE_UP) == nullptr) continue;
+    if (!mlp_only || layer > 0) scale_hidden(hidden, T * H, m.residual_scale, num_threads);
     const uint16_t* mlp_in = normed;
     if (m.parallel != IN_TURN) {  // Phi's and StableLM's MLP reads `normed`, GPT-NeoX's its own norm of the stream
       if (weight(w, W_POST_NORM) != nullptr)
@@ -574,6 +598,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     } else if (weight(w, W_PRE_FF_NORM) != nullptr) {  // Gemma 2 and 3: the attention's output normed, then added
       rms_norm(hidden, nullptr, weight(w, W_POST_NORM), hidden, T, H);
       rms_norm(hidden, r.residual, weight(w, W_PRE_FF_NORM), normed, T, H);
+    } else if (mlp_only && layer == 0) {  // the embeddings are the stream: nothing to add
+      rms_norm(r.residual, nullptr, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     } else {
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }

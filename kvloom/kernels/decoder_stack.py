@@ -63,8 +63,10 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
 ROPE = {"none": 0, "global": 1, "local": 2}
-# The "mixer" column: attention, a Mamba2 mixer (Bamba, Granite 4.0) or LFM2's gated short convolution.
-MIXERS = {"attention": 0, "mamba": 1, "conv": 2}
+# The "mixer" column: attention, a Mamba2 mixer (Bamba, Granite 4.0) or LFM2's gated short convolution,
+# or none (an MLP alone: Nemotron-H's MLP block after no other). A layer whose gate_up column is 0
+# has no MLP.
+MIXERS = {"attention": 0, "mamba": 1, "conv": 2, "none": 3}
 _COLUMN_MIXER, _COLUMN_CONV_STATE = WEIGHT_COLUMNS.index("mixer"), WEIGHT_COLUMNS.index("conv_state")
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
 NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
@@ -405,7 +407,7 @@ def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | No
         _check(f"spans.{name}", getattr(spans, name), dtype, (n,))
     if int(spans.lengths.sum()) != tokens:
         raise _fail("spans.lengths", f"must sum to the step's {tokens} rows, got {spans.lengths.tolist()}")
-    state_rows = weights[:, _COLUMN_MIXER] != MIXERS["attention"]
+    state_rows = (weights[:, _COLUMN_MIXER] == MIXERS["mamba"]) | (weights[:, _COLUMN_MIXER] == MIXERS["conv"])
     if bool((weights[state_rows, _COLUMN_CONV_STATE] == 0).any()):
         raise _fail("weights", "have a state layer without its state tensors (bound at the first step)")
     sizes = torch.tensor([states.inter, states.conv_dim, states.heads, states.head_dim, states.d_state, states.groups,

@@ -20,6 +20,7 @@ table is set (``set_lora``, by kvloom/lora on each load). A profiler sees the wa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -99,11 +100,32 @@ class DecoderModel(Protocol):
     "attention", "mamba" or "conv") hold self_attn, mamba (a Mamba2Mixer) or conv (LFM2's
     ShortConv), pre_ff_layernorm and
     feed_forward in place of post_attention_layernorm and mlp, and the model its attention
-    layers' ranks in the KV pool (``kv_layer``) and its rotary's width (``rotary_dim``)."""
+    layers' ranks in the KV pool (``kv_layer``) and its rotary's width (``rotary_dim``). A model
+    whose blocks are not layers (Nemotron-H's) pairs them as ``walk_layers()`` (WalkLayer)."""
 
     config: ModelConfig
     tp: TensorParallelGroup
     layers: nn.ModuleList
+
+
+@dataclass(frozen=True)
+class WalkLayer:
+    """A walk layer made of a model's blocks (NVIDIA Nemotron-H's single-mixer blocks,
+    ``walk_layers``): a mixer or attention block (``kind`` "mamba" or "attention", its norm
+    ``input_layernorm``) and the MLP block after it (``feed_forward``, its norm
+    ``pre_ff_layernorm``; None: none follows), or an MLP block alone (``kind`` "none").
+    ``kv_layer``: an attention block's layer of the KV pool; ``no_rope``: its attention turns
+    no rotary."""
+
+    kind: str
+    input_layernorm: nn.Module | None
+    self_attn: nn.Module | None
+    mamba: Mamba2Mixer | None
+    pre_ff_layernorm: nn.Module | None
+    feed_forward: nn.Module | None
+    kv_layer: int = 0
+    no_rope: bool = True
+    conv: ShortConv | None = None
 
 
 class NativeDecoderStack:
@@ -152,18 +174,21 @@ class NativeDecoderStack:
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
-        # (norm, its offset, activation, q/k norms whole, parallel) of every layer
-        kinds: set[tuple[str, float, str, bool, str]] = set()
+        # (norm, its offset, q/k norms whole, parallel) of every layer; the MLPs' activations
+        kinds: set[tuple[str, float, bool, str]] = set()
         epsilons: set[float] = set()
         state_layers: dict[int, StateLayer] = {}
-        for index, layer in enumerate(model.layers):
-            hybrid = hasattr(layer, "kind")  # a hybrid's layer (Bamba's) names its block
+        activations: set[str] = set()
+        # The walk's layers: the model's, or its blocks paired as layers (Nemotron-H's walk_layers).
+        layers: list[Any] = model.walk_layers() if hasattr(model, "walk_layers") else list(model.layers)
+        for index, layer in enumerate(layers):
+            hybrid = hasattr(layer, "kind")  # a hybrid's layer (Bamba's, a WalkLayer) names its block
             kind = layer.kind if hybrid else "attention"
             if kind not in kernels.MIXERS:
                 return None, f"layer {index} is a {kind!r} layer, which the walk does not run"
             attention = layer.self_attn if kind == "attention" else None
-            mlp = layer.feed_forward if hybrid else layer.mlp
-            if kind != "attention":
+            mlp = layer.feed_forward if hybrid else layer.mlp  # None: a layer without one (Nemotron-H's)
+            if kind in ("mamba", "conv"):
                 state_layer = layer.mamba if kind == "mamba" else layer.conv
                 why_not = _why_not_walked(state_layer, config.hidden_size)
                 if why_not:
@@ -176,17 +201,23 @@ class NativeDecoderStack:
             post_norm = layer.pre_ff_layernorm if hybrid else getattr(layer, "post_attention_layernorm", None)
             if parallel != "in_turn" and model.tp.size > 1:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
-            if post_norm is None and parallel == "in_turn":
+            if post_norm is None and parallel == "in_turn" and mlp is not None:
                 return None, f"layer {index} has no norm before its MLP"
-            if isinstance(mlp, UngatedMLP):
-                activation, up, down = f"{mlp.form}_plain", mlp.fc1, mlp.fc2
+            if mlp is None:
+                up = down = None
+            elif isinstance(mlp, UngatedMLP):
+                activations.add(f"{mlp.form}_plain")
+                up, down = mlp.fc1, mlp.fc2
             elif isinstance(mlp, GatedMLP) and mlp.activation in ("silu", "gelu_tanh"):
-                activation, up, down = mlp.activation, mlp.gate_up_proj, mlp.down_proj
+                activations.add(mlp.activation)
+                up, down = mlp.gate_up_proj, mlp.down_proj
             else:
                 return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU)"
-            block = (attention.qkv_proj, attention.o_proj) if attention is not None else (
-                state_layers[index].in_proj, state_layers[index].out_proj)
-            linears = (*block, up, down)
+            block = ((attention.qkv_proj, attention.o_proj) if attention is not None
+                     else (state_layers[index].in_proj, state_layers[index].out_proj) if index in state_layers
+                     else (None, None))
+            projections = dict(zip(("qkv", "o", "gate_up", "down"), (*block, up, down), strict=True))
+            linears = tuple(linear for linear in projections.values() if linear is not None)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
@@ -202,7 +233,7 @@ class NativeDecoderStack:
             pre_ff, post_ff = (getattr(layer, name, None) for name in ("pre_feedforward_layernorm",
                                                                        "post_feedforward_layernorm"))
             input_norm = getattr(layer, "input_layernorm", None)  # None: OLMo 2's norms after each block
-            llama = input_norm is not None and pre_ff is None and post_ff is None
+            llama = (input_norm is not None or kind == "none") and pre_ff is None and post_ff is None
             gemma = input_norm is not None and pre_ff is not None and post_ff is not None
             olmo = input_norm is None and pre_ff is None and post_ff is not None
             if not (llama or gemma or olmo) or (parallel != "in_turn" and not llama):
@@ -222,10 +253,14 @@ class NativeDecoderStack:
                               "float32, or LayerNorm with a bias)")
             if ("layer", 0.0) in norm_kinds and (head_norms or block_norms):
                 return None, f"layer {index} has LayerNorms of heads or blocks, which the walk does not run"
-            kinds.add((*norm_kinds.pop(), activation, whole, parallel))  # type: ignore[misc]
+            kinds.add((*norm_kinds.pop(), whole, parallel))  # type: ignore[misc]
             isas.update(linear.isa for linear in linears)
-            rope = ("none" if index in config.no_rope_layers or attention is None
+            no_rope = getattr(layer, "no_rope", index in config.no_rope_layers)  # a WalkLayer says it
+            rope = ("none" if no_rope or attention is None
                     else "local" if getattr(layer, "local_rope", False) else "global")
+            kv_layer = getattr(layer, "kv_layer", None)
+            if kv_layer is None:
+                kv_layer = model.kv_layer.get(index, 0) if hybrid else index
             biases = {name: norm.bias.data_ptr() for name, norm in (("input_norm_bias", input_norm),
                                                                     ("post_norm_bias", post_norm))
                       if isinstance(norm, (ResidualLayerNorm, UnweightedLayerNorm))}
@@ -234,30 +269,35 @@ class NativeDecoderStack:
                                    "post_norm": 0 if post_norm is None else post_norm.weight.data_ptr(),
                                    "q_norm": 0, "k_norm": 0, "window": 0 if attention is None else attention.window,
                                    "rope": kernels.ROPE[rope], "mixer": kernels.MIXERS[kind],
-                                   "kv_layer": model.kv_layer.get(index, 0) if hybrid else index,
+                                   "kv_layer": kv_layer,
                                    **_state_columns(state_layers.get(index), owners),
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
                                    "post_ff_norm": 0 if post_ff is None else post_ff.weight.data_ptr()}
             if head_norms:
                 row["q_norm"], row["k_norm"] = (norm.weight.data_ptr() for norm in head_norms)
             owners += tensors
-            for name, linear in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
-                row[name] = linear.packed_weight.data_ptr()
-                row[f"{name}_bias"] = 0 if linear.bias is None else linear.bias.data_ptr()
-                owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
+            for name, linear in projections.items():  # 0 where the layer has no such matmul
+                row[name] = 0 if linear is None else linear.packed_weight.data_ptr()
+                row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
+                if linear is not None:
+                    owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
-        if len(kinds) != 1 or len(epsilons) != 1:
-            return None, f"the layers' norms and MLPs differ {sorted(kinds)} (eps {sorted(epsilons)})"
-        (norm, norm_offset, activation, qk_norm_whole, parallel), = kinds
-        attending = [layer for layer in model.layers if getattr(layer, "kind", "attention") == "attention"]
+        if len(kinds) != 1 or len(epsilons) != 1 or len(activations) != 1:
+            return None, (f"the layers' norms and MLPs differ {sorted(kinds)} (eps {sorted(epsilons)}, activations "
+                          f"{sorted(activations)})")
+        (norm, norm_offset, qk_norm_whole, parallel), = kinds
+        activation = activations.pop()
+        attending = [layer for layer in layers if getattr(layer, "kind", "attention") == "attention"]
         if not attending:
             return None, "it has no attention layer"
         # this rank's share of the heads and features (all of them without TP)
-        first, mlp = attending[0].self_attn, getattr(model.layers[0], "feed_forward", None) or model.layers[0].mlp
+        first = attending[0].self_attn
+        mlp = next(found for layer in layers
+                   if (found := getattr(layer, "feed_forward", None) or getattr(layer, "mlp", None)) is not None)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
-        shape = kernels.StackShape(config.num_layers, config.hidden_size, first.num_heads, first.num_kv_heads,
+        shape = kernels.StackShape(len(rows), config.hidden_size, first.num_heads, first.num_kv_heads,
                                    config.head_dim,
                                    getattr(mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
                                    epsilons.pop(), isas.pop(), residual_scale,

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
+from kvloom.attention.cpu_paged import CPUPagedBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.models import ssm_ops
+from kvloom.models.decoder_stack import NativeDecoderStack, WalkLayer
 from kvloom.models.layers import Float32ScaledRMSNorm, UngatedMLP, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
@@ -55,7 +57,7 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         if config.ssm is None or tp.size > 1:
             raise ValueError(f"{config.architecture} needs an SSM config and runs in one process")
-        self.config, self.ssm = config, config.ssm
+        self.config, self.ssm, self.tp = config, config.ssm, tp
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.blocks = [NemotronHBlock(config, kind) for kind in config.ssm.layer_kinds]
         self.layers = nn.ModuleList(self.blocks)  # registered; ``blocks`` is the typed view
@@ -63,12 +65,22 @@ class NemotronHForCausalLM(nn.Module):
         self.norm_f = Float32ScaledRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings else
                                           nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # The blocks walked in one native call (models/decoder_stack.py), once asked for by
+        # use_native_stack; the module path below is the reference and the fallback.
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
         """The final hidden states [tokens, hidden]; kv_caches holds the attention layers."""
         spans = ssm_ops.SSMSpans.of(batch, self.ssm.conv_kernel)
         residual = self.embeddings(batch.input_ids)  # the residual stream, added to in place
+        stack = self.native_stack
+        if (stack is not None and isinstance(backend, CPUPagedBackend)  # serves() holds it to that
+                and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None)):
+            unread = (torch.empty(batch.num_tokens, self.config.head_dim),) * 2  # no block turns a rotary
+            walked, stream = stack(residual, unread, batch, kv_caches, backend, metadata, spans=spans)
+            final: torch.Tensor = self.norm_f(walked, stream)
+            return final  # the rows batch.output_rows names, if any
         hidden: torch.Tensor | None = None  # the previous block's output, not yet added to the stream
         for index, block in enumerate(self.blocks):
             # The norm first adds the previous block's output into the stream (HF's `residual + hidden`).
@@ -105,8 +117,31 @@ class NemotronHForCausalLM(nn.Module):
     def pack_weights(self, matmul: str = "invariant") -> int:
         return pack_with_tied_head(self, self.embeddings.weight, matmul)
 
+    def walk_layers(self) -> list[WalkLayer]:
+        """The blocks paired as the native walk's layers: a mixer or attention block and the
+        MLP block after it; one with no MLP after it alone; an MLP block after no other alone."""
+        layers: list[WalkLayer] = []
+        index = 0
+        while index < len(self.blocks):
+            block = self.blocks[index]
+            follower = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
+            if block.kind == "mlp":
+                layers.append(WalkLayer("none", None, None, None, block.norm, block.mixer))
+                index += 1
+                continue
+            mlp = follower if follower is not None and follower.kind == "mlp" else None
+            layers.append(WalkLayer(block.kind, block.norm, block.mixer if block.kind == "attention" else None,
+                                    block.mixer if block.kind == "mamba" else None,  # type: ignore[arg-type]
+                                    None if mlp is None else mlp.norm, None if mlp is None else mlp.mixer,
+                                    self.kv_layer.get(index, 0)))
+            index += 1 if mlp is None else 2
+        return layers
+
     def use_native_stack(self) -> str | None:
-        return "the native decoder stack walks Llama layers; Nemotron-H mixes in Mamba2 and MLP-only blocks"
+        """Walk the blocks in one native call from now on (paired as ``walk_layers``), where a
+        forward's cache and backend allow (after ``pack_weights``). None, or why it cannot."""
+        self.native_stack, reason = NativeDecoderStack.build(self)
+        return None if self.native_stack is not None else reason
 
     def first_layers(self, num_layers: int) -> CausalLM:
         raise ValueError("layer_skip drafts are not supported for state-space models")

@@ -234,8 +234,11 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
 # there); granite4: IBM Granite 4.0 as published (no rotary, Granite's multipliers, the shared
 # MLP as the dense one), attention last; granite4_rope: its rotary over the whole head, a mixer
 # last; lfm2: LiquidAI LFM2's gated short convolutions and attention with per-head q/k norms, a
-# convolution last.
-@pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2"])
+# convolution last; nemotron_h: NVIDIA Nemotron-H's single-mixer blocks paired as layers (an MLP
+# block after no other, a mixer with no MLP after it, attention and its MLP, a mixer last);
+# nemotron_h_mlp_last: an MLP block alone last (the rows read narrowed there).
+@pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2", "nemotron_h",
+                                        "nemotron_h_mlp_last"])
 def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_ssm import write_tiny_ssm_model
 
@@ -245,6 +248,10 @@ def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if name == "lfm2":
         return write_tiny_ssm_model(root, "lfm2", hidden_size=128, num_hidden_layers=3,
                                     layer_types=["conv", "full_attention", "conv"])
+    if name.startswith("nemotron_h"):
+        blocks = (["mlp", "mamba", "attention", "mlp", "mamba"] if name == "nemotron_h"
+                  else ["mamba", "attention", "mlp", "mlp"])
+        return write_tiny_ssm_model(root, "nemotron_h", hidden_size=128, head_dim=32, layers_block_type=blocks)
     layers = ["mamba", "mamba", "attention"] if name == "granite4" else ["attention", "mamba", "mamba"]
     return write_tiny_ssm_model(root, "granite_hybrid", hidden_size=128, shared_intermediate_size=256,
                                 num_hidden_layers=3, layer_types=layers, num_local_experts=0,
