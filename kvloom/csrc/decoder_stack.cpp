@@ -58,7 +58,7 @@
 //             LFM2: short_conv(proj)            [T, H]  (C * conv(B * x), ssm.cpp)
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
-// W_KV_LAYER (their rank among the attention layers). One walk, no tensor parallel, no LoRA.
+// W_KV_LAYER (their rank among the attention layers). No tensor parallel, no LoRA.
 // NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
 // the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
 // 0: its output joins the stream at the next layer's norm), an MLP block after no other a
@@ -207,17 +207,12 @@ inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_s
          (mixer_width > 0 ? 16 : 0);
 }
 
-// A hybrid's state layers' sizes (one per model) and the step's requests as they read them.
+// A hybrid's state layers' sizes (one per model).
 struct StateLayers {
   int64_t inter, conv_dim, heads, head_dim, d_state, groups, kernel;  // the Mamba2 mixers' (heads 0: none)
   int64_t short_kernel;  // LFM2's short convolutions' taps (0: none); their channels are the hidden size
   int64_t num_slots;
   float dt_lo, dt_hi, eps;
-  const int64_t* starts;  // [n] each request's first row, its row count, its state slot
-  const int64_t* lengths;
-  const int64_t* slots;
-  const int32_t* has_state;  // [n] 1: the chunk continues the slot's state
-  int64_t n;
 
   int64_t in_width() const { return inter + conv_dim + heads; }  // a mixer's in_proj output
   // bf16 elements per row: a mixer's in_proj output, convolved xBC, norm output and scan
@@ -292,6 +287,15 @@ void scale_hidden(uint16_t* x, int64_t count, float s, int num_threads) {
 
 // One walk's rows: consecutive tokens of the batch and the sequences they belong to.
 // query_start is relative to the walk's first token.
+// A walk's requests as its state layers read them (one per sequence, in order).
+struct Spans {
+  const int64_t* starts;  // [n] each request's first row (relative to the walk's first), its row count, its slot
+  const int64_t* lengths;
+  const int64_t* slots;
+  const int32_t* has_state;  // [n] 1: the chunk continues the slot's state
+  int64_t n;
+};
+
 struct Rows {
   uint16_t* residual;
   uint16_t* hidden;
@@ -308,6 +312,7 @@ struct Rows {
   int64_t num_seqs, tokens;
   const int32_t* lora_slots;  // each row's adapter slot, -1 the base model (with Model::lora_weights)
   uint16_t* lora_scratch;     // Model::lora_scratch(tokens) elements
+  Spans spans;                // with Model::states
 };
 
 // The rows whose final state the caller reads (their last-layer work is all that is
@@ -508,6 +513,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
         if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
         const StateLayers& st = *m.states;
+        const Spans& sp = r.spans;
         const bool mamba = w[W_MIXER] == MIXER_MAMBA;
         const int64_t in_width = mamba ? st.in_width() : 3 * H, width = mamba ? st.inter : H;
         uint16_t* between = proj + T * in_width;  // xBC, or B * x
@@ -520,12 +526,12 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
               (reinterpret_cast<uintptr_t>(mixed + T * width) + 31) & ~uintptr_t{31});
           if (mamba_mixer(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state,
                           reinterpret_cast<float*>(w[W_SSM_STATE]), f32(W_DT_BIAS), f32(W_A_LOG), f32(W_D),
-                          weight(w, W_MIXER_NORM), st.starts, st.lengths, st.slots, st.has_state, between, scan_out,
-                          mixed, st.n, st.num_slots, T, st.inter, st.conv_dim, st.heads, st.head_dim, st.d_state,
+                          weight(w, W_MIXER_NORM), sp.starts, sp.lengths, sp.slots, sp.has_state, between, scan_out,
+                          mixed, sp.n, st.num_slots, T, st.inter, st.conv_dim, st.heads, st.head_dim, st.d_state,
                           st.groups, st.kernel, st.dt_lo, st.dt_hi, st.eps, num_threads) != 0)
             return MIXER_REFUSED;
-        } else if (short_conv(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state, st.starts, st.lengths, st.slots,
-                              st.has_state, between, mixed, st.n, st.num_slots, T, H, st.short_kernel,
+        } else if (short_conv(proj, f32(W_CONV_WEIGHT), f32(W_CONV_BIAS), conv_state, sp.starts, sp.lengths, sp.slots,
+                              sp.has_state, between, mixed, sp.n, st.num_slots, T, H, st.short_kernel,
                               num_threads) != 0) {
           return MIXER_REFUSED;
         }
@@ -626,17 +632,27 @@ int split_walks(const Model& m, const Rows& all, int64_t split, int num_threads)
   const int64_t first_tokens = all.query_start[split];
   std::vector<int32_t> second_start(all.query_start + split, all.query_start + all.num_seqs);
   for (int32_t& start : second_start) start -= static_cast<int32_t>(first_tokens);
+  // The state layers' spans, one per sequence: the second walk's from its first row.
+  const Spans& spans = all.spans;
+  const bool spanned = spans.n > 0;
+  std::vector<int64_t> second_span_start(spanned ? spans.starts + split : nullptr,
+                                         spanned ? spans.starts + spans.n : nullptr);
+  for (int64_t& start : second_span_start) start -= first_tokens;
+  const Spans first_spans{spans.starts, spans.lengths, spans.slots, spans.has_state, spanned ? split : 0};
+  const Spans second_spans{second_span_start.data(), spanned ? spans.lengths + split : nullptr,
+                           spanned ? spans.slots + split : nullptr, spanned ? spans.has_state + split : nullptr,
+                           spanned ? spans.n - split : 0};
   const Rows halves[2] = {
       {all.residual, all.hidden, all.scratch, all.cos, all.sin, all.cos_local, all.sin_local, all.slots,
        all.block_tables, all.seq_lens, all.query_start, all.query_lens, split, first_tokens, all.lora_slots,
-       all.lora_scratch},
+       all.lora_scratch, first_spans},
       {all.residual + first_tokens * m.hidden_size, all.hidden + first_tokens * m.hidden_size,
        all.scratch + m.scratch(first_tokens), all.cos + first_tokens * m.rotary_dim, all.sin + first_tokens * m.rotary_dim,
        all.cos_local == nullptr ? nullptr : all.cos_local + first_tokens * m.rotary_dim,
        all.sin_local == nullptr ? nullptr : all.sin_local + first_tokens * m.rotary_dim, all.slots + first_tokens, all.block_tables + split * m.max_blocks, all.seq_lens + split,
        second_start.data(), all.query_lens + split, all.num_seqs - split, all.tokens - first_tokens,
        all.lora_slots == nullptr ? nullptr : all.lora_slots + first_tokens,
-       all.lora_scratch == nullptr ? nullptr : all.lora_scratch + m.lora_scratch(first_tokens)}};
+       all.lora_scratch == nullptr ? nullptr : all.lora_scratch + m.lora_scratch(first_tokens), second_spans}};
   int status[2] = {0, 0};
 #pragma omp parallel num_threads(2)
   {
@@ -709,8 +725,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // conv kernel] of every Mamba2 mixer (heads 0: none), LFM2's short convolutions' taps (0:
 // none) and the state slots; state_limits [dt_lo, dt_hi, the gated norm's eps] (a mixer's);
 // and the step's requests as the state layers read them: span_starts, span_lengths,
-// span_slots [num_spans] int64, span_has_state [num_spans] int32 (one walk; returns
-// MIXER_REFUSED, -3, where a kernel refuses them).
+// span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
+// in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const float* cos_local, const float* sin_local,
@@ -731,12 +747,13 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans) {
   StateLayers states{};
   if (state_sizes != nullptr) {
-    if (split_seqs > 0) return MIXER_REFUSED;  // the state layers' spans are the whole batch's
+    // Split walks take each sequence's span with it: one span a sequence, in order.
+    if (split_seqs > 0 && num_spans != num_seqs) return MIXER_REFUSED;
     states = StateLayers{state_sizes[0], state_sizes[1], state_sizes[2], state_sizes[3], state_sizes[4],
                          state_sizes[5], state_sizes[6], state_sizes[7], state_sizes[8], state_limits[0],
-                         state_limits[1], state_limits[2], span_starts, span_lengths, span_slots, span_has_state,
-                         num_spans};
+                         state_limits[1], state_limits[2]};
   }
+  const Spans spans{span_starts, span_lengths, span_slots, span_has_state, state_sizes != nullptr ? num_spans : 0};
   const Model model{kernels,      weights,    num_layers, kv_caches,    num_blocks,   max_blocks,
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
@@ -744,7 +761,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                     lora_weights, lora_slots, lora_widths, state_sizes != nullptr ? &states : nullptr};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
-                  lora_rows,    lora_scratch};
+                  lora_rows,    lora_scratch, spans};
   if (split_seqs > 0) return split_walks(model, rows, split_seqs, num_threads);
   const Outputs out{out_rows, num_out_rows, out_block_tables, out_seq_lens, out_query_start, out_query_lens,
                     num_out_seqs};

@@ -271,8 +271,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     at least ``lora_scratch_elements`` to reuse. ``local_rotary``: (cos, sin) of the layers
     whose "rope" column is ROPE["local"], shaped as ``cos`` and ``sin`` (Gemma 3's windowed
     layers). ``softcap``: the attention scores' cap (Gemma 2's; 0: none), as ``scale`` the
-    attention backend's. ``spans``: with ``shape.states`` (a hybrid; one walk), the step's
-    requests as its state layers read them; their states move on in their slots."""
+    attention backend's. ``spans``: with ``shape.states`` (a hybrid), the step's requests as its
+    state layers read them, one a sequence in order; their states move on in their slots."""
     tokens = residual.shape[0]
     bf16 = torch.bfloat16
     _check("kernels", kernels, torch.int64, (NUM_KERNELS,))
@@ -332,7 +332,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             raise _fail("outputs.rows", f"must be ascending token indices in [0, {tokens}), got {kept}")
         if int(outputs.sequences.query_lens.sum()) != out_rows:
             raise _fail("outputs.query_lens", f"must sum to the {out_rows} rows")
-    state_args, state_held = _state_args(shape, weights, spans, split_seqs, tokens)  # held: alive through the call
+    state_args, state_held = _state_args(shape, weights, spans, split_seqs, tokens, num_seqs)  # alive through the call
     lora_args = [0, 0, 0, 0, 0]
     if lora is not None:
         adapter_slots = lora.weights.shape[2] if lora.weights.dim() == 4 else 0
@@ -389,8 +389,8 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
     return hidden if outputs is None else hidden[:out_rows]
 
 
-def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | None, split_seqs: int, tokens: int
-                ) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | None, split_seqs: int, tokens: int,
+                num_seqs: int) -> tuple[list[int], tuple[torch.Tensor, ...]]:
     """The C call's state-layer arguments (sizes, limits, the spans' four arrays and their
     count), zeros without state layers, and the tensors behind the first two, which the caller
     keeps alive through the call; ValueError naming what the state layers cannot take."""
@@ -399,9 +399,9 @@ def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | No
         return [0] * 7, ()
     if spans is None:
         raise _fail("spans", "must be given: the model's layers keep states")
-    if split_seqs:
-        raise _fail("split_seqs", "must be 0 with state layers: their spans are the whole batch's")
     n = spans.starts.shape[0]
+    if split_seqs and n != num_seqs:  # each walk takes its sequences' spans
+        raise _fail("spans", f"must be one a sequence ({num_seqs}) where the walks split, got {n}")
     for name, dtype in (("starts", torch.int64), ("lengths", torch.int64), ("slots", torch.int64),
                         ("has_state", torch.int32)):
         _check(f"spans.{name}", getattr(spans, name), dtype, (n,))

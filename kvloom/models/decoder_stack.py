@@ -347,7 +347,7 @@ class NativeDecoderStack:
         shm = self.tp.shm if self.tp.size > 1 else None
         before = shm.native_counts() if shm is not None else (0, 0, 0.0)
         split = (split_point(batch.query_lens_list, batch.seq_lens_list, torch.get_num_threads())
-                 if shm is None and not self.state_layers else 0)  # state layers read the whole batch's spans
+                 if shm is None else 0)
         outputs = (_stack_outputs(batch.output_rows, batch.query_lens_list, rows)
                    if batch.output_rows is not None and not split and shm is None else None)
         lora = self.lora if batch.lora_slots is not None else None

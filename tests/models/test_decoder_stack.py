@@ -264,6 +264,12 @@ def test_hybrid_steps_match_the_module_path_bit_for_bit(hybrid_dir: Path) -> Non
     run_both_paths(hybrid_dir)
 
 
+def test_hybrid_two_concurrent_walks_match_the_module_path_bit_for_bit(hybrid_dir: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each walk takes its sequences' spans, the second's from its own first row."""
+    run_split(hybrid_dir, monkeypatch, 8 << 20)
+
+
 def test_a_hybrids_spans_are_checked_before_any_pointer_reaches_c(hybrid_dir: Path) -> None:
     engine = LLMEngine(EngineConfig.from_kwargs(str(hybrid_dir), dtype="bfloat16", num_blocks=32))
     stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
