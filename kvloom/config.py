@@ -363,9 +363,11 @@ class ModelConfig:
         if archs[0] in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
             hf = _lfm2_fields(hf)
         if archs[0] == "NemotronHForCausalLM":  # its names for the MLP's activation and the norms' eps
+            # transformers 5.25 never ties its head (its _tied_weights_keys is empty), whatever
+            # tie_word_embeddings says: the checkpoint's lm_head is the head.
             hf = {**hf, "hidden_act": hf.get("mlp_hidden_act", "relu2"),
                   "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-                  "num_hidden_layers": len(nemotron_h_block_names(hf))}
+                  "num_hidden_layers": len(nemotron_h_block_names(hf)), "tie_word_embeddings": False}
         if archs[0] == GRANITE_HYBRID and int(hf.get("num_local_experts", 8)) == 0:
             # No experts (most Granite 4.0 models): the shared MLP is the layers' dense FFN.
             hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}

@@ -898,6 +898,81 @@ def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
+# Nemotron-H's block modules -> llama.cpp's parts (every block's norm is attn_norm).
+_GGUF_NEMOTRON_H_BLOCK = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d",
+                          "mixer.out_proj": "ssm_out", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k",
+                          "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up",
+                          "mixer.down_proj": "ffn_down"}
+
+
+def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a tiny Nemotron-H HF directory to an F32 GGUF as llama.cpp's NemotronHModel
+    (on GraniteHybridModel) writes it: head_count_kv per block (0 outside attention),
+    feed_forward_length per block (0 outside the MLPs), key_length, the ssm keys, no rope
+    (context_length 2**20), the config's layer_norm_epsilon as the LayerNorm eps key; the
+    mixers as Mamba2's (A as -exp(A_log), [heads, 1]; D [heads, 1]; the gated norm [groups,
+    d_inner / groups]; conv1d squeezed), the attention's q/k rows permuted as LlamaModel
+    does; the checkpoint's lm_head as the output tensor (transformers never ties Nemotron-H's)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from kvloom.models.gguf_loader import permute_rows
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "linear_attention": "mamba", "full_attention": "attention"}
+    kinds = [names.get(k, k) for k in (config.get("layers_block_type") or config["hybrid_override_pattern"])]
+    writer = gguf.GGUFWriter(str(out), "nemotron_h")
+    writer.add_block_count(len(kinds))
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if kind == "attention" else 0 for kind in kinds])
+    writer.add_feed_forward_length([config["intermediate_size"] if kind == "mlp" else 0 for kind in kinds])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_state_size(config["ssm_state_size"])
+    writer.add_ssm_group_count(config["n_groups"])
+    writer.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    writer.add_ssm_time_step_rank(config["mamba_num_heads"])
+    _add_gguf_tokenizer(writer, hf_dir)
+    top = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name in top:
+            writer.add_tensor(top[name], np.ascontiguousarray(array))
+            continue
+        layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        gguf_name = None
+        if rest == "mixer.A_log":
+            gguf_name, array = f"blk.{layer}.ssm_a", (-torch.exp(tensor.float())).numpy().reshape(-1, 1)
+        elif rest == "mixer.D":
+            gguf_name, array = f"blk.{layer}.ssm_d", array.reshape(-1, 1)
+        elif rest == "mixer.dt_bias":
+            gguf_name = f"blk.{layer}.ssm_dt.bias"
+        elif rest == "mixer.norm.weight":
+            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(config["n_groups"], -1)
+        elif rest == "mixer.conv1d.weight":
+            array = array.squeeze(1)
+        elif module in ("mixer.q_proj", "mixer.k_proj"):
+            heads = config["num_attention_heads" if module == "mixer.q_proj" else "num_key_value_heads"]
+            array = permute_rows(array, heads)
+        writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_NEMOTRON_H_BLOCK[module]}.{kind}",
+                          np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def hf_greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation by full recompute each step (no cache at all):
     the reference the parity tests hold kvloom's tokens to."""

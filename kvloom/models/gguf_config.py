@@ -2,7 +2,7 @@
 
 ``general.architecture`` names the family, its ``<arch>.*`` keys the shape: llama /
 mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe, deepseek2 (DeepSeek-V3
-where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (Bamba or Granite 4.0), phi3,
+where the router is sigmoid-gated, else V2), mamba2 and granitehybrid (Bamba or Granite 4.0), nemotron_h, phi3,
 granite, granitemoe, gemma, gemma2, gemma3, olmo2 (OLMo 2, and OLMo 3 where it has a window pattern),
 starcoder2, phi2 (Phi-1, 1.5 and 2), gptneox (Pythia), gpt2, stablelm, smollm3, ernie4_5 (dense),
 exaone4, olmo (OLMo 1); where the metadata is silent, the tensors' names and shapes fill in (gguf_loader.py maps
@@ -53,7 +53,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
-    "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -70,7 +70,7 @@ _MODEL_TYPES = {
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
     "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee", "GptOssForCausalLM": "gpt_oss",
-    "Lfm2ForCausalLM": "lfm2",
+    "Lfm2ForCausalLM": "lfm2", "NemotronHForCausalLM": "nemotron_h",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -112,6 +112,8 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
             config = _granite_hybrid_config(meta, shapes, path)
         elif arch == "lfm2":
             config = _lfm2_config(meta, shapes, path)
+        elif arch == "nemotron_h":
+            config = _nemotron_h_config(meta, shapes, path)
         else:
             config = _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
@@ -496,6 +498,49 @@ def _lfm2_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[s
             "vocab_size": shapes["token_embd.weight"][-1], "norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(meta("rope.freq_base", 1000000.0)),
             "max_position_embeddings": int(meta("context_length")),
+            "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+
+
+def _nemotron_h_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+    """nemotron_h: single-mixer blocks, as llama.cpp's NemotronHModel writes them (on its
+    GraniteHybridModel): attention where the per-block head_count_kv is nonzero, an MLP where
+    the per-block feed_forward_length is, a Mamba2 mixer elsewhere; no rope (context_length
+    2**20 is the converter's placeholder, kept as Granite 4.0's is). Its MoE form
+    (nemotron_h_moe) is another architecture name, refused as unknown."""
+    layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    kv_counts, widths = meta("attention.head_count_kv"), meta("feed_forward_length")
+    kv = [int(n) for n in kv_counts] if isinstance(kv_counts, list) else [int(kv_counts)] * layers
+    ff = [int(n) for n in widths] if isinstance(widths, list) else [int(widths)] * layers
+    if len(kv) != layers or len(ff) != layers or any(k and f for k, f in zip(kv, ff, strict=True)):
+        raise ModelLoadError(f"nemotron_h GGUF {path}: attention.head_count_kv and feed_forward_length must be "
+                             f"per block ({layers}), never both nonzero in one block; got {kv} and {ff}")
+    kinds = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff, strict=True)]
+    if "mamba" not in kinds or len({k for k in kv if k}) > 1 or len({f for f in ff if f}) > 1:
+        raise ModelLoadError(f"nemotron_h GGUF {path}: a Nemotron-H needs a Mamba2 block, one KV head count and "
+                             f"one MLP width; the file's blocks are {kinds} (head_count_kv {kv}, feed_forward_length "
+                             f"{ff})")
+    inner, ssm_heads = int(meta("ssm.inner_size")), int(meta("ssm.time_step_rank"))
+    if inner % ssm_heads:
+        raise ModelLoadError(f"nemotron_h GGUF {path}: ssm.inner_size {inner} must be a multiple of "
+                             f"ssm.time_step_rank (the mamba heads) {ssm_heads}")
+    block = {kind: f"blk.{kinds.index(kind)}" for kind in set(kinds)}
+    eps = meta("attention.layer_norm_rms_epsilon", None)
+    return {"architectures": ["NemotronHForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "layers_block_type": kinds, "num_attention_heads": num_heads,
+            "num_key_value_heads": max(kv) or num_heads,
+            "head_dim": int(meta("attention.key_length", hidden // num_heads)),
+            "intermediate_size": max(ff), "mlp_hidden_act": "relu2",  # every Nemotron-H's (the file names none)
+            "mamba_num_heads": ssm_heads, "mamba_head_dim": inner // ssm_heads,
+            "ssm_state_size": int(meta("ssm.state_size")), "n_groups": int(meta("ssm.group_count", 1)),
+            "conv_kernel": int(meta("ssm.conv_kernel")),
+            "use_conv_bias": f"{block['mamba']}.ssm_conv1d.bias" in shapes,
+            "mamba_proj_bias": f"{block['mamba']}.ssm_in.bias" in shapes,
+            "attention_bias": "attention" in block and f"{block['attention']}.attn_q.bias" in shapes,
+            "mlp_bias": "mlp" in block and f"{block['mlp']}.ffn_up.bias" in shapes,
+            # TextModel writes the config's layer_norm_epsilon as the LayerNorm key
+            "layer_norm_epsilon": float(eps if eps is not None else meta("attention.layer_norm_epsilon", 1e-5)),
+            "vocab_size": shapes["token_embd.weight"][-1], "max_position_embeddings": int(meta("context_length")),
             "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
 
 

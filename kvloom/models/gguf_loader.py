@@ -4,7 +4,7 @@ Every tensor is dequantized to float32 with ``gguf.quants``; the engine never ru
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
-granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), lfm2 and
+granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), nemotron_h, lfm2 and
 gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
 into transformers' fused tensor).
 
@@ -34,6 +34,10 @@ converter (convert_hf_to_gguf.py) undone exactly:
   ``output_norm``. Granite 4.0 the same, its fused shared MLP split into gate and up
   (``ffn_{gate,up,down}_shexp`` beside experts, ``ffn_{gate,up,down}`` without), its
   fused experts into ``ffn_{gate,up,down}_exps``.
+- Nemotron-H (llama.cpp's NemotronHModel on GraniteHybridModel): its blocks' norms as
+  ``attn_norm``, its mixers as Mamba2's, its attention's q/k rows permuted (undone), its
+  MLPs as ``ffn_up`` / ``ffn_down``; the block kinds from the per-block head_count_kv and
+  feed_forward_length (gguf_config.py).
 
 The config each file implies is built in ``gguf_config.py``.
 """
@@ -60,7 +64,7 @@ __all__ = ["GGUF_ARCHITECTURES", "dequantize", "gguf_architecture", "gguf_hf_con
 
 # (Granite 4.0's too: its converter permutes them though the model turns no rotary.)
 _PERMUTED_QK = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "BambaForCausalLM",
-                "GraniteMoeHybridForCausalLM",
+                "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                 "GraniteForCausalLM", "GraniteMoeForCausalLM", "SmolLM3ForCausalLM", "OlmoForCausalLM",
                 "ArceeForCausalLM"}
 
@@ -82,9 +86,11 @@ _FAMILY_TOP_LEVEL_NAMES = {
     # LFM2's final norm is its embedding_norm, stored as token_embd_norm.
     "Lfm2ForCausalLM": {**_TOP_LEVEL_NAMES, "token_embd_norm.weight": "model.embedding_norm.weight"},
     "GPT2LMHeadModel": {**_TOP_LEVEL_NAMES, "position_embd.weight": "model.wpe.weight"},
+    "NemotronHForCausalLM": {"token_embd.weight": "backbone.embeddings.weight",
+                             "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
 }
 # Families whose layers are HF's ``backbone.layers.N`` (the rest: ``model.layers.N``).
-_BACKBONE_FAMILIES = {"Mamba2ForCausalLM"}
+_BACKBONE_FAMILIES = {"Mamba2ForCausalLM", "NemotronHForCausalLM"}
 # GGUF block part -> HF module inside the layer (".weight" / ".bias" appended), or
 # "part.kind" -> the HF leaf name itself; "{}" in an expert name is the expert's index.
 _ATTENTION_BLOCK = {
@@ -148,6 +154,11 @@ _BLOCK_NAMES["GraniteMoeHybridForCausalLM"] = {
     **_BLOCK_NAMES["BambaForCausalLM"], "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "block_sparse_moe.router.layer", **_experts("block_sparse_moe.experts", "w1", "w3", "w2"),
     **_shared("block_sparse_moe.shared_expert")}
+# Nemotron-H: every block's norm is attn_norm and its single mixer ``mixer``: Mamba2's, Llama's
+# attention (q/k rows permuted by the converter, as GraniteHybridModel's), or the MLP's up / down.
+_BLOCK_NAMES["NemotronHForCausalLM"] = {
+    "attn_norm": "norm", **_mixer("mixer"), "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
+    "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
 _BLOCK_NAMES["GraniteForCausalLM"] = _BLOCK_NAMES["SmolLM3ForCausalLM"] = _ATTENTION_BLOCK
 _BLOCK_NAMES["Ernie4_5ForCausalLM"] = _ATTENTION_BLOCK  # its q/k rows as HF's (adjacent rotary pairs, not permuted)
 _BLOCK_NAMES["OlmoForCausalLM"] = _ATTENTION_BLOCK  # (OLMo 1's norms have no tensors)

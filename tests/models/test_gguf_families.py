@@ -188,6 +188,10 @@ HYBRID = dict(BASE, **{"attention.head_count": 4, "attention.head_count_kv": [0,
                        "rope.dimension_count": 2, "rope.scaling.finetuned": True, "ssm.inner_size": 16,
                        "ssm.time_step_rank": 2, "ssm.state_size": 4, "ssm.group_count": 1, "ssm.conv_kernel": 4})
 HYBRID_TENSORS = {"token_embd.weight": (16, 8)}
+# A Nemotron-H-shaped file: a mixer, attention and an MLP block (head_count_kv and
+# feed_forward_length per block, as NemotronHModel writes them).
+NEMOTRON_H = dict(HYBRID, block_count=3, **{"attention.head_count_kv": [0, 2, 0], "feed_forward_length": [0, 0, 6],
+                                            "context_length": 2**20})
 # Granite 4.0's dense MLP ([out, in]: 6 features of 8), and its experts beside a shared MLP.
 GRANITE_MLP = {"blk.0.ffn_gate.weight": (6, 8), "blk.0.ffn_up.weight": (6, 8), "blk.0.ffn_down.weight": (8, 6)}
 GRANITE_EXPERTS = {"blk.1.ffn_gate_inp.weight": (4, 8), "blk.0.ffn_gate_exps.weight": (4, 5, 8),
@@ -236,6 +240,13 @@ REFUSED = {
     "lfm2-no-conv-layer": ("lfm2", dict(BASE, **{"attention.head_count_kv": [2, 2], "shortconv.l_cache": 3,
                                                  "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 64}),
                            {"token_embd.weight": (16, 8)}, r"0 in the conv layers.*has no conv layer"),
+    "nemotron_h-block-both": ("nemotron_h", dict(NEMOTRON_H, feed_forward_length=[0, 6, 6]), HYBRID_TENSORS,
+                              "never both nonzero in one block"),
+    "nemotron_h-no-mamba": ("nemotron_h", dict(NEMOTRON_H, feed_forward_length=[6, 0, 6]), HYBRID_TENSORS,
+                            "needs a Mamba2 block"),
+    "nemotron_h-short": ("nemotron_h", dict(NEMOTRON_H, feed_forward_length=[0, 6]), HYBRID_TENSORS,
+                         r"must be per block \(3\)"),
+    "nemotron_h_moe": ("nemotron_h_moe", NEMOTRON_H, HYBRID_TENSORS, "unsupported GGUF architecture 'nemotron_h_moe'"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
     "lfm2moe": ("lfm2moe", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'lfm2moe'"),
     "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),

@@ -68,3 +68,33 @@ def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: d
 def test_refusals_name_the_reason(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for state-space"):
         ssm_engine(model_dir, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_cpp_file_gives_transformers_tokens(prompts: dict[str, list[int]], tied: bool,
+                                                    tmp_path: Path) -> None:
+    """llama.cpp's nemotron_h file (NemotronHModel on GraniteHybridModel): the block kinds from
+    the per-block head_count_kv and feed_forward_length, the mixers stored as Mamba2's, the
+    attention's q/k rows permuted, no rope. ``tied``: config.json says tie_word_embeddings,
+    which transformers ignores for Nemotron-H (its lm_head is its own): the HF directory and
+    the file alike give transformers' tokens."""
+    import torch
+    from helpers_models import hf_greedy_tokens, write_tiny_nemotron_h_gguf
+
+    from kvloom import LLM
+
+    model_dir = write_tiny_ssm_model(tmp_path / "hf", "nemotron_h", seed=4, tie_word_embeddings=tied,
+                                     layers_block_type=["mlp", "mamba", "attention", "mlp", "mamba"])
+    llm = LLM(str(write_tiny_nemotron_h_gguf(model_dir, tmp_path / "nemotron_h.gguf")), dtype="float32",
+              block_size=4, num_blocks=256, max_num_batched_tokens=16)
+    config = llm.engine.model_config
+    assert config.architecture == "NemotronHForCausalLM" and not config.tie_word_embeddings
+    assert config.ssm is not None and config.ssm.layer_kinds == ("mlp", "mamba", "attention", "mlp", "mamba")
+    chosen = list(prompts.values())[:4]
+    outputs = llm.generate(chosen, GREEDY)
+    # transformers' generate cannot start its cache at an MLP block: each step recomputed whole.
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_cache=False).eval()
+    expected = [hf_greedy_tokens(model, prompt, MAX_TOKENS) for prompt in chosen]
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    from_directory = LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=256).generate(chosen, GREEDY)
+    assert [list(output.outputs[0].token_ids) for output in from_directory] == expected
