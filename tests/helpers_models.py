@@ -804,20 +804,10 @@ def write_tiny_gguf_family(hf_dir: str | Path, out: str | Path, *, split_kv_b: b
             stacked.setdefault((layer, _GGUF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = array
             continue
         module, kind = rest.rsplit(".", 1)
-        gguf_name = None
+        gguf_name, array = _mamba2_gguf_tensor(layer, rest, mixer, config["mamba_n_groups"] if bamba else
+                                               config.get("n_groups", 1), array)
         if rest == "mlp.gate.e_score_correction_bias":
             gguf_name = f"blk.{layer}.exp_probs_b.bias"
-        elif rest == f"{mixer}.A_log":
-            gguf_name, array = f"blk.{layer}.ssm_a", (-torch.exp(tensor.float())).numpy().reshape(-1, 1)
-        elif rest == f"{mixer}.D":
-            gguf_name, array = f"blk.{layer}.ssm_d", array.reshape(-1, 1)
-        elif rest == f"{mixer}.dt_bias":
-            gguf_name = f"blk.{layer}.ssm_dt.bias"
-        elif rest == f"{mixer}.norm.weight":
-            groups = config["mamba_n_groups"] if bamba else config["n_groups"]
-            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(groups, -1)
-        elif rest == f"{mixer}.conv1d.weight":
-            array = array.squeeze(1)
         elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
             kv_b = array.reshape(heads, nope + v_dim, rank)
             k_b, v_b = kv_b[:, :nope], kv_b[:, nope:]
@@ -898,6 +888,25 @@ def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
+def _mamba2_gguf_tensor(layer: str, rest: str, mixer: str, groups: int, array: np.ndarray
+                        ) -> tuple[str | None, np.ndarray]:
+    """A Mamba2 mixer's tensor (``rest`` inside layer ``layer``; the mixer's HF module
+    ``mixer``) as llama.cpp's Mamba2Model stores it: A as -exp(A_log) and D as [heads, 1],
+    dt_bias as ``ssm_dt.bias``, the gated norm as [groups, d_inner / groups], conv1d squeezed
+    to [channels, kernel]. (Its GGUF name where it is not the module's, else None; the array.)"""
+    if rest == f"{mixer}.A_log":
+        return f"blk.{layer}.ssm_a", (-torch.exp(torch.from_numpy(array))).numpy().reshape(-1, 1)
+    if rest == f"{mixer}.D":
+        return f"blk.{layer}.ssm_d", array.reshape(-1, 1)
+    if rest == f"{mixer}.dt_bias":
+        return f"blk.{layer}.ssm_dt.bias", array
+    if rest == f"{mixer}.norm.weight":
+        return f"blk.{layer}.ssm_norm.weight", array.reshape(groups, -1)
+    if rest == f"{mixer}.conv1d.weight":
+        return None, array.squeeze(1)
+    return None, array
+
+
 # Nemotron-H's block modules -> llama.cpp's parts (every block's norm is attn_norm).
 _GGUF_NEMOTRON_H_BLOCK = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d",
                           "mixer.out_proj": "ssm_out", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k",
@@ -950,18 +959,8 @@ def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
             continue
         layer, rest = name.split(".layers.", 1)[1].split(".", 1)
         module, kind = rest.rsplit(".", 1)
-        gguf_name = None
-        if rest == "mixer.A_log":
-            gguf_name, array = f"blk.{layer}.ssm_a", (-torch.exp(tensor.float())).numpy().reshape(-1, 1)
-        elif rest == "mixer.D":
-            gguf_name, array = f"blk.{layer}.ssm_d", array.reshape(-1, 1)
-        elif rest == "mixer.dt_bias":
-            gguf_name = f"blk.{layer}.ssm_dt.bias"
-        elif rest == "mixer.norm.weight":
-            gguf_name, array = f"blk.{layer}.ssm_norm.weight", array.reshape(config["n_groups"], -1)
-        elif rest == "mixer.conv1d.weight":
-            array = array.squeeze(1)
-        elif module in ("mixer.q_proj", "mixer.k_proj"):
+        gguf_name, array = _mamba2_gguf_tensor(layer, rest, "mixer", config["n_groups"], array)
+        if module in ("mixer.q_proj", "mixer.k_proj"):
             heads = config["num_attention_heads" if module == "mixer.q_proj" else "num_key_value_heads"]
             array = permute_rows(array, heads)
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_NEMOTRON_H_BLOCK[module]}.{kind}",

@@ -16,6 +16,7 @@ kernels/paged_attention.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,9 @@ ROPE = {"none": 0, "global": 1, "local": 2}
 # or none (an MLP alone: Nemotron-H's MLP block after no other). A layer whose gate_up column is 0
 # has no MLP.
 MIXERS = {"attention": 0, "mamba": 1, "conv": 2, "none": 3}
-_COLUMN_MIXER, _COLUMN_CONV_STATE = WEIGHT_COLUMNS.index("mixer"), WEIGHT_COLUMNS.index("conv_state")
+# A row's block and conv_state columns: a state layer's must be bound before a call.
+_STATE_COLUMNS = [WEIGHT_COLUMNS.index("mixer"), WEIGHT_COLUMNS.index("conv_state")]
+_STATE_MIXERS = (MIXERS["mamba"], MIXERS["conv"])
 # StackShape.norm and .activation, as decoder_stack.cpp's Norm and Activation codes.
 NORMS = {"llama": 0, "scaled_in_float32": 1, "layer": 2}
 # "*_plain": the un-gated MLP (its gate_up column holds fc1, its down column fc2), GELU's
@@ -407,11 +410,17 @@ def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | No
         _check(f"spans.{name}", getattr(spans, name), dtype, (n,))
     if int(spans.lengths.sum()) != tokens:
         raise _fail("spans.lengths", f"must sum to the step's {tokens} rows, got {spans.lengths.tolist()}")
-    state_rows = (weights[:, _COLUMN_MIXER] == MIXERS["mamba"]) | (weights[:, _COLUMN_MIXER] == MIXERS["conv"])
-    if bool((weights[state_rows, _COLUMN_CONV_STATE] == 0).any()):
+    if any(mixer in _STATE_MIXERS and not conv_state for mixer, conv_state in weights[:, _STATE_COLUMNS].tolist()):
         raise _fail("weights", "have a state layer without its state tensors (bound at the first step)")
-    sizes = torch.tensor([states.inter, states.conv_dim, states.heads, states.head_dim, states.d_state, states.groups,
-                          states.conv_kernel, states.short_kernel, spans.num_slots], dtype=torch.int64)
-    limits = torch.tensor([states.dt_lo, states.dt_hi, states.eps], dtype=torch.float32)
+    sizes, limits = _state_sizes(states, spans.num_slots)
     return [sizes.data_ptr(), limits.data_ptr(), spans.starts.data_ptr(), spans.lengths.data_ptr(),
             spans.slots.data_ptr(), spans.has_state.data_ptr(), n], (sizes, limits)
+
+
+@functools.lru_cache(maxsize=8)
+def _state_sizes(states: StateShape, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C call's state_sizes (int64) and state_limits (float32) arrays, made once per model
+    and slot count (the C side only reads them)."""
+    return (torch.tensor([states.inter, states.conv_dim, states.heads, states.head_dim, states.d_state, states.groups,
+                          states.conv_kernel, states.short_kernel, num_slots], dtype=torch.int64),
+            torch.tensor([states.dt_lo, states.dt_hi, states.eps], dtype=torch.float32))

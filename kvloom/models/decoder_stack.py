@@ -179,6 +179,7 @@ class NativeDecoderStack:
         epsilons: set[float] = set()
         state_layers: dict[int, StateLayer] = {}
         activations: set[str] = set()
+        first_mlp: nn.Module | None = None  # its width is the walk's (this rank's features)
         # The walk's layers: the model's, or its blocks paired as layers (Nemotron-H's walk_layers).
         layers: list[Any] = model.walk_layers() if hasattr(model, "walk_layers") else list(model.layers)
         for index, layer in enumerate(layers):
@@ -203,6 +204,8 @@ class NativeDecoderStack:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
             if post_norm is None and parallel == "in_turn" and mlp is not None:
                 return None, f"layer {index} has no norm before its MLP"
+            if first_mlp is None:
+                first_mlp = mlp
             if mlp is None:
                 up = down = None
             elif isinstance(mlp, UngatedMLP):
@@ -294,12 +297,10 @@ class NativeDecoderStack:
             return None, "it has no attention layer"
         # this rank's share of the heads and features (all of them without TP)
         first = attending[0].self_attn
-        mlp = next(found for layer in layers
-                   if (found := getattr(layer, "feed_forward", None) or getattr(layer, "mlp", None)) is not None)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
         shape = kernels.StackShape(len(rows), config.hidden_size, first.num_heads, first.num_kv_heads,
                                    config.head_dim,
-                                   getattr(mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
+                                   getattr(first_mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
                                    epsilons.pop(), isas.pop(), residual_scale,
                                    getattr(model, "rotary_dim", None) or config.rotary_dim,
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
@@ -451,8 +452,9 @@ def _why_not_walked(layer: StateLayer, hidden_size: int) -> str:
         conv = layer.packed_conv
         if conv is None or layer.conv.weight.dtype != torch.bfloat16:
             return "is not packed in bf16 (pack_weights)"
-        if conv.weight_t.shape != (conv.weight_t.shape[0], hidden_size) or conv.weight_t.shape[0] > ssm.MAX_CONV_KERNEL:
-            return f"has a convolution of {list(conv.weight_t.shape)} taps x channels, not the kernel's"
+        taps, channels = conv.weight_t.shape
+        if channels != hidden_size or taps > ssm.MAX_CONV_KERNEL:
+            return f"has a convolution of {taps} taps x {channels} channels, not the kernel's"
         return ""
     sizes = layer.ssm
     if sizes.head_dim > ssm.MAX_HEAD_DIM or sizes.state_size > ssm.MAX_STATE or sizes.conv_kernel > ssm.MAX_CONV_KERNEL:

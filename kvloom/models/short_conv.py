@@ -54,7 +54,7 @@ class ShortConv(SlotStateLayer):
             raise RuntimeError("a short convolution runs only after allocate_state gave it its state slots")
         proj = self.in_proj(hidden)
         conv = self.packed_conv if self.packed_conv is not None else ssm_ops.ConvParams.of(self.conv)
-        if self.kernel == "native" and ssm_ops.native_short_conv_applies(proj, self.conv_state, conv):
+        if self.kernel == "native" and ssm_ops.native_conv_applies(proj, self.conv_state, conv):
             native: torch.Tensor = self.out_proj(ssm_ops.short_conv_native(proj, conv, self.conv_state, spans))
             return native
         B, C, x = proj.chunk(3, dim=-1)

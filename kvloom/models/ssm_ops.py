@@ -118,8 +118,7 @@ def causal_conv(xbc: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor, s
     in ``conv_state`` [slots, k - 1, channels]. Returns [tokens, channels] in xbc's dtype
     (summed in float32). On a CPU one native pass (kernels/ssm.py); elsewhere
     ``causal_conv_reference``."""
-    if (xbc.device.type == "cpu" and xbc.dtype in (torch.float32, torch.bfloat16) and conv_state.dtype == xbc.dtype
-            and _native_ssm() and conv.weight_t.shape[0] <= _max_native_kernel()):
+    if native_conv_applies(xbc, conv_state, conv):
         from kvloom.kernels import ssm
 
         return ssm.causal_conv(xbc.contiguous(), conv.weight_t, conv.bias, conv_state, spans.starts_tensor,
@@ -220,11 +219,12 @@ def mixer_native(proj: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor,
                            groups, float(time_step_limit[0]), float(time_step_limit[1]), eps)
 
 
-def native_short_conv_applies(proj: torch.Tensor, conv_state: torch.Tensor, conv: ConvParams) -> bool:
-    """Whether ``short_conv_native`` runs: on a CPU, activations and stored inputs in
-    float32 or bf16 alike, a kernel within the convolution's."""
-    return (proj.device.type == "cpu" and proj.dtype in (torch.float32, torch.bfloat16)
-            and conv_state.dtype == proj.dtype and _native_ssm() and conv.weight_t.shape[0] <= _max_native_kernel())
+def native_conv_applies(x: torch.Tensor, conv_state: torch.Tensor, conv: ConvParams) -> bool:
+    """Whether the native convolution runs (``causal_conv``'s, and LFM2's ``short_conv_native``
+    around it): on a CPU, activations ``x`` and stored inputs in float32 or bf16 alike, a
+    kernel within the convolution's."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and conv_state.dtype == x.dtype and _native_ssm() and conv.weight_t.shape[0] <= _max_native_kernel())
 
 
 def short_conv_native(proj: torch.Tensor, conv: ConvParams, conv_state: torch.Tensor, spans: SSMSpans) -> torch.Tensor:
