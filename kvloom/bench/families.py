@@ -66,6 +66,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # SmolLM2's attention; each FFN 8 experts of a quarter of its width, top 2 (half its FLOPs).
     "moe": ("MixtralConfig", {**_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 384, "num_local_experts": 8,
                               "num_experts_per_tok": 2, "architectures": ["MixtralForCausalLM"]}),
+    # The same active width in fine-grained experts (OLMoE's and Qwen3-MoE's kind): 64 of 96, top 8.
+    "moe_fine": ("MixtralConfig", {**_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 96,
+                                   "num_local_experts": 64, "num_experts_per_tok": 8,
+                                   "architectures": ["MixtralForCausalLM"]}),
     # The same attention and experts in GPT-OSS's form (its window every other layer, sinks, biases).
     "gpt_oss": ("GptOssConfig", {**_SMOLLM, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 384,
                                  "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128,

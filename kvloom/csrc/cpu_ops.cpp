@@ -498,6 +498,57 @@ void add_rows(T* y, const T* delta, const int64_t* rows, int64_t count, int64_t 
   }
 }
 
+// out[t] <- the sum over r < k of round(y[p] * weights[p]) for p = pairs[t][r] (p < 0:
+// none), added in r's order onto +0, each sum rounded to T: a mixture-of-experts layer's
+// experts' outputs weighted and added up token by token (models/moe.py: `(y * w).to(T)`,
+// then one `index_add_` per expert in ascending order; pairs[t] lists token t's rows of y
+// in that order). weights are float32 (a bf16 weight widens exactly); the product is
+// rounded to float32 and then to T, as torch's bf16-times-float32 product and its cast.
+// x as computed, not fused into the operation after it: -ffast-math lets GCC contract a
+// product and a sum into one fma, which rounds once where torch rounds the product first.
+template <class V>
+inline V kept(V x) {
+  asm("" : "+v"(x));
+  return x;
+}
+
+template <typename T>
+void moe_combine(const T* y, const float* weights, const int64_t* pairs, T* out, int64_t tokens, int64_t k,
+                 int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(tokens, tokens * k * n))
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* o = out + t * n;
+    for (int64_t j = 0; j < n; ++j) from_float(0.0f, o + j);
+    for (int64_t r = 0; r < k; ++r) {
+      const int64_t p = pairs[t * k + r];
+      if (p < 0) continue;
+      const T* yr = y + p * n;
+      const float w = weights[p];
+      int64_t vec = 0;  // elements the vector loop takes; the scalar rule does the rest
+#ifdef KVLOOM_AVX512
+      {
+        using namespace kvloom_simd;
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t j = 0; j < n; j += 16) {
+          const __m512 c = round16(kept(_mm512_mul_ps(load16(yr + j, n - j), wv)), o);
+          store16(o + j, _mm512_add_ps(load16(o + j, n - j), c), n - j);
+        }
+        vec = n;
+      }
+#elif defined(KVLOOM_AVX2)
+      {
+        using namespace kvloom_simd;
+        const __m256 wv = _mm256_set1_ps(w);
+        vec = n / 8 * 8;
+        for (int64_t j = 0; j < vec; j += 8)
+          store8(o + j, _mm256_add_ps(to_float8(o + j), round8(kept(_mm256_mul_ps(to_float8(yr + j), wv)), o)));
+      }
+#endif
+      for (int64_t j = vec; j < n; ++j) from_float(to_float(o[j]) + round_to(kept(to_float(yr[j]) * w), o), o + j);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -559,6 +610,14 @@ void kvloom_clamp_f32(float* x, int64_t count, float limit) { clamp(x, count, li
 void kvloom_clamp_bf16(uint16_t* x, int64_t count, float limit) { clamp(x, count, limit); }
 void kvloom_add_rows_f32(float* y, const float* delta, const int64_t* rows, int64_t count, int64_t n) {
   add_rows(y, delta, rows, count, n);
+}
+void kvloom_moe_combine_f32(const float* y, const float* weights, const int64_t* pairs, float* out, int64_t tokens,
+                            int64_t k, int64_t n) {
+  moe_combine(y, weights, pairs, out, tokens, k, n);
+}
+void kvloom_moe_combine_bf16(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
+                             int64_t tokens, int64_t k, int64_t n) {
+  moe_combine(y, weights, pairs, out, tokens, k, n);
 }
 void kvloom_add_rows_bf16(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n) {
   add_rows(y, delta, rows, count, n);

@@ -470,6 +470,51 @@ inline int64_t tile_start(int64_t pass, int64_t pass_end, int64_t i, int64_t cal
 // and a panel against 64 rows at K = 1536 is ~60 us of work.
 constexpr int64_t TILES_PER_UNIT = 2;
 
+// One call's plan: its passes of rows and the threads' shares of its (pass, panel,
+// pair of row tiles) units.
+template <class Path>
+struct VectorPlan {
+  int64_t pass_rows;
+  PanelShares layout;
+  VectorPlan(const Problem& p, int threads) : pass_rows(0), layout{} {
+    const int64_t blocks = (p.n + COLS - 1) / COLS;
+    pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS) * Path::ROWS;
+    const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
+    // Units per (pass, panel): the first pass's row tiles in pairs (a shorter last pass
+    // leaves its last units empty).
+    const int64_t groups = ((std::min(p.m, pass_rows) + Path::ROWS - 1) / Path::ROWS + TILES_PER_UNIT - 1) /
+                           TILES_PER_UNIT;
+    layout = PanelShares{blocks, threads, Path::BLOCKS, passes, groups};
+  }
+  static int threads_for(const Problem& p, int num_threads) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, (p.n + COLS - 1) / COLS)));
+  }
+
+  // The tiles of `unit` (of share unit.share), the ones from `side_from` on fetching side
+  // lines [side_from, side_to) of `side` spread over them (side_to <= side_from: none).
+  void run(const TileTable<Path>& table, const Problem& p, const kvloom_work::Unit& unit, const SideStream* side,
+           int64_t side_from, int64_t side_to) const {
+    const PanelShares::Place at = layout.place(unit);
+    const int64_t pass = at.pass * pass_rows, pass_end = std::min(p.m, pass + pass_rows);
+    const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
+    const AheadPlan plan{p, at.last};
+    const auto next = layout.ahead(plan, at, unit.stolen);  // sliced over the panel's row tiles
+    const int64_t first = at.group * TILES_PER_UNIT, end = std::min(calls, (at.group + 1) * TILES_PER_UNIT);
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS, Path::EVEN_ROWS);
+      const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS, Path::EVEN_ROWS) - m0;
+      if (side_to > side_from) {
+        const int64_t t = i - first, n = end - first, lines = side_to - side_from;
+        table.side[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls),
+                                           SideCursor::lines(*side, side->first + side_from + lines * t / n,
+                                                             side->first + side_from + lines * (t + 1) / n));
+      } else {
+        table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls), NO_SIDE);
+      }
+    }
+  }
+};
+
 // With a side stream (a path whose SIDE_STREAM is true), unit u of the call's U units
 // (numbered share by share) fetches its lines [first + L u / U, first + L (u + 1) / U),
 // whichever thread runs it, split evenly over its row tiles: every line once, spread
@@ -477,50 +522,61 @@ constexpr int64_t TILES_PER_UNIT = 2;
 template <class Path>
 void run_vector(const Problem& p, int num_threads, const SideStream* side = nullptr) {
   static const TileTable<Path> table;  // built once per path (thread-safe static init)
-  const int64_t blocks = (p.n + COLS - 1) / COLS;
-  const int64_t pass_rows = std::max<int64_t>(1, X_BYTES_PER_PASS / (2 * std::max<int64_t>(p.k, 1)) / Path::ROWS)
-                            * Path::ROWS;
-  const int64_t passes = (p.m + pass_rows - 1) / pass_rows;
-  // Units per (pass, panel): the first pass's row tiles in pairs (a shorter last pass
-  // leaves its last units empty).
-  const int64_t groups = ((std::min(p.m, pass_rows) + Path::ROWS - 1) / Path::ROWS + TILES_PER_UNIT - 1) / TILES_PER_UNIT;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-  const PanelShares layout{blocks, threads, Path::BLOCKS, passes, groups};
-  kvloom_work::WorkShares shares(threads, [&](int s) { return layout.size(s); });
+  const int threads = VectorPlan<Path>::threads_for(p, num_threads);
+  const VectorPlan<Path> plan(p, threads);
+  kvloom_work::WorkShares shares(threads, [&](int s) { return plan.layout.size(s); });
   const int64_t side_lines = side != nullptr && Path::SIDE_STREAM ? side->last - side->first : 0;
   std::vector<int64_t> units_before;  // with a side stream: the units of the shares before share s
   if (side_lines > 0) {
     units_before.assign(threads + 1, 0);
-    for (int s = 0; s < threads; ++s) units_before[s + 1] = units_before[s] + layout.size(s);
+    for (int s = 0; s < threads; ++s) units_before[s + 1] = units_before[s] + plan.layout.size(s);
   }
 #pragma omp parallel num_threads(threads)
   {
     Path::begin_thread();
     kvloom_work::Unit unit;
     while (shares.next(omp_get_thread_num(), unit)) {
-      const PanelShares::Place at = layout.place(unit);
-      const int64_t pass = at.pass * pass_rows, pass_end = std::min(p.m, pass + pass_rows);
-      const int64_t calls = (pass_end - pass + Path::ROWS - 1) / Path::ROWS;  // row tiles per panel
-      const AheadPlan plan{p, at.last};
-      const auto next = layout.ahead(plan, at, unit.stolen);  // sliced over the panel's row tiles
-      const int64_t first = at.group * TILES_PER_UNIT, end = std::min(calls, (at.group + 1) * TILES_PER_UNIT);
       int64_t from = 0, to = 0;  // this unit's side lines
       if (side_lines > 0) {
         const int64_t u = units_before[unit.share] + unit.index, units = units_before[threads];
         from = side_lines * u / units, to = side_lines * (u + 1) / units;
       }
-      for (int64_t i = first; i < end; ++i) {
-        const int64_t m0 = tile_start(pass, pass_end, i, calls, Path::ROWS, Path::EVEN_ROWS);
-        const int64_t rows = tile_start(pass, pass_end, i + 1, calls, Path::ROWS, Path::EVEN_ROWS) - m0;
-        if (to > from) {
-          const int64_t t = i - first, n = end - first;
-          table.side[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls),
-                                             SideCursor::lines(*side, side->first + from + (to - from) * t / n,
-                                                               side->first + from + (to - from) * (t + 1) / n));
-        } else {
-          table.at[rows - 1][at.panel - 1](p, m0, at.j0, plan.slice(next, i, calls), NO_SIDE);
-        }
-      }
+      plan.run(table, p, unit, side, from, to);
+    }
+    Path::end_thread();
+  }
+}
+
+// Many calls of one weight shape in one parallel region (a mixture-of-experts layer's
+// experts: each its own rows and weight). Every call is planned as one thread's share
+// (all its column blocks, panel by panel); the calls' units, one after another, are
+// split into one contiguous run per thread, so each thread streams its own run of
+// weights, and a thread that finishes first takes units from the back of the other's
+// run. Against a call per expert (a parallel region each, both threads on every
+// expert's few columns) this keeps the threads on separate weights and pays one
+// barrier. A unit's tiles are the same as in its own call: no bit changes.
+template <class Path>
+void run_vector_grouped(const Problem* problems, int64_t count, int num_threads) {
+  static const TileTable<Path> table;
+  std::vector<VectorPlan<Path>> plans;
+  std::vector<int64_t> units_before(1, 0);  // units of the calls before call g
+  plans.reserve(count);
+  for (int64_t g = 0; g < count; ++g) {
+    plans.emplace_back(problems[g], 1);
+    units_before.push_back(units_before.back() + plans.back().layout.size(0));
+  }
+  const int64_t units = units_before.back();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
+  auto share_start = [&](int s) { return units * s / threads; };
+  kvloom_work::WorkShares shares(threads, [&](int s) { return share_start(s + 1) - share_start(s); });
+#pragma omp parallel num_threads(threads)
+  {
+    Path::begin_thread();
+    kvloom_work::Unit unit;
+    while (shares.next(omp_get_thread_num(), unit)) {
+      const int64_t u = share_start(unit.share) + unit.index;
+      const int64_t g = std::upper_bound(units_before.begin(), units_before.end(), u) - units_before.begin() - 1;
+      plans[g].run(table, problems[g], kvloom_work::Unit{0, u - units_before[g], unit.stolen}, nullptr, 0, 0);
     }
     Path::end_thread();
   }
@@ -872,6 +928,45 @@ int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint1
     case ISA_AVX512_BF16: run_vector<PathAvx512Bf16>(p, num_threads, side); break;
     case ISA_AVX512: run_vector<PathAvx512>(p, num_threads); break;
     default: run_avx2(p, num_threads); break;
+  }
+  return 0;
+}
+
+// A grouped matmul: for each group g, rows [starts[g], starts[g + 1]) of y[m, n] =
+// those rows of x[m, k] @ W_g^T, where W_g is the packed weight at packed + g *
+// weight_stride (bf16 elements); a group without rows reads nothing. Every row's
+// result is the one kvloom_gemm_bf16 gives it with W_g. Returns 0, -1 when isa is not
+// one this CPU runs, -2 when starts does not rise from 0 to m (nothing written).
+int kvloom_gemm_grouped_bf16(const uint16_t* x, const uint16_t* packed, const int64_t* starts, uint16_t* y,
+                             int64_t groups, int64_t m, int64_t n, int64_t k, int64_t weight_stride, int isa,
+                             int num_threads) {
+  if (isa <= ISA_NONE || isa > kvloom_gemm_best_isa()) return -1;
+  if (starts[0] != 0 || starts[groups] != m) return -2;
+  for (int64_t g = 0; g < groups; ++g)
+    if (starts[g + 1] < starts[g]) return -2;
+  if (m == 0 || n == 0) return 0;
+  std::vector<Problem> problems;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = starts[g + 1] - starts[g];
+    if (rows == 0) continue;
+    problems.push_back(Problem{x + starts[g] * k, reinterpret_cast<const uint32_t*>(packed + g * weight_stride),
+                               nullptr, y + starts[g] * n, rows, n, k, round_up(k, K_ALIGN) / 2 * COLS});
+  }
+  if (k == 0) {
+    const float zeros[COLS] = {};
+    for (const Problem& p : problems)
+      for (int64_t r = 0; r < p.m; ++r)
+        for (int64_t j = 0; j < n; j += COLS) store_row(p, r, j, zeros, std::min<int64_t>(COLS, n - j));
+    return 0;
+  }
+  const int64_t count = static_cast<int64_t>(problems.size());
+  switch (isa) {
+    case ISA_AMX: run_vector_grouped<PathAmx>(problems.data(), count, num_threads); break;
+    case ISA_AVX512_BF16: run_vector_grouped<PathAvx512Bf16>(problems.data(), count, num_threads); break;
+    case ISA_AVX512: run_vector_grouped<PathAvx512>(problems.data(), count, num_threads); break;
+    default:  // AVX2 widens x per call: one call a group
+      for (const Problem& p : problems) run_avx2(p, num_threads);
+      break;
   }
   return 0;
 }

@@ -3,8 +3,10 @@ bf16: ``kvloom::rms_norm``, ``kvloom::rms_norm_scaled`` (Gemma's and OLMo 2's: t
 float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::silu_and_mul``, ``kvloom::gelu_tanh_and_mul`` (Gemma's GeGLU), ``kvloom::gelu_tanh``,
 ``kvloom::gelu_erf``, ``kvloom::relu`` and ``kvloom::relu2`` (the un-gated MLP's), ``kvloom::rotary_``,
-``kvloom::clamp_`` (OLMo 1's clip, for the native walk; the modules call torch's) and
-``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add).
+``kvloom::clamp_`` (OLMo 1's clip, for the native walk; the modules call torch's),
+``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add) and
+``kvloom::moe_combine`` (a mixture-of-experts layer's weighted expert outputs added up per
+token; its reference is models/moe.py's torch ops).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -341,3 +343,44 @@ def add_rows_(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None = 
     distinct), each sum rounded once to y's dtype: torch's ``y += delta`` and
     ``y.index_add_(0, rows, delta)``, the reference (tests/kernels/test_add_rows.py)."""
     ADD_ROWS.call(y, delta, rows)
+
+
+# ---- a mixture-of-experts layer's outputs, weighted and added per token ---------------
+MOE_COMBINE = NativeOp(
+    "moe_combine(Tensor y, Tensor weights, Tensor pairs) -> Tensor",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_moe_combine_{variant}(y, weights, pairs, Tensor out, int tokens, int k, int n) -> ()",
+    tensors={"y": TensorSpec(2, ACTIVATIONS), "weights": TensorSpec(1, (torch.float32,)),
+             "pairs": TensorSpec(2, (torch.int64,))},
+)
+
+
+@MOE_COMBINE.check
+def _moe_combine_check(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> None:
+    if weights.shape[0] != y.shape[0]:
+        raise MOE_COMBINE.error("weights", f"must have one weight for each of y's {y.shape[0]} rows, got "
+                                           f"{weights.shape[0]}")
+
+
+@MOE_COMBINE.implementation
+def _moe_combine_cpu(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    # The pairs' values are data, which a fake tensor does not have: checked here, where they are.
+    if pairs.numel() and int(pairs.max()) >= y.shape[0]:
+        raise MOE_COMBINE.error("pairs", f"must name rows of y's {y.shape[0]} (or be negative: none), got "
+                                         f"{int(pairs.max())}")
+    out = torch.empty(pairs.shape[0], y.shape[1], dtype=y.dtype)
+    MOE_COMBINE.function(_VARIANT[y.dtype])(y.data_ptr(), weights.data_ptr(), pairs.data_ptr(), out.data_ptr(),
+                                            pairs.shape[0], pairs.shape[1], y.shape[1])
+    return out
+
+
+@MOE_COMBINE.fake
+def _moe_combine_fake(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    return y.new_empty(pairs.shape[0], y.shape[1])
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """out[t] = the sum over r of ``(y[pairs[t, r]] * weights[pairs[t, r]]).to(y.dtype)``,
+    added in r's order onto zeros, each sum rounded to y's dtype (a negative entry: no
+    row): y [rows, n], weights [rows] float32, pairs [tokens, k] int64 -> [tokens, n]."""
+    return MOE_COMBINE.call(y, weights, pairs)

@@ -159,6 +159,27 @@ def pack_weights(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
+def pack_weight_groups(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each group's weights (one shape a group) packed as :func:`pack_weights` packs them,
+    every group in one buffer on 2 MiB pages, group after group: per group a [len(group),
+    packed elements] tensor, row i its weight i packed (what :func:`gemm_grouped_bf16`
+    takes; a mixture-of-experts layer's experts' gate/up weights, then their down
+    weights)."""
+    for group in groups:
+        if len({tuple(weight.shape) for weight in group}) > 1:
+            raise ValueError(f"a group's weights must share one shape, got {[tuple(w.shape) for w in group]}")
+    views = iter(pack_weights([weight for group in groups for weight in group]))
+    stacked = []
+    for group in groups:
+        rows = [next(views) for _ in group]
+        size = rows[0].shape[0] if rows else 0
+        # pack_weights lays them one after another: row i starts where row i - 1 ends
+        assert all(row.data_ptr() == rows[0].data_ptr() + 2 * size * i for i, row in enumerate(rows))
+        stacked.append(rows[0].as_strided((len(rows), size), (size, 1)) if rows
+                       else torch.empty(0, 0, dtype=torch.bfloat16))
+    return stacked
+
+
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The oracle: a float32 matmul (and bias add), rounded to bf16 once."""
     y = x.float() @ weight.float().T
@@ -245,3 +266,57 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, 
               isa: str) -> torch.Tensor:
     """y[M, out_features] = x[M, K] @ W.T (+ bias) on the given path (see the module doc)."""
     return GEMM.call(x, packed, bias, out_features, isa)
+
+
+GEMM_GROUPED = NativeOp(
+    "gemm_grouped_bf16(Tensor x, Tensor packed, Tensor starts, int out_features, str isa) -> Tensor",
+    library="gemm",
+    native="kvloom_gemm_grouped_bf16(x, packed, starts, Tensor y, int groups, int m, int n, int k, "
+           "int weight_stride, int32 isa, int32 num_threads) -> int32",
+    tensors={"x": TensorSpec(2, _BF16), "packed": TensorSpec(2, _BF16, rows=True),
+             "starts": TensorSpec(1, (torch.int64,))},
+)
+
+
+@GEMM_GROUPED.check
+def _gemm_grouped_check(x: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor, out_features: int,
+                        isa: str) -> None:
+    expected = packed_elements(out_features, x.shape[1])
+    if packed.shape[1] != expected:
+        raise GEMM_GROUPED.error("packed", f"rows have {packed.shape[1]} elements, a [{out_features}, "
+                                           f"{x.shape[1]}] weight packs to {expected}")
+    if starts.shape[0] != packed.shape[0] + 1:
+        raise GEMM_GROUPED.error("starts", f"must have one entry per weight and one more ({packed.shape[0] + 1}), "
+                                           f"got {starts.shape[0]}")
+    if isa not in _ISA_ENUM:
+        raise GEMM_GROUPED.error("isa", f"must be one of {ISAS}, got {isa!r}")
+
+
+@GEMM_GROUPED.implementation
+def _gemm_grouped_cpu(x: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor, out_features: int,
+                      isa: str) -> torch.Tensor:
+    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    status = GEMM_GROUPED.function()(
+        x.data_ptr(), packed.data_ptr(), starts.data_ptr(), y.data_ptr(), packed.shape[0], x.shape[0],
+        out_features, x.shape[1], packed.stride(0), _ISA_ENUM[isa], torch.get_num_threads())
+    if status == -1:
+        raise RuntimeError(f"kvloom::gemm_grouped_bf16: this CPU does not run the {isa!r} path "
+                           f"(it runs {supported_isas()})")
+    if status == -2:
+        raise GEMM_GROUPED.error("starts", f"must rise from 0 to x's {x.shape[0]} rows, got {starts.tolist()}")
+    return y
+
+
+@GEMM_GROUPED.fake
+def _gemm_grouped_fake(x: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor, out_features: int,
+                       isa: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def gemm_grouped_bf16(x: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor, out_features: int,
+                      isa: str) -> torch.Tensor:
+    """Rows [starts[g], starts[g + 1]) of the result = those rows of x @ W_g.T, W_g packed
+    as ``packed[g]`` (:func:`pack_weight_groups`): each row's bits are
+    :func:`gemm_bf16`'s with its group's weight. ``starts``: [groups + 1] int64, rising
+    from 0 to x's rows (a group may have none)."""
+    return GEMM_GROUPED.call(x, packed, starts, out_features, isa)

@@ -22,7 +22,9 @@ replicated, so every rank routes alike.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.kernels import cpu_ops, gemm
 from kvloom.model_families import MoEConfig
 from kvloom.models import ops
 from kvloom.models.layers import GatedMLP
 from kvloom.models.mxfp4_experts import MXFP4Experts
-from kvloom.models.packed_linear import packed_linear, packed_linears
+from kvloom.models.packed_linear import InvariantLinear, can_pack_invariant, packed_linear, packed_linears
 from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
 
 
@@ -169,20 +172,38 @@ def expert_activation(moe: MoEConfig) -> Callable[[torch.Tensor], torch.Tensor]:
 ExpertBiases = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class GroupedExperts:
+    """Every expert's two matmuls packed for the grouped GEMM (kernels/gemm.py's
+    ``pack_weight_groups``): ``gate_up`` [experts, packed elements of a
+    [gate_up_features, hidden] weight], ``down`` [experts, those of a [hidden_size,
+    inter] one], row e expert e's, run on path ``isa``."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_features: int
+    hidden_size: int
+    isa: str
+
+
 def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
                     weights: torch.Tensor, experts: torch.Tensor,
                     packed: PackedExperts | None = None, adapters: ExpertAdapters | None = None,
                     biases: ExpertBiases | None = None,
-                    activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul) -> torch.Tensor:
+                    activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul,
+                    grouped: GroupedExperts | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: x [tokens,
     hidden], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (or ``packed``: each
-    expert's two layers), weights and experts [tokens, top_k]. Pairs sorted by expert:
-    one gate/up matmul per expert that any token chose, the activation and the routing
-    weights over every pair at once (a row's result is its own), one down matmul per
-    expert, and the weighted outputs added back expert by expert (each token's experts in
-    ascending order, one rounded add each, as transformers adds them).
+    expert's two layers; or ``grouped``: all of them for the grouped GEMM), weights and
+    experts [tokens, top_k]. Pairs sorted by expert: each expert's gate/up matmul over its
+    rows (with ``grouped`` every expert's in one native call), the activation and the
+    routing weights over every pair at once (a row's result is its own), each expert's
+    down matmul, and the weighted outputs added up token by token, each token's experts in
+    ascending order, one rounded add each, as transformers adds them (one native call on
+    a CPU, else one ``index_add_`` per expert).
     With ``adapters``, each pair's rows get their token's adapter delta after each matmul
-    (its gate/up output before the activation, its down output before the routing weight).
+    (its gate/up output before the activation, its down output before the routing weight;
+    expert by expert, whatever ``grouped`` says).
     With ``biases``, each matmul's rounded output then gets its expert's bias added (as
     transformers' GptOssExperts adds it); ``activation`` maps gate | up to the down input."""
     num_tokens, top_k = experts.shape
@@ -191,23 +212,45 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     # Within an expert, rows in transformers' order (by choice slot, then token): a float32
     # matmul's rows can round differently by their place in the call.
     order = torch.argsort((flat * top_k + pair % top_k) * num_tokens + pair // top_k)
-    num_experts = len(packed) if packed is not None else gate_up.shape[0]  # type: ignore[union-attr]
+    num_experts = (grouped.gate_up.shape[0] if grouped is not None else len(packed) if packed is not None
+                   else gate_up.shape[0])  # type: ignore[union-attr]
     # The slices' bounds (one sync); ids past the last expert (another rank's, under expert
     # parallel) sort after every slice and are left out.
     counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
-    order = order[:sum(counts)]
+    total = sum(counts)
+    if total == 0:
+        return torch.zeros_like(x)
+    order = order[:total]
     tokens = order // top_k  # [pairs], grouped by expert
     rows = x.index_select(0, tokens)  # [pairs, hidden]
-    pair_weights = weights.reshape(-1)[order].unsqueeze(-1)  # [pairs, 1]
+    pair_weights = weights.reshape(-1)[order]  # [pairs]
     row_slots = adapters.row_slots(num_tokens) if adapters is not None else None
     pair_slots = row_slots.index_select(0, tokens) if isinstance(row_slots, torch.Tensor) else row_slots  # [pairs]
+    pair_experts = flat[order] if biases is not None else None  # [pairs]
+    if grouped is not None and pair_slots is None:
+        starts = torch.tensor([0, *itertools.accumulate(counts)])
+        projected = gemm.gemm_grouped_bf16(rows, grouped.gate_up, starts, grouped.gate_up_features, grouped.isa)
+        if biases is not None:
+            projected = projected + biases[0].index_select(0, pair_experts)  # type: ignore[arg-type]
+        output = gemm.gemm_grouped_bf16(activation(projected), grouped.down, starts, grouped.hidden_size,
+                                        grouped.isa)
+        if biases is not None:
+            output = output + biases[1].index_select(0, pair_experts)  # type: ignore[arg-type]
+    else:
+        output = _experts_one_by_one(rows, counts, gate_up, down, packed, adapters, pair_slots, biases, activation)
+    return _combine_pairs(x, output, pair_weights, experts, order, counts, tokens)
+
+
+def _experts_one_by_one(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor | None,
+                        down: torch.Tensor | None, packed: PackedExperts | None, adapters: ExpertAdapters | None,
+                        pair_slots: torch.Tensor | int | None, biases: ExpertBiases | None,
+                        activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """experts_grouped's matmuls a call per expert chosen: [pairs, hidden] -> [pairs, hidden]."""
     spans, start = [], 0  # (expert, first pair, past its last) of every expert chosen
     for expert, count in enumerate(counts):
         if count:
             spans.append((expert, start, start + count))
         start += count
-    if not spans:
-        return torch.zeros_like(x)
 
     def matmul(part: int, expert: int, rows: torch.Tensor) -> torch.Tensor:  # 0: gate/up, 1: down
         y = (packed[expert][part](rows) if packed is not None
@@ -228,12 +271,27 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.T
     for expert, start, end in spans:
         outputs.append(matmul(1, expert, activated[start:end]))
         adapt("down", expert, activated[start:end], outputs[-1], start, end)
-    contributions = (torch.cat(outputs) * pair_weights).to(x.dtype)  # [pairs, hidden]
+    return torch.cat(outputs)
+
+
+def _combine_pairs(x: torch.Tensor, output: torch.Tensor, pair_weights: torch.Tensor, experts: torch.Tensor,
+                   order: torch.Tensor, counts: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted expert outputs added onto zeros in ascending expert order,
+    each product rounded to x's dtype and each add rounded (transformers' order):
+    ``output`` [pairs, hidden] grouped by expert as ``order`` sorts them."""
+    if x.device.type == "cpu" and x.dtype in cpu_ops.ACTIVATIONS and cpu_ops.available():
+        num_tokens, top_k = experts.shape
+        position = torch.full((num_tokens * top_k,), -1, dtype=torch.int64)  # of each (token, choice) in output
+        position[order] = torch.arange(order.shape[0])
+        pairs = position.view(num_tokens, top_k).gather(1, experts.argsort(dim=1))  # ascending expert
+        return cpu_ops.moe_combine(output, pair_weights.float(), pairs)
+    contributions = (output * pair_weights.unsqueeze(-1)).to(x.dtype)  # [pairs, hidden]
     out = torch.zeros_like(x)
     # A token chose each expert at most once: one add per token and expert, ascending, each
     # rounded (one index_add_ over every pair would add a token's experts before rounding).
-    for _, start, end in spans:
-        out.index_add_(0, tokens[start:end], contributions[start:end])
+    for start, count in zip(itertools.accumulate(counts, initial=0), counts):  # noqa: B905 (one more start)
+        if count:
+            out.index_add_(0, tokens[start:start + count], contributions[start:start + count])
     return out
 
 
@@ -314,16 +372,17 @@ class SparseMoE(nn.Module):
         # Set by pack(): each expert's two matmuls as the kernel's layers (the 3D tensors
         # are then released), and the shared expert's gate.
         self.packed_experts: nn.ModuleList | None = None
+        self.grouped: GroupedExperts | None = None  # the same weights for the grouped GEMM (invariant only)
         self._packed_pairs: list[tuple[nn.Module, nn.Module]] | None = None  # the same layers, as pairs
         self.packed_shared_gate: nn.Module | None = None
         # LoRA adapters on the routed experts (set by kvloom/lora's manager); None: none.
         self.adapters: ExpertAdapters | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pairs, adapters, biases = self._packed_pairs, self.adapters, self._biases()
+        pairs, adapters, biases, grouped = self._packed_pairs, self.adapters, self._biases(), self.grouped
         return self._combine(x, lambda x, gate_up, down, weights, experts: experts_grouped(
             x, gate_up, down, weights, experts, packed=pairs, adapters=adapters, biases=biases,
-            activation=self.activation))
+            activation=self.activation, grouped=grouped))
 
     def _expert_tensors(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(gate_up, down) as dense tensors, or (None, None) once packed; 4-bit experts not
@@ -354,8 +413,9 @@ class SparseMoE(nn.Module):
         packed layers (models/packed_linear.py), where it applies (bf16 on CPU): so the
         routed experts are batch-invariant like every other matmul (the router packs
         itself; ``pack_linear_layers`` calls both). For ``invariant`` the block's experts
-        share one buffer on 2 MiB pages, expert after expert (``packed_linears``), as the
-        dense layers do. Returns how many layers were packed; 0 leaves the module as it was."""
+        share one buffer on 2 MiB pages, every expert's gate/up weight and then every
+        expert's down weight, which the grouped GEMM runs a layer's experts from in two
+        calls. Returns how many layers were packed; 0 leaves the module as it was."""
         if self.mxfp4 is not None and self.mxfp4.runs_here():  # 4-bit: the MXFP4 kernel's layers, whatever matmul
             pairs = self.mxfp4.layers()
         else:
@@ -365,18 +425,33 @@ class SparseMoE(nn.Module):
                 self.experts_gate_up, self.experts_down = nn.Parameter(gate_up), nn.Parameter(down)
                 self.mxfp4 = None
             gate_up, down = self.experts_gate_up, self.experts_down
-            layers = packed_linears([(weight[e], None) for e in range(self.num_local_experts)
-                                     for weight in (gate_up, down)], matmul)
-            pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True)
-                     if a is not None and b is not None]
-            if len(pairs) < self.num_local_experts:
-                return 0
+            if matmul == "invariant" and can_pack_invariant(gate_up):
+                pairs = self._pack_grouped(gate_up, down)
+            else:
+                layers = packed_linears([(weight[e], None) for e in range(self.num_local_experts)
+                                         for weight in (gate_up, down)], matmul)
+                pairs = [(a, b) for a, b in zip(layers[0::2], layers[1::2], strict=True)
+                         if a is not None and b is not None]
+                if len(pairs) < self.num_local_experts:
+                    return 0
             del self.experts_gate_up, self.experts_down  # the packed copies are what runs now
         self.packed_experts = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)  # registered: .to() moves them
         self._packed_pairs = pairs
         if self.shared_expert_gate is not None:
             self.packed_shared_gate = packed_linear(self.shared_expert_gate, None, matmul)
         return 2 * len(pairs) + int(self.packed_shared_gate is not None)
+
+    def _pack_grouped(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[nn.Module, nn.Module]]:
+        """Every expert's gate/up weight, then every expert's down weight, packed into one
+        buffer for the grouped GEMM (``self.grouped``); each expert's pair of layers are
+        views of it (the LoRA path's matmuls)."""
+        gate_ups, downs = gemm.pack_weight_groups([list(gate_up.unbind()), list(down.unbind())])
+        pairs: list[tuple[nn.Module, nn.Module]] = [
+            (InvariantLinear(gate_up[e], None, packed=gate_ups[e]), InvariantLinear(down[e], None, packed=downs[e]))
+            for e in range(self.num_local_experts)]
+        self.grouped = GroupedExperts(gate_ups, downs, gate_up.shape[1], gate_up.shape[2],
+                                      pairs[0][0].isa)  # type: ignore[arg-type]
+        return pairs
 
     def _combine(self, x: torch.Tensor, run_experts: Callable[..., torch.Tensor]) -> torch.Tensor:
         weights, experts = self.router(x)

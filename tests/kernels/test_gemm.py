@@ -250,3 +250,42 @@ def test_a_side_stream_changes_no_bit(isa: str, m: int, n: int, k: int, lines: i
                                            gemm.isa_code(isa), threads, side.data_ptr())
         assert status == 0
         assert torch.equal(got, want), f"{isa}, {threads} thread(s): the side stream changed the result"
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize(("counts", "n", "k"), [
+    ([1, 0, 2, 1], 192, 576),            # decode: a few rows an expert, one expert unused
+    ([0, 37, 0, 0, 5, 300], 100, 63),    # tails in n and k; an expert with several passes of rows
+    ([3] * 40, 48, 96),                  # many experts of a few rows (threads share them out)
+    ([0, 0, 0], 40, 32),                 # no rows at all
+])
+def test_a_grouped_call_is_each_groups_own_call(isa: str, counts: list[int], n: int, k: int) -> None:
+    """Every group's rows get the bits of one kvloom_gemm_bf16 call with its weight (and so
+    the float32 reference's, to rounding), whichever groups share the grouped call."""
+    generator = torch.Generator().manual_seed(len(counts) + n)
+    weights = [(torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16() for _ in counts]
+    packed, = gemm.pack_weight_groups([weights])
+    x = torch.randn(sum(counts), k, generator=generator).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    y = gemm.gemm_grouped_bf16(x, packed, starts, n, isa)
+    assert y.shape == (sum(counts), n)
+    for group, weight in enumerate(weights):
+        rows = x[starts[group]:starts[group + 1]]
+        if rows.shape[0]:
+            alone = gemm.gemm_bf16(rows.contiguous(), gemm.pack_weight(weight), None, n, isa)
+            assert torch.equal(y[starts[group]:starts[group + 1]], alone), f"group {group}"
+            reference = gemm.gemm_reference(rows, weight, None).float()
+            assert (y[starts[group]:starts[group + 1]].float() - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+def test_grouped_weights_are_stacked_views_of_one_buffer() -> None:
+    gate_ups = [torch.randn(32, 16).bfloat16() for _ in range(3)]
+    downs = [torch.randn(16, 16).bfloat16() for _ in range(3)]
+    first, second = gemm.pack_weight_groups([gate_ups, downs])
+    assert first.shape == (3, gemm.packed_elements(32, 16)) and second.shape == (3, gemm.packed_elements(16, 16))
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert second.data_ptr() == first.data_ptr() + 2 * first.numel()  # the second group after the first
+    for weight, row in zip(gate_ups + downs, list(first) + list(second), strict=True):
+        assert torch.equal(row, gemm.pack_weight(weight))
+    with pytest.raises(ValueError, match="must share one shape"):
+        gemm.pack_weight_groups([[torch.zeros(32, 16).bfloat16(), torch.zeros(16, 16).bfloat16()]])

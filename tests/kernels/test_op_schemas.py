@@ -55,6 +55,17 @@ def gemm_args() -> tuple[Any, ...]:
     return randn(4, 8, dtype=torch.bfloat16, seed=5), gemm.pack_weight(weight), bias, 20, ISA
 
 
+def gemm_grouped_args() -> tuple[Any, ...]:
+    """Three weights of [20, 8]; rows 0-2 the first's, none the second's, 3-4 the third's."""
+    packed, = gemm.pack_weight_groups([[randn(20, 8, dtype=torch.bfloat16, seed=seed) for seed in (3, 4, 5)]])
+    return randn(5, 8, dtype=torch.bfloat16, seed=6), packed, torch.tensor([0, 3, 3, 5]), 20, ISA
+
+
+def moe_combine_args(dtype: torch.dtype) -> tuple[Any, ...]:
+    """Four rows of expert outputs for three tokens of two choices each (the last has one)."""
+    return randn(4, 24, dtype=dtype, seed=7), torch.rand(4), torch.tensor([[0, 2], [1, 3], [-1, 2]])
+
+
 def mxfp4_args(dtype: torch.dtype, bias: bool = True) -> tuple[Any, ...]:
     generator = torch.Generator().manual_seed(9)
     blocks = torch.randint(0, 256, (20, 2, 16), generator=generator, dtype=torch.uint8)
@@ -131,6 +142,8 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "argmax_rows": [lambda: (randn(4, 50),), lambda: (randn(3, 70, dtype=torch.bfloat16),)],
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
+    "gemm_grouped_bf16": [gemm_grouped_args],
+    "moe_combine": [lambda: moe_combine_args(torch.bfloat16), lambda: moe_combine_args(torch.float32)],
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
     "ssm_scan_": [ssm_scan_args],
     "causal_conv": [lambda: causal_conv_args(torch.bfloat16), lambda: causal_conv_args(torch.float32, bias=False)],
@@ -174,6 +187,13 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("gemm_bf16", "packed", lambda a: a.__setitem__(3, 40), "has .* elements"),
     ("gemm_bf16", "bias", lambda a: a.__setitem__(2, a[2][:10]), r"must be a contiguous \[20\] bf16"),
     ("gemm_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("gemm_grouped_bf16", "packed", lambda a: a.__setitem__(3, 40), "rows have .* elements"),
+    ("gemm_grouped_bf16", "starts", lambda a: a.__setitem__(2, a[2][:3]), r"one entry per weight and one more \(4\)"),
+    ("gemm_grouped_bf16", "starts", lambda a: a.__setitem__(2, torch.tensor([0, 3, 2, 5])), "must rise from 0 to"),
+    ("gemm_grouped_bf16", "starts", lambda a: a.__setitem__(2, torch.tensor([0, 3, 3, 4])), "must rise from 0 to"),
+    ("gemm_grouped_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("moe_combine", "weights", lambda a: a.__setitem__(1, a[1][:3]), "one weight for each of y's 4 rows"),
+    ("moe_combine", "pairs", lambda a: a.__setitem__(2, torch.tensor([[0, 4]])), "must name rows of y's 4"),
     ("mxfp4_linear", "x", lambda a: a.__setitem__(0, a[0][:, :48].contiguous()), "multiple of 32"),
     ("mxfp4_linear", "blocks", lambda a: a.__setitem__(1, a[1][:, :1].contiguous()), r"must be \[n, 2, 16\]"),
     ("mxfp4_linear", "scales", lambda a: a.__setitem__(2, a[2][:10].contiguous()), r"must be \[20, 2\]"),

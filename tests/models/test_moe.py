@@ -130,6 +130,72 @@ def test_grouped_experts_are_the_reference_loop() -> None:
     assert (bf16.float() - grouped).abs().max() < 0.02 * grouped.abs().max()
 
 
+def _packed_pairs(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[Any, Any]]:
+    """Each expert's two matmuls as their own packed layers (the reference for the grouped call)."""
+    from kvloom.models.packed_linear import InvariantLinear
+    return [(InvariantLinear(gate_up[e], None), InvariantLinear(down[e], None)) for e in range(gate_up.shape[0])]
+
+
+def _torch_sum(x: torch.Tensor, gate_up_layers: list[tuple[Any, Any]], weights: torch.Tensor, experts: torch.Tensor,
+               biases: tuple[torch.Tensor, torch.Tensor] | None, activation: Any) -> torch.Tensor:
+    """The naive loop over the packed layers: each token's experts in ascending order, its
+    output rounded, weighted, rounded and added onto zeros (rounded), in torch's ops."""
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for expert in sorted(int(e) for e in experts[token]):
+            if expert >= len(gate_up_layers):
+                continue  # another rank's
+            slot = int((experts[token] == expert).nonzero())
+            first, second = gate_up_layers[expert]
+            y = first(x[token:token + 1])
+            y = y if biases is None else y + biases[0][expert]
+            y = second(activation(y))
+            y = y if biases is None else y + biases[1][expert]
+            out[token:token + 1] += (y * weights[token, slot]).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 70])
+@pytest.mark.parametrize("form", ["plain", "bf16_weights", "biases", "other_ranks"])
+def test_grouped_gemm_experts_are_the_per_expert_loop_bit_for_bit(tokens: int, form: str) -> None:
+    """bf16 experts packed for the grouped GEMM (both matmuls of every expert a layer picks
+    in two native calls, the weighted sum in one): the same bits as running each token's
+    experts one by one through their own packed layers and adding with torch, for
+    SwiGLU and GPT-OSS's clamped SwiGLU with biases, routing weights in float32 or bf16,
+    and ids past the last expert (another rank's) skipped."""
+    from kvloom.models.moe import GroupedExperts, expert_activation
+    from kvloom.models.packed_linear import can_pack_invariant
+
+    if not can_pack_invariant(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no invariant GEMM on this CPU")
+    from kvloom.kernels import gemm
+    generator = torch.Generator().manual_seed(tokens)
+    num_experts, top_k, inter = 12, 4, 40
+    gate_up = (torch.randn(num_experts, 2 * inter, HIDDEN, generator=generator) * 0.3).bfloat16()
+    down = (torch.randn(num_experts, HIDDEN, inter, generator=generator) * 0.3).bfloat16()
+    x = torch.randn(tokens, HIDDEN, generator=generator).bfloat16()
+    experts = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    if form == "other_ranks":  # this rank holds experts 0-7; the others' ids are 8, as SparseMoE masks them
+        num_experts = 8
+        experts = experts.clamp(max=8)
+        experts = torch.stack([row if len(set(row.tolist())) == top_k else torch.tensor([8, 0, 1, 2])[:top_k]
+                               for row in experts])
+        gate_up, down = gate_up[:8], down[:8]
+    weights = torch.rand(tokens, top_k, generator=generator)
+    if form == "bf16_weights":
+        weights = weights.bfloat16()
+    biases = ((torch.randn(num_experts, 2 * inter, generator=generator).bfloat16(),
+               torch.randn(num_experts, HIDDEN, generator=generator).bfloat16()) if form == "biases" else None)
+    moe = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, sparse_layers=(0,),
+                    hidden_act="swigluoai" if form == "biases" else "silu")
+    activation = expert_activation(moe)
+    gate_ups, downs = gemm.pack_weight_groups([list(gate_up.unbind()), list(down.unbind())])
+    grouped = GroupedExperts(gate_ups, downs, 2 * inter, HIDDEN, gemm.default_isa())  # type: ignore[arg-type]
+    got = experts_grouped(x, None, None, weights, experts, biases=biases, activation=activation, grouped=grouped)
+    expected = _torch_sum(x, _packed_pairs(gate_up, down), weights, experts, biases, activation)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 def test_routing_edge_cases_ties_a_lone_expert_and_an_unused_one() -> None:
     """Router rows 0 and 1 are equal (their scores tie for every token); tokens prefer
     experts 0/1, token 5 alone prefers expert 3; expert 2 is nobody's choice, and its
@@ -367,9 +433,14 @@ def test_bfloat16_experts_are_packed_and_batch_invariant(mixtral: Path, qwen2_mo
             continue  # no invariant GEMM on this CPU: nothing to hold the batch to
         assert moe.packed_experts is not None and isinstance(moe.router.packed, InvariantLinear)
         assert not hasattr(moe, "experts_gate_up")  # released once packed
-        # The block's experts are views into one buffer, expert after expert (gate/up, down).
-        views = [layer.packed_weight for pair in moe.packed_experts for layer in pair]
+        # The block's experts are views into one buffer: every gate/up weight, then every
+        # down weight (the grouped GEMM's two stacks).
+        views = [pair[0].packed_weight for pair in moe.packed_experts] + [
+            pair[1].packed_weight for pair in moe.packed_experts]
         assert len({view.untyped_storage().data_ptr() for view in views}) == 1
         starts = [view.data_ptr() for view in views]
         assert starts == sorted(starts) and len(set(starts)) == len(starts)
+        assert moe.grouped is not None
+        assert [moe.grouped.gate_up[e].data_ptr() for e in range(len(moe.packed_experts))] == starts[:len(views) // 2]
+        assert moe.grouped.down[0].data_ptr() == starts[len(views) // 2]
         assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
