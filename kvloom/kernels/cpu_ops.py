@@ -5,8 +5,9 @@ float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::gelu_erf``, ``kvloom::relu`` and ``kvloom::relu2`` (the un-gated MLP's), ``kvloom::rotary_``,
 ``kvloom::clamp_`` (OLMo 1's clip, for the native walk; the modules call torch's),
 ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add) and
-``kvloom::moe_combine`` (a mixture-of-experts layer's weighted expert outputs added up per
-token; its reference is models/moe.py's torch ops).
+``kvloom::moe_route`` and ``kvloom::moe_combine`` (a mixture-of-experts layer's softmax top-k
+routing, and its weighted expert outputs added up per token; their references are
+models/moe.py's torch ops).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -384,3 +385,51 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> 
     added in r's order onto zeros, each sum rounded to y's dtype (a negative entry: no
     row): y [rows, n], weights [rows] float32, pairs [tokens, k] int64 -> [tokens, n]."""
     return MOE_COMBINE.call(y, weights, pairs)
+
+
+# ---- a mixture-of-experts router's softmax top-k ------------------------------------------
+MAX_ROUTED_EXPERTS = 1024  # cpu_ops.cpp's per-token scores on the stack
+MOE_ROUTE = NativeOp(
+    "moe_route(Tensor logits, int top_k, int norm, float scaling, int round_to_bf16) -> (Tensor, Tensor)",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_moe_route_{variant}(logits, Tensor weights, Tensor experts, int tokens, int num_experts, "
+           "top_k, norm, scaling, round_to_bf16) -> int32",
+    tensors={"logits": TensorSpec(2, ACTIVATIONS)},
+)
+
+
+@MOE_ROUTE.check
+def _moe_route_check(logits: torch.Tensor, top_k: int, norm: int, scaling: float, round_to_bf16: int) -> None:
+    if not 1 <= top_k <= logits.shape[1]:
+        raise MOE_ROUTE.error("top_k", f"must lie in [1, {logits.shape[1]}] (the experts), got {top_k}")
+    if logits.shape[1] > MAX_ROUTED_EXPERTS:
+        raise MOE_ROUTE.error("logits", f"must have at most {MAX_ROUTED_EXPERTS} experts, got {logits.shape[1]}")
+
+
+@MOE_ROUTE.implementation
+def _moe_route_cpu(logits: torch.Tensor, top_k: int, norm: int, scaling: float,
+                   round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64)
+    status = MOE_ROUTE.function(_VARIANT[logits.dtype])(logits.data_ptr(), weights.data_ptr(), experts.data_ptr(),
+                                                        tokens, num_experts, top_k, norm, scaling, round_to_bf16)
+    assert status == 0, "the check above refuses what the kernel would"
+    return weights, experts
+
+
+@MOE_ROUTE.fake
+def _moe_route_fake(logits: torch.Tensor, top_k: int, norm: int, scaling: float,
+                    round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (logits.new_empty(logits.shape[0], top_k, dtype=torch.float32),
+            logits.new_empty(logits.shape[0], top_k, dtype=torch.int64))
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm: bool, scaling: float = 1.0,
+              round_to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (weights [tokens, top_k] float32, experts
+    [tokens, top_k] int64): each token's softmax, its top_k experts in descending order
+    (ties to the lower expert), their scores divided by their sum where ``norm``, times
+    ``scaling``, rounded to bf16 where ``round_to_bf16`` (models/moe.py's ``route`` for the
+    softmax-greedy families, to float32 rounding; a token's result is its own)."""
+    return MOE_ROUTE.call(logits, top_k, int(norm), scaling, int(round_to_bf16))

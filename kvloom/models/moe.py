@@ -88,6 +88,14 @@ def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
     return mask.repeat_interleave(moe.num_experts // moe.num_groups, dim=1)
 
 
+def routes_natively(moe: MoEConfig) -> bool:
+    """Whether ``moe``'s rule is kvloom::moe_route's (a softmax's greedy top-k, renormalised
+    or not, scaled; Mixtral's, Qwen's, OLMoE's): the kernel packed bf16 routers run on a
+    CPU, and the native walk's."""
+    return (moe.scoring == "softmax" and moe.topk_method == "greedy" and not moe.router_float32
+            and not moe.score_correction_bias and not moe.router_bias and moe.num_experts <= cpu_ops.MAX_ROUTED_EXPERTS)
+
+
 class MoERouter(nn.Module):
     """The router's weight ``[experts, hidden]`` (and DeepSeek-V3's and LFM2-MoE's per-expert
     ``score_correction_bias``, always float32, GPT-OSS's logit ``bias``). With
@@ -106,18 +114,25 @@ class MoERouter(nn.Module):
                                       if moe.score_correction_bias else None)
         self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.router_bias else None
         self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)
+        # Set by pack(): the softmax top-k by kvloom::moe_route (a bf16 router on kvloom's GEMM
+        # whose rule it is), as the native walk routes; else route()'s torch ops.
+        self.native_route = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
         if self.moe.router_float32:
             x = x.float()  # the weight stays float32 (_apply)
         logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)  # [tokens, experts]
+        if self.native_route:
+            return cpu_ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
         return route(logits, self.moe, self.score_correction_bias)
 
     def pack(self, matmul: str) -> int:
         """The weight as ``matmul``'s layer where it applies (a float32 router's too: for
         ``invariant`` its rows padded as every float32 matmul's on CPU)."""
         self.packed = packed_linear(self.weight, self.bias, matmul)
+        self.native_route = (isinstance(self.packed, InvariantLinear) and routes_natively(self.moe)
+                             and cpu_ops.available())
         return int(self.packed is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:

@@ -143,6 +143,8 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "gemm_pack": [lambda: (randn(20, 8, dtype=torch.bfloat16),)],
     "gemm_bf16": [gemm_args],
     "gemm_grouped_bf16": [gemm_grouped_args],
+    "moe_route": [lambda: (randn(5, 12, dtype=torch.bfloat16, seed=8), 3, 1, 1.0, 0),
+                  lambda: (randn(2, 6, seed=9), 6, 0, 2.5, 1)],
     "moe_combine": [lambda: moe_combine_args(torch.bfloat16), lambda: moe_combine_args(torch.float32)],
     "mxfp4_linear": [lambda: mxfp4_args(torch.bfloat16), lambda: mxfp4_args(torch.float32, bias=False)],
     "ssm_scan_": [ssm_scan_args],
@@ -192,6 +194,9 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("gemm_grouped_bf16", "starts", lambda a: a.__setitem__(2, torch.tensor([0, 3, 2, 5])), "must rise from 0 to"),
     ("gemm_grouped_bf16", "starts", lambda a: a.__setitem__(2, torch.tensor([0, 3, 3, 4])), "must rise from 0 to"),
     ("gemm_grouped_bf16", "isa", lambda a: a.__setitem__(4, "sse2"), "must be one of"),
+    ("moe_route", "top_k", lambda a: a.__setitem__(1, 13), r"must lie in \[1, 12\]"),
+    ("moe_route", "top_k", lambda a: a.__setitem__(1, 0), r"must lie in \[1, 12\]"),
+    ("moe_route", "logits", lambda a: a.__setitem__(0, randn(1, 1025)), "at most 1024 experts"),
     ("moe_combine", "weights", lambda a: a.__setitem__(1, a[1][:3]), "one weight for each of y's 4 rows"),
     ("moe_combine", "pairs", lambda a: a.__setitem__(2, torch.tensor([[0, 4]])), "must name rows of y's 4"),
     ("mxfp4_linear", "x", lambda a: a.__setitem__(0, a[0][:, :48].contiguous()), "multiple of 32"),
@@ -298,7 +303,8 @@ def test_the_direct_path_equals_the_dispatcher(name: str, index: int) -> None:
     args = EXAMPLES[name][index]()
     through_torch, direct = clone(args), clone(args)
     want, got = paths(name)[0](*through_torch), OPS[name].call(*direct)
-    assert (want is None and got is None) or torch.equal(want, got)
+    wanted, gotten = (want, got) if isinstance(want, tuple) else ((want,), (got,))  # an op may return several
+    assert all((w is None and g is None) or torch.equal(w, g) for w, g in zip(wanted, gotten, strict=True))
     for a, b in zip(through_torch, direct, strict=True):  # and they wrote the same
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b)
 

@@ -1,0 +1,99 @@
+"""A mixture-of-experts layer's native kernels against the torch ops they replace.
+
+cpu_ops.moe_combine (the weighted expert outputs added up per token): ``(y * w).to(dtype)``
+and one ``index_add_`` per expert in ascending order onto zeros, bit for bit in float32
+and bf16, with float32 and bf16 routing weights, tokens with fewer rows (another rank's
+experts), products and sums that round either way, and the signs of zeros.
+
+cpu_ops.moe_route (the softmax top-k): models/moe.py's ``route`` (torch's softmax and
+topk): the same experts in the same order wherever no two scores tie, ties to the lower
+expert, the weights within float32 rounding of torch's (its exp is not ours), each token's
+result its own whatever the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom.kernels import cpu_ops
+from kvloom.model_families import MoEConfig
+from kvloom.models.moe import route
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler to build cpu_ops.cpp")
+
+
+def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    integer = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    return torch.equal(got.view(integer), expected.view(integer))
+
+
+def torch_combine(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The reference: each token's rows in pairs' order, one rounded product and one rounded
+    add each, as torch computes them (an index_add_ of one row per token at a time)."""
+    out = torch.zeros(pairs.shape[0], y.shape[1], dtype=y.dtype)
+    for r in range(pairs.shape[1]):
+        tokens = (pairs[:, r] >= 0).nonzero().view(-1)
+        rows = pairs[tokens, r]
+        out.index_add_(0, tokens, (y[rows] * weights[rows].unsqueeze(-1)).to(y.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "k", "n"), [(1, 2, 7), (5, 8, 16), (40, 2, 1000), (300, 8, 96)])
+def test_every_token_is_torchs_sum(dtype: torch.dtype, weight_dtype: torch.dtype, tokens: int, k: int,
+                                   n: int) -> None:
+    generator = torch.Generator().manual_seed(tokens * k + n)
+    rows = tokens * k
+    magnitudes = torch.exp2(torch.randint(-8, 8, (rows, n), generator=generator).float())
+    y = (torch.randn(rows, n, generator=generator) * magnitudes).to(dtype)
+    y.view(-1)[:4] = torch.tensor([0.0, -0.0, -0.0, 0.0], dtype=dtype)  # zero products of either sign
+    weights = torch.rand(rows, generator=generator).to(weight_dtype)
+    pairs = torch.randperm(rows, generator=generator).view(tokens, k)
+    pairs[::3, -1] = -1  # every third token lacks its last row (another rank's expert)
+    got = cpu_ops.moe_combine(y, weights.float(), pairs)
+    assert same_bits(got, torch_combine(y, weights, pairs))
+
+
+def test_a_token_without_rows_is_zero() -> None:
+    y = torch.randn(2, 8).bfloat16()
+    out = cpu_ops.moe_combine(y, torch.ones(2), torch.tensor([[-1, -1], [1, 0]]))
+    assert same_bits(out[0], torch.zeros(8, dtype=torch.bfloat16))
+    assert same_bits(out[1], torch_combine(y, torch.ones(2), torch.tensor([[1, 0]]))[0])
+
+
+@pytest.mark.parametrize(("experts", "top_k", "norm", "scaling"), [(8, 2, True, 1.0), (64, 8, False, 1.0),
+                                                                   (128, 8, True, 2.5), (6, 6, False, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_is_torchs_softmax_top_k(experts: int, top_k: int, norm: bool, scaling: float,
+                                         dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(experts + top_k)
+    logits = (torch.randn(300, experts, generator=generator) * 2).to(dtype)
+    weights, chosen = cpu_ops.moe_route(logits, top_k, norm, scaling)
+    config = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=4, sparse_layers=(0,),
+                       norm_topk_prob=norm, routed_scaling_factor=scaling)
+    expected_weights, expected = route(logits, config)
+    scores = logits.float()
+    # A tie among the scores that decide a token's choice (the k-th and the next) is broken by
+    # torch as it likes; kvloom takes the lower expert. Tokens with any tie are checked apart.
+    ranked = scores.sort(dim=1, descending=True).values
+    tied = (ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
+    assert torch.equal(chosen[~tied], expected[~tied])
+    torch.testing.assert_close(weights[~tied], expected_weights[~tied], rtol=2e-6, atol=1e-9)  # a few ulps: exp and the sums differ
+    for token in tied.nonzero().view(-1).tolist():
+        picked = chosen[token].tolist()
+        values = scores[token, picked]
+        assert values.tolist() == sorted(values.tolist(), reverse=True)  # descending
+        assert values[-1] >= scores[token].topk(top_k).values[-1]  # the top k scores
+        for j in range(top_k - 1):  # among equals, the lower expert first
+            assert values[j] > values[j + 1] or picked[j] < picked[j + 1]
+    # A token's result is its own.
+    alone = cpu_ops.moe_route(logits[7:8], top_k, norm, scaling)
+    assert torch.equal(alone[0], weights[7:8]) and torch.equal(alone[1], chosen[7:8])
+
+
+def test_rounded_routing_weights_are_bf16_values() -> None:
+    logits = torch.randn(20, 8)
+    weights, _ = cpu_ops.moe_route(logits, 2, True, round_to_bf16=True)
+    unrounded, _ = cpu_ops.moe_route(logits, 2, True)
+    assert torch.equal(weights, unrounded.bfloat16().float())
