@@ -79,7 +79,8 @@ def test_routing_is_torchs_softmax_top_k(experts: int, top_k: int, norm: bool, s
     ranked = scores.sort(dim=1, descending=True).values
     tied = (ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
     assert torch.equal(chosen[~tied], expected[~tied])
-    torch.testing.assert_close(weights[~tied], expected_weights[~tied], rtol=2e-6, atol=1e-9)  # a few ulps: exp and the sums differ
+    # a few ulps: exp and the sums differ
+    torch.testing.assert_close(weights[~tied], expected_weights[~tied], rtol=2e-6, atol=1e-9)
     for token in tied.nonzero().view(-1).tolist():
         picked = chosen[token].tolist()
         values = scores[token, picked]
