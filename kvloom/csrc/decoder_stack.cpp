@@ -59,6 +59,14 @@
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). No tensor parallel, no LoRA.
+// Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen3-MoE, OLMoE, GraniteMoE; models/moe.py
+// is the module path) take the MLP's place, one process, no LoRA:
+//   logits  = normed @ Wrouter                  [T, E]
+//   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: softmax top-k)
+//   rows    = normed's rows, a (row, choice) pair each, grouped by expert  [T k, H]
+//   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call)
+//   hidden  = moe_combine(grouped_gemm(silu(up), every expert's Wdown), weights)  [T, H]
+//             (each row's experts added in ascending order, cpu_ops.cpp)
 // NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
 // the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
 // 0: its output joins the stream at the next layer's norm), an MLP block after no other a
@@ -155,6 +163,14 @@ using MambaMixerFn = int64_t (*)(const uint16_t* proj, const float* weight_t, co
                                  int64_t tokens, int64_t inter, int64_t conv_dim, int64_t heads, int64_t head_dim,
                                  int64_t d_state, int64_t groups, int64_t k, float dt_lo, float dt_hi, float eps,
                                  int num_threads);  // ssm.cpp's kvloom_mamba_mixer_bf16
+using GroupedGemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const int64_t* starts, uint16_t* y,
+                             int64_t groups, int64_t m, int64_t n, int64_t k, int64_t weight_stride, int isa,
+                             int num_threads);  // gemm.cpp's kvloom_gemm_grouped_bf16
+using MoeRouteFn = int (*)(const uint16_t* logits, float* weights, int64_t* experts, int64_t tokens,
+                           int64_t num_experts, int64_t top_k, int64_t norm, float scaling,
+                           int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
+using MoeCombineFn = void (*)(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
+                              int64_t tokens, int64_t k, int64_t n);  // kvloom_moe_combine_bf16
 using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, const float* bias, uint16_t* conv_state,
                                 const int64_t* starts, const int64_t* lengths, const int64_t* slots,
                                 const int32_t* has_state, uint16_t* bx, uint16_t* out, int64_t n, int64_t num_slots,
@@ -164,7 +180,8 @@ using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, con
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
               K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
-              K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, K_SHORT_CONV, NUM_KERNELS };
+              K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, K_SHORT_CONV, K_GEMM_GROUPED, K_MOE_ROUTE, K_MOE_COMBINE,
+              NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -177,10 +194,13 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // and out_proj, and W_CONV_WEIGHT ... W_MIXER_NORM its own: the convolution's float32 weight
 // [k, channels] and bias (0: none), its per-slot conv_state (bf16), and a Mamba2 mixer's
 // ssm_state (float32), dt_bias, A_log and D (float32) and gated norm's weight.
+// W_ROUTER (0: a dense MLP): a mixture-of-experts layer's router, packed; its W_GATE_UP and
+// W_DOWN are then every expert's packed gate/up and down weights, expert after expert
+// (MoeShape's strides apart).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
-              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, NUM_WEIGHTS };
+              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, NUM_WEIGHTS };
 // MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
 // a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
 enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
@@ -201,11 +221,32 @@ constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache
 // output, gate_up, the activation and a parallel layer's MLP output.
 // A hybrid's state layers take mixer_width more per row (StateLayers::scratch_width) and 16 to
 // align a Mamba2 mixer's float32 rows.
+// A mixture-of-experts model's layers take moe_width more per row (MoeShape::scratch_width)
+// and 32 to align their 64-bit arrays.
 inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
-                                int64_t intermediate, int64_t mixer_width) {
-  return tokens * (2 * hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate + mixer_width) +
-         (mixer_width > 0 ? 16 : 0);
+                                int64_t intermediate, int64_t mixer_width, int64_t moe_width) {
+  return tokens * (2 * hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate + mixer_width +
+                   moe_width) +
+         (mixer_width > 0 ? 16 : 0) + (moe_width > 0 ? 32 : 0);
 }
+
+// A mixture-of-experts model's routed experts (one shape for every such layer): kvloom::moe_route's
+// rule (a softmax's top_k, renormalised where norm, times scaling, rounded to bf16 where
+// round_weights) and the experts' SwiGLU of inter features.
+struct MoeShape {
+  int64_t num_experts, top_k, inter;
+  int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
+  int64_t norm, round_weights;
+  float scaling;
+
+  // Elements (bf16) per row: each of its top_k pairs' expert, place in the grouped order,
+  // token and place in its token's sum (int64: 4 each), routing weight and pair weight
+  // (float32: 2 each); the router's logits; and each pair's input, gate/up, activation and
+  // output rows.
+  int64_t scratch_width(int64_t hidden_size) const {
+    return top_k * (4 * 4 + 2 * 2) + num_experts + top_k * (2 * hidden_size + 3 * inter);
+  }
+};
 
 // A hybrid's state layers' sizes (one per model).
 struct StateLayers {
@@ -264,12 +305,14 @@ struct Model {
   int64_t lora_slots;
   const int64_t* lora_widths;
   const StateLayers* states;  // nullptr: no state layer
+  const MoeShape* moe;        // nullptr: no mixture-of-experts layer
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
   int64_t scratch(int64_t tokens) const {
     return scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate,
-                            states != nullptr ? states->scratch_width(hidden_size) : 0);
+                            states != nullptr ? states->scratch_width(hidden_size) : 0,
+                            moe != nullptr ? moe->scratch_width(hidden_size) : 0);
   }
   int64_t lora_scratch(int64_t tokens) const {
     if (lora_weights == nullptr) return 0;
@@ -418,6 +461,14 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   // A state layer's: its in_proj output, then (a Mamba2 mixer) the convolved xBC, the norm's
   // output and the scan's (float32, 32-byte aligned), or (a short convolution) B * x and its output.
   uint16_t* proj = mlp_out + T * H;
+  // A mixture-of-experts layer's: past the state layers' room, 64-byte aligned (MoeShape::scratch_width).
+  const int64_t mixer_width = m.states != nullptr ? m.states->scratch_width(H) : 0;
+  char* const moe_room = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(proj + T * mixer_width + (mixer_width > 0 ? 16 : 0)) + 63) & ~uintptr_t{63});
+  const auto grouped_gemm = entry<GroupedGemmFn>(m.kernels, K_GEMM_GROUPED);
+  const auto moe_route = entry<MoeRouteFn>(m.kernels, K_MOE_ROUTE);
+  const auto moe_combine = entry<MoeCombineFn>(m.kernels, K_MOE_COMBINE);
+  const auto silu = entry<SiluFn>(m.kernels, K_SILU);  // the experts' activation, whatever the dense MLPs'
   const auto mamba_mixer = entry<MambaMixerFn>(m.kernels, K_MAMBA_MIXER);
   const auto short_conv = entry<ShortConvFn>(m.kernels, K_SHORT_CONV);
   uint16_t* hidden = r.hidden;
@@ -447,6 +498,54 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     for (int64_t t = 0; t < T; ++t) std::memcpy(attn + t * width, rows + t * qkv_width + offset, width * 2);
     rms_norm(attn, nullptr, norm, q_rows, T * width / n, n);
     for (int64_t t = 0; t < T; ++t) std::memcpy(rows + t * qkv_width + offset, q_rows + t * width, width * 2);
+  };
+
+  // A mixture-of-experts FFN over T rows of x into out ([T, H]), as models/moe.py's SparseMoE
+  // computes it: the router's logits, kvloom::moe_route's top_k a row, the (row, choice) pairs
+  // sorted by expert (then choice, then row: the module path's order), every expert's rows
+  // through its gate/up and down weights in two grouped calls with the activation between,
+  // and each row's weighted outputs added in ascending expert order. False: a GEMM refused.
+  const auto moe_ffn = [&](const int64_t* w, const uint16_t* x, uint16_t* out) {
+    const MoeShape& e = *m.moe;
+    const int64_t E = e.num_experts, K = e.top_k, P = T * K, EI = e.inter;
+    int64_t* experts = reinterpret_cast<int64_t*>(moe_room);  // [T, K]
+    int64_t* place = experts + P;                             // [T, K]: each pair's place in the grouped order
+    int64_t* pair_row = place + P;                            // [P]: each grouped pair's row
+    int64_t* row_pairs = pair_row + P;                        // [T, K]: a row's pairs, ascending expert
+    float* weights = reinterpret_cast<float*>(row_pairs + P);  // [T, K]
+    float* pair_weights = weights + P;                          // [P]
+    uint16_t* logits = reinterpret_cast<uint16_t*>(pair_weights + P);  // [T, E]
+    uint16_t* rows = logits + T * E;                                   // [P, H]
+    uint16_t* up = rows + P * H;                                       // [P, 2 EI]
+    uint16_t* between = up + P * 2 * EI;                               // [P, EI]
+    uint16_t* y = between + P * EI;                                    // [P, H]
+    if (gemm(x, weight(w, W_ROUTER), nullptr, logits, T, E, H, m.isa, num_threads, nullptr) != 0) return false;
+    if (moe_route(logits, weights, experts, T, E, K, e.norm, e.scaling, e.round_weights) != 0) return false;
+    std::vector<int64_t> starts(E + 1, 0);
+    for (int64_t i = 0; i < P; ++i) ++starts[experts[i] + 1];
+    for (int64_t g = 0; g < E; ++g) starts[g + 1] += starts[g];
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t j = 0; j < K; ++j)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = next[experts[t * K + j]]++;
+        place[t * K + j] = p;
+        pair_row[p] = t;
+        pair_weights[p] = weights[t * K + j];
+      }
+    for (int64_t p = 0; p < P; ++p) std::memcpy(rows + p * H, x + pair_row[p] * H, H * sizeof(uint16_t));
+    if (grouped_gemm(rows, weight(w, W_GATE_UP), starts.data(), up, E, P, 2 * EI, H, e.gate_up_stride, m.isa,
+                     num_threads) != 0)
+      return false;
+    silu(up, between, P, EI);
+    if (grouped_gemm(between, weight(w, W_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
+                     num_threads) != 0)
+      return false;
+    for (int64_t t = 0; t < T; ++t) {  // places grow with the expert: sorted places are ascending experts
+      std::copy(place + t * K, place + (t + 1) * K, row_pairs + t * K);
+      std::sort(row_pairs + t * K, row_pairs + (t + 1) * K);
+    }
+    moe_combine(y, pair_weights, row_pairs, out, T, K, H);
+    return true;
   };
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
@@ -609,6 +708,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     } else {
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }
+    if (w[W_ROUTER] != 0) {  // a mixture-of-experts layer (its MLP in turn, in one process)
+      if (m.moe == nullptr || !moe_ffn(w, mlp_in, hidden)) return refused;
+      if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);
+      continue;
+    }
     const int64_t up_width = gated ? 2 * I : I;
     if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, up_width, H) ||
         !adapt(P_GATE_UP, mlp_in, H, gate_up, up_width))
@@ -672,9 +776,19 @@ extern "C" {
 
 // Scratch elements (bf16) a call needs for `tokens` rows (two walks take their rows' share each).
 // mixer_width: a hybrid's Mamba2 mixers' elements per row (kvloom_decoder_stack_mixer_width), else 0.
+// moe_width: a mixture-of-experts model's elements per row (kvloom_decoder_stack_moe_width), else 0.
 int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
-                                     int64_t intermediate, int64_t mixer_width) {
-  return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, mixer_width);
+                                     int64_t intermediate, int64_t mixer_width, int64_t moe_width) {
+  return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, mixer_width, moe_width);
+}
+
+// A mixture-of-experts model's scratch per row: its routed experts' count, top_k and features.
+int64_t kvloom_decoder_stack_moe_width(int64_t num_experts, int64_t top_k, int64_t inter, int64_t hidden_size) {
+  MoeShape shape{};
+  shape.num_experts = num_experts;
+  shape.top_k = top_k;
+  shape.inter = inter;
+  return shape.scratch_width(hidden_size);
 }
 
 // A hybrid's state layers' scratch per row: its Mamba2 mixers' sizes (heads 0: none), and
@@ -727,6 +841,10 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // and the step's requests as the state layers read them: span_starts, span_lengths,
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
+// moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
+// down_stride, norm, round_weights] of every such layer's routed experts (MoeShape), moe_scaling
+// their routing weights' factor; a layer whose router GEMM, routing or experts' GEMM refuses
+// returns 1 + the layer.
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const float* cos_local, const float* sin_local,
@@ -744,7 +862,12 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int64_t* lora_weights, int64_t lora_slots, const int64_t* lora_widths,
                          const int32_t* lora_rows, uint16_t* lora_scratch, const int64_t* state_sizes,
                          const float* state_limits, const int64_t* span_starts, const int64_t* span_lengths,
-                         const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans) {
+                         const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans,
+                         const int64_t* moe_sizes, float moe_scaling) {
+  MoeShape moe{};
+  if (moe_sizes != nullptr)
+    moe = MoeShape{moe_sizes[0], moe_sizes[1], moe_sizes[2], moe_sizes[3], moe_sizes[4], moe_sizes[5],
+                   moe_sizes[6], moe_scaling};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.
@@ -758,7 +881,8 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                     hidden_size,  num_heads,  num_kv_heads, head_dim,   intermediate, block_size,
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
                     activation,   qk_norm_whole, parallel, clip, isa, reduce, kv_prefetch_bytes,
-                    lora_weights, lora_slots, lora_widths, state_sizes != nullptr ? &states : nullptr};
+                    lora_weights, lora_slots, lora_widths, state_sizes != nullptr ? &states : nullptr,
+                    moe_sizes != nullptr ? &moe : nullptr};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
                   lora_rows,    lora_scratch, spans};

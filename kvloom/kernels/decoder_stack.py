@@ -4,7 +4,9 @@
 The kernel table holds the entry points of those kernels (``rms_norm``, ``gemm_bf16``,
 ``rotary_``, ``write_kv_paired``, ``paged_attention``, ``silu_and_mul``, the all-reduce,
 ``add_rows_`` (LoRA's), Gemma's ``rms_norm_scaled`` and ``gelu_tanh_and_mul``, StarCoder2's,
-GPT-2's, Phi's and GPT-NeoX's ``layer_norm``, ``gelu_tanh`` and ``gelu_erf``), which
+GPT-2's, Phi's and GPT-NeoX's ``layer_norm``, ``gelu_tanh`` and ``gelu_erf``, the hybrids'
+state layers' and the mixture-of-experts layers' ``gemm_grouped_bf16``, ``moe_route`` and
+``moe_combine``), which
 the C walk calls in the module path's order; :func:`run` checks what the walk
 will read and write (dtypes, shapes, contiguity of every tensor, once per forward
 instead of once per kernel) and calls it. The weight table is built by
@@ -25,7 +27,9 @@ from kvloom.kernels import cpu_ops, gemm, paged_attention, shm_collectives, ssm
 from kvloom.kernels.native_op import NativeFunction, NativeOp, profiled
 
 _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tokens, int hidden_size, int q_size, "
-                                           "int kv_size, int intermediate, int mixer_width) -> int")
+                                           "int kv_size, int intermediate, int mixer_width, int moe_width) -> int")
+_MOE_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_moe_width(int num_experts, int top_k, int inter, "
+                                             "int hidden_size) -> int")
 _MIXER_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_mixer_width(int inter, int conv_dim, "
                                                "int heads, int hidden_size, int short_kernel) -> int")
 _STACK = NativeFunction(
@@ -41,7 +45,8 @@ _STACK = NativeFunction(
     "int kv_prefetch_bytes, Tensor out_rows, int num_out_rows, Tensor out_block_tables, Tensor out_seq_lens, "
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch, Tensor state_sizes, Tensor state_limits, "
-    "Tensor span_starts, Tensor span_lengths, Tensor span_slots, Tensor span_has_state, int num_spans) -> int32")
+    "Tensor span_starts, Tensor span_lengths, Tensor span_slots, Tensor span_has_state, int num_spans, "
+    "Tensor moe_sizes, float moe_scaling) -> int32")
 _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scratch(int tokens, int hidden_size, "
                                                 "int q_size, int kv_size, int intermediate, int max_width) -> int")
 
@@ -59,7 +64,10 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   # and o columns): the convolution's float32 weight [k, channels] and bias (0:
                   # none), the per-slot conv_state (bf16), and a Mamba2 mixer's ssm_state
                   # (float32), dt_bias, A_log, D (float32) and gated norm's weight (bf16).
-                  "conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D", "mixer_norm")
+                  "conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D", "mixer_norm",
+                  # A mixture-of-experts layer's router, packed (0: a dense MLP); its gate_up and down
+                  # columns then hold every expert's packed weights, expert after expert.
+                  "router")
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
@@ -83,7 +91,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain"
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 18
+NUM_KERNELS = 21
 
 
 def available() -> bool:
@@ -115,7 +123,9 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(cpu_ops.GELU_ERF, "bf16"), _address(cpu_ops.CLAMP, "bf16"),
                          _address(cpu_ops.RELU, "bf16"), _address(cpu_ops.RELU2, "bf16"),
                          _address(ssm.MAMBA_MIXER, "bf16") if ssm.available() else 0,
-                         _address(ssm.SHORT_CONV, "bf16") if ssm.available() else 0],
+                         _address(ssm.SHORT_CONV, "bf16") if ssm.available() else 0,
+                         _address(gemm.GEMM_GROUPED), _address(cpu_ops.MOE_ROUTE, "bf16"),
+                         _address(cpu_ops.MOE_COMBINE, "bf16")],
                         dtype=torch.int64)
 
 
@@ -149,6 +159,25 @@ class StackShape:
     local_rope: bool = False  # some layer's "rope" column is ROPE["local"]: run() then needs local_rotary
     num_kv_layers: int | None = None  # the KV pool's layers (a hybrid's attention layers); None: num_layers
     states: StateShape | None = None  # a hybrid's state layers (some layer's "mixer" column is not attention)
+    moe: MoEShape | None = None  # its mixture-of-experts layers' experts (some layer's "router" column is set)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """A model's routed experts, one shape for all its mixture-of-experts layers: kvloom::moe_route's
+    rule (``top_k`` of ``num_experts`` by their softmax, divided by their sum where ``norm``,
+    times ``scaling``, rounded to bf16 where ``round_weights``) and each expert's SwiGLU of
+    ``inter`` features; ``gate_up_stride`` and ``down_stride``: bf16 elements from one
+    expert's packed weight to the next's."""
+
+    num_experts: int
+    top_k: int
+    inter: int
+    gate_up_stride: int
+    down_stride: int
+    norm: bool
+    round_weights: bool
+    scaling: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +269,11 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
     states = shape.states
     mixer_width = 0 if states is None else int(_MIXER_WIDTH.function()(states.inter, states.conv_dim, states.heads,
                                                                        shape.hidden_size, states.short_kernel))
+    moe = shape.moe
+    moe_width = 0 if moe is None else int(_MOE_WIDTH.function()(moe.num_experts, moe.top_k, moe.inter,
+                                                                  shape.hidden_size))
     return int(_SCRATCH.function()(tokens, shape.hidden_size, shape.num_heads * shape.head_dim,
-                                   shape.num_kv_heads * shape.head_dim, shape.intermediate, mixer_width))
+                                   shape.num_kv_heads * shape.head_dim, shape.intermediate, mixer_width, moe_width))
 
 
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
@@ -378,7 +410,7 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
                                                ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
-            *lora_args, *state_args)
+            *lora_args, *state_args, *_moe_args(shape.moe))
     if status == -3:
         raise RuntimeError("kvloom decoder_stack: a state layer's kernel refused the step's requests (a slot out "
                            "of range, or spans outside the rows)")
@@ -415,6 +447,18 @@ def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | No
     sizes, limits = _state_sizes(states, spans.num_slots)
     return [sizes.data_ptr(), limits.data_ptr(), spans.starts.data_ptr(), spans.lengths.data_ptr(),
             spans.slots.data_ptr(), spans.has_state.data_ptr(), n], (sizes, limits)
+
+
+def _moe_args(moe: MoEShape | None) -> tuple[int, float]:
+    """The C call's moe_sizes pointer (0: no mixture-of-experts layer) and moe_scaling."""
+    return (0, 1.0) if moe is None else (_moe_sizes(moe).data_ptr(), moe.scaling)
+
+
+@functools.lru_cache(maxsize=8)
+def _moe_sizes(moe: MoEShape) -> torch.Tensor:
+    """The C call's moe_sizes array, made once per model (the C side only reads it)."""
+    return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
+                         int(moe.round_weights)], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

@@ -2,8 +2,9 @@
 are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium, OLMo 2
 and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX; and of the hybrids whose other layers
 keep a state per request, each followed by Llama's MLP: Bamba's and IBM Granite 4.0's Mamba2
-mixers, LiquidAI LFM2's gated short convolutions) in one native call
-(kernels/decoder_stack.py).
+mixers, LiquidAI LFM2's gated short convolutions; and of the mixture-of-experts models whose
+router is a softmax top-k and whose experts are SwiGLU without a shared expert: Mixtral,
+Qwen3-MoE, OLMoE, GraniteMoE) in one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
@@ -41,6 +42,7 @@ from kvloom.models.layers import (
     UnweightedLayerNorm,
 )
 from kvloom.models.mamba2 import Mamba2Mixer
+from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import InvariantLinear
 from kvloom.models.short_conv import ShortConv
 from kvloom.models.ssm_ops import SSMSpans
@@ -154,8 +156,9 @@ class NativeDecoderStack:
 
     def set_lora(self, lora: kernels.StackLoRA | None) -> None:
         """The adapters' table the walk reads from now on (None: steps with adapter rows
-        take the module path)."""
-        self.lora = lora
+        take the module path, as they always do on a mixture-of-experts model, whose
+        experts' adapters the walk does not run)."""
+        self.lora = lora if self.shape.moe is None else None
 
     @classmethod
     def build(cls, model: DecoderModel) -> tuple[NativeDecoderStack | None, str]:
@@ -168,9 +171,10 @@ class NativeDecoderStack:
         config = model.config
         if config.attention_sinks:
             return None, "its layers' attention has sinks (GPT-OSS's), which the walk's kernel does not take"
-        if config.moe is not None:
-            return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which "
-                          "the native walk does not run")
+        if config.moe is not None and model.tp.size > 1:
+            return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which the walk "
+                          "runs in one process")
+        moe_shapes: set[kernels.MoEShape] = set()
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
@@ -204,10 +208,18 @@ class NativeDecoderStack:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
             if post_norm is None and parallel == "in_turn" and mlp is not None:
                 return None, f"layer {index} has no norm before its MLP"
-            if first_mlp is None:
+            if first_mlp is None and not isinstance(mlp, SparseMoE):
                 first_mlp = mlp
+            experts: SparseMoE | None = None
             if mlp is None:
                 up = down = None
+            elif isinstance(mlp, SparseMoE):
+                why_not = _why_not_walked_moe(mlp, parallel)
+                if why_not:
+                    return None, f"layer {index}'s mixture-of-experts FFN {why_not}"
+                experts, up, down = mlp, None, None
+                moe_shapes.add(_moe_shape(mlp))
+                isas.update((mlp.grouped.isa, mlp.router.packed.isa))  # type: ignore[union-attr]
             elif isinstance(mlp, UngatedMLP):
                 activations.add(f"{mlp.form}_plain")
                 up, down = mlp.fc1, mlp.fc2
@@ -284,9 +296,20 @@ class NativeDecoderStack:
                 row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
+            row["router"] = 0
+            if experts is not None:  # _why_not_walked_moe checked these
+                grouped, router = experts.grouped, experts.router.packed
+                assert grouped is not None and isinstance(router, InvariantLinear)
+                row.update(router=router.packed_weight.data_ptr(), gate_up=grouped.gate_up.data_ptr(),
+                           down=grouped.down.data_ptr())
+                owners += [router.packed_weight, grouped.gate_up, grouped.down]
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
+        if not activations:  # every MLP a mixture of experts (their SwiGLU is the walk's own)
+            activations.add("silu")
+        if len(moe_shapes) > 1:
+            return None, f"its mixture-of-experts layers differ {sorted(map(str, moe_shapes))}"
         if len(kinds) != 1 or len(epsilons) != 1 or len(activations) != 1:
             return None, (f"the layers' norms and MLPs differ {sorted(kinds)} (eps {sorted(epsilons)}, activations "
                           f"{sorted(activations)})")
@@ -307,7 +330,8 @@ class NativeDecoderStack:
                                    config.clip_qkv or 0.0,
                                    any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows),
                                    len(attending) if state_layers else None,
-                                   _state_shape(config) if state_layers else None)
+                                   _state_shape(config) if state_layers else None,
+                                   moe_shapes.pop() if moe_shapes else None)
         stack = cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp)
         stack.state_layers = state_layers
         return stack, ""
@@ -396,6 +420,35 @@ class NativeDecoderStack:
                 self.weights[index, COLUMN_SSM_STATE] = 0 if ssm is None else ssm.data_ptr()
             self._bound_states = pointers
         return int(layers[0][1].conv_state.shape[0])
+
+
+def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
+    """Why the walk cannot run the mixture-of-experts FFN ``mlp`` ("" where it can: experts
+    packed for the grouped GEMM, a packed bf16 router whose rule is kvloom::moe_route's, SwiGLU
+    experts without biases, no shared expert, no expert adapters, in turn after the attention)."""
+    moe = mlp.moe
+    if mlp.grouped is None or not isinstance(mlp.router.packed, InvariantLinear) or mlp.router.packed.bias is not None:
+        return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
+    if not mlp.router.native_route:
+        return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not the walk's softmax top-k "
+                "(Mixtral's, Qwen's, OLMoE's)")
+    if moe.hidden_act != "silu" or moe.expert_biases:
+        return "has experts other than the walk's (SwiGLU without biases)"
+    if mlp.shared_expert is not None:
+        return "has a shared expert, which the walk does not run"
+    if mlp.adapters is not None:
+        return "has LoRA adapters on its experts, which run as modules"
+    if parallel != "in_turn":
+        return "runs beside the attention, which the walk's experts do not"
+    return ""
+
+
+def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
+    grouped, moe = mlp.grouped, mlp.moe
+    assert grouped is not None
+    return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
+                            grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
+                            moe.routed_scaling_factor)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

@@ -10,7 +10,7 @@ numbers a byte, 32 a block; ``*_scales``: one e8m0 power of two a block): with
 config.json's ``quantization_config`` (mxfp4) they stay 4-bit (models/mxfp4_experts.py);
 a checkpoint without it has them read back to the model's dtype at load
 (``kernels.mxfp4.dequantize_mxfp4``: exact, as every such number is a bf16 one). The layers
-run as modules (the native walk runs no experts and no sinks).
+run as modules (the native walk runs no sinks, nor experts with biases).
 """
 
 from __future__ import annotations

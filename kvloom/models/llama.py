@@ -77,8 +77,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             # Rows of each norm's width: a head (Qwen3, Gemma 3) or the whole projection (OLMo 2).
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.q_norm.weight.shape[0])).view(num_tokens, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0])).view(num_tokens, self.kv_size)
+            # Contiguous rows: a whole projection's reshape is a strided view of qkv, which the
+            # fused norm does not take (the reference would run, rounding its sum otherwise).
+            q = self.q_norm(q.reshape(-1, self.q_norm.weight.shape[0]).contiguous()).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0]).contiguous()).view(num_tokens, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         # q's heads and k's are adjacent in a row: one in-place call rotates both.
         if rotary is not None:

@@ -5,8 +5,8 @@ experts, renormalised where ``norm_topk_prob``, the weights rounded to the activ
 transformers' are; models/moe.py runs it). Its ``clip_qkv`` (after those norms, where OLMo 1
 clips before any) is refused by name (config.py).
 
-The layers run as modules (the native walk runs no experts); tensor parallel with
-its whole-projection q/k norms as OLMo 2's (``layers.SplitRMSNorm``).
+The native walk runs its layers, experts and all (models/decoder_stack.py); tensor parallel,
+as modules, with its whole-projection q/k norms as OLMo 2's (``layers.SplitRMSNorm``).
 """
 
 from __future__ import annotations

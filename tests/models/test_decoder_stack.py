@@ -309,6 +309,47 @@ def test_hybrids_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> Non
         assert "mixture-of-experts FFN" in (engine.model.use_native_stack() or ""), arch  # type: ignore[attr-defined]
 
 
+# Mixture-of-experts stacks, the experts' FFN walked (the router's logits, kvloom::moe_route, the
+# grouped experts, the weighted sum): mixtral (8 experts, top 2, renormalised); qwen3_moe: per-head
+# q/k norms, top 3 of 8 renormalised, its middle layer a dense MLP (mlp_only_layers); olmoe: q/k
+# norms over the whole projection, top 2 of 8 as scored; granite_moe: Granite's multipliers over
+# Mixtral's routing.
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe", "granite_moe"])
+def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers_models import write_tiny_hf_model
+
+    name = request.param
+    experts: dict[str, Any] = {
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True,
+                          mlp_only_layers=[1], head_dim=32),
+        "olmoe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+        "granite_moe": dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
+                            residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0),
+    }[name]
+    return write_tiny_hf_model(tmp_path_factory.mktemp(name), arch=name, **SHAPE, **experts)
+
+
+def test_moe_steps_match_the_module_path_bit_for_bit(moe_dir: Path) -> None:
+    run_both_paths(moe_dir)
+
+
+def test_moe_two_concurrent_walks_match_the_module_path_bit_for_bit(moe_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run_split(moe_dir, monkeypatch, 8 << 20)
+
+
+def test_moe_models_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
+    """A shared expert (Qwen2-MoE's), tensor parallel's experts and expert adapters run as modules, named."""
+    from helpers_models import write_tiny_hf_model
+
+    path = write_tiny_hf_model(tmp_path / "qwen2_moe", arch="qwen2_moe", **SHAPE, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32))
+    assert engine.model.native_stack is None  # type: ignore[attr-defined]
+    assert "has a shared expert" in (engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
+
+
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
                                                                     adapters: list[LoRARequest | None]) -> None:
     run_both_paths(model_dir, adapters)
