@@ -92,6 +92,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4,
         "mamba_expand": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.015625, "logits_scaling": 8.0, "architectures": ["GraniteMoeHybridForCausalLM"]}),
+    # The same stack with granite-4.0-h-tiny's feed-forward at SmolLM2's width: 64 routed experts of
+    # 192 features, top 6, beside a shared MLP of 384 in every layer.
+    "granite4_moe": ("GraniteMoeHybridConfig", {
+        **_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 192, "shared_intermediate_size": 384,
+        "num_local_experts": 64, "num_experts_per_tok": 6, "position_embedding_type": None,
+        "layer_types": ["attention" if i % 6 == 5 else "mamba" for i in range(30)],
+        "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4,
+        "mamba_expand": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "logits_scaling": 8.0, "architectures": ["GraniteMoeHybridForCausalLM"]}),
     # SmolLM2's width and depth as LiquidAI's LFM2: gated short convolutions (3 taps) in 20 of the
     # 30 layers, attention with per-head q/k norms in the rest (LFM2-350M's share), SmolLM2's MLP
     # width after LFM2's two-thirds adjustment (2304 -> 1536).

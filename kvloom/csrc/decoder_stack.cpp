@@ -67,6 +67,7 @@
 //   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call)
 //   hidden  = moe_combine(grouped_gemm(silu(up), every expert's Wdown), weights)  [T, H]
 //             (each row's experts added in ascending order, cpu_ops.cpp)
+//   hidden += (silu(gate) * up)(normed @ Wgu) @ Wdown   a shared expert's (Granite 4.0's), if any
 // NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
 // the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
 // 0: its output joins the stream at the next layer's norm), an MLP block after no other a
@@ -194,13 +195,14 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // and out_proj, and W_CONV_WEIGHT ... W_MIXER_NORM its own: the convolution's float32 weight
 // [k, channels] and bias (0: none), its per-slot conv_state (bf16), and a Mamba2 mixer's
 // ssm_state (float32), dt_bias, A_log and D (float32) and gated norm's weight.
-// W_ROUTER (0: a dense MLP): a mixture-of-experts layer's router, packed; its W_GATE_UP and
-// W_DOWN are then every expert's packed gate/up and down weights, expert after expert
-// (MoeShape's strides apart).
+// W_ROUTER (0: a dense MLP): a mixture-of-experts layer's router, packed; W_EXPERTS_GATE_UP and
+// W_EXPERTS_DOWN every expert's packed gate/up and down weights, expert after expert (MoeShape's
+// strides apart); its W_GATE_UP and W_DOWN then a shared expert's (0: none), every row's, added
+// after the routed ones (Granite 4.0's).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
-              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, NUM_WEIGHTS };
+              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, W_EXPERTS_GATE_UP, W_EXPERTS_DOWN, NUM_WEIGHTS };
 // MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
 // a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
 enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
@@ -533,11 +535,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         pair_weights[p] = weights[t * K + j];
       }
     for (int64_t p = 0; p < P; ++p) std::memcpy(rows + p * H, x + pair_row[p] * H, H * sizeof(uint16_t));
-    if (grouped_gemm(rows, weight(w, W_GATE_UP), starts.data(), up, E, P, 2 * EI, H, e.gate_up_stride, m.isa,
+    if (grouped_gemm(rows, weight(w, W_EXPERTS_GATE_UP), starts.data(), up, E, P, 2 * EI, H, e.gate_up_stride, m.isa,
                      num_threads) != 0)
       return false;
     silu(up, between, P, EI);
-    if (grouped_gemm(between, weight(w, W_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
+    if (grouped_gemm(between, weight(w, W_EXPERTS_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
                      num_threads) != 0)
       return false;
     for (int64_t t = 0; t < T; ++t) {  // places grow with the expert: sorted places are ascending experts
@@ -689,7 +691,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       }  // the attention's block
     }  // the layer's block
     // Nemotron-H's block without an MLP after it: its output joins the stream at the next layer's norm.
-    if (weight(w, W_GATE_UP) == nullptr) continue;
+    const bool experts = w[W_ROUTER] != 0;  // a mixture-of-experts layer
+    if (weight(w, W_GATE_UP) == nullptr && !experts) continue;
     if (!mlp_only || layer > 0) scale_hidden(hidden, T * H, m.residual_scale, num_threads);
     const uint16_t* mlp_in = normed;
     if (m.parallel != IN_TURN) {  // Phi's and StableLM's MLP reads `normed`, GPT-NeoX's its own norm of the stream
@@ -708,8 +711,14 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     } else {
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }
-    if (w[W_ROUTER] != 0) {  // a mixture-of-experts layer (its MLP in turn, in one process)
+    if (experts) {  // the routed experts (in turn after the attention, in one process), then a shared one
       if (m.moe == nullptr || !moe_ffn(w, mlp_in, hidden)) return refused;
+      if (weight(w, W_GATE_UP) != nullptr) {  // SwiGLU of the walk's width on every row: routed + shared
+        if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
+        silu(gate_up, act, T, I);
+        if (!matmul(act, W_DOWN, W_DOWN_BIAS, mlp_out, H, I)) return refused;
+        add_rows(hidden, mlp_out, nullptr, T, H);
+      }
       if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);
       continue;
     }

@@ -65,9 +65,10 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   # none), the per-slot conv_state (bf16), and a Mamba2 mixer's ssm_state
                   # (float32), dt_bias, A_log, D (float32) and gated norm's weight (bf16).
                   "conv_weight", "conv_bias", "conv_state", "ssm_state", "dt_bias", "A_log", "D", "mixer_norm",
-                  # A mixture-of-experts layer's router, packed (0: a dense MLP); its gate_up and down
-                  # columns then hold every expert's packed weights, expert after expert.
-                  "router")
+                  # A mixture-of-experts layer's router, packed (0: a dense MLP), and every expert's
+                  # packed gate/up and down weights, expert after expert; its gate_up and down
+                  # columns then hold a shared expert's (0: none).
+                  "router", "experts_gate_up", "experts_down")
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).

@@ -175,6 +175,7 @@ class NativeDecoderStack:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which the walk "
                           "runs in one process")
         moe_shapes: set[kernels.MoEShape] = set()
+        widths: set[int] = set()  # the gated MLPs' (shared experts' too) features: one walk-wide width
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
@@ -208,18 +209,20 @@ class NativeDecoderStack:
                 return None, f"layer {index} adds attention and MLP side by side, which the walk runs in one process"
             if post_norm is None and parallel == "in_turn" and mlp is not None:
                 return None, f"layer {index} has no norm before its MLP"
-            if first_mlp is None and not isinstance(mlp, SparseMoE):
-                first_mlp = mlp
             experts: SparseMoE | None = None
-            if mlp is None:
-                up = down = None
-            elif isinstance(mlp, SparseMoE):
+            if isinstance(mlp, SparseMoE):
                 why_not = _why_not_walked_moe(mlp, parallel)
                 if why_not:
                     return None, f"layer {index}'s mixture-of-experts FFN {why_not}"
-                experts, up, down = mlp, None, None
-                moe_shapes.add(_moe_shape(mlp))
-                isas.update((mlp.grouped.isa, mlp.router.packed.isa))  # type: ignore[union-attr]
+                experts, mlp = mlp, mlp.shared_expert  # the walk's dense MLP: its shared expert, if any
+                moe_shapes.add(_moe_shape(experts))
+                isas.update((experts.grouped.isa, experts.router.packed.isa))  # type: ignore[union-attr]
+            if mlp is not None:
+                widths.add(mlp.intermediate_size if isinstance(mlp, GatedMLP) else -1)
+            if first_mlp is None:
+                first_mlp = mlp
+            if mlp is None:
+                up = down = None
             elif isinstance(mlp, UngatedMLP):
                 activations.add(f"{mlp.form}_plain")
                 up, down = mlp.fc1, mlp.fc2
@@ -296,18 +299,20 @@ class NativeDecoderStack:
                 row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
-            row["router"] = 0
+            row.update(router=0, experts_gate_up=0, experts_down=0)
             if experts is not None:  # _why_not_walked_moe checked these
                 grouped, router = experts.grouped, experts.router.packed
                 assert grouped is not None and isinstance(router, InvariantLinear)
-                row.update(router=router.packed_weight.data_ptr(), gate_up=grouped.gate_up.data_ptr(),
-                           down=grouped.down.data_ptr())
+                row.update(router=router.packed_weight.data_ptr(), experts_gate_up=grouped.gate_up.data_ptr(),
+                           experts_down=grouped.down.data_ptr())
                 owners += [router.packed_weight, grouped.gate_up, grouped.down]
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
         if not activations:  # every MLP a mixture of experts (their SwiGLU is the walk's own)
             activations.add("silu")
+        if len(widths) > 1:
+            return None, f"its MLPs differ in width {sorted(widths)}"
         if len(moe_shapes) > 1:
             return None, f"its mixture-of-experts layers differ {sorted(map(str, moe_shapes))}"
         if len(kinds) != 1 or len(epsilons) != 1 or len(activations) != 1:
@@ -425,7 +430,8 @@ class NativeDecoderStack:
 def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     """Why the walk cannot run the mixture-of-experts FFN ``mlp`` ("" where it can: experts
     packed for the grouped GEMM, a packed bf16 router whose rule is kvloom::moe_route's, SwiGLU
-    experts without biases, no shared expert, no expert adapters, in turn after the attention)."""
+    experts without biases, a shared expert without a gate or none, no expert adapters, in turn
+    after the attention)."""
     moe = mlp.moe
     if mlp.grouped is None or not isinstance(mlp.router.packed, InvariantLinear) or mlp.router.packed.bias is not None:
         return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
@@ -434,8 +440,8 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
                 "(Mixtral's, Qwen's, OLMoE's)")
     if moe.hidden_act != "silu" or moe.expert_biases:
         return "has experts other than the walk's (SwiGLU without biases)"
-    if mlp.shared_expert is not None:
-        return "has a shared expert, which the walk does not run"
+    if mlp.shared_expert_gate is not None:
+        return "has a gated shared expert (Qwen2-MoE's), which the walk does not run"
     if mlp.adapters is not None:
         return "has LoRA adapters on its experts, which run as modules"
     if parallel != "in_turn":

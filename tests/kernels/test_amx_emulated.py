@@ -33,8 +33,8 @@ def test_the_amx_paths_pass_their_tests_on_emulated_tiles() -> None:
     tests = ["tests/kernels/test_gemm.py", "tests/kernels/test_paired_attention_path.py", "tests/attention",
              "tests/models/test_decoder_stack.py"]
     result = subprocess.run([sys.executable, "scripts/amx_emulated/check.py", *tests,
-                             "-k", "amx or (test_decoder_stack and not hybrid and not moe)"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
+                             "-k", "amx or (test_decoder_stack and not hybrid and not moe)"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     passed = re.search(r"(\d+) passed", result.stdout)

@@ -236,9 +236,10 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
 # last; lfm2: LiquidAI LFM2's gated short convolutions and attention with per-head q/k norms, a
 # convolution last; nemotron_h: NVIDIA Nemotron-H's single-mixer blocks paired as layers (an MLP
 # block after no other, a mixer with no MLP after it, attention and its MLP, a mixer last);
-# nemotron_h_mlp_last: an MLP block alone last (the rows read narrowed there).
+# nemotron_h_mlp_last: an MLP block alone last (the rows read narrowed there); granite4_moe: IBM
+# Granite 4.0's routed experts (4, top 2) beside the shared MLP in every layer (granite-4.0-h-tiny's form).
 @pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2", "nemotron_h",
-                                        "nemotron_h_mlp_last"])
+                                        "nemotron_h_mlp_last", "granite4_moe"])
 def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_ssm import write_tiny_ssm_model
 
@@ -252,10 +253,12 @@ def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         blocks = (["mlp", "mamba", "attention", "mlp", "mamba"] if name == "nemotron_h"
                   else ["mamba", "attention", "mlp", "mlp"])
         return write_tiny_ssm_model(root, "nemotron_h", hidden_size=128, head_dim=32, layers_block_type=blocks)
-    layers = ["mamba", "mamba", "attention"] if name == "granite4" else ["attention", "mamba", "mamba"]
+    layers = ["mamba", "mamba", "attention"] if name in ("granite4", "granite4_moe") else ["attention", "mamba",
+                                                                                           "mamba"]
     return write_tiny_ssm_model(root, "granite_hybrid", hidden_size=128, shared_intermediate_size=256,
-                                num_hidden_layers=3, layer_types=layers, num_local_experts=0,
-                                position_embedding_type=None if name == "granite4" else "rope")
+                                intermediate_size=64, num_hidden_layers=3, layer_types=layers,
+                                num_local_experts=4 if name == "granite4_moe" else 0,
+                                position_embedding_type="rope" if name == "granite4_rope" else None)
 
 
 def test_hybrid_steps_match_the_module_path_bit_for_bit(hybrid_dir: Path) -> None:
@@ -299,14 +302,14 @@ def test_a_hybrids_spans_are_checked_before_any_pointer_reaches_c(hybrid_dir: Pa
 
 
 def test_hybrids_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
-    """Granite 4.0's and LFM2-MoE's routed experts run as modules, named."""
+    """LFM2-MoE's routed experts (sigmoid scores steered by a bias) run as modules, named."""
     from helpers_ssm import write_tiny_ssm_model
 
-    for arch in ("granite_hybrid", "lfm2_moe"):
-        engine = LLMEngine(EngineConfig.from_kwargs(str(write_tiny_ssm_model(tmp_path / arch, arch, hidden_size=128)),
-                                                    dtype="bfloat16", num_blocks=32))
-        assert engine.model.native_stack is None  # type: ignore[attr-defined]
-        assert "mixture-of-experts FFN" in (engine.model.use_native_stack() or ""), arch  # type: ignore[attr-defined]
+    path = write_tiny_ssm_model(tmp_path / "lfm2_moe", "lfm2_moe", hidden_size=128)
+    engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32))
+    assert engine.model.native_stack is None  # type: ignore[attr-defined]
+    assert "mixture-of-experts FFN routes by sigmoid scores" in (
+        engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
 
 
 # Mixture-of-experts stacks, the experts' FFN walked (the router's logits, kvloom::moe_route, the
@@ -340,14 +343,14 @@ def test_moe_two_concurrent_walks_match_the_module_path_bit_for_bit(moe_dir: Pat
 
 
 def test_moe_models_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
-    """A shared expert (Qwen2-MoE's), tensor parallel's experts and expert adapters run as modules, named."""
+    """A gated shared expert (Qwen2-MoE's) runs as modules, named."""
     from helpers_models import write_tiny_hf_model
 
     path = write_tiny_hf_model(tmp_path / "qwen2_moe", arch="qwen2_moe", **SHAPE, num_experts=8,
                                num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
     engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32))
     assert engine.model.native_stack is None  # type: ignore[attr-defined]
-    assert "has a shared expert" in (engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
+    assert "has a gated shared expert" in (engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
 
 
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,

@@ -428,7 +428,7 @@ def test_bfloat16_experts_are_packed_and_batch_invariant(mixtral: Path, qwen2_mo
         model = llm.engine.model
         if path == qwen2_moe:
             assert model.native_stack is None
-            assert "has a shared expert" in (model.use_native_stack() or "")
+            assert "has a gated shared expert" in (model.use_native_stack() or "")
         llm.engine.check_integrity()
         moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE))
         if not can_pack_invariant(torch.zeros(1, dtype=torch.bfloat16)):
