@@ -108,6 +108,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         **_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 2304, "block_multiple_of": 256, "conv_L_cache": 3,
         "layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
         "architectures": ["Lfm2ForCausalLM"]}),
+    # The same LFM2 with LFM2-8B-A1B's feed-forward at SmolLM2's width: two dense layers, then 32
+    # experts of 384 features, top 4 by sigmoid score steered by a selection bias.
+    "lfm2_moe": ("Lfm2MoeConfig", {
+        **_SMOLLM, "num_key_value_heads": 3, "intermediate_size": 1536, "moe_intermediate_size": 384,
+        "num_experts": 32, "num_experts_per_tok": 4, "num_dense_layers": 2, "conv_L_cache": 3,
+        "layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
+        "architectures": ["Lfm2MoeForCausalLM"]}),
     # SmolLM2's width as NVIDIA Nemotron-H's single-mixer blocks: 30 blocks of Mamba2 mixers and
     # squared-ReLU MLPs taking turns, 3 of them attention (Nemotron-H-8B's "M-M-M-M*-" pattern).
     "nemotron_h": ("NemotronHConfig", {

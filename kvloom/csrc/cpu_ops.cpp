@@ -550,33 +550,39 @@ void moe_combine(const T* y, const float* weights, const int64_t* pairs, T* out,
   }
 }
 
-// A mixture-of-experts router's softmax top-k, token by token (Mixtral's, Qwen's, OLMoE's
-// rule; models/moe.py's route() is the torch reference, which this matches to float32
-// rounding, not bit for bit: its exp is torch's own). Per token t: the scores
-// softmax(logits[t]) in float32 (the max subtracted, exp, divided by the sum, added in
-// expert order), the top_k largest (ties to the lower expert) in descending order into
-// experts[t], their scores into weights[t], divided by their sum (added in that order)
-// where norm, times scaling, and rounded to bf16 (kept as float) where round_to_bf16.
-// A token's result depends on its row alone. scores: num_experts floats of scratch per
-// thread, here on the stack up to MAX_ROUTED_EXPERTS.
-constexpr int64_t MAX_ROUTED_EXPERTS = 1024;
+// A mixture-of-experts router's top-k, token by token: models/moe.py's route() is the torch
+// reference, which this matches to float32 rounding, not bit for bit (its exp is torch's own).
+// Per token t, the scores in float32: softmax(logits[t]) (the max subtracted, exp, times the
+// reciprocal of the sum added in expert order; Mixtral's, Qwen's, OLMoE's rule), or where
+// sigmoid 1 / (1 + exp(-logit)) (LFM2-MoE's, DeepSeek-V3's in one group). The top_k largest
+// of score + bias[e] (bias nullptr: the score alone; ties to the lower expert), in
+// descending order, into experts[t]; their scores (not the bias) into weights[t], divided
+// by their sum (added in that order) plus eps where norm, times scaling, and rounded to
+// bf16 (kept as float) where round_to_bf16. A token's result depends on its row alone.
+constexpr int64_t MAX_ROUTED_EXPERTS = 1024;  // a token's scores and choices sit on the stack
 
 template <typename T>
-void moe_route(const T* logits, float* weights, int64_t* experts, int64_t tokens, int64_t num_experts,
-               int64_t top_k, int64_t norm, float scaling, int64_t round_to_bf16) {
+void moe_route(const T* logits, const float* bias, float* weights, int64_t* experts, int64_t tokens,
+               int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps, float scaling,
+               int64_t round_to_bf16) {
 #pragma omp parallel for if (parallel_worth_it(tokens, tokens * num_experts * 4))
   for (int64_t t = 0; t < tokens; ++t) {
     const T* l = logits + t * num_experts;
-    float scores[MAX_ROUTED_EXPERTS];
-    float top = -INFINITY;
-    for (int64_t e = 0; e < num_experts; ++e) top = std::max(top, to_float(l[e]));
-    float sum = 0.0f;
-    for (int64_t e = 0; e < num_experts; ++e) {
-      scores[e] = std::exp(to_float(l[e]) - top);
-      sum += scores[e];
+    float scores[MAX_ROUTED_EXPERTS], choice[MAX_ROUTED_EXPERTS];
+    if (sigmoid) {
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] = 1.0f / (1.0f + std::exp(-to_float(l[e])));
+    } else {
+      float top = -INFINITY;
+      for (int64_t e = 0; e < num_experts; ++e) top = std::max(top, to_float(l[e]));
+      float sum = 0.0f;
+      for (int64_t e = 0; e < num_experts; ++e) {
+        scores[e] = std::exp(to_float(l[e]) - top);
+        sum += scores[e];
+      }
+      const float inverse = 1.0f / sum;  // torch multiplies by the sum's reciprocal
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] *= inverse;
     }
-    const float inverse = 1.0f / sum;  // torch multiplies by the sum's reciprocal
-    for (int64_t e = 0; e < num_experts; ++e) scores[e] *= inverse;
+    for (int64_t e = 0; e < num_experts; ++e) choice[e] = bias != nullptr ? scores[e] + bias[e] : scores[e];
     float* w = weights + t * top_k;
     int64_t* chosen = experts + t * top_k;
     for (int64_t j = 0; j < top_k; ++j) {  // k passes: the best expert not taken yet (k is small)
@@ -584,13 +590,14 @@ void moe_route(const T* logits, float* weights, int64_t* experts, int64_t tokens
       for (int64_t e = 0; e < num_experts; ++e) {
         bool taken = false;
         for (int64_t i = 0; i < j; ++i) taken = taken || chosen[i] == e;
-        if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
       }
       chosen[j] = best;
       w[j] = scores[best];
     }
     float denominator = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) denominator += w[j];
+    denominator += eps;
     for (int64_t j = 0; j < top_k; ++j) {
       float v = norm ? w[j] / denominator : w[j];
       if (scaling != 1.0f) v *= scaling;
@@ -670,16 +677,18 @@ void kvloom_moe_combine_bf16(const uint16_t* y, const float* weights, const int6
   moe_combine(y, weights, pairs, out, tokens, k, n);
 }
 // 0, or 1 where num_experts is past MAX_ROUTED_EXPERTS or top_k outside [1, num_experts] (nothing written).
-int kvloom_moe_route_f32(const float* logits, float* weights, int64_t* experts, int64_t tokens, int64_t num_experts,
-                         int64_t top_k, int64_t norm, float scaling, int64_t round_to_bf16) {
+int kvloom_moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* experts, int64_t tokens,
+                         int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps, float scaling,
+                         int64_t round_to_bf16) {
   if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
-  moe_route(logits, weights, experts, tokens, num_experts, top_k, norm, scaling, round_to_bf16);
+  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
   return 0;
 }
-int kvloom_moe_route_bf16(const uint16_t* logits, float* weights, int64_t* experts, int64_t tokens,
-                          int64_t num_experts, int64_t top_k, int64_t norm, float scaling, int64_t round_to_bf16) {
+int kvloom_moe_route_bf16(const uint16_t* logits, const float* bias, float* weights, int64_t* experts,
+                          int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps,
+                          float scaling, int64_t round_to_bf16) {
   if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
-  moe_route(logits, weights, experts, tokens, num_experts, top_k, norm, scaling, round_to_bf16);
+  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
   return 0;
 }
 void kvloom_add_rows_bf16(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n) {

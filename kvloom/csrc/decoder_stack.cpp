@@ -62,7 +62,7 @@
 // Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen3-MoE, OLMoE, GraniteMoE; models/moe.py
 // is the module path) take the MLP's place, one process, no LoRA:
 //   logits  = normed @ Wrouter                  [T, E]
-//   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: softmax top-k)
+//   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k)
 //   rows    = normed's rows, a (row, choice) pair each, grouped by expert  [T k, H]
 //   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call)
 //   hidden  = moe_combine(grouped_gemm(silu(up), every expert's Wdown), weights)  [T, H]
@@ -167,9 +167,9 @@ using MambaMixerFn = int64_t (*)(const uint16_t* proj, const float* weight_t, co
 using GroupedGemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const int64_t* starts, uint16_t* y,
                              int64_t groups, int64_t m, int64_t n, int64_t k, int64_t weight_stride, int isa,
                              int num_threads);  // gemm.cpp's kvloom_gemm_grouped_bf16
-using MoeRouteFn = int (*)(const uint16_t* logits, float* weights, int64_t* experts, int64_t tokens,
-                           int64_t num_experts, int64_t top_k, int64_t norm, float scaling,
-                           int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
+using MoeRouteFn = int (*)(const uint16_t* logits, const float* bias, float* weights, int64_t* experts,
+                           int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm,
+                           float eps, float scaling, int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
 using MoeCombineFn = void (*)(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
                               int64_t tokens, int64_t k, int64_t n);  // kvloom_moe_combine_bf16
 using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, const float* bias, uint16_t* conv_state,
@@ -198,11 +198,13 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // W_ROUTER (0: a dense MLP): a mixture-of-experts layer's router, packed; W_EXPERTS_GATE_UP and
 // W_EXPERTS_DOWN every expert's packed gate/up and down weights, expert after expert (MoeShape's
 // strides apart); its W_GATE_UP and W_DOWN then a shared expert's (0: none), every row's, added
-// after the routed ones (Granite 4.0's).
+// after the routed ones (Granite 4.0's); W_ROUTER_BIAS its experts' float32 selection bias (LFM2-MoE's;
+// 0: none).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
-              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, W_EXPERTS_GATE_UP, W_EXPERTS_DOWN, NUM_WEIGHTS };
+              W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, W_EXPERTS_GATE_UP, W_EXPERTS_DOWN, W_ROUTER_BIAS,
+              NUM_WEIGHTS };
 // MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
 // a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
 enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
@@ -233,13 +235,14 @@ inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_s
 }
 
 // A mixture-of-experts model's routed experts (one shape for every such layer): kvloom::moe_route's
-// rule (a softmax's top_k, renormalised where norm, times scaling, rounded to bf16 where
-// round_weights) and the experts' SwiGLU of inter features.
+// rule (the top_k of a softmax, or of sigmoid scores, each plus the layer's selection bias if it
+// has one; renormalised where norm, with eps added to the sum; times scaling; rounded to bf16
+// where round_weights) and the experts' SwiGLU of inter features.
 struct MoeShape {
   int64_t num_experts, top_k, inter;
   int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
-  int64_t norm, round_weights;
-  float scaling;
+  int64_t norm, round_weights, sigmoid;
+  float scaling, eps;
 
   // Elements (bf16) per row: each of its top_k pairs' expert, place in the grouped order,
   // token and place in its token's sum (int64: 4 each), routing weight and pair weight
@@ -522,7 +525,9 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     uint16_t* between = up + P * 2 * EI;                               // [P, EI]
     uint16_t* y = between + P * EI;                                    // [P, H]
     if (gemm(x, weight(w, W_ROUTER), nullptr, logits, T, E, H, m.isa, num_threads, nullptr) != 0) return false;
-    if (moe_route(logits, weights, experts, T, E, K, e.norm, e.scaling, e.round_weights) != 0) return false;
+    if (moe_route(logits, reinterpret_cast<const float*>(w[W_ROUTER_BIAS]), weights, experts, T, E, K, e.sigmoid,
+                  e.norm, e.eps, e.scaling, e.round_weights) != 0)
+      return false;
     std::vector<int64_t> starts(E + 1, 0);
     for (int64_t i = 0; i < P; ++i) ++starts[experts[i] + 1];
     for (int64_t g = 0; g < E; ++g) starts[g + 1] += starts[g];
@@ -851,9 +856,9 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 // moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
-// down_stride, norm, round_weights] of every such layer's routed experts (MoeShape), moe_scaling
-// their routing weights' factor; a layer whose router GEMM, routing or experts' GEMM refuses
-// returns 1 + the layer.
+// down_stride, norm, round_weights, sigmoid] of every such layer's routed experts (MoeShape),
+// moe_scaling their routing weights' factor and moe_eps the renormalising sum's guard; a layer
+// whose router GEMM, routing or experts' GEMM refuses returns 1 + the layer.
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const float* cos_local, const float* sin_local,
@@ -872,11 +877,11 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* lora_rows, uint16_t* lora_scratch, const int64_t* state_sizes,
                          const float* state_limits, const int64_t* span_starts, const int64_t* span_lengths,
                          const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans,
-                         const int64_t* moe_sizes, float moe_scaling) {
+                         const int64_t* moe_sizes, float moe_scaling, float moe_eps) {
   MoeShape moe{};
   if (moe_sizes != nullptr)
     moe = MoeShape{moe_sizes[0], moe_sizes[1], moe_sizes[2], moe_sizes[3], moe_sizes[4], moe_sizes[5],
-                   moe_sizes[6], moe_scaling};
+                   moe_sizes[6], moe_sizes[7], moe_scaling, moe_eps};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.

@@ -387,49 +387,57 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> 
     return MOE_COMBINE.call(y, weights, pairs)
 
 
-# ---- a mixture-of-experts router's softmax top-k ------------------------------------------
+# ---- a mixture-of-experts router's top-k ---------------------------------------------------
 MAX_ROUTED_EXPERTS = 1024  # cpu_ops.cpp's per-token scores on the stack
 MOE_ROUTE = NativeOp(
-    "moe_route(Tensor logits, int top_k, int norm, float scaling, int round_to_bf16) -> (Tensor, Tensor)",
+    "moe_route(Tensor logits, Tensor? bias, int top_k, int sigmoid, int norm, float eps, float scaling, "
+    "int round_to_bf16) -> (Tensor, Tensor)",
     library="cpu_ops", variants=("f32", "bf16"),
-    native="kvloom_moe_route_{variant}(logits, Tensor weights, Tensor experts, int tokens, int num_experts, "
-           "top_k, norm, scaling, round_to_bf16) -> int32",
-    tensors={"logits": TensorSpec(2, ACTIVATIONS)},
+    native="kvloom_moe_route_{variant}(logits, bias, Tensor weights, Tensor experts, int tokens, int num_experts, "
+           "top_k, sigmoid, norm, eps, scaling, round_to_bf16) -> int32",
+    tensors={"logits": TensorSpec(2, ACTIVATIONS), "bias": TensorSpec(1, (torch.float32,))},
 )
 
 
 @MOE_ROUTE.check
-def _moe_route_check(logits: torch.Tensor, top_k: int, norm: int, scaling: float, round_to_bf16: int) -> None:
+def _moe_route_check(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int,
+                     eps: float, scaling: float, round_to_bf16: int) -> None:
     if not 1 <= top_k <= logits.shape[1]:
         raise MOE_ROUTE.error("top_k", f"must lie in [1, {logits.shape[1]}] (the experts), got {top_k}")
     if logits.shape[1] > MAX_ROUTED_EXPERTS:
         raise MOE_ROUTE.error("logits", f"must have at most {MAX_ROUTED_EXPERTS} experts, got {logits.shape[1]}")
+    if bias is not None and bias.shape[0] != logits.shape[1]:
+        raise MOE_ROUTE.error("bias", f"must hold one value per expert ({logits.shape[1]}), got {bias.shape[0]}")
 
 
 @MOE_ROUTE.implementation
-def _moe_route_cpu(logits: torch.Tensor, top_k: int, norm: int, scaling: float,
-                   round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_route_cpu(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int, eps: float,
+                   scaling: float, round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32)
     experts = torch.empty(tokens, top_k, dtype=torch.int64)
-    status = MOE_ROUTE.function(_VARIANT[logits.dtype])(logits.data_ptr(), weights.data_ptr(), experts.data_ptr(),
-                                                        tokens, num_experts, top_k, norm, scaling, round_to_bf16)
+    status = MOE_ROUTE.function(_VARIANT[logits.dtype])(
+        logits.data_ptr(), 0 if bias is None else bias.data_ptr(), weights.data_ptr(), experts.data_ptr(), tokens,
+        num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16)
     assert status == 0, "the check above refuses what the kernel would"
     return weights, experts
 
 
 @MOE_ROUTE.fake
-def _moe_route_fake(logits: torch.Tensor, top_k: int, norm: int, scaling: float,
-                    round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_route_fake(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int, eps: float,
+                    scaling: float, round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (logits.new_empty(logits.shape[0], top_k, dtype=torch.float32),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.int64))
 
 
-def moe_route(logits: torch.Tensor, top_k: int, norm: bool, scaling: float = 1.0,
-              round_to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, top_k: int, norm: bool, scaling: float = 1.0, round_to_bf16: bool = False,
+              sigmoid: bool = False, bias: torch.Tensor | None = None,
+              eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (weights [tokens, top_k] float32, experts
-    [tokens, top_k] int64): each token's softmax, its top_k experts in descending order
-    (ties to the lower expert), their scores divided by their sum where ``norm``, times
-    ``scaling``, rounded to bf16 where ``round_to_bf16`` (models/moe.py's ``route`` for the
-    softmax-greedy families, to float32 rounding; a token's result is its own)."""
-    return MOE_ROUTE.call(logits, top_k, int(norm), scaling, int(round_to_bf16))
+    [tokens, top_k] int64): each token's scores (a softmax, or where ``sigmoid`` each
+    logit's sigmoid), its top_k experts by score + ``bias`` (float32 [experts], a selection
+    bias; None: none) in descending order (ties to the lower expert), their scores divided
+    by their sum plus ``eps`` where ``norm``, times ``scaling``, rounded to bf16 where
+    ``round_to_bf16`` (models/moe.py's ``route`` for the forms ``routes_natively`` names, to
+    float32 rounding; a token's result is its own)."""
+    return MOE_ROUTE.call(logits, bias, top_k, int(sigmoid), int(norm), eps, scaling, int(round_to_bf16))

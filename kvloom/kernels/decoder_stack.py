@@ -46,7 +46,7 @@ _STACK = NativeFunction(
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch, Tensor state_sizes, Tensor state_limits, "
     "Tensor span_starts, Tensor span_lengths, Tensor span_slots, Tensor span_has_state, int num_spans, "
-    "Tensor moe_sizes, float moe_scaling) -> int32")
+    "Tensor moe_sizes, float moe_scaling, float moe_eps) -> int32")
 _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scratch(int tokens, int hidden_size, "
                                                 "int q_size, int kv_size, int intermediate, int max_width) -> int")
 
@@ -68,7 +68,8 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   # A mixture-of-experts layer's router, packed (0: a dense MLP), and every expert's
                   # packed gate/up and down weights, expert after expert; its gate_up and down
                   # columns then hold a shared expert's (0: none).
-                  "router", "experts_gate_up", "experts_down")
+                  "router", "experts_gate_up", "experts_down",
+                  "router_bias")  # its experts' float32 selection bias (LFM2-MoE's; 0: none)
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
@@ -166,10 +167,11 @@ class StackShape:
 @dataclass(frozen=True, slots=True)
 class MoEShape:
     """A model's routed experts, one shape for all its mixture-of-experts layers: kvloom::moe_route's
-    rule (``top_k`` of ``num_experts`` by their softmax, divided by their sum where ``norm``,
-    times ``scaling``, rounded to bf16 where ``round_weights``) and each expert's SwiGLU of
-    ``inter`` features; ``gate_up_stride`` and ``down_stride``: bf16 elements from one
-    expert's packed weight to the next's."""
+    rule (``top_k`` of ``num_experts`` by their softmax or, ``sigmoid``, their sigmoid scores,
+    each plus its layer's selection bias where it has one; divided by their sum plus ``eps``
+    where ``norm``, times ``scaling``, rounded to bf16 where ``round_weights``) and each
+    expert's SwiGLU of ``inter`` features; ``gate_up_stride`` and ``down_stride``: bf16
+    elements from one expert's packed weight to the next's."""
 
     num_experts: int
     top_k: int
@@ -179,6 +181,8 @@ class MoEShape:
     norm: bool
     round_weights: bool
     scaling: float
+    sigmoid: bool = False
+    eps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,16 +454,16 @@ def _state_args(shape: StackShape, weights: torch.Tensor, spans: StackSpans | No
             spans.slots.data_ptr(), spans.has_state.data_ptr(), n], (sizes, limits)
 
 
-def _moe_args(moe: MoEShape | None) -> tuple[int, float]:
-    """The C call's moe_sizes pointer (0: no mixture-of-experts layer) and moe_scaling."""
-    return (0, 1.0) if moe is None else (_moe_sizes(moe).data_ptr(), moe.scaling)
+def _moe_args(moe: MoEShape | None) -> tuple[int, float, float]:
+    """The C call's moe_sizes pointer (0: no mixture-of-experts layer), moe_scaling and moe_eps."""
+    return (0, 1.0, 0.0) if moe is None else (_moe_sizes(moe).data_ptr(), moe.scaling, moe.eps)
 
 
 @functools.lru_cache(maxsize=8)
 def _moe_sizes(moe: MoEShape) -> torch.Tensor:
     """The C call's moe_sizes array, made once per model (the C side only reads it)."""
     return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
-                         int(moe.round_weights)], dtype=torch.int64)
+                         int(moe.round_weights), int(moe.sigmoid)], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

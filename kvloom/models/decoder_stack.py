@@ -299,13 +299,17 @@ class NativeDecoderStack:
                 row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
-            row.update(router=0, experts_gate_up=0, experts_down=0)
+            row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0)
             if experts is not None:  # _why_not_walked_moe checked these
                 grouped, router = experts.grouped, experts.router.packed
                 assert grouped is not None and isinstance(router, InvariantLinear)
                 row.update(router=router.packed_weight.data_ptr(), experts_gate_up=grouped.gate_up.data_ptr(),
                            experts_down=grouped.down.data_ptr())
                 owners += [router.packed_weight, grouped.gate_up, grouped.down]
+                selection = experts.router.score_correction_bias  # float32, contiguous (a parameter)
+                if selection is not None:
+                    row["router_bias"] = selection.data_ptr()
+                    owners.append(selection)
             rows.append([row[column] for column in kernels.WEIGHT_COLUMNS])
         if len(isas) != 1:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
@@ -436,8 +440,8 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     if mlp.grouped is None or not isinstance(mlp.router.packed, InvariantLinear) or mlp.router.packed.bias is not None:
         return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
     if not mlp.router.native_route:
-        return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not the walk's softmax top-k "
-                "(Mixtral's, Qwen's, OLMoE's)")
+        return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not one of the walk's top-k rules "
+                "(a softmax's, or sigmoid scores' steered by a bias in one group)")
     if moe.hidden_act != "silu" or moe.expert_biases:
         return "has experts other than the walk's (SwiGLU without biases)"
     if mlp.shared_expert_gate is not None:
@@ -452,9 +456,10 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
 def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
     grouped, moe = mlp.grouped, mlp.moe
     assert grouped is not None
+    sigmoid = moe.scoring == "sigmoid"
     return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
                             grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
-                            moe.routed_scaling_factor)
+                            moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

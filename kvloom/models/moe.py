@@ -89,11 +89,17 @@ def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 
 def routes_natively(moe: MoEConfig) -> bool:
-    """Whether ``moe``'s rule is kvloom::moe_route's (a softmax's greedy top-k, renormalised
-    or not, scaled; Mixtral's, Qwen's, OLMoE's): the kernel packed bf16 routers run on a
-    CPU, and the native walk's."""
-    return (moe.scoring == "softmax" and moe.topk_method == "greedy" and not moe.router_float32
-            and not moe.score_correction_bias and not moe.router_bias and moe.num_experts <= cpu_ops.MAX_ROUTED_EXPERTS)
+    """Whether ``moe``'s rule is one of kvloom::moe_route's: a softmax's greedy top-k
+    (Mixtral's, Qwen's, OLMoE's, GraniteMoe's), or sigmoid scores' top-k, steered by a
+    selection bias in one group or not (LFM2-MoE's), renormalised or not, scaled. Packed
+    bf16 routers run the kernel on a CPU, as the native walk does."""
+    if moe.router_float32 or moe.router_bias or moe.num_experts > cpu_ops.MAX_ROUTED_EXPERTS:
+        return False
+    if moe.scoring == "softmax":
+        return moe.topk_method == "greedy" and not moe.score_correction_bias
+    greedy = moe.topk_method == "greedy" and not moe.score_correction_bias
+    one_group = moe.topk_method == "noaux_tc" and moe.num_groups == 1 and moe.score_correction_bias
+    return moe.scoring == "sigmoid" and (greedy or one_group)
 
 
 class MoERouter(nn.Module):
@@ -114,8 +120,8 @@ class MoERouter(nn.Module):
                                       if moe.score_correction_bias else None)
         self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.router_bias else None
         self.packed: nn.Module | None = None  # the weight as the matmul kernel's (pack)
-        # Set by pack(): the softmax top-k by kvloom::moe_route (a bf16 router on kvloom's GEMM
-        # whose rule it is), as the native walk routes; else route()'s torch ops.
+        # Set by pack(): the top-k by kvloom::moe_route (a bf16 router on kvloom's GEMM whose
+        # rule it is: routes_natively), as the native walk routes; else route()'s torch ops.
         self.native_route = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +130,10 @@ class MoERouter(nn.Module):
             x = x.float()  # the weight stays float32 (_apply)
         logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)  # [tokens, experts]
         if self.native_route:
-            return cpu_ops.moe_route(logits, self.moe.top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
+            moe, sigmoid = self.moe, self.moe.scoring == "sigmoid"
+            return cpu_ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
+                                     sigmoid=sigmoid, bias=self.score_correction_bias,
+                                     eps=moe.norm_topk_eps if sigmoid else 0.0)  # route()'s guard: sigmoid's only
         return route(logits, self.moe, self.score_correction_bias)
 
     def pack(self, matmul: str) -> int:

@@ -5,10 +5,11 @@ and one ``index_add_`` per expert in ascending order onto zeros, bit for bit in 
 and bf16, with float32 and bf16 routing weights, tokens with fewer rows (another rank's
 experts), products and sums that round either way, and the signs of zeros.
 
-cpu_ops.moe_route (the softmax top-k): models/moe.py's ``route`` (torch's softmax and
-topk): the same experts in the same order wherever no two scores tie, ties to the lower
-expert, the weights within float32 rounding of torch's (its exp is not ours), each token's
-result its own whatever the batch."""
+cpu_ops.moe_route (the top-k of a softmax, or of sigmoid scores steered by a selection bias):
+models/moe.py's ``route`` (torch's softmax or sigmoid and topk): the same experts wherever no
+two scores tie (in the same order where route sorts them), ties to the lower expert, the
+weights within float32 rounding of torch's (its exp is not ours), each token's result its
+own whatever the batch."""
 
 from __future__ import annotations
 
@@ -98,3 +99,28 @@ def test_rounded_routing_weights_are_bf16_values() -> None:
     weights, _ = cpu_ops.moe_route(logits, 2, True, round_to_bf16=True)
     unrounded, _ = cpu_ops.moe_route(logits, 2, True)
     assert torch.equal(weights, unrounded.bfloat16().float())
+
+
+@pytest.mark.parametrize(("experts", "top_k", "method", "norm"), [(32, 4, "noaux_tc", True), (16, 2, "greedy", False),
+                                                                  (8, 3, "noaux_tc", False)])
+def test_sigmoid_routing_is_torchs(experts: int, top_k: int, method: str, norm: bool) -> None:
+    """LFM2-MoE's rule (and DeepSeek-V3's in one group): sigmoid scores, the top k of score +
+    selection bias (noaux_tc), weighted by the scores alone, renormalised with route()'s guard."""
+    generator = torch.Generator().manual_seed(experts)
+    logits = (torch.randn(300, experts, generator=generator) * 2).bfloat16()
+    bias = torch.randn(experts, generator=generator) * 0.1 if method == "noaux_tc" else None
+    config = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=4, sparse_layers=(0,), scoring="sigmoid",
+                       topk_method=method, norm_topk_prob=norm, score_correction_bias=bias is not None,
+                       norm_topk_eps=1e-6)
+    weights, chosen = cpu_ops.moe_route(logits, top_k, norm, sigmoid=True, bias=bias, eps=1e-6)
+    expected_weights, expected = route(logits, config, bias)
+    choice = logits.float().sigmoid() + (0 if bias is None else bias)
+    ranked = choice.sort(dim=1, descending=True).values
+    tied = (ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
+    # route() leaves the chosen unsorted here: held as sets, each expert's weight beside it.
+    ours, order = chosen.sort(dim=1)
+    theirs, their_order = expected.sort(dim=1)
+    assert torch.equal(ours[~tied], theirs[~tied])
+    torch.testing.assert_close(weights.gather(1, order)[~tied], expected_weights.gather(1, their_order)[~tied],
+                               rtol=2e-6, atol=1e-9)
+    assert int((~tied).sum()) > 200  # most tokens held to torch's choice

@@ -237,17 +237,19 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
 # convolution last; nemotron_h: NVIDIA Nemotron-H's single-mixer blocks paired as layers (an MLP
 # block after no other, a mixer with no MLP after it, attention and its MLP, a mixer last);
 # nemotron_h_mlp_last: an MLP block alone last (the rows read narrowed there); granite4_moe: IBM
-# Granite 4.0's routed experts (4, top 2) beside the shared MLP in every layer (granite-4.0-h-tiny's form).
+# Granite 4.0's routed experts (4, top 2) beside the shared MLP in every layer (granite-4.0-h-tiny's form);
+# lfm2_moe: LFM2's layers, the first with a dense MLP, then experts of another width chosen by sigmoid
+# scores steered by a selection bias (LFM2-8B-A1B's form).
 @pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2", "nemotron_h",
-                                        "nemotron_h_mlp_last", "granite4_moe"])
+                                        "nemotron_h_mlp_last", "granite4_moe", "lfm2_moe"])
 def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_ssm import write_tiny_ssm_model
 
     root, name = tmp_path_factory.mktemp(request.param), request.param
     if name == "bamba":  # head_dim 32 (the paired layout); the mixers' heads of 64, 2 groups
         return write_tiny_ssm_model(root, "bamba", hidden_size=128, intermediate_size=256, attn_layer_indices=[1])
-    if name == "lfm2":
-        return write_tiny_ssm_model(root, "lfm2", hidden_size=128, num_hidden_layers=3,
+    if name in ("lfm2", "lfm2_moe"):
+        return write_tiny_ssm_model(root, name, hidden_size=128, num_hidden_layers=3,
                                     layer_types=["conv", "full_attention", "conv"])
     if name.startswith("nemotron_h"):
         blocks = (["mlp", "mamba", "attention", "mlp", "mamba"] if name == "nemotron_h"
@@ -299,17 +301,6 @@ def test_a_hybrids_spans_are_checked_before_any_pointer_reaches_c(hybrid_dir: Pa
     with pytest.raises(RuntimeError, match="a state layer's kernel refused the step's requests"):  # slot 9 of 4
         decoder_stack.run(stack.kernels, stack.weights, stack.shape, **args, spans=dataclasses.replace(
             spans, lengths=torch.tensor([3]), slots=torch.tensor([9])))
-
-
-def test_hybrids_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
-    """LFM2-MoE's routed experts (sigmoid scores steered by a bias) run as modules, named."""
-    from helpers_ssm import write_tiny_ssm_model
-
-    path = write_tiny_ssm_model(tmp_path / "lfm2_moe", "lfm2_moe", hidden_size=128)
-    engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32))
-    assert engine.model.native_stack is None  # type: ignore[attr-defined]
-    assert "mixture-of-experts FFN routes by sigmoid scores" in (
-        engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
 
 
 # Mixture-of-experts stacks, the experts' FFN walked (the router's logits, kvloom::moe_route, the
