@@ -505,6 +505,19 @@ void add_rows(T* y, const T* delta, const int64_t* rows, int64_t count, int64_t 
 // then one `index_add_` per expert in ascending order; pairs[t] lists token t's rows of y
 // in that order). weights are float32 (a bf16 weight widens exactly); the product is
 // rounded to float32 and then to T, as torch's bf16-times-float32 product and its cast.
+// x[r] <- round(round(sigmoid(gate[r])) * x[r]) for each of `rows` rows of n, gate [rows] (a
+// [rows, 1] column): Qwen2-MoE's gated shared expert, torch's `sigmoid(gate) * x` with the
+// sigmoid rounded to T first (its exp is not torch's, so to within an ulp of its sigmoid).
+template <typename T>
+void sigmoid_gate(T* x, const T* gate, int64_t rows, int64_t n) {
+#pragma omp parallel for if (parallel_worth_it(rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = round_to(1.0f / (1.0f + std::exp(-to_float(gate[r]))), gate);
+    T* xr = x + r * n;
+    for (int64_t j = 0; j < n; ++j) from_float(g * to_float(xr[j]), xr + j);
+  }
+}
+
 // x as computed, not fused into the operation after it: -ffast-math lets GCC contract a
 // product and a sum into one fma, which rounds once where torch rounds the product first.
 template <class V>
@@ -690,6 +703,10 @@ int kvloom_moe_route_bf16(const uint16_t* logits, const float* bias, float* weig
   if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
   moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
   return 0;
+}
+void kvloom_sigmoid_gate_f32(float* x, const float* gate, int64_t rows, int64_t n) { sigmoid_gate(x, gate, rows, n); }
+void kvloom_sigmoid_gate_bf16(uint16_t* x, const uint16_t* gate, int64_t rows, int64_t n) {
+  sigmoid_gate(x, gate, rows, n);
 }
 void kvloom_add_rows_bf16(uint16_t* y, const uint16_t* delta, const int64_t* rows, int64_t count, int64_t n) {
   add_rows(y, delta, rows, count, n);

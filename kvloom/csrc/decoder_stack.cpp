@@ -67,7 +67,8 @@
 //   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call)
 //   hidden  = moe_combine(grouped_gemm(silu(up), every expert's Wdown), weights)  [T, H]
 //             (each row's experts added in ascending order, cpu_ops.cpp)
-//   hidden += (silu(gate) * up)(normed @ Wgu) @ Wdown   a shared expert's (Granite 4.0's), if any
+//   hidden += (silu(gate) * up)(normed @ Wgu) @ Wdown   a shared expert's (Granite 4.0's), if any,
+//             times sigmoid(normed @ Wshared_gate) first where it has a gate (Qwen2-MoE's)
 // NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
 // the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
 // 0: its output joins the stream at the next layer's norm), an MLP block after no other a
@@ -172,6 +173,7 @@ using MoeRouteFn = int (*)(const uint16_t* logits, const float* bias, float* wei
                            float eps, float scaling, int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
 using MoeCombineFn = void (*)(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
                               int64_t tokens, int64_t k, int64_t n);  // kvloom_moe_combine_bf16
+using SigmoidGateFn = void (*)(uint16_t* x, const uint16_t* gate, int64_t rows, int64_t n);  // kvloom_sigmoid_gate_bf16
 using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, const float* bias, uint16_t* conv_state,
                                 const int64_t* starts, const int64_t* lengths, const int64_t* slots,
                                 const int32_t* has_state, uint16_t* bx, uint16_t* out, int64_t n, int64_t num_slots,
@@ -182,7 +184,7 @@ using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, con
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
               K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
               K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, K_SHORT_CONV, K_GEMM_GROUPED, K_MOE_ROUTE, K_MOE_COMBINE,
-              NUM_KERNELS };
+              K_SIGMOID_GATE, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -198,13 +200,13 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // W_ROUTER (0: a dense MLP): a mixture-of-experts layer's router, packed; W_EXPERTS_GATE_UP and
 // W_EXPERTS_DOWN every expert's packed gate/up and down weights, expert after expert (MoeShape's
 // strides apart); its W_GATE_UP and W_DOWN then a shared expert's (0: none), every row's, added
-// after the routed ones (Granite 4.0's); W_ROUTER_BIAS its experts' float32 selection bias (LFM2-MoE's;
-// 0: none).
+// after the routed ones (Granite 4.0's), times the sigmoid of x @ W_SHARED_GATE where that is set
+// (Qwen2-MoE's, packed [1, H]); W_ROUTER_BIAS its experts' float32 selection bias (LFM2-MoE's; 0: none).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
               W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, W_EXPERTS_GATE_UP, W_EXPERTS_DOWN, W_ROUTER_BIAS,
-              NUM_WEIGHTS };
+              W_SHARED_GATE, NUM_WEIGHTS };
 // MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
 // a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
 enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
@@ -474,6 +476,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto moe_route = entry<MoeRouteFn>(m.kernels, K_MOE_ROUTE);
   const auto moe_combine = entry<MoeCombineFn>(m.kernels, K_MOE_COMBINE);
   const auto silu = entry<SiluFn>(m.kernels, K_SILU);  // the experts' activation, whatever the dense MLPs'
+  const auto sigmoid_gate = entry<SigmoidGateFn>(m.kernels, K_SIGMOID_GATE);
   const auto mamba_mixer = entry<MambaMixerFn>(m.kernels, K_MAMBA_MIXER);
   const auto short_conv = entry<ShortConvFn>(m.kernels, K_SHORT_CONV);
   uint16_t* hidden = r.hidden;
@@ -722,6 +725,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
         silu(gate_up, act, T, I);
         if (!matmul(act, W_DOWN, W_DOWN_BIAS, mlp_out, H, I)) return refused;
+        if (weight(w, W_SHARED_GATE) != nullptr) {  // Qwen2-MoE: its logit a row into act's room (free now)
+          if (gemm(mlp_in, weight(w, W_SHARED_GATE), nullptr, act, T, 1, H, m.isa, num_threads, nullptr) != 0)
+            return refused;
+          sigmoid_gate(mlp_out, act, T, H);
+        }
         add_rows(hidden, mlp_out, nullptr, T, H);
       }
       if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);

@@ -5,9 +5,9 @@ float32 before the rounding), ``kvloom::layer_norm`` (with a weight and a bias),
 ``kvloom::gelu_erf``, ``kvloom::relu`` and ``kvloom::relu2`` (the un-gated MLP's), ``kvloom::rotary_``,
 ``kvloom::clamp_`` (OLMo 1's clip, for the native walk; the modules call torch's),
 ``kvloom::add_rows_`` (LoRA's deltas added in; its reference is torch's own add) and
-``kvloom::moe_route`` and ``kvloom::moe_combine`` (a mixture-of-experts layer's softmax top-k
-routing, and its weighted expert outputs added up per token; their references are
-models/moe.py's torch ops).
+``kvloom::moe_route``, ``kvloom::moe_combine`` and ``kvloom::sigmoid_gate_`` (a mixture-of-experts
+layer's top-k routing, its weighted expert outputs added up per token, and Qwen2-MoE's gate on its
+shared expert; their references are models/moe.py's torch ops).
 
 models/ops.py calls all but the last on CPU and keeps the pure-PyTorch references (the oracle in
 tests/models/test_ops.py, and what runs where this source does not build).
@@ -344,6 +344,37 @@ def add_rows_(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None = 
     distinct), each sum rounded once to y's dtype: torch's ``y += delta`` and
     ``y.index_add_(0, rows, delta)``, the reference (tests/kernels/test_add_rows.py)."""
     ADD_ROWS.call(y, delta, rows)
+
+
+# ---- Qwen2-MoE's shared expert times the sigmoid of its gate, in place ------------------
+SIGMOID_GATE = NativeOp(
+    "sigmoid_gate_(Tensor(a!) x, Tensor gate) -> ()",
+    library="cpu_ops", variants=("f32", "bf16"),
+    native="kvloom_sigmoid_gate_{variant}(x, gate, int rows, int n) -> ()",
+    tensors={"x": TensorSpec(2, ACTIVATIONS), "gate": TensorSpec(2, like="x")},
+)
+
+
+@SIGMOID_GATE.check
+def _sigmoid_gate_check(x: torch.Tensor, gate: torch.Tensor) -> None:
+    if tuple(gate.shape) != (x.shape[0], 1):
+        raise SIGMOID_GATE.error("gate", f"must be one logit per row of x, [{x.shape[0]}, 1], got {list(gate.shape)}")
+
+
+@SIGMOID_GATE.implementation
+def _sigmoid_gate_cpu(x: torch.Tensor, gate: torch.Tensor) -> None:
+    SIGMOID_GATE.function(_VARIANT[x.dtype])(x.data_ptr(), gate.data_ptr(), x.shape[0], x.shape[1])
+
+
+@SIGMOID_GATE.fake
+def _sigmoid_gate_fake(x: torch.Tensor, gate: torch.Tensor) -> None:
+    return None
+
+
+def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> None:
+    """``x *= sigmoid(gate)`` in place, gate [rows, 1], the sigmoid rounded to x's dtype first
+    (torch's ``torch.sigmoid(gate) * x``, its sigmoid to within an ulp)."""
+    SIGMOID_GATE.call(x, gate)
 
 
 # ---- a mixture-of-experts layer's outputs, weighted and added per token ---------------

@@ -69,7 +69,8 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   # packed gate/up and down weights, expert after expert; its gate_up and down
                   # columns then hold a shared expert's (0: none).
                   "router", "experts_gate_up", "experts_down",
-                  "router_bias")  # its experts' float32 selection bias (LFM2-MoE's; 0: none)
+                  "router_bias",  # its experts' float32 selection bias (LFM2-MoE's; 0: none)
+                  "shared_gate")  # its shared expert's gate, packed [1, hidden] (Qwen2-MoE's; 0: none)
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
@@ -93,7 +94,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain"
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 21
+NUM_KERNELS = 22
 
 
 def available() -> bool:
@@ -127,7 +128,7 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(ssm.MAMBA_MIXER, "bf16") if ssm.available() else 0,
                          _address(ssm.SHORT_CONV, "bf16") if ssm.available() else 0,
                          _address(gemm.GEMM_GROUPED), _address(cpu_ops.MOE_ROUTE, "bf16"),
-                         _address(cpu_ops.MOE_COMBINE, "bf16")],
+                         _address(cpu_ops.MOE_COMBINE, "bf16"), _address(cpu_ops.SIGMOID_GATE, "bf16")],
                         dtype=torch.int64)
 
 

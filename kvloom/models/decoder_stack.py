@@ -299,13 +299,18 @@ class NativeDecoderStack:
                 row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
-            row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0)
+            row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0, shared_gate=0)
             if experts is not None:  # _why_not_walked_moe checked these
                 grouped, router = experts.grouped, experts.router.packed
                 assert grouped is not None and isinstance(router, InvariantLinear)
                 row.update(router=router.packed_weight.data_ptr(), experts_gate_up=grouped.gate_up.data_ptr(),
                            experts_down=grouped.down.data_ptr())
                 owners += [router.packed_weight, grouped.gate_up, grouped.down]
+                if experts.packed_shared_gate is not None:  # _why_not_walked_moe: kvloom's GEMM
+                    gate = experts.packed_shared_gate
+                    assert isinstance(gate, InvariantLinear)
+                    row["shared_gate"] = gate.packed_weight.data_ptr()
+                    owners.append(gate.packed_weight)
                 selection = experts.router.score_correction_bias  # float32, contiguous (a parameter)
                 if selection is not None:
                     row["router_bias"] = selection.data_ptr()
@@ -434,8 +439,8 @@ class NativeDecoderStack:
 def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     """Why the walk cannot run the mixture-of-experts FFN ``mlp`` ("" where it can: experts
     packed for the grouped GEMM, a packed bf16 router whose rule is kvloom::moe_route's, SwiGLU
-    experts without biases, a shared expert without a gate or none, no expert adapters, in turn
-    after the attention)."""
+    experts without biases, a shared expert (gated by a sigmoid or not) or none, no expert
+    adapters, in turn after the attention)."""
     moe = mlp.moe
     if mlp.grouped is None or not isinstance(mlp.router.packed, InvariantLinear) or mlp.router.packed.bias is not None:
         return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
@@ -444,8 +449,8 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
                 "(a softmax's, or sigmoid scores' steered by a bias in one group)")
     if moe.hidden_act != "silu" or moe.expert_biases:
         return "has experts other than the walk's (SwiGLU without biases)"
-    if mlp.shared_expert_gate is not None:
-        return "has a gated shared expert (Qwen2-MoE's), which the walk does not run"
+    if mlp.shared_expert_gate is not None and not isinstance(mlp.packed_shared_gate, InvariantLinear):
+        return "has a shared expert's gate not packed for kvloom's GEMM"
     if mlp.adapters is not None:
         return "has LoRA adapters on its experts, which run as modules"
     if parallel != "in_turn":

@@ -490,7 +490,10 @@ class SparseMoE(nn.Module):
             if self.shared_expert_gate is not None:
                 gate_logit = (self.packed_shared_gate(x) if self.packed_shared_gate is not None
                               else F.linear(x, self.shared_expert_gate))
-                shared = torch.sigmoid(gate_logit) * shared
+                if isinstance(self.packed_shared_gate, InvariantLinear) and cpu_ops.available():
+                    cpu_ops.sigmoid_gate_(shared, gate_logit)  # the native walk's kernel
+                else:
+                    shared = torch.sigmoid(gate_logit) * shared
             out = out + shared
         return self.tp.all_reduce(out)
 

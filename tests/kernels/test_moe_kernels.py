@@ -124,3 +124,19 @@ def test_sigmoid_routing_is_torchs(experts: int, top_k: int, method: str, norm: 
     torch.testing.assert_close(weights.gather(1, order)[~tied], expected_weights.gather(1, their_order)[~tied],
                                rtol=2e-6, atol=1e-9)
     assert int((~tied).sum()) > 200  # most tokens held to torch's choice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_experts_gate_is_torchs_sigmoid_times_x(dtype: torch.dtype) -> None:
+    """Qwen2-MoE's ``sigmoid(gate) * shared``: the sigmoid rounded to the dtype, then the
+    product rounded; to within an ulp of torch's sigmoid (its exp is not ours): in bf16 nearly
+    always its bits."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 96, generator=generator).to(dtype)
+    gate = (torch.randn(200, 1, generator=generator) * 4).to(dtype)
+    expected = torch.sigmoid(gate) * x
+    got = x.clone()
+    cpu_ops.sigmoid_gate_(got, gate)
+    if dtype == torch.bfloat16:
+        assert float((got != expected).float().mean()) < 0.01
+    torch.testing.assert_close(got, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0.0)

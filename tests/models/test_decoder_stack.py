@@ -307,8 +307,8 @@ def test_a_hybrids_spans_are_checked_before_any_pointer_reaches_c(hybrid_dir: Pa
 # grouped experts, the weighted sum): mixtral (8 experts, top 2, renormalised); qwen3_moe: per-head
 # q/k norms, top 3 of 8 renormalised, its middle layer a dense MLP (mlp_only_layers); olmoe: q/k
 # norms over the whole projection, top 2 of 8 as scored; granite_moe: Granite's multipliers over
-# Mixtral's routing.
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe", "granite_moe"])
+# Mixtral's routing; qwen2_moe: q/k/v biases and a shared expert gated by a sigmoid beside the routed ones.
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe", "granite_moe", "qwen2_moe"])
 def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_models import write_tiny_hf_model
 
@@ -320,6 +320,8 @@ def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         "olmoe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
         "granite_moe": dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
                             residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0),
+        "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=96),
     }[name]
     return write_tiny_hf_model(tmp_path_factory.mktemp(name), arch=name, **SHAPE, **experts)
 
@@ -333,15 +335,26 @@ def test_moe_two_concurrent_walks_match_the_module_path_bit_for_bit(moe_dir: Pat
     run_split(moe_dir, monkeypatch, 8 << 20)
 
 
-def test_moe_models_the_walk_does_not_run_keep_their_modules(tmp_path: Path) -> None:
-    """A gated shared expert (Qwen2-MoE's) runs as modules, named."""
-    from helpers_models import write_tiny_hf_model
+def test_moe_layers_the_walk_does_not_run_are_named() -> None:
+    """Experts with biases and a clamped SwiGLU (GPT-OSS's), a router by groups (DeepSeek's) and
+    unpacked experts keep the modules, each refusal saying why."""
+    from kvloom.model_families import MoEConfig
+    from kvloom.models.moe import SparseMoE
 
-    path = write_tiny_hf_model(tmp_path / "qwen2_moe", arch="qwen2_moe", **SHAPE, num_experts=8,
-                               num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
-    engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32))
-    assert engine.model.native_stack is None  # type: ignore[attr-defined]
-    assert "has a gated shared expert" in (engine.model.use_native_stack() or "")  # type: ignore[attr-defined]
+    def packed(moe: MoEConfig) -> SparseMoE:
+        layer = SparseMoE(64, moe).to(torch.bfloat16)
+        layer.pack("invariant")
+        layer.router.pack("invariant")
+        return layer
+
+    base = dict(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0,))
+    gpt_oss = packed(MoEConfig(**base, hidden_act="swigluoai", expert_biases=True))
+    grouped = packed(MoEConfig(**base, topk_method="group_limited_greedy", num_groups=4, topk_groups=2))
+    assert "experts other than the walk's" in stack_model._why_not_walked_moe(gpt_oss, "in_turn")
+    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(grouped, "in_turn")
+    assert "not packed for kvloom's GEMM" in stack_model._why_not_walked_moe(SparseMoE(64, MoEConfig(**base)),
+                                                                               "in_turn")
+    assert stack_model._why_not_walked_moe(packed(MoEConfig(**base)), "in_turn") == ""
 
 
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
