@@ -59,8 +59,9 @@
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). No tensor parallel, no LoRA.
-// Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen3-MoE, OLMoE, GraniteMoE; models/moe.py
-// is the module path) take the MLP's place, one process, no LoRA:
+// Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, Granite
+// 4.0's and LFM2-MoE's hybrids; models/moe.py is the module path) take the MLP's place, one process,
+// no LoRA:
 //   logits  = normed @ Wrouter                  [T, E]
 //   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k)
 //   rows    = normed's rows, a (row, choice) pair each, grouped by expert  [T k, H]

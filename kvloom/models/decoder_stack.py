@@ -3,8 +3,9 @@ are Llama's but for their norms, MLP and where the norms sit: Gemma 1-3, Helium,
 and 3, EXAONE 4, StarCoder2, GPT-2, Phi, GPT-NeoX; and of the hybrids whose other layers
 keep a state per request, each followed by Llama's MLP: Bamba's and IBM Granite 4.0's Mamba2
 mixers, LiquidAI LFM2's gated short convolutions; and of the mixture-of-experts models whose
-router is a softmax top-k and whose experts are SwiGLU without a shared expert: Mixtral,
-Qwen3-MoE, OLMoE, GraniteMoE) in one native call (kernels/decoder_stack.py).
+router is kvloom::moe_route's and whose experts are SwiGLU without biases, beside a shared expert
+or not: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, Granite 4.0's and LFM2-MoE's hybrids) in
+one native call (kernels/decoder_stack.py).
 
 ``NativeDecoderStack.build(model)`` reads the packed model once: a table of its
 weights' data pointers (the tensors stay owned by the model's modules, which outlive
