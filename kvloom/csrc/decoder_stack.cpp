@@ -60,8 +60,8 @@
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). No tensor parallel, no LoRA.
 // Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, Granite
-// 4.0's and LFM2-MoE's hybrids; models/moe.py is the module path) take the MLP's place, one process,
-// no LoRA:
+// 4.0's and LFM2-MoE's hybrids; models/moe.py is the module path) take the MLP's place, one process
+// (LoRA adapters on the attention only: kvloom/lora hands no table while one adapts an expert layer):
 //   logits  = normed @ Wrouter                  [T, E]
 //   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k)
 //   rows    = normed's rows, a (row, choice) pair each, grouped by expert  [T k, H]

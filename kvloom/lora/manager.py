@@ -272,8 +272,17 @@ class LoRAManager:
         parts = ("q_proj", "o_proj", "up_proj", "down_proj")
         by_layer = [tuple(self._targets[index, name][0] if (index, name) in self._targets else None for name in parts)
                     for index in range(self.config.num_layers)]
+        # The walk adds no delta on an expert layer's MLP (its routed experts, a shared expert):
+        # while a slot holds one, adapter steps take the modules.
+        expert_layers = [layer for (_, name), (layer, _) in self._targets.items()
+                         if name.startswith(("experts.", "shared_expert."))]
+        experts_adapted = any(any(kernels is not None for kernels in layer.kernels) if isinstance(layer, LoRALinear)
+                              else any(part is not None for slot in layer.kernels for part in slot)
+                              for layer in expert_layers)
         for stack in self._stacks:
-            stack.set_lora(stack_table(by_layer[:stack.shape.num_layers], self.max_loras, stack.shape.isa))
+            table = None if experts_adapted else stack_table(by_layer[:stack.shape.num_layers], self.max_loras,
+                                                             stack.shape.isa)
+            stack.set_lora(table)
 
     def add_stack(self, stack: NativeDecoderStack) -> None:
         """Another walk over the model's first layers (a layer_skip draft's, which shares

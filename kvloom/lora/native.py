@@ -34,6 +34,9 @@ def stack_table(layers: Sequence[Sequence[LoRALinear | None]], max_loras: int, i
                 pointers[index, column, slot, 0] = shrink.packed_weight.data_ptr()
                 pointers[index, column, slot, 1] = expand.packed_weight.data_ptr()
                 owners += [shrink.packed_weight, expand.packed_weight]
-    widths = torch.tensor([0 if projection is None else projection.a.shape[1] for projection in layers[0]],
-                          dtype=torch.int64)
+    # Each projection's shrink width: its parts x the largest rank, the same in every layer that has
+    # it (a mixture-of-experts model's first layer may have no MLP projection: the widest, then).
+    widths = torch.tensor([max((layer[column].a.shape[1] for layer in layers  # type: ignore[union-attr]
+                                if layer[column] is not None), default=0)
+                           for column in range(len(LORA_PROJECTIONS))], dtype=torch.int64)
     return StackLoRA(pointers, widths, tuple(owners))

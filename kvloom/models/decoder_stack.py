@@ -157,9 +157,9 @@ class NativeDecoderStack:
 
     def set_lora(self, lora: kernels.StackLoRA | None) -> None:
         """The adapters' table the walk reads from now on (None: steps with adapter rows
-        take the module path, as they always do on a mixture-of-experts model, whose
-        experts' adapters the walk does not run)."""
-        self.lora = lora if self.shape.moe is None else None
+        take the module path; kvloom/lora hands None while an adapter on an expert layer's
+        MLP, routed or shared experts, is loaded, whose deltas the walk does not add)."""
+        self.lora = lora
 
     @classmethod
     def build(cls, model: DecoderModel) -> tuple[NativeDecoderStack | None, str]:

@@ -335,6 +335,39 @@ def test_moe_two_concurrent_walks_match_the_module_path_bit_for_bit(moe_dir: Pat
     run_split(moe_dir, monkeypatch, 8 << 20)
 
 
+def test_moe_steps_with_lora_adapters_match_the_module_path_bit_for_bit(moe_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """Adapters on a mixture-of-experts model's attention run in the walk, its experts as the
+    modules run them."""
+    from helpers_lora import write_adapter
+    a = LoRARequest("a", 1, str(write_adapter(moe_dir, tmp_path / "a", 1, 8, ["q_proj", "k_proj", "v_proj", "o_proj"])))
+    b = LoRARequest("b", 2, str(write_adapter(moe_dir, tmp_path / "b", 2, 4, ["q_proj", "v_proj"])))
+    run_both_paths(moe_dir, [a, None, a, b, a])
+
+
+def test_an_adapter_on_routed_experts_sends_adapter_steps_to_the_modules(tmp_path: Path) -> None:
+    """While a slot holds deltas on the routed experts (which the walk does not add) the walk has
+    no adapters' table: steps with adapter rows take the module path, the others the walk."""
+    from helpers_lora import write_adapter
+    from helpers_models import write_tiny_hf_model
+
+    path = write_tiny_hf_model(tmp_path / "mixtral", arch="mixtral", **SHAPE, num_local_experts=4,
+                               num_experts_per_tok=2)
+    attention = write_adapter(path, tmp_path / "attention", 1, 8, ["q_proj", "o_proj"])
+    experts = write_adapter(path, tmp_path / "experts", 2, 8, None,
+                            target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    engine = LLMEngine(EngineConfig.from_kwargs(str(path), dtype="bfloat16", num_blocks=32, enable_lora=True,
+                                                max_lora_rank=8))
+    stack: Any = engine.model.native_stack  # type: ignore[attr-defined]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for name, adapter, table in (("attention", attention, True), ("experts", experts, False)):
+        engine.add_request([5, 6, 7], params, lora_request=LoRARequest(name, len(name), str(adapter)))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert (stack.lora is not None) is table, name
+    engine.check_integrity()
+
+
 def test_moe_layers_the_walk_does_not_run_are_named() -> None:
     """Experts with biases and a clamped SwiGLU (GPT-OSS's), a router by groups (DeepSeek's) and
     unpacked experts keep the modules, each refusal saying why."""
