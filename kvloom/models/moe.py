@@ -7,9 +7,12 @@ per token with a weight each; every expert is a gated MLP held in two 3D tensors
 ``[experts, hidden, inter]``; a shared expert (Qwen2-MoE, DeepSeek) runs for every
 token. GPT-OSS's experts add a bias after each matmul and use a clamped SwiGLU
 (``swigluoai``). ``experts_grouped`` is the fast path: the (token, expert) pairs sorted by
-expert, one gate/up and one down matmul per expert over its contiguous slice, the
-weighted rows scatter-added back; ``experts_reference`` is the plain per-token loop
-it is tested against.
+expert, every expert's gate/up and down matmuls over its contiguous slice (packed for kvloom's
+GEMM: all experts in two ``gemm_grouped_bf16`` calls), the weighted rows added back token by
+token (``cpu_ops.moe_combine``); ``experts_reference`` is the plain per-token loop it is
+tested against. Packed bf16 routers whose rule ``routes_natively`` names route by
+``cpu_ops.moe_route``, the native decoder walk's kernel (models/decoder_stack.py runs these
+layers too).
 
 Numerics follow transformers 5.24 (its ``*TopkRouter`` / ``*Experts`` modules): each
 token's expert outputs are added in ascending expert order onto zeros (so its result
