@@ -499,12 +499,9 @@ void add_rows(T* y, const T* delta, const int64_t* rows, int64_t count, int64_t 
   }
 }
 
-// out[t] <- the sum over r < k of round(y[p] * weights[p]) for p = pairs[t][r] (p < 0:
-// none), added in r's order onto +0, each sum rounded to T: a mixture-of-experts layer's
-// experts' outputs weighted and added up token by token (models/moe.py: `(y * w).to(T)`,
-// then one `index_add_` per expert in ascending order; pairs[t] lists token t's rows of y
-// in that order). weights are float32 (a bf16 weight widens exactly); the product is
-// rounded to float32 and then to T, as torch's bf16-times-float32 product and its cast.
+// 1 / (1 + exp(-x)) in float32: a router's sigmoid scores and a shared expert's gate.
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
 // x[r] <- round(round(sigmoid(gate[r])) * x[r]) for each of `rows` rows of n, gate [rows] (a
 // [rows, 1] column): Qwen2-MoE's gated shared expert, torch's `sigmoid(gate) * x` with the
 // sigmoid rounded to T first (its exp is not torch's, so to within an ulp of its sigmoid).
@@ -512,7 +509,7 @@ template <typename T>
 void sigmoid_gate(T* x, const T* gate, int64_t rows, int64_t n) {
 #pragma omp parallel for if (parallel_worth_it(rows, rows * n))
   for (int64_t r = 0; r < rows; ++r) {
-    const float g = round_to(1.0f / (1.0f + std::exp(-to_float(gate[r]))), gate);
+    const float g = round_to(sigmoid(to_float(gate[r])), gate);
     T* xr = x + r * n;
     for (int64_t j = 0; j < n; ++j) from_float(g * to_float(xr[j]), xr + j);
   }
@@ -526,6 +523,12 @@ inline V kept(V x) {
   return x;
 }
 
+// out[t] <- the sum over r < k of round(y[p] * weights[p]) for p = pairs[t][r] (p < 0:
+// none), added in r's order onto +0, each sum rounded to T: a mixture-of-experts layer's
+// experts' outputs weighted and added up token by token (models/moe.py: `(y * w).to(T)`,
+// then one `index_add_` per expert in ascending order; pairs[t] lists token t's rows of y
+// in that order). weights are float32 (a bf16 weight widens exactly); the product is
+// rounded to float32 and then to T, as torch's bf16-times-float32 product and its cast.
 template <typename T>
 void moe_combine(const T* y, const float* weights, const int64_t* pairs, T* out, int64_t tokens, int64_t k,
                  int64_t n) {
@@ -567,7 +570,7 @@ void moe_combine(const T* y, const float* weights, const int64_t* pairs, T* out,
 // reference, which this matches to float32 rounding, not bit for bit (its exp is torch's own).
 // Per token t, the scores in float32: softmax(logits[t]) (the max subtracted, exp, times the
 // reciprocal of the sum added in expert order; Mixtral's, Qwen's, OLMoE's rule), or where
-// sigmoid 1 / (1 + exp(-logit)) (LFM2-MoE's, DeepSeek-V3's in one group). The top_k largest
+// sigmoid_scores 1 / (1 + exp(-logit)) (LFM2-MoE's, DeepSeek-V3's in one group). The top_k largest
 // of score + bias[e] (bias nullptr: the score alone; ties to the lower expert), in
 // descending order, into experts[t]; their scores (not the bias) into weights[t], divided
 // by their sum (added in that order) plus eps where norm, times scaling, and rounded to
@@ -576,14 +579,14 @@ constexpr int64_t MAX_ROUTED_EXPERTS = 1024;  // a token's scores and choices si
 
 template <typename T>
 void moe_route(const T* logits, const float* bias, float* weights, int64_t* experts, int64_t tokens,
-               int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps, float scaling,
+               int64_t num_experts, int64_t top_k, int64_t sigmoid_scores, int64_t norm, float eps, float scaling,
                int64_t round_to_bf16) {
 #pragma omp parallel for if (parallel_worth_it(tokens, tokens * num_experts * 4))
   for (int64_t t = 0; t < tokens; ++t) {
     const T* l = logits + t * num_experts;
     float scores[MAX_ROUTED_EXPERTS], choice[MAX_ROUTED_EXPERTS];
-    if (sigmoid) {
-      for (int64_t e = 0; e < num_experts; ++e) scores[e] = 1.0f / (1.0f + std::exp(-to_float(l[e])));
+    if (sigmoid_scores) {
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] = sigmoid(to_float(l[e]));
     } else {
       float top = -INFINITY;
       for (int64_t e = 0; e < num_experts; ++e) top = std::max(top, to_float(l[e]));
@@ -598,13 +601,13 @@ void moe_route(const T* logits, const float* bias, float* weights, int64_t* expe
     for (int64_t e = 0; e < num_experts; ++e) choice[e] = bias != nullptr ? scores[e] + bias[e] : scores[e];
     float* w = weights + t * top_k;
     int64_t* chosen = experts + t * top_k;
+    bool taken[MAX_ROUTED_EXPERTS];
+    std::fill_n(taken, num_experts, false);
     for (int64_t j = 0; j < top_k; ++j) {  // k passes: the best expert not taken yet (k is small)
       int64_t best = -1;
-      for (int64_t e = 0; e < num_experts; ++e) {
-        bool taken = false;
-        for (int64_t i = 0; i < j; ++i) taken = taken || chosen[i] == e;
-        if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
-      }
+      for (int64_t e = 0; e < num_experts; ++e)
+        if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+      taken[best] = true;
       chosen[j] = best;
       w[j] = scores[best];
     }

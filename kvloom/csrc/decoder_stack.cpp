@@ -247,12 +247,11 @@ struct MoeShape {
   int64_t norm, round_weights, sigmoid;
   float scaling, eps;
 
-  // Elements (bf16) per row: each of its top_k pairs' expert, place in the grouped order,
-  // token and place in its token's sum (int64: 4 each), routing weight and pair weight
-  // (float32: 2 each); the router's logits; and each pair's input, gate/up, activation and
-  // output rows.
+  // Elements (bf16) per row: each of its top_k pairs' expert, row and place in the grouped
+  // order (int64: 4 each), routing weight and pair weight (float32: 2 each); the router's
+  // logits; and each pair's input, gate/up, activation and output rows.
   int64_t scratch_width(int64_t hidden_size) const {
-    return top_k * (4 * 4 + 2 * 2) + num_experts + top_k * (2 * hidden_size + 3 * inter);
+    return top_k * (3 * 4 + 2 * 2) + num_experts + top_k * (2 * hidden_size + 3 * inter);
   }
 };
 
@@ -518,9 +517,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     const MoeShape& e = *m.moe;
     const int64_t E = e.num_experts, K = e.top_k, P = T * K, EI = e.inter;
     int64_t* experts = reinterpret_cast<int64_t*>(moe_room);  // [T, K]
-    int64_t* place = experts + P;                             // [T, K]: each pair's place in the grouped order
-    int64_t* pair_row = place + P;                            // [P]: each grouped pair's row
-    int64_t* row_pairs = pair_row + P;                        // [T, K]: a row's pairs, ascending expert
+    int64_t* pair_row = experts + P;                          // [P]: each grouped pair's row
+    int64_t* row_pairs = pair_row + P;                        // [T, K]: a row's pairs' places, ascending expert
     float* weights = reinterpret_cast<float*>(row_pairs + P);  // [T, K]
     float* pair_weights = weights + P;                          // [P]
     uint16_t* logits = reinterpret_cast<uint16_t*>(pair_weights + P);  // [T, E]
@@ -539,7 +537,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     for (int64_t j = 0; j < K; ++j)
       for (int64_t t = 0; t < T; ++t) {
         const int64_t p = next[experts[t * K + j]]++;
-        place[t * K + j] = p;
+        row_pairs[t * K + j] = p;
         pair_row[p] = t;
         pair_weights[p] = weights[t * K + j];
       }
@@ -551,10 +549,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     if (grouped_gemm(between, weight(w, W_EXPERTS_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
                      num_threads) != 0)
       return false;
-    for (int64_t t = 0; t < T; ++t) {  // places grow with the expert: sorted places are ascending experts
-      std::copy(place + t * K, place + (t + 1) * K, row_pairs + t * K);
+    for (int64_t t = 0; t < T; ++t)  // places grow with the expert: sorted places are ascending experts
       std::sort(row_pairs + t * K, row_pairs + (t + 1) * K);
-    }
     moe_combine(y, pair_weights, row_pairs, out, T, K, H);
     return true;
   };

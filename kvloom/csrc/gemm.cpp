@@ -288,6 +288,14 @@ inline void store_row(const Problem& p, int64_t row, int64_t col0, const float* 
     dst[c] = float_to_bf16(p.bias ? acc[c] + bf16_to_float(p.bias[col0 + c]) : acc[c]);
 }
 
+// A call with K = 0: every output is an empty sum, 0 + its bias (the paths' pacing divides
+// by K's steps, so no path runs it).
+inline void store_empty_sums(const Problem& p) {
+  const float zeros[COLS] = {};
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t j = 0; j < p.n; j += COLS) store_row(p, r, j, zeros, std::min<int64_t>(COLS, p.n - j));
+}
+
 // ---- vector paths ---------------------------------------------------------------
 // A tile is ROWS rows x BLOCKS column blocks of accumulators; Path::tile<ROWS, BLOCKS>
 // computes it over the whole K, then stores it. The driver below picks ROWS and BLOCKS
@@ -918,9 +926,7 @@ int kvloom_gemm_bf16_side(const uint16_t* x, const uint16_t* packed, const uint1
   const Problem p{x, reinterpret_cast<const uint32_t*>(packed), bias, y, m, n, k, round_up(k, K_ALIGN) / 2 * COLS};
   if (m == 0 || n == 0) return 0;
   if (k == 0) {  // empty sums (the paths' pacing divides by K's steps): each output is 0 + its bias
-    const float zeros[COLS] = {};
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; j += COLS) store_row(p, r, j, zeros, std::min<int64_t>(COLS, n - j));
+    store_empty_sums(p);
     return 0;
   }
   switch (isa) {
@@ -953,10 +959,7 @@ int kvloom_gemm_grouped_bf16(const uint16_t* x, const uint16_t* packed, const in
                                nullptr, y + starts[g] * n, rows, n, k, round_up(k, K_ALIGN) / 2 * COLS});
   }
   if (k == 0) {
-    const float zeros[COLS] = {};
-    for (const Problem& p : problems)
-      for (int64_t r = 0; r < p.m; ++r)
-        for (int64_t j = 0; j < n; j += COLS) store_row(p, r, j, zeros, std::min<int64_t>(COLS, n - j));
+    for (const Problem& p : problems) store_empty_sums(p);
     return 0;
   }
   const int64_t count = static_cast<int64_t>(problems.size());

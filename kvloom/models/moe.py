@@ -98,11 +98,9 @@ def routes_natively(moe: MoEConfig) -> bool:
     bf16 routers run the kernel on a CPU, as the native walk does."""
     if moe.router_float32 or moe.router_bias or moe.num_experts > cpu_ops.MAX_ROUTED_EXPERTS:
         return False
-    if moe.scoring == "softmax":
-        return moe.topk_method == "greedy" and not moe.score_correction_bias
     greedy = moe.topk_method == "greedy" and not moe.score_correction_bias
     one_group = moe.topk_method == "noaux_tc" and moe.num_groups == 1 and moe.score_correction_bias
-    return moe.scoring == "sigmoid" and (greedy or one_group)
+    return greedy if moe.scoring == "softmax" else moe.scoring == "sigmoid" and (greedy or one_group)
 
 
 class MoERouter(nn.Module):
