@@ -36,7 +36,8 @@ SCHEDULING_MODES = ("continuous", "static")
 # The registries' names (engine/policy.py POLICIES, attention/registry.py BACKENDS), here so
 # that a bad flag is refused before the model loads; tests hold them to the registries.
 POLICY_NAMES = ("fcfs", "priority", "fcfs-cheapest-victim", "watermark", "lpm")
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "triton", "flashinfer", "flash_attn", "torch_ref", "mla_batched", "mla_ref")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "triton", "flashinfer", "flash_attn", "torch_ref", "mla_cpu", "mla_batched",
+                      "mla_ref")
 DEFAULT_KV_CACHE_MEMORY = 1.0  # GiB, when neither kv_cache_memory nor gpu_memory_utilization is set
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")  # or a directory (kvloom/generation_config.py)
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
@@ -842,7 +843,8 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "auto: the C++ paged kernel (cpu_paged) on CPU when it builds, the Triton kernels "
-                "(triton) on CUDA when triton is installed, else torch_ref; mla_batched for latent attention; "
+                "(triton) on CUDA when triton is installed, else torch_ref; for latent attention (DeepSeek) the C++ "
+                "kernel (mla_cpu) on CPU, else mla_batched; "
                 "on CUDA also flashinfer or flash_attn (block sizes of a multiple of 256) when installed"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch CPU threads (default: torch's choice)"})

@@ -43,9 +43,9 @@ SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
          "-fPIC", "-std=c++17"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-# Sources whose arithmetic order is a promise (the batch-invariant matmul) build
+# Sources whose arithmetic order is a promise (the batch-invariant matmuls, latent attention) build
 # without -ffast-math, so the compiler may not reassociate or contract their sums.
-EXACT_SOURCES = frozenset({"gemm", "shm_collectives", "mxfp4_gemm"})
+EXACT_SOURCES = frozenset({"gemm", "shm_collectives", "mxfp4_gemm", "latent_attention"})
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
 logger = logging.getLogger(__name__)

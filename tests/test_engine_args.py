@@ -258,7 +258,7 @@ BAD_VALUES = [  # (argv, what the one-line error must say)
                             "'priority', 'fcfs-cheapest-victim', 'watermark', 'lpm')"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash' "
                                        "(choose from 'auto', 'cpu_paged', 'triton', 'flashinfer', 'flash_attn', "
-                                       "'torch_ref', 'mla_batched', 'mla_ref')"),
+                                       "'torch_ref', 'mla_cpu', 'mla_batched', 'mla_ref')"),
     (["--overlap-scheduling", "yes"], "argument --overlap-scheduling: invalid choice: 'yes' "
                                       "(choose from 'auto', 'on', 'off')"),
     (["--scheduling", "batch"], "argument --scheduling: invalid choice: 'batch'"),

@@ -52,7 +52,7 @@ class MLAReferenceBackend(AttentionBackend[None]):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, latent_dim] (absorbed); k: the step's latents [tokens, 1,
         latent_dim]; v: unused. Returns [tokens, heads, value_dim], in latent space."""
-        _no_window(window)
+        no_window(window)
         self.write_kv(kv_cache, k, None, batch.slot_mapping)
         block_size = batch.block_size
         out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
@@ -122,7 +122,7 @@ class MLABatchedBackend(AttentionBackend[DecodeStep | None]):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: DecodeStep | None,
                 window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        _no_window(window)
+        no_window(window)
         if metadata is None:
             return self.reference.forward(q, k, v, kv_cache, batch, None)
         self.write_kv(kv_cache, k, None, batch.slot_mapping)
@@ -131,6 +131,6 @@ class MLABatchedBackend(AttentionBackend[DecodeStep | None]):
         return self.reference.attend(q, latent, metadata.visible)  # [requests, heads, value_dim]
 
 
-def _no_window(window: int) -> None:
+def no_window(window: int) -> None:
     if window:
         raise ValueError(f"latent attention attends to whole contexts: no sliding window ({window} asked)")

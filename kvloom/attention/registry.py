@@ -26,8 +26,10 @@ BACKENDS: dict[str, str] = {
     "flash_attn": "kvloom.attention.flash_attn_paged:FlashAttnBackend",
 }
 CUDA_ONLY = frozenset({"flashinfer", "flash_attn"})  # their kernels exist only for CUDA tensors
-# Latent attention (MLA models) is served by these alone; "auto" picks the first.
+# Latent attention (MLA models) is served by these alone; "auto" picks the C++ kernel on a
+# CPU where it builds, else the batched reference.
 MLA_BACKENDS: dict[str, str] = {
+    "mla_cpu": "kvloom.attention.mla_cpu:MLACPUBackend",
     "mla_batched": "kvloom.attention.mla_ref:MLABatchedBackend",
     "mla_ref": "kvloom.attention.mla_ref:MLAReferenceBackend",
 }
@@ -87,11 +89,22 @@ def backend_for(model: ModelConfig, name: str, device: torch.device) -> Attentio
             backend.softcap = model.gemma.attention_softcap  # Gemma 2's
         return backend
     if name == "auto":
-        name = next(iter(MLA_BACKENDS))
+        name = "mla_cpu" if device.type == "cpu" and _latent_kernel_builds() else "mla_batched"
     if name not in MLA_BACKENDS:
         raise ValueError(f"attention_backend {name!r} does not serve latent attention ({model.architecture}); "
                          f"use one of {sorted(MLA_BACKENDS) + ['auto']}")
+    if name == "mla_cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'mla_cpu' runs on the CPU only, not {device.type}; "
+                         "use auto or mla_batched")
     module_name, class_name = MLA_BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     latent: AttentionBackend[Any] = cls(model.num_heads, mla.latent_dim, mla.kv_lora_rank, mla.softmax_scale)
     return latent
+
+
+def _latent_kernel_builds() -> bool:
+    from kvloom.kernels import latent_attention
+    available = latent_attention.available()
+    if not available:
+        logger.warning("kvloom/csrc/latent_attention.cpp could not be built; latent attention runs in PyTorch")
+    return available

@@ -39,6 +39,9 @@ using namespace kvloom_paired;
 constexpr int TILE = 16;
 
 using kvloom_simd::from_float;
+#ifdef KVLOOM_AVX512
+using kvloom_simd::sum16;
+#endif
 using kvloom_simd::to_float;
 
 // Row primitives. With AVX-512 they work 16 floats at a time (head_dim % 16 == 0);
@@ -145,24 +148,6 @@ inline void block_update_generic(int64_t head_dim, const float* qv, const float*
 }
 
 #ifdef __AVX512F__
-// Lane i of the result is the sum of v[i]'s 16 lanes: 16 horizontal sums for the price
-// of about three (a transpose-and-add tree instead of 16 separate reductions).
-inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per lane: the lane's sums of v[4i .. 4i+3]
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // Online-softmax update of one query's accumulator with a block's scores (already in
 // sc[0, visible), their maximum block_max) and its float V rows: rescale, exp, add.
 template <int D>

@@ -100,6 +100,24 @@ inline __m512 round16(__m512 x, const uint16_t*) {
 inline void store16(float* dst, __m512 x, int64_t count) { _mm512_mask_storeu_ps(dst, lanes(count), x); }
 inline void store16(uint16_t* dst, __m512 x, int64_t count) { _mm256_mask_storeu_epi16(dst, lanes(count), bf16_pack(x)); }
 
+// Lane i of the result is the sum of v[i]'s 16 lanes: 16 horizontal sums for the price
+// of about three (a transpose-and-add tree instead of 16 separate reductions).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: the lane's sums of v[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // exp(x): 2^t with t = n + f, |f| <= 1/2, a degree-7 Taylor polynomial for 2^f
 // (relative error ~1e-8) and scalef for the 2^n (overflow gives inf, underflow 0).
 inline __m512 exp16(__m512 x) {

@@ -21,6 +21,7 @@ from kvloom.kernels import (  # noqa: F401 (declares its op)
     cpu_ops,
     decoder_stack,
     gemm,
+    latent_attention,
     mxfp4,
     native_op,
     paged_attention,
@@ -48,6 +49,13 @@ def attention_args(dtype: torch.dtype, paired: bool, sinks: bool = False) -> tup
     q = randn(8, 4, 64, dtype=dtype, seed=2)
     return (q, kv_cache, block_tables, seq_lens, query_start, query_lens, 0.125, paired, 0, 0.0,
             randn(4, seed=3) if sinks else None)
+
+
+def latent_attention_args(dtype: torch.dtype) -> tuple[Any, ...]:
+    """attention_args's two sequences over one layer's latents: 3 heads of 40 (32 of value)."""
+    cache = randn(1, 4, 16, 1, 40, dtype=dtype, seed=1)
+    q, _, block_tables, seq_lens, query_start, query_lens, *_ = attention_args(dtype, False)
+    return randn(8, 3, 40, dtype=dtype, seed=2), cache, block_tables, seq_lens, query_start, query_lens, 32, 0.2
 
 
 def gemm_args() -> tuple[Any, ...]:
@@ -135,6 +143,7 @@ EXAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                         lambda: attention_args(torch.float32, False, sinks=True)]
                        + ([lambda: attention_args(torch.bfloat16, True),
                            lambda: attention_args(torch.bfloat16, True, sinks=True)] if PAIRED else []),
+    "latent_attention": [lambda: latent_attention_args(torch.bfloat16), lambda: latent_attention_args(torch.float32)],
     "write_kv_paired": [lambda: (randn(6, 2, 64, dtype=torch.bfloat16), randn(6, 2, 64, dtype=torch.bfloat16, seed=1),
                                  torch.tensor([0, 17, 3, 40, 63, 20]),
                                  torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16))],
@@ -175,6 +184,10 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
     ("rotary_", "head_dim", lambda a: a.__setitem__(2, 15), "must be even"),
     ("rotary_", "x", lambda a: a.__setitem__(1, 9), "fewer than num_heads"),
     ("rotary_", "cos", lambda a: a.__setitem__(3, a[3][:4]), r"must be \[tokens, rotary_dim\]"),
+    ("latent_attention", "cache", lambda a: a.__setitem__(1, a[1][..., :24].contiguous()),
+     r"one layer's latents, \[1, num_blocks, block_size, 1, 40\]"),
+    ("latent_attention", "value_dim", lambda a: a.__setitem__(6, 48), r"no wider than the latent \(40\)"),
+    ("latent_attention", "query_lens", lambda a: a.__setitem__(5, a[5][:1]), "one entry per block table"),
     ("paged_attention", "kv_cache", lambda a: a.__setitem__(0, a[0][:, :, :32].contiguous()),
      r"must be \[2, num_blocks, block_size, 2, 32\]"),
     ("paged_attention", "q", lambda a: a.__setitem__(0, a[0][:, :3].contiguous()), "multiple of kv_cache's 2"),

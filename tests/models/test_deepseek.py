@@ -50,7 +50,7 @@ def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("backend", ["mla_ref", "mla_batched"])
+@pytest.mark.parametrize("backend", ["mla_cpu", "mla_ref", "mla_batched"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_matches_transformers(shape: str, backend: str, tmp_path: Path) -> None:
     import transformers
@@ -161,6 +161,20 @@ def test_what_latent_attention_refuses(v2: Path) -> None:
         LLMEngine(EngineConfig.from_kwargs(str(v2), dtype="float32", num_blocks=8,
                                            speculative_config={"method": "layer_skip", "num_layers": 1,
                                                                "num_speculative_tokens": 2}))
+
+
+def test_auto_picks_the_cpu_kernel_on_cpu_and_the_batched_reference_elsewhere(v2: Path) -> None:
+    import json
+
+    from kvloom.attention.registry import backend_for
+    from kvloom.config import ModelConfig
+    from kvloom.kernels import latent_attention
+    config = ModelConfig.from_hf(json.loads((v2 / "config.json").read_text()))
+    on_cpu = backend_for(config, "auto", torch.device("cpu")).name
+    assert on_cpu == ("mla_cpu" if latent_attention.available() else "mla_batched")
+    assert backend_for(config, "auto", torch.device("cuda")).name == "mla_batched"
+    with pytest.raises(ValueError, match="'mla_cpu' runs on the CPU only, not cuda; use auto or mla_batched"):
+        backend_for(config, "mla_cpu", torch.device("cuda"))
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])

@@ -1,0 +1,363 @@
+// Latent attention for CPUs (DeepSeek's multi-head latent attention, absorbed form),
+// reading the pool of latents straight through the block table.
+//
+// A token's cache entry is one vector of `dim` numbers, [c_kv (value_dim) | k_pe], shared
+// by every head. A head's query comes in latent space (the model folded each head's key
+// up-projection into it): its score against key t is scale * (q . latent_t), and its
+// output, still in latent space, is the softmax-weighted sum of the keys' first
+// value_dim numbers (attention/mla_ref.py is the PyTorch oracle). One KV "head": every
+// query vector of a sequence (its rows x heads) reads the same keys. So a work item takes
+// up to MAX_VECTORS of them, and each tile of 16 keys is converted to float32 once and
+// serves all of them from L1; the PyTorch backends gathered every request's latents into
+// a padded tensor and ran two batched matmuls over it.
+//
+// Invariant (batch invariance, the exactness promise): each output vector (one head of
+// one query token) is computed by the same operations in the same order whatever else
+// the call holds, so a token gets the same bits alone or batched, whole or chunked:
+//   its keys come in tiles [16u, 16u + 16) of absolute positions, u = 0, 1, ..., up to
+//     its own position (a query sees the keys at or before it);
+//   a key's score: 16 float32 lanes, lane l taking q[16c + l] * k[16c + l] for c = 0,
+//     1, ... (a product, then fmas), the lanes summed in one fixed tree, times scale;
+//   per tile: the running max over its live scores; where it moves, the accumulator and
+//     the 16-lane sum multiplied by exp(old - new); e = exp(score - max); sum += e; then
+//     acc += e_t * value_t for its live keys t in order (fmas);
+//   at the end acc times 1 / (the sum's lanes in a fixed tree), rounded once.
+// Which item, thread or group of vectors computes it never enters. Each build has one
+// path (AVX-512, AVX2 or scalar, from -march=native), each with its own fixed order.
+//
+// Built without -ffast-math (kvloom/native.py's EXACT_SOURCES): the compiler keeps the
+// order written here. Plain C ABI, called through ctypes (kvloom/kernels/latent_attention.py
+// registers it as the PyTorch op kvloom::latent_attention).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "simd.h"
+
+namespace {
+
+using kvloom_simd::unrolled;
+
+constexpr int64_t KEYS = 16;          // keys per tile (lanes of a score vector)
+constexpr int64_t MAX_ROWS = 16;      // query rows per work item
+constexpr int64_t MAX_VECTORS = 128;  // query vectors (rows x heads) per work item
+
+// ---- 16 float32 lanes, on each path -------------------------------------------------
+#if defined(KVLOOM_AVX512)
+struct V16 {
+  __m512 v;
+};
+inline V16 zero() { return {_mm512_setzero_ps()}; }
+inline V16 splat(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load(const uint16_t* p) {  // 16 bf16, widened
+  return {_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
+}
+inline void store(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
+inline V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, one rounding
+inline V16 exp(V16 x) { return {kvloom_simd::exp16(x.v)}; }
+inline V16 first_lanes(V16 x, int64_t live, float fill) {  // lanes >= live become fill
+  return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), kvloom_simd::lanes(live), x.v)};
+}
+inline float max_lane(V16 x) { return _mm512_reduce_max_ps(x.v); }
+inline float sum_lanes(V16 x) { return _mm512_reduce_add_ps(x.v); }
+inline V16 sums_of(const V16* parts) {  // lane j: the sum of parts[j]'s lanes
+  __m512 raw[KEYS];
+  for (int j = 0; j < KEYS; ++j) raw[j] = parts[j].v;
+  return {kvloom_simd::sum16(raw)};
+}
+constexpr int PV_CHUNKS = 8;  // value chunks held in registers across a tile's keys
+constexpr int KEY_GROUP = 16;  // keys whose score chains run side by side
+#elif defined(KVLOOM_AVX2)
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load(const uint16_t* p) { return {kvloom_simd::to_float8(p), kvloom_simd::to_float8(p + 8)}; }
+inline void store(float* p, V16 x) {
+  _mm256_storeu_ps(p, x.lo);
+  _mm256_storeu_ps(p + 8, x.hi);
+}
+inline V16 mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 exp(V16 x) { return {kvloom_simd::exp8(x.lo), kvloom_simd::exp8(x.hi)}; }
+inline V16 first_lanes(V16 x, int64_t live, float fill) {
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, x.lo, kvloom_simd::live8(live, 0)), _mm256_blendv_ps(f, x.hi, kvloom_simd::live8(live, 8))};
+}
+inline float max_lane(V16 x) {
+  alignas(32) float lanes[16];
+  store(lanes, x);
+  return *std::max_element(lanes, lanes + 16);
+}
+inline float sum_lanes(V16 x) { return kvloom_simd::reduce_add16(x.lo, x.hi); }
+inline V16 sums_of(const V16* parts) {
+  alignas(32) float sums[KEYS];
+  for (int j = 0; j < KEYS; ++j) sums[j] = sum_lanes(parts[j]);
+  return load(sums);
+}
+constexpr int PV_CHUNKS = 4;  // two registers a chunk: 8 of the 16
+constexpr int KEY_GROUP = 4;
+#else
+struct V16 {
+  float l[16];
+};
+inline V16 zero() { return {}; }
+inline V16 splat(float x) {
+  V16 r;
+  for (float& lane : r.l) lane = x;
+  return r;
+}
+inline V16 load(const float* p) {
+  V16 r;
+  std::memcpy(r.l, p, sizeof(r.l));
+  return r;
+}
+inline V16 load(const uint16_t* p) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.l[i] = kvloom_simd::to_float(p[i]);
+  return r;
+}
+inline void store(float* p, V16 x) { std::memcpy(p, x.l, sizeof(x.l)); }
+inline V16 mul(V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) a.l[i] *= b.l[i];
+  return a;
+}
+inline V16 add(V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) a.l[i] += b.l[i];
+  return a;
+}
+inline V16 fma(V16 a, V16 b, V16 c) {
+  for (int i = 0; i < 16; ++i) c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
+  return c;
+}
+inline V16 exp(V16 x) {
+  for (float& lane : x.l) lane = std::exp(lane);
+  return x;
+}
+inline V16 first_lanes(V16 x, int64_t live, float fill) {
+  for (int64_t i = std::max<int64_t>(live, 0); i < 16; ++i) x.l[i] = fill;
+  return x;
+}
+inline float max_lane(V16 x) { return *std::max_element(x.l, x.l + 16); }
+inline float sum_lanes(V16 x) {  // halves, quarters, pairs: the vector paths' tree
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) x.l[i] += x.l[i + width];
+  return x.l[0];
+}
+inline V16 sums_of(const V16* parts) {
+  V16 r;
+  for (int j = 0; j < KEYS; ++j) r.l[j] = sum_lanes(parts[j]);
+  return r;
+}
+constexpr int PV_CHUNKS = 1;
+constexpr int KEY_GROUP = 1;
+#endif
+
+inline V16 sub(V16 a, float b) { return add(a, splat(-b)); }  // exact: a - b is a + (-b)
+
+// ---- the call ---------------------------------------------------------------------
+struct Call {
+  const void* q;          // [tokens, heads, dim]
+  void* out;              // [tokens, heads, value_dim]
+  const void* cache;      // [blocks, block_size, dim]
+  const int32_t* block_tables;  // [seqs, max_blocks]
+  int64_t max_blocks;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* query_lens;
+  int64_t num_seqs, heads, dim, value_dim, block_size;
+  float scale;
+  int64_t width;  // dim rounded up to 16: the float rows' width (zeros past dim)
+};
+
+// A work item: rows [row0, row0 + rows) of sequence seq, heads [head0, head0 + count).
+struct Item {
+  int64_t seq, row0, rows, head0, count, cost;
+};
+
+// Items of up to MAX_ROWS rows and MAX_VECTORS vectors; heads split further where the
+// items would be too few to keep every thread busy (a decode batch of one or two). Longest
+// first (threads take items as they free up: the one that sees the most keys must not
+// come last). Items never change a result.
+std::vector<Item> make_items(const Call& c, int threads) {
+  std::vector<Item> tiles;
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    for (int64_t r = 0; r < c.query_lens[s]; r += MAX_ROWS) {
+      const int64_t rows = std::min<int64_t>(MAX_ROWS, c.query_lens[s] - r);
+      tiles.push_back({s, r, rows, 0, c.heads, rows * (c.seq_lens[s] - c.query_lens[s] + r + rows)});
+    }
+  const int64_t wanted = std::max<int64_t>(1, (2 * threads + static_cast<int64_t>(tiles.size()) - 1)
+                                                  / std::max<int64_t>(1, static_cast<int64_t>(tiles.size())));
+  std::vector<Item> items;
+  for (const Item& tile : tiles) {
+    const int64_t splits =
+        std::min(c.heads, std::max(wanted, (tile.rows * c.heads + MAX_VECTORS - 1) / MAX_VECTORS));
+    const int64_t per_item = (c.heads + splits - 1) / splits;
+    for (int64_t h = 0; h < c.heads; h += per_item) {
+      Item item = tile;
+      item.head0 = h;
+      item.count = std::min(per_item, c.heads - h);
+      item.cost = tile.cost * item.count;
+      items.push_back(item);
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+// One thread's buffers, sized for the largest item.
+struct Scratch {
+  std::vector<float> queries, acc, sums, maxima, keys;
+  // Zeros past dim in each query and key row stay zero: only [0, dim) is ever written.
+  explicit Scratch(const Call& c)
+      : queries(MAX_VECTORS * c.width, 0.0f), acc(MAX_VECTORS * c.width), sums(MAX_VECTORS * 16),
+        maxima(MAX_VECTORS), keys(KEYS * c.width, 0.0f) {}
+};
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) { return kvloom_simd::to_float(x); }
+inline void put(float x, float* dst) { *dst = x; }
+inline void put(float x, uint16_t* dst) { kvloom_simd::from_float(x, dst); }
+
+// acc[16 c0, 16 (c0 + N)) += e[t] * keys[t][the same] for t < live: N chunks of 16 held in
+// registers across the keys (a chunk's fmas run in key order).
+template <int N>
+inline void add_values(float* acc, const float* keys, int64_t width, const float* e, int64_t live, int64_t c0) {
+  V16 a[N];
+  unrolled<N>([&](auto i) { a[i] = load(acc + 16 * (c0 + i)); });
+  for (int64_t t = 0; t < live; ++t) {
+    const V16 w = splat(e[t]);
+    const float* key = keys + t * width;
+    unrolled<N>([&](auto i) { a[i] = fma(w, load(key + 16 * (c0 + i)), a[i]); });
+  }
+  unrolled<N>([&](auto i) { store(acc + 16 * (c0 + i), a[i]); });
+}
+
+// One vector's update with a tile of keys (keys[t], t < 16, of which the first `live`
+// are visible to it): scores, online softmax, weighted values. The rows are `width`
+// floats, zero past dim (a zero product changes no sum); acc's chunks past value_dim
+// collect what no output reads.
+inline void attend_tile(const Call& c, const float* query, const float* keys, int64_t live, float* acc, float* sum,
+                        float* running_max) {
+  V16 parts[KEYS];  // key j's 16 lanes, KEY_GROUP keys' chains at a time in registers
+  for (int j0 = 0; j0 < KEYS; j0 += KEY_GROUP) {
+    const float* group = keys + j0 * c.width;
+    unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = mul(load(group + j * c.width), load(query)); });
+    for (int64_t d = 16; d < c.width; d += 16) {
+      const V16 qd = load(query + d);
+      unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = fma(load(group + j * c.width + d), qd, parts[j0 + j]); });
+    }
+  }
+  const V16 scores = first_lanes(mul(sums_of(parts), splat(c.scale)), live, -INFINITY);
+  const float top = std::max(*running_max, max_lane(scores));
+  V16 total = load(sum);
+  if (top != *running_max) {  // rescale what was accumulated under the old max (none before the first tile)
+    if (*running_max != -INFINITY) {
+      const float factor = std::exp(*running_max - top);
+      const V16 f = splat(factor);
+      for (int64_t d = 0; d < c.value_dim; d += 16) store(acc + d, mul(load(acc + d), f));  // whole chunks
+      total = mul(total, f);
+    }
+    *running_max = top;
+  }
+  const V16 e = first_lanes(exp(sub(scores, top)), live, 0.0f);  // exp16 floors at 2^-126: dead lanes zeroed
+  store(sum, add(total, e));
+  alignas(64) float weights[KEYS];
+  store(weights, e);
+  const int64_t chunks = (c.value_dim + 15) / 16;
+  int64_t c0 = 0;
+  for (; c0 + PV_CHUNKS <= chunks; c0 += PV_CHUNKS) add_values<PV_CHUNKS>(acc, keys, c.width, weights, live, c0);
+  for (; c0 < chunks; ++c0) add_values<1>(acc, keys, c.width, weights, live, c0);
+}
+
+template <class T>
+void run_item(const Call& c, const Item& item, Scratch& s) {
+  const T* q = static_cast<const T*>(c.q);
+  T* out = static_cast<T*>(c.out);
+  const T* cache = static_cast<const T*>(c.cache);
+  const int32_t* table = c.block_tables + item.seq * c.max_blocks;
+  const int64_t q_len = c.query_lens[item.seq], first_pos = c.seq_lens[item.seq] - q_len + item.row0;
+  const int64_t vectors = item.rows * item.count;  // vector v: row v / count, head head0 + v % count
+  const auto token = [&](int64_t v) { return c.query_start[item.seq] + item.row0 + v / item.count; };
+  for (int64_t v = 0; v < vectors; ++v) {
+    const T* src = q + (token(v) * c.heads + item.head0 + v % item.count) * c.dim;
+    for (int64_t d = 0; d < c.dim; ++d) s.queries[v * c.width + d] = to_f(src[d]);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + vectors * c.width, 0.0f);
+  std::fill(s.sums.begin(), s.sums.begin() + vectors * 16, 0.0f);
+  std::fill(s.maxima.begin(), s.maxima.begin() + vectors, -INFINITY);
+  const int64_t last_key = first_pos + item.rows;  // exclusive: the keys the last row sees
+  const auto key_row = [&](int64_t pos) {
+    return cache + (static_cast<int64_t>(table[pos / c.block_size]) * c.block_size + pos % c.block_size) * c.dim;
+  };
+  for (int64_t base = 0; base < last_key; base += KEYS) {
+    const int64_t keys = std::min(KEYS, last_key - base);
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* row = key_row(base + t);
+      float* dst = &s.keys[t * c.width];
+      int64_t d = 0;
+      for (; d + 16 <= c.dim; d += 16) store(dst + d, load(row + d));
+      for (; d < c.dim; ++d) dst[d] = to_f(row[d]);
+    }
+    if (base + KEYS < last_key) {  // the blocks are scattered: fetch the next tile's first lines
+      const char* next = reinterpret_cast<const char*>(key_row(base + KEYS));
+      for (int64_t off = 0; off < c.dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(next + off);
+    }
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int64_t live = std::min(KEYS, first_pos + v / item.count + 1 - base);
+      if (live <= 0) continue;
+      attend_tile(c, &s.queries[v * c.width], s.keys.data(), live, &s.acc[v * c.width], &s.sums[v * 16],
+                  &s.maxima[v]);
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    const float inv = 1.0f / sum_lanes(load(&s.sums[v * 16]));
+    T* dst = out + (token(v) * c.heads + item.head0 + v % item.count) * c.value_dim;
+    for (int64_t d = 0; d < c.value_dim; ++d) put(s.acc[v * c.width + d] * inv, dst + d);
+  }
+}
+
+template <class T>
+void run(const Call& c, int num_threads) {
+  const std::vector<Item> items = make_items(c, num_threads);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, items.size())));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scratch(c);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) run_item<T>(c, items[i], scratch);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [tokens, heads, value_dim] = each query vector's attention over its sequence's
+// latents (module comment). q [tokens, heads, dim], cache [blocks, block_size, dim],
+// out: of `dtype` (0 float32, 1 bf16), contiguous; 0 < value_dim <= dim. Returns 0; -2
+// for a shape or dtype it does not take (nothing written).
+int kvloom_latent_attention(const void* q, void* out, const void* cache, const int32_t* block_tables,
+                            int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
+                            const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t dim,
+                            int64_t value_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+  if (value_dim > dim || value_dim <= 0 || block_size <= 0 || (dtype != 0 && dtype != 1)) return -2;
+  const Call c{q, out, cache, block_tables, max_blocks, seq_lens, query_start, query_lens,
+               num_seqs, num_heads, dim, value_dim, block_size, scale, (dim + 15) / 16 * 16};
+  if (dtype == 0) run<float>(c, num_threads);
+  else run<uint16_t>(c, num_threads);
+  return 0;
+}
+
+}  // extern "C"

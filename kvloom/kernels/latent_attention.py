@@ -1,0 +1,96 @@
+"""Latent attention over a paged pool of latents (kvloom/csrc/latent_attention.cpp) as
+``kvloom::latent_attention``: DeepSeek's multi-head latent attention in its absorbed
+form, each token's cache entry one ``dim``-wide vector shared by every head, its first
+``value_dim`` numbers the value (attention/mla_ref.py's reference computes the same).
+
+Every query vector (a head of a query token) is computed by the same operations in the
+same order whatever else the call holds: a token's result does not depend on its batch,
+nor on how its prompt was cut into chunks (the kernel's comment has the order). float32
+scores and sums; the output rounded once to q's dtype.
+
+The index arrays are the caller's contract, as for ``kvloom::paged_attention``: block ids
+below num_blocks, ``seq_lens`` within each block table, ``query_start + query_lens``
+within q's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.native_op import NativeOp, TensorSpec
+
+ACTIVATIONS = (torch.float32, torch.bfloat16)
+_INT32 = (torch.int32,)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+LATENT_ATTENTION = NativeOp(
+    "latent_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
+    "Tensor query_lens, int value_dim, float scale) -> Tensor",
+    library="latent_attention",
+    native="kvloom_latent_attention(q, Tensor out, cache, block_tables, int max_blocks, seq_lens, query_start, "
+           "query_lens, int num_seqs, int num_heads, int dim, value_dim, int block_size, scale, int32 dtype, "
+           "int32 num_threads) -> int32",
+    tensors={"q": TensorSpec(3, like="cache"), "cache": TensorSpec(5, ACTIVATIONS),
+             "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
+             "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
+)
+
+
+@LATENT_ATTENTION.check
+def _latent_attention_check(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                            value_dim: int, scale: float) -> None:
+    dim = q.shape[2]
+    if cache.shape[0] != 1 or cache.shape[3] != 1 or cache.shape[4] != dim:
+        raise LATENT_ATTENTION.error("cache", f"must be one layer's latents, [1, num_blocks, block_size, 1, {dim}] "
+                                              f"for q's {dim}-wide vectors, got {list(cache.shape)}")
+    if not 0 < value_dim <= dim:
+        raise LATENT_ATTENTION.error("value_dim", f"must be positive and no wider than the latent ({dim}), "
+                                                  f"got {value_dim}")
+    num_seqs = block_tables.shape[0]
+    for name, array in (("seq_lens", seq_lens), ("query_start", query_start), ("query_lens", query_lens)):
+        if array.shape[0] != num_seqs:
+            raise LATENT_ATTENTION.error(name, f"must have one entry per block table ({num_seqs}), "
+                                               f"got {array.shape[0]}")
+
+
+@LATENT_ATTENTION.implementation
+def _latent_attention_cpu(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                          value_dim: int, scale: float) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    out = q.new_empty(tokens, heads, value_dim)
+    status = LATENT_ATTENTION.function()(
+        q.data_ptr(), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], heads, dim,
+        value_dim, cache.shape[2], scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+    if status != 0:  # the checks above admit only what the kernel takes
+        raise RuntimeError(f"kvloom::latent_attention refused q {list(q.shape)} with value_dim {value_dim}")
+    return out
+
+
+@LATENT_ATTENTION.fake
+def _latent_attention_fake(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                           value_dim: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], value_dim)
+
+
+def available() -> bool:
+    """Whether latent_attention.cpp builds here; where not, the PyTorch backends serve."""
+    return LATENT_ATTENTION.available()
+
+
+def latent_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start: torch.Tensor, query_lens: torch.Tensor, value_dim: int,
+                     scale: float) -> torch.Tensor:
+    """Each query vector of q [tokens, heads, dim] (in latent space) over its sequence's
+    cached latents, read through its block table ([num_seqs, max_blocks] int32) from
+    ``cache``, one layer's pool [1, num_blocks, block_size, 1, dim] of q's dtype (float32
+    or bf16); ``seq_lens``, ``query_start`` (first row in q) and ``query_lens``:
+    [num_seqs] int32. A query at position p sees the keys at positions <= p. Returns
+    [tokens, heads, value_dim]: the weighted sums of the keys' first ``value_dim``
+    numbers. Wrong arguments raise ``ValueError("kvloom::latent_attention: <argument> ...")``."""
+    out: torch.Tensor = LATENT_ATTENTION.call(q, cache, block_tables, seq_lens, query_start, query_lens,
+                                              value_dim, scale)
+    return out
