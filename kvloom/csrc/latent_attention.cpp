@@ -216,73 +216,179 @@ std::vector<Item> make_items(const Call& c, int threads) {
   return items;
 }
 
-// One thread's buffers, sized for the largest item.
-struct Scratch {
-  std::vector<float> queries, acc, sums, maxima, keys;
-  // Zeros past dim in each query and key row stay zero: only [0, dim) is ever written.
-  explicit Scratch(const Call& c)
-      : queries(MAX_VECTORS * c.width, 0.0f), acc(MAX_VECTORS * c.width), sums(MAX_VECTORS * 16),
-        maxima(MAX_VECTORS), keys(KEYS * c.width, 0.0f) {}
-};
-
 inline float to_f(float x) { return x; }
 inline float to_f(uint16_t x) { return kvloom_simd::to_float(x); }
 inline void put(float x, float* dst) { *dst = x; }
 inline void put(float x, uint16_t* dst) { kvloom_simd::from_float(x, dst); }
 
-// acc[16 c0, 16 (c0 + N)) += e[t] * keys[t][the same] for t < live: N chunks of 16 held in
-// registers across the keys (a chunk's fmas run in key order).
-template <int N>
-inline void add_values(float* acc, const float* keys, int64_t width, const float* e, int64_t live, int64_t c0) {
-  V16 a[N];
-  unrolled<N>([&](auto i) { a[i] = load(acc + 16 * (c0 + i)); });
-  for (int64_t t = 0; t < live; ++t) {
-    const V16 w = splat(e[t]);
-    const float* key = keys + t * width;
-    unrolled<N>([&](auto i) { a[i] = fma(w, load(key + 16 * (c0 + i)), a[i]); });
-  }
-  unrolled<N>([&](auto i) { store(acc + 16 * (c0 + i), a[i]); });
-}
+// A vector's running softmax state: acc [value chunks x 16] float32, the 16-lane sum, the max.
+struct State {
+  float* acc;
+  float* sum;
+  float* max;
+};
 
-// One vector's update with a tile of keys (keys[t], t < 16, of which the first `live`
-// are visible to it): scores, online softmax, weighted values. The rows are `width`
-// floats, zero past dim (a zero product changes no sum); acc's chunks past value_dim
-// collect what no output reads.
-inline void attend_tile(const Call& c, const float* query, const float* keys, int64_t live, float* acc, float* sum,
-                        float* running_max) {
-  V16 parts[KEYS];  // key j's 16 lanes, KEY_GROUP keys' chains at a time in registers
-  for (int j0 = 0; j0 < KEYS; j0 += KEY_GROUP) {
-    const float* group = keys + j0 * c.width;
-    unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = mul(load(group + j * c.width), load(query)); });
-    for (int64_t d = 16; d < c.width; d += 16) {
-      const V16 qd = load(query + d);
-      unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = fma(load(group + j * c.width + d), qd, parts[j0 + j]); });
-    }
-  }
-  const V16 scores = first_lanes(mul(sums_of(parts), splat(c.scale)), live, -INFINITY);
-  const float top = std::max(*running_max, max_lane(scores));
-  V16 total = load(sum);
-  if (top != *running_max) {  // rescale what was accumulated under the old max (none before the first tile)
-    if (*running_max != -INFINITY) {
-      const float factor = std::exp(*running_max - top);
-      const V16 f = splat(factor);
-      for (int64_t d = 0; d < c.value_dim; d += 16) store(acc + d, mul(load(acc + d), f));  // whole chunks
+// The online-softmax step every path shares: the tile's scores (sums of the key products,
+// lane t key t) scaled, keys from `live` on masked, the state rescaled where the max moves,
+// and e = exp(score - max) added to the sum. Returns e (zero past live).
+inline V16 softmax_step(const Call& c, V16 products, int64_t live, const State& st) {
+  const V16 scores = first_lanes(mul(products, splat(c.scale)), live, -INFINITY);
+  const float top = std::max(*st.max, max_lane(scores));
+  V16 total = load(st.sum);
+  if (top != *st.max) {  // rescale what was accumulated under the old max (none before the first tile)
+    if (*st.max != -INFINITY) {
+      const V16 f = splat(std::exp(*st.max - top));
+      for (int64_t d = 0; d < c.value_dim; d += 16) store(st.acc + d, mul(load(st.acc + d), f));  // whole chunks
       total = mul(total, f);
     }
-    *running_max = top;
+    *st.max = top;
   }
   const V16 e = first_lanes(exp(sub(scores, top)), live, 0.0f);  // exp16 floors at 2^-126: dead lanes zeroed
-  store(sum, add(total, e));
-  alignas(64) float weights[KEYS];
-  store(weights, e);
-  const int64_t chunks = (c.value_dim + 15) / 16;
-  int64_t c0 = 0;
-  for (; c0 + PV_CHUNKS <= chunks; c0 += PV_CHUNKS) add_values<PV_CHUNKS>(acc, keys, c.width, weights, live, c0);
-  for (; c0 < chunks; ++c0) add_values<1>(acc, keys, c.width, weights, live, c0);
+  store(st.sum, add(total, e));
+  return e;
 }
 
-template <class T>
-void run_item(const Call& c, const Item& item, Scratch& s) {
+// ---- float32 products (every CPU) ---------------------------------------------------
+// A tile: 16 keys widened to float32 rows of `width` (zero past dim: a zero product
+// changes no sum; acc's chunks past value_dim collect what no output reads).
+struct FloatPath {
+  using Query = float;
+  std::vector<float> keys;
+  explicit FloatPath(const Call& c) : keys(KEYS * c.width, 0.0f) {}
+  static int64_t query_width(const Call& c) { return c.width; }
+  template <class T>
+  static float query_value(T x) { return to_f(x); }  // bf16 widened
+
+  template <class T>
+  void load_tile(const Call& c, const T* const* rows, int64_t count) {
+    for (int64_t t = 0; t < count; ++t) {
+      float* dst = &keys[t * c.width];
+      int64_t d = 0;
+      for (; d + 16 <= c.dim; d += 16) store(dst + d, load(rows[t] + d));
+      for (; d < c.dim; ++d) dst[d] = to_f(rows[t][d]);
+    }
+  }
+
+  // acc[16 c0, 16 (c0 + N)) += e[t] * keys[t][the same] for t < live: N chunks held in
+  // registers across the keys (a chunk's fmas run in key order).
+  template <int N>
+  void add_values(const Call& c, float* acc, const float* e, int64_t live, int64_t c0) const {
+    V16 a[N];
+    unrolled<N>([&](auto i) { a[i] = load(acc + 16 * (c0 + i)); });
+    for (int64_t t = 0; t < live; ++t) {
+      const V16 w = splat(e[t]);
+      const float* key = keys.data() + t * c.width;
+      unrolled<N>([&](auto i) { a[i] = fma(w, load(key + 16 * (c0 + i)), a[i]); });
+    }
+    unrolled<N>([&](auto i) { store(acc + 16 * (c0 + i), a[i]); });
+  }
+
+  void attend(const Call& c, const float* query, int64_t live, const State& st) const {
+    V16 parts[KEYS];  // key j's 16 lanes, KEY_GROUP keys' chains at a time in registers
+    for (int j0 = 0; j0 < KEYS; j0 += KEY_GROUP) {
+      const float* group = keys.data() + j0 * c.width;
+      unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = mul(load(group + j * c.width), load(query)); });
+      for (int64_t d = 16; d < c.width; d += 16) {
+        const V16 qd = load(query + d);
+        unrolled<KEY_GROUP>([&](auto j) { parts[j0 + j] = fma(load(group + j * c.width + d), qd, parts[j0 + j]); });
+      }
+    }
+    alignas(64) float e[KEYS];
+    store(e, softmax_step(c, sums_of(parts), live, st));
+    const int64_t chunks = (c.value_dim + 15) / 16;
+    int64_t c0 = 0;
+    for (; c0 + PV_CHUNKS <= chunks; c0 += PV_CHUNKS) add_values<PV_CHUNKS>(c, st.acc, e, live, c0);
+    for (; c0 < chunks; ++c0) add_values<1>(c, st.acc, e, live, c0);
+  }
+};
+
+#if defined(KVLOOM_AVX512) && defined(__AVX512BF16__)
+#define KVLOOM_LATENT_BF16 1
+// ---- bf16 products (vdpbf16ps) ------------------------------------------------------
+// A bf16 cache and bf16 queries: each instruction takes 32 products of bf16 pairs into
+// 16 float32 lanes, twice the float32 path's work per instruction, from the cache's own
+// bits. A key's score: lane l takes the pairs (2l, 2l + 1) of every 32 numbers in
+// order, then the lanes' fixed tree; the weights e rounded to bf16 (as the reference's
+// softmax output is) weigh pairs of keys: acc += e_2p v_2p + e_2p+1 v_2p+1, p in order.
+// A tile: its keys' bf16 rows of `pad` numbers (dim rounded up to 32, zeros past it) for
+// the scores, and their first value_dim numbers as pairs of keys, word (v_2p[d],
+// v_2p+1[d]), for the weighted sums; both built once per tile for every vector.
+struct Bf16Path {
+  using Query = uint16_t;
+  int64_t pad, chunks;  // row width; value chunks of 16
+  std::vector<uint16_t> keys;
+  std::vector<uint32_t> pairs;  // [KEYS / 2][chunks][16]
+  explicit Bf16Path(const Call& c)
+      : pad(query_width(c)), chunks((c.value_dim + 15) / 16), keys(KEYS * pad, 0), pairs(KEYS / 2 * chunks * 16, 0) {}
+  static int64_t query_width(const Call& c) { return (c.dim + 31) / 32 * 32; }
+  static uint16_t query_value(uint16_t x) { return x; }
+
+  void load_tile(const Call& c, const uint16_t* const* rows, int64_t count) {
+    for (int64_t t = 0; t < KEYS; ++t) {  // rows past count zeroed: their pairs weigh 0 by finite numbers
+      if (t < count) std::memcpy(&keys[t * pad], rows[t], c.dim * sizeof(uint16_t));
+      else if (t == count) std::memset(&keys[t * pad], 0, (KEYS - count) * pad * sizeof(uint16_t));
+    }
+    // Word l of pair p's chunk k: (key 2p's number 16k + l, key 2p + 1's): the two rows'
+    // 16 numbers side by side, then interleaved.
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t p = 0; p < (count + 1) / 2; ++p)
+      for (int64_t k = 0; k < chunks; ++k) {
+        const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&keys[2 * p * pad + 16 * k]));
+        const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&keys[(2 * p + 1) * pad + 16 * k]));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+        _mm512_storeu_si512(&pairs[(p * chunks + k) * 16], _mm512_permutexvar_epi16(interleave, both));
+      }
+  }
+
+  template <int N>
+  void add_values(float* acc, const uint32_t* weights, int64_t count, int64_t c0) const {
+    __m512 a[N];
+    unrolled<N>([&](auto i) { a[i] = _mm512_loadu_ps(acc + 16 * (c0 + i)); });
+    for (int64_t p = 0; p < count; ++p) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[p]));
+      const uint32_t* row = &pairs[(p * chunks + c0) * 16];
+      unrolled<N>([&](auto i) { a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(row + 16 * i), w); });
+    }
+    unrolled<N>([&](auto i) { _mm512_storeu_ps(acc + 16 * (c0 + i), a[i]); });
+  }
+
+  void attend(const Call& c, const uint16_t* query, int64_t live, const State& st) const {
+    V16 parts[KEYS];
+    unrolled<KEYS>([&](auto j) { parts[j] = zero(); });
+    for (int64_t d = 0; d < pad; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(query + d);
+      unrolled<KEYS>([&](auto j) {
+        parts[j].v = _mm512_dpbf16_ps(parts[j].v, (__m512bh)_mm512_loadu_si512(&keys[j * pad + d]), qd);
+      });
+    }
+    const V16 e = softmax_step(c, sums_of(parts), live, st);
+    alignas(32) uint32_t weights[KEYS / 2];  // word p: (e_2p, e_2p+1) as bf16
+    _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh(e.v));
+    const int64_t count = (live + 1) / 2;
+    int64_t c0 = 0;
+    for (; c0 + PV_CHUNKS <= chunks; c0 += PV_CHUNKS) add_values<PV_CHUNKS>(st.acc, weights, count, c0);
+    for (; c0 < chunks; ++c0) add_values<1>(st.acc, weights, count, c0);
+  }
+};
+#endif
+
+// One thread's buffers, sized for the largest item: the path's tile, the vectors' queries
+// (in the path's type and width, zeros past dim: only [0, dim) is ever written) and states.
+template <class Path>
+struct Scratch {
+  Path tile;
+  int64_t query_width;
+  std::vector<typename Path::Query> queries;
+  std::vector<float> acc, sums, maxima;
+  explicit Scratch(const Call& c)
+      : tile(c), query_width(Path::query_width(c)), queries(MAX_VECTORS * query_width, 0),
+        acc(MAX_VECTORS * c.width), sums(MAX_VECTORS * 16), maxima(MAX_VECTORS) {}
+  State state(const Call& c, int64_t v) { return {&acc[v * c.width], &sums[v * 16], &maxima[v]}; }
+};
+
+template <class T, class Path>
+void run_item(const Call& c, const Item& item, Scratch<Path>& s) {
   const T* q = static_cast<const T*>(c.q);
   T* out = static_cast<T*>(c.out);
   const T* cache = static_cast<const T*>(c.cache);
@@ -292,7 +398,7 @@ void run_item(const Call& c, const Item& item, Scratch& s) {
   const auto token = [&](int64_t v) { return c.query_start[item.seq] + item.row0 + v / item.count; };
   for (int64_t v = 0; v < vectors; ++v) {
     const T* src = q + (token(v) * c.heads + item.head0 + v % item.count) * c.dim;
-    for (int64_t d = 0; d < c.dim; ++d) s.queries[v * c.width + d] = to_f(src[d]);
+    for (int64_t d = 0; d < c.dim; ++d) s.queries[v * s.query_width + d] = Path::query_value(src[d]);
   }
   std::fill(s.acc.begin(), s.acc.begin() + vectors * c.width, 0.0f);
   std::fill(s.sums.begin(), s.sums.begin() + vectors * 16, 0.0f);
@@ -302,23 +408,17 @@ void run_item(const Call& c, const Item& item, Scratch& s) {
     return cache + (static_cast<int64_t>(table[pos / c.block_size]) * c.block_size + pos % c.block_size) * c.dim;
   };
   for (int64_t base = 0; base < last_key; base += KEYS) {
-    const int64_t keys = std::min(KEYS, last_key - base);
-    for (int64_t t = 0; t < keys; ++t) {
-      const T* row = key_row(base + t);
-      float* dst = &s.keys[t * c.width];
-      int64_t d = 0;
-      for (; d + 16 <= c.dim; d += 16) store(dst + d, load(row + d));
-      for (; d < c.dim; ++d) dst[d] = to_f(row[d]);
-    }
+    const int64_t count = std::min(KEYS, last_key - base);
+    const T* rows[KEYS];
+    for (int64_t t = 0; t < count; ++t) rows[t] = key_row(base + t);
+    s.tile.load_tile(c, rows, count);
     if (base + KEYS < last_key) {  // the blocks are scattered: fetch the next tile's first lines
       const char* next = reinterpret_cast<const char*>(key_row(base + KEYS));
       for (int64_t off = 0; off < c.dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(next + off);
     }
     for (int64_t v = 0; v < vectors; ++v) {
       const int64_t live = std::min(KEYS, first_pos + v / item.count + 1 - base);
-      if (live <= 0) continue;
-      attend_tile(c, &s.queries[v * c.width], s.keys.data(), live, &s.acc[v * c.width], &s.sums[v * 16],
-                  &s.maxima[v]);
+      if (live > 0) s.tile.attend(c, &s.queries[v * s.query_width], live, s.state(c, v));
     }
   }
   for (int64_t v = 0; v < vectors; ++v) {
@@ -328,35 +428,58 @@ void run_item(const Call& c, const Item& item, Scratch& s) {
   }
 }
 
-template <class T>
+template <class T, class Path>
 void run(const Call& c, int num_threads) {
   const std::vector<Item> items = make_items(c, num_threads);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, items.size())));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    Scratch scratch(c);
+    Scratch<Path> scratch(c);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) run_item<T>(c, items[i], scratch);
   }
 }
 
+enum Products : int { PRODUCTS_FLOAT32 = 0, PRODUCTS_BF16 = 1 };
+
 }  // namespace
 
 extern "C" {
 
+// Whether this build has the bf16-products path (vdpbf16ps): 1, else 0.
+int kvloom_latent_attention_bf16() {
+#ifdef KVLOOM_LATENT_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // out [tokens, heads, value_dim] = each query vector's attention over its sequence's
 // latents (module comment). q [tokens, heads, dim], cache [blocks, block_size, dim],
-// out: of `dtype` (0 float32, 1 bf16), contiguous; 0 < value_dim <= dim. Returns 0; -2
-// for a shape or dtype it does not take (nothing written).
+// out: of `dtype` (0 float32, 1 bf16), contiguous; 0 < value_dim <= dim. `products`: 0
+// float32 (every build), 1 bf16 (bf16 only, where kvloom_latent_attention_bf16()).
+// Returns 0; -1 for a path this build or dtype does not run, -2 for a shape or dtype it
+// does not take (nothing written either way).
 int kvloom_latent_attention(const void* q, void* out, const void* cache, const int32_t* block_tables,
                             int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
                             const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t dim,
-                            int64_t value_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+                            int64_t value_dim, int64_t block_size, float scale, int dtype, int products,
+                            int num_threads) {
   if (value_dim > dim || value_dim <= 0 || block_size <= 0 || (dtype != 0 && dtype != 1)) return -2;
+  if (products != PRODUCTS_FLOAT32 && (products != PRODUCTS_BF16 || dtype != 1 || !kvloom_latent_attention_bf16()))
+    return -1;
   const Call c{q, out, cache, block_tables, max_blocks, seq_lens, query_start, query_lens,
                num_seqs, num_heads, dim, value_dim, block_size, scale, (dim + 15) / 16 * 16};
-  if (dtype == 0) run<float>(c, num_threads);
-  else run<uint16_t>(c, num_threads);
+  if (dtype == 0) {
+    run<float, FloatPath>(c, num_threads);
+  } else if (products == PRODUCTS_FLOAT32) {
+    run<uint16_t, FloatPath>(c, num_threads);
+  } else {
+#ifdef KVLOOM_LATENT_BF16
+    run<uint16_t, Bf16Path>(c, num_threads);
+#endif
+  }
   return 0;
 }
 

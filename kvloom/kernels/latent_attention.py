@@ -6,7 +6,12 @@ form, each token's cache entry one ``dim``-wide vector shared by every head, its
 Every query vector (a head of a query token) is computed by the same operations in the
 same order whatever else the call holds: a token's result does not depend on its batch,
 nor on how its prompt was cut into chunks (the kernel's comment has the order). float32
-scores and sums; the output rounded once to q's dtype.
+sums; the output rounded once to q's dtype. The products (:data:`PRODUCTS`): ``float32``
+(every CPU: the numbers widened, fmas) or, for bf16 caches where the CPU has AVX512-BF16,
+``bf16`` (vdpbf16ps: twice the work per instruction, the weights rounded to bf16 as the
+reference's softmax output is). The two agree to rounding, not bit for bit, so one is
+chosen for the whole process (:func:`default_products`; ``$KVLOOM_CPU_ISA`` below
+``avx512_bf16`` keeps float32).
 
 The index arrays are the caller's contract, as for ``kvloom::paged_attention``: block ids
 below num_blocks, ``seq_lens`` within each block table, ``query_start + query_lens``
@@ -15,21 +20,27 @@ within q's rows.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from kvloom.kernels.native_op import NativeOp, TensorSpec
+from kvloom.kernels import gemm
+from kvloom.kernels.native_op import NativeFunction, NativeOp, TensorSpec
 
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 _INT32 = (torch.int32,)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+PRODUCTS = ("float32", "bf16")  # the index is latent_attention.cpp's Products
+_HAS_BF16 = NativeFunction("latent_attention", "kvloom_latent_attention_bf16() -> int32")
 
 LATENT_ATTENTION = NativeOp(
     "latent_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-    "Tensor query_lens, int value_dim, float scale) -> Tensor",
+    "Tensor query_lens, int value_dim, float scale, str products) -> Tensor",
     library="latent_attention",
     native="kvloom_latent_attention(q, Tensor out, cache, block_tables, int max_blocks, seq_lens, query_start, "
            "query_lens, int num_seqs, int num_heads, int dim, value_dim, int block_size, scale, int32 dtype, "
-           "int32 num_threads) -> int32",
+           "int32 products, int32 num_threads) -> int32",
     tensors={"q": TensorSpec(3, like="cache"), "cache": TensorSpec(5, ACTIVATIONS),
              "block_tables": TensorSpec(2, _INT32), "seq_lens": TensorSpec(1, _INT32),
              "query_start": TensorSpec(1, _INT32), "query_lens": TensorSpec(1, _INT32)},
@@ -39,7 +50,7 @@ LATENT_ATTENTION = NativeOp(
 @LATENT_ATTENTION.check
 def _latent_attention_check(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                            value_dim: int, scale: float) -> None:
+                            value_dim: int, scale: float, products: str) -> None:
     dim = q.shape[2]
     if cache.shape[0] != 1 or cache.shape[3] != 1 or cache.shape[4] != dim:
         raise LATENT_ATTENTION.error("cache", f"must be one layer's latents, [1, num_blocks, block_size, 1, {dim}] "
@@ -47,6 +58,11 @@ def _latent_attention_check(q: torch.Tensor, cache: torch.Tensor, block_tables: 
     if not 0 < value_dim <= dim:
         raise LATENT_ATTENTION.error("value_dim", f"must be positive and no wider than the latent ({dim}), "
                                                   f"got {value_dim}")
+    if products not in PRODUCTS:
+        raise LATENT_ATTENTION.error("products", f"must be one of {PRODUCTS}, got {products!r}")
+    if products == "bf16" and (q.dtype is not torch.bfloat16 or not has_bf16_products()):
+        raise LATENT_ATTENTION.error("products", f"'bf16' needs a bf16 cache and a CPU with AVX512-BF16 (this "
+                                                 f"one runs {supported_products()}); the cache is {q.dtype}")
     num_seqs = block_tables.shape[0]
     for name, array in (("seq_lens", seq_lens), ("query_start", query_start), ("query_lens", query_lens)):
         if array.shape[0] != num_seqs:
@@ -57,13 +73,13 @@ def _latent_attention_check(q: torch.Tensor, cache: torch.Tensor, block_tables: 
 @LATENT_ATTENTION.implementation
 def _latent_attention_cpu(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                          value_dim: int, scale: float) -> torch.Tensor:
+                          value_dim: int, scale: float, products: str) -> torch.Tensor:
     tokens, heads, dim = q.shape
     out = q.new_empty(tokens, heads, value_dim)
     status = LATENT_ATTENTION.function()(
         q.data_ptr(), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), block_tables.shape[0], heads, dim,
-        value_dim, cache.shape[2], scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+        value_dim, cache.shape[2], scale, _DTYPE_CODES[q.dtype], PRODUCTS.index(products), torch.get_num_threads())
     if status != 0:  # the checks above admit only what the kernel takes
         raise RuntimeError(f"kvloom::latent_attention refused q {list(q.shape)} with value_dim {value_dim}")
     return out
@@ -72,7 +88,7 @@ def _latent_attention_cpu(q: torch.Tensor, cache: torch.Tensor, block_tables: to
 @LATENT_ATTENTION.fake
 def _latent_attention_fake(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                           value_dim: int, scale: float) -> torch.Tensor:
+                           value_dim: int, scale: float, products: str) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1], value_dim)
 
 
@@ -81,16 +97,40 @@ def available() -> bool:
     return LATENT_ATTENTION.available()
 
 
+def has_bf16_products() -> bool:
+    """Whether this build has the vdpbf16ps path (a CPU with AVX512-BF16)."""
+    return _HAS_BF16.available() and bool(_HAS_BF16.function()())
+
+
+def supported_products() -> tuple[str, ...]:
+    return PRODUCTS if has_bf16_products() else PRODUCTS[:1]
+
+
+@functools.cache  # one choice per process: the two paths agree to rounding, not bit for bit
+def default_products() -> str:
+    """The products of bf16 calls: ``bf16`` where the build has them and ``$KVLOOM_CPU_ISA``
+    allows ``avx512_bf16`` (the GEMM's paths name the instructions), else ``float32``."""
+    cap = os.environ.get(gemm.ISA_ENV)
+    if cap is not None and cap not in gemm.ISAS:
+        raise ValueError(f"{gemm.ISA_ENV} must be one of {gemm.ISAS}, got {cap!r}")
+    capped = cap is not None and gemm.ISAS.index(cap) < gemm.ISAS.index("avx512_bf16")
+    return "bf16" if has_bf16_products() and not capped else "float32"
+
+
 def latent_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start: torch.Tensor, query_lens: torch.Tensor, value_dim: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, products: str | None = None) -> torch.Tensor:
     """Each query vector of q [tokens, heads, dim] (in latent space) over its sequence's
     cached latents, read through its block table ([num_seqs, max_blocks] int32) from
     ``cache``, one layer's pool [1, num_blocks, block_size, 1, dim] of q's dtype (float32
     or bf16); ``seq_lens``, ``query_start`` (first row in q) and ``query_lens``:
     [num_seqs] int32. A query at position p sees the keys at positions <= p. Returns
     [tokens, heads, value_dim]: the weighted sums of the keys' first ``value_dim``
-    numbers. Wrong arguments raise ``ValueError("kvloom::latent_attention: <argument> ...")``."""
+    numbers. ``products``: :data:`PRODUCTS` (default: ``float32`` for a float32 cache,
+    :func:`default_products` for bf16). Wrong arguments raise
+    ``ValueError("kvloom::latent_attention: <argument> ...")``."""
+    if products is None:
+        products = default_products() if q.dtype is torch.bfloat16 else "float32"
     out: torch.Tensor = LATENT_ATTENTION.call(q, cache, block_tables, seq_lens, query_start, query_lens,
-                                              value_dim, scale)
+                                              value_dim, scale, products)
     return out

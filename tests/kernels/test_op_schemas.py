@@ -55,7 +55,8 @@ def latent_attention_args(dtype: torch.dtype) -> tuple[Any, ...]:
     """attention_args's two sequences over one layer's latents: 3 heads of 40 (32 of value)."""
     cache = randn(1, 4, 16, 1, 40, dtype=dtype, seed=1)
     q, _, block_tables, seq_lens, query_start, query_lens, *_ = attention_args(dtype, False)
-    return randn(8, 3, 40, dtype=dtype, seed=2), cache, block_tables, seq_lens, query_start, query_lens, 32, 0.2
+    return (randn(8, 3, 40, dtype=dtype, seed=2), cache, block_tables, seq_lens, query_start, query_lens, 32, 0.2,
+            "float32")
 
 
 def gemm_args() -> tuple[Any, ...]:
@@ -188,6 +189,7 @@ RELATIONS: list[tuple[str, str, Callable[[list[Any]], None], str]] = [
      r"one layer's latents, \[1, num_blocks, block_size, 1, 40\]"),
     ("latent_attention", "value_dim", lambda a: a.__setitem__(6, 48), r"no wider than the latent \(40\)"),
     ("latent_attention", "query_lens", lambda a: a.__setitem__(5, a[5][:1]), "one entry per block table"),
+    ("latent_attention", "products", lambda a: a.__setitem__(8, "int8"), "must be one of"),
     ("paged_attention", "kv_cache", lambda a: a.__setitem__(0, a[0][:, :, :32].contiguous()),
      r"must be \[2, num_blocks, block_size, 2, 32\]"),
     ("paged_attention", "q", lambda a: a.__setitem__(0, a[0][:, :3].contiguous()), "multiple of kv_cache's 2"),
