@@ -6,10 +6,15 @@ head) are up-projections of one latent ``c_kv`` (``kv_lora_rank`` wide, RMS-norm
 the rotary part of K, ``k_pe``, is one vector shared by all heads. The pool stores
 ``[c_kv | k_pe]`` per token and layer (``ModelConfig.kv_entry`` (1, 1, latent)): for
 DeepSeek-V2's 512 + 64 that is 576 numbers where per-head K and V would be 128 heads x
-(192 + 128). Attention is computed in the absorbed form: each head's query is mapped
-into latent space through its K up-projection (``q_nope @ W_uk``), attends over the
-latents (attention/mla_ref.py), and the result is mapped out through its V
-up-projection (``W_uv``) before ``o_proj``. So the latent is never expanded per head.
+(192 + 128). Attention is computed in the absorbed form, as vLLM and SGLang decode it:
+each head's query is mapped into latent space through its K up-projection (``q_nope @
+W_uk``), attends over the latents (attention/mla_cpu.py, mla_ref.py), and the result is
+mapped out through its V up-projection (``W_uv``) before ``o_proj``. So the latent is never
+expanded per head. The up-projections run per head at each step (one grouped GEMM call
+each, heads as the groups), not folded into q_proj and o_proj at load: folded, those two
+would be ``rank + rope`` and ``rank`` wide per head instead of ``nope + rope`` and ``v``,
+2.7x the bytes a decode step reads for DeepSeek-V2-Lite's attention and more arithmetic
+as well (the twenty-second session folded them; the thirty-sixth unfolded them).
 
 Numerics follow transformers' DeepseekV2/V3 (norms in float32; the rotary part of q
 and k rotated in float32). The rotary dimensions are interleaved pairs (x0, x1), (x2,
@@ -27,6 +32,7 @@ KV "head" every query head reads).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -36,10 +42,11 @@ from kvloom.attention.base import AttentionBackend
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
+from kvloom.kernels import gemm
 from kvloom.model_families import MLAConfig
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
-from kvloom.models.packed_linear import pack_with_tied_head
+from kvloom.models.packed_linear import can_pack_invariant, pack_with_tied_head
 from kvloom.models.sharding import TensorSlice, column_split, llama_weight_slice
 from kvloom.models.weights import WeightFiller
 
@@ -53,6 +60,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     xf = x.float()
     first, second = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :half], xf[..., half:])
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class HeadProjections:
+    """A layer's per-head up-projections packed for ``gemm_grouped_bf16``: weights[0] each
+    head's W_uk^T [rank, nope], weights[1] its W_uv [v, rank], row h head h's."""
+
+    weights: tuple[torch.Tensor, torch.Tensor]
+    isa: str
 
 
 class LatentAttention(nn.Module):
@@ -73,72 +89,58 @@ class LatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
         # kv_b_proj's weight, viewed per head: [heads, nope + v, kv_lora_rank]. Kept as a
-        # plain parameter (not a Linear that packing would replace): both halves are
-        # used as einsum operands, never as a projection of the hidden state.
+        # plain parameter (not a Linear that packing would replace): each head's halves map
+        # its query into latent space and its output out of it (_per_head), never the hidden state.
         self.kv_b = nn.Parameter(torch.zeros(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank))
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
 
-        # Set by absorb(): the query projection with each head's K up-projection folded
-        # in, and o_proj with each head's V up-projection folded in.
-        self.q_absorbed: nn.Module | None = None
-        self.o_absorbed: nn.Module | None = None
+        # Set by pack_heads(): each head's W_uk and W_uv packed for the grouped GEMM.
+        self.grouped: HeadProjections | None = None
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 kv_cache: torch.Tensor, backend: AttentionBackend[Any], metadata: Any) -> torch.Tensor:
-        mla, tokens = self.mla, hidden.shape[0]
+        mla, tokens, heads = self.mla, hidden.shape[0], self.num_heads
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         k_pe = rotate(k_pe.unsqueeze(1), *rotary, mla.rope_interleave)  # [tokens, 1, rope]
         latent = torch.cat((self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe), dim=-1)  # [tokens, 1, latent]
         q_in = hidden if mla.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
-        if self.q_absorbed is not None and self.o_absorbed is not None:  # two matmuls, no per-head products
-            q_latent, q_pe = self.q_absorbed(q_in).view(tokens, self.num_heads, mla.latent_dim).split(
-                [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-            query = torch.cat((q_latent, rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
-            out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
-            result: torch.Tensor = self.o_absorbed(out.reshape(tokens, self.num_heads * mla.kv_lora_rank))
-            return self.tp.all_reduce(result)
-        # The reference: each head's query into latent space, its output out of it.
         q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
-        q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
-            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        w_uk, w_uv = torch.split(self.kv_b, [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-        query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), rotate(q_pe, *rotary, mla.rope_interleave)),
-                          dim=-1)
-        out = backend.forward(query, latent, None, kv_cache, batch, metadata)
-        out = torch.einsum("thr,hvr->thv", out, w_uv)  # [tokens, heads, v_head_dim]
-        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+        q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
+                                                                    dim=-1)
+        query = torch.cat((self._per_head(q_nope, 0), rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
+        out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
+        values = self._per_head(out, 1)  # [tokens, heads, v_head_dim]
+        projected: torch.Tensor = self.o_proj(values.reshape(tokens, heads * mla.v_head_dim))
         return self.tp.all_reduce(projected)
 
-    def absorb(self) -> None:
-        """Fold each head's K up-projection ``W_uk`` into the query projection (its
-        non-rotary rows become ``W_uk^T W_q``: the query comes out in latent space) and
-        its V up-projection ``W_uv`` into ``o_proj`` (``W_o,h W_uv,h`` per head), so
-        the forward is matmuls the packed kernels serve instead of per-head products;
-        the same function of the input, rounded once (the products are formed in
-        float32). Wider: the query projection gives ``rank + rope`` per head instead of
-        ``nope + rope``, o_proj takes ``rank`` per head instead of ``v``."""
-        mla, heads = self.mla, self.num_heads
-        q_linear = self.q_proj if self.q_proj is not None else self.q_b_proj
-        assert isinstance(q_linear, nn.Linear) and isinstance(self.o_proj, nn.Linear)
-        dtype = q_linear.weight.dtype
-        w_q = q_linear.weight.float().view(heads, mla.qk_head_dim, -1)  # [heads, nope + rope, in]
-        w_uk, w_uv = torch.split(self.kv_b.float(), [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-        q_rows = torch.cat((w_uk.transpose(1, 2) @ w_q[:, :mla.qk_nope_head_dim], w_q[:, mla.qk_nope_head_dim:]), 1)
-        q_absorbed = nn.Linear(q_linear.in_features, heads * mla.latent_dim, bias=False)
-        q_absorbed.weight = nn.Parameter(q_rows.reshape(heads * mla.latent_dim, -1).to(dtype), requires_grad=False)
-        w_o = self.o_proj.weight.float().view(-1, heads, mla.v_head_dim).transpose(0, 1)  # [heads, hidden, v]
-        o_absorbed = nn.Linear(heads * mla.kv_lora_rank, w_o.shape[1], bias=self.o_proj.bias is not None)
-        o_absorbed.weight = nn.Parameter((w_o @ w_uv).transpose(0, 1).reshape(w_o.shape[1], -1).to(dtype),
-                                         requires_grad=False)
-        if self.o_proj.bias is not None:
-            o_absorbed.bias = nn.Parameter(self.o_proj.bias.detach().clone(), requires_grad=False)
-        self.q_absorbed, self.o_absorbed = q_absorbed, o_absorbed
-        # The folded weights are all the forward uses from now on.
-        del self.kv_b, self.o_proj
-        if self.q_proj is not None:
-            self.q_proj = None
-        else:
-            del self.q_b_proj
+    def _per_head(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """Each head's rows of x [tokens, heads, in] through that head's up-projection:
+        ``which`` 0, W_uk (a query into latent space, [.., rank]); 1, W_uv (an attention
+        output out of it, [.., v_head_dim]). Packed: one grouped GEMM call, heads as the
+        groups (each row's bits are a plain GEMM's with its head's weight); else einsum."""
+        mla, (tokens, heads, width) = self.mla, x.shape
+        grouped = self.grouped
+        if grouped is None:
+            w_uk, w_uv = torch.split(self.kv_b, [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+            return (torch.einsum("thn,hnr->thr", x, w_uk) if which == 0
+                    else torch.einsum("thr,hvr->thv", x, w_uv))
+        rows = x.transpose(0, 1).reshape(heads * tokens, width).contiguous()  # head after head
+        starts = torch.arange(0, (heads + 1) * tokens, tokens)
+        out_features = mla.kv_lora_rank if which == 0 else mla.v_head_dim
+        y = gemm.gemm_grouped_bf16(rows, grouped.weights[which], starts, out_features, grouped.isa)
+        return y.view(heads, tokens, out_features).transpose(0, 1)
+
+    def pack_heads(self, matmul: str) -> int:
+        """Each head's W_uk (as [rank, nope]: the query's map into latent space) and W_uv
+        ([v, rank]) packed for the grouped GEMM, where ``matmul`` is the batch-invariant
+        kernel and it serves the weights (bf16 on a CPU). Returns the weights packed."""
+        mla = self.mla
+        if matmul != "invariant" or not can_pack_invariant(self.kv_b):
+            return 0
+        w_uk, w_uv = torch.split(self.kv_b.detach(), [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        keys, values = gemm.pack_weight_groups([[w.T.contiguous() for w in w_uk], [w.contiguous() for w in w_uv]])
+        self.grouped = HeadProjections((keys, values), gemm.default_isa() or "")
+        return 2 * self.num_heads
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -201,11 +203,10 @@ class DeepseekForCausalLM(nn.Module):
         return self.embed_tokens.gather_logits(local)
 
     def pack_weights(self, matmul: str = "invariant") -> int:
-        """Absorb the up-projections (LatentAttention.absorb), then pack the matmuls
-        as the Llama family does; call after ``load_weights`` and the dtype move."""
-        for layer in self.decoder_layers:
-            layer.self_attn.absorb()
-        return pack_with_tied_head(self, self.embed_tokens.weight, matmul)
+        """Pack the matmuls as the Llama family does, and each head's up-projections for
+        the grouped GEMM; call after ``load_weights`` and the dtype move."""
+        heads = sum(layer.self_attn.pack_heads(matmul) for layer in self.decoder_layers)
+        return pack_with_tied_head(self, self.embed_tokens.weight, matmul) + heads
 
     def use_native_stack(self) -> str | None:
         return "the native decoder walk serves the Llama family only (latent attention runs as modules)"
