@@ -203,11 +203,10 @@ std::vector<Item> make_items(const Call& c, int threads) {
   for (const Item& tile : tiles) {
     const int64_t splits =
         std::min(c.heads, std::max(wanted, (tile.rows * c.heads + MAX_VECTORS - 1) / MAX_VECTORS));
-    const int64_t per_item = (c.heads + splits - 1) / splits;
-    for (int64_t h = 0; h < c.heads; h += per_item) {
+    for (int64_t i = 0; i < splits; ++i) {  // heads [i H / splits, (i + 1) H / splits): even shares
       Item item = tile;
-      item.head0 = h;
-      item.count = std::min(per_item, c.heads - h);
+      item.head0 = i * c.heads / splits;
+      item.count = (i + 1) * c.heads / splits - item.head0;
       item.cost = tile.cost * item.count;
       items.push_back(item);
     }
