@@ -51,6 +51,14 @@ class KernelRows:
     query_lens: torch.Tensor  # [count] int32
 
     @staticmethod
+    def every(batch: ForwardBatch) -> KernelRows:
+        """Every sequence of the step, each from its first row (its queries packed in order)."""
+        starts = [0]
+        for query_len in batch.query_lens_list[:-1]:
+            starts.append(starts[-1] + query_len)
+        return KernelRows.of(batch, list(range(len(starts))), starts)
+
+    @staticmethod
     def of(batch: ForwardBatch, rows: list[int], starts: list[int]) -> KernelRows:
         tables = batch.block_tables
         if len(rows) != tables.shape[0]:
@@ -115,10 +123,7 @@ class CPUPagedBackend(AttentionBackend[CPUPagedMetadata]):
         return k, values[block, :, offset // 2, :, offset % 2]
 
     def prepare(self, batch: ForwardBatch) -> CPUPagedMetadata:
-        starts = [0]
-        for query_len in batch.query_lens_list[:-1]:
-            starts.append(starts[-1] + query_len)
-        return CPUPagedMetadata(every=KernelRows.of(batch, list(range(len(starts))), starts))
+        return CPUPagedMetadata(every=KernelRows.every(batch))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, batch: ForwardBatch, metadata: CPUPagedMetadata,

@@ -40,10 +40,7 @@ class MLACPUBackend(AttentionBackend[KernelRows]):
 
     def prepare(self, batch: ForwardBatch) -> KernelRows:
         """The kernel's arrays of every request, once per step (not per layer)."""
-        starts = [0]
-        for query_len in batch.query_lens_list[:-1]:
-            starts.append(starts[-1] + query_len)
-        return KernelRows.of(batch, list(range(len(starts))), starts)
+        return KernelRows.every(batch)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  slot_mapping: torch.Tensor) -> None:

@@ -2,8 +2,8 @@
 attention, absorbed form): the oracle for any faster MLA backend.
 
 Each token's cache entry is one vector, ``latent = [c_kv (kv_lora_rank) | k_pe
-(qk_rope_head_dim)]``, shared by every head. The model folds each head's key
-up-projection into its query beforehand (``q = [q_nope @ W_uk | q_pe]``), so a head's
+(qk_rope_head_dim)]``, shared by every head. The model maps each head's query into
+latent space beforehand through its key up-projection (``q = [q_nope @ W_uk | q_pe]``), so a head's
 score against a token is ``q . latent``, and its output, in latent space, is the
 softmax-weighted sum of the tokens' ``c_kv``: attention with one KV "head" whose
 value is the first ``value_dim`` numbers of its key. The model then applies each

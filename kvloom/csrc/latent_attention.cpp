@@ -2,28 +2,37 @@
 // reading the pool of latents straight through the block table.
 //
 // A token's cache entry is one vector of `dim` numbers, [c_kv (value_dim) | k_pe], shared
-// by every head. A head's query comes in latent space (the model folded each head's key
-// up-projection into it): its score against key t is scale * (q . latent_t), and its
-// output, still in latent space, is the softmax-weighted sum of the keys' first
+// by every head. A head's query comes in latent space (the model mapped it there through
+// the head's key up-projection): its score against key t is scale * (q . latent_t), and
+// its output, still in latent space, is the softmax-weighted sum of the keys' first
 // value_dim numbers (attention/mla_ref.py is the PyTorch oracle). One KV "head": every
 // query vector of a sequence (its rows x heads) reads the same keys. So a work item takes
-// up to MAX_VECTORS of them, and each tile of 16 keys is converted to float32 once and
-// serves all of them from L1; the PyTorch backends gathered every request's latents into
-// a padded tensor and ran two batched matmuls over it.
+// up to MAX_VECTORS of them, and each tile of 16 keys is made ready once (widened to
+// float32, or laid out as bf16 pairs) and serves all of them from L1; the PyTorch
+// backends gathered every request's latents into a padded tensor and ran two batched
+// matmuls over it.
+//
+// Two paths, the caller's choice (one per process: they agree to rounding, not bit for bit):
+//   float32 products (FloatPath, every CPU): the keys widened to float32, fmas;
+//   bf16 products (Bf16Path, bf16 caches on AVX512-BF16): vdpbf16ps on the cache's bits.
 //
 // Invariant (batch invariance, the exactness promise): each output vector (one head of
 // one query token) is computed by the same operations in the same order whatever else
 // the call holds, so a token gets the same bits alone or batched, whole or chunked:
 //   its keys come in tiles [16u, 16u + 16) of absolute positions, u = 0, 1, ..., up to
 //     its own position (a query sees the keys at or before it);
-//   a key's score: 16 float32 lanes, lane l taking q[16c + l] * k[16c + l] for c = 0,
-//     1, ... (a product, then fmas), the lanes summed in one fixed tree, times scale;
+//   a key's score: 16 float32 lanes, lane l taking the products of its share of q and k
+//     (float32: q[16c + l] * k[16c + l] for c = 0, 1, ..., a product, then fmas; bf16: the
+//     pairs (32c + 2l, 32c + 2l + 1), a vdpbf16ps each), the lanes summed in one fixed
+//     tree, times scale;
 //   per tile: the running max over its live scores; where it moves, the accumulator and
 //     the 16-lane sum multiplied by exp(old - new); e = exp(score - max); sum += e; then
-//     acc += e_t * value_t for its live keys t in order (fmas);
+//     acc += e_t * value_t for its live keys t in order (float32: an fma a key; bf16: e
+//     rounded to bf16, a vdpbf16ps a pair of keys);
 //   at the end acc times 1 / (the sum's lanes in a fixed tree), rounded once.
-// Which item, thread or group of vectors computes it never enters. Each build has one
-// path (AVX-512, AVX2 or scalar, from -march=native), each with its own fixed order.
+// Which item, thread or group of vectors computes it never enters. The float32 path's
+// vectors are AVX-512, AVX2 or scalar as the build has them (-march=native), each with
+// its own fixed order.
 //
 // Built without -ffast-math (kvloom/native.py's EXACT_SOURCES): the compiler keeps the
 // order written here. Plain C ABI, called through ctypes (kvloom/kernels/latent_attention.py
