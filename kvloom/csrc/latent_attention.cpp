@@ -420,9 +420,11 @@ void run_item(const Call& c, const Item& item, Scratch<Path>& s) {
     const T* rows[KEYS];
     for (int64_t t = 0; t < count; ++t) rows[t] = key_row(base + t);
     s.tile.load_tile(c, rows, count);
-    if (base + KEYS < last_key) {  // the blocks are scattered: fetch the next tile's first lines
-      const char* next = reinterpret_cast<const char*>(key_row(base + KEYS));
-      for (int64_t off = 0; off < c.dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(next + off);
+    // The next tile's keys fetched while this one's vectors compute: a step's latents come
+    // from memory (every layer's pool), and blocks are scattered.
+    for (int64_t t = base + KEYS; t < std::min(base + 2 * KEYS, last_key); ++t) {
+      const char* next = reinterpret_cast<const char*>(key_row(t));
+      for (int64_t off = 0; off < c.dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(next + off, 0, 2);
     }
     for (int64_t v = 0; v < vectors; ++v) {
       const int64_t live = std::min(KEYS, first_pos + v / item.count + 1 - base);
