@@ -64,11 +64,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 
 @dataclass(frozen=True)
 class HeadProjections:
-    """A layer's per-head up-projections packed for ``gemm_grouped_bf16``: weights[0] each
-    head's W_uk^T [rank, nope], weights[1] its W_uv [v, rank], row h head h's."""
+    """A layer's per-head up-projections packed for ``gemm_grouped_bf16``, row h head h's:
+    ``keys`` each head's W_uk^T [rank, nope] (its query into latent space), ``values`` its
+    W_uv [v, rank] (its attention output out of it)."""
 
-    weights: tuple[torch.Tensor, torch.Tensor]
+    keys: torch.Tensor
+    values: torch.Tensor
+    rank: int
+    value_dim: int
     isa: str
+
+    def into_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        return self._per_head(q_nope, self.keys, self.rank)
+
+    def out_of_latent(self, out: torch.Tensor) -> torch.Tensor:
+        return self._per_head(out, self.values, self.value_dim)
+
+    def _per_head(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [tokens, heads, in] through each head's packed weight: one grouped GEMM call,
+        the heads as the groups (each row's bits a plain GEMM's with its head's weight)."""
+        tokens, heads, width = x.shape
+        rows = x.transpose(0, 1).reshape(heads * tokens, width).contiguous()  # head after head
+        starts = torch.arange(0, (heads + 1) * tokens, tokens)
+        y = gemm.gemm_grouped_bf16(rows, packed, starts, out_features, self.isa)
+        return y.view(heads, tokens, out_features).transpose(0, 1)
 
 
 class LatentAttention(nn.Module):
@@ -90,7 +109,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
         # kv_b_proj's weight, viewed per head: [heads, nope + v, kv_lora_rank]. Kept as a
         # plain parameter (not a Linear that packing would replace): each head's halves map
-        # its query into latent space and its output out of it (_per_head), never the hidden state.
+        # its query into latent space and its output out of it (_into_latent, _out_of_latent).
         self.kv_b = nn.Parameter(torch.zeros(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank))
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
 
@@ -107,28 +126,23 @@ class LatentAttention(nn.Module):
         q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
         q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
                                                                     dim=-1)
-        query = torch.cat((self._per_head(q_nope, 0), rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
+        query = torch.cat((self._into_latent(q_nope), rotate(q_pe, *rotary, mla.rope_interleave)), dim=-1)
         out = backend.forward(query, latent, None, kv_cache, batch, metadata)  # [tokens, heads, rank]
-        values = self._per_head(out, 1)  # [tokens, heads, v_head_dim]
+        values = self._out_of_latent(out)  # [tokens, heads, v_head_dim]
         projected: torch.Tensor = self.o_proj(values.reshape(tokens, heads * mla.v_head_dim))
         return self.tp.all_reduce(projected)
 
-    def _per_head(self, x: torch.Tensor, which: int) -> torch.Tensor:
-        """Each head's rows of x [tokens, heads, in] through that head's up-projection:
-        ``which`` 0, W_uk (a query into latent space, [.., rank]); 1, W_uv (an attention
-        output out of it, [.., v_head_dim]). Packed: one grouped GEMM call, heads as the
-        groups (each row's bits are a plain GEMM's with its head's weight); else einsum."""
-        mla, (tokens, heads, width) = self.mla, x.shape
-        grouped = self.grouped
-        if grouped is None:
-            w_uk, w_uv = torch.split(self.kv_b, [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-            return (torch.einsum("thn,hnr->thr", x, w_uk) if which == 0
-                    else torch.einsum("thr,hvr->thv", x, w_uv))
-        rows = x.transpose(0, 1).reshape(heads * tokens, width).contiguous()  # head after head
-        starts = torch.arange(0, (heads + 1) * tokens, tokens)
-        out_features = mla.kv_lora_rank if which == 0 else mla.v_head_dim
-        y = gemm.gemm_grouped_bf16(rows, grouped.weights[which], starts, out_features, grouped.isa)
-        return y.view(heads, tokens, out_features).transpose(0, 1)
+    def _into_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, nope] -> [tokens, heads, rank]: each head's query through its W_uk."""
+        if self.grouped is None:
+            return torch.einsum("thn,hnr->thr", q_nope, self.kv_b[:, :self.mla.qk_nope_head_dim])
+        return self.grouped.into_latent(q_nope)
+
+    def _out_of_latent(self, out: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, rank] -> [tokens, heads, v]: each head's output through its W_uv."""
+        if self.grouped is None:
+            return torch.einsum("thr,hvr->thv", out, self.kv_b[:, self.mla.qk_nope_head_dim:])
+        return self.grouped.out_of_latent(out)
 
     def pack_heads(self, matmul: str) -> int:
         """Each head's W_uk (as [rank, nope]: the query's map into latent space) and W_uv
@@ -139,7 +153,7 @@ class LatentAttention(nn.Module):
             return 0
         w_uk, w_uv = torch.split(self.kv_b.detach(), [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         keys, values = gemm.pack_weight_groups([[w.T.contiguous() for w in w_uk], [w.contiguous() for w in w_uv]])
-        self.grouped = HeadProjections((keys, values), gemm.default_isa() or "")
+        self.grouped = HeadProjections(keys, values, mla.kv_lora_rank, mla.v_head_dim, gemm.default_isa() or "")
         return 2 * self.num_heads
 
 
