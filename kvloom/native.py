@@ -44,7 +44,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-on
          "-fPIC", "-std=c++17"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 # Sources whose arithmetic order is a promise (the batch-invariant matmuls, latent attention) build
-# without -ffast-math, so the compiler may not reassociate or contract their sums.
+# without -ffast-math, so the compiler may not reassociate their sums. (GCC still contracts a
+# product and the sum it feeds into one fma in C++ by default: a kernel that must round the
+# product first says so, as latent_attention.cpp's rotary does with fp-contract=off.)
 EXACT_SOURCES = frozenset({"gemm", "shm_collectives", "mxfp4_gemm", "latent_attention"})
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}

@@ -35,7 +35,11 @@
 // its own fixed order.
 //
 // Built without -ffast-math (kvloom/native.py's EXACT_SOURCES): the compiler keeps the
-// order written here. Plain C ABI, called through ctypes (kvloom/kernels/latent_attention.py
+// order of the sums written here (it may fuse a product into the sum it feeds: one fixed
+// choice per build, the same for every vector).
+//
+// Also here: kvloom_latent_rotary, the rotary part of DeepSeek's queries and keys in
+// float32 as transformers computes it, bit for bit (rotate_rows). Plain C ABI, called through ctypes (kvloom/kernels/latent_attention.py
 // registers it as the PyTorch op kvloom::latent_attention).
 #include <algorithm>
 #include <cmath>
@@ -452,6 +456,32 @@ void run(const Call& c, int num_threads) {
 
 enum Products : int { PRODUCTS_FLOAT32 = 0, PRODUCTS_BF16 = 1 };
 
+// The rotary part of DeepSeek's queries and keys, as transformers rotates it (and
+// models/deepseek.py's rotate in PyTorch): in float32, each product and sum rounded in
+// float32 (no contraction into fmas), the result rounded once to T.
+// Pairs (x1, x2) = (x[2i], x[2i + 1]) where interleaved, else (x[i], x[half + i]); the
+// output de-interleaved: [x1 c - x2 s for each pair | x2 c + x1 s for each pair].
+template <class T>
+__attribute__((optimize("fp-contract=off")))  // a product, then the sum: no fma (GCC contracts by default)
+void rotate_rows(const T* x, T* out, const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t dim,
+                 int interleaved) {
+  const int64_t half = dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + t * dim;  // the table's first half (its halves are equal)
+    const float* s = sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* v = x + (t * heads + h) * dim;
+      T* o = out + (t * heads + h) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_f(interleaved ? v[2 * i] : v[i]), x2 = to_f(interleaved ? v[2 * i + 1] : v[half + i]);
+        const float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
+        put(a - b, o + i);
+        put(d + e, o + half + i);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -491,6 +521,17 @@ int kvloom_latent_attention(const void* q, void* out, const void* cache, const i
 #endif
   }
   return 0;
+}
+
+// out [tokens, heads, dim] = x rotated as rotate_rows says; cos, sin [tokens, dim] float32;
+// x and out of `dtype` (0 float32, 1 bf16), contiguous, dim even.
+void kvloom_latent_rotary(const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+                          int64_t heads, int64_t dim, int interleaved, int dtype) {
+  if (dtype == 0)
+    rotate_rows(static_cast<const float*>(x), static_cast<float*>(out), cos, sin, tokens, heads, dim, interleaved);
+  else
+    rotate_rows(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), cos, sin, tokens, heads, dim,
+                interleaved);
 }
 
 }  // extern "C"

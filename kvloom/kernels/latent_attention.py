@@ -1,6 +1,6 @@
 """Latent attention over a paged pool of latents (kvloom/csrc/latent_attention.cpp) as
-``kvloom::latent_attention``: DeepSeek's multi-head latent attention in its absorbed
-form, each token's cache entry one ``dim``-wide vector shared by every head, its first
+``kvloom::latent_attention`` (and ``kvloom::latent_rotary``, the rotary part of its queries
+and keys): DeepSeek's multi-head latent attention in its absorbed form, each token's cache entry one ``dim``-wide vector shared by every head, its first
 ``value_dim`` numbers the value (attention/mla_ref.py's reference computes the same).
 
 Every query vector (a head of a query token) is computed by the same operations in the
@@ -133,4 +133,47 @@ def latent_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
         products = default_products() if q.dtype is torch.bfloat16 else "float32"
     out: torch.Tensor = LATENT_ATTENTION.call(q, cache, block_tables, seq_lens, query_start, query_lens,
                                               value_dim, scale, products)
+    return out
+
+
+# ---- the rotary part of queries and keys ------------------------------------------------
+LATENT_ROTARY = NativeOp(
+    "latent_rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
+    library="latent_attention",
+    native="kvloom_latent_rotary(x, Tensor out, cos, sin, int tokens, int heads, int dim, int32 interleaved, "
+           "int32 dtype) -> ()",
+    tensors={"x": TensorSpec(3, ACTIVATIONS), "cos": TensorSpec(2, (torch.float32,)),
+             "sin": TensorSpec(2, (torch.float32,))},
+)
+
+
+@LATENT_ROTARY.check
+def _latent_rotary_check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> None:
+    if x.shape[2] % 2:
+        raise LATENT_ROTARY.error("x", f"must have an even rotary width, got {x.shape[2]}")
+    tables = (x.shape[0], x.shape[2])
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != tables:
+            raise LATENT_ROTARY.error(name, f"must be [tokens, rotary width] = {list(tables)}, got {list(table.shape)}")
+
+
+@LATENT_ROTARY.implementation
+def _latent_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    out = torch.empty_like(x)
+    LATENT_ROTARY.function()(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1],
+                             x.shape[2], int(interleaved), _DTYPE_CODES[x.dtype])
+    return out
+
+
+@LATENT_ROTARY.fake
+def _latent_rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def latent_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [tokens, heads, dim] (contiguous, float32 or bf16) rotated at its tokens' angles
+    (cos, sin: [tokens, dim] float32, ``cat(freqs, freqs)``) in float32, rounded once to x's
+    dtype, the pairs adjacent (``interleaved``) or halves apart, the output de-interleaved:
+    models/deepseek.py's ``rotate``, bit for bit, in one call."""
+    out: torch.Tensor = LATENT_ROTARY.call(x, cos, sin, interleaved)
     return out

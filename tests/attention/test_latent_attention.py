@@ -120,3 +120,18 @@ def test_bf16_products_refused_where_they_do_not_apply() -> None:
     pool = Pool([(1, 5)], 32, torch.float32)
     with pytest.raises(ValueError, match="kvloom::latent_attention: products 'bf16' needs a bf16 cache"):
         pool.run(32, 0.1, products="bf16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("heads", "dim"), [(9, 32), (16, 64), (1, 64), (3, 6)])
+def test_rotary_is_the_pytorch_rotation_bit_for_bit(dtype: torch.dtype, interleaved: bool, heads: int,
+                                                    dim: int) -> None:
+    """``kvloom::latent_rotary`` against models/deepseek.py's PyTorch ops (transformers'
+    DeepSeek rotation in float32): the same bits, at angles up to ~150 radians."""
+    from kvloom.models.deepseek import rotate_reference
+    generator = torch.Generator().manual_seed(heads * dim)
+    x = (torch.randn(7, heads, dim, generator=generator) * 3).to(dtype)
+    angles = torch.randn(7, dim // 2, generator=generator) * 50
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    assert torch.equal(kernels.latent_rotary(x, cos, sin, interleaved), rotate_reference(x, cos, sin, interleaved))
