@@ -1,7 +1,8 @@
 """Latent attention over a paged pool of latents (kvloom/csrc/latent_attention.cpp) as
 ``kvloom::latent_attention`` (and ``kvloom::latent_rotary``, the rotary part of its queries
-and keys): DeepSeek's multi-head latent attention in its absorbed form, each token's cache entry one ``dim``-wide vector shared by every head, its first
-``value_dim`` numbers the value (attention/mla_ref.py's reference computes the same).
+and keys): DeepSeek's multi-head latent attention in its absorbed form, each token's
+cache entry one ``dim``-wide vector shared by every head, its first ``value_dim``
+numbers the value (attention/mla_ref.py's reference computes the same).
 
 Every query vector (a head of a query token) is computed by the same operations in the
 same order whatever else the call holds: a token's result does not depend on its batch,
