@@ -214,8 +214,8 @@ std::vector<Item> make_items(const Call& c, int threads) {
                                                   / std::max<int64_t>(1, static_cast<int64_t>(tiles.size())));
   std::vector<Item> items;
   for (const Item& tile : tiles) {
-    const int64_t splits =
-        std::min(c.heads, std::max(wanted, (tile.rows * c.heads + MAX_VECTORS - 1) / MAX_VECTORS));
+    const int64_t most_heads = MAX_VECTORS / tile.rows;  // an item's rows x heads fit the scratch
+    const int64_t splits = std::min(c.heads, std::max(wanted, (c.heads + most_heads - 1) / most_heads));
     for (int64_t i = 0; i < splits; ++i) {  // heads [i H / splits, (i + 1) H / splits): even shares
       Item item = tile;
       item.head0 = i * c.heads / splits;

@@ -110,9 +110,12 @@ def test_a_query_gets_the_same_bits_in_any_batch_and_chunk(dtype: torch.dtype, p
         torch.set_num_threads(threads)
 
 
-def test_many_heads_split_across_items_agree_with_the_oracle() -> None:
-    """128 heads (DeepSeek-V2's) over 16 rows: more vectors than one work item holds."""
-    pool = Pool([(16, 40), (1, 70)], 64, torch.float32, heads=128, seed=3)
+@pytest.mark.parametrize(("heads", "spans"), [(128, [(16, 40), (1, 70)]), (17, [(15, 40), (3, 9)]),
+                                              (300, [(1, 20), (16, 16)])])
+def test_many_heads_split_across_items_agree_with_the_oracle(heads: int, spans: list[tuple[int, int]]) -> None:
+    """More vectors (rows x heads) than one work item holds: 128 heads (DeepSeek-V2's) over
+    16 rows, 17 heads over 15 (uneven shares), 300 heads (more than an item even at one row)."""
+    pool = Pool(spans, 64, torch.float32, heads=heads, seed=3)
     torch.testing.assert_close(pool.run(48, 0.2).double(), pool.oracle(48, 0.2), rtol=1e-5, atol=2e-6)
 
 
