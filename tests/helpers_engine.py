@@ -50,12 +50,15 @@ def fail_output_of(engine: LLMEngine, monkeypatch, request_id: str, at_token: in
     monkeypatch.setattr(engine.output_processor, "add_token", flaky)
 
 
-def bf16_alone_equals_batched(path: str, prompts: list[list[int]], params: SamplingParams) -> LLMEngine:
+def bf16_alone_equals_batched(path: str, prompts: list[list[int]], params: SamplingParams,
+                              **engine_kwargs: Any) -> LLMEngine:
     """Each prompt's bf16 tokens run alone equal them in one engine with the prompts
     arriving two steps apart and prefills chunked at 24 tokens (the kernels are
-    batch-invariant); returns that engine, for what the caller asks of it after."""
+    batch-invariant); returns that engine, for what the caller asks of it after.
+    ``engine_kwargs``: for both engines (a device, a backend)."""
     def engine(**kwargs: Any) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=16, num_blocks=128, **kwargs))
+        return LLMEngine(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=16, num_blocks=128,
+                                                  **engine_kwargs, **kwargs))
 
     alone = {}
     for index, prompt in enumerate(prompts):
