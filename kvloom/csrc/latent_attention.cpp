@@ -53,6 +53,8 @@
 
 namespace {
 
+using kvloom_simd::from_float;  // float32 or bf16 out, rounded to nearest even
+using kvloom_simd::to_float;    // float32 or bf16 in
 using kvloom_simd::unrolled;
 
 constexpr int64_t KEYS = 16;          // keys per tile (lanes of a score vector)
@@ -228,10 +230,6 @@ std::vector<Item> make_items(const Call& c, int threads) {
   return items;
 }
 
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) { return kvloom_simd::to_float(x); }
-inline void put(float x, float* dst) { *dst = x; }
-inline void put(float x, uint16_t* dst) { kvloom_simd::from_float(x, dst); }
 
 // A vector's running softmax state: acc [value chunks x 16] float32, the 16-lane sum, the max.
 struct State {
@@ -269,7 +267,7 @@ struct FloatPath {
   explicit FloatPath(const Call& c) : keys(KEYS * c.width, 0.0f) {}
   static int64_t query_width(const Call& c) { return c.width; }
   template <class T>
-  static float query_value(T x) { return to_f(x); }  // bf16 widened
+  static float query_value(T x) { return to_float(x); }  // bf16 widened
 
   template <class T>
   void load_tile(const Call& c, const T* const* rows, int64_t count) {
@@ -277,7 +275,7 @@ struct FloatPath {
       float* dst = &keys[t * c.width];
       int64_t d = 0;
       for (; d + 16 <= c.dim; d += 16) store(dst + d, load(rows[t] + d));
-      for (; d < c.dim; ++d) dst[d] = to_f(rows[t][d]);
+      for (; d < c.dim; ++d) dst[d] = to_float(rows[t][d]);
     }
   }
 
@@ -438,7 +436,7 @@ void run_item(const Call& c, const Item& item, Scratch<Path>& s) {
   for (int64_t v = 0; v < vectors; ++v) {
     const float inv = 1.0f / sum_lanes(load(&s.sums[v * 16]));
     T* dst = out + (token(v) * c.heads + item.head0 + v % item.count) * c.value_dim;
-    for (int64_t d = 0; d < c.value_dim; ++d) put(s.acc[v * c.width + d] * inv, dst + d);
+    for (int64_t d = 0; d < c.value_dim; ++d) from_float(s.acc[v * c.width + d] * inv, dst + d);
   }
 }
 
@@ -473,10 +471,10 @@ void rotate_rows(const T* x, T* out, const float* cos, const float* sin, int64_t
       const T* v = x + (t * heads + h) * dim;
       T* o = out + (t * heads + h) * dim;
       for (int64_t i = 0; i < half; ++i) {
-        const float x1 = to_f(interleaved ? v[2 * i] : v[i]), x2 = to_f(interleaved ? v[2 * i + 1] : v[half + i]);
+        const float x1 = to_float(interleaved ? v[2 * i] : v[i]), x2 = to_float(interleaved ? v[2 * i + 1] : v[half + i]);
         const float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
-        put(a - b, o + i);
-        put(d + e, o + half + i);
+        from_float(a - b, o + i);
+        from_float(d + e, o + half + i);
       }
     }
   }

@@ -22,7 +22,6 @@ within q's rows.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -109,13 +108,12 @@ def supported_products() -> tuple[str, ...]:
 
 @functools.cache  # one choice per process: the two paths agree to rounding, not bit for bit
 def default_products() -> str:
-    """The products of bf16 calls: ``bf16`` where the build has them and ``$KVLOOM_CPU_ISA``
-    allows ``avx512_bf16`` (the GEMM's paths name the instructions), else ``float32``."""
-    cap = os.environ.get(gemm.ISA_ENV)
-    if cap is not None and cap not in gemm.ISAS:
-        raise ValueError(f"{gemm.ISA_ENV} must be one of {gemm.ISAS}, got {cap!r}")
-    capped = cap is not None and gemm.ISAS.index(cap) < gemm.ISAS.index("avx512_bf16")
-    return "bf16" if has_bf16_products() and not capped else "float32"
+    """The products of bf16 calls: ``bf16`` where the build has them and the GEMM's path
+    (``gemm.default_isa()``, capped by ``$KVLOOM_CPU_ISA``) is avx512_bf16 or better, as
+    paired-layout attention chooses; else ``float32``."""
+    isa = gemm.default_isa()
+    vdpbf16ps = isa is not None and gemm.ISAS.index(isa) >= gemm.ISAS.index("avx512_bf16")
+    return "bf16" if has_bf16_products() and vdpbf16ps else "float32"
 
 
 def latent_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
