@@ -622,6 +622,93 @@ void moe_route(const T* logits, const float* bias, float* weights, int64_t* expe
   }
 }
 
+// A float32 router (DeepSeek's: transformers keeps the gate's weight float32 and computes its
+// logits in float32): logits[t, e] = x[t] . weight[e], x bf16 widened exactly, each logit one
+// chain of fused multiply-adds over 16 lanes in steps of 16 (a zero tail adds nothing) and the
+// lanes summed in _mm512_reduce_add_ps's order (halves, quarters, pairs). Every path computes
+// those operations, so a logit's bits depend on its row alone, not on the rows beside it, the
+// blocking or the threads (and are the same on AVX-512, AVX2 and scalar builds).
+namespace router {
+
+// The 16 lanes' sum in the AVX-512 reduction's order (the AVX2 and scalar paths).
+inline float reduce16(const float* lane) {
+  float half[8], quarter[4];
+  for (int i = 0; i < 8; ++i) half[i] = lane[i + 8] + lane[i];
+  for (int i = 0; i < 4; ++i) quarter[i] = half[i + 4] + half[i];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+// One logit where no AVX-512 path runs: 16 lanes of fmas, lane for lane the AVX-512 chain.
+inline float dot(const uint16_t* x, const float* w, int64_t n) {
+  float lane[16] = {};
+#ifdef KVLOOM_AVX2
+  using namespace kvloom_simd;
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  const int64_t whole = n / 16 * 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    lo = _mm256_fmadd_ps(to_float8(x + i), _mm256_loadu_ps(w + i), lo);
+    hi = _mm256_fmadd_ps(to_float8(x + i + 8), _mm256_loadu_ps(w + i + 8), hi);
+  }
+  _mm256_storeu_ps(lane, lo);
+  _mm256_storeu_ps(lane + 8, hi);
+  for (int64_t i = whole; i < n; ++i) lane[i - whole] = std::fma(to_float(x[i]), w[i], lane[i - whole]);
+#else
+  for (int64_t i = 0; i < n; ++i) lane[i % 16] = std::fma(to_float(x[i]), w[i], lane[i % 16]);
+#endif
+  return reduce16(lane);
+}
+
+#ifdef KVLOOM_AVX512
+// ROWS rows x EXPERTS experts of logits at once: independent chains (each still its own, in
+// its own order) so that the fma latency is hidden, each weight line loaded once for ROWS rows.
+template <int ROWS, int EXPERTS>
+inline void block(const uint16_t* x, const float* w, float* out, int64_t n, int64_t num_experts) {
+  using namespace kvloom_simd;
+  __m512 acc[ROWS][EXPERTS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int e = 0; e < EXPERTS; ++e) acc[r][e] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 xs[ROWS];
+    for (int r = 0; r < ROWS; ++r) xs[r] = load16(x + r * n + i, n - i);
+    for (int e = 0; e < EXPERTS; ++e) {
+      const __m512 we = load16(w + e * n + i, n - i);
+      for (int r = 0; r < ROWS; ++r) acc[r][e] = _mm512_fmadd_ps(xs[r], we, acc[r][e]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int e = 0; e < EXPERTS; ++e) out[r * num_experts + e] = _mm512_reduce_add_ps(acc[r][e]);
+}
+#endif
+
+// Logits of rows [row, row + rows) and experts [first, first + count) (rows <= 2, count <= 4).
+inline void tile(const uint16_t* x, const float* weight, float* logits, int64_t row, int64_t rows, int64_t first,
+                 int64_t count, int64_t n, int64_t num_experts) {
+  const uint16_t* xr = x + row * n;
+  const float* w = weight + first * n;
+  float* out = logits + row * num_experts + first;
+#ifdef KVLOOM_AVX512
+  if (rows == 2 && count == 4) return block<2, 4>(xr, w, out, n, num_experts);
+  if (rows == 1 && count == 4) return block<1, 4>(xr, w, out, n, num_experts);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < count; ++e) block<1, 1>(xr + r * n, w + e * n, out + r * num_experts + e, n, num_experts);
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < count; ++e) out[r * num_experts + e] = dot(xr + r * n, w + e * n, n);
+#endif
+}
+
+void logits(const uint16_t* x, const float* weight, float* out, int64_t tokens, int64_t num_experts, int64_t n) {
+  const int64_t row_tiles = (tokens + 1) / 2, expert_tiles = (num_experts + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 4) if (parallel_worth_it(row_tiles * expert_tiles, tokens * num_experts * n))
+  for (int64_t item = 0; item < row_tiles * expert_tiles; ++item) {
+    const int64_t row = item / expert_tiles * 2, first = item % expert_tiles * 4;
+    tile(x, weight, out, row, std::min<int64_t>(2, tokens - row), first, std::min<int64_t>(4, num_experts - first),
+         n, num_experts);
+  }
+}
+
+}  // namespace router
+
 }  // namespace
 
 extern "C" {
@@ -706,6 +793,11 @@ int kvloom_moe_route_bf16(const uint16_t* logits, const float* bias, float* weig
   if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
   moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
   return 0;
+}
+// logits [tokens, num_experts] float32 = x [tokens, n] (bf16) . weight [num_experts, n] (float32) (router::logits).
+void kvloom_router_logits_bf16(const uint16_t* x, const float* weight, float* logits, int64_t tokens,
+                               int64_t num_experts, int64_t n) {
+  router::logits(x, weight, logits, tokens, num_experts, n);
 }
 void kvloom_sigmoid_gate_f32(float* x, const float* gate, int64_t rows, int64_t n) { sigmoid_gate(x, gate, rows, n); }
 void kvloom_sigmoid_gate_bf16(uint16_t* x, const uint16_t* gate, int64_t rows, int64_t n) {

@@ -172,6 +172,11 @@ using GroupedGemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const i
 using MoeRouteFn = int (*)(const uint16_t* logits, const float* bias, float* weights, int64_t* experts,
                            int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm,
                            float eps, float scaling, int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
+using MoeRouteF32Fn = int (*)(const float* logits, const float* bias, float* weights, int64_t* experts,
+                              int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm,
+                              float eps, float scaling, int64_t round_to_bf16);  // kvloom_moe_route_f32
+using RouterLogitsFn = void (*)(const uint16_t* x, const float* weight, float* logits, int64_t tokens,
+                                int64_t num_experts, int64_t n);  // cpu_ops.cpp's kvloom_router_logits_bf16
 using MoeCombineFn = void (*)(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
                               int64_t tokens, int64_t k, int64_t n);  // kvloom_moe_combine_bf16
 using SigmoidGateFn = void (*)(uint16_t* x, const uint16_t* gate, int64_t rows, int64_t n);  // kvloom_sigmoid_gate_bf16
@@ -179,13 +184,20 @@ using ShortConvFn = int64_t (*)(const uint16_t* proj, const float* weight_t, con
                                 const int64_t* starts, const int64_t* lengths, const int64_t* slots,
                                 const int32_t* has_state, uint16_t* bx, uint16_t* out, int64_t n, int64_t num_slots,
                                 int64_t tokens, int64_t channels, int64_t k, int num_threads);  // kvloom_short_conv_bf16
+using LatentAttentionFn = int (*)(const void* q, void* out, const void* cache, const int32_t* block_tables,
+                                  int64_t max_blocks, const int32_t* seq_lens, const int32_t* query_start,
+                                  const int32_t* query_lens, int64_t num_seqs, int64_t num_heads, int64_t dim,
+                                  int64_t value_dim, int64_t block_size, float scale, int dtype, int products,
+                                  int num_threads);  // latent_attention.cpp's kvloom_latent_attention
+using LatentRotaryFn = void (*)(const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+                                int64_t heads, int64_t dim, int interleaved, int dtype);  // kvloom_latent_rotary
 
 // The order of the entry points in `kernels` and of a layer's row in `weights`
 // (kvloom/models/decoder_stack.py builds both).
 enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_ALL_REDUCE, K_ADD_ROWS,
               K_RMS_NORM_SCALED, K_GELU_TANH, K_LAYER_NORM, K_GELU_TANH_PLAIN, K_GELU_ERF_PLAIN, K_CLAMP,
               K_RELU_PLAIN, K_RELU2_PLAIN, K_MAMBA_MIXER, K_SHORT_CONV, K_GEMM_GROUPED, K_MOE_ROUTE, K_MOE_COMBINE,
-              K_SIGMOID_GATE, NUM_KERNELS };
+              K_SIGMOID_GATE, K_LATENT_ROTARY, K_LATENT_ATTENTION, K_ROUTER_LOGITS, K_MOE_ROUTE_F32, NUM_KERNELS };
 // W_Q_NORM, W_K_NORM: Qwen3's and Gemma 3's per-head norms (0: the model has none).
 // W_PRE_FF_NORM, W_POST_FF_NORM: Gemma 2 and 3's (0: none; then W_POST_NORM is the MLP's
 // input norm, else the attention output's own). W_INPUT_NORM 0: OLMo 2's layer, its blocks'
@@ -203,15 +215,23 @@ enum Kernel { K_RMS_NORM, K_GEMM, K_ROTARY, K_WRITE_KV, K_ATTENTION, K_SILU, K_A
 // strides apart); its W_GATE_UP and W_DOWN then a shared expert's (0: none), every row's, added
 // after the routed ones (Granite 4.0's), times the sigmoid of x @ W_SHARED_GATE where that is set
 // (Qwen2-MoE's, packed [1, H]); W_ROUTER_BIAS its experts' float32 selection bias (LFM2-MoE's; 0: none).
+// A latent-attention layer (W_MIXER MIXER_LATENT, DeepSeek's; LatentShape): W_QKV its query projection
+// (q_proj, or q_b_proj after W_Q_A = q_a_proj and its norm W_Q_A_NORM; 0: none), W_KV_A the latent's
+// projection (kv_a_proj_with_mqa) and W_KV_A_NORM its norm, W_HEADS_UK and W_HEADS_UV every head's
+// up-projections packed for the grouped GEMM (LatentShape's strides apart), W_O o_proj.
+// W_MLP_WIDTH (a number): the layer's MLP features where they differ from the walk's widest (0: the
+// widest, Model::intermediate; DeepSeek's dense layers beside its shared experts).
 enum Weight { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN,
               W_DOWN_BIAS, W_Q_NORM, W_K_NORM, W_WINDOW, W_ROPE, W_PRE_FF_NORM, W_POST_FF_NORM, W_INPUT_NORM_BIAS,
               W_POST_NORM_BIAS, W_MIXER, W_KV_LAYER, W_CONV_WEIGHT, W_CONV_BIAS, W_CONV_STATE, W_SSM_STATE,
               W_DT_BIAS, W_A_LOG, W_D, W_MIXER_NORM, W_ROUTER, W_EXPERTS_GATE_UP, W_EXPERTS_DOWN, W_ROUTER_BIAS,
-              W_SHARED_GATE, NUM_WEIGHTS };
+              W_SHARED_GATE, W_Q_A, W_Q_A_NORM, W_KV_A, W_KV_A_NORM, W_HEADS_UK, W_HEADS_UV, W_MLP_WIDTH,
+              NUM_WEIGHTS };
 // MIXER_NONE: no block, only the MLP (NVIDIA Nemotron-H's MLP blocks that follow no other);
 // a layer whose W_GATE_UP is 0 has no MLP (its block followed by no MLP block).
-enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE };
+enum Mixer { MIXER_ATTENTION, MIXER_MAMBA, MIXER_SHORT_CONV, MIXER_NONE, MIXER_LATENT };
 constexpr int MIXER_REFUSED = -3;  // a state layer's kernel refused the requests' spans or slots
+constexpr int LATENT_REFUSED = -4;  // the latent attention kernel refused the call (its path or shape)
 enum Rope { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL };
 enum Norm { NORM_LLAMA, NORM_SCALED_IN_FLOAT32, NORM_LAYER };  // NORM_LAYER: W_*_NORM_BIAS its biases
 // ACT_*_PLAIN: the un-gated MLP (W_GATE_UP is fc1, [I, H]; W_DOWN fc2).
@@ -229,29 +249,55 @@ constexpr int PAIRED_KERNEL = 2;  // paged_attention.cpp's code for a bf16 cache
 // A hybrid's state layers take mixer_width more per row (StateLayers::scratch_width) and 16 to
 // align a Mamba2 mixer's float32 rows.
 // A mixture-of-experts model's layers take moe_width more per row (MoeShape::scratch_width)
-// and 32 to align their 64-bit arrays.
+// and 32 to align their 64-bit arrays; a latent-attention model's, latent_width (LatentShape::scratch_width).
 inline int64_t scratch_elements(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
-                                int64_t intermediate, int64_t mixer_width, int64_t moe_width) {
+                                int64_t intermediate, int64_t mixer_width, int64_t moe_width, int64_t latent_width) {
   return tokens * (2 * hidden_size + (q_size + 2 * kv_size) + 2 * q_size + 3 * intermediate + mixer_width +
-                   moe_width) +
+                   moe_width + latent_width) +
          (mixer_width > 0 ? 16 : 0) + (moe_width > 0 ? 32 : 0);
 }
+
+// A latent-attention model's layers (DeepSeek's MLA, one shape for all; models/deepseek.py's
+// LatentAttention is the module path): `heads` query heads of nope + rope dimensions, a latent of
+// rank + rope numbers per token (the pool's entry: the normed latent, then the rotated shared key
+// part), each head's value `v` wide; q_rank > 0 where the query goes through q_a_proj and its norm
+// first. interleaved: the rotary's pairs adjacent (de-interleaved as it turns them); products:
+// latent_attention.cpp's Products; uk_stride, uv_stride: bf16 elements from one head's packed
+// up-projection to the next's; eps: the latent's and q_a's norms'.
+struct LatentShape {
+  int64_t heads, rank, rope, nope, v, q_rank, interleaved, products, uk_stride, uv_stride;
+  float eps;
+
+  int64_t dim() const { return rank + rope; }  // a latent, and a query vector in latent space
+  int64_t q_width() const { return heads * (nope + rope); }
+  // bf16 elements per row: the latent's projection, its part to norm and the norm's output, the
+  // shared key part and its rotation; q_a's output and its norm; the query
+  // projection; two head-major buffers (each head's rows for the grouped GEMM, in and out); the
+  // rotary part gathered and turned; the query in latent space; the attention's output; the
+  // heads' values, token-major.
+  int64_t scratch_width() const {
+    const int64_t head_major = heads * std::max({nope, rank, v});
+    return dim() + 2 * rank + 2 * rope + 2 * q_rank + q_width() + 2 * head_major + 2 * heads * rope +
+           heads * dim() + heads * rank + heads * v;
+  }
+};
 
 // A mixture-of-experts model's routed experts (one shape for every such layer): kvloom::moe_route's
 // rule (the top_k of a softmax, or of sigmoid scores, each plus the layer's selection bias if it
 // has one; renormalised where norm, with eps added to the sum; times scaling; rounded to bf16
-// where round_weights) and the experts' SwiGLU of inter features.
+// where round_weights) and the experts' SwiGLU of inter features. router_float32: the router's
+// weight is float32 and its logits kvloom::router_logits' (DeepSeek's), else a packed bf16 GEMM's.
 struct MoeShape {
   int64_t num_experts, top_k, inter;
   int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
-  int64_t norm, round_weights, sigmoid;
+  int64_t norm, round_weights, sigmoid, router_float32;
   float scaling, eps;
 
   // Elements (bf16) per row: each of its top_k pairs' expert, row and place in the grouped
   // order (int64: 4 each), routing weight and pair weight (float32: 2 each); the router's
-  // logits; and each pair's input, gate/up, activation and output rows.
+  // logits (room for float32); and each pair's input, gate/up, activation and output rows.
   int64_t scratch_width(int64_t hidden_size) const {
-    return top_k * (3 * 4 + 2 * 2) + num_experts + top_k * (2 * hidden_size + 3 * inter);
+    return top_k * (3 * 4 + 2 * 2) + 2 * num_experts + top_k * (2 * hidden_size + 3 * inter);
   }
 };
 
@@ -313,13 +359,15 @@ struct Model {
   const int64_t* lora_widths;
   const StateLayers* states;  // nullptr: no state layer
   const MoeShape* moe;        // nullptr: no mixture-of-experts layer
+  const LatentShape* latent;  // nullptr: no latent-attention layer
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
   int64_t scratch(int64_t tokens) const {
     return scratch_elements(tokens, hidden_size, q_size(), kv_size(), intermediate,
                             states != nullptr ? states->scratch_width(hidden_size) : 0,
-                            moe != nullptr ? moe->scratch_width(hidden_size) : 0);
+                            moe != nullptr ? moe->scratch_width(hidden_size) : 0,
+                            latent != nullptr ? latent->scratch_width() : 0);
   }
   int64_t lora_scratch(int64_t tokens) const {
     if (lora_weights == nullptr) return 0;
@@ -456,7 +504,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     else llama_norm(x, residual, w, out_rows, rows, n, m.eps);
   };
   int64_t T = r.tokens;  // the rows each kernel computes: the kept ones in the last layer
-  const int64_t H = m.hidden_size, I = m.intermediate;
+  const int64_t H = m.hidden_size, I = m.intermediate;  // I: the widest MLP's features (the scratch's)
   const int64_t q_size = m.q_size(), kv_size = m.kv_size(), qkv_width = q_size + 2 * kv_size;
   uint16_t* normed = r.scratch;                // [T, H]
   uint16_t* qkv = normed + T * H;              // [T, q + 2 kv]
@@ -465,9 +513,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   uint16_t* gate_up = attn + T * q_size;       // [T, 2 I]
   uint16_t* act = gate_up + T * 2 * I;         // [T, I]
   uint16_t* mlp_out = act + T * I;             // [T, H]: a parallel layer's MLP output
+  // A latent-attention layer's (LatentShape::scratch_width, laid out in latent_block).
+  uint16_t* latent_room = mlp_out + T * H;
   // A state layer's: its in_proj output, then (a Mamba2 mixer) the convolved xBC, the norm's
   // output and the scan's (float32, 32-byte aligned), or (a short convolution) B * x and its output.
-  uint16_t* proj = mlp_out + T * H;
+  uint16_t* proj = latent_room + (m.latent != nullptr ? T * m.latent->scratch_width() : 0);
   // A mixture-of-experts layer's: past the state layers' room, 64-byte aligned (MoeShape::scratch_width).
   const int64_t mixer_width = m.states != nullptr ? m.states->scratch_width(H) : 0;
   char* const moe_room = reinterpret_cast<char*>(
@@ -475,6 +525,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto grouped_gemm = entry<GroupedGemmFn>(m.kernels, K_GEMM_GROUPED);
   const auto moe_route = entry<MoeRouteFn>(m.kernels, K_MOE_ROUTE);
   const auto moe_combine = entry<MoeCombineFn>(m.kernels, K_MOE_COMBINE);
+  const auto router_logits = entry<RouterLogitsFn>(m.kernels, K_ROUTER_LOGITS);
+  const auto moe_route_f32 = entry<MoeRouteF32Fn>(m.kernels, K_MOE_ROUTE_F32);
   const auto silu = entry<SiluFn>(m.kernels, K_SILU);  // the experts' activation, whatever the dense MLPs'
   const auto sigmoid_gate = entry<SigmoidGateFn>(m.kernels, K_SIGMOID_GATE);
   const auto mamba_mixer = entry<MambaMixerFn>(m.kernels, K_MAMBA_MIXER);
@@ -521,15 +573,24 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     int64_t* row_pairs = pair_row + P;                        // [T, K]: a row's pairs' places, ascending expert
     float* weights = reinterpret_cast<float*>(row_pairs + P);  // [T, K]
     float* pair_weights = weights + P;                          // [P]
-    uint16_t* logits = reinterpret_cast<uint16_t*>(pair_weights + P);  // [T, E]
-    uint16_t* rows = logits + T * E;                                   // [P, H]
+    uint16_t* logits = reinterpret_cast<uint16_t*>(pair_weights + P);  // [T, E] (float32 where router_float32)
+    uint16_t* rows = logits + 2 * T * E;                               // [P, H]
     uint16_t* up = rows + P * H;                                       // [P, 2 EI]
     uint16_t* between = up + P * 2 * EI;                               // [P, EI]
     uint16_t* y = between + P * EI;                                    // [P, H]
-    if (gemm(x, weight(w, W_ROUTER), nullptr, logits, T, E, H, m.isa, num_threads, nullptr) != 0) return false;
-    if (moe_route(logits, reinterpret_cast<const float*>(w[W_ROUTER_BIAS]), weights, experts, T, E, K, e.sigmoid,
-                  e.norm, e.eps, e.scaling, e.round_weights) != 0)
-      return false;
+    const float* selection_bias = reinterpret_cast<const float*>(w[W_ROUTER_BIAS]);
+    if (e.router_float32) {  // DeepSeek's: the float32 weight, float32 logits
+      float* float_logits = reinterpret_cast<float*>(logits);
+      router_logits(x, reinterpret_cast<const float*>(w[W_ROUTER]), float_logits, T, E, H);
+      if (moe_route_f32(float_logits, selection_bias, weights, experts, T, E, K, e.sigmoid, e.norm, e.eps, e.scaling,
+                        e.round_weights) != 0)
+        return false;
+    } else {
+      if (gemm(x, weight(w, W_ROUTER), nullptr, logits, T, E, H, m.isa, num_threads, nullptr) != 0) return false;
+      if (moe_route(logits, selection_bias, weights, experts, T, E, K, e.sigmoid, e.norm, e.eps, e.scaling,
+                    e.round_weights) != 0)
+        return false;
+    }
     std::vector<int64_t> starts(E + 1, 0);
     for (int64_t i = 0; i < P; ++i) ++starts[experts[i] + 1];
     for (int64_t g = 0; g < E; ++g) starts[g + 1] += starts[g];
@@ -553,6 +614,107 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       std::sort(row_pairs + t * K, row_pairs + (t + 1) * K);
     moe_combine(y, pair_weights, row_pairs, out, T, K, H);
     return true;
+  };
+
+  const auto latent_rotary = entry<LatentRotaryFn>(m.kernels, K_LATENT_ROTARY);
+  const auto latent_attention = entry<LatentAttentionFn>(m.kernels, K_LATENT_ATTENTION);
+  // DeepSeek's latent attention over T rows of `normed` into `hidden`, as models/deepseek.py's
+  // LatentAttention.forward computes it, its kernels on its values:
+  //   kv      = normed @ Wkv_a                      [T, rank + rope]
+  //   latent  = [rms_norm(kv[:rank]) | latent_rotary(kv[rank:])]  into the pool at the rows' slots
+  //   q       = (normed, or rms_norm(normed @ Wq_a)) @ Wq        [T, heads, nope + rope]
+  //   query   = [q_nope @ W_uk (each head's, one grouped GEMM: heads as the groups) |
+  //              latent_rotary(q_pe)]                             [T, heads, rank + rope]
+  //   attn    = latent_attention(query)            [T, heads, rank]
+  //   hidden  = (attn @ W_uv, each head's, one grouped GEMM) @ Wo   [T, H]
+  // The grouped GEMM takes a group's rows together, so each head's rows are gathered head after
+  // head (and its outputs scattered back), as the module path's transposes do. In the last layer
+  // the rows `kept` names alone take the attention and what follows (every row's latent is
+  // written first). Returns 0 (T == 0 after: no row is read), 1 + the layer where a GEMM refused,
+  // or LATENT_REFUSED.
+  const auto latent_block = [&](const int64_t* w, int64_t layer, const Outputs& kept) -> int {
+    const LatentShape& a = *m.latent;
+    const int64_t heads = a.heads, rank = a.rank, rope = a.rope, nope = a.nope, L = a.dim(), qw = a.q_width();
+    const int64_t head_major = heads * std::max({nope, rank, a.v});
+    uint16_t* kv = latent_room;                       // [T, L]
+    uint16_t* c_kv = kv + T * L;                      // [T, rank]: the part normed
+    uint16_t* c_normed = c_kv + T * rank;             // [T, rank]
+    uint16_t* k_pe = c_normed + T * rank;             // [T, rope]: the key's rotary part
+    uint16_t* k_turned = k_pe + T * rope;             // [T, rope]
+    uint16_t* qa = k_turned + T * rope;              // [T, q_rank]
+    uint16_t* qa_normed = qa + T * a.q_rank;          // [T, q_rank]
+    uint16_t* q = qa_normed + T * a.q_rank;           // [T, heads (nope + rope)]
+    uint16_t* by_head = q + T * qw;                   // [heads T, <= head_major / heads]: a grouped GEMM's rows
+    uint16_t* by_head_out = by_head + T * head_major;  // its output
+    uint16_t* q_pe = by_head_out + T * head_major;     // [T, heads, rope]
+    uint16_t* q_turned = q_pe + T * heads * rope;      // [T, heads, rope]
+    uint16_t* query = q_turned + T * heads * rope;     // [T, heads, L]
+    uint16_t* attended = query + T * heads * L;        // [T, heads, rank]
+    uint16_t* values = attended + T * heads * rank;    // [T, heads v]
+    const int refused = static_cast<int>(layer) + 1;
+    const auto project = [&](const uint16_t* x, Weight which, uint16_t* y, int64_t n, int64_t k) {
+      return gemm(x, weight(w, which), nullptr, y, T, n, k, m.isa, num_threads, nullptr) == 0;
+    };
+    std::vector<int64_t> starts(heads + 1);
+    const auto per_head = [&](Weight which, int64_t n, int64_t k, int64_t stride) {  // by_head -> by_head_out
+      for (int64_t h = 0; h <= heads; ++h) starts[h] = h * T;
+      return grouped_gemm(by_head, weight(w, which), starts.data(), by_head_out, heads, heads * T, n, k, stride,
+                          m.isa, num_threads) == 0;
+    };
+    if (!project(normed, W_KV_A, kv, L, H)) return refused;
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(c_kv + t * rank, kv + t * L, rank * sizeof(uint16_t));
+      std::memcpy(k_pe + t * rope, kv + t * L + rank, rope * sizeof(uint16_t));
+    }
+    latent_rotary(k_pe, k_turned, r.cos, r.sin, T, 1, rope, static_cast<int>(a.interleaved), 1);
+    llama_norm(c_kv, nullptr, weight(w, W_KV_A_NORM), c_normed, T, rank, a.eps);
+    uint16_t* pool = m.kv_caches + w[W_KV_LAYER] * m.num_blocks * m.block_size * L;  // [blocks, block_size, L]
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(pool + r.slots[t] * L, c_normed + t * rank, rank * sizeof(uint16_t));
+      std::memcpy(pool + r.slots[t] * L + rank, k_turned + t * rope, rope * sizeof(uint16_t));
+    }
+    const uint16_t* q_in = normed;
+    if (a.q_rank > 0) {
+      if (!project(normed, W_Q_A, qa, a.q_rank, H)) return refused;
+      llama_norm(qa, nullptr, weight(w, W_Q_A_NORM), qa_normed, T, a.q_rank, a.eps);
+      q_in = qa_normed;
+    }
+    if (!project(q_in, W_QKV, q, qw, a.q_rank > 0 ? a.q_rank : H)) return refused;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* head = q + t * qw + h * (nope + rope);
+        std::memcpy(by_head + (h * T + t) * nope, head, nope * sizeof(uint16_t));
+        std::memcpy(q_pe + (t * heads + h) * rope, head + nope, rope * sizeof(uint16_t));
+      }
+    if (!per_head(W_HEADS_UK, rank, nope, a.uk_stride)) return refused;
+    latent_rotary(q_pe, q_turned, r.cos, r.sin, T, heads, rope, static_cast<int>(a.interleaved), 1);
+    // From the attention on, the rows computed: every row, or in the last layer the rows read,
+    // their query vectors and stream moved to the front (ascending: moved no later than read).
+    const Outputs& rows = layer + 1 == m.num_layers && kept.count >= 0 ? kept : all_rows;
+    for (int64_t i = 0; i < rows.count; ++i) {
+      const int64_t t = rows.rows != nullptr ? rows.rows[i] : i;
+      for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* vector = query + (i * heads + h) * L;
+        std::memcpy(vector, by_head_out + (h * T + t) * rank, rank * sizeof(uint16_t));
+        std::memcpy(vector + rank, q_turned + (t * heads + h) * rope, rope * sizeof(uint16_t));
+      }
+      if (t != i) std::memcpy(r.residual + i * H, r.residual + t * H, H * sizeof(uint16_t));
+    }
+    T = rows.count;
+    if (T == 0) return 0;  // no row read: the latents are written, nothing more to compute
+    if (latent_attention(query, attended, pool, rows.block_tables, m.max_blocks, rows.seq_lens, rows.query_start,
+                         rows.query_lens, rows.num_seqs, heads, L, rank, m.block_size, m.scale, 1,
+                         static_cast<int>(a.products), num_threads) != 0)
+      return LATENT_REFUSED;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(by_head + (h * T + t) * rank, attended + (t * heads + h) * rank, rank * sizeof(uint16_t));
+    if (!per_head(W_HEADS_UV, a.v, rank, a.uv_stride)) return refused;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(values + (t * heads + h) * a.v, by_head_out + (h * T + t) * a.v, a.v * sizeof(uint16_t));
+    return gemm(values, weight(w, W_O), weight(w, W_O_BIAS), hidden, T, H, heads * a.v, m.isa, num_threads,
+                nullptr) == 0 ? 0 : refused;
   };
 
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
@@ -616,7 +778,12 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         rms_norm(layer == 0 ? r.residual : hidden, layer == 0 ? nullptr : r.residual, weight(w, W_INPUT_NORM),
                  normed, T, H, weight(w, W_INPUT_NORM_BIAS));
       }
-      if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
+      if (w[W_MIXER] == MIXER_LATENT) {  // DeepSeek's latent attention
+        if (m.latent == nullptr) return LATENT_REFUSED;  // no sizes given
+        const int status = latent_block(w, layer, out);
+        if (status != 0) return status;
+        if (T == 0) return 0;
+      } else if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
         if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
         const StateLayers& st = *m.states;
         const Spans& sp = r.spans;
@@ -716,12 +883,13 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     } else {
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }
+    const int64_t width = w[W_MLP_WIDTH] > 0 ? w[W_MLP_WIDTH] : I;  // this layer's MLP features
     if (experts) {  // the routed experts (in turn after the attention, in one process), then a shared one
       if (m.moe == nullptr || !moe_ffn(w, mlp_in, hidden)) return refused;
-      if (weight(w, W_GATE_UP) != nullptr) {  // SwiGLU of the walk's width on every row: routed + shared
-        if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * I, H)) return refused;
-        silu(gate_up, act, T, I);
-        if (!matmul(act, W_DOWN, W_DOWN_BIAS, mlp_out, H, I)) return refused;
+      if (weight(w, W_GATE_UP) != nullptr) {  // SwiGLU on every row: routed + shared
+        if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * width, H)) return refused;
+        silu(gate_up, act, T, width);
+        if (!matmul(act, W_DOWN, W_DOWN_BIAS, mlp_out, H, width)) return refused;
         if (weight(w, W_SHARED_GATE) != nullptr) {  // Qwen2-MoE: its logit a row into act's room (free now)
           if (gemm(mlp_in, weight(w, W_SHARED_GATE), nullptr, act, T, 1, H, m.isa, num_threads, nullptr) != 0)
             return refused;
@@ -732,13 +900,14 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);
       continue;
     }
-    const int64_t up_width = gated ? 2 * I : I;
+    const int64_t up_width = gated ? 2 * width : width;
     if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, up_width, H) ||
         !adapt(P_GATE_UP, mlp_in, H, gate_up, up_width))
       return refused;
-    activation(gate_up, act, T, I);
+    activation(gate_up, act, T, width);
     uint16_t* down_out = m.parallel == BLOCKS_FIRST ? mlp_out : hidden;
-    if (!matmul(act, W_DOWN, W_DOWN_BIAS, down_out, H, I, ahead.down()) || !adapt(P_DOWN, act, I, down_out, H))
+    if (!matmul(act, W_DOWN, W_DOWN_BIAS, down_out, H, width, ahead.down()) ||
+        !adapt(P_DOWN, act, width, down_out, H))
       return refused;
     if (m.parallel == BLOCKS_FIRST) add_rows(hidden, mlp_out, nullptr, T, H);  // attention's output + the MLP's
     if (m.reduce != nullptr) {
@@ -796,9 +965,25 @@ extern "C" {
 // Scratch elements (bf16) a call needs for `tokens` rows (two walks take their rows' share each).
 // mixer_width: a hybrid's Mamba2 mixers' elements per row (kvloom_decoder_stack_mixer_width), else 0.
 // moe_width: a mixture-of-experts model's elements per row (kvloom_decoder_stack_moe_width), else 0.
+// latent_width: a latent-attention model's elements per row (kvloom_decoder_stack_latent_width), else 0.
 int64_t kvloom_decoder_stack_scratch(int64_t tokens, int64_t hidden_size, int64_t q_size, int64_t kv_size,
-                                     int64_t intermediate, int64_t mixer_width, int64_t moe_width) {
-  return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, mixer_width, moe_width);
+                                     int64_t intermediate, int64_t mixer_width, int64_t moe_width,
+                                     int64_t latent_width) {
+  return scratch_elements(tokens, hidden_size, q_size, kv_size, intermediate, mixer_width, moe_width, latent_width);
+}
+
+// A latent-attention model's scratch per row: its heads, latent (rank + rope), query heads' non-rotary
+// part, value heads and q_a's rank (0: none).
+int64_t kvloom_decoder_stack_latent_width(int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t v,
+                                          int64_t q_rank) {
+  LatentShape shape{};
+  shape.heads = heads;
+  shape.rank = rank;
+  shape.rope = rope;
+  shape.nope = nope;
+  shape.v = v;
+  shape.q_rank = q_rank;
+  return shape.scratch_width();
 }
 
 // A mixture-of-experts model's scratch per row: its routed experts' count, top_k and features.
@@ -861,9 +1046,13 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 // moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
-// down_stride, norm, round_weights, sigmoid] of every such layer's routed experts (MoeShape),
+// down_stride, norm, round_weights, sigmoid, router_float32] of every such layer's routed experts (MoeShape),
 // moe_scaling their routing weights' factor and moe_eps the renormalising sum's guard; a layer
 // whose router GEMM, routing or experts' GEMM refuses returns 1 + the layer.
+// latent_sizes: nullptr (no latent-attention layer), or [heads, rank, rope, nope, v, q_rank,
+// interleaved, products, uk_stride, uv_stride] (LatentShape), latent_eps its norms'; kv_caches is
+// then the latent pool [num_layers, 1, num_blocks, block_size, 1, rank + rope] (token-major) and
+// `scale` the attention's; returns LATENT_REFUSED, -4, where the latent attention kernel refuses.
 int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t num_layers, uint16_t* residual,
                          uint16_t* hidden, uint16_t* scratch, uint16_t* kv_caches, int64_t num_blocks,
                          const float* cos, const float* sin, const float* cos_local, const float* sin_local,
@@ -882,11 +1071,17 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          const int32_t* lora_rows, uint16_t* lora_scratch, const int64_t* state_sizes,
                          const float* state_limits, const int64_t* span_starts, const int64_t* span_lengths,
                          const int64_t* span_slots, const int32_t* span_has_state, int64_t num_spans,
-                         const int64_t* moe_sizes, float moe_scaling, float moe_eps) {
+                         const int64_t* moe_sizes, float moe_scaling, float moe_eps, const int64_t* latent_sizes,
+                         float latent_eps) {
+  LatentShape latent{};
+  if (latent_sizes != nullptr)
+    latent = LatentShape{latent_sizes[0], latent_sizes[1], latent_sizes[2], latent_sizes[3], latent_sizes[4],
+                         latent_sizes[5], latent_sizes[6], latent_sizes[7], latent_sizes[8], latent_sizes[9],
+                         latent_eps};
   MoeShape moe{};
   if (moe_sizes != nullptr)
     moe = MoeShape{moe_sizes[0], moe_sizes[1], moe_sizes[2], moe_sizes[3], moe_sizes[4], moe_sizes[5],
-                   moe_sizes[6], moe_sizes[7], moe_scaling, moe_eps};
+                   moe_sizes[6], moe_sizes[7], moe_sizes[8], moe_scaling, moe_eps};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.
@@ -901,7 +1096,7 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                     rotary_dim,   eps,        scale,      residual_scale, softcap,  norm,         norm_offset,
                     activation,   qk_norm_whole, parallel, clip, isa, reduce, kv_prefetch_bytes,
                     lora_weights, lora_slots, lora_widths, state_sizes != nullptr ? &states : nullptr,
-                    moe_sizes != nullptr ? &moe : nullptr};
+                    moe_sizes != nullptr ? &moe : nullptr, latent_sizes != nullptr ? &latent : nullptr};
   const Rows rows{residual,     hidden,   scratch,     cos,        sin,      cos_local, sin_local, slots,
                   block_tables, seq_lens, query_start, query_lens, num_seqs, tokens,
                   lora_rows,    lora_scratch, spans};

@@ -377,6 +377,43 @@ def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> None:
     SIGMOID_GATE.call(x, gate)
 
 
+# ---- a float32 router's logits (DeepSeek's) ------------------------------------------
+ROUTER_LOGITS = NativeOp(
+    "router_logits(Tensor x, Tensor weight) -> Tensor",
+    library="cpu_ops",
+    native="kvloom_router_logits_bf16(x, weight, Tensor logits, int tokens, int num_experts, int n) -> ()",
+    tensors={"x": TensorSpec(2, (torch.bfloat16,)), "weight": TensorSpec(2, (torch.float32,))},
+)
+
+
+@ROUTER_LOGITS.check
+def _router_logits_check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape[1] != x.shape[1]:
+        raise ROUTER_LOGITS.error("weight", f"must be [experts, {x.shape[1]}] for x's rows, got {list(weight.shape)}")
+
+
+@ROUTER_LOGITS.implementation
+def _router_logits_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    logits = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    ROUTER_LOGITS.function()(x.data_ptr(), weight.data_ptr(), logits.data_ptr(), x.shape[0], weight.shape[0],
+                             x.shape[1])
+    return logits
+
+
+@ROUTER_LOGITS.fake
+def _router_logits_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A float32 router's logits [tokens, experts] = x [tokens, n] (bf16) . weight [experts, n]
+    (float32), in float32 (transformers' ``F.linear(x.float(), weight)`` to float32 rounding):
+    each logit's operations fixed, so a row's logits are the same whatever rows share the call
+    (csrc/cpu_ops.cpp's ``router`` has the order)."""
+    out: torch.Tensor = ROUTER_LOGITS.call(x, weight)
+    return out
+
+
 # ---- a mixture-of-experts layer's outputs, weighted and added per token ---------------
 MOE_COMBINE = NativeOp(
     "moe_combine(Tensor y, Tensor weights, Tensor pairs) -> Tensor",

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.kernels import cpu_ops, gemm, paged_attention, shm_collectives, ssm
+from kvloom.kernels import cpu_ops, gemm, latent_attention, paged_attention, shm_collectives, ssm
 from kvloom.kernels.native_op import NativeFunction, NativeOp, profiled
 
 _SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_scratch(int tokens, int hidden_size, int q_size, "
-                                           "int kv_size, int intermediate, int mixer_width, int moe_width) -> int")
+                                           "int kv_size, int intermediate, int mixer_width, int moe_width, "
+                                           "int latent_width) -> int")
+_LATENT_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_latent_width(int heads, int rank, int rope, "
+                                                "int nope, int v, int q_rank) -> int")
 _MOE_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_moe_width(int num_experts, int top_k, int inter, "
                                              "int hidden_size) -> int")
 _MIXER_WIDTH = NativeFunction("decoder_stack", "kvloom_decoder_stack_mixer_width(int inter, int conv_dim, "
@@ -46,7 +49,7 @@ _STACK = NativeFunction(
     "Tensor out_query_start, Tensor out_query_lens, int num_out_seqs, Tensor lora_weights, int lora_slots, "
     "Tensor lora_widths, Tensor lora_rows, Tensor lora_scratch, Tensor state_sizes, Tensor state_limits, "
     "Tensor span_starts, Tensor span_lengths, Tensor span_slots, Tensor span_has_state, int num_spans, "
-    "Tensor moe_sizes, float moe_scaling, float moe_eps) -> int32")
+    "Tensor moe_sizes, float moe_scaling, float moe_eps, Tensor latent_sizes, float latent_eps) -> int32")
 _LORA_SCRATCH = NativeFunction("decoder_stack", "kvloom_decoder_stack_lora_scratch(int tokens, int hidden_size, "
                                                 "int q_size, int kv_size, int intermediate, int max_width) -> int")
 
@@ -70,7 +73,12 @@ WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "
                   # columns then hold a shared expert's (0: none).
                   "router", "experts_gate_up", "experts_down",
                   "router_bias",  # its experts' float32 selection bias (LFM2-MoE's; 0: none)
-                  "shared_gate")  # its shared expert's gate, packed [1, hidden] (Qwen2-MoE's; 0: none)
+                  "shared_gate",  # its shared expert's gate, packed [1, hidden] (Qwen2-MoE's; 0: none)
+                  # A latent-attention layer's (mixer "latent", DeepSeek's; its query projection, q_proj or
+                  # q_b_proj, in the qkv column, o_proj in o): q_a_proj packed and its norm (0: none),
+                  # kv_a_proj_with_mqa packed and its norm, every head's packed W_uk^T and W_uv.
+                  "q_a", "q_a_norm", "kv_a", "kv_a_norm", "heads_uk", "heads_uv",
+                  "mlp_width")  # a number: the layer's MLP features (0: StackShape.intermediate, the widest)
 # input_norm 0: OLMo 2's and EXAONE 4's layer (post_norm and post_ff_norm norm each block's
 # output before it is added; no norm before the blocks).
 # The "rope" column: no rotary (SmolLM3's NoPE layers), the model's, or the windowed layers' own (Gemma 3).
@@ -78,7 +86,7 @@ ROPE = {"none": 0, "global": 1, "local": 2}
 # The "mixer" column: attention, a Mamba2 mixer (Bamba, Granite 4.0) or LFM2's gated short convolution,
 # or none (an MLP alone: Nemotron-H's MLP block after no other). A layer whose gate_up column is 0
 # has no MLP.
-MIXERS = {"attention": 0, "mamba": 1, "conv": 2, "none": 3}
+MIXERS = {"attention": 0, "mamba": 1, "conv": 2, "none": 3, "latent": 4}
 # A row's block and conv_state columns: a state layer's must be bound before a call.
 _STATE_COLUMNS = [WEIGHT_COLUMNS.index("mixer"), WEIGHT_COLUMNS.index("conv_state")]
 _STATE_MIXERS = (MIXERS["mamba"], MIXERS["conv"])
@@ -94,7 +102,8 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_tanh_plain": 2, "gelu_erf_plain"
 PARALLEL = {"in_turn": 0, "blocks_first": 1, "stream_first": 2}
 # A layer's projections in the LoRA table, in decoder_stack.cpp's `Projection` order.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-NUM_KERNELS = 22
+NUM_KERNELS = 26
+KERNEL_LATENT_ATTENTION = 23  # decoder_stack.cpp's K_LATENT_ATTENTION (0 where latent_attention.cpp does not build)
 
 
 def available() -> bool:
@@ -106,6 +115,11 @@ def available() -> bool:
 def mixers_available() -> bool:
     """Whether the walk can run state layers here (kvloom/csrc/ssm.cpp builds)."""
     return ssm.available()
+
+
+def latent_available() -> bool:
+    """Whether the walk can run latent-attention layers here (kvloom/csrc/latent_attention.cpp builds)."""
+    return latent_attention.available()
 
 
 def _address(op: NativeOp | NativeFunction, variant: str = "") -> int:
@@ -128,7 +142,10 @@ def kernel_table(all_reduce: bool = False) -> torch.Tensor:
                          _address(ssm.MAMBA_MIXER, "bf16") if ssm.available() else 0,
                          _address(ssm.SHORT_CONV, "bf16") if ssm.available() else 0,
                          _address(gemm.GEMM_GROUPED), _address(cpu_ops.MOE_ROUTE, "bf16"),
-                         _address(cpu_ops.MOE_COMBINE, "bf16"), _address(cpu_ops.SIGMOID_GATE, "bf16")],
+                         _address(cpu_ops.MOE_COMBINE, "bf16"), _address(cpu_ops.SIGMOID_GATE, "bf16"),
+                         *((_address(latent_attention.LATENT_ROTARY), _address(latent_attention.LATENT_ATTENTION))
+                           if latent_available() else (0, 0)),
+                         _address(cpu_ops.ROUTER_LOGITS), _address(cpu_ops.MOE_ROUTE, "f32")],
                         dtype=torch.int64)
 
 
@@ -163,6 +180,35 @@ class StackShape:
     num_kv_layers: int | None = None  # the KV pool's layers (a hybrid's attention layers); None: num_layers
     states: StateShape | None = None  # a hybrid's state layers (some layer's "mixer" column is not attention)
     moe: MoEShape | None = None  # its mixture-of-experts layers' experts (some layer's "router" column is set)
+    # Its latent-attention layers (every layer's "mixer" column is "latent"; num_heads, num_kv_heads and
+    # head_dim then 0: no Llama attention; rotary_dim the latent's rotary part; the pool the latents').
+    latent: LatentShape | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LatentShape:
+    """A model's latent attention (DeepSeek's MLA; csrc/decoder_stack.cpp's LatentShape): ``heads``
+    query heads of ``nope`` + ``rope`` dimensions; each token's latent ``rank`` + ``rope`` numbers
+    (the pool's entry); each head's value ``v`` wide; ``q_rank`` q_a_proj's rank (0: q_proj alone);
+    ``interleaved`` the rotary's adjacent pairs; ``products`` kernels/latent_attention.py's;
+    ``uk_stride``, ``uv_stride``: bf16 elements from one head's packed up-projection to the next's;
+    ``eps`` the latent's and q_a's norms'."""
+
+    heads: int
+    rank: int
+    rope: int
+    nope: int
+    v: int
+    q_rank: int
+    interleaved: bool
+    products: str
+    uk_stride: int
+    uv_stride: int
+    eps: float
+
+    @property
+    def dim(self) -> int:
+        return self.rank + self.rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +230,7 @@ class MoEShape:
     scaling: float
     sigmoid: bool = False
     eps: float = 0.0
+    router_float32: bool = False  # a float32 router weight, its logits kvloom::router_logits' (DeepSeek's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,8 +325,12 @@ def scratch_elements(shape: StackShape, tokens: int) -> int:
     moe = shape.moe
     moe_width = 0 if moe is None else int(_MOE_WIDTH.function()(moe.num_experts, moe.top_k, moe.inter,
                                                                   shape.hidden_size))
+    latent = shape.latent
+    latent_width = 0 if latent is None else int(_LATENT_WIDTH.function()(latent.heads, latent.rank, latent.rope,
+                                                                         latent.nope, latent.v, latent.q_rank))
     return int(_SCRATCH.function()(tokens, shape.hidden_size, shape.num_heads * shape.head_dim,
-                                   shape.num_kv_heads * shape.head_dim, shape.intermediate, mixer_width, moe_width))
+                                   shape.num_kv_heads * shape.head_dim, shape.intermediate, mixer_width, moe_width,
+                                   latent_width))
 
 
 def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residual: torch.Tensor,
@@ -327,10 +378,21 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
         raise _fail("kv_caches", f"must be [layers, 2, blocks, block_size, kv_heads, head_dim], got "
                                  f"{list(kv_caches.shape)}")
     num_blocks, block_size = kv_caches.shape[2], kv_caches.shape[3]
-    _check("kv_caches", kv_caches, bf16, (shape.num_layers if shape.num_kv_layers is None else shape.num_kv_layers,
-                                          2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim))
-    if not paged_attention.paired_layout(shape.head_dim, block_size):
-        raise _fail("kv_caches", f"of block size {block_size} and head_dim {shape.head_dim} has no paired layout here")
+    latent = shape.latent
+    if latent is not None:  # the latents' pool, token-major
+        if int(kernels[KERNEL_LATENT_ATTENTION]) == 0:
+            raise _fail("kernels", "have no latent attention entry point (kvloom/csrc/latent_attention.cpp)")
+        if latent.products not in latent_attention.supported_products():
+            raise _fail("shape", f"asks for the latent attention's {latent.products!r} products; this CPU runs "
+                                 f"{latent_attention.supported_products()}")
+        _check("kv_caches", kv_caches, bf16, (shape.num_layers, 1, num_blocks, block_size, 1, latent.dim))
+    else:
+        _check("kv_caches", kv_caches, bf16, (shape.num_layers if shape.num_kv_layers is None
+                                              else shape.num_kv_layers, 2, num_blocks, block_size,
+                                              shape.num_kv_heads, shape.head_dim))
+        if not paged_attention.paired_layout(shape.head_dim, block_size):
+            raise _fail("kv_caches", f"of block size {block_size} and head_dim {shape.head_dim} has no paired "
+                                     "layout here")
     _check("cos", cos, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
     _check("sin", sin, torch.float32, (tokens, shape.rotary_dim or shape.head_dim))
     if local_rotary is not None:
@@ -416,7 +478,10 @@ def run(kernels: torch.Tensor, weights: torch.Tensor, shape: StackShape, residua
             kv_prefetch_bytes, 0 if outputs is None else outputs.rows.data_ptr(), out_rows,
             *([0] * 4 if outputs is None else [getattr(outputs.sequences, name).data_ptr() for name in
                                                ("block_tables", "seq_lens", "query_start", "query_lens")]), out_seqs,
-            *lora_args, *state_args, *_moe_args(shape.moe))
+            *lora_args, *state_args, *_moe_args(shape.moe), *_latent_args(latent))
+    if status == -4:
+        raise RuntimeError("kvloom decoder_stack: the latent attention kernel refused the step (its products or "
+                           "shape)")
     if status == -3:
         raise RuntimeError("kvloom decoder_stack: a state layer's kernel refused the step's requests (a slot out "
                            "of range, or spans outside the rows)")
@@ -460,11 +525,24 @@ def _moe_args(moe: MoEShape | None) -> tuple[int, float, float]:
     return (0, 1.0, 0.0) if moe is None else (_moe_sizes(moe).data_ptr(), moe.scaling, moe.eps)
 
 
+def _latent_args(latent: LatentShape | None) -> tuple[int, float]:
+    """The C call's latent_sizes pointer (0: no latent-attention layer) and latent_eps."""
+    return (0, 0.0) if latent is None else (_latent_sizes(latent).data_ptr(), latent.eps)
+
+
+@functools.lru_cache(maxsize=8)
+def _latent_sizes(latent: LatentShape) -> torch.Tensor:
+    """The C call's latent_sizes array, made once per model (the C side only reads it)."""
+    return torch.tensor([latent.heads, latent.rank, latent.rope, latent.nope, latent.v, latent.q_rank,
+                         int(latent.interleaved), latent_attention.PRODUCTS.index(latent.products),
+                         latent.uk_stride, latent.uv_stride], dtype=torch.int64)
+
+
 @functools.lru_cache(maxsize=8)
 def _moe_sizes(moe: MoEShape) -> torch.Tensor:
     """The C call's moe_sizes array, made once per model (the C side only reads it)."""
     return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
-                         int(moe.round_weights), int(moe.sigmoid)], dtype=torch.int64)
+                         int(moe.round_weights), int(moe.sigmoid), int(moe.router_float32)], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

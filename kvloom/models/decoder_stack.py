@@ -23,17 +23,18 @@ table is set (``set_lora``, by kvloom/lora on each load). A profiler sees the wa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from kvloom.attention.base import AttentionBackend
-from kvloom.attention.cpu_paged import CPUPagedBackend, CPUPagedMetadata
+from kvloom.attention.cpu_paged import CPUPagedBackend, CPUPagedMetadata, KernelRows
 from kvloom.batch import ForwardBatch
 from kvloom.config import ModelConfig
 from kvloom.distributed.group import TensorParallelGroup
 from kvloom.kernels import decoder_stack as kernels
+from kvloom.kernels import latent_attention
 from kvloom.models.layers import (
     Float32ScaledRMSNorm,
     GatedMLP,
@@ -49,6 +50,7 @@ from kvloom.models.short_conv import ShortConv
 from kvloom.models.ssm_ops import SSMSpans
 
 WEIGHT_ROPE = kernels.WEIGHT_COLUMNS.index("rope")
+WEIGHT_MIXER = kernels.WEIGHT_COLUMNS.index("mixer")
 StateLayer = Mamba2Mixer | ShortConv  # the layers the walk runs that keep a state per request
 COLUMN_CONV_STATE = kernels.WEIGHT_COLUMNS.index("conv_state")
 COLUMN_SSM_STATE = kernels.WEIGHT_COLUMNS.index("ssm_state")
@@ -104,7 +106,10 @@ class DecoderModel(Protocol):
     ShortConv), pre_ff_layernorm and
     feed_forward in place of post_attention_layernorm and mlp, and the model its attention
     layers' ranks in the KV pool (``kv_layer``) and its rotary's width (``rotary_dim``). A model
-    whose blocks are not layers (Nemotron-H's) pairs them as ``walk_layers()`` (WalkLayer)."""
+    whose blocks are not layers (Nemotron-H's) pairs them as ``walk_layers()`` (WalkLayer). A
+    DeepSeek layer's self_attn is a latent attention (models/deepseek.py's LatentAttention, known
+    by its ``mla``: q_proj, or q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa,
+    kv_a_layernorm, its heads' packed up-projections ``grouped``, o_proj)."""
 
     config: ModelConfig
     tp: TensorParallelGroup
@@ -176,6 +181,7 @@ class NativeDecoderStack:
             return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which the walk "
                           "runs in one process")
         moe_shapes: set[kernels.MoEShape] = set()
+        latent_shapes: set[kernels.LatentShape] = set()
         widths: set[int] = set()  # the gated MLPs' (shared experts' too) features: one walk-wide width
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
@@ -194,6 +200,13 @@ class NativeDecoderStack:
             if kind not in kernels.MIXERS:
                 return None, f"layer {index} is a {kind!r} layer, which the walk does not run"
             attention = layer.self_attn if kind == "attention" else None
+            latent = getattr(attention, "mla", None) is not None  # DeepSeek's latent attention
+            if latent:
+                why_not = _why_not_walked_latent(attention, model.tp.size)
+                if why_not:
+                    return None, f"layer {index}'s latent attention {why_not}"
+                latent_shapes.add(_latent_shape(attention))
+                isas.add(attention.grouped.isa)
             mlp = layer.feed_forward if hybrid else layer.mlp  # None: a layer without one (Nemotron-H's)
             if kind in ("mamba", "conv"):
                 state_layer = layer.mamba if kind == "mamba" else layer.conv
@@ -217,7 +230,9 @@ class NativeDecoderStack:
                     return None, f"layer {index}'s mixture-of-experts FFN {why_not}"
                 experts, mlp = mlp, mlp.shared_expert  # the walk's dense MLP: its shared expert, if any
                 moe_shapes.add(_moe_shape(experts))
-                isas.update((experts.grouped.isa, experts.router.packed.isa))  # type: ignore[union-attr]
+                isas.add(experts.grouped.isa)  # type: ignore[union-attr]
+                if not experts.router.native_logits:
+                    isas.add(experts.router.packed.isa)  # type: ignore[union-attr]
             if mlp is not None:
                 widths.add(mlp.intermediate_size if isinstance(mlp, GatedMLP) else -1)
             if first_mlp is None:
@@ -232,16 +247,19 @@ class NativeDecoderStack:
                 up, down = mlp.gate_up_proj, mlp.down_proj
             else:
                 return None, f"layer {index}'s MLP is not the walk's (gated SiLU or GELU-tanh, or un-gated GELU)"
-            block = ((attention.qkv_proj, attention.o_proj) if attention is not None
+            block = ((attention.q_proj or attention.q_b_proj, attention.o_proj) if latent
+                     else (attention.qkv_proj, attention.o_proj) if attention is not None
                      else (state_layers[index].in_proj, state_layers[index].out_proj) if index in state_layers
                      else (None, None))
             projections = dict(zip(("qkv", "o", "gate_up", "down"), (*block, up, down), strict=True))
+            if latent:  # the latent's projection and, where the query is low-rank, its first one
+                projections.update(q_a=getattr(attention, "q_a_proj", None), kv_a=attention.kv_a_proj_with_mqa)
             linears = tuple(linear for linear in projections.values() if linear is not None)
             if not all(isinstance(linear, InvariantLinear) for linear in linears):
                 return None, f"layer {index} has matmuls other than kvloom's GEMM (--matmul invariant, bf16, CPU)"
             # Qwen3's, Gemma 3's and EXAONE 4's of a head, OLMo 2's of the whole projection
-            head_norms = ((attention.q_norm, attention.k_norm) if attention is not None and attention.q_norm is not None
-                          else ())
+            head_norms = ((attention.q_norm, attention.k_norm)
+                          if attention is not None and not latent and attention.q_norm is not None else ())
             whole = bool(head_norms) and head_norms[0].weight.shape[0] != config.head_dim
             if whole and model.tp.size > 1:
                 return None, (f"layer {index}'s q/k norms span every head, whose statistics the walk does not "
@@ -286,8 +304,8 @@ class NativeDecoderStack:
             row: dict[str, int] = {"input_norm": 0 if input_norm is None else input_norm.weight.data_ptr(),
                                    "input_norm_bias": 0, "post_norm_bias": 0, **biases,
                                    "post_norm": 0 if post_norm is None else post_norm.weight.data_ptr(),
-                                   "q_norm": 0, "k_norm": 0, "window": 0 if attention is None else attention.window,
-                                   "rope": kernels.ROPE[rope], "mixer": kernels.MIXERS[kind],
+                                   "q_norm": 0, "k_norm": 0, "window": getattr(attention, "window", 0),
+                                   "rope": kernels.ROPE[rope], "mixer": kernels.MIXERS["latent" if latent else kind],
                                    "kv_layer": kv_layer,
                                    **_state_columns(state_layers.get(index), owners),
                                    "pre_ff_norm": 0 if pre_ff is None else pre_ff.weight.data_ptr(),
@@ -300,13 +318,18 @@ class NativeDecoderStack:
                 row[f"{name}_bias"] = 0 if linear is None or linear.bias is None else linear.bias.data_ptr()
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
-            row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0, shared_gate=0)
+            row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0, shared_gate=0,
+                       mlp_width=mlp.intermediate_size if isinstance(mlp, GatedMLP) else 0,
+                       **_latent_columns(attention if latent else None, owners))
             if experts is not None:  # _why_not_walked_moe checked these
                 grouped, router = experts.grouped, experts.router.packed
-                assert grouped is not None and isinstance(router, InvariantLinear)
-                row.update(router=router.packed_weight.data_ptr(), experts_gate_up=grouped.gate_up.data_ptr(),
+                assert grouped is not None
+                # A float32 router's weight as it is (kvloom::router_logits'), else its packed bf16 one.
+                router_weight = (experts.router.weight if experts.router.native_logits
+                                 else cast(InvariantLinear, router).packed_weight)
+                row.update(router=router_weight.data_ptr(), experts_gate_up=grouped.gate_up.data_ptr(),
                            experts_down=grouped.down.data_ptr())
-                owners += [router.packed_weight, grouped.gate_up, grouped.down]
+                owners += [router_weight, grouped.gate_up, grouped.down]
                 if experts.packed_shared_gate is not None:  # _why_not_walked_moe: kvloom's GEMM
                     gate = experts.packed_shared_gate
                     assert isinstance(gate, InvariantLinear)
@@ -321,8 +344,11 @@ class NativeDecoderStack:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
         if not activations:  # every MLP a mixture of experts (their SwiGLU is the walk's own)
             activations.add("silu")
-        if len(widths) > 1:
-            return None, f"its MLPs differ in width {sorted(widths)}"
+        if -1 in widths and len(widths) > 1:
+            return None, f"it has gated and un-gated MLPs {sorted(widths)}"
+        if latent_shapes and (len(latent_shapes) > 1 or any(row[WEIGHT_MIXER] != kernels.MIXERS["latent"]
+                                                             for row in rows)):
+            return None, "its layers' attention is not one latent attention in every layer"
         if len(moe_shapes) > 1:
             return None, f"its mixture-of-experts layers differ {sorted(map(str, moe_shapes))}"
         if len(kinds) != 1 or len(epsilons) != 1 or len(activations) != 1:
@@ -335,18 +361,22 @@ class NativeDecoderStack:
             return None, "it has no attention layer"
         # this rank's share of the heads and features (all of them without TP)
         first = attending[0].self_attn
+        latent_shape = latent_shapes.pop() if latent_shapes else None
+        heads = (0, 0, 0) if latent_shape else (first.num_heads, first.num_kv_heads, config.head_dim)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
-        shape = kernels.StackShape(len(rows), config.hidden_size, first.num_heads, first.num_kv_heads,
-                                   config.head_dim,
-                                   getattr(first_mlp, "intermediate_size", config.intermediate_size),  # UngatedMLP: all
+        gated = [width for width in widths if width > 0]  # the widest is the scratch's
+        shape = kernels.StackShape(len(rows), config.hidden_size, *heads,
+                                   max(gated) if gated else getattr(first_mlp, "intermediate_size",
+                                                                     config.intermediate_size),  # UngatedMLP: all
                                    epsilons.pop(), isas.pop(), residual_scale,
-                                   getattr(model, "rotary_dim", None) or config.rotary_dim,
+                                   latent_shape.rope if latent_shape else (getattr(model, "rotary_dim", None)
+                                                                           or config.rotary_dim),
                                    norm, norm_offset, activation, qk_norm_whole, parallel,
                                    config.clip_qkv or 0.0,
                                    any(row[WEIGHT_ROPE] == kernels.ROPE["local"] for row in rows),
                                    len(attending) if state_layers else None,
                                    _state_shape(config) if state_layers else None,
-                                   moe_shapes.pop() if moe_shapes else None)
+                                   moe_shapes.pop() if moe_shapes else None, latent_shape)
         stack = cls(torch.tensor(rows, dtype=torch.int64), owners, shape, model.tp)
         stack.state_layers = state_layers
         return stack, ""
@@ -356,14 +386,17 @@ class NativeDecoderStack:
         """Whether this forward's cache and attention are the walk's (never while
         torch.compile traces: the walk is opaque to it, the modules' ops are not), and
         with adapter rows (``with_lora``) whether it holds the adapters' table."""
-        return (not torch.compiler.is_compiling() and (not with_lora or self.lora is not None)
-                and all(_native_kernel(layer) for layer in self.state_layers.values())
+        if torch.compiler.is_compiling() or (with_lora and self.lora is None) or kv_caches.dtype != torch.bfloat16:
+            return False
+        if self.shape.latent is not None:  # the latent kernel's backend (mla_cpu), its products this process's
+            return (backend.name == "mla_cpu" and isinstance(metadata, KernelRows)
+                    and self.shape.latent.products == latent_attention.default_products())
+        return (all(_native_kernel(layer) for layer in self.state_layers.values())
                 and isinstance(backend, CPUPagedBackend)
-                and isinstance(metadata, CPUPagedMetadata) and kv_caches.dtype == torch.bfloat16
-                and backend.paired_layout(kv_caches[0]))
+                and isinstance(metadata, CPUPagedMetadata) and backend.paired_layout(kv_caches[0]))
 
     def __call__(self, residual: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                 kv_caches: torch.Tensor, backend: CPUPagedBackend, metadata: CPUPagedMetadata,
+                 kv_caches: torch.Tensor, backend: AttentionBackend[Any], metadata: CPUPagedMetadata | KernelRows,
                  local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                  spans: SSMSpans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over ``residual`` (the embeddings, [tokens, hidden], updated in
@@ -373,7 +406,7 @@ class NativeDecoderStack:
         runs without tensor parallel (else every row does, and the rows are picked after).
         ``local_rotary``: the table of the layers that turn by their own (Gemma 3's).
         ``spans``: a hybrid's requests as its state layers read them (their states move on)."""
-        rows = metadata.every
+        rows = metadata.every if isinstance(metadata, CPUPagedMetadata) else metadata  # mla_cpu's: KernelRows
         stack_spans = None
         if self.state_layers:
             if spans is None:
@@ -439,11 +472,12 @@ class NativeDecoderStack:
 
 def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     """Why the walk cannot run the mixture-of-experts FFN ``mlp`` ("" where it can: experts
-    packed for the grouped GEMM, a packed bf16 router whose rule is kvloom::moe_route's, SwiGLU
-    experts without biases, a shared expert (gated by a sigmoid or not) or none, no expert
-    adapters, in turn after the attention)."""
-    moe = mlp.moe
-    if mlp.grouped is None or not isinstance(mlp.router.packed, InvariantLinear) or mlp.router.packed.bias is not None:
+    packed for the grouped GEMM, a packed bf16 router, or a float32 one by kvloom::router_logits
+    (DeepSeek's), whose rule is kvloom::moe_route's, SwiGLU experts without biases, a shared
+    expert (gated by a sigmoid or not) or none, no expert adapters, in turn after the attention)."""
+    moe, router = mlp.moe, mlp.router
+    bf16_router = isinstance(router.packed, InvariantLinear) and router.packed.bias is None
+    if mlp.grouped is None or not (bf16_router or router.native_logits):
         return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
     if not mlp.router.native_route:
         return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not one of the walk's top-k rules "
@@ -459,13 +493,56 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     return ""
 
 
+def _why_not_walked_latent(attention: Any, tp_size: int) -> str:
+    """Why the walk cannot run the latent attention ``attention`` ("" where it can: kvloom's GEMM
+    without biases in every projection, its heads' up-projections packed, bf16 norms, one
+    process, latent_attention.cpp built)."""
+    if not kernels.latent_available():
+        return "needs kvloom/csrc/latent_attention.cpp, which does not build here"
+    if tp_size > 1:
+        return "runs in one process in the walk (its heads' outputs are not all-reduced there)"
+    linears = [getattr(attention, name, None) for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                           "o_proj")]
+    if attention.grouped is None or not all(isinstance(linear, InvariantLinear) and linear.bias is None
+                                            for linear in linears if linear is not None):
+        return "is not packed for kvloom's GEMM without biases (bf16, --matmul invariant)"
+    norms = [attention.kv_a_layernorm, *([attention.q_a_layernorm] if attention.q_proj is None else [])]
+    if any(type(norm) is not RMSNorm or norm.weight.dtype != torch.bfloat16 or norm.eps != norms[0].eps
+           for norm in norms):
+        return "has norms other than bf16 RMSNorms of one eps"
+    return ""
+
+
+def _latent_shape(attention: Any) -> kernels.LatentShape:
+    mla, grouped = attention.mla, attention.grouped
+    return kernels.LatentShape(attention.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim,
+                               mla.v_head_dim, mla.q_lora_rank or 0, mla.rope_interleave,
+                               latent_attention.default_products(), grouped.keys.stride(0), grouped.values.stride(0),
+                               attention.kv_a_layernorm.eps)
+
+
+def _latent_columns(attention: Any | None, owners: list[torch.Tensor]) -> dict[str, int]:
+    """A latent-attention layer's own columns of the weight table (zeros for any other layer);
+    _why_not_walked_latent checked them."""
+    columns = dict.fromkeys(("q_a", "q_a_norm", "kv_a", "kv_a_norm", "heads_uk", "heads_uv"), 0)
+    if attention is None:
+        return columns
+    tensors = {"kv_a": attention.kv_a_proj_with_mqa.packed_weight, "kv_a_norm": attention.kv_a_layernorm.weight,
+               "heads_uk": attention.grouped.keys, "heads_uv": attention.grouped.values}
+    if attention.q_proj is None:
+        tensors.update(q_a=attention.q_a_proj.packed_weight, q_a_norm=attention.q_a_layernorm.weight)
+    owners += tensors.values()
+    return {**columns, **{name: tensor.data_ptr() for name, tensor in tensors.items()}}
+
+
 def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
     grouped, moe = mlp.grouped, mlp.moe
     assert grouped is not None
     sigmoid = moe.scoring == "sigmoid"
     return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
                             grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
-                            moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0)
+                            moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0,
+                            mlp.router.native_logits)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

@@ -44,6 +44,7 @@ from kvloom.config import ModelConfig
 from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.kernels import gemm, latent_attention
 from kvloom.model_families import MLAConfig
+from kvloom.models.decoder_stack import NativeDecoderStack
 from kvloom.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import can_pack_invariant, pack_with_tied_head
@@ -129,7 +130,8 @@ class LatentAttention(nn.Module):
         mla, tokens, heads = self.mla, hidden.shape[0], self.num_heads
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         k_pe = rotate(k_pe.unsqueeze(1), *rotary, mla.rope_interleave)  # [tokens, 1, rope]
-        latent = torch.cat((self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe), dim=-1)  # [tokens, 1, latent]
+        # c_kv made contiguous: the fused norm (the native walk's) rather than its reference on a view
+        latent = torch.cat((self.kv_a_layernorm(c_kv.contiguous()).unsqueeze(1), k_pe), dim=-1)  # [tokens, 1, latent]
         q_in = hidden if mla.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
         q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
         q_nope, q_pe = q.view(tokens, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim],
@@ -197,6 +199,9 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False))  # this rank's rows
+        # The layers walked in one native call (models/decoder_stack.py), once asked for by
+        # use_native_stack; the module path below is the reference and the fallback.
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor, backend: AttentionBackend[Any],
                 metadata: Any) -> torch.Tensor:
@@ -204,6 +209,11 @@ class DeepseekForCausalLM(nn.Module):
         [layers, 1, num_blocks, block_size, 1, latent]."""
         residual = self.embed_tokens(batch.input_ids)  # the residual stream, added to in place
         rotary = self.rotary.cos_sin_for(batch)
+        stack = self.native_stack
+        if stack is not None and stack.serves(kv_caches, backend, metadata, batch.lora_slots is not None):
+            last, stream = stack(residual, rotary, batch, kv_caches, backend, metadata)
+            walked: torch.Tensor = self.norm(last, stream)  # the rows batch.output_rows names, if any
+            return walked
         hidden = None
         for index, layer in enumerate(self.decoder_layers):
             normed = (layer.input_layernorm(residual) if hidden is None
@@ -231,7 +241,9 @@ class DeepseekForCausalLM(nn.Module):
         return pack_with_tied_head(self, self.embed_tokens.weight, matmul) + heads
 
     def use_native_stack(self) -> str | None:
-        return "the native decoder walk serves the Llama family only (latent attention runs as modules)"
+        """Walk the layers in one native call from now on where it can (None), else why not."""
+        self.native_stack, reason = NativeDecoderStack.build(self)
+        return None if self.native_stack is not None else reason
 
     def first_layers(self, num_layers: int) -> DeepseekForCausalLM:
         raise ValueError(f"layer_skip drafts are not implemented for {self.config.architecture}")

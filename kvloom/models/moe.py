@@ -93,10 +93,11 @@ def _chosen_groups(group_scores: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 def routes_natively(moe: MoEConfig) -> bool:
     """Whether ``moe``'s rule is one of kvloom::moe_route's: a softmax's greedy top-k
-    (Mixtral's, Qwen's, OLMoE's, GraniteMoe's), or sigmoid scores' top-k, steered by a
-    selection bias in one group or not (LFM2-MoE's), renormalised or not, scaled. Packed
-    bf16 routers run the kernel on a CPU, as the native walk does."""
-    if moe.router_float32 or moe.router_bias or moe.num_experts > cpu_ops.MAX_ROUTED_EXPERTS:
+    (Mixtral's, Qwen's, OLMoE's, GraniteMoe's, DeepSeek-V2-Lite's), or sigmoid scores' top-k,
+    steered by a selection bias in one group or not (LFM2-MoE's, DeepSeek-V3's with one group),
+    renormalised or not, scaled. Packed bf16 routers, and float32 routers (DeepSeek's) in a
+    bf16 model, run the kernel on a CPU, as the native walk does."""
+    if moe.router_bias or moe.num_experts > cpu_ops.MAX_ROUTED_EXPERTS:
         return False
     greedy = moe.topk_method == "greedy" and not moe.score_correction_bias
     one_group = moe.topk_method == "noaux_tc" and moe.num_groups == 1 and moe.score_correction_bias
@@ -124,13 +125,24 @@ class MoERouter(nn.Module):
         # Set by pack(): the top-k by kvloom::moe_route (a bf16 router on kvloom's GEMM whose
         # rule it is: routes_natively), as the native walk routes; else route()'s torch ops.
         self.native_route = False
+        # Set by pack() for a float32 router on a CPU with kvloom's kernels (--matmul invariant):
+        # a bf16 model's logits by kvloom::router_logits (float32, a row's bits its own), then
+        # kvloom::moe_route where it routes natively, as the native walk computes them.
+        self.native_logits = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (weights, experts), [tokens, top_k] each."""
-        if self.moe.router_float32:
+        if self.native_logits and x.dtype is torch.bfloat16 and x.is_cpu:
+            return self._route(cpu_ops.router_logits(x.contiguous(), self.weight), self.native_route)
+        if self.moe.router_float32:  # a float32 model, or not on kvloom's kernels: transformers' matmul
             x = x.float()  # the weight stays float32 (_apply)
+            logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+            return self._route(logits, False)
         logits = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)  # [tokens, experts]
-        if self.native_route:
+        return self._route(logits, self.native_route)
+
+    def _route(self, logits: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if native:
             moe, sigmoid = self.moe, self.moe.scoring == "sigmoid"
             return cpu_ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
                                      sigmoid=sigmoid, bias=self.score_correction_bias,
@@ -139,10 +151,13 @@ class MoERouter(nn.Module):
 
     def pack(self, matmul: str) -> int:
         """The weight as ``matmul``'s layer where it applies (a float32 router's too: for
-        ``invariant`` its rows padded as every float32 matmul's on CPU)."""
+        ``invariant`` its rows padded as every float32 matmul's on CPU, and for a bf16 model's
+        steps kvloom::router_logits)."""
         self.packed = packed_linear(self.weight, self.bias, matmul)
-        self.native_route = (isinstance(self.packed, InvariantLinear) and routes_natively(self.moe)
-                             and cpu_ops.available())
+        self.native_logits = (self.moe.router_float32 and matmul == "invariant" and self.bias is None
+                              and self.weight.device.type == "cpu" and cpu_ops.available())
+        self.native_route = ((isinstance(self.packed, InvariantLinear) or self.native_logits)
+                             and routes_natively(self.moe) and cpu_ops.available())
         return int(self.packed is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoERouter:

@@ -390,6 +390,40 @@ def test_moe_layers_the_walk_does_not_run_are_named() -> None:
     assert stack_model._why_not_walked_moe(packed(MoEConfig(**base)), "in_turn") == ""
 
 
+# DeepSeek's latent attention walked (csrc/decoder_stack.cpp's latent_block): v2, a plain query
+# projection, interleaved rotary pairs, a dense first layer twice the shared expert's width beside
+# the routed experts (a softmax's top 2, unscaled); v3, the query through q_a_proj and its norm,
+# the rotary's halves, sigmoid scores steered by a bias in one group, renormalised and scaled.
+LATENT_SHAPES = {
+    "v2": ("deepseek_v2", dict(q_lora_rank=None)),
+    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=1, topk_group=1, rope_interleave=False, norm_topk_prob=True,
+                               routed_scaling_factor=2.5)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LATENT_SHAPES))
+def latent_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers_models import write_tiny_hf_model
+
+    arch, overrides = LATENT_SHAPES[request.param]
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, hidden_size=128,
+                               intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                               v_head_dim=24, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_shared_experts=1, **overrides)
+
+
+@pytest.mark.skipif(not decoder_stack.latent_available(), reason="kvloom/csrc/latent_attention.cpp does not build here")
+def test_latent_attention_steps_match_the_module_path_bit_for_bit(latent_dir: Path) -> None:
+    run_both_paths(latent_dir)
+
+
+@pytest.mark.skipif(not decoder_stack.latent_available(), reason="kvloom/csrc/latent_attention.cpp does not build here")
+def test_latent_attention_two_concurrent_walks_match_the_module_path_bit_for_bit(
+        latent_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_split(latent_dir, monkeypatch, 8 << 20)
+
+
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
                                                                     adapters: list[LoRARequest | None]) -> None:
     run_both_paths(model_dir, adapters)
