@@ -625,9 +625,10 @@ void moe_route(const T* logits, const float* bias, float* weights, int64_t* expe
 // A float32 router (DeepSeek's: transformers keeps the gate's weight float32 and computes its
 // logits in float32): logits[t, e] = x[t] . weight[e], x bf16 widened exactly, each logit one
 // chain of fused multiply-adds over 16 lanes in steps of 16 (a zero tail adds nothing) and the
-// lanes summed in _mm512_reduce_add_ps's order (halves, quarters, pairs). Every path computes
-// those operations, so a logit's bits depend on its row alone, not on the rows beside it, the
-// blocking or the threads (and are the same on AVX-512, AVX2 and scalar builds).
+// lanes summed in _mm512_reduce_add_ps's order (halves, quarters, pairs). A logit's bits depend
+// on its row alone, not on the rows beside it, the blocking or the threads; the AVX-512 and AVX2
+// builds give the same bits (docs/results/issue17/genoa37/router_paths_check.py), a build without
+// AVX2 its own (-ffast-math lets the compiler reorder its scalar lanes' sums).
 namespace router {
 
 // The 16 lanes' sum in the AVX-512 reduction's order (the AVX2 and scalar paths).
@@ -638,7 +639,7 @@ inline float reduce16(const float* lane) {
   return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
-// One logit where no AVX-512 path runs: 16 lanes of fmas, lane for lane the AVX-512 chain.
+// One logit where no AVX-512 path runs: 16 lanes of fmas, lane for lane the AVX-512 chain (AVX2).
 inline float dot(const uint16_t* x, const float* w, int64_t n) {
   float lane[16] = {};
 #ifdef KVLOOM_AVX2

@@ -9,7 +9,10 @@ cpu_ops.moe_route (the top-k of a softmax, or of sigmoid scores steered by a sel
 models/moe.py's ``route`` (torch's softmax or sigmoid and topk): the same experts wherever no
 two scores tie (in the same order where route sorts them), ties to the lower expert, the
 weights within float32 rounding of torch's (its exp is not ours), each token's result its
-own whatever the batch."""
+own whatever the batch.
+
+cpu_ops.router_logits (DeepSeek's float32 router on bf16 rows): within float32 rounding of the
+float64 products, a row's logits its own whatever the batch and the threads."""
 
 from __future__ import annotations
 
@@ -140,3 +143,27 @@ def test_the_shared_experts_gate_is_torchs_sigmoid_times_x(dtype: torch.dtype) -
     if dtype == torch.bfloat16:
         assert float((got != expected).float().mean()) < 0.01
     torch.testing.assert_close(got, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "n"), [(1, 64, 2048), (7, 9, 100), (33, 6, 15), (4, 256, 448)])
+def test_router_logits_are_float32_dot_products_of_each_row_alone(tokens: int, experts: int, n: int) -> None:
+    """DeepSeek's float32 router on a bf16 model (kvloom::router_logits): each logit within
+    float32 rounding of the float64 product (a bound of n ulps of the products' absolute sum),
+    and a row's logits the same bits alone, in any batch and on one thread."""
+    generator = torch.Generator().manual_seed(tokens * 1000 + experts)
+    x = torch.randn(tokens, n, generator=generator).bfloat16()
+    weight = torch.randn(experts, n, generator=generator) / n ** 0.5
+    got = cpu_ops.router_logits(x, weight)
+    exact = x.double() @ weight.double().T
+    bound = n * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
+    for row in range(tokens):
+        assert same_bits(cpu_ops.router_logits(x[row:row + 1], weight), got[row:row + 1]), row
+    batched = cpu_ops.router_logits(torch.cat((x.flip(0), x)), weight)[tokens:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = cpu_ops.router_logits(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert same_bits(batched, got) and same_bits(alone, got)

@@ -424,6 +424,39 @@ def test_latent_attention_two_concurrent_walks_match_the_module_path_bit_for_bit
     run_split(latent_dir, monkeypatch, 8 << 20)
 
 
+@pytest.mark.skipif(not decoder_stack.latent_available(), reason="kvloom/csrc/latent_attention.cpp does not build here")
+def test_latent_layers_the_walk_does_not_run_are_named(latent_dir: Path) -> None:
+    """A latent attention under tensor parallel or unpacked keeps the modules, saying why; a
+    router by groups (DeepSeek-V2's group-limited choice) keeps the whole model on them; steps
+    on the PyTorch latent backend are not the walk's (and run)."""
+    from kvloom.model_families import MoEConfig
+    from kvloom.models.deepseek import LatentAttention
+    from kvloom.models.moe import SparseMoE
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(latent_dir), dtype="bfloat16", num_blocks=32,
+                                                attention_backend="mla_batched"))
+    model: Any = engine.model
+    attention = model.layers[0].self_attn
+    assert stack_model._why_not_walked_latent(attention, 1) == ""
+    assert "in one process" in stack_model._why_not_walked_latent(attention, 2)
+    unpacked = LatentAttention(model.config, attention.mla)
+    assert "not packed for kvloom's GEMM" in stack_model._why_not_walked_latent(unpacked, 1)
+    grouped = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0,),
+                                      topk_method="group_limited_greedy", num_groups=4, topk_groups=2,
+                                      router_float32=True)).to(torch.bfloat16)
+    grouped.pack("invariant")
+    grouped.router.pack("invariant")
+    assert grouped.router.native_logits and not grouped.router.native_route
+    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(grouped, "in_turn")
+    stack = model.native_stack
+    assert stack is not None and stack.shape.latent is not None
+    assert not stack.serves(engine.runner.kv_caches, engine.runner.backend, None)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+
+
 def test_steps_with_lora_adapters_match_the_module_path_bit_for_bit(model_dir: Path,
                                                                     adapters: list[LoRARequest | None]) -> None:
     run_both_paths(model_dir, adapters)
