@@ -575,12 +575,17 @@ void moe_combine(const T* y, const float* weights, const int64_t* pairs, T* out,
 // descending order, into experts[t]; their scores (not the bias) into weights[t], divided
 // by their sum (added in that order) plus eps where norm, times scaling, and rounded to
 // bf16 (kept as float) where round_to_bf16. A token's result depends on its row alone.
+// Group-limited choice (DeepSeek's; group_rule not GROUPS_NONE): the experts form num_groups
+// equal groups in order, each scored by its best score + bias (GROUPS_BEST, DeepSeek-V2's
+// group_limited_greedy) or the sum of its two best (GROUPS_TOP2_SUM, V3's noaux_tc); the top_k
+// come from the topk_groups best groups alone (ties to the lower group).
 constexpr int64_t MAX_ROUTED_EXPERTS = 1024;  // a token's scores and choices sit on the stack
+enum GroupRule { GROUPS_NONE, GROUPS_BEST, GROUPS_TOP2_SUM };
 
 template <typename T>
 void moe_route(const T* logits, const float* bias, float* weights, int64_t* experts, int64_t tokens,
                int64_t num_experts, int64_t top_k, int64_t sigmoid_scores, int64_t norm, float eps, float scaling,
-               int64_t round_to_bf16) {
+               int64_t round_to_bf16, int64_t num_groups, int64_t topk_groups, int64_t group_rule) {
 #pragma omp parallel for if (parallel_worth_it(tokens, tokens * num_experts * 4))
   for (int64_t t = 0; t < tokens; ++t) {
     const T* l = logits + t * num_experts;
@@ -603,6 +608,31 @@ void moe_route(const T* logits, const float* bias, float* weights, int64_t* expe
     int64_t* chosen = experts + t * top_k;
     bool taken[MAX_ROUTED_EXPERTS];
     std::fill_n(taken, num_experts, false);
+    if (group_rule != GROUPS_NONE && num_groups > 1) {  // the experts outside the chosen groups count as taken
+      const int64_t size = num_experts / num_groups;
+      float group_score[MAX_ROUTED_EXPERTS];
+      for (int64_t g = 0; g < num_groups; ++g) {
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t e = g * size; e < (g + 1) * size; ++e) {
+          if (choice[e] > best) {
+            second = best;
+            best = choice[e];
+          } else if (choice[e] > second) {
+            second = choice[e];
+          }
+        }
+        group_score[g] = group_rule == GROUPS_BEST ? best : best + second;
+      }
+      bool chosen_group[MAX_ROUTED_EXPERTS];
+      std::fill_n(chosen_group, num_groups, false);
+      for (int64_t j = 0; j < topk_groups; ++j) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < num_groups; ++g)
+          if (!chosen_group[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+        chosen_group[best] = true;
+      }
+      for (int64_t e = 0; e < num_experts; ++e) taken[e] = !chosen_group[e / size];
+    }
     for (int64_t j = 0; j < top_k; ++j) {  // k passes: the best expert not taken yet (k is small)
       int64_t best = -1;
       for (int64_t e = 0; e < num_experts; ++e)
@@ -781,18 +811,31 @@ void kvloom_moe_combine_bf16(const uint16_t* y, const float* weights, const int6
   moe_combine(y, weights, pairs, out, tokens, k, n);
 }
 // 0, or 1 where num_experts is past MAX_ROUTED_EXPERTS or top_k outside [1, num_experts] (nothing written).
+// Returns 1 (nothing written) for shapes it does not take: more than MAX_ROUTED_EXPERTS experts, top_k
+// outside [1, experts], or groups that do not divide the experts or hold fewer than top_k between the
+// topk_groups chosen (or, for GROUPS_TOP2_SUM, fewer than two experts a group).
+inline bool routable(int64_t num_experts, int64_t top_k, int64_t num_groups, int64_t topk_groups, int64_t group_rule) {
+  if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return false;
+  if (group_rule == GROUPS_NONE) return true;
+  return group_rule <= GROUPS_TOP2_SUM && num_groups >= 1 && num_experts % num_groups == 0 && topk_groups >= 1 &&
+         topk_groups <= num_groups && topk_groups * (num_experts / num_groups) >= top_k &&
+         (group_rule != GROUPS_TOP2_SUM || num_experts / num_groups >= 2);
+}
 int kvloom_moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* experts, int64_t tokens,
                          int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps, float scaling,
-                         int64_t round_to_bf16) {
-  if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
-  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
+                         int64_t round_to_bf16, int64_t num_groups, int64_t topk_groups, int64_t group_rule) {
+  if (!routable(num_experts, top_k, num_groups, topk_groups, group_rule)) return 1;
+  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16,
+            num_groups, topk_groups, group_rule);
   return 0;
 }
 int kvloom_moe_route_bf16(const uint16_t* logits, const float* bias, float* weights, int64_t* experts,
                           int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm, float eps,
-                          float scaling, int64_t round_to_bf16) {
-  if (num_experts > MAX_ROUTED_EXPERTS || top_k < 1 || top_k > num_experts) return 1;
-  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16);
+                          float scaling, int64_t round_to_bf16, int64_t num_groups, int64_t topk_groups,
+                          int64_t group_rule) {
+  if (!routable(num_experts, top_k, num_groups, topk_groups, group_rule)) return 1;
+  moe_route(logits, bias, weights, experts, tokens, num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16,
+            num_groups, topk_groups, group_rule);
   return 0;
 }
 // logits [tokens, num_experts] float32 = x [tokens, n] (bf16) . weight [num_experts, n] (float32) (router::logits).

@@ -171,10 +171,12 @@ using GroupedGemmFn = int (*)(const uint16_t* x, const uint16_t* packed, const i
                              int num_threads);  // gemm.cpp's kvloom_gemm_grouped_bf16
 using MoeRouteFn = int (*)(const uint16_t* logits, const float* bias, float* weights, int64_t* experts,
                            int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm,
-                           float eps, float scaling, int64_t round_to_bf16);  // cpu_ops.cpp's kvloom_moe_route_bf16
+                           float eps, float scaling, int64_t round_to_bf16, int64_t num_groups, int64_t topk_groups,
+                           int64_t group_rule);  // cpu_ops.cpp's kvloom_moe_route_bf16
 using MoeRouteF32Fn = int (*)(const float* logits, const float* bias, float* weights, int64_t* experts,
                               int64_t tokens, int64_t num_experts, int64_t top_k, int64_t sigmoid, int64_t norm,
-                              float eps, float scaling, int64_t round_to_bf16);  // kvloom_moe_route_f32
+                              float eps, float scaling, int64_t round_to_bf16, int64_t num_groups,
+                              int64_t topk_groups, int64_t group_rule);  // kvloom_moe_route_f32
 using RouterLogitsFn = void (*)(const uint16_t* x, const float* weight, float* logits, int64_t tokens,
                                 int64_t num_experts, int64_t n);  // cpu_ops.cpp's kvloom_router_logits_bf16
 using MoeCombineFn = void (*)(const uint16_t* y, const float* weights, const int64_t* pairs, uint16_t* out,
@@ -285,12 +287,14 @@ struct LatentShape {
 // A mixture-of-experts model's routed experts (one shape for every such layer): kvloom::moe_route's
 // rule (the top_k of a softmax, or of sigmoid scores, each plus the layer's selection bias if it
 // has one; renormalised where norm, with eps added to the sum; times scaling; rounded to bf16
-// where round_weights) and the experts' SwiGLU of inter features. router_float32: the router's
-// weight is float32 and its logits kvloom::router_logits' (DeepSeek's), else a packed bf16 GEMM's.
+// where round_weights; DeepSeek's group-limited choice where group_rule is not 0: the top_k from the
+// topk_groups best of num_groups groups, cpu_ops.cpp's GroupRule) and the experts' SwiGLU of inter
+// features. router_float32: the router's weight is float32 and its logits kvloom::router_logits'
+// (DeepSeek's), else a packed bf16 GEMM's.
 struct MoeShape {
   int64_t num_experts, top_k, inter;
   int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
-  int64_t norm, round_weights, sigmoid, router_float32;
+  int64_t norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule;
   float scaling, eps;
 
   // Elements (bf16) per row: each of its top_k pairs' expert, row and place in the grouped
@@ -583,12 +587,12 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       float* float_logits = reinterpret_cast<float*>(logits);
       router_logits(x, reinterpret_cast<const float*>(w[W_ROUTER]), float_logits, T, E, H);
       if (moe_route_f32(float_logits, selection_bias, weights, experts, T, E, K, e.sigmoid, e.norm, e.eps, e.scaling,
-                        e.round_weights) != 0)
+                        e.round_weights, e.num_groups, e.topk_groups, e.group_rule) != 0)
         return false;
     } else {
       if (gemm(x, weight(w, W_ROUTER), nullptr, logits, T, E, H, m.isa, num_threads, nullptr) != 0) return false;
       if (moe_route(logits, selection_bias, weights, experts, T, E, K, e.sigmoid, e.norm, e.eps, e.scaling,
-                    e.round_weights) != 0)
+                    e.round_weights, e.num_groups, e.topk_groups, e.group_rule) != 0)
         return false;
     }
     std::vector<int64_t> starts(E + 1, 0);
@@ -1046,7 +1050,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 // moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
-// down_stride, norm, round_weights, sigmoid, router_float32] of every such layer's routed experts (MoeShape),
+// down_stride, norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule] of every
+// such layer's routed experts (MoeShape),
 // moe_scaling their routing weights' factor and moe_eps the renormalising sum's guard; a layer
 // whose router GEMM, routing or experts' GEMM refuses returns 1 + the layer.
 // latent_sizes: nullptr (no latent-attention layer), or [heads, rank, rope, nope, v, q_rank,
@@ -1080,8 +1085,8 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          latent_eps};
   MoeShape moe{};
   if (moe_sizes != nullptr)
-    moe = MoeShape{moe_sizes[0], moe_sizes[1], moe_sizes[2], moe_sizes[3], moe_sizes[4], moe_sizes[5],
-                   moe_sizes[6], moe_sizes[7], moe_sizes[8], moe_scaling, moe_eps};
+    moe = MoeShape{moe_sizes[0], moe_sizes[1],  moe_sizes[2],  moe_sizes[3],  moe_sizes[4],  moe_sizes[5], moe_sizes[6],
+                   moe_sizes[7], moe_sizes[8],  moe_sizes[9],  moe_sizes[10], moe_sizes[11], moe_scaling,  moe_eps};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.

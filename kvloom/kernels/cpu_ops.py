@@ -459,19 +459,36 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> 
 MAX_ROUTED_EXPERTS = 1024  # cpu_ops.cpp's per-token scores on the stack
 MOE_ROUTE = NativeOp(
     "moe_route(Tensor logits, Tensor? bias, int top_k, int sigmoid, int norm, float eps, float scaling, "
-    "int round_to_bf16) -> (Tensor, Tensor)",
+    "int round_to_bf16, int num_groups, int topk_groups, int group_rule) -> (Tensor, Tensor)",
     library="cpu_ops", variants=("f32", "bf16"),
     native="kvloom_moe_route_{variant}(logits, bias, Tensor weights, Tensor experts, int tokens, int num_experts, "
-           "top_k, sigmoid, norm, eps, scaling, round_to_bf16) -> int32",
+           "top_k, sigmoid, norm, eps, scaling, round_to_bf16, num_groups, topk_groups, group_rule) -> int32",
     tensors={"logits": TensorSpec(2, ACTIVATIONS), "bias": TensorSpec(1, (torch.float32,))},
 )
 
 
+# moe_route's group_rule (csrc/cpu_ops.cpp's GroupRule): no groups; DeepSeek-V2's group_limited_greedy
+# (a group scored by its best expert); DeepSeek-V3's noaux_tc (by the sum of its best two).
+GROUP_RULES = {"none": 0, "best": 1, "top2_sum": 2}
+
+
 @MOE_ROUTE.check
 def _moe_route_check(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int,
-                     eps: float, scaling: float, round_to_bf16: int) -> None:
+                     eps: float, scaling: float, round_to_bf16: int, num_groups: int, topk_groups: int,
+                     group_rule: int) -> None:
     if not 1 <= top_k <= logits.shape[1]:
         raise MOE_ROUTE.error("top_k", f"must lie in [1, {logits.shape[1]}] (the experts), got {top_k}")
+    if group_rule not in GROUP_RULES.values():
+        raise MOE_ROUTE.error("group_rule", f"must be one of {sorted(GROUP_RULES.values())}, got {group_rule}")
+    if group_rule:
+        experts = logits.shape[1]
+        if not (num_groups >= 1 and experts % num_groups == 0 and 1 <= topk_groups <= num_groups):
+            raise MOE_ROUTE.error("num_groups", f"must divide the {experts} experts, with topk_groups in [1, "
+                                                f"num_groups], got {num_groups} and {topk_groups}")
+        size = experts // num_groups
+        if topk_groups * size < top_k or (group_rule == GROUP_RULES["top2_sum"] and size < 2):
+            raise MOE_ROUTE.error("topk_groups", f"must leave at least top_k ({top_k}) experts in the chosen groups "
+                                                 f"(and two a group for top2_sum), got {topk_groups} of {size}")
     if logits.shape[1] > MAX_ROUTED_EXPERTS:
         raise MOE_ROUTE.error("logits", f"must have at most {MAX_ROUTED_EXPERTS} experts, got {logits.shape[1]}")
     if bias is not None and bias.shape[0] != logits.shape[1]:
@@ -480,32 +497,39 @@ def _moe_route_check(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
 
 @MOE_ROUTE.implementation
 def _moe_route_cpu(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int, eps: float,
-                   scaling: float, round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   scaling: float, round_to_bf16: int, num_groups: int, topk_groups: int,
+                   group_rule: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32)
     experts = torch.empty(tokens, top_k, dtype=torch.int64)
     status = MOE_ROUTE.function(_VARIANT[logits.dtype])(
         logits.data_ptr(), 0 if bias is None else bias.data_ptr(), weights.data_ptr(), experts.data_ptr(), tokens,
-        num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16)
+        num_experts, top_k, sigmoid, norm, eps, scaling, round_to_bf16, num_groups, topk_groups, group_rule)
     assert status == 0, "the check above refuses what the kernel would"
     return weights, experts
 
 
 @MOE_ROUTE.fake
 def _moe_route_fake(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: int, norm: int, eps: float,
-                    scaling: float, round_to_bf16: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    scaling: float, round_to_bf16: int, num_groups: int, topk_groups: int,
+                    group_rule: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (logits.new_empty(logits.shape[0], top_k, dtype=torch.float32),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.int64))
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm: bool, scaling: float = 1.0, round_to_bf16: bool = False,
-              sigmoid: bool = False, bias: torch.Tensor | None = None,
-              eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+              sigmoid: bool = False, bias: torch.Tensor | None = None, eps: float = 0.0,
+              groups: tuple[int, int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (weights [tokens, top_k] float32, experts
     [tokens, top_k] int64): each token's scores (a softmax, or where ``sigmoid`` each
     logit's sigmoid), its top_k experts by score + ``bias`` (float32 [experts], a selection
     bias; None: none) in descending order (ties to the lower expert), their scores divided
     by their sum plus ``eps`` where ``norm``, times ``scaling``, rounded to bf16 where
     ``round_to_bf16`` (models/moe.py's ``route`` for the forms ``routes_natively`` names, to
-    float32 rounding; a token's result is its own)."""
-    return MOE_ROUTE.call(logits, bias, top_k, int(sigmoid), int(norm), eps, scaling, int(round_to_bf16))
+    float32 rounding; a token's result is its own). ``groups``: (num_groups, topk_groups, rule) where
+    the choice is group-limited (DeepSeek's): the experts in num_groups equal groups, each scored by
+    its best score + bias (rule "best") or the sum of its best two ("top2_sum"), the top_k from the
+    topk_groups best groups (ties to the lower group)."""
+    num_groups, topk_groups, rule = groups if groups is not None else (1, 1, "none")
+    return MOE_ROUTE.call(logits, bias, top_k, int(sigmoid), int(norm), eps, scaling, int(round_to_bf16), num_groups,
+                          topk_groups, GROUP_RULES[rule])

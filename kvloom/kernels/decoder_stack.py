@@ -231,6 +231,11 @@ class MoEShape:
     sigmoid: bool = False
     eps: float = 0.0
     router_float32: bool = False  # a float32 router weight, its logits kvloom::router_logits' (DeepSeek's)
+    # DeepSeek's group-limited choice: the top_k from the topk_groups best of num_groups groups, each
+    # scored by cpu_ops.GROUP_RULES[group_rule] ("none": every expert a candidate).
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_rule: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,7 +547,8 @@ def _latent_sizes(latent: LatentShape) -> torch.Tensor:
 def _moe_sizes(moe: MoEShape) -> torch.Tensor:
     """The C call's moe_sizes array, made once per model (the C side only reads it)."""
     return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
-                         int(moe.round_weights), int(moe.sigmoid), int(moe.router_float32)], dtype=torch.int64)
+                         int(moe.round_weights), int(moe.sigmoid), int(moe.router_float32), moe.num_groups,
+                         moe.topk_groups, cpu_ops.GROUP_RULES[moe.group_rule]], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

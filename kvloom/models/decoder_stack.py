@@ -44,7 +44,7 @@ from kvloom.models.layers import (
     UnweightedLayerNorm,
 )
 from kvloom.models.mamba2 import Mamba2Mixer
-from kvloom.models.moe import SparseMoE
+from kvloom.models.moe import SparseMoE, native_groups
 from kvloom.models.packed_linear import InvariantLinear
 from kvloom.models.short_conv import ShortConv
 from kvloom.models.ssm_ops import SSMSpans
@@ -481,7 +481,7 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
         return "is not packed for kvloom's GEMM (bf16, --matmul invariant)"
     if not mlp.router.native_route:
         return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not one of the walk's top-k rules "
-                "(a softmax's, or sigmoid scores' steered by a bias in one group)")
+                "(a softmax's or sigmoid scores', steered by a bias or not, within the best groups or not)")
     if moe.hidden_act != "silu" or moe.expert_biases:
         return "has experts other than the walk's (SwiGLU without biases)"
     if mlp.shared_expert_gate is not None and not isinstance(mlp.packed_shared_gate, InvariantLinear):
@@ -539,10 +539,11 @@ def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
     grouped, moe = mlp.grouped, mlp.moe
     assert grouped is not None
     sigmoid = moe.scoring == "sigmoid"
+    groups = native_groups(moe) or (1, 1, "none")
     return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
                             grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
                             moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0,
-                            mlp.router.native_logits)
+                            mlp.router.native_logits, *groups)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

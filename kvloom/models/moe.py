@@ -100,8 +100,21 @@ def routes_natively(moe: MoEConfig) -> bool:
     if moe.router_bias or moe.num_experts > cpu_ops.MAX_ROUTED_EXPERTS:
         return False
     greedy = moe.topk_method == "greedy" and not moe.score_correction_bias
-    one_group = moe.topk_method == "noaux_tc" and moe.num_groups == 1 and moe.score_correction_bias
-    return greedy if moe.scoring == "softmax" else moe.scoring == "sigmoid" and (greedy or one_group)
+    if moe.topk_method == "group_limited_greedy":  # DeepSeek-V2's: a softmax's choice within the best groups
+        return moe.scoring == "softmax" and not moe.score_correction_bias and _groups_hold_top_k(moe)
+    corrected = moe.topk_method == "noaux_tc" and moe.score_correction_bias and _groups_hold_top_k(moe)
+    return greedy if moe.scoring == "softmax" else moe.scoring == "sigmoid" and (greedy or corrected)
+
+
+def _groups_hold_top_k(moe: MoEConfig) -> bool:
+    return moe.topk_groups * (moe.num_experts // moe.num_groups) >= moe.top_k
+
+
+def native_groups(moe: MoEConfig) -> tuple[int, int, str] | None:
+    """kvloom::moe_route's group arguments for ``moe``'s choice (None: not group-limited)."""
+    if moe.num_groups == 1 or moe.topk_method == "greedy":
+        return None
+    return moe.num_groups, moe.topk_groups, "best" if moe.topk_method == "group_limited_greedy" else "top2_sum"
 
 
 class MoERouter(nn.Module):
@@ -146,7 +159,8 @@ class MoERouter(nn.Module):
             moe, sigmoid = self.moe, self.moe.scoring == "sigmoid"
             return cpu_ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
                                      sigmoid=sigmoid, bias=self.score_correction_bias,
-                                     eps=moe.norm_topk_eps if sigmoid else 0.0)  # route()'s guard: sigmoid's only
+                                     eps=moe.norm_topk_eps if sigmoid else 0.0,  # route()'s guard: sigmoid's only
+                                     groups=native_groups(moe))
         return route(logits, self.moe, self.score_correction_bias)
 
     def pack(self, matmul: str) -> int:

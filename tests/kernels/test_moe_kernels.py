@@ -167,3 +167,43 @@ def test_router_logits_are_float32_dot_products_of_each_row_alone(tokens: int, e
     finally:
         torch.set_num_threads(threads)
     assert same_bits(batched, got) and same_bits(alone, got)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "method", "groups", "chosen_groups"),
+                         [(16, 4, "noaux_tc", 4, 2), (64, 6, "group_limited_greedy", 8, 3), (12, 2, "noaux_tc", 6, 1),
+                          (8, 3, "group_limited_greedy", 2, 2)])
+def test_group_limited_routing_is_torchs(experts: int, top_k: int, method: str, groups: int,
+                                         chosen_groups: int) -> None:
+    """DeepSeek's group-limited choice: V2's group_limited_greedy (a softmax, groups ranked by their
+    best score) and V3's noaux_tc (sigmoid scores plus the selection bias, groups ranked by their best
+    two), held to route()'s torch ops: the same experts wherever no two scores or group scores tie,
+    each one's weight within float32 rounding; a token's result its own."""
+    generator = torch.Generator().manual_seed(experts + groups)
+    logits = torch.randn(300, experts, generator=generator) * 2  # float32, as DeepSeek's router gives them
+    sigmoid = method == "noaux_tc"
+    bias = torch.randn(experts, generator=generator) * 0.1 if sigmoid else None
+    config = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=4, sparse_layers=(0,),
+                       scoring="sigmoid" if sigmoid else "softmax", topk_method=method, norm_topk_prob=sigmoid,
+                       score_correction_bias=sigmoid, norm_topk_eps=1e-6, num_groups=groups,
+                       topk_groups=chosen_groups, routed_scaling_factor=2.5, router_float32=True)
+    rule = "top2_sum" if sigmoid else "best"
+    weights, chosen = cpu_ops.moe_route(logits, top_k, sigmoid, 2.5, sigmoid=sigmoid, bias=bias,
+                                        eps=1e-6 if sigmoid else 0.0, groups=(groups, chosen_groups, rule))
+    expected_weights, expected = route(logits, config, bias)
+    scores = logits.float().sigmoid() if sigmoid else torch.softmax(logits.float(), dim=-1)
+    choice = (scores + bias if bias is not None else scores).view(300, groups, -1)
+    ranked = choice.flatten(1).sort(dim=1, descending=True).values
+    best = choice.sort(dim=2, descending=True).values
+    group_scores = (best[..., 0] + best[..., 1] if sigmoid else best[..., 0]).sort(dim=1, descending=True).values
+    tied = ((ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
+            | (group_scores[:, 1:] == group_scores[:, :-1]).any(dim=1))
+    ours, order = chosen.sort(dim=1)
+    theirs, their_order = expected.sort(dim=1)
+    assert torch.equal(ours[~tied], theirs[~tied])
+    torch.testing.assert_close(weights.gather(1, order)[~tied], expected_weights.gather(1, their_order)[~tied],
+                               rtol=4e-6, atol=1e-9)
+    assert int((~tied).sum()) > 200  # most tokens held to torch's choice
+    assert all(len(set((row // (experts // groups)).tolist())) <= chosen_groups for row in chosen)  # within them
+    alone, alone_experts = cpu_ops.moe_route(logits[7:8], top_k, sigmoid, 2.5, sigmoid=sigmoid, bias=bias,
+                                             eps=1e-6 if sigmoid else 0.0, groups=(groups, chosen_groups, rule))
+    assert torch.equal(alone, weights[7:8]) and torch.equal(alone_experts, chosen[7:8])

@@ -369,8 +369,8 @@ def test_an_adapter_on_routed_experts_sends_adapter_steps_to_the_modules(tmp_pat
 
 
 def test_moe_layers_the_walk_does_not_run_are_named() -> None:
-    """Experts with biases and a clamped SwiGLU (GPT-OSS's), a router by groups (DeepSeek's) and
-    unpacked experts keep the modules, each refusal saying why."""
+    """Experts with biases and a clamped SwiGLU (GPT-OSS's), a router that picks by logit before its
+    softmax (GPT-OSS's rule) and unpacked experts keep the modules, each refusal saying why."""
     from kvloom.model_families import MoEConfig
     from kvloom.models.moe import SparseMoE
 
@@ -382,9 +382,9 @@ def test_moe_layers_the_walk_does_not_run_are_named() -> None:
 
     base = dict(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0,))
     gpt_oss = packed(MoEConfig(**base, hidden_act="swigluoai", expert_biases=True))
-    grouped = packed(MoEConfig(**base, topk_method="group_limited_greedy", num_groups=4, topk_groups=2))
+    picked_first = packed(MoEConfig(**base, scoring="topk_softmax"))
     assert "experts other than the walk's" in stack_model._why_not_walked_moe(gpt_oss, "in_turn")
-    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(grouped, "in_turn")
+    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(picked_first, "in_turn")
     assert "not packed for kvloom's GEMM" in stack_model._why_not_walked_moe(SparseMoE(64, MoEConfig(**base)),
                                                                                "in_turn")
     assert stack_model._why_not_walked_moe(packed(MoEConfig(**base)), "in_turn") == ""
@@ -392,11 +392,15 @@ def test_moe_layers_the_walk_does_not_run_are_named() -> None:
 
 # DeepSeek's latent attention walked (csrc/decoder_stack.cpp's latent_block): v2, a plain query
 # projection, interleaved rotary pairs, a dense first layer twice the shared expert's width beside
-# the routed experts (a softmax's top 2, unscaled); v3, the query through q_a_proj and its norm,
-# the rotary's halves, sigmoid scores steered by a bias in one group, renormalised and scaled.
+# the routed experts (a softmax's top 2, unscaled); v2_groups, the query through q_a_proj and its
+# norm, the top 2 from the better of two groups (group_limited_greedy), scaled; v3, q_a_proj, the
+# rotary's halves, sigmoid scores steered by a bias, the better of two groups by their best two
+# (noaux_tc), renormalised and scaled.
 LATENT_SHAPES = {
     "v2": ("deepseek_v2", dict(q_lora_rank=None)),
-    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=1, topk_group=1, rope_interleave=False, norm_topk_prob=True,
+    "v2_groups": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                      routed_scaling_factor=1.5)),
+    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=False, norm_topk_prob=True,
                                routed_scaling_factor=2.5)),
 }
 
@@ -427,8 +431,8 @@ def test_latent_attention_two_concurrent_walks_match_the_module_path_bit_for_bit
 @pytest.mark.skipif(not decoder_stack.latent_available(), reason="kvloom/csrc/latent_attention.cpp does not build here")
 def test_latent_layers_the_walk_does_not_run_are_named(latent_dir: Path) -> None:
     """A latent attention under tensor parallel or unpacked keeps the modules, saying why; a
-    router by groups (DeepSeek-V2's group-limited choice) keeps the whole model on them; steps
-    on the PyTorch latent backend are not the walk's (and run)."""
+    float32 router whose rule is not kvloom::moe_route's keeps the whole model on them; steps on
+    the PyTorch latent backend are not the walk's (and run)."""
     from kvloom.model_families import MoEConfig
     from kvloom.models.deepseek import LatentAttention
     from kvloom.models.moe import SparseMoE
@@ -441,13 +445,12 @@ def test_latent_layers_the_walk_does_not_run_are_named(latent_dir: Path) -> None
     assert "in one process" in stack_model._why_not_walked_latent(attention, 2)
     unpacked = LatentAttention(model.config, attention.mla)
     assert "not packed for kvloom's GEMM" in stack_model._why_not_walked_latent(unpacked, 1)
-    grouped = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0,),
-                                      topk_method="group_limited_greedy", num_groups=4, topk_groups=2,
-                                      router_float32=True)).to(torch.bfloat16)
-    grouped.pack("invariant")
-    grouped.router.pack("invariant")
-    assert grouped.router.native_logits and not grouped.router.native_route
-    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(grouped, "in_turn")
+    picked_first = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0,),
+                                           scoring="topk_softmax", router_float32=True)).to(torch.bfloat16)
+    picked_first.pack("invariant")
+    picked_first.router.pack("invariant")
+    assert picked_first.router.native_logits and not picked_first.router.native_route
+    assert "not one of the walk's top-k rules" in stack_model._why_not_walked_moe(picked_first, "in_turn")
     stack = model.native_stack
     assert stack is not None and stack.shape.latent is not None
     assert not stack.serves(engine.runner.kv_caches, engine.runner.backend, None)
