@@ -858,7 +858,8 @@ class EngineConfig:
         "choices": DECODER_STACKS,
         "help": "how the decoder layers run: 'native' (one C++ call walks every layer through the "
                 "same kernels, bit-identical, without the Python between them; CPU bf16 with the "
-                "invariant matmul and the paired KV layout, else the modules run) or 'modules' "
+                "invariant matmul and the paired KV layout, or for latent attention the mla_cpu "
+                "backend, else the modules run) or 'modules' "
                 "(the nn.Module path, the reference)"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
