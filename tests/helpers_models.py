@@ -839,27 +839,40 @@ _GGUF_LFM2_BLOCK = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_
                     "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
                     "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
                     "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
-                    "conv.out_proj": "shortconv.out_proj"}
+                    "conv.out_proj": "shortconv.out_proj", "feed_forward.gate": "ffn_gate_inp"}
 
 
 def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     """Convert a tiny LFM2 HF directory to an F32 GGUF as llama.cpp's LFM2Model writes it:
     head_count_kv per layer (0 in the conv layers), the MLP's width after transformers'
     adjustment as feed_forward_length, shortconv.l_cache, the final norm (HF's
-    embedding_norm) as token_embd_norm, no output tensor where the head is tied."""
+    embedding_norm) as token_embd_norm, no output tensor where the head is tied. An LFM2-MoE
+    directory as its LFM2MoeModel writes it (``lfm2moe``): the dense width as it is, the experts'
+    count, top-k, width and sigmoid gating, the dense layers' count, the router as ffn_gate_inp,
+    the selection bias as exp_probs_b.bias, each expert's w1 / w3 / w2 stacked into
+    ffn_gate_exps / ffn_up_exps / ffn_down_exps [experts, out, in]."""
     import gguf
     from safetensors.torch import load_file
 
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out), "lfm2")
+    moe = config["model_type"] == "lfm2_moe"
+    writer = gguf.GGUFWriter(str(out), "lfm2moe" if moe else "lfm2")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    width = int(2 * config["intermediate_size"] / 3)  # LFM2Model._add_feed_forward_length
-    multiple = config["block_multiple_of"]
-    width = multiple * ((int(config["block_ffn_dim_multiplier"] * width) + multiple - 1) // multiple)
+    if moe:
+        width = config["intermediate_size"]
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_leading_dense_block_count(config["num_dense_layers"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    else:
+        width = int(2 * config["intermediate_size"] / 3)  # LFM2Model._add_feed_forward_length
+        multiple = config["block_multiple_of"]
+        width = multiple * ((int(config["block_ffn_dim_multiplier"] * width) + multiple - 1) // multiple)
     writer.add_feed_forward_length(width)
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv([config["num_key_value_heads"] if kind != "conv" else 0 for kind in config["layer_types"]])
@@ -868,8 +881,17 @@ def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     writer.add_vocab_size(config["vocab_size"])
     writer.add_shortconv_l_cache(config["conv_L_cache"])
     _add_gguf_tokenizer(writer, hf_dir)
+    experts: dict[tuple[str, str], list[tuple[int, np.ndarray]]] = {}  # (layer, w1 / w3 / w2) -> each expert's
     for name, tensor in state.items():
         array = tensor.float().numpy()
+        if ".feed_forward.experts." in name:
+            layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+            index, part = rest.split(".")[2:4]
+            experts.setdefault((layer, part), []).append((int(index), array))
+            continue
+        if name.endswith(".feed_forward.expert_bias"):
+            writer.add_tensor(f"blk.{name.split('.layers.', 1)[1].split('.', 1)[0]}.exp_probs_b.bias", array)
+            continue
         if name in ("model.embed_tokens.weight", "model.embedding_norm.weight", "lm_head.weight"):
             if name != "lm_head.weight" or not config.get("tie_word_embeddings"):
                 gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
@@ -881,6 +903,9 @@ def write_tiny_lfm2_gguf(hf_dir: str | Path, out: str | Path) -> Path:
         if module == "conv.conv" and kind == "weight":
             array = array.squeeze(1)
         writer.add_tensor(f"blk.{layer}.{_GGUF_LFM2_BLOCK[module]}.{kind}", np.ascontiguousarray(array))
+    for (layer, part), arrays in experts.items():
+        stacked = np.stack([array for _, array in sorted(arrays, key=lambda pair: pair[0])])
+        writer.add_tensor(f"blk.{layer}.ffn_{dict(w1='gate', w3='up', w2='down')[part]}_exps.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -53,7 +53,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",  # NoPE every fourth layer, as llama.cpp takes it (the file does not say)
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
-    "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+    "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 _MODEL_TYPES = {
@@ -70,7 +71,7 @@ _MODEL_TYPES = {
     "StableLmForCausalLM": "stablelm", "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4", "OlmoForCausalLM": "olmo", "NemotronForCausalLM": "nemotron",
     "FalconForCausalLM": "falcon", "ArceeForCausalLM": "arcee", "GptOssForCausalLM": "gpt_oss",
-    "Lfm2ForCausalLM": "lfm2", "NemotronHForCausalLM": "nemotron_h",
+    "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe", "NemotronHForCausalLM": "nemotron_h",
 }
 
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, what an absent key means)
@@ -110,8 +111,8 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
             config = _mamba2_config(meta, shapes)
         elif arch == "granitehybrid":
             config = _granite_hybrid_config(meta, shapes, path)
-        elif arch == "lfm2":
-            config = _lfm2_config(meta, shapes, path)
+        elif arch in ("lfm2", "lfm2moe"):
+            config = _lfm2_config(meta, shapes, path, moe=arch == "lfm2moe")
         elif arch == "nemotron_h":
             config = _nemotron_h_config(meta, shapes, path)
         else:
@@ -480,19 +481,38 @@ def _granite_4_fields(meta: Meta, shapes: dict[str, list[int]], head_dim: int, a
             "logits_scaling": float(meta("logit_scale", 1.0)), "num_local_experts": experts, **widths}
 
 
-def _lfm2_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+def _lfm2_config(meta: Meta, shapes: dict[str, list[int]], path: Path, moe: bool = False) -> dict[str, Any]:
     """lfm2: short convolutions in the layers whose head_count_kv is 0, attention (per-head
     q/k norms) in the others; feed_forward_length is the MLP's width after transformers'
-    adjustment (the converter applies it), so none is applied again."""
+    adjustment (the converter applies it), so none is applied again. lfm2moe (LFM2-MoE, as
+    llama.cpp's LFM2MoeModel writes it): the same layers, the first leading_dense_block_count
+    with that dense MLP, the rest sigmoid-routed experts (expert_gating_func sigmoid) of
+    expert_feed_forward_length features, their selection bias where exp_probs_b is stored,
+    renormalised and unscaled (llama.cpp's graph assumes both; the file records neither)."""
     layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     attention, kv_heads = _hybrid_layers(meta("attention.head_count_kv"), layers, path, "conv")
     first_conv = next(i for i in range(layers) if i not in attention)
-    return {"architectures": ["Lfm2ForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+    experts: dict[str, Any] = {}
+    if moe:
+        dense = int(meta("leading_dense_block_count"))
+        gating = int(meta("expert_gating_func", 1))
+        if gating != _SIGMOID or not 0 <= dense < layers:
+            raise ModelLoadError(f"lfm2moe GGUF {path}: LFM2-MoE routes by sigmoid scores (expert_gating_func "
+                                 f"{_SIGMOID}) after 0 to {layers - 1} dense layers; the file has expert_gating_func "
+                                 f"{gating} and leading_dense_block_count {dense}")
+        experts = {"num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+                   "moe_intermediate_size": int(meta("expert_feed_forward_length")), "num_dense_layers": dense,
+                   "use_expert_bias": f"blk.{dense}.exp_probs_b.bias" in shapes, "norm_topk_prob": True,
+                   "routed_scaling_factor": 1.0}
+    else:
+        experts = {"block_auto_adjust_ff_dim": False}
+    return {"architectures": ["Lfm2MoeForCausalLM" if moe else "Lfm2ForCausalLM"], "hidden_size": hidden,
+            "num_hidden_layers": layers, **experts,
             "num_attention_heads": num_heads, "num_key_value_heads": kv_heads,
             "head_dim": int(meta("attention.key_length", hidden // num_heads)),
             "layer_types": ["full_attention" if i in attention else "conv" for i in range(layers)],
-            "intermediate_size": int(meta("feed_forward_length")), "block_auto_adjust_ff_dim": False,
+            "intermediate_size": int(meta("feed_forward_length")),
             "conv_L_cache": int(meta("shortconv.l_cache")),
             "conv_bias": f"blk.{first_conv}.shortconv.in_proj.bias" in shapes,
             "vocab_size": shapes["token_embd.weight"][-1], "norm_eps": float(meta("attention.layer_norm_rms_epsilon")),

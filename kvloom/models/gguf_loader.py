@@ -4,7 +4,7 @@ Every tensor is dequantized to float32 with ``gguf.quants``; the engine never ru
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
-granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), nemotron_h, lfm2 and
+granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), nemotron_h, lfm2, lfm2moe and
 gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
 into transformers' fused tensor).
 
@@ -85,6 +85,7 @@ _FAMILY_TOP_LEVEL_NAMES = {
     "BambaForCausalLM": {**_TOP_LEVEL_NAMES, "output_norm.weight": "model.final_layernorm.weight"},
     # LFM2's final norm is its embedding_norm, stored as token_embd_norm.
     "Lfm2ForCausalLM": {**_TOP_LEVEL_NAMES, "token_embd_norm.weight": "model.embedding_norm.weight"},
+    "Lfm2MoeForCausalLM": {**_TOP_LEVEL_NAMES, "token_embd_norm.weight": "model.embedding_norm.weight"},
     "GPT2LMHeadModel": {**_TOP_LEVEL_NAMES, "position_embd.weight": "model.wpe.weight"},
     "NemotronHForCausalLM": {"token_embd.weight": "backbone.embeddings.weight",
                              "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
@@ -148,6 +149,11 @@ _BLOCK_NAMES["Lfm2ForCausalLM"] = {
     "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2", "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj"}
+# LFM2-MoE: LFM2's, and in its sparse layers a router, the selection bias (a parameter of its own) and
+# each expert's w1 / w3 / w2 (the hub's per-expert names).
+_BLOCK_NAMES["Lfm2MoeForCausalLM"] = {
+    **_BLOCK_NAMES["Lfm2ForCausalLM"], "ffn_gate_inp": "feed_forward.gate",
+    "exp_probs_b.bias": "feed_forward.expert_bias", **_experts("feed_forward.experts", "w1", "w3", "w2")}
 # Granite 4.0: Bamba's, its second norm under the hub's name, and its experts (Mixtral's per-expert
 # names, inside block_sparse_moe) beside a shared MLP; without experts the shared MLP is ffn_gate/up/down.
 _BLOCK_NAMES["GraniteMoeHybridForCausalLM"] = {

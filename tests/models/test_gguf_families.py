@@ -198,6 +198,11 @@ GRANITE_EXPERTS = {"blk.1.ffn_gate_inp.weight": (4, 8), "blk.0.ffn_gate_exps.wei
                    "blk.0.ffn_gate_shexp.weight": (7, 8)}
 # granite-4.0-h-tiny-like multipliers (attention.scale in place of head_dim ** -0.5)
 GRANITE_SCALES = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.0078125, "logit_scale": 6.0}
+# An lfm2moe file's keys (one conv and one attention layer), beside what a case changes.
+LFM2_MOE = dict(BASE, **{"attention.head_count_kv": [0, 2], "shortconv.l_cache": 3,
+                         "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 64, "expert_count": 4,
+                         "expert_used_count": 2, "expert_feed_forward_length": 6, "leading_dense_block_count": 1,
+                         "expert_gating_func": 2})
 REFUSED = {
     "llama-experts-in-some-layers": ("llama", dict(BASE, expert_count=2, expert_used_count=1),
                                      {"token_embd.weight": (16, 8), **ROUTER_1}, "read as Mixtral"),
@@ -248,7 +253,10 @@ REFUSED = {
                          r"must be per block \(3\)"),
     "nemotron_h_moe": ("nemotron_h_moe", NEMOTRON_H, HYBRID_TENSORS, "unsupported GGUF architecture 'nemotron_h_moe'"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
-    "lfm2moe": ("lfm2moe", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'lfm2moe'"),
+    "lfm2moe-softmax": ("lfm2moe", dict(LFM2_MOE, expert_gating_func=1), {"token_embd.weight": (16, 8)},
+                        r"LFM2-MoE routes by sigmoid scores .*expert_gating_func 1"),
+    "lfm2moe-all-dense": ("lfm2moe", dict(LFM2_MOE, leading_dense_block_count=2), {"token_embd.weight": (16, 8)},
+                          "leading_dense_block_count 2"),
     "deepseek-v1": ("deepseek", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'deepseek'"),
 }
 

@@ -105,12 +105,13 @@ def test_the_moe_routes_as_lfm2_moe_does(model_dir: Path) -> None:
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
 def test_a_llama_cpp_file_gives_transformers_tokens(kind: str, prompts: dict[str, list[int]],
                                                     tmp_path: Path) -> None:
     """llama.cpp's lfm2 file: head_count_kv per layer, the adjusted MLP width, the short
-    convolutions' squeezed weights and the final norm as token_embd_norm. (LFM2-MoE's
-    lfm2moe files are refused by name: tests/models/test_gguf_families.py.)"""
+    convolutions' squeezed weights and the final norm as token_embd_norm; and its lfm2moe file
+    (LFM2-MoE): the dense width as it is, the experts stacked, the router and the selection bias,
+    the experts' metadata (files that contradict it: tests/models/test_gguf_families.py)."""
     from helpers_models import write_tiny_lfm2_gguf
 
     from kvloom import LLM
@@ -121,7 +122,12 @@ def test_a_llama_cpp_file_gives_transformers_tokens(kind: str, prompts: dict[str
     llm = LLM(str(write_tiny_lfm2_gguf(model_dir, tmp_path / "lfm2.gguf")), dtype="float32", block_size=4,
               num_blocks=256, max_num_batched_tokens=16)
     config = llm.engine.model_config
-    assert config.architecture == "Lfm2ForCausalLM" and config.intermediate_size == 64
+    if kind == "moe":
+        reference_config = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir).to_dict())
+        assert config.architecture == "Lfm2MoeForCausalLM" and config.moe == reference_config.moe
+        assert config.intermediate_size == reference_config.intermediate_size == 48
+    else:
+        assert config.architecture == "Lfm2ForCausalLM" and config.intermediate_size == 64
     assert config.short_conv is not None and config.short_conv.layer_kinds == ("conv", "attention", "conv",
                                                                                "attention")
     outputs = llm.generate(list(prompts.values())[:4], GREEDY)
