@@ -20,8 +20,9 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 # The experts' activation on their gate/up output: "silu" (SwiGLU), "swigluoai" (GPT-OSS's,
 # vLLM's name: gate clamped above and up on both sides at swiglu_limit, then
-# (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
-MOE_ACTIVATIONS = ("silu", "swigluoai")
+# (up + 1) * gate * sigmoid(swiglu_alpha * gate)); or, where the experts are not gated (MoEConfig.gated
+# False: up alone), "relu2" on it (NVIDIA Nemotron 3's squared ReLU).
+MOE_ACTIVATIONS = ("silu", "swigluoai", "relu2")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -62,6 +63,9 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # a shared MLP every token runs; 0: none
     shared_expert_gate: bool = False  # the shared MLP's output times sigmoid(x @ gate) (Qwen2-MoE)
     hidden_act: str = "silu"  # the experts' activation, one of MOE_ACTIVATIONS
+    # The experts (and the shared expert) gated, gate and up ([experts, 2 * inter, hidden]), or up alone
+    # through hidden_act ([experts, inter, hidden]: Nemotron 3's).
+    gated: bool = True
     swiglu_alpha: float = 1.702  # swigluoai's sigmoid gain
     swiglu_limit: float = 7.0  # swigluoai's clamp
     router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
@@ -98,9 +102,10 @@ class MoEConfig:
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("moe config: shared_expert_intermediate_size must be >= 0, "
                              f"got {self.shared_expert_intermediate_size}")
-        if self.hidden_act not in MOE_ACTIVATIONS:
-            raise ValueError(f"moe config: the experts' activation must be one of {MOE_ACTIVATIONS}, "
-                             f"got {self.hidden_act!r}")
+        if self.hidden_act not in MOE_ACTIVATIONS or (self.hidden_act == "relu2") == self.gated:
+            raise ValueError(f"moe config: the experts' activation must be one of {MOE_ACTIVATIONS} (relu2 for "
+                             f"experts without a gate, the others gated), got {self.hidden_act!r} "
+                             f"({'gated' if self.gated else 'not gated'})")
         if self.hidden_act == "swigluoai" and not self.swiglu_limit > 0:
             raise ValueError(f"moe config: swiglu_limit must be positive, got {self.swiglu_limit}")
 
@@ -173,6 +178,26 @@ class MoEConfig:
                          hidden_act=act)
         elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             config = _deepseek_moe(cls, hf, arch == "DeepseekV3ForCausalLM", layers, act)
+        elif arch == "NemotronHForCausalLM":
+            # Nemotron 3's MoE blocks: DeepSeek-V3's router (float32, sigmoid, the bias steering the
+            # choice within the best groups, renormalised with its 1e-20 guard, scaled), experts and a
+            # shared expert of up and down alone through mlp_hidden_act (its NemotronHTopkRouter,
+            # NemotronHExperts, NemotronHMLP). A latent projection around the experts (moe_latent_size,
+            # Nemotron 3 Super's) is refused.
+            moe_blocks = tuple(i for i, name in enumerate(nemotron_h_block_names(hf)) if name in ("E", "moe"))
+            if not moe_blocks:
+                return None
+            if hf.get("moe_latent_size") is not None:
+                raise ValueError(f"moe config: Nemotron-H's latent MoE projection (moe_latent_size "
+                                 f"{hf['moe_latent_size']}) is not supported")
+            config = cls(num_experts=int(hf.get("n_routed_experts", 8)), top_k=int(hf.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(hf.get("moe_intermediate_size", 7688)), sparse_layers=moe_blocks,
+                         scoring="sigmoid", topk_method="noaux_tc", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                         num_groups=int(hf.get("n_group", 1)), topk_groups=int(hf.get("topk_group", 1)),
+                         score_correction_bias=True, router_float32=True, norm_topk_eps=1e-20,
+                         shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688)),
+                         hidden_act=str(hf.get("mlp_hidden_act", "relu2")), gated=False)
         elif arch == "GptOssForCausalLM":
             # Every layer sparse; the top-k logits softmaxed in the activation dtype (its
             # GptOssTopKRouter), the weights then scale each expert's output in that dtype.
@@ -316,10 +341,10 @@ class SSMConfig:
             raise ValueError(f"ssm config: n_groups ({self.num_groups}) must divide num_heads ({self.num_heads})")
         if self.conv_kernel < 2:
             raise ValueError(f"ssm config: conv_kernel must be at least 2, got {self.conv_kernel}")
-        unknown = set(self.layer_kinds) - {"mamba", "attention", "mlp"}
+        unknown = set(self.layer_kinds) - {"mamba", "attention", "mlp", "moe"}
         if unknown or "mamba" not in self.layer_kinds:
-            raise ValueError(f"ssm config: layer kinds must be 'mamba', 'attention' or 'mlp' (Nemotron-H's "
-                             f"MLP-only blocks), at least one 'mamba', got {self.layer_kinds}")
+            raise ValueError(f"ssm config: layer kinds must be 'mamba', 'attention', 'mlp' or 'moe' (Nemotron-H's "
+                             f"MLP-only and MoE blocks), at least one 'mamba', got {self.layer_kinds}")
 
     @property
     def conv_dim(self) -> int:
@@ -428,9 +453,10 @@ class ShortConvConfig:
 
 
 # Nemotron-H's block kinds: its pattern's letters and its layers_block_type names (transformers
-# 5's and the hub's older ones). "moe" (Nemotron 3) is not served.
-_NEMOTRON_H_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "mamba": "mamba", "linear_attention": "mamba",
-                     "attention": "attention", "full_attention": "attention", "mlp": "mlp"}
+# 5's and the hub's older ones); "E" / "moe": Nemotron 3's MoE blocks.
+_NEMOTRON_H_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba",
+                     "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+                     "mlp": "mlp", "moe": "moe"}
 
 
 def nemotron_h_block_names(hf: dict[str, Any]) -> list[str]:
@@ -444,7 +470,7 @@ def _nemotron_h_kinds(hf: dict[str, Any], layers: int) -> tuple[str, ...]:
     unknown = sorted({str(name) for name in names} - set(_NEMOTRON_H_KINDS))
     if unknown:
         raise ValueError(f"ssm config: Nemotron-H's block kinds {unknown} are not supported (supported: mamba, "
-                         "attention, mlp; its MoE blocks are not served)")
+                         "attention, mlp, moe)")
     if not names or ("num_hidden_layers" in hf and len(names) != layers):
         raise ValueError(f"ssm config: Nemotron-H needs layers_block_type or hybrid_override_pattern naming "
                          f"{layers} blocks, got {names!r}")

@@ -55,11 +55,25 @@ _SETTINGS: dict[str, dict[str, Any]] = {
                        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4,
                        chunk_size=8, max_position_embeddings=512, layer_norm_epsilon=1e-5, initializer_range=0.1,
                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0),
+    # Nemotron 3: Nemotron-H's blocks with MoE blocks: 4 squared-ReLU experts of 24 features in 2
+    # groups, top 2 from the better group by sigmoid score steered by a float32 bias (perturbed
+    # below), renormalised and scaled, beside a shared expert of 40; one MoE block after a mixer,
+    # one after the attention, one last.
+    "nemotron_h_moe": dict(hidden_size=32, intermediate_size=48,
+                           layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "moe"],
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=TINY_VOCAB_SIZE,
+                           mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                           chunk_size=8, max_position_embeddings=512, layer_norm_epsilon=1e-5, initializer_range=0.1,
+                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                           moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1, norm_topk_prob=True,
+                           routed_scaling_factor=2.5, mlp_hidden_act="relu2"),
 }
 _CLASSES = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
             "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
             "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"), "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
-            "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM")}
+            "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+            "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM")}
 
 
 def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:
@@ -79,7 +93,7 @@ def write_tiny_ssm_model(path: str | Path, arch: str, *, seed: int = 0, **overri
             elif name.endswith((".bias", ".D", ".dt_bias", ".A_log")):
                 param.add_(torch.randn_like(param) * 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith(".expert_bias"):  # LFM2-MoE's selection bias (zeros at init)
+            if name.endswith((".expert_bias", ".e_score_correction_bias")):  # selection biases (zeros at init)
                 buffer.add_(torch.randn_like(buffer) * 0.1)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from kvloom.distributed.group import SINGLE_PROCESS, TensorParallelGroup
 from kvloom.kernels import cpu_ops, gemm
 from kvloom.model_families import MoEConfig
 from kvloom.models import ops
-from kvloom.models.layers import GatedMLP
+from kvloom.models.layers import PLAIN_FORMS, GatedMLP, UngatedMLP
 from kvloom.models.mxfp4_experts import MXFP4Experts
 from kvloom.models.packed_linear import InvariantLinear, can_pack_invariant, packed_linear, packed_linears
 from kvloom.models.sharding import MoETensor, TensorSlice, column_split, moe_tensor, moe_weight_slice
@@ -215,7 +215,12 @@ def swigluoai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor
 
 
 def expert_activation(moe: MoEConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """[rows, 2 * inter] (gate | up) -> [rows, inter]: the experts' activation."""
+    """[rows, 2 * inter] (gate | up) -> [rows, inter]: the experts' activation; for experts
+    without a gate [rows, inter] -> [rows, inter] (Nemotron 3's squared ReLU, the un-gated
+    MLP's own, ``ops.plain_activation``)."""
+    if not moe.gated:
+        form = PLAIN_FORMS[moe.hidden_act]
+        return lambda up: ops.plain_activation(up, form)
     if moe.hidden_act == "swigluoai":
         alpha, limit = moe.swiglu_alpha, moe.swiglu_limit
         return lambda gate_up: swigluoai(gate_up, alpha, limit)
@@ -382,6 +387,15 @@ class SharedExpert(GatedMLP):
         return partial
 
 
+class SharedUngatedExpert(UngatedMLP):
+    """The shared expert of experts without a gate (Nemotron 3's): fc2(act(fc1(x))), its
+    partial sum returned un-reduced as SharedExpert's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial: torch.Tensor = self.fc2(ops.plain_activation(self.fc1(x), self.form))
+        return partial
+
+
 class SparseMoE(nn.Module):
     """The MoE FFN of one decoder layer: ``forward(x [tokens, hidden]) -> [tokens,
     hidden]``, all-reduced under tensor parallel. Parameters (this rank's share of the
@@ -408,8 +422,9 @@ class SparseMoE(nn.Module):
         # The routed experts: dense, or 4-bit as an MXFP4 checkpoint stores them.
         self.mxfp4 = (MXFP4Experts(self.num_local_experts, hidden_size, self.intermediate_size)
                       if moe.mxfp4_experts else None)
-        if self.mxfp4 is None:
-            self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size,
+        if self.mxfp4 is None:  # gate | up (up alone for experts without a gate)
+            self.experts_gate_up = nn.Parameter(torch.zeros(self.num_local_experts,
+                                                            (2 if moe.gated else 1) * self.intermediate_size,
                                                             hidden_size))
             self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size,
                                                          self.intermediate_size))
@@ -420,8 +435,12 @@ class SparseMoE(nn.Module):
         self.experts_down_bias = (nn.Parameter(torch.zeros(self.num_local_experts, hidden_size))
                                   if moe.expert_biases else None)
         self.activation = expert_activation(moe)
-        self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
-                              if moe.shared_expert_intermediate_size else None)
+        self.shared_expert: SharedExpert | SharedUngatedExpert | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = (SharedExpert(hidden_size, moe.shared_expert_intermediate_size, False, tp)
+                                  if moe.gated else SharedUngatedExpert("a shared expert", hidden_size,
+                                                                        moe.shared_expert_intermediate_size, False,
+                                                                        moe.hidden_act, tp))
         self.shared_expert_gate = nn.Parameter(torch.zeros(1, hidden_size)) if moe.shared_expert_gate else None
         # Set by pack(): each expert's two matmuls as the kernel's layers (the 3D tensors
         # are then released), and the shared expert's gate.
@@ -458,7 +477,7 @@ class SparseMoE(nn.Module):
             raise RuntimeError("forward_reference needs the experts' tensors, which pack() released")
         if self.expert_parallel:
             raise RuntimeError("forward_reference runs every expert: not on an expert-parallel rank's share")
-        biases, activation = self._biases(), self.activation if self.moe.hidden_act != "silu" else None
+        biases, activation = self._biases(), self.activation if self.moe.hidden_act != "silu" else None  # SwiGLU's own
         return self._combine(x, lambda x, gate_up, down, weights, experts: experts_reference(
             x, gate_up, down, weights, experts, biases=biases, activation=activation))
 
@@ -578,7 +597,10 @@ class SparseMoE(nn.Module):
         if part.expert is not None:
             if part.part == "down":
                 return "experts_down", self.experts_down.data[part.expert]
-            rows = slice(0, inter) if part.part == "gate" else slice(inter, 2 * inter)
+            if not self.moe.gated and part.part == "gate":
+                raise ValueError(f"checkpoint has an unexpected tensor {name!r}: this model's experts have no gate")
+            rows = (slice(0, inter) if part.part == "gate" else
+                    slice(inter, 2 * inter) if self.moe.gated else slice(0, inter))
             return "experts_gate_up", self.experts_gate_up.data[part.expert, rows]
         places: dict[str, tuple[str, torch.Tensor | None, slice]] = {
             "router": ("router.weight", self.router.weight, slice(None)),
@@ -587,7 +609,10 @@ class SparseMoE(nn.Module):
             "router_bias": ("router.bias", self.router.bias, slice(None)),
             "gate_up_bias": ("experts_gate_up_bias", self.experts_gate_up_bias, slice(None)),
             "down_bias": ("experts_down_bias", self.experts_down_bias, slice(None)),
-            "gate_up": ("experts_gate_up", getattr(self, "experts_gate_up", None), slice(None)),
+            "gate_up": ("experts_gate_up", getattr(self, "experts_gate_up", None) if self.moe.gated else None,
+                        slice(None)),
+            "up": ("experts_gate_up", None if self.moe.gated else getattr(self, "experts_gate_up", None),
+                   slice(None)),  # every expert's up, fused (experts without a gate)
             "down": ("experts_down", getattr(self, "experts_down", None), slice(None)),
             "shared_gate": ("shared_expert_gate", self.shared_expert_gate, slice(None)),
         }
@@ -595,7 +620,10 @@ class SparseMoE(nn.Module):
             for kind in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"):
                 places[kind] = (f"mxfp4.{kind}", getattr(self.mxfp4, kind), slice(None))
         shared = self.shared_expert
-        if shared is not None:
+        if isinstance(shared, SharedUngatedExpert):
+            places["shared_up_proj"] = ("shared_expert.fc1.weight", shared.fc1.weight, slice(None))
+            places["shared_down_proj"] = ("shared_expert.fc2.weight", shared.fc2.weight, slice(None))
+        elif shared is not None:
             width = shared.intermediate_size
             places["shared_gate_proj"] = ("shared_expert.gate_up_proj.weight", shared.gate_up_proj.weight,
                                           slice(0, width))

@@ -1,18 +1,19 @@
-"""NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2): a stack of
-single-mixer blocks, each an RMSNorm, then one of a Mamba2 mixer, an attention layer
-without position encoding, or a squared-ReLU MLP, added to the residual stream.
+"""NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2, Nemotron 3): a stack
+of single-mixer blocks, each an RMSNorm, then one of a Mamba2 mixer, an attention layer without
+position encoding, a squared-ReLU MLP, or (Nemotron 3) a mixture of squared-ReLU experts beside
+a shared one, added to the residual stream.
 
 The mixers are Mamba2's (models/mamba2.py, their state in the requests' state slots; on
 a CPU one native call a layer); the attention layers are Llama's over the paged pool of
-the attention layers only (``kv_layer``), turning no rotary; the MLPs are ``UngatedMLP``.
-Its norms multiply by their weight in float32 before the cast (``Float32ScaledRMSNorm``).
-The MoE blocks of Nemotron 3 are refused (SSMConfig.from_hf). transformers 5.25's
-modeling_nemotron_h.py is the reference.
+the attention layers only (``kv_layer``), turning no rotary; the MLPs are ``UngatedMLP``;
+the MoE blocks ``SparseMoE`` (DeepSeek-V3's router in float32, experts of up and down alone,
+``MoEConfig.gated`` False). Its norms multiply by their weight in float32 before the cast
+(``Float32ScaledRMSNorm``). transformers 5.25's modeling_nemotron_h.py is the reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,9 +29,10 @@ from kvloom.models.decoder_stack import NativeDecoderStack, WalkLayer
 from kvloom.models.layers import Float32ScaledRMSNorm, UngatedMLP, VocabParallelEmbedding
 from kvloom.models.llama import LlamaAttention
 from kvloom.models.mamba2 import Mamba2Mixer, allocate_mixer_state, load_named_weights
+from kvloom.models.moe import SparseMoE
 from kvloom.models.packed_linear import pack_with_tied_head
 from kvloom.models.registry import CausalLM
-from kvloom.models.weights import rename
+from kvloom.models.weights import WeightFiller, rename
 
 # Nemotron-H's checkpoint names -> these modules' (``rename``: each fragment in order).
 NEMOTRON_H_NAMES = (("backbone.", ""), ("mixer.up_proj", "mixer.fc1"), ("mixer.down_proj", "mixer.fc2"))
@@ -47,6 +49,9 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(config.hidden_size, config.ssm)
         elif kind == "attention":
             self.mixer = LlamaAttention(config)
+        elif kind == "moe":
+            assert config.moe is not None  # MoEConfig.from_hf names the MoE blocks
+            self.mixer = SparseMoE(config.hidden_size, config.moe)
         else:
             self.mixer = UngatedMLP(config.architecture, config.hidden_size, config.intermediate_size,
                                     config.mlp_bias, config.hidden_act)
@@ -109,7 +114,22 @@ class NemotronHForCausalLM(nn.Module):
         q, kv = (attention[0].q_size, attention[0].kv_size) if attention else (0, 0)
         fused = {"mixer.q_proj": ("mixer.qkv_proj", 0, q), "mixer.k_proj": ("mixer.qkv_proj", q, kv),
                  "mixer.v_proj": ("mixer.qkv_proj", q + kv, kv)}
-        load_named_weights(self, ((rename(name, NEMOTRON_H_NAMES), tensor) for name, tensor in weights), fused)
+        filler = WeightFiller(self)
+
+        def dense(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            """The tensors of every block but the MoE ones, which go to their block's load_hf."""
+            for name, tensor in named:
+                name = rename(name, NEMOTRON_H_NAMES)
+                parts = name.split(".", 3)  # layers, N, mixer, the name inside the block
+                block = (self.blocks[int(parts[1])] if len(parts) == 4 and parts[0] == "layers" and parts[2] == "mixer"
+                         and parts[1].isdigit() and int(parts[1]) < len(self.blocks) else None)
+                if block is not None and isinstance(block.mixer, SparseMoE):
+                    for target, count in block.mixer.load_hf(parts[3], tensor).items():
+                        filler.count(f"layers.{parts[1]}.mixer.{target}", count)
+                    continue
+                yield name, tensor
+
+        load_named_weights(self, dense(weights), fused, filler)
 
     def weight_slice(self, hf_name: str) -> None:
         return None
@@ -125,11 +145,11 @@ class NemotronHForCausalLM(nn.Module):
         while index < len(self.blocks):
             block = self.blocks[index]
             follower = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
-            if block.kind == "mlp":
+            if block.kind in ("mlp", "moe"):
                 layers.append(WalkLayer("none", None, None, None, block.norm, block.mixer))
                 index += 1
                 continue
-            mlp = follower if follower is not None and follower.kind == "mlp" else None
+            mlp = follower if follower is not None and follower.kind in ("mlp", "moe") else None
             layers.append(WalkLayer(block.kind, block.norm, block.mixer if block.kind == "attention" else None,
                                     block.mixer if block.kind == "mamba" else None,  # type: ignore[arg-type]
                                     None if mlp is None else mlp.norm, None if mlp is None else mlp.mixer,

@@ -152,6 +152,7 @@ _SHARED = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _WHOLE = {"gate.weight": "router", "gate.e_score_correction_bias": "score_correction_bias",
           "experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "shared_expert_gate.weight": "shared_gate",
+          "experts.up_proj": "up",  # experts without a gate (Nemotron 3's): every expert's up, fused
           # GraniteMoe's hub names: the router, and every expert's gate|up and down in one tensor each
           "router.layer.weight": "router", "input_linear.weight": "gate_up", "output_linear.weight": "down",
           # GPT-OSS's: a router with a bias, the fused experts ([E, hidden, 2 * inter] gate and up
@@ -217,5 +218,5 @@ def moe_weight_slice(moe: MoEConfig, name: str, rank: int, size: int,
         return TensorSlice(1 if tensor.part == "down" else 0, *inter)
     if moe.gpt_oss_layout:  # read whole, cut by the module once in the other families' layout
         return None
-    return {"down": TensorSlice(2, *inter), "shared_gate_proj": TensorSlice(0, *shared),
+    return {"down": TensorSlice(2, *inter), "up": TensorSlice(1, *inter), "shared_gate_proj": TensorSlice(0, *shared),
             "shared_up_proj": TensorSlice(0, *shared), "shared_down_proj": TensorSlice(1, *shared)}.get(tensor.part)

@@ -1,10 +1,12 @@
 """NVIDIA Nemotron-H (``NemotronHForCausalLM``): single-mixer blocks (a Mamba2 mixer, an
 attention layer without position encoding, or a squared-ReLU MLP), norms scaled in
-float32. Greedy tokens and the first log-probs held to transformers in float32 through
-chunked prefill on both attention backends; staggered arrivals, state-slot waits and
-preemption give transformers' tokens and give every block and slot back; bf16 alone
-equals batched; the hub's hybrid_override_pattern read as transformers reads it, its MoE
-blocks refused by name. Prefix-cache hits on it: test_ssm_prefix_cache.py."""
+float32; and Nemotron 3's MoE blocks (squared-ReLU experts without a gate, routed as
+DeepSeek-V3 routes, beside a shared expert). Greedy tokens and the first log-probs held to
+transformers in float32 through chunked prefill on both attention backends; staggered
+arrivals, state-slot waits and preemption give transformers' tokens and give every block and
+slot back; bf16 alone equals batched; the hub's hybrid_override_pattern read as transformers
+reads it, a latent MoE projection (Nemotron 3 Super's) refused by name. Prefix-cache hits on
+it: test_ssm_prefix_cache.py."""
 
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_ssm_model(tmp_path_factory.mktemp("nemotron-h"), "nemotron_h", seed=2)
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Nemotron-H's dense blocks; Nemotron 3's MoE blocks among them (helpers_ssm's nemotron_h_moe)."""
+    arch = "nemotron_h" if request.param == "dense" else "nemotron_h_moe"
+    return write_tiny_ssm_model(tmp_path_factory.mktemp(f"nemotron-h-{request.param}"), arch, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,23 @@ def test_the_hubs_pattern_is_read_as_transformers_reads_it() -> None:
     names = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
     assert config.ssm is not None and config.ssm.layer_kinds == tuple(names[k] for k in reference.layers_block_type)
     assert config.num_kv_layers == 1 and config.no_rope_layers == tuple(range(7)) and config.hidden_act == "relu2"
-    with pytest.raises(ValueError, match=r"Nemotron-H's block kinds \['E'\] are not supported"):
-        ModelConfig.from_hf({**hub, "hybrid_override_pattern": "M-M*-ME"})
+    assert config.moe is None
+    # Nemotron 3's MoE blocks ("E"), its router's and experts' keys as transformers reads them.
+    experts = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_group": 2,
+               "topk_group": 1, "moe_shared_expert_intermediate_size": 40, "routed_scaling_factor": 2.5}
+    moe_hub = {**hub, "hybrid_override_pattern": "M-M*-ME", **experts}
+    reference = transformers.NemotronHConfig(**{k: v for k, v in moe_hub.items() if k != "architectures"})
+    config = ModelConfig.from_hf(moe_hub)
+    assert config.ssm is not None and config.ssm.layer_kinds[-1] == "moe" == reference.layers_block_type[-1]
+    moe = config.moe
+    assert moe is not None and moe.sparse_layers == (6,) and not moe.gated and moe.hidden_act == "relu2"
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_intermediate_size) == (
+        reference.n_routed_experts, reference.num_experts_per_tok, reference.moe_intermediate_size,
+        reference.moe_shared_expert_intermediate_size)
+    assert (moe.scoring, moe.topk_method, moe.num_groups, moe.topk_groups, moe.routed_scaling_factor,
+            moe.norm_topk_eps, moe.router_float32) == ("sigmoid", "noaux_tc", 2, 1, 2.5, 1e-20, True)
+    with pytest.raises(ValueError, match="latent MoE projection .moe_latent_size 16. is not supported"):
+        ModelConfig.from_hf({**moe_hub, "moe_latent_size": 16})
 
 
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
@@ -59,6 +78,33 @@ def test_staggered_preempted_and_waiting_requests_match_transformers(model_dir: 
                                                                      prompts: dict[str, list[int]]) -> None:
     engine = assert_preempted_requests_match_transformers(model_dir, prompts, MAX_TOKENS)
     assert engine.runner.kv_caches.shape[:3] == (1, 2, 20)  # the one attention layer's K and V
+
+
+def test_the_moe_blocks_experts_run_as_theirs_and_the_walk_says_why_not(model_dir: Path) -> None:
+    """Not vacuous: the MoE blocks hold experts of up alone and a shared expert of up and down,
+    their router's bias float32 and not zero in a bf16 model; in bf16 on a CPU the router's
+    logits and top-k are kvloom's kernels (native_logits, native_route), and the native walk,
+    which runs gated experts only, names why it leaves these blocks to the modules."""
+    import torch
+
+    from kvloom.config import EngineConfig
+    from kvloom.engine.engine import LLMEngine
+    from kvloom.models.decoder_stack import NativeDecoderStack
+    from kvloom.models.moe import SparseMoE
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", num_blocks=64))
+    model = engine.model
+    moe = [block.mixer for block in model.blocks if block.kind == "moe"]  # type: ignore[attr-defined]
+    if not moe:
+        assert model.native_stack is not None  # type: ignore[attr-defined]
+        return
+    assert len(moe) == 3 and all(isinstance(layer, SparseMoE) for layer in moe)
+    router = moe[0].router
+    assert router.native_logits and router.native_route and router.weight.dtype == torch.float32
+    assert router.score_correction_bias is not None and router.score_correction_bias.abs().sum() > 0
+    assert moe[0].grouped is not None and moe[0].grouped.gate_up_features == 24  # up alone
+    assert model.native_stack is None  # type: ignore[attr-defined]
+    assert "experts other than the walk's" in NativeDecoderStack.build(model)[1]  # type: ignore[arg-type]
 
 
 def test_bf16_tokens_alone_equal_batched_and_chunked(model_dir: Path, prompts: dict[str, list[int]]) -> None:
