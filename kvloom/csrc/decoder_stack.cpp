@@ -289,12 +289,14 @@ struct LatentShape {
 // has one; renormalised where norm, with eps added to the sum; times scaling; rounded to bf16
 // where round_weights; DeepSeek's group-limited choice where group_rule is not 0: the top_k from the
 // topk_groups best of num_groups groups, cpu_ops.cpp's GroupRule) and the experts' SwiGLU of inter
-// features. router_float32: the router's weight is float32 and its logits kvloom::router_logits'
-// (DeepSeek's), else a packed bf16 GEMM's.
+// features (or, where not gated, up alone through ReLU squared, and a shared expert likewise through
+// the model's un-gated activation: Nemotron 3's). router_float32: the router's weight is float32 and
+// its logits kvloom::router_logits' (DeepSeek's), else a packed bf16 GEMM's.
 struct MoeShape {
   int64_t num_experts, top_k, inter;
   int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
   int64_t norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule;
+  int64_t gated;  // 1: SwiGLU experts (gate | up); 0: up alone through ReLU squared (Nemotron 3's)
   float scaling, eps;
 
   // Elements (bf16) per row: each of its top_k pairs' expert, row and place in the grouped
@@ -531,7 +533,8 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto moe_combine = entry<MoeCombineFn>(m.kernels, K_MOE_COMBINE);
   const auto router_logits = entry<RouterLogitsFn>(m.kernels, K_ROUTER_LOGITS);
   const auto moe_route_f32 = entry<MoeRouteF32Fn>(m.kernels, K_MOE_ROUTE_F32);
-  const auto silu = entry<SiluFn>(m.kernels, K_SILU);  // the experts' activation, whatever the dense MLPs'
+  const auto silu = entry<SiluFn>(m.kernels, K_SILU);  // gated experts' activation, whatever the dense MLPs'
+  const auto relu2 = entry<SiluFn>(m.kernels, K_RELU2_PLAIN);  // un-gated experts' (Nemotron 3's)
   const auto sigmoid_gate = entry<SigmoidGateFn>(m.kernels, K_SIGMOID_GATE);
   const auto mamba_mixer = entry<MambaMixerFn>(m.kernels, K_MAMBA_MIXER);
   const auto short_conv = entry<ShortConvFn>(m.kernels, K_SHORT_CONV);
@@ -607,10 +610,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         pair_weights[p] = weights[t * K + j];
       }
     for (int64_t p = 0; p < P; ++p) std::memcpy(rows + p * H, x + pair_row[p] * H, H * sizeof(uint16_t));
-    if (grouped_gemm(rows, weight(w, W_EXPERTS_GATE_UP), starts.data(), up, E, P, 2 * EI, H, e.gate_up_stride, m.isa,
-                     num_threads) != 0)
+    if (grouped_gemm(rows, weight(w, W_EXPERTS_GATE_UP), starts.data(), up, E, P, (e.gated ? 2 : 1) * EI, H,
+                     e.gate_up_stride, m.isa, num_threads) != 0)
       return false;
-    silu(up, between, P, EI);
+    (e.gated ? silu : relu2)(up, between, P, EI);
     if (grouped_gemm(between, weight(w, W_EXPERTS_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
                      num_threads) != 0)
       return false;
@@ -890,9 +893,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
     const int64_t width = w[W_MLP_WIDTH] > 0 ? w[W_MLP_WIDTH] : I;  // this layer's MLP features
     if (experts) {  // the routed experts (in turn after the attention, in one process), then a shared one
       if (m.moe == nullptr || !moe_ffn(w, mlp_in, hidden)) return refused;
-      if (weight(w, W_GATE_UP) != nullptr) {  // SwiGLU on every row: routed + shared
-        if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, 2 * width, H)) return refused;
-        silu(gate_up, act, T, width);
+      if (weight(w, W_GATE_UP) != nullptr) {  // on every row, SwiGLU (or the model's un-gated MLP): routed + shared
+        const bool shared_gated = m.moe->gated != 0;
+        if (!matmul(mlp_in, W_GATE_UP, W_GATE_UP_BIAS, gate_up, (shared_gated ? 2 : 1) * width, H)) return refused;
+        (shared_gated ? silu : activation)(gate_up, act, T, width);
         if (!matmul(act, W_DOWN, W_DOWN_BIAS, mlp_out, H, width)) return refused;
         if (weight(w, W_SHARED_GATE) != nullptr) {  // Qwen2-MoE: its logit a row into act's room (free now)
           if (gemm(mlp_in, weight(w, W_SHARED_GATE), nullptr, act, T, 1, H, m.isa, num_threads, nullptr) != 0)
@@ -1050,8 +1054,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 // moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
-// down_stride, norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule] of every
-// such layer's routed experts (MoeShape),
+// down_stride, norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule, gated] of
+// every such layer's routed experts (MoeShape),
 // moe_scaling their routing weights' factor and moe_eps the renormalising sum's guard; a layer
 // whose router GEMM, routing or experts' GEMM refuses returns 1 + the layer.
 // latent_sizes: nullptr (no latent-attention layer), or [heads, rank, rope, nope, v, q_rank,
@@ -1085,8 +1089,9 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          latent_eps};
   MoeShape moe{};
   if (moe_sizes != nullptr)
-    moe = MoeShape{moe_sizes[0], moe_sizes[1],  moe_sizes[2],  moe_sizes[3],  moe_sizes[4],  moe_sizes[5], moe_sizes[6],
-                   moe_sizes[7], moe_sizes[8],  moe_sizes[9],  moe_sizes[10], moe_sizes[11], moe_scaling,  moe_eps};
+    moe = MoeShape{moe_sizes[0], moe_sizes[1],  moe_sizes[2],  moe_sizes[3],  moe_sizes[4],  moe_sizes[5],
+                   moe_sizes[6], moe_sizes[7],  moe_sizes[8],  moe_sizes[9],  moe_sizes[10], moe_sizes[11],
+                   moe_sizes[12], moe_scaling, moe_eps};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.

@@ -236,6 +236,8 @@ class MoEShape:
     num_groups: int = 1
     topk_groups: int = 1
     group_rule: str = "none"
+    # SwiGLU experts; False: up alone through ReLU squared (Nemotron 3's), the shared expert un-gated too
+    gated: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,7 +550,7 @@ def _moe_sizes(moe: MoEShape) -> torch.Tensor:
     """The C call's moe_sizes array, made once per model (the C side only reads it)."""
     return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
                          int(moe.round_weights), int(moe.sigmoid), int(moe.router_float32), moe.num_groups,
-                         moe.topk_groups, cpu_ops.GROUP_RULES[moe.group_rule]], dtype=torch.int64)
+                         moe.topk_groups, cpu_ops.GROUP_RULES[moe.group_rule], int(moe.gated)], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

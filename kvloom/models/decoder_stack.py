@@ -182,7 +182,7 @@ class NativeDecoderStack:
                           "runs in one process")
         moe_shapes: set[kernels.MoEShape] = set()
         latent_shapes: set[kernels.LatentShape] = set()
-        widths: set[int] = set()  # the gated MLPs' (shared experts' too) features: one walk-wide width
+        widths: set[int] = set()  # every MLP's (shared experts' too) features, negative where un-gated
         rows: list[list[int]] = []
         owners: list[torch.Tensor] = []
         isas: set[str] = set()
@@ -191,7 +191,6 @@ class NativeDecoderStack:
         epsilons: set[float] = set()
         state_layers: dict[int, StateLayer] = {}
         activations: set[str] = set()
-        first_mlp: nn.Module | None = None  # its width is the walk's (this rank's features)
         # The walk's layers: the model's, or its blocks paired as layers (Nemotron-H's walk_layers).
         layers: list[Any] = model.walk_layers() if hasattr(model, "walk_layers") else list(model.layers)
         for index, layer in enumerate(layers):
@@ -233,10 +232,8 @@ class NativeDecoderStack:
                 isas.add(experts.grouped.isa)  # type: ignore[union-attr]
                 if not experts.router.native_logits:
                     isas.add(experts.router.packed.isa)  # type: ignore[union-attr]
-            if mlp is not None:
-                widths.add(mlp.intermediate_size if isinstance(mlp, GatedMLP) else -1)
-            if first_mlp is None:
-                first_mlp = mlp
+            if mlp is not None:  # each MLP's width (a shared expert's too), its kind's sign: gated +, un-gated -
+                widths.add(mlp.intermediate_size if isinstance(mlp, GatedMLP) else -mlp.intermediate_size)
             if mlp is None:
                 up = down = None
             elif isinstance(mlp, UngatedMLP):
@@ -319,7 +316,7 @@ class NativeDecoderStack:
                 if linear is not None:
                     owners += [linear.packed_weight] + ([] if linear.bias is None else [linear.bias])
             row.update(router=0, experts_gate_up=0, experts_down=0, router_bias=0, shared_gate=0,
-                       mlp_width=mlp.intermediate_size if isinstance(mlp, GatedMLP) else 0,
+                       mlp_width=mlp.intermediate_size if isinstance(mlp, (GatedMLP, UngatedMLP)) else 0,
                        **_latent_columns(attention if latent else None, owners))
             if experts is not None:  # _why_not_walked_moe checked these
                 grouped, router = experts.grouped, experts.router.packed
@@ -344,7 +341,7 @@ class NativeDecoderStack:
             return None, f"the layers' matmuls run on different GEMM paths {sorted(isas)}"
         if not activations:  # every MLP a mixture of experts (their SwiGLU is the walk's own)
             activations.add("silu")
-        if -1 in widths and len(widths) > 1:
+        if min(widths, default=0) < 0 < max(widths, default=0):
             return None, f"it has gated and un-gated MLPs {sorted(widths)}"
         if latent_shapes and (len(latent_shapes) > 1 or any(row[WEIGHT_MIXER] != kernels.MIXERS["latent"]
                                                              for row in rows)):
@@ -364,10 +361,9 @@ class NativeDecoderStack:
         latent_shape = latent_shapes.pop() if latent_shapes else None
         heads = (0, 0, 0) if latent_shape else (first.num_heads, first.num_kv_heads, config.head_dim)
         residual_scale = config.scales.residual if config.scales is not None else 1.0  # Granite's
-        gated = [width for width in widths if width > 0]  # the widest is the scratch's
+        features = [abs(width) for width in widths]  # the widest is the scratch's
         shape = kernels.StackShape(len(rows), config.hidden_size, *heads,
-                                   max(gated) if gated else getattr(first_mlp, "intermediate_size",
-                                                                     config.intermediate_size),  # UngatedMLP: all
+                                   max(features, default=config.intermediate_size),
                                    epsilons.pop(), isas.pop(), residual_scale,
                                    latent_shape.rope if latent_shape else (getattr(model, "rotary_dim", None)
                                                                            or config.rotary_dim),
@@ -482,8 +478,8 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     if not mlp.router.native_route:
         return (f"routes by {moe.scoring} scores and {moe.topk_method} choice, not one of the walk's top-k rules "
                 "(a softmax's or sigmoid scores', steered by a bias or not, within the best groups or not)")
-    if moe.hidden_act != "silu" or moe.expert_biases:
-        return "has experts other than the walk's (SwiGLU without biases)"
+    if moe.hidden_act != ("silu" if moe.gated else "relu2") or moe.expert_biases:
+        return "has experts other than the walk's (SwiGLU, or up alone through ReLU squared, without biases)"
     if mlp.shared_expert_gate is not None and not isinstance(mlp.packed_shared_gate, InvariantLinear):
         return "has a shared expert's gate not packed for kvloom's GEMM"
     if mlp.adapters is not None:
@@ -543,7 +539,7 @@ def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
     return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
                             grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
                             moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0,
-                            mlp.router.native_logits, *groups)
+                            mlp.router.native_logits, *groups, moe.gated)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

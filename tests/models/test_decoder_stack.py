@@ -239,9 +239,11 @@ def test_every_step_matches_the_module_path_bit_for_bit(model_dir: Path) -> None
 # nemotron_h_mlp_last: an MLP block alone last (the rows read narrowed there); granite4_moe: IBM
 # Granite 4.0's routed experts (4, top 2) beside the shared MLP in every layer (granite-4.0-h-tiny's form);
 # lfm2_moe: LFM2's layers, the first with a dense MLP, then experts of another width chosen by sigmoid
-# scores steered by a selection bias (LFM2-8B-A1B's form).
+# scores steered by a selection bias (LFM2-8B-A1B's form); nemotron_h_moe: Nemotron 3's MoE blocks
+# (experts of up alone through ReLU squared, a shared one beside them, a float32 router by groups)
+# after a mixer, after the attention and last, among a dense MLP block.
 @pytest.fixture(scope="module", params=["bamba", "granite4", "granite4_rope", "lfm2", "nemotron_h",
-                                        "nemotron_h_mlp_last", "granite4_moe", "lfm2_moe"])
+                                        "nemotron_h_mlp_last", "granite4_moe", "lfm2_moe", "nemotron_h_moe"])
 def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers_ssm import write_tiny_ssm_model
 
@@ -251,6 +253,9 @@ def hybrid_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if name in ("lfm2", "lfm2_moe"):
         return write_tiny_ssm_model(root, name, hidden_size=128, num_hidden_layers=3,
                                     layer_types=["conv", "full_attention", "conv"])
+    if name == "nemotron_h_moe":
+        return write_tiny_ssm_model(root, name, hidden_size=128, head_dim=32,
+                                    layers_block_type=["mamba", "moe", "attention", "moe", "mlp", "mamba", "moe"])
     if name.startswith("nemotron_h"):
         blocks = (["mlp", "mamba", "attention", "mlp", "mamba"] if name == "nemotron_h"
                   else ["mamba", "attention", "mlp", "mlp"])
