@@ -936,7 +936,9 @@ def _mamba2_gguf_tensor(layer: str, rest: str, mixer: str, groups: int, array: n
 _GGUF_NEMOTRON_H_BLOCK = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d",
                           "mixer.out_proj": "ssm_out", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k",
                           "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up",
-                          "mixer.down_proj": "ffn_down"}
+                          "mixer.down_proj": "ffn_down", "mixer.gate": "ffn_gate_inp",
+                          "mixer.shared_experts.up_proj": "ffn_up_shexp",
+                          "mixer.shared_experts.down_proj": "ffn_down_shexp"}
 
 
 def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
@@ -955,15 +957,28 @@ def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
-    names = {"M": "mamba", "*": "attention", "-": "mlp", "linear_attention": "mamba", "full_attention": "attention"}
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "linear_attention": "mamba",
+             "full_attention": "attention"}
     kinds = [names.get(k, k) for k in (config.get("layers_block_type") or config["hybrid_override_pattern"])]
-    writer = gguf.GGUFWriter(str(out), "nemotron_h")
+    moe = "moe" in kinds  # Nemotron 3: its MoE form (the converter's is_moe), its MoE blocks the "MLP" ones
+    writer = gguf.GGUFWriter(str(out), "nemotron_h_moe" if moe else "nemotron_h")
     writer.add_block_count(len(kinds))
     writer.add_context_length(2**20)
     writer.add_embedding_length(config["hidden_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv([config["num_key_value_heads"] if kind == "attention" else 0 for kind in kinds])
-    writer.add_feed_forward_length([config["intermediate_size"] if kind == "mlp" else 0 for kind in kinds])
+    if moe:
+        writer.add_feed_forward_length([config["moe_intermediate_size"] if kind == "moe" else 0 for kind in kinds])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+        writer.add_expert_count(config["n_routed_experts"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_group_count(config["n_group"])
+    else:
+        writer.add_feed_forward_length([config["intermediate_size"] if kind == "mlp" else 0 for kind in kinds])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_eps(config["layer_norm_epsilon"])
@@ -977,12 +992,20 @@ def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
     _add_gguf_tokenizer(writer, hf_dir)
     top = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
+    experts: dict[tuple[str, str], list[tuple[int, np.ndarray]]] = {}  # (block, up / down) -> each expert's
     for name, tensor in state.items():
         array = tensor.float().numpy()
         if name in top:
             writer.add_tensor(top[name], np.ascontiguousarray(array))
             continue
         layer, rest = name.split(".layers.", 1)[1].split(".", 1)
+        if rest.startswith("mixer.experts."):  # mixer.experts.E.{up,down}_proj.weight: stacked below
+            index, part = rest.split(".")[2:4]
+            experts.setdefault((layer, part), []).append((int(index), array))
+            continue
+        if rest == "mixer.gate.e_score_correction_bias":
+            writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", array)
+            continue
         module, kind = rest.rsplit(".", 1)
         gguf_name, array = _mamba2_gguf_tensor(layer, rest, "mixer", config["n_groups"], array)
         if module in ("mixer.q_proj", "mixer.k_proj"):
@@ -990,6 +1013,9 @@ def write_tiny_nemotron_h_gguf(hf_dir: str | Path, out: str | Path) -> Path:
             array = permute_rows(array, heads)
         writer.add_tensor(gguf_name or f"blk.{layer}.{_GGUF_NEMOTRON_H_BLOCK[module]}.{kind}",
                           np.ascontiguousarray(array))
+    for (layer, part), arrays in experts.items():
+        stacked = np.stack([array for _, array in sorted(arrays, key=lambda pair: pair[0])])
+        writer.add_tensor(f"blk.{layer}.ffn_{part.removesuffix('_proj')}_exps.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

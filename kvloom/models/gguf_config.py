@@ -54,7 +54,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM", "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM", "falcon": "FalconForCausalLM", "arcee": "ArceeForCausalLM",
     "gpt-oss": "GptOssForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM", "nemotron_h_moe": "NemotronHForCausalLM",  # the second Nemotron 3's
 }
 
 _MODEL_TYPES = {
@@ -113,8 +113,8 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
             config = _granite_hybrid_config(meta, shapes, path)
         elif arch in ("lfm2", "lfm2moe"):
             config = _lfm2_config(meta, shapes, path, moe=arch == "lfm2moe")
-        elif arch == "nemotron_h":
-            config = _nemotron_h_config(meta, shapes, path)
+        elif arch in ("nemotron_h", "nemotron_h_moe"):
+            config = _nemotron_h_config(meta, shapes, path, moe=arch == "nemotron_h_moe")
         else:
             config = _attention_config(arch, meta, shapes, path)
     except (TypeError, KeyError) as exc:
@@ -521,12 +521,16 @@ def _lfm2_config(meta: Meta, shapes: dict[str, list[int]], path: Path, moe: bool
             "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
 
 
-def _nemotron_h_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> dict[str, Any]:
+def _nemotron_h_config(meta: Meta, shapes: dict[str, list[int]], path: Path, moe: bool = False) -> dict[str, Any]:
     """nemotron_h: single-mixer blocks, as llama.cpp's NemotronHModel writes them (on its
     GraniteHybridModel): attention where the per-block head_count_kv is nonzero, an MLP where
     the per-block feed_forward_length is, a Mamba2 mixer elsewhere; no rope (context_length
-    2**20 is the converter's placeholder, kept as Granite 4.0's is). Its MoE form
-    (nemotron_h_moe) is another architecture name, refused as unknown."""
+    2**20 is the converter's placeholder, kept as Granite 4.0's is). nemotron_h_moe (Nemotron 3):
+    the blocks with a feed_forward_length (the experts' width there) and a router are MoE blocks,
+    their experts' and shared expert's sizes, the renormalisation, scale and groups from the
+    expert_* keys (sigmoid scores and the selection bias, as llama.cpp's graph routes them); a
+    file with groups but no expert_group_used_count (the converter writes none) is refused
+    unless it has one group, and a latent MoE projection (moe_latent_size) is refused."""
     layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     kv_counts, widths = meta("attention.head_count_kv"), meta("feed_forward_length")
@@ -535,7 +539,9 @@ def _nemotron_h_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> 
     if len(kv) != layers or len(ff) != layers or any(k and f for k, f in zip(kv, ff, strict=True)):
         raise ModelLoadError(f"nemotron_h GGUF {path}: attention.head_count_kv and feed_forward_length must be "
                              f"per block ({layers}), never both nonzero in one block; got {kv} and {ff}")
-    kinds = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff, strict=True)]
+    kinds = ["attention" if k else ("moe" if moe and f"blk.{i}.ffn_gate_inp.weight" in shapes else "mlp") if f
+             else "mamba" for i, (k, f) in enumerate(zip(kv, ff, strict=True))]
+    experts: dict[str, Any] = _nemotron_h_experts(meta, path) if moe else {}
     if "mamba" not in kinds or len({k for k in kv if k}) > 1 or len({f for f in ff if f}) > 1:
         raise ModelLoadError(f"nemotron_h GGUF {path}: a Nemotron-H needs a Mamba2 block, one KV head count and "
                              f"one MLP width; the file's blocks are {kinds} (head_count_kv {kv}, feed_forward_length "
@@ -557,11 +563,30 @@ def _nemotron_h_config(meta: Meta, shapes: dict[str, list[int]], path: Path) -> 
             "use_conv_bias": f"{block['mamba']}.ssm_conv1d.bias" in shapes,
             "mamba_proj_bias": f"{block['mamba']}.ssm_in.bias" in shapes,
             "attention_bias": "attention" in block and f"{block['attention']}.attn_q.bias" in shapes,
-            "mlp_bias": "mlp" in block and f"{block['mlp']}.ffn_up.bias" in shapes,
+            "mlp_bias": "mlp" in block and f"{block['mlp']}.ffn_up.bias" in shapes, **experts,
             # TextModel writes the config's layer_norm_epsilon as the LayerNorm key
             "layer_norm_epsilon": float(eps if eps is not None else meta("attention.layer_norm_epsilon", 1e-5)),
             "vocab_size": shapes["token_embd.weight"][-1], "max_position_embeddings": int(meta("context_length")),
             "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32"}
+
+
+def _nemotron_h_experts(meta: Meta, path: Path) -> dict[str, Any]:
+    """A nemotron_h_moe file's MoE blocks as config.json names them (NemotronHModel's expert_* keys)."""
+    groups = int(meta("expert_group_count", 1))
+    used = meta("expert_group_used_count", None)
+    if groups > 1 and used is None:
+        raise ModelLoadError(f"nemotron_h_moe GGUF {path}: expert_group_count {groups} without "
+                             "expert_group_used_count: the groups a token may choose from are not recorded")
+    if meta("moe_latent_size", None) is not None:
+        raise ModelLoadError(f"nemotron_h_moe GGUF {path}: a latent MoE projection (moe_latent_size) is not "
+                             "supported")
+    return {"n_routed_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "moe_shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length")),
+            "n_shared_experts": int(meta("expert_shared_count", 1)),
+            "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)), "n_group": groups,
+            "topk_group": int(used) if used is not None else 1}
 
 
 def _hybrid_layers(head_count_kv: Any, layers: int, path: Path, other: str = "mamba") -> tuple[list[int], int]:

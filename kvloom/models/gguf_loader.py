@@ -4,9 +4,9 @@ Every tensor is dequantized to float32 with ``gguf.quants``; the engine never ru
 quantized kernels. ``general.architecture`` names the family, its ``<arch>.*`` keys
 the shape: llama / mistral (Mixtral where the file has experts), qwen2, qwen2moe, qwen3, qwen3moe,
 deepseek2 (DeepSeek-V3 where the router is sigmoid-gated, else V2), mamba2,
-granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), nemotron_h, lfm2, lfm2moe and
-gpt-oss (its MXFP4 experts dequantized as every other quantization; gate and up joined back
-into transformers' fused tensor).
+granitehybrid (Bamba, and IBM Granite 4.0's hybrids under the same architecture name), nemotron_h and
+nemotron_h_moe (Nemotron 3), lfm2, lfm2moe and gpt-oss (its MXFP4 experts dequantized as every other
+quantization; gate and up joined back into transformers' fused tensor).
 
 Each tensor comes back under the name the HF checkpoint has, with llama.cpp's
 converter (convert_hf_to_gguf.py) undone exactly:
@@ -161,10 +161,15 @@ _BLOCK_NAMES["GraniteMoeHybridForCausalLM"] = {
     "ffn_gate_inp": "block_sparse_moe.router.layer", **_experts("block_sparse_moe.experts", "w1", "w3", "w2"),
     **_shared("block_sparse_moe.shared_expert")}
 # Nemotron-H: every block's norm is attn_norm and its single mixer ``mixer``: Mamba2's, Llama's
-# attention (q/k rows permuted by the converter, as GraniteHybridModel's), or the MLP's up / down.
+# attention (q/k rows permuted by the converter, as GraniteHybridModel's), or the MLP's up / down;
+# Nemotron 3's MoE blocks (nemotron_h_moe): the router, its selection bias, every expert's up and down
+# (no gate) and the shared expert's.
 _BLOCK_NAMES["NemotronHForCausalLM"] = {
     "attn_norm": "norm", **_mixer("mixer"), "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
-    "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
+    "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+    "ffn_gate_inp": "mixer.gate", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_exps": "mixer.experts.{}.up_proj", "ffn_down_exps": "mixer.experts.{}.down_proj",
+    "ffn_up_shexp": "mixer.shared_experts.up_proj", "ffn_down_shexp": "mixer.shared_experts.down_proj"}
 _BLOCK_NAMES["GraniteForCausalLM"] = _BLOCK_NAMES["SmolLM3ForCausalLM"] = _ATTENTION_BLOCK
 _BLOCK_NAMES["Ernie4_5ForCausalLM"] = _ATTENTION_BLOCK  # its q/k rows as HF's (adjacent rotary pairs, not permuted)
 _BLOCK_NAMES["OlmoForCausalLM"] = _ATTENTION_BLOCK  # (OLMo 1's norms have no tensors)

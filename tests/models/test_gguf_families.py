@@ -198,6 +198,10 @@ GRANITE_EXPERTS = {"blk.1.ffn_gate_inp.weight": (4, 8), "blk.0.ffn_gate_exps.wei
                    "blk.0.ffn_gate_shexp.weight": (7, 8)}
 # granite-4.0-h-tiny-like multipliers (attention.scale in place of head_dim ** -0.5)
 GRANITE_SCALES = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.0078125, "logit_scale": 6.0}
+# A nemotron_h_moe file's expert keys (Nemotron 3's), beside Nemotron-H's.
+NEMOTRON_3 = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 6,
+              "expert_shared_feed_forward_length": 6, "expert_shared_count": 1, "expert_weights_norm": True,
+              "expert_weights_scale": 2.5}
 # An lfm2moe file's keys (one conv and one attention layer), beside what a case changes.
 LFM2_MOE = dict(BASE, **{"attention.head_count_kv": [0, 2], "shortconv.l_cache": 3,
                          "attention.layer_norm_rms_epsilon": 1e-5, "context_length": 64, "expert_count": 4,
@@ -251,7 +255,10 @@ REFUSED = {
                             "needs a Mamba2 block"),
     "nemotron_h-short": ("nemotron_h", dict(NEMOTRON_H, feed_forward_length=[0, 6]), HYBRID_TENSORS,
                          r"must be per block \(3\)"),
-    "nemotron_h_moe": ("nemotron_h_moe", NEMOTRON_H, HYBRID_TENSORS, "unsupported GGUF architecture 'nemotron_h_moe'"),
+    "nemotron_h_moe-groups-unsaid": ("nemotron_h_moe", dict(NEMOTRON_H, **NEMOTRON_3, expert_group_count=2),
+                                     HYBRID_TENSORS, "expert_group_count 2 without expert_group_used_count"),
+    "nemotron_h_moe-latent": ("nemotron_h_moe", dict(NEMOTRON_H, **NEMOTRON_3, moe_latent_size=4), HYBRID_TENSORS,
+                              "latent MoE projection"),
     "mamba-v1": ("mamba", BASE, {"token_embd.weight": (16, 8)}, "unsupported GGUF architecture 'mamba'"),
     "lfm2moe-softmax": ("lfm2moe", dict(LFM2_MOE, expert_gating_func=1), {"token_embd.weight": (16, 8)},
                         r"LFM2-MoE routes by sigmoid scores .*expert_gating_func 1"),

@@ -114,26 +114,35 @@ def test_refusals_name_the_reason(model_dir: Path) -> None:
         ssm_engine(model_dir, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_llama_cpp_file_gives_transformers_tokens(prompts: dict[str, list[int]], tied: bool,
+@pytest.mark.parametrize("form", ["untied", "tied", "moe"])
+def test_a_llama_cpp_file_gives_transformers_tokens(prompts: dict[str, list[int]], form: str,
                                                     tmp_path: Path) -> None:
     """llama.cpp's nemotron_h file (NemotronHModel on GraniteHybridModel): the block kinds from
     the per-block head_count_kv and feed_forward_length, the mixers stored as Mamba2's, the
     attention's q/k rows permuted, no rope. ``tied``: config.json says tie_word_embeddings,
     which transformers ignores for Nemotron-H (its lm_head is its own): the HF directory and
-    the file alike give transformers' tokens."""
+    the file alike give transformers' tokens. ``moe``: Nemotron 3's nemotron_h_moe file (one
+    group of experts, as Nemotron 3 Nano's: the converter records no groups used), the MoE
+    blocks those with a feed_forward_length, their sizes and routing from the expert_* keys,
+    every expert's up and down stacked."""
     import torch
     from helpers_models import hf_greedy_tokens, write_tiny_nemotron_h_gguf
 
     from kvloom import LLM
 
-    model_dir = write_tiny_ssm_model(tmp_path / "hf", "nemotron_h", seed=4, tie_word_embeddings=tied,
-                                     layers_block_type=["mlp", "mamba", "attention", "mlp", "mamba"])
+    blocks = (["mamba", "moe", "attention", "moe", "mamba"] if form == "moe"
+              else ["mlp", "mamba", "attention", "mlp", "mamba"])
+    model_dir = write_tiny_ssm_model(tmp_path / "hf", "nemotron_h_moe" if form == "moe" else "nemotron_h", seed=4,
+                                     tie_word_embeddings=form == "tied", layers_block_type=blocks,
+                                     **({"n_group": 1} if form == "moe" else {}))
     llm = LLM(str(write_tiny_nemotron_h_gguf(model_dir, tmp_path / "nemotron_h.gguf")), dtype="float32",
               block_size=4, num_blocks=256, max_num_batched_tokens=16)
     config = llm.engine.model_config
     assert config.architecture == "NemotronHForCausalLM" and not config.tie_word_embeddings
-    assert config.ssm is not None and config.ssm.layer_kinds == ("mlp", "mamba", "attention", "mlp", "mamba")
+    assert config.ssm is not None and config.ssm.layer_kinds == tuple(blocks)
+    if form == "moe":
+        reference = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir).to_dict())
+        assert config.moe == reference.moe and config.moe is not None and not config.moe.gated
     chosen = list(prompts.values())[:4]
     outputs = llm.generate(chosen, GREEDY)
     # transformers' generate cannot start its cache at an MLP block: each step recomputed whole.
