@@ -59,17 +59,24 @@
 //   hidden  = mixed @ Wout (+ b)                [T, H]
 // and the MLP follows as in any layer. The attention layers write the KV pool's layer
 // W_KV_LAYER (their rank among the attention layers). No tensor parallel, no LoRA.
-// Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, Granite
-// 4.0's and LFM2-MoE's hybrids; models/moe.py is the module path) take the MLP's place, one process
-// (LoRA adapters on the attention only: kvloom/lora hands no table while one adapts an expert layer):
-//   logits  = normed @ Wrouter                  [T, E]
-//   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k)
+// Mixture-of-experts layers (W_ROUTER set: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, DeepSeek,
+// Granite 4.0's, LFM2-MoE's and Nemotron 3's hybrids; models/moe.py is the module path) take the MLP's
+// place (LoRA adapters on the attention only: kvloom/lora hands no table while one adapts an expert
+// layer; under tensor parallel every expert's share of the features, the sum all-reduced at the end as
+// SparseMoE's; experts spread over the ranks, expert parallel, take the modules):
+//   logits  = normed @ Wrouter                  [T, E]  (DeepSeek's float32 router: router_logits)
+//   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k,
+//             within the best groups where the router picks groups first)
 //   rows    = normed's rows, a (row, choice) pair each, grouped by expert  [T k, H]
-//   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call)
+//   up      = grouped_gemm(rows, every expert's Wgu)    [T k, 2 I_e]  (gemm.cpp, one call; I_e un-gated)
 //   hidden  = moe_combine(grouped_gemm(silu(up), every expert's Wdown), weights)  [T, H]
-//             (each row's experts added in ascending order, cpu_ops.cpp)
+//             (each row's experts added in ascending order, cpu_ops.cpp; un-gated: relu2(up))
 //   hidden += (silu(gate) * up)(normed @ Wgu) @ Wdown   a shared expert's (Granite 4.0's), if any,
 //             times sigmoid(normed @ Wshared_gate) first where it has a gate (Qwen2-MoE's)
+// DeepSeek's latent attention (W_MIXER MIXER_LATENT, models/deepseek.py's LatentAttention the module
+// path) takes the attention's place: the latent written to the latent pool, the query through each
+// head's up-projection into latent space, kvloom_latent_attention, each head's output out of it, o_proj
+// (latent_block has the steps; under tensor parallel the rank's heads, o_proj's sum all-reduced).
 // NVIDIA Nemotron-H's single-mixer blocks pair up as layers: a mixer or attention block and
 // the MLP block after it; a block with no MLP after it is a layer without an MLP (W_GATE_UP
 // 0: its output joins the stream at the next layer's norm), an MLP block after no other a
@@ -790,6 +797,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
         const int status = latent_block(w, layer, out);
         if (status != 0) return status;
         if (T == 0) return 0;
+        if (m.reduce != nullptr) {  // the ranks' heads' partial sums of o_proj, as LatentAttention's all-reduce
+          const int reduced = all_reduce(m.reduce, hidden, T * H);
+          if (reduced != 0) return reduced;
+        }
       } else if (w[W_MIXER] != MIXER_ATTENTION) {  // a state layer's block: every row (the states move on)
         if (m.states == nullptr) return MIXER_REFUSED;  // no sizes given
         const StateLayers& st = *m.states;
@@ -891,7 +902,7 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
       rms_norm(hidden, r.residual, weight(w, W_POST_NORM), normed, T, H, weight(w, W_POST_NORM_BIAS));
     }
     const int64_t width = w[W_MLP_WIDTH] > 0 ? w[W_MLP_WIDTH] : I;  // this layer's MLP features
-    if (experts) {  // the routed experts (in turn after the attention, in one process), then a shared one
+    if (experts) {  // the routed experts (in turn after the attention), then a shared one
       if (m.moe == nullptr || !moe_ffn(w, mlp_in, hidden)) return refused;
       if (weight(w, W_GATE_UP) != nullptr) {  // on every row, SwiGLU (or the model's un-gated MLP): routed + shared
         const bool shared_gated = m.moe->gated != 0;
@@ -904,6 +915,10 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
           sigmoid_gate(mlp_out, act, T, H);
         }
         add_rows(hidden, mlp_out, nullptr, T, H);
+      }
+      if (m.reduce != nullptr) {  // the ranks' partial sums of the experts' features, as SparseMoE's all-reduce
+        const int status = all_reduce(m.reduce, hidden, T * H);
+        if (status != 0) return status;
       }
       if (weight(w, W_POST_FF_NORM) != nullptr) rms_norm(hidden, nullptr, weight(w, W_POST_FF_NORM), hidden, T, H);
       continue;

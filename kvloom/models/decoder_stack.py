@@ -177,9 +177,9 @@ class NativeDecoderStack:
         config = model.config
         if config.attention_sinks:
             return None, "its layers' attention has sinks (GPT-OSS's), which the walk's kernel does not take"
-        if config.moe is not None and model.tp.size > 1:
-            return None, (f"layers {list(config.moe.sparse_layers)} have a mixture-of-experts FFN, which the walk "
-                          "runs in one process")
+        if config.moe is not None and model.tp.size > 1 and model.tp.expert_parallel:
+            return None, (f"layers {list(config.moe.sparse_layers)} have their experts spread over the ranks "
+                          "(expert parallel), which the walk does not run")
         moe_shapes: set[kernels.MoEShape] = set()
         latent_shapes: set[kernels.LatentShape] = set()
         widths: set[int] = set()  # every MLP's (shared experts' too) features, negative where un-gated
@@ -201,7 +201,7 @@ class NativeDecoderStack:
             attention = layer.self_attn if kind == "attention" else None
             latent = getattr(attention, "mla", None) is not None  # DeepSeek's latent attention
             if latent:
-                why_not = _why_not_walked_latent(attention, model.tp.size)
+                why_not = _why_not_walked_latent(attention)
                 if why_not:
                     return None, f"layer {index}'s latent attention {why_not}"
                 latent_shapes.add(_latent_shape(attention))
@@ -489,14 +489,13 @@ def _why_not_walked_moe(mlp: SparseMoE, parallel: str) -> str:
     return ""
 
 
-def _why_not_walked_latent(attention: Any, tp_size: int) -> str:
+def _why_not_walked_latent(attention: Any) -> str:
     """Why the walk cannot run the latent attention ``attention`` ("" where it can: kvloom's GEMM
-    without biases in every projection, its heads' up-projections packed, bf16 norms, one
-    process, latent_attention.cpp built)."""
+    without biases in every projection, its heads' up-projections packed, bf16 norms,
+    latent_attention.cpp built; under tensor parallel its rank's heads, o_proj's partial sums
+    all-reduced)."""
     if not kernels.latent_available():
         return "needs kvloom/csrc/latent_attention.cpp, which does not build here"
-    if tp_size > 1:
-        return "runs in one process in the walk (its heads' outputs are not all-reduced there)"
     linears = [getattr(attention, name, None) for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                                                            "o_proj")]
     if attention.grouped is None or not all(isinstance(linear, InvariantLinear) and linear.bias is None

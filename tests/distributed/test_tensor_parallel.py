@@ -151,3 +151,33 @@ def test_tp2_native_stack_is_the_module_path_bit_for_bit(tmp_path: Path) -> None
             stats = llm.engine.stats()
             runs[stack] = (tokens, stats.tp_collectives, stats.tp_collective_bytes)
     assert runs["native"] == runs["modules"]
+
+
+# Mixture-of-experts and latent-attention layers walked under tensor parallel: Qwen2-MoE (every
+# expert's features and the gated shared expert's split, the layer's sum all-reduced) and DeepSeek-V3
+# (each rank's heads of the latent attention, o_proj's partial sums all-reduced; experts by groups
+# with a float32 router beside a shared expert, a dense first layer).
+TP_WALKED = {
+    "qwen2_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96),
+    "deepseek_v3": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+                        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, n_group=2, topk_group=1, intermediate_size=64),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TP_WALKED))
+def test_tp2_native_stack_runs_experts_and_latent_attention_as_the_modules(arch: str, tmp_path: Path) -> None:
+    """bf16 on CPU, two ranks: the walk runs these layers (its stack built on every rank) and gives
+    the module path's tokens with the same collectives."""
+    path = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=7, **TP_WALKED[arch])
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    runs = {}
+    for stack in ("native", "modules"):
+        with LLM(str(path), tensor_parallel_size=2, decoder_stack=stack, **engine) as llm:
+            assert (llm.engine.model.model.native_stack is not None) == (stack == "native")
+            tokens = greedy(llm, PROMPTS)
+            stats = llm.engine.stats()
+            runs[stack] = (tokens, stats.tp_collectives, stats.tp_collective_bytes)
+    assert runs["native"] == runs["modules"]
