@@ -142,6 +142,12 @@ def test_tp2_native_stack_is_the_module_path_bit_for_bit(tmp_path: Path) -> None
     module path: the same tokens, the same collectives."""
     path = write_tiny_hf_model(tmp_path / "hd32", seed=6, hidden_size=128, num_attention_heads=4,
                                num_key_value_heads=2)  # head_dim 32: the paired KV layout's
+    assert_two_ranks_walk_as_the_modules(path)
+
+
+def assert_two_ranks_walk_as_the_modules(path: Path) -> None:
+    """bf16 on two ranks: the native walk (built on rank 0's model) gives the module path's
+    tokens with the same collectives, counted and sized."""
     engine = {**ENGINE, "dtype": "bfloat16"}
     runs = {}
     for stack in ("native", "modules"):
@@ -171,13 +177,4 @@ TP_WALKED = {
 def test_tp2_native_stack_runs_experts_and_latent_attention_as_the_modules(arch: str, tmp_path: Path) -> None:
     """bf16 on CPU, two ranks: the walk runs these layers (its stack built on every rank) and gives
     the module path's tokens with the same collectives."""
-    path = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=7, **TP_WALKED[arch])
-    engine = {**ENGINE, "dtype": "bfloat16"}
-    runs = {}
-    for stack in ("native", "modules"):
-        with LLM(str(path), tensor_parallel_size=2, decoder_stack=stack, **engine) as llm:
-            assert (llm.engine.model.model.native_stack is not None) == (stack == "native")
-            tokens = greedy(llm, PROMPTS)
-            stats = llm.engine.stats()
-            runs[stack] = (tokens, stats.tp_collectives, stats.tp_collective_bytes)
-    assert runs["native"] == runs["modules"]
+    assert_two_ranks_walk_as_the_modules(write_tiny_hf_model(tmp_path / arch, arch=arch, seed=7, **TP_WALKED[arch]))

@@ -118,14 +118,26 @@ def test_sigmoid_routing_is_torchs(experts: int, top_k: int, method: str, norm: 
     weights, chosen = cpu_ops.moe_route(logits, top_k, norm, sigmoid=True, bias=bias, eps=1e-6)
     expected_weights, expected = route(logits, config, bias)
     choice = logits.float().sigmoid() + (0 if bias is None else bias)
-    ranked = choice.sort(dim=1, descending=True).values
-    tied = (ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
-    # route() leaves the chosen unsorted here: held as sets, each expert's weight beside it.
-    ours, order = chosen.sort(dim=1)
-    theirs, their_order = expected.sort(dim=1)
-    assert torch.equal(ours[~tied], theirs[~tied])
+    assert_same_choices((weights, chosen), (expected_weights, expected), tied_rows(choice), rtol=2e-6)
+
+
+def tied_rows(values: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: the rows of ``values`` [tokens, n] where two values are equal (a choice
+    among them is the implementation's)."""
+    ranked = values.sort(dim=1, descending=True).values
+    return (ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
+
+
+def assert_same_choices(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[torch.Tensor, torch.Tensor],
+                        tied: torch.Tensor, rtol: float) -> None:
+    """kvloom's (weights, experts) against route()'s wherever no choice ties: the same experts as
+    sets (route() leaves them unsorted), each one's weight within ``rtol``; most rows held."""
+    (weights, chosen), (expected_weights, expected) = ours, theirs
+    mine, order = chosen.sort(dim=1)
+    others, their_order = expected.sort(dim=1)
+    assert torch.equal(mine[~tied], others[~tied])
     torch.testing.assert_close(weights.gather(1, order)[~tied], expected_weights.gather(1, their_order)[~tied],
-                               rtol=2e-6, atol=1e-9)
+                               rtol=rtol, atol=1e-9)
     assert int((~tied).sum()) > 200  # most tokens held to torch's choice
 
 
@@ -192,17 +204,10 @@ def test_group_limited_routing_is_torchs(experts: int, top_k: int, method: str, 
     expected_weights, expected = route(logits, config, bias)
     scores = logits.float().sigmoid() if sigmoid else torch.softmax(logits.float(), dim=-1)
     choice = (scores + bias if bias is not None else scores).view(300, groups, -1)
-    ranked = choice.flatten(1).sort(dim=1, descending=True).values
     best = choice.sort(dim=2, descending=True).values
-    group_scores = (best[..., 0] + best[..., 1] if sigmoid else best[..., 0]).sort(dim=1, descending=True).values
-    tied = ((ranked[:, 1:] == ranked[:, :-1]).any(dim=1)
-            | (group_scores[:, 1:] == group_scores[:, :-1]).any(dim=1))
-    ours, order = chosen.sort(dim=1)
-    theirs, their_order = expected.sort(dim=1)
-    assert torch.equal(ours[~tied], theirs[~tied])
-    torch.testing.assert_close(weights.gather(1, order)[~tied], expected_weights.gather(1, their_order)[~tied],
-                               rtol=4e-6, atol=1e-9)
-    assert int((~tied).sum()) > 200  # most tokens held to torch's choice
+    group_scores = best[..., 0] + best[..., 1] if sigmoid else best[..., 0]
+    assert_same_choices((weights, chosen), (expected_weights, expected),
+                        tied_rows(choice.flatten(1)) | tied_rows(group_scores), rtol=4e-6)
     assert all(len(set((row // (experts // groups)).tolist())) <= chosen_groups for row in chosen)  # within them
     alone, alone_experts = cpu_ops.moe_route(logits[7:8], top_k, sigmoid, 2.5, sigmoid=sigmoid, bias=bias,
                                              eps=1e-6 if sigmoid else 0.0, groups=(groups, chosen_groups, rule))
