@@ -377,15 +377,26 @@ struct Bf16Path {
     unrolled<N>([&](auto i) { _mm512_storeu_ps(acc + 16 * (c0 + i), a[i]); });
   }
 
+  // parts[j] += the pair products of key j's row and the query, 32 numbers at a time. PAD: the
+  // rows' width where it is a constant (their 16 addresses then one register and offsets, not 16
+  // registers the loop spills), 0 for pad.
+  template <int64_t PAD>
+  static void score_tile(const uint16_t* keys, const uint16_t* query, int64_t pad, V16* parts) {
+    const int64_t width = PAD > 0 ? PAD : pad;
+    for (int64_t d = 0; d < width; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(query + d);
+      unrolled<KEYS>([&](auto j) {
+        parts[j].v = _mm512_dpbf16_ps(parts[j].v, (__m512bh)_mm512_loadu_si512(keys + j * width + d), qd);
+      });
+    }
+  }
+
   void attend(const Call& c, const uint16_t* query, int64_t live, const State& st) const {
     V16 parts[KEYS];
     unrolled<KEYS>([&](auto j) { parts[j] = zero(); });
-    for (int64_t d = 0; d < pad; d += 32) {
-      const __m512bh qd = (__m512bh)_mm512_loadu_si512(query + d);
-      unrolled<KEYS>([&](auto j) {
-        parts[j].v = _mm512_dpbf16_ps(parts[j].v, (__m512bh)_mm512_loadu_si512(key_rows + j * pad + d), qd);
-      });
-    }
+    if (pad == 576) score_tile<576>(key_rows, query, pad, parts);       // DeepSeek-V2/V3's 512 + 64
+    else if (pad == 288) score_tile<288>(key_rows, query, pad, parts);  // the families bench's 256 + 32
+    else score_tile<0>(key_rows, query, pad, parts);
     const V16 e = softmax_step(c, sums_of(parts), live, st);
     alignas(32) uint32_t weights[KEYS / 2];  // word p: (e_2p, e_2p+1) as bf16
     _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh(e.v));
