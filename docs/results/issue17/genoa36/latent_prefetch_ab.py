@@ -1,13 +1,15 @@
 # Variants of latent_attention.cpp (copies under /tmp/s36: NAME.cpp, simd.h beside them) in one process,
 # alternating, 30 layers' pools so that the KV comes from memory: `python latent_prefetch_ab.py BATCH CONTEXT NAME...`.
-import ctypes, sys, time, torch
+# $AB_DIR: another directory of variants (the thirty-seventh session's: /tmp/s37/ab, simd.h copied beside them).
+import ctypes, os, sys, time, torch
 from pathlib import Path
 from kvloom import native
-variants = {name: Path(f"/tmp/s36/{name}.cpp") for name in sys.argv[3:]}
-flags = native.flags_for("latent_attention") + ["-I", "/work/main/kvloom/csrc"]
+DIR = os.environ.get("AB_DIR", "/tmp/s36")
+variants = {name: Path(f"{DIR}/{name}.cpp") for name in sys.argv[3:]}
+flags = native.flags_for("latent_attention") + ["-I", DIR if "AB_DIR" in os.environ else "/work/main/kvloom/csrc"]
 libs = {}
 for name, src in variants.items():
-    so = Path(f"/tmp/s36/{name}.so"); native.compile_library(src, so, flags)
+    so = Path(f"{DIR}/{name}.so"); native.compile_library(src, so, flags)
     f = ctypes.CDLL(str(so)).kvloom_latent_attention
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
