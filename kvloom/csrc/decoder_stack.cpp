@@ -63,7 +63,7 @@
 // Granite 4.0's, LFM2-MoE's and Nemotron 3's hybrids; models/moe.py is the module path) take the MLP's
 // place (LoRA adapters on the attention only: kvloom/lora hands no table while one adapts an expert
 // layer; under tensor parallel every expert's share of the features, the sum all-reduced at the end as
-// SparseMoE's; experts spread over the ranks, expert parallel, take the modules):
+// SparseMoE's; under expert parallel the rank's experts whole, the other ranks' pairs left out):
 //   logits  = normed @ Wrouter                  [T, E]  (DeepSeek's float32 router: router_logits)
 //   weights, experts = moe_route(logits)        [T, k] each (cpu_ops.cpp: a softmax's or sigmoids' top-k,
 //             within the best groups where the router picks groups first)
@@ -304,6 +304,10 @@ struct MoeShape {
   int64_t gate_up_stride, down_stride;  // bf16 elements from one expert's packed weight to the next's
   int64_t norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule;
   int64_t gated;  // 1: SwiGLU experts (gate | up); 0: up alone through ReLU squared (Nemotron 3's)
+  // The rank's experts [first_expert, first_expert + local_experts) under expert parallel (the packed
+  // weights hold those alone; the others' pairs are left out, as models/moe.py's experts_grouped
+  // leaves them); else 0 and num_experts.
+  int64_t first_expert, local_experts;
   float scaling, eps;
 
   // Elements (bf16) per row: each of its top_k pairs' expert, row and place in the grouped
@@ -582,6 +586,11 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
   const auto moe_ffn = [&](const int64_t* w, const uint16_t* x, uint16_t* out) {
     const MoeShape& e = *m.moe;
     const int64_t E = e.num_experts, K = e.top_k, P = T * K, EI = e.inter;
+    const int64_t L = e.local_experts, first = e.first_expert;  // the rank's experts
+    const auto local = [&](int64_t expert) {  // its place among the rank's, or -1: another rank's
+      const int64_t index = expert - first;
+      return index >= 0 && index < L ? index : int64_t{-1};
+    };
     int64_t* experts = reinterpret_cast<int64_t*>(moe_room);  // [T, K]
     int64_t* pair_row = experts + P;                          // [P]: each grouped pair's row
     int64_t* row_pairs = pair_row + P;                        // [T, K]: a row's pairs' places, ascending expert
@@ -605,25 +614,34 @@ int walk(const Model& m, const Rows& r, int num_threads, const Outputs& out = EV
                     e.round_weights, e.num_groups, e.topk_groups, e.group_rule) != 0)
         return false;
     }
-    std::vector<int64_t> starts(E + 1, 0);
-    for (int64_t i = 0; i < P; ++i) ++starts[experts[i] + 1];
-    for (int64_t g = 0; g < E; ++g) starts[g + 1] += starts[g];
+    std::vector<int64_t> starts(L + 1, 0);
+    for (int64_t i = 0; i < P; ++i)
+      if (local(experts[i]) >= 0) ++starts[local(experts[i]) + 1];
+    for (int64_t g = 0; g < L; ++g) starts[g + 1] += starts[g];
+    const int64_t kept = starts[L];  // the pairs this rank computes (all of them without expert parallel)
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
     for (int64_t j = 0; j < K; ++j)
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t p = next[experts[t * K + j]]++;
+        const int64_t expert = local(experts[t * K + j]);
+        if (expert < 0) {  // another rank's: no row here (moe_combine skips it)
+          row_pairs[t * K + j] = -1;
+          continue;
+        }
+        const int64_t p = next[expert]++;
         row_pairs[t * K + j] = p;
         pair_row[p] = t;
         pair_weights[p] = weights[t * K + j];
       }
-    for (int64_t p = 0; p < P; ++p) std::memcpy(rows + p * H, x + pair_row[p] * H, H * sizeof(uint16_t));
-    if (grouped_gemm(rows, weight(w, W_EXPERTS_GATE_UP), starts.data(), up, E, P, (e.gated ? 2 : 1) * EI, H,
-                     e.gate_up_stride, m.isa, num_threads) != 0)
-      return false;
-    (e.gated ? silu : relu2)(up, between, P, EI);
-    if (grouped_gemm(between, weight(w, W_EXPERTS_DOWN), starts.data(), y, E, P, H, EI, e.down_stride, m.isa,
-                     num_threads) != 0)
-      return false;
+    for (int64_t p = 0; p < kept; ++p) std::memcpy(rows + p * H, x + pair_row[p] * H, H * sizeof(uint16_t));
+    if (kept > 0) {
+      if (grouped_gemm(rows, weight(w, W_EXPERTS_GATE_UP), starts.data(), up, L, kept, (e.gated ? 2 : 1) * EI, H,
+                       e.gate_up_stride, m.isa, num_threads) != 0)
+        return false;
+      (e.gated ? silu : relu2)(up, between, kept, EI);
+      if (grouped_gemm(between, weight(w, W_EXPERTS_DOWN), starts.data(), y, L, kept, H, EI, e.down_stride, m.isa,
+                       num_threads) != 0)
+        return false;
+    }
     for (int64_t t = 0; t < T; ++t)  // places grow with the expert: sorted places are ascending experts
       std::sort(row_pairs + t * K, row_pairs + (t + 1) * K);
     moe_combine(y, pair_weights, row_pairs, out, T, K, H);
@@ -1069,8 +1087,8 @@ int64_t kvloom_decoder_stack_lora_scratch(int64_t tokens, int64_t hidden_size, i
 // span_slots [num_spans] int64, span_has_state [num_spans] int32 (split walks: one a sequence,
 // in order; returns MIXER_REFUSED, -3, where a kernel refuses them).
 // moe_sizes: nullptr (no mixture-of-experts layer), or [num_experts, top_k, inter, gate_up_stride,
-// down_stride, norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule, gated] of
-// every such layer's routed experts (MoeShape),
+// down_stride, norm, round_weights, sigmoid, router_float32, num_groups, topk_groups, group_rule, gated,
+// first_expert, local_experts] of every such layer's routed experts (MoeShape),
 // moe_scaling their routing weights' factor and moe_eps the renormalising sum's guard; a layer
 // whose router GEMM, routing or experts' GEMM refuses returns 1 + the layer.
 // latent_sizes: nullptr (no latent-attention layer), or [heads, rank, rope, nope, v, q_rank,
@@ -1104,9 +1122,9 @@ int kvloom_decoder_stack(const int64_t* kernels, const int64_t* weights, int64_t
                          latent_eps};
   MoeShape moe{};
   if (moe_sizes != nullptr)
-    moe = MoeShape{moe_sizes[0], moe_sizes[1],  moe_sizes[2],  moe_sizes[3],  moe_sizes[4],  moe_sizes[5],
-                   moe_sizes[6], moe_sizes[7],  moe_sizes[8],  moe_sizes[9],  moe_sizes[10], moe_sizes[11],
-                   moe_sizes[12], moe_scaling, moe_eps};
+    moe = MoeShape{moe_sizes[0],  moe_sizes[1],  moe_sizes[2],  moe_sizes[3],  moe_sizes[4],  moe_sizes[5],
+                   moe_sizes[6],  moe_sizes[7],  moe_sizes[8],  moe_sizes[9],  moe_sizes[10], moe_sizes[11],
+                   moe_sizes[12], moe_sizes[13], moe_sizes[14], moe_scaling,   moe_eps};
   StateLayers states{};
   if (state_sizes != nullptr) {
     // Split walks take each sequence's span with it: one span a sequence, in order.

@@ -238,6 +238,10 @@ class MoEShape:
     group_rule: str = "none"
     # SwiGLU experts; False: up alone through ReLU squared (Nemotron 3's), the shared expert un-gated too
     gated: bool = True
+    # Expert parallel: the rank's experts [first_expert, first_expert + local_experts), whose weights alone
+    # the packed tensors hold (the other ranks' pairs left out); None: every expert (num_experts)
+    first_expert: int = 0
+    local_experts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,7 +554,8 @@ def _moe_sizes(moe: MoEShape) -> torch.Tensor:
     """The C call's moe_sizes array, made once per model (the C side only reads it)."""
     return torch.tensor([moe.num_experts, moe.top_k, moe.inter, moe.gate_up_stride, moe.down_stride, int(moe.norm),
                          int(moe.round_weights), int(moe.sigmoid), int(moe.router_float32), moe.num_groups,
-                         moe.topk_groups, cpu_ops.GROUP_RULES[moe.group_rule], int(moe.gated)], dtype=torch.int64)
+                         moe.topk_groups, cpu_ops.GROUP_RULES[moe.group_rule], int(moe.gated), moe.first_expert,
+                         moe.num_experts if moe.local_experts is None else moe.local_experts], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)

@@ -177,9 +177,6 @@ class NativeDecoderStack:
         config = model.config
         if config.attention_sinks:
             return None, "its layers' attention has sinks (GPT-OSS's), which the walk's kernel does not take"
-        if config.moe is not None and model.tp.size > 1 and model.tp.expert_parallel:
-            return None, (f"layers {list(config.moe.sparse_layers)} have their experts spread over the ranks "
-                          "(expert parallel), which the walk does not run")
         moe_shapes: set[kernels.MoEShape] = set()
         latent_shapes: set[kernels.LatentShape] = set()
         widths: set[int] = set()  # every MLP's (shared experts' too) features, negative where un-gated
@@ -535,10 +532,10 @@ def _moe_shape(mlp: SparseMoE) -> kernels.MoEShape:
     assert grouped is not None
     sigmoid = moe.scoring == "sigmoid"
     groups = native_groups(moe) or (1, 1, "none")
-    return kernels.MoEShape(mlp.num_local_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
+    return kernels.MoEShape(moe.num_experts, moe.top_k, mlp.intermediate_size, grouped.gate_up.stride(0),
                             grouped.down.stride(0), moe.norm_topk_prob, moe.round_routing_weights,
                             moe.routed_scaling_factor, sigmoid, moe.norm_topk_eps if sigmoid else 0.0,
-                            mlp.router.native_logits, *groups, moe.gated)
+                            mlp.router.native_logits, *groups, moe.gated, mlp.first_expert, mlp.num_local_experts)
 
 
 def _stack_outputs(output_rows: torch.Tensor, query_lens: list[int],

@@ -3,7 +3,8 @@ half of every mixture-of-experts layer's experts whole (attention, dense MLPs an
 experts split as under tensor parallel), routes every token as one process does, runs the
 tokens routed to its own experts, and one all-reduce sums both ranks' experts. Greedy tokens
 and first logprobs are transformers' in float32 (Mixtral; Qwen2-MoE with a shared expert and
-a dense layer; Qwen3-MoE; DeepSeek-V3's latent attention); an adapter on the experts is PEFT's."""
+a dense layer; Qwen3-MoE; DeepSeek-V3's latent attention); an adapter on the experts is PEFT's; in bf16
+the native walk, the other rank's pairs left out, gives the module path's tokens."""
 
 from __future__ import annotations
 
@@ -78,3 +79,24 @@ def test_experts_are_cut_whole_and_must_divide() -> None:
     assert "experts' intermediate size (30)" in (tensor_parallel_problem(mixtral(8), 4) or "")
     assert tensor_parallel_problem(mixtral(8), 4, expert_parallel=True) is None
     assert "num_experts (6)" in (tensor_parallel_problem(mixtral(6), 4, expert_parallel=True) or "")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_the_native_walk_leaves_out_the_other_ranks_experts_as_the_modules(arch: str, tmp_path: Path) -> None:
+    """bf16 on CPU, two ranks of whole experts: the walk runs the rank's experts alone (the other
+    rank's pairs left out, every token's sum all-reduced) and gives the module path's tokens with
+    the same collectives; its stack holds the rank's experts (rank 0: 0 and 1 of 4)."""
+    path = write_tiny_hf_model(tmp_path / arch, arch=arch, seed=15, **MODELS[arch])
+    runs = {}
+    for stack in ("native", "modules"):
+        with LLM(str(path), dtype="bfloat16", num_blocks=48, block_size=16, tensor_parallel_size=2,
+                 enable_expert_parallel=True, decoder_stack=stack) as llm:
+            native = llm.engine.model.model.native_stack
+            assert (native is not None) == (stack == "native")
+            if native is not None:
+                assert (native.shape.moe.first_expert, native.shape.moe.local_experts) == (0, 2)
+            outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            stats = llm.engine.stats()
+            runs[stack] = ([list(o.outputs[0].token_ids) for o in outputs], stats.tp_collectives,
+                           stats.tp_collective_bytes)
+    assert runs["native"] == runs["modules"]
