@@ -514,15 +514,16 @@ def _latent_shape(attention: Any) -> kernels.LatentShape:
 
 
 def _latent_columns(attention: Any | None, owners: list[torch.Tensor]) -> dict[str, int]:
-    """A latent-attention layer's own columns of the weight table (zeros for any other layer);
-    _why_not_walked_latent checked them."""
-    columns = dict.fromkeys(("q_a", "q_a_norm", "kv_a", "kv_a_norm", "heads_uk", "heads_uv"), 0)
+    """A latent-attention layer's norms and its heads' up-projections in the weight table
+    (its q_a and kv_a projections are the layer's matmuls, written with the others); for any
+    other layer zeros in all six columns. _why_not_walked_latent checked them."""
+    columns = dict.fromkeys(("q_a_norm", "kv_a_norm", "heads_uk", "heads_uv"), 0)
     if attention is None:
-        return columns
-    tensors = {"kv_a": attention.kv_a_proj_with_mqa.packed_weight, "kv_a_norm": attention.kv_a_layernorm.weight,
-               "heads_uk": attention.grouped.keys, "heads_uv": attention.grouped.values}
+        return {**columns, "q_a": 0, "kv_a": 0}
+    tensors = {"kv_a_norm": attention.kv_a_layernorm.weight, "heads_uk": attention.grouped.keys,
+               "heads_uv": attention.grouped.values}
     if attention.q_proj is None:
-        tensors.update(q_a=attention.q_a_proj.packed_weight, q_a_norm=attention.q_a_layernorm.weight)
+        tensors["q_a_norm"] = attention.q_a_layernorm.weight
     owners += tensors.values()
     return {**columns, **{name: tensor.data_ptr() for name, tensor in tensors.items()}}
 
